@@ -1,0 +1,35 @@
+# torch-pagecomp: every target installs what it needs into .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat requirements-dev.txt setup.py | cksum | cut -d' ' -f1)
+
+.PHONY: install demo test test-interpret test-gpu bench checkstyle clean
+
+$(STAMP): requirements-dev.txt setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	rm -f $(VENV)/.installed-*; touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m torch_pagecomp.demo
+
+checkstyle: $(STAMP)
+	$(PY) -m ruff check torch_pagecomp triton_kernels tests bench
+
+# CPU suite: the lz4 reference path plus every Triton kernel under TRITON_INTERPRET=1.
+test: $(STAMP) checkstyle
+	$(PY) -m pytest -q tests
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q tests -m "gpu or not gpu"
+
+bench: $(STAMP)
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

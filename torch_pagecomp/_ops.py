@@ -1,0 +1,109 @@
+"""The one registry of ``torch.ops.pagecomp`` operators.
+
+Public ops (``N`` pages of ``P`` bytes), registered with ``torch.library.triton_op`` so that
+``torch.compile`` traces into the Triton kernels and CUDA graphs capture them; none of them
+synchronises with the host:
+
+* ``pagecomp::compress(Tensor pages, int element_size=1) -> (Tensor payload, Tensor sizes, Tensor kinds)``
+  ``pages`` ``uint8 [N, P]`` -> fixed-stride ``payload`` ``uint8 [N, P]``, ``sizes`` ``int32 [N]``,
+  ``kinds`` ``uint8 [N]``.
+* ``pagecomp::decompress(Tensor payload, Tensor offsets, Tensor sizes, Tensor kinds, int page_size)
+  -> (Tensor pages, Tensor status)``: ``payload`` ``uint8 [T]``, ``offsets`` ``int64 [N]`` (start of
+  each page) -> ``pages`` ``uint8 [N, P]``, ``status`` ``int32 [N]`` (0 = ok, see ``format``).
+* ``pagecomp::pack(Tensor payload, Tensor sizes) -> (Tensor packed, Tensor offsets)``: fixed-stride
+  ``[N, P]`` -> ``packed`` ``uint8 [N * P]`` (first ``offsets[N]`` bytes meaningful) and ``offsets``
+  ``int64 [N + 1]``.
+
+Each dispatches to the Triton launchers for CUDA tensors when the GPU path is usable, and
+otherwise to an opaque reference op (``pagecomp::*_reference``) built on the ``lz4`` package:
+on the CPU directly, for CUDA tensors "CPU-served" (copied to the host and back). The ops check
+nothing that needs the data's values; ``torch_pagecomp.api`` validates inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op, triton_op
+
+from . import cpu_codec
+from .backend import gpu_status
+
+Tensor = torch.Tensor
+
+
+def _use_triton(t: Tensor) -> bool:
+    return t.device.type == "cuda" and gpu_status().usable
+
+
+# ------------------------------------------------------------------- reference (lz4) ops
+@custom_op("pagecomp::compress_reference", mutates_args=())
+def compress_reference(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    out = cpu_codec.compress_cpu(pages.cpu(), element_size)
+    return tuple(t.to(pages.device) for t in out)
+
+
+@compress_reference.register_fake
+def _(pages, element_size=1):
+    n, p = pages.shape
+    return (
+        pages.new_empty((n, p)),
+        pages.new_empty((n,), dtype=torch.int32),
+        pages.new_empty((n,), dtype=torch.uint8),
+    )
+
+
+@custom_op("pagecomp::decompress_reference", mutates_args=())
+def decompress_reference(
+    payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
+) -> tuple[Tensor, Tensor]:
+    args = (payload.cpu(), offsets.cpu(), sizes.cpu(), kinds.cpu())
+    pages, status = cpu_codec.decompress_cpu(*args, page_size)
+    return pages.to(payload.device), status.to(payload.device)
+
+
+@decompress_reference.register_fake
+def _(payload, offsets, sizes, kinds, page_size):
+    n = sizes.shape[0]
+    return payload.new_empty((n, page_size)), payload.new_empty((n,), dtype=torch.int32)
+
+
+@custom_op("pagecomp::pack_reference", mutates_args=())
+def pack_reference(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
+    packed, offsets = cpu_codec.pack_cpu(payload.cpu(), sizes.cpu())
+    return packed.to(payload.device), offsets.to(payload.device)
+
+
+@pack_reference.register_fake
+def _(payload, sizes):
+    n, p = payload.shape
+    return payload.new_empty((n * p,)), payload.new_empty((n + 1,), dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------ public ops
+@triton_op("pagecomp::compress", mutates_args=())
+def compress(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    if not _use_triton(pages):
+        return compress_reference(pages, element_size)
+    from triton_kernels.lz4_compress import compress_pages
+
+    return compress_pages(pages, element_size)
+
+
+@triton_op("pagecomp::decompress", mutates_args=())
+def decompress(
+    payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
+) -> tuple[Tensor, Tensor]:
+    if not _use_triton(payload):
+        return decompress_reference(payload, offsets, sizes, kinds, page_size)
+    from triton_kernels.lz4_decompress import decompress_pages
+
+    return decompress_pages(payload, offsets, sizes, kinds, page_size)
+
+
+@triton_op("pagecomp::pack", mutates_args=())
+def pack(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
+    if not _use_triton(payload):
+        return pack_reference(payload, sizes)
+    from triton_kernels.pack import pack_pages
+
+    return pack_pages(payload, sizes)

@@ -1,0 +1,132 @@
+"""Public Python API: ``compress``, ``decompress``, ``pack``.
+
+These validate inputs (errors name the problem), pick a backend and call the
+``torch.ops.pagecomp`` operators. Only ``decompress`` (to raise on corrupt pages, unless asked
+for the statuses) and ``pack`` (to trim to the exact size, unless ``exact=False``) synchronise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import format as fmt
+from .backend import gpu_status, select_backend
+from .format import CompressedPages, PageCompError
+
+BACKENDS = ("auto", "cpu", "triton")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _resolve(backend: str, num_pages: int, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise PageCompError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return select_backend(num_pages, device)
+    if backend == "triton" and device.type != "cuda" and not _interpreting():
+        if not gpu_status().usable:
+            raise PageCompError(f"backend='triton' needs a usable GPU: {gpu_status().reason}")
+    return backend
+
+
+def compress(
+    data: torch.Tensor,
+    page_size: int | None = None,
+    element_size: int = 1,
+    backend: str = "auto",
+) -> CompressedPages:
+    """Compress a batch of pages, each on its own.
+
+    Args:
+        data: ``uint8 [N, P]``, or 1-D ``uint8`` of ``N * page_size`` bytes; CPU or CUDA.
+        page_size: ``P``, a power of two from 4096 to 65536 (default: ``data.shape[1]``, or 4096
+            for 1-D input).
+        element_size: 1 (bytes), 2 (bf16/fp16) or 4 (fp32/int32): bit-shuffle each page by this
+            element width before LZ4.
+        backend: ``"auto"`` (see ``select_backend``), ``"cpu"`` (lz4) or ``"triton"``.
+
+    Returns:
+        A fixed-stride :class:`CompressedPages` on ``data``'s device: ``payload uint8 [N, P]``,
+        ``sizes int32 [N]``, ``kinds uint8 [N]``. No host synchronisation on the GPU path.
+    """
+    pages = fmt.as_pages(data, page_size)
+    fmt.check_element_size(element_size)
+    page_size = pages.shape[1]
+    chosen = _resolve(backend, pages.shape[0], pages.device)
+    if chosen == "cpu":
+        payload, sizes, kinds = torch.ops.pagecomp.compress(pages.cpu(), element_size)
+        payload, sizes, kinds = (t.to(pages.device) for t in (payload, sizes, kinds))
+    elif pages.device.type == "cuda" or chosen == "cpu-served":
+        payload, sizes, kinds = torch.ops.pagecomp.compress(pages, element_size)
+    elif _interpreting():
+        from triton_kernels.lz4_compress import compress_pages
+
+        payload, sizes, kinds = compress_pages(pages, element_size)
+    else:  # a host batch sent through the GPU
+        gpu = pages.to("cuda", non_blocking=pages.is_pinned())
+        payload, sizes, kinds = (t.cpu() for t in torch.ops.pagecomp.compress(gpu, element_size))
+    return CompressedPages(payload, sizes, kinds, page_size)
+
+
+def decompress(
+    c: CompressedPages,
+    return_status: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Decompress every page of ``c`` (fixed-stride or packed) bit-exactly.
+
+    Returns:
+        ``pages uint8 [N, P]`` on ``c``'s device. Corrupt pages raise :class:`CorruptPageError`
+        naming them (this reads the statuses: a synchronisation). With ``return_status=True``
+        returns ``(pages, status int32 [N])`` instead and never synchronises; failed pages have a
+        non-zero status (``format.STATUS_*``) and unspecified bytes; every other page is correct.
+    """
+    if not isinstance(c, CompressedPages):
+        raise PageCompError(f"decompress takes CompressedPages, got {type(c).__name__}")
+    fmt.check_compressed(c)
+    args = (c.payload.view(-1), c.page_offsets(), c.sizes, c.kinds, c.page_size)
+    chosen = _resolve(backend, c.num_pages, c.device)
+    if chosen == "cpu" and c.device.type == "cuda":
+        pages, status = torch.ops.pagecomp.decompress(*(a.cpu() for a in args[:4]), c.page_size)
+        pages, status = pages.to(c.device), status.to(c.device)
+    elif c.device.type == "cuda" or chosen in ("cpu", "cpu-served"):
+        pages, status = torch.ops.pagecomp.decompress(*args)
+    elif _interpreting():
+        from triton_kernels.lz4_decompress import decompress_pages
+
+        pages, status = decompress_pages(*args)
+    else:
+        gpu = [a.to("cuda") for a in args[:4]]
+        pages, status = (t.cpu() for t in torch.ops.pagecomp.decompress(*gpu, c.page_size))
+    if return_status:
+        return pages, status
+    raise_for_status(status)
+    return pages
+
+
+def raise_for_status(status: torch.Tensor) -> None:
+    """Raise :class:`CorruptPageError` naming every page whose status is not OK (synchronises)."""
+    bad = torch.nonzero(status).flatten().tolist()
+    if bad:
+        codes = status[bad].tolist()
+        raise fmt.CorruptPageError(bad, [fmt.STATUS_NAMES.get(s, f"status {s}") for s in codes])
+
+
+def pack(c: CompressedPages, exact: bool = True) -> CompressedPages:
+    """Fixed-stride -> packed form (payloads back to back, ``offsets int64 [N + 1]``).
+
+    With ``exact=True`` the payload is trimmed to ``sum(sizes)`` bytes (reads one number: a
+    synchronisation on the GPU). With ``exact=False`` it keeps the upper bound ``N * P`` bytes and
+    never synchronises. A packed input is returned as it is.
+    """
+    fmt.check_compressed(c)
+    if c.is_packed:
+        return c
+    packed, offsets = torch.ops.pagecomp.pack(c.payload, c.sizes)
+    if exact:
+        packed = packed[: int(offsets[-1])].clone()
+    return CompressedPages(packed, c.sizes, c.kinds, c.page_size, offsets)
