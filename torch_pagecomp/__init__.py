@@ -1,6 +1,7 @@
 """torch-pagecomp: LZ4 compression of GPU memory pages for PyTorch offload."""
 
 from . import _ops  # noqa: F401  (registers torch.ops.pagecomp.*)
+from .api import compress, decompress, pack
 from .backend import GpuStatus, gpu_status, select_backend
 from .format import (
     DEFAULT_PAGE_SIZE,
@@ -11,7 +12,6 @@ from .format import (
     CorruptPageError,
     PageCompError,
 )
-from .api import compress, decompress, pack
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",

@@ -4,9 +4,9 @@ Public ops (``N`` pages of ``P`` bytes), registered with ``torch.library.triton_
 ``torch.compile`` traces into the Triton kernels and CUDA graphs capture them; none of them
 synchronises with the host:
 
-* ``pagecomp::compress(Tensor pages, int element_size=1) -> (Tensor payload, Tensor sizes, Tensor kinds)``
-  ``pages`` ``uint8 [N, P]`` -> fixed-stride ``payload`` ``uint8 [N, P]``, ``sizes`` ``int32 [N]``,
-  ``kinds`` ``uint8 [N]``.
+* ``pagecomp::compress(Tensor pages, int element_size=1) -> (Tensor payload, Tensor sizes,
+  Tensor kinds)``: ``pages`` ``uint8 [N, P]`` -> fixed-stride ``payload`` ``uint8 [N, P]``,
+  ``sizes`` ``int32 [N]``, ``kinds`` ``uint8 [N]``.
 * ``pagecomp::decompress(Tensor payload, Tensor offsets, Tensor sizes, Tensor kinds, int page_size)
   -> (Tensor pages, Tensor status)``: ``payload`` ``uint8 [T]``, ``offsets`` ``int64 [N]`` (start of
   each page) -> ``pages`` ``uint8 [N, P]``, ``status`` ``int32 [N]`` (0 = ok, see ``format``).

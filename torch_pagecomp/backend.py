@@ -24,34 +24,32 @@ class GpuStatus:
     triton_version: str | None = None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpu_status() -> GpuStatus:
     """Probe, once, whether the GPU path is usable: CUDA build, driver, device, Triton."""
     try:
         import triton
 
-        triton_version = triton.__version__
+        version, triton_error = triton.__version__, ""
     except Exception as exc:  # noqa: BLE001 - any import failure means no Triton
-        triton_version = None
-        triton_error = f"Triton is not importable ({exc.__class__.__name__}: {exc})"
+        version, triton_error = None, f"Triton is not importable ({type(exc).__name__}: {exc})"
+    no = lambda reason, name=None: GpuStatus(False, reason, name, triton_version=version)
     if torch.version.cuda is None:
-        return GpuStatus(False, "torch is a CPU-only build (no CUDA)", None, triton_version=triton_version)
+        return no("torch is a CPU-only build (no CUDA)")
     try:
-        count = torch.cuda.device_count()
-        available = torch.cuda.is_available()
+        if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+            return no("no CUDA driver or no CUDA device visible")
+        name = torch.cuda.get_device_name(0)
+        major, _ = torch.cuda.get_device_capability(0)
     except Exception as exc:  # noqa: BLE001
-        return GpuStatus(False, f"CUDA driver error: {exc}", triton_version=triton_version)
-    if not available or count == 0:
-        return GpuStatus(False, "no CUDA driver or no CUDA device visible", triton_version=triton_version)
-    name = torch.cuda.get_device_name(0)
-    if triton_version is None:
-        return GpuStatus(False, triton_error, name)
-    major, _ = torch.cuda.get_device_capability(0)
+        return no(f"CUDA driver error: {exc}")
+    if version is None:
+        return no(triton_error, name)
     if major < 7:
-        return GpuStatus(False, f"{name} is older than compute capability 7.0", name, triton_version=triton_version)
+        return no(f"{name} is older than compute capability 7.0", name)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return GpuStatus(False, "TRITON_INTERPRET=1 runs Triton on the CPU", name, triton_version=triton_version)
-    return GpuStatus(True, "ok", name, triton_version=triton_version)
+        return no("TRITON_INTERPRET=1 runs Triton on the CPU", name)
+    return GpuStatus(True, "ok", name, triton_version=version)
 
 
 def select_backend(num_pages: int, device: torch.device | str) -> str:

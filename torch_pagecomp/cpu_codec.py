@@ -16,7 +16,7 @@ from .shuffle import bitshuffle, bitunshuffle
 
 
 def compress_cpu(pages: torch.Tensor, element_size: int = 1):
-    """``uint8 [N, P]`` (CPU) -> fixed-stride ``(payload [N, P], sizes int32 [N], kinds uint8 [N])``."""
+    """``uint8 [N, P]`` (CPU) -> fixed-stride ``(payload [N, P], sizes int32 [N], kinds [N])``."""
     n, page_size = pages.shape
     payload = torch.zeros((n, page_size), dtype=torch.uint8)
     sizes = torch.empty(n, dtype=torch.int32)
@@ -172,7 +172,7 @@ def pack_cpu(payload: torch.Tensor, sizes: torch.Tensor):
     """
     n, page_size = payload.shape
     offsets = torch.zeros(n + 1, dtype=torch.int64)
-    torch.cumsum(sizes.to(torch.int64), dim=0, out=offsets[1:])
+    torch.cumsum(sizes.clamp(0, page_size).to(torch.int64), dim=0, out=offsets[1:])
     packed = torch.zeros(n * page_size, dtype=torch.uint8)
     src, dst = payload.numpy(), packed.numpy()
     for i, (o, s) in enumerate(zip(offsets[:-1].tolist(), sizes.tolist())):

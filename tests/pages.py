@@ -1,0 +1,69 @@
+"""Page builders for tests: real files from this machine, patterns, hostile shapes."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+
+@functools.cache
+def _file_bytes(kind: str, limit: int = 8 << 20) -> bytes:
+    if kind == "text":
+        root, suffixes = Path(sysconfig.get_paths()["stdlib"]), (".py",)
+    else:
+        root, suffixes = Path(os.path.dirname(torch.__file__)) / "lib", (".so",)
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*")):
+        if path.suffix in suffixes and path.is_file():
+            data = path.read_bytes()[: 1 << 20]
+            chunks.append(data)
+            total += len(data)
+            if total >= limit:
+                break
+    return b"".join(chunks)
+
+
+def file_pages(kind: str, n: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` pages cut at random page-aligned places from text (.py) or binary (.so) files."""
+    data = torch.frombuffer(bytearray(_file_bytes(kind)), dtype=torch.uint8)
+    count = data.numel() // page_size
+    pick = torch.randint(0, count, (n,), generator=gen)
+    return data[: count * page_size].view(count, page_size)[pick].clone()
+
+
+def periodic_pages(period: int, n: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
+    base = torch.randint(0, 256, (n, period), dtype=torch.uint8, generator=gen)
+    reps = -(-page_size // period)
+    return base.repeat(1, reps)[:, :page_size].contiguous()
+
+
+def run_pages(n: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
+    """Long runs of one byte with random lengths (1..2000) and values."""
+    out = torch.empty((n, page_size), dtype=torch.uint8)
+    for i in range(n):
+        pos = 0
+        while pos < page_size:
+            length = int(torch.randint(1, 2000, (1,), generator=gen))
+            out[i, pos : pos + length] = int(torch.randint(0, 256, (1,), generator=gen))
+            pos += length
+    return out
+
+
+def mixed_pages(n: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
+    """Random bytes, zeros, same-filled, text, binary, periodic and runs, shuffled together."""
+    k = max(1, n // 7)
+    parts = [
+        torch.randint(0, 256, (k, page_size), dtype=torch.uint8, generator=gen),
+        torch.zeros((k, page_size), dtype=torch.uint8),
+        torch.randint(0, 256, (k, 1), dtype=torch.uint8, generator=gen).expand(k, page_size),
+        file_pages("text", k, page_size, gen),
+        file_pages("binary", k, page_size, gen),
+        periodic_pages(int(torch.randint(1, 18, (1,), generator=gen)), k, page_size, gen),
+        run_pages(max(1, n - 6 * k), page_size, gen),
+    ]
+    pages = torch.cat([p.contiguous() for p in parts])
+    return pages[torch.randperm(pages.shape[0], generator=gen)].contiguous()

@@ -1,0 +1,57 @@
+"""Fixed-stride -> packed payloads: copy each page's stored bytes back to back.
+
+One program per (page, chunk of ``BLOCK`` bytes): program ``(i, j)`` copies bytes
+``[j * BLOCK, min((j + 1) * BLOCK, size_i))`` of row ``i`` to ``packed[offsets[i] + ...]``.
+Offsets come from a device-side cumulative sum, so nothing synchronises with the host.
+Bytes of ``packed`` past ``offsets[N]`` are zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+
+@triton.jit
+def pack_pages_kernel(
+    payload_ptr,  # uint8 [N, P]
+    sizes_ptr,  # int32 [N]
+    offsets_ptr,  # int64 [N + 1]
+    packed_ptr,  # uint8 [N * P]
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    page = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    size = tl.load(sizes_ptr + page)
+    size = tl.minimum(tl.maximum(size, 0), PAGE_SIZE)  # garbage sizes never read past the row
+    dst = tl.load(offsets_ptr + page)
+    idx = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < size
+    data = tl.load(payload_ptr + page * PAGE_SIZE + idx, mask=mask)
+    tl.store(packed_ptr + dst + idx, data, mask=mask)
+
+
+def pack_pages(payload: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack a fixed-stride payload.
+
+    Args:
+        payload: ``uint8 [N, P]`` fixed-stride payload.
+        sizes: ``int32 [N]`` stored bytes per page (clamped to ``[0, P]``).
+    Returns:
+        ``(packed uint8 [N * P], offsets int64 [N + 1])``; page ``i`` is
+        ``packed[offsets[i]:offsets[i + 1]]`` and bytes past ``offsets[N]`` are zero.
+    """
+    n, page_size = payload.shape
+    offsets = torch.zeros(n + 1, dtype=torch.int64, device=payload.device)
+    torch.cumsum(sizes.clamp(0, page_size).to(torch.int64), dim=0, out=offsets[1:])
+    packed = torch.zeros(n * page_size, dtype=torch.uint8, device=payload.device)
+    if n:
+        block = 1024
+        grid = (n, triton.cdiv(page_size, block))
+        wrap_triton(pack_pages_kernel)[grid](
+            payload, sizes, offsets, packed, PAGE_SIZE=page_size, BLOCK=block
+        )
+    return packed, offsets
