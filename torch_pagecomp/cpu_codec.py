@@ -167,14 +167,15 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
 def pack_cpu(payload: torch.Tensor, sizes: torch.Tensor):
     """Fixed-stride ``payload [N, P]`` -> ``(packed uint8 [N * P], offsets int64 [N + 1])``.
 
-    Only ``packed[:offsets[-1]]`` is meaningful; the length is the upper bound so that the
-    GPU version needs no host synchronisation.
+    Sizes are clamped to ``[0, P]``. The length is the upper bound (so that the GPU version
+    needs no host synchronisation); bytes past ``offsets[N]`` are zero.
     """
     n, page_size = payload.shape
+    clamped = sizes.clamp(0, page_size).to(torch.int64)
     offsets = torch.zeros(n + 1, dtype=torch.int64)
-    torch.cumsum(sizes.clamp(0, page_size).to(torch.int64), dim=0, out=offsets[1:])
+    torch.cumsum(clamped, dim=0, out=offsets[1:])
     packed = torch.zeros(n * page_size, dtype=torch.uint8)
     src, dst = payload.numpy(), packed.numpy()
-    for i, (o, s) in enumerate(zip(offsets[:-1].tolist(), sizes.tolist())):
+    for i, (o, s) in enumerate(zip(offsets[:-1].tolist(), clamped.tolist())):
         dst[o : o + s] = src[i, :s]
     return packed, offsets
