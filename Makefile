@@ -16,7 +16,7 @@ $(STAMP): requirements-dev.txt setup.py
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m torch_pagecomp.demo
+	$(PY) -m bench.demo
 
 checkstyle: $(STAMP)
 	$(PY) -m ruff check torch_pagecomp triton_kernels tests bench
