@@ -1,0 +1,391 @@
+"""The benchmark run: every selected corpus through every selected codec, checked and timed.
+
+:func:`run` returns the report dictionary that ``bench.report`` prints, saves and charts. One
+row per (corpus, codec, element size); a codec that cannot run here still gets its rows, with
+``"skipped"`` saying why, so a report is always complete.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import random
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import lz4
+import lz4.block
+import torch
+
+import torch_pagecomp as pc
+from torch_pagecomp import format as fmt
+from torch_pagecomp.shuffle import bitshuffle
+
+from . import baselines, corpora
+from . import nvcomp as nvc
+from .timing import gbps, measure, median, progress
+
+CODECS = ("pagecomp", "nvcomp", "lz4-cpu", "lz4-cpu-mt", "copies")
+_VERIFY_CHUNK = 1024  # pages decoded with python-lz4 per step (bounds host memory)
+
+
+@dataclass
+class Config:
+    """What to run. ``mib`` per corpus; ``verify_pages`` 0 checks every page with lz4.block."""
+
+    corpora: list[str] = field(default_factory=lambda: list(corpora.CORPORA))
+    codecs: list[str] = field(default_factory=lambda: list(CODECS))
+    device: str = "cpu"
+    mib: float = 4.0
+    page_size: int = 4096
+    repeats: int = 10
+    warmup: int = 2
+    budget_s: float = 10.0
+    seed: int | None = None
+    threads: int = field(default_factory=baselines.default_threads)
+    verify_pages: int = 0
+    commit: str | None = None
+
+
+# ----------------------------------------------------------------------- environment
+def _run(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def commit_id(explicit: str | None) -> str:
+    """``--commit``, else ``$PAGECOMP_COMMIT``, else ``git rev-parse`` (+ ``-dirty``)."""
+    if explicit:
+        return explicit
+    if os.environ.get("PAGECOMP_COMMIT"):
+        return os.environ["PAGECOMP_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    head = _run(["git", "-C", root, "rev-parse", "HEAD"])
+    if head is None:
+        return "unknown"
+    dirty = _run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"])
+    return head + ("-dirty" if dirty else "")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def environment(device: torch.device, cfg: Config, nv_version: str | None) -> dict:
+    import triton
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        driver = (smi.splitlines()[0] if smi else "unknown") + f" (torch CUDA {torch.version.cuda})"
+    else:
+        name = f"CPU: {_cpu_name()}"
+        driver = "n/a"
+    status = pc.gpu_status()
+    return {
+        "device": name,
+        "driver": driver,
+        "host_cpu": f"{_cpu_name()} x{baselines.default_threads()}",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "lz4": lz4.__version__,
+        "nvcomp": nv_version,
+        "commit": commit_id(cfg.commit),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "page_size": cfg.page_size,
+        "mib_per_corpus": cfg.mib,
+        "seed": cfg.seed,
+        "gpu_status": {"usable": status.usable, "reason": status.reason},
+        "timing": (f"CUDA events, median of up to {cfg.repeats} runs after {cfg.warmup} warm-up"
+                   if device.type == "cuda" else
+                   f"perf_counter, median of up to {cfg.repeats} runs after {cfg.warmup} warm-up")
+                  + f", at most {cfg.budget_s:g} s of timed runs per measurement",
+        "gbps": "decimal GB/s of uncompressed bytes",
+        "ratio": "uncompressed bytes / stored payload bytes (metadata not counted)",
+    }
+
+
+# ---------------------------------------------------------------------------- checks
+def _sample(n: int, verify_pages: int, gen: random.Random) -> list[int]:
+    if verify_pages <= 0 or verify_pages >= n:
+        return list(range(n))
+    return sorted(gen.sample(range(n), verify_pages))
+
+
+def _expected(pages: torch.Tensor, idx: torch.Tensor, element_size: int) -> torch.Tensor:
+    """The bytes an LZ4 block of these pages must decode to (shuffled when E > 1), on CPU."""
+    rows = pages[idx.to(pages.device)]
+    return (bitshuffle(rows, element_size) if element_size > 1 else rows).cpu()
+
+
+def check_pagecomp_blocks(c: pc.CompressedPages, pages: torch.Tensor, sample: list[int]):
+    """Read our fixed-stride container with python-lz4 alone: ``(all_ok, pages_checked)``.
+
+    LZ4 pages must decode with ``lz4.block`` to the (bit-shuffled, per the kind's high nibble)
+    page; RAW pages must hold the page; FILL pages its one byte value.
+    """
+    p = c.page_size
+    ok = True
+    for lo in range(0, len(sample), _VERIFY_CHUNK):
+        idx = torch.tensor(sample[lo : lo + _VERIFY_CHUNK], dtype=torch.int64)
+        dev_idx = idx.to(c.device)
+        payload = c.payload[dev_idx].cpu().numpy()
+        sizes = c.sizes[dev_idx].tolist()
+        kinds = c.kinds[dev_idx].tolist()
+        orig = pages[idx.to(pages.device)].cpu().numpy()
+        shifts = {k >> 4 for k, s in zip(kinds, sizes) if k & 15 == fmt.KIND_LZ4}
+        shuffled = {s: _expected(pages, idx, 1 << s).numpy() for s in shifts if s}
+        for j, (size, kind) in enumerate(zip(sizes, kinds)):
+            codec, shift = kind & 15, kind >> 4
+            if codec == fmt.KIND_FILL:
+                ok &= size == 1 and bool((orig[j] == payload[j, 0]).all())
+            elif codec == fmt.KIND_RAW:
+                ok &= size == p and bytes(payload[j]) == bytes(orig[j])
+            elif codec == fmt.KIND_LZ4:
+                want = shuffled[shift][j] if shift else orig[j]
+                try:
+                    got = lz4.block.decompress(payload[j, :size].tobytes(), uncompressed_size=p)
+                except Exception:  # noqa: BLE001 - lz4 raises a bare "corrupt input" error
+                    got = b""
+                ok &= 1 <= size < p and got == want.tobytes()
+            else:
+                ok = False
+    return bool(ok), len(sample)
+
+
+def nvcomp_interop(plan: nvc.LZ4Plan, pages: torch.Tensor, sample: list[int]) -> dict:
+    """Decode nvCOMP's RAW LZ4 blocks with python-lz4 and with our decoder."""
+    p, width = plan.page_size, plan.bitshuffle_width
+    decodes = matches_ours = True
+    for lo in range(0, len(sample), _VERIFY_CHUNK):
+        idx = torch.tensor(sample[lo : lo + _VERIFY_CHUNK], dtype=torch.int64)
+        dev_idx = idx.to(plan.out.device)
+        out = plan.out[dev_idx].cpu().numpy()
+        sizes = plan.sizes[dev_idx].tolist()
+        want = _expected(pages, idx, width).numpy()
+        for j, size in enumerate(sizes):
+            try:
+                got = lz4.block.decompress(out[j, :size].tobytes(), uncompressed_size=p)
+            except Exception:  # noqa: BLE001
+                decodes = False
+                continue
+            matches_ours &= got == want[j].tobytes()
+    result = {"pages_checked": len(sample), "python_lz4_decodes": bool(decodes)}
+    if width > 1:
+        result["bitshuffle_equals_pagecomp"] = bool(matches_ours)
+    else:
+        result["python_lz4_roundtrip"] = bool(decodes and matches_ours)
+    if width > 1 and not matches_ours:
+        result["pagecomp_decoder"] = "not tried: nvCOMP's bit-shuffle differs from ours"
+        return result
+    # Our container holds LZ4 blocks of 1..P-1 bytes; larger nvCOMP blocks cannot be stored.
+    fits = torch.nonzero(plan.sizes < p).flatten()
+    result["pages_fitting_format"] = int(fits.numel())
+    if fits.numel() == 0:
+        return result
+    sizes = plan.sizes[fits]
+    rows = plan.out[fits]
+    payload = rows[torch.arange(plan.stride, device=rows.device) < sizes[:, None]]
+    offsets = torch.zeros(fits.numel() + 1, dtype=torch.int64, device=rows.device)
+    torch.cumsum(sizes, 0, out=offsets[1:])
+    kind = fmt.KIND_LZ4 | (fmt.element_shift(width) << 4)
+    kinds = torch.full((fits.numel(),), kind, dtype=torch.uint8, device=rows.device)
+    c = pc.CompressedPages(payload.contiguous(), sizes.to(torch.int32), kinds, p, offsets)
+    got, status = pc.decompress(c, return_status=True)
+    result["pagecomp_decoder_roundtrip"] = bool(
+        (status == 0).all() and torch.equal(got, pages[fits.to(pages.device)])
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------- codecs
+def _times(ctimes: list[float], dtimes: list[float], nbytes: int) -> dict:
+    return {
+        "compress_gbps": gbps(nbytes, median(ctimes)),
+        "decompress_gbps": gbps(nbytes, median(dtimes)),
+        "compress_s": ctimes,
+        "decompress_s": dtimes,
+    }
+
+
+def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample) -> dict:
+    dev = pages.device
+    n, p = pages.shape
+    backend = pc.select_backend(n, dev)
+    c = pc.compress(pages, element_size=element_size)
+    ctimes = measure(lambda: pc.compress(pages, element_size=element_size), dev,
+                     cfg.repeats, cfg.warmup, cfg.budget_s)
+    dtimes = measure(lambda: pc.decompress(c, return_status=True), dev,
+                     cfg.repeats, cfg.warmup, cfg.budget_s)
+    out, status = pc.decompress(c, return_status=True)
+    roundtrip = bool((status == 0).all()) and torch.equal(out, pages)
+    blocks_ok, checked = check_pagecomp_blocks(c, pages, sample)
+    low = (c.kinds & 15).long()
+    counts = torch.bincount(low, minlength=3).tolist()
+    return {
+        "ratio": c.ratio(),
+        "stored_bytes": c.compressed_nbytes(),
+        **_times(ctimes, dtimes, n * p),
+        "roundtrip_ok": roundtrip and blocks_ok,
+        "roundtrip_all_pages": roundtrip,
+        "lz4_block_check": {"ok": blocks_ok, "pages_checked": checked},
+        "page_kinds": {fmt.KIND_NAMES[k]: counts[k] for k in range(3)},
+        "backend": backend,
+        "container": "fixed-stride",
+    }
+
+
+def bench_nvcomp(nv, pages: torch.Tensor, width: int, cfg: Config, sample) -> dict:
+    dev = pages.device
+    n, p = pages.shape
+    plan = nvc.LZ4Plan(nv, pages, width)
+    ctimes = measure(plan.compress, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
+    compress_ok = plan.compress_ok()
+    dtimes = measure(plan.decompress, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
+    torch.cuda.synchronize(dev)
+    stored = plan.stored_bytes()
+    row = {
+        "ratio": n * p / max(1, stored),
+        "stored_bytes": stored,
+        **_times(ctimes, dtimes, n * p),
+        "roundtrip_ok": compress_ok and plan.roundtrip_ok(),
+        "nvcomp_version": nv.version,
+        "chunk_bytes": p,
+        "bitshuffle": "none" if width == 1 else f"LSB-first, {8 * width}-bit unsigned",
+        "interop": nvcomp_interop(plan, pages, sample),
+    }
+    del plan
+    return row
+
+
+def _skipped(corpus: str, codec: str, element_size: int, reason: str) -> dict:
+    return {"corpus": corpus, "codec": codec, "element_size": element_size, "skipped": reason,
+            "ratio": None, "compress_gbps": None, "decompress_gbps": None,
+            "roundtrip_ok": None}
+
+
+def label(row: dict) -> str:
+    codec, e = row["codec"], row.get("element_size", 1)
+    if codec == "pagecomp":
+        return "pagecomp" if e == 1 else f"pagecomp e={e}"
+    if codec == "nvcomp":
+        return "nvcomp lz4" if e == 1 else f"nvcomp lz4+bitshuffle{8 * e}"
+    if codec == "lz4-cpu-mt":
+        return f"lz4-cpu x{row.get('threads', '?')}"
+    return codec
+
+
+def _nvcomp_match(rows: list[dict], corpus: str, e: int) -> dict | None:
+    for row in rows:
+        if (row["corpus"], row["codec"], row["element_size"]) == (corpus, "nvcomp", e):
+            return row if row.get("ratio") else None
+    return None
+
+
+def add_comparisons(results: list[dict]) -> None:
+    """``vs_nvcomp`` on our rows: ours / nvCOMP (same shuffle width) for speeds and ratio."""
+    for row in results:
+        if row["codec"] != "pagecomp" or not row.get("ratio"):
+            continue
+        nv = _nvcomp_match(results, row["corpus"], row["element_size"])
+        if nv is not None:
+            row["vs_nvcomp"] = {
+                "against": label(nv),
+                "compress": row["compress_gbps"] / nv["compress_gbps"],
+                "decompress": row["decompress_gbps"] / nv["decompress_gbps"],
+                "ratio": row["ratio"] / nv["ratio"],
+            }
+
+
+
+def corpus_rows(name: str, pages: torch.Tensor, cfg: Config, nv, nv_reason: str, sample):
+    """Every selected codec on one corpus's pages: a list of rows."""
+    e_corpus = corpora.element_size(name)
+    widths = [1] if e_corpus == 1 else [1, e_corpus]
+    jobs = []
+    if "pagecomp" in cfg.codecs:
+        jobs += [("pagecomp", e, lambda e=e: bench_pagecomp(pages, e, cfg, sample))
+                 for e in widths]
+    if "nvcomp" in cfg.codecs:
+        jobs += [("nvcomp", e, (lambda e=e: bench_nvcomp(nv, pages, e, cfg, sample))
+                  if nv else nv_reason) for e in widths]
+    for codec, threads in (("lz4-cpu", 1), ("lz4-cpu-mt", cfg.threads)):
+        if codec in cfg.codecs:
+            jobs.append((codec, 1, lambda t=threads: baselines.lz4_cpu(
+                pages, t, cfg.repeats, cfg.warmup, cfg.budget_s)))
+    rows = []
+    for codec, e, job in jobs:
+        if isinstance(job, str):
+            row = _skipped(name, codec, e, job)
+        else:
+            row = {"corpus": name, "codec": codec, "element_size": e, **job()}
+        row["corpus_element_size"] = e_corpus
+        row["pages"] = pages.shape[0]
+        row["label"] = label(row)
+        rows.append(row)
+        if "skipped" not in row:
+            progress(f"  {name:12s} {row['label']:26s} ratio {row['ratio']:6.3f}  "
+                     f"c {row['compress_gbps']:8.2f} GB/s  d {row['decompress_gbps']:8.2f}"
+                     f" GB/s  ok={row['roundtrip_ok']}")
+    return rows
+
+
+# ------------------------------------------------------------------------------- run
+def run(cfg: Config) -> dict:
+    """Build each corpus on ``cfg.device`` and measure every selected codec on it."""
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if cfg.seed is None:
+        cfg.seed = random.randrange(1 << 31)
+    nv, nv_reason = (None, "")
+    if "nvcomp" in cfg.codecs:
+        nv, nv_reason = nvc.load()
+        if nv is None:
+            progress(f"nvCOMP rows skipped: {nv_reason}")
+        elif device.type != "cuda":
+            nv_reason = f"nvCOMP {nv.version} found, but it needs a CUDA device"
+            nv = None
+    report = environment(device, cfg, nv.version if nv else None)
+    if nv_reason:
+        report["nvcomp_absent"] = nv_reason
+    nbytes = max(cfg.page_size, int(cfg.mib * (1 << 20)) // cfg.page_size * cfg.page_size)
+    results: list[dict] = []
+    rng = random.Random(cfg.seed)
+    report["corpora"] = {}
+    for ci, name in enumerate(cfg.corpora):
+        progress(f"[{ci + 1}/{len(cfg.corpora)}] building {name} ({nbytes / 2**20:g} MiB)")
+        t0 = time.perf_counter()
+        pages = corpora.build_corpus(name, nbytes, cfg.page_size, device, seed=cfg.seed + ci)
+        report["corpora"][name] = {
+            "description": corpora.CORPORA[name].description,
+            "element_size": corpora.element_size(name),
+            "pages": pages.shape[0],
+            "build_s": round(time.perf_counter() - t0, 3),
+        }
+        sample = _sample(pages.shape[0], cfg.verify_pages, rng)
+        results += corpus_rows(name, pages, cfg, nv, nv_reason, sample)
+        del pages
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    add_comparisons(results)
+    report["results"] = results
+    report["copies"] = []
+    if "copies" in cfg.codecs:
+        progress("copy baselines")
+        report["copies"] = baselines.copies(nbytes, device, cfg.repeats, cfg.warmup,
+                                            cfg.budget_s)
+    return report
