@@ -1,0 +1,353 @@
+"""``PageCompressor``: offload tensors to compressed host storage and restore them, async.
+
+    pc = PageCompressor()                      # current CUDA device, else the CPU
+    h = pc.offload(kv)                         # returns at once; ordered after the caller's stream
+    ...
+    kv2 = pc.restore(h)                        # ordered on the caller's stream, no host sync
+    h.free()
+
+The host keeps only the packed compressed pages (exact sizes, in a pinned arena on a GPU), so
+host memory shrinks with the ratio; incompressible pages are kept raw (never larger than the
+input plus ~13 bytes of metadata per page).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import format as fmt
+from .api import raise_for_status
+from .format import PageCompError
+from .pipeline import Pipeline, SlotState
+from .storage import Storage
+from .timing import overlapping_slots
+
+_ELEMENT_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.int32: 4}
+
+
+def dtype_element_size(dtype: torch.dtype) -> int:
+    """Bit-shuffle width for ``dtype``: 2 for bf16/fp16, 4 for fp32/int32, else 1."""
+    return _ELEMENT_SIZES.get(dtype, 1)
+
+
+def default_batch_pages(device: torch.device, page_size: int) -> int:
+    """Pages per batch: ~256 KiB per multiprocessor (8..64 MiB, <= 1/256 of the card's
+    memory) on a GPU, so a batch fills the card and three slots stay small; 1 MiB on the CPU."""
+    if device.type != "cuda":
+        return max(1, (1 << 20) // page_size)
+    props = torch.cuda.get_device_properties(device)
+    target = min(max(props.multi_processor_count * (256 << 10), 8 << 20), 64 << 20)
+    target = min(target, props.total_memory // 256)
+    return max(1, target // page_size)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D ``uint8`` view (any dtype, 0-d included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class OffloadHandle:
+    """One offloaded tensor. ``state``: "pending" (batches in flight), "ready", "failed",
+    "freed". ``nbytes`` is the uncompressed size, ``stored_nbytes`` the host bytes held
+    (packed payload + metadata; final once ready). Dropping the handle frees its storage.
+    """
+
+    def __init__(self, storage: Storage, shape, dtype, nbytes, page_size, element_size):
+        self._storage = storage
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.nbytes = nbytes
+        self.page_size = page_size
+        self.element_size = element_size
+        self._free = weakref.finalize(self, storage.release)
+
+    @property
+    def state(self) -> str:
+        if not self._free.alive:
+            return "freed"
+        if not self._storage.done.is_set():
+            return "pending"
+        return "failed" if self._storage.error is not None else "ready"
+
+    def ready(self) -> bool:
+        """True once every batch is stored on the host (never blocks)."""
+        return self._storage.done.is_set()
+
+    def wait(self) -> None:
+        """Block until stored; raise if a batch failed."""
+        self._storage.done.wait()
+        if self._storage.error is not None:
+            raise RuntimeError(f"offload failed: {self._storage.error}") from self._storage.error
+
+    def free(self) -> None:
+        """Give the host storage back (at once, or when in-flight copies of it end)."""
+        self._free()
+
+    @property
+    def stored_nbytes(self) -> int:
+        return self._storage.stored_nbytes
+
+    @property
+    def ratio(self) -> float:
+        return self.nbytes / max(1, self.stored_nbytes)
+
+    def compressed(self) -> fmt.CompressedPages:
+        """The stored pages as one packed CPU ``CompressedPages`` (a copy; waits if pending)."""
+        self.wait()
+        return self._storage.compressed(self.page_size)
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadHandle(shape={tuple(self.shape)}, dtype={self.dtype}, state={self.state}, "
+            f"nbytes={self.nbytes}, stored_nbytes={self.stored_nbytes})"
+        )
+
+
+class PageCompressor(torch.nn.Module):
+    """Compressed offload of GPU tensors to host memory through a ring of ``slots`` slots.
+
+    Args:
+        device: the GPU that compresses (``None``: the current CUDA device if any, else CPU).
+        page_size: bytes per page (power of two, 4096..65536).
+        batch_pages: pages per batch (``None``: :func:`default_batch_pages`).
+        slots: batches in flight at once (3: upload, kernel and download overlap).
+        max_pinned_bytes: bound on the uncompressed bytes of offload batches in flight
+            (pinned landing space); producers wait beyond it. ``None``: slots bound it alone.
+        element_size: bit-shuffle width (1, 2, 4) for every tensor (``None``: per dtype).
+    """
+
+    def __init__(
+        self,
+        device=None,
+        page_size: int = fmt.DEFAULT_PAGE_SIZE,
+        batch_pages: int | None = None,
+        slots: int = 3,
+        max_pinned_bytes: int | None = None,
+        element_size: int | None = None,
+    ):
+        super().__init__()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if (
+                torch.cuda.is_available()
+            ) else torch.device("cpu")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cuda", "cpu"):
+            raise PageCompError(f"device must be cuda or cpu, got {device}")
+        fmt.check_page_size(page_size)
+        if element_size is not None:
+            fmt.check_element_size(element_size)
+        if batch_pages is None:
+            batch_pages = default_batch_pages(device, page_size)
+        if batch_pages < 1:
+            raise PageCompError(f"batch_pages must be >= 1, got {batch_pages}")
+        if max_pinned_bytes is not None and max_pinned_bytes < page_size:
+            raise PageCompError(f"max_pinned_bytes must be >= page_size, got {max_pinned_bytes}")
+        self.device = device
+        self.page_size = page_size
+        self.element_size = element_size
+        self.max_pinned_bytes = max_pinned_bytes
+        self.pipeline = Pipeline(device, page_size, batch_pages, slots, max_pinned_bytes)
+        self.batch_pages = self.pipeline.batch_pages
+        self.counts = {"offloads": 0, "restores": 0, "bytes_in": 0, "bytes_restored": 0}
+        weakref.finalize(self, self.pipeline.close)
+
+    # ------------------------------------------------------------------ offload
+    def offload(self, tensor: torch.Tensor, element_size: int | None = None) -> OffloadHandle:
+        """Start compressing ``tensor`` (any dtype/shape, on this GPU or the host) to the host.
+
+        Returns at once (unless back-pressure makes it wait for earlier batches). The reads of
+        ``tensor`` are ordered after the work queued so far on the caller's current stream; the
+        tensor is kept alive (and ``record_stream``-ed) until read. Do not modify it in place
+        before ``handle.ready()``; :meth:`offload_blocks` takes a snapshot instead.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise PageCompError(f"offload takes a torch.Tensor, got {type(tensor).__name__}")
+        es = element_size or self.element_size or dtype_element_size(tensor.dtype)
+        fmt.check_element_size(es)
+        cuda = self.pipeline.cuda
+        if tensor.device.type == "cuda" and (not cuda or tensor.device != self.device):
+            if cuda:
+                raise PageCompError(f"tensor is on {tensor.device}, this module on {self.device}")
+            tensor = tensor.cpu()
+        flat = tensor.contiguous()
+        src = _bytes_of(flat)
+        nbytes = src.numel()
+        pages = -(-nbytes // self.page_size)
+        storage = Storage(self.pipeline.arena, -(-pages // self.batch_pages))
+        handle = OffloadHandle(storage, tensor.shape, tensor.dtype, nbytes, self.page_size, es)
+        self.counts["offloads"] += 1
+        self.counts["bytes_in"] += nbytes
+        if nbytes == 0:
+            return handle
+        if cuda:
+            with torch.cuda.device(self.device):
+                producer = torch.cuda.current_stream(self.device)  # the caller's, read here
+                ready = torch.cuda.Event()
+                ready.record(producer)
+                if flat.is_cuda:
+                    flat.record_stream(self.pipeline.compute)
+                self.pipeline.submit_compress(storage, src, nbytes, es, ready, keep=(flat,))
+        else:
+            self.pipeline.submit_compress(storage, src, nbytes, es, keep=(flat,))
+        return handle
+
+    def compress_host(self, pages: torch.Tensor, element_size: int = 1) -> OffloadHandle:
+        """Compress host memory on this module's device and keep it packed on the host: the
+        host batch flow (upload, kernel, download). ``handle.compressed()`` gives the pages
+        as a packed ``CompressedPages``; ``restore(handle, device="cpu")`` the bytes back."""
+        if pages.device.type != "cpu":
+            raise PageCompError(f"compress_host takes a host tensor, got {pages.device}")
+        return self.offload(pages, element_size)
+
+    def offload_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor) -> OffloadHandle:
+        """Offload ``cache[block_ids]`` (dim 0 = block). The gather runs on the caller's stream
+        (a snapshot in stream order), so the caller may overwrite those blocks right away."""
+        ids = self._block_ids(cache, block_ids)
+        return self.offload(cache.index_select(0, ids))
+
+    # ------------------------------------------------------------------ restore
+    def restore(
+        self,
+        handle: OffloadHandle,
+        device=None,
+        out: torch.Tensor | None = None,
+        check: bool = False,
+    ) -> torch.Tensor:
+        """Decompress ``handle`` bit-exactly into a new tensor (or ``out``) on ``device``.
+
+        On this GPU the writes are ordered on the caller's current stream (usable at once in
+        stream order, no host sync); waits on the host only until the offload is stored.
+        ``check=True`` verifies every page's decode status (a host sync on a GPU; always done
+        on the CPU).
+        """
+        if not isinstance(handle, OffloadHandle):
+            raise PageCompError(f"restore takes an OffloadHandle, got {type(handle).__name__}")
+        if handle.state == "freed":
+            raise PageCompError("this handle was freed")
+        handle.wait()
+        if out is not None:
+            target = out.device if device is None else torch.device(device)
+            if (out.shape, out.dtype, out.device) != (handle.shape, handle.dtype, target):
+                raise PageCompError(
+                    f"out must be {tuple(handle.shape)} {handle.dtype} on {target}, got "
+                    f"{tuple(out.shape)} {out.dtype} on {out.device}"
+                )
+            if not out.is_contiguous():
+                raise PageCompError("out must be contiguous")
+        else:
+            target = self.device if device is None else torch.device(device)
+            if target.type == "cuda" and target.index is None:
+                target = torch.device("cuda", torch.cuda.current_device())
+            out = torch.empty(handle.shape, dtype=handle.dtype, device=target)
+        self.counts["restores"] += 1
+        self.counts["bytes_restored"] += handle.nbytes
+        if handle.nbytes == 0:
+            return out
+        dst = _bytes_of(out)
+        if target.type == "cuda" and self.pipeline.cuda and target == self.device:
+            with torch.cuda.device(self.device):
+                consumer = torch.cuda.current_stream(self.device)
+                statuses = self.pipeline.submit_decompress(handle._storage, dst, consumer)
+            if check:
+                raise_for_status(torch.cat(statuses))
+        elif target.type == "cpu":
+            for status in self.pipeline.cpu_decompress(handle._storage, dst):
+                raise_for_status(status)
+        else:
+            host = self.restore(handle, device="cpu")
+            out.copy_(host)
+        return out
+
+    def restore_blocks(
+        self, handle: OffloadHandle, cache: torch.Tensor, block_ids: torch.Tensor
+    ) -> None:
+        """Scatter a handle from :meth:`offload_blocks` into ``cache[block_ids]``, ordered on
+        the caller's current stream."""
+        ids = self._block_ids(cache, block_ids)
+        want = (ids.numel(), *cache.shape[1:])
+        if tuple(handle.shape) != want or handle.dtype != cache.dtype:
+            raise PageCompError(
+                f"handle holds {tuple(handle.shape)} {handle.dtype}, cache[block_ids] is "
+                f"{want} {cache.dtype}"
+            )
+        cache.index_copy_(0, ids, self.restore(handle, device=cache.device))
+
+    @staticmethod
+    def _block_ids(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        if cache.dim() < 1:
+            raise PageCompError("cache must have a block dimension (dim 0)")
+        ids = torch.as_tensor(block_ids)
+        if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+            raise PageCompError(f"block_ids must be 1-D int32/int64, got {ids.dtype} {ids.shape}")
+        return ids.to(device=cache.device, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ introspection
+    def slot_states(self) -> list[SlotState]:
+        return self.pipeline.states()
+
+    def synchronize(self) -> None:
+        """Wait until every batch queued so far completed."""
+        self.pipeline.drain()
+
+    def timeline(self) -> list[dict]:
+        """The last batches' stage intervals (ms from the pipeline epoch), slot and bytes."""
+        return self.pipeline.timing.timeline()
+
+    def reset_timing(self) -> None:
+        self.pipeline.timing.reset()
+
+    def empty_cache(self) -> int:
+        """Release idle pooled memory (empty arena chunks, idle staging and device buffers)."""
+        p = self.pipeline
+        freed = p.arena.trim()
+        p.staging.clear()
+        p.device_pool.clear()
+        return freed
+
+    def stats(self) -> dict:
+        """Counters, bytes held, pools and stage times (ms, sums over batches)."""
+        p = self.pipeline
+        arena, staging, dev = p.arena.stats(), p.staging.stats(), p.device_pool.stats()
+        timing = p.timing.summary()
+        off, res = timing["offload"], timing["restore"]
+        stats = dict(self.counts)
+        stats.update(
+            device=str(self.device),
+            page_size=self.page_size,
+            batch_pages=self.batch_pages,
+            slots=len(p.slots),
+            bytes_held_host=arena["used_bytes"],
+            ratio=off["bytes"] / off["stored"] if off["stored"] else 1.0,
+            pinned_bytes_held=arena["pinned_bytes"] + staging["pinned_bytes"],
+            host_pool_bytes=arena["held_bytes"] + staging["held_bytes"],
+            device_pool_bytes=dev["held_bytes"],
+            pool_hits=arena["hits"] + staging["hits"] + dev["hits"],
+            pool_misses=arena["misses"] + staging["misses"] + dev["misses"],
+            pools={"arena": arena, "staging": staging, "device": dev},
+            inflight_bytes=p.limiter.in_flight,
+            inflight_max_bytes=p.limiter.max_seen,
+            backpressure_waits=p.limiter.waits,
+            batches=off["batches"],
+            upload_ms=off["upload_ms"],
+            kernel_ms=off["kernel_ms"],
+            download_ms=off["download_ms"],
+            total_ms=off["total_ms"],
+            bound_stage=off["bound"],
+            restore_batches=res["batches"],
+            restore_upload_ms=res["upload_ms"],
+            restore_kernel_ms=res["kernel_ms"],
+            restore_total_ms=res["total_ms"],
+            slot_states=[s.value for s in p.states()],
+            overlapping_stage_pairs=overlapping_slots(p.timing.timeline()[-256:]),
+        )
+        return stats
+
+    def extra_repr(self) -> str:
+        return (
+            f"device={self.device}, page_size={self.page_size}, batch_pages={self.batch_pages}, "
+            f"slots={len(self.pipeline.slots)}, max_pinned_bytes={self.max_pinned_bytes}"
+        )

@@ -1,0 +1,458 @@
+"""The slot ring: batches of pages through upload -> kernel -> download on three streams.
+
+On a GPU each slot owns six timing events; the caller's thread enqueues a batch's upload
+(``h2d`` stream) and kernels (``compute`` stream: compress + pack + a small copy of the
+metadata to pinned memory). An *issuer* thread waits for that metadata (a sync of one event, off
+the caller's stream), carves an exact-size block from the host arena and enqueues the download of
+exactly ``T`` packed bytes (``d2h`` stream). A *completer* thread waits for each batch's last
+event, records its timing and frees its slot. Streams are ordered by events, so slot ``k``'s
+download, slot ``k+1``'s kernel and slot ``k+2``'s upload run at once. A slot is reused only after
+its previous batch completed (host-side), so no buffer is overwritten while still read.
+
+Without a GPU the same ring runs the lz4 reference on the issuer thread (stage times from
+``perf_counter``), with the same states, back-pressure and statistics.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from .pools import DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
+from .storage import BlobLayout, Storage, StoredBatch, meta_capacity
+from .timing import BatchTiming, TimingLog
+
+
+class SlotState(str, Enum):
+    FREE = "free"
+    UPLOADING = "uploading"
+    COMPRESSING = "compressing"  # the kernel stage (compress, or decompress for a restore)
+    DOWNLOADING = "downloading"
+    COMPLETE = "complete"
+
+
+_STAGES = ("up_s", "up_e", "k_s", "k_e", "d_s", "d_e")
+
+
+class Slot:
+    """One place in the ring. ``state`` is read from its events (GPU) or its stage (CPU)."""
+
+    def __init__(self, index: int, cuda: bool):
+        self.index = index
+        self.active = False
+        self.used = False
+        self.job: _Job | None = None
+        self.cpu_stage: SlotState = SlotState.FREE
+        self.events = {k: torch.cuda.Event(enable_timing=True) for k in _STAGES} if cuda else {}
+        self.recorded: set[str] = set()
+
+    def record(self, name: str, stream) -> None:
+        self.events[name].record(stream)
+        self.recorded.add(name)
+
+    @property
+    def state(self) -> SlotState:
+        if not self.active:
+            return SlotState.COMPLETE if self.used else SlotState.FREE
+        if not self.events:
+            return self.cpu_stage
+        for end, st in (("up_e", SlotState.UPLOADING), ("k_e", SlotState.COMPRESSING)):
+            if end not in self.recorded or not self.events[end].query():
+                return st
+        return SlotState.DOWNLOADING
+
+
+@dataclass
+class _Job:
+    kind: str  # "offload" | "restore"
+    slot: Slot
+    storage: Storage
+    index: int
+    n_pages: int
+    nbytes: int
+    limit_bytes: int = 0
+    buffers: tuple = ()  # (pool, buffer) pairs to give back on completion
+    keep: tuple = ()  # tensors kept alive until the batch completed
+    meta: torch.Tensor | None = None  # pinned meta view (GPU offload)
+    packed: torch.Tensor | None = None
+    first_page: int = 0
+    stored: int = 0
+    t: dict | None = None  # CPU stage times (perf_counter seconds)
+    work: object = None  # CPU offload: a callable run on the issuer
+
+
+class Pipeline:
+    """A ring of ``slots`` slots moving batches of ``batch_pages`` pages of ``page_size`` bytes.
+
+    ``max_inflight_bytes`` bounds the uncompressed bytes of offload batches in flight (pinned
+    landing space); producers wait for earlier batches (back-pressure).
+    """
+
+    def __init__(self, device, page_size, batch_pages, slots=3, max_inflight_bytes=None):
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.page_size = page_size
+        if max_inflight_bytes is not None:
+            batch_pages = max(1, min(batch_pages, max_inflight_bytes // page_size))
+        self.batch_pages = batch_pages
+        batch_bytes = batch_pages * page_size
+        chunk = min(max(4 * batch_bytes, 4 << 20), 256 << 20)
+        self.arena = HostArena(pin=self.cuda, chunk_bytes=chunk)
+        self.staging = PinnedBufferPool(pin=self.cuda)
+        self.device_pool = DeviceBufferPool(self.device)
+        self.limiter = InflightLimiter(max_inflight_bytes)
+        self.timing = TimingLog()
+        self.slots = [Slot(i, self.cuda) for i in range(slots)]
+        self._next = 0
+        self._cond = threading.Condition()
+        self.dev_bytes = batch_pages * page_size + meta_capacity(batch_pages) + 64
+        if self.cuda:
+            with torch.cuda.device(self.device):
+                self.h2d, self.compute, self.d2h = (torch.cuda.Stream() for _ in range(3))
+                self.epoch = torch.cuda.Event(enable_timing=True)
+                self.epoch.record(self.compute)
+        self._issue_q: queue.Queue = queue.Queue()
+        self._done_q: queue.Queue = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._issuer, daemon=True, name="pagecomp-issuer"),
+            threading.Thread(target=self._completer, daemon=True, name="pagecomp-completer"),
+        ]
+        for th in self._threads:
+            th.start()
+        self.closed = False
+
+    # ------------------------------------------------------------------ slots
+    def acquire_slot(self) -> Slot:
+        """Next slot of the ring, waiting (host side) until its previous batch completed."""
+        with self._cond:
+            slot = self.slots[self._next]
+            self._cond.wait_for(lambda: not slot.active)
+            self._next = (self._next + 1) % len(self.slots)
+            slot.active = slot.used = True
+            slot.recorded.clear()
+            slot.cpu_stage = SlotState.UPLOADING
+            return slot
+
+    def _release_slot(self, slot: Slot) -> None:
+        with self._cond:
+            slot.job = None
+            slot.active = False
+            self._cond.notify_all()
+
+    def states(self) -> list[SlotState]:
+        return [s.state for s in self.slots]
+
+    # ------------------------------------------------------------------ offload
+    def submit_compress(self, storage, src, nbytes, element_size, producer=None, keep=()):
+        """Queue the compression of ``src`` (``uint8 [nbytes]``, on this device or the host).
+
+        ``producer``: a CUDA event recorded on the caller's stream after ``src`` was produced;
+        the first read of ``src`` waits for it. Returns once every batch is queued (blocking
+        only on back-pressure: slots or the in-flight bound).
+        """
+        p, bp = self.page_size, self.batch_pages
+        total_pages = -(-nbytes // p)
+        batches = range(0, total_pages, bp)
+        for b, p0 in enumerate(batches):
+            n = min(bp, total_pages - p0)
+            lo, hi = p0 * p, min(nbytes, (p0 + n) * p)
+            try:
+                self.limiter.acquire(n * p)
+                slot = self.acquire_slot()
+            except BaseException as exc:
+                storage.batches_finished(len(batches) - b, exc)
+                raise
+            job = _Job("offload", slot, storage, b, n, n * p, limit_bytes=n * p, first_page=p0)
+            slot.job = job
+            try:
+                if self.cuda:
+                    first = producer if b == 0 else None
+                    self._enqueue_compress(job, src, lo, hi, element_size, first)
+                else:
+                    job.work = (src, lo, hi, element_size)
+            except BaseException as exc:
+                self._fail(job, exc)
+                storage.batches_finished(len(batches) - b - 1, exc)
+                raise
+            job.keep = keep
+            self._issue_q.put(job)
+
+    def _enqueue_compress(self, job, src, lo, hi, element_size, producer) -> None:
+        """Caller's thread: upload (host source or a partial last batch) and kernels, all on
+        the pipeline's own streams (never the caller's current stream)."""
+        p, n, slot = self.page_size, job.n_pages, job.slot
+        full = hi - lo == n * p
+        on_host = src.device.type == "cpu"
+        meta = self.staging.acquire(meta_capacity(self.batch_pages))
+        job.buffers = ((self.staging, meta),)
+        job.meta = meta.tensor
+        dev = None
+        if on_host or not full:
+            dev = self._device_buffer()
+            job.buffers += ((self.device_pool, dev),)
+        if on_host:
+            host = src[lo:hi]
+            if not (full and src.is_pinned()):
+                if producer is not None:  # the host reads src: its producer must be done
+                    producer.synchronize()
+                stage = self.staging.acquire(self.batch_pages * p)
+                job.buffers += ((self.staging, stage),)
+                stage.tensor[: hi - lo].copy_(host)
+                stage.tensor[hi - lo : n * p].zero_()
+                host = stage.tensor[: n * p]
+            with torch.cuda.stream(self.h2d):
+                if producer is not None:
+                    self.h2d.wait_event(producer)
+                slot.record("up_s", self.h2d)
+                dev[: n * p].copy_(host, non_blocking=True)
+                slot.record("up_e", self.h2d)
+            self.compute.wait_event(slot.events["up_e"])
+        with torch.cuda.stream(self.compute):
+            if not on_host:
+                if producer is not None:
+                    self.compute.wait_event(producer)
+                slot.record("up_s", self.compute)
+                if not full:
+                    dev[hi - lo : n * p].zero_()
+                    dev[: hi - lo].copy_(src[lo:hi])
+                slot.record("up_e", self.compute)
+            pages = src[lo:hi].view(n, p) if dev is None else dev[: n * p].view(n, p)
+            slot.record("k_s", self.compute)
+            payload, sizes, kinds = torch.ops.pagecomp.compress(pages, element_size)
+            packed, offsets = torch.ops.pagecomp.pack(payload, sizes)
+            lay = BlobLayout.of(n, 0)
+            m = job.meta
+            m[: lay.sizes_at].view(torch.int64).copy_(offsets, non_blocking=True)
+            m[lay.sizes_at : lay.kinds_at].view(torch.int32).copy_(sizes, non_blocking=True)
+            m[lay.kinds_at : lay.kinds_at + n].copy_(kinds, non_blocking=True)
+            slot.record("k_e", self.compute)
+        packed.record_stream(self.d2h)
+        job.packed = packed
+
+    def _device_buffer(self) -> torch.Tensor:
+        """A pooled device buffer, allocated on the compute stream (our streams alone use it)."""
+        with torch.cuda.stream(self.compute):
+            return self.device_pool.acquire(self.dev_bytes)
+
+    def _issue_download(self, job: _Job) -> None:
+        slot, n = job.slot, job.n_pages
+        slot.events["k_e"].synchronize()
+        meta = job.meta
+        offsets = meta[: 8 * (n + 1)].view(torch.int64)
+        lay = BlobLayout.of(n, int(offsets[n]))
+        block = self.arena.alloc(lay.total)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(slot.events["k_e"])
+            slot.record("d_s", self.d2h)
+            if lay.payload_bytes:
+                block.tensor[: lay.payload_bytes].copy_(
+                    job.packed[: lay.payload_bytes], non_blocking=True
+                )
+            slot.record("d_e", self.d2h)
+        block.tensor[lay.offsets_at :].copy_(meta[: lay.meta_bytes])
+        job.stored = lay.total
+        job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page))
+
+    def _cpu_compress(self, job: _Job) -> None:
+        src, lo, hi, element_size = job.work
+        p, n, slot = self.page_size, job.n_pages, job.slot
+        t0 = time.perf_counter()
+        if hi - lo == n * p:
+            pages = src[lo:hi].view(n, p)
+        else:
+            pages = torch.zeros(n * p, dtype=torch.uint8)
+            pages[: hi - lo] = src[lo:hi]
+            pages = pages.view(n, p)
+        slot.cpu_stage = SlotState.COMPRESSING
+        t1 = time.perf_counter()
+        payload, sizes, kinds = torch.ops.pagecomp.compress(pages, element_size)
+        packed, offsets = torch.ops.pagecomp.pack(payload, sizes)
+        lay = BlobLayout.of(n, int(offsets[n]))
+        slot.cpu_stage = SlotState.DOWNLOADING
+        t2 = time.perf_counter()
+        block = self.arena.alloc(lay.total)
+        payload_v, off_v, size_v, kind_v = lay.views(block.tensor)
+        payload_v.copy_(packed[: lay.payload_bytes])
+        off_v.copy_(offsets)
+        size_v.copy_(sizes)
+        kind_v.copy_(kinds)
+        job.stored = lay.total
+        job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page))
+        job.t = {"up": (t0, t1), "k": (t1, t2), "d": (t2, time.perf_counter())}
+
+    # ------------------------------------------------------------------ restore
+    def submit_decompress(self, storage: Storage, out: torch.Tensor, consumer=None) -> list:
+        """Queue the decompression of every batch of ``storage`` into ``out`` (``uint8 [nbytes]``
+        on this GPU). ``consumer``: the caller's stream; the writes wait for what it queued before
+        and it waits for them. Returns the per-batch status tensors (on the device).
+        """
+        p = self.page_size
+        statuses = []
+        storage.add_reader()
+        with torch.cuda.device(self.device):
+            start = torch.cuda.Event()
+            start.record(consumer)
+            self.compute.wait_event(start)
+            count = 0
+            try:
+                for b, sb in enumerate(storage.batches):
+                    n = sb.layout.n_pages
+                    slot = self.acquire_slot()
+                    job = _Job("restore", slot, storage, b, n, n * p)
+                    slot.job = job
+                    try:
+                        self._enqueue_decompress(job, sb, out, statuses)
+                    except BaseException as exc:
+                        self._fail(job, exc)
+                        raise
+                    count += 1
+                    self._done_q.put(job)
+            finally:
+                end = torch.cuda.Event()
+                end.record(self.compute)
+                consumer.wait_event(end)
+                if count == 0:
+                    storage.reader_done()
+                else:
+                    self._done_q.put(("reader_done", storage, count))
+        return statuses
+
+    def _enqueue_decompress(self, job, sb, out, statuses) -> None:
+        p, slot, lay, n = self.page_size, job.slot, sb.layout, sb.layout.n_pages
+        dev = self._device_buffer()
+        job.buffers = ((self.device_pool, dev),)
+        slot.record("up_s", self.h2d)
+        with torch.cuda.stream(self.h2d):
+            dev[: lay.total].copy_(sb.block.tensor, non_blocking=True)
+        slot.record("up_e", self.h2d)
+        self.compute.wait_event(slot.events["up_e"])
+        with torch.cuda.stream(self.compute):
+            slot.record("k_s", self.compute)
+            payload, offsets, sizes, kinds = lay.views(dev)
+            pages, status = torch.ops.pagecomp.decompress(payload, offsets[:-1], sizes, kinds, p)
+            lo = sb.first_page * p
+            hi = min(out.numel(), lo + n * p)
+            out[lo:hi].copy_(pages.view(-1)[: hi - lo])
+            slot.record("k_e", self.compute)
+        statuses.append(status)
+
+    def cpu_decompress(self, storage: Storage, out: torch.Tensor) -> list:
+        """Decompress every batch into the CPU ``uint8 [nbytes]`` tensor ``out`` now."""
+        p = self.page_size
+        statuses = []
+        storage.add_reader()
+        try:
+            for sb in storage.batches:
+                lay, n = sb.layout, sb.layout.n_pages
+                slot = self.acquire_slot() if not self.cuda else None
+                t0 = time.perf_counter()
+                if slot is not None:
+                    slot.cpu_stage = SlotState.COMPRESSING
+                payload, offsets, sizes, kinds = lay.views(sb.block.tensor)
+                pages, status = torch.ops.pagecomp.decompress(
+                    payload, offsets[:-1], sizes, kinds, p
+                )
+                lo = sb.first_page * p
+                hi = min(out.numel(), lo + n * p)
+                out[lo:hi].copy_(pages.view(-1)[: hi - lo])
+                statuses.append(status)
+                if slot is not None:
+                    t1 = time.perf_counter()
+                    self.timing.add_cpu("restore", slot.index, n * p, lay.total, t0, t0, t0, t1)
+                    self._release_slot(slot)
+        finally:
+            storage.reader_done()
+        return statuses
+
+    # ------------------------------------------------------------------ workers
+    def _bind_device(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
+    def _issuer(self) -> None:
+        self._bind_device()
+        while True:
+            job = self._issue_q.get()
+            if job is None:
+                self._done_q.put(None)
+                return
+            try:
+                if self.cuda:
+                    self._issue_download(job)
+                else:
+                    self._cpu_compress(job)
+            except BaseException as exc:  # noqa: BLE001 - reported through the handle
+                self._fail(job, exc)
+                continue
+            self._done_q.put(job)
+
+    def _completer(self) -> None:
+        self._bind_device()
+        while True:
+            job = self._done_q.get()
+            if job is None:
+                return
+            if isinstance(job, tuple):  # ("reader_done", storage, count): a restore ended
+                job[1].reader_done()
+                continue
+            try:
+                self._complete(job)
+            except BaseException as exc:  # noqa: BLE001
+                self._fail(job, exc)
+
+    def _complete(self, job: _Job) -> None:
+        slot = job.slot
+        if self.cuda:
+            last = "d_e" if job.kind == "offload" else "k_e"
+            slot.events[last].synchronize()
+            ev = slot.events
+            stamp = {k: self.epoch.elapsed_time(ev[k]) for k in slot.recorded}
+            d = (stamp.get("d_s", stamp["k_e"]), stamp.get("d_e", stamp["k_e"]))
+            self.timing.add(
+                BatchTiming(
+                    job.kind, slot.index, job.nbytes, job.stored,
+                    (stamp["up_s"], stamp["up_e"]), (stamp["k_s"], stamp["k_e"]), d,
+                )
+            )
+        elif job.t is not None:
+            t = job.t
+            stages = (*t["up"], *t["k"], *t["d"])
+            self.timing.add_cpu(job.kind, slot.index, job.nbytes, job.stored, *stages)
+        self._finish(job)
+        if job.kind == "offload":
+            job.storage.batch_finished()
+
+    def _finish(self, job: _Job) -> None:
+        for pool, buf in job.buffers:
+            pool.release(buf)
+        job.buffers = job.keep = ()
+        job.packed = job.meta = job.work = None
+        if job.limit_bytes:
+            self.limiter.release(job.limit_bytes)
+            job.limit_bytes = 0
+        self._release_slot(job.slot)
+
+    def _fail(self, job: _Job, exc: BaseException) -> None:
+        if self.cuda:  # buffers may still be in use by queued GPU work
+            torch.cuda.synchronize(self.device)
+        self._finish(job)
+        if job.kind == "offload":
+            job.storage.batch_finished(exc)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._issue_q.put(None)
+
+    def drain(self) -> None:
+        """Wait until every queued batch completed."""
+        with self._cond:
+            self._cond.wait_for(lambda: not any(s.active for s in self.slots))
+

@@ -1,0 +1,292 @@
+"""Host and device memory pools for the offload pipeline.
+
+* :class:`HostMemory`: page-aligned host memory at an exact size (anonymous ``mmap``), pinned
+  with ``cudaHostRegister`` when CUDA is usable. PyTorch's caching host allocator rounds every
+  pinned block up to a power of two (20 GiB asked can lock 32 GiB); registering our own
+  mapping locks exactly ``round_up(nbytes, 4096)`` bytes, and that is what the stats report.
+* :class:`HostArena`: compressed pages are stored in chunks of :class:`HostMemory`, carved at
+  exact sizes (``ALIGN``-byte granularity, first fit, coalescing free list). Chunks are kept
+  and reused, so after warm-up an offload registers nothing.
+* :class:`DeviceBufferPool`: ``uint8`` device (or CPU) buffers reused by size.
+* :class:`InflightLimiter`: a byte budget with back-pressure: ``acquire`` blocks until the
+  bytes fit, it never drops work and never over-allocates.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+HOST_PAGE = 4096
+ALIGN = 256  # arena allocation granularity (DMA-friendly, keeps int64 views aligned)
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def can_pin() -> bool:
+    """True when host memory can be registered with the CUDA driver here."""
+    return torch.cuda.is_available()
+
+
+class HostMemory:
+    """``nbytes`` of page-aligned host memory; ``tensor`` is its ``uint8 [nbytes]`` view.
+
+    ``pin=True`` registers it with ``cudaHostRegister`` (page-locked, DMA-able: ``tensor``
+    reports ``is_pinned()``); ``release()`` unregisters. ``held_bytes`` is what is mapped.
+    """
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.nbytes = int(nbytes)
+        self.held_bytes = round_up(max(self.nbytes, 1), HOST_PAGE)
+        self._map = mmap.mmap(-1, self.held_bytes)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[: self.nbytes]
+        self.pinned = False
+        if pin:
+            ptr = self.tensor.data_ptr()
+            rc = torch.cuda.cudart().cudaHostRegister(ptr, self.held_bytes, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister({self.held_bytes} bytes) failed: {rc}")
+            self.pinned = True
+
+    def release(self) -> None:
+        """Unregister (the mapping itself goes when the last tensor view is dropped)."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+@dataclass
+class HostBlock:
+    """A range of an arena chunk: ``tensor`` is ``uint8 [nbytes]`` (``size`` bytes reserved)."""
+
+    chunk: _Chunk
+    offset: int
+    size: int
+    nbytes: int
+    tensor: torch.Tensor
+
+
+@dataclass
+class _Chunk:
+    mem: HostMemory
+    free: list[list[int]] = field(default_factory=list)  # sorted [offset, size]
+    used: int = 0
+
+
+class HostArena:
+    """Exact-size host storage for compressed batches, in reusable (pinned) chunks.
+
+    ``alloc(n)`` reserves ``round_up(n, ALIGN)`` bytes from the first chunk with room (a *hit*)
+    or registers a new chunk of ``max(chunk_bytes, n)`` (a *miss*). ``free`` coalesces; empty
+    chunks are kept for reuse (at most ``keep_free_chunks`` of them when set) until
+    :meth:`trim`. Thread-safe.
+    """
+
+    def __init__(
+        self, pin: bool, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep_free_chunks: int | None = None
+    ):
+        self.pin = pin
+        self.chunk_bytes = round_up(chunk_bytes, HOST_PAGE)
+        self.keep_free_chunks = keep_free_chunks
+        self._chunks: list[_Chunk] = []
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.allocs = self.frees = 0
+        self.used_bytes = 0
+
+    def alloc(self, nbytes: int) -> HostBlock:
+        size = round_up(max(int(nbytes), 1), ALIGN)
+        with self._lock:
+            self.allocs += 1
+            for chunk in self._chunks:
+                block = self._carve(chunk, size, nbytes)
+                if block is not None:
+                    self.hits += 1
+                    return block
+            self.misses += 1
+            chunk = _Chunk(HostMemory(max(self.chunk_bytes, round_up(size, HOST_PAGE)), self.pin))
+            chunk.free.append([0, chunk.mem.nbytes])
+            self._chunks.append(chunk)
+            return self._carve(chunk, size, nbytes)
+
+    def _carve(self, chunk: _Chunk, size: int, nbytes: int) -> HostBlock | None:
+        for i, (off, room) in enumerate(chunk.free):
+            if room >= size:
+                if room == size:
+                    del chunk.free[i]
+                else:
+                    chunk.free[i] = [off + size, room - size]
+                chunk.used += size
+                self.used_bytes += size
+                view = chunk.mem.tensor[off : off + nbytes]
+                return HostBlock(chunk, off, size, int(nbytes), view)
+        return None
+
+    def free(self, block: HostBlock) -> None:
+        with self._lock:
+            self.frees += 1
+            chunk = block.chunk
+            chunk.used -= block.size
+            self.used_bytes -= block.size
+            free = chunk.free
+            i = 0
+            while i < len(free) and free[i][0] < block.offset:
+                i += 1
+            free.insert(i, [block.offset, block.size])
+            if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
+                free[i][1] += free.pop(i + 1)[1]
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
+                free[i - 1][1] += free.pop(i)[1]
+            if chunk.used == 0 and self.keep_free_chunks is not None:
+                empty = [c for c in self._chunks if c.used == 0]
+                if len(empty) > self.keep_free_chunks:
+                    self._drop(chunk)
+
+    def _drop(self, chunk: _Chunk) -> None:
+        self._chunks.remove(chunk)
+        chunk.mem.release()
+
+    def trim(self) -> int:
+        """Release every empty chunk; returns the bytes released."""
+        with self._lock:
+            empty = [c for c in self._chunks if c.used == 0]
+            for c in empty:
+                self._drop(c)
+            return sum(c.mem.held_bytes for c in empty)
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(c.mem.held_bytes for c in self._chunks)
+
+    def stats(self) -> dict:
+        with self._lock:
+            held = sum(c.mem.held_bytes for c in self._chunks)
+            return {
+                "held_bytes": held,
+                "pinned_bytes": held if self.pin else 0,
+                "used_bytes": self.used_bytes,
+                "chunks": len(self._chunks),
+                "hits": self.hits,
+                "misses": self.misses,
+            }
+
+
+class PinnedBufferPool:
+    """Exact-size host staging buffers (pinned where possible), reused by size."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._free: dict[int, list[HostMemory]] = {}
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+        self.held_bytes = 0
+
+    def acquire(self, nbytes: int) -> HostMemory:
+        with self._lock:
+            bucket = self._free.get(nbytes)
+            if bucket:
+                self.hits += 1
+                return bucket.pop()
+            self.misses += 1
+            mem = HostMemory(nbytes, self.pin)
+            self.held_bytes += mem.held_bytes
+            return mem
+
+    def release(self, mem: HostMemory) -> None:
+        with self._lock:
+            self._free.setdefault(mem.nbytes, []).append(mem)
+
+    def clear(self) -> None:
+        """Drop every idle buffer (buffers still acquired stay counted until released)."""
+        with self._lock:
+            for bucket in self._free.values():
+                for mem in bucket:
+                    self.held_bytes -= mem.held_bytes
+                    mem.release()
+            self._free.clear()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "held_bytes": self.held_bytes,
+                "pinned_bytes": self.held_bytes if self.pin else 0,
+                "hits": self.hits,
+                "misses": self.misses,
+            }
+
+
+class DeviceBufferPool:
+    """``uint8`` buffers on one device reused by size (``acquire`` / ``release``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+        self.held_bytes = 0
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            bucket = self._free.get(nbytes)
+            if bucket:
+                self.hits += 1
+                return bucket.pop()
+            self.misses += 1
+            self.held_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault(buf.numel(), []).append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            for size, bucket in self._free.items():
+                self.held_bytes -= size * len(bucket)
+            self._free.clear()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"held_bytes": self.held_bytes, "hits": self.hits, "misses": self.misses}
+
+
+class InflightLimiter:
+    """A budget of ``limit`` bytes in flight. ``acquire(n)`` blocks while the bytes do not fit
+    (one request larger than the whole budget is admitted alone, when nothing else is in
+    flight). ``waits`` counts acquisitions that had to wait; ``max_seen`` the peak in flight.
+    """
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.in_flight = 0
+        self.max_seen = 0
+        self.waits = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        with self._cond:
+            if not self._fits(nbytes):
+                self.waits += 1
+                self._cond.wait_for(lambda: self._fits(nbytes))
+            self.in_flight += nbytes
+            self.max_seen = max(self.max_seen, self.in_flight)
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.limit is None or self.in_flight == 0 or self.in_flight + nbytes <= self.limit
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.in_flight -= nbytes
+            self._cond.notify_all()

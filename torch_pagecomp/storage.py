@@ -1,0 +1,152 @@
+"""What one offloaded tensor holds on the host: packed compressed batches in arena blocks.
+
+Each batch of ``n`` pages is one arena block (the *blob*)::
+
+    [ payload: T bytes | pad to 8 | offsets int64 [n + 1] | sizes int32 [n] | kinds uint8 [n] ]
+
+``T = sum(sizes)``: the packed payload at its exact size (a RAW page is ``P`` bytes, so
+``T <= n * P`` and a blob never exceeds its input by more than ``13 n + 23`` bytes). One copy
+moves a whole blob to the device for decompression.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .format import CompressedPages
+from .pools import HostArena, HostBlock
+
+
+@dataclass(frozen=True)
+class BlobLayout:
+    n_pages: int
+    payload_bytes: int  # T
+    offsets_at: int
+    sizes_at: int
+    kinds_at: int
+    total: int
+
+    @staticmethod
+    def of(n_pages: int, payload_bytes: int) -> BlobLayout:
+        o = -(-payload_bytes // 8) * 8
+        s = o + 8 * (n_pages + 1)
+        k = s + 4 * n_pages
+        return BlobLayout(n_pages, payload_bytes, o, s, k, k + n_pages)
+
+    @property
+    def meta_bytes(self) -> int:
+        return self.total - self.offsets_at
+
+    def views(self, blob: torch.Tensor):
+        """``uint8`` blob (host or device) -> ``(payload [T], offsets [n+1], sizes, kinds)``."""
+        n = self.n_pages
+        return (
+            blob[: self.payload_bytes],
+            blob[self.offsets_at : self.sizes_at].view(torch.int64),
+            blob[self.sizes_at : self.kinds_at].view(torch.int32),
+            blob[self.kinds_at : self.kinds_at + n],
+        )
+
+
+def meta_capacity(batch_pages: int) -> int:
+    """Bytes of ``offsets + sizes + kinds`` for the largest batch (a staging buffer's size)."""
+    return 8 * (batch_pages + 1) + 5 * batch_pages
+
+
+@dataclass
+class StoredBatch:
+    block: HostBlock
+    layout: BlobLayout
+    first_page: int
+
+
+class Storage:
+    """The host side of one handle: batches, completion, readers, deferred release.
+
+    ``pending`` batches are still being written; ``readers`` restores are still copying blobs
+    to the device. ``release()`` frees the blocks now when idle, else when the last of them
+    finishes (so a blob being read is never recycled). Thread-safe.
+    """
+
+    def __init__(self, arena: HostArena, num_batches: int):
+        self.arena = arena
+        self.batches: list[StoredBatch | None] = [None] * num_batches
+        self.pending = num_batches
+        self.readers = 0
+        self.error: BaseException | None = None
+        self.released = False
+        self._release_requested = False
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        if num_batches == 0:
+            self.done.set()
+
+    # ---------------------------------------------------------------- writers
+    def batch_stored(self, index: int, batch: StoredBatch) -> None:
+        with self._lock:
+            if self._release_requested:  # freed while in flight: drop at once
+                self.arena.free(batch.block)
+            else:
+                self.batches[index] = batch
+
+    def batch_finished(self, error: BaseException | None = None) -> None:
+        self.batches_finished(1, error)
+
+    def batches_finished(self, count: int, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self.pending -= count
+            if self.pending == 0:
+                self.done.set()
+                self._maybe_release()
+
+    # ---------------------------------------------------------------- readers
+    def add_reader(self) -> None:
+        with self._lock:
+            if self._release_requested:
+                raise RuntimeError("this handle was freed")
+            self.readers += 1
+
+    def reader_done(self) -> None:
+        with self._lock:
+            self.readers -= 1
+            self._maybe_release()
+
+    # ---------------------------------------------------------------- lifetime
+    def release(self) -> None:
+        with self._lock:
+            self._release_requested = True
+            self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        if self._release_requested and not self.released and self.pending == 0 and not self.readers:
+            for i, b in enumerate(self.batches):
+                if b is not None:
+                    self.arena.free(b.block)
+                    self.batches[i] = None
+            self.released = True
+
+    @property
+    def stored_nbytes(self) -> int:
+        with self._lock:
+            return sum(b.layout.total for b in self.batches if b is not None)
+
+    def compressed(self, page_size: int) -> CompressedPages:
+        """All batches as one packed CPU :class:`CompressedPages` (copied out of the arena)."""
+        parts = [b for b in self.batches if b is not None]
+        payloads, sizes, kinds = [], [], []
+        for b in parts:
+            payload, _, s, k = b.layout.views(b.block.tensor)
+            payloads.append(payload.clone())
+            sizes.append(s.clone())
+            kinds.append(k.clone())
+        payload = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8)
+        sizes_t = torch.cat(sizes) if sizes else torch.empty(0, dtype=torch.int32)
+        kinds_t = torch.cat(kinds) if kinds else torch.empty(0, dtype=torch.uint8)
+        offsets = torch.zeros(sizes_t.numel() + 1, dtype=torch.int64)
+        torch.cumsum(sizes_t.to(torch.int64), 0, out=offsets[1:])
+        return CompressedPages(payload, sizes_t, kinds_t, page_size, offsets)
