@@ -1,0 +1,249 @@
+"""Triton LZ4 page decompression: ``decompress_pages`` behind ``torch.ops.pagecomp.decompress``.
+
+One program (one warp) per page. An LZ4 page is a sequential token walk: the token, the offset and
+the first length-extension byte are scalar loads (broadcast, L1-resident); longer extensions are
+read 32 bytes at a time. Literals and matches are copied 32 bytes per step (one byte per lane),
+long runs 128 bytes per step. A match reads only bytes written before it: an overlapping match
+(offset ``d`` < length) copies ``out[o] = out[start + (o - op) % d]``, so one barrier per sequence
+(between the stores so far and the match's loads) orders everything. Shuffled pages are decoded
+into the transposed layout of ``bitunshuffle.shuffled_pos`` and unshuffled in place afterwards.
+
+Safety like ``LZ4_decompress_safe``: every load is masked to the page's ``[offset, offset + size)``
+(after checking that range lies in the payload), every store to its output row, and every loop
+consumes input. Statuses are those of ``torch_pagecomp.cpu_codec.decode_block``; a failed page's
+row is zeroed. All positions inside a page are int32 (``size`` is int32; comparisons are written
+as ``length > end - position`` so that nothing overflows); the page base addresses are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torch_pagecomp import format as fmt
+
+from .bitunshuffle import unshuffle_groups
+
+VEC = 32  # bytes per copy step of a short literal run or match (one per lane of the warp)
+BIG = 128  # bytes per step of the rest of a long run
+EXT = 32  # bytes per step of a long length extension
+RAW_BLOCK = 1024  # bytes per step of a RAW / FILL page
+UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle
+NUM_WARPS = 1
+
+_RUN = tl.constexpr(255)  # a page still being decoded (never stored)
+_INT32_MAX = tl.constexpr(2**31 - 1)
+_OK = tl.constexpr(fmt.STATUS_OK)
+_BAD_KIND = tl.constexpr(fmt.STATUS_BAD_KIND)
+_BAD_SIZE = tl.constexpr(fmt.STATUS_BAD_SIZE)
+_TRUNCATED = tl.constexpr(fmt.STATUS_TRUNCATED)
+_BAD_OFFSET = tl.constexpr(fmt.STATUS_BAD_OFFSET)
+_OVERFLOW = tl.constexpr(fmt.STATUS_OVERFLOW)
+_SHORT = tl.constexpr(fmt.STATUS_SHORT)
+
+
+@triton.jit
+def _ext_long(src, p, end, acc, EXT: tl.constexpr):
+    """Add the length extension bytes at ``src[p:end]`` to ``acc`` (saturating at int32 max).
+
+    Returns ``(acc, p after the last extension byte, complete)``; ``complete`` is False when the
+    input ends inside the extension. Every step consumes ``EXT`` bytes or ends the loop.
+    """
+    ar = tl.arange(0, EXT)
+    done = p < 0
+    more = p < end
+    while more:
+        w = tl.load(src + p + ar, mask=ar < end - p, other=255).to(tl.int32)
+        j = tl.min(tl.where(w != 255, ar, EXT), axis=0)
+        part = tl.sum(tl.where(ar <= j, w, 0), axis=0)
+        acc = tl.where(part > _INT32_MAX - acc, _INT32_MAX, acc + part)
+        p += tl.minimum(j + 1, tl.minimum(end - p, EXT))
+        done = j < EXT
+        more = (~done) & (p < end)
+    return acc, p, done
+
+
+@triton.jit
+def _ext(src, p, end, acc, st, EXT: tl.constexpr):
+    """Length extension at ``src[p]`` (the nibble was 15): ``(acc, p, st)``; st -> TRUNCATED."""
+    b = tl.load(src + p, mask=p < end, other=255).to(tl.int32)
+    if b == 255:
+        acc, p, done = _ext_long(src, p, end, acc, EXT)
+        st = tl.where(done, st, _TRUNCATED)
+    else:
+        acc += b
+        p += 1
+    return acc, p, st
+
+
+@triton.jit
+def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift,
+                VEC: tl.constexpr, BIG: tl.constexpr, EXT: tl.constexpr):
+    """Decode the LZ4 block ``src[0:end]`` (``end >= 1``) into ``row`` (``P`` bytes); returns the
+    int32 status (0 ok). With ``SHUF``, byte ``y`` goes to ``shuffled_pos(y)`` (inlined here:
+    the interpreter pays ~0.4 ms per device-function call)."""
+    ar = tl.arange(0, VEC)
+    arb = tl.arange(0, BIG)
+    gmask = (1 << glog) - 1
+    ip = end * 0
+    op = end * 0
+    st = end * 0 + _RUN
+    tok = tl.load(src).to(tl.int32)
+    while st == _RUN:
+        # ---- literals
+        lit = tok >> 4
+        p = ip + 1
+        if lit == 15:
+            lit, p, st = _ext(src, p, end, lit, st, EXT)
+        st = tl.where((st == _RUN) & (lit > end - p), _TRUNCATED, st)
+        st = tl.where((st == _RUN) & (lit > P - op), _OVERFLOW, st)
+        n = tl.where(st == _RUN, lit, 0)
+        # the offset is loaded before the literals are stored so both loads are in flight at once
+        q = p + n
+        has_off = (st == _RUN) & (end - q >= 2)
+        b0 = tl.load(src + q, mask=has_off, other=0).to(tl.int32)
+        b1 = tl.load(src + q + 1, mask=has_off, other=0).to(tl.int32)
+        v = tl.load(src + p + ar, mask=ar < n)
+        dst = op + ar
+        if SHUF:
+            dst = ((dst & gmask) << gshift) | (dst >> glog)
+        tl.store(row + dst, v, mask=ar < n)
+        for k in range(VEC, n, BIG):
+            m = arb < n - k
+            v = tl.load(src + p + k + arb, mask=m)
+            dst = op + k + arb
+            if SHUF:
+                dst = ((dst & gmask) << gshift) | (dst >> glog)
+            tl.store(row + dst, v, mask=m)
+        op += n
+        st = tl.where((st == _RUN) & (q == end), tl.where(op == P, _OK, _SHORT), st)
+        # ---- match
+        st = tl.where((st == _RUN) & ~has_off, _TRUNCATED, st)
+        d = b0 | (b1 << 8)
+        st = tl.where((st == _RUN) & ((d == 0) | (d > op)), _BAD_OFFSET, st)
+        p = q + 2
+        ml = tok & 15
+        if (st == _RUN) & (ml == 15):
+            ml, p, st = _ext(src, p, end, ml, st, EXT)
+        ml += 4
+        st = tl.where((st == _RUN) & (ml > P - op), _OVERFLOW, st)
+        st = tl.where((st == _RUN) & (p >= end), _TRUNCATED, st)  # no token after the match
+        n = tl.where(st == _RUN, ml, 0)
+        tok = tl.load(src + p, mask=p < end, other=0).to(tl.int32)
+        start = op - d
+        tl.debug_barrier()  # the literals and earlier matches are visible to every lane
+        if d >= tl.minimum(n, VEC):
+            s = start + ar
+        else:  # overlapping: repeat the d bytes before op
+            s = start + ar % d
+        dst = op + ar
+        if SHUF:
+            s = ((s & gmask) << gshift) | (s >> glog)
+            dst = ((dst & gmask) << gshift) | (dst >> glog)
+        v = tl.load(row + s, mask=ar < n)
+        tl.store(row + dst, v, mask=ar < n)
+        if n > VEC:
+            overlap = d < n
+            for k in range(VEC, n, BIG):
+                o = k + arb
+                s = start + tl.where(overlap, o % tl.maximum(d, 1), o)
+                dst = op + o
+                if SHUF:
+                    s = ((s & gmask) << gshift) | (s >> glog)
+                    dst = ((dst & gmask) << gshift) | (dst >> glog)
+                v = tl.load(row + s, mask=o < n)
+                tl.store(row + dst, v, mask=o < n)
+        op += n
+        ip = p
+    return st
+
+
+@triton.jit
+def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr, status_ptr,
+                       total, P: tl.constexpr, PLOG: tl.constexpr, VEC: tl.constexpr, BIG: tl.constexpr,
+                       EXT: tl.constexpr, RAW_BLOCK: tl.constexpr, GT: tl.constexpr):
+    """Program ``i`` decodes page ``i`` into ``pages[i]`` (``uint8 [P]``) and sets ``status[i]``."""
+    pid = tl.program_id(0)
+    off = tl.load(offsets_ptr + pid).to(tl.int64)
+    size = tl.load(sizes_ptr + pid).to(tl.int32)
+    kind = tl.load(kinds_ptr + pid).to(tl.int32)
+    codec = kind & 15
+    shift = kind >> 4
+    bad_kind = (codec > 2) | (shift > 2) | ((shift != 0) & (codec != 1))
+    bad_size = (off < 0) | (size < 1) | (size.to(tl.int64) > total - off)
+    bad_size |= ((codec == 0) & (size != P)) | ((codec == 2) & (size != 1))
+    st = tl.where(bad_kind, _BAD_KIND, tl.where(bad_size, _BAD_SIZE, _OK))
+    src = payload_ptr + tl.where(st == 0, off, 0)
+    row = pages_ptr + pid.to(tl.int64) * P
+    ar = tl.arange(0, RAW_BLOCK)
+    if st == 0:
+        if codec == 1:
+            if shift == 0:
+                st = _decode_lz4(src, size, row, P, False, 0, 0, VEC, BIG, EXT)
+            else:
+                glog = PLOG - 3 - shift
+                st = _decode_lz4(src, size, row, P, True, glog, 3 + shift, VEC, BIG, EXT)
+                if st == 0:
+                    tl.debug_barrier()
+                    if shift == 1:
+                        unshuffle_groups(row, P, 2, GT)
+                    else:
+                        unshuffle_groups(row, P, 4, GT)
+        elif codec == 0:
+            for k in range(0, P, RAW_BLOCK):
+                tl.store(row + k + ar, tl.load(src + k + ar))
+        else:
+            b = tl.load(src)
+            for k in range(0, P, RAW_BLOCK):
+                tl.store(row + k + ar, tl.zeros([RAW_BLOCK], tl.uint8) + b)
+    if st != 0:
+        tl.debug_barrier()  # after every partial store of the page
+        for k in range(0, P, RAW_BLOCK):
+            tl.store(row + k + ar, tl.zeros([RAW_BLOCK], tl.uint8))
+    tl.store(status_ptr + pid, st)
+
+
+def _wrap(kernel):
+    try:
+        return torch.library.wrap_triton(kernel)
+    except Exception:  # noqa: BLE001 - TRITON_INTERPRET kernels are not JITFunctions
+        return kernel
+
+
+def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+                    kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor) -> None:
+    """Decode into caller-provided outputs: ``pages`` ``uint8 [N, P]`` (contiguous),
+    ``status`` ``int32 [N]``; other arguments as :func:`decompress_pages`."""
+    n, page_size = pages.shape
+    fmt.check_page_size(page_size)
+    if n == 0:
+        return
+    args = (payload, offsets, sizes, kinds, pages, status, payload.numel())
+    consts = dict(P=page_size, PLOG=page_size.bit_length() - 1, VEC=VEC, BIG=BIG, EXT=EXT, RAW_BLOCK=RAW_BLOCK,
+                  GT=UNSHUFFLE_GROUPS, num_warps=NUM_WARPS)
+    kernel = _wrap(_decompress_kernel)
+    if payload.device.type == "cuda":
+        with torch.cuda.device(payload.device):
+            kernel[(n,)](*args, **consts)
+    else:
+        kernel[(n,)](*args, **consts)
+
+
+def decompress_pages(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+                     kinds: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode ``N`` stored pages.
+
+    Args:
+        payload: ``uint8 [T]``, a fixed-stride payload viewed flat or a packed one.
+        offsets: ``int64 [N]``, start of page ``i`` in ``payload``.
+        sizes: ``int32 [N]``, stored bytes; kinds: ``uint8 [N]`` (see ``torch_pagecomp.format``).
+        page_size: ``P``, a power of two from 4096 to 65536.
+    Returns:
+        ``(pages uint8 [N, P], status int32 [N])``; a failed page (status != 0) is all zeros.
+    """
+    n = sizes.shape[0]
+    pages = torch.empty((n, page_size), dtype=torch.uint8, device=payload.device)
+    status = torch.empty((n,), dtype=torch.int32, device=payload.device)
+    decompress_into(payload, offsets, sizes, kinds, pages, status)
+    return pages, status
