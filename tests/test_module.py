@@ -1,0 +1,258 @@
+"""PageCompressor: API, bit-exact round trips of any dtype/shape, KV blocks, memory held, stats.
+
+CPU tests run the lz4 reference through the same pipeline (threads, slots, pools); the GPU
+tests at the end skip themselves without CUDA.
+"""
+
+import gc
+
+import pytest
+import torch
+
+import torch_pagecomp  # noqa: F401  (registers torch.ops.pagecomp)
+from torch_pagecomp import KIND_RAW, PageCompError
+from torch_pagecomp.api import decompress
+from torch_pagecomp.module import OffloadHandle, PageCompressor, dtype_element_size
+
+from pages import file_pages
+
+DTYPES = [
+    torch.uint8, torch.int8, torch.bool, torch.bfloat16, torch.float16, torch.float32,
+    torch.int32, torch.int64, torch.float64, torch.complex64,
+]
+SHAPES = [(), (0,), (3, 0, 5), (1,), (4097,), (7, 1031), (2, 3, 4099)]
+
+
+def make(shape, dtype, gen, device="cpu"):
+    """Fresh values: half the tensor small integers (compressible), half random bits."""
+    n = 1
+    for s in shape:
+        n *= s
+    if dtype == torch.bool:
+        t = torch.rand(shape, generator=gen) > 0.5
+    elif dtype.is_floating_point or dtype.is_complex:
+        t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+        flat = t.view(-1)
+        flat[: n // 2] = torch.randint(-3, 3, (n // 2,), generator=gen).to(dtype)
+    else:
+        info = torch.iinfo(dtype)
+        t = torch.randint(max(info.min, -(1 << 30)), min(info.max, 1 << 30), shape,
+                          generator=gen, dtype=torch.int64).to(dtype)
+        t.view(-1)[: n // 2] = 0
+    return t.to(device)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8).cpu(),
+                       b.contiguous().reshape(-1).view(torch.uint8).cpu())
+
+
+@pytest.fixture(scope="module")
+def pc():
+    return PageCompressor(device="cpu", batch_pages=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_roundtrip_dtypes_shapes(pc, dtype, gen):
+    handles = [(make(s, dtype, gen), None) for s in SHAPES]
+    handles = [(x, pc.offload(x)) for x, _ in handles]  # all in flight together
+    for x, h in handles:
+        y = pc.restore(h)
+        assert y.device.type == "cpu" and h.state == "ready"
+        assert same_bits(x, y), (x.shape, dtype)
+        assert h.nbytes == x.numel() * x.element_size()
+        h.free()
+
+
+@pytest.mark.parametrize("page_size", [4096, 8192, 65536])
+def test_page_sizes_odd_lengths(page_size, gen):
+    pc = PageCompressor(device="cpu", page_size=page_size, batch_pages=2)
+    for n in (1, page_size - 1, page_size, page_size + 1, 5 * page_size + 7):
+        x = torch.randint(0, 4, (n,), dtype=torch.uint8, generator=gen)
+        assert same_bits(x, pc.restore(pc.offload(x)))
+
+
+def test_non_contiguous_and_out(pc, gen):
+    x = make((33, 257), torch.float32, gen).t()
+    h = pc.offload(x)
+    out = torch.full((257, 33), float("nan"))
+    y = pc.restore(h, out=out)
+    assert y is out and torch.equal(y, x)
+    with pytest.raises(PageCompError, match="out must be"):
+        pc.restore(h, out=torch.empty(3))
+    with pytest.raises(PageCompError):
+        pc.restore("not a handle")
+    with pytest.raises(PageCompError):
+        pc.offload([1, 2, 3])
+
+
+def test_incompressible_stored_raw(gen):
+    pc = PageCompressor(device="cpu", batch_pages=4)
+    nbytes = 9 * 4096 + 123
+    x = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    h = pc.offload(x)
+    h.wait()
+    pages = -(-nbytes // 4096)
+    batches = -(-pages // 4)
+    meta = 13 * pages + 23 * batches
+    assert nbytes - 123 <= h.stored_nbytes <= nbytes + meta  # padding compresses away
+    c = h.compressed()
+    assert bool((c.kinds[:-1] & 15 == KIND_RAW).all())
+    assert same_bits(x, pc.restore(h))
+    assert pc.stats()["bytes_held_host"] <= h.stored_nbytes + 256 * batches
+
+
+def test_compressible_host_memory_shrinks(gen):
+    pc = PageCompressor(device="cpu", batch_pages=8)
+    text = file_pages("text", 32, 4096, gen)
+    zeros = torch.zeros(64 * 4096, dtype=torch.uint8)
+    ht, hz = pc.offload(text), pc.offload(zeros)
+    assert hz.wait() is None and hz.stored_nbytes < 64 * 4096 // 100
+    ht.wait()
+    assert ht.stored_nbytes < text.numel() * 0.8, ht.ratio
+    s = pc.stats()
+    assert s["bytes_held_host"] < (text.numel() + zeros.numel()) // 2
+    assert s["ratio"] > 2
+    assert same_bits(text, pc.restore(ht)) and same_bits(zeros, pc.restore(hz))
+
+
+def test_free_and_gc_release_memory(gen):
+    pc = PageCompressor(device="cpu", batch_pages=4)
+    x = make((40000,), torch.float32, gen)
+    h = pc.offload(x)
+    h.wait()
+    held = pc.stats()["bytes_held_host"]
+    assert held >= h.stored_nbytes > 0
+    h.free()
+    assert h.state == "freed" and pc.stats()["bytes_held_host"] == 0
+    with pytest.raises(PageCompError, match="freed"):
+        pc.restore(h)
+    h.free()  # idempotent
+    h2 = pc.offload(x)
+    h2.wait()
+    assert pc.stats()["bytes_held_host"] == held
+    del h2
+    gc.collect()
+    assert pc.stats()["bytes_held_host"] == 0
+    h3 = pc.offload(x)  # freed while in flight: released when its batches land
+    h3.free()
+    pc.synchronize()
+    assert pc.stats()["bytes_held_host"] == 0
+
+
+def test_kv_blocks_gather_scatter(pc, gen):
+    cache = make((64, 2, 16, 40), torch.bfloat16, gen)
+    ref = cache.clone()
+    ids = torch.randperm(64, generator=gen)[:23]
+    h = pc.offload_blocks(cache, ids)
+    assert tuple(h.shape) == (23, 2, 16, 40)
+    cache[ids] = 0  # overwritten at once: the gather was a snapshot
+    pc.restore_blocks(h, cache, ids)
+    assert same_bits(cache, ref)
+    with pytest.raises(PageCompError):
+        pc.restore_blocks(h, cache, ids[:5])
+    with pytest.raises(PageCompError):
+        pc.offload_blocks(cache, ids.float())
+
+
+def test_element_size_and_compressed_container(pc, gen):
+    assert [dtype_element_size(d) for d in (torch.bfloat16, torch.float32, torch.int64)] == [
+        2, 4, 1]
+    x = torch.randn(8192, generator=gen).to(torch.bfloat16)
+    h = pc.offload(x)
+    assert h.element_size == 2
+    c = h.compressed()
+    assert c.is_packed and c.num_pages == 4
+    lz4 = (c.kinds & 15) == 1
+    assert bool(((c.kinds[lz4] >> 4) == 1).all())
+    assert torch.equal(decompress(c).view(-1)[: h.nbytes], x.view(torch.uint8))
+    h2 = pc.offload(x, element_size=1)
+    assert bool((h2.compressed().kinds >> 4 == 0).all())
+    with pytest.raises(PageCompError):
+        pc.offload(x, element_size=3)
+
+
+def test_compress_host_flow(pc, gen):
+    pages = file_pages("binary", 10, 4096, gen)
+    h = pc.compress_host(pages)
+    c = h.compressed()
+    assert torch.equal(decompress(c), pages)
+    assert same_bits(pages, pc.restore(h, device="cpu"))
+
+
+def test_stats_and_counts(gen):
+    pc = PageCompressor(device="cpu", batch_pages=2)
+    x = make((5 * 4096,), torch.uint8, gen)
+    h = pc.offload(x)
+    pc.restore(h)
+    s = pc.stats()
+    for key in ("bytes_in", "bytes_held_host", "ratio", "pinned_bytes_held", "pool_hits",
+                "pool_misses", "upload_ms", "kernel_ms", "download_ms", "total_ms",
+                "offloads", "restores", "bound_stage", "slot_states", "backpressure_waits"):
+        assert key in s, key
+    assert (s["offloads"], s["restores"], s["bytes_in"]) == (1, 1, x.numel())
+    assert s["batches"] == 3 and s["restore_batches"] == 3
+    assert s["pinned_bytes_held"] == 0  # no CUDA: plain (unregistered) host memory
+    assert s["kernel_ms"] > 0 and sum(s["bound_stage"].values()) == 3
+    assert isinstance(h, OffloadHandle) and "ready" in repr(h)
+    assert "batch_pages=2" in repr(pc)
+
+
+def test_constructor_validation():
+    with pytest.raises(PageCompError):
+        PageCompressor(device="cpu", page_size=1000)
+    with pytest.raises(PageCompError):
+        PageCompressor(device="cpu", element_size=8)
+    with pytest.raises(PageCompError):
+        PageCompressor(device="cpu", max_pinned_bytes=100)
+    pc = PageCompressor(device="cpu")
+    assert pc.batch_pages >= 1 and isinstance(pc, torch.nn.Module)
+
+
+# ---------------------------------------------------------------------------- GPU
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_roundtrip_dtypes_shapes(dtype, gen):
+    pc = PageCompressor(batch_pages=2)
+    xs = [make(s, dtype, gen, "cuda") for s in SHAPES]
+    hs = [pc.offload(x) for x in xs]
+    for x, h in zip(xs, hs):
+        y = pc.restore(h, check=True)
+        assert y.is_cuda and same_bits(x, y)
+        assert same_bits(x, pc.restore(h, device="cpu"))
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_kv_blocks_overwritten_at_once(gen):
+    pc = PageCompressor(batch_pages=4)
+    cache = make((128, 2, 8, 64), torch.bfloat16, gen, "cuda")
+    ref = cache.clone()
+    ids = torch.randperm(128, generator=gen)[:50].cuda()
+    torch.cuda._sleep(50_000_000)
+    h = pc.offload_blocks(cache, ids)
+    cache[ids] = 0
+    h.wait()
+    torch.cuda._sleep(50_000_000)
+    pc.restore_blocks(h, cache, ids)
+    assert torch.equal(cache, ref)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_host_flow_and_pinned_exact(gen):
+    pc = PageCompressor(batch_pages=64)
+    pages = file_pages("text", 300, 4096, gen)
+    h = pc.compress_host(pages)
+    assert torch.equal(decompress(h.compressed()), pages)
+    assert same_bits(pages, pc.restore(h, device="cpu"))
+    s = pc.stats()
+    arena = s["pools"]["arena"]
+    assert arena["pinned_bytes"] == arena["held_bytes"] and arena["held_bytes"] % 4096 == 0
+    assert s["pinned_bytes_held"] > 0
