@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="threads for the lz4-cpu-mt baseline (default: all usable cores)")
     ap.add_argument("--verify-pages", type=int, default=0,
                     help="check this many random pages per row with lz4.block (0: all pages)")
+    ap.add_argument("--pagecomp-backend", default="auto", choices=("auto", "cpu", "triton"),
+                    help="backend= passed to torch_pagecomp.compress/decompress (default auto)")
     ap.add_argument("--seed", type=int, default=None, help="corpus seed (default: fresh)")
     ap.add_argument("--commit", default=None,
                     help="commit id for the header (default: $PAGECOMP_COMMIT or git)")
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         page_size=args.page_size, repeats=args.repeats, warmup=args.warmup,
         budget_s=args.budget, seed=args.seed, threads=args.threads,
         verify_pages=args.verify_pages, commit=args.commit,
+        pagecomp_backend=args.pagecomp_backend,
     )
     rep = harness.run(cfg)
     rep["command"] = "python -m bench " + " ".join(shlex.quote(a) for a in (
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r["label"] + " on " + r["corpus"] for r in rep["results"]
            if r.get("roundtrip_ok") is False]
     if bad:
-        progress("ROUND TRIP FAILED: " + "; ".join(bad))
+        progress("FAILED (round trip or error): " + "; ".join(bad))
         return 1
     return 0
 

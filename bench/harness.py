@@ -13,6 +13,7 @@ import platform
 import random
 import subprocess
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import lz4
@@ -47,6 +48,7 @@ class Config:
     threads: int = field(default_factory=baselines.default_threads)
     verify_pages: int = 0
     commit: str | None = None
+    pagecomp_backend: str = "auto"
 
 
 # ----------------------------------------------------------------------- environment
@@ -224,13 +226,14 @@ def _times(ctimes: list[float], dtimes: list[float], nbytes: int) -> dict:
 def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample) -> dict:
     dev = pages.device
     n, p = pages.shape
-    backend = pc.select_backend(n, dev)
-    c = pc.compress(pages, element_size=element_size)
-    ctimes = measure(lambda: pc.compress(pages, element_size=element_size), dev,
+    be = cfg.pagecomp_backend
+    backend = pc.select_backend(n, dev) if be == "auto" else be
+    c = pc.compress(pages, element_size=element_size, backend=be)
+    ctimes = measure(lambda: pc.compress(pages, element_size=element_size, backend=be), dev,
                      cfg.repeats, cfg.warmup, cfg.budget_s)
-    dtimes = measure(lambda: pc.decompress(c, return_status=True), dev,
+    dtimes = measure(lambda: pc.decompress(c, return_status=True, backend=be), dev,
                      cfg.repeats, cfg.warmup, cfg.budget_s)
-    out, status = pc.decompress(c, return_status=True)
+    out, status = pc.decompress(c, return_status=True, backend=be)
     roundtrip = bool((status == 0).all()) and torch.equal(out, pages)
     blocks_ok, checked = check_pagecomp_blocks(c, pages, sample)
     low = (c.kinds & 15).long()
@@ -244,6 +247,7 @@ def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample) 
         "lz4_block_check": {"ok": blocks_ok, "pages_checked": checked},
         "page_kinds": {fmt.KIND_NAMES[k]: counts[k] for k in range(3)},
         "backend": backend,
+        "backend_requested": be,
         "container": "fixed-stride",
     }
 
@@ -331,12 +335,19 @@ def corpus_rows(name: str, pages: torch.Tensor, cfg: Config, nv, nv_reason: str,
         if isinstance(job, str):
             row = _skipped(name, codec, e, job)
         else:
-            row = {"corpus": name, "codec": codec, "element_size": e, **job()}
+            try:
+                row = {"corpus": name, "codec": codec, "element_size": e, **job()}
+            except Exception as exc:  # noqa: BLE001 - report the failure, go on with the rest
+                traceback.print_exc()
+                row = _skipped(name, codec, e, "")
+                del row["skipped"]
+                row.update(error=f"{type(exc).__name__}: {exc}"[:2000], roundtrip_ok=False)
+                progress(f"  {name:12s} {codec} element_size={e} FAILED: {row['error'][:200]}")
         row["corpus_element_size"] = e_corpus
         row["pages"] = pages.shape[0]
         row["label"] = label(row)
         rows.append(row)
-        if "skipped" not in row:
+        if row.get("ratio") is not None:
             progress(f"  {name:12s} {row['label']:26s} ratio {row['ratio']:6.3f}  "
                      f"c {row['compress_gbps']:8.2f} GB/s  d {row['decompress_gbps']:8.2f}"
                      f" GB/s  ok={row['roundtrip_ok']}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,10 @@ def _candidates() -> list[str]:
     if spec is not None and spec.submodule_search_locations:
         for d in spec.submodule_search_locations:
             paths.append(os.path.join(d, "lib64", "libnvcomp.so.6"))
+    for d in sys.path:  # a wheel under a path where "nvidia" is not a namespace package
+        paths.append(os.path.join(d or ".", "nvidia", "libnvcomp", "lib64", "libnvcomp.so.6"))
     paths.append("libnvcomp.so.6")
-    return paths
+    return list(dict.fromkeys(paths))
 
 
 class NvcompLib:

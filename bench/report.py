@@ -46,6 +46,8 @@ def format_table(report: dict) -> str:
         vs_s = (f"{vs['compress']:.2f}x / {vs['decompress']:.2f}x / {vs['ratio']:.3f}x"
                 if vs else "")
         note = ("skipped: " + r["skipped"][:60]) if r.get("skipped") else ""
+        if r.get("error"):
+            note = "ERROR: " + r["error"][:100]
         if r["codec"] == "pagecomp" and "backend" in r:
             k = r.get("page_kinds", {})
             note = (f"backend={r['backend']} "
