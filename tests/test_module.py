@@ -8,13 +8,12 @@ import gc
 
 import pytest
 import torch
+from pages import file_pages
 
 import torch_pagecomp  # noqa: F401  (registers torch.ops.pagecomp)
 from torch_pagecomp import KIND_RAW, PageCompError
 from torch_pagecomp.api import decompress
 from torch_pagecomp.module import OffloadHandle, PageCompressor, dtype_element_size
-
-from pages import file_pages
 
 DTYPES = [
     torch.uint8, torch.int8, torch.bool, torch.bfloat16, torch.float16, torch.float32,

@@ -1,0 +1,323 @@
+"""The slot ring, pools, back-pressure; GPU races, leaks, stage overlap (skip without CUDA)."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+import torch_pagecomp  # noqa: F401
+from torch_pagecomp.module import PageCompressor
+from torch_pagecomp.pipeline import SlotState
+from torch_pagecomp.pools import (
+    ALIGN,
+    HOST_PAGE,
+    DeviceBufferPool,
+    HostArena,
+    HostMemory,
+    InflightLimiter,
+    PinnedBufferPool,
+)
+from torch_pagecomp.storage import BlobLayout, Storage, StoredBatch
+from torch_pagecomp.timing import overlapping_slots
+
+
+# ----------------------------------------------------------------------------- pools
+def test_host_memory_page_aligned_exact():
+    for n in (1, 4095, 4096, 10_000):
+        m = HostMemory(n, pin=False)
+        assert m.tensor.numel() == n and m.tensor.data_ptr() % HOST_PAGE == 0
+        assert m.held_bytes == -(-n // HOST_PAGE) * HOST_PAGE
+        m.tensor.fill_(7)
+
+
+def test_arena_exact_sizes_no_overlap_and_reuse():
+    arena = HostArena(pin=False, chunk_bytes=1 << 20)
+    rng = random.Random()
+    live = []
+    for step in range(2000):
+        if live and rng.random() < 0.45:
+            block, tag = live.pop(rng.randrange(len(live)))
+            assert bool((block.tensor == tag).all()), "a block was overwritten by another"
+            arena.free(block)
+        else:
+            n = rng.choice([1, 100, ALIGN, 4096, 50_000, rng.randrange(1, 200_000)])
+            block = arena.alloc(n)
+            assert block.tensor.numel() == n and block.size == -(-n // ALIGN) * ALIGN
+            assert block.tensor.data_ptr() % ALIGN == 0
+            tag = step % 251
+            block.tensor.fill_(tag)
+            live.append((block, tag))
+    used = sum(b.size for b, _ in live)
+    assert arena.stats()["used_bytes"] == used
+    for block, _ in live:
+        arena.free(block)
+    s = arena.stats()
+    assert s["used_bytes"] == 0 and s["hits"] > s["misses"]
+    for chunk in arena._chunks:  # fully coalesced
+        assert chunk.free == [[0, chunk.mem.nbytes]]
+    held = s["held_bytes"]
+    assert arena.trim() == held and arena.held_bytes == 0
+
+
+def test_arena_bigger_than_chunk():
+    arena = HostArena(pin=False, chunk_bytes=1 << 16)
+    b = arena.alloc(3 << 16)
+    assert arena.stats()["chunks"] == 1 and arena.held_bytes >= 3 << 16
+    arena.free(b)
+
+
+def test_staging_and_device_pools_hit_after_warmup():
+    pool = PinnedBufferPool(pin=False)
+    dev = DeviceBufferPool(torch.device("cpu"))
+    for _ in range(5):
+        a, b = pool.acquire(10_000), dev.acquire(777)
+        pool.release(a)
+        dev.release(b)
+    assert (pool.misses, pool.hits) == (1, 4) and (dev.misses, dev.hits) == (1, 4)
+    assert pool.stats()["held_bytes"] == 3 * HOST_PAGE and dev.stats()["held_bytes"] == 777
+    pool.clear()
+    dev.clear()
+    assert pool.held_bytes == 0 and dev.held_bytes == 0
+
+
+def test_limiter_blocks_until_release():
+    lim = InflightLimiter(100)
+    lim.acquire(60)
+    got = threading.Event()
+    th = threading.Thread(target=lambda: (lim.acquire(60), got.set()))
+    th.start()
+    assert not got.wait(0.1)  # 120 > 100: waits
+    lim.release(60)
+    assert got.wait(2)
+    th.join()
+    assert lim.waits == 1 and lim.max_seen == 60
+    lim.release(60)
+    lim.acquire(500)  # larger than the bound: admitted alone
+    lim.release(500)
+
+
+# ----------------------------------------------------------------------------- storage
+def test_blob_layout():
+    lay = BlobLayout.of(3, 13)
+    assert (lay.offsets_at, lay.sizes_at, lay.kinds_at, lay.total) == (16, 48, 60, 63)
+    blob = torch.zeros(lay.total, dtype=torch.uint8)
+    payload, offsets, sizes, kinds = lay.views(blob)
+    assert payload.numel() == 13 and offsets.numel() == 4 and sizes.numel() == 3
+    assert kinds.numel() == 3
+
+
+def test_storage_release_deferred_while_read():
+    arena = HostArena(pin=False, chunk_bytes=1 << 16)
+    st = Storage(arena, 1)
+    block = arena.alloc(100)
+    st.batch_stored(0, StoredBatch(block, BlobLayout.of(1, 50), 0))
+    st.batch_finished()
+    st.add_reader()
+    st.release()
+    assert arena.used_bytes > 0 and not st.released  # a restore still reads it
+    st.reader_done()
+    assert arena.used_bytes == 0 and st.released
+    with pytest.raises(RuntimeError):
+        st.add_reader()
+
+
+# ----------------------------------------------------------------------------- ring (CPU)
+def test_backpressure_bound_smaller_than_work(gen):
+    bound = 3 * 4096
+    pc = PageCompressor(device="cpu", batch_pages=8, max_pinned_bytes=bound)
+    assert pc.batch_pages == 3  # capped so one batch fits the bound
+    xs = [torch.randint(0, 3, (n,), dtype=torch.uint8, generator=gen) for n in (50_000, 81_921)]
+    hs = [pc.offload(x) for x in xs]
+    for x, h in zip(xs, hs):
+        assert torch.equal(pc.restore(h), x)
+    s = pc.stats()
+    assert s["backpressure_waits"] > 0, s
+    assert s["inflight_max_bytes"] <= bound and s["inflight_bytes"] == 0
+
+
+def test_slot_states_and_ring_order(gen):
+    pc = PageCompressor(device="cpu", batch_pages=2, slots=3)
+    seen = set()
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.update(pc.slot_states())
+
+    th = threading.Thread(target=watch)
+    th.start()
+    x = torch.randint(0, 256, (40 * 4096,), dtype=torch.uint8, generator=gen)
+    h = pc.offload(x)
+    h.wait()
+    pc.synchronize()
+    stop.set()
+    th.join()
+    assert set(pc.slot_states()) == {SlotState.COMPLETE}
+    assert SlotState.COMPRESSING in seen or SlotState.UPLOADING in seen
+    slots = [t["slot"] for t in pc.timeline() if t["kind"] == "offload"]
+    assert slots == [i % 3 for i in range(20)]
+    assert torch.equal(pc.restore(h), x)
+
+
+def test_pools_hit_after_warmup_and_no_growth(gen):
+    pc = PageCompressor(device="cpu", batch_pages=4)
+    x = torch.randint(0, 256, (30_000,), dtype=torch.uint8, generator=gen)
+    pc.restore(pc.offload(x)).sum()
+    warm = pc.stats()
+    for _ in range(20):
+        h = pc.offload(x)
+        assert torch.equal(pc.restore(h), x)
+        h.free()
+    s = pc.stats()
+    assert s["pool_misses"] == warm["pool_misses"] and s["pool_hits"] > warm["pool_hits"]
+    assert s["host_pool_bytes"] == warm["host_pool_bytes"] and s["bytes_held_host"] == 0
+    assert pc.empty_cache() > 0 and pc.stats()["host_pool_bytes"] == 0
+
+
+def test_worker_error_reaches_handle_and_ring_recovers(monkeypatch, gen):
+    pc = PageCompressor(device="cpu", batch_pages=2)
+    real = pc.pipeline._cpu_compress
+    calls = {"n": 0}
+
+    def flaky(job):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        real(job)
+
+    monkeypatch.setattr(pc.pipeline, "_cpu_compress", flaky)
+    x = torch.randint(0, 256, (6 * 4096,), dtype=torch.uint8, generator=gen)
+    h = pc.offload(x)
+    with pytest.raises(RuntimeError, match="boom"):
+        h.wait()
+    assert h.state == "failed"
+    h2 = pc.offload(x)
+    assert torch.equal(pc.restore(h2), x)
+    h.free()
+    h2.free()
+    assert pc.stats()["bytes_held_host"] == 0 and pc.stats()["inflight_bytes"] == 0
+
+
+def test_overlapping_slots_counts_cross_slot_stage_overlap():
+    def t(slot, up, k, d):
+        return {"slot": slot, "upload": up, "kernel": k, "download": d}
+
+    serial = [t(0, (0, 1), (1, 2), (2, 3)), t(1, (3, 4), (4, 5), (5, 6))]
+    piped = [t(0, (0, 1), (1, 2), (2, 3)), t(1, (1, 2), (2, 3), (3, 4)),
+             t(2, (2, 3), (3, 4), (4, 5))]
+    assert overlapping_slots(serial) == 0
+    assert overlapping_slots(piped) >= 3
+
+
+# ----------------------------------------------------------------------------- GPU
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SLEEP = 20_000_000  # cycles of torch.cuda._sleep: ~10 ms, far longer than the copies raced
+
+
+def _produce(x: torch.Tensor, src: torch.Tensor) -> None:
+    """On the caller's stream: stay busy, then write ``x`` (so a reader that skips the wait
+    reads the old contents)."""
+    torch.cuda._sleep(SLEEP)
+    x.copy_(src)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_stress_bit_exact_with_busy_streams(gen):
+    pc = PageCompressor(batch_pages=16, max_pinned_bytes=64 * 4096)
+    srcs, handles = [], []
+    for i in range(48):
+        n = random.randrange(1, 300_000)
+        src = (torch.randint(0, 4 if i % 2 else 256, (n,), dtype=torch.uint8, generator=gen)
+               .cuda())
+        x = torch.full_like(src, 0xA5)
+        _produce(x, src)
+        handles.append(pc.offload(x, element_size=random.choice([1, 2, 4])))
+        srcs.append(src)
+    for src, h in zip(srcs, handles):
+        torch.cuda._sleep(SLEEP)  # the consumer stream is busy before the restore
+        with torch.cuda.stream(pc.pipeline.compute):
+            torch.cuda._sleep(SLEEP // 4)  # the restore's own kernels start late
+        y = pc.restore(h)
+        assert torch.equal(y.clone(), src)  # read at once in stream order
+    pc.synchronize()
+    assert pc.stats()["inflight_max_bytes"] <= 64 * 4096
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_control_missing_waits_corrupt(gen):
+    """The same races with the barrier removed must corrupt data: the stress test can fail."""
+    pc = PageCompressor(batch_pages=16)
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen).cuda()
+    x = torch.full_like(src, 0xA5)
+    _produce(x, src)
+    st = Storage(pc.pipeline.arena, 1)
+    with torch.cuda.device(pc.device):  # producer=None: the wait on the caller stream is skipped
+        pc.pipeline.submit_compress(st, x, x.numel(), 1, producer=None, keep=(x,))
+    st.done.wait()
+    torch.cuda.synchronize()
+    host = torch.empty(src.numel(), dtype=torch.uint8)
+    pc.pipeline.cpu_decompress(st, host)  # what was stored
+    assert not torch.equal(host.cuda(), src), "a missing producer wait went unnoticed"
+    # consumer side: the caller's stream does not wait for the decompression
+    good = pc.offload(src)
+    good.wait()
+    out = torch.full_like(src, 0xA5)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(pc.pipeline.compute):
+        torch.cuda._sleep(SLEEP)
+    pc.pipeline.submit_decompress(good._storage, out, side)  # waits on `side`, not ours
+    early = out.clone()
+    torch.cuda.synchronize()
+    assert not torch.equal(early, src), "a missing consumer wait went unnoticed"
+    assert torch.equal(out, src)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_10k_cycles_no_growth(gen):
+    pc = PageCompressor(batch_pages=4)
+    x = torch.randint(0, 8, (5 * 4096 + 11,), dtype=torch.uint8, generator=gen).cuda()
+    for _ in range(50):
+        pc.restore(pc.offload(x)).sum()
+    torch.cuda.synchronize()
+    pc.synchronize()
+    dev0 = torch.cuda.memory_allocated()
+    s0 = pc.stats()
+    for i in range(10_000):
+        h = pc.offload(x)
+        y = pc.restore(h)
+        h.free()
+        if i % 1000 == 0:
+            assert torch.equal(y, x)
+    torch.cuda.synchronize()
+    pc.synchronize()
+    s = pc.stats()
+    assert torch.cuda.memory_allocated() <= dev0
+    assert s["pinned_bytes_held"] == s0["pinned_bytes_held"]
+    assert s["host_pool_bytes"] == s0["host_pool_bytes"]
+    assert s["pool_misses"] == s0["pool_misses"] and s["bytes_held_host"] == 0
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_stages_of_different_slots_overlap(gen):
+    pc = PageCompressor(batch_pages=1024)  # 4 MiB batches
+    host = torch.randint(0, 16, (64 << 20,), dtype=torch.uint8, generator=gen).pin_memory()
+    pc.compress_host(host).wait()  # warm-up: pools, kernels
+    pc.synchronize()
+    pc.reset_timing()
+    t0 = time.perf_counter()
+    h = pc.compress_host(host)
+    h.wait()
+    wall = time.perf_counter() - t0
+    pc.synchronize()
+    tl = [t for t in pc.timeline() if t["kind"] == "offload"]
+    assert len(tl) == 16
+    assert overlapping_slots(tl) > 0, tl[:4]
+    busy = sum(t["upload_ms"] + t["kernel_ms"] + t["download_ms"] for t in tl)
+    print(f"wall {wall * 1e3:.1f} ms, stage sum {busy:.1f} ms")
+    assert torch.equal(pc.restore(h, device="cpu"), host)
