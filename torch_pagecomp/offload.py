@@ -1,0 +1,537 @@
+"""Training-loop activation offload: saved-tensor hooks that send activations to host memory.
+
+``with offload_activations(...):`` (or :func:`offload_module`) installs
+``torch.autograd.graph.saved_tensors_hooks``. The unit of offload is a tensor's whole *storage*
+(views and shared storages are offloaded once and rebuilt with their exact sizes, strides and
+offsets, so gradients are bit-identical):
+
+* pack: parameters (and views / autocast casts of them), small tensors, CPU tensors, tensor
+  subclasses and regions under :func:`keep_on_gpu` stay as they are. Other storages start an
+  asynchronous offload after the compute stream: compressed pages through ``PageCompressor``,
+  or (``mode="uncompressed"``, or a ``(dtype, shape)`` class whose sampled ratio is below
+  ``min_ratio``) a copy into exact-size pooled pinned memory on a side stream. The GPU storage
+  stays in a stash until its copy finished; past ``max_in_flight_bytes`` the compute stream
+  waits for the oldest copy (a GPU-side wait) before it is dropped.
+* groups: a pass (one outermost ``with``) is cut into groups at every :meth:`next_group` (each
+  block's forward with :func:`offload_module`) and every ``group_bytes``.
+* unpack: the first unpack in group ``k`` restores groups ``k .. k - prefetch`` on a side
+  stream into buffers allocated on the compute stream; the compute stream waits on each
+  buffer's event before using it, so restored tensors may escape (checkpoint recompute, hooks)
+  without ``record_stream``. Tensors still in the stash are handed back without a round trip.
+* lifetime: host copies belong to the saved-tensor objects autograd holds: they are freed when
+  autograd releases them (after backward, or when the graph is dropped). The end of each
+  backward drops unused prefetches and the stash; :meth:`pending` then reports nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+from .offload_entry import _Entry, _Packed, _Pass
+from .offload_store import (
+    ClassPolicy,
+    CompressedStore,
+    CpuStore,
+    PinnedPool,
+    PinnedStore,
+    Worker,
+    element_size_for,
+)
+
+MODES = ("compressed", "uncompressed")
+_tls = threading.local()
+
+
+@contextlib.contextmanager
+def keep_on_gpu():
+    """Inside this context no offloader moves saved tensors: they stay where they are."""
+    _tls.keep = getattr(_tls, "keep", 0) + 1
+    try:
+        yield
+    finally:
+        _tls.keep -= 1
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _is_param_like(t: torch.Tensor, keep_casts: bool) -> bool:
+    base = t._base if t._base is not None else t
+    if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
+        return True
+    if keep_casts and base.grad_fn is not None and base.grad_fn.name() == "ToCopyBackward0":
+        nxt = base.grad_fn.next_functions
+        return bool(nxt) and nxt[0][0] is not None and nxt[0][0].name() == "AccumulateGrad"
+    return False
+
+
+class ActivationOffloader:
+    """Saved-tensor hooks that offload activations; use as a (reusable) context manager.
+
+    Args:
+        mode: ``"compressed"`` (PageCompressor pages, per-class fallback to a pinned copy) or
+            ``"uncompressed"`` (stream-overlapped pinned copies only).
+        prefetch: groups restored ahead of the one backward is in (0: on demand).
+        min_offload_bytes: storages smaller than this stay where they are.
+        max_in_flight_bytes: GPU bytes kept alive by unfinished copies before compute waits.
+        group_bytes: a new prefetch group starts once a group holds this many bytes (None: only
+            at :meth:`next_group`).
+        min_ratio, sample_tensors: a ``(dtype, shape)`` class stays compressed only if its first
+            ``sample_tensors`` tensors compressed by at least ``min_ratio``.
+        offload_cpu: also offload CPU tensors (lz4 on the CPU when compressed, else a copy);
+            by default CPU tensors are kept.
+        keep_param_casts: keep autocast copies of parameters (``ToCopy`` of a leaf) in place.
+        page_size, max_pinned_bytes: passed to ``PageCompressor`` and the pinned pool.
+        exact_pinned: pin page-aligned memory with cudaHostRegister (no power-of-two rounding).
+        compressor: a ``PageCompressor`` to use (default: one per device, made on first use).
+    """
+
+    def __init__(
+        self,
+        mode: str = "compressed",
+        prefetch: int = 1,
+        min_offload_bytes: int = 1 << 20,
+        max_in_flight_bytes: int = 1 << 30,
+        group_bytes: int | None = 256 << 20,
+        min_ratio: float = 1.1,
+        sample_tensors: int = 2,
+        offload_cpu: bool = False,
+        keep_param_casts: bool = True,
+        page_size: int = 4096,
+        max_pinned_bytes: int | None = None,
+        exact_pinned: bool = True,
+        compressor=None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        self.mode, self.prefetch = mode, prefetch
+        self.min_offload_bytes, self.max_in_flight_bytes = min_offload_bytes, max_in_flight_bytes
+        self.group_bytes, self.offload_cpu = group_bytes, offload_cpu
+        self.keep_param_casts, self.page_size = keep_param_casts, page_size
+        self.policy = ClassPolicy(sample_tensors, min_ratio)
+        self.pool = PinnedPool(max_pinned_bytes, exact=exact_pinned)
+        self._pinned = PinnedStore(self.pool)
+        self._cpu = CpuStore(compress=False)
+        self._worker = Worker()
+        weakref.finalize(self, self._worker.close)
+        self._samples: list = []
+        self._compressors = {}
+        if compressor is not None:
+            self._compressors[compressor_device(compressor)] = compressor
+        self._max_pinned = max_pinned_bytes
+        self._streams: dict[tuple, torch.cuda.Stream] = {}
+        self._lock = threading.RLock()
+        self._sink: list = []
+        self._stash: collections.deque[_Entry] = collections.deque()
+        self._stash_bytes = 0
+        self._live: weakref.WeakSet[_Entry] = weakref.WeakSet()
+        self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
+        self._pass: _Pass | None = None
+        self._depth = 0
+        self._hooks = None
+        self._tasks: set[int] = set()
+        self._keep_ptrs: set[int] = set()
+        self._keep_modules: list[torch.nn.Module] = []
+        self._handles: list = []
+        self._peak_host = 0
+        self.counters = collections.Counter()
+
+    # ----------------------------------------------------------------- context manager
+    def __enter__(self) -> ActivationOffloader:
+        with self._lock:
+            if self._depth == 0:
+                self._pass = _Pass()
+                self._passes.add(self._pass)
+                self._keep_ptrs = {
+                    t.untyped_storage().data_ptr()
+                    for m in self._keep_modules
+                    for t in (*m.parameters(), *m.buffers())
+                }
+                self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._hooks.__enter__()
+            self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self._hooks.__exit__(*exc)
+                self._hooks = self._pass = None
+
+    def next_group(self) -> None:
+        """Start a new prefetch group (e.g. at each transformer block's forward)."""
+        if self._pass is not None and not _in_backward():
+            self._pass.new_group()
+
+    def keep_on_gpu(self):
+        """Same as the module-level :func:`keep_on_gpu`."""
+        return keep_on_gpu()
+
+    # --------------------------------------------------------------------------- pack
+    def _keep_reason(self, t: torch.Tensor) -> str | None:
+        if getattr(_tls, "keep", 0):
+            return "region"
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+            return "subclass"
+        if t.is_conj() or t.is_neg():
+            return "subclass"
+        if t.device.type == "cuda":
+            if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+                return "capture"
+        elif t.device.type != "cpu" or not self.offload_cpu:
+            return "cpu" if t.device.type == "cpu" else "device"
+        if _is_param_like(t, self.keep_param_casts):
+            return "param"
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self._keep_ptrs:
+            return "param"
+        if storage.nbytes() < max(1, self.min_offload_bytes):
+            return "small"
+        return None
+
+    def _pack(self, t: torch.Tensor):
+        with self._lock:
+            self.counters["packed"] += 1
+            reason = self._keep_reason(t)
+            if reason is not None or self._pass is None:
+                self.counters[f"kept_{reason or 'outside'}"] += 1
+                return t
+            self._poll()
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes(), t.device)
+            hit = self._pass.dedup.get(key)
+            if hit is not None:
+                first, entry = hit[0](), hit[1]()
+                if (
+                    entry is not None
+                    and first is not None
+                    and first._version == t._version == hit[2]
+                ):
+                    self.counters["deduplicated"] += 1
+                    return _Packed(entry, t)
+            entry = self._offload(t, storage)
+            if entry is None:
+                self.counters["kept_host_full"] += 1
+                return t
+            self._pass.dedup[key] = (weakref.ref(t), weakref.ref(entry), t._version)
+            return _Packed(entry, t)
+
+    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Entry | None:
+        ps = self._pass
+        nbytes, dev = storage.nbytes(), t.device
+        src = torch.empty((0,), dtype=torch.uint8, device=dev).set_(storage)
+        esize = element_size_for(t.dtype)
+        entry = _Entry(self._sink, nbytes, dev, ps, len(ps.groups) - 1)
+        cls = (t.dtype, tuple(t.shape))
+        comp = self._compressor(dev) if self.mode == "compressed" else None
+        if comp is not None and self.policy.compress(cls):
+            entry.store = CompressedStore(comp)
+            self._submit_offload(entry, src, esize, cls)
+        elif dev.type == "cpu":
+            entry.store, entry.stored = self._cpu, self._cpu.offload(src, esize)
+            entry.submitted.set()
+        else:
+            side = self._stream(dev, "d2h")
+            with torch.cuda.stream(side):
+                side.wait_stream(torch.cuda.current_stream(dev))
+                entry.stored = self._pinned.offload(src, esize)
+            if entry.stored is None:
+                return None
+            entry.store = self._pinned
+            entry.submitted.set()
+        if dev.type == "cuda" or not entry.ready():
+            entry.src = src
+            self._stash.append(entry)
+            self._stash_bytes += nbytes
+            while self._stash_bytes > self.max_in_flight_bytes and len(self._stash) > 1:
+                self.counters["in_flight_waits"] += 1
+                self._release(self._stash.popleft(), wait=True)
+        self.counters[f"offloaded_{entry.store.kind}"] += 1
+        self.counters["offloaded_bytes"] += nbytes
+        self._live.add(entry)
+        ps.groups[-1].append(weakref.ref(entry))
+        ps.group_bytes += nbytes
+        if self.group_bytes is not None and ps.group_bytes >= self.group_bytes:
+            ps.new_group()
+        return entry
+
+    def _submit_offload(self, entry: _Entry, src: torch.Tensor, esize: int, cls: tuple) -> None:
+        """Hand a compressed offload to the worker, ordered after the compute stream's work so
+        far (the worker's current stream waits for an event recorded here)."""
+        dev, store, samples = entry.device, entry.store, self._samples
+        entry.stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+        produced = entry.stream.record_event() if entry.stream is not None else None
+        gate = self._stream(dev, "gate") if produced is not None else None
+
+        def job():
+            try:
+                if gate is not None:
+                    torch.cuda.set_device(dev)
+                    with torch.cuda.stream(gate):
+                        gate.wait_event(produced)
+                        entry.stored = store.offload(src, esize)
+                else:
+                    entry.stored = store.offload(src, esize)
+                samples.append((cls, entry.stored))
+            except BaseException as exc:  # noqa: BLE001 - raised at unpack
+                entry.error = exc
+            finally:
+                entry.submitted.set()
+
+        self._worker.submit(job)
+
+    def _release(self, entry: _Entry, wait: bool) -> None:
+        """Drop the stash's hold on ``entry``'s GPU storage (its copy is done, or ``wait``)."""
+        if wait:
+            stored = entry.wait_stored()
+            if entry.stream is not None:
+                stored.wait_on(entry.stream)
+        entry.src = None
+        self._stash_bytes -= entry.nbytes
+
+    def _poll(self) -> None:
+        while self._stash and self._stash[0].ready():
+            self._release(self._stash.popleft(), wait=False)
+        while self._samples:
+            self.policy.sample(*self._samples.pop(0))
+        self.policy.poll()
+        while self._sink:
+            store, stored = self._sink.pop()
+            store.free(stored)
+
+    # ------------------------------------------------------------------------- unpack
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        with self._lock:
+            entry = packed.entry
+            self._watch_backward()
+            self._poll()
+            if entry.src is not None:
+                self.counters["served_from_stash"] += 1
+                return packed.view(entry.src.untyped_storage())
+            self._prefetch(entry)
+            if entry.restored is None:
+                self.counters["restored_on_demand"] += 1
+                self._restore([entry])
+        entry.wait_restored()
+        if entry.restore_event is not None:
+            current = torch.cuda.current_stream(entry.device)
+            current.wait_event(entry.restore_event)
+            if current != entry.stream:
+                entry.stream.wait_event(entry.restore_event)
+            entry.waited = True
+        return packed.view(entry.restored.untyped_storage())
+
+    def _prefetch(self, entry: _Entry) -> None:
+        ps, todo = entry.pass_, []
+        for k in range(entry.group, max(-1, entry.group - self.prefetch - 1), -1):
+            if ps.issued[k]:
+                continue
+            ps.issued[k] = True
+            for ref in reversed(ps.groups[k]):
+                e = ref()
+                if e is not None and e.src is None and e.restored is None and e.stored is not None:
+                    todo.append(e)
+        if todo:
+            self.counters["restored_prefetch"] += len(todo) - (entry in todo)
+            self._restore(todo)
+
+    def _restore(self, entries: list[_Entry]) -> None:
+        """Start restoring ``entries`` (in this order) into buffers allocated on each entry's
+        compute stream; a side stream writes them after that stream's work so far."""
+        for e in entries:
+            e.restore_done.clear()
+            e.restore_event = None
+            if e.device.type == "cpu":
+                e.restored = torch.empty(e.nbytes, dtype=torch.uint8)
+            else:
+                with torch.cuda.stream(e.stream):
+                    e.restored = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+        gpu_streams = {e.stream for e in entries if e.device.type == "cuda"}
+        side = self._stream(entries[0].device, "h2d") if gpu_streams else None
+        allocated = [s.record_event() for s in gpu_streams]
+        for e in entries:
+            if isinstance(e.store, CompressedStore):
+                self._submit_restore(e, side, allocated)
+            elif side is None:
+                e.store.restore(e.stored, e.restored)
+                e.restore_done.set()
+            else:
+                with torch.cuda.stream(side):
+                    for ev in allocated:
+                        side.wait_event(ev)
+                    e.store.restore(e.stored, e.restored)
+                    e.restore_event = side.record_event()
+                e.restore_done.set()
+
+    def _submit_restore(self, e: _Entry, side, allocated: list) -> None:
+        def job():
+            try:
+                stored = e.wait_stored()
+                if side is None:
+                    e.store.restore(stored, e.restored)
+                    return
+                torch.cuda.set_device(e.device)
+                with torch.cuda.stream(side):
+                    for ev in allocated:
+                        side.wait_event(ev)
+                    e.store.restore(stored, e.restored)
+                    e.restore_event = side.record_event()
+            except BaseException as exc:  # noqa: BLE001 - raised at unpack
+                e.error = exc
+            finally:
+                e.restore_done.set()
+
+        self._worker.submit(job)
+
+    def _watch_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task not in self._tasks:
+            self._tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._end_backward(task)
+            )
+
+    def _end_backward(self, task: int) -> None:
+        with self._lock:
+            self._tasks.discard(task)
+            for ps in list(self._passes):
+                ps.issued = [False] * len(ps.issued)
+            for e in list(self._live):
+                e.drop_restored()
+            while self._stash:
+                self._release(self._stash.popleft(), wait=True)
+            self._poll()
+
+    # ------------------------------------------------------------------------ helpers
+    def _stream(self, dev: torch.device, name: str) -> torch.cuda.Stream:
+        key = (dev.index if dev.index is not None else torch.cuda.current_device(), name)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=key[0])
+        return self._streams[key]
+
+    def _compressor(self, dev: torch.device):
+        key = "cpu" if dev.type == "cpu" else (dev.index if dev.index is not None else
+                                                torch.cuda.current_device())
+        if key not in self._compressors:
+            try:
+                from .module import PageCompressor
+            except ImportError as exc:
+                warnings.warn(
+                    f"PageCompressor unavailable ({exc}); offloading uncompressed", stacklevel=3
+                )
+                self._compressors[key] = None
+            else:
+                self._compressors[key] = PageCompressor(
+                    device=torch.device("cpu") if key == "cpu" else torch.device("cuda", key),
+                    page_size=self.page_size,
+                    max_pinned_bytes=self._max_pinned,
+                )
+        return self._compressors[key]
+
+    def host_bytes(self) -> int:
+        """Host bytes held now by live offloaded storages (compressed sizes once known)."""
+        total = 0
+        for e in list(self._live):
+            size = e.stored.host_nbytes() if e.stored is not None else None
+            total += e.nbytes if size is None else size
+        self._peak_host = max(self._peak_host, total)
+        return total
+
+    def pending(self) -> dict:
+        """What the hooks still hold; every value is 0 after a finished backward."""
+        with self._lock:
+            self._poll()
+            live = list(self._live)
+            return {
+                "entries": len(live),
+                "stash": len(self._stash),
+                "stash_bytes": self._stash_bytes,
+                "restored": sum(e.restored is not None for e in live),
+                "host_bytes": self.host_bytes(),
+                "pinned_in_use_bytes": self.pool.in_use_bytes,
+                "backward_callbacks": len(self._tasks),
+            }
+
+    def stats(self) -> dict:
+        """Counters (packed / kept by reason / offloaded / restores), bytes and policy."""
+        out = dict(self.counters)
+        out.update(self.pending())
+        out["peak_host_bytes"] = self._peak_host
+        out["pinned_held_bytes"] = self.pool.held_bytes
+        out["policy"] = self.policy.summary()
+        comps = {k: c.stats() for k, c in self._compressors.items() if c is not None}
+        if comps:
+            out["compressor"] = comps
+        return out
+
+    def keep_tensors_of(self, module: torch.nn.Module) -> None:
+        """Never offload ``module``'s parameters and buffers (or views of them)."""
+        self._keep_modules.append(module)
+
+    def remove(self) -> None:
+        """Take off the module hooks installed by :func:`offload_module`."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def compressor_device(compressor) -> int | str:
+    dev = torch.device(getattr(compressor, "device", None) or "cuda")
+    if dev.type == "cpu":
+        return "cpu"
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def offload_activations(**settings) -> ActivationOffloader:
+    """``with offload_activations(mode=..., prefetch=...):`` offloads the activations saved
+    inside. Takes the settings of :class:`ActivationOffloader`."""
+    return ActivationOffloader(**settings)
+
+
+def offload_module(
+    module: torch.nn.Module,
+    blocks: Iterable[torch.nn.Module] | None = None,
+    offloader: ActivationOffloader | None = None,
+    **settings,
+) -> ActivationOffloader:
+    """Offload the activations of every forward of ``module``; returns the offloader.
+
+    ``module``'s parameters and buffers stay on the GPU. Each module of ``blocks`` (default:
+    the children of every ``nn.ModuleList`` inside ``module``) starts a prefetch group at its
+    forward. ``offloader.remove()`` takes the hooks off.
+    """
+    off = offloader if offloader is not None else ActivationOffloader(**settings)
+    off.keep_tensors_of(module)
+    if blocks is None:
+        blocks = [
+            b for m in module.modules() if isinstance(m, torch.nn.ModuleList) for b in m
+        ]
+
+    def enter(mod, args):
+        if not _in_backward():
+            off.__enter__()
+            mod._pagecomp_entered = getattr(mod, "_pagecomp_entered", 0) + 1
+
+    def leave(mod, args, out):
+        if getattr(mod, "_pagecomp_entered", 0):
+            mod._pagecomp_entered -= 1
+            off.__exit__(None, None, None)
+
+    off._handles.append(module.register_forward_pre_hook(enter))
+    off._handles.append(module.register_forward_hook(leave, always_call=True))
+    for b in blocks:
+        off._handles.append(b.register_forward_pre_hook(lambda m, a: off.next_group()))
+    return off

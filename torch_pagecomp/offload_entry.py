@@ -1,0 +1,88 @@
+"""Book-keeping of the activation offloader: passes, groups, entries and packed handles."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+
+class _Pass:
+    """The groups of one outermost ``with``: ``groups[k]`` holds weak references to entries."""
+
+    __slots__ = ("groups", "group_bytes", "issued", "dedup", "__weakref__")
+
+    def __init__(self):
+        self.groups: list[list[weakref.ref]] = [[]]
+        self.group_bytes = 0
+        self.issued = [False]
+        self.dedup: dict[tuple, tuple] = {}
+
+    def new_group(self) -> None:
+        if self.groups[-1]:
+            self.groups.append([])
+            self.issued.append(False)
+            self.group_bytes = 0
+
+
+class _Entry:
+    """One offloaded storage: ``uint8 [nbytes]`` on ``device``. ``stored`` is set (by the worker
+    for compressed offloads) before ``submitted`` is; ``restored`` before ``restore_done``."""
+
+    def __init__(self, sink: list, nbytes: int, device: torch.device, pass_: _Pass, group: int):
+        self.sink, self.nbytes, self.device = sink, nbytes, device
+        self.pass_, self.group = pass_, group
+        self.stream = None  # compute stream at pack time (owner of the source and restores)
+        self.src: torch.Tensor | None = None  # the GPU storage while its copy may run
+        self.store = self.stored = None
+        self.error: BaseException | None = None
+        self.submitted = threading.Event()
+        self.restored: torch.Tensor | None = None
+        self.restore_event = None
+        self.restore_done = threading.Event()
+        self.waited = False
+
+    def wait_stored(self):
+        self.submitted.wait()
+        if self.error is not None:
+            raise RuntimeError(f"activation offload failed: {self.error}") from self.error
+        return self.stored
+
+    def ready(self) -> bool:
+        return self.submitted.is_set() and (self.stored is None or self.stored.ready())
+
+    def wait_restored(self) -> None:
+        self.restore_done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"activation restore failed: {self.error}") from self.error
+
+    def drop_restored(self) -> None:
+        if self.restored is not None:
+            self.restore_done.wait()
+            if not self.waited and self.restore_event is not None:
+                self.stream.wait_event(self.restore_event)  # the block returns to this stream
+        self.restored = self.restore_event = None
+        self.waited = False
+
+    def __del__(self):
+        try:
+            self.drop_restored()
+        finally:
+            if self.stored is not None:
+                self.sink.append((self.store, self.stored))
+
+
+class _Packed:
+    """What autograd keeps for one offloaded saved tensor: its entry and how to view it."""
+
+    __slots__ = ("entry", "dtype", "size", "stride", "offset")
+
+    def __init__(self, entry: _Entry, t: torch.Tensor):
+        self.entry = entry
+        self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
+        self.offset = t.storage_offset()
+
+    def view(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        out = torch.empty((0,), dtype=self.dtype, device=storage.device)
+        return out.set_(storage, self.offset, self.size, self.stride)
