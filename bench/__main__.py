@@ -76,11 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         verify_pages=args.verify_pages, commit=args.commit,
         pagecomp_backend=args.pagecomp_backend,
     )
-    rep = harness.run(cfg)
-    rep["command"] = "python -m bench " + " ".join(shlex.quote(a) for a in (
+    command = "python -m bench " + " ".join(shlex.quote(a) for a in (
         sys.argv[1:] if argv is None else argv))
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "results.json")
+    rep = harness.run(cfg, lambda partial: report.save_json({**partial, "command": command},
+                                                            json_path))
+    rep["command"] = command
     report.save_json(rep, json_path)
     table = report.format_table(rep)
     with open(os.path.join(args.out, "table.txt"), "w") as f:

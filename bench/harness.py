@@ -355,8 +355,12 @@ def corpus_rows(name: str, pages: torch.Tensor, cfg: Config, nv, nv_reason: str,
 
 
 # ------------------------------------------------------------------------------- run
-def run(cfg: Config) -> dict:
-    """Build each corpus on ``cfg.device`` and measure every selected codec on it."""
+def run(cfg: Config, checkpoint=None) -> dict:
+    """Build each corpus on ``cfg.device`` and measure every selected codec on it.
+
+    ``checkpoint(report)``, if given, is called with the partial report (``"complete":
+    False``) after each corpus, so a run cut short still leaves its rows behind.
+    """
     device = torch.device(cfg.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -390,10 +394,13 @@ def run(cfg: Config) -> dict:
         sample = _sample(pages.shape[0], cfg.verify_pages, rng)
         results += corpus_rows(name, pages, cfg, nv, nv_reason, sample)
         del pages
+        if checkpoint is not None:
+            checkpoint({**report, "results": results, "complete": False})
         if device.type == "cuda":
             torch.cuda.empty_cache()
     add_comparisons(results)
     report["results"] = results
+    report["complete"] = True
     report["copies"] = []
     if "copies" in cfg.codecs:
         progress("copy baselines")

@@ -23,8 +23,13 @@ HEADER_KEYS = ("device", "driver", "host_cpu", "torch", "triton", "python", "lz4
                "commit", "date", "page_size", "mib_per_corpus", "seed", "timing")
 
 
-def _num(x, fmt: str = "{:.2f}") -> str:
-    return "-" if x is None else fmt.format(x)
+def _num(x, fmt: str | None = None) -> str:
+    """``fmt`` or, for speeds, 3 significant digits below 100 and whole numbers above."""
+    if x is None:
+        return "-"
+    if fmt is None:
+        fmt = "{:.0f}" if x >= 100 else "{:.3g}"
+    return fmt.format(x)
 
 
 def format_table(report: dict) -> str:
@@ -32,6 +37,8 @@ def format_table(report: dict) -> str:
     lines = [f"{k:15s} {report.get(k)}" for k in HEADER_KEYS if k in report]
     gs = report.get("gpu_status", {})
     lines.append(f"{'gpu path':15s} usable={gs.get('usable')} ({gs.get('reason')})")
+    if report.get("complete") is False:
+        lines.append("INCOMPLETE RUN: only the corpora below finished")
     if report.get("nvcomp_absent"):
         lines.append(f"{'nvcomp':15s} ABSENT: {report['nvcomp_absent']}")
     head = (f"{'corpus':12s} {'codec':27s} {'ratio':>7s} {'comp GB/s':>10s} {'decomp GB/s':>11s}"
