@@ -83,7 +83,8 @@ class _Job:
     first_page: int = 0
     stored: int = 0
     t: dict | None = None  # CPU stage times (perf_counter seconds)
-    work: object = None  # CPU offload: a callable run on the issuer
+    work: object = None  # CPU offload: (src, lo, hi, element_size) for the issuer
+    reader_release: bool = False  # the last batch of a restore: ends the storage read
 
 
 class Pipeline:
@@ -300,7 +301,7 @@ class Pipeline:
             start = torch.cuda.Event()
             start.record(consumer)
             self.compute.wait_event(start)
-            count = 0
+            count, last = 0, len(storage.batches) - 1
             try:
                 for b, sb in enumerate(storage.batches):
                     n = sb.layout.n_pages
@@ -312,6 +313,7 @@ class Pipeline:
                     except BaseException as exc:
                         self._fail(job, exc)
                         raise
+                    job.reader_release = b == last  # the last batch ends the read
                     count += 1
                     self._done_q.put(job)
             finally:
@@ -320,8 +322,8 @@ class Pipeline:
                 consumer.wait_event(end)
                 if count == 0:
                     storage.reader_done()
-                else:
-                    self._done_q.put(("reader_done", storage, count))
+                elif count <= last:  # failed part-way: release after the queued batches
+                    self._done_q.put(("reader_done", storage))
         return statuses
 
     def _enqueue_decompress(self, job, sb, out, statuses) -> None:
@@ -399,7 +401,7 @@ class Pipeline:
             job = self._done_q.get()
             if job is None:
                 return
-            if isinstance(job, tuple):  # ("reader_done", storage, count): a restore ended
+            if isinstance(job, tuple):  # ("reader_done", storage): a failed restore ended
                 job[1].reader_done()
                 continue
             try:
@@ -426,10 +428,10 @@ class Pipeline:
             stages = (*t["up"], *t["k"], *t["d"])
             self.timing.add_cpu(job.kind, slot.index, job.nbytes, job.stored, *stages)
         self._finish(job)
-        if job.kind == "offload":
-            job.storage.batch_finished()
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: _Job, error: BaseException | None = None) -> None:
+        """Give back the job's buffers and budget, tell its storage, then free its slot (last,
+        so that ``drain`` returning means the storage knows)."""
         for pool, buf in job.buffers:
             pool.release(buf)
         job.buffers = job.keep = ()
@@ -437,14 +439,17 @@ class Pipeline:
         if job.limit_bytes:
             self.limiter.release(job.limit_bytes)
             job.limit_bytes = 0
+        if job.kind == "offload":
+            job.storage.batch_finished(error)
+        elif job.reader_release:
+            job.reader_release = False
+            job.storage.reader_done()
         self._release_slot(job.slot)
 
     def _fail(self, job: _Job, exc: BaseException) -> None:
         if self.cuda:  # buffers may still be in use by queued GPU work
             torch.cuda.synchronize(self.device)
-        self._finish(job)
-        if job.kind == "offload":
-            job.storage.batch_finished(exc)
+        self._finish(job, exc)
 
     def close(self) -> None:
         if not self.closed:
