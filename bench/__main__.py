@@ -45,9 +45,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="MiB per corpus (default 128 on a GPU, 4 on the CPU)")
     ap.add_argument("--page-size", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=10, help="timed runs per measurement (max)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed runs first")
-    ap.add_argument("--budget", type=float, default=10.0,
-                    help="stop repeating once timed runs of one measurement took this many s")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed runs first (default 2 on a GPU, 1 on the CPU)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="stop repeating once timed runs of one measurement took this many s "
+                    "(default 10 on a GPU, 2 on the CPU)")
     ap.add_argument("--threads", type=int, default=harness.baselines.default_threads(),
                     help="threads for the lz4-cpu-mt baseline (default: all usable cores)")
     ap.add_argument("--verify-pages", type=int, default=0,
@@ -68,11 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    mib = args.mib if args.mib is not None else (128.0 if device.startswith("cuda") else 4.0)
+    gpu = device.startswith("cuda")
+    mib = args.mib if args.mib is not None else (128.0 if gpu else 4.0)
+    warmup = args.warmup if args.warmup is not None else (2 if gpu else 1)
+    budget = args.budget if args.budget is not None else (10.0 if gpu else 2.0)
     cfg = harness.Config(
         corpora=args.corpora, codecs=args.codecs, device=device, mib=mib,
-        page_size=args.page_size, repeats=args.repeats, warmup=args.warmup,
-        budget_s=args.budget, seed=args.seed, threads=args.threads,
+        page_size=args.page_size, repeats=args.repeats, warmup=warmup,
+        budget_s=budget, seed=args.seed, threads=args.threads,
         verify_pages=args.verify_pages, commit=args.commit,
         pagecomp_backend=args.pagecomp_backend,
     )
@@ -101,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             progress(f"wrote {png}")
     bad = [r["label"] + " on " + r["corpus"] for r in rep["results"]
            if r.get("roundtrip_ok") is False]
+    interop = [r["label"] + " on " + r["corpus"] for r in rep["results"]
+               if r.get("interop_ok") is False]
+    if interop:
+        progress("nvCOMP interop check failed (see interop in the JSON): " + "; ".join(interop))
     if bad:
         progress("FAILED (round trip or error): " + "; ".join(bad))
         return 1

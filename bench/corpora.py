@@ -83,6 +83,10 @@ class _Pool:
         self._done = False
         self.sources = 0
 
+    @property
+    def nbytes(self) -> int:
+        return len(self._buf)
+
     def get(self, nbytes: int) -> torch.Tensor:
         """At least ``nbytes`` bytes as ``uint8 [L]`` (CPU) unless the machine has fewer."""
         if self._it is None:
@@ -198,6 +202,12 @@ CORPORA: dict[str, Corpus] = {
         Corpus("gpt-weights", 2, "tiny GPT weights, bf16", _gpt("weights")),
     ]
 }
+
+
+def pool_stats() -> dict:
+    """Files and bytes read so far into the text and binary pools (for the report)."""
+    return {name: {"files": pool.sources, "bytes": pool.nbytes}
+            for name, pool in (("text", TEXT_POOL), ("binary", BINARY_POOL))}
 
 
 def element_size(name: str) -> int:

@@ -130,8 +130,9 @@ def chart(report: dict, png: str) -> None:
             for k, cp in enumerate(report.get("copies") or []):
                 if cp.get("gbps"):
                     ax.axhline(cp["gbps"], ls="--", lw=1, color=f"C{k + 6}")
-                    ax.annotate(f"copy {cp['name']}", (len(corpora) - 0.5, cp["gbps"]),
-                                fontsize=7, ha="right", va="bottom", color=f"C{k + 6}")
+                    x, ha = (len(corpora) - 0.5, "right") if k % 2 else (-0.5, "left")
+                    ax.annotate(f"copy {cp['name']} {cp['gbps']:.0f} GB/s", (x, cp["gbps"]),
+                                fontsize=7, ha=ha, va="bottom", color=f"C{k + 6}")
         else:
             ax.axhline(1.0, color="black", lw=0.8)
         ax.set_ylabel(title)
@@ -142,7 +143,7 @@ def chart(report: dict, png: str) -> None:
     axes[-1].set_xticks(range(len(corpora)))
     axes[-1].set_xticklabels(corpora, rotation=20)
     fig.suptitle(f"torch-pagecomp, {report.get('device')}, {report.get('page_size')}-byte pages,"
-                 f" commit {str(report.get('commit'))[:12]}, {report.get('date')}", fontsize=10)
+                 f" commit {str(report.get('commit'))[:24]}, {report.get('date')}", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(png, dpi=110)
     plt.close(fig)

@@ -159,6 +159,19 @@ def test_interop_checker(name, width):
                 and got.get("bitshuffle_equals_pagecomp", True)), (got, seed)
 
 
+def test_interop_records_decoder_failure(monkeypatch):
+    pages = corpora.build_corpus("text", 8 * 4096)
+    plan = _fake_nvcomp_plan(pages, 1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel did not compile")
+
+    monkeypatch.setattr(harness.pc, "decompress", broken)
+    got = harness.nvcomp_interop(plan, pages, list(range(8)))
+    assert got["python_lz4_roundtrip"] and got["pagecomp_decoder_roundtrip"] is False
+    assert "did not compile" in got["pagecomp_decoder_error"]
+
+
 def test_nvcomp_optional():
     assert nvc.ctypes.sizeof(nvc.CompressOpts) == nvc.ctypes.sizeof(nvc.DecompressOpts) == 64
     lib, reason = nvc.load()
