@@ -171,7 +171,7 @@ def bench_corpus(name: str, args, device: torch.device) -> dict:
     pages = corpora.build_corpus(name, nbytes, args.page_size, device, args.seed)
     pc = PageCompressor(device=device, page_size=args.page_size, batch_pages=args.batch_pages,
                         slots=args.slots, max_pinned_bytes=args.max_pinned_bytes)
-    row = {"corpus": name, "element_size": es, "nbytes": pages.numel(),
+    row = {"corpus": name, "device": str(device), "element_size": es, "nbytes": pages.numel(),
            "batch_pages": pc.batch_pages, "slots": args.slots}
     log(f"{name}: kernels alone")
     row["compress_kernel_gbps"], row["decompress_kernel_gbps"] = kernel_rates(
@@ -247,7 +247,8 @@ def timeline_png(row: dict, path: str, max_batches: int = 24) -> bool:
     ax.set_yticks([s * 3 + j + 0.4 for s in lanes for j in range(3)])
     ax.set_yticklabels([f"slot {s} {st}" for s in lanes for st in ("up", "kernel", "down")])
     ax.set_xlabel("ms")
-    ax.set_title(f"{row['corpus']}: offload stages per slot (CUDA events), "
+    clock = "CUDA events" if row.get("device", "").startswith("cuda") else "perf_counter"
+    ax.set_title(f"{row['corpus']}: offload stages per slot ({clock}), "
                  f"{row['nbytes'] >> 20} MiB, ratio {row['ratio']:.2f}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

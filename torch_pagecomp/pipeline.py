@@ -320,6 +320,8 @@ class Pipeline:
                 end = torch.cuda.Event()
                 end.record(self.compute)
                 consumer.wait_event(end)
+                for status in statuses:  # read later on the caller's stream
+                    status.record_stream(consumer)
                 if count == 0:
                     storage.reader_done()
                 elif count <= last:  # failed part-way: release after the queued batches

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -50,9 +51,15 @@ class HostMemory:
         if pin:
             ptr = self.tensor.data_ptr()
             rc = torch.cuda.cudart().cudaHostRegister(ptr, self.held_bytes, 0)
-            if int(rc) != 0:
-                raise RuntimeError(f"cudaHostRegister({self.held_bytes} bytes) failed: {rc}")
-            self.pinned = True
+            code = int(getattr(rc, "value", rc))
+            if code != 0:  # e.g. RLIMIT_MEMLOCK: stay correct, copies become synchronous
+                warnings.warn(
+                    f"cudaHostRegister({self.held_bytes} bytes) failed ({rc}); using pageable "
+                    "host memory",
+                    stacklevel=2,
+                )
+            else:
+                self.pinned = True
 
     def release(self) -> None:
         """Unregister (the mapping itself goes when the last tensor view is dropped)."""
