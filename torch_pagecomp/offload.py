@@ -26,7 +26,6 @@ offsets, so gradients are bit-identical):
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import warnings
 import weakref
@@ -34,7 +33,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .offload_entry import _Entry, _Packed, _Pass
+from .offload_entry import _Entry, _in_backward, _is_param_like, _Packed, _Pass, _tls, keep_on_gpu
 from .offload_store import (
     ClassPolicy,
     CompressedStore,
@@ -46,31 +45,6 @@ from .offload_store import (
 )
 
 MODES = ("compressed", "uncompressed")
-_tls = threading.local()
-
-
-@contextlib.contextmanager
-def keep_on_gpu():
-    """Inside this context no offloader moves saved tensors: they stay where they are."""
-    _tls.keep = getattr(_tls, "keep", 0) + 1
-    try:
-        yield
-    finally:
-        _tls.keep -= 1
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-def _is_param_like(t: torch.Tensor, keep_casts: bool) -> bool:
-    base = t._base if t._base is not None else t
-    if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
-        return True
-    if keep_casts and base.grad_fn is not None and base.grad_fn.name() == "ToCopyBackward0":
-        nxt = base.grad_fn.next_functions
-        return bool(nxt) and nxt[0][0] is not None and nxt[0][0].name() == "AccumulateGrad"
-    return False
 
 
 class ActivationOffloader:
@@ -79,7 +53,8 @@ class ActivationOffloader:
     Args:
         mode: ``"compressed"`` (PageCompressor pages, per-class fallback to a pinned copy) or
             ``"uncompressed"`` (stream-overlapped pinned copies only).
-        prefetch: groups restored ahead of the one backward is in (0: on demand).
+        prefetch: the first unpack in group ``k`` restores groups ``k .. k - prefetch``
+            (0: each tensor on demand when unpacked).
         min_offload_bytes: storages smaller than this stay where they are.
         max_in_flight_bytes: GPU bytes kept alive by unfinished copies before compute waits.
         group_bytes: a new prefetch group starts once a group holds this many bytes (None: only
@@ -145,6 +120,9 @@ class ActivationOffloader:
         self._handles: list = []
         self._peak_host = 0
         self.counters = collections.Counter()
+        # Race tests only: drop a barrier ("producer", "release", "restore") / delay side streams.
+        self._unsafe: set[str] = set()
+        self._sleep_cycles = 0
 
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> ActivationOffloader:
@@ -242,9 +220,11 @@ class ActivationOffloader:
             entry.store, entry.stored = self._cpu, self._cpu.offload(src, esize)
             entry.submitted.set()
         else:
-            side = self._stream(dev, "d2h")
+            side, entry.stream = self._stream(dev, "d2h"), torch.cuda.current_stream(dev)
             with torch.cuda.stream(side):
-                side.wait_stream(torch.cuda.current_stream(dev))
+                if "producer" not in self._unsafe:
+                    side.wait_stream(entry.stream)
+                self._side_sleep()
                 entry.stored = self._pinned.offload(src, esize)
             if entry.stored is None:
                 return None
@@ -269,7 +249,7 @@ class ActivationOffloader:
     def _submit_offload(self, entry: _Entry, src: torch.Tensor, esize: int, cls: tuple) -> None:
         """Hand a compressed offload to the worker, ordered after the compute stream's work so
         far (the worker's current stream waits for an event recorded here)."""
-        dev, store, samples = entry.device, entry.store, self._samples
+        dev, store, samples, unsafe = entry.device, entry.store, self._samples, self._unsafe
         entry.stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
         produced = entry.stream.record_event() if entry.stream is not None else None
         gate = self._stream(dev, "gate") if produced is not None else None
@@ -279,7 +259,8 @@ class ActivationOffloader:
                 if gate is not None:
                     torch.cuda.set_device(dev)
                     with torch.cuda.stream(gate):
-                        gate.wait_event(produced)
+                        if "producer" not in unsafe:
+                            gate.wait_event(produced)
                         entry.stored = store.offload(src, esize)
                 else:
                     entry.stored = store.offload(src, esize)
@@ -295,7 +276,7 @@ class ActivationOffloader:
         """Drop the stash's hold on ``entry``'s GPU storage (its copy is done, or ``wait``)."""
         if wait:
             stored = entry.wait_stored()
-            if entry.stream is not None:
+            if "release" not in self._unsafe:
                 stored.wait_on(entry.stream)
         entry.src = None
         self._stash_bytes -= entry.nbytes
@@ -326,7 +307,7 @@ class ActivationOffloader:
                 self.counters["restored_on_demand"] += 1
                 self._restore([entry])
         entry.wait_restored()
-        if entry.restore_event is not None:
+        if entry.restore_event is not None and "restore" not in self._unsafe:
             current = torch.cuda.current_stream(entry.device)
             current.wait_event(entry.restore_event)
             if current != entry.stream:
@@ -336,6 +317,8 @@ class ActivationOffloader:
 
     def _prefetch(self, entry: _Entry) -> None:
         ps, todo = entry.pass_, []
+        if self.prefetch == 0:
+            return
         for k in range(entry.group, max(-1, entry.group - self.prefetch - 1), -1):
             if ps.issued[k]:
                 continue
@@ -372,6 +355,7 @@ class ActivationOffloader:
                 with torch.cuda.stream(side):
                     for ev in allocated:
                         side.wait_event(ev)
+                    self._side_sleep()
                     e.store.restore(e.stored, e.restored)
                     e.restore_event = side.record_event()
                 e.restore_done.set()
@@ -387,6 +371,7 @@ class ActivationOffloader:
                 with torch.cuda.stream(side):
                     for ev in allocated:
                         side.wait_event(ev)
+                    self._side_sleep()
                     e.store.restore(stored, e.restored)
                     e.restore_event = side.record_event()
             except BaseException as exc:  # noqa: BLE001 - raised at unpack
@@ -416,6 +401,11 @@ class ActivationOffloader:
             self._poll()
 
     # ------------------------------------------------------------------------ helpers
+    def _side_sleep(self) -> None:
+        """Tests: delay the current side stream to widen race windows."""
+        if self._sleep_cycles:
+            torch.cuda._sleep(self._sleep_cycles)
+
     def _stream(self, dev: torch.device, name: str) -> torch.cuda.Stream:
         key = (dev.index if dev.index is not None else torch.cuda.current_device(), name)
         if key not in self._streams:
@@ -440,6 +430,13 @@ class ActivationOffloader:
                     max_pinned_bytes=self._max_pinned,
                 )
         return self._compressors[key]
+
+    def synchronize(self) -> None:
+        """Wait until every offload started so far is stored; drop the stash's GPU storages."""
+        with self._lock:
+            while self._stash:
+                self._release(self._stash.popleft(), wait=True)
+            self._poll()
 
     def host_bytes(self) -> int:
         """Host bytes held now by live offloaded storages (compressed sizes once known)."""

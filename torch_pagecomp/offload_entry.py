@@ -2,10 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
 import torch
+
+_tls = threading.local()
+
+
+@contextlib.contextmanager
+def keep_on_gpu():
+    """Inside this context no offloader moves saved tensors: they stay where they are."""
+    _tls.keep = getattr(_tls, "keep", 0) + 1
+    try:
+        yield
+    finally:
+        _tls.keep -= 1
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _is_param_like(t: torch.Tensor, keep_casts: bool) -> bool:
+    """A parameter, a leaf requiring grad, a view of one, or (``keep_casts``) a dtype cast of
+    one (what autocast saves for a linear layer)."""
+    base = t._base if t._base is not None else t
+    if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
+        return True
+    fn = base.grad_fn
+    if keep_casts and fn is not None and fn.name().startswith("ToCopyBackward"):
+        nxt = fn.next_functions
+        return bool(nxt) and nxt[0][0] is not None and "AccumulateGrad" in nxt[0][0].name()
+    return False
 
 
 class _Pass:

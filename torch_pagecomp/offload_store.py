@@ -116,8 +116,8 @@ class RawStored:
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
-    def wait_on(self, stream: torch.cuda.Stream) -> None:
-        if self.event is not None:
+    def wait_on(self, stream: torch.cuda.Stream | None) -> None:
+        if self.event is not None and stream is not None:
             stream.wait_event(self.event)
 
     def host_nbytes(self) -> int:
@@ -166,7 +166,7 @@ class CompressedStored:
     def ready(self) -> bool:
         return self._stored is not None or (not self.freed and self.handle.ready())
 
-    def wait_on(self, stream: torch.cuda.Stream) -> None:
+    def wait_on(self, stream: torch.cuda.Stream | None) -> None:
         """Until the offload is stored (a host wait: the handle offers no event)."""
         self.handle.wait()
 
