@@ -1,0 +1,46 @@
+"""``@triton.jit`` bit-shuffle helpers, fused into the compression kernel.
+
+The transform is ``torch_pagecomp.format``'s (identical bytes to
+``torch_pagecomp.shuffle.bitshuffle``): a page of ``n = P / E`` little-endian ``E``-byte elements
+becomes ``8E`` bit planes of ``n / 8`` bytes, plane ``b`` first for ``b = 0``.
+
+Per group of 8 elements and per byte lane ``j`` of the element, the 8 bytes ``x[8g + t]`` byte
+``j`` form an 8x8 bit matrix (row ``t`` = element, column = bit); its transpose holds, in byte
+``r``, bit ``r`` of the 8 elements, i.e. byte ``g`` of plane ``8j + r``. The transpose is three
+delta swaps on one 64-bit word (Hacker's Delight, ``transpose8``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def transpose8x8(x):
+    """Transpose 8x8 bit matrices held in int64 words (bit ``8 * row + col``), elementwise."""
+    t = (x ^ (x >> 7)) & 0x00AA00AA00AA00AA
+    x = x ^ t ^ (t << 7)
+    t = (x ^ (x >> 14)) & 0x0000CCCC0000CCCC
+    x = x ^ t ^ (t << 14)
+    t = (x ^ (x >> 28)) & 0x00000000F0F0F0F0
+    x = x ^ t ^ (t << 28)
+    return x
+
+
+@triton.jit
+def bitshuffle_page(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.constexpr):
+    """Write the bit-shuffle of the ``P``-byte page at ``src`` (uint8 ptr) to ``dst`` (uint8 ptr).
+
+    ``E`` is 2 or 4; ``GCH`` (a power of two <= P / (8E)) groups of 8 elements per step.
+    """
+    GROUPS: tl.constexpr = P // (8 * E)
+    gi = tl.arange(0, GCH)[:, None]
+    t = tl.arange(0, 8)[None, :]
+    for j in tl.static_range(E):
+        for g0 in range(0, GROUPS, GCH):
+            g = g0 + gi
+            b = tl.load(src + g * (8 * E) + t * E + j).to(tl.int64)
+            x = transpose8x8(tl.sum(b << (8 * t).to(tl.int64), axis=1))
+            y = (x[:, None] >> (8 * t).to(tl.int64)) & 255
+            tl.store(dst + (8 * j + t) * GROUPS + g, y.to(tl.uint8))

@@ -1,0 +1,315 @@
+"""Triton LZ4 page compression: ``compress_pages`` (the launcher behind ``pagecomp::compress``).
+
+Output: the fixed-stride container of ``torch_pagecomp.format`` (``payload uint8 [N, P]`` with a
+zero tail, ``sizes int32 [N]``, ``kinds uint8 [N]``), the same kind rules as
+``cpu_codec.compress_cpu``; every LZ4 page is a standard LZ4 block.
+
+Design (one small program, 1-2 warps, owns one page at a time; a persistent grid of
+``programs_per_sm x SMs`` programs loops over the pages):
+
+1. Same-filled check: one vectorised pass compares the page with its first byte. Filled pages
+   skip everything else (size 1, the byte, zeros).
+2. ``element_size`` 2/4: the program bit-shuffles its page (8x8 bit transposes on 64-bit words,
+   ``bitshuffle.py``) into a private P-byte scratch row that stays in L1/L2; all LZ4 work reads
+   that row. No separate pass over memory.
+3. Match candidates, a window of ``W`` positions at a time (all positions of the window at
+   once): hash of the 4-byte word at every position; two hash tables in private global scratch
+   (int32 entries ``tag << log2(P) | position``, tags so the tables are cleared only once per
+   launch): ``last`` (``atomic_max``, tag = page counter) gives the most recent occurrence in an
+   earlier window, ``first`` (a small ``atomic_min`` table, decreasing tag per window) the first
+   occurrence inside the window. A candidate must be earlier and its word must really match
+   (collisions never produce wrong output, only lost matches). This approximates "most recent
+   occurrence" (what LZ4's hash table gives) closely enough to match python-lz4's ratio.
+4. Greedy parse, sequential but cheap: within the window, a vector min finds the next position
+   with a candidate (a window without one costs one step); the match is extended ``EXT`` bytes
+   per step with vector compares; the sequence (token, length extensions, literals, offset) is
+   rendered straight into the output row with vector stores, every lane computing its own byte.
+   The LZ4 end rules hold by construction: matches start at most ``P - 12`` and end at most at
+   ``P - 5``; offsets are ``1..P-1 <= 65535``.
+5. The last literals are written only if the block fits ``lz4_keep_limit(P)``; otherwise (or once
+   the output passes the limit) the page goes RAW. A final pass writes the RAW copy, the FILL byte
+   or the zero tail, so every byte of the row is written exactly once after a barrier.
+
+Barriers (``tl.debug_barrier``) separate table atomics from other threads' reads, and the encoded
+bytes from a RAW overwrite. Table reads use ``.cg`` (L2) loads: atomics are performed in L2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from torch_pagecomp import format as fmt
+
+from .bitshuffle import bitshuffle_page
+
+
+@triton.jit
+def _word_at(ptr32, i, mask):
+    """uint32 little-endian word of the 4 bytes at byte offset ``i`` (needs ``i + 8 <= P``)."""
+    k = i >> 2
+    lo = tl.load(ptr32 + k, mask=mask, other=0).to(tl.uint64)
+    hi = tl.load(ptr32 + k + 1, mask=mask, other=0).to(tl.uint64)
+    return ((lo | (hi << 32)) >> ((i & 3) * 8).to(tl.uint64)).to(tl.uint32)
+
+
+@triton.jit
+def _ext_len(n):
+    """Extension bytes after a 4-bit length field holding ``n``."""
+    return tl.where(n >= 15, (n - 15) // 255 + 1, 0)
+
+
+@triton.jit
+def _match_len(data, p, c, P: tl.constexpr, EXT: tl.constexpr):
+    """Length of the match at ``p`` against ``c < p`` (>= 4 known), ending at most at ``P - 5``."""
+    k = tl.arange(0, EXT)
+    n = p + 4
+    go = n < P - 5
+    while go:
+        m = n + k < P - 5
+        a = tl.load(data + n + k, mask=m, other=0)
+        b = tl.load(data + (c - p) + n + k, mask=m, other=1)
+        d = tl.min(tl.where(a != b, k, EXT))
+        n += d
+        go = d == EXT
+    return n - p
+
+
+@triton.jit
+def _emit(
+    dst, data, out, anchor, lit, off, ml, HAS_MATCH: tl.constexpr, P: tl.constexpr, V: tl.constexpr
+):
+    """Write one sequence at ``dst + out``; returns the new output position.
+
+    ``lit`` literals from ``data + anchor``; then, if ``HAS_MATCH``, offset ``off`` and match
+    length ``ml + 4``. Every lane computes its byte: token, extensions, literal, offset.
+    """
+    nle = _ext_len(lit)
+    lit0 = 1 + nle
+    off0 = lit0 + lit
+    if HAS_MATCH:
+        nme = _ext_len(ml)
+        token = (tl.minimum(lit, 15) << 4) | tl.minimum(ml, 15)
+        n = off0 + 2 + nme
+    else:
+        nme = 0
+        token = tl.minimum(lit, 15) << 4
+        n = off0
+    lit_last = lit - 15 - 255 * (nle - 1)
+    ml_last = ml - 15 - 255 * (nme - 1)
+    for q in range(0, n, V):
+        k = q + tl.arange(0, V)
+        is_lit = (k >= lit0) & (k < off0)
+        v = tl.load(data + anchor + (k - lit0), mask=is_lit, other=0).to(tl.int32)
+        v = tl.where(k < lit0, tl.where(k < nle, 255, lit_last), v)
+        me = k - off0 - 2
+        v = tl.where(k >= off0 + 2, tl.where(me < nme - 1, 255, ml_last), v)
+        v = tl.where(k == off0, off & 255, v)
+        v = tl.where(k == off0 + 1, off >> 8, v)
+        v = tl.where(k == 0, token, v)
+        tl.store(dst + out + k, v.to(tl.uint8), mask=(k < n) & (out + k < P))
+    return out + n
+
+
+@triton.jit
+def _lz4_compress_kernel(
+    pages_ptr,
+    payload_ptr,
+    sizes_ptr,
+    kinds_ptr,
+    tab_ptr,
+    shuf_ptr,
+    n_pages,
+    P: tl.constexpr,
+    PB: tl.constexpr,
+    E: tl.constexpr,
+    KIND_LZ4: tl.constexpr,
+    HB: tl.constexpr,
+    FB: tl.constexpr,
+    W: tl.constexpr,
+    EXT: tl.constexpr,
+    V: tl.constexpr,
+    CH: tl.constexpr,
+):
+    """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
+
+    pages/payload ``uint8 [N, P]``, sizes ``int32 [N]``, kinds ``uint8 [N]``, tab ``int32
+    [G, 2**HB + 2**FB]`` (uninitialised), shuf ``uint8 [G, P]`` (E > 1).
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    H: tl.constexpr = 1 << HB
+    F: tl.constexpr = 1 << FB
+    TMAX: tl.constexpr = 0x7FFFFFFF >> PB
+    PMASK: tl.constexpr = (1 << PB) - 1
+    NWIN: tl.constexpr = (P - 12 + W) // W
+    LIMIT: tl.constexpr = P - P // 32
+    MAXS: tl.constexpr = P - 12
+    EMPTY_FIRST: tl.constexpr = 0x7FFFFFFF
+    NOKEY: tl.constexpr = 0x7FFFFFFF
+    tlast = tab_ptr + pid.to(tl.int64) * (H + F)
+    tfirst = tlast + H
+    ch = tl.arange(0, CH)
+    for q in range(0, H, CH):
+        tl.store(tlast + q + ch, tl.zeros([CH], tl.int32), mask=q + ch < H)
+    for q in range(0, F, CH):
+        tl.store(tfirst + q + ch, tl.full([CH], EMPTY_FIRST, tl.int32), mask=q + ch < F)
+    tl.debug_barrier()
+    pc = 0
+    wc = 0
+    widx = tl.arange(0, W)
+    for it in range(0, tl.cdiv(n_pages - pid, nprog)):
+        page = pid + it * nprog
+        base = page.to(tl.int64) * P
+        src = pages_ptr + base
+        dst = payload_ptr + base
+        first = tl.load(src)
+        diff = 0
+        for q in range(0, P, CH):
+            b = tl.load(src + q + ch)
+            diff = diff | tl.max((b != first).to(tl.int32))
+        size = page * 0 + 1
+        kind = page * 0 + 2
+        keep = page * 0
+        if diff != 0:
+            if E > 1:
+                data = shuf_ptr + pid.to(tl.int64) * P
+                bitshuffle_page(src, data, P, E, 64)
+                tl.debug_barrier()
+            else:
+                data = src
+            data32 = data.to(tl.pointer_type(tl.uint32))
+            pc += 1
+            if pc > TMAX:
+                for q in range(0, H, CH):
+                    tl.store(tlast + q + ch, tl.zeros([CH], tl.int32), mask=q + ch < H)
+                tl.debug_barrier()
+                pc = 1
+            if wc + NWIN >= TMAX:
+                for q in range(0, F, CH):
+                    tl.store(tfirst + q + ch, tl.full([CH], EMPTY_FIRST, tl.int32), mask=q + ch < F)
+                tl.debug_barrier()
+                wc = 0
+            pos = 0
+            anchor = 0
+            out = 0
+            w0 = 0
+            while w0 <= MAXS:
+                wc += 1
+                idx = w0 + widx
+                valid = idx <= MAXS
+                word = _word_at(data32, idx, valid)
+                prod = word * 2654435761
+                h = (prod >> (32 - HB)).to(tl.int32)
+                hf = (prod >> (32 - FB)).to(tl.int32)
+                tag_f = TMAX - wc
+                tl.atomic_min(tfirst + hf, (tag_f << PB) | idx, mask=valid, sem="relaxed")
+                last = tl.load(tlast + h, mask=valid, other=0, cache_modifier=".cg")
+                tl.debug_barrier()
+                fv = tl.load(tfirst + hf, mask=valid, other=EMPTY_FIRST, cache_modifier=".cg")
+                tl.atomic_max(tlast + h, (pc << PB) | idx, mask=valid, sem="relaxed")
+                cf = tl.where((fv >> PB) == tag_f, fv & PMASK, idx)
+                cl = tl.where((last >> PB) == pc, last & PMASK, -1)
+                c = tl.where(cf < idx, cf, cl)
+                ok = valid & (c >= 0)
+                ok = ok & (_word_at(data32, c, ok) == word)
+                key = tl.where(ok, (widx << 16) | c, NOKEY)
+                wend = tl.minimum(w0 + W, MAXS + 1)
+                while pos < wend:
+                    k = tl.min(tl.where(idx >= pos, key, NOKEY))
+                    if k != NOKEY:
+                        p = w0 + (k >> 16)
+                        c = k & 0xFFFF
+                        mlen = _match_len(data, p, c, P, EXT)
+                        out = _emit(dst, data, out, anchor, p - anchor, p - c, mlen - 4, True, P, V)
+                        pos = p + mlen
+                        anchor = pos
+                    else:
+                        pos = wend
+                w0 += W
+                if out > LIMIT:
+                    w0 = P
+                tl.debug_barrier()
+            lit = P - anchor
+            final = out + 1 + _ext_len(lit) + lit
+            if final <= LIMIT:
+                _emit(dst, data, out, anchor, lit, 0, 0, False, P, V)
+                size = final
+                kind = KIND_LZ4
+                keep = final
+            else:
+                size = P
+                kind = 0
+        tl.debug_barrier()
+        for q in range(0, P, CH):
+            o = q + ch
+            kind_o = o * 0 + kind  # a vector: the interpreter mishandles scalar & vector masks
+            v = tl.load(src + o, mask=(o < P) & (kind_o == 0), other=0)
+            v = tl.where((o == 0) & (kind_o == 2), first, v)
+            tl.store(dst + o, v, mask=o >= keep)
+        tl.store(sizes_ptr + page, size)
+        tl.store(kinds_ptr + page, kind)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def table_bits(page_size: int, window: int) -> tuple[int, int]:
+    """log2 sizes of the ``last`` (per page) and ``first`` (per window) hash tables."""
+    return min(page_size.bit_length() - 1, 14), window.bit_length() + 2
+
+
+def _num_programs(pages: torch.Tensor, programs_per_sm: int) -> int:
+    n = pages.shape[0]
+    if pages.device.type != "cuda" or _interpreting():
+        return min(n, 3)
+    sms = torch.cuda.get_device_properties(pages.device).multi_processor_count
+    return min(n, sms * programs_per_sm)
+
+
+def compress_pages(
+    pages: torch.Tensor,
+    element_size: int = 1,
+    *,
+    num_warps: int = 1,
+    programs_per_sm: int = 16,
+    window: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
+
+    Returns the fixed-stride ``(payload uint8 [N, P], sizes int32 [N], kinds uint8 [N])`` of
+    ``torch_pagecomp.format``. ``element_size`` 2 or 4 bit-shuffles each page before LZ4.
+    Launches on ``pages``' device and current stream; never synchronises with the host.
+    ``num_warps``, ``programs_per_sm`` and ``window`` (positions per candidate step) tune speed
+    only; the output depends on ``window`` but is always a valid block.
+    """
+    n, page_size = pages.shape
+    dev = pages.device
+    payload = torch.empty((n, page_size), dtype=torch.uint8, device=dev)
+    sizes = torch.empty((n,), dtype=torch.int32, device=dev)
+    kinds = torch.empty((n,), dtype=torch.uint8, device=dev)
+    if n == 0:
+        return payload, sizes, kinds
+    pb = page_size.bit_length() - 1
+    hb, fb = table_bits(page_size, window)
+    grid = _num_programs(pages, programs_per_sm)
+    tabs = torch.empty((grid, (1 << hb) + (1 << fb)), dtype=torch.int32, device=dev)
+    shuf_rows = grid if element_size > 1 else 1
+    shuf = torch.empty((shuf_rows, page_size), dtype=torch.uint8, device=dev)
+    kind_lz4 = fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4)
+    kernel = torch.library.wrap_triton(_lz4_compress_kernel)
+    args = (pages, payload, sizes, kinds, tabs, shuf, n)
+    meta = dict(
+        P=page_size, PB=pb, E=element_size, KIND_LZ4=kind_lz4, HB=hb, FB=fb,
+        W=window, EXT=64, V=64, CH=1024, num_warps=num_warps,
+    )
+    if dev.type == "cuda":
+        with torch.cuda.device(dev):
+            kernel[(grid,)](*args, **meta)
+    else:
+        kernel[(grid,)](*args, **meta)
+    return payload, sizes, kinds
