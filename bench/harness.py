@@ -86,8 +86,12 @@ def _cpu_name() -> str:
 
 
 def environment(device: torch.device, cfg: Config, nv_version: str | None) -> dict:
-    import triton
+    try:
+        import triton
 
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
@@ -101,7 +105,7 @@ def environment(device: torch.device, cfg: Config, nv_version: str | None) -> di
         "driver": driver,
         "host_cpu": f"{_cpu_name()} x{baselines.default_threads()}",
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": triton_version,
         "python": platform.python_version(),
         "lz4": lz4.__version__,
         "nvcomp": nv_version,
