@@ -52,9 +52,9 @@ def format_table(report: dict) -> str:
         vs = r.get("vs_nvcomp")
         vs_s = (f"{vs['compress']:.2f}x / {vs['decompress']:.2f}x / {vs['ratio']:.3f}x"
                 if vs else "")
-        note = ("skipped: " + r["skipped"][:60]) if r.get("skipped") else ""
+        note = ("skipped: " + " ".join(r["skipped"].split())[:60]) if r.get("skipped") else ""
         if r.get("error"):
-            note = "ERROR: " + r["error"][:100]
+            note = "ERROR: " + " ".join(r["error"].split())[:120]
         if r["codec"] == "pagecomp" and "backend" in r:
             k = r.get("page_kinds", {})
             note = (f"backend={r['backend']} "
