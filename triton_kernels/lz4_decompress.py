@@ -20,13 +20,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from torch_pagecomp import format as fmt
 
 from .bitunshuffle import unshuffle_groups
 
 VEC = 32  # bytes per copy step of a short literal run or match (one per lane of the warp)
-BIG = 128  # bytes per step of the rest of a long run
+BIG = 256  # bytes per step of the rest of a long run
 EXT = 32  # bytes per step of a long length extension
 RAW_BLOCK = 1024  # bytes per step of a RAW / FILL page
 UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle
@@ -44,11 +45,11 @@ _SHORT = tl.constexpr(fmt.STATUS_SHORT)
 
 
 @triton.jit
-def _ext_long(src, p, end, acc, EXT: tl.constexpr):
+def _ext_long(src, p, end, acc, st, EXT: tl.constexpr):
     """Add the length extension bytes at ``src[p:end]`` to ``acc`` (saturating at int32 max).
 
-    Returns ``(acc, p after the last extension byte, complete)``; ``complete`` is False when the
-    input ends inside the extension. Every step consumes ``EXT`` bytes or ends the loop.
+    Returns ``(acc, p after the last extension byte, st)``, ``st`` TRUNCATED when the input ends
+    inside the extension. Every step consumes ``EXT`` bytes or ends the loop.
     """
     ar = tl.arange(0, EXT)
     done = p < 0
@@ -57,32 +58,23 @@ def _ext_long(src, p, end, acc, EXT: tl.constexpr):
         w = tl.load(src + p + ar, mask=ar < end - p, other=255).to(tl.int32)
         j = tl.min(tl.where(w != 255, ar, EXT), axis=0)
         part = tl.sum(tl.where(ar <= j, w, 0), axis=0)
-        acc = tl.where(part > _INT32_MAX - acc, _INT32_MAX, acc + part)
+        acc = tl.minimum(acc, _INT32_MAX - part) + part
         p += tl.minimum(j + 1, tl.minimum(end - p, EXT))
         done = j < EXT
         more = (~done) & (p < end)
-    return acc, p, done
-
-
-@triton.jit
-def _ext(src, p, end, acc, st, EXT: tl.constexpr):
-    """Length extension at ``src[p]`` (the nibble was 15): ``(acc, p, st)``; st -> TRUNCATED."""
-    b = tl.load(src + p, mask=p < end, other=255).to(tl.int32)
-    if b == 255:
-        acc, p, done = _ext_long(src, p, end, acc, EXT)
-        st = tl.where(done, st, _TRUNCATED)
-    else:
-        acc += b
-        p += 1
-    return acc, p, st
+    return acc, p, tl.where(done, st, _TRUNCATED)
 
 
 @triton.jit
 def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift,
                 VEC: tl.constexpr, BIG: tl.constexpr, EXT: tl.constexpr):
     """Decode the LZ4 block ``src[0:end]`` (``end >= 1``) into ``row`` (``P`` bytes); returns the
-    int32 status (0 ok). With ``SHUF``, byte ``y`` goes to ``shuffled_pos(y)`` (inlined here:
-    the interpreter pays ~0.4 ms per device-function call)."""
+    int32 status (0 ok). With ``SHUF``, byte ``y`` goes to ``bitunshuffle.shuffled_pos(y)``,
+    inlined here (the interpreter pays ~0.4 ms per device-function call).
+
+    Invariants at the top of the loop: ``0 <= ip < end`` and ``tok = src[ip]``; the status
+    decides, in the reference's order, and later checks only apply while it is ``_RUN``.
+    """
     ar = tl.arange(0, VEC)
     arb = tl.arange(0, BIG)
     gmask = (1 << glog) - 1
@@ -91,17 +83,23 @@ def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift
     st = end * 0 + _RUN
     tok = tl.load(src).to(tl.int32)
     while st == _RUN:
-        # ---- literals
+        # ---- literals: p <= end throughout
         lit = tok >> 4
         p = ip + 1
         if lit == 15:
-            lit, p, st = _ext(src, p, end, lit, st, EXT)
-        st = tl.where((st == _RUN) & (lit > end - p), _TRUNCATED, st)
-        st = tl.where((st == _RUN) & (lit > P - op), _OVERFLOW, st)
-        n = tl.where(st == _RUN, lit, 0)
-        # the offset is loaded before the literals are stored so both loads are in flight at once
+            b = tl.load(src + p, mask=p < end, other=255).to(tl.int32)
+            if b == 255:
+                lit, p, st = _ext_long(src, p, end, lit, st, EXT)
+            else:
+                lit += b
+                p += 1
+        st = tl.where(st == _RUN, tl.where(lit > end - p, _TRUNCATED,
+                                           tl.where(lit > P - op, _OVERFLOW, _RUN)), st)
+        ok = st == _RUN
+        n = tl.where(ok, lit, 0)
         q = p + n
-        has_off = (st == _RUN) & (end - q >= 2)
+        has_off = ok & (end - q >= 2)
+        # the offset is loaded before the literals are stored: both loads are in flight at once
         b0 = tl.load(src + q, mask=has_off, other=0).to(tl.int32)
         b1 = tl.load(src + q + 1, mask=has_off, other=0).to(tl.int32)
         v = tl.load(src + p + ar, mask=ar < n)
@@ -109,28 +107,35 @@ def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift
         if SHUF:
             dst = ((dst & gmask) << gshift) | (dst >> glog)
         tl.store(row + dst, v, mask=ar < n)
-        for k in range(VEC, n, BIG):
-            m = arb < n - k
-            v = tl.load(src + p + k + arb, mask=m)
-            dst = op + k + arb
-            if SHUF:
-                dst = ((dst & gmask) << gshift) | (dst >> glog)
-            tl.store(row + dst, v, mask=m)
+        if n > VEC:
+            for k in range(VEC, n, BIG):
+                m = arb < n - k
+                v = tl.load(src + p + k + arb, mask=m)
+                dst = op + k + arb
+                if SHUF:
+                    dst = ((dst & gmask) << gshift) | (dst >> glog)
+                tl.store(row + dst, v, mask=m)
         op += n
-        st = tl.where((st == _RUN) & (q == end), tl.where(op == P, _OK, _SHORT), st)
-        # ---- match
-        st = tl.where((st == _RUN) & ~has_off, _TRUNCATED, st)
+        # ---- the block ends after the literals, or a match follows
         d = b0 | (b1 << 8)
-        st = tl.where((st == _RUN) & ((d == 0) | (d > op)), _BAD_OFFSET, st)
-        p = q + 2
+        st = tl.where(ok, tl.where(q == end, tl.where(op == P, _OK, _SHORT),
+                                   tl.where(~has_off, _TRUNCATED,
+                                            tl.where((d == 0) | (d > op), _BAD_OFFSET, _RUN))),
+                      st)
+        p = q + 2  # only used while st == _RUN, and then q + 2 <= end
         ml = tok & 15
         if (st == _RUN) & (ml == 15):
-            ml, p, st = _ext(src, p, end, ml, st, EXT)
+            b = tl.load(src + p, mask=p < end, other=255).to(tl.int32)
+            if b == 255:
+                ml, p, st = _ext_long(src, p, end, ml, st, EXT)
+            else:
+                ml += b
+                p += 1
         ml += 4
-        st = tl.where((st == _RUN) & (ml > P - op), _OVERFLOW, st)
-        st = tl.where((st == _RUN) & (p >= end), _TRUNCATED, st)  # no token after the match
-        n = tl.where(st == _RUN, ml, 0)
-        tok = tl.load(src + p, mask=p < end, other=0).to(tl.int32)
+        st = tl.where(st == _RUN, tl.where(ml > P - op, _OVERFLOW,
+                                           tl.where(p >= end, _TRUNCATED, _RUN)), st)
+        n = tl.where(st == _RUN, ml, 0)  # n > 0 exactly while running
+        tok = tl.load(src + p, mask=n > 0, other=0).to(tl.int32)  # next token, early
         start = op - d
         tl.debug_barrier()  # the literals and earlier matches are visible to every lane
         if d >= tl.minimum(n, VEC):
@@ -161,8 +166,9 @@ def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift
 
 @triton.jit
 def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr, status_ptr,
-                       total, P: tl.constexpr, PLOG: tl.constexpr, VEC: tl.constexpr, BIG: tl.constexpr,
-                       EXT: tl.constexpr, RAW_BLOCK: tl.constexpr, GT: tl.constexpr):
+                       total, P: tl.constexpr, PLOG: tl.constexpr, VEC: tl.constexpr,
+                       BIG: tl.constexpr, EXT: tl.constexpr, RAW_BLOCK: tl.constexpr,
+                       GT: tl.constexpr):
     """Program ``i`` decodes page ``i`` into ``pages[i]`` (``uint8 [P]``) and sets ``status[i]``."""
     pid = tl.program_id(0)
     off = tl.load(offsets_ptr + pid).to(tl.int64)
@@ -204,13 +210,6 @@ def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
     tl.store(status_ptr + pid, st)
 
 
-def _wrap(kernel):
-    try:
-        return torch.library.wrap_triton(kernel)
-    except Exception:  # noqa: BLE001 - TRITON_INTERPRET kernels are not JITFunctions
-        return kernel
-
-
 def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
                     kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor) -> None:
     """Decode into caller-provided outputs: ``pages`` ``uint8 [N, P]`` (contiguous),
@@ -219,15 +218,15 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
     fmt.check_page_size(page_size)
     if n == 0:
         return
+    launch = wrap_triton(_decompress_kernel)[(n,)]
     args = (payload, offsets, sizes, kinds, pages, status, payload.numel())
-    consts = dict(P=page_size, PLOG=page_size.bit_length() - 1, VEC=VEC, BIG=BIG, EXT=EXT, RAW_BLOCK=RAW_BLOCK,
-                  GT=UNSHUFFLE_GROUPS, num_warps=NUM_WARPS)
-    kernel = _wrap(_decompress_kernel)
-    if payload.device.type == "cuda":
-        with torch.cuda.device(payload.device):
-            kernel[(n,)](*args, **consts)
-    else:
-        kernel[(n,)](*args, **consts)
+    consts = dict(P=page_size, PLOG=page_size.bit_length() - 1, VEC=VEC, BIG=BIG, EXT=EXT,
+                  RAW_BLOCK=RAW_BLOCK, GT=UNSHUFFLE_GROUPS, num_warps=NUM_WARPS)
+    if payload.device.type == "cuda" and not torch.compiler.is_compiling():
+        with torch.cuda.device(payload.device):  # Triton launches on the current device's stream
+            launch(*args, **consts)
+    else:  # compiled code sets the device itself
+        launch(*args, **consts)
 
 
 def decompress_pages(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,

@@ -1,0 +1,495 @@
+"""The Triton LZ4 page decoder against the CPU reference (``cpu_codec.decode_block``).
+
+Without CUDA the kernels run on the interpreter (CPU tensors, small cases); with CUDA the same
+tests run on the GPU, plus GPU-only ones: a million-page mutation fuzz (``-m fuzz``), round trips
+of every kind and page size, CUDA graphs, ``torch.compile`` and side streams.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import random  # noqa: E402
+
+import lz4.block  # noqa: E402
+import pytest  # noqa: E402
+from pages import file_pages, mixed_pages, periodic_pages, run_pages  # noqa: E402
+
+from torch_pagecomp import format as fmt  # noqa: E402
+from torch_pagecomp.cpu_codec import compress_cpu, decode_block, pack_cpu  # noqa: E402
+from torch_pagecomp.shuffle import bitunshuffle  # noqa: E402
+from triton_kernels.lz4_decompress import decompress_into, decompress_pages  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+P = 4096
+POISON = 0xA5
+GUARD = 4099  # odd, so the output rows also start misaligned
+
+
+def device_for_kernels() -> str:
+    if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    return DEV
+
+
+# ------------------------------------------------------------------ building blocks
+def _ext(v: int) -> bytes:
+    return bytes([255] * (v // 255) + [v % 255])
+
+
+def encode(seqs, final: bytes) -> bytes:
+    """LZ4 block of sequences ``(literals, offset, match_length)`` then ``final`` literals."""
+    out = bytearray()
+    for lits, d, ml in seqs:
+        lit, m = len(lits), ml - 4
+        out.append((min(lit, 15) << 4) | min(m, 15))
+        out += _ext(lit - 15) if lit >= 15 else b""
+        out += lits + d.to_bytes(2, "little")
+        out += _ext(m - 15) if m >= 15 else b""
+    out.append(min(len(final), 15) << 4)
+    out += (_ext(len(final) - 15) if len(final) >= 15 else b"") + final
+    return bytes(out)
+
+
+def random_block(page_size: int, nseq: int, rng: random.Random, few: bool = False) -> bytes:
+    """A compliant block of roughly ``nseq`` sequences (exactly few of them, long ones, with
+    ``few``) that a greedy encoder would not write: overlapping matches (offset < length),
+    offsets up to 65535, long literal runs and long matches."""
+    seqs, op, step = [], 0, max(8, page_size // nseq)
+    while len(seqs) < (nseq if few else page_size):
+        if few:
+            lit, ml = rng.randrange(0, 24), rng.randrange(4, 2 * step)
+        else:
+            lit = rng.choice([0, 0, 1, 3, rng.randrange(4, 40), rng.randrange(step)])
+            ml = rng.choice([4, 5, rng.randrange(4, 40), rng.randrange(4, 2 * step)])
+        if op + lit + ml > page_size - 12:  # the last match starts 12 bytes before the end
+            break
+        hi = min(op + lit, 65535)
+        if hi == 0:
+            lit = hi = 1
+        d = rng.choice([1, 2, rng.randrange(1, 20), rng.randrange(1, hi + 1), hi])
+        seqs.append((rng.randbytes(lit), min(d, hi), ml))
+        op += lit + ml
+    return encode(seqs, rng.randbytes(page_size - op))
+
+
+def ref(block: bytes, page_size: int = P) -> tuple[bytes | None, int]:
+    return decode_block(block, page_size)
+
+
+def run_blocks(blocks, kinds=None, page_size=P, sizes=None, offsets=None, payload=None):
+    """Pack ``blocks`` back to back, decode them into outputs that sit inside poisoned guard
+    bytes, check the guards, and return ``(pages, status)`` on the CPU."""
+    dev = device_for_kernels()
+    n = len(blocks)
+    if payload is None:
+        payload = torch.frombuffer(bytearray(b"".join(blocks)) or bytearray(1), dtype=torch.uint8)
+    if sizes is None:
+        sizes = torch.tensor([len(b) for b in blocks], dtype=torch.int32)
+    if offsets is None:
+        offsets = torch.cumsum(sizes.to(torch.int64), 0) - sizes.to(torch.int64)
+    if kinds is None:
+        kinds = torch.full((n,), fmt.KIND_LZ4, dtype=torch.uint8)
+    elif not isinstance(kinds, torch.Tensor):
+        kinds = torch.tensor(kinds, dtype=torch.uint8)
+    buf = torch.full((2 * GUARD + n * page_size,), POISON, dtype=torch.uint8, device=dev)
+    sbuf = torch.full((2 * GUARD + n,), -0x5A5A5A5B, dtype=torch.int32, device=dev)
+    pages = buf[GUARD : GUARD + n * page_size].view(n, page_size)
+    status = sbuf[GUARD : GUARD + n]
+    args = [t.to(dev) for t in (payload, offsets, sizes, kinds)]
+    decompress_into(*args, pages, status)
+    buf, sbuf = buf.cpu(), sbuf.cpu()
+    assert (buf[:GUARD] == POISON).all() and (buf[GUARD + n * page_size :] == POISON).all()
+    assert (sbuf[:GUARD] == -0x5A5A5A5B).all() and (sbuf[GUARD + n :] == -0x5A5A5A5B).all()
+    return pages.cpu(), status.cpu()
+
+
+def check_against_reference(blocks, pages, status, page_size=P, seed=None):
+    for i, blk in enumerate(blocks):
+        data, st = ref(blk, page_size)
+        where = f"block {i} (seed {seed}): {blk[:48].hex()}..."
+        assert int(status[i]) == st, f"{where} status {int(status[i])} != reference {st}"
+        if data is None:
+            assert not pages[i].any(), f"{where} failed row is not zero"
+        else:
+            assert bytes(pages[i].numpy()) == data, f"{where} decoded wrong"
+
+
+# --------------------------------------------------------------- valid pages, every kind
+@pytest.mark.parametrize("mode", ["default", "fast", "high_compression"])
+def test_lz4_modes_decode_bit_exact(mode, gen):
+    pages = torch.cat([periodic_pages(int(torch.randint(1, 40, (1,), generator=gen)), 1, P, gen),
+                       run_pages(1, P, gen),
+                       torch.zeros((1, P), dtype=torch.uint8)])
+    if CUDA:
+        pages = torch.cat([pages, file_pages("text", 8, P, gen), file_pages("binary", 8, P, gen)])
+    kw = {"fast": dict(mode="fast", acceleration=int(torch.randint(2, 60, (1,)))),
+          "high_compression": dict(mode="high_compression", compression=12)}.get(mode, {})
+    blocks = [lz4.block.compress(bytes(p.numpy()), store_size=False, **kw) for p in pages]
+    out, status = run_blocks(blocks)
+    assert status.tolist() == [0] * len(blocks)
+    assert torch.equal(out, pages)
+
+
+def test_text_page_and_long_literal_run(gen):
+    text = file_pages("text", 1, P, gen)
+    noise = torch.randint(0, 256, (1, P), dtype=torch.uint8, generator=gen)  # one 4096-byte run
+    pages = torch.cat([text, noise])
+    blocks = [lz4.block.compress(bytes(p.numpy()), store_size=False) for p in pages]
+    out, status = run_blocks(blocks)
+    assert status.tolist() == [0, 0] and torch.equal(out, pages)
+
+
+def test_any_compliant_parse(gen):
+    """Overlapping matches, far offsets and long runs that python-lz4 never emits."""
+    rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=gen)))
+    blocks = [random_block(P, rng.choice([3, 6, 12]), rng) for _ in range(6)]
+    blocks.append(encode([(b"x", 1, P - 13)], b"abcdefghijkl"))  # offset 1, length 4083
+    blocks.append(encode([(b"xyz", 3, P - 15)], b"abcdefghijkl"))  # offset 3 < length
+    for b in blocks:  # the reference decoder takes them: they are valid LZ4
+        assert lz4.block.decompress(b, uncompressed_size=P) == ref(b)[0]
+    out, status = run_blocks(blocks)
+    check_against_reference(blocks, out, status)
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_shuffled_pages_unshuffle_in_kernel(element_size, gen):
+    vals = torch.randn(2, P // 2, generator=gen).to(torch.bfloat16).relu().view(torch.uint8)
+    pages = torch.cat([vals.view(-1, P), periodic_pages(element_size * 3, 1, P, gen)])
+    payload, sizes, kinds = compress_cpu(pages, element_size)
+    assert (kinds == (fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4))).all()
+    dev = device_for_kernels()
+    offsets = torch.arange(len(sizes), dtype=torch.int64) * P
+    out, status = decompress_pages(*(t.to(dev) for t in (payload.view(-1), offsets, sizes, kinds)),
+                                   P)
+    assert status.tolist() == [0] * len(sizes)
+    assert torch.equal(out.cpu(), pages)
+
+
+def test_unshuffle_matches_reference_on_random_bytes(gen):
+    """The fused unshuffle is the reference ``bitunshuffle`` on arbitrary shuffled bytes."""
+    y = torch.randint(0, 256, (2, P), dtype=torch.uint8, generator=gen)
+    blocks = [encode([], bytes(r.numpy())) for r in y]  # one literal run each
+    kinds = [fmt.KIND_LZ4 | 1 << 4, fmt.KIND_LZ4 | 2 << 4]
+    out, status = run_blocks(blocks, kinds)
+    assert status.tolist() == [0, 0]
+    assert torch.equal(out[0], bitunshuffle(y[:1], 2)[0])
+    assert torch.equal(out[1], bitunshuffle(y[1:], 4)[0])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_raw_fill_lz4_fixed_stride_and_packed(packed, gen):
+    pages = torch.cat([
+        torch.randint(0, 256, (2, P), dtype=torch.uint8, generator=gen),  # RAW
+        torch.zeros((1, P), dtype=torch.uint8),  # FILL 0
+        torch.full((1, P), int(torch.randint(1, 256, (1,), generator=gen)), dtype=torch.uint8),
+        periodic_pages(7, 1, P, gen),  # LZ4
+    ])
+    payload, sizes, kinds = compress_cpu(pages)
+    assert kinds.tolist() == [0, 0, 2, 2, 1]
+    if packed:
+        flat, offsets = pack_cpu(payload, sizes)
+        flat, offsets = flat[: int(offsets[-1])], offsets[:-1]
+    else:
+        flat, offsets = payload.view(-1), torch.arange(len(sizes), dtype=torch.int64) * P
+    dev = device_for_kernels()
+    out, status = decompress_pages(*(t.to(dev) for t in (flat, offsets, sizes, kinds)), P)
+    assert status.tolist() == [0] * 5 and torch.equal(out.cpu(), pages)
+
+
+def test_no_pages():
+    dev = device_for_kernels()
+    e = torch.empty(0, dtype=torch.int64, device=dev)
+    out, status = decompress_pages(torch.zeros(3, dtype=torch.uint8, device=dev), e,
+                                   e.to(torch.int32), e.to(torch.uint8), P)
+    assert out.shape == (0, P) and status.shape == (0,) and status.dtype == torch.int32
+
+
+# ------------------------------------------------------------------ malformed input
+def _blocks_and_status():
+    lit = bytes(range(12))
+    cases = {
+        "match at the end, no token after": (encode([(b"a", 1, P - 1)], b"")[:-1], 3),
+        "truncated literal run": (bytes([0x50]) + b"abc", 3),
+        "truncated literal length ext": (bytes([0xF0, 255, 255]), 3),
+        "truncated offset": (bytes([0x10]) + b"a" + bytes([1]), 3),
+        "truncated match length ext": (bytes([0x1F]) + b"a" + bytes([1, 0, 255, 255]), 3),
+        "zero offset": (encode([(b"a", 0, 4)], lit), 4),
+        "offset before page start": (encode([(b"ab", 3, 4)], lit), 4),
+        "literal overflow": (encode([], bytes(P + 1)), 5),
+        "match overflow": (encode([(b"a", 1, P)], lit), 5),
+        "match overflow by one": (encode([(b"a", 1, P - 12)], lit), 5),
+        "short output": (encode([(b"a", 1, 100)], lit), 6),
+        "only literals, short": (b"\x30abc", 6),
+        "exact fit": (encode([(b"a", 1, P - 13)], lit), 0),
+        "offset to byte 0": (encode([(b"abcd", 4, P - 16)], lit), 0),
+    }
+    return cases
+
+
+def test_malformed_blocks_give_their_status():
+    cases = _blocks_and_status()
+    blocks = [b for b, _ in cases.values()]
+    expected = [s for _, s in cases.values()]
+    assert [ref(b)[1] for b in blocks] == expected  # the cases say what they claim
+    out, status = run_blocks(blocks)
+    assert dict(zip(cases, status.tolist())) == dict(zip(cases, expected))
+    check_against_reference(blocks, out, status)
+
+
+def test_bad_kind_and_bad_size():
+    good = encode([(b"a", 1, P - 13)], bytes(12))
+    payload = torch.frombuffer(bytearray(good + bytes(P) + b"\x07"), dtype=torch.uint8)
+    t = payload.numel()
+    n_lz4, raw_at, fill_at = len(good), len(good), len(good) + P
+    rows = [  # (offset, size, kind, status)
+        (0, n_lz4, fmt.KIND_LZ4, 0),
+        (raw_at, P, fmt.KIND_RAW, 0),
+        (fill_at, 1, fmt.KIND_FILL, 0),
+        (0, n_lz4, 3, 1),  # unknown kind
+        (0, n_lz4, 0x0F, 1),
+        (0, n_lz4, fmt.KIND_LZ4 | 3 << 4, 1),  # shift > 2
+        (raw_at, P, fmt.KIND_RAW | 1 << 4, 1),  # shuffle on RAW
+        (fill_at, 1, fmt.KIND_FILL | 2 << 4, 1),  # shuffle on FILL
+        (raw_at, P - 1, fmt.KIND_RAW, 2),  # RAW size != P
+        (fill_at - 1, 2, fmt.KIND_FILL, 2),  # FILL size != 1
+        (0, 0, fmt.KIND_LZ4, 2),  # size 0
+        (0, -5, fmt.KIND_LZ4, 2),  # negative size
+        (-1, 4, fmt.KIND_LZ4, 2),  # negative offset
+        (t - 3, 4, fmt.KIND_LZ4, 2),  # past the payload
+        (t, 1, fmt.KIND_FILL, 2),
+        (2**62, 2**31 - 1, fmt.KIND_LZ4, 2),  # offset + size overflows nothing
+        (0, 2**31 - 1, fmt.KIND_LZ4, 2),
+        (t - 1, 1, fmt.KIND_FILL, 0),
+    ]
+    offsets = torch.tensor([r[0] for r in rows], dtype=torch.int64)
+    sizes = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+    kinds = torch.tensor([r[2] for r in rows], dtype=torch.uint8)
+    out, status = run_blocks([b""] * len(rows), kinds, sizes=sizes, offsets=offsets,
+                             payload=payload)
+    assert status.tolist() == [r[3] for r in rows]
+    assert not out[status != 0].any()
+    assert out[0, -12:].eq(0).all() and out[0, :-12].eq(ord("a")).all()
+    assert not out[1].any() and out[2].eq(7).all() and out[-1].eq(7).all()
+
+
+# ------------------------------------------------------------------ mutation fuzz
+def mutate(block: bytes, donors: list[bytes], rng: random.Random) -> tuple[bytes, bytes]:
+    """``(block, tail)``: a damaged block, and bytes laid after it in the payload (a cut-off
+    block keeps its real continuation there, so reading past the end would show)."""
+    b = bytearray(block)
+    m = rng.randrange(6)
+    if m == 0:
+        for _ in range(rng.randrange(1, 4)):
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+    elif m == 1:
+        cut = rng.randrange(1, len(b) + 1)
+        return bytes(b[:cut]), bytes(b[cut:])
+    elif m == 2:
+        d = rng.choice(donors)
+        i, j = rng.randrange(len(b) + 1), rng.randrange(len(d))
+        b[i:i] = d[j : j + rng.randrange(1, 48)]
+    elif m == 3:
+        b[rng.randrange(len(b))] = rng.choice([0, 255, 15, 0xF0, 0xFF, rng.randrange(256)])
+    elif m == 4:
+        i = rng.randrange(len(b))
+        del b[i : i + rng.randrange(1, 8)]
+        if not b:
+            b = bytearray(b"\x00")
+    else:
+        b += rng.randbytes(rng.randrange(1, 16))
+    return bytes(b), b""
+
+
+def fuzz_bases(rng: random.Random, gen: torch.Generator, count: int) -> list[bytes]:
+    bases = [random_block(P, rng.choice([2, 4, 6]), rng, few=True) for _ in range(count)]
+    for p in periodic_pages(rng.randrange(1, 24), 2, P, gen):
+        bases.append(lz4.block.compress(bytes(p.numpy()), store_size=False))
+    return bases
+
+
+def test_mutation_fuzz_matches_reference(gen):
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    rng = random.Random(seed)
+    bases = fuzz_bases(rng, gen, 12)
+    n = 2000 if CUDA else 300
+    blocks, payload = [], bytearray()
+    offsets = []
+    for _ in range(n):
+        blk, tail = mutate(rng.choice(bases), bases, rng)
+        offsets.append(len(payload))
+        blocks.append(blk)
+        payload += blk + tail
+    payload = torch.frombuffer(payload, dtype=torch.uint8)
+    sizes = torch.tensor([len(b) for b in blocks], dtype=torch.int32)
+    out, status = run_blocks(blocks, sizes=sizes, offsets=torch.tensor(offsets), payload=payload)
+    check_against_reference(blocks, out, status, seed=seed)
+    assert (status == 0).any() and (status != 0).any()
+
+
+# ------------------------------------------------------------------ GPU only
+@needs_cuda
+@pytest.mark.parametrize("page_size", [4096, 8192, 16384, 32768, 65536])
+def test_gpu_roundtrip_every_kind_and_page_size(page_size, gen):
+    pages = mixed_pages(64, page_size, gen)
+    for element_size in (1, 2, 4):
+        payload, sizes, kinds = compress_cpu(pages, element_size)
+        assert {int(k) & 15 for k in kinds} == {0, 1, 2}
+        offsets = torch.arange(len(sizes), dtype=torch.int64) * page_size
+        out, status = decompress_pages(*(t.cuda() for t in (payload.view(-1), offsets, sizes,
+                                                            kinds)), page_size)
+        assert torch.equal(status.cpu(), torch.zeros_like(status.cpu()))
+        assert torch.equal(out.cpu(), pages)
+        flat, offs = pack_cpu(payload, sizes)
+        out, status = decompress_pages(*(t.cuda() for t in (flat[: int(offs[-1])], offs[:-1],
+                                                            sizes, kinds)), page_size)
+        assert not status.any() and torch.equal(out.cpu(), pages)
+
+
+@needs_cuda
+@pytest.mark.parametrize("page_size", [4096, 65536])
+def test_gpu_any_compliant_parse_and_lz4_modes(page_size, gen):
+    rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=gen)))
+    blocks = [random_block(page_size, rng.choice([4, 30, 300, 3000]), rng) for _ in range(64)]
+    pages = mixed_pages(28, page_size, gen)
+    for kw in ({}, dict(mode="fast", acceleration=9), dict(mode="high_compression")):
+        blocks += [lz4.block.compress(bytes(p.numpy()), store_size=False, **kw) for p in pages]
+    out, status = run_blocks(blocks, page_size=page_size)
+    check_against_reference(blocks, out, status, page_size)
+
+
+def _gpu_fuzz_chunk(base, base_sizes, n, g):
+    """``n`` mutated copies of rows of ``base`` (``uint8 [B, P]`` CUDA) as a fixed-stride
+    payload: bit flips, cuts (the rest of the row stays), inserted slices of other blocks, byte
+    overwrites, and a few garbage metadata rows. Row ``i`` of ``pure`` is True when unmutated."""
+    dev = base.device
+    b = base.shape[0]
+    pick = torch.randint(0, b, (n,), device=dev, generator=g)
+    rows = base[pick]
+    sizes = base_sizes[pick].clone()
+    kind = torch.randint(0, 16, (n,), device=dev, generator=g)
+    idx = torch.arange(n, device=dev)
+    u = lambda hi: (torch.rand(n, device=dev, generator=g) * hi).long()  # noqa: E731
+    for _ in range(3):  # flips
+        sel = kind < 5
+        pos = u(1 << 20) % sizes.long()
+        rows[idx[sel], pos[sel]] ^= (2 ** u(8)).to(torch.uint8)[sel]
+    sel = kind == 5  # overwrite
+    pos = u(1 << 20) % sizes.long()
+    rows[idx[sel], pos[sel]] = u(256).to(torch.uint8)[sel]
+    sel = (kind >= 6) & (kind < 9)  # cut
+    sizes = torch.where(sel, 1 + u(1 << 20) % sizes.long(), sizes.long()).to(torch.int32)
+    ins = ((kind == 9) | (kind == 10)).nonzero().squeeze(1)  # insert a slice of another block
+    if ins.numel():
+        m = ins.numel()
+        col = torch.arange(P, device=dev)
+        at = (torch.rand(m, device=dev, generator=g) * sizes[ins]).long()[:, None]
+        length = 1 + (torch.rand(m, device=dev, generator=g) * 48).long()[:, None]
+        donor = torch.randint(0, b, (m,), device=dev, generator=g)
+        start = (torch.rand(m, device=dev, generator=g) * (base_sizes[donor] - 1)).long()[:, None]
+        old = rows[ins]
+        src_old = torch.where(col >= at + length, col - length, col).clamp(0, P - 1)
+        merged = torch.where((col >= at) & (col < at + length),
+                             base[donor][torch.arange(m, device=dev)[:, None],
+                                         (start + col - at).clamp(0, P - 1)],
+                             old.gather(1, src_old))
+        rows[ins] = merged
+        sizes[ins] = (sizes[ins] + length.squeeze(1).to(torch.int32)).clamp(max=P)
+    kinds = torch.full((n,), fmt.KIND_LZ4, dtype=torch.uint8, device=dev)
+    offsets = idx * P
+    sel = kind == 11  # garbage metadata
+    kinds = torch.where(sel & (u(4) == 0), u(256).to(torch.uint8), kinds)
+    sizes = torch.where(sel & (u(4) == 1), (u(1 << 32) - (1 << 31)).to(torch.int32), sizes)
+    offsets = torch.where(sel & (u(4) == 2), offsets + u(1 << 16) - (1 << 15), offsets)
+    return rows, sizes, kinds, offsets, kind >= 12
+
+
+@needs_cuda
+@pytest.mark.fuzz
+def test_gpu_million_page_mutation_fuzz(gen):
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    rng = random.Random(seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    srcs = [bytes(p.numpy()) for p in mixed_pages(512, P, gen)]
+    srcs += [bytes(p.numpy()) for p in file_pages("text", 512, P, gen)]
+    bases = [lz4.block.compress(s, store_size=False) for s in srcs]
+    bases += [random_block(P, rng.choice([3, 20, 200]), rng) for _ in range(512)]
+    bases = [b for b in bases if len(b) <= P]
+    base = torch.zeros((len(bases), P), dtype=torch.uint8)
+    for i, blk in enumerate(bases):
+        base[i, : len(blk)] = torch.frombuffer(bytearray(blk), dtype=torch.uint8)
+    base = base.cuda()
+    base_sizes = torch.tensor([len(b) for b in bases], dtype=torch.int32, device="cuda")
+    chunk, total, checked = 1 << 16, 0, 0
+    while total < 1_000_000:
+        rows, sizes, kinds, offsets, pure = _gpu_fuzz_chunk(base, base_sizes, chunk, g)
+        flat = rows.view(-1)
+        out, status = decompress_pages(flat, offsets, sizes, kinds, P)
+        assert int(((status < 0) | (status > 6)).sum()) == 0, f"seed {seed}"
+        assert not out[status != 0].any(), f"seed {seed}: a failed row is not zero"
+        assert not status[pure].any(), f"seed {seed}: an unmutated block failed"
+        sub = torch.randperm(chunk, generator=gen)[:96].cuda()
+        cpu = [t[sub].cpu() for t in (rows, sizes, kinds, offsets, status, out)]
+        for r, s, k, o, st, page in zip(*cpu):
+            o, s = int(o), int(s)
+            if int(k) != fmt.KIND_LZ4 or s < 1 or o < 0 or o + s > flat.numel():
+                assert int(st) in (1, 2), f"seed {seed}"
+                continue
+            blk = bytes(flat[o : o + s].cpu().numpy())
+            data, want = ref(blk)
+            assert int(st) == want, f"seed {seed}: {blk.hex()}"
+            assert data is None or bytes(page.numpy()) == data, f"seed {seed}"
+            checked += 1
+        total += chunk
+    assert checked > 1000
+
+
+@needs_cuda
+def test_gpu_graph_capture_compile_and_side_stream(gen):
+    pages = mixed_pages(256, P, gen)
+    payload, sizes, kinds = (t.cuda() for t in compress_cpu(pages))
+    offsets = torch.arange(256, dtype=torch.int64, device="cuda") * P
+    flat = payload.view(-1)
+    expect = pages.cuda()
+    # CUDA graph
+    decompress_pages(flat, offsets, sizes, kinds, P)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_status = decompress_pages(flat, offsets, sizes, kinds, P)
+    g_out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, expect) and not g_status.any()
+    # torch.compile, the launcher and the registered op
+    fn = torch.compile(lambda *a: decompress_pages(*a, P), fullgraph=True)
+    out, status = fn(flat, offsets, sizes, kinds)
+    assert torch.equal(out, expect) and not status.any()
+    import torch_pagecomp  # noqa: F401  (registers torch.ops.pagecomp)
+
+    op = torch.compile(lambda *a: torch.ops.pagecomp.decompress(*a, P), fullgraph=True)
+    out, status = op(flat, offsets, sizes, kinds)
+    assert torch.equal(out, expect) and not status.any()
+    # a side stream: the kernel must run after the producer on the current stream
+    late = torch.zeros_like(flat)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        late.copy_(flat)
+        out, status = decompress_pages(late, offsets, sizes, kinds, P)
+    side.synchronize()
+    assert torch.equal(out, expect) and not status.any()
+    # control: the same on another stream reads the payload too early, so the test can fail
+    late.zero_()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        late.copy_(flat)
+    out, status = decompress_pages(late, offsets, sizes, kinds, P)  # default stream, no wait
+    torch.cuda.synchronize()
+    assert status.any()
