@@ -222,7 +222,7 @@ def nvcomp_interop(plan: nvc.LZ4Plan, pages: torch.Tensor, sample: list[int],
         )
     except Exception as exc:  # noqa: BLE001
         result["pagecomp_decoder_roundtrip"] = False
-        result["pagecomp_decoder_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        result["pagecomp_decoder_error"] = _describe(exc)
     return result
 
 
@@ -288,6 +288,17 @@ def bench_nvcomp(nv, pages: torch.Tensor, width: int, cfg: Config, sample) -> di
     row["interop_ok"] = all(v for k, v in inter.items() if isinstance(v, bool))
     del plan
     return row
+
+
+def _describe(exc: BaseException) -> str:
+    """The exception and its root cause (a Triton CompilationError hides the reason there)."""
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = f"{type(exc).__name__}: {exc}"
+    if root is not exc:
+        text = f"{type(root).__name__}: {root} <- " + text
+    return text[:2000]
 
 
 def _skipped(corpus: str, codec: str, element_size: int, reason: str) -> dict:
@@ -356,7 +367,7 @@ def corpus_rows(name: str, pages: torch.Tensor, cfg: Config, nv, nv_reason: str,
                 traceback.print_exc()
                 row = _skipped(name, codec, e, "")
                 del row["skipped"]
-                row.update(error=f"{type(exc).__name__}: {exc}"[:2000], roundtrip_ok=False)
+                row.update(error=_describe(exc), roundtrip_ok=False)
                 progress(f"  {name:12s} {codec} element_size={e} FAILED: {row['error'][:200]}")
         row["corpus_element_size"] = e_corpus
         row["pages"] = pages.shape[0]
