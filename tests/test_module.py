@@ -255,3 +255,25 @@ def test_gpu_host_flow_and_pinned_exact(gen):
     arena = s["pools"]["arena"]
     assert arena["pinned_bytes"] == arena["held_bytes"] and arena["held_bytes"] % 4096 == 0
     assert s["pinned_bytes_held"] > 0
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_raw_bypass_incompressible_bit_exact(gen):
+    pc = PageCompressor(batch_pages=8)
+    xs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).cuda()
+          for n in (100 * 4096 + 5, 64 * 4096, 3)]
+    for _ in range(3):
+        hs = [pc.offload(x) for x in xs]
+        for x, h in zip(xs, hs):
+            torch.cuda._sleep(20_000_000)
+            y = pc.restore(h, check=True)
+            assert torch.equal(y, x)
+            assert h.stored_nbytes <= x.numel() + 4096 + 13 * (x.numel() // 4096 + 1) + 23 * 20
+    s = pc.stats()
+    assert s["raw_bypass_batches"] > 0, s
+    z = torch.zeros(50 * 4096, dtype=torch.uint8, device="cuda")  # same stream key, compressible
+    for _ in range(6):  # a probe within 16 batches; then whole offloads compress again
+        h = pc.offload(z)
+        assert torch.equal(pc.restore(h), z)
+    assert h.stored_nbytes < z.numel() // 10, "the probe did not notice compressible data"

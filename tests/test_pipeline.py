@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torch_pagecomp  # noqa: F401
+from torch_pagecomp.cuda_stages import RawBypass
 from torch_pagecomp.module import PageCompressor
 from torch_pagecomp.pipeline import SlotState
 from torch_pagecomp.pools import (
@@ -198,6 +199,20 @@ def test_worker_error_reaches_handle_and_ring_recovers(monkeypatch, gen):
     h.free()
     h2.free()
     assert pc.stats()["bytes_held_host"] == 0 and pc.stats()["inflight_bytes"] == 0
+
+
+def test_raw_bypass_policy():
+    rb = RawBypass(enabled=True, streak=2, probe=4)
+    key = ("bf16", 2)
+    assert not rb.take(key) and not rb.take(None)
+    rb.observe(key, 1000, 1000)
+    assert not rb.take(key)  # streak 1 < 2
+    rb.observe(key, 990, 1000)  # saved < 1/32: still incompressible
+    taken = [rb.take(key) for _ in range(8)]
+    assert taken.count(False) == 2 and taken.count(True) == 6  # every 4th batch probes
+    rb.observe(key, 500, 1000)  # a probe compressed: back to the kernel
+    assert not rb.take(key) and not rb.take(("other", 1))
+    assert not RawBypass(enabled=False).take(key)
 
 
 def test_overlapping_slots_counts_cross_slot_stage_overlap():

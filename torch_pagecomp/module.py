@@ -116,6 +116,9 @@ class PageCompressor(torch.nn.Module):
         max_pinned_bytes: bound on the uncompressed bytes of offload batches in flight
             (pinned landing space); producers wait beyond it. ``None``: slots bound it alone.
         element_size: bit-shuffle width (1, 2, 4) for every tensor (``None``: per dtype).
+        raw_bypass: on a GPU, once a stream of tensors (same dtype and element size) stops
+            compressing, store its batches raw with a plain copy, probing every 16th batch
+            (see ``pipeline.RawBypass``): incompressible data moves at pinned-copy speed.
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class PageCompressor(torch.nn.Module):
         slots: int = 3,
         max_pinned_bytes: int | None = None,
         element_size: int | None = None,
+        raw_bypass: bool = True,
     ):
         super().__init__()
         if device is None:
@@ -150,7 +154,9 @@ class PageCompressor(torch.nn.Module):
         self.page_size = page_size
         self.element_size = element_size
         self.max_pinned_bytes = max_pinned_bytes
-        self.pipeline = Pipeline(device, page_size, batch_pages, slots, max_pinned_bytes)
+        self.pipeline = Pipeline(
+            device, page_size, batch_pages, slots, max_pinned_bytes, raw_bypass=raw_bypass
+        )
         self.batch_pages = self.pipeline.batch_pages
         self.counts = {"offloads": 0, "restores": 0, "bytes_in": 0, "bytes_restored": 0}
         weakref.finalize(self, self.pipeline.close)
@@ -188,9 +194,13 @@ class PageCompressor(torch.nn.Module):
                 producer = torch.cuda.current_stream(self.device)  # the caller's, read here
                 ready = torch.cuda.Event()
                 ready.record(producer)
-                if flat.is_cuda:
+                if flat.is_cuda:  # read by the kernels, or by raw downloads
                     flat.record_stream(self.pipeline.compute)
-                self.pipeline.submit_compress(storage, src, nbytes, es, ready, keep=(flat,))
+                    flat.record_stream(self.pipeline.d2h)
+                key = (tensor.dtype, es)
+                self.pipeline.submit_compress(
+                    storage, src, nbytes, es, ready, keep=(flat,), key=key
+                )
         else:
             self.pipeline.submit_compress(storage, src, nbytes, es, keep=(flat,))
         return handle
@@ -252,7 +262,7 @@ class PageCompressor(torch.nn.Module):
             with torch.cuda.device(self.device):
                 consumer = torch.cuda.current_stream(self.device)
                 statuses = self.pipeline.submit_decompress(handle._storage, dst, consumer)
-            if check:
+            if check and statuses:
                 raise_for_status(torch.cat(statuses))
         elif target.type == "cpu":
             for status in self.pipeline.cpu_decompress(handle._storage, dst):
@@ -331,6 +341,7 @@ class PageCompressor(torch.nn.Module):
             inflight_bytes=p.limiter.in_flight,
             inflight_max_bytes=p.limiter.max_seen,
             backpressure_waits=p.limiter.waits,
+            raw_bypass_batches=p.bypass.raw_batches,
             batches=off["batches"],
             upload_ms=off["upload_ms"],
             kernel_ms=off["kernel_ms"],

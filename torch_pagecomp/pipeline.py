@@ -23,6 +23,7 @@ from enum import Enum
 
 import torch
 
+from .cuda_stages import CudaStages, RawBypass
 from .pools import DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
 from .storage import BlobLayout, Storage, StoredBatch, meta_capacity
 from .timing import BatchTiming, TimingLog
@@ -85,16 +86,22 @@ class _Job:
     t: dict | None = None  # CPU stage times (perf_counter seconds)
     work: object = None  # CPU offload: (src, lo, hi, element_size) for the issuer
     reader_release: bool = False  # the last batch of a restore: ends the storage read
+    raw: bool = False  # stored raw without the kernel (incompressible stream)
+    key: object = None  # the RawBypass stream this batch belongs to
+    payload_bytes: int = 0
+    producer: object = None
 
 
-class Pipeline:
+class Pipeline(CudaStages):
     """A ring of ``slots`` slots moving batches of ``batch_pages`` pages of ``page_size`` bytes.
 
     ``max_inflight_bytes`` bounds the uncompressed bytes of offload batches in flight (pinned
     landing space); producers wait for earlier batches (back-pressure).
     """
 
-    def __init__(self, device, page_size, batch_pages, slots=3, max_inflight_bytes=None):
+    def __init__(
+        self, device, page_size, batch_pages, slots=3, max_inflight_bytes=None, raw_bypass=True
+    ):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.device = torch.device(device)
@@ -110,6 +117,7 @@ class Pipeline:
         self.device_pool = DeviceBufferPool(self.device)
         self.limiter = InflightLimiter(max_inflight_bytes)
         self.timing = TimingLog()
+        self.bypass = RawBypass(enabled=raw_bypass and self.cuda)
         self.slots = [Slot(i, self.cuda) for i in range(slots)]
         self._next = 0
         self._cond = threading.Condition()
@@ -151,13 +159,17 @@ class Pipeline:
         return [s.state for s in self.slots]
 
     # ------------------------------------------------------------------ offload
-    def submit_compress(self, storage, src, nbytes, element_size, producer=None, keep=()):
+    def submit_compress(
+        self, storage, src, nbytes, element_size, producer=None, keep=(), key=None
+    ):
         """Queue the compression of ``src`` (``uint8 [nbytes]``, on this device or the host).
 
         ``producer``: a CUDA event recorded on the caller's stream after ``src`` was produced;
-        the first read of ``src`` waits for it. Returns once every batch is queued (blocking
-        only on back-pressure: slots or the in-flight bound).
+        the first read of ``src`` waits for it. ``key`` names the stream of similar tensors
+        whose incompressible batches may skip the kernel (:class:`RawBypass`). Returns once
+        every batch is queued (blocking only on back-pressure: slots or the in-flight bound).
         """
+        on_host = src.device.type == "cpu"
         p, bp = self.page_size, self.batch_pages
         total_pages = -(-nbytes // p)
         batches = range(0, total_pages, bp)
@@ -171,9 +183,12 @@ class Pipeline:
                 storage.batches_finished(len(batches) - b, exc)
                 raise
             job = _Job("offload", slot, storage, b, n, n * p, limit_bytes=n * p, first_page=p0)
+            job.key = key
             slot.job = job
             try:
-                if self.cuda:
+                if self.cuda and not on_host and self.bypass.take(key):
+                    job.raw, job.producer, job.work = True, producer, (src, lo, hi, element_size)
+                elif self.cuda:
                     first = producer if b == 0 else None
                     self._enqueue_compress(job, src, lo, hi, element_size, first)
                 else:
@@ -184,82 +199,6 @@ class Pipeline:
                 raise
             job.keep = keep
             self._issue_q.put(job)
-
-    def _enqueue_compress(self, job, src, lo, hi, element_size, producer) -> None:
-        """Caller's thread: upload (host source or a partial last batch) and kernels, all on
-        the pipeline's own streams (never the caller's current stream)."""
-        p, n, slot = self.page_size, job.n_pages, job.slot
-        full = hi - lo == n * p
-        on_host = src.device.type == "cpu"
-        meta = self.staging.acquire(meta_capacity(self.batch_pages))
-        job.buffers = ((self.staging, meta),)
-        job.meta = meta.tensor
-        dev = None
-        if on_host or not full:
-            dev = self._device_buffer()
-            job.buffers += ((self.device_pool, dev),)
-        if on_host:
-            host = src[lo:hi]
-            if not (full and src.is_pinned()):
-                if producer is not None:  # the host reads src: its producer must be done
-                    producer.synchronize()
-                stage = self.staging.acquire(self.batch_pages * p)
-                job.buffers += ((self.staging, stage),)
-                stage.tensor[: hi - lo].copy_(host)
-                stage.tensor[hi - lo : n * p].zero_()
-                host = stage.tensor[: n * p]
-            with torch.cuda.stream(self.h2d):
-                if producer is not None:
-                    self.h2d.wait_event(producer)
-                slot.record("up_s", self.h2d)
-                dev[: n * p].copy_(host, non_blocking=True)
-                slot.record("up_e", self.h2d)
-            self.compute.wait_event(slot.events["up_e"])
-        with torch.cuda.stream(self.compute):
-            if not on_host:
-                if producer is not None:
-                    self.compute.wait_event(producer)
-                slot.record("up_s", self.compute)
-                if not full:
-                    dev[hi - lo : n * p].zero_()
-                    dev[: hi - lo].copy_(src[lo:hi])
-                slot.record("up_e", self.compute)
-            pages = src[lo:hi].view(n, p) if dev is None else dev[: n * p].view(n, p)
-            slot.record("k_s", self.compute)
-            payload, sizes, kinds = torch.ops.pagecomp.compress(pages, element_size)
-            packed, offsets = torch.ops.pagecomp.pack(payload, sizes)
-            lay = BlobLayout.of(n, 0)
-            m = job.meta
-            m[: lay.sizes_at].view(torch.int64).copy_(offsets, non_blocking=True)
-            m[lay.sizes_at : lay.kinds_at].view(torch.int32).copy_(sizes, non_blocking=True)
-            m[lay.kinds_at : lay.kinds_at + n].copy_(kinds, non_blocking=True)
-            slot.record("k_e", self.compute)
-        packed.record_stream(self.d2h)
-        job.packed = packed
-
-    def _device_buffer(self) -> torch.Tensor:
-        """A pooled device buffer, allocated on the compute stream (our streams alone use it)."""
-        with torch.cuda.stream(self.compute):
-            return self.device_pool.acquire(self.dev_bytes)
-
-    def _issue_download(self, job: _Job) -> None:
-        slot, n = job.slot, job.n_pages
-        slot.events["k_e"].synchronize()
-        meta = job.meta
-        offsets = meta[: 8 * (n + 1)].view(torch.int64)
-        lay = BlobLayout.of(n, int(offsets[n]))
-        block = self.arena.alloc(lay.total)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
-            self.d2h.wait_event(slot.events["k_e"])
-            slot.record("d_s", self.d2h)
-            if lay.payload_bytes:
-                block.tensor[: lay.payload_bytes].copy_(
-                    job.packed[: lay.payload_bytes], non_blocking=True
-                )
-            slot.record("d_e", self.d2h)
-        block.tensor[lay.offsets_at :].copy_(meta[: lay.meta_bytes])
-        job.stored = lay.total
-        job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page))
 
     def _cpu_compress(self, job: _Job) -> None:
         src, lo, hi, element_size = job.work
@@ -284,7 +223,7 @@ class Pipeline:
         off_v.copy_(offsets)
         size_v.copy_(sizes)
         kind_v.copy_(kinds)
-        job.stored = lay.total
+        job.stored, job.payload_bytes = lay.total, lay.payload_bytes
         job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page))
         job.t = {"up": (t0, t1), "k": (t1, t2), "d": (t2, time.perf_counter())}
 
@@ -309,7 +248,7 @@ class Pipeline:
                     job = _Job("restore", slot, storage, b, n, n * p)
                     slot.job = job
                     try:
-                        self._enqueue_decompress(job, sb, out, statuses)
+                        self._enqueue_decompress(job, sb, out, statuses, start)
                     except BaseException as exc:
                         self._fail(job, exc)
                         raise
@@ -327,25 +266,6 @@ class Pipeline:
                 elif count <= last:  # failed part-way: release after the queued batches
                     self._done_q.put(("reader_done", storage))
         return statuses
-
-    def _enqueue_decompress(self, job, sb, out, statuses) -> None:
-        p, slot, lay, n = self.page_size, job.slot, sb.layout, sb.layout.n_pages
-        dev = self._device_buffer()
-        job.buffers = ((self.device_pool, dev),)
-        slot.record("up_s", self.h2d)
-        with torch.cuda.stream(self.h2d):
-            dev[: lay.total].copy_(sb.block.tensor, non_blocking=True)
-        slot.record("up_e", self.h2d)
-        self.compute.wait_event(slot.events["up_e"])
-        with torch.cuda.stream(self.compute):
-            slot.record("k_s", self.compute)
-            payload, offsets, sizes, kinds = lay.views(dev)
-            pages, status = torch.ops.pagecomp.decompress(payload, offsets[:-1], sizes, kinds, p)
-            lo = sb.first_page * p
-            hi = min(out.numel(), lo + n * p)
-            out[lo:hi].copy_(pages.view(-1)[: hi - lo])
-            slot.record("k_e", self.compute)
-        statuses.append(status)
 
     def cpu_decompress(self, storage: Storage, out: torch.Tensor) -> list:
         """Decompress every batch into the CPU ``uint8 [nbytes]`` tensor ``out`` now."""
@@ -388,7 +308,9 @@ class Pipeline:
                 self._done_q.put(None)
                 return
             try:
-                if self.cuda:
+                if job.raw:
+                    self._issue_raw(job)
+                elif self.cuda:
                     self._issue_download(job)
                 else:
                     self._cpu_compress(job)
@@ -429,6 +351,8 @@ class Pipeline:
             t = job.t
             stages = (*t["up"], *t["k"], *t["d"])
             self.timing.add_cpu(job.kind, slot.index, job.nbytes, job.stored, *stages)
+        if job.kind == "offload" and not job.raw:
+            self.bypass.observe(job.key, job.payload_bytes, job.nbytes)
         self._finish(job)
 
     def _finish(self, job: _Job, error: BaseException | None = None) -> None:
@@ -437,7 +361,7 @@ class Pipeline:
         for pool, buf in job.buffers:
             pool.release(buf)
         job.buffers = job.keep = ()
-        job.packed = job.meta = job.work = None
+        job.packed = job.meta = job.work = job.producer = None
         if job.limit_bytes:
             self.limiter.release(job.limit_bytes)
             job.limit_bytes = 0
