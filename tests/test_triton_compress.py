@@ -8,7 +8,10 @@ windows and greedy choice); every LZ4 page must also decode with ``lz4.block.dec
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (GPU tests skip anyway)
+# Before triton is imported. CPU tests run the kernel in the interpreter; on a GPU machine run
+# the GPU tests with TRITON_INTERPRET=0 (each group skips itself in the other mode).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 
 import random  # noqa: E402
 
@@ -24,7 +27,10 @@ from triton_kernels import lz4_compress as lc  # noqa: E402
 
 P4K = 4096
 WINDOW = 256
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda = pytest.mark.skipif(
+    INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0"
+)
+interpret_only = pytest.mark.skipif(not INTERPRET, reason="CPU interpreter tests")
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -192,6 +198,7 @@ def _rows(*rows: bytes) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------- CPU tests
+@interpret_only
 def test_all_kinds_poisoned(monkeypatch):
     _poisoned_empty(monkeypatch)
     period = _rand(41)
@@ -210,6 +217,7 @@ def test_all_kinds_poisoned(monkeypatch):
     assert sizes[3] < 100
 
 
+@interpret_only
 def test_empty_and_single():
     for n in (0, 1):
         pages = torch.empty((0, P4K), dtype=torch.uint8)
@@ -219,6 +227,7 @@ def test_empty_and_single():
         assert payload.shape == (n, P4K) and sizes.shape == (n,) and kinds.shape == (n,)
 
 
+@interpret_only
 def test_persistent_loop_many_pages():
     rows = []
     for i in range(8):  # more pages than the interpreter grid (3): each program loops
@@ -241,6 +250,7 @@ def _offsets(seqs):
     return {o for _, o, _ in seqs}
 
 
+@interpret_only
 def test_end_rules_and_offsets():
     size = P4K
     # a long offset-1 run that ends where the last possible match starts (offset P - 12)
@@ -261,6 +271,7 @@ def test_end_rules_and_offsets():
 
 
 @pytest.mark.parametrize("lit_lens", [(14, 15, 16, 19), (269, 270, 271, 524, 525)])
+@interpret_only
 def test_length_extension_boundaries(lit_lens):
     # literal runs of the given lengths, each followed by a copy of an earlier stretch whose
     # match length sits at a boundary of the 4-bit field and its extension bytes
@@ -284,6 +295,7 @@ def test_length_extension_boundaries(lit_lens):
 
 
 @pytest.mark.parametrize("element_size", [2, 4])
+@interpret_only
 def test_bitshuffle_fused(element_size):
     x = torch.randn(P4K // 2, dtype=torch.bfloat16).view(torch.uint8)
     relu = torch.relu(torch.randn(P4K // 2, dtype=torch.bfloat16)).view(torch.uint8)
@@ -294,12 +306,14 @@ def test_bitshuffle_fused(element_size):
     assert kinds[3] == fmt.KIND_FILL  # shuffle flag only on LZ4 pages
 
 
+@interpret_only
 def test_window_variants_match_model():
     pages = _rows(_text_page()[: P4K // 2] + (_rand(50) * 50)[: P4K // 2])
     for window in (128, 512):
         _check(pages, window=window)
 
 
+@interpret_only
 def test_64k_page_far_offset():
     size = 65536
 

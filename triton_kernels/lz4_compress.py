@@ -87,11 +87,11 @@ def _emit(
     ``lit`` literals from ``data + anchor``; then, if ``HAS_MATCH``, offset ``off`` and match
     length ``ml + 4``. Every lane computes its byte: token, extensions, literal, offset.
     """
-    nle = _ext_len(lit)
+    nle = tl.where(lit >= 15, (lit - 15) // 255 + 1, 0)
     lit0 = 1 + nle
     off0 = lit0 + lit
     if HAS_MATCH:
-        nme = _ext_len(ml)
+        nme = tl.where(ml >= 15, (ml - 15) // 255 + 1, 0)
         token = (tl.minimum(lit, 15) << 4) | tl.minimum(ml, 15)
         n = off0 + 2 + nme
     else:
@@ -222,9 +222,10 @@ def _lz4_compress_kernel(
                     k = tl.min(tl.where(idx >= pos, key, NOKEY))
                     if k != NOKEY:
                         p = w0 + (k >> 16)
-                        c = k & 0xFFFF
-                        mlen = _match_len(data, p, c, P, EXT)
-                        out = _emit(dst, data, out, anchor, p - anchor, p - c, mlen - 4, True, P, V)
+                        src_pos = k & 0xFFFF
+                        mlen = _match_len(data, p, src_pos, P, EXT)
+                        off = p - src_pos
+                        out = _emit(dst, data, out, anchor, p - anchor, off, mlen - 4, True, P, V)
                         pos = p + mlen
                         anchor = pos
                     else:
