@@ -50,8 +50,11 @@ class HostMemory:
         self.pinned = False
         if pin:
             ptr = self.tensor.data_ptr()
-            rc = torch.cuda.cudart().cudaHostRegister(ptr, self.held_bytes, 0)
-            code = int(getattr(rc, "value", rc))
+            try:
+                rc = torch.cuda.cudart().cudaHostRegister(ptr, self.held_bytes, 0)
+                code = int(getattr(rc, "value", rc))
+            except (AttributeError, RuntimeError) as exc:
+                rc, code = exc, -1
             if code != 0:  # e.g. RLIMIT_MEMLOCK: stay correct, copies become synchronous
                 warnings.warn(
                     f"cudaHostRegister({self.held_bytes} bytes) failed ({rc}); using pageable "
