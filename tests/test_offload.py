@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -93,8 +94,11 @@ def assert_clean(off: ActivationOffloader) -> None:
     pending = off.pending()
     assert all(v == 0 for v in pending.values()), pending
     for comp in off._compressors.values():
-        if comp is not None:
+        if comp is not None:  # freed handles give their host storage back asynchronously
             comp.synchronize()
+            deadline = time.monotonic() + 5
+            while comp.stats()["bytes_held_host"] and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert comp.stats()["bytes_held_host"] == 0
 
 
@@ -347,42 +351,57 @@ def test_gpu_grads_bf16_model(seed, mode):
     assert_clean(off)
 
 
-def _race_step(off: ActivationOffloader, n: int = 1 << 22, sleep: int = 0):
-    """A saved tensor produced after a long kernel on the compute stream; returns (grad, ref)."""
-    x = torch.randn(n, device="cuda", requires_grad=True)
-    ref = torch.cos(x.detach() * 3.0) * 3.0
+def _race_step(off: ActivationOffloader | None, x: torch.Tensor, sleep: int = 0):
+    """Two saved storages produced behind an optional long kernel on the compute stream; freed
+    blocks are overwritten (churn) before the copies and before backward; returns x.grad."""
+    n = x.numel()
+
+    def churn():
+        for _ in range(4):
+            torch.full((n,), 7.0, device="cuda").sin_()
+
+    x.grad = None
     torch.cuda.synchronize()
-    with off:
+    with off if off is not None else torch.enable_grad():
         if sleep:
             torch.cuda._sleep(sleep)
-        h = x * 3.0  # queued behind the sleep
-        y = torch.sin(h).sum()  # saves h
-        for _ in range(4):  # churn: reuse freed blocks with other data
-            torch.full((n,), 7.0, device="cuda").sin_()
+        # sin saves its input: x * 3 (then freed but for the offloader) and x * 5
+        y = torch.sin(x * 3.0).sum() + torch.sin(x * 5.0).sum()
+        churn()
+    if off is not None:
+        off.synchronize()  # backward must restore from host memory
+    churn()
     y.backward()
     torch.cuda.synchronize()
-    return x.grad, ref
+    return x.grad.clone()
 
 
 @needs_cuda
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("barrier", ["producer", "release", "restore"])
 def test_gpu_race_barriers(seed, mode, barrier):
-    """Each barrier holds under a widened window; without it (the control) data goes wrong."""
+    """Each barrier holds under a widened window; without it (the control) data goes wrong.
+
+    producer: the offload waits for the kernel that writes the tensor (sleep on compute).
+    release: the stash drops a storage only after its copy (sleep on the copy stream).
+    restore: compute waits for the restore (sleep on the restore stream)."""
     if mode == "compressed" and barrier == "release":
         pytest.skip("PageCompressor record_streams the source: no release race to provoke")
-    sleep = 200_000_000
+    sleep = 200_000_000  # ~0.1 s
+    x = torch.randn(1 << 22, device="cuda", requires_grad=True)
+    ref = _race_step(None, x)
 
     def run(unsafe: bool) -> bool:
-        off = gpu_offloader(mode, min_offload_bytes=0, max_in_flight_bytes=0, sample_tensors=1)
+        off = gpu_offloader(mode, min_offload_bytes=0, max_in_flight_bytes=0, min_ratio=0.0)
         if barrier != "producer":
-            off._sleep_cycles = sleep  # delay the side stream's copy / restore
+            off._sleep_cycles = sleep  # delay the side streams' copies / restores
         if unsafe:
             off._unsafe.add(barrier)
         ok = True
         for _ in range(3):
-            grad, ref = _race_step(off, sleep=sleep if barrier == "producer" else 0)
-            ok &= torch.equal(grad, ref)
+            got = _race_step(off, x, sleep=sleep if barrier == "producer" else 0)
+            ok &= torch.equal(got, ref)
+        assert off.stats()["offloaded_bytes"] > 0
         return ok
 
     assert run(unsafe=False), "corruption with the barrier in place"

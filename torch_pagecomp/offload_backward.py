@@ -1,0 +1,123 @@
+"""The backward half of :class:`torch_pagecomp.offload.ActivationOffloader`: unpack, prefetch
+by group, restores on a side stream (through the worker for compressed entries) and the
+end-of-backward clean-up."""
+
+from __future__ import annotations
+
+import torch
+
+from .offload_entry import _Entry
+from .offload_store import CompressedStore
+
+
+class BackwardMixin:
+    """Needs the offloader's state: ``_lock``, ``_stash``, ``_live``, ``_passes``, ``_tasks``,
+    ``_worker``, ``prefetch``, ``counters``, ``_unsafe`` and ``_poll/_release/_stream``."""
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        with self._lock:
+            entry = packed.entry
+            self._watch_backward()
+            self._poll()
+            if entry.src is not None:
+                self.counters["served_from_stash"] += 1
+                return packed.view(entry.src.untyped_storage())
+            self._prefetch(entry)
+            if entry.restored is None:
+                self.counters["restored_on_demand"] += 1
+                self._restore([entry])
+        entry.wait_restored()
+        if entry.restore_event is not None and "restore" not in self._unsafe:
+            current = torch.cuda.current_stream(entry.device)
+            current.wait_event(entry.restore_event)
+            if current != entry.stream:
+                entry.stream.wait_event(entry.restore_event)
+            entry.waited = True
+        return packed.view(entry.restored.untyped_storage())
+
+    def _prefetch(self, entry: _Entry) -> None:
+        ps, todo = entry.pass_, []
+        if self.prefetch == 0:
+            return
+        for k in range(entry.group, max(-1, entry.group - self.prefetch - 1), -1):
+            if ps.issued[k]:
+                continue
+            ps.issued[k] = True
+            for ref in reversed(ps.groups[k]):
+                e = ref()
+                if e is not None and e.src is None and e.restored is None and e.stored is not None:
+                    todo.append(e)
+        if todo:
+            self.counters["restored_prefetch"] += len(todo) - (entry in todo)
+            self._restore(todo)
+
+    def _restore(self, entries: list[_Entry]) -> None:
+        """Start restoring ``entries`` (in this order) into buffers allocated on each entry's
+        compute stream; a side stream writes them after that stream's work so far."""
+        for e in entries:
+            e.restore_done.clear()
+            e.restore_event = None
+            if e.device.type == "cpu":
+                e.restored = torch.empty(e.nbytes, dtype=torch.uint8)
+            else:
+                with torch.cuda.stream(e.stream):
+                    e.restored = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+        gpu_streams = {e.stream for e in entries if e.device.type == "cuda"}
+        side = self._stream(entries[0].device, "h2d") if gpu_streams else None
+        allocated = [s.record_event() for s in gpu_streams]
+        for e in entries:
+            if isinstance(e.store, CompressedStore):
+                self._submit_restore(e, side, allocated)
+            elif side is None:
+                e.store.restore(e.stored, e.restored)
+                e.restore_done.set()
+            else:
+                with torch.cuda.stream(side):
+                    for ev in allocated:
+                        side.wait_event(ev)
+                    self._side_sleep()
+                    e.store.restore(e.stored, e.restored)
+                    e.restore_event = side.record_event()
+                e.restore_done.set()
+
+    def _submit_restore(self, e: _Entry, side, allocated: list) -> None:
+        def job():
+            try:
+                stored = e.wait_stored()
+                if side is None:
+                    e.store.restore(stored, e.restored)
+                    return
+                torch.cuda.set_device(e.device)
+                with torch.cuda.stream(side):
+                    for ev in allocated:
+                        side.wait_event(ev)
+                    self._side_sleep()
+                    e.store.restore(stored, e.restored)
+                    e.restore_event = side.record_event()
+            except BaseException as exc:  # noqa: BLE001 - raised at unpack
+                e.error = exc
+            finally:
+                e.restore_done.set()
+
+        self._worker.submit(job)
+
+    def _watch_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task not in self._tasks:
+            self._tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._end_backward(task)
+            )
+
+    def _end_backward(self, task: int) -> None:
+        with self._lock:
+            self._tasks.discard(task)
+            for ps in list(self._passes):
+                ps.issued = [False] * len(ps.issued)
+            for e in list(self._live):
+                e.drop_restored()
+            while self._stash:
+                self._release(self._stash.popleft(), wait=True)
+            self._poll()
