@@ -356,9 +356,11 @@ def _race_step(off: ActivationOffloader | None, x: torch.Tensor, sleep: int = 0)
     blocks are overwritten (churn) before the copies and before backward; returns x.grad."""
     n = x.numel()
 
-    def churn():
-        for _ in range(4):
-            torch.full((n,), 7.0, device="cuda").sin_()
+    def churn():  # overwrite every free block of this size
+        junk = [torch.full((n,), 7.0, device="cuda") for _ in range(8)]
+        del junk
+
+    churn()
 
     x.grad = None
     torch.cuda.synchronize()
