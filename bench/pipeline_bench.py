@@ -157,6 +157,7 @@ def pipeline_rates(pc: PageCompressor, x: torch.Tensor, es: int, device, repeats
         "bytes_held_host": stats["bytes_held_host"],
         "overlapping_stage_pairs": overlapping_slots(timeline),
         "raw_bypass_batches": stats["raw_bypass_batches"],
+        "raw_split_batches": stats["raw_split_batches"],
         "timeline": timeline,
     }
     h.free()
@@ -172,10 +173,10 @@ def bench_corpus(name: str, args, device: torch.device) -> dict:
     pages = corpora.build_corpus(name, nbytes, args.page_size, device, args.seed)
     pc = PageCompressor(device=device, page_size=args.page_size, batch_pages=args.batch_pages,
                         slots=args.slots, max_pinned_bytes=args.max_pinned_bytes,
-                        raw_bypass=not args.no_raw_bypass)
+                        raw_bypass=not args.no_raw_bypass, max_raw_share=args.max_raw_share)
     row = {"corpus": name, "device": str(device), "element_size": es, "nbytes": pages.numel(),
            "batch_pages": pc.batch_pages, "slots": args.slots,
-           "raw_bypass": not args.no_raw_bypass}
+           "raw_bypass": not args.no_raw_bypass, "max_raw_share": args.max_raw_share}
     log(f"{name}: kernels alone")
     row["compress_kernel_gbps"], row["decompress_kernel_gbps"] = kernel_rates(
         pages, es, pc.batch_pages, device, args.repeats)
@@ -287,6 +288,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-pinned-bytes", type=int, default=None)
     ap.add_argument("--no-raw-bypass", action="store_true",
                     help="always run the kernel, even on incompressible streams")
+    ap.add_argument("--max-raw-share", type=float, default=0.0,
+                    help="share of batches that may go raw when the kernel is the bottleneck "
+                    "(0: ratio first, default; 1: speed first)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs (median), after 1 warm-up")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default="bench/out/pipeline", help="output folder")

@@ -277,3 +277,17 @@ def test_gpu_raw_bypass_incompressible_bit_exact(gen):
         h = pc.offload(z)
         assert torch.equal(pc.restore(h), z)
     assert h.stored_nbytes < z.numel() // 10, "the probe did not notice compressible data"
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_raw_share_split_bit_exact(gen):
+    pc = PageCompressor(batch_pages=512, max_raw_share=1.0)
+    text = file_pages("text", 4096, 4096, gen).cuda()  # 16 MiB, compressible
+    for _ in range(4):
+        h = pc.offload(text)
+        torch.cuda._sleep(20_000_000)
+        assert torch.equal(pc.restore(h, check=True), text)
+    s = pc.stats()
+    print({k: s[k] for k in ("raw_split_batches", "raw_bypass_batches", "ratio", "batches")})
+    assert h.stored_nbytes <= text.numel() + 13 * 4096 + 23 * 64

@@ -111,10 +111,13 @@ def test_blob_layout():
 
 def test_storage_release_deferred_while_read():
     arena = HostArena(pin=False, chunk_bytes=1 << 16)
-    st = Storage(arena, 1)
+    st = Storage(arena)
     block = arena.alloc(100)
-    st.batch_stored(0, StoredBatch(block, BlobLayout.of(1, 50), 0))
+    st.batch_stored(st.open_batch(), StoredBatch(block, BlobLayout.of(1, 50), 0))
     st.batch_finished()
+    assert not st.done.is_set()  # still open
+    st.close()
+    assert st.done.is_set()
     st.add_reader()
     st.release()
     assert arena.used_bytes > 0 and not st.released  # a restore still reads it
@@ -204,15 +207,37 @@ def test_worker_error_reaches_handle_and_ring_recovers(monkeypatch, gen):
 def test_raw_bypass_policy():
     rb = RawBypass(enabled=True, streak=2, probe=4)
     key = ("bf16", 2)
-    assert not rb.take(key) and not rb.take(None)
+    assert rb.route(key) == "kernel" and rb.route(None) == "kernel"
     rb.observe(key, 1000, 1000)
-    assert not rb.take(key)  # streak 1 < 2
+    assert rb.route(key) == "kernel"  # streak 1 < 2
     rb.observe(key, 990, 1000)  # saved < 1/32: still incompressible
-    taken = [rb.take(key) for _ in range(8)]
-    assert taken.count(False) == 2 and taken.count(True) == 6  # every 4th batch probes
+    routes = [rb.route(key) for _ in range(8)]
+    assert routes == ["raw"] * 3 + ["probe"] + ["raw"] * 3 + ["probe"]
+    assert rb.raw_batches == 6
     rb.observe(key, 500, 1000)  # a probe compressed: back to the kernel
-    assert not rb.take(key) and not rb.take(("other", 1))
-    assert not RawBypass(enabled=False).take(key)
+    assert rb.route(key) == "kernel" and rb.route(("other", 1)) == "kernel"
+    assert RawBypass(enabled=False).route(key) == "kernel"
+
+
+def test_raw_share_balances_kernel_and_copy_engine():
+    nbytes, key = 33_000_000, ("u8", 1)
+
+    def fed(max_share, kernel_gbps, link_gbps=55.0, ratio=2.83):
+        rb = RawBypass(enabled=True, bypass=False, max_raw_share=max_share)
+        payload = int(nbytes / ratio)
+        for _ in range(3):
+            rb.observe(key, payload, nbytes, nbytes / (kernel_gbps * 1e6),
+                       payload / (link_gbps * 1e6))
+        return rb
+
+    rb = fed(1.0, 24.7)
+    assert abs(rb.share(key) - 0.652) < 0.01
+    assert [rb.route(key) for _ in range(100)].count("raw") in (64, 65, 66)
+    assert rb.split_batches == rb.raw_batches
+    assert fed(0.3, 24.7).share(key) == 0.3
+    assert fed(1.0, 200.0).share(key) == 0.0  # the kernel outruns the link: compress all
+    assert fed(0.0, 24.7).route(key) == "kernel"
+    assert RawBypass(enabled=True, bypass=False).route(key) == "kernel"
 
 
 def test_overlapping_slots_counts_cross_slot_stage_overlap():
@@ -269,7 +294,7 @@ def test_gpu_control_missing_waits_corrupt(gen):
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen).cuda()
     x = torch.full_like(src, 0xA5)
     _produce(x, src)
-    st = Storage(pc.pipeline.arena, 1)
+    st = Storage(pc.pipeline.arena)
     with torch.cuda.device(pc.device):  # producer=None: the wait on the caller stream is skipped
         pc.pipeline.submit_compress(st, x, x.numel(), 1, producer=None, keep=(x,))
     st.done.wait()

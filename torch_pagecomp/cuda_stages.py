@@ -15,38 +15,82 @@ from .storage import BlobLayout, StoredBatch, meta_capacity
 
 
 class RawBypass:
-    """Skip the kernel for streams that do not compress.
+    """Which batches skip the kernel and go to the host raw (a plain pinned copy).
 
-    Per ``key`` (a stream of similar tensors, e.g. one dtype): after ``streak`` compressed
-    batches in a row saved less than 1/32 of their bytes, batches are stored RAW straight from
-    the source (a plain pinned copy), except every ``probe``-th, which is compressed to notice
-    when the data becomes compressible again (any saving resets the streak).
+    * Incompressible streams (``bypass``): per ``key`` (a stream of similar tensors, e.g. one
+      dtype and element size), after ``streak`` compressed batches in a row saved less than
+      1/32 of their bytes, batches are stored RAW. Every ``probe``-th batch is instead a small
+      compressed sample (``1/probe_fraction`` of a batch) that notices when the data compresses
+      again (any saving resets the streak).
+    * Kernel-bound streams (``max_raw_share > 0``): when the kernel (``K`` bytes/ms) is slower
+      than the copy engine moving its output (link ``B``, ratio ``r``), a share
+      ``f = a / (a + 1/B)``, ``a = 1/K - 1/(rB)``, of the batches (at most ``max_raw_share``)
+      goes raw so that both engines stay busy: faster, at the cost of ratio.
     """
 
-    def __init__(self, enabled: bool, streak: int = 3, probe: int = 16):
-        self.enabled, self.streak, self.probe = enabled, streak, probe
-        self._state: dict = {}
+    def __init__(self, enabled: bool, bypass: bool = True, max_raw_share: float = 0.0,
+                 streak: int = 3, probe: int = 8, probe_fraction: int = 16):
+        self.enabled = enabled and (bypass or max_raw_share > 0)
+        self.streak = streak if bypass else float("inf")
+        self.probe, self.probe_fraction = probe, probe_fraction
+        self.max_raw_share = max(0.0, min(1.0, max_raw_share))
+        self._state: dict = {}  # key -> [streak, batches in raw mode, split accumulator]
+        self._rates: dict = {}  # key -> {"kernel", "link", "ratio"}: EMAs, bytes per ms
         self._lock = threading.Lock()
         self.raw_batches = 0
+        self.split_batches = 0
 
-    def take(self, key) -> bool:
-        """Whether the next batch of ``key`` skips the kernel."""
+    def route(self, key) -> str:
+        """``"kernel"``, ``"raw"`` or ``"probe"`` (a small kernel batch) for ``key``'s next."""
         if not self.enabled or key is None:
-            return False
+            return "kernel"
         with self._lock:
-            st = self._state.setdefault(key, [0, 0])
-            st[1] += 1
-            raw = st[0] >= self.streak and st[1] % self.probe != 0
-            self.raw_batches += raw
-            return raw
+            st = self._state.setdefault(key, [0, 0, 0.0])
+            if st[0] >= self.streak:
+                st[1] += 1
+                if st[1] % self.probe == 0:
+                    return "probe"
+                self.raw_batches += 1
+                return "raw"
+            st[2] += self.share(key)
+            if st[2] >= 1.0:
+                st[2] -= 1.0
+                self.raw_batches += 1
+                self.split_batches += 1
+                return "raw"
+            return "kernel"
 
-    def observe(self, key, payload_bytes: int, nbytes: int) -> None:
-        """A compressed batch of ``key`` completed with ``payload_bytes`` of ``nbytes``."""
+    def share(self, key) -> float:
+        """The raw share that balances kernel and copy engine for ``key`` (0 until measured)."""
+        r = self._rates.get(key, {})
+        if self.max_raw_share <= 0 or len(r) < 3:
+            return 0.0
+        a = 1.0 / r["kernel"] - 1.0 / (r["ratio"] * r["link"])
+        return 0.0 if a <= 0 else min(self.max_raw_share, a / (a + 1.0 / r["link"]))
+
+    def _ema(self, key, name: str, value: float) -> None:
+        r = self._rates.setdefault(key, {})
+        r[name] = value if name not in r else 0.7 * r[name] + 0.3 * value
+
+    def observe(self, key, payload_bytes: int, nbytes: int, kernel_ms: float = 0.0,
+                download_ms: float = 0.0) -> None:
+        """A compressed batch of ``key`` completed: ``payload_bytes`` stored of ``nbytes``."""
         if key is None:
             return
         with self._lock:
-            st = self._state.setdefault(key, [0, 0])
+            st = self._state.setdefault(key, [0, 0, 0.0])
             st[0] = st[0] + 1 if payload_bytes * 32 >= nbytes * 31 else 0
+            if kernel_ms > 0:
+                self._ema(key, "kernel", nbytes / kernel_ms)
+                self._ema(key, "ratio", nbytes / max(1, payload_bytes))
+            if download_ms > 0 and payload_bytes >= 1 << 20:  # small copies: latency, not rate
+                self._ema(key, "link", payload_bytes / download_ms)
+
+    def observe_raw(self, key, nbytes: int, download_ms: float) -> None:
+        """A raw batch of ``key`` completed: ``nbytes`` copied in ``download_ms``."""
+        if key is not None and download_ms > 0 and nbytes >= 1 << 20:
+            with self._lock:
+                self._ema(key, "link", nbytes / download_ms)
 
 
 class CudaStages:

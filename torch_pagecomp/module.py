@@ -118,7 +118,10 @@ class PageCompressor(torch.nn.Module):
         element_size: bit-shuffle width (1, 2, 4) for every tensor (``None``: per dtype).
         raw_bypass: on a GPU, once a stream of tensors (same dtype and element size) stops
             compressing, store its batches raw with a plain copy, probing every 16th batch
-            (see ``pipeline.RawBypass``): incompressible data moves at pinned-copy speed.
+            (see ``cuda_stages.RawBypass``): incompressible data moves at pinned-copy speed.
+        max_raw_share: on a GPU, the largest share of batches stored raw to keep the copy
+            engine busy while the kernel is the bottleneck: 0 (default) puts ratio first, 1
+            speed first (host memory then shrinks less).
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class PageCompressor(torch.nn.Module):
         max_pinned_bytes: int | None = None,
         element_size: int | None = None,
         raw_bypass: bool = True,
+        max_raw_share: float = 0.0,
     ):
         super().__init__()
         if device is None:
@@ -155,7 +159,8 @@ class PageCompressor(torch.nn.Module):
         self.element_size = element_size
         self.max_pinned_bytes = max_pinned_bytes
         self.pipeline = Pipeline(
-            device, page_size, batch_pages, slots, max_pinned_bytes, raw_bypass=raw_bypass
+            device, page_size, batch_pages, slots, max_pinned_bytes, raw_bypass=raw_bypass,
+            max_raw_share=max_raw_share,
         )
         self.batch_pages = self.pipeline.batch_pages
         self.counts = {"offloads": 0, "restores": 0, "bytes_in": 0, "bytes_restored": 0}
@@ -182,12 +187,12 @@ class PageCompressor(torch.nn.Module):
         flat = tensor.contiguous()
         src = _bytes_of(flat)
         nbytes = src.numel()
-        pages = -(-nbytes // self.page_size)
-        storage = Storage(self.pipeline.arena, -(-pages // self.batch_pages))
+        storage = Storage(self.pipeline.arena)
         handle = OffloadHandle(storage, tensor.shape, tensor.dtype, nbytes, self.page_size, es)
         self.counts["offloads"] += 1
         self.counts["bytes_in"] += nbytes
         if nbytes == 0:
+            storage.close()
             return handle
         if cuda:
             with torch.cuda.device(self.device):
@@ -342,6 +347,7 @@ class PageCompressor(torch.nn.Module):
             inflight_max_bytes=p.limiter.max_seen,
             backpressure_waits=p.limiter.waits,
             raw_bypass_batches=p.bypass.raw_batches,
+            raw_split_batches=p.bypass.split_batches,
             batches=off["batches"],
             upload_ms=off["upload_ms"],
             kernel_ms=off["kernel_ms"],

@@ -24,7 +24,7 @@ from enum import Enum
 import torch
 
 from .cuda_stages import CudaStages, RawBypass
-from .pools import DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
+from .pools import ALIGN, DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
 from .storage import BlobLayout, Storage, StoredBatch, meta_capacity
 from .timing import BatchTiming, TimingLog
 
@@ -100,7 +100,8 @@ class Pipeline(CudaStages):
     """
 
     def __init__(
-        self, device, page_size, batch_pages, slots=3, max_inflight_bytes=None, raw_bypass=True
+        self, device, page_size, batch_pages, slots=3, max_inflight_bytes=None, raw_bypass=True,
+        max_raw_share=0.0,
     ):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -110,14 +111,16 @@ class Pipeline(CudaStages):
         if max_inflight_bytes is not None:
             batch_pages = max(1, min(batch_pages, max_inflight_bytes // page_size))
         self.batch_pages = batch_pages
-        batch_bytes = batch_pages * page_size
-        chunk = min(max(4 * batch_bytes, 4 << 20), 256 << 20)
+        # arena chunks hold 8 of the largest blobs (an incompressible batch): at most ~1/8
+        # of a chunk is left at its tail when blobs of other sizes do not fit
+        largest = BlobLayout.of(batch_pages, batch_pages * page_size).total + ALIGN
+        chunk = min(max(8 * largest, 4 << 20), 512 << 20)
         self.arena = HostArena(pin=self.cuda, chunk_bytes=chunk)
         self.staging = PinnedBufferPool(pin=self.cuda)
         self.device_pool = DeviceBufferPool(self.device)
         self.limiter = InflightLimiter(max_inflight_bytes)
         self.timing = TimingLog()
-        self.bypass = RawBypass(enabled=raw_bypass and self.cuda)
+        self.bypass = RawBypass(self.cuda, bypass=raw_bypass, max_raw_share=max_raw_share)
         self.slots = [Slot(i, self.cuda) for i in range(slots)]
         self._next = 0
         self._cond = threading.Condition()
@@ -162,43 +165,53 @@ class Pipeline(CudaStages):
     def submit_compress(
         self, storage, src, nbytes, element_size, producer=None, keep=(), key=None
     ):
-        """Queue the compression of ``src`` (``uint8 [nbytes]``, on this device or the host).
+        """Queue the compression of ``src`` (``uint8 [nbytes]``, on this device or the host)
+        as batches appended to ``storage``; closes ``storage`` at the end (even on error).
 
         ``producer``: a CUDA event recorded on the caller's stream after ``src`` was produced;
-        the first read of ``src`` waits for it. ``key`` names the stream of similar tensors
-        whose incompressible batches may skip the kernel (:class:`RawBypass`). Returns once
-        every batch is queued (blocking only on back-pressure: slots or the in-flight bound).
+        every read of ``src`` waits for it. ``key`` names the stream of similar tensors whose
+        incompressible batches may skip the kernel (:class:`RawBypass`). Returns once every
+        batch is queued (blocking only on back-pressure: slots or the in-flight bound).
         """
         on_host = src.device.type == "cpu"
         p, bp = self.page_size, self.batch_pages
         total_pages = -(-nbytes // p)
-        batches = range(0, total_pages, bp)
-        for b, p0 in enumerate(batches):
-            n = min(bp, total_pages - p0)
-            lo, hi = p0 * p, min(nbytes, (p0 + n) * p)
-            try:
+        p0, error = 0, None
+        try:
+            while p0 < total_pages:
+                n = min(bp, total_pages - p0)
+                route = self.bypass.route(key) if self.cuda and not on_host else "kernel"
+                if route == "probe":  # a small compressed sample of a raw stream
+                    n = min(n, max(1, bp // self.bypass.probe_fraction))
+                lo, hi = p0 * p, min(nbytes, (p0 + n) * p)
                 self.limiter.acquire(n * p)
-                slot = self.acquire_slot()
-            except BaseException as exc:
-                storage.batches_finished(len(batches) - b, exc)
-                raise
-            job = _Job("offload", slot, storage, b, n, n * p, limit_bytes=n * p, first_page=p0)
-            job.key = key
-            slot.job = job
-            try:
-                if self.cuda and not on_host and self.bypass.take(key):
-                    job.raw, job.producer, job.work = True, producer, (src, lo, hi, element_size)
-                elif self.cuda:
-                    first = producer if b == 0 else None
-                    self._enqueue_compress(job, src, lo, hi, element_size, first)
-                else:
-                    job.work = (src, lo, hi, element_size)
-            except BaseException as exc:
-                self._fail(job, exc)
-                storage.batches_finished(len(batches) - b - 1, exc)
-                raise
-            job.keep = keep
-            self._issue_q.put(job)
+                try:
+                    slot = self.acquire_slot()
+                except BaseException:
+                    self.limiter.release(n * p)
+                    raise
+                job = _Job("offload", slot, storage, storage.open_batch(), n, n * p,
+                           limit_bytes=n * p, first_page=p0, key=key, keep=keep)
+                slot.job = job
+                try:
+                    if route == "raw":  # issued here: its copy queues ahead of kernel outputs
+                        job.raw, job.producer = True, producer
+                        job.work = (src, lo, hi, element_size)
+                        self._issue_raw(job)
+                    elif self.cuda:
+                        self._enqueue_compress(job, src, lo, hi, element_size, producer)
+                    else:
+                        job.work = (src, lo, hi, element_size)
+                except BaseException as exc:
+                    self._fail(job, exc)
+                    raise
+                (self._done_q if job.raw else self._issue_q).put(job)
+                p0 += n
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            storage.close(error)
 
     def _cpu_compress(self, job: _Job) -> None:
         src, lo, hi, element_size = job.work
@@ -341,18 +354,21 @@ class Pipeline(CudaStages):
             ev = slot.events
             stamp = {k: self.epoch.elapsed_time(ev[k]) for k in slot.recorded}
             d = (stamp.get("d_s", stamp["k_e"]), stamp.get("d_e", stamp["k_e"]))
-            self.timing.add(
-                BatchTiming(
-                    job.kind, slot.index, job.nbytes, job.stored,
-                    (stamp["up_s"], stamp["up_e"]), (stamp["k_s"], stamp["k_e"]), d,
-                )
+            t = BatchTiming(
+                job.kind, slot.index, job.nbytes, job.stored,
+                (stamp["up_s"], stamp["up_e"]), (stamp["k_s"], stamp["k_e"]), d,
             )
+            self.timing.add(t)
+            if job.kind == "offload" and job.raw:
+                self.bypass.observe_raw(job.key, job.nbytes, t.download_ms)
+            elif job.kind == "offload":
+                self.bypass.observe(
+                    job.key, job.payload_bytes, job.nbytes, t.kernel_ms, t.download_ms
+                )
         elif job.t is not None:
             t = job.t
             stages = (*t["up"], *t["k"], *t["d"])
             self.timing.add_cpu(job.kind, slot.index, job.nbytes, job.stored, *stages)
-        if job.kind == "offload" and not job.raw:
-            self.bypass.observe(job.key, job.payload_bytes, job.nbytes)
         self._finish(job)
 
     def _finish(self, job: _Job, error: BaseException | None = None) -> None:

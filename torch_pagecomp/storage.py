@@ -66,25 +66,35 @@ class StoredBatch:
 class Storage:
     """The host side of one handle: batches, completion, readers, deferred release.
 
-    ``pending`` batches are still being written; ``readers`` restores are still copying blobs
-    to the device. ``release()`` frees the blocks now when idle, else when the last of them
-    finishes (so a blob being read is never recycled). Thread-safe.
+    The submitter appends batches with :meth:`open_batch` and ends with :meth:`close`;
+    ``pending`` counts batches still being written (plus 1 until closed); ``readers`` restores
+    still copying blobs to the device. ``release()`` frees the blocks now when idle, else when
+    the last of them finishes (so a blob being read is never recycled). Thread-safe.
     """
 
-    def __init__(self, arena: HostArena, num_batches: int):
+    def __init__(self, arena: HostArena):
         self.arena = arena
-        self.batches: list[StoredBatch | None] = [None] * num_batches
-        self.pending = num_batches
+        self.batches: list[StoredBatch | None] = []
+        self.pending = 1
         self.readers = 0
         self.error: BaseException | None = None
         self.released = False
         self._release_requested = False
         self._lock = threading.Lock()
         self.done = threading.Event()
-        if num_batches == 0:
-            self.done.set()
 
     # ---------------------------------------------------------------- writers
+    def open_batch(self) -> int:
+        """Reserve the next batch's index (one more pending batch)."""
+        with self._lock:
+            self.batches.append(None)
+            self.pending += 1
+            return len(self.batches) - 1
+
+    def close(self, error: BaseException | None = None) -> None:
+        """No more batches will be opened."""
+        self.batches_finished(1, error)
+
     def batch_stored(self, index: int, batch: StoredBatch) -> None:
         with self._lock:
             if self._release_requested:  # freed while in flight: drop at once
