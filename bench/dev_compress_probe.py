@@ -32,7 +32,8 @@ P = 4096
 NBYTES = 128 << 20 if torch.cuda.is_available() else 6 * P
 N = NBYTES // P
 SAMPLE = min(4096, N)
-SWEEP = [(1, 16, 256), (1, 32, 256), (1, 32, 128), (2, 16, 256), (2, 8, 256), (4, 8, 256)]
+SWEEP = [(1, 16, 256, 2), (1, 32, 256, 2), (1, 32, 256, 0), (1, 32, 256, 4), (1, 32, 128, 2),
+         (2, 16, 256, 2), (4, 8, 256, 2)]
 
 
 def _files(patterns, per_file, total, seed):
@@ -161,11 +162,11 @@ def main():
         for name in ("text", "mixed", "random", "bf16-relu E2"):
             pages, e = data[name]
             g = pages.to(dev)
-            for nw, pps, w in SWEEP:
-                cfg = dict(num_warps=nw, programs_per_sm=pps, window=w)
+            for nw, pps, w, xw in SWEEP:
+                cfg = dict(num_warps=nw, programs_per_sm=pps, window=w, extra_words=xw)
                 ms = bench(lambda g=g, e=e, c=cfg: lc.compress_pages(g, e, **c), 10, 100)
                 sz = int(lc.compress_pages(g, e, **cfg)[1].sum())
-                print(f"  {name:12s} nw={nw} pps={pps:2d} W={w}: "
+                print(f"  {name:12s} nw={nw} pps={pps:2d} W={w} XW={xw}: "
                       f"{NBYTES / ms / 1e6:7.1f} GB/s ratio {NBYTES / sz:.3f}", flush=True)
             del g
 

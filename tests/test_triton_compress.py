@@ -155,9 +155,9 @@ def _poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-def _check(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW):
+def _check(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW, **tuning):
     """Run the kernel; compare with the model; decode every page. Returns the outputs."""
-    payload, sizes, kinds = lc.compress_pages(pages, element_size, window=window)
+    payload, sizes, kinds = lc.compress_pages(pages, element_size, window=window, **tuning)
     n, size = pages.shape
     assert payload.shape == (n, size) and payload.dtype == torch.uint8
     assert sizes.shape == (n,) and sizes.dtype == torch.int32
@@ -309,8 +309,8 @@ def test_bitshuffle_fused(element_size):
 @interpret_only
 def test_window_variants_match_model():
     pages = _rows(_text_page()[: P4K // 2] + (_rand(50) * 50)[: P4K // 2])
-    for window in (128, 512):
-        _check(pages, window=window)
+    for window, extra_words in ((128, 0), (512, 6)):  # the parse does not depend on extra_words
+        _check(pages, window=window, extra_words=extra_words)
 
 
 @interpret_only

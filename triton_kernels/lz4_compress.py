@@ -63,10 +63,19 @@ def _ext_len(n):
 
 
 @triton.jit
-def _match_len(data, p, c, P: tl.constexpr, EXT: tl.constexpr):
-    """Length of the match at ``p`` against ``c < p`` (>= 4 known), ending at most at ``P - 5``."""
+def _equal_bytes(x):
+    """Leading (little-endian) zero bytes of ``x = a ^ b``: bytes of ``a`` equal to ``b``, 0..4."""
+    nb = tl.where((x & 0xFFFF) == 0, 2, ((x & 0xFF) == 0).to(tl.int32))
+    nb = tl.where((x & 0xFFFFFF) == 0, 3, nb)
+    return tl.where(x == 0, 4, nb)
+
+
+@triton.jit
+def _match_len(data, p, c, known, P: tl.constexpr, EXT: tl.constexpr):
+    """Length of the match at ``p`` against ``c < p`` (``known`` bytes known equal), ending at
+    most at ``P - 5``."""
     k = tl.arange(0, EXT)
-    n = p + 4
+    n = p + known
     go = n < P - 5
     while go:
         m = n + k < P - 5
@@ -130,6 +139,7 @@ def _lz4_compress_kernel(
     HB: tl.constexpr,
     FB: tl.constexpr,
     W: tl.constexpr,
+    XW: tl.constexpr,
     EXT: tl.constexpr,
     V: tl.constexpr,
     CH: tl.constexpr,
@@ -216,14 +226,25 @@ def _lz4_compress_kernel(
                 c = tl.where(cf < idx, cf, cl)
                 ok = valid & (c >= 0)
                 ok = ok & (_word_at(data32, c, ok) == word)
-                key = tl.where(ok, (widx << 16) | c, NOKEY)
+                m = tl.zeros([W], tl.int32)
+                alive = ok
+                for j in tl.static_range(1, 1 + XW):  # the next XW words of every match, at once
+                    mj = alive & (idx + 4 * j < P - 4)
+                    x = _word_at(data32, idx + 4 * j, mj) ^ _word_at(data32, c + 4 * j, mj)
+                    nb = tl.where(mj, _equal_bytes(x), 0)
+                    m += nb
+                    alive = alive & (nb == 4)
+                key = tl.where(ok, (widx << 21) | (m << 16) | c, NOKEY)
                 wend = tl.minimum(w0 + W, MAXS + 1)
                 while pos < wend:
                     k = tl.min(tl.where(idx >= pos, key, NOKEY))
                     if k != NOKEY:
-                        p = w0 + (k >> 16)
+                        p = w0 + (k >> 21)
                         src_pos = k & 0xFFFF
-                        mlen = _match_len(data, p, src_pos, P, EXT)
+                        m = (k >> 16) & 31
+                        mlen = tl.minimum(4 + m, P - 5 - p)
+                        if (m == 4 * XW) & (mlen == 4 + m):
+                            mlen = _match_len(data, p, src_pos, mlen, P, EXT)
                         off = p - src_pos
                         out = _emit(dst, data, out, anchor, p - anchor, off, mlen - 4, True, P, V)
                         pos = p + mlen
@@ -279,15 +300,19 @@ def compress_pages(
     num_warps: int = 1,
     programs_per_sm: int = 16,
     window: int = 256,
+    extra_words: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
 
     Returns the fixed-stride ``(payload uint8 [N, P], sizes int32 [N], kinds uint8 [N])`` of
     ``torch_pagecomp.format``. ``element_size`` 2 or 4 bit-shuffles each page before LZ4.
     Launches on ``pages``' device and current stream; never synchronises with the host.
-    ``num_warps``, ``programs_per_sm`` and ``window`` (positions per candidate step) tune speed
-    only; the output depends on ``window`` but is always a valid block.
+    ``num_warps``, ``programs_per_sm``, ``window`` (positions per candidate step, a power of two
+    from 64 to 1024) and ``extra_words`` (0-6: match bytes compared for all positions at once)
+    tune speed only; the output depends on ``window`` but is always a valid block.
     """
+    if window not in (64, 128, 256, 512, 1024) or not 0 <= extra_words <= 6:
+        raise ValueError(f"bad tuning: window={window}, extra_words={extra_words}")
     n, page_size = pages.shape
     dev = pages.device
     payload = torch.empty((n, page_size), dtype=torch.uint8, device=dev)
@@ -306,7 +331,7 @@ def compress_pages(
     args = (pages, payload, sizes, kinds, tabs, shuf, n)
     meta = dict(
         P=page_size, PB=pb, E=element_size, KIND_LZ4=kind_lz4, HB=hb, FB=fb,
-        W=window, EXT=64, V=64, CH=1024, num_warps=num_warps,
+        W=window, XW=extra_words, EXT=64, V=64, CH=1024, num_warps=num_warps,
     )
     if dev.type == "cuda":
         with torch.cuda.device(dev):
