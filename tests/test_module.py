@@ -199,6 +199,17 @@ def test_stats_and_counts(gen):
     assert "batch_pages=2" in repr(pc)
 
 
+def test_close_stops_workers(gen):
+    pc = PageCompressor(device="cpu", batch_pages=2)
+    x = make((3 * 4096 + 1,), torch.uint8, gen)
+    h = pc.offload(x)
+    pc.close()
+    assert h.ready() and same_bits(x, pc.restore(h))  # stored data stays readable
+    with pytest.raises(RuntimeError, match="closed"):
+        pc.offload(x)
+    assert not any(t.is_alive() for t in pc.pipeline._threads if t.join(2) or True)
+
+
 def test_constructor_validation():
     with pytest.raises(PageCompError):
         PageCompressor(device="cpu", page_size=1000)

@@ -13,6 +13,7 @@ input plus ~13 bytes of metadata per page).
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -164,6 +165,7 @@ class PageCompressor(torch.nn.Module):
         )
         self.batch_pages = self.pipeline.batch_pages
         self.counts = {"offloads": 0, "restores": 0, "bytes_in": 0, "bytes_restored": 0}
+        self._counts_lock = threading.Lock()
         weakref.finalize(self, self.pipeline.close)
 
     # ------------------------------------------------------------------ offload
@@ -189,8 +191,7 @@ class PageCompressor(torch.nn.Module):
         nbytes = src.numel()
         storage = Storage(self.pipeline.arena)
         handle = OffloadHandle(storage, tensor.shape, tensor.dtype, nbytes, self.page_size, es)
-        self.counts["offloads"] += 1
-        self.counts["bytes_in"] += nbytes
+        self._count(offloads=1, bytes_in=nbytes)
         if nbytes == 0:
             storage.close()
             return handle
@@ -258,8 +259,7 @@ class PageCompressor(torch.nn.Module):
             if target.type == "cuda" and target.index is None:
                 target = torch.device("cuda", torch.cuda.current_device())
             out = torch.empty(handle.shape, dtype=handle.dtype, device=target)
-        self.counts["restores"] += 1
-        self.counts["bytes_restored"] += handle.nbytes
+        self._count(restores=1, bytes_restored=handle.nbytes)
         if handle.nbytes == 0:
             return out
         dst = _bytes_of(out)
@@ -308,6 +308,16 @@ class PageCompressor(torch.nn.Module):
         """Wait until every batch queued so far completed."""
         self.pipeline.drain()
 
+    def close(self) -> None:
+        """Wait for queued work, then stop the worker threads (also done when collected)."""
+        self.pipeline.drain()
+        self.pipeline.close()
+
+    def _count(self, **inc: int) -> None:
+        with self._counts_lock:  # offload/restore may be called from several threads
+            for k, v in inc.items():
+                self.counts[k] += v
+
     def timeline(self) -> list[dict]:
         """The last batches' stage intervals (ms from the pipeline epoch), slot and bytes."""
         return self.pipeline.timing.timeline()
@@ -329,7 +339,8 @@ class PageCompressor(torch.nn.Module):
         arena, staging, dev = p.arena.stats(), p.staging.stats(), p.device_pool.stats()
         timing = p.timing.summary()
         off, res = timing["offload"], timing["restore"]
-        stats = dict(self.counts)
+        with self._counts_lock:
+            stats = dict(self.counts)
         stats.update(
             device=str(self.device),
             page_size=self.page_size,

@@ -7,7 +7,13 @@ the caller's stream), carves an exact-size block from the host arena and enqueue
 exactly ``T`` packed bytes (``d2h`` stream). A *completer* thread waits for each batch's last
 event, records its timing and frees its slot. Streams are ordered by events, so slot ``k``'s
 download, slot ``k+1``'s kernel and slot ``k+2``'s upload run at once. A slot is reused only after
-its previous batch completed (host-side), so no buffer is overwritten while still read.
+its previous batch completed (host-side), so no buffer is overwritten while still read. Every
+read of a source waits for the producer's event; a restore's writes wait for the caller's stream
+and the caller's stream waits for them.
+
+Batches of a stream that does not compress skip the kernel (``cuda_stages.RawBypass``): the
+caller's thread enqueues their download of the raw pages at once; small compressed probes
+notice when the data compresses again.
 
 Without a GPU the same ring runs the lz4 reference on the issuer thread (stage times from
 ``perf_counter``), with the same states, back-pressure and statistics.
@@ -177,6 +183,9 @@ class Pipeline(CudaStages):
         p, bp = self.page_size, self.batch_pages
         total_pages = -(-nbytes // p)
         p0, error = 0, None
+        if self.closed:
+            storage.close(RuntimeError("the pipeline is closed"))
+            raise RuntimeError("this PageCompressor was closed")
         try:
             while p0 < total_pages:
                 n = min(bp, total_pages - p0)
@@ -246,6 +255,8 @@ class Pipeline(CudaStages):
         on this GPU). ``consumer``: the caller's stream; the writes wait for what it queued before
         and it waits for them. Returns the per-batch status tensors (on the device).
         """
+        if self.closed:
+            raise RuntimeError("this PageCompressor was closed (restore to the CPU still works)")
         p = self.page_size
         statuses = []
         storage.add_reader()
