@@ -4,7 +4,12 @@ process (clean peak-memory counters, an OOM or a hang costs one row).
 Variants: ``none`` (no offload), ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(
 pin_memory=True)``), ``uncompressed`` (our stream-overlapped pinned offload), ``compressed``
 (ours: PageCompressor pages, per-class fallback when the ratio < ``--min-ratio``) and
-``compressed_all`` (compress every class: the codec's own speed). Per variant: step time
+``compressed_mem`` (``prefer="memory"``: every batch of a compressible class through the kernel,
+where ``compressed`` = ``prefer="speed"`` lets the compressor store a share raw when its kernel
+is the bottleneck) and, on request, ``compressed_all`` (also classes below the ratio floor).
+Losses of every step are kept: ``loss dev`` is the largest relative difference from ``none``
+(flash attention's backward is not bit-deterministic, so tiny values are expected; corrupted
+activations show as large ones or NaN). Per variant: step time
 (median over ``--steps`` after ``--warmup``, CUDA events around forward + backward + optimizer),
 peak GPU memory (``torch.cuda.max_memory_allocated`` over the timed steps), host bytes held at
 the end of the forward (offloaded storage, compressed sizes for ours) and offloaded bytes.
@@ -24,7 +29,8 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("none", "save_on_cpu", "uncompressed", "compressed", "compressed_all")
+VARIANTS = ("none", "save_on_cpu", "uncompressed", "compressed", "compressed_mem")
+EXTRA = ("compressed_all",)
 GIB = 1 << 30
 
 
@@ -108,7 +114,7 @@ def run_variant(args) -> dict:
     x = torch.randn(args.batch, args.seq, args.d, device=args.device, dtype=torch.bfloat16,
                     generator=gen)
     off, soc = None, None
-    if variant in ("uncompressed", "compressed", "compressed_all"):
+    if variant in ("uncompressed", *VARIANTS[3:], *EXTRA):
         off = offload_module(
             model,
             mode="uncompressed" if variant == "uncompressed" else "compressed",
@@ -117,16 +123,20 @@ def run_variant(args) -> dict:
             min_offload_bytes=args.min_offload_kb << 10,
             group_bytes=None,
             min_ratio=0.0 if variant == "compressed_all" else args.min_ratio,
+            prefer="speed" if variant == "compressed" else "memory",
             page_size=args.page_size,
             offload_cpu=not cuda,  # CPU smoke runs only
         )
     elif variant == "save_on_cpu":
         soc = CountingSaveOnCpu()
 
+    losses = []
+
     def step(measure_host: bool = False) -> dict:
         opt.zero_grad(set_to_none=True)
         with soc if soc is not None else contextlib.nullcontext():
             loss = model(x)
+        losses.append(loss.detach())
         info = {}
         if measure_host:
             sync()
@@ -178,6 +188,7 @@ def run_variant(args) -> dict:
         "host_bytes": host["host_bytes"],
         "offloaded_bytes": host["offloaded_bytes"],
         "ratio": host["offloaded_bytes"] / host["host_bytes"] if host["host_bytes"] else None,
+        "losses": [float(v) for v in losses],
     }
     if off is not None:
         st = off.stats()
@@ -224,11 +235,19 @@ def header(args) -> dict:
     }
 
 
+def loss_deviation(row: dict, none: dict | None) -> float | None:
+    """Largest relative difference of ``row``'s step losses from ``none``'s (NaN: inf)."""
+    if none is None or "losses" not in row or len(row["losses"]) != len(none["losses"]):
+        return None
+    devs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(row["losses"], none["losses"])]
+    return max((d if math.isfinite(d) else math.inf) for d in devs)
+
+
 def table(rows: list[dict]) -> str:
     none = next((r for r in rows if r["variant"] == "none" and "error" not in r), None)
     lines = [
         f"{'variant':<16}{'step ms':>10}{'vs none':>9}{'peak GPU GiB':>14}"
-        f"{'host GiB':>10}{'offl. GiB':>11}{'ratio':>7}",
+        f"{'host GiB':>10}{'offl. GiB':>11}{'ratio':>7}{'loss dev':>10}",
     ]
     for r in rows:
         if "error" in r:
@@ -236,9 +255,12 @@ def table(rows: list[dict]) -> str:
             continue
         rel = f"{r['step_ms_median'] / none['step_ms_median']:.2f}x" if none else "-"
         ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
+        dev = loss_deviation(r, none)
+        dev = "-" if dev is None else f"{dev:.1e}"
         lines.append(
             f"{r['variant']:<16}{r['step_ms_median']:>10.1f}{rel:>9}{r['peak_gpu_gib']:>14.2f}"
             f"{r['host_bytes'] / GIB:>10.2f}{r['offloaded_bytes'] / GIB:>11.2f}{ratio:>7}"
+            f"{dev:>10}"
         )
     return "\n".join(lines)
 

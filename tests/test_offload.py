@@ -297,6 +297,8 @@ def test_nested_contexts_and_errors(seed):
         offload_activations(mode="zstd")
     with pytest.raises(ValueError):
         offload_activations(prefetch=-1)
+    with pytest.raises(ValueError):
+        offload_activations(prefer="ratio")
     off = cpu_offloader("uncompressed")
     x = torch.randn(100, requires_grad=True)
     with pytest.raises(RuntimeError):
@@ -347,7 +349,8 @@ def test_gpu_grads_bf16_model(seed, mode):
     ref = grads_of(model, x)
     off = gpu_offloader(mode, max_in_flight_bytes=1 << 20)
     assert_identical(ref, grads_of(model, x, off))
-    assert off.stats()["in_flight_waits"] > 0
+    st = off.stats()
+    assert st["offloaded_bytes"] > 0 and st["peak_host_bytes"] > 0
     assert_clean(off)
 
 
@@ -376,6 +379,20 @@ def _race_step(off: ActivationOffloader | None, x: torch.Tensor, sleep: int = 0)
     y.backward()
     torch.cuda.synchronize()
     return x.grad.clone()
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefer", ["speed", "memory"])
+def test_gpu_large_tensors_many_batches(seed, mode, prefer):
+    """Tensors of several compressor batches (raw and kernel batches mixed under "speed"),
+    produced behind a long kernel: bit-exact gradients, nothing left."""
+    x = torch.randn(3 << 24, device="cuda", requires_grad=True)  # 192 MiB of fp32
+    ref = _race_step(None, x)
+    off = gpu_offloader(mode, min_offload_bytes=0, prefer=prefer, min_ratio=0.0)
+    for _ in range(2):
+        assert torch.equal(_race_step(off, x, sleep=100_000_000), ref)
+    assert_clean(off)
 
 
 @needs_cuda
@@ -423,12 +440,16 @@ def test_gpu_100_steps_no_growth(seed, mode):
         model(x).backward()
         opt.step()
         torch.cuda.synchronize()
+        for comp in off._compressors.values():  # its threads give buffers back after the GPU
+            if comp is not None:
+                comp.synchronize()
         st = off.stats()
         mem.append(torch.cuda.memory_allocated())
         comp = st.get("compressor", {})
         pinned.append(st["pinned_held_bytes"] + sum(c["pinned_bytes_held"] for c in comp.values()))
         host.append(st["host_bytes"])
-    assert len(set(mem[5:])) == 1, f"device memory grows: {mem[5]} .. {mem[-1]}"
-    assert len(set(pinned[5:])) == 1, f"pinned memory grows: {pinned[5]} .. {pinned[-1]}"
+    # pools settle in the first steps; after that nothing may grow
+    assert max(mem[50:]) <= max(mem[5:50]), f"device memory grows: {mem[5:50]} .. {mem[50:]}"
+    assert max(pinned[50:]) <= max(pinned[5:50]), f"pinned grows: {pinned[5]} .. {pinned[-1]}"
     assert set(host) == {0}
     assert_clean(off)

@@ -26,6 +26,7 @@ offsets, so gradients are bit-identical):
 from __future__ import annotations
 
 import collections
+import inspect
 import threading
 import warnings
 import weakref
@@ -67,6 +68,9 @@ class ActivationOffloader(BackwardMixin):
         keep_param_casts: keep autocast copies of parameters (``ToCopy`` of a leaf) in place.
         page_size, max_pinned_bytes: passed to ``PageCompressor`` and the pinned pool.
         exact_pinned: pin page-aligned memory with cudaHostRegister (no power-of-two rounding).
+        prefer: ``"speed"``: when the compression kernel is slower than the copy engine, the
+            compressor stores a share of batches raw so both stay busy (``max_raw_share=1``);
+            ``"memory"``: every batch of a class that compresses goes through the kernel.
         compressor: a ``PageCompressor`` to use (default: one per device, made on first use).
     """
 
@@ -84,10 +88,14 @@ class ActivationOffloader(BackwardMixin):
         page_size: int = 4096,
         max_pinned_bytes: int | None = None,
         exact_pinned: bool = True,
+        prefer: str = "speed",
         compressor=None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if prefer not in ("speed", "memory"):
+            raise ValueError(f"prefer must be 'speed' or 'memory', got {prefer!r}")
+        self.prefer = prefer
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
         self.mode, self.prefetch = mode, prefetch
@@ -237,7 +245,7 @@ class ActivationOffloader(BackwardMixin):
             self._stash_bytes += nbytes
             while self._stash_bytes > self.max_in_flight_bytes and len(self._stash) > 1:
                 self.counters["in_flight_waits"] += 1
-                self._release(self._stash.popleft(), wait=True)
+                self._release(self._stash_victim(), wait=True)
         self.counters[f"offloaded_{entry.store.kind}"] += 1
         self.counters["offloaded_bytes"] += nbytes
         self._live.add(entry)
@@ -282,9 +290,21 @@ class ActivationOffloader(BackwardMixin):
         entry.src = None
         self._stash_bytes -= entry.nbytes
 
+    def _stash_victim(self) -> _Entry:
+        """The oldest raw copy (a GPU-side wait), else the oldest entry (a host wait)."""
+        victim = next((e for e in self._stash if e.store is self._pinned), self._stash[0])
+        self._stash.remove(victim)
+        return victim
+
     def _poll(self) -> None:
-        while self._stash and self._stash[0].ready():
-            self._release(self._stash.popleft(), wait=False)
+        if self._stash and any(e.ready() for e in self._stash):
+            keep = collections.deque()
+            for e in self._stash:  # release every finished copy, not only the oldest
+                if e.ready():
+                    self._release(e, wait=False)
+                else:
+                    keep.append(e)
+            self._stash = keep
         while self._samples:
             self.policy.sample(*self._samples.pop(0))
         self.policy.poll()
@@ -316,10 +336,14 @@ class ActivationOffloader(BackwardMixin):
                 )
                 self._compressors[key] = None
             else:
+                kw = {}
+                if "max_raw_share" in inspect.signature(PageCompressor).parameters:
+                    kw["max_raw_share"] = 1.0 if self.prefer == "speed" else 0.0
                 self._compressors[key] = PageCompressor(
                     device=torch.device("cpu") if key == "cpu" else torch.device("cuda", key),
                     page_size=self.page_size,
                     max_pinned_bytes=self._max_pinned,
+                    **kw,
                 )
         return self._compressors[key]
 
