@@ -111,12 +111,13 @@ class TimingLog:
             return [t.as_dict() for t in self.recent]
 
 
-def overlapping_slots(timeline: list[dict]) -> int:
-    """How many pairs of batches in different slots had two different stages running at once
-    (e.g. one slot's download during another's kernel): evidence that the ring overlaps."""
+def overlapping_slots(timeline: list[dict], window: int = 64) -> int:
+    """How many pairs of batches in different slots (each against its next ``window``) had two
+    different stages running at once (e.g. one slot's download during another's kernel):
+    evidence that the ring overlaps."""
     count = 0
     for i, a in enumerate(timeline):
-        for b in timeline[i + 1 : i + 64]:
+        for b in timeline[i + 1 : i + 1 + window]:
             if a["slot"] == b["slot"]:
                 continue
             for sa in STAGES:
