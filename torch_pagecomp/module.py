@@ -370,7 +370,7 @@ class PageCompressor(torch.nn.Module):
             restore_kernel_ms=res["kernel_ms"],
             restore_total_ms=res["total_ms"],
             slot_states=[s.value for s in p.states()],
-            overlapping_stage_pairs=overlapping_slots(p.timing.timeline()[-32:], window=8),
+            overlapping_stage_pairs=overlapping_slots(p.timing.timeline(last=32), window=8),
         )
         return stats
 

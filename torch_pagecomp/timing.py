@@ -106,9 +106,11 @@ class TimingLog:
         with self._lock:
             return {k: {**v, "bound": dict(v["bound"])} for k, v in self.sums.items()}
 
-    def timeline(self) -> list[dict]:
+    def timeline(self, last: int | None = None) -> list[dict]:
+        """The recent batches (the ``last`` ones when given), oldest first, as dicts."""
         with self._lock:
-            return [t.as_dict() for t in self.recent]
+            recent = list(self.recent)
+        return [t.as_dict() for t in (recent if last is None else recent[-last:])]
 
 
 def overlapping_slots(timeline: list[dict], window: int = 64) -> int:
