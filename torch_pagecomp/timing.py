@@ -44,6 +44,15 @@ class BatchTiming:
         return max(self.upload[1], self.kernel[1], self.download[1]) - self.upload[0]
 
     @property
+    def gbps(self) -> float:
+        """Uncompressed bytes over the batch's own span (upload start to last stage end)."""
+        return self.nbytes / self.total_ms / 1e6 if self.total_ms > 0 else float("inf")
+
+    @property
+    def ratio(self) -> float:
+        return self.nbytes / self.stored if self.stored else 1.0
+
+    @property
     def bound(self) -> str:
         """The stage that took longest: the one that limits a full pipeline."""
         spans = {"upload": self.upload_ms, "kernel": self.kernel_ms, "download": self.download_ms}
@@ -56,6 +65,8 @@ class BatchTiming:
             kernel_ms=self.kernel_ms,
             download_ms=self.download_ms,
             total_ms=self.total_ms,
+            gbps=self.gbps,
+            ratio=self.ratio,
             bound=self.bound,
         )
         return d
