@@ -115,8 +115,10 @@ def run_variant(args) -> dict:
                     generator=gen)
     off, soc = None, None
     if variant in ("uncompressed", *VARIANTS[3:], *EXTRA):
+        keep = model.blocks[len(model.blocks) - args.gpu_blocks:] if args.gpu_blocks else ()
         off = offload_module(
             model,
+            keep=keep,
             mode="uncompressed" if variant == "uncompressed" else "compressed",
             prefetch=args.prefetch,
             max_in_flight_bytes=args.max_in_flight_mb << 20,
@@ -230,7 +232,7 @@ def header(args) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([sys.executable, "-m", "bench.training_bench", *sys.argv[1:]]),
         "config": {k: getattr(args, k) for k in (
-            "layers", "d", "heads", "batch", "seq", "steps", "warmup", "prefetch",
+            "layers", "d", "heads", "batch", "seq", "steps", "warmup", "prefetch", "gpu_blocks",
             "max_in_flight_mb", "min_offload_kb", "min_ratio", "page_size")},
     }
 
@@ -277,6 +279,8 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--prefetch", type=int, default=1, help="groups (blocks) restored ahead")
+    ap.add_argument("--gpu-blocks", type=int, default=0,
+                    help="our variants keep the activations of the last N blocks on the GPU")
     ap.add_argument("--max-in-flight-mb", type=int, default=1024)
     ap.add_argument("--min-offload-kb", type=int, default=1024)
     ap.add_argument("--min-ratio", type=float, default=1.1)

@@ -144,6 +144,24 @@ def test_offload_module_groups_and_prefetch(seed, mode):
     assert off.stats()["packed"] == st["packed"]  # hooks are gone
 
 
+def test_offload_module_keep_blocks(seed):
+    model = GPT(d=32, heads=4, layers=3)
+    x = torch.randn(2, 15, 32)
+    ref = grads_of(model, x)
+    off = offload_module(model, keep=model.blocks[1:], mode="uncompressed", offload_cpu=True,
+                         min_offload_bytes=0, group_bytes=None)
+    assert_identical(ref, grads_of(model, x, sync=off))
+    kept = off.stats()["kept_region"]
+    off2 = offload_module(GPT(d=32, heads=4, layers=3), keep=(), offload_cpu=True,
+                          min_offload_bytes=0)
+    model2 = off2._keep_modules[0]
+    grads_of(model2, x)
+    st2 = off2.stats()
+    assert kept > 0 and "kept_region" not in st2
+    assert off.stats()["offloaded_bytes"] < st2["offloaded_bytes"]
+    assert_clean(off)
+
+
 def test_prefetch_zero_restores_on_demand(seed):
     model = GPT(d=24, heads=3, layers=2)
     x = torch.randn(2, 11, 24)

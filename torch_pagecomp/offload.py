@@ -399,6 +399,7 @@ class ActivationOffloader(BackwardMixin):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._keep_modules.clear()
 
 
 def compressor_device(compressor) -> int | str:
@@ -417,6 +418,7 @@ def offload_activations(**settings) -> ActivationOffloader:
 def offload_module(
     module: torch.nn.Module,
     blocks: Iterable[torch.nn.Module] | None = None,
+    keep: Iterable[torch.nn.Module] = (),
     offloader: ActivationOffloader | None = None,
     **settings,
 ) -> ActivationOffloader:
@@ -424,7 +426,9 @@ def offload_module(
 
     ``module``'s parameters and buffers stay on the GPU. Each module of ``blocks`` (default:
     the children of every ``nn.ModuleList`` inside ``module``) starts a prefetch group at its
-    forward. ``offloader.remove()`` takes the hooks off.
+    forward. Tensors saved inside the forwards of ``keep`` (e.g. the last blocks, whose
+    activations backward needs first) stay on the GPU. ``offloader.remove()`` takes the
+    hooks off.
     """
     off = offloader if offloader is not None else ActivationOffloader(**settings)
     off.keep_tensors_of(module)
@@ -447,4 +451,17 @@ def offload_module(
     off._handles.append(module.register_forward_hook(leave, always_call=True))
     for b in blocks:
         off._handles.append(b.register_forward_pre_hook(lambda m, a: off.next_group()))
+
+    def keep_enter(mod, args):
+        _tls.keep = getattr(_tls, "keep", 0) + 1
+        mod._pagecomp_kept = getattr(mod, "_pagecomp_kept", 0) + 1
+
+    def keep_leave(mod, args, out):
+        if getattr(mod, "_pagecomp_kept", 0):
+            mod._pagecomp_kept -= 1
+            _tls.keep -= 1
+
+    for k in keep:
+        off._handles.append(k.register_forward_pre_hook(keep_enter))
+        off._handles.append(k.register_forward_hook(keep_leave, always_call=True))
     return off
