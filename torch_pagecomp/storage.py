@@ -96,11 +96,10 @@ class Storage:
         self.batches_finished(1, error)
 
     def batch_stored(self, index: int, batch: StoredBatch) -> None:
+        """The batch's blob is carved and its copy queued (not yet finished: even when the
+        handle was freed meanwhile, the block is given back only once every batch finished)."""
         with self._lock:
-            if self._release_requested:  # freed while in flight: drop at once
-                self.arena.free(batch.block)
-            else:
-                self.batches[index] = batch
+            self.batches[index] = batch
 
     def batch_finished(self, error: BaseException | None = None) -> None:
         self.batches_finished(1, error)
