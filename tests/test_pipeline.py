@@ -109,6 +109,18 @@ def test_blob_layout():
     assert kinds.numel() == 3
 
 
+def test_storage_freed_in_flight_keeps_blocks_until_written():
+    arena = HostArena(pin=False, chunk_bytes=1 << 16)
+    st = Storage(arena)
+    i = st.open_batch()
+    st.close()
+    st.release()  # the handle is freed while its batch is in flight
+    st.batch_stored(i, StoredBatch(arena.alloc(100), BlobLayout.of(1, 50), 0))
+    assert arena.used_bytes > 0  # its copy may still be writing: not recycled yet
+    st.batch_finished()
+    assert arena.used_bytes == 0 and st.released and st.done.is_set()
+
+
 def test_storage_release_deferred_while_read():
     arena = HostArena(pin=False, chunk_bytes=1 << 16)
     st = Storage(arena)
