@@ -330,6 +330,27 @@ def test_nested_contexts_and_errors(seed):
     assert_clean(off)
 
 
+def test_torch_compile_region_under_hooks(seed):
+    """A compiled function's saved tensors reach the hooks at run time (AOTAutograd)."""
+
+    def f(x, w):
+        return (torch.sin(x @ w) * x.cos()).sum()
+
+    x = torch.randn(64, 72, requires_grad=True)
+    w = torch.randn(72, 72, requires_grad=True)
+    f(x, w).backward()
+    ref = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    off = cpu_offloader("compressed")
+    with off:
+        y = torch.compile(f, backend="aot_eager")(x, w)
+    off.synchronize()
+    y.backward()
+    assert_identical(ref, [x.grad, w.grad])
+    assert off.stats()["offloaded_bytes"] > 0
+    assert_clean(off)
+
+
 # ------------------------------------------------------------------------------ GPU path
 def gpu_model(seed: int, ckpt: bool = False, dtype=torch.float32) -> GPT:
     torch.manual_seed(seed)
