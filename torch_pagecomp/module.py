@@ -44,6 +44,14 @@ def default_batch_pages(device: torch.device, page_size: int) -> int:
     return max(1, target // page_size)
 
 
+def _not_capturing(what: str) -> None:
+    if torch.cuda.is_current_stream_capturing():
+        raise PageCompError(
+            f"{what} cannot run inside CUDA graph capture (it waits on the host for sizes); "
+            "call it outside the captured region"
+        )
+
+
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a 1-D ``uint8`` view (any dtype, 0-d included)."""
     return t.reshape(-1).view(torch.uint8)
@@ -196,6 +204,7 @@ class PageCompressor(torch.nn.Module):
             storage.close()
             return handle
         if cuda:
+            _not_capturing("offload")
             with torch.cuda.device(self.device):
                 producer = torch.cuda.current_stream(self.device)  # the caller's, read here
                 ready = torch.cuda.Event()
@@ -264,6 +273,7 @@ class PageCompressor(torch.nn.Module):
             return out
         dst = _bytes_of(out)
         if target.type == "cuda" and self.pipeline.cuda and target == self.device:
+            _not_capturing("restore")
             with torch.cuda.device(self.device):
                 consumer = torch.cuda.current_stream(self.device)
                 statuses = self.pipeline.submit_decompress(handle._storage, dst, consumer)
