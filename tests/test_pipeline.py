@@ -377,3 +377,19 @@ def test_gpu_stages_of_different_slots_overlap(gen):
     busy = sum(t["upload_ms"] + t["kernel_ms"] + t["download_ms"] for t in tl)
     print(f"wall {wall * 1e3:.1f} ms, stage sum {busy:.1f} ms")
     assert torch.equal(pc.restore(h, device="cpu"), host)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_free_in_flight_never_recycles_a_block_being_written(gen):
+    pc = PageCompressor(batch_pages=64)
+    for i in range(30):
+        a = torch.randint(0, 256, (256 * 4096,), dtype=torch.uint8, generator=gen).cuda()
+        b = torch.randint(0, 2, (256 * 4096,), dtype=torch.uint8, generator=gen).cuda()
+        torch.cuda._sleep(SLEEP // 4)
+        pc.offload(a).free()  # freed while its copies are still queued
+        h = pc.offload(b)
+        assert torch.equal(pc.restore(h), b), i
+        h.free()
+    pc.synchronize()
+    assert pc.stats()["bytes_held_host"] == 0
