@@ -330,6 +330,39 @@ def test_nested_contexts_and_errors(seed):
     assert_clean(off)
 
 
+class FailingCompressor:
+    """A PageCompressor stand-in whose offloads fail."""
+
+    device = torch.device("cpu")
+
+    def offload(self, tensor, element_size=None):
+        raise RuntimeError("injected offload failure")
+
+    def synchronize(self):
+        pass
+
+    def stats(self):
+        return {"bytes_held_host": 0}
+
+
+def test_failed_offloads_stay_and_are_visible(seed):
+    model = GPT(d=24, heads=3, layers=2)
+    x = torch.randn(2, 13, 24)
+    ref = grads_of(model, x)
+    off = cpu_offloader("compressed", compressor=FailingCompressor())
+    model.zero_grad()
+    with off:
+        loss = model(x)
+    off.synchronize()
+    pending = off.pending()
+    assert pending["failed"] > 0 and pending["stash"] == 0
+    loss.backward()
+    assert_identical(ref, [p.grad for p in model.parameters()])
+    assert off.stats()["offload_failed"] > 0
+    del loss
+    assert_clean(off)
+
+
 def test_torch_compile_region_under_hooks(seed):
     """A compiled function's saved tensors reach the hooks at run time (AOTAutograd)."""
 

@@ -118,6 +118,8 @@ class ActivationOffloader(BackwardMixin):
         self._sink: list = []
         self._stash: collections.deque[_Entry] = collections.deque()
         self._stash_bytes = 0
+        self._failed: weakref.WeakSet[_Entry] = weakref.WeakSet()  # offloads that failed: their
+        # storage stays with the entry (on the GPU) until the end of backward
         self._live: weakref.WeakSet[_Entry] = weakref.WeakSet()
         self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
         self._pass: _Pass | None = None
@@ -239,7 +241,7 @@ class ActivationOffloader(BackwardMixin):
                 return None
             entry.store = self._pinned
             entry.submitted.set()
-        if dev.type == "cuda" or not entry.ready():
+        if dev.type == "cuda" or entry.store is not self._cpu:
             entry.src = src
             self._stash.append(entry)
             self._stash_bytes += nbytes
@@ -275,19 +277,27 @@ class ActivationOffloader(BackwardMixin):
                     entry.stored = store.offload(src, esize)
                 samples.append((cls, entry.stored))
             except BaseException as exc:  # noqa: BLE001 - raised at unpack
-                entry.error = exc
+                entry.error = exc.with_traceback(None)  # no frame -> entry cycle
             finally:
                 entry.submitted.set()
 
         self._worker.submit(job)
 
     def _release(self, entry: _Entry, wait: bool) -> None:
-        """Drop the stash's hold on ``entry``'s GPU storage (its copy is done, or ``wait``)."""
+        """Drop the stash's hold on ``entry``'s GPU storage (its copy is done, or ``wait``).
+        A failed offload keeps it (unpack serves it) until the end of backward."""
         if wait:
-            stored = entry.wait_stored()
-            if "release" not in self._unsafe:
-                stored.wait_on(entry.stream)
-        entry.src = None
+            try:
+                stored = entry.wait_stored()
+                if "release" not in self._unsafe:
+                    stored.wait_on(entry.stream)
+            except Exception as exc:  # noqa: BLE001 - kept on the GPU instead
+                entry.error = entry.error or exc.with_traceback(None)
+        if entry.failed():
+            self.counters["offload_failed"] += 1
+            self._failed.add(entry)
+        else:
+            entry.src = None
         self._stash_bytes -= entry.nbytes
 
     def _stash_victim(self) -> _Entry:
@@ -372,6 +382,7 @@ class ActivationOffloader(BackwardMixin):
                 "entries": len(live),
                 "stash": len(self._stash),
                 "stash_bytes": self._stash_bytes,
+                "failed": len(self._failed),
                 "restored": sum(e.restored is not None for e in live),
                 "host_bytes": self.host_bytes(),
                 "pinned_in_use_bytes": self.pool.in_use_bytes,

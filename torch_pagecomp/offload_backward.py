@@ -97,7 +97,7 @@ class BackwardMixin:
                     e.store.restore(stored, e.restored)
                     e.restore_event = side.record_event()
             except BaseException as exc:  # noqa: BLE001 - raised at unpack
-                e.error = exc
+                e.error = exc.with_traceback(None)
             finally:
                 e.restore_done.set()
 
@@ -120,4 +120,7 @@ class BackwardMixin:
                 e.drop_restored()
             while self._stash:
                 self._release(self._stash.popleft(), wait=True)
+            for e in list(self._failed):
+                e.src = None
+            self._failed.clear()
             self._poll()

@@ -79,6 +79,10 @@ class _Entry:
             raise RuntimeError(f"activation offload failed: {self.error}") from self.error
         return self.stored
 
+    def failed(self) -> bool:
+        failed = getattr(self.stored, "failed", None)
+        return self.error is not None or (failed is not None and failed())
+
     def ready(self) -> bool:
         return self.submitted.is_set() and (self.stored is None or self.stored.ready())
 

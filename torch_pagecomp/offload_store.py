@@ -166,6 +166,9 @@ class CompressedStored:
     def ready(self) -> bool:
         return self._stored is not None or (not self.freed and self.handle.ready())
 
+    def failed(self) -> bool:
+        return not self.freed and self.handle.state == "failed"
+
     def wait_on(self, stream: torch.cuda.Stream | None) -> None:
         """Until the offload is stored (a host wait: the handle offers no event)."""
         self.handle.wait()
