@@ -51,9 +51,10 @@ from .bitshuffle import bitshuffle_page
 def _word_at(ptr32, i, mask):
     """uint32 little-endian word of the 4 bytes at byte offset ``i`` (needs ``i + 8 <= P``)."""
     k = i >> 2
-    lo = tl.load(ptr32 + k, mask=mask, other=0).to(tl.uint64)
-    hi = tl.load(ptr32 + k + 1, mask=mask, other=0).to(tl.uint64)
-    return ((lo | (hi << 32)) >> ((i & 3) * 8).to(tl.uint64)).to(tl.uint32)
+    lo = tl.load(ptr32 + k, mask=mask, other=0)
+    hi = tl.load(ptr32 + k + 1, mask=mask, other=0)
+    sh = ((i & 3) * 8).to(tl.uint32)
+    return (lo >> sh) | ((hi << 1) << (31 - sh))  # two shifts: 0 when sh == 0
 
 
 @triton.jit
@@ -88,39 +89,46 @@ def _match_len(data, p, c, known, P: tl.constexpr, EXT: tl.constexpr):
 
 
 @triton.jit
+def _put_len_ext(dst, o, n, P: tl.constexpr, V: tl.constexpr):
+    """Write the extension bytes of a length field holding ``n >= 15`` at ``dst + o``."""
+    cnt = (n - 15) // 255 + 1
+    rem = (n - 15) % 255
+    for q in range(0, cnt, V):
+        k = q + tl.arange(0, V)
+        v = tl.where(k < cnt - 1, 255, rem)
+        tl.store(dst + o + k, v.to(tl.uint8), mask=(k < cnt) & (o + k < P))
+    return o + cnt
+
+
+@triton.jit
 def _emit(
     dst, data, out, anchor, lit, off, ml, HAS_MATCH: tl.constexpr, P: tl.constexpr, V: tl.constexpr
 ):
-    """Write one sequence at ``dst + out``; returns the new output position.
-
-    ``lit`` literals from ``data + anchor``; then, if ``HAS_MATCH``, offset ``off`` and match
-    length ``ml + 4``. Every lane computes its byte: token, extensions, literal, offset.
+    """Write one sequence at ``dst + out`` (stores past the row end are dropped); returns the new
+    output position. ``lit`` literals from ``data + anchor``; then, if ``HAS_MATCH``, offset
+    ``off`` and match length ``ml + 4``.
     """
-    nle = tl.where(lit >= 15, (lit - 15) // 255 + 1, 0)
-    lit0 = 1 + nle
-    off0 = lit0 + lit
     if HAS_MATCH:
-        nme = tl.where(ml >= 15, (ml - 15) // 255 + 1, 0)
         token = (tl.minimum(lit, 15) << 4) | tl.minimum(ml, 15)
-        n = off0 + 2 + nme
     else:
-        nme = 0
         token = tl.minimum(lit, 15) << 4
-        n = off0
-    lit_last = lit - 15 - 255 * (nle - 1)
-    ml_last = ml - 15 - 255 * (nme - 1)
-    for q in range(0, n, V):
+    tl.store(dst + out, token.to(tl.uint8), mask=out < P)
+    o = out + 1
+    if lit >= 15:
+        o = _put_len_ext(dst, o, lit, P, V)
+    for q in range(0, lit, V):
         k = q + tl.arange(0, V)
-        is_lit = (k >= lit0) & (k < off0)
-        v = tl.load(data + anchor + (k - lit0), mask=is_lit, other=0).to(tl.int32)
-        v = tl.where(k < lit0, tl.where(k < nle, 255, lit_last), v)
-        me = k - off0 - 2
-        v = tl.where(k >= off0 + 2, tl.where(me < nme - 1, 255, ml_last), v)
-        v = tl.where(k == off0, off & 255, v)
-        v = tl.where(k == off0 + 1, off >> 8, v)
-        v = tl.where(k == 0, token, v)
-        tl.store(dst + out + k, v.to(tl.uint8), mask=(k < n) & (out + k < P))
-    return out + n
+        m = k < lit
+        v = tl.load(data + anchor + k, mask=m, other=0)
+        tl.store(dst + o + k, v, mask=m & (o + k < P))
+    o += lit
+    if HAS_MATCH:
+        tl.store(dst + o, (off & 255).to(tl.uint8), mask=o < P)
+        tl.store(dst + o + 1, (off >> 8).to(tl.uint8), mask=o + 1 < P)
+        o += 2
+        if ml >= 15:
+            o = _put_len_ext(dst, o, ml, P, V)
+    return o
 
 
 @triton.jit
@@ -177,10 +185,10 @@ def _lz4_compress_kernel(
         src = pages_ptr + base
         dst = payload_ptr + base
         first = tl.load(src)
-        diff = 0
+        differs = tl.zeros([CH], tl.int32)
         for q in range(0, P, CH):
-            b = tl.load(src + q + ch)
-            diff = diff | tl.max((b != first).to(tl.int32))
+            differs = differs | (tl.load(src + q + ch) != first).to(tl.int32)
+        diff = tl.max(differs)
         size = page * 0 + 1
         kind = page * 0 + 2
         keep = page * 0
@@ -241,9 +249,9 @@ def _lz4_compress_kernel(
                     if k != NOKEY:
                         p = w0 + (k >> 21)
                         src_pos = k & 0xFFFF
-                        m = (k >> 16) & 31
-                        mlen = tl.minimum(4 + m, P - 5 - p)
-                        if (m == 4 * XW) & (mlen == 4 + m):
+                        mx = (k >> 16) & 31
+                        mlen = tl.minimum(4 + mx, P - 5 - p)
+                        if (mx == 4 * XW) & (mlen == 4 + mx):
                             mlen = _match_len(data, p, src_pos, mlen, P, EXT)
                         off = p - src_pos
                         out = _emit(dst, data, out, anchor, p - anchor, off, mlen - 4, True, P, V)
@@ -276,13 +284,21 @@ def _lz4_compress_kernel(
         tl.store(kinds_ptr + page, kind)
 
 
+DEFAULT_WINDOW = 128
+DEFAULT_EXTRA_WORDS = 2
+DEFAULT_HASH_BITS_DELTA = -1  # 2048 entries for 4 KiB pages: 8 KiB of table per program
+DEFAULT_PROGRAMS_PER_SM = 32
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def table_bits(page_size: int, window: int) -> tuple[int, int]:
+def table_bits(page_size: int, window: int, hash_bits: int | None = None) -> tuple[int, int]:
     """log2 sizes of the ``last`` (per page) and ``first`` (per window) hash tables."""
-    return min(page_size.bit_length() - 1, 14), window.bit_length() + 2
+    if hash_bits is None:
+        hash_bits = min(page_size.bit_length() - 1, 14) + DEFAULT_HASH_BITS_DELTA
+    return hash_bits, window.bit_length() + 2
 
 
 def _num_programs(pages: torch.Tensor, programs_per_sm: int) -> int:
@@ -298,9 +314,10 @@ def compress_pages(
     element_size: int = 1,
     *,
     num_warps: int = 1,
-    programs_per_sm: int = 16,
-    window: int = 256,
-    extra_words: int = 2,
+    programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM,
+    window: int = DEFAULT_WINDOW,
+    extra_words: int = DEFAULT_EXTRA_WORDS,
+    hash_bits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
 
@@ -309,10 +326,14 @@ def compress_pages(
     Launches on ``pages``' device and current stream; never synchronises with the host.
     ``num_warps``, ``programs_per_sm``, ``window`` (positions per candidate step, a power of two
     from 64 to 1024) and ``extra_words`` (0-6: match bytes compared for all positions at once)
-    tune speed only; the output depends on ``window`` but is always a valid block.
+    tune speed only; ``hash_bits`` (10-16, log2 entries of the per-page table; default
+    ``min(log2 P, 14)``) trades ratio for cache footprint. The output depends on ``window`` and
+    ``hash_bits`` but is always a valid block.
     """
     if window not in (64, 128, 256, 512, 1024) or not 0 <= extra_words <= 6:
         raise ValueError(f"bad tuning: window={window}, extra_words={extra_words}")
+    if hash_bits is not None and not 10 <= hash_bits <= 16:
+        raise ValueError(f"bad tuning: hash_bits={hash_bits}")
     n, page_size = pages.shape
     dev = pages.device
     payload = torch.empty((n, page_size), dtype=torch.uint8, device=dev)
@@ -321,7 +342,7 @@ def compress_pages(
     if n == 0:
         return payload, sizes, kinds
     pb = page_size.bit_length() - 1
-    hb, fb = table_bits(page_size, window)
+    hb, fb = table_bits(page_size, window, hash_bits)
     grid = _num_programs(pages, programs_per_sm)
     tabs = torch.empty((grid, (1 << hb) + (1 << fb)), dtype=torch.int32, device=dev)
     shuf_rows = grid if element_size > 1 else 1
