@@ -32,8 +32,9 @@ P = 4096
 NBYTES = 128 << 20 if torch.cuda.is_available() else 6 * P
 N = NBYTES // P
 SAMPLE = min(4096, N)
-SWEEP = [(1, 16, 256, 2), (1, 32, 256, 2), (1, 32, 256, 0), (1, 32, 256, 4), (1, 32, 128, 2),
-         (2, 16, 256, 2), (4, 8, 256, 2)]
+# (num_warps, programs_per_sm, window, extra_words, hash_bits)
+SWEEP = [(1, 32, 128, 2, 11), (1, 32, 128, 2, 12), (1, 16, 128, 2, 11), (1, 32, 128, 0, 11),
+         (1, 32, 128, 3, 11), (1, 32, 64, 2, 11), (1, 16, 256, 2, 12), (2, 16, 256, 2, 11)]
 
 
 def _files(patterns, per_file, total, seed):
@@ -162,12 +163,16 @@ def main():
         for name in ("text", "mixed", "random", "bf16-relu E2"):
             pages, e = data[name]
             g = pages.to(dev)
-            for nw, pps, w, xw in SWEEP:
+            for nw, pps, w, xw, hb in SWEEP:
                 cfg = dict(num_warps=nw, programs_per_sm=pps, window=w, extra_words=xw)
+                cfg["hash_bits"] = hb
                 ms = bench(lambda g=g, e=e, c=cfg: lc.compress_pages(g, e, **c), 10, 100)
+                out = [t[:8192].cpu() for t in lc.compress_pages(g, e, **cfg)]
+                bad = check(pages[:8192], *out, e)
                 sz = int(lc.compress_pages(g, e, **cfg)[1].sum())
-                print(f"  {name:12s} nw={nw} pps={pps:2d} W={w} XW={xw}: "
-                      f"{NBYTES / ms / 1e6:7.1f} GB/s ratio {NBYTES / sz:.3f}", flush=True)
+                print(f"  {name:12s} nw={nw} pps={pps:2d} W={w:3d} XW={xw} HB={hb}: "
+                      f"{NBYTES / ms / 1e6:7.1f} GB/s ratio {NBYTES / sz:.3f} bad {bad}",
+                      flush=True)
             del g
 
 

@@ -329,7 +329,9 @@ def test_64k_page_far_offset():
 def _corpus_pages(n: int, size: int, seed: int) -> torch.Tensor:
     """Mixed pages on the CPU: text, random, zeros, patterns, bf16."""
     g = torch.Generator().manual_seed(seed)
-    text = np.frombuffer(open(fmt.__file__, "rb").read() * 4, dtype=np.uint8)
+    mods = (fmt, cpu_codec, lc, torch.nn.modules.conv)
+    src = b"".join(open(m.__file__, "rb").read() for m in mods)
+    text = np.frombuffer(src * (2 * size // len(src) + 2), dtype=np.uint8)
     out = torch.empty((n, size), dtype=torch.uint8)
     kinds = torch.randint(0, 5, (n,), generator=g)
     for i in range(n):
@@ -448,6 +450,7 @@ def test_gpu_graph_compile_and_stream():
     assert all(torch.equal(a, b) for a, b in zip(compiled, ref))
 
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(1_000_000)
         out = lc.compress_pages(pages)
