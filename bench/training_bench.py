@@ -104,7 +104,7 @@ def run_variant(args) -> dict:
 
     import torch
 
-    from torch_pagecomp.offload import offload_module
+    from torch_pagecomp.offload_wrap import offload_module
 
     variant = args.variant
     model = build_model(args)

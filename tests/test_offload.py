@@ -17,12 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from torch_pagecomp.offload import (
-    ActivationOffloader,
-    keep_on_gpu,
-    offload_activations,
-    offload_module,
-)
+from torch_pagecomp.offload import ActivationOffloader, keep_on_gpu, offload_activations
+from torch_pagecomp.offload_wrap import offload_module
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
