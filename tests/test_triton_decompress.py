@@ -82,6 +82,25 @@ def ref(block: bytes, page_size: int = P) -> tuple[bytes | None, int]:
     return decode_block(block, page_size)
 
 
+def ref_page(read, total: int, off: int, size: int, kind: int, page_size: int = P):
+    """``(page or None, status)`` of one page by the rules of ``decompress_cpu`` with
+    ``decode_block`` deciding LZ4 blocks; ``read(off, size)`` returns payload bytes."""
+    codec, shift = kind & 15, kind >> 4
+    if codec > 2 or shift > 2 or (shift and codec != fmt.KIND_LZ4):
+        return None, fmt.STATUS_BAD_KIND
+    if off < 0 or size < 1 or off + size > total:
+        return None, fmt.STATUS_BAD_SIZE
+    if codec == fmt.KIND_FILL:
+        return (read(off, 1) * page_size, 0) if size == 1 else (None, fmt.STATUS_BAD_SIZE)
+    if codec == fmt.KIND_RAW:
+        return (read(off, size), 0) if size == page_size else (None, fmt.STATUS_BAD_SIZE)
+    data, st = decode_block(read(off, size), page_size)
+    if data is not None and shift:
+        y = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(1, -1)
+        data = bytes(bitunshuffle(y, 1 << shift)[0].numpy())
+    return data, st
+
+
 def run_blocks(blocks, kinds=None, page_size=P, sizes=None, offsets=None, payload=None):
     """Pack ``blocks`` back to back, decode them into outputs that sit inside poisoned guard
     bytes, check the guards, and return ``(pages, status)`` on the CPU."""
@@ -366,7 +385,7 @@ def test_gpu_any_compliant_parse_and_lz4_modes(page_size, gen):
 def _gpu_fuzz_chunk(base, base_sizes, n, g):
     """``n`` mutated copies of rows of ``base`` (``uint8 [B, P]`` CUDA) as a fixed-stride
     payload: bit flips, cuts (the rest of the row stays), inserted slices of other blocks, byte
-    overwrites, and a few garbage metadata rows. Row ``i`` of ``pure`` is True when unmutated."""
+    overwrites, and a few garbage metadata rows; ``pure`` marks unmutated rows, ``pick`` bases."""
     dev = base.device
     b = base.shape[0]
     pick = torch.randint(0, b, (n,), device=dev, generator=g)
@@ -406,7 +425,7 @@ def _gpu_fuzz_chunk(base, base_sizes, n, g):
     kinds = torch.where(sel & (u(4) == 0), u(256).to(torch.uint8), kinds)
     sizes = torch.where(sel & (u(4) == 1), (u(1 << 32) - (1 << 31)).to(torch.int32), sizes)
     offsets = torch.where(sel & (u(4) == 2), offsets + u(1 << 16) - (1 << 15), offsets)
-    return rows, sizes, kinds, offsets, kind >= 12
+    return rows, sizes, kinds, offsets, kind >= 12, pick
 
 
 @needs_cuda
@@ -424,26 +443,26 @@ def test_gpu_million_page_mutation_fuzz(gen):
     for i, blk in enumerate(bases):
         base[i, : len(blk)] = torch.frombuffer(bytearray(blk), dtype=torch.uint8)
     base = base.cuda()
+    decoded = torch.stack([torch.frombuffer(bytearray(ref(b)[0]), dtype=torch.uint8)
+                           for b in bases]).cuda()
     base_sizes = torch.tensor([len(b) for b in bases], dtype=torch.int32, device="cuda")
     chunk, total, checked = 1 << 16, 0, 0
     while total < 1_000_000:
-        rows, sizes, kinds, offsets, pure = _gpu_fuzz_chunk(base, base_sizes, chunk, g)
+        rows, sizes, kinds, offsets, pure, pick = _gpu_fuzz_chunk(base, base_sizes, chunk, g)
         flat = rows.view(-1)
         out, status = decompress_pages(flat, offsets, sizes, kinds, P)
         assert int(((status < 0) | (status > 6)).sum()) == 0, f"seed {seed}"
         assert not out[status != 0].any(), f"seed {seed}: a failed row is not zero"
         assert not status[pure].any(), f"seed {seed}: an unmutated block failed"
+        assert torch.equal(out[pure], decoded[pick[pure]]), f"seed {seed}: unmutated, wrong"
         sub = torch.randperm(chunk, generator=gen)[:96].cuda()
-        cpu = [t[sub].cpu() for t in (rows, sizes, kinds, offsets, status, out)]
-        for r, s, k, o, st, page in zip(*cpu):
-            o, s = int(o), int(s)
-            if int(k) != fmt.KIND_LZ4 or s < 1 or o < 0 or o + s > flat.numel():
-                assert int(st) in (1, 2), f"seed {seed}"
-                continue
-            blk = bytes(flat[o : o + s].cpu().numpy())
-            data, want = ref(blk)
-            assert int(st) == want, f"seed {seed}: {blk.hex()}"
-            assert data is None or bytes(page.numpy()) == data, f"seed {seed}"
+        cpu = [t[sub].cpu().tolist() for t in (sizes, kinds, offsets, status)]
+        read = lambda o, s, flat=flat: bytes(flat[o : o + s].cpu().numpy())  # noqa: E731
+        for j, (s, k, o, st) in enumerate(zip(*cpu)):
+            data, want = ref_page(read, flat.numel(), o, s, k)
+            assert st == want, f"seed {seed}: kind {k} offset {o} size {s}"
+            page = bytes(out[int(sub[j])].cpu().numpy())
+            assert page == (data or bytes(P)), f"seed {seed}: kind {k} offset {o} size {s}"
             checked += 1
         total += chunk
     assert checked > 1000

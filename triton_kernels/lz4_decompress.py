@@ -109,12 +109,12 @@ def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift
         tl.store(row + dst, v, mask=ar < n)
         if n > VEC:
             for k in range(VEC, n, BIG):
-                m = arb < n - k
-                v = tl.load(src + p + k + arb, mask=m)
-                dst = op + k + arb
+                mb = arb < n - k
+                vb = tl.load(src + p + k + arb, mask=mb)
+                db = op + k + arb
                 if SHUF:
-                    dst = ((dst & gmask) << gshift) | (dst >> glog)
-                tl.store(row + dst, v, mask=m)
+                    db = ((db & gmask) << gshift) | (db >> glog)
+                tl.store(row + db, vb, mask=mb)
         op += n
         # ---- the block ends after the literals, or a match follows
         d = b0 | (b1 << 8)
@@ -152,13 +152,13 @@ def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift
             overlap = d < n
             for k in range(VEC, n, BIG):
                 o = k + arb
-                s = start + tl.where(overlap, o % tl.maximum(d, 1), o)
-                dst = op + o
+                sb = start + tl.where(overlap, o % tl.maximum(d, 1), o)
+                db = op + o
                 if SHUF:
-                    s = ((s & gmask) << gshift) | (s >> glog)
-                    dst = ((dst & gmask) << gshift) | (dst >> glog)
-                v = tl.load(row + s, mask=o < n)
-                tl.store(row + dst, v, mask=o < n)
+                    sb = ((sb & gmask) << gshift) | (sb >> glog)
+                    db = ((db & gmask) << gshift) | (db >> glog)
+                vb = tl.load(row + sb, mask=o < n)
+                tl.store(row + db, vb, mask=o < n)
         op += n
         ip = p
     return st
@@ -210,6 +210,12 @@ def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
     tl.store(status_ptr + pid, st)
 
 
+def launch_constants(page_size: int) -> dict:
+    """Compile-time arguments and ``num_warps`` of ``_decompress_kernel`` for ``page_size``."""
+    return dict(P=page_size, PLOG=page_size.bit_length() - 1, VEC=VEC, BIG=BIG, EXT=EXT,
+                RAW_BLOCK=RAW_BLOCK, GT=UNSHUFFLE_GROUPS, num_warps=NUM_WARPS)
+
+
 def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
                     kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor) -> None:
     """Decode into caller-provided outputs: ``pages`` ``uint8 [N, P]`` (contiguous),
@@ -220,8 +226,7 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
         return
     launch = wrap_triton(_decompress_kernel)[(n,)]
     args = (payload, offsets, sizes, kinds, pages, status, payload.numel())
-    consts = dict(P=page_size, PLOG=page_size.bit_length() - 1, VEC=VEC, BIG=BIG, EXT=EXT,
-                  RAW_BLOCK=RAW_BLOCK, GT=UNSHUFFLE_GROUPS, num_warps=NUM_WARPS)
+    consts = launch_constants(page_size)
     if payload.device.type == "cuda" and not torch.compiler.is_compiling():
         with torch.cuda.device(payload.device):  # Triton launches on the current device's stream
             launch(*args, **consts)
