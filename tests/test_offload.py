@@ -168,6 +168,23 @@ def test_prefetch_zero_restores_on_demand(seed):
     assert st.get("restored_prefetch", 0) == 0 and st["restored_on_demand"] > 0
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_start_prefetches_when_first_unpack_is_kept(seed, mode):
+    x = torch.randn(3000, requires_grad=True)
+    off = cpu_offloader(mode, prefetch=1)
+    with off:
+        a = (x * 2).sin()  # saves x * 2: offloaded
+        with keep_on_gpu():
+            y = (a * a).sum()  # saves a twice: kept, and unpacked first in backward
+    off.synchronize()
+    y.backward()
+    st = off.stats()
+    assert st["kept_region"] == 2 and st["restored_prefetch"] == 1
+    assert "restored_on_demand" not in st
+    assert torch.equal(x.grad, (2 * (x.detach() * 2).sin() * (x.detach() * 2).cos()) * 2)
+    assert_clean(off)
+
+
 def test_cpu_tensors_kept_by_default(seed):
     model = GPT(d=24, heads=3, layers=2)
     x = torch.randn(2, 11, 24)

@@ -122,6 +122,7 @@ class ActivationOffloader(BackwardMixin):
         self._live: weakref.WeakSet[_Entry] = weakref.WeakSet()
         self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
         self._pass: _Pass | None = None
+        self._last_pass: weakref.ref | None = None
         self._depth = 0
         self._hooks = None
         self._tasks: set[int] = set()
@@ -140,6 +141,7 @@ class ActivationOffloader(BackwardMixin):
             if self._depth == 0:
                 self._pass = _Pass()
                 self._passes.add(self._pass)
+                self._last_pass = weakref.ref(self._pass)
                 self._keep_ptrs = {
                     t.untyped_storage().data_ptr()
                     for m in self._keep_modules

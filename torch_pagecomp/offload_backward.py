@@ -15,7 +15,10 @@ class BackwardMixin:
     ``_worker``, ``prefetch``, ``counters``, ``_unsafe`` and ``_poll/_release/_stream``."""
 
     def _unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
+        if isinstance(packed, torch.Tensor):  # kept: still, the first unpack starts prefetching
+            if self.prefetch and torch._C._current_graph_task_id() not in self._tasks:
+                with self._lock:
+                    self._watch_backward()
             return packed
         with self._lock:
             entry = packed.entry
@@ -38,10 +41,25 @@ class BackwardMixin:
         return packed.view(entry.restored.untyped_storage())
 
     def _prefetch(self, entry: _Entry) -> None:
-        ps, todo = entry.pass_, []
+        self._prefetch_from(entry.pass_, entry.group, entry)
+
+    def _prefetch_tail(self) -> None:
+        """At the start of a backward: restore the last groups of the latest forward (so kept
+        blocks' backward hides the first restores)."""
+        ps = self._last_pass() if self._last_pass is not None else None
+        if ps is None or not self.prefetch:
+            return
+        for k in range(len(ps.groups) - 1, -1, -1):
+            if any(r() is not None for r in ps.groups[k]):
+                self._prefetch_from(ps, k, None)
+                return
+
+    def _prefetch_from(self, ps, group: int, entry: _Entry | None) -> None:
+        """Restore groups ``group .. group - prefetch`` of pass ``ps`` (not yet issued)."""
+        todo = []
         if self.prefetch == 0:
             return
-        for k in range(entry.group, max(-1, entry.group - self.prefetch - 1), -1):
+        for k in range(group, max(-1, group - self.prefetch - 1), -1):
             if ps.issued[k]:
                 continue
             ps.issued[k] = True
@@ -110,6 +128,7 @@ class BackwardMixin:
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._end_backward(task)
             )
+            self._prefetch_tail()
 
     def _end_backward(self, task: int) -> None:
         with self._lock:
