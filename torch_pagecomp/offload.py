@@ -54,16 +54,18 @@ class ActivationOffloader(BackwardMixin):
     Args:
         mode: ``"compressed"`` (PageCompressor pages, per-class fallback to a pinned copy) or
             ``"uncompressed"`` (stream-overlapped pinned copies only).
-        prefetch: the first unpack in group ``k`` restores groups ``k .. k - prefetch``
-            (0: each tensor on demand when unpacked).
+        prefetch: the first unpack in group ``k`` restores groups ``k .. k - prefetch``, and
+            the first unpack of a backward the last ``prefetch + 1`` groups of the latest
+            forward (0: each tensor on demand when unpacked).
         min_offload_bytes: storages smaller than this stay where they are.
-        max_in_flight_bytes: GPU bytes kept alive by unfinished copies before compute waits.
+        max_in_flight_bytes: GPU bytes kept alive by unfinished offloads; past it the compute
+            stream waits for the oldest raw copy (GPU-side), else the host for a compressed one.
         group_bytes: a new prefetch group starts once a group holds this many bytes (None: only
             at :meth:`next_group`).
         min_ratio, sample_tensors: a ``(dtype, shape)`` class stays compressed only if its first
             ``sample_tensors`` tensors compressed by at least ``min_ratio``.
-        offload_cpu: also offload CPU tensors (lz4 on the CPU when compressed, else a copy);
-            by default CPU tensors are kept.
+        offload_cpu: also offload CPU tensors (a CPU ``PageCompressor`` when compressed, else a
+            copy); by default CPU tensors are kept.
         keep_param_casts: keep autocast copies of parameters (``ToCopy`` of a leaf) in place.
         page_size, max_pinned_bytes: passed to ``PageCompressor`` and the pinned pool.
         exact_pinned: pin page-aligned memory with cudaHostRegister (no power-of-two rounding).
