@@ -34,7 +34,16 @@ import weakref
 import torch
 
 from .offload_backward import BackwardMixin
-from .offload_entry import _Entry, _in_backward, _is_param_like, _Packed, _Pass, _tls, keep_on_gpu
+from .offload_entry import (
+    _capturing,
+    _Entry,
+    _in_backward,
+    _is_param_like,
+    _Packed,
+    _Pass,
+    _tls,
+    keep_on_gpu,
+)
 from .offload_store import (
     ClassPolicy,
     CompressedStore,
@@ -179,7 +188,7 @@ class ActivationOffloader(BackwardMixin):
         if t.is_conj() or t.is_neg():
             return "subclass"
         if t.device.type == "cuda":
-            if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            if torch.compiler.is_compiling() or _capturing():
                 return "capture"
         elif t.device.type != "cpu" or not self.offload_cpu:
             return "cpu" if t.device.type == "cpu" else "device"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .offload_entry import _Entry
+from .offload_entry import _capturing, _Entry
 from .offload_store import CompressedStore
 
 
@@ -15,11 +15,20 @@ class BackwardMixin:
     ``_worker``, ``prefetch``, ``counters``, ``_unsafe`` and ``_poll/_release/_stream``."""
 
     def _unpack(self, packed):
+        capturing = _capturing()
         if isinstance(packed, torch.Tensor):  # kept: still, the first unpack starts prefetching
-            if self.prefetch and torch._C._current_graph_task_id() not in self._tasks:
+            task = torch._C._current_graph_task_id()
+            if self.prefetch and not capturing and task not in self._tasks:
                 with self._lock:
                     self._watch_backward()
             return packed
+        if capturing:  # no side-stream work inside a CUDA graph capture
+            if packed.entry.src is None:
+                raise RuntimeError(
+                    "activation offload: a tensor offloaded to host memory was unpacked during "
+                    "CUDA graph capture; run the captured forward under keep_on_gpu()"
+                )
+            return packed.view(packed.entry.src.untyped_storage())
         with self._lock:
             entry = packed.entry
             self._watch_backward()

@@ -25,6 +25,16 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_HAS_CUDA: list[bool] = []
+
+
+def _capturing() -> bool:
+    """True while the current CUDA stream is capturing a graph (False without CUDA)."""
+    if not _HAS_CUDA:
+        _HAS_CUDA.append(torch.cuda.is_available())
+    return _HAS_CUDA[0] and torch.cuda.is_current_stream_capturing()
+
+
 def _is_param_like(t: torch.Tensor, keep_casts: bool) -> bool:
     """A parameter, a leaf requiring grad, a view of one, or (``keep_casts``) a dtype cast of
     one (what autocast saves for a linear layer)."""
