@@ -8,17 +8,19 @@ windows and greedy choice); every LZ4 page must also decode with ``lz4.block.dec
 
 import os
 
-# Before triton is imported. CPU tests run the kernel in the interpreter; on a GPU machine run
-# the GPU tests with TRITON_INTERPRET=0 (each group skips itself in the other mode).
-os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+import torch
+
+# Before triton is imported (as in conftest.py): without CUDA the kernel runs in the CPU
+# interpreter and the GPU tests skip; with CUDA it runs compiled and the CPU tests skip.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import random  # noqa: E402
 
 import lz4.block  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from torch_pagecomp import cpu_codec  # noqa: E402
 from torch_pagecomp import format as fmt  # noqa: E402
@@ -28,7 +30,7 @@ from triton_kernels import lz4_compress as lc  # noqa: E402
 P4K = 4096
 WINDOW = lc.DEFAULT_WINDOW
 needs_cuda = pytest.mark.skipif(
-    INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0"
+    INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (and no TRITON_INTERPRET=1)"
 )
 interpret_only = pytest.mark.skipif(not INTERPRET, reason="CPU interpreter tests")
 
