@@ -1,7 +1,7 @@
 """torch-pagecomp: LZ4 compression of GPU memory pages for PyTorch offload."""
 
 from . import _ops  # noqa: F401  (registers torch.ops.pagecomp.*)
-from .api import compress, decompress, pack
+from .api import compress, decompress, pack, raise_for_status
 from .backend import GpuStatus, gpu_status, select_backend
 from .format import (
     DEFAULT_PAGE_SIZE,
@@ -12,19 +12,31 @@ from .format import (
     CorruptPageError,
     PageCompError,
 )
+from .module import OffloadHandle, PageCompressor, SlotState, dtype_element_size
+from .offload import ActivationOffloader, keep_on_gpu, offload_activations
+from .offload_wrap import offload_module
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",
     "KIND_FILL",
     "KIND_LZ4",
     "KIND_RAW",
+    "ActivationOffloader",
     "CompressedPages",
     "CorruptPageError",
     "GpuStatus",
+    "OffloadHandle",
     "PageCompError",
+    "PageCompressor",
+    "SlotState",
     "compress",
     "decompress",
+    "dtype_element_size",
     "gpu_status",
+    "keep_on_gpu",
+    "offload_activations",
+    "offload_module",
     "pack",
+    "raise_for_status",
     "select_backend",
 ]
