@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU machine's one script: GPU tests, sanitizer, benchmarks. Each stage fits one device call:
+#   bash bench/gpu_suite.sh tests      # GPU test suite + million-page fuzz + compute-sanitizer memcheck
+#   bash bench/gpu_suite.sh bench      # python -m bench (128 MiB corpora) + pipeline bench
+#   bash bench/gpu_suite.sh training   # activation-offload training step bench
+# Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
+set -uo pipefail
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PAGECOMP_COMMIT=${PAGECOMP_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
+header() {
+    echo "== $1: $(date -u +%FT%TZ) commit $PAGECOMP_COMMIT"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+}
+case "${1:-tests}" in
+tests)
+    header tests | tee "$OUT/tests.txt"
+    timeout 330 python3 -m pytest -q -p no:cacheprovider tests -m "not fuzz" -rfEs \
+        --durations=8 2>&1 | tee -a "$OUT/tests.txt" | tail -n 45
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests -m fuzz -rfE 2>&1 \
+        | tee -a "$OUT/tests.txt" | tail -n 5
+    echo "== compute-sanitizer memcheck" | tee -a "$OUT/tests.txt"
+    timeout 130 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
+        -p no:cacheprovider tests/test_triton_decompress.py tests/test_triton_compress.py \
+        -k "gpu and not million and not huge and not graph" 2>&1 | tee -a "$OUT/tests.txt" \
+        | grep -E "ERROR SUMMARY|passed|failed|rc=" | tail -n 5
+    echo "sanitizer rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.txt"
+    ;;
+bench)
+    header bench
+    timeout 380 python3 -m bench --mib 128 --out "$OUT/bench" > /dev/null 2> "$OUT/bench_progress.txt"
+    echo "bench rc=$?"; cat "$OUT/bench/table.txt"
+    timeout 190 python3 -m bench.pipeline_bench --mib 1024 --corpora mixed,text,bf16-randn,random \
+        --repeats 3 --out "$OUT/pipeline" 2>&1 | tail -n 14
+    ;;
+training)
+    header training
+    timeout 560 python3 -m bench.training_bench --steps 5 --warmup 2 --timeout 60 \
+        --out "$OUT/training_bench.json" 2>&1 | tee "$OUT/training_bench.txt" | tail -n 20
+    ;;
+esac
