@@ -58,6 +58,14 @@ def _word_at(ptr32, i, mask):
 
 
 @triton.jit
+def _fill_i32(ptr, N: tl.constexpr, value, CH: tl.constexpr):
+    """``ptr[0:N] = value`` (int32)."""
+    for q in range(0, N, CH):
+        k = q + tl.arange(0, CH)
+        tl.store(ptr + k, tl.full([CH], value, tl.int32), mask=k < N)
+
+
+@triton.jit
 def _ext_len(n):
     """Extension bytes after a 4-bit length field holding ``n``."""
     return tl.where(n >= 15, (n - 15) // 255 + 1, 0)
@@ -170,15 +178,11 @@ def _lz4_compress_kernel(
     NOKEY: tl.constexpr = 0x7FFFFFFF
     tlast = tab_ptr + pid.to(tl.int64) * (H + F)
     tfirst = tlast + H
-    ch = tl.arange(0, CH)
-    for q in range(0, H, CH):
-        tl.store(tlast + q + ch, tl.zeros([CH], tl.int32), mask=q + ch < H)
-    for q in range(0, F, CH):
-        tl.store(tfirst + q + ch, tl.full([CH], EMPTY_FIRST, tl.int32), mask=q + ch < F)
+    _fill_i32(tlast, H, 0, CH)
+    _fill_i32(tfirst, F, EMPTY_FIRST, CH)
     tl.debug_barrier()
     pc = 0
     wc = 0
-    widx = tl.arange(0, W)
     for it in range(0, tl.cdiv(n_pages - pid, nprog)):
         page = pid + it * nprog
         base = page.to(tl.int64) * P
@@ -187,7 +191,7 @@ def _lz4_compress_kernel(
         first = tl.load(src)
         differs = tl.zeros([CH], tl.int32)
         for q in range(0, P, CH):
-            differs = differs | (tl.load(src + q + ch) != first).to(tl.int32)
+            differs = differs | (tl.load(src + q + tl.arange(0, CH)) != first).to(tl.int32)
         diff = tl.max(differs)
         size = page * 0 + 1
         kind = page * 0 + 2
@@ -202,13 +206,11 @@ def _lz4_compress_kernel(
             data32 = data.to(tl.pointer_type(tl.uint32))
             pc += 1
             if pc > TMAX:
-                for q in range(0, H, CH):
-                    tl.store(tlast + q + ch, tl.zeros([CH], tl.int32), mask=q + ch < H)
+                _fill_i32(tlast, H, 0, CH)
                 tl.debug_barrier()
                 pc = 1
             if wc + NWIN >= TMAX:
-                for q in range(0, F, CH):
-                    tl.store(tfirst + q + ch, tl.full([CH], EMPTY_FIRST, tl.int32), mask=q + ch < F)
+                _fill_i32(tfirst, F, EMPTY_FIRST, CH)
                 tl.debug_barrier()
                 wc = 0
             pos = 0
@@ -217,6 +219,7 @@ def _lz4_compress_kernel(
             w0 = 0
             while w0 <= MAXS:
                 wc += 1
+                widx = tl.arange(0, W)
                 idx = w0 + widx
                 valid = idx <= MAXS
                 word = _word_at(data32, idx, valid)
@@ -275,7 +278,7 @@ def _lz4_compress_kernel(
                 kind = 0
         tl.debug_barrier()
         for q in range(0, P, CH):
-            o = q + ch
+            o = q + tl.arange(0, CH)
             kind_o = o * 0 + kind  # a vector: the interpreter mishandles scalar & vector masks
             v = tl.load(src + o, mask=(o < P) & (kind_o == 0), other=0)
             v = tl.where((o == 0) & (kind_o == 2), first, v)
@@ -352,7 +355,7 @@ def compress_pages(
     args = (pages, payload, sizes, kinds, tabs, shuf, n)
     meta = dict(
         P=page_size, PB=pb, E=element_size, KIND_LZ4=kind_lz4, HB=hb, FB=fb,
-        W=window, XW=extra_words, EXT=64, V=64, CH=1024, num_warps=num_warps,
+        W=window, XW=extra_words, EXT=64, V=64, CH=512, num_warps=num_warps,
     )
     if dev.type == "cuda":
         with torch.cuda.device(dev):
