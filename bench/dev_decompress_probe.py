@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run under TRITON_INTERPRET=1
 
 VARIANTS = {  # name: (num_warps, VEC, BIG)
+    "w1v32b128": (1, 32, 128),  # the default
     "w1v32b256": (1, 32, 256),
-    "w1v32b128": (1, 32, 128),
     "w1v64b256": (1, 64, 256),
     "w2v64b256": (2, 64, 256),
 }

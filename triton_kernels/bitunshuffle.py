@@ -1,25 +1,15 @@
-"""Bit-unshuffle helpers (``@triton.jit``) fused into the LZ4 page decoder.
+"""Bit-unshuffle helper (``@triton.jit``) fused into the LZ4 page decoder.
 
 The decoder writes a shuffled page ``Y`` (``8E`` bit planes of ``G = P / (8E)`` bytes, see
-``torch_pagecomp.format``) *transposed*: byte ``g`` of plane ``b`` lands at ``g * 8E + b``
-(:func:`shuffled_pos`). Each run of ``8E`` bytes then holds everything group ``g`` (elements
-``8g .. 8g + 7``) needs, so :func:`unshuffle_groups` finishes the inverse in place, group by group.
+``torch_pagecomp.format``) *transposed*: byte ``g`` of plane ``b`` lands at ``g * 8E + b``.
+Each run of ``8E`` bytes then holds everything group ``g`` (elements ``8g .. 8g + 7``) needs,
+so :func:`unshuffle_groups` finishes the inverse in place, group by group.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def shuffled_pos(y, SHUF: tl.constexpr, glog, gshift):
-    """Row position of shuffled-page byte ``y`` (int32): ``y`` itself, or for a shuffled page
-    ``(y % G) * 8E + y // G`` with ``glog = log2(G)`` and ``gshift = log2(8E)``."""
-    if SHUF:
-        return ((y & ((1 << glog) - 1)) << gshift) | (y >> glog)
-    else:
-        return y
 
 
 @triton.jit

@@ -3,10 +3,10 @@
 One program (one warp) per page. An LZ4 page is a sequential token walk: the token, the offset and
 the first length-extension byte are scalar loads (broadcast, L1-resident); longer extensions are
 read 32 bytes at a time. Literals and matches are copied 32 bytes per step (one byte per lane),
-long runs 128 bytes per step. A match reads only bytes written before it: an overlapping match
+long runs ``BIG`` bytes per step. A match reads only bytes written before it: an overlapping match
 (offset ``d`` < length) copies ``out[o] = out[start + (o - op) % d]``, so one barrier per sequence
 (between the stores so far and the match's loads) orders everything. Shuffled pages are decoded
-into the transposed layout of ``bitunshuffle.shuffled_pos`` and unshuffled in place afterwards.
+transposed (byte ``g`` of bit plane ``b`` at ``g * 8E + b``) and unshuffled in place afterwards.
 
 Safety like ``LZ4_decompress_safe``: every load is masked to the page's ``[offset, offset + size)``
 (after checking that range lies in the payload), every store to its output row, and every loop
@@ -16,6 +16,8 @@ as ``length > end - position`` so that nothing overflows); the page base address
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -27,7 +29,9 @@ from torch_pagecomp import format as fmt
 from .bitunshuffle import unshuffle_groups
 
 VEC = 32  # bytes per copy step of a short literal run or match (one per lane of the warp)
-BIG = 256  # bytes per step of the rest of a long run
+# bytes per step of the rest of a long run: 128 was up to 9% faster than 256 on an H200; the CPU
+# interpreter pays per operation, not per byte, so it takes bigger steps (same code path).
+BIG = 256 if os.environ.get("TRITON_INTERPRET") == "1" else 128
 EXT = 32  # bytes per step of a long length extension
 RAW_BLOCK = 1024  # bytes per step of a RAW / FILL page
 UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle
@@ -69,8 +73,10 @@ def _ext_long(src, p, end, acc, st, EXT: tl.constexpr):
 def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift,
                 VEC: tl.constexpr, BIG: tl.constexpr, EXT: tl.constexpr):
     """Decode the LZ4 block ``src[0:end]`` (``end >= 1``) into ``row`` (``P`` bytes); returns the
-    int32 status (0 ok). With ``SHUF``, byte ``y`` goes to ``bitunshuffle.shuffled_pos(y)``,
-    inlined here (the interpreter pays ~0.4 ms per device-function call).
+    int32 status (0 ok). With ``SHUF``, shuffled byte ``y`` goes to row position
+    ``(y % G) << gshift | y // G`` (``G = 1 << glog`` bytes per bit plane, ``gshift = log2(8E)``),
+    the layout ``bitunshuffle.unshuffle_groups`` expects; inlined because the interpreter pays
+    ~0.4 ms per device-function call.
 
     Invariants at the top of the loop: ``0 <= ip < end`` and ``tok = src[ip]``; the status
     decides, in the reference's order, and later checks only apply while it is ``_RUN``.
