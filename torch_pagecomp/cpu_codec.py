@@ -106,10 +106,18 @@ def decode_block(block: bytes, page_size: int) -> tuple[bytes | None, int]:
 
 
 def _decode_lz4(block: bytes, page_size: int) -> tuple[bytes | None, int]:
+    """liblz4 first (fast); where it refuses, ``decode_block`` decides, like the GPU decoder.
+
+    liblz4 is stricter than the format at the end of a block (e.g. a match ending in the last 5
+    bytes), so a block it refuses may still decode; ``decode_block`` gives the GPU decoder's
+    verdict and bytes. One known difference remains: liblz4 accepts a match offset of 0 (which
+    the format and the GPU decoder reject) and leaves those bytes unspecified. Corruption that
+    keeps a block well-formed is never detectable: LZ4 blocks carry no checksum.
+    """
     try:
         data = lz4.block.decompress(block, uncompressed_size=page_size)
-    except Exception:  # lz4 says only "corrupt": classify with the reference decoder
-        return None, decode_block(block, page_size)[1] or fmt.STATUS_TRUNCATED
+    except Exception:  # lz4 says only "corrupt"
+        return decode_block(block, page_size)
     if len(data) != page_size:
         return None, fmt.STATUS_SHORT
     return data, fmt.STATUS_OK
