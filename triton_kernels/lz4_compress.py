@@ -72,6 +72,16 @@ def _ext_len(n):
 
 
 @triton.jit
+def _row_words(ptr32, k, sh, P: tl.constexpr):
+    """Words at bytes ``4k + sh / 8`` (``k`` [R, 1] word indices, ``sh`` [1, 4] shifts): [R, 4].
+
+    Rows whose second word lies past the page read 0 (callers mask those positions)."""
+    lo = tl.load(ptr32 + k, mask=k + 1 < P // 4, other=0)
+    hi = tl.load(ptr32 + k + 1, mask=k + 1 < P // 4, other=0)
+    return (lo >> sh) | ((hi << 1) << (31 - sh))
+
+
+@triton.jit
 def _equal_bytes(x):
     """Leading (little-endian) zero bytes of ``x = a ^ b``: bytes of ``a`` equal to ``b``, 0..4."""
     nb = tl.where((x & 0xFFFF) == 0, 2, ((x & 0xFF) == 0).to(tl.int32))
@@ -219,10 +229,15 @@ def _lz4_compress_kernel(
             w0 = 0
             while w0 <= MAXS:
                 wc += 1
-                widx = tl.arange(0, W)
+                # positions as [W / 4, 4]: a row's 4 words come from 2 aligned loads
+                row = tl.arange(0, W // 4)[:, None]
+                lane = tl.arange(0, 4)[None, :]
+                widx = row * 4 + lane
                 idx = w0 + widx
                 valid = idx <= MAXS
-                word = _word_at(data32, idx, valid)
+                k0 = (w0 >> 2) + row
+                sh = (lane * 8).to(tl.uint32)
+                word = _row_words(data32, k0, sh, P)
                 prod = word * 2654435761
                 h = (prod >> (32 - HB)).to(tl.int32)
                 hf = (prod >> (32 - FB)).to(tl.int32)
@@ -237,11 +252,11 @@ def _lz4_compress_kernel(
                 c = tl.where(cf < idx, cf, cl)
                 ok = valid & (c >= 0)
                 ok = ok & (_word_at(data32, c, ok) == word)
-                m = tl.zeros([W], tl.int32)
+                m = tl.zeros([W // 4, 4], tl.int32)
                 alive = ok
                 for j in tl.static_range(1, 1 + XW):  # the next XW words of every match, at once
                     mj = alive & (idx + 4 * j < P - 4)
-                    x = _word_at(data32, idx + 4 * j, mj) ^ _word_at(data32, c + 4 * j, mj)
+                    x = _row_words(data32, k0 + j, sh, P) ^ _word_at(data32, c + 4 * j, mj)
                     nb = tl.where(mj, _equal_bytes(x), 0)
                     m += nb
                     alive = alive & (nb == 4)
