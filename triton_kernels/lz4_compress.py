@@ -198,10 +198,13 @@ def _lz4_compress_kernel(
         base = page.to(tl.int64) * P
         src = pages_ptr + base
         dst = payload_ptr + base
+        src32 = src.to(tl.pointer_type(tl.uint32))
+        dst32 = dst.to(tl.pointer_type(tl.uint32))
         first = tl.load(src)
+        first4 = first.to(tl.uint32) * 0x01010101
         differs = tl.zeros([CH], tl.int32)
-        for q in range(0, P, CH):
-            differs = differs | (tl.load(src + q + tl.arange(0, CH)) != first).to(tl.int32)
+        for q in range(0, P // 4, CH):
+            differs = differs | (tl.load(src32 + q + tl.arange(0, CH)) != first4).to(tl.int32)
         diff = tl.max(differs)
         size = page * 0 + 1
         kind = page * 0 + 2
@@ -292,12 +295,15 @@ def _lz4_compress_kernel(
                 size = P
                 kind = 0
         tl.debug_barrier()
-        for q in range(0, P, CH):
+        keep4 = (keep + 3) // 4  # words from here on are stored whole
+        for q in range(0, P // 4, CH):
             o = q + tl.arange(0, CH)
             kind_o = o * 0 + kind  # a vector: the interpreter mishandles scalar & vector masks
-            v = tl.load(src + o, mask=(o < P) & (kind_o == 0), other=0)
-            v = tl.where((o == 0) & (kind_o == 2), first, v)
-            tl.store(dst + o, v, mask=o >= keep)
+            v = tl.load(src32 + o, mask=(o < P // 4) & (kind_o == 0), other=0)
+            v = tl.where((o == 0) & (kind_o == 2), first.to(tl.uint32), v)
+            tl.store(dst32 + o, v, mask=o >= keep4)
+        b = keep + tl.arange(0, 4)
+        tl.store(dst + b, tl.zeros([4], tl.uint8), mask=b < keep4 * 4)  # the word keep is in
         tl.store(sizes_ptr + page, size)
         tl.store(kinds_ptr + page, kind)
 
@@ -370,7 +376,7 @@ def compress_pages(
     args = (pages, payload, sizes, kinds, tabs, shuf, n)
     meta = dict(
         P=page_size, PB=pb, E=element_size, KIND_LZ4=kind_lz4, HB=hb, FB=fb,
-        W=window, XW=extra_words, EXT=64, V=64, CH=512, num_warps=num_warps,
+        W=window, XW=extra_words, EXT=64, V=64, CH=128, num_warps=num_warps,
     )
     if dev.type == "cuda":
         with torch.cuda.device(dev):
