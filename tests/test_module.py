@@ -13,6 +13,7 @@ from pages import file_pages
 import torch_pagecomp  # noqa: F401  (registers torch.ops.pagecomp)
 from torch_pagecomp import KIND_RAW, PageCompError
 from torch_pagecomp.api import decompress
+from torch_pagecomp.format import CorruptPageError
 from torch_pagecomp.module import OffloadHandle, PageCompressor, dtype_element_size
 
 DTYPES = [
@@ -302,3 +303,79 @@ def test_gpu_raw_share_split_bit_exact(gen):
     s = pc.stats()
     print({k: s[k] for k in ("raw_split_batches", "raw_bypass_batches", "ratio", "batches")})
     assert h.stored_nbytes <= text.numel() + 13 * 4096 + 23 * 64
+
+
+def _tagged_batches(gen, page_size: int, kinds: list[str]) -> torch.Tensor:
+    """One batch of pages per entry of ``kinds`` ("text", "random", "fill"), every page
+    stamped with its global index in its first 8 bytes (a misplaced page shows)."""
+    parts = []
+    for kind in kinds:
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        if kind == "text":
+            part = file_pages("text", n, page_size, gen)
+        elif kind == "random":
+            part = torch.randint(0, 256, (n, page_size), generator=gen, dtype=torch.uint8)
+        else:
+            part = torch.full((n, page_size), int(torch.randint(0, 256, (1,), generator=gen)),
+                              dtype=torch.uint8)
+        parts.append(part)
+    pages = torch.cat(parts)
+    pages[:, :8] = torch.arange(pages.shape[0], dtype=torch.int64).view(-1, 1).view(torch.uint8)
+    return pages
+
+
+def test_multi_batch_mixed_kinds_restore_into_right_slices(gen):
+    """A tensor of many batches (compressible, incompressible and fill batches mixed, a
+    partial last batch): every batch's metadata goes with its payload and lands in its own
+    slice of a poisoned ``out``; the packed container pairs them the same way."""
+    p, bp = 4096, 5
+    pc = PageCompressor(device="cpu", page_size=p, batch_pages=bp)
+    kinds = [["text", "random", "fill"][int(i)] for i in torch.randint(0, 3, (9,), generator=gen)]
+    pages = _tagged_batches(gen, p, kinds)
+    tail = int(torch.randint(1, p, (1,), generator=gen))
+    x = pages.view(-1)[: pages.numel() - tail].clone()  # partial last page
+    h = pc.offload(x)
+    out = torch.full_like(x, 0xA5)
+    assert pc.restore(h, out=out) is out and torch.equal(out, x)
+    batches = h._storage.batches
+    assert [b.first_page for b in batches] == list(range(0, pages.shape[0], bp))
+    assert sum(b.layout.n_pages for b in batches) == pages.shape[0]
+    got = decompress(h.compressed()).reshape(-1)[: x.numel()]
+    assert torch.equal(got, x)
+    for h2, x2 in [(pc.offload(x), x) for _ in range(3)]:  # in flight together
+        assert torch.equal(pc.restore(h2), x2)
+
+
+def test_corrupt_page_reported_by_global_index(gen):
+    """A bad page in a later batch is named by its index in the tensor, not in its batch."""
+    p, bp = 4096, 4
+    pc = PageCompressor(device="cpu", page_size=p, batch_pages=bp)
+    x = file_pages("text", 11, p, gen).view(-1)
+    h = pc.offload(x)
+    h.wait()
+    b = int(torch.randint(1, len(h._storage.batches), (1,), generator=gen))
+    sb = h._storage.batches[b]
+    j = int(torch.randint(0, sb.layout.n_pages, (1,), generator=gen))
+    sb.layout.views(sb.block.tensor)[3][j] = 0x0F  # unknown kind
+    with pytest.raises(CorruptPageError) as err:
+        pc.restore(h)
+    assert err.value.pages == [sb.first_page + j]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("raw_share", [0.0, 1.0])
+def test_gpu_cold_device_pool_restore_behind_busy_consumer(gen, raw_share):
+    """Every restore starts with an empty device pool (fresh buffers) while the caller's stream
+    is busy: a buffer allocated where a queued kernel's output was freed must not be
+    overwritten by the next batch's upload (bad kinds / wrong slices otherwise)."""
+    pc = PageCompressor(batch_pages=256, max_raw_share=raw_share)
+    x = file_pages("text", 256 * 7 + 3, 4096, gen).cuda()
+    for _ in range(4):
+        h = pc.offload(x)
+        h.wait()
+        pc.empty_cache()
+        torch.cuda._sleep(50_000_000)
+        out = torch.full_like(x, 0xA5)
+        pc.restore(h, out=out, check=True)
+        assert torch.equal(out, x)

@@ -106,8 +106,8 @@ class CudaStages:
         job.buffers = ((self.staging, meta),)
         job.meta = meta.tensor
         dev = None
-        if on_host or not full:
-            dev = self._device_buffer()
+        if on_host or not full:  # written by the upload (h2d) or by the compute stream
+            dev = self._device_buffer(self.h2d if on_host else self.compute)
             job.buffers += ((self.device_pool, dev),)
         if on_host:
             host = src[lo:hi]
@@ -148,9 +148,15 @@ class CudaStages:
         packed.record_stream(self.d2h)
         job.packed = packed
 
-    def _device_buffer(self) -> torch.Tensor:
-        """A pooled device buffer, allocated on the compute stream (our streams alone use it)."""
-        with torch.cuda.stream(self.compute):
+    def _device_buffer(self, writer) -> torch.Tensor:
+        """A pooled device buffer for a batch whose first write is on stream ``writer``.
+
+        A pooled buffer is idle (its last batch completed on the host). A new one is allocated
+        on ``writer``: the caching allocator hands out memory freed on the allocating stream
+        without ordering any other stream, so allocating on the compute stream and writing on
+        ``h2d`` would let the upload overwrite memory that queued kernels (a previous batch's
+        decompressed pages) have yet to use."""
+        with torch.cuda.stream(writer):
             return self.device_pool.acquire(self.dev_bytes)
 
     def _issue_download(self, job) -> None:
@@ -206,9 +212,11 @@ class CudaStages:
                 slot.record("up_e", self.h2d)
             self.compute.wait_event(slot.events["up_e"])
             slot.record("k_s", self.compute)
+            with torch.cuda.stream(self.compute):  # one status per page, in page order
+                statuses.append(torch.zeros(n, dtype=torch.int32, device=out.device))
             slot.record("k_e", self.compute)
             return
-        dev = self._device_buffer()
+        dev = self._device_buffer(self.h2d)
         job.buffers = ((self.device_pool, dev),)
         slot.record("up_s", self.h2d)
         with torch.cuda.stream(self.h2d):

@@ -280,8 +280,9 @@ class PageCompressor(torch.nn.Module):
             if check and statuses:
                 raise_for_status(torch.cat(statuses))
         elif target.type == "cpu":
-            for status in self.pipeline.cpu_decompress(handle._storage, dst):
-                raise_for_status(status)
+            statuses = self.pipeline.cpu_decompress(handle._storage, dst)
+            if statuses:  # one status per page, in page order: errors name global pages
+                raise_for_status(torch.cat(statuses))
         else:
             host = self.restore(handle, device="cpu")
             out.copy_(host)

@@ -141,6 +141,7 @@ class ActivationOffloader(BackwardMixin):
         self._keep_modules: list[torch.nn.Module] = []
         self._handles: list = []
         self._peak_host = 0
+        self._host_now = 0  # host bytes of live entries (compressed sizes once known)
         self.counters = collections.Counter()
         # Race tests only: drop a barrier ("producer", "release", "restore") / delay side streams.
         self._unsafe: set[str] = set()
@@ -262,6 +263,7 @@ class ActivationOffloader(BackwardMixin):
                 self._release(self._stash_victim(), wait=True)
         self.counters[f"offloaded_{entry.store.kind}"] += 1
         self.counters["offloaded_bytes"] += nbytes
+        self._count_host(entry)
         self._live.add(entry)
         ps.groups[-1].append(weakref.ref(entry))
         ps.group_bytes += nbytes
@@ -310,6 +312,7 @@ class ActivationOffloader(BackwardMixin):
             self._failed.add(entry)
         else:
             entry.src = None
+            self._count_host(entry)  # the stored size is known now
         self._stash_bytes -= entry.nbytes
 
     def _stash_victim(self) -> _Entry:
@@ -331,8 +334,20 @@ class ActivationOffloader(BackwardMixin):
             self.policy.sample(*self._samples.pop(0))
         self.policy.poll()
         while self._sink:
-            store, stored = self._sink.pop()
-            store.free(stored)
+            store, stored, counted = self._sink.pop()
+            self._host_now -= counted
+            if stored is not None:
+                store.free(stored)
+
+    def _count_host(self, entry: _Entry) -> None:
+        """Account ``entry`` in the running host total (its stored size when known, else its
+        uncompressed size) and the peak: kept current as entries come and go, so the peak
+        does not depend on when :meth:`stats` is called."""
+        size = entry.stored.host_nbytes() if entry.stored is not None else None
+        counted = entry.nbytes if size is None else size
+        self._host_now += counted - entry.host_counted
+        entry.host_counted = counted
+        self._peak_host = max(self._peak_host, self._host_now)
 
     # ------------------------------------------------------------------------ helpers
     def _side_sleep(self) -> None:

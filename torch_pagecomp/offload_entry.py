@@ -82,6 +82,7 @@ class _Entry:
         self.restore_event = None
         self.restore_done = threading.Event()
         self.waited = False
+        self.host_counted = 0  # bytes this entry adds to the offloader's running host total
 
     def wait_stored(self):
         self.submitted.wait()
@@ -113,8 +114,8 @@ class _Entry:
         try:
             self.drop_restored()
         finally:
-            if self.stored is not None:
-                self.sink.append((self.store, self.stored))
+            if self.stored is not None or self.host_counted:
+                self.sink.append((self.store, self.stored, self.host_counted))
 
 
 class _Packed:
