@@ -1,10 +1,12 @@
 """Dev probe for the Triton LZ4 page decoder on a GPU (one script per GPU session).
 
 ``python3 -m bench.dev_decompress_probe --bench`` builds 128 MiB of pages per corpus, compresses
-them on the CPU (``cpu_codec.compress_cpu``, packed), checks a bit-exact decode on the GPU, also
-decodes nvCOMP's own RAW LZ4 blocks of the same pages, and times (``triton.testing.do_bench``,
-median) our kernel in a few launch configurations beside nvCOMP's batched LZ4 decompression.
-``--sanitize`` decodes a small hostile batch (for ``compute-sanitizer --tool memcheck``).
+them on the CPU (``cpu_codec.compress_cpu``, packed), checks a bit-exact decode of every page on
+the GPU for every variant (``WRONG`` in the table otherwise), also decodes nvCOMP's own RAW LZ4
+blocks of the same pages, and times (``triton.testing.do_bench``, median) each variant of the
+launcher's knobs (``VARIANTS``; ``legacy`` is the code before the knobs) beside nvCOMP's batched
+LZ4 decompression. ``--sanitize`` decodes a small hostile batch with every variant (for
+``compute-sanitizer --tool memcheck``).
 """
 
 from __future__ import annotations
@@ -22,22 +24,41 @@ import triton
 from bench import nvcomp
 from bench.corpora import build_corpus
 from torch_pagecomp import format as fmt
-from torch_pagecomp.cpu_codec import compress_cpu, decode_block, pack_cpu
+from torch_pagecomp.cpu_codec import compress_cpu, pack_cpu
 from triton_kernels import lz4_decompress as D
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run under TRITON_INTERPRET=1
 
-VARIANTS = {  # name: (num_warps, VEC, BIG)
-    "w1v32b128": (1, 32, 128),  # the default
-    "w1v32b256": (1, 32, 256),
-    "w1v64b256": (1, 64, 256),
-    "w2v64b256": (2, 64, 256),
+# module settings of triton_kernels.lz4_decompress per variant, over the defaults at import
+KNOBS = ("NUM_WARPS", "VEC", "BIG", "LEAN", "SPLIT", "TILE", "SHUFFLED_GROUPS",
+         "SHUFFLED_NUM_WARPS", "SHUFFLED_MAXNREG")
+DEFAULTS = {k: getattr(D, k) for k in KNOBS}
+VARIANTS = {
+    "legacy": dict(NUM_WARPS=1, VEC=32, BIG=128, LEAN=False, SPLIT=False),  # before the knobs
+    "default": {},  # the launcher's defaults
+    "lean_fused": dict(LEAN=True, SPLIT=False),  # shuffled pages as legacy
+    "split_groups": dict(LEAN=True, SPLIT=True, TILE=False),
+    "split_tile": dict(LEAN=True, SPLIT=True, TILE=True),
+    "split_tile_r96": dict(LEAN=True, SPLIT=True, TILE=True, SHUFFLED_MAXNREG=96),
+    "split_tile_w2": dict(LEAN=True, SPLIT=True, TILE=True, SHUFFLED_NUM_WARPS=2),
 }
 
 
 def set_variant(name: str) -> None:
-    D.NUM_WARPS, D.VEC, D.BIG = VARIANTS[name]
+    for k, v in {**DEFAULTS, **VARIANTS[name]}.items():
+        setattr(D, k, v)
+
+
+def kernel_resources(args, out, status, page_size: int) -> str:
+    """Registers and spills of the kernels the current settings launch (compiles them)."""
+    n = status.shape[0]
+    ks = [D._decompress_kernel[(n,)](*args, out, status, args[0].numel(),
+                                     **D.launch_constants(page_size))]
+    if D.SPLIT:
+        ks.append(D._decompress_shuffled_kernel[(n,)](*args, out, status, args[0].numel(),
+                                                      **D.shuffled_constants(page_size)))
+    return ", ".join(f"{k.n_regs} regs {k.n_spills} spills" for k in ks)
 
 
 def log(msg: str) -> None:
@@ -84,16 +105,15 @@ def run_bench(corpora: list[str], page_size: int, variants: list[str], mib: floa
         for v in variants:
             set_variant(v)
             out.fill_(0xA5)
+            status.fill_(-1)
             D.decompress_into(*args, out, status)
             sync()
             ok = bool((status == 0).all()) and torch.equal(out, gpu_pages)
             ms = bench_ms(partial(D.decompress_into, *args, out, status))
             row[v] = (n * page_size / ms / 1e6, ok)
             if DEV == "cuda" and name == corpora[0]:
-                ck = D._decompress_kernel[(n,)](*args, out, status, args[0].numel(),
-                                                **D.launch_constants(page_size))
-                log(f"{v}: {ck.n_regs} registers, {ck.n_spills} spills")
-        set_variant(next(iter(variants)))
+                log(f"{v}: {kernel_resources(args, out, status, page_size)}")
+        set_variant("default")
         if nv is not None:
             plan = nvcomp.LZ4Plan(nv, gpu_pages, es)
             plan.compress()
@@ -122,6 +142,7 @@ def run_bench(corpora: list[str], page_size: int, variants: list[str], mib: floa
         del gpu_pages, out, args
         torch.cuda.empty_cache()
     cols = [*variants, "ours_on_nv_blocks", "nvcomp", "d2d_copy"]
+    best = [v for v in variants if v != "legacy"]
     print("\n| corpus | P | ratio (lz4 CPU) | ratio nvCOMP | " + " | ".join(cols) + " |")
     print("|---" * (4 + len(cols)) + "|")
     for r in rows:
@@ -135,9 +156,15 @@ def run_bench(corpora: list[str], page_size: int, variants: list[str], mib: floa
         print(f"| {r['corpus']} | {r['P']} | {r['ratio']:.3f} | {r.get('nv_ratio', 0):.3f} | "
               + " | ".join(cells) + " |")
     print("GB/s = uncompressed bytes / median time (triton.testing.do_bench)")
+    for r in rows:  # the best correct variant against legacy and nvCOMP
+        ok = [v for v in best if v in r and r[v][1]]
+        if ok:
+            v = max(ok, key=lambda c: r[c][0])
+            vs = [f"{r[v][0] / r[c][0]:.2f}x {c}" for c in ("legacy", "nvcomp") if c in r]
+            print(f"{r['corpus']} P={r['P']}: best {v} {r[v][0]:.1f} GB/s = " + ", ".join(vs))
 
 
-def run_sanitize() -> None:
+def run_sanitize(variants: list[str]) -> None:
     """A small hostile batch (valid, mutated, garbage metadata, shuffled, 64 KiB pages)."""
     from test_triton_decompress import fuzz_bases, mutate, random_block
 
@@ -164,26 +191,32 @@ def run_sanitize() -> None:
                                      dtype=torch.int32)
         offs[6::13] += torch.randint(-(1 << 20), 1 << 20, offs[6::13].shape)
         flat = torch.frombuffer(payload, dtype=torch.uint8)
-        pages, status = D.decompress_pages(flat.to(DEV), offs.to(DEV), sizes.to(DEV),
-                                           kinds.to(DEV), page_size)
-        sync()
-        status, pages = status.cpu(), pages.cpu()
-        bad = checked = 0
-        for i in range(n):
-            o, s, k = int(offs[i]), int(sizes[i]), int(kinds[i])
-            if k & 15 != fmt.KIND_LZ4 or k >> 4 > 2:
-                bad += int(status[i]) != fmt.STATUS_BAD_KIND
-            elif o < 0 or s < 1 or o + s > len(payload):
-                bad += int(status[i]) != fmt.STATUS_BAD_SIZE
-            else:
-                data, st = decode_block(bytes(payload[o : o + s]), page_size)
-                bad += int(status[i]) != st
-                bad += k == fmt.KIND_LZ4 and data is not None and bytes(pages[i].numpy()) != data
-                checked += 1
-        zero_ok = not pages[status != 0].any()
-        counts = torch.bincount(status, minlength=7).tolist()
-        log(f"sanitize P={page_size}: {n} pages, statuses {counts}, {checked} checked against "
-            f"decode_block, mismatches {bad}, failed rows zero {zero_ok}")
+        for v in variants:
+            set_variant(v)
+            pages, status = D.decompress_pages(flat.to(DEV), offs.to(DEV), sizes.to(DEV),
+                                               kinds.to(DEV), page_size)
+            sync()
+            check_hostile(v, page_size, payload, offs, sizes, kinds, pages.cpu(), status.cpu())
+        set_variant("default")
+
+
+def check_hostile(v, page_size, payload, offs, sizes, kinds, pages, status) -> None:
+    """Statuses and bytes of every page against ``ref_page`` (``decode_block`` rules)."""
+    from test_triton_decompress import ref_page
+
+    def read(o, s):
+        return bytes(payload[o : o + s])
+
+    bad = 0
+    for i in range(status.shape[0]):
+        data, st = ref_page(read, len(payload), int(offs[i]), int(sizes[i]), int(kinds[i]),
+                            page_size)
+        bad += int(status[i]) != st
+        bad += data is not None and bytes(pages[i].numpy()) != data
+    zero_ok = not pages[status != 0].any()
+    counts = torch.bincount(status, minlength=7).tolist()
+    log(f"sanitize {v} P={page_size}: {status.shape[0]} pages, statuses {counts}, mismatches "
+        f"against decode_block {bad}, failed rows zero {zero_ok}")
 
 
 def main() -> None:
@@ -198,12 +231,12 @@ def main() -> None:
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)"
     log(f"{name} torch {torch.__version__} triton {triton.__version__}")
     if a.sanitize:
-        run_sanitize()
+        run_sanitize(a.variants.split(","))
     if a.bench:
         variants = a.variants.split(",")
         run_bench(a.corpora.split(","), 4096, variants, a.mib)
         if a.big_pages:
-            run_bench(["mixed"], 65536, variants[:1], a.mib)
+            run_bench(["mixed"], 65536, variants, a.mib)
 
 
 if __name__ == "__main__":

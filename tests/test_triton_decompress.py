@@ -29,6 +29,14 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 P = 4096
 POISON = 0xA5
 GUARD = 4099  # odd, so the output rows also start misaligned
+# launcher knobs (decompress_into keywords): every combination gives the same bytes and statuses
+KNOBS = {
+    "default": {},
+    "legacy": dict(lean=False, split=False),  # one fused kernel, as before the knobs
+    "lean_fused": dict(lean=True, split=False),
+    "split_groups": dict(lean=True, split=True, tile=False),
+    "split_tile": dict(lean=True, split=True, tile=True),
+}
 
 
 def device_for_kernels() -> str:
@@ -101,7 +109,8 @@ def ref_page(read, total: int, off: int, size: int, kind: int, page_size: int = 
     return data, st
 
 
-def run_blocks(blocks, kinds=None, page_size=P, sizes=None, offsets=None, payload=None):
+def run_blocks(blocks, kinds=None, page_size=P, sizes=None, offsets=None, payload=None,
+               knobs=None):
     """Pack ``blocks`` back to back, decode them into outputs that sit inside poisoned guard
     bytes, check the guards, and return ``(pages, status)`` on the CPU."""
     dev = device_for_kernels()
@@ -121,16 +130,18 @@ def run_blocks(blocks, kinds=None, page_size=P, sizes=None, offsets=None, payloa
     pages = buf[GUARD : GUARD + n * page_size].view(n, page_size)
     status = sbuf[GUARD : GUARD + n]
     args = [t.to(dev) for t in (payload, offsets, sizes, kinds)]
-    decompress_into(*args, pages, status)
+    decompress_into(*args, pages, status, **(knobs or {}))
     buf, sbuf = buf.cpu(), sbuf.cpu()
     assert (buf[:GUARD] == POISON).all() and (buf[GUARD + n * page_size :] == POISON).all()
     assert (sbuf[:GUARD] == -0x5A5A5A5B).all() and (sbuf[GUARD + n :] == -0x5A5A5A5B).all()
     return pages.cpu(), status.cpu()
 
 
-def check_against_reference(blocks, pages, status, page_size=P, seed=None):
+def check_against_reference(blocks, pages, status, page_size=P, seed=None, kinds=None):
     for i, blk in enumerate(blocks):
-        data, st = ref(blk, page_size)
+        kind = fmt.KIND_LZ4 if kinds is None else int(kinds[i])
+        data, st = ref_page(lambda o, s, b=blk: b[o : o + s], len(blk), 0, len(blk), kind,
+                            page_size)
         where = f"block {i} (seed {seed}): {blk[:48].hex()}..."
         assert int(status[i]) == st, f"{where} status {int(status[i])} != reference {st}"
         if data is None:
@@ -176,29 +187,35 @@ def test_any_compliant_parse(gen):
     check_against_reference(blocks, out, status)
 
 
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile"])
 @pytest.mark.parametrize("element_size", [2, 4])
-def test_shuffled_pages_unshuffle_in_kernel(element_size, gen):
+def test_shuffled_pages_unshuffle_in_kernel(element_size, knobs, gen):
     vals = torch.randn(2, P // 2, generator=gen).to(torch.bfloat16).relu().view(torch.uint8)
     pages = torch.cat([vals.view(-1, P), periodic_pages(element_size * 3, 1, P, gen)])
     payload, sizes, kinds = compress_cpu(pages, element_size)
     assert (kinds == (fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4))).all()
     dev = device_for_kernels()
     offsets = torch.arange(len(sizes), dtype=torch.int64) * P
-    out, status = decompress_pages(*(t.to(dev) for t in (payload.view(-1), offsets, sizes, kinds)),
-                                   P)
+    out = torch.full_like(pages, POISON, device=dev)
+    status = torch.full((len(sizes),), -7, dtype=torch.int32, device=dev)
+    decompress_into(*(t.to(dev) for t in (payload.view(-1), offsets, sizes, kinds)), out, status,
+                    **KNOBS[knobs])
     assert status.tolist() == [0] * len(sizes)
     assert torch.equal(out.cpu(), pages)
 
 
-def test_unshuffle_matches_reference_on_random_bytes(gen):
-    """The fused unshuffle is the reference ``bitunshuffle`` on arbitrary shuffled bytes."""
-    y = torch.randint(0, 256, (2, P), dtype=torch.uint8, generator=gen)
+@pytest.mark.parametrize("knobs", ["legacy", "split_groups", "split_tile"])
+def test_unshuffle_matches_reference_on_random_bytes(knobs, gen):
+    """The in-kernel unshuffle is the reference ``bitunshuffle`` on arbitrary shuffled bytes;
+    plain pages between shuffled ones (each kernel of a split launch leaves the other's alone)."""
+    y = torch.randint(0, 256, (4, P), dtype=torch.uint8, generator=gen)
     blocks = [encode([], bytes(r.numpy())) for r in y]  # one literal run each
-    kinds = [fmt.KIND_LZ4 | 1 << 4, fmt.KIND_LZ4 | 2 << 4]
-    out, status = run_blocks(blocks, kinds)
-    assert status.tolist() == [0, 0]
+    kinds = [fmt.KIND_LZ4 | 1 << 4, fmt.KIND_LZ4, fmt.KIND_LZ4 | 2 << 4, fmt.KIND_LZ4]
+    out, status = run_blocks(blocks, kinds, knobs=KNOBS[knobs])
+    assert status.tolist() == [0] * 4
     assert torch.equal(out[0], bitunshuffle(y[:1], 2)[0])
-    assert torch.equal(out[1], bitunshuffle(y[1:], 4)[0])
+    assert torch.equal(out[2], bitunshuffle(y[2:3], 4)[0])
+    assert torch.equal(out[1::2], y[1::2])
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -251,14 +268,17 @@ def _blocks_and_status():
     return cases
 
 
-def test_malformed_blocks_give_their_status():
+@pytest.mark.parametrize("knobs", ["legacy", "split_tile"])
+@pytest.mark.parametrize("shift", [0, 1])
+def test_malformed_blocks_give_their_status(shift, knobs):
     cases = _blocks_and_status()
     blocks = [b for b, _ in cases.values()]
     expected = [s for _, s in cases.values()]
     assert [ref(b)[1] for b in blocks] == expected  # the cases say what they claim
-    out, status = run_blocks(blocks)
+    kinds = [fmt.KIND_LZ4 | shift << 4] * len(blocks)
+    out, status = run_blocks(blocks, kinds, knobs=KNOBS[knobs])
     assert dict(zip(cases, status.tolist())) == dict(zip(cases, expected))
-    check_against_reference(blocks, out, status)
+    check_against_reference(blocks, out, status, kinds=kinds)
 
 
 def test_bad_kind_and_bad_size():
@@ -332,11 +352,13 @@ def fuzz_bases(rng: random.Random, gen: torch.Generator, count: int) -> list[byt
     return bases
 
 
-def test_mutation_fuzz_matches_reference(gen):
+@pytest.mark.parametrize("knobs", KNOBS)
+def test_mutation_fuzz_matches_reference(knobs, gen):
+    """Mutated blocks, some marked shuffled (2- and 4-byte elements), in one packed payload."""
     seed = int(torch.randint(0, 2**62, (1,), generator=gen))
     rng = random.Random(seed)
     bases = fuzz_bases(rng, gen, 12)
-    n = 2000 if CUDA else 300
+    n = 2000 if CUDA else (150 if knobs == "default" else 50)
     blocks, payload = [], bytearray()
     offsets = []
     for _ in range(n):
@@ -346,8 +368,10 @@ def test_mutation_fuzz_matches_reference(gen):
         payload += blk + tail
     payload = torch.frombuffer(payload, dtype=torch.uint8)
     sizes = torch.tensor([len(b) for b in blocks], dtype=torch.int32)
-    out, status = run_blocks(blocks, sizes=sizes, offsets=torch.tensor(offsets), payload=payload)
-    check_against_reference(blocks, out, status, seed=seed)
+    kinds = [rng.choice([fmt.KIND_LZ4] * 4 + [0x11, 0x21]) for _ in blocks]
+    out, status = run_blocks(blocks, kinds, sizes=sizes, offsets=torch.tensor(offsets),
+                             payload=payload, knobs=KNOBS[knobs])
+    check_against_reference(blocks, out, status, seed=seed, kinds=kinds)
     assert (status == 0).any() and (status != 0).any()
 
 

@@ -26,7 +26,7 @@ from torch.library import wrap_triton
 
 from torch_pagecomp import format as fmt
 
-from .bitunshuffle import unshuffle_groups
+from .bitunshuffle import unshuffle_groups, unshuffle_groups64, unshuffle_page
 
 VEC = 32  # bytes per copy step of a short literal run or match (one per lane of the warp)
 # bytes per step of the rest of a long run: 128 was up to 9% faster than 256 on an H200; the CPU
@@ -34,8 +34,16 @@ VEC = 32  # bytes per copy step of a short literal run or match (one per lane of
 BIG = 256 if os.environ.get("TRITON_INTERPRET") == "1" else 128
 EXT = 32  # bytes per step of a long length extension
 RAW_BLOCK = 1024  # bytes per step of a RAW / FILL page
-UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle
+UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle (fused / TILE off)
 NUM_WARPS = 1
+# Launcher defaults (best guesses until measured on a GPU; each is a keyword of decompress_into):
+LEAN = True  # plain LZ4 pages: _decode_lz4_lean (status work in rare branches)
+SPLIT = True  # shuffled LZ4 pages in a second launch, _decompress_shuffled_kernel
+TILE = True  # there: plain decode, then a whole-page unshuffle (pages up to TILE_MAX_PAGE)
+TILE_MAX_PAGE = 4096
+SHUFFLED_GROUPS = 32  # TILE off or P > TILE_MAX_PAGE: groups per step of unshuffle_groups64
+SHUFFLED_NUM_WARPS = 1
+SHUFFLED_MAXNREG = 0  # 0: none; else ptxas' register cap for _decompress_shuffled_kernel
 
 _RUN = tl.constexpr(255)  # a page still being decoded (never stored)
 _INT32_MAX = tl.constexpr(2**31 - 1)
@@ -171,12 +179,95 @@ def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift
 
 
 @triton.jit
-def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr, status_ptr,
-                       total, P: tl.constexpr, PLOG: tl.constexpr, VEC: tl.constexpr,
-                       BIG: tl.constexpr, EXT: tl.constexpr, RAW_BLOCK: tl.constexpr,
-                       GT: tl.constexpr):
-    """Program ``i`` decodes page ``i`` into ``pages[i]`` (``uint8 [P]``) and sets ``status[i]``."""
-    pid = tl.program_id(0)
+def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.constexpr,
+                     EXT: tl.constexpr):
+    """``_decode_lz4`` without the shuffle layout and with fewer instructions per sequence: the
+    checks of a sequence are a few compares, and the status is worked out only in rarely taken
+    branches, each of which also makes the next one taken (``p = end``: no offset; ``ml = P``:
+    overflow) so that a failed or finished page copies nothing more. Same statuses and bytes.
+    """
+    ar = tl.arange(0, VEC)
+    arb = tl.arange(0, BIG)
+    ip = end * 0
+    op = end * 0
+    st = end * 0 + _RUN
+    tok = tl.load(src).to(tl.int32)
+    while st == _RUN:
+        lit = tok >> 4
+        p = ip + 1
+        if lit == 15:
+            b = tl.load(src + p, mask=p < end, other=255).to(tl.int32)
+            if b == 255:
+                lit, p, st = _ext_long(src, p, end, lit, st, EXT)  # TRUNCATED: p == end
+            else:
+                lit += b
+                p += 1
+        if (lit > end - p) | (lit > P - op):  # also taken after a truncated extension
+            st = tl.where(st != _RUN, st, tl.where(lit > end - p, _TRUNCATED, _OVERFLOW))
+            lit = 0
+            p = end  # no offset: the next rare branch is taken too
+        q = p + lit
+        has_off = end - q >= 2
+        b0 = tl.load(src + q, mask=has_off).to(tl.int32)
+        b1 = tl.load(src + q + 1, mask=has_off).to(tl.int32)
+        lm = ar < lit
+        tl.store(row + op + ar, tl.load(src + p + ar, mask=lm), mask=lm)
+        if lit > VEC:
+            for k in range(VEC, lit, BIG):
+                mb = arb < lit - k
+                tl.store(row + op + k + arb, tl.load(src + p + k + arb, mask=mb), mask=mb)
+        op += lit
+        d = b0 | (b1 << 8)  # garbage unless has_off; then only the rare branch looks at it
+        p = q + 2
+        ml = tok & 15
+        # no offset (block end, cut, or failed above), offset 0 or before the page start
+        if (~has_off) | ((d - 1).to(tl.uint32) >= op.to(tl.uint32)):
+            st = tl.where(st != _RUN, st,
+                          tl.where(q == end, tl.where(op == P, _OK, _SHORT),
+                                   tl.where(~has_off, _TRUNCATED, _BAD_OFFSET)))
+            ml = P  # the next rare branch is taken too (ml + 4 > P - op)
+        if ml == 15:
+            b = tl.load(src + p, mask=p < end, other=255).to(tl.int32)
+            if b == 255:
+                ml, p, st = _ext_long(src, p, end, ml, st, EXT)  # TRUNCATED: p == end
+            else:
+                ml += b
+                p += 1
+        ml += 4
+        if (ml > P - op) | (p >= end):  # also taken by every failed or finished page
+            st = tl.where(st != _RUN, st, tl.where(ml > P - op, _OVERFLOW, _TRUNCATED))
+            ml = 0
+        tok = tl.load(src + p, mask=p < end).to(tl.int32)  # next token, early
+        start = op - d
+        mm = ar < ml
+        tl.debug_barrier()  # the literals and earlier matches are visible to every lane
+        if d >= tl.minimum(ml, VEC):
+            v = tl.load(row + start + ar, mask=mm)
+        else:  # overlapping, d < VEC: ar % d by a float quotient (exact for ar, d < 2**10)
+            qd = ((ar.to(tl.float32) + 0.5) * (1.0 / d.to(tl.float32))).to(tl.int32)
+            v = tl.load(row + start + ar - qd * d, mask=mm)
+        tl.store(row + op + ar, v, mask=mm)
+        if ml > VEC:
+            if d >= ml:
+                for k in range(VEC, ml, BIG):
+                    mb = arb < ml - k
+                    tl.store(row + op + k + arb, tl.load(row + start + k + arb, mask=mb), mask=mb)
+            else:  # overlapping: r = (k + arb) % d, kept up to date with one compare per step
+                r = (VEC + arb) % d
+                step = BIG % d
+                for k in range(VEC, ml, BIG):
+                    mb = arb < ml - k
+                    tl.store(row + op + k + arb, tl.load(row + start + r, mask=mb), mask=mb)
+                    r += step
+                    r = tl.where(r >= d, r - d, r)
+        op += ml
+        ip = p
+    return st
+
+
+@triton.jit
+def _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, P: tl.constexpr):
+    """``(off int64, size int32, kind int32, status)`` of page ``pid``: BAD_KIND / BAD_SIZE / OK."""
     off = tl.load(offsets_ptr + pid).to(tl.int64)
     size = tl.load(sizes_ptr + pid).to(tl.int32)
     kind = tl.load(kinds_ptr + pid).to(tl.int32)
@@ -186,58 +277,146 @@ def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
     bad_size = (off < 0) | (size < 1) | (size.to(tl.int64) > total - off)
     bad_size |= ((codec == 0) & (size != P)) | ((codec == 2) & (size != 1))
     st = tl.where(bad_kind, _BAD_KIND, tl.where(bad_size, _BAD_SIZE, _OK))
-    src = payload_ptr + tl.where(st == 0, off, 0)
-    row = pages_ptr + pid.to(tl.int64) * P
+    return off, size, kind, st
+
+
+@triton.jit
+def _zero_row(row, P: tl.constexpr, RAW_BLOCK: tl.constexpr):
     ar = tl.arange(0, RAW_BLOCK)
-    if st == 0:
-        if codec == 1:
-            if shift == 0:
-                st = _decode_lz4(src, size, row, P, False, 0, 0, VEC, BIG, EXT)
+    tl.debug_barrier()  # after every partial store of the page
+    for k in range(0, P, RAW_BLOCK):
+        tl.store(row + k + ar, tl.zeros([RAW_BLOCK], tl.uint8))
+
+
+@triton.jit
+def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr, status_ptr,
+                       total, P: tl.constexpr, PLOG: tl.constexpr, VEC: tl.constexpr,
+                       BIG: tl.constexpr, EXT: tl.constexpr, RAW_BLOCK: tl.constexpr,
+                       GT: tl.constexpr, LEAN: tl.constexpr, SPLIT: tl.constexpr):
+    """Program ``i`` decodes page ``i`` into ``pages[i]`` (``uint8 [P]``) and sets ``status[i]``.
+    With ``SPLIT`` it leaves shuffled LZ4 pages (kinds ``0x11``, ``0x21``) alone, row and status,
+    to ``_decompress_shuffled_kernel``; ``LEAN`` picks ``_decode_lz4_lean`` for plain LZ4."""
+    pid = tl.program_id(0)
+    off, size, kind, st = _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, P)
+    codec = kind & 15
+    shift = kind >> 4
+    mine = (kind != 0x11) & (kind != 0x21)
+    if not SPLIT:
+        mine = mine | True
+    if mine:
+        src = payload_ptr + tl.where(st == 0, off, 0)
+        row = pages_ptr + pid.to(tl.int64) * P
+        ar = tl.arange(0, RAW_BLOCK)
+        if st == 0:
+            if codec == 1:
+                if shift == 0:
+                    if LEAN:
+                        st = _decode_lz4_lean(src, size, row, P, VEC, BIG, EXT)
+                    else:
+                        st = _decode_lz4(src, size, row, P, False, 0, 0, VEC, BIG, EXT)
+                elif not SPLIT:
+                    glog = PLOG - 3 - shift
+                    st = _decode_lz4(src, size, row, P, True, glog, 3 + shift, VEC, BIG, EXT)
+                    if st == 0:
+                        tl.debug_barrier()
+                        if shift == 1:
+                            unshuffle_groups(row, P, 2, GT)
+                        else:
+                            unshuffle_groups(row, P, 4, GT)
+            elif codec == 0:
+                for k in range(0, P, RAW_BLOCK):
+                    tl.store(row + k + ar, tl.load(src + k + ar))
+            else:
+                b = tl.load(src)
+                for k in range(0, P, RAW_BLOCK):
+                    tl.store(row + k + ar, tl.zeros([RAW_BLOCK], tl.uint8) + b)
+        if st != 0:
+            _zero_row(row, P, RAW_BLOCK)
+        tl.store(status_ptr + pid, st)
+
+
+@triton.jit
+def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr,
+                                status_ptr, total, P: tl.constexpr, PLOG: tl.constexpr,
+                                VEC: tl.constexpr, BIG: tl.constexpr, EXT: tl.constexpr,
+                                RAW_BLOCK: tl.constexpr, GT: tl.constexpr, TILE: tl.constexpr):
+    """The other half of a ``SPLIT`` launch: program ``i`` decodes page ``i`` only if it is a
+    shuffled LZ4 page (kind ``0x11`` or ``0x21``). With ``TILE`` the block is decoded plainly
+    (contiguous stores) and unshuffled in one whole-page tile; otherwise decoded transposed and
+    unshuffled group by group as in the fused kernel."""
+    pid = tl.program_id(0)
+    off, size, kind, st = _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, P)
+    if (kind == 0x11) | (kind == 0x21):
+        shift = kind >> 4
+        src = payload_ptr + tl.where(st == 0, off, 0)
+        row = pages_ptr + pid.to(tl.int64) * P
+        if st == 0:
+            if TILE:
+                st = _decode_lz4_lean(src, size, row, P, VEC, BIG, EXT)
+                if st == 0:
+                    tl.debug_barrier()
+                    if shift == 1:
+                        unshuffle_page(row, P, 2)
+                    else:
+                        unshuffle_page(row, P, 4)
             else:
                 glog = PLOG - 3 - shift
                 st = _decode_lz4(src, size, row, P, True, glog, 3 + shift, VEC, BIG, EXT)
                 if st == 0:
                     tl.debug_barrier()
                     if shift == 1:
-                        unshuffle_groups(row, P, 2, GT)
+                        unshuffle_groups64(row, P, 2, GT)
                     else:
-                        unshuffle_groups(row, P, 4, GT)
-        elif codec == 0:
-            for k in range(0, P, RAW_BLOCK):
-                tl.store(row + k + ar, tl.load(src + k + ar))
-        else:
-            b = tl.load(src)
-            for k in range(0, P, RAW_BLOCK):
-                tl.store(row + k + ar, tl.zeros([RAW_BLOCK], tl.uint8) + b)
-    if st != 0:
-        tl.debug_barrier()  # after every partial store of the page
-        for k in range(0, P, RAW_BLOCK):
-            tl.store(row + k + ar, tl.zeros([RAW_BLOCK], tl.uint8))
-    tl.store(status_ptr + pid, st)
+                        unshuffle_groups64(row, P, 4, GT)
+        if st != 0:
+            _zero_row(row, P, RAW_BLOCK)
+        tl.store(status_ptr + pid, st)
 
 
-def launch_constants(page_size: int) -> dict:
+def launch_constants(page_size: int, lean: bool | None = None, split: bool | None = None) -> dict:
     """Compile-time arguments and ``num_warps`` of ``_decompress_kernel`` for ``page_size``."""
     return dict(P=page_size, PLOG=page_size.bit_length() - 1, VEC=VEC, BIG=BIG, EXT=EXT,
-                RAW_BLOCK=RAW_BLOCK, GT=UNSHUFFLE_GROUPS, num_warps=NUM_WARPS)
+                RAW_BLOCK=RAW_BLOCK, GT=UNSHUFFLE_GROUPS, LEAN=LEAN if lean is None else lean,
+                SPLIT=SPLIT if split is None else split, num_warps=NUM_WARPS)
+
+
+def shuffled_constants(page_size: int, tile: bool | None = None) -> dict:
+    """Compile-time arguments and ``num_warps`` of ``_decompress_shuffled_kernel``."""
+    tile = (TILE if tile is None else tile) and page_size <= TILE_MAX_PAGE
+    c = launch_constants(page_size)
+    del c["LEAN"], c["SPLIT"]
+    c = dict(c, GT=SHUFFLED_GROUPS, TILE=tile, num_warps=SHUFFLED_NUM_WARPS)
+    if SHUFFLED_MAXNREG:
+        c["maxnreg"] = SHUFFLED_MAXNREG
+    return c
 
 
 def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
-                    kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor) -> None:
+                    kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor, *,
+                    lean: bool | None = None, split: bool | None = None,
+                    tile: bool | None = None) -> None:
     """Decode into caller-provided outputs: ``pages`` ``uint8 [N, P]`` (contiguous),
-    ``status`` ``int32 [N]``; other arguments as :func:`decompress_pages`."""
+    ``status`` ``int32 [N]``; other arguments as :func:`decompress_pages`. The knobs (module
+    defaults ``LEAN``, ``SPLIT``, ``TILE`` when ``None``): ``lean`` decodes plain LZ4 pages with
+    ``_decode_lz4_lean``; ``split`` decodes shuffled pages in a second launch, where ``tile``
+    unshuffles whole pages (``P <= TILE_MAX_PAGE``) after a plain decode. Every combination
+    gives the same bytes and statuses."""
     n, page_size = pages.shape
     fmt.check_page_size(page_size)
     if n == 0:
         return
-    launch = wrap_triton(_decompress_kernel)[(n,)]
+    split = SPLIT if split is None else split
     args = (payload, offsets, sizes, kinds, pages, status, payload.numel())
-    consts = launch_constants(page_size)
-    if payload.device.type == "cuda" and not torch.compiler.is_compiling():
-        with torch.cuda.device(payload.device):  # Triton launches on the current device's stream
+    launches = [(_decompress_kernel, launch_constants(page_size, lean, split))]
+    if split:
+        launches.append((_decompress_shuffled_kernel, shuffled_constants(page_size, tile)))
+    for kernel, consts in launches:
+        launch = wrap_triton(kernel)[(n,)]
+        if payload.device.type == "cuda" and not torch.compiler.is_compiling():
+            with torch.cuda.device(payload.device):  # Triton launches on the device's stream
+                launch(*args, **consts)
+        else:  # compiled code sets the device itself
             launch(*args, **consts)
-    else:  # compiled code sets the device itself
-        launch(*args, **consts)
 
 
 def decompress_pages(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
