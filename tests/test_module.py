@@ -366,16 +366,19 @@ def test_corrupt_page_reported_by_global_index(gen):
 @pytest.mark.gpu
 @pytest.mark.parametrize("raw_share", [0.0, 1.0])
 def test_gpu_cold_device_pool_restore_behind_busy_consumer(gen, raw_share):
-    """Every restore starts with an empty device pool (fresh buffers) while the caller's stream
-    is busy: a buffer allocated where a queued kernel's output was freed must not be
-    overwritten by the next batch's upload (bad kinds / wrong slices otherwise)."""
-    pc = PageCompressor(batch_pages=256, max_raw_share=raw_share)
-    x = file_pages("text", 256 * 7 + 3, 4096, gen).cuda()
-    for _ in range(4):
-        h = pc.offload(x)
-        h.wait()
-        pc.empty_cache()
-        torch.cuda._sleep(50_000_000)
-        out = torch.full_like(x, 0xA5)
-        pc.restore(h, out=out, check=True)
-        assert torch.equal(out, x)
+    """A fresh compressor (empty device pool, new streams) restores while the caller's stream is
+    busy. Pages and device buffers share one allocator size class (11 MiB batches), so a buffer
+    allocated where the previous batch's queued decompress output was freed gets that block:
+    the next upload must not overwrite it (bad kinds / wrong slices otherwise)."""
+    bp = 2816  # 11 MiB of 4 KiB pages: pages and the buffer both round to 12 MiB
+    x = file_pages("text", bp * 3 + 5, 4096, gen).cuda()
+    for _ in range(2):
+        pc = PageCompressor(batch_pages=bp, max_raw_share=raw_share)
+        for _ in range(3):
+            h = pc.offload(x)
+            h.wait()
+            torch.cuda._sleep(50_000_000)
+            out = torch.full_like(x, 0xA5)
+            pc.restore(h, out=out, check=True)
+            assert torch.equal(out, x)
+        pc.close()

@@ -89,6 +89,9 @@ def assert_identical(ref: list[torch.Tensor], got: list[torch.Tensor]) -> None:
 def assert_clean(off: ActivationOffloader) -> None:
     pending = off.pending()
     assert all(v == 0 for v in pending.values()), pending
+    with off._lock:
+        off._poll()  # frees of entries that died after pending() looked
+        assert off._host_now == 0  # the running host total behind peak_host_bytes
     for comp in off._compressors.values():
         if comp is not None:  # freed handles give their host storage back asynchronously
             comp.synchronize()

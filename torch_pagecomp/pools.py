@@ -238,7 +238,11 @@ class PinnedBufferPool:
 
 
 class DeviceBufferPool:
-    """``uint8`` buffers on one device reused by size (``acquire`` / ``release``)."""
+    """``uint8`` buffers on one device reused by size (``acquire`` / ``release``).
+
+    A miss allocates on the *current* stream: call ``acquire`` with the stream that first
+    writes the buffer current (the caching allocator orders a reused block only for the
+    stream that freed it)."""
 
     def __init__(self, device: torch.device):
         self.device = device
