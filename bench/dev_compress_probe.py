@@ -1,6 +1,7 @@
 """Dev probe for the Triton LZ4 compressor: correctness and speed on realistic 128 MiB batches.
 
-Run on the GPU machine (lz4 on PYTHONPATH): ``python3 bench/dev_compress_probe.py [--sweep]``.
+Run on the GPU machine (lz4 on PYTHONPATH):
+``python3 bench/dev_compress_probe.py [--sweep] [--candidates atomic|store] [--only-sweep]``.
 Checks every page (lz4 decode, shuffle, FILL/RAW rules), then prints GB/s (uncompressed bytes
 over the do_bench median) and the ratio beside python-lz4's (cpu_codec, same page rules) on a
 sample of the same pages.
@@ -32,9 +33,13 @@ P = 4096
 NBYTES = 128 << 20 if torch.cuda.is_available() else 2 * P
 N = NBYTES // P
 SAMPLE = min(4096, N)
-# (num_warps, programs_per_sm, window, extra_words, hash_bits)
-SWEEP = [(1, 32, 128, 2, 11), (1, 32, 128, 2, 12), (1, 16, 128, 2, 11), (1, 32, 128, 0, 11),
-         (1, 32, 128, 3, 11), (1, 32, 64, 2, 11), (1, 16, 256, 2, 12), (2, 16, 256, 2, 11)]
+# (candidates, near, programs_per_sm, window, extra_words); num_warps 1, hash_bits 11
+SWEEP = [
+    ("atomic", 0, 32, 128, 2), ("atomic", 0, 16, 128, 2), ("atomic", 0, 16, 128, 3),
+    ("atomic", 0, 16, 64, 2),
+    ("store", 4, 8, 128, 2), ("store", 4, 16, 128, 2), ("store", 4, 32, 128, 2),
+    ("store", 4, 16, 64, 2), ("store", 4, 16, 128, 3), ("store", 1, 16, 128, 2),
+]
 
 
 def _files(patterns, per_file, total, seed):
@@ -144,7 +149,10 @@ def bench(fn, warmup, rep):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only-sweep", action="store_true", help="skip the per-corpus table")
+    ap.add_argument("--candidates", choices=lc.CANDIDATE_MODES, default=lc.DEFAULT_CANDIDATES)
     args = ap.parse_args()
+    mode = dict(candidates=args.candidates)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none (dry run)"
     print(f"GPU {name}, torch {torch.__version__}, "
@@ -154,10 +162,11 @@ def main():
     print(f"corpora built in {time.time() - t0:.1f}s", flush=True)
     sample = torch.randperm(N, generator=torch.Generator().manual_seed(4))[:SAMPLE]
     rows = []
-    for name, (pages, e) in data.items():
+    print(f"table: candidates={args.candidates}, other tuning at the defaults", flush=True)
+    for name, (pages, e) in data.items() if not args.only_sweep else ():
         g = pages.to(dev)
         t1 = time.time()
-        payload, sizes, kinds = lc.compress_pages(g, e)
+        payload, sizes, kinds = lc.compress_pages(g, e, **mode)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         payload, sizes, kinds = payload.cpu(), sizes.cpu(), kinds.cpu()
@@ -166,7 +175,7 @@ def main():
         ours_s = SAMPLE * P / int(sizes[sample].sum())
         ref = cpu_codec.compress_cpu(pages[sample], e)[1]
         ref_s = SAMPLE * P / int(ref.sum())
-        ms = bench(lambda g=g, e=e: lc.compress_pages(g, e), 50, 300)
+        ms = bench(lambda g=g, e=e: lc.compress_pages(g, e, **mode), 50, 300)
         nv_gbs, nv_ratio = nvcomp_compress(g, e)
         row = (f"| {name:14s} | {NBYTES / ms / 1e6:7.1f} | {nv_gbs} | {ours_all:6.3f} | "
                f"{nv_ratio} | {ours_s:6.3f} | {ref_s:6.3f} | {ours_s / ref_s:6.3f} | {bad} |")
@@ -182,22 +191,30 @@ def main():
             print("compiled:", k.metadata.num_warps, "warps, regs", k.n_regs, "spills", k.n_spills)
     except Exception as exc:  # noqa: BLE001
         print("no resource info:", exc)
-    if args.sweep:
-        print("\nsweep: GB/s per (num_warps, programs_per_sm, window)", flush=True)
-        for name in ("text", "mixed", "random", "bf16-relu E2"):
-            pages, e = data[name]
-            g = pages.to(dev)
-            for nw, pps, w, xw, hb in SWEEP:
-                cfg = dict(num_warps=nw, programs_per_sm=pps, window=w, extra_words=xw)
-                cfg["hash_bits"] = hb
-                ms = bench(lambda g=g, e=e, c=cfg: lc.compress_pages(g, e, **c), 10, 100)
-                out = [t[:8192].cpu() for t in lc.compress_pages(g, e, **cfg)]
-                bad = check(pages[:8192], *out, e)
-                sz = int(lc.compress_pages(g, e, **cfg)[1].sum())
-                print(f"  {name:12s} nw={nw} pps={pps:2d} W={w:3d} XW={xw} HB={hb}: "
-                      f"{NBYTES / ms / 1e6:7.1f} GB/s ratio {NBYTES / sz:.3f} bad {bad}",
-                      flush=True)
-            del g
+    if args.sweep or args.only_sweep:
+        sweep(data, dev, sample)
+
+
+def sweep(data, dev, sample):
+    """GB/s, ratio and ratio vs python-lz4 (sample) per SWEEP point; every page is checked."""
+    print("\nsweep (num_warps 1, hash_bits 11): GB/s, ratio, ratio/python-lz4 on the sample",
+          flush=True)
+    for name in ("text", "mixed", "random", "bf16-relu E2"):
+        pages, e = data[name]
+        g = pages.to(dev)
+        ref_s = SAMPLE * P / int(cpu_codec.compress_cpu(pages[sample], e)[1].sum())
+        for cand, near, pps, w, xw in SWEEP:
+            cfg = dict(candidates=cand, near=near, programs_per_sm=pps, window=w, extra_words=xw)
+            t1 = time.time()
+            ms = bench(lambda g=g, e=e, c=cfg: lc.compress_pages(g, e, **c), 10, 100)
+            out = [t.cpu() for t in lc.compress_pages(g, e, **cfg)]
+            bad = check(pages, *out, e)
+            ratio = NBYTES / int(out[1].sum())
+            ours_s = SAMPLE * P / int(out[1][sample].sum())
+            print(f"  {name:12s} {cand:6s} near={near} pps={pps:2d} W={w:3d} XW={xw}: "
+                  f"{NBYTES / ms / 1e6:7.1f} GB/s ratio {ratio:.3f} vs lz4 {ours_s / ref_s:.3f} "
+                  f"bad {bad} ({time.time() - t1:.1f}s)", flush=True)
+        del g
 
 
 if __name__ == "__main__":

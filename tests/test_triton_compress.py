@@ -43,7 +43,31 @@ def _ext(n: int) -> bytes:
     return b"\xff" * (n // 255) + bytes([n % 255])
 
 
-def _model_block(page: bytes, window: int = WINDOW) -> bytes:
+def _store_cands(span, words, h, last, near):
+    """``candidates="store"``: per 32 positions, the table entries before the sub-chunk, then
+    the entries of the sub-chunk (in the interpreter the last lane of a conflict wins); a
+    position whose entry fails takes the smallest of ``near`` distances 1, 2, 4, ... that holds
+    the same word."""
+    cand = {}
+    for s0 in range(span.start, span.stop, 32):
+        sub = range(s0, min(s0 + 32, span.stop))
+        for i in sub:
+            c = last.get(h[i], -1)
+            if c >= 0 and words[c] == words[i]:
+                cand[i] = c
+                continue
+            for d in (1 << j for j in range(near)):
+                if i >= d and words[i - d] == words[i]:
+                    cand[i] = i - d
+                    break
+        for i in sub:
+            last[h[i]] = i
+    return cand
+
+
+def _model_block(
+    page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int = lc.DEFAULT_NEAR
+) -> bytes:
     """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule)."""
     size = len(page)
     hb, fb = lc.table_bits(size, window)
@@ -58,16 +82,19 @@ def _model_block(page: bytes, window: int = WINDOW) -> bytes:
     pos = anchor = 0
     for w0 in range(0, maxs + 1, window):
         span = range(w0, min(w0 + window, maxs + 1))
-        first: dict[int, int] = {}
-        for i in span:
-            first.setdefault(hf[i], i)
-        cand = {}
-        for i in span:
-            c = first[hf[i]] if first[hf[i]] < i else last.get(h[i], -1)
-            if c >= 0 and words[c] == words[i]:
-                cand[i] = c
-        for i in span:
-            last[h[i]] = i
+        if candidates == "store":
+            cand = _store_cands(span, words, h, last, near)
+        else:
+            first: dict[int, int] = {}
+            for i in span:
+                first.setdefault(hf[i], i)
+            cand = {}
+            for i in span:
+                c = first[hf[i]] if first[hf[i]] < i else last.get(h[i], -1)
+                if c >= 0 and words[c] == words[i]:
+                    cand[i] = c
+            for i in span:
+                last[h[i]] = i
         for p in span:
             if p < pos or p not in cand:
                 continue
@@ -84,8 +111,9 @@ def _model_block(page: bytes, window: int = WINDOW) -> bytes:
     return bytes(out) + bytes([min(lit, 15) << 4]) + _ext(lit) + page[anchor:]
 
 
-def _model(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW):
-    """Expected ``(payload, sizes, kinds)`` of ``compress_pages``."""
+def _model(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW, **mode):
+    """Expected ``(payload, sizes, kinds)`` of ``compress_pages`` (``mode``: ``candidates``,
+    ``near``)."""
     n, size = pages.shape
     payload = torch.zeros((n, size), dtype=torch.uint8)
     sizes = torch.zeros(n, dtype=torch.int32)
@@ -96,7 +124,7 @@ def _model(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW):
         if bool((row == row[0]).all()):
             payload[i, 0], sizes[i], kinds[i] = row[0], 1, fmt.KIND_FILL
             continue
-        block = _model_block(src[i].numpy().tobytes(), window)
+        block = _model_block(src[i].numpy().tobytes(), window, **mode)
         if len(block) <= fmt.lz4_keep_limit(size):
             payload[i, : len(block)] = torch.frombuffer(bytearray(block), dtype=torch.uint8)
             sizes[i] = len(block)
@@ -164,7 +192,9 @@ def _check(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW, **t
     assert payload.shape == (n, size) and payload.dtype == torch.uint8
     assert sizes.shape == (n,) and sizes.dtype == torch.int32
     assert kinds.shape == (n,) and kinds.dtype == torch.uint8
-    exp = _model(pages, element_size, window)
+    mode = {k: tuning[k] for k in ("candidates", "near") if k in tuning}
+    mode.setdefault("candidates", lc.DEFAULT_CANDIDATES)
+    exp = _model(pages, element_size, window, **mode)
     for i in range(n):
         assert int(sizes[i]) == int(exp[1][i]), f"page {i}: size {int(sizes[i])} != model"
         assert int(kinds[i]) == int(exp[2][i]), f"page {i}: kind {int(kinds[i])} != model"
@@ -200,8 +230,12 @@ def _rows(*rows: bytes) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------- CPU tests
+MODES = pytest.mark.parametrize("candidates", lc.CANDIDATE_MODES)
+
+
+@MODES
 @interpret_only
-def test_all_kinds_poisoned(monkeypatch):
+def test_all_kinds_poisoned(monkeypatch, candidates):
     _poisoned_empty(monkeypatch)
     period = _rand(41)
     pages = _rows(
@@ -213,7 +247,7 @@ def test_all_kinds_poisoned(monkeypatch):
         _rand(P4K - 100) + bytes(100),  # saves too little: RAW
         _rand(7) + b"\x7f" * (P4K - 7),  # almost filled
     )
-    payload, sizes, kinds = _check(pages)
+    payload, sizes, kinds = _check(pages, candidates=candidates)
     assert kinds.tolist()[:7] == [0, 2, 2, 1, 1, 0, 1]
     assert sizes[0] == P4K and sizes[1] == 1 and payload[2, 0] == 0x7F
     assert sizes[3] < 100
@@ -229,20 +263,21 @@ def test_empty_and_single():
         assert payload.shape == (n, P4K) and sizes.shape == (n,) and kinds.shape == (n,)
 
 
+@MODES
 @interpret_only
-def test_persistent_loop_many_pages():
+def test_persistent_loop_many_pages(candidates):
     rows = []
-    for i in range(8):  # more pages than the interpreter grid (3): each program loops
-        rows.append([bytes(P4K), _rand(P4K), (_rand(13 + i) * 400)[:P4K]][i % 3])
-    _check(_rows(*rows))
+    for i in range(6):  # more pages than the interpreter grid (3): each program loops
+        rows.append([bytes(P4K), _rand(P4K), (_rand(13 + i) * 400)[:P4K]][(i + 1) % 3])
+    _check(_rows(*rows), candidates=candidates)
 
 
-def _draw(make, want, tries: int = 50, window: int = WINDOW) -> bytes:
+def _draw(make, want, tries: int = 300, window: int = WINDOW, candidates: str = "atomic") -> bytes:
     """A page from ``make()`` whose model parse satisfies ``want(seqs)`` (hash collisions can
     move a match; such pages are drawn again). The kernel is then held to the model."""
     for _ in range(tries):
         page = make()
-        block = _model_block(page, window)
+        block = _model_block(page, window, candidates)
         if len(block) <= fmt.lz4_keep_limit(len(page)) and want(_sequences(block, len(page))):
             return page
     raise AssertionError("could not draw a page with the wanted parse")
@@ -252,29 +287,36 @@ def _offsets(seqs):
     return {o for _, o, _ in seqs}
 
 
+@MODES
 @interpret_only
-def test_end_rules_and_offsets():
+def test_end_rules_and_offsets(candidates):
     size = P4K
     # a long offset-1 run that ends where the last possible match starts (offset P - 12)
     def edge():
         x = _rand(16)
         return x + b"z" * (size - 12 - 16) + x[:12]
 
-    a = _draw(edge, lambda s: {1, size - 12} <= _offsets(s) and s[-2][2] == 7)
+    a = _draw(edge, lambda s: {1, size - 12} <= _offsets(s) and s[-2][2] == 7, 50, WINDOW,
+              candidates)
     # the repeated pattern runs to the end: the match must stop 5 bytes before it
-    b = _draw(lambda: (_rand(64) * 64)[:size], lambda s: s[-1][0] == 5 and 64 in _offsets(s))
+    b = _draw(lambda: (_rand(64) * 64)[:size], lambda s: s[-1][0] == 5 and 64 in _offsets(s),
+              50, WINDOW, candidates)
     # a 4-byte repeat inside the last 11 bytes must stay literal
     c = (_rand(29) * 200)[: size - 11] + _rand(11)
     c = c[: size - 11] + c[100:104] + _rand(7)
-    payload, sizes, kinds = _check(_rows(a, b, c))
+    payload, sizes, kinds = _check(_rows(a, b, c), candidates=candidates)
     assert kinds.tolist() == [1, 1, 1]
     seqs = _sequences(payload[2, : int(sizes[2])].numpy().tobytes(), size)
     assert seqs[-1][0] >= 11
 
 
-@pytest.mark.parametrize("lit_lens", [(14, 15, 16, 19), (269, 270, 271, 524, 525)])
+@pytest.mark.parametrize(
+    "lit_lens, candidates",
+    [((14, 15, 16, 19), "atomic"), ((269, 270, 271, 524, 525), "atomic"),
+     ((15, 270, 524), "store")],
+)
 @interpret_only
-def test_length_extension_boundaries(lit_lens):
+def test_length_extension_boundaries(lit_lens, candidates):
     # literal runs of the given lengths, each followed by a copy of an earlier stretch whose
     # match length sits at a boundary of the 4-bit field and its extension bytes
     match_lens = [4 + m for m in (14, 15, 16, 19, 269, 270, 271)]
@@ -293,19 +335,22 @@ def test_length_extension_boundaries(lit_lens):
         lits, mls = {s[0] for s in seqs}, {s[2] for s in seqs}
         return set(lit_lens) <= lits and len(mls & set(match_lens)) >= len(lit_lens)
 
-    _check(_rows(_draw(make, want)))
+    page = _draw(make, want, candidates=candidates)
+    _check(_rows(page), candidates=candidates)
 
 
-@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("element_size, candidates", [(2, "atomic"), (4, "atomic"), (2, "store")])
 @interpret_only
-def test_bitshuffle_fused(element_size):
+def test_bitshuffle_fused(element_size, candidates):
     x = torch.randn(P4K // 2, dtype=torch.bfloat16).view(torch.uint8)
     relu = torch.relu(torch.randn(P4K // 2, dtype=torch.bfloat16)).view(torch.uint8)
     ints = torch.randint(0, 1000, (P4K // 4,), dtype=torch.int32).view(torch.uint8)
-    pages = torch.stack([x, relu, ints, torch.full((P4K,), 3, dtype=torch.uint8)])
-    payload, sizes, kinds = _check(pages, element_size)
-    assert kinds[1] == fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4)
-    assert kinds[3] == fmt.KIND_FILL  # shuffle flag only on LZ4 pages
+    pages = torch.stack([relu, ints, torch.full((P4K,), 3, dtype=torch.uint8), x])
+    if candidates == "store":
+        pages = pages[:3]
+    payload, sizes, kinds = _check(pages, element_size, candidates=candidates)
+    assert kinds[0] == fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4)
+    assert kinds[2] == fmt.KIND_FILL  # shuffle flag only on LZ4 pages
 
 
 @interpret_only
@@ -313,6 +358,17 @@ def test_window_variants_match_model():
     pages = _rows(_text_page()[: P4K // 2] + (_rand(50) * 50)[: P4K // 2])
     for window, extra_words in ((64, 0), (512, 6)):  # the parse does not depend on extra_words
         _check(pages, window=window, extra_words=extra_words)
+    for window, extra_words, near in ((64, 0, 0), (256, 3, 5)):
+        _check(pages, window=window, extra_words=extra_words, candidates="store", near=near)
+
+
+@interpret_only
+def test_store_near_distances():
+    """Repeats closer than a sub-chunk of 32: only the direct distance checks find them."""
+    runs = b"".join(_rand(d) * (40 // d) + _rand(9) for d in (1, 2, 3, 4, 8, 16))
+    page = (runs * (P4K // len(runs) + 1))[:P4K]
+    sizes = [int(_check(_rows(page), candidates="store", near=n)[1][0]) for n in (0, 2, 4)]
+    assert sizes[2] <= sizes[0], sizes  # matches start earlier
 
 
 @interpret_only
@@ -354,9 +410,9 @@ def _corpus_pages(n: int, size: int, seed: int) -> torch.Tensor:
     return out
 
 
-def _gpu_check(pages_cpu: torch.Tensor, element_size: int = 1):
+def _gpu_check(pages_cpu: torch.Tensor, element_size: int = 1, **tuning):
     pages = pages_cpu.cuda()
-    payload, sizes, kinds = lc.compress_pages(pages, element_size)
+    payload, sizes, kinds = lc.compress_pages(pages, element_size, **tuning)
     torch.cuda.synchronize()
     payload, sizes, kinds = payload.cpu(), sizes.cpu(), kinds.cpu()
     size = pages.shape[1]
@@ -378,15 +434,26 @@ def test_gpu_round_trip_all_sizes(size, element_size):
 
 
 @needs_cuda
-def test_gpu_matches_model_and_lz4_ratio():
+@pytest.mark.parametrize("size", [4096, 65536])
+@pytest.mark.parametrize("element_size", [1, 2])
+def test_gpu_store_candidates_round_trip(size, element_size):
+    seed = random.getrandbits(31)
+    n = max(8, (8 << 20) // size)
+    _gpu_check(_corpus_pages(n, size, seed), element_size, candidates="store")
+
+
+@needs_cuda
+@pytest.mark.parametrize("candidates", lc.CANDIDATE_MODES)
+def test_gpu_matches_model_and_lz4_ratio(candidates):
     seed = random.getrandbits(31)
     text = np.frombuffer(open(fmt.__file__, "rb").read() * 64, dtype=np.uint8)
     n = 512
     starts = torch.randint(0, len(text) - P4K, (n,), generator=torch.Generator().manual_seed(seed))
     pages = torch.stack([torch.from_numpy(text[s : s + P4K].copy()) for s in starts.tolist()])
-    payload, sizes, kinds = _gpu_check(pages)
-    exp = _model(pages[:32])
-    assert torch.equal(payload[:32], exp[0]) and torch.equal(sizes[:32], exp[1])
+    payload, sizes, kinds = _gpu_check(pages, candidates=candidates)
+    if candidates == "atomic":  # "store": racing table stores, the parse may vary
+        exp = _model(pages[:32], candidates=candidates)
+        assert torch.equal(payload[:32], exp[0]) and torch.equal(sizes[:32], exp[1])
     ours = int(sizes.sum())
     ref = sum(
         min(len(lz4.block.compress(r.numpy().tobytes(), store_size=False)), P4K) for r in pages
