@@ -364,6 +364,26 @@ def test_corrupt_page_reported_by_global_index(gen):
 
 @gpu
 @pytest.mark.gpu
+def test_gpu_failed_restores_counted_without_sync(gen):
+    """A restore without check=True never syncs, but a corrupt page still gets counted."""
+    pc = PageCompressor(batch_pages=4)
+    x = file_pages("text", 11, 4096, gen).cuda()
+    h = pc.offload(x)
+    h.wait()
+    assert torch.equal(pc.restore(h), x) and pc.failed_restores(wait=True) == 0
+    sb = h._storage.batches[1]
+    sb.layout.views(sb.block.tensor)[3][0] = 0x0F  # unknown kind
+    pc.restore(h)
+    assert pc.failed_restores(wait=True) == 1
+    pc.restore(h)
+    torch.cuda.synchronize()
+    pc.failed_restores()  # schedules a read; the next poll sees it
+    torch.cuda.synchronize()
+    assert pc.failed_restores() == 2 and pc.stats()["failed_restores"] == 2
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("raw_share", [0.0, 1.0])
 def test_gpu_cold_device_pool_restore_behind_busy_consumer(gen, raw_share):
     """A fresh compressor (empty device pool, new streams) restores while the caller's stream is

@@ -93,12 +93,14 @@ class PageCompError(ValueError):
 class CorruptPageError(RuntimeError):
     """Some pages failed to decode. ``pages`` lists their indices, ``reasons`` what failed."""
 
-    def __init__(self, pages: list[int], reasons: list[str]):
+    def __init__(self, pages: list[int], reasons: list[str], message: str | None = None):
         self.pages = pages
         self.reasons = reasons
-        shown = ", ".join(f"{p} ({r})" for p, r in zip(pages[:16], reasons[:16]))
-        more = f" and {len(pages) - 16} more" if len(pages) > 16 else ""
-        super().__init__(f"{len(pages)} corrupt page(s): {shown}{more}")
+        if message is None:
+            shown = ", ".join(f"{p} ({r})" for p, r in zip(pages[:16], reasons[:16]))
+            more = f" and {len(pages) - 16} more" if len(pages) > 16 else ""
+            message = f"{len(pages)} corrupt page(s): {shown}{more}"
+        super().__init__(message)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,42 @@ class OffloadHandle:
         )
 
 
+class RestoreFailures:
+    """Pages that failed to decode in GPU restores made without ``check=True``.
+
+    Counted on the device in the restoring stream's order (no host sync); :meth:`poll` reads a
+    value at most one poll old through a pinned copy and never blocks, :meth:`total` waits.
+    """
+
+    def __init__(self, device: torch.device):
+        self.count = torch.zeros((), dtype=torch.int64, device=device)
+        self._host = torch.zeros((), dtype=torch.int64).pin_memory()
+        self._event: torch.cuda.Event | None = None
+        self._seen = 0
+
+    def add(self, statuses: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
+        with torch.cuda.stream(stream):
+            for s in statuses:
+                s.record_stream(stream)  # made on the kernel stream, read on this one
+                self.count += torch.count_nonzero(s)
+
+    def poll(self) -> int:
+        """Failures known to the host so far (never blocks); schedules the next read."""
+        if self._event is not None and self._event.query():
+            self._seen = int(self._host)
+            self._event = None
+        if self._event is None:
+            self._host.copy_(self.count, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return self._seen
+
+    def total(self) -> int:
+        """All failures so far (waits for the restores queued before the call)."""
+        self._seen = int(self.count)
+        return self._seen
+
+
 class PageCompressor(torch.nn.Module):
     """Compressed offload of GPU tensors to host memory through a ring of ``slots`` slots.
 
@@ -174,6 +210,7 @@ class PageCompressor(torch.nn.Module):
         self.batch_pages = self.pipeline.batch_pages
         self.counts = {"offloads": 0, "restores": 0, "bytes_in": 0, "bytes_restored": 0}
         self._counts_lock = threading.Lock()
+        self.restore_failures = RestoreFailures(device) if self.pipeline.cuda else None
         weakref.finalize(self, self.pipeline.close)
 
     # ------------------------------------------------------------------ offload
@@ -279,6 +316,8 @@ class PageCompressor(torch.nn.Module):
                 statuses = self.pipeline.submit_decompress(handle._storage, dst, consumer)
             if check and statuses:
                 raise_for_status(torch.cat(statuses))
+            elif statuses:  # counted on the device: see failed_restores()
+                self.restore_failures.add(statuses, consumer)
         elif target.type == "cpu":
             statuses = self.pipeline.cpu_decompress(handle._storage, dst)
             if statuses:  # one status per page, in page order: errors name global pages
@@ -344,6 +383,16 @@ class PageCompressor(torch.nn.Module):
         p.device_pool.clear()
         return freed
 
+    def failed_restores(self, wait: bool = False) -> int:
+        """Pages that failed to decode in GPU restores made without ``check=True``.
+
+        ``wait=False`` never blocks and may lag by one call; ``wait=True`` counts every restore
+        queued so far (a host sync). CPU restores always check, so this stays 0 there.
+        """
+        if self.restore_failures is None:
+            return 0
+        return self.restore_failures.total() if wait else self.restore_failures.poll()
+
     def stats(self) -> dict:
         """Counters, bytes held, pools and stage times (ms, sums over batches)."""
         p = self.pipeline
@@ -365,6 +414,7 @@ class PageCompressor(torch.nn.Module):
             pool_hits=arena["hits"] + staging["hits"] + dev["hits"],
             pool_misses=arena["misses"] + staging["misses"] + dev["misses"],
             pools={"arena": arena, "staging": staging, "device": dev},
+            failed_restores=self.failed_restores(),
             inflight_bytes=p.limiter.in_flight,
             inflight_max_bytes=p.limiter.max_seen,
             backpressure_waits=p.limiter.waits,

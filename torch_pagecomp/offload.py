@@ -120,6 +120,7 @@ class ActivationOffloader(BackwardMixin):
         weakref.finalize(self, self._worker.close)
         self._samples: list = []
         self._compressors = {}
+        self._failed_restores_seen = 0
         if compressor is not None:
             self._compressors[compressor_device(compressor)] = compressor
         self._max_pinned = max_pinned_bytes

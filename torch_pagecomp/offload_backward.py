@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .format import CorruptPageError
 from .offload_entry import _capturing, _Entry
 from .offload_store import CompressedStore
 
@@ -152,3 +153,15 @@ class BackwardMixin:
                 e.src = None
             self._failed.clear()
             self._poll()
+        self._check_restores()
+
+    def _check_restores(self) -> None:
+        """Raise if a compressed restore failed to decode (seen without a host sync, so at the
+        end of this backward or, at the latest, of the next one)."""
+        comps = [c for c in self._compressors.values() if hasattr(c, "failed_restores")]
+        failed = sum(c.failed_restores() for c in comps)
+        if failed > self._failed_restores_seen:
+            self._failed_restores_seen = failed
+            raise CorruptPageError(
+                [], [], f"{failed} page(s) of offloaded activations failed to decode on restore"
+            )
