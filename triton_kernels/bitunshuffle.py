@@ -37,24 +37,31 @@ def unshuffle_groups(row, P: tl.constexpr, E: tl.constexpr, GT: tl.constexpr):
 
 
 @triton.jit
-def unshuffle_page(row, P: tl.constexpr, E: tl.constexpr):
+def unshuffle_page(row, P: tl.constexpr, E: tl.constexpr, JS: tl.constexpr):
     """Rewrite ``row`` (``uint8 [P]`` pointer holding the shuffled page ``Y``, planes in order,
     as a plain LZ4 decode leaves it) in place as the unshuffled page, in one tile: per byte lane
     ``k`` of the elements, the 8 planes ``8k .. 8k + 7`` of group ``g`` form a 64-bit word whose
     8x8 bit transpose holds byte ``k`` of elements ``8g .. 8g + 7``. The whole page is read (kept
-    as ``P / 8`` int64 words) before a barrier and then written. Callers place a barrier between
-    the decoder's last store and this call; ``P / 8`` words must fit in registers."""
+    as ``P / 8`` int64 words) before a barrier and then written; the reads go ``JS`` planes per
+    byte lane at a time (8: all at once; fewer: barriers in between keep the compiler from
+    holding every loaded byte at once, fewer registers). Callers place a barrier between the
+    decoder's last store and this call; ``P / 8`` words must fit in registers."""
     G: tl.constexpr = P // (8 * E)
     k = tl.arange(0, E)[:, None, None]
-    j = tl.arange(0, 8)[None, :, None]
+    j = tl.arange(0, JS)[None, :, None]
     g = tl.arange(0, G)[None, None, :]
-    c = tl.load(row + (8 * k + j) * G + g).to(tl.int64)  # [E, 8, G]: plane 8k + j, byte g
-    w = transpose8x8(tl.sum(c << (8 * j).to(tl.int64), axis=1))  # [E, G]
-    t = tl.arange(0, 8)[None, None, :]
-    x = (w[:, :, None] >> (8 * t).to(tl.int64)) & 255  # [E, G, 8]: byte k of element 8g + t
-    gg = tl.arange(0, G)[None, :, None]
+    w = tl.zeros([E, G], tl.int64)
+    for j0 in tl.static_range(0, 8, JS):
+        c = tl.load(row + (8 * k + j0 + j) * G + g).to(tl.int64)  # [E, JS, G]: planes, byte g
+        w |= tl.sum(c << (8 * (j0 + j)).to(tl.int64), axis=1)  # [E, G]
+        if JS < 8:
+            tl.debug_barrier()
+    w = transpose8x8(w)  # byte t: byte k of element 8g + t
+    kk = tl.arange(0, E)[:, None]
+    gg = tl.arange(0, G)[None, :]
     tl.debug_barrier()  # every thread has read the page before any overwrites it
-    tl.store(row + gg * (8 * E) + t * E + k, x.to(tl.uint8))
+    for t in tl.static_range(8):
+        tl.store(row + gg * (8 * E) + t * E + kk, ((w >> (8 * t)) & 255).to(tl.uint8))
 
 
 @triton.jit
@@ -67,13 +74,12 @@ def unshuffle_groups64(row, P: tl.constexpr, E: tl.constexpr, GT: tl.constexpr):
     g = tl.arange(0, GT)[:, None, None]
     k = tl.arange(0, E)[None, :, None]
     j = tl.arange(0, 8)[None, None, :]
-    gg = tl.arange(0, GT)[:, None, None]
-    kk = tl.arange(0, E)[None, None, :]
-    tt = tl.arange(0, 8)[None, :, None]
+    gg = tl.arange(0, GT)[:, None]
+    kk = tl.arange(0, E)[None, :]
     for g0 in range(0, G, GT):
         base = row + g0 * (8 * E)
         c = tl.load(base + g * (8 * E) + k * 8 + j).to(tl.int64)  # [GT, E, 8]
         w = transpose8x8(tl.sum(c << (8 * j).to(tl.int64), axis=2))  # [GT, E]
-        x = (w[:, None, :] >> (8 * tt).to(tl.int64)) & 255  # [GT, 8, E]: element 8g + t
         tl.debug_barrier()  # every thread has read the step's groups before any overwrites them
-        tl.store(base + gg * (8 * E) + tt * E + kk, x.to(tl.uint8))
+        for t in tl.static_range(8):  # byte t of w: byte k of element 8g + t
+            tl.store(base + gg * (8 * E) + t * E + kk, ((w >> (8 * t)) & 255).to(tl.uint8))

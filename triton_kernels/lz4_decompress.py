@@ -41,7 +41,8 @@ LEAN = True  # plain LZ4 pages: _decode_lz4_lean (status work in rare branches)
 SPLIT = True  # shuffled LZ4 pages in a second launch, _decompress_shuffled_kernel
 TILE = True  # there: plain decode, then a whole-page unshuffle (pages up to TILE_MAX_PAGE)
 TILE_MAX_PAGE = 4096
-SHUFFLED_GROUPS = 32  # TILE off or P > TILE_MAX_PAGE: groups per step of unshuffle_groups64
+TILE_PLANES = 8  # planes per byte lane per load step of the tile unshuffle (8: one step)
+SHUFFLED_GROUPS = 8  # TILE off or P > TILE_MAX_PAGE: groups per step of unshuffle_groups64
 SHUFFLED_NUM_WARPS = 1
 SHUFFLED_MAXNREG = 0  # 0: none; else ptxas' register cap for _decompress_shuffled_kernel
 
@@ -339,7 +340,8 @@ def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
 def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr,
                                 status_ptr, total, P: tl.constexpr, PLOG: tl.constexpr,
                                 VEC: tl.constexpr, BIG: tl.constexpr, EXT: tl.constexpr,
-                                RAW_BLOCK: tl.constexpr, GT: tl.constexpr, TILE: tl.constexpr):
+                                RAW_BLOCK: tl.constexpr, GT: tl.constexpr, TILE: tl.constexpr,
+                                TJ: tl.constexpr):
     """The other half of a ``SPLIT`` launch: program ``i`` decodes page ``i`` only if it is a
     shuffled LZ4 page (kind ``0x11`` or ``0x21``). With ``TILE`` the block is decoded plainly
     (contiguous stores) and unshuffled in one whole-page tile; otherwise decoded transposed and
@@ -356,9 +358,9 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
                 if st == 0:
                     tl.debug_barrier()
                     if shift == 1:
-                        unshuffle_page(row, P, 2)
+                        unshuffle_page(row, P, 2, TJ)
                     else:
-                        unshuffle_page(row, P, 4)
+                        unshuffle_page(row, P, 4, TJ)
             else:
                 glog = PLOG - 3 - shift
                 st = _decode_lz4(src, size, row, P, True, glog, 3 + shift, VEC, BIG, EXT)
@@ -385,7 +387,7 @@ def shuffled_constants(page_size: int, tile: bool | None = None) -> dict:
     tile = (TILE if tile is None else tile) and page_size <= TILE_MAX_PAGE
     c = launch_constants(page_size)
     del c["LEAN"], c["SPLIT"]
-    c = dict(c, GT=SHUFFLED_GROUPS, TILE=tile, num_warps=SHUFFLED_NUM_WARPS)
+    c = dict(c, GT=SHUFFLED_GROUPS, TILE=tile, TJ=TILE_PLANES, num_warps=SHUFFLED_NUM_WARPS)
     if SHUFFLED_MAXNREG:
         c["maxnreg"] = SHUFFLED_MAXNREG
     return c
