@@ -31,17 +31,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run under TRITON_INTERPRET=1
 
 # module settings of triton_kernels.lz4_decompress per variant, over the defaults at import
-KNOBS = ("NUM_WARPS", "VEC", "BIG", "LEAN", "SPLIT", "TILE", "SHUFFLED_GROUPS",
+KNOBS = ("NUM_WARPS", "VEC", "BIG", "LEAN", "SPLIT", "TILE", "TILE_PLANES", "SHUFFLED_GROUPS",
          "SHUFFLED_NUM_WARPS", "SHUFFLED_MAXNREG")
 DEFAULTS = {k: getattr(D, k) for k in KNOBS}
 VARIANTS = {
     "legacy": dict(NUM_WARPS=1, VEC=32, BIG=128, LEAN=False, SPLIT=False),  # before the knobs
     "default": {},  # the launcher's defaults
-    "lean_fused": dict(LEAN=True, SPLIT=False),  # shuffled pages as legacy
-    "split_groups": dict(LEAN=True, SPLIT=True, TILE=False),
-    "split_tile": dict(LEAN=True, SPLIT=True, TILE=True),
-    "split_tile_r96": dict(LEAN=True, SPLIT=True, TILE=True, SHUFFLED_MAXNREG=96),
-    "split_tile_w2": dict(LEAN=True, SPLIT=True, TILE=True, SHUFFLED_NUM_WARPS=2),
+    "lean_fused": dict(LEAN=True, SPLIT=False),  # lean plain decoder, shuffled pages as legacy
+    "split_tile": dict(LEAN=False, SPLIT=True, TILE=True),
+    "split_tile_lean": dict(LEAN=True, SPLIT=True, TILE=True),
+    "split_groups": dict(LEAN=False, SPLIT=True, TILE=False),
+    "split_tile_w2": dict(LEAN=False, SPLIT=True, TILE=True, SHUFFLED_NUM_WARPS=2),
 }
 
 

@@ -37,7 +37,7 @@ RAW_BLOCK = 1024  # bytes per step of a RAW / FILL page
 UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle (fused / TILE off)
 NUM_WARPS = 1
 # Launcher defaults (best guesses until measured on a GPU; each is a keyword of decompress_into):
-LEAN = True  # plain LZ4 pages: _decode_lz4_lean (status work in rare branches)
+LEAN = False  # _decode_lz4_lean for plain decodes (same SASS per sequence offline, 8 more regs)
 SPLIT = True  # shuffled LZ4 pages in a second launch, _decompress_shuffled_kernel
 TILE = True  # there: plain decode, then a whole-page unshuffle (pages up to TILE_MAX_PAGE)
 TILE_MAX_PAGE = 4096
@@ -341,10 +341,11 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
                                 status_ptr, total, P: tl.constexpr, PLOG: tl.constexpr,
                                 VEC: tl.constexpr, BIG: tl.constexpr, EXT: tl.constexpr,
                                 RAW_BLOCK: tl.constexpr, GT: tl.constexpr, TILE: tl.constexpr,
-                                TJ: tl.constexpr):
+                                TJ: tl.constexpr, LEAN: tl.constexpr):
     """The other half of a ``SPLIT`` launch: program ``i`` decodes page ``i`` only if it is a
     shuffled LZ4 page (kind ``0x11`` or ``0x21``). With ``TILE`` the block is decoded plainly
-    (contiguous stores) and unshuffled in one whole-page tile; otherwise decoded transposed and
+    (contiguous stores; ``LEAN`` as in ``_decompress_kernel``) and unshuffled in one whole-page
+    tile; otherwise decoded transposed and
     unshuffled group by group as in the fused kernel."""
     pid = tl.program_id(0)
     off, size, kind, st = _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, P)
@@ -354,7 +355,10 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
         row = pages_ptr + pid.to(tl.int64) * P
         if st == 0:
             if TILE:
-                st = _decode_lz4_lean(src, size, row, P, VEC, BIG, EXT)
+                if LEAN:
+                    st = _decode_lz4_lean(src, size, row, P, VEC, BIG, EXT)
+                else:
+                    st = _decode_lz4(src, size, row, P, False, 0, 0, VEC, BIG, EXT)
                 if st == 0:
                     tl.debug_barrier()
                     if shift == 1:
@@ -382,11 +386,12 @@ def launch_constants(page_size: int, lean: bool | None = None, split: bool | Non
                 SPLIT=SPLIT if split is None else split, num_warps=NUM_WARPS)
 
 
-def shuffled_constants(page_size: int, tile: bool | None = None) -> dict:
+def shuffled_constants(page_size: int, tile: bool | None = None,
+                       lean: bool | None = None) -> dict:
     """Compile-time arguments and ``num_warps`` of ``_decompress_shuffled_kernel``."""
     tile = (TILE if tile is None else tile) and page_size <= TILE_MAX_PAGE
-    c = launch_constants(page_size)
-    del c["LEAN"], c["SPLIT"]
+    c = launch_constants(page_size, lean)
+    del c["SPLIT"]
     c = dict(c, GT=SHUFFLED_GROUPS, TILE=tile, TJ=TILE_PLANES, num_warps=SHUFFLED_NUM_WARPS)
     if SHUFFLED_MAXNREG:
         c["maxnreg"] = SHUFFLED_MAXNREG
@@ -411,7 +416,7 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
     args = (payload, offsets, sizes, kinds, pages, status, payload.numel())
     launches = [(_decompress_kernel, launch_constants(page_size, lean, split))]
     if split:
-        launches.append((_decompress_shuffled_kernel, shuffled_constants(page_size, tile)))
+        launches.append((_decompress_shuffled_kernel, shuffled_constants(page_size, tile, lean)))
     for kernel, consts in launches:
         launch = wrap_triton(kernel)[(n,)]
         if payload.device.type == "cuda" and not torch.compiler.is_compiling():
