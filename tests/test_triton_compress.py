@@ -358,8 +358,7 @@ def test_window_variants_match_model():
     pages = _rows(_text_page()[: P4K // 2] + (_rand(50) * 50)[: P4K // 2])
     for window, extra_words in ((64, 0), (512, 6)):  # the parse does not depend on extra_words
         _check(pages, window=window, extra_words=extra_words)
-    for window, extra_words, near in ((64, 0, 0), (256, 3, 5)):
-        _check(pages, window=window, extra_words=extra_words, candidates="store", near=near)
+    _check(pages, window=64, extra_words=0, candidates="store", near=5)
 
 
 @interpret_only
@@ -367,8 +366,8 @@ def test_store_near_distances():
     """Repeats closer than a sub-chunk of 32: only the direct distance checks find them."""
     runs = b"".join(_rand(d) * (40 // d) + _rand(9) for d in (1, 2, 3, 4, 8, 16))
     page = (runs * (P4K // len(runs) + 1))[:P4K]
-    sizes = [int(_check(_rows(page), candidates="store", near=n)[1][0]) for n in (0, 2, 4)]
-    assert sizes[2] <= sizes[0], sizes  # matches start earlier
+    sizes = [int(_check(_rows(page), candidates="store", near=n)[1][0]) for n in (0, 4)]
+    assert sizes[1] <= sizes[0], sizes  # matches start earlier
 
 
 @interpret_only

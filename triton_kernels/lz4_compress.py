@@ -156,15 +156,27 @@ def _emit(
 
 
 @triton.jit
+def _near_word(m2, m1, l0, l1, lane, d):
+    """Word at ``idx - d`` (``1 <= d <= 8``) of positions ``idx = 4k + lane``, from the aligned
+    words ``m2, m1, l0, l1`` at ``k - 2 .. k + 1``."""
+    j = lane - d
+    sel = j >> 2  # -2, -1 or 0: the aligned word holding byte idx - d, relative to k
+    sh = ((j & 3) * 8).to(tl.uint32)
+    a = tl.where(sel == 0, l0, tl.where(sel == -1, m1, m2))
+    b = tl.where(sel == 0, l1, tl.where(sel == -1, l0, m1))
+    return (a >> sh) | ((b << 1) << (31 - sh))
+
+
+@triton.jit
 def _store_candidates(
-    tlast, data32, h, idx, widx, word, valid, pc, PB: tl.constexpr, W: tl.constexpr,
-    NEAR: tl.constexpr,
+    tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB: tl.constexpr, P: tl.constexpr,
+    W: tl.constexpr, NEAR: tl.constexpr,
 ):
-    """Verified candidates (-1: none) of a window's positions ``idx`` [W / 4, 4] (``h`` hashes,
-    ``word`` words, ``widx`` offsets in the window) from one plain ``last`` table, updated in
-    sub-chunks of 32 positions: load, barrier, store (conflicts: any lane may win), barrier.
-    Positions whose table entry fails fall back to the nearest of distances 1, 2, 4, ...
-    (``NEAR`` of them) that holds the same word."""
+    """Verified candidates (-1: none) of a window's positions ``idx = 4 * k0 + lane`` [W / 4, 4]
+    (``h`` hashes, ``word`` words, ``widx`` offsets in the window) from one plain ``last``
+    table, updated in sub-chunks of 32 positions: load, barrier, store (conflicts: any lane may
+    win), barrier. Positions whose table entry fails fall back to the nearest of distances 1, 2,
+    4, 8, 16 (``NEAR`` of them) that holds the same word."""
     PMASK: tl.constexpr = (1 << PB) - 1
     sub = widx >> 5
     ent = tl.zeros_like(idx)
@@ -178,11 +190,19 @@ def _store_candidates(
     ok = valid & (ct >= 0) & (ct < idx)
     ok = ok & (_word_at(data32, ct, ok) == word)
     c = tl.where(ok, ct, -1)
-    for j in tl.static_range(NEAR):
-        d = 1 << j
-        okd = valid & (c < 0) & (idx >= d)
-        okd = okd & (_word_at(data32, idx - d, okd) == word)
-        c = tl.where(okd, idx - d, c)
+    if NEAR > 0:
+        m2 = tl.load(data32 + k0 - 2, mask=k0 >= 2, other=0)
+        m1 = tl.load(data32 + k0 - 1, mask=k0 >= 1, other=0)
+        l0 = tl.load(data32 + k0, mask=k0 + 1 < P // 4, other=0)
+        l1 = tl.load(data32 + k0 + 1, mask=k0 + 1 < P // 4, other=0)
+        for j in tl.static_range(min(NEAR, 4)):
+            d = 1 << j
+            okd = valid & (c < 0) & (idx >= d) & (_near_word(m2, m1, l0, l1, lane, d) == word)
+            c = tl.where(okd, idx - d, c)
+        if NEAR > 4:
+            okd = valid & (c < 0) & (idx >= 16)
+            okd = okd & (_word_at(data32, idx - 16, okd) == word)
+            c = tl.where(okd, idx - 16, c)
     return c
 
 
@@ -285,7 +305,9 @@ def _lz4_compress_kernel(
                 prod = word * 2654435761
                 h = (prod >> (32 - HB)).to(tl.int32)
                 if STORE:
-                    c = _store_candidates(tlast, data32, h, idx, widx, word, valid, pc, PB, W, NEAR)
+                    c = _store_candidates(
+                        tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB, P, W, NEAR
+                    )
                     ok = c >= 0
                 else:
                     tag_f = TMAX - wc
