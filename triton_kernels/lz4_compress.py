@@ -23,6 +23,11 @@ Design: one warp owns one page at a time (``num_warps=1``: warp-wide reductions 
    ``extra_words`` words are compared at once too, so most match lengths are known before the
    walk. This stands in for LZ4's "most recent occurrence" hash table: per page the blocks come
    within ~1% of python-lz4's size (text), equal or smaller on binaries.
+   ``candidates="store"`` (``DEFAULT_CANDIDATES`` picks the default) replaces the two atomics
+   and two ``.cg`` loads per position (L2-bound) with one table and plain (L1) accesses: per
+   sub-chunk of 32 positions, load the entries, barrier, store the positions (lanes with one
+   entry race: any wins), barrier. The sub-chunk's own earlier positions are invisible to it,
+   so distances 1, 2, 4, 8 (``near``) are checked directly on 4 aligned words per row.
 4. Greedy parse, one short step per sequence: a warp min over packed keys ``(position, known
    length, candidate)`` finds the next match at or after the current position (a window without
    one costs one step); only matches longer than the precomputed part are extended, 64 bytes per
@@ -34,9 +39,10 @@ Design: one warp owns one page at a time (``num_warps=1``: warp-wide reductions 
    soon as the output passes the limit) the page goes RAW. A final pass over the row (32-bit
    words) writes the RAW copy, the FILL byte or the zero tail.
 
-Barriers (``tl.debug_barrier``) separate table atomics from other threads' reads, and the encoded
+Barriers (``tl.debug_barrier``) separate table writes from other threads' reads, and the encoded
 bytes from a RAW overwrite. Table reads are ``.cg`` loads: the atomics are performed in L2.
-Resources (triton 3.6, sm_90, defaults): 64 registers, no spills, no shared memory.
+Resources (triton 3.6, sm_90, defaults): 64 registers, no spills, no shared memory ("store"
+mode, near 4: 72 registers).
 Scratch: ``G x (2**hash_bits + 8 * window)`` int32 tables (+ ``G x P`` bytes for the shuffle).
 """
 
