@@ -281,7 +281,8 @@ def test_malformed_blocks_give_their_status(shift, knobs):
     check_against_reference(blocks, out, status, kinds=kinds)
 
 
-def test_bad_kind_and_bad_size():
+@pytest.mark.parametrize("knobs", ["default", "legacy"])
+def test_bad_kind_and_bad_size(knobs):
     good = encode([(b"a", 1, P - 13)], bytes(12))
     payload = torch.frombuffer(bytearray(good + bytes(P) + b"\x07"), dtype=torch.uint8)
     t = payload.numel()
@@ -305,16 +306,20 @@ def test_bad_kind_and_bad_size():
         (2**62, 2**31 - 1, fmt.KIND_LZ4, 2),  # offset + size overflows nothing
         (0, 2**31 - 1, fmt.KIND_LZ4, 2),
         (t - 1, 1, fmt.KIND_FILL, 0),
+        (0, 0, fmt.KIND_LZ4 | 1 << 4, 2),  # shuffled pages: the second kernel of a split launch
+        (-1, 4, fmt.KIND_LZ4 | 2 << 4, 2),
+        (t - 3, 4, fmt.KIND_LZ4 | 1 << 4, 2),
+        (0, 2**31 - 1, fmt.KIND_LZ4 | 2 << 4, 2),
     ]
     offsets = torch.tensor([r[0] for r in rows], dtype=torch.int64)
     sizes = torch.tensor([r[1] for r in rows], dtype=torch.int32)
     kinds = torch.tensor([r[2] for r in rows], dtype=torch.uint8)
     out, status = run_blocks([b""] * len(rows), kinds, sizes=sizes, offsets=offsets,
-                             payload=payload)
+                             payload=payload, knobs=KNOBS[knobs])
     assert status.tolist() == [r[3] for r in rows]
     assert not out[status != 0].any()
     assert out[0, -12:].eq(0).all() and out[0, :-12].eq(ord("a")).all()
-    assert not out[1].any() and out[2].eq(7).all() and out[-1].eq(7).all()
+    assert not out[1].any() and out[2].eq(7).all() and out[17].eq(7).all()
 
 
 # ------------------------------------------------------------------ mutation fuzz

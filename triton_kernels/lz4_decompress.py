@@ -5,8 +5,18 @@ the first length-extension byte are scalar loads (broadcast, L1-resident); longe
 read 32 bytes at a time. Literals and matches are copied 32 bytes per step (one byte per lane),
 long runs ``BIG`` bytes per step. A match reads only bytes written before it: an overlapping match
 (offset ``d`` < length) copies ``out[o] = out[start + (o - op) % d]``, so one barrier per sequence
-(between the stores so far and the match's loads) orders everything. Shuffled pages are decoded
-transposed (byte ``g`` of bit plane ``b`` at ``g * 8E + b``) and unshuffled in place afterwards.
+(between the stores so far and the match's loads) orders everything.
+
+Shuffled pages, with ``SPLIT`` (the default), go to a second launch
+(``_decompress_shuffled_kernel``; each kernel leaves the other's pages alone), so the plain
+kernel carries no shuffle code. There,
+with ``TILE``, the block is decoded plainly (contiguous stores) and unshuffled in one whole-page
+tile (``bitunshuffle.unshuffle_page``); larger pages are decoded transposed (byte ``g`` of bit
+plane ``b`` at ``g * 8E + b``) and unshuffled in place ``SHUFFLED_GROUPS`` groups per step.
+Without ``SPLIT`` one fused kernel does all (the code before the knobs: transposed decode, two
+groups per step). ``LEAN`` swaps in ``_decode_lz4_lean`` for plain decodes. The knobs are
+module defaults and keywords of :func:`decompress_into`; every setting gives the same bytes and
+statuses.
 
 Safety like ``LZ4_decompress_safe``: every load is masked to the page's ``[offset, offset + size)``
 (after checking that range lies in the payload), every store to its output row, and every loop
