@@ -42,6 +42,7 @@ VARIANTS = {
     "split_tile_lean": dict(LEAN=True, SPLIT=True, TILE=True),
     "split_groups": dict(LEAN=False, SPLIT=True, TILE=False),
     "split_tile_w2": dict(LEAN=False, SPLIT=True, TILE=True, SHUFFLED_NUM_WARPS=2),
+    "split_tile_b256": dict(LEAN=False, SPLIT=True, TILE=True, BIG=256),
 }
 
 
