@@ -247,7 +247,12 @@ def test_all_kinds_poisoned(monkeypatch, candidates):
         _rand(P4K - 100) + bytes(100),  # saves too little: RAW
         _rand(7) + b"\x7f" * (P4K - 7),  # almost filled
     )
+    if candidates == "store":  # the kind rules do not depend on the mode: the LZ4 pages only
+        pages = pages[[0, 3, 4, 6]]
     payload, sizes, kinds = _check(pages, candidates=candidates)
+    if candidates == "store":
+        assert kinds.tolist() == [0, 1, 1, 1] and sizes[1] < 100
+        return
     assert kinds.tolist()[:7] == [0, 2, 2, 1, 1, 0, 1]
     assert sizes[0] == P4K and sizes[1] == 1 and payload[2, 0] == 0x7F
     assert sizes[3] < 100
@@ -267,7 +272,7 @@ def test_empty_and_single():
 @interpret_only
 def test_persistent_loop_many_pages(candidates):
     rows = []
-    for i in range(6):  # more pages than the interpreter grid (3): each program loops
+    for i in range(5):  # more pages than the interpreter grid (3): programs 0, 1 loop
         rows.append([bytes(P4K), _rand(P4K), (_rand(13 + i) * 400)[:P4K]][(i + 1) % 3])
     _check(_rows(*rows), candidates=candidates)
 
@@ -358,7 +363,7 @@ def test_window_variants_match_model():
     pages = _rows(_text_page()[: P4K // 2] + (_rand(50) * 50)[: P4K // 2])
     for window, extra_words in ((64, 0), (512, 6)):  # the parse does not depend on extra_words
         _check(pages, window=window, extra_words=extra_words)
-    _check(pages, window=64, extra_words=0, candidates="store", near=5)
+    _check(pages, window=256, extra_words=0, candidates="store", near=5)
 
 
 @interpret_only
