@@ -43,6 +43,8 @@ VARIANTS = {
     "split_groups": dict(LEAN=False, SPLIT=True, TILE=False),
     "split_tile_w2": dict(LEAN=False, SPLIT=True, TILE=True, SHUFFLED_NUM_WARPS=2),
     "split_tile_b256": dict(LEAN=False, SPLIT=True, TILE=True, BIG=256),
+    "split_tile_b64": dict(LEAN=False, SPLIT=True, TILE=True, BIG=64),
+    "split_tile_lean_b64": dict(LEAN=True, SPLIT=True, TILE=True, BIG=64),
 }
 
 

@@ -47,7 +47,7 @@ RAW_BLOCK = 1024  # bytes per step of a RAW / FILL page
 UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle (fused / TILE off)
 NUM_WARPS = 1
 # Launcher defaults (best guesses until measured on a GPU; each is a keyword of decompress_into):
-LEAN = False  # _decode_lz4_lean for plain decodes (same SASS per sequence offline, 8 more regs)
+LEAN = True  # _decode_lz4_lean for plain decodes (long matches ~2x fewer SASS per step)
 SPLIT = True  # shuffled LZ4 pages in a second launch, _decompress_shuffled_kernel
 TILE = True  # there: plain decode, then a whole-page unshuffle (pages up to TILE_MAX_PAGE)
 TILE_MAX_PAGE = 4096
