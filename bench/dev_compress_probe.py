@@ -1,7 +1,7 @@
 """Dev probe for the Triton LZ4 compressor: correctness and speed on realistic 128 MiB batches.
 
 Run on the GPU machine (lz4 on PYTHONPATH):
-``python3 bench/dev_compress_probe.py [--sweep] [--candidates atomic|store] [--only-sweep]``.
+``python3 bench/dev_compress_probe.py [--sweep] [--candidates MODE] [--only-sweep]``.
 Checks every page (lz4 decode, shuffle, FILL/RAW rules), then prints GB/s (uncompressed bytes
 over the do_bench median) and the ratio beside python-lz4's (cpu_codec, same page rules) on a
 sample of the same pages.
@@ -36,7 +36,7 @@ SAMPLE = min(4096, N)
 # (candidates, near, programs_per_sm, window, extra_words); num_warps 1, hash_bits 11
 SWEEP = [
     ("atomic", 0, 32, 128, 2), ("atomic", 0, 16, 128, 2), ("atomic", 0, 16, 128, 3),
-    ("atomic", 0, 16, 64, 2),
+    ("store-max", 4, 16, 128, 2),
     ("store", 4, 8, 128, 2), ("store", 4, 16, 128, 2), ("store", 4, 32, 128, 2),
     ("store", 4, 16, 64, 2), ("store", 4, 16, 128, 3), ("store", 1, 16, 128, 2),
 ]
@@ -211,7 +211,7 @@ def sweep(data, dev, sample):
             bad = check(pages, *out, e)
             ratio = NBYTES / int(out[1].sum())
             ours_s = SAMPLE * P / int(out[1][sample].sum())
-            print(f"  {name:12s} {cand:6s} near={near} pps={pps:2d} W={w:3d} XW={xw}: "
+            print(f"  {name:12s} {cand:9s} near={near} pps={pps:2d} W={w:3d} XW={xw}: "
                   f"{NBYTES / ms / 1e6:7.1f} GB/s ratio {ratio:.3f} vs lz4 {ours_s / ref_s:.3f} "
                   f"bad {bad} ({time.time() - t1:.1f}s)", flush=True)
         del g

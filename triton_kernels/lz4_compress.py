@@ -176,21 +176,29 @@ def _near_word(m2, m1, l0, l1, lane, d):
 @triton.jit
 def _store_candidates(
     tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB: tl.constexpr, P: tl.constexpr,
-    W: tl.constexpr, NEAR: tl.constexpr,
+    W: tl.constexpr, NEAR: tl.constexpr, AMAX: tl.constexpr,
 ):
     """Verified candidates (-1: none) of a window's positions ``idx = 4 * k0 + lane`` [W / 4, 4]
     (``h`` hashes, ``word`` words, ``widx`` offsets in the window) from one plain ``last``
     table, updated in sub-chunks of 32 positions: load, barrier, store (conflicts: any lane may
     win), barrier. Positions whose table entry fails fall back to the nearest of distances 1, 2,
-    4, 8, 16 (``NEAR`` of them) that holds the same word."""
+    4, 8, 16 (``NEAR`` of them) that holds the same word. ``AMAX``: ``.cg`` loads and
+    ``atomic_max`` stores instead (the latest position wins: deterministic)."""
     PMASK: tl.constexpr = (1 << PB) - 1
     sub = widx >> 5
     ent = tl.zeros_like(idx)
     for s in tl.static_range(W // 32):
         m = valid & (sub == s)
-        ent = tl.where(sub == s, tl.load(tlast + h, mask=m, other=0), ent)
+        if AMAX:
+            e = tl.load(tlast + h, mask=m, other=0, cache_modifier=".cg")
+        else:
+            e = tl.load(tlast + h, mask=m, other=0)
+        ent = tl.where(sub == s, e, ent)
         tl.debug_barrier()
-        tl.store(tlast + h, (pc << PB) | idx, mask=m)
+        if AMAX:
+            tl.atomic_max(tlast + h, (pc << PB) | idx, mask=m, sem="relaxed")
+        else:
+            tl.store(tlast + h, (pc << PB) | idx, mask=m)
         tl.debug_barrier()
     ct = tl.where((ent >> PB) == pc, ent & PMASK, -1)
     ok = valid & (ct >= 0) & (ct < idx)
@@ -234,6 +242,7 @@ def _lz4_compress_kernel(
     CH: tl.constexpr,
     STORE: tl.constexpr,
     NEAR: tl.constexpr,
+    AMAX: tl.constexpr,
 ):
     """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
 
@@ -312,7 +321,8 @@ def _lz4_compress_kernel(
                 h = (prod >> (32 - HB)).to(tl.int32)
                 if STORE:
                     c = _store_candidates(
-                        tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB, P, W, NEAR
+                        tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB, P, W, NEAR,
+                        AMAX,
                     )
                     ok = c >= 0
                 else:
@@ -385,7 +395,7 @@ DEFAULT_WINDOW = 128
 DEFAULT_EXTRA_WORDS = 2
 DEFAULT_HASH_BITS_DELTA = -1  # 2048 entries for 4 KiB pages: 8 KiB of table per program
 DEFAULT_PROGRAMS_PER_SM = 16  # faster than 32 on every H200 corpus
-CANDIDATE_MODES = ("atomic", "store")
+CANDIDATE_MODES = ("atomic", "store", "store-max")
 DEFAULT_CANDIDATES = "atomic"
 DEFAULT_NEAR = 4  # "store" mode: distances 1, 2, 4, 8 checked directly
 
@@ -433,7 +443,9 @@ def compress_pages(
     ``hash_bits`` but is always a valid block. ``candidates``: ``"atomic"`` (two tables, L2
     atomics: exact and deterministic) or ``"store"`` (one table, plain loads and stores per
     32 positions, plus the ``near`` (0-5) distances 1, 2, 4, ...; on the GPU, lanes that store
-    the same entry race, so the parse may vary from run to run; every block is still valid).
+    the same entry race, so the parse may vary from run to run; every block is still valid)
+    or ``"store-max"`` (the same with ``.cg`` loads and ``atomic_max``: half the L2 traffic of
+    ``"atomic"``, deterministic).
     """
     if window not in (64, 128, 256, 512, 1024) or not 0 <= extra_words <= 6:
         raise ValueError(f"bad tuning: window={window}, extra_words={extra_words}")
@@ -460,7 +472,8 @@ def compress_pages(
     meta = dict(
         P=page_size, PB=pb, E=element_size, KIND_LZ4=kind_lz4, HB=hb, FB=fb,
         W=window, XW=extra_words, EXT=64, V=64, CH=128, num_warps=num_warps,
-        STORE=candidates == "store", NEAR=near if candidates == "store" else 0,
+        STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
+        AMAX=candidates == "store-max",
     )
     if dev.type == "cuda":
         with torch.cuda.device(dev):
