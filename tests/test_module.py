@@ -305,6 +305,28 @@ def test_gpu_raw_share_split_bit_exact(gen):
     assert h.stored_nbytes <= text.numel() + 13 * 4096 + 23 * 64
 
 
+@gpu
+@pytest.mark.gpu
+def test_gpu_raw_share_split_waits_for_producer(gen):
+    """Raw batches of a split (own slot ring, own download stream, chunked copies) still read
+    the source only after its producer: the source is written behind a long sleep."""
+    pc = PageCompressor(batch_pages=512, max_raw_share=1.0)
+    text = file_pages("text", 4096, 4096, gen).cuda()  # 16 MiB, compressible
+    rates, key = pc.pipeline.bypass._rates, (text.dtype, dtype_element_size(text.dtype))
+    for _ in range(4):  # a slow kernel (1 GB/s, in bytes per ms): most batches go raw
+        rates[key] = {"kernel": 1e6, "link": 5e7, "ratio": 3.0}
+        src = torch.zeros_like(text)
+        torch.cuda._sleep(50_000_000)
+        src.copy_(text)
+        h = pc.offload(src)
+        del src  # freed while its downloads may still be queued
+        assert torch.equal(pc.restore(h, check=True), text)
+    s = pc.stats()
+    assert s["raw_split_batches"] > 0, s
+    n = len(pc.pipeline.slots)
+    assert any(t["slot"] >= n for t in pc.timeline()), "raw batches use their own slots"
+
+
 def _tagged_batches(gen, page_size: int, kinds: list[str]) -> torch.Tensor:
     """One batch of pages per entry of ``kinds`` ("text", "random", "fill"), every page
     stamped with its global index in its first 8 bytes (a misplaced page shows)."""

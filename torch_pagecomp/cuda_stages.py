@@ -1,8 +1,9 @@
-"""The GPU stages of the pipeline, enqueued on its three streams (a mixin of ``Pipeline``).
+"""The GPU stages of the pipeline, enqueued on its four streams (a mixin of ``Pipeline``).
 
 Every device operation here runs inside an explicit ``torch.cuda.stream`` context of one of the
-pipeline's streams (``h2d``, ``compute``, ``d2h``), never on whatever stream the calling
-thread has current; cross-stream order comes from the slot's events and the caller's events.
+pipeline's streams (``h2d``, ``compute``, ``d2h``, ``d2h_raw``), never on whatever stream the
+calling thread has current; cross-stream order comes from the slot's events and the caller's
+events.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import threading
 import torch
 
 from .storage import BlobLayout, StoredBatch, meta_capacity
+
+RAW_CHUNK = 4 << 20  # bytes per copy of a raw batch's download (see CudaStages._issue_raw)
 
 
 class RawBypass:
@@ -139,6 +142,7 @@ class CudaStages:
             slot.record("k_s", self.compute)
             payload, sizes, kinds = torch.ops.pagecomp.compress(pages, element_size)
             packed, offsets = torch.ops.pagecomp.pack(payload, sizes)
+            slot.record("k_c", self.compute)
             lay = BlobLayout.of(n, 0)
             m = job.meta
             m[: lay.sizes_at].view(torch.int64).copy_(offsets, non_blocking=True)
@@ -180,18 +184,28 @@ class CudaStages:
 
     def _issue_raw(self, job) -> None:
         """An incompressible stream's batch: download the pages as they are (RAW pages, the
-        metadata written on the host), no kernel. Ordered after the producer."""
+        metadata written on the host), no kernel. Ordered after the producer.
+
+        On its own stream (``d2h_raw``): a kernel batch's download never queues behind it. With
+        ``max_raw_share`` in chunks of ``RAW_CHUNK`` bytes: a kernel batch's metadata copy
+        (compute stream) needs the copy engine too and gets it between two chunks, not after
+        the whole batch (measured: a split kernel batch's ``k_e`` waited for the raw copies)."""
         src, lo, hi, _ = job.work
         slot, n, p = job.slot, job.n_pages, self.page_size
         lay = BlobLayout.of(n, n * p)
         block = self.arena.alloc(lay.total)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
+        s = self.d2h_raw
+        with torch.cuda.device(self.device), torch.cuda.stream(s):
             if job.producer is not None:
-                self.d2h.wait_event(job.producer)
-            for name in ("up_s", "up_e", "k_s", "k_e", "d_s"):
-                slot.record(name, self.d2h)
-            block.tensor[: hi - lo].copy_(src[lo:hi], non_blocking=True)
-            slot.record("d_e", self.d2h)
+                s.wait_event(job.producer)
+            for name in ("up_s", "up_e", "k_s", "k_c", "k_e", "d_s"):
+                slot.record(name, s)
+            # one copy when not splitting (an incompressible stream: no kernel batches to let in)
+            step = RAW_CHUNK if self.bypass.max_raw_share > 0 else max(1, hi - lo)
+            for a in range(lo, hi, step):
+                b = min(hi, a + step)
+                block.tensor[a - lo : b - lo].copy_(src[a:b], non_blocking=True)
+            slot.record("d_e", s)
         _, offsets, sizes, kinds = lay.views(block.tensor)
         block.tensor[hi - lo : n * p].zero_()
         torch.arange(0, (n + 1) * p, p, out=offsets)

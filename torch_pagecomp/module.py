@@ -249,6 +249,7 @@ class PageCompressor(torch.nn.Module):
                 if flat.is_cuda:  # read by the kernels, or by raw downloads
                     flat.record_stream(self.pipeline.compute)
                     flat.record_stream(self.pipeline.d2h)
+                    flat.record_stream(self.pipeline.d2h_raw)
                 key = (tensor.dtype, es)
                 self.pipeline.submit_compress(
                     storage, src, nbytes, es, ready, keep=(flat,), key=key

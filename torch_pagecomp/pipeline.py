@@ -13,7 +13,10 @@ and the caller's stream waits for them.
 
 Batches of a stream that does not compress skip the kernel (``cuda_stages.RawBypass``): the
 caller's thread enqueues their download of the raw pages at once; small compressed probes
-notice when the data compresses again.
+notice when the data compresses again. Raw batches have their own ring of slots, their own
+download stream (``d2h_raw``, in chunks) and their own completer thread: they never hold a slot
+that a kernel batch needs, nor queue a kernel batch's download behind them, so with
+``max_raw_share`` the kernel and the copy engine stay busy at once.
 
 Without a GPU the same ring runs the lz4 reference on the issuer thread (stage times from
 ``perf_counter``), with the same states, back-pressure and statistics.
@@ -43,7 +46,8 @@ class SlotState(str, Enum):
     COMPLETE = "complete"
 
 
-_STAGES = ("up_s", "up_e", "k_s", "k_e", "d_s", "d_e")
+# k_c: compress + pack done (before the metadata copy, which may wait for the copy engine)
+_STAGES = ("up_s", "up_e", "k_s", "k_c", "k_e", "d_s", "d_e")
 
 
 class Slot:
@@ -128,31 +132,46 @@ class Pipeline(CudaStages):
         self.timing = TimingLog()
         self.bypass = RawBypass(self.cuda, bypass=raw_bypass, max_raw_share=max_raw_share)
         self.slots = [Slot(i, self.cuda) for i in range(slots)]
+        # raw batches (GPU only): a ring of their own, so they never hold a kernel batch's slot
+        self.raw_slots = [Slot(slots + i, self.cuda) for i in range(slots)] if self.cuda else []
         self._next = 0
+        self._next_raw = 0
         self._cond = threading.Condition()
         self.dev_bytes = batch_pages * page_size + meta_capacity(batch_pages) + 64
         if self.cuda:
             with torch.cuda.device(self.device):
-                self.h2d, self.compute, self.d2h = (torch.cuda.Stream() for _ in range(3))
+                self.h2d, self.compute, self.d2h, self.d2h_raw = (
+                    torch.cuda.Stream() for _ in range(4)
+                )
                 self.epoch = torch.cuda.Event(enable_timing=True)
                 self.epoch.record(self.compute)
         self._issue_q: queue.Queue = queue.Queue()
         self._done_q: queue.Queue = queue.Queue()
+        self._raw_done_q: queue.Queue = queue.Queue()  # raw batches, completed independently
         self._threads = [
             threading.Thread(target=self._issuer, daemon=True, name="pagecomp-issuer"),
-            threading.Thread(target=self._completer, daemon=True, name="pagecomp-completer"),
+            threading.Thread(target=self._completer, args=(self._done_q,), daemon=True,
+                             name="pagecomp-completer"),
+            threading.Thread(target=self._completer, args=(self._raw_done_q,), daemon=True,
+                             name="pagecomp-raw-completer"),
         ]
         for th in self._threads:
             th.start()
         self.closed = False
 
     # ------------------------------------------------------------------ slots
-    def acquire_slot(self) -> Slot:
-        """Next slot of the ring, waiting (host side) until its previous batch completed."""
+    def acquire_slot(self, raw: bool = False) -> Slot:
+        """Next slot of the ring (of the raw ring when ``raw``), waiting (host side) until its
+        previous batch completed."""
         with self._cond:
-            slot = self.slots[self._next]
-            self._cond.wait_for(lambda: not slot.active)
-            self._next = (self._next + 1) % len(self.slots)
+            if raw:
+                slot = self.raw_slots[self._next_raw]
+                self._cond.wait_for(lambda: not slot.active)
+                self._next_raw = (self._next_raw + 1) % len(self.raw_slots)
+            else:
+                slot = self.slots[self._next]
+                self._cond.wait_for(lambda: not slot.active)
+                self._next = (self._next + 1) % len(self.slots)
             slot.active = slot.used = True
             slot.recorded.clear()
             slot.cpu_stage = SlotState.UPLOADING
@@ -195,7 +214,7 @@ class Pipeline(CudaStages):
                 lo, hi = p0 * p, min(nbytes, (p0 + n) * p)
                 self.limiter.acquire(n * p)
                 try:
-                    slot = self.acquire_slot()
+                    slot = self.acquire_slot(raw=route == "raw")
                 except BaseException:
                     self.limiter.release(n * p)
                     raise
@@ -203,7 +222,7 @@ class Pipeline(CudaStages):
                            limit_bytes=n * p, first_page=p0, key=key, keep=keep)
                 slot.job = job
                 try:
-                    if route == "raw":  # issued here: its copy queues ahead of kernel outputs
+                    if route == "raw":  # issued here, on its own stream and slot ring
                         job.raw, job.producer = True, producer
                         job.work = (src, lo, hi, element_size)
                         self._issue_raw(job)
@@ -214,7 +233,7 @@ class Pipeline(CudaStages):
                 except BaseException as exc:
                     self._fail(job, exc)
                     raise
-                (self._done_q if job.raw else self._issue_q).put(job)
+                (self._raw_done_q if job.raw else self._issue_q).put(job)
                 p0 += n
         except BaseException as exc:
             error = exc
@@ -343,10 +362,10 @@ class Pipeline(CudaStages):
                 continue
             self._done_q.put(job)
 
-    def _completer(self) -> None:
+    def _completer(self, done_q: queue.Queue) -> None:
         self._bind_device()
         while True:
-            job = self._done_q.get()
+            job = done_q.get()
             if job is None:
                 return
             if isinstance(job, tuple):  # ("reader_done", storage): a failed restore ended
@@ -373,8 +392,11 @@ class Pipeline(CudaStages):
             if job.kind == "offload" and job.raw:
                 self.bypass.observe_raw(job.key, job.nbytes, t.download_ms)
             elif job.kind == "offload":
+                # the kernel's rate from compress + pack alone: the metadata copy after them
+                # may wait for the copy engine (raw batches' downloads), which is not the kernel
+                kernel_ms = stamp["k_c"] - stamp["k_s"] if "k_c" in stamp else t.kernel_ms
                 self.bypass.observe(
-                    job.key, job.payload_bytes, job.nbytes, t.kernel_ms, t.download_ms
+                    job.key, job.payload_bytes, job.nbytes, kernel_ms, t.download_ms
                 )
         elif job.t is not None:
             t = job.t
@@ -408,9 +430,12 @@ class Pipeline(CudaStages):
         if not self.closed:
             self.closed = True
             self._issue_q.put(None)
+            self._raw_done_q.put(None)
 
     def drain(self) -> None:
         """Wait until every queued batch completed."""
         with self._cond:
-            self._cond.wait_for(lambda: not any(s.active for s in self.slots))
+            self._cond.wait_for(
+                lambda: not any(s.active for s in (*self.slots, *self.raw_slots))
+            )
 
