@@ -19,6 +19,8 @@ import threading
 
 import torch
 
+from .pools import HostMemory, SizePool
+
 
 def element_size_for(dtype: torch.dtype) -> int:
     """Bit-shuffle width for ``dtype``: 2 for bf16/fp16, 4 for fp32/int32 (and 8-byte types)."""
@@ -43,8 +45,6 @@ class HostBuffer:
 
 def _pinned_exact(nbytes: int) -> HostBuffer | None:
     """Page-aligned host memory registered with the driver (no power-of-two rounding)."""
-    from .pools import HostMemory
-
     try:
         mem = HostMemory(nbytes, pin=True)
     except Exception:  # noqa: BLE001 - fall back to torch's pinned allocator
@@ -52,55 +52,50 @@ def _pinned_exact(nbytes: int) -> HostBuffer | None:
     return HostBuffer(mem.tensor, mem.held_bytes, mem)
 
 
-class PinnedPool:
+class PinnedPool(SizePool):
     """Pinned host buffers kept by exact size and reused (no allocation on the hot path after the
     first step). ``exact=True`` registers page-aligned memory (held = size rounded to 4 KiB);
-    otherwise (or if that fails) torch's pinned allocator is used."""
+    otherwise (or if that fails) torch's pinned allocator is used. ``clear()`` unpins and drops
+    the idle buffers (call after synchronising)."""
 
     def __init__(self, max_bytes: int | None = None, exact: bool = True):
+        super().__init__()
         self.max_bytes = max_bytes
         self.exact = exact
-        self._free: dict[int, list[HostBuffer]] = {}
-        self._all: list[HostBuffer] = []
-        self.held_bytes = 0
         self.in_use_bytes = 0
-        self._lock = threading.Lock()
 
-    def get(self, nbytes: int) -> HostBuffer | None:
-        """A buffer of exactly ``nbytes`` or None when ``max_bytes`` would be passed."""
-        with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                buf = free.pop()
-                self.in_use_bytes += buf.held
-                return buf
-            if self.max_bytes is not None and self.held_bytes + nbytes > self.max_bytes:
-                return None
+    def _make(self, nbytes: int) -> HostBuffer:
         buf = _pinned_exact(nbytes) if self.exact else None
         if buf is None:
             self.exact = False
             buf = HostBuffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes)
+        return buf
+
+    def _size(self, buf: HostBuffer) -> int:
+        return buf.nbytes
+
+    def _held(self, buf: HostBuffer) -> int:
+        return buf.held
+
+    def _drop(self, buf: HostBuffer) -> None:
+        if buf.memory is not None:
+            buf.memory.release()
+
+    def get(self, nbytes: int) -> HostBuffer | None:
+        """A buffer of exactly ``nbytes`` or None when ``max_bytes`` would be passed."""
         with self._lock:
-            self._all.append(buf)
-            self.held_bytes += buf.held
+            full = self.max_bytes is not None and self.held_bytes + nbytes > self.max_bytes
+            if full and not self._free.get(nbytes):
+                return None
+        buf = self.acquire(nbytes)
+        with self._lock:
             self.in_use_bytes += buf.held
         return buf
 
     def put(self, buf: HostBuffer) -> None:
         with self._lock:
-            self._free.setdefault(buf.nbytes, []).append(buf)
             self.in_use_bytes -= buf.held
-
-    def release(self) -> None:
-        """Unpin and drop every free buffer (call after synchronising)."""
-        with self._lock:
-            for bufs in self._free.values():
-                for buf in bufs:
-                    if buf.memory is not None:
-                        buf.memory.release()
-                    self._all.remove(buf)
-                    self.held_bytes -= buf.held
-            self._free.clear()
+        self.release(buf)
 
 
 # --------------------------------------------------------------------------------- stores

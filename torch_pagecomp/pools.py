@@ -193,87 +193,100 @@ class HostArena:
             }
 
 
-class PinnedBufferPool:
-    """Exact-size host staging buffers (pinned where possible), reused by size."""
+class SizePool:
+    """Buffers reused by exact size: ``acquire(n)`` pops an idle one of ``n`` bytes or makes one
+    (outside the lock); ``release`` returns it; ``clear`` drops the idle ones. Subclasses say
+    how a buffer is made, measured and dropped."""
 
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self._free: dict[int, list[HostMemory]] = {}
+    def __init__(self):
+        self._free: dict[int, list] = {}
         self._lock = threading.Lock()
         self.hits = self.misses = 0
         self.held_bytes = 0
 
-    def acquire(self, nbytes: int) -> HostMemory:
+    def _make(self, nbytes: int):
+        raise NotImplementedError
+
+    def _size(self, buf) -> int:
+        raise NotImplementedError
+
+    def _held(self, buf) -> int:
+        return self._size(buf)
+
+    def _drop(self, buf) -> None:
+        pass
+
+    def acquire(self, nbytes: int):
         with self._lock:
             bucket = self._free.get(nbytes)
             if bucket:
                 self.hits += 1
                 return bucket.pop()
             self.misses += 1
-            mem = HostMemory(nbytes, self.pin)
-            self.held_bytes += mem.held_bytes
-            return mem
-
-    def release(self, mem: HostMemory) -> None:
+        buf = self._make(nbytes)
         with self._lock:
-            self._free.setdefault(mem.nbytes, []).append(mem)
+            self.held_bytes += self._held(buf)
+        return buf
+
+    def release(self, buf) -> None:
+        with self._lock:
+            self._free.setdefault(self._size(buf), []).append(buf)
 
     def clear(self) -> None:
         """Drop every idle buffer (buffers still acquired stay counted until released)."""
         with self._lock:
             for bucket in self._free.values():
-                for mem in bucket:
-                    self.held_bytes -= mem.held_bytes
-                    mem.release()
+                for buf in bucket:
+                    self.held_bytes -= self._held(buf)
+                    self._drop(buf)
             self._free.clear()
 
     def stats(self) -> dict:
         with self._lock:
-            return {
-                "held_bytes": self.held_bytes,
-                "pinned_bytes": self.held_bytes if self.pin else 0,
-                "hits": self.hits,
-                "misses": self.misses,
-            }
+            return {"held_bytes": self.held_bytes, "hits": self.hits, "misses": self.misses}
 
 
-class DeviceBufferPool:
-    """``uint8`` buffers on one device reused by size (``acquire`` / ``release``).
+class PinnedBufferPool(SizePool):
+    """Exact-size host staging buffers (:class:`HostMemory`, pinned where possible)."""
+
+    def __init__(self, pin: bool):
+        super().__init__()
+        self.pin = pin
+
+    def _make(self, nbytes: int) -> HostMemory:
+        return HostMemory(nbytes, self.pin)
+
+    def _size(self, mem: HostMemory) -> int:
+        return mem.nbytes
+
+    def _held(self, mem: HostMemory) -> int:
+        return mem.held_bytes
+
+    def _drop(self, mem: HostMemory) -> None:
+        mem.release()
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["pinned_bytes"] = out["held_bytes"] if self.pin else 0
+        return out
+
+
+class DeviceBufferPool(SizePool):
+    """``uint8`` buffers on one device reused by size.
 
     A miss allocates on the *current* stream: call ``acquire`` with the stream that first
     writes the buffer current (the caching allocator orders a reused block only for the
     stream that freed it)."""
 
     def __init__(self, device: torch.device):
+        super().__init__()
         self.device = device
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-        self.held_bytes = 0
 
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            bucket = self._free.get(nbytes)
-            if bucket:
-                self.hits += 1
-                return bucket.pop()
-            self.misses += 1
-            self.held_bytes += nbytes
+    def _make(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def release(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.setdefault(buf.numel(), []).append(buf)
-
-    def clear(self) -> None:
-        with self._lock:
-            for size, bucket in self._free.items():
-                self.held_bytes -= size * len(bucket)
-            self._free.clear()
-
-    def stats(self) -> dict:
-        with self._lock:
-            return {"held_bytes": self.held_bytes, "hits": self.hits, "misses": self.misses}
+    def _size(self, buf: torch.Tensor) -> int:
+        return buf.numel()
 
 
 class InflightLimiter:
