@@ -320,6 +320,8 @@ def test_gpu_control_missing_waits_corrupt(gen):
     src = torch.randint(0, 4, (1 << 20,), dtype=torch.uint8, generator=gen).cuda()
     good = pc.offload(src)
     good.wait()
+    pc.restore(good)  # compile the restore kernels now: a JIT compile inside the race below
+    torch.cuda.synchronize()  # would let the sleep end before the early snapshot is queued
     out = torch.full_like(src, 0xA5)
     side = torch.cuda.Stream()
     with torch.cuda.stream(pc.pipeline.compute):
