@@ -303,6 +303,11 @@ def test_gpu_stress_bit_exact_with_busy_streams(gen):
 @pytest.mark.gpu
 def test_gpu_control_missing_waits_corrupt(gen):
     """The same races with the barrier removed must corrupt data: the stress test can fail."""
+    warm = PageCompressor(batch_pages=256)  # compile every kernel first: a JIT compile inside a
+    for hi in (256, 4):  # race below would let the sleep end before the racing work is queued
+        data = torch.randint(0, hi, (1 << 20,), dtype=torch.uint8, generator=gen).cuda()
+        warm.restore(warm.offload(data))
+    torch.cuda.synchronize()
     pc = PageCompressor(batch_pages=256)  # 1 MiB: one batch
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen).cuda()
     x = torch.full_like(src, 0xA5)
@@ -320,8 +325,6 @@ def test_gpu_control_missing_waits_corrupt(gen):
     src = torch.randint(0, 4, (1 << 20,), dtype=torch.uint8, generator=gen).cuda()
     good = pc.offload(src)
     good.wait()
-    pc.restore(good)  # compile the restore kernels now: a JIT compile inside the race below
-    torch.cuda.synchronize()  # would let the sleep end before the early snapshot is queued
     out = torch.full_like(src, 0xA5)
     side = torch.cuda.Stream()
     with torch.cuda.stream(pc.pipeline.compute):
