@@ -247,6 +247,9 @@ def _lz4_compress_kernel(
     STORE: tl.constexpr,
     NEAR: tl.constexpr,
     AMAX: tl.constexpr,
+    MINML: tl.constexpr,
+    LAZY: tl.constexpr,
+    SKIP: tl.constexpr,
 ):
     """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
 
@@ -350,10 +353,18 @@ def _lz4_compress_kernel(
                     nb = tl.where(mj, _equal_bytes(x), 0)
                     m += nb
                     alive = alive & (nb == 4)
-                key = tl.where(ok, (widx << 21) | (m << 16) | c, NOKEY)
+                key = tl.where(ok & (m >= MINML - 4), (widx << 21) | (m << 16) | c, NOKEY)
                 wend = tl.minimum(w0 + W, MAXS + 1)
                 while pos < wend:
                     k = tl.min(tl.where(idx >= pos, key, NOKEY))
+                    if LAZY:
+                        if (k != NOKEY) & (((k >> 16) & 31) < 4 * XW):
+                            # lazy step: a longer match starting one byte later wins
+                            k1 = tl.min(tl.where(idx > w0 + (k >> 21), key, NOKEY))
+                            better = (k1 >> 21) == (k >> 21) + 1
+                            better = better & (((k1 >> 16) & 31) > ((k >> 16) & 31))
+                            if (k1 != NOKEY) & better:
+                                k = k1
                     if k != NOKEY:
                         p = w0 + (k >> 21)
                         src_pos = k & 0xFFFF
@@ -368,6 +379,9 @@ def _lz4_compress_kernel(
                     else:
                         pos = wend
                 w0 += W
+                if SKIP:
+                    if pos > w0:  # the match ran past this window: resume at its end
+                        w0 = pos & ~3
                 if out > LIMIT:
                     w0 = P
                 tl.debug_barrier()
@@ -434,6 +448,9 @@ def compress_pages(
     hash_bits: int | None = None,
     candidates: str = DEFAULT_CANDIDATES,
     near: int = DEFAULT_NEAR,
+    min_match: int = 4,
+    lazy: bool = False,
+    skip: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
 
@@ -477,7 +494,7 @@ def compress_pages(
         P=page_size, PB=pb, E=element_size, KIND_LZ4=kind_lz4, HB=hb, FB=fb,
         W=window, XW=extra_words, EXT=64, V=64, CH=128, num_warps=num_warps,
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
-        AMAX=candidates == "store-max",
+        AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip,
     )
     if dev.type == "cuda":
         with torch.cuda.device(dev):

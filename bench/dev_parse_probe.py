@@ -1,0 +1,124 @@
+"""Dev probe for the compressor's parse options (``lazy``, ``min_match``, ``skip``).
+
+``python3 -m bench.dev_parse_probe [--mib 64]`` builds each corpus on the GPU, compresses it with
+every variant of ``VARIANTS`` (keywords of ``triton_kernels.lz4_compress.compress_pages``),
+checks that our decoder gives every page back bit-exactly (``WRONG`` otherwise), and prints
+compress GB/s, ratio, LZ4 sequences per page, and decompress GB/s of those blocks, beside
+nvCOMP's batched LZ4 (its own blocks; bitshuffle for typed corpora) in the same run. On the CPU
+(``TRITON_INTERPRET=1``) it is a dry run on a few pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench import nvcomp
+from bench.corpora import build_corpus, element_size
+from bench.timing import gbps, measure, median
+from torch_pagecomp import format as fmt
+from triton_kernels import lz4_compress as C
+from triton_kernels import lz4_decompress as D
+
+VARIANTS = {
+    "greedy": {},
+    "skip": dict(skip=True),
+    "lazy": dict(lazy=True),
+    "min5": dict(min_match=5),
+    "lazy_min5": dict(lazy=True, min_match=5),
+    "lazy_min5_skip": dict(lazy=True, min_match=5, skip=True),
+    "lazy_skip": dict(lazy=True, skip=True),
+}
+CORPORA = ("text", "binary", "mixed", "bf16-relu", "gpt-kv", "gpt-act", "fp32-randn")
+
+
+def sequences(payload: torch.Tensor, sizes: torch.Tensor, kinds: torch.Tensor, k: int) -> float:
+    """Mean LZ4 sequences per LZ4 page over the first ``k`` pages (host parse)."""
+    total = pages = 0
+    pay, sz, kd = payload[:k].cpu(), sizes[:k].cpu().tolist(), (kinds[:k].cpu() & 15).tolist()
+    for i in range(len(sz)):
+        if kd[i] != fmt.KIND_LZ4:
+            continue
+        b = bytes(pay[i, : sz[i]].numpy())
+        j, n = 0, 0
+        while j < len(b):
+            t = b[j]
+            j += 1
+            lit = t >> 4
+            if lit == 15:
+                while True:
+                    j += 1
+                    lit += b[j - 1]
+                    if b[j - 1] != 255:
+                        break
+            j += lit
+            if j >= len(b):
+                break
+            j += 2
+            n += 1
+            if t & 15 == 15:
+                while b[j] == 255:
+                    j += 1
+                j += 1
+        total += n
+        pages += 1
+    return total / max(1, pages)
+
+
+def _variant_row(name: str, v: str, pages: torch.Tensor, e: int, dev: torch.device) -> str:
+    """One table row: compress with variant ``v``, check the round trip, time both ways."""
+    kw = VARIANTS[v]
+    n, p = pages.shape
+    offsets = torch.arange(n, device=dev, dtype=torch.int64) * p
+    out = torch.empty_like(pages)
+    status = torch.empty(n, dtype=torch.int32, device=dev)
+    payload, sizes, kinds = C.compress_pages(pages, e, **kw)
+    ct = median(measure(lambda: C.compress_pages(pages, e, **kw), dev, 20, 3))
+    out.fill_(0xA5)
+    flat = payload.view(-1)
+    D.decompress_into(flat, offsets, sizes, kinds, out, status)
+    ok = bool((status == 0).all()) and torch.equal(out, pages)
+    dt = median(measure(lambda: D.decompress_into(flat, offsets, sizes, kinds, out, status),
+                        dev, 20, 3))
+    ratio = n * p / float(sizes.sum())
+    seq = sequences(payload, sizes, kinds, 512)
+    return (f"| {name} | {e} | {v} | {gbps(n * p, ct):.1f} | {ratio:.3f} | {seq:.0f} | "
+            f"{gbps(n * p, dt):.1f} | {'ok' if ok else 'WRONG'} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--corpora", default=",".join(CORPORA))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    nbytes = (a.mib << 20) if cuda else 4 * 4096
+    nv, why = nvcomp.load() if cuda else (None, "no GPU")
+    print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}; nvCOMP: "
+          f"{nv.version if nv else why}; {nbytes >> 20} MiB per corpus, 4 KiB pages")
+    print("| corpus | E | variant | compress GB/s | ratio | seq/page | decompress GB/s | ok |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in a.corpora.split(","):
+        e = element_size(name)
+        pages = build_corpus(name, nbytes, 4096, dev, seed=7)
+        n, p = pages.shape
+        for v in a.variants.split(","):
+            print(_variant_row(name, v, pages, e, dev), flush=True)
+        if nv is not None:
+            for w in sorted({1, e}):
+                plan = nvcomp.LZ4Plan(nv, pages, w)
+                ct = median(measure(plan.compress, dev, 20, 3))
+                dt = median(measure(plan.decompress, dev, 20, 3))
+                ok = plan.compress_ok() and plan.roundtrip_ok()
+                ratio = n * p / plan.stored_bytes()
+                print(f"| {name} | {w} | nvCOMP{' +bitshuffle' if w > 1 else ''} | "
+                      f"{gbps(n * p, ct):.1f} | {ratio:.3f} | - | {gbps(n * p, dt):.1f} | "
+                      f"{'ok' if ok else 'WRONG'} |", flush=True)
+                del plan
+
+
+if __name__ == "__main__":
+    main()
