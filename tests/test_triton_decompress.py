@@ -33,7 +33,8 @@ GUARD = 4099  # odd, so the output rows also start misaligned
 KNOBS = {
     "default": {},
     "legacy": dict(lean=False, split=False),  # one fused kernel, as before the knobs
-    "lean_fused": dict(lean=True, split=False),
+    "lean_fused": dict(lean=True, split=False),  # the checked loop alone, no fast loop
+    "fast_split_tile": dict(lean=2, split=True, tile=True),  # fast loop in both kernels
     "split_groups": dict(lean=False, split=True, tile=False),
     "split_tile_plain": dict(lean=False, split=True, tile=True),
 }

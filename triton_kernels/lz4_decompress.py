@@ -47,7 +47,7 @@ RAW_BLOCK = 1024  # bytes per step of a RAW / FILL page
 UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle (fused / TILE off)
 NUM_WARPS = 1
 # Launcher defaults (best guesses until measured on a GPU; each is a keyword of decompress_into):
-LEAN = True  # _decode_lz4_lean for plain decodes (long matches ~2x fewer SASS per step)
+LEAN = 2  # 0: _decode_lz4, 1: _decode_lz4_lean, 2: lean with the fast loop (plain decodes)
 SPLIT = True  # shuffled LZ4 pages in a second launch, _decompress_shuffled_kernel
 TILE = True  # there: plain decode, then a whole-page unshuffle (pages up to TILE_MAX_PAGE)
 TILE_MAX_PAGE = 4096
@@ -192,12 +192,37 @@ def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift
 
 
 @triton.jit
+def _fast_next(src, end, tok, ip, op, P: tl.constexpr):
+    """Parse of the sequence at ``ip`` (token ``tok``) for ``_decode_lz4_lean``'s fast loop:
+    ``(lit, ml, q, d, fast)``; ``fast`` when no length has an extension, the offset and a next
+    token lie inside the block (``q + 2 < end``), the sequence fits the page and its offset
+    ``d`` reaches neither before the page start nor is 0. The offset loads are issued here,
+    one sequence ahead of the copies."""
+    lit = tok >> 4
+    ml = (tok & 15) + 4
+    q = ip + 1 + lit
+    has = q + 1 < end
+    b0 = tl.load(src + q, mask=has, other=0).to(tl.int32)
+    b1 = tl.load(src + q + 1, mask=has, other=0).to(tl.int32)
+    d = b0 | (b1 << 8)
+    room = tl.minimum(end - 3 - q, P - op - lit - ml)  # >= 0: offset, next token, page fit
+    fast = (tok < 0xF0) & (ml < 19) & (room >= 0)
+    fast = fast & ((d - 1).to(tl.uint32) < (op + lit).to(tl.uint32))  # 1 <= d <= op + lit
+    return lit, ml, q, d, fast
+
+
+@triton.jit
 def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.constexpr,
-                     EXT: tl.constexpr):
+                     EXT: tl.constexpr, FAST: tl.constexpr):
     """``_decode_lz4`` without the shuffle layout and with fewer instructions per sequence: the
     checks of a sequence are a few compares, and the status is worked out only in rarely taken
     branches, each of which also makes the next one taken (``p = end``: no offset; ``ml = P``:
     overflow) so that a failed or finished page copies nothing more. Same statuses and bytes.
+
+    With ``FAST``, sequences that ``_fast_next`` vouches for (short lengths, everything in
+    bounds: most of them) go through an inner loop with no status work and one vector copy
+    each for the literals and the match; any other sequence (extensions, the last literals, a
+    bad offset) takes one step of the checked loop below, which then hands back.
     """
     ar = tl.arange(0, VEC)
     arb = tl.arange(0, BIG)
@@ -205,7 +230,26 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
     op = end * 0
     st = end * 0 + _RUN
     tok = tl.load(src).to(tl.int32)
+    if FAST:
+        lit, ml, q, d, fast = _fast_next(src, end, tok, ip, op, P)
     while st == _RUN:
+        if FAST:
+            while fast:  # VEC >= 32 > lit, ml
+                lm = ar < lit
+                tl.store(row + (op + ar), tl.load(src + (ip + 1 + ar), mask=lm), mask=lm)
+                op += lit
+                ip = q + 2
+                tok = tl.load(src + ip).to(tl.int32)
+                mm = ar < ml
+                tl.debug_barrier()  # the literals and earlier matches are visible to every lane
+                if d >= ml:
+                    v = tl.load(row + (op - d + ar), mask=mm)
+                else:  # overlapping: ar % d by a float quotient (exact for ar, d < 2**10)
+                    qd = ((ar.to(tl.float32) + 0.5) * (1.0 / d.to(tl.float32))).to(tl.int32)
+                    v = tl.load(row + (op - d + ar - qd * d), mask=mm)
+                tl.store(row + (op + ar), v, mask=mm)
+                op += ml
+                lit, ml, q, d, fast = _fast_next(src, end, tok, ip, op, P)
         lit = tok >> 4
         p = ip + 1
         if lit == 15:
@@ -224,11 +268,11 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
         b0 = tl.load(src + q, mask=has_off).to(tl.int32)
         b1 = tl.load(src + q + 1, mask=has_off).to(tl.int32)
         lm = ar < lit
-        tl.store(row + op + ar, tl.load(src + p + ar, mask=lm), mask=lm)
+        tl.store(row + (op + ar), tl.load(src + (p + ar), mask=lm), mask=lm)
         if lit > VEC:
             for k in range(VEC, lit, BIG):
                 mb = arb < lit - k
-                tl.store(row + op + k + arb, tl.load(src + p + k + arb, mask=mb), mask=mb)
+                tl.store(row + (op + k + arb), tl.load(src + (p + k + arb), mask=mb), mask=mb)
         op += lit
         d = b0 | (b1 << 8)  # garbage unless has_off; then only the rare branch looks at it
         p = q + 2
@@ -255,26 +299,30 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
         mm = ar < ml
         tl.debug_barrier()  # the literals and earlier matches are visible to every lane
         if d >= tl.minimum(ml, VEC):
-            v = tl.load(row + start + ar, mask=mm)
+            v = tl.load(row + (start + ar), mask=mm)
         else:  # overlapping, d < VEC: ar % d by a float quotient (exact for ar, d < 2**10)
             qd = ((ar.to(tl.float32) + 0.5) * (1.0 / d.to(tl.float32))).to(tl.int32)
-            v = tl.load(row + start + ar - qd * d, mask=mm)
-        tl.store(row + op + ar, v, mask=mm)
+            v = tl.load(row + (start + ar - qd * d), mask=mm)
+        tl.store(row + (op + ar), v, mask=mm)
         if ml > VEC:
             if d >= ml:
                 for k in range(VEC, ml, BIG):
                     mb = arb < ml - k
-                    tl.store(row + op + k + arb, tl.load(row + start + k + arb, mask=mb), mask=mb)
+                    tl.store(row + (op + k + arb), tl.load(row + (start + k + arb), mask=mb),
+                             mask=mb)
             else:  # overlapping: r = (k + arb) % d, kept up to date with one compare per step
                 r = (VEC + arb) % d
                 step = BIG % d
                 for k in range(VEC, ml, BIG):
                     mb = arb < ml - k
-                    tl.store(row + op + k + arb, tl.load(row + start + r, mask=mb), mask=mb)
+                    tl.store(row + (op + k + arb), tl.load(row + (start + r), mask=mb), mask=mb)
                     r += step
                     r = tl.where(r >= d, r - d, r)
         op += ml
         ip = p
+        if FAST:
+            lit, ml, q, d, fast = _fast_next(src, end, tok, ip, op, P)
+            fast = fast & (st == _RUN)
     return st
 
 
@@ -323,8 +371,8 @@ def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
         if st == 0:
             if codec == 1:
                 if shift == 0:
-                    if LEAN:
-                        st = _decode_lz4_lean(src, size, row, P, VEC, BIG, EXT)
+                    if LEAN != 0:
+                        st = _decode_lz4_lean(src, size, row, P, VEC, BIG, EXT, LEAN == 2)
                     else:
                         st = _decode_lz4(src, size, row, P, False, 0, 0, VEC, BIG, EXT)
                 elif not SPLIT:
@@ -367,8 +415,8 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
         row = pages_ptr + pid.to(tl.int64) * P
         if st == 0:
             if TILE:
-                if LEAN:
-                    st = _decode_lz4_lean(src, size, row, P, VEC, BIG, EXT)
+                if LEAN != 0:
+                    st = _decode_lz4_lean(src, size, row, P, VEC, BIG, EXT, LEAN == 2)
                 else:
                     st = _decode_lz4(src, size, row, P, False, 0, 0, VEC, BIG, EXT)
                 if st == 0:
