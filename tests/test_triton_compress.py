@@ -65,8 +65,25 @@ def _store_cands(span, words, h, last, near):
     return cand
 
 
+def _known(page: bytes, p: int, c: int, xw: int) -> int:
+    """Match bytes after the first 4 that the kernel knows before its walk: up to ``xw`` more
+    words, each counted while the previous ones matched whole and it starts before ``P - 4``."""
+    m = 0
+    for j in range(1, xw + 1):
+        if p + 4 * j >= len(page) - 4:
+            break
+        a, b = page[p + 4 * j: p + 4 * j + 4], page[c + 4 * j: c + 4 * j + 4]
+        nb = next((k for k in range(4) if a[k] != b[k]), 4)
+        m += nb
+        if nb < 4:
+            break
+    return m
+
+
 def _model_block(
-    page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int = lc.DEFAULT_NEAR
+    page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int = lc.DEFAULT_NEAR,
+    lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
+    min_match: int = lc.DEFAULT_MIN_MATCH, xw: int = lc.DEFAULT_EXTRA_WORDS,
 ) -> bytes:
     """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule)."""
     size = len(page)
@@ -79,8 +96,8 @@ def _model_block(
     words = words.tolist()
     last: dict[int, int] = {}
     out = bytearray()
-    pos = anchor = 0
-    for w0 in range(0, maxs + 1, window):
+    pos = anchor = w0 = 0
+    while w0 <= maxs:
         span = range(w0, min(w0 + window, maxs + 1))
         if candidates != "atomic":  # "store", "store-max"
             cand = _store_cands(span, words, h, last, near)
@@ -95,9 +112,15 @@ def _model_block(
                     cand[i] = c
             for i in span:
                 last[h[i]] = i
-        for p in span:
-            if p < pos or p not in cand:
+        known = {i: _known(page, i, c, xw) for i, c in cand.items()}
+        usable = sorted(i for i in cand if known[i] >= min_match - 4)
+        for p in usable:
+            if p < pos:
                 continue
+            if lazy and known[p] < 4 * xw:  # a longer match one byte later wins
+                nxt = next((i for i in usable if i > p), None)
+                if nxt == p + 1 and known[nxt] > known[p]:
+                    p = nxt
             c, n = cand[p], 4
             while p + n < size - 5 and page[p + n] == page[c + n]:
                 n += 1
@@ -107,6 +130,9 @@ def _model_block(
             pos = anchor = p + n
         if len(out) > limit:
             return bytes(out) + b"\x00" * size  # too long: RAW
+        w0 += window
+        if skip and pos > w0:  # the match ran past this window: resume at its end
+            w0 = pos & ~3
     lit = size - anchor
     return bytes(out) + bytes([min(lit, 15) << 4]) + _ext(lit) + page[anchor:]
 
@@ -192,7 +218,9 @@ def _check(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW, **t
     assert payload.shape == (n, size) and payload.dtype == torch.uint8
     assert sizes.shape == (n,) and sizes.dtype == torch.int32
     assert kinds.shape == (n,) and kinds.dtype == torch.uint8
-    mode = {k: tuning[k] for k in ("candidates", "near") if k in tuning}
+    mode = {k: tuning[k] for k in ("candidates", "near", "lazy", "skip", "min_match")
+            if k in tuning}
+    mode["xw"] = tuning.get("extra_words", lc.DEFAULT_EXTRA_WORDS)
     mode.setdefault("candidates", lc.DEFAULT_CANDIDATES)
     exp = _model(pages, element_size, window, **mode)
     for i in range(n):
@@ -361,9 +389,16 @@ def test_bitshuffle_fused(element_size, candidates):
 @interpret_only
 def test_window_variants_match_model():
     pages = _rows(_text_page()[: P4K // 2] + (_rand(50) * 50)[: P4K // 2])
-    for window, extra_words in ((64, 0), (512, 6)):  # the parse does not depend on extra_words
+    for window, extra_words in ((64, 0), (512, 6)):  # extra_words: what the lazy step knows
         _check(pages, window=window, extra_words=extra_words)
     _check(pages, window=256, extra_words=0, candidates="store", near=5)
+    # the parse knobs one at a time, and all of them off (the greedy parse before them)
+    _check(pages, lazy=False)
+    _check(pages, skip=False)
+    _check(pages, min_match=6)
+    _check(pages, lazy=False, skip=False, min_match=4)
+    with pytest.raises(ValueError, match="min_match"):
+        lc.compress_pages(pages, min_match=4 + 4 * lc.DEFAULT_EXTRA_WORDS + 1)
 
 
 @interpret_only
