@@ -32,7 +32,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run under TRI
 
 # module settings of triton_kernels.lz4_decompress per variant, over the defaults at import
 KNOBS = ("NUM_WARPS", "VEC", "BIG", "LEAN", "SPLIT", "TILE", "TILE_PLANES", "SHUFFLED_GROUPS",
-         "SHUFFLED_NUM_WARPS", "SHUFFLED_MAXNREG")
+         "SHUFFLED_NUM_WARPS", "SHUFFLED_MAXNREG", "SHUFFLED_LEAN")
 DEFAULTS = {k: getattr(D, k) for k in KNOBS}
 VARIANTS = {
     "legacy": dict(NUM_WARPS=1, VEC=32, BIG=128, LEAN=False, SPLIT=False),  # before the knobs
@@ -45,6 +45,9 @@ VARIANTS = {
     "split_tile_b256": dict(LEAN=False, SPLIT=True, TILE=True, BIG=256),
     "split_tile_b64": dict(LEAN=False, SPLIT=True, TILE=True, BIG=64),
     "split_tile_lean_b64": dict(LEAN=True, SPLIT=True, TILE=True, BIG=64),
+    "checked_only": dict(LEAN=1),  # plain pages: the checked loop alone (before the fast loop)
+    "shuffled_fast": dict(SHUFFLED_LEAN=2),  # shuffled pages decoded by the fast loop too
+    "shuffled_lean": dict(SHUFFLED_LEAN=1),
 }
 
 
