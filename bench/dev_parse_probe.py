@@ -22,14 +22,16 @@ from torch_pagecomp import format as fmt
 from triton_kernels import lz4_compress as C
 from triton_kernels import lz4_decompress as D
 
-VARIANTS = {
-    "greedy": {},
-    "skip": dict(skip=True),
-    "lazy": dict(lazy=True),
-    "min5": dict(min_match=5),
-    "lazy_min5": dict(lazy=True, min_match=5),
-    "lazy_min5_skip": dict(lazy=True, min_match=5, skip=True),
-    "lazy_skip": dict(lazy=True, skip=True),
+VARIANTS = {  # every flag spelled out, so a variant means the same whatever the defaults
+    "greedy": dict(lazy=False, skip=False, back=False, min_match=4),
+    "skip": dict(lazy=False, skip=True, back=False, min_match=4),
+    "lazy": dict(lazy=True, skip=False, back=False, min_match=4),
+    "min5": dict(lazy=False, skip=False, back=False, min_match=5),
+    "lazy_min5_skip": dict(lazy=True, skip=True, back=False, min_match=5),
+    "lazy_skip": dict(lazy=True, skip=True, back=False, min_match=4),
+    "lazy_skip_back": dict(lazy=True, skip=True, back=True, min_match=4),
+    "lazy_min5_skip_back": dict(lazy=True, skip=True, back=True, min_match=5),
+    "default": {},
 }
 # decoder settings timed per row (``lean`` of ``decompress_into``): the defaults, the checked
 # loop alone (the decoder before the fast loop), the fast loop in both kernels

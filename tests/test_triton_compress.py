@@ -84,6 +84,7 @@ def _model_block(
     page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int = lc.DEFAULT_NEAR,
     lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
     min_match: int = lc.DEFAULT_MIN_MATCH, xw: int = lc.DEFAULT_EXTRA_WORDS,
+    back: bool = lc.DEFAULT_BACK,
 ) -> bytes:
     """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule)."""
     size = len(page)
@@ -124,6 +125,10 @@ def _model_block(
             c, n = cand[p], 4
             while p + n < size - 5 and page[p + n] == page[c + n]:
                 n += 1
+            k = 0  # backwards into the literals, at most 32 bytes
+            while back and k < min(32, p - anchor, c) and page[p - k - 1] == page[c - k - 1]:
+                k += 1
+            p, c, n = p - k, c - k, n + k
             lit, ml = p - anchor, n - 4
             out += bytes([(min(lit, 15) << 4) | min(ml, 15)]) + _ext(lit) + page[anchor:p]
             out += (p - c).to_bytes(2, "little") + _ext(ml)
@@ -218,9 +223,10 @@ def _check(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW, **t
     assert payload.shape == (n, size) and payload.dtype == torch.uint8
     assert sizes.shape == (n,) and sizes.dtype == torch.int32
     assert kinds.shape == (n,) and kinds.dtype == torch.uint8
-    mode = {k: tuning[k] for k in ("candidates", "near", "lazy", "skip", "min_match")
+    mode = {k: tuning[k] for k in ("candidates", "near", "lazy", "skip", "min_match", "back")
             if k in tuning}
     mode["xw"] = tuning.get("extra_words", lc.DEFAULT_EXTRA_WORDS)
+    mode.setdefault("min_match", min(lc.DEFAULT_MIN_MATCH, 4 + 4 * mode["xw"]))
     mode.setdefault("candidates", lc.DEFAULT_CANDIDATES)
     exp = _model(pages, element_size, window, **mode)
     for i in range(n):
@@ -396,7 +402,8 @@ def test_window_variants_match_model():
     _check(pages, lazy=False)
     _check(pages, skip=False)
     _check(pages, min_match=6)
-    _check(pages, lazy=False, skip=False, min_match=4)
+    _check(pages, back=False)
+    _check(pages, lazy=False, skip=False, min_match=4, back=False)
     with pytest.raises(ValueError, match="min_match"):
         lc.compress_pages(pages, min_match=4 + 4 * lc.DEFAULT_EXTRA_WORDS + 1)
 

@@ -44,6 +44,8 @@ Design: one warp owns one page at a time (``num_warps=1``: warp-wide reductions 
    are then no larger than ours on text). A window that the last match ran past is not
    hashed at all: the next window starts at the match's end (4-aligned), as LZ4 skips the
    positions inside a match.
+   A chosen match then grows backwards into its literals (up to 32 bytes; LZ4's "catch up"),
+   which the hash candidates miss where a position's entry was older or overwritten.
 5. The last literals are written only if the block fits ``lz4_keep_limit(P)``; otherwise (or as
    soon as the output passes the limit) the page goes RAW. A final pass over the row (32-bit
    words) writes the RAW copy, the FILL byte or the zero tail.
@@ -125,6 +127,16 @@ def _match_len(data, p, c, known, P: tl.constexpr, EXT: tl.constexpr):
         n += d
         go = d == EXT
     return n - p
+
+
+@triton.jit
+def _back_len(data, p, c, lit):
+    """Bytes before ``p`` equal to those before ``c < p`` (at most ``min(lit, c, 32)``)."""
+    k = tl.arange(0, 32)
+    lim = tl.minimum(lit, c)
+    a = tl.load(data + (p - 1 - k), mask=k < lim, other=0)
+    b = tl.load(data + (c - 1 - k), mask=k < lim, other=0)
+    return tl.min(tl.where((a != b) | (k >= lim), k, 32))
 
 
 @triton.jit
@@ -255,6 +267,7 @@ def _lz4_compress_kernel(
     MINML: tl.constexpr,
     LAZY: tl.constexpr,
     SKIP: tl.constexpr,
+    BACK: tl.constexpr,
 ):
     """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
 
@@ -377,6 +390,11 @@ def _lz4_compress_kernel(
                         mlen = tl.minimum(4 + mx, P - 5 - p)
                         if (mx == 4 * XW) & (mlen == 4 + mx):
                             mlen = _match_len(data, p, src_pos, mlen, P, EXT)
+                        if BACK:  # the match also grows backwards into its literals
+                            nb = _back_len(data, p, src_pos, p - anchor)
+                            p -= nb
+                            src_pos -= nb
+                            mlen += nb
                         off = p - src_pos
                         out = _emit(dst, data, out, anchor, p - anchor, off, mlen - 4, True, P, V)
                         pos = p + mlen
@@ -421,12 +439,14 @@ DEFAULT_PROGRAMS_PER_SM = 16  # faster than 32 on every H200 corpus
 CANDIDATE_MODES = ("atomic", "store", "store-max")
 DEFAULT_CANDIDATES = "store-max"  # H200 sweep: 1.3-1.4x "atomic", deterministic
 DEFAULT_NEAR = 4  # "store" mode: distances 1, 2, 4, 8 checked directly
-# Parse (H200, 128 MiB, bench/results/h200_parse_d3ee680): the lazy step and the window skip
-# raise the ratio (text 2.865 -> 2.944, binary 1.648 -> 1.667) and compress text 9% faster;
-# min_match 5 would cut sequences by a quarter (decode +10-17%) for 1-3% of ratio: left opt-in.
+# Parse (H200, 128 MiB, bench/results/h200_parse_*): the lazy step and the window skip raise
+# the ratio and compress faster; min_match 5 cuts sequences by a quarter (decode +10-17%) and
+# costs 1-3% of ratio, which the backward extension wins back (text: python-lz4's ratio at
+# about python-lz4's sequence count).
 DEFAULT_LAZY = True
 DEFAULT_SKIP = True
-DEFAULT_MIN_MATCH = 4
+DEFAULT_BACK = True
+DEFAULT_MIN_MATCH = 5
 
 
 def _interpreting() -> bool:
@@ -459,9 +479,10 @@ def compress_pages(
     hash_bits: int | None = None,
     candidates: str = DEFAULT_CANDIDATES,
     near: int = DEFAULT_NEAR,
-    min_match: int = DEFAULT_MIN_MATCH,
+    min_match: int | None = None,
     lazy: bool = DEFAULT_LAZY,
     skip: bool = DEFAULT_SKIP,
+    back: bool = DEFAULT_BACK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
 
@@ -479,13 +500,17 @@ def compress_pages(
     or ``"store-max"`` (the same with ``.cg`` loads and ``atomic_max``: half the L2 traffic of
     ``"atomic"``, deterministic). Parse: ``lazy`` (a match one byte later wins when it is
     known to be longer), ``skip`` (a window wholly inside a match is not hashed; the next one
-    starts at the match's end), ``min_match`` (4 to ``4 + 4 * extra_words``: shorter matches
-    stay literals; fewer, longer sequences decode faster, at some ratio).
+    starts at the match's end), ``back`` (a match grows backwards into its literals, up to 32
+    bytes, as LZ4's does), ``min_match`` (4 to ``4 + 4 * extra_words``; default
+    ``DEFAULT_MIN_MATCH``: shorter matches stay literals; fewer, longer sequences decode
+    faster, at some ratio).
     """
     if window not in (64, 128, 256, 512, 1024) or not 0 <= extra_words <= 6:
         raise ValueError(f"bad tuning: window={window}, extra_words={extra_words}")
     if candidates not in CANDIDATE_MODES or not 0 <= near <= 5:
         raise ValueError(f"bad tuning: candidates={candidates!r}, near={near}")
+    if min_match is None:  # the default, as far as extra_words lets the walk know lengths
+        min_match = min(DEFAULT_MIN_MATCH, 4 + 4 * extra_words)
     if not 4 <= min_match <= 4 + 4 * extra_words:
         raise ValueError(f"bad tuning: min_match={min_match} (4..{4 + 4 * extra_words})")
     if hash_bits is not None and not 10 <= hash_bits <= 16:
@@ -510,7 +535,7 @@ def compress_pages(
         P=page_size, PB=pb, E=element_size, KIND_LZ4=kind_lz4, HB=hb, FB=fb,
         W=window, XW=extra_words, EXT=64, V=64, CH=128, num_warps=num_warps,
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
-        AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip,
+        AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
     )
     if dev.type == "cuda":
         with torch.cuda.device(dev):
