@@ -391,10 +391,10 @@ def _lz4_compress_kernel(
                         if (mx == 4 * XW) & (mlen == 4 + mx):
                             mlen = _match_len(data, p, src_pos, mlen, P, EXT)
                         if BACK:  # the match also grows backwards into its literals
-                            nb = _back_len(data, p, src_pos, p - anchor)
-                            p -= nb
-                            src_pos -= nb
-                            mlen += nb
+                            back_n = _back_len(data, p, src_pos, p - anchor)
+                            p -= back_n
+                            src_pos -= back_n
+                            mlen += back_n
                         off = p - src_pos
                         out = _emit(dst, data, out, anchor, p - anchor, off, mlen - 4, True, P, V)
                         pos = p + mlen
