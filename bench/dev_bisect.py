@@ -1,6 +1,5 @@
 """Bisect a compressor fault: compress text pages with one tuning (argv JSON), sync, decode."""
 import json
-import random
 import sys
 
 import numpy as np
@@ -16,7 +15,8 @@ bad = 0
 for seed in range(int(sys.argv[2]) if len(sys.argv) > 2 else 8):
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(text) - 4096, (512,), generator=g)
-    pages = torch.stack([torch.from_numpy(text[s: s + 4096].copy()) for s in starts.tolist()]).cuda()
+    rows = [torch.from_numpy(text[s: s + 4096].copy()) for s in starts.tolist()]
+    pages = torch.stack(rows).cuda()
     payload, sizes, kinds = lc.compress_pages(pages, 1, **kw)
     torch.cuda.synchronize()
     out, st = D.decompress_pages(payload.view(-1), torch.arange(512, device="cuda") * 4096, sizes,
