@@ -13,6 +13,7 @@ kw = json.loads(sys.argv[1])
 text = np.frombuffer(open(fmt.__file__, "rb").read() * 64, dtype=np.uint8)
 bad = 0
 for seed in range(int(sys.argv[2]) if len(sys.argv) > 2 else 8):
+    print("seed", seed, flush=True)
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(text) - 4096, (512,), generator=g)
     rows = [torch.from_numpy(text[s: s + 4096].copy()) for s in starts.tolist()]
