@@ -226,8 +226,9 @@ def _store_candidates(
     ok = ok & (_word_at(data32, ct, ok) == word)
     c = tl.where(ok, ct, -1)
     if NEAR > 0:
-        m2 = tl.load(data32 + k0 - 2, mask=k0 >= 2, other=0)
-        m1 = tl.load(data32 + k0 - 1, mask=k0 >= 1, other=0)
+        # rows past the page end (a window that starts late, after a skip) read nothing
+        m2 = tl.load(data32 + k0 - 2, mask=(k0 >= 2) & (k0 - 2 < P // 4), other=0)
+        m1 = tl.load(data32 + k0 - 1, mask=(k0 >= 1) & (k0 - 1 < P // 4), other=0)
         l0 = tl.load(data32 + k0, mask=k0 + 1 < P // 4, other=0)
         l1 = tl.load(data32 + k0 + 1, mask=k0 + 1 < P // 4, other=0)
         for j in tl.static_range(min(NEAR, 4)):
