@@ -1,0 +1,100 @@
+"""Every load, store and atomic of the Triton kernels stays inside the tensors of the call.
+
+Runs under the CPU interpreter only: its memory operations are wrapped to check that every
+address a mask lets through lies inside one of the tensors handed to or allocated by the
+launcher (``torch.empty`` is recorded while the test runs). A read past the last page of a
+batch faults on the GPU only when that page ends an allocation, so the GPU tests can miss it;
+this check cannot. (It found the compressor reading past the page after a window skip.)
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from pages import file_pages, run_pages  # noqa: E402
+
+from triton_kernels import lz4_compress as lc  # noqa: E402
+from triton_kernels import lz4_decompress as D  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU interpreter tests")
+P = 4096
+
+
+@pytest.fixture
+def bounds(monkeypatch):
+    """Record tensors (``bounds(t)`` or any ``torch.empty``); fail on an access outside them."""
+    import triton.runtime.interpreter as interp
+
+    ranges: list[tuple[int, int]] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+        return t
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: keep(empty(*a, **k)))
+
+    def check(ptrs, mask, itemsize: int, what: str) -> None:
+        addr = np.asarray(ptrs.data).astype(np.uint64)
+        on = np.broadcast_to(np.asarray(mask.data).astype(bool), addr.shape)
+        for a in np.unique(addr[on]).tolist():
+            if not any(lo <= a and a + itemsize <= hi for lo, hi in ranges):
+                raise AssertionError(f"{what} outside every tensor of the call at {a:#x}")
+
+    b = interp.InterpreterBuilder
+    load, store, rmw = b.create_masked_load, b.create_masked_store, b.create_atomic_rmw
+
+    def checked_load(self, ptrs, mask, other, *rest):
+        size = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
+        check(ptrs, mask, size, "load")
+        return load(self, ptrs, mask, other, *rest)
+
+    def checked_store(self, ptrs, value, mask, *rest):
+        check(ptrs, mask, value.data.dtype.itemsize, "store")
+        return store(self, ptrs, value, mask, *rest)
+
+    def checked_rmw(self, op, ptr, val, mask, *rest):
+        check(ptr, mask, val.data.dtype.itemsize, "atomic")
+        return rmw(self, op, ptr, val, mask, *rest)
+
+    monkeypatch.setattr(b, "create_masked_load", checked_load)
+    monkeypatch.setattr(b, "create_masked_store", checked_store)
+    monkeypatch.setattr(b, "create_atomic_rmw", checked_rmw)
+    return keep
+
+
+def _relu_bytes(n: int, gen: torch.Generator) -> torch.Tensor:
+    """bf16 ReLU activations viewed as bytes: zero runs of every length, long matches."""
+    x = torch.randn(n * P // 2, generator=gen).relu().to(torch.bfloat16)
+    return x.view(torch.uint8).view(n, P).contiguous()
+
+
+def _late_window_page(gen: torch.Generator) -> torch.Tensor:
+    """Random bytes around a long zero run that ends ~46 bytes before the page end: the match
+    over the run ends there, and the compressor's next window starts past ``P - 64``."""
+    page = torch.randint(1, 256, (1, P), generator=gen, dtype=torch.uint8)
+    page[0, 1000:P - 46] = 0
+    return page
+
+
+@pytest.mark.parametrize("candidates, e", [("store-max", 1), ("store-max", 2), ("store", 1),
+                                            ("atomic", 1)])
+def test_compress_and_decode_stay_in_bounds(bounds, gen, candidates, e):
+    pages = bounds(torch.cat([file_pages("text", 1, P, gen), run_pages(1, P, gen),
+                              _relu_bytes(2, gen), _late_window_page(gen)]))  # the last page
+    payload, sizes, kinds = lc.compress_pages(pages, e, candidates=candidates)
+    n = pages.shape[0]
+    offsets = bounds(torch.arange(n, dtype=torch.int64) * P)
+    out = bounds(torch.full((n, P), 0xA5, dtype=torch.uint8))
+    status = bounds(torch.full((n,), -1, dtype=torch.int32))
+    for lean in (1, 2):
+        D.decompress_into(payload.view(-1), offsets, sizes, kinds, out, status, lean=lean)
+        assert not status.any()
+        if e == 1:
+            assert torch.equal(out, pages)
