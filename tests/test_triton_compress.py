@@ -165,6 +165,15 @@ def _model(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW, **m
     return payload, sizes, kinds
 
 
+def _read_ext(block: bytes, ip: int, n: int) -> tuple[int, int]:
+    """Add the length-extension bytes at ``block[ip:]`` to ``n``; returns ``(n, next ip)``."""
+    while True:
+        n += block[ip]
+        ip += 1
+        if block[ip - 1] != 255:
+            return n, ip
+
+
 def _sequences(block: bytes, size: int):
     """Parse an LZ4 block; assert the end rules. Returns ``[(lit_len, offset, match_len)]``."""
     seqs, ip, op = [], 0, 0
@@ -173,11 +182,7 @@ def _sequences(block: bytes, size: int):
         ip += 1
         lit = token >> 4
         if lit == 15:
-            while True:
-                lit += block[ip]
-                ip += 1
-                if block[ip - 1] != 255:
-                    break
+            lit, ip = _read_ext(block, ip, lit)
         ip += lit
         op += lit
         if ip == len(block):
@@ -189,11 +194,7 @@ def _sequences(block: bytes, size: int):
         assert 1 <= off <= op, f"bad offset {off} at {op}"
         ml = (token & 15) + 4
         if token & 15 == 15:
-            while True:
-                ml += block[ip]
-                ip += 1
-                if block[ip - 1] != 255:
-                    break
+            ml, ip = _read_ext(block, ip, ml)
         op += ml
         assert op <= size - 5, f"match ends at {op}, inside the last 5 bytes"
         seqs.append((lit, off, ml))

@@ -328,6 +328,18 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
 
 
 @triton.jit
+def _decode_plain(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.constexpr,
+                  EXT: tl.constexpr, LEAN: tl.constexpr):
+    """Contiguous decode of one block: ``LEAN`` 0 ``_decode_lz4``, 1 ``_decode_lz4_lean``, 2 the
+    lean decoder with its fast loop."""
+    if LEAN != 0:
+        st = _decode_lz4_lean(src, end, row, P, VEC, BIG, EXT, LEAN == 2)
+    else:
+        st = _decode_lz4(src, end, row, P, False, 0, 0, VEC, BIG, EXT)
+    return st
+
+
+@triton.jit
 def _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, P: tl.constexpr):
     """``(off int64, size int32, kind int32, status)`` of page ``pid``: BAD_KIND / BAD_SIZE / OK."""
     off = tl.load(offsets_ptr + pid).to(tl.int64)
@@ -372,10 +384,7 @@ def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
         if st == 0:
             if codec == 1:
                 if shift == 0:
-                    if LEAN != 0:
-                        st = _decode_lz4_lean(src, size, row, P, VEC, BIG, EXT, LEAN == 2)
-                    else:
-                        st = _decode_lz4(src, size, row, P, False, 0, 0, VEC, BIG, EXT)
+                    st = _decode_plain(src, size, row, P, VEC, BIG, EXT, LEAN)
                 elif not SPLIT:
                     glog = PLOG - 3 - shift
                     st = _decode_lz4(src, size, row, P, True, glog, 3 + shift, VEC, BIG, EXT)
@@ -416,10 +425,7 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
         row = pages_ptr + pid.to(tl.int64) * P
         if st == 0:
             if TILE:
-                if LEAN != 0:
-                    st = _decode_lz4_lean(src, size, row, P, VEC, BIG, EXT, LEAN == 2)
-                else:
-                    st = _decode_lz4(src, size, row, P, False, 0, 0, VEC, BIG, EXT)
+                st = _decode_plain(src, size, row, P, VEC, BIG, EXT, LEAN)
                 if st == 0:
                     tl.debug_barrier()
                     if shift == 1:
