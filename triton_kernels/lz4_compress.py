@@ -40,8 +40,9 @@ Design: one warp owns one page at a time (``num_warps=1``: warp-wide reductions 
    hold by construction: matches start at most at ``P - 12`` and end at most at ``P - 5``;
    offsets are ``1..P - 12`` (so at most 65524 for 64 KiB pages).
    Lazy step (default): when the match found is short (known length < ``4 + 4 * XW``), the
-   next position's candidate is taken instead if it is known to be longer (python-lz4's blocks
-   are then no larger than ours on text). A window that the last match ran past is not
+   next position's candidate is taken instead if it is known to be longer. Matches shorter
+   than ``min_match`` (default 5) stay literals: fewer sequences, faster decoding. A window
+   that the last match ran past is not
    hashed at all: the next window starts at the match's end (4-aligned), as LZ4 skips the
    positions inside a match.
    A chosen match then grows backwards into its literals (up to 32 bytes; LZ4's "catch up"),
