@@ -340,6 +340,38 @@ def _decode_plain(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.con
 
 
 @triton.jit
+def _decode_transposed(src, end, row, shift, P: tl.constexpr, PLOG: tl.constexpr,
+                       VEC: tl.constexpr, BIG: tl.constexpr, EXT: tl.constexpr):
+    """Decode of a shuffled block straight into the transposed layout the group unshuffles
+    expect (byte ``g`` of bit plane ``b`` at ``g * 8E + b``; ``E = 1 << shift``)."""
+    glog = PLOG - 3 - shift
+    return _decode_lz4(src, end, row, P, True, glog, 3 + shift, VEC, BIG, EXT)
+
+
+@triton.jit
+def _unshuffle_e(row, P: tl.constexpr, E: tl.constexpr, T: tl.constexpr, HOW: tl.constexpr):
+    if HOW == 0:
+        unshuffle_groups(row, P, E, T)
+    elif HOW == 1:
+        unshuffle_groups64(row, P, E, T)
+    else:
+        unshuffle_page(row, P, E, T)
+
+
+@triton.jit
+def _unshuffle_row(row, P: tl.constexpr, shift, T: tl.constexpr, HOW: tl.constexpr):
+    """Unshuffle a decoded row in place (element size ``1 << shift``, 2 or 4), after a barrier
+    for the decode's stores. ``HOW``: 0 ``unshuffle_groups`` and 1 ``unshuffle_groups64``
+    (transposed decode, ``T`` groups per step), 2 ``unshuffle_page`` (plain decode, ``T``
+    planes per step)."""
+    tl.debug_barrier()
+    if shift == 1:
+        _unshuffle_e(row, P, 2, T, HOW)
+    else:
+        _unshuffle_e(row, P, 4, T, HOW)
+
+
+@triton.jit
 def _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, P: tl.constexpr):
     """``(off int64, size int32, kind int32, status)`` of page ``pid``: BAD_KIND / BAD_SIZE / OK."""
     off = tl.load(offsets_ptr + pid).to(tl.int64)
@@ -386,14 +418,9 @@ def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
                 if shift == 0:
                     st = _decode_plain(src, size, row, P, VEC, BIG, EXT, LEAN)
                 elif not SPLIT:
-                    glog = PLOG - 3 - shift
-                    st = _decode_lz4(src, size, row, P, True, glog, 3 + shift, VEC, BIG, EXT)
+                    st = _decode_transposed(src, size, row, shift, P, PLOG, VEC, BIG, EXT)
                     if st == 0:
-                        tl.debug_barrier()
-                        if shift == 1:
-                            unshuffle_groups(row, P, 2, GT)
-                        else:
-                            unshuffle_groups(row, P, 4, GT)
+                        _unshuffle_row(row, P, shift, GT, 0)
             elif codec == 0:
                 for k in range(0, P, RAW_BLOCK):
                     tl.store(row + k + ar, tl.load(src + k + ar))
@@ -427,20 +454,11 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
             if TILE:
                 st = _decode_plain(src, size, row, P, VEC, BIG, EXT, LEAN)
                 if st == 0:
-                    tl.debug_barrier()
-                    if shift == 1:
-                        unshuffle_page(row, P, 2, TJ)
-                    else:
-                        unshuffle_page(row, P, 4, TJ)
+                    _unshuffle_row(row, P, shift, TJ, 2)
             else:
-                glog = PLOG - 3 - shift
-                st = _decode_lz4(src, size, row, P, True, glog, 3 + shift, VEC, BIG, EXT)
+                st = _decode_transposed(src, size, row, shift, P, PLOG, VEC, BIG, EXT)
                 if st == 0:
-                    tl.debug_barrier()
-                    if shift == 1:
-                        unshuffle_groups64(row, P, 2, GT)
-                    else:
-                        unshuffle_groups64(row, P, 4, GT)
+                    _unshuffle_row(row, P, shift, GT, 1)
         if st != 0:
             _zero_row(row, P, RAW_BLOCK)
         tl.store(status_ptr + pid, st)
