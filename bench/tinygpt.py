@@ -4,7 +4,8 @@ Pre-norm blocks (LayerNorm, causal multi-head attention, LayerNorm, GELU MLP), b
 vocabulary, ``d_model = 512``, 8 heads, MLP width 2048. Initialised as GPT-2 is (normal with
 std 0.02, residual projections scaled by ``1/sqrt(2 L)``, zero biases, unit LayerNorm gains);
 it is not trained. Written functionally (plain tensors, no ``nn.Module``) so that weights of
-any size come straight out in bf16 and every intermediate can be captured.
+any size come straight out in bf16 and every intermediate can be captured. :class:`Block` is
+the same block as an ``nn.Module``, for the training bench and the offload tests.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 D_MODEL = 512
@@ -79,6 +81,34 @@ def forward(p: dict, tokens: torch.Tensor, layers: int, sink: dict[str, list]) -
         x = x + F.linear(u, p[f"h{i}.fc2.w"], p[f"h{i}.fc2.b"])
         sink["act"] += [x.to(torch.bfloat16), u.to(torch.bfloat16)]
     return F.layer_norm(x, (D_MODEL,), p["lnf.w"], p["lnf.b"])
+
+
+class Block(nn.Module):
+    """Pre-norm GPT block: ``[B, S, d]`` -> ``[B, S, d]``.
+
+    ``sdpa``: attention by ``F.scaled_dot_product_attention`` (fast; the flash backward is not
+    bit-deterministic) or written out (deterministic on every device). ``gelu``: the
+    ``approximate`` argument of ``F.gelu``.
+    """
+
+    def __init__(self, d: int, heads: int, sdpa: bool = True, gelu: str = "tanh"):
+        super().__init__()
+        self.heads, self.sdpa, self.gelu = heads, sdpa, gelu
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if self.sdpa:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+            a = att.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate=self.gelu))
 
 
 _BYTES_PER_TOKEN = {"act": LAYERS * (D_MODEL + MLP) * 2, "kv": LAYERS * 2 * D_MODEL * 2}

@@ -37,22 +37,8 @@ GIB = 1 << 30
 def build_model(args):
     import torch
     import torch.nn as nn
-    import torch.nn.functional as F
 
-    class Block(nn.Module):
-        def __init__(self, d: int, heads: int):
-            super().__init__()
-            self.heads = heads
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            b, s, d = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+    from bench.tinygpt import Block
 
     class GPT(nn.Module):
         def __init__(self):

@@ -7,7 +7,6 @@ weights and inputs (the seed is printed).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -17,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from bench.tinygpt import Block
 from torch_pagecomp.offload import ActivationOffloader, keep_on_gpu, offload_activations
 from torch_pagecomp.offload_wrap import offload_module
 
@@ -25,30 +25,12 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 MODES = ("compressed", "uncompressed")
 
 
-class Block(nn.Module):
-    """Pre-norm GPT block; attention written out (deterministic backward on every device)."""
-
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        att = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        att = att.masked_fill(mask, float("-inf")).softmax(-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
 class GPT(nn.Module):
     def __init__(self, d: int = 48, heads: int = 4, layers: int = 3, ckpt: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        # attention written out: a deterministic backward on every device
+        self.blocks = nn.ModuleList(Block(d, heads, sdpa=False, gelu="none")
+                                    for _ in range(layers))
         self.head = nn.Linear(d, 1)
         self.ckpt = ckpt
 
