@@ -92,6 +92,19 @@ def _ext_long(src, p, end, acc, st, EXT: tl.constexpr):
 
 
 @triton.jit
+def _read_ext(src, p, end, n, st, EXT: tl.constexpr):
+    """A length field's extension at ``src[p:end]`` added to ``n``: one scalar load when it is a
+    single byte (most are), ``_ext_long`` otherwise. Returns ``(n, p after it, st)``."""
+    b = tl.load(src + p, mask=p < end, other=255).to(tl.int32)
+    if b == 255:
+        n, p, st = _ext_long(src, p, end, n, st, EXT)
+    else:
+        n += b
+        p += 1
+    return n, p, st
+
+
+@triton.jit
 def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift,
                 VEC: tl.constexpr, BIG: tl.constexpr, EXT: tl.constexpr):
     """Decode the LZ4 block ``src[0:end]`` (``end >= 1``) into ``row`` (``P`` bytes); returns the
@@ -115,12 +128,7 @@ def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift
         lit = tok >> 4
         p = ip + 1
         if lit == 15:
-            b = tl.load(src + p, mask=p < end, other=255).to(tl.int32)
-            if b == 255:
-                lit, p, st = _ext_long(src, p, end, lit, st, EXT)
-            else:
-                lit += b
-                p += 1
+            lit, p, st = _read_ext(src, p, end, lit, st, EXT)
         st = tl.where(st == _RUN, tl.where(lit > end - p, _TRUNCATED,
                                            tl.where(lit > P - op, _OVERFLOW, _RUN)), st)
         ok = st == _RUN
@@ -153,12 +161,7 @@ def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift
         p = q + 2  # only used while st == _RUN, and then q + 2 <= end
         ml = tok & 15
         if (st == _RUN) & (ml == 15):
-            b = tl.load(src + p, mask=p < end, other=255).to(tl.int32)
-            if b == 255:
-                ml, p, st = _ext_long(src, p, end, ml, st, EXT)
-            else:
-                ml += b
-                p += 1
+            ml, p, st = _read_ext(src, p, end, ml, st, EXT)
         ml += 4
         st = tl.where(st == _RUN, tl.where(ml > P - op, _OVERFLOW,
                                            tl.where(p >= end, _TRUNCATED, _RUN)), st)
@@ -254,12 +257,7 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
         lit = tok >> 4
         p = ip + 1
         if lit == 15:
-            b = tl.load(src + p, mask=p < end, other=255).to(tl.int32)
-            if b == 255:
-                lit, p, st = _ext_long(src, p, end, lit, st, EXT)  # TRUNCATED: p == end
-            else:
-                lit += b
-                p += 1
+            lit, p, st = _read_ext(src, p, end, lit, st, EXT)  # TRUNCATED: p == end
         if (lit > end - p) | (lit > P - op):  # also taken after a truncated extension
             st = tl.where(st != _RUN, st, tl.where(lit > end - p, _TRUNCATED, _OVERFLOW))
             lit = 0
@@ -285,12 +283,7 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
                                    tl.where(~has_off, _TRUNCATED, _BAD_OFFSET)))
             ml = P  # the next rare branch is taken too (ml + 4 > P - op)
         if ml == 15:
-            b = tl.load(src + p, mask=p < end, other=255).to(tl.int32)
-            if b == 255:
-                ml, p, st = _ext_long(src, p, end, ml, st, EXT)  # TRUNCATED: p == end
-            else:
-                ml += b
-                p += 1
+            ml, p, st = _read_ext(src, p, end, ml, st, EXT)  # TRUNCATED: p == end
         ml += 4
         if (ml > P - op) | (p >= end):  # also taken by every failed or finished page
             st = tl.where(st != _RUN, st, tl.where(ml > P - op, _OVERFLOW, _TRUNCATED))
