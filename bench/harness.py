@@ -26,7 +26,7 @@ from torch_pagecomp.shuffle import bitshuffle
 
 from . import baselines, corpora
 from . import nvcomp as nvc
-from .timing import gbps, measure, median, progress
+from .timing import MAX_CALLS, WINDOW_S, gbps, host_seconds, measure, median, progress
 
 CODECS = ("pagecomp", "nvcomp", "lz4-cpu", "lz4-cpu-mt", "copies")
 _VERIFY_CHUNK = 1024  # pages decoded with python-lz4 per step (bounds host memory)
@@ -115,7 +115,8 @@ def environment(device: torch.device, cfg: Config, nv_version: str | None) -> di
         "mib_per_corpus": cfg.mib,
         "seed": cfg.seed,
         "gpu_status": {"usable": status.usable, "reason": status.reason},
-        "timing": (f"CUDA events, median of up to {cfg.repeats} runs after {cfg.warmup} warm-up"
+        "timing": (f"CUDA events, median of up to {cfg.repeats} windows of back-to-back calls "
+                   f"(>= {WINDOW_S * 1e3:g} ms or {MAX_CALLS} calls) after {cfg.warmup} warm-up"
                    if device.type == "cuda" else
                    f"perf_counter, median of up to {cfg.repeats} runs after {cfg.warmup} warm-up")
                   + f", at most {cfg.budget_s:g} s of timed runs per measurement",
@@ -227,12 +228,16 @@ def nvcomp_interop(plan: nvc.LZ4Plan, pages: torch.Tensor, sample: list[int],
 
 
 # ---------------------------------------------------------------------------- codecs
-def _times(ctimes: list[float], dtimes: list[float], nbytes: int) -> dict:
+def _times(ctimes: list[float], dtimes: list[float], nbytes: int, comp, decomp, dev) -> dict:
+    """Speeds from the timed windows, and on the GPU each call's host time to enqueue (µs)."""
+    cuda = dev.type == "cuda"
     return {
         "compress_gbps": gbps(nbytes, median(ctimes)),
         "decompress_gbps": gbps(nbytes, median(dtimes)),
         "compress_s": ctimes,
         "decompress_s": dtimes,
+        "compress_host_us": host_seconds(comp, dev) * 1e6 if cuda else None,
+        "decompress_host_us": host_seconds(decomp, dev) * 1e6 if cuda else None,
     }
 
 
@@ -242,10 +247,10 @@ def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample) 
     be = cfg.pagecomp_backend
     backend = pc.select_backend(n, dev) if be == "auto" else be
     c = pc.compress(pages, element_size=element_size, backend=be)
-    ctimes = measure(lambda: pc.compress(pages, element_size=element_size, backend=be), dev,
-                     cfg.repeats, cfg.warmup, cfg.budget_s)
-    dtimes = measure(lambda: pc.decompress(c, return_status=True, backend=be), dev,
-                     cfg.repeats, cfg.warmup, cfg.budget_s)
+    comp = lambda: pc.compress(pages, element_size=element_size, backend=be)  # noqa: E731
+    decomp = lambda: pc.decompress(c, return_status=True, backend=be)  # noqa: E731
+    ctimes = measure(comp, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
+    dtimes = measure(decomp, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
     out, status = pc.decompress(c, return_status=True, backend=be)
     roundtrip = bool((status == 0).all()) and torch.equal(out, pages)
     blocks_ok, checked = check_pagecomp_blocks(c, pages, sample)
@@ -254,7 +259,7 @@ def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample) 
     return {
         "ratio": c.ratio(),
         "stored_bytes": c.compressed_nbytes(),
-        **_times(ctimes, dtimes, n * p),
+        **_times(ctimes, dtimes, n * p, comp, decomp, dev),
         "roundtrip_ok": roundtrip and blocks_ok,
         "roundtrip_all_pages": roundtrip,
         "lz4_block_check": {"ok": blocks_ok, "pages_checked": checked},
@@ -277,7 +282,7 @@ def bench_nvcomp(nv, pages: torch.Tensor, width: int, cfg: Config, sample) -> di
     row = {
         "ratio": n * p / max(1, stored),
         "stored_bytes": stored,
-        **_times(ctimes, dtimes, n * p),
+        **_times(ctimes, dtimes, n * p, plan.compress, plan.decompress, dev),
         "roundtrip_ok": compress_ok and plan.roundtrip_ok(),
         "nvcomp_version": nv.version,
         "chunk_bytes": p,

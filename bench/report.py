@@ -9,6 +9,7 @@ JSON shape: header fields (``device``, ``driver``, ``torch``, ``triton``, ``comm
 ``codec`` in ``pagecomp | nvcomp | lz4-cpu | lz4-cpu-mt``, ``element_size`` (the width the
 codec was told: pagecomp's ``element_size``, nvCOMP's bit-shuffle width; 1 = plain bytes),
 ``corpus_element_size``, ``ratio``, ``compress_gbps``, ``decompress_gbps``, ``roundtrip_ok``,
+``compress_host_us`` / ``decompress_host_us`` (GPU codecs: host time to enqueue one call),
 ``skipped`` when the codec could not run) and ``copies`` (copy ceilings, ``gbps`` one-way).
 """
 
@@ -42,7 +43,7 @@ def format_table(report: dict) -> str:
     if report.get("nvcomp_absent"):
         lines.append(f"{'nvcomp':15s} ABSENT: {report['nvcomp_absent']}")
     head = (f"{'corpus':12s} {'codec':27s} {'ratio':>7s} {'comp GB/s':>10s} {'decomp GB/s':>11s}"
-            f" {'vs nvCOMP c / d / ratio':>24s}  {'ok':4s} note")
+            f" {'vs nvCOMP c / d / ratio':>24s} {'host us c/d':>11s}  {'ok':4s} note")
     lines += ["", head, "-" * len(head)]
     last = None
     for r in report.get("results", []):
@@ -63,10 +64,12 @@ def format_table(report: dict) -> str:
             note = "interop " + ",".join(f"{k}={v}" for k, v in r["interop"].items()
                                          if isinstance(v, bool))
         ok = "-" if r.get("roundtrip_ok") is None else ("yes" if r["roundtrip_ok"] else "NO")
+        host = (f"{r['compress_host_us']:.0f}/{r['decompress_host_us']:.0f}"
+                if r.get("compress_host_us") is not None else "")
         lines.append(
             f"{r['corpus']:12s} {r.get('label', r['codec']):27s} {_num(r['ratio'], '{:.3f}'):>7s}"
             f" {_num(r['compress_gbps']):>10s} {_num(r['decompress_gbps']):>11s} {vs_s:>24s}"
-            f"  {ok:4s} {note}"
+            f" {host:>11s}  {ok:4s} {note}"
         )
     copies = report.get("copies") or []
     if copies:

@@ -1,13 +1,36 @@
-"""Timing: CUDA events on the GPU, ``perf_counter`` on the CPU; medians after warm-up."""
+"""Timing: CUDA events on the GPU, ``perf_counter`` on the CPU; medians after warm-up.
+
+On the GPU a timed window holds several back-to-back calls (as an async op runs in a real
+program: the host enqueues the next call while the GPU runs this one), so the window measures
+the GPU's time per call, not the host's time to get each call started. That host time is
+measured apart (:func:`host_seconds`) and reported beside it: a call whose host time exceeds its
+GPU time is host-bound at that batch size.
+"""
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import torch
+
+WINDOW_S = 0.004  # GPU seconds per timed window (back-to-back calls) at least, where possible
+MAX_CALLS = 32  # calls per timed window at most
+
+
+def _window(fn: Callable[[], object], calls: int) -> float:
+    """GPU seconds per call over ``calls`` back-to-back calls, bracketed by events."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
 
 
 def measure(
@@ -20,28 +43,42 @@ def measure(
     """Seconds per call of ``fn``: ``warmup`` untimed calls, then up to ``repeats`` timed ones.
 
     Stops repeating once the timed calls have taken ``budget_s`` (at least one is timed). On a
-    CUDA device each call is bracketed by events on the current stream; ``fn`` only enqueues.
+    CUDA device ``fn`` only enqueues, and each timed value is one window of back-to-back calls
+    (enough for ``WINDOW_S``, at most ``MAX_CALLS``) divided by its number of calls.
     """
     for _ in range(warmup):
         fn()
     cuda = device.type == "cuda"
+    calls = 1
     if cuda:
         torch.cuda.synchronize(device)
+        one = _window(fn, 1)
+        calls = max(1, min(MAX_CALLS, math.ceil(WINDOW_S / max(one, 1e-9))))
     times: list[float] = []
-    while len(times) < max(1, repeats) and (not times or sum(times) < budget_s):
+    while len(times) < max(1, repeats) and (not times or sum(times) * calls < budget_s):
         if cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+            times.append(_window(fn, calls))
         else:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
     return times
+
+
+def host_seconds(fn: Callable[[], object], device: torch.device, calls: int = 16) -> float:
+    """Host seconds to enqueue one call of ``fn`` (median of ``calls``; the GPU is idle at the
+    start of each, so this is the call's own overhead, not a wait for earlier work)."""
+    cuda = device.type == "cuda"
+    times = []
+    for _ in range(calls):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return statistics.median(times)
 
 
 def median(times: list[float]) -> float:

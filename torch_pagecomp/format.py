@@ -151,8 +151,8 @@ class CompressedPages:
         """``int64 [N]``: where each page starts in ``payload.view(-1)``."""
         if self.offsets is not None:
             return self.offsets[:-1]
-        n = self.num_pages
-        return torch.arange(n, device=self.sizes.device, dtype=torch.int64) * self.page_size
+        n, p = self.num_pages, self.page_size
+        return torch.arange(0, n * p, p, device=self.sizes.device, dtype=torch.int64)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> CompressedPages:
         """Move every tensor to ``device``."""
