@@ -107,3 +107,41 @@ def pack(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
     from triton_kernels.pack import pack_pages
 
     return pack_pages(payload, sizes)
+
+
+# ------------------------------------------------------------------- eager entry points
+# For eager callers that enqueue on their own streams (the pipeline): the same kernels and
+# results as the ops above, without the operator dispatch and with the kernel launched directly
+# (measured on an H200 host: ~140 us of host time per op call, about half of it the dispatch),
+# which bounds how fast small batches can be issued. Not traceable: never call from a model.
+def compress_eager(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """As ``torch.ops.pagecomp.compress``."""
+    if not _use_triton(pages):
+        return torch.ops.pagecomp.compress(pages, element_size)
+    from triton_kernels.lz4_compress import compress_pages
+
+    return compress_pages(pages, element_size, traced=False)
+
+
+def pack_eager(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
+    """As ``torch.ops.pagecomp.pack``."""
+    if not _use_triton(payload):
+        return torch.ops.pagecomp.pack(payload, sizes)
+    from triton_kernels.pack import pack_pages
+
+    return pack_pages(payload, sizes, traced=False)
+
+
+def decompress_into_eager(
+    payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, pages: Tensor, status: Tensor
+) -> None:
+    """As ``torch.ops.pagecomp.decompress``, written into ``pages`` ``uint8 [N, P]`` (contiguous)
+    and ``status`` ``int32 [N]`` on the current stream."""
+    if not _use_triton(payload):
+        got, st = torch.ops.pagecomp.decompress(payload, offsets, sizes, kinds, pages.shape[1])
+        pages.copy_(got)
+        status.copy_(st)
+        return
+    from triton_kernels.lz4_decompress import decompress_into
+
+    decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)

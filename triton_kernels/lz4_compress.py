@@ -69,6 +69,7 @@ import triton.language as tl
 from torch_pagecomp import format as fmt
 
 from .bitshuffle import bitshuffle_page
+from .launch import launch
 
 
 @triton.jit
@@ -485,6 +486,7 @@ def compress_pages(
     lazy: bool = DEFAULT_LAZY,
     skip: bool = DEFAULT_SKIP,
     back: bool = DEFAULT_BACK,
+    traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
 
@@ -505,7 +507,8 @@ def compress_pages(
     starts at the match's end), ``back`` (a match grows backwards into its literals, up to 32
     bytes, as LZ4's does), ``min_match`` (4 to ``4 + 4 * extra_words``; default
     ``DEFAULT_MIN_MATCH``: shorter matches stay literals; fewer, longer sequences decode
-    faster, at some ratio).
+    faster, at some ratio). ``traced=False`` launches directly (eager callers outside the ops:
+    see ``triton_kernels.launch``).
     """
     if window not in (64, 128, 256, 512, 1024) or not 0 <= extra_words <= 6:
         raise ValueError(f"bad tuning: window={window}, extra_words={extra_words}")
@@ -531,7 +534,6 @@ def compress_pages(
     shuf_rows = grid if element_size > 1 else 1
     shuf = torch.empty((shuf_rows, page_size), dtype=torch.uint8, device=dev)
     kind_lz4 = fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4)
-    kernel = torch.library.wrap_triton(_lz4_compress_kernel)
     args = (pages, payload, sizes, kinds, tabs, shuf, n)
     meta = dict(
         P=page_size, PB=pb, E=element_size, KIND_LZ4=kind_lz4, HB=hb, FB=fb,
@@ -539,9 +541,5 @@ def compress_pages(
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
     )
-    if dev.type == "cuda":
-        with torch.cuda.device(dev):
-            kernel[(grid,)](*args, **meta)
-    else:
-        kernel[(grid,)](*args, **meta)
+    launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds

@@ -32,11 +32,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from torch_pagecomp import format as fmt
 
 from .bitunshuffle import unshuffle_groups, unshuffle_groups64, unshuffle_page
+from .launch import launch
 
 VEC = 32  # bytes per copy step of a short literal run or match (one per lane of the warp)
 # bytes per step of the rest of a long run: 128 was up to 9% faster than 256 on an H200; the CPU
@@ -481,13 +481,14 @@ def shuffled_constants(page_size: int, tile: bool | None = None,
 def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
                     kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor, *,
                     lean: bool | None = None, split: bool | None = None,
-                    tile: bool | None = None) -> None:
+                    tile: bool | None = None, traced: bool = True) -> None:
     """Decode into caller-provided outputs: ``pages`` ``uint8 [N, P]`` (contiguous),
     ``status`` ``int32 [N]``; other arguments as :func:`decompress_pages`. The knobs (module
     defaults ``LEAN``, ``SPLIT``, ``TILE`` when ``None``): ``lean`` decodes plain LZ4 pages with
     ``_decode_lz4_lean``; ``split`` decodes shuffled pages in a second launch, where ``tile``
     unshuffles whole pages (``P <= TILE_MAX_PAGE``) after a plain decode. Every combination
-    gives the same bytes and statuses."""
+    gives the same bytes and statuses. ``traced=False``: launch directly (eager callers outside
+    the ops; see ``triton_kernels.launch``)."""
     n, page_size = pages.shape
     fmt.check_page_size(page_size)
     if n == 0:
@@ -498,16 +499,12 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
     if split:
         launches.append((_decompress_shuffled_kernel, shuffled_constants(page_size, tile, lean)))
     for kernel, consts in launches:
-        launch = wrap_triton(kernel)[(n,)]
-        if payload.device.type == "cuda" and not torch.compiler.is_compiling():
-            with torch.cuda.device(payload.device):  # Triton launches on the device's stream
-                launch(*args, **consts)
-        else:  # compiled code sets the device itself
-            launch(*args, **consts)
+        launch(kernel, (n,), payload.device, args, consts, traced)
 
 
 def decompress_pages(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
-                     kinds: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     kinds: torch.Tensor, page_size: int,
+                     traced: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``N`` stored pages.
 
     Args:
@@ -515,11 +512,12 @@ def decompress_pages(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.
         offsets: ``int64 [N]``, start of page ``i`` in ``payload``.
         sizes: ``int32 [N]``, stored bytes; kinds: ``uint8 [N]`` (see ``torch_pagecomp.format``).
         page_size: ``P``, a power of two from 4096 to 65536.
+        traced: ``False`` launches directly (see ``triton_kernels.launch``).
     Returns:
         ``(pages uint8 [N, P], status int32 [N])``; a failed page (status != 0) is all zeros.
     """
     n = sizes.shape[0]
     pages = torch.empty((n, page_size), dtype=torch.uint8, device=payload.device)
     status = torch.empty((n,), dtype=torch.int32, device=payload.device)
-    decompress_into(payload, offsets, sizes, kinds, pages, status)
+    decompress_into(payload, offsets, sizes, kinds, pages, status, traced=traced)
     return pages, status

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+
+from .launch import launch
 
 
 @triton.jit
@@ -34,12 +35,14 @@ def pack_pages_kernel(
     tl.store(packed_ptr + dst + idx, data, mask=mask)
 
 
-def pack_pages(payload: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_pages(payload: torch.Tensor, sizes: torch.Tensor,
+               traced: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack a fixed-stride payload.
 
     Args:
         payload: ``uint8 [N, P]`` fixed-stride payload.
         sizes: ``int32 [N]`` stored bytes per page (clamped to ``[0, P]``).
+        traced: ``False`` launches directly (see ``triton_kernels.launch``).
     Returns:
         ``(packed uint8 [N * P], offsets int64 [N + 1])``; page ``i`` is
         ``packed[offsets[i]:offsets[i + 1]]`` and bytes past ``offsets[N]`` are zero.
@@ -51,7 +54,6 @@ def pack_pages(payload: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor
     if n:
         block = 1024
         grid = (n, triton.cdiv(page_size, block))
-        wrap_triton(pack_pages_kernel)[grid](
-            payload, sizes, offsets, packed, PAGE_SIZE=page_size, BLOCK=block
-        )
+        launch(pack_pages_kernel, grid, payload.device, (payload, sizes, offsets, packed),
+               dict(PAGE_SIZE=page_size, BLOCK=block), traced)
     return packed, offsets
