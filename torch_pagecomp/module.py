@@ -34,12 +34,14 @@ def dtype_element_size(dtype: torch.dtype) -> int:
 
 
 def default_batch_pages(device: torch.device, page_size: int) -> int:
-    """Pages per batch: ~256 KiB per multiprocessor (8..64 MiB, <= 1/256 of the card's
-    memory) on a GPU, so a batch fills the card and three slots stay small; 1 MiB on the CPU."""
+    """Pages per batch: ~512 KiB per multiprocessor (8..64 MiB, <= 1/256 of the card's
+    memory) on a GPU; 1 MiB on the CPU. A batch fills the card several times over and its
+    kernel outlasts the host's work to issue it (~0.4 ms per batch measured on an H200 host:
+    at 256 KiB per multiprocessor a restore was host-bound), while three slots stay small."""
     if device.type != "cuda":
         return max(1, (1 << 20) // page_size)
     props = torch.cuda.get_device_properties(device)
-    target = min(max(props.multi_processor_count * (256 << 10), 8 << 20), 64 << 20)
+    target = min(max(props.multi_processor_count * (512 << 10), 8 << 20), 64 << 20)
     target = min(target, props.total_memory // 256)
     return max(1, target // page_size)
 
