@@ -33,6 +33,8 @@ from torch_pagecomp.backend import gpu_status
 from torch_pagecomp.module import PageCompressor
 from torch_pagecomp.timing import overlapping_slots
 
+from .harness import commit_id
+
 DEFAULT_CORPORA = ["mixed", "text", "binary", "bf16-randn", "random"]
 
 
@@ -222,7 +224,8 @@ def table(report: dict) -> str:
             for r in report["results"]]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(head)]
-    lines = [f"# {report['env']['device']} | torch {report['env']['torch']} | "
+    lines = [f"# {report['env']['device']} | commit {report['env'].get('commit')} | "
+             f"torch {report['env']['torch']} | "
              f"{report['env']['date']} | {report['mib']} MiB per corpus, "
              f"{report['page_size']}-byte pages | GB/s = uncompressed bytes / wall time"]
     lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
@@ -277,7 +280,7 @@ def environment(device: torch.device) -> dict:
     status = gpu_status()
     return {"device": name, "torch": torch.__version__, "triton": tv,
             "python": platform.python_version(), "cuda": torch.version.cuda,
-            "gpu_path": status.reason,
+            "gpu_path": status.reason, "commit": commit_id(None),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 

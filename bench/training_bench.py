@@ -205,11 +205,9 @@ def header(args) -> dict:
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001
         triton_version = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
-    except OSError:
-        commit = None
+    from .harness import commit_id
+
+    commit = commit_id(None)
     return {
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch": torch.__version__,

@@ -415,8 +415,13 @@ def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
                     if st == 0:
                         _unshuffle_row(row, P, shift, GT, 0)
             elif codec == 0:
-                for k in range(0, P, RAW_BLOCK):
-                    tl.store(row + k + ar, tl.load(src + k + ar))
+                if (off & 15) == 0:  # 16-byte loads (a fixed-stride payload's pages all are)
+                    a16 = payload_ptr + tl.multiple_of(off, 16)
+                    for k in range(0, P, RAW_BLOCK):
+                        tl.store(row + k + ar, tl.load(a16 + k + ar))
+                else:
+                    for k in range(0, P, RAW_BLOCK):
+                        tl.store(row + k + ar, tl.load(src + k + ar))
             else:
                 b = tl.load(src)
                 for k in range(0, P, RAW_BLOCK):
