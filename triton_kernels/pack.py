@@ -14,6 +14,9 @@ import triton.language as tl
 
 from .launch import launch
 
+PACK_BLOCK = 1024  # bytes per program (divides every page size)
+PACK_WARPS = 1  # 32 bytes per lane: two 16-byte loads, 32 byte stores
+
 
 @triton.jit
 def pack_pages_kernel(
@@ -25,14 +28,16 @@ def pack_pages_kernel(
     BLOCK: tl.constexpr,
 ):
     page = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    start = tl.program_id(1) * BLOCK
     size = tl.load(sizes_ptr + page)
     size = tl.minimum(tl.maximum(size, 0), PAGE_SIZE)  # garbage sizes never read past the row
-    dst = tl.load(offsets_ptr + page)
-    idx = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < size
-    data = tl.load(payload_ptr + page * PAGE_SIZE + idx, mask=mask)
-    tl.store(packed_ptr + dst + idx, data, mask=mask)
+    if start < size:  # chunks past the stored bytes have nothing to copy
+        dst = tl.load(offsets_ptr + page)
+        idx = start + tl.arange(0, BLOCK)
+        # the whole chunk lies in the row: unmasked, aligned, so 16-byte loads; the stores
+        # land at any byte offset and stop at the page's size
+        data = tl.load(payload_ptr + page * PAGE_SIZE + idx)
+        tl.store(packed_ptr + dst + idx, data, mask=idx < size)
 
 
 def pack_pages(payload: torch.Tensor, sizes: torch.Tensor,
@@ -52,8 +57,7 @@ def pack_pages(payload: torch.Tensor, sizes: torch.Tensor,
     torch.cumsum(sizes.clamp(0, page_size).to(torch.int64), dim=0, out=offsets[1:])
     packed = torch.zeros(n * page_size, dtype=torch.uint8, device=payload.device)
     if n:
-        block = 1024
-        grid = (n, triton.cdiv(page_size, block))
+        grid = (n, triton.cdiv(page_size, PACK_BLOCK))
         launch(pack_pages_kernel, grid, payload.device, (payload, sizes, offsets, packed),
-               dict(PAGE_SIZE=page_size, BLOCK=block), traced)
+               dict(PAGE_SIZE=page_size, BLOCK=PACK_BLOCK, num_warps=PACK_WARPS), traced)
     return packed, offsets
