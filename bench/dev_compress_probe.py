@@ -33,12 +33,14 @@ P = 4096
 NBYTES = 128 << 20 if torch.cuda.is_available() else 2 * P
 N = NBYTES // P
 SAMPLE = min(4096, N)
-# (candidates, near, programs_per_sm, window, extra_words); num_warps 1, hash_bits 11
+# (candidates, near, programs_per_sm, window, extra_words, hash_bits, num_warps); the first is
+# the default. Programs keep their hash tables in L2: hash_bits 10 halves a table, so more
+# programs per SM fit the same footprint (the sweep at 77473c3 had 32 per SM 2-3x slower at 11)
 SWEEP = [
-    ("atomic", 0, 32, 128, 2), ("atomic", 0, 16, 128, 2), ("atomic", 0, 16, 128, 3),
-    ("store-max", 4, 16, 128, 2),
-    ("store", 4, 8, 128, 2), ("store", 4, 16, 128, 2), ("store", 4, 32, 128, 2),
-    ("store", 4, 16, 64, 2), ("store", 4, 16, 128, 3), ("store", 1, 16, 128, 2),
+    ("store-max", 4, 16, 128, 2, 11, 1), ("store-max", 4, 16, 128, 2, 10, 1),
+    ("store-max", 4, 24, 128, 2, 10, 1), ("store-max", 4, 32, 128, 2, 10, 1),
+    ("store-max", 4, 24, 128, 2, 11, 1), ("store-max", 4, 12, 128, 2, 11, 1),
+    ("store-max", 4, 16, 256, 2, 11, 1), ("store-max", 4, 8, 128, 2, 11, 2),
 ]
 
 
@@ -197,21 +199,23 @@ def main():
 
 def sweep(data, dev, sample):
     """GB/s, ratio and ratio vs python-lz4 (sample) per SWEEP point; every page is checked."""
-    print("\nsweep (num_warps 1, hash_bits 11): GB/s, ratio, ratio/python-lz4 on the sample",
+    print("\nsweep: GB/s, ratio, ratio/python-lz4 on the sample",
           flush=True)
     for name in ("text", "mixed", "random", "bf16-relu E2"):
         pages, e = data[name]
         g = pages.to(dev)
         ref_s = SAMPLE * P / int(cpu_codec.compress_cpu(pages[sample], e)[1].sum())
-        for cand, near, pps, w, xw in SWEEP:
-            cfg = dict(candidates=cand, near=near, programs_per_sm=pps, window=w, extra_words=xw)
+        for cand, near, pps, w, xw, hb, nw in SWEEP:
+            cfg = dict(candidates=cand, near=near, programs_per_sm=pps, window=w, extra_words=xw,
+                       hash_bits=hb, num_warps=nw)
             t1 = time.time()
             ms = bench(lambda g=g, e=e, c=cfg: lc.compress_pages(g, e, **c), 10, 100)
             out = [t.cpu() for t in lc.compress_pages(g, e, **cfg)]
             bad = check(pages, *out, e)
             ratio = NBYTES / int(out[1].sum())
             ours_s = SAMPLE * P / int(out[1][sample].sum())
-            print(f"  {name:12s} {cand:9s} near={near} pps={pps:2d} W={w:3d} XW={xw}: "
+            print(f"  {name:12s} {cand:9s} near={near} pps={pps:2d} W={w:3d} XW={xw} hb={hb} "
+                  f"nw={nw}: "
                   f"{NBYTES / ms / 1e6:7.1f} GB/s ratio {ratio:.3f} vs lz4 {ours_s / ref_s:.3f} "
                   f"bad {bad} ({time.time() - t1:.1f}s)", flush=True)
         del g

@@ -22,7 +22,7 @@ import torch
 import triton
 
 from bench import nvcomp
-from bench.corpora import build_corpus
+from bench.corpora import build_corpus, element_size
 from torch_pagecomp import format as fmt
 from torch_pagecomp.cpu_codec import compress_cpu, pack_cpu
 from triton_kernels import lz4_decompress as D
@@ -32,7 +32,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run under TRI
 
 # module settings of triton_kernels.lz4_decompress per variant, over the defaults at import
 KNOBS = ("NUM_WARPS", "VEC", "BIG", "LEAN", "SPLIT", "TILE", "TILE_PLANES", "SHUFFLED_GROUPS",
-         "SHUFFLED_NUM_WARPS", "SHUFFLED_MAXNREG", "SHUFFLED_LEAN")
+         "SHUFFLED_NUM_WARPS", "SHUFFLED_MAXNREG", "SHUFFLED_LEAN", "SHUFFLED_BIG")
 DEFAULTS = {k: getattr(D, k) for k in KNOBS}
 VARIANTS = {
     "legacy": dict(NUM_WARPS=1, VEC=32, BIG=128, LEAN=False, SPLIT=False),  # before the knobs
@@ -48,6 +48,12 @@ VARIANTS = {
     "checked_only": dict(LEAN=1),  # plain pages: the checked loop alone (before the fast loop)
     "shuffled_fast": dict(SHUFFLED_LEAN=2),  # shuffled pages decoded by the fast loop too
     "shuffled_lean": dict(SHUFFLED_LEAN=1),
+    "shuf_big128": dict(SHUFFLED_BIG=128),  # shuffled pages, now on the fast loop: BIG again
+    "shuf_big64": dict(SHUFFLED_BIG=64),
+    "shuf_w2": dict(SHUFFLED_NUM_WARPS=2),
+    "shuf_groups": dict(TILE=False),  # transposed decode + group unshuffle instead of the tile
+    "tile_planes4": dict(TILE_PLANES=4),
+    "plain_big128": dict(BIG=128),
 }
 
 
@@ -97,7 +103,7 @@ def run_bench(corpora: list[str], page_size: int, variants: list[str], mib: floa
         log(f"nvCOMP unavailable: {why}")
     rows = []
     for name in corpora:
-        es = {"bf16-relu": 2, "fp32-randn": 4}.get(name, 1)
+        es = element_size(name)
         pages = build_corpus(name, int(mib * 2**20), page_size, "cpu", seed=None)
         n = pages.shape[0]
         t0 = time.time()
@@ -115,7 +121,7 @@ def run_bench(corpora: list[str], page_size: int, variants: list[str], mib: floa
             D.decompress_into(*args, out, status)
             sync()
             ok = bool((status == 0).all()) and torch.equal(out, gpu_pages)
-            ms = bench_ms(partial(D.decompress_into, *args, out, status))
+            ms = bench_ms(partial(D.decompress_into, *args, out, status, traced=False))
             row[v] = (n * page_size / ms / 1e6, ok)
             if DEV == "cuda" and name == corpora[0]:
                 log(f"{v}: {kernel_resources(args, out, status, page_size)}")
@@ -138,7 +144,7 @@ def run_bench(corpora: list[str], page_size: int, variants: list[str], mib: floa
                 D.decompress_into(*nargs, out, status)
                 torch.cuda.synchronize()
                 ok = bool((status == 0).all()) and torch.equal(out, gpu_pages)
-                ms = bench_ms(partial(D.decompress_into, *nargs, out, status))
+                ms = bench_ms(partial(D.decompress_into, *nargs, out, status, traced=False))
                 row["ours_on_nv_blocks"] = (n * page_size / ms / 1e6, ok)
             del plan
         ms = bench_ms(partial(out.copy_, gpu_pages))
