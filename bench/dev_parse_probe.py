@@ -1,4 +1,5 @@
-"""Dev probe for the compressor's parse options (``lazy``, ``min_match``, ``skip``).
+"""Dev probe for the compressor's parse options (``lazy``, ``min_match``, ``skip``, ``back``,
+``accel``).
 
 ``python3 -m bench.dev_parse_probe [--mib 64]`` builds each corpus on the GPU, compresses it with
 every variant of ``VARIANTS`` (keywords of ``triton_kernels.lz4_compress.compress_pages``),
@@ -31,6 +32,9 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "lazy_skip": dict(lazy=True, skip=True, back=False, min_match=4),
     "lazy_skip_back": dict(lazy=True, skip=True, back=True, min_match=4),
     "lazy_min5_skip_back": dict(lazy=True, skip=True, back=True, min_match=5),
+    "accel1": dict(lazy=True, skip=True, back=True, min_match=5, accel=1),
+    "accel2": dict(lazy=True, skip=True, back=True, min_match=5, accel=2),
+    "accel4": dict(lazy=True, skip=True, back=True, min_match=5, accel=4),
     "default": {},
 }
 # decoder settings timed per row (``lean`` of ``decompress_into``): the defaults, the checked

@@ -84,7 +84,7 @@ def _model_block(
     page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int = lc.DEFAULT_NEAR,
     lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
     min_match: int = lc.DEFAULT_MIN_MATCH, xw: int = lc.DEFAULT_EXTRA_WORDS,
-    back: bool = lc.DEFAULT_BACK,
+    back: bool = lc.DEFAULT_BACK, accel: int = lc.DEFAULT_ACCEL,
 ) -> bytes:
     """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule)."""
     size = len(page)
@@ -97,8 +97,9 @@ def _model_block(
     words = words.tolist()
     last: dict[int, int] = {}
     out = bytearray()
-    pos = anchor = w0 = 0
+    pos = anchor = w0 = misses = 0
     while w0 <= maxs:
+        emitted = False
         span = range(w0, min(w0 + window, maxs + 1))
         if candidates != "atomic":  # "store", "store-max"
             cand = _store_cands(span, words, h, last, near)
@@ -133,11 +134,15 @@ def _model_block(
             out += bytes([(min(lit, 15) << 4) | min(ml, 15)]) + _ext(lit) + page[anchor:p]
             out += (p - c).to_bytes(2, "little") + _ext(ml)
             pos = anchor = p + n
+            emitted = True
         if len(out) > limit:
             return bytes(out) + b"\x00" * size  # too long: RAW
         w0 += window
         if skip and pos > w0:  # the match ran past this window: resume at its end
             w0 = pos & ~3
+        if accel:  # after `misses` windows without a sequence, misses // accel are skipped
+            misses = 0 if emitted else misses + 1
+            w0 += window * (misses // accel)
     lit = size - anchor
     return bytes(out) + bytes([min(lit, 15) << 4]) + _ext(lit) + page[anchor:]
 
@@ -224,8 +229,8 @@ def _check(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW, **t
     assert payload.shape == (n, size) and payload.dtype == torch.uint8
     assert sizes.shape == (n,) and sizes.dtype == torch.int32
     assert kinds.shape == (n,) and kinds.dtype == torch.uint8
-    mode = {k: tuning[k] for k in ("candidates", "near", "lazy", "skip", "min_match", "back")
-            if k in tuning}
+    mode = {k: tuning[k] for k in ("candidates", "near", "lazy", "skip", "min_match", "back",
+                                   "accel") if k in tuning}
     mode["xw"] = tuning.get("extra_words", lc.DEFAULT_EXTRA_WORDS)
     mode.setdefault("min_match", min(lc.DEFAULT_MIN_MATCH, 4 + 4 * mode["xw"]))
     mode.setdefault("candidates", lc.DEFAULT_CANDIDATES)
@@ -407,6 +412,25 @@ def test_window_variants_match_model():
     _check(pages, lazy=False, skip=False, min_match=4, back=False)
     with pytest.raises(ValueError, match="min_match"):
         lc.compress_pages(pages, min_match=4 + 4 * lc.DEFAULT_EXTRA_WORDS + 1)
+
+
+@interpret_only
+def test_accel_skips_windows_without_sequences():
+    """``accel``: windows after windows without a sequence are not hashed; the model states it.
+    Page 0 repeats 1 KiB after random bytes: with ``accel`` the first copy lies partly in
+    skipped windows, so the repeat is found later or not at all (the page may go RAW)."""
+    x = _rand(1024)
+    repeat = _rand(1536) + x + _rand(512) + x
+    relu = torch.relu(torch.randn(P4K // 2, dtype=torch.bfloat16)).view(torch.uint8)
+    pages = torch.cat([_rows(repeat, _text_page()), relu[None]])
+    plain = _check(pages)
+    for accel in (1, 3):
+        fast = _check(pages, accel=accel)
+        assert plain[2][0] == fmt.KIND_LZ4
+        assert int(fast[1][0]) > int(plain[1][0]), "no window was skipped"
+    _check(pages[2:], 2, accel=1)  # bit-shuffled: the mantissa planes hold no matches
+    with pytest.raises(ValueError, match="accel"):
+        lc.compress_pages(pages, accel=9)
 
 
 @interpret_only

@@ -45,6 +45,7 @@ Design: one warp owns one page at a time (``num_warps=1``: warp-wide reductions 
    that the last match ran past is not
    hashed at all: the next window starts at the match's end (4-aligned), as LZ4 skips the
    positions inside a match.
+   With ``accel`` (off by default) windows are skipped after windows without a sequence.
    A chosen match then grows backwards into its literals (up to 32 bytes; LZ4's "catch up"),
    which the hash candidates miss where a position's entry was older or overwritten.
 5. The last literals are written only if the block fits ``lz4_keep_limit(P)``; otherwise (or as
@@ -271,6 +272,7 @@ def _lz4_compress_kernel(
     LAZY: tl.constexpr,
     SKIP: tl.constexpr,
     BACK: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
 
@@ -334,8 +336,10 @@ def _lz4_compress_kernel(
             anchor = 0
             out = 0
             w0 = 0
+            misses = 0
             while w0 <= MAXS:
                 wc += 1
+                out0 = out
                 # positions as [W / 4, 4]: a row's 4 words come from 2 aligned loads
                 row = tl.arange(0, W // 4)[:, None]
                 lane = tl.arange(0, 4)[None, :]
@@ -408,6 +412,12 @@ def _lz4_compress_kernel(
                 if SKIP:
                     if pos > w0:  # the match ran past this window: resume at its end
                         w0 = pos & ~3
+                if ACC > 0:  # after m windows without a sequence, m // ACC are not hashed
+                    if out == out0:
+                        misses += 1
+                        w0 += W * (misses // ACC)
+                    else:
+                        misses = 0
                 if out > LIMIT:
                     w0 = P
                 tl.debug_barrier()
@@ -450,6 +460,7 @@ DEFAULT_LAZY = True
 DEFAULT_SKIP = True
 DEFAULT_BACK = True
 DEFAULT_MIN_MATCH = 5
+DEFAULT_ACCEL = 0  # off until measured on a GPU (bench/results/h200_2c29bf1/README.md)
 
 
 def _interpreting() -> bool:
@@ -486,6 +497,7 @@ def compress_pages(
     lazy: bool = DEFAULT_LAZY,
     skip: bool = DEFAULT_SKIP,
     back: bool = DEFAULT_BACK,
+    accel: int = DEFAULT_ACCEL,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -507,7 +519,11 @@ def compress_pages(
     starts at the match's end), ``back`` (a match grows backwards into its literals, up to 32
     bytes, as LZ4's does), ``min_match`` (4 to ``4 + 4 * extra_words``; default
     ``DEFAULT_MIN_MATCH``: shorter matches stay literals; fewer, longer sequences decode
-    faster, at some ratio). ``traced=False`` launches directly (eager callers outside the ops:
+    faster, at some ratio), ``accel`` (0 = off; ``k`` in 1..8: after ``m`` consecutive windows
+    without a sequence, the next ``m // k`` windows are neither hashed nor searched, as LZ4's
+    acceleration steps faster through data without matches: incompressible stretches, such as
+    the mantissa planes of a bit-shuffled page, cost fewer table operations; matches there are
+    missed). ``traced=False`` launches directly (eager callers outside the ops:
     see ``triton_kernels.launch``).
     """
     if window not in (64, 128, 256, 512, 1024) or not 0 <= extra_words <= 6:
@@ -518,6 +534,8 @@ def compress_pages(
         min_match = min(DEFAULT_MIN_MATCH, 4 + 4 * extra_words)
     if not 4 <= min_match <= 4 + 4 * extra_words:
         raise ValueError(f"bad tuning: min_match={min_match} (4..{4 + 4 * extra_words})")
+    if not 0 <= accel <= 8:
+        raise ValueError(f"bad tuning: accel={accel} (0..8)")
     if hash_bits is not None and not 10 <= hash_bits <= 16:
         raise ValueError(f"bad tuning: hash_bits={hash_bits}")
     n, page_size = pages.shape
@@ -540,6 +558,7 @@ def compress_pages(
         W=window, XW=extra_words, EXT=64, V=64, CH=128, num_warps=num_warps,
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
+        ACC=accel,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds
