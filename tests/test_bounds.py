@@ -2,9 +2,10 @@
 
 Runs under the CPU interpreter only: its memory operations are wrapped to check that every
 address a mask lets through lies inside one of the tensors handed to or allocated by the
-launcher (``torch.empty`` is recorded while the test runs). A read past the last page of a
-batch faults on the GPU only when that page ends an allocation, so the GPU tests can miss it;
-this check cannot. (It found the compressor reading past the page after a window skip.)
+launcher (``torch.empty`` and ``torch.zeros`` are recorded while the test runs). A read past
+the last page of a batch faults on the GPU only when that page ends an allocation, so the GPU
+tests can miss it; this check cannot. (It found the compressor reading past the page after a
+window skip.)
 """
 
 import os
@@ -20,6 +21,7 @@ from pages import file_pages, run_pages  # noqa: E402
 
 from triton_kernels import lz4_compress as lc  # noqa: E402
 from triton_kernels import lz4_decompress as D  # noqa: E402
+from triton_kernels.pack import pack_pages  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests")
@@ -28,7 +30,8 @@ P = 4096
 
 @pytest.fixture
 def bounds(monkeypatch):
-    """Record tensors (``bounds(t)`` or any ``torch.empty``); fail on an access outside them."""
+    """Record tensors (``bounds(t)``, any ``torch.empty`` or ``torch.zeros``); fail on an access
+    outside them."""
     import triton.runtime.interpreter as interp
 
     ranges: list[tuple[int, int]] = []
@@ -37,8 +40,9 @@ def bounds(monkeypatch):
         ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
         return t
 
-    empty = torch.empty
+    empty, zeros = torch.empty, torch.zeros
     monkeypatch.setattr(torch, "empty", lambda *a, **k: keep(empty(*a, **k)))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: keep(zeros(*a, **k)))
 
     def check(ptrs, mask, itemsize: int, what: str) -> None:
         addr = np.asarray(ptrs.data).astype(np.uint64)
@@ -83,12 +87,15 @@ def _late_window_page(gen: torch.Generator) -> torch.Tensor:
     return page
 
 
-@pytest.mark.parametrize("candidates, e", [("store-max", 1), ("store-max", 2), ("store", 1),
-                                            ("atomic", 1)])
-def test_compress_and_decode_stay_in_bounds(bounds, gen, candidates, e):
+@pytest.mark.parametrize("candidates, e, accel", [("store-max", 1, 0), ("store-max", 2, 0),
+                                                   ("store", 1, 0), ("atomic", 1, 0),
+                                                   ("store-max", 2, 1)])
+def test_compress_pack_and_decode_stay_in_bounds(bounds, gen, candidates, e, accel):
     pages = bounds(torch.cat([file_pages("text", 1, P, gen), run_pages(1, P, gen),
                               _relu_bytes(2, gen), _late_window_page(gen)]))  # the last page
-    payload, sizes, kinds = lc.compress_pages(pages, e, candidates=candidates)
+    payload, sizes, kinds = lc.compress_pages(pages, e, candidates=candidates, accel=accel)
+    packed, _ = pack_pages(payload, sizes)
+    assert packed.numel() == payload.numel()
     n = pages.shape[0]
     offsets = bounds(torch.arange(n, dtype=torch.int64) * P)
     out = bounds(torch.full((n, P), 0xA5, dtype=torch.uint8))
