@@ -8,7 +8,9 @@ Per corpus (``--mib`` of pages on the device, default 1 GiB):
 * floor: what a perfect pipeline reaches, ``min(kernel GB/s, pinned copy GB/s x ratio)``, from
   the kernels alone (compress + pack, or decompress, batch by batch on one stream) and a plain
   pinned copy of the same bytes, measured in the same run.
-* baseline: ``tensor.to("cpu", non_blocking=True)`` (into pinned memory) and back.
+* baseline: ``tensor.to("cpu", non_blocking=True)`` (into pinned memory) and back; and nvCOMP
+  plus copy at its best (``nv best``): ``min(nvCOMP kernel GB/s, pinned copy GB/s x nvCOMP's
+  ratio)``, the floor of any nvCOMP + copy pipeline (its kernels timed batch by batch as ours).
 * timeline: stage intervals of the last offload's batches, from CUDA events: a PNG when
   matplotlib imports, always in the JSON.
 
@@ -86,6 +88,28 @@ def kernel_rates(pages: torch.Tensor, es: int, bp: int, device, repeats: int) ->
     td = statistics.median(wall(decomp, device, repeats))
     packed.clear()
     return gbps(pages.numel(), tc), gbps(pages.numel(), td)
+
+
+def nvcomp_rates(pages: torch.Tensor, es: int, bp: int, device, repeats: int) -> dict:
+    """nvCOMP batched LZ4 (its bit-shuffle of width ``es`` for typed corpora), batch by batch on
+    one stream as :func:`kernel_rates`: kernel GB/s both ways and its ratio, from which the best
+    an nvCOMP + copy pipeline could reach (its floor) follows. ``{}`` without nvCOMP."""
+    if device.type != "cuda":
+        return {}
+    from . import nvcomp
+
+    nv, why = nvcomp.load()
+    if nv is None:
+        log(f"nvCOMP unavailable: {why}")
+        return {}
+    plans = [nvcomp.LZ4Plan(nv, pages[i : i + bp], es) for i in range(0, pages.shape[0], bp)]
+    tc = statistics.median(wall(lambda: [p.compress() for p in plans], device, repeats))
+    td = statistics.median(wall(lambda: [p.decompress() for p in plans], device, repeats))
+    stored = sum(p.stored_bytes() for p in plans)
+    ok = all(p.compress_ok() and p.roundtrip_ok() for p in plans)
+    n = pages.numel()
+    return {"nvcomp_compress_gbps": gbps(n, tc), "nvcomp_decompress_gbps": gbps(n, td),
+            "nvcomp_ratio": n / max(1, stored), "nvcomp_roundtrip_ok": ok}
 
 
 def copy_rates(src: torch.Tensor, device, repeats: int) -> dict:
@@ -183,6 +207,13 @@ def bench_corpus(name: str, args, device: torch.device) -> dict:
     log(f"{name}: kernels alone")
     row["compress_kernel_gbps"], row["decompress_kernel_gbps"] = kernel_rates(
         pages, es, pc.batch_pages, device, args.repeats)
+    log(f"{name}: nvCOMP kernels alone")
+    try:
+        row.update(nvcomp_rates(pages, es, pc.batch_pages, device, args.repeats))
+    except Exception as exc:  # noqa: BLE001 - the baseline is optional
+        log(f"{name}: nvCOMP failed: {exc!r}")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     log(f"{name}: plain copies")
     row.update(copy_rates(pages, device, args.repeats))
     log(f"{name}: pipeline")
@@ -198,6 +229,14 @@ def bench_corpus(name: str, args, device: torch.device) -> dict:
     row["restore_vs_floor"] = row["restore_gbps"] / row["restore_floor_gbps"]
     row["offload_vs_to_cpu"] = row["offload_gbps"] / row["to_cpu_gbps"]
     row["restore_vs_to_device"] = row["restore_gbps"] / row["to_device_gbps"]
+    if "nvcomp_ratio" in row:  # nvCOMP + copy at best: its kernel or the link times its ratio
+        nr = row["nvcomp_ratio"]
+        row["nvcomp_offload_floor_gbps"] = min(row["nvcomp_compress_gbps"],
+                                               row["d2h_pinned_gbps"] * nr)
+        row["nvcomp_restore_floor_gbps"] = min(row["nvcomp_decompress_gbps"],
+                                               row["h2d_pinned_gbps"] * nr)
+        row["offload_vs_nvcomp_floor"] = row["offload_gbps"] / row["nvcomp_offload_floor_gbps"]
+        row["restore_vs_nvcomp_floor"] = row["restore_gbps"] / row["nvcomp_restore_floor_gbps"]
     pc.empty_cache()
     del pages, pc
     return row
@@ -211,9 +250,13 @@ COLUMNS = [
     ("offload_gbps", "offload", "{:.1f}"),
     ("offload_vs_floor", "/floor", "{:.2f}"), ("to_cpu_gbps", "to(cpu)", "{:.1f}"),
     ("offload_vs_to_cpu", "/to(cpu)", "{:.2f}"),
+    ("nvcomp_offload_floor_gbps", "nv best", "{:.1f}"),
+    ("offload_vs_nvcomp_floor", "/nv", "{:.2f}"),
     ("decompress_kernel_gbps", "dkern GB/s", "{:.1f}"), ("restore_floor_gbps", "floor", "{:.1f}"),
     ("restore_gbps", "restore", "{:.1f}"), ("restore_vs_floor", "/floor", "{:.2f}"),
     ("to_device_gbps", "to(dev)", "{:.1f}"), ("restore_vs_to_device", "/to(dev)", "{:.2f}"),
+    ("nvcomp_restore_floor_gbps", "nv best", "{:.1f}"),
+    ("restore_vs_nvcomp_floor", "/nv", "{:.2f}"),
     ("bit_exact", "exact", "{}"), ("overlapping_stage_pairs", "overlaps", "{}"),
 ]
 

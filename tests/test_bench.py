@@ -192,3 +192,24 @@ def test_gpu_smoke(tmp_path):
     nv = [r for r in rep["results"] if r["codec"] == "nvcomp" and not r.get("skipped")]
     for r in nv:
         assert r["interop"]["python_lz4_decodes"], r
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_pipeline_bench_smoke(tmp_path, device):
+    """The pipeline bench end to end on 2 MiB per corpus: every row bit-exact, the floors and
+    ratios present (on a GPU with nvCOMP, its floor too)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from bench import pipeline_bench
+
+    rc = pipeline_bench.main(["--device", device, "--mib", "2", "--corpora", "mixed,bf16-randn",
+                              "--repeats", "1", "--out", str(tmp_path)])
+    rep = json.loads((tmp_path / "pipeline_bench.json").read_text())
+    assert rc == 0 and len(rep["results"]) == 2
+    for r in rep["results"]:
+        assert r["bit_exact"], r["corpus"]
+        assert r["offload_floor_gbps"] > 0 and r["restore_floor_gbps"] > 0
+        assert 1.05 < r["ratio"] < 10, (r["corpus"], r["ratio"])
+        if device == "cuda" and nvc.load()[0] is not None:
+            assert r["nvcomp_roundtrip_ok"] and r["offload_vs_nvcomp_floor"] > 0
+    assert "nv best" in (tmp_path / "pipeline_bench.txt").read_text()
