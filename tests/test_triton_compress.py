@@ -84,9 +84,10 @@ def _model_block(
     page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int = lc.DEFAULT_NEAR,
     lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
     min_match: int = lc.DEFAULT_MIN_MATCH, xw: int = lc.DEFAULT_EXTRA_WORDS,
-    back: bool = lc.DEFAULT_BACK, accel: int = lc.DEFAULT_ACCEL,
+    back: bool = lc.DEFAULT_BACK, accel: int = lc.DEFAULT_ACCEL, plane: int = 0,
 ) -> bytes:
-    """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule)."""
+    """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule).
+    ``plane``: bytes per bit plane of a shuffled page (0 for plain bytes)."""
     size = len(page)
     hb, fb = lc.table_bits(size, window)
     maxs, limit = size - 12, fmt.lz4_keep_limit(size)
@@ -99,7 +100,7 @@ def _model_block(
     out = bytearray()
     pos = anchor = w0 = misses = 0
     while w0 <= maxs:
-        emitted = False
+        emitted, w_prev = False, w0
         span = range(w0, min(w0 + window, maxs + 1))
         if candidates != "atomic":  # "store", "store-max"
             cand = _store_cands(span, words, h, last, near)
@@ -142,7 +143,12 @@ def _model_block(
             w0 = pos & ~3
         if accel:  # after `misses` windows without a sequence, misses // accel are skipped
             misses = 0 if emitted else misses + 1
-            w0 += window * (misses // accel)
+            extra = window * (misses // accel)
+            if plane:  # a new bit plane starts afresh; no skip crosses into the next one
+                if w0 // plane != w_prev // plane:
+                    misses = extra = 0
+                extra = min(extra, (w0 // plane + 1) * plane - w0)
+            w0 += extra
     lit = size - anchor
     return bytes(out) + bytes([min(lit, 15) << 4]) + _ext(lit) + page[anchor:]
 
@@ -160,7 +166,8 @@ def _model(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW, **m
         if bool((row == row[0]).all()):
             payload[i, 0], sizes[i], kinds[i] = row[0], 1, fmt.KIND_FILL
             continue
-        block = _model_block(src[i].numpy().tobytes(), window, **mode)
+        plane = size // (8 * element_size) if element_size > 1 else 0
+        block = _model_block(src[i].numpy().tobytes(), window, plane=plane, **mode)
         if len(block) <= fmt.lz4_keep_limit(size):
             payload[i, : len(block)] = torch.frombuffer(bytearray(block), dtype=torch.uint8)
             sizes[i] = len(block)

@@ -45,7 +45,8 @@ Design: one warp owns one page at a time (``num_warps=1``: warp-wide reductions 
    that the last match ran past is not
    hashed at all: the next window starts at the match's end (4-aligned), as LZ4 skips the
    positions inside a match.
-   With ``accel`` (off by default) windows are skipped after windows without a sequence.
+   With ``accel`` (off by default) windows are skipped after windows without a sequence
+   (within a bit plane on shuffled pages).
    A chosen match then grows backwards into its literals (up to 32 bytes; LZ4's "catch up"),
    which the hash candidates miss where a position's entry was older or overwritten.
 5. The last literals are written only if the block fits ``lz4_keep_limit(P)``; otherwise (or as
@@ -290,6 +291,7 @@ def _lz4_compress_kernel(
     MAXS: tl.constexpr = P - 12
     EMPTY_FIRST: tl.constexpr = 0x7FFFFFFF
     NOKEY: tl.constexpr = 0x7FFFFFFF
+    PL: tl.constexpr = P // (8 * E)  # bytes per bit plane of a shuffled page (E > 1)
     tlast = tab_ptr + pid.to(tl.int64) * (H + F)
     tfirst = tlast + H
     _fill_i32(tlast, H, 0, CH)
@@ -340,6 +342,7 @@ def _lz4_compress_kernel(
             while w0 <= MAXS:
                 wc += 1
                 out0 = out
+                wprev = w0
                 # positions as [W / 4, 4]: a row's 4 words come from 2 aligned loads
                 row = tl.arange(0, W // 4)[:, None]
                 lane = tl.arange(0, 4)[None, :]
@@ -415,9 +418,14 @@ def _lz4_compress_kernel(
                 if ACC > 0:  # after m windows without a sequence, m // ACC are not hashed
                     if out == out0:
                         misses += 1
-                        w0 += W * (misses // ACC)
                     else:
                         misses = 0
+                    if E > 1:  # bit planes: a new plane starts afresh, no skip crosses one
+                        if (w0 // PL) != (wprev // PL):
+                            misses = 0
+                        w0 += tl.minimum(W * (misses // ACC), (w0 // PL + 1) * PL - w0)
+                    else:
+                        w0 += W * (misses // ACC)
                 if out > LIMIT:
                     w0 = P
                 tl.debug_barrier()
@@ -521,10 +529,11 @@ def compress_pages(
     ``DEFAULT_MIN_MATCH``: shorter matches stay literals; fewer, longer sequences decode
     faster, at some ratio), ``accel`` (0 = off; ``k`` in 1..8: after ``m`` consecutive windows
     without a sequence, the next ``m // k`` windows are neither hashed nor searched, as LZ4's
-    acceleration steps faster through data without matches: incompressible stretches, such as
-    the mantissa planes of a bit-shuffled page, cost fewer table operations; matches there are
-    missed). ``traced=False`` launches directly (eager callers outside the ops:
-    see ``triton_kernels.launch``).
+    acceleration steps faster through data without matches, so incompressible stretches cost
+    fewer table operations and matches there are missed; on a bit-shuffled page the count
+    restarts at every bit plane and no skip crosses into the next plane: the noisy mantissa
+    planes are skipped, the structured ones are not). ``traced=False`` launches directly (eager
+    callers outside the ops: see ``triton_kernels.launch``).
     """
     if window not in (64, 128, 256, 512, 1024) or not 0 <= extra_words <= 6:
         raise ValueError(f"bad tuning: window={window}, extra_words={extra_words}")
