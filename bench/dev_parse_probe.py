@@ -35,6 +35,7 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "accel1": dict(lazy=True, skip=True, back=True, min_match=5, accel=1),
     "accel2": dict(lazy=True, skip=True, back=True, min_match=5, accel=2),
     "accel4": dict(lazy=True, skip=True, back=True, min_match=5, accel=4),
+    "w64_accel1": dict(lazy=True, skip=True, back=True, min_match=5, accel=1, window=64),
     "default": {},
 }
 # decoder settings timed per row (``lean`` of ``decompress_into``): the defaults, the checked
