@@ -16,19 +16,8 @@ import torch
 
 import torch_pagecomp as pc
 from bench.corpora import build_corpus
+from bench.timing import host_seconds
 from torch_pagecomp import PageCompressor
-
-
-def _host_us(fn, calls: int = 50) -> float:
-    """Median host µs of one call with the GPU idle at its start."""
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2] * 1e6
 
 
 def _profile(fn, calls: int, top: int = 22) -> str:
@@ -62,7 +51,7 @@ def main() -> None:
     }
     for name, fn in ops.items():
         fn()
-        print(f"host us/call {name:26s} {_host_us(fn):8.1f}", flush=True)
+        print(f"host us/call {name:26s} {host_seconds(fn, dev, 50) * 1e6:8.1f}", flush=True)
     print(_profile(ops["ops.decompress"], 200))
     x = build_corpus("mixed", 1 << 30, 4096, dev, seed=4)
     comp = PageCompressor(device=dev)

@@ -14,7 +14,7 @@ import torch
 import torch_pagecomp as pc
 from bench import nvcomp
 from bench.corpora import build_corpus
-from bench.timing import _window, gbps, host_seconds, measure, median
+from bench.timing import gbps, host_seconds, measure, median, window_seconds
 from triton_kernels import lz4_decompress as D
 
 
@@ -39,7 +39,7 @@ def _one_size(corpus: str, mib: int, seed: int, nv, dev: torch.device) -> None:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-        one = median([_window(fn, 1) for _ in range(10)])
+        one = median([window_seconds(fn, 1) for _ in range(10)])
         many = median(measure(fn, dev, 10, 2))
         host = host_seconds(fn, dev) * 1e6
         print(f"| {corpus} | {mib} | {codec} | {op} | {gbps(nbytes, one):.1f}"

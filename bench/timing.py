@@ -21,7 +21,7 @@ WINDOW_S = 0.004  # GPU seconds per timed window (back-to-back calls) at least, 
 MAX_CALLS = 32  # calls per timed window at most
 
 
-def _window(fn: Callable[[], object], calls: int) -> float:
+def window_seconds(fn: Callable[[], object], calls: int) -> float:
     """GPU seconds per call over ``calls`` back-to-back calls, bracketed by events."""
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
@@ -52,12 +52,12 @@ def measure(
     calls = 1
     if cuda:
         torch.cuda.synchronize(device)
-        one = _window(fn, 1)
+        one = window_seconds(fn, 1)
         calls = max(1, min(MAX_CALLS, math.ceil(WINDOW_S / max(one, 1e-9))))
     times: list[float] = []
     while len(times) < max(1, repeats) and (not times or sum(times) * calls < budget_s):
         if cuda:
-            times.append(_window(fn, calls))
+            times.append(window_seconds(fn, calls))
         else:
             t0 = time.perf_counter()
             fn()
