@@ -3,6 +3,8 @@
 #   bash bench/gpu_suite.sh tests      # GPU test suite + million-page fuzz + compute-sanitizer memcheck
 #   bash bench/gpu_suite.sh bench      # python -m bench (128 MiB corpora) + pipeline bench
 #   bash bench/gpu_suite.sh training   # activation-offload training step bench
+#   bash bench/gpu_suite.sh pipeline   # pipeline bench alone: default, and split (raw share 1)
+#   bash bench/gpu_suite.sh parse      # compressor parse variants (accel) against nvCOMP
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -37,6 +39,19 @@ bench)
     cat "$OUT/bench/table.txt"
     timeout 190 python3 -m bench.pipeline_bench --mib 1024 --corpora mixed,bf16-randn,random \
         --repeats 3 --out "$OUT/pipeline" 2>&1 | tail -n 14
+    ;;
+pipeline)
+    header pipeline
+    timeout 200 python3 -m bench.pipeline_bench --mib 1024 --corpora mixed,bf16-randn,random \
+        --repeats 3 --out "$OUT/pipeline" 2>&1 | tail -n 14
+    timeout 150 python3 -m bench.pipeline_bench --mib 1024 --corpora mixed,bf16-randn \
+        --max-raw-share 1 --repeats 3 --out "$OUT/pipeline_split" 2>&1 | tail -n 8
+    ;;
+parse)
+    header parse
+    timeout 240 python3 -m bench.dev_parse_probe --mib 64 \
+        --corpora text,mixed,bf16-relu,gpt-kv,gpt-act,fp32-randn \
+        --variants default,accel1,accel2,w64_accel1 2>&1 | tee "$OUT/parse_probe.txt" | tail -n 40
     ;;
 training)
     header training

@@ -86,8 +86,22 @@ def kernel_rates(pages: torch.Tensor, es: int, bp: int, device, repeats: int) ->
 
     tc = statistics.median(wall(comp, device, repeats))
     td = statistics.median(wall(decomp, device, repeats))
+    stored = sum(int(offsets[-1]) for _, offsets, _, _ in packed)
     packed.clear()
-    return gbps(pages.numel(), tc), gbps(pages.numel(), td)
+    return gbps(pages.numel(), tc), gbps(pages.numel(), td), pages.numel() / max(1, stored)
+
+
+def offload_floor(kernel: float, link: float, ratio: float, raw_share: float) -> tuple:
+    """The best offload rate (GB/s) with the kernel at ``kernel``, the link at ``link`` and the
+    kernel's ratio ``ratio``, when a share of at most ``raw_share`` of the pages may go raw:
+    the compressed share ``c`` minimises ``max(c / kernel, (c / ratio + 1 - c) / link)``.
+    Returns ``(GB/s, "kernel" | "copy" | "split")``."""
+    if kernel >= link * ratio or raw_share <= 0:
+        return min(kernel, link * ratio), "kernel" if kernel < link * ratio else "copy"
+    balanced = 1.0 / (link / kernel + 1.0 - 1.0 / ratio)  # kernel time = link time
+    c = min(1.0, max(1.0 - raw_share, balanced))
+    seconds = max(c / kernel, (c / ratio + 1.0 - c) / link)
+    return 1.0 / seconds, "split" if c < 1.0 else "kernel"
 
 
 def nvcomp_rates(pages: torch.Tensor, es: int, bp: int, device, repeats: int) -> dict:
@@ -205,8 +219,8 @@ def bench_corpus(name: str, args, device: torch.device) -> dict:
            "batch_pages": pc.batch_pages, "slots": args.slots,
            "raw_bypass": not args.no_raw_bypass, "max_raw_share": args.max_raw_share}
     log(f"{name}: kernels alone")
-    row["compress_kernel_gbps"], row["decompress_kernel_gbps"] = kernel_rates(
-        pages, es, pc.batch_pages, device, args.repeats)
+    row["compress_kernel_gbps"], row["decompress_kernel_gbps"], row["kernel_ratio"] = (
+        kernel_rates(pages, es, pc.batch_pages, device, args.repeats))
     log(f"{name}: nvCOMP kernels alone")
     try:
         row.update(nvcomp_rates(pages, es, pc.batch_pages, device, args.repeats))
@@ -219,9 +233,11 @@ def bench_corpus(name: str, args, device: torch.device) -> dict:
     log(f"{name}: pipeline")
     row.update(pipeline_rates(pc, pages, es, device, args.repeats))
     r = row["ratio"]
-    row["offload_floor_gbps"] = min(row["compress_kernel_gbps"], row["d2h_pinned_gbps"] * r)
-    row["offload_floor_kind"] = "kernel"
-    if row["raw_bypass_batches"] * 2 >= row["batches"]:  # mostly raw copies: the copy's floor
+    row["offload_floor_gbps"], row["offload_floor_kind"] = offload_floor(
+        row["compress_kernel_gbps"], row["d2h_pinned_gbps"], row["kernel_ratio"],
+        args.max_raw_share)
+    incompressible = row["raw_bypass_batches"] - row["raw_split_batches"]
+    if incompressible * 2 >= row["batches"]:  # mostly raw copies: the copy's floor
         row["offload_floor_gbps"] = max(row["offload_floor_gbps"], row["d2h_pinned_gbps"])
         row["offload_floor_kind"] = "copy"
     row["restore_floor_gbps"] = min(row["decompress_kernel_gbps"], row["h2d_pinned_gbps"] * r)

@@ -213,3 +213,17 @@ def test_pipeline_bench_smoke(tmp_path, device):
         if device == "cuda" and nvc.load()[0] is not None:
             assert r["nvcomp_roundtrip_ok"] and r["offload_vs_nvcomp_floor"] > 0
     assert "nv best" in (tmp_path / "pipeline_bench.txt").read_text()
+
+
+def test_offload_floor_with_raw_share():
+    """The pipeline's floor when a share of pages may skip the kernel: kernel and link busy at
+    once gives ``link + kernel * (1 - 1/ratio)``; bounded by the share allowed."""
+    from bench.pipeline_bench import offload_floor
+
+    k, b, r = 44.4, 55.3, 2.83
+    assert offload_floor(k, b, r, 0.0) == (k, "kernel")
+    gbps, kind = offload_floor(k, b, r, 1.0)
+    assert kind == "split" and abs(gbps - (b + k * (1 - 1 / r))) < 1e-9
+    gbps, kind = offload_floor(k, b, r, 0.2)  # 80% compressed: the kernel still bounds
+    assert kind == "split" and abs(gbps - k / 0.8) < 1e-9
+    assert offload_floor(200.0, b, r, 1.0) == (b * r, "copy")  # the kernel outruns the link

@@ -244,13 +244,20 @@ def test_raw_share_balances_kernel_and_copy_engine():
         return rb
 
     rb = fed(1.0, 24.7)
-    assert abs(rb.share(key) - 0.652) < 0.01
-    assert [rb.route(key) for _ in range(100)].count("raw") in (64, 65, 66)
-    assert rb.split_batches == rb.raw_batches
-    assert fed(0.3, 24.7).share(key) == 0.3
-    assert fed(1.0, 200.0).share(key) == 0.0  # the kernel outruns the link: compress all
-    assert fed(0.0, 24.7).route(key) == "kernel"
-    assert RawBypass(enabled=True, bypass=False).route(key) == "kernel"
+    share = rb.share(key)
+    assert abs(share - 0.652) < 0.01
+    assert all(rb.route(key) == "kernel" for _ in range(5))  # whole batches: to the kernel
+    raws = [rb.split(key, 1000) for _ in range(10)]  # their last pages: raw
+    assert all(r in (int(share * 1000), int(share * 1000) + 1) for r in raws), raws
+    assert abs(sum(raws) - share * 10_000) < 1.0  # fractions of a page carried over
+    small = [rb.split(key, 3) for _ in range(30)]  # 1.956 pages per batch, on average
+    assert set(small) <= {1, 2} and abs(sum(raws + small) - share * 10_090) < 1.0
+    assert rb.split_batches == rb.raw_batches == 40
+    assert fed(0.3, 24.7).split(key, 1000) == 300
+    assert fed(1.0, 200.0).split(key, 1000) == 0  # the kernel outruns the link: compress all
+    assert fed(0.0, 24.7).split(key, 1000) == 0
+    assert RawBypass(enabled=True, bypass=False).split(key, 1000) == 0  # nothing measured yet
+    assert RawBypass(enabled=False, max_raw_share=1.0).split(key, 1000) == 0
 
 
 def test_overlapping_slots_counts_cross_slot_stage_overlap():

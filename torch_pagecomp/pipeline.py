@@ -1,22 +1,24 @@
 """The slot ring: batches of pages through upload -> kernel -> download on three streams.
 
-On a GPU each slot owns six timing events; the caller's thread enqueues a batch's upload
-(``h2d`` stream) and kernels (``compute`` stream: compress + pack + a small copy of the
-metadata to pinned memory). An *issuer* thread waits for that metadata (a sync of one event, off
-the caller's stream), carves an exact-size block from the host arena and enqueues the download of
-exactly ``T`` packed bytes (``d2h`` stream). A *completer* thread waits for each batch's last
-event, records its timing and frees its slot. Streams are ordered by events, so slot ``k``'s
-download, slot ``k+1``'s kernel and slot ``k+2``'s upload run at once. A slot is reused only after
-its previous batch completed (host-side), so no buffer is overwritten while still read. Every
-read of a source waits for the producer's event; a restore's writes wait for the caller's stream
-and the caller's stream waits for them.
+On a GPU each slot owns seven timing events; the caller's thread enqueues a batch's upload
+(``h2d`` stream), kernels (``compute`` stream: compress + pack) and a small copy of the
+metadata to pinned memory (``d2h_meta`` stream, after the kernels). An *issuer* thread waits
+for that metadata (a sync of one event, off the caller's stream), carves an exact-size block
+from the host arena and enqueues the download of exactly ``T`` packed bytes (``d2h`` stream).
+A *completer* thread waits for each batch's last event, records its timing and frees its slot.
+Streams are ordered by events, so slot ``k``'s download, slot ``k+1``'s kernel and slot
+``k+2``'s upload run at once. A slot is reused only after its previous batch completed (host-
+side), so no buffer is overwritten while still read. Every read of a source waits for the
+producer's event; a restore's writes wait for the caller's stream and the caller's stream waits
+for them.
 
 Batches of a stream that does not compress skip the kernel (``cuda_stages.RawBypass``): the
 caller's thread enqueues their download of the raw pages at once; small compressed probes
 notice when the data compresses again. Raw batches have their own ring of slots, their own
 download stream (``d2h_raw``, in chunks) and their own completer thread: they never hold a slot
-that a kernel batch needs, nor queue a kernel batch's download behind them, so with
-``max_raw_share`` the kernel and the copy engine stay busy at once.
+that a kernel batch needs. With ``max_raw_share`` each batch of a kernel-bound stream is split:
+its first pages through the kernel, the rest raw, queued right behind it, so the kernel and the
+copy engine work at once.
 
 Without a GPU the same ring runs the lz4 reference on the issuer thread (stage times from
 ``perf_counter``), with the same states, back-pressure and statistics.
@@ -100,6 +102,7 @@ class _Job:
     key: object = None  # the RawBypass stream this batch belongs to
     payload_bytes: int = 0
     producer: object = None
+    submitted: float = -1.0  # host ms (timing epoch) when the caller had queued it
 
 
 class Pipeline(CudaStages):
@@ -140,11 +143,12 @@ class Pipeline(CudaStages):
         self.dev_bytes = batch_pages * page_size + meta_capacity(batch_pages) + 64
         if self.cuda:
             with torch.cuda.device(self.device):
-                self.h2d, self.compute, self.d2h, self.d2h_raw = (
-                    torch.cuda.Stream() for _ in range(4)
+                self.h2d, self.compute, self.d2h, self.d2h_raw, self.d2h_meta = (
+                    torch.cuda.Stream() for _ in range(5)
                 )
                 self.epoch = torch.cuda.Event(enable_timing=True)
                 self.epoch.record(self.compute)
+                self.timing.epoch = time.perf_counter()  # the host clock's zero, roughly
         self._issue_q: queue.Queue = queue.Queue()
         self._done_q: queue.Queue = queue.Queue()
         self._raw_done_q: queue.Queue = queue.Queue()  # raw batches, completed independently
@@ -205,41 +209,58 @@ class Pipeline(CudaStages):
         if self.closed:
             storage.close(RuntimeError("the pipeline is closed"))
             raise RuntimeError("this PageCompressor was closed")
+        gpu_src = self.cuda and not on_host
         try:
             while p0 < total_pages:
                 n = min(bp, total_pages - p0)
-                route = self.bypass.route(key) if self.cuda and not on_host else "kernel"
+                route = self.bypass.route(key) if gpu_src else "kernel"
                 if route == "probe":  # a small compressed sample of a raw stream
                     n = min(n, max(1, bp // self.bypass.probe_fraction))
-                lo, hi = p0 * p, min(nbytes, (p0 + n) * p)
-                self.limiter.acquire(n * p)
-                try:
-                    slot = self.acquire_slot(raw=route == "raw")
-                except BaseException:
-                    self.limiter.release(n * p)
-                    raise
-                job = _Job("offload", slot, storage, storage.open_batch(), n, n * p,
-                           limit_bytes=n * p, first_page=p0, key=key, keep=keep)
-                slot.job = job
-                try:
-                    if route == "raw":  # issued here, on its own stream and slot ring
-                        job.raw, job.producer = True, producer
-                        job.work = (src, lo, hi, element_size)
-                        self._issue_raw(job)
-                    elif self.cuda:
-                        self._enqueue_compress(job, src, lo, hi, element_size, producer)
-                    else:
-                        job.work = (src, lo, hi, element_size)
-                except BaseException as exc:
-                    self._fail(job, exc)
-                    raise
-                (self._raw_done_q if job.raw else self._issue_q).put(job)
+                # a kernel-bound stream: the batch's last pages go raw, queued right behind
+                # its kernel, so the copy engine works while the kernel does
+                n_raw = self.bypass.split(key, n) if gpu_src and route == "kernel" else 0
+                if n_raw < n:
+                    self._submit_part(storage, src, nbytes, p0, n - n_raw, route,
+                                      element_size, producer, key, keep)
+                if n_raw:
+                    self._submit_part(storage, src, nbytes, p0 + n - n_raw, n_raw, "raw",
+                                      element_size, producer, key, keep)
                 p0 += n
         except BaseException as exc:
             error = exc
             raise
         finally:
             storage.close(error)
+
+    def _submit_part(self, storage, src, nbytes, p0, n, route, element_size, producer, key,
+                     keep) -> None:
+        """Queue pages ``[p0, p0 + n)`` of ``src`` as one stored batch: through the kernel
+        (``route`` "kernel" or "probe") or downloaded as they are ("raw")."""
+        p = self.page_size
+        lo, hi = p0 * p, min(nbytes, (p0 + n) * p)
+        self.limiter.acquire(n * p)
+        try:
+            slot = self.acquire_slot(raw=route == "raw")
+        except BaseException:
+            self.limiter.release(n * p)
+            raise
+        job = _Job("offload", slot, storage, storage.open_batch(), n, n * p,
+                   limit_bytes=n * p, first_page=p0, key=key, keep=keep)
+        slot.job = job
+        try:
+            if route == "raw":  # issued here, on its own stream and slot ring
+                job.raw, job.producer = True, producer
+                job.work = (src, lo, hi, element_size)
+                self._issue_raw(job)
+            elif self.cuda:
+                self._enqueue_compress(job, src, lo, hi, element_size, producer)
+            else:
+                job.work = (src, lo, hi, element_size)
+        except BaseException as exc:
+            self._fail(job, exc)
+            raise
+        job.submitted = self.timing.host_ms(time.perf_counter())
+        (self._raw_done_q if job.raw else self._issue_q).put(job)
 
     def _cpu_compress(self, job: _Job) -> None:
         src, lo, hi, element_size = job.work
@@ -296,6 +317,7 @@ class Pipeline(CudaStages):
                         self._fail(job, exc)
                         raise
                     job.reader_release = b == last  # the last batch ends the read
+                    job.submitted = self.timing.host_ms(time.perf_counter())
                     count += 1
                     self._done_q.put(job)
             finally:
@@ -384,24 +406,25 @@ class Pipeline(CudaStages):
             ev = slot.events
             stamp = {k: self.epoch.elapsed_time(ev[k]) for k in slot.recorded}
             d = (stamp.get("d_s", stamp["k_e"]), stamp.get("d_e", stamp["k_e"]))
+            # an offload's kernel stage is compress + pack (to k_c); the metadata's copy after
+            # it (to k_e) may wait for the copy engine, which is the download's business
+            k = (stamp["k_s"], stamp.get("k_c", stamp["k_e"]))
             t = BatchTiming(
                 job.kind, slot.index, job.nbytes, job.stored,
-                (stamp["up_s"], stamp["up_e"]), (stamp["k_s"], stamp["k_e"]), d,
+                (stamp["up_s"], stamp["up_e"]), k, d, job.submitted,
             )
             self.timing.add(t)
             if job.kind == "offload" and job.raw:
                 self.bypass.observe_raw(job.key, job.nbytes, t.download_ms)
             elif job.kind == "offload":
-                # the kernel's rate from compress + pack alone: the metadata copy after them
-                # may wait for the copy engine (raw batches' downloads), which is not the kernel
-                kernel_ms = stamp["k_c"] - stamp["k_s"] if "k_c" in stamp else t.kernel_ms
                 self.bypass.observe(
-                    job.key, job.payload_bytes, job.nbytes, kernel_ms, t.download_ms
+                    job.key, job.payload_bytes, job.nbytes, t.kernel_ms, t.download_ms
                 )
         elif job.t is not None:
             t = job.t
             stages = (*t["up"], *t["k"], *t["d"])
-            self.timing.add_cpu(job.kind, slot.index, job.nbytes, job.stored, *stages)
+            self.timing.add_cpu(job.kind, slot.index, job.nbytes, job.stored, *stages,
+                                submitted=job.submitted)
         self._finish(job)
 
     def _finish(self, job: _Job, error: BaseException | None = None) -> None:

@@ -17,7 +17,13 @@ STAGES = ("upload", "kernel", "download")
 
 @dataclass(frozen=True)
 class BatchTiming:
-    """One batch: ``kind`` ("offload" or "restore"), its slot, bytes, stage intervals (ms)."""
+    """One batch: ``kind`` ("offload" or "restore"), its slot, bytes, stage intervals (ms).
+
+    ``submitted``: when the caller's thread had queued the batch (host ``perf_counter`` ms from
+    the log's epoch; -1 when not known). On a GPU the stages are CUDA event times from an epoch
+    event recorded at about the same moment, so the two clocks agree only roughly: enough to
+    see a caller that queued a batch late (blocked on a slot) against a GPU that was idle.
+    """
 
     kind: str
     slot: int
@@ -26,6 +32,7 @@ class BatchTiming:
     upload: tuple[float, float]
     kernel: tuple[float, float]
     download: tuple[float, float]
+    submitted: float = -1.0
 
     @property
     def upload_ms(self) -> float:
@@ -103,15 +110,21 @@ class TimingLog:
             s["total_ms"] += t.total_ms
             s["bound"][t.bound] += 1
 
-    def add_cpu(self, kind, slot, nbytes, stored, u0, u1, k0, k1, d0=None, d1=None) -> None:
-        """Record a CPU-path batch from ``perf_counter`` seconds."""
+    def host_ms(self, t: float) -> float:
+        """``perf_counter`` seconds ``t`` as ms from this log's epoch."""
+        return (t - self.epoch) * 1e3
+
+    def add_cpu(self, kind, slot, nbytes, stored, u0, u1, k0, k1, d0=None, d1=None,
+                submitted=-1.0) -> None:
+        """Record a CPU-path batch from ``perf_counter`` seconds (``submitted``: host ms)."""
         d0 = k1 if d0 is None else d0
         d1 = k1 if d1 is None else d1
 
         def ms(a: float, b: float) -> tuple[float, float]:
             return ((a - self.epoch) * 1e3, (b - self.epoch) * 1e3)
 
-        self.add(BatchTiming(kind, slot, nbytes, stored, ms(u0, u1), ms(k0, k1), ms(d0, d1)))
+        self.add(BatchTiming(kind, slot, nbytes, stored, ms(u0, u1), ms(k0, k1), ms(d0, d1),
+                             submitted))
 
     def summary(self) -> dict:
         with self._lock:
