@@ -56,8 +56,8 @@ def main() -> None:
         t0 = time.time()
         for accel in ACCELS:
             count[0] = 0
-            _, sizes, _ = T._model(pages, e, candidates=T.lc.DEFAULT_CANDIDATES, accel=accel,
-                                   min_match=T.lc.DEFAULT_MIN_MATCH)
+            _, sizes, _ = T._model(pages, e, T.WINDOW, candidates=T.lc.DEFAULT_CANDIDATES,
+                                   accel=accel, min_match=T.lc.DEFAULT_MIN_MATCH)
             ratio = pages.numel() / int(sizes.sum())
             cells.append(f"{ratio:.3f}, {count[0] / pages.shape[0]:.1f}")
         print(f"| {name} | {e} | " + " | ".join(cells) + f" |  ({time.time() - t0:.0f} s)",

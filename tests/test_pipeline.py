@@ -246,14 +246,12 @@ def test_raw_share_balances_kernel_and_copy_engine():
     rb = fed(1.0, 24.7)
     share = rb.share(key)
     assert abs(share - 0.652) < 0.01
-    assert all(rb.route(key) == "kernel" for _ in range(5))  # whole batches: to the kernel
-    raws = [rb.split(key, 1000) for _ in range(10)]  # their last pages: raw
-    assert all(r in (int(share * 1000), int(share * 1000) + 1) for r in raws), raws
-    assert abs(sum(raws) - share * 10_000) < 1.0  # fractions of a page carried over
-    small = [rb.split(key, 3) for _ in range(30)]  # 1.956 pages per batch, on average
-    assert set(small) <= {1, 2} and abs(sum(raws + small) - share * 10_090) < 1.0
-    assert rb.split_batches == rb.raw_batches == 40
-    assert fed(0.3, 24.7).split(key, 1000) == 300
+    assert all(rb.route(key) == "kernel" for _ in range(5))  # not an incompressible stream
+    raws = [rb.split(key, 1000) for _ in range(100)]  # whole batches raw, the share of them
+    assert set(raws) == {0, 1000} and raws.count(1000) in (64, 65, 66), raws
+    assert rb.split_batches == rb.raw_batches == raws.count(1000)
+    rb = fed(0.3, 24.7)
+    assert rb.share(key) == 0.3 and [rb.split(key, 10) for _ in range(10)].count(10) in (2, 3)
     assert fed(1.0, 200.0).split(key, 1000) == 0  # the kernel outruns the link: compress all
     assert fed(0.0, 24.7).split(key, 1000) == 0
     assert RawBypass(enabled=True, bypass=False).split(key, 1000) == 0  # nothing measured yet

@@ -153,9 +153,12 @@ def _model_block(
     return bytes(out) + bytes([min(lit, 15) << 4]) + _ext(lit) + page[anchor:]
 
 
-def _model(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW, **mode):
+def _model(pages: torch.Tensor, element_size: int = 1, window: int | None = None, **mode):
     """Expected ``(payload, sizes, kinds)`` of ``compress_pages`` (``mode``: ``candidates``,
-    ``near``)."""
+    ``near``, ...; ``window`` and ``accel`` default as the kernel's for ``element_size``)."""
+    defaults = lc.parse_defaults(element_size)
+    window = defaults["window"] if window is None else window
+    mode.setdefault("accel", defaults["accel"])
     n, size = pages.shape
     payload = torch.zeros((n, size), dtype=torch.uint8)
     sizes = torch.zeros(n, dtype=torch.int32)
@@ -229,7 +232,7 @@ def _poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-def _check(pages: torch.Tensor, element_size: int = 1, window: int = WINDOW, **tuning):
+def _check(pages: torch.Tensor, element_size: int = 1, window: int | None = None, **tuning):
     """Run the kernel; compare with the model; decode every page. Returns the outputs."""
     payload, sizes, kinds = lc.compress_pages(pages, element_size, window=window, **tuning)
     n, size = pages.shape

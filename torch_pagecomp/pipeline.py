@@ -16,9 +16,8 @@ Batches of a stream that does not compress skip the kernel (``cuda_stages.RawByp
 caller's thread enqueues their download of the raw pages at once; small compressed probes
 notice when the data compresses again. Raw batches have their own ring of slots, their own
 download stream (``d2h_raw``, in chunks) and their own completer thread: they never hold a slot
-that a kernel batch needs. With ``max_raw_share`` each batch of a kernel-bound stream is split:
-its first pages through the kernel, the rest raw, queued right behind it, so the kernel and the
-copy engine work at once.
+that a kernel batch needs. With ``max_raw_share`` a share of a kernel-bound stream's batches
+goes raw, so the kernel and the copy engine work at once.
 
 Without a GPU the same ring runs the lz4 reference on the issuer thread (stage times from
 ``perf_counter``), with the same states, back-pressure and statistics.
@@ -216,8 +215,8 @@ class Pipeline(CudaStages):
                 route = self.bypass.route(key) if gpu_src else "kernel"
                 if route == "probe":  # a small compressed sample of a raw stream
                     n = min(n, max(1, bp // self.bypass.probe_fraction))
-                # a kernel-bound stream: the batch's last pages go raw, queued right behind
-                # its kernel, so the copy engine works while the kernel does
+                # a kernel-bound stream: a share of its batches goes raw, so that the copy
+                # engine works while the kernel does
                 n_raw = self.bypass.split(key, n) if gpu_src and route == "kernel" else 0
                 if n_raw < n:
                     self._submit_part(storage, src, nbytes, p0, n - n_raw, route,

@@ -468,7 +468,20 @@ DEFAULT_LAZY = True
 DEFAULT_SKIP = True
 DEFAULT_BACK = True
 DEFAULT_MIN_MATCH = 5
-DEFAULT_ACCEL = 0  # off until measured on a GPU (bench/results/h200_2c29bf1/README.md)
+DEFAULT_ACCEL = 0  # plain bytes: no faster on text / mixed, 1-2% less ratio (H200 probe)
+# Bit-shuffled pages (element size 2 or 4): 64-position windows and accel 1. On an H200
+# (bench/results/h200_db69570/parse_probe.txt, 64 MiB per corpus) compress 1.6-2.1x faster
+# (bf16 K/V 56 -> 116 GB/s, fp32 45 -> 72) for 0-1.6% of ratio: the noisy mantissa planes are
+# hashed less, the exponent planes as before.
+TYPED_WINDOW = 64
+TYPED_ACCEL = 1
+
+
+def parse_defaults(element_size: int) -> dict:
+    """The default ``window`` and ``accel`` of :func:`compress_pages` for ``element_size``."""
+    if element_size > 1:
+        return {"window": TYPED_WINDOW, "accel": TYPED_ACCEL}
+    return {"window": DEFAULT_WINDOW, "accel": DEFAULT_ACCEL}
 
 
 def _interpreting() -> bool:
@@ -496,7 +509,7 @@ def compress_pages(
     *,
     num_warps: int = 1,
     programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM,
-    window: int = DEFAULT_WINDOW,
+    window: int | None = None,
     extra_words: int = DEFAULT_EXTRA_WORDS,
     hash_bits: int | None = None,
     candidates: str = DEFAULT_CANDIDATES,
@@ -505,7 +518,7 @@ def compress_pages(
     lazy: bool = DEFAULT_LAZY,
     skip: bool = DEFAULT_SKIP,
     back: bool = DEFAULT_BACK,
-    accel: int = DEFAULT_ACCEL,
+    accel: int | None = None,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -513,28 +526,33 @@ def compress_pages(
     Returns the fixed-stride ``(payload uint8 [N, P], sizes int32 [N], kinds uint8 [N])`` of
     ``torch_pagecomp.format``. ``element_size`` 2 or 4 bit-shuffles each page before LZ4.
     Launches on ``pages``' device and current stream; never synchronises with the host.
-    ``num_warps``, ``programs_per_sm``, ``window`` (positions per candidate step, a power of two
-    from 64 to 1024) and ``extra_words`` (0-6: match bytes compared for all positions at once)
-    tune speed only; ``hash_bits`` (10-16, log2 entries of the per-page table; default
-    ``min(log2 P, 14)``) trades ratio for cache footprint. The output depends on ``window`` and
-    ``hash_bits`` but is always a valid block. ``candidates``: ``"atomic"`` (two tables, L2
-    atomics: exact and deterministic) or ``"store"`` (one table, plain loads and stores per
-    32 positions, plus the ``near`` (0-5) distances 1, 2, 4, ...; on the GPU, lanes that store
-    the same entry race, so the parse may vary from run to run; every block is still valid)
-    or ``"store-max"`` (the same with ``.cg`` loads and ``atomic_max``: half the L2 traffic of
-    ``"atomic"``, deterministic). Parse: ``lazy`` (a match one byte later wins when it is
-    known to be longer), ``skip`` (a window wholly inside a match is not hashed; the next one
-    starts at the match's end), ``back`` (a match grows backwards into its literals, up to 32
-    bytes, as LZ4's does), ``min_match`` (4 to ``4 + 4 * extra_words``; default
-    ``DEFAULT_MIN_MATCH``: shorter matches stay literals; fewer, longer sequences decode
-    faster, at some ratio), ``accel`` (0 = off; ``k`` in 1..8: after ``m`` consecutive windows
-    without a sequence, the next ``m // k`` windows are neither hashed nor searched, as LZ4's
-    acceleration steps faster through data without matches, so incompressible stretches cost
-    fewer table operations and matches there are missed; on a bit-shuffled page the count
-    restarts at every bit plane and no skip crosses into the next plane: the noisy mantissa
-    planes are skipped, the structured ones are not). ``traced=False`` launches directly (eager
-    callers outside the ops: see ``triton_kernels.launch``).
+    ``num_warps``, ``programs_per_sm``, ``window`` (positions per candidate step, a power of
+    two from 64 to 1024; default from :func:`parse_defaults`) and ``extra_words`` (0-6:
+    match bytes compared for all positions at once) tune speed only; ``hash_bits`` (10-16,
+    log2 entries of the per-page table; default ``min(log2 P, 14)``) trades ratio for cache
+    footprint. The output depends on ``window`` and ``hash_bits`` but is always a valid
+    block. ``candidates``: ``"atomic"`` (two tables, L2 atomics: exact and deterministic) or
+    ``"store"`` (one table, plain loads and stores per 32 positions, plus the ``near`` (0-5)
+    distances 1, 2, 4, ...; on the GPU, lanes that store the same entry race, so the parse
+    may vary from run to run; every block is still valid) or ``"store-max"`` (the same with
+    ``.cg`` loads and ``atomic_max``: half the L2 traffic of ``"atomic"``, deterministic).
+    Parse: ``lazy`` (a match one byte later wins when it is known to be longer), ``skip`` (a
+    window wholly inside a match is not hashed; the next one starts at the match's end),
+    ``back`` (a match grows backwards into its literals, up to 32 bytes, as LZ4's does),
+    ``min_match`` (4 to ``4 + 4 * extra_words``; default ``DEFAULT_MIN_MATCH``: shorter
+    matches stay literals; fewer, longer sequences decode faster, at some ratio), ``accel``
+    (0 = off; ``k`` in 1..8: after ``m`` consecutive windows without a sequence, the next
+    ``m // k`` windows are neither hashed nor searched, as LZ4's acceleration steps faster
+    through data without matches, so incompressible stretches cost fewer table operations
+    and matches there are missed; on a bit-shuffled page the count restarts at every bit
+    plane and no skip crosses into the next plane: the noisy mantissa planes are skipped,
+    the structured ones are not; default from :func:`parse_defaults`: 1 on bit-shuffled
+    pages, 0 on bytes). ``traced=False`` launches directly (eager callers outside the ops:
+    see ``triton_kernels.launch``).
     """
+    defaults = parse_defaults(element_size)
+    window = defaults["window"] if window is None else window
+    accel = defaults["accel"] if accel is None else accel
     if window not in (64, 128, 256, 512, 1024) or not 0 <= extra_words <= 6:
         raise ValueError(f"bad tuning: window={window}, extra_words={extra_words}")
     if candidates not in CANDIDATE_MODES or not 0 <= near <= 5:
