@@ -102,6 +102,7 @@ class _Job:
     payload_bytes: int = 0
     producer: object = None
     submitted: float = -1.0  # host ms (timing epoch) when the caller had queued it
+    issued: float = -1.0  # ... when the issuer had queued its download
 
 
 class Pipeline(CudaStages):
@@ -378,6 +379,7 @@ class Pipeline(CudaStages):
                     self._issue_download(job)
                 else:
                     self._cpu_compress(job)
+                job.issued = self.timing.host_ms(time.perf_counter())
             except BaseException as exc:  # noqa: BLE001 - reported through the handle
                 self._fail(job, exc)
                 continue
@@ -402,6 +404,7 @@ class Pipeline(CudaStages):
         if self.cuda:
             last = "d_e" if job.kind == "offload" else "k_e"
             slot.events[last].synchronize()
+            noticed = self.timing.host_ms(time.perf_counter())
             ev = slot.events
             stamp = {k: self.epoch.elapsed_time(ev[k]) for k in slot.recorded}
             d = (stamp.get("d_s", stamp["k_e"]), stamp.get("d_e", stamp["k_e"]))
@@ -410,7 +413,7 @@ class Pipeline(CudaStages):
             k = (stamp["k_s"], stamp.get("k_c", stamp["k_e"]))
             t = BatchTiming(
                 job.kind, slot.index, job.nbytes, job.stored,
-                (stamp["up_s"], stamp["up_e"]), k, d, job.submitted,
+                (stamp["up_s"], stamp["up_e"]), k, d, job.submitted, job.issued, noticed,
             )
             self.timing.add(t)
             if job.kind == "offload" and job.raw:

@@ -19,10 +19,12 @@ STAGES = ("upload", "kernel", "download")
 class BatchTiming:
     """One batch: ``kind`` ("offload" or "restore"), its slot, bytes, stage intervals (ms).
 
-    ``submitted``: when the caller's thread had queued the batch (host ``perf_counter`` ms from
-    the log's epoch; -1 when not known). On a GPU the stages are CUDA event times from an epoch
-    event recorded at about the same moment, so the two clocks agree only roughly: enough to
-    see a caller that queued a batch late (blocked on a slot) against a GPU that was idle.
+    Host times (``perf_counter`` ms from the log's epoch; -1 when not known): ``submitted``,
+    when the caller's thread had queued the batch; ``issued``, when the issuer thread had
+    queued its download; ``noticed``, when the completer thread saw it complete. On a GPU the
+    stages are CUDA event times from an epoch event recorded at about the same moment, so the
+    two clocks agree only roughly: enough to see a thread that acted late against a GPU that
+    was idle.
     """
 
     kind: str
@@ -33,6 +35,8 @@ class BatchTiming:
     kernel: tuple[float, float]
     download: tuple[float, float]
     submitted: float = -1.0
+    issued: float = -1.0
+    noticed: float = -1.0
 
     @property
     def upload_ms(self) -> float:
