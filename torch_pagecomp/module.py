@@ -159,7 +159,9 @@ class PageCompressor(torch.nn.Module):
         device: the GPU that compresses (``None``: the current CUDA device if any, else CPU).
         page_size: bytes per page (power of two, 4096..65536).
         batch_pages: pages per batch (``None``: :func:`default_batch_pages`).
-        slots: batches in flight at once (3: upload, kernel and download overlap).
+        slots: batches in the ring at once (3: upload, kernel and download overlap); up to
+            as many more offload batches may be downloading outside it (their device buffers
+            held), so the kernels need not wait for the link.
         max_pinned_bytes: bound on the uncompressed bytes of offload batches in flight
             (pinned landing space); producers wait beyond it. ``None``: slots bound it alone.
         element_size: bit-shuffle width (1, 2, 4) for every tensor (``None``: per dtype).

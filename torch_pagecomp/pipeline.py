@@ -7,8 +7,11 @@ for that metadata (a sync of one event, off the caller's stream), carves an exac
 from the host arena and enqueues the download of exactly ``T`` packed bytes (``d2h`` stream).
 A *completer* thread waits for each batch's last event, records its timing and frees its slot.
 Streams are ordered by events, so slot ``k``'s download, slot ``k+1``'s kernel and slot
-``k+2``'s upload run at once. A slot is reused only after its previous batch completed (host-
-side), so no buffer is overwritten while still read. Every read of a source waits for the
+``k+2``'s upload run at once. Buffers belong to a batch, not to its slot, and go back to their
+pools only once the batch completed (host-side), so none is overwritten while still read. Once
+an offload batch's download is queued, its ring position takes a spare slot (its own events
+stay with the download): the next kernels need not wait for the link and the host's notice,
+and at most ``slots`` batches download outside the ring. Every read of a source waits for the
 producer's event; a restore's writes wait for the caller's stream and the caller's stream waits
 for them.
 
@@ -58,6 +61,8 @@ class Slot:
         self.index = index
         self.active = False
         self.used = False
+        self.detached = False  # left the ring with its batch's download (Pipeline._detach)
+        self.previous: Slot | None = None  # the detached slot this one replaced in the ring
         self.job: _Job | None = None
         self.cpu_stage: SlotState = SlotState.FREE
         self.events = {k: torch.cuda.Event(enable_timing=True) for k in _STAGES} if cuda else {}
@@ -70,6 +75,9 @@ class Slot:
     @property
     def state(self) -> SlotState:
         if not self.active:
+            prev = self.previous
+            if prev is not None and prev.active:  # its last batch is still downloading
+                return prev.state
             return SlotState.COMPLETE if self.used else SlotState.FREE
         if not self.events:
             return self.cpu_stage
@@ -139,6 +147,8 @@ class Pipeline(CudaStages):
         self.raw_slots = [Slot(slots + i, self.cuda) for i in range(slots)] if self.cuda else []
         self._next = 0
         self._next_raw = 0
+        self._detached = 0  # offload batches downloading outside the ring (see _detach)
+        self._spare: list[Slot] = []  # slots (event sets) of completed detached batches
         self._cond = threading.Condition()
         self.dev_bytes = batch_pages * page_size + meta_capacity(batch_pages) + 64
         if self.cuda:
@@ -173,10 +183,12 @@ class Pipeline(CudaStages):
                 self._cond.wait_for(lambda: not slot.active)
                 self._next_raw = (self._next_raw + 1) % len(self.raw_slots)
             else:
-                slot = self.slots[self._next]
-                self._cond.wait_for(lambda: not slot.active)
-                self._next = (self._next + 1) % len(self.slots)
+                i = self._next
+                self._cond.wait_for(lambda: not self.slots[i].active)  # may be a new object
+                slot = self.slots[i]
+                self._next = (i + 1) % len(self.slots)
             slot.active = slot.used = True
+            slot.previous = None
             slot.recorded.clear()
             slot.cpu_stage = SlotState.UPLOADING
             return slot
@@ -185,6 +197,42 @@ class Pipeline(CudaStages):
         with self._cond:
             slot.job = None
             slot.active = False
+            if slot.detached:  # its ring position moved on already: keep its events for reuse
+                slot.detached = False
+                slot.previous = None
+                for ring in self.slots:
+                    if ring.previous is slot:
+                        ring.previous = None
+                self._detached -= 1
+                self._spare.append(slot)
+            self._cond.notify_all()
+
+    def _wait_download_room(self) -> None:
+        """Issuer, before queueing a download: at most ``len(slots)`` batches downloading
+        outside the ring (their device buffers are still held)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._detached < len(self.slots))
+
+    def _detach(self, job: _Job) -> None:
+        """The issuer queued ``job``'s download: its ring position takes a spare slot, so the
+        caller may queue the next batch's kernel while this one downloads; the job keeps its
+        slot, whose events time the download, until it completes.
+
+        Without this a ring of three held every batch through kernel, download and the host's
+        notice of both, and refilled only after the oldest completed: the link idled ~1 ms
+        every three batches (``bench/results/h200_991cdca/trace_bf16_44e7ca4.txt``)."""
+        with self._cond:
+            old = job.slot
+            if self.slots[old.index] is not old:
+                return
+            new = self._spare.pop() if self._spare else Slot(old.index, self.cuda)
+            new.index, new.active, new.used, new.job = old.index, False, True, None
+            new.previous = old
+            new.recorded.clear()
+            new.cpu_stage = SlotState.COMPLETE
+            self.slots[old.index] = new
+            old.detached = True
+            self._detached += 1
             self._cond.notify_all()
 
     def states(self) -> list[SlotState]:
@@ -376,7 +424,9 @@ class Pipeline(CudaStages):
                 if job.raw:
                     self._issue_raw(job)
                 elif self.cuda:
+                    self._wait_download_room()
                     self._issue_download(job)
+                    self._detach(job)
                 else:
                     self._cpu_compress(job)
                 job.issued = self.timing.host_ms(time.perf_counter())
@@ -461,6 +511,7 @@ class Pipeline(CudaStages):
         """Wait until every queued batch completed."""
         with self._cond:
             self._cond.wait_for(
-                lambda: not any(s.active for s in (*self.slots, *self.raw_slots))
+                lambda: self._detached == 0
+                and not any(s.active for s in (*self.slots, *self.raw_slots))
             )
 
