@@ -38,3 +38,27 @@ def test_pack_clamps_garbage_sizes(gen):
     assert offsets.tolist() == [0, 0, 4096, 4108, 8204]
     assert torch.equal(packed[:8204].cpu(), torch.cat([payload[1], payload[2, :12], payload[3]]))
     assert not packed[8204:].any()
+
+
+def test_pack_without_zero_tail_writes_every_stored_byte(gen, monkeypatch):
+    """``zero_tail=False`` (the pipeline's): the output comes uninitialised (poisoned here), and
+    every byte up to ``offsets[N]`` is still written."""
+    real = torch.empty
+
+    def poisoned(*args, **kwargs):
+        return real(*args, **kwargs).fill_(0xA5)
+
+    n, page_size = 6, 4096
+    payload = torch.randint(0, 256, (n, page_size), dtype=torch.uint8, generator=gen)
+    sizes = torch.randint(1, page_size + 1, (n,), dtype=torch.int32, generator=gen)
+    sizes[2] = 0  # an empty page between two others
+    dev = device_for_kernels()
+    payload, sizes = payload.to(dev), sizes.to(dev)
+    monkeypatch.setattr(torch, "empty", poisoned)
+    packed, offsets = pack_pages(payload, sizes, zero_tail=False)
+    monkeypatch.undo()
+    ref_packed, ref_offsets = pack_cpu(payload.cpu(), sizes.cpu())
+    total = int(ref_offsets[-1])
+    assert torch.equal(offsets.cpu(), ref_offsets)
+    assert torch.equal(packed[:total].cpu(), ref_packed[:total])
+    assert total < n * page_size and bool((packed[total:] == 0xA5).all())  # really unwritten

@@ -123,13 +123,14 @@ def compress_eager(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor
     return compress_pages(pages, element_size, traced=False)
 
 
-def pack_eager(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
-    """As ``torch.ops.pagecomp.pack``."""
+def pack_eager(payload: Tensor, sizes: Tensor, zero_tail: bool = True) -> tuple[Tensor, Tensor]:
+    """As ``torch.ops.pagecomp.pack``; ``zero_tail=False``: bytes past ``offsets[N]`` are
+    left unwritten on the GPU (see ``triton_kernels.pack.pack_pages``)."""
     if not _use_triton(payload):
         return torch.ops.pagecomp.pack(payload, sizes)
     from triton_kernels.pack import pack_pages
 
-    return pack_pages(payload, sizes, traced=False)
+    return pack_pages(payload, sizes, traced=False, zero_tail=zero_tail)
 
 
 def decompress_into_eager(

@@ -163,7 +163,7 @@ class CudaStages:
             pages = src[lo:hi].view(n, p) if dev is None else dev[: n * p].view(n, p)
             slot.record("k_s", self.compute)
             payload, sizes, kinds = compress_eager(pages, element_size)
-            packed, offsets = pack_eager(payload, sizes)
+            packed, offsets = pack_eager(payload, sizes, zero_tail=False)  # T bytes go down
             slot.record("k_c", self.compute)
         # the metadata to the host on a stream of its own (not compute: module docstring)
         lay, m, s = BlobLayout.of(n, 0), job.meta, self.d2h_meta

@@ -40,14 +40,16 @@ def pack_pages_kernel(
         tl.store(packed_ptr + dst + idx, data, mask=idx < size)
 
 
-def pack_pages(payload: torch.Tensor, sizes: torch.Tensor,
-               traced: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_pages(payload: torch.Tensor, sizes: torch.Tensor, traced: bool = True,
+               zero_tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack a fixed-stride payload.
 
     Args:
         payload: ``uint8 [N, P]`` fixed-stride payload.
         sizes: ``int32 [N]`` stored bytes per page (clamped to ``[0, P]``).
         traced: ``False`` launches directly (see ``triton_kernels.launch``).
+        zero_tail: ``False`` leaves the bytes past ``offsets[N]`` unwritten (a caller that
+            reads only ``packed[:offsets[N]]`` saves a memset of ``N * P`` bytes).
     Returns:
         ``(packed uint8 [N * P], offsets int64 [N + 1])``; page ``i`` is
         ``packed[offsets[i]:offsets[i + 1]]`` and bytes past ``offsets[N]`` are zero.
@@ -55,7 +57,8 @@ def pack_pages(payload: torch.Tensor, sizes: torch.Tensor,
     n, page_size = payload.shape
     offsets = torch.zeros(n + 1, dtype=torch.int64, device=payload.device)
     torch.cumsum(sizes.clamp(0, page_size).to(torch.int64), dim=0, out=offsets[1:])
-    packed = torch.zeros(n * page_size, dtype=torch.uint8, device=payload.device)
+    alloc = torch.zeros if zero_tail else torch.empty
+    packed = alloc(n * page_size, dtype=torch.uint8, device=payload.device)
     if n:
         grid = (n, triton.cdiv(page_size, PACK_BLOCK))
         launch(pack_pages_kernel, grid, payload.device, (payload, sizes, offsets, packed),
