@@ -153,6 +153,44 @@ def test_backpressure_bound_smaller_than_work(gen):
     assert s["inflight_max_bytes"] <= bound and s["inflight_bytes"] == 0
 
 
+def test_detached_batch_leaves_the_ring_and_bounds_downloads():
+    """The GPU issuer's bookkeeping (``Pipeline._detach``), on a CPU ring: a batch whose download
+    is queued leaves its ring position to another slot, which the caller gets at once; the
+    position shows the batch's state until the batch completes; at most ``slots`` batches are
+    detached (the issuer waits); completed ones give their slots to the spare pool."""
+    from torch_pagecomp.pipeline import Pipeline, _Job
+
+    p = Pipeline("cpu", 4096, 4, slots=2)
+    try:
+        jobs = []
+        for _ in range(2):
+            slot = p.acquire_slot()
+            job = _Job("offload", slot, None, 0, 1, 4096)
+            slot.job, slot.cpu_stage = job, SlotState.DOWNLOADING
+            p._detach(job)
+            jobs.append(job)
+        assert p._detached == 2 and all(j.slot.detached and j.slot.active for j in jobs)
+        assert all(ring is not j.slot for ring, j in zip(p.slots, jobs))
+        assert p.states() == [SlotState.DOWNLOADING] * 2  # the ring still shows the downloads
+        assert not any(ring.active for ring in p.slots)  # (else the next line would block)
+        s0 = p.acquire_slot()  # no wait: the position was handed on
+        assert s0.index == jobs[0].slot.index and not s0.detached and s0.previous is None
+        waiter = threading.Thread(target=p._wait_download_room)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive(), "a third download outside the ring must wait"
+        p._release_slot(jobs[0].slot)  # its download completed
+        waiter.join(5)
+        assert not waiter.is_alive() and p._detached == 1 and p._spare == [jobs[0].slot]
+        assert p.states()[1] == SlotState.DOWNLOADING
+        p._release_slot(jobs[1].slot)
+        assert p.states()[1] == SlotState.COMPLETE and p._detached == 0
+        p._release_slot(s0)
+        p.drain()  # nothing active, nothing detached
+    finally:
+        p.close()
+
+
 def test_slot_states_and_ring_order(gen):
     pc = PageCompressor(device="cpu", batch_pages=2, slots=3)
     seen = set()
