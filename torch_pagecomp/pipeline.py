@@ -220,7 +220,7 @@ class Pipeline(CudaStages):
 
         Without this a ring of three held every batch through kernel, download and the host's
         notice of both, and refilled only after the oldest completed: the link idled ~1 ms
-        every three batches (``bench/results/h200_991cdca/trace_bf16_44e7ca4.txt``)."""
+        every three batches (``bench/results/h200_6c8095f/trace_bf16_44e7ca4.txt``)."""
         with self._cond:
             old = job.slot
             if self.slots[old.index] is not old:
@@ -266,13 +266,10 @@ class Pipeline(CudaStages):
                     n = min(n, max(1, bp // self.bypass.probe_fraction))
                 # a kernel-bound stream: a share of its batches goes raw, so that the copy
                 # engine works while the kernel does
-                n_raw = self.bypass.split(key, n) if gpu_src and route == "kernel" else 0
-                if n_raw < n:
-                    self._submit_part(storage, src, nbytes, p0, n - n_raw, route,
-                                      element_size, producer, key, keep)
-                if n_raw:
-                    self._submit_part(storage, src, nbytes, p0 + n - n_raw, n_raw, "raw",
-                                      element_size, producer, key, keep)
+                if gpu_src and route == "kernel" and self.bypass.split(key, n):
+                    route = "raw"
+                self._submit_batch(storage, src, nbytes, p0, n, route, element_size,
+                                   producer, key, keep)
                 p0 += n
         except BaseException as exc:
             error = exc
@@ -280,8 +277,8 @@ class Pipeline(CudaStages):
         finally:
             storage.close(error)
 
-    def _submit_part(self, storage, src, nbytes, p0, n, route, element_size, producer, key,
-                     keep) -> None:
+    def _submit_batch(self, storage, src, nbytes, p0, n, route, element_size, producer, key,
+                      keep) -> None:
         """Queue pages ``[p0, p0 + n)`` of ``src`` as one stored batch: through the kernel
         (``route`` "kernel" or "probe") or downloaded as they are ("raw")."""
         p = self.page_size

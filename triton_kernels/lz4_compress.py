@@ -470,7 +470,7 @@ DEFAULT_BACK = True
 DEFAULT_MIN_MATCH = 5
 DEFAULT_ACCEL = 0  # plain bytes: no faster on text / mixed, 1-2% less ratio (H200 probe)
 # Bit-shuffled pages (element size 2 or 4): 64-position windows and accel 1. On an H200
-# (bench/results/h200_db69570/parse_probe.txt, 64 MiB per corpus) compress 1.6-2.1x faster
+# (bench/results/h200_6c8095f/parse_probe_db69570.txt, 64 MiB per corpus) 1.6-2.1x faster
 # (bf16 K/V 56 -> 116 GB/s, fp32 45 -> 72) for 0-1.6% of ratio: the noisy mantissa planes are
 # hashed less, the exponent planes as before.
 TYPED_WINDOW = 64
