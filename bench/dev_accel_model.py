@@ -6,6 +6,10 @@ stored ratio (exact: the model writes the kernel's bytes, same page rules) and t
 hashed per page. The compressor is bound by its hash-table operations (two L2 operations per
 hashed position, ``bench/results/README.md``), so windows hashed per page stand in for its time;
 the GPU speed itself needs ``bench.dev_parse_probe`` on a GPU.
+
+``--planes``: for the typed corpora, at the default parse of bit-shuffled pages, windows hashed
+and matched bytes per page in each bit plane: where the remaining hashing goes, and which
+planes the ratio comes from.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import test_triton_compress as T  # noqa: E402
 
 from bench.corpora import build_corpus, element_size  # noqa: E402
+from torch_pagecomp.shuffle import bitshuffle  # noqa: E402
 
-CORPORA = ("text", "binary", "mixed", "bf16-relu", "gpt-kv", "fp32-randn", "random")
+CORPORA = ("text", "binary", "mixed", "bf16-relu", "gpt-kv", "gpt-act", "fp32-randn",
+           "random")
 ACCELS = (0, 1, 2, 4)
 
 
@@ -39,11 +45,54 @@ def _count_windows():
     return count
 
 
+def _plane_table(name: str, pages: torch.Tensor, e: int) -> None:
+    """Per bit plane: windows hashed and matched bytes per page (the typed default parse)."""
+    size = pages.shape[1]
+    plane = size // (8 * e)
+    d = T.lc.parse_defaults(e)
+    hashed = [0] * (8 * e)
+    matched = [0] * (8 * e)
+    inner = T._store_cands
+
+    def counted(span, *args, **kwargs):
+        hashed[span[0] // plane] += 1
+        return inner(span, *args, **kwargs)
+
+    T._store_cands = counted
+    try:
+        for row in bitshuffle(pages, e):
+            block = T._model_block(row.numpy().tobytes(), d["window"], T.lc.DEFAULT_CANDIDATES,
+                                   accel=d["accel"], plane=plane)
+            if len(block) > size:  # stored RAW: nothing matched
+                continue
+            op = 0
+            for lit, _, ml in T._sequences(block, size):
+                op += lit
+                if ml:
+                    matched[op // plane] += ml
+                op += ml
+    finally:
+        T._store_cands = inner
+    n = pages.shape[0]
+    print(f"| {name} | {e} | " + " ".join(f"{hashed[b] / n:.1f}/{matched[b] / n:.0f}"
+                                          for b in range(8 * e)) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", type=int, default=48)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--planes", action="store_true", help="per bit plane, typed corpora")
     a = ap.parse_args()
+    if a.planes:
+        print(f"windows hashed / matched bytes per page, bit plane 0 (least significant) first; "
+              f"default typed parse; {a.pages} pages of 4 KiB per corpus, seed {a.seed}")
+        print("| corpus | e | per plane |\n|---|---|---|")
+        for name in CORPORA:
+            e = element_size(name)
+            if e > 1:
+                _plane_table(name, build_corpus(name, a.pages * 4096, 4096, "cpu", seed=a.seed), e)
+        return
     count = _count_windows()
     print(f"model of the default parse (candidates {T.lc.DEFAULT_CANDIDATES}, window "
           f"{T.WINDOW}); {a.pages} pages of 4 KiB per corpus, seed {a.seed}")
