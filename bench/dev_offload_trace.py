@@ -10,14 +10,12 @@ GPU's first upload; then cProfile's top functions of the caller's thread over on
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import time
 
 import torch
 
 from bench.corpora import build_corpus, element_size
+from bench.dev_host_profile import profile_calls
 from torch_pagecomp import PageCompressor
 
 
@@ -59,13 +57,7 @@ def main() -> None:
         print(f"{t['slot']:4d} {t['nbytes'] / 2**20:5.1f} {t['ratio']:5.2f} | {hh(t['submitted'])} "
               f"{g(t['upload'][0])} {g(t['kernel'][0])} {g(t['kernel'][1])} | {hh(t['issued'])} "
               f"{g(t['download'][0])} {g(t['download'][1])} | {hh(t['noticed'])}")
-    prof = cProfile.Profile()
-    prof.enable()
-    pc.offload(x, element_size=es).wait()
-    prof.disable()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-    print(s.getvalue())
+    print(profile_calls(lambda: pc.offload(x, element_size=es).wait(), 1, 25))
 
 
 if __name__ == "__main__":

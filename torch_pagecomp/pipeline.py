@@ -223,8 +223,6 @@ class Pipeline(CudaStages):
         every three batches (``bench/results/h200_6c8095f/trace_bf16_44e7ca4.txt``)."""
         with self._cond:
             old = job.slot
-            if self.slots[old.index] is not old:
-                return
             new = self._spare.pop() if self._spare else Slot(old.index, self.cuda)
             new.index, new.active, new.used, new.job = old.index, False, True, None
             new.previous = old

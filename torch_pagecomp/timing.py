@@ -125,7 +125,7 @@ class TimingLog:
         d1 = k1 if d1 is None else d1
 
         def ms(a: float, b: float) -> tuple[float, float]:
-            return ((a - self.epoch) * 1e3, (b - self.epoch) * 1e3)
+            return (self.host_ms(a), self.host_ms(b))
 
         self.add(BatchTiming(kind, slot, nbytes, stored, ms(u0, u1), ms(k0, k1), ms(d0, d1),
                              submitted))
