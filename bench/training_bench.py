@@ -84,13 +84,42 @@ class CountingSaveOnCpu:
         return self.inner.__exit__(*exc)
 
 
+def make_offloader(args, model, variant: str):
+    """Our hooks on ``model`` for one of our variants (``uncompressed``, ``compressed``...)."""
+    from torch_pagecomp.offload_wrap import offload_module
+
+    keep = model.blocks[len(model.blocks) - args.gpu_blocks:] if args.gpu_blocks else ()
+    compressor = None
+    if args.slots is not None and variant != "uncompressed" and args.device == "cuda":
+        from torch_pagecomp import PageCompressor
+
+        compressor = PageCompressor(
+            device="cuda", page_size=args.page_size, slots=args.slots,
+            max_raw_share=1.0 if variant == "compressed" else 0.0,
+            stream_priority=args.stream_priority or 0,
+        )
+    return offload_module(
+        model,
+        keep=keep,
+        mode="uncompressed" if variant == "uncompressed" else "compressed",
+        prefetch=args.prefetch,
+        max_in_flight_bytes=args.max_in_flight_mb << 20,
+        min_offload_bytes=args.min_offload_kb << 10,
+        group_bytes=None,
+        min_ratio=0.0 if variant == "compressed_all" else args.min_ratio,
+        prefer="speed" if variant == "compressed" else "memory",
+        page_size=args.page_size,
+        offload_cpu=args.device != "cuda",  # CPU smoke runs only
+        stream_priority=args.stream_priority,
+        compressor=compressor,
+    )
+
+
 def run_variant(args) -> dict:
     """One variant in this process; returns its row."""
     import contextlib
 
     import torch
-
-    from torch_pagecomp.offload_wrap import offload_module
 
     variant = args.variant
     model = build_model(args)
@@ -101,20 +130,7 @@ def run_variant(args) -> dict:
                     generator=gen)
     off, soc = None, None
     if variant in ("uncompressed", *VARIANTS[3:], *EXTRA):
-        keep = model.blocks[len(model.blocks) - args.gpu_blocks:] if args.gpu_blocks else ()
-        off = offload_module(
-            model,
-            keep=keep,
-            mode="uncompressed" if variant == "uncompressed" else "compressed",
-            prefetch=args.prefetch,
-            max_in_flight_bytes=args.max_in_flight_mb << 20,
-            min_offload_bytes=args.min_offload_kb << 10,
-            group_bytes=None,
-            min_ratio=0.0 if variant == "compressed_all" else args.min_ratio,
-            prefer="speed" if variant == "compressed" else "memory",
-            page_size=args.page_size,
-            offload_cpu=not cuda,  # CPU smoke runs only
-        )
+        off = make_offloader(args, model, variant)
     elif variant == "save_on_cpu":
         soc = CountingSaveOnCpu()
 
@@ -217,7 +233,8 @@ def header(args) -> dict:
         "command": " ".join([sys.executable, "-m", "bench.training_bench", *sys.argv[1:]]),
         "config": {k: getattr(args, k) for k in (
             "layers", "d", "heads", "batch", "seq", "steps", "warmup", "prefetch", "gpu_blocks",
-            "max_in_flight_mb", "min_offload_kb", "min_ratio", "page_size")},
+            "max_in_flight_mb", "min_offload_kb", "min_ratio", "page_size", "stream_priority",
+            "slots")},
     }
 
 
@@ -269,6 +286,10 @@ def parse(argv=None):
     ap.add_argument("--min-offload-kb", type=int, default=1024)
     ap.add_argument("--min-ratio", type=float, default=1.1)
     ap.add_argument("--page-size", type=int, default=4096)
+    ap.add_argument("--stream-priority", type=int, default=None,
+                    help="our side streams' CUDA priority (lower = higher; default: the hooks')")
+    ap.add_argument("--slots", type=int, default=None,
+                    help="the compressor's ring slots (default: PageCompressor's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=150, help="seconds per variant")
     ap.add_argument("--out", default=None, help="write the JSON here")

@@ -443,3 +443,27 @@ def test_gpu_free_in_flight_never_recycles_a_block_being_written(gen):
         h.free()
     pc.synchronize()
     assert pc.stats()["bytes_held_host"] == 0
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("publish", ["kernel", "copy"])
+def test_gpu_batch_size_reaches_host_by_kernel_or_copy(publish, gen, monkeypatch, recwarn):
+    """The issuer sizes each download from ``T`` stored into pinned memory by a kernel; where
+    that store fails the pipeline says so once and copies ``T`` instead. Both restore exactly."""
+    from torch_pagecomp import cuda_stages
+
+    if publish == "copy":
+        def refuse(src, dst):
+            raise ValueError("Pointer argument cannot be accessed from Triton (test)")
+        monkeypatch.setattr(cuda_stages, "publish_total_eager", refuse)
+    pc = PageCompressor(batch_pages=32)
+    srcs = [torch.randint(0, 1 + 255 * (i % 2), (random.randrange(1, 600_000),),
+                          dtype=torch.uint8, generator=gen).cuda() for i in range(6)]
+    handles = [pc.offload(s) for s in srcs]
+    for s, h in zip(srcs, handles):
+        assert torch.equal(pc.restore(h), s)
+    pc.synchronize()
+    warned = [w for w in recwarn.list if "kernel stores to pinned memory" in str(w.message)]
+    assert pc.pipeline._publish is (publish == "kernel")
+    assert len(warned) == (publish == "copy")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torch_pagecomp.cpu_codec import pack_cpu
-from triton_kernels.pack import pack_pages
+from triton_kernels.pack import pack_pages, publish_to_host
 
 
 def device_for_kernels() -> str:
@@ -62,3 +62,23 @@ def test_pack_without_zero_tail_writes_every_stored_byte(gen, monkeypatch):
     assert torch.equal(offsets.cpu(), ref_offsets)
     assert torch.equal(packed[:total].cpu(), ref_packed[:total])
     assert total < n * page_size and bool((packed[total:] == 0xA5).all())  # really unwritten
+
+
+def test_publish_to_host_stores_the_value_in_pinned_memory(gen):
+    """The pipeline's packed size reaches the host by a kernel store (GPU: into pinned memory
+    the kernel writes across the bus; interpreter: a CPU tensor). The target is poisoned first,
+    and the value is fresh each run (any of the 64 bits wrong shows)."""
+    dev = device_for_kernels()
+    value = int(torch.randint(-(1 << 62), 1 << 62, (1,), dtype=torch.int64, generator=gen))
+    src = torch.tensor([value, 7], dtype=torch.int64, device=dev)
+    pinned = dev == "cuda"
+    dst = torch.full((2,), -1, dtype=torch.int64, pin_memory=pinned)
+    publish_to_host(src[:1], dst[:1], traced=False)
+    if pinned:
+        torch.cuda.current_stream().synchronize()
+    assert dst.tolist() == [value, -1]  # one value, nothing past it
+
+
+def test_publish_to_host_rejects_other_dtypes():
+    with pytest.raises(ValueError, match="int64"):
+        publish_to_host(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))

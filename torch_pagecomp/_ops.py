@@ -133,6 +133,14 @@ def pack_eager(payload: Tensor, sizes: Tensor, zero_tail: bool = True) -> tuple[
     return pack_pages(payload, sizes, traced=False, zero_tail=zero_tail)
 
 
+def publish_total_eager(src: Tensor, dst: Tensor) -> None:
+    """``dst`` (pinned host ``int64 [1]``) = ``src`` (``int64 [1]`` on the GPU) by a kernel store
+    on the current stream (see ``triton_kernels.pack.publish_to_host``)."""
+    from triton_kernels.pack import publish_to_host
+
+    publish_to_host(src, dst, traced=False)
+
+
 def decompress_into_eager(
     payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, pages: Tensor, status: Tensor
 ) -> None:

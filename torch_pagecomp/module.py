@@ -171,6 +171,10 @@ class PageCompressor(torch.nn.Module):
         max_raw_share: on a GPU, the largest share of batches stored raw to keep the copy
             engine busy while the kernel is the bottleneck: 0 (default) puts ratio first, 1
             speed first (host memory then shrinks less).
+        stream_priority: CUDA priority of the compressor's streams (lower is higher, clamped to
+            the card's range, e.g. -5..0 on H100): with a negative value its kernels' thread
+            blocks are scheduled ahead of the default-priority work queued beside them (a
+            training step's kernels), so the offload keeps pace when the link bounds the step.
     """
 
     def __init__(
@@ -183,6 +187,7 @@ class PageCompressor(torch.nn.Module):
         element_size: int | None = None,
         raw_bypass: bool = True,
         max_raw_share: float = 0.0,
+        stream_priority: int = 0,
     ):
         super().__init__()
         if device is None:
@@ -209,7 +214,7 @@ class PageCompressor(torch.nn.Module):
         self.max_pinned_bytes = max_pinned_bytes
         self.pipeline = Pipeline(
             device, page_size, batch_pages, slots, max_pinned_bytes, raw_bypass=raw_bypass,
-            max_raw_share=max_raw_share,
+            max_raw_share=max_raw_share, stream_priority=stream_priority,
         )
         self.batch_pages = self.pipeline.batch_pages
         self.counts = {"offloads": 0, "restores": 0, "bytes_in": 0, "bytes_restored": 0}

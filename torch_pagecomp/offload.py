@@ -26,7 +26,6 @@ offsets, so gradients are bit-identical):
 from __future__ import annotations
 
 import collections
-import inspect
 import threading
 import warnings
 import weakref
@@ -55,6 +54,7 @@ from .offload_store import (
 )
 
 MODES = ("compressed", "uncompressed")
+DEFAULT_PRIORITY = 0  # CUDA stream priority of the side streams and the compressor made here
 
 
 class ActivationOffloader(BackwardMixin):
@@ -82,6 +82,8 @@ class ActivationOffloader(BackwardMixin):
             compressor stores a share of batches raw so both stay busy (``max_raw_share=1``);
             ``"memory"``: every batch of a class that compresses goes through the kernel.
         compressor: a ``PageCompressor`` to use (default: one per device, made on first use).
+        stream_priority: CUDA priority of the side streams and of the compressor made here
+            (lower is higher; ``PageCompressor``'s argument of that name).
     """
 
     def __init__(
@@ -100,12 +102,14 @@ class ActivationOffloader(BackwardMixin):
         exact_pinned: bool = True,
         prefer: str = "speed",
         compressor=None,
+        stream_priority: int | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if prefer not in ("speed", "memory"):
             raise ValueError(f"prefer must be 'speed' or 'memory', got {prefer!r}")
         self.prefer = prefer
+        self.stream_priority = DEFAULT_PRIORITY if stream_priority is None else stream_priority
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
         self.mode, self.prefetch = mode, prefetch
@@ -359,7 +363,7 @@ class ActivationOffloader(BackwardMixin):
     def _stream(self, dev: torch.device, name: str) -> torch.cuda.Stream:
         key = (dev.index if dev.index is not None else torch.cuda.current_device(), name)
         if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device=key[0])
+            self._streams[key] = torch.cuda.Stream(device=key[0], priority=self.stream_priority)
         return self._streams[key]
 
     def _compressor(self, dev: torch.device):
@@ -374,14 +378,12 @@ class ActivationOffloader(BackwardMixin):
                 )
                 self._compressors[key] = None
             else:
-                kw = {}
-                if "max_raw_share" in inspect.signature(PageCompressor).parameters:
-                    kw["max_raw_share"] = 1.0 if self.prefer == "speed" else 0.0
                 self._compressors[key] = PageCompressor(
                     device=torch.device("cpu") if key == "cpu" else torch.device("cuda", key),
                     page_size=self.page_size,
                     max_pinned_bytes=self._max_pinned,
-                    **kw,
+                    max_raw_share=1.0 if self.prefer == "speed" else 0.0,
+                    stream_priority=self.stream_priority,
                 )
         return self._compressors[key]
 

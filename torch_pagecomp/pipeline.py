@@ -1,10 +1,10 @@
 """The slot ring: batches of pages through upload -> kernel -> download on three streams.
 
 On a GPU each slot owns seven timing events; the caller's thread enqueues a batch's upload
-(``h2d`` stream), kernels (``compute`` stream: compress + pack) and a small copy of the
-metadata to pinned memory (``d2h_meta`` stream, after the kernels). An *issuer* thread waits
-for that metadata (a sync of one event, off the caller's stream), carves an exact-size block
-from the host arena and enqueues the download of exactly ``T`` packed bytes (``d2h`` stream).
+(``h2d`` stream) and kernels (``compute`` stream: compress, pack, and a one-value store of the
+packed size ``T`` into the slot's pinned ``total``). An *issuer* thread waits for those kernels
+(a sync of one event, off the caller's stream), carves an exact-size block from the host arena
+and enqueues the download of exactly ``T`` packed bytes and the metadata (``d2h`` stream).
 A *completer* thread waits for each batch's last event, records its timing and frees its slot.
 Streams are ordered by events, so slot ``k``'s download, slot ``k+1``'s kernel and slot
 ``k+2``'s upload run at once. Buffers belong to a batch, not to its slot, and go back to their
@@ -36,6 +36,7 @@ from enum import Enum
 
 import torch
 
+from . import gil
 from .cuda_stages import CudaStages, RawBypass
 from .pools import ALIGN, DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
 from .storage import BlobLayout, Storage, StoredBatch, meta_capacity
@@ -67,6 +68,8 @@ class Slot:
         self.cpu_stage: SlotState = SlotState.FREE
         self.events = {k: torch.cuda.Event(enable_timing=True) for k in _STAGES} if cuda else {}
         self.recorded: set[str] = set()
+        # an offload batch's packed size, stored here by a kernel (cuda_stages: publish)
+        self.total = torch.zeros(1, dtype=torch.int64, pin_memory=True) if cuda else None
 
     def record(self, name: str, stream) -> None:
         self.events[name].record(stream)
@@ -98,7 +101,7 @@ class _Job:
     limit_bytes: int = 0
     buffers: tuple = ()  # (pool, buffer) pairs to give back on completion
     keep: tuple = ()  # tensors kept alive until the batch completed
-    meta: torch.Tensor | None = None  # pinned meta view (GPU offload)
+    meta: tuple = ()  # (offsets, sizes, kinds) on the GPU until downloaded (GPU offload)
     packed: torch.Tensor | None = None
     first_page: int = 0
     stored: int = 0
@@ -117,12 +120,13 @@ class Pipeline(CudaStages):
     """A ring of ``slots`` slots moving batches of ``batch_pages`` pages of ``page_size`` bytes.
 
     ``max_inflight_bytes`` bounds the uncompressed bytes of offload batches in flight (pinned
-    landing space); producers wait for earlier batches (back-pressure).
+    landing space); producers wait for earlier batches (back-pressure). ``stream_priority``: the
+    CUDA priority of the pipeline's streams (lower is higher; see ``PageCompressor``).
     """
 
     def __init__(
         self, device, page_size, batch_pages, slots=3, max_inflight_bytes=None, raw_bypass=True,
-        max_raw_share=0.0,
+        max_raw_share=0.0, stream_priority=0,
     ):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -150,11 +154,12 @@ class Pipeline(CudaStages):
         self._detached = 0  # offload batches downloading outside the ring (see _detach)
         self._spare: list[Slot] = []  # slots (event sets) of completed detached batches
         self._cond = threading.Condition()
+        self._publish = True  # kernels store T to pinned memory (cuda_stages._publish_total)
         self.dev_bytes = batch_pages * page_size + meta_capacity(batch_pages) + 64
         if self.cuda:
             with torch.cuda.device(self.device):
                 self.h2d, self.compute, self.d2h, self.d2h_raw, self.d2h_meta = (
-                    torch.cuda.Stream() for _ in range(5)
+                    torch.cuda.Stream(priority=stream_priority) for _ in range(5)
                 )
                 self.epoch = torch.cuda.Event(enable_timing=True)
                 self.epoch.record(self.compute)
@@ -172,6 +177,7 @@ class Pipeline(CudaStages):
         for th in self._threads:
             th.start()
         self.closed = False
+        gil.hold()  # the threads' hand-offs need the GIL promptly (see gil.py)
 
     # ------------------------------------------------------------------ slots
     def acquire_slot(self, raw: bool = False) -> Slot:
@@ -480,7 +486,8 @@ class Pipeline(CudaStages):
         for pool, buf in job.buffers:
             pool.release(buf)
         job.buffers = job.keep = ()
-        job.packed = job.meta = job.work = job.producer = None
+        job.packed = job.work = job.producer = None
+        job.meta = ()
         if job.limit_bytes:
             self.limiter.release(job.limit_bytes)
             job.limit_bytes = 0
@@ -501,6 +508,7 @@ class Pipeline(CudaStages):
             self.closed = True
             self._issue_q.put(None)
             self._raw_done_q.put(None)
+            gil.release()
 
     def drain(self) -> None:
         """Wait until every queued batch completed."""

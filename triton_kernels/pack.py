@@ -64,3 +64,28 @@ def pack_pages(payload: torch.Tensor, sizes: torch.Tensor, traced: bool = True,
         launch(pack_pages_kernel, grid, payload.device, (payload, sizes, offsets, packed),
                dict(PAGE_SIZE=page_size, BLOCK=PACK_BLOCK, num_warps=PACK_WARPS), traced)
     return packed, offsets
+
+
+@triton.jit
+def publish_kernel(src_ptr, dst_ptr):
+    """``dst[0] = src[0]`` (int64), one program: ``dst`` may be page-locked host memory."""
+    tl.store(dst_ptr, tl.load(src_ptr))
+
+
+def publish_to_host(src: torch.Tensor, dst: torch.Tensor, traced: bool = True) -> None:
+    """Write one ``int64`` from the GPU into host memory with a kernel, not a copy.
+
+    Args:
+        src: ``int64 [1]`` on the GPU (e.g. ``offsets[N:]``, a batch's packed size).
+        dst: ``int64 [1]`` in page-locked host memory from ``cudaHostAlloc`` (torch's
+            ``pin_memory=True``), which a kernel can store to directly (unified addressing).
+        traced: as :func:`pack_pages`.
+
+    The value is on the host once an event recorded after this launch completed. A copy to
+    the host would queue on the copy engine behind earlier downloads (served in order), so a
+    pipeline that sizes each download from this value would wait for the previous download
+    before queueing the next one, and the link would idle while the host reacts.
+    """
+    if src.dtype != torch.int64 or dst.dtype != torch.int64 or src.numel() < 1 or dst.numel() < 1:
+        raise ValueError(f"publish_to_host takes int64 tensors, got {src.dtype} -> {dst.dtype}")
+    launch(publish_kernel, (1,), src.device, (src, dst), dict(num_warps=1), traced)
