@@ -36,7 +36,6 @@ from enum import Enum
 
 import torch
 
-from . import gil
 from .cuda_stages import CudaStages, RawBypass
 from .pools import ALIGN, DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
 from .storage import BlobLayout, Storage, StoredBatch, meta_capacity
@@ -177,7 +176,6 @@ class Pipeline(CudaStages):
         for th in self._threads:
             th.start()
         self.closed = False
-        gil.hold()  # the threads' hand-offs need the GIL promptly (see gil.py)
 
     # ------------------------------------------------------------------ slots
     def acquire_slot(self, raw: bool = False) -> Slot:
@@ -508,7 +506,6 @@ class Pipeline(CudaStages):
             self.closed = True
             self._issue_q.put(None)
             self._raw_done_q.put(None)
-            gil.release()
 
     def drain(self) -> None:
         """Wait until every queued batch completed."""
