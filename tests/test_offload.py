@@ -284,6 +284,40 @@ def test_policy_falls_back_when_ratio_low(seed):
     assert_clean(off)
 
 
+class _Sample:
+    """A finished compressed offload as the class policy sees it."""
+
+    def __init__(self, kernel: tuple[int, int]):
+        self.freed, self.nbytes, self._kernel = False, kernel[0] or 1 << 20, kernel
+
+    def ready(self) -> bool:
+        return True
+
+    def kernel_bytes(self) -> tuple[int, int]:
+        return self._kernel
+
+
+def test_policy_ratio_ignores_batches_stored_raw_for_speed():
+    """With the raw share (``prefer="speed"``) a sample may hold raw batches, or only raw
+    batches: the ratio is the kernel batches' alone, and an all-raw sample is replaced."""
+    from torch_pagecomp.offload_store import ClassPolicy
+
+    pol, key = ClassPolicy(samples=2, min_ratio=1.1), (torch.bfloat16, (8, 2048))
+    ratio = 1.15 + 0.2 * torch.rand(()).item()  # fresh each run; above min_ratio
+    pages = int(torch.randint(64, 4096, ()).item()) * 4096
+    untried = _Sample((0, 0))  # every batch went raw: says nothing
+    pol.sample(key, untried)
+    pol.sample(key, _Sample((pages, int(pages / ratio))))
+    assert pol.compress(key) and key not in pol.decided  # one measurement so far
+    pol.sample(key, _Sample((pages, int(pages / ratio))))  # the all-raw one's place
+    assert pol.compress(key) is True
+    assert pol.ratios[key] == pytest.approx(ratio, rel=1e-3)
+    poor = (torch.float32, (4, 4))
+    for _ in range(2):
+        pol.sample(poor, _Sample((pages, pages - 4096)))
+    assert pol.compress(poor) is False
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_retain_graph_and_second_backward(seed, mode):
     model = GPT(d=24, heads=3, layers=2)

@@ -121,6 +121,24 @@ def test_storage_freed_in_flight_keeps_blocks_until_written():
     assert arena.used_bytes == 0 and st.released and st.done.is_set()
 
 
+def test_storage_kernel_bytes_leave_out_batches_stored_raw_untried():
+    """The class policy judges compressibility from ``kernel_bytes``: batches the pipeline
+    stored raw without the kernel (bypass, raw share) must not count."""
+    arena = HostArena(pin=False, chunk_bytes=1 << 20)
+    st = Storage(arena)
+    n_k = [random.randrange(1, 40) for _ in range(3)]
+    stored_k = [random.randrange(1, n * 4096) for n in n_k]
+    for n, t in zip(n_k, stored_k):
+        lay = BlobLayout.of(n, t)
+        st.batch_stored(st.open_batch(), StoredBatch(arena.alloc(lay.total), lay, 0))
+    raw = BlobLayout.of(64, 64 * 4096)
+    st.batch_stored(st.open_batch(), StoredBatch(arena.alloc(raw.total), raw, 0, True))
+    want_in = sum(n_k) * 4096
+    want_stored = sum(BlobLayout.of(n, t).total for n, t in zip(n_k, stored_k))
+    assert st.kernel_bytes(4096) == (want_in, want_stored)
+    assert st.stored_nbytes == want_stored + raw.total  # host bytes count every batch
+
+
 def test_storage_release_deferred_while_read():
     arena = HostArena(pin=False, chunk_bytes=1 << 16)
     st = Storage(arena)

@@ -249,7 +249,7 @@ class CudaStages:
         sizes.fill_(p)
         kinds.zero_()
         job.stored, job.payload_bytes = lay.total, lay.payload_bytes
-        job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page))
+        job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page, True))
 
     def _enqueue_decompress(self, job, sb, out, statuses, start) -> None:
         p, slot, lay, n = self.page_size, job.slot, sb.layout, sb.layout.n_pages

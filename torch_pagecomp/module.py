@@ -104,6 +104,12 @@ class OffloadHandle:
     def ratio(self) -> float:
         return self.nbytes / max(1, self.stored_nbytes)
 
+    def kernel_bytes(self) -> tuple[int, int]:
+        """``(page bytes, stored bytes)`` of the batches stored so far that went through the
+        kernel, leaving out those the pipeline stored raw without trying (an incompressible
+        stream's bypass, ``max_raw_share``): how well the data compresses. ``(0, 0)``: none."""
+        return self._storage.kernel_bytes(self.page_size)
+
     def compressed(self) -> fmt.CompressedPages:
         """The stored pages as one packed CPU ``CompressedPages`` (a copy; waits if pending)."""
         self.wait()

@@ -61,6 +61,7 @@ class StoredBatch:
     block: HostBlock
     layout: BlobLayout
     first_page: int
+    routed_raw: bool = False  # stored raw without the kernel (bypass or raw share)
 
 
 class Storage:
@@ -143,6 +144,13 @@ class Storage:
     def stored_nbytes(self) -> int:
         with self._lock:
             return sum(b.layout.total for b in self.batches if b is not None)
+
+    def kernel_bytes(self, page_size: int) -> tuple[int, int]:
+        """``(page bytes in, bytes stored)`` over the batches that went through the kernel:
+        what the data compresses to, whatever share the pipeline stored raw."""
+        with self._lock:
+            done = [b for b in self.batches if b is not None and not b.routed_raw]
+        return sum(b.layout.n_pages for b in done) * page_size, sum(b.layout.total for b in done)
 
     def compressed(self, page_size: int) -> CompressedPages:
         """All batches as one packed CPU :class:`CompressedPages` (copied out of the arena)."""
