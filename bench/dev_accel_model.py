@@ -7,6 +7,9 @@ hashed per page. The compressor is bound by its hash-table operations (two L2 op
 hashed position, ``bench/results/README.md``), so windows hashed per page stand in for its time;
 the GPU speed itself needs ``bench.dev_parse_probe`` on a GPU.
 
+``--probe``: for the typed corpora, the ``probe`` option (a window after a window without a
+sequence hashes only its first 16 or 32 positions): ratio and positions hashed per page.
+
 ``--planes``: for the typed corpora, at the default parse of bit-shuffled pages, windows hashed
 and matched bytes per page in each bit plane: where the remaining hashing goes, and which
 planes the ratio comes from.
@@ -78,12 +81,53 @@ def _plane_table(name: str, pages: torch.Tensor, e: int) -> None:
                                           for b in range(8 * e)) + " |", flush=True)
 
 
+def _count_positions():
+    """Wrap the model's per-window candidate step with a counter of positions hashed."""
+    count = [0]
+    inner = T._store_cands
+
+    def counted(span, *a, **k):
+        count[0] += len(span)
+        return inner(span, *a, **k)
+
+    T._store_cands = counted
+    return count
+
+
+def _probe_table(pages_per_corpus: int, seed: int) -> None:
+    """Typed corpora at the typed default parse with ``probe`` 0, 16, 32: ratio and positions
+    hashed per page (each costs the kernel two L2 operations)."""
+    count = _count_positions()
+    probes = (0, 16, 32)
+    print(f"typed default parse (window {T.lc.TYPED_WINDOW}, accel {T.lc.TYPED_ACCEL}) with "
+          f"probe 0 / 16 / 32; {pages_per_corpus} pages of 4 KiB per corpus, seed {seed}")
+    print("| corpus | e | " + " | ".join(f"probe {p}: ratio, positions/page" for p in probes)
+          + " |\n|---|---|" + "---|" * len(probes))
+    for name in CORPORA:
+        e = element_size(name)
+        if e == 1:
+            continue
+        pages = build_corpus(name, pages_per_corpus * 4096, 4096, "cpu", seed=seed)
+        cells = []
+        for probe in probes:
+            count[0] = 0
+            _, sizes, _ = T._model(pages, e, None, candidates=T.lc.DEFAULT_CANDIDATES,
+                                   probe=probe, min_match=T.lc.DEFAULT_MIN_MATCH)
+            ratio = pages.numel() / int(sizes.sum())
+            cells.append(f"{ratio:.4f}, {count[0] / pages.shape[0]:.0f}")
+        print(f"| {name} | {e} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", type=int, default=48)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--planes", action="store_true", help="per bit plane, typed corpora")
+    ap.add_argument("--probe", action="store_true", help="the probe option, typed corpora")
     a = ap.parse_args()
+    if a.probe:
+        _probe_table(a.pages, a.seed)
+        return
     if a.planes:
         print(f"windows hashed / matched bytes per page, bit plane 0 (least significant) first; "
               f"default typed parse; {a.pages} pages of 4 KiB per corpus, seed {a.seed}")

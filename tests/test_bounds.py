@@ -87,13 +87,14 @@ def _late_window_page(gen: torch.Generator) -> torch.Tensor:
     return page
 
 
-@pytest.mark.parametrize("candidates, e, accel", [("store-max", 1, 0), ("store-max", 2, 0),
-                                                   ("store", 1, 0), ("atomic", 1, 0),
-                                                   ("store-max", 2, 1)])
-def test_compress_pack_and_decode_stay_in_bounds(bounds, gen, candidates, e, accel):
+@pytest.mark.parametrize("candidates, e, accel, probe", [
+    ("store-max", 1, 0, 0), ("store-max", 2, 0, 0), ("store", 1, 0, 0), ("atomic", 1, 0, 0),
+    ("store-max", 2, 1, 0), ("store-max", 4, 1, 16)])
+def test_compress_pack_and_decode_stay_in_bounds(bounds, gen, candidates, e, accel, probe):
     pages = bounds(torch.cat([file_pages("text", 1, P, gen), run_pages(1, P, gen),
                               _relu_bytes(2, gen), _late_window_page(gen)]))  # the last page
-    payload, sizes, kinds = lc.compress_pages(pages, e, candidates=candidates, accel=accel)
+    payload, sizes, kinds = lc.compress_pages(pages, e, candidates=candidates, accel=accel,
+                                              probe=probe)
     packed, _ = pack_pages(payload, sizes)
     assert packed.numel() == payload.numel()
     n = pages.shape[0]

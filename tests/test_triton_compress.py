@@ -84,7 +84,7 @@ def _model_block(
     page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int = lc.DEFAULT_NEAR,
     lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
     min_match: int = lc.DEFAULT_MIN_MATCH, xw: int = lc.DEFAULT_EXTRA_WORDS,
-    back: bool = lc.DEFAULT_BACK, accel: int = lc.DEFAULT_ACCEL, plane: int = 0,
+    back: bool = lc.DEFAULT_BACK, accel: int = lc.DEFAULT_ACCEL, plane: int = 0, probe: int = 0,
 ) -> bytes:
     """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule).
     ``plane``: bytes per bit plane of a shuffled page (0 for plain bytes)."""
@@ -98,10 +98,11 @@ def _model_block(
     words = words.tolist()
     last: dict[int, int] = {}
     out = bytearray()
-    pos = anchor = w0 = misses = 0
+    pos = anchor = w0 = misses = dead = 0
     while w0 <= maxs:
         emitted, w_prev = False, w0
-        span = range(w0, min(w0 + window, maxs + 1))
+        hashed = probe if probe and dead else window  # after a window without a sequence
+        span = range(w0, min(w0 + hashed, maxs + 1))
         if candidates != "atomic":  # "store", "store-max"
             cand = _store_cands(span, words, h, last, near)
         else:
@@ -141,6 +142,8 @@ def _model_block(
         w0 += window
         if skip and pos > w0:  # the match ran past this window: resume at its end
             w0 = pos & ~3
+        if probe:
+            dead = 0 if emitted else dead + 1
         if accel:  # after `misses` windows without a sequence, misses // accel are skipped
             misses = 0 if emitted else misses + 1
             extra = window * (misses // accel)
@@ -159,6 +162,7 @@ def _model(pages: torch.Tensor, element_size: int = 1, window: int | None = None
     defaults = lc.parse_defaults(element_size)
     window = defaults["window"] if window is None else window
     mode.setdefault("accel", defaults["accel"])
+    mode.setdefault("probe", defaults["probe"])
     n, size = pages.shape
     payload = torch.zeros((n, size), dtype=torch.uint8)
     sizes = torch.zeros(n, dtype=torch.int32)
@@ -240,7 +244,7 @@ def _check(pages: torch.Tensor, element_size: int = 1, window: int | None = None
     assert sizes.shape == (n,) and sizes.dtype == torch.int32
     assert kinds.shape == (n,) and kinds.dtype == torch.uint8
     mode = {k: tuning[k] for k in ("candidates", "near", "lazy", "skip", "min_match", "back",
-                                   "accel") if k in tuning}
+                                   "accel", "probe") if k in tuning}
     mode["xw"] = tuning.get("extra_words", lc.DEFAULT_EXTRA_WORDS)
     mode.setdefault("min_match", min(lc.DEFAULT_MIN_MATCH, 4 + 4 * mode["xw"]))
     mode.setdefault("candidates", lc.DEFAULT_CANDIDATES)
@@ -441,6 +445,28 @@ def test_accel_skips_windows_without_sequences():
     _check(pages[2:], 2, accel=1)  # bit-shuffled: the mantissa planes hold no matches
     with pytest.raises(ValueError, match="accel"):
         lc.compress_pages(pages, accel=9)
+
+
+@interpret_only
+def test_probe_hashes_the_start_of_windows_after_dead_ones():
+    """``probe``: a window after a window without a sequence hashes only its first ``probe``
+    positions (the model states which); bit-shuffled pages keep their exponent planes' matches
+    when those start a window, bytes lose a repeat that starts late in a probed window."""
+    relu = torch.relu(torch.randn(P4K // 2, dtype=torch.bfloat16)).view(torch.uint8)
+    fp32 = (torch.randn(P4K // 4) * 3).view(torch.uint8)
+    x = _rand(700)
+    late = _rand(1000) + _rand(40) + x + _rand(1200) + x
+    late = (late + _rand(P4K))[:P4K]
+    for probe in (16, 32):
+        _check(torch.stack([relu, relu.roll(64)]), 2, probe=probe)
+        _check(fp32[None], 4, probe=probe, candidates="atomic")
+    plain = _check(_rows(late))
+    probed = _check(_rows(late), probe=16)
+    assert plain[2][0] == fmt.KIND_LZ4 and int(probed[1][0]) > int(plain[1][0]), "no probe"
+    with pytest.raises(ValueError, match="probe"):
+        lc.compress_pages(_rows(late), probe=64, window=64)
+    with pytest.raises(ValueError, match="probe"):
+        lc.compress_pages(_rows(late), probe=8)
 
 
 @interpret_only

@@ -274,6 +274,7 @@ def _lz4_compress_kernel(
     SKIP: tl.constexpr,
     BACK: tl.constexpr,
     ACC: tl.constexpr,
+    PROBE: tl.constexpr,
 ):
     """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
 
@@ -339,6 +340,7 @@ def _lz4_compress_kernel(
             out = 0
             w0 = 0
             misses = 0
+            dead = 0  # windows in a row without a sequence (PROBE; across bit planes)
             while w0 <= MAXS:
                 wc += 1
                 out0 = out
@@ -349,6 +351,8 @@ def _lz4_compress_kernel(
                 widx = row * 4 + lane
                 idx = w0 + widx
                 valid = idx <= MAXS
+                if PROBE > 0:  # after a window without a sequence: its first PROBE positions
+                    valid = valid & ((widx < PROBE) | ((widx * 0 + dead) == 0))
                 k0 = (w0 >> 2) + row
                 sh = (lane * 8).to(tl.uint32)
                 word = _row_words(data32, k0, sh, P)
@@ -415,6 +419,11 @@ def _lz4_compress_kernel(
                 if SKIP:
                     if pos > w0:  # the match ran past this window: resume at its end
                         w0 = pos & ~3
+                if PROBE > 0:
+                    if out == out0:
+                        dead += 1
+                    else:
+                        dead = 0
                 if ACC > 0:  # after m windows without a sequence, m // ACC are not hashed
                     if out == out0:
                         misses += 1
@@ -475,13 +484,16 @@ DEFAULT_ACCEL = 0  # plain bytes: no faster on text / mixed, 1-2% less ratio (H2
 # hashed less, the exponent planes as before.
 TYPED_WINDOW = 64
 TYPED_ACCEL = 1
+# ``probe``: not measured on a GPU yet (the CPU model: bench/results/model_probe_*.md); off.
+TYPED_PROBE = 0
 
 
 def parse_defaults(element_size: int) -> dict:
-    """The default ``window`` and ``accel`` of :func:`compress_pages` for ``element_size``."""
+    """The default ``window``, ``accel`` and ``probe`` of :func:`compress_pages` for
+    ``element_size``."""
     if element_size > 1:
-        return {"window": TYPED_WINDOW, "accel": TYPED_ACCEL}
-    return {"window": DEFAULT_WINDOW, "accel": DEFAULT_ACCEL}
+        return {"window": TYPED_WINDOW, "accel": TYPED_ACCEL, "probe": TYPED_PROBE}
+    return {"window": DEFAULT_WINDOW, "accel": DEFAULT_ACCEL, "probe": 0}
 
 
 def _interpreting() -> bool:
@@ -519,6 +531,7 @@ def compress_pages(
     skip: bool = DEFAULT_SKIP,
     back: bool = DEFAULT_BACK,
     accel: int | None = None,
+    probe: int | None = None,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -547,12 +560,19 @@ def compress_pages(
     and matches there are missed; on a bit-shuffled page the count restarts at every bit
     plane and no skip crosses into the next plane: the noisy mantissa planes are skipped,
     the structured ones are not; default from :func:`parse_defaults`: 1 on bit-shuffled
-    pages, 0 on bytes). ``traced=False`` launches directly (eager callers outside the ops:
-    see ``triton_kernels.launch``).
+    pages, 0 on bytes). ``probe`` (0 = off; 16 or 32, below ``window``): a window that
+    follows a window without a sequence (in any earlier bit plane too) hashes and searches
+    only its first ``probe`` positions, so each noisy mantissa plane after the first costs
+    ``probe`` positions instead of a window (``bench.dev_accel_model --probe``: positions
+    hashed and ratio); matches later in such a window are missed. ``traced=False`` launches
+    directly (eager callers outside the ops: see ``triton_kernels.launch``).
     """
     defaults = parse_defaults(element_size)
     window = defaults["window"] if window is None else window
     accel = defaults["accel"] if accel is None else accel
+    probe = defaults["probe"] if probe is None else probe
+    if probe not in (0, 16, 32) or (probe and probe >= window):
+        raise ValueError(f"bad tuning: probe={probe} (0, 16 or 32, below window={window})")
     if window not in (64, 128, 256, 512, 1024) or not 0 <= extra_words <= 6:
         raise ValueError(f"bad tuning: window={window}, extra_words={extra_words}")
     if candidates not in CANDIDATE_MODES or not 0 <= near <= 5:
@@ -585,7 +605,7 @@ def compress_pages(
         W=window, XW=extra_words, EXT=64, V=64, CH=128, num_warps=num_warps,
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
-        ACC=accel,
+        ACC=accel, PROBE=probe,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds
