@@ -36,6 +36,11 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "accel2": dict(lazy=True, skip=True, back=True, min_match=5, accel=2),
     "accel4": dict(lazy=True, skip=True, back=True, min_match=5, accel=4),
     "w64_accel1": dict(lazy=True, skip=True, back=True, min_match=5, accel=1, window=64),
+    # the probe option (model: bench/results/model_probe_*.md); typed corpora only (window 64)
+    "w64_accel1_probe16": dict(lazy=True, skip=True, back=True, min_match=5, accel=1, window=64,
+                               probe=16),
+    "w64_accel1_probe32": dict(lazy=True, skip=True, back=True, min_match=5, accel=1, window=64,
+                               probe=32),
     "default": {},
 }
 # decoder settings timed per row (``lean`` of ``decompress_into``): the defaults, the checked

@@ -5,6 +5,7 @@
 #   bash bench/gpu_suite.sh training   # activation-offload training step bench
 #   bash bench/gpu_suite.sh pipeline   # pipeline bench alone: default, and split (raw share 1)
 #   bash bench/gpu_suite.sh parse      # compressor parse variants (accel) against nvCOMP
+#   bash bench/gpu_suite.sh probe      # the compressor's probe option on the typed corpora
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -52,6 +53,12 @@ parse)
     timeout 240 python3 -m bench.dev_parse_probe --mib 64 \
         --corpora text,mixed,bf16-relu,gpt-kv,gpt-act,fp32-randn \
         --variants default,accel1,accel2,w64_accel1 2>&1 | tee "$OUT/parse_probe.txt" | tail -n 40
+    ;;
+probe)
+    header probe
+    # the compressor's probe option on the typed corpora (model: bench/results/model_probe_*.md)
+    timeout 200 python3 -m bench.dev_parse_probe --mib 64 --corpora bf16-relu,gpt-kv,gpt-act,fp32-randn \
+        --variants default,w64_accel1_probe16,w64_accel1_probe32 2>&1 | tee "$OUT/probe.txt" | tail -n 30
     ;;
 training)
     header training
