@@ -1,13 +1,17 @@
 """Dev profile of one training step with activation offload (GPU only): where the GPU's time goes.
 
-``python3 -m bench.dev_training_profile [training_bench options] [--variant compressed_mem]``
+``python3 -m bench.dev_training_profile [training_bench options] [--variant compressed_mem]
+[--costs]``
 builds the training bench's model and hooks, runs the warm-up steps, then profiles one step with
 ``torch.profiler`` (CUPTI: real kernel and copy durations, whatever the host threads did) and
 prints per phase (forward / backward, split by a marker kernel): the span, the busy time
 (union of intervals) of the model's kernels, of our compress / pack / decompress kernels, of the
 copies each way, and how much of our kernels' time overlapped the model's. Then it compresses
 the activations of one forward alone (no model running beside it, same batches) for the solo
-kernel time: the in-step kernel time over the solo time is the interference.
+kernel time: the in-step kernel time over the solo time is the interference. Between the
+two: the profiled step's offload batches (mean kernel, download, kernel end -> download start,
+gaps; host CPU per thread) and, with ``--costs``, calls, thread CPU and wall time of each host
+function of the offload path.
 """
 
 from __future__ import annotations
@@ -231,6 +235,8 @@ def wrap_costs() -> None:
 
 def main() -> None:
     argv = sys.argv[1:]
+    costs = "--costs" in argv  # also time the offload path's host functions (wrap_costs)
+    argv = [a for a in argv if a != "--costs"]
     if "--variant" not in argv:
         argv += ["--variant", "compressed_mem"]
     args = parse(argv)
@@ -251,7 +257,7 @@ def main() -> None:
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
-    if "--costs" in os.environ.get("PAGECOMP_PROFILE", ""):
+    if costs:
         wrap_costs()
     comp = next(iter(off._compressors.values()), None) if off is not None else None
     if comp is not None:

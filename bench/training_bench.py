@@ -96,7 +96,7 @@ def make_offloader(args, model, variant: str):
         compressor = PageCompressor(
             device="cuda", page_size=args.page_size, slots=args.slots,
             max_raw_share=1.0 if variant == "compressed" else 0.0,
-            stream_priority=args.stream_priority or 0,
+            stream_priority=args.stream_priority,
         )
     return offload_module(
         model,
@@ -286,8 +286,8 @@ def parse(argv=None):
     ap.add_argument("--min-offload-kb", type=int, default=1024)
     ap.add_argument("--min-ratio", type=float, default=1.1)
     ap.add_argument("--page-size", type=int, default=4096)
-    ap.add_argument("--stream-priority", type=int, default=None,
-                    help="our side streams' CUDA priority (lower = higher; default: the hooks')")
+    ap.add_argument("--stream-priority", type=int, default=0,
+                    help="our side streams' CUDA priority (lower = higher)")
     ap.add_argument("--slots", type=int, default=None,
                     help="the compressor's ring slots (default: PageCompressor's)")
     ap.add_argument("--seed", type=int, default=0)

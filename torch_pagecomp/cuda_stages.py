@@ -1,4 +1,4 @@
-"""The GPU stages of the pipeline, enqueued on its four streams (a mixin of ``Pipeline``).
+"""The GPU stages of the pipeline, enqueued on its five streams (a mixin of ``Pipeline``).
 
 Every device operation here runs inside an explicit ``torch.cuda.stream`` context of one of the
 pipeline's streams (``h2d``, ``compute``, ``d2h``, ``d2h_raw``, ``d2h_meta``), never on whatever

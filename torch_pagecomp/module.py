@@ -179,8 +179,9 @@ class PageCompressor(torch.nn.Module):
             speed first (host memory then shrinks less).
         stream_priority: CUDA priority of the compressor's streams (lower is higher, clamped to
             the card's range, e.g. -5..0 on H100): with a negative value its kernels' thread
-            blocks are scheduled ahead of the default-priority work queued beside them (a
-            training step's kernels), so the offload keeps pace when the link bounds the step.
+            blocks are scheduled ahead of default-priority work queued beside them. (In the
+            training bench's link-bound step it changed nothing measurable: the kernels rarely
+            meet the model's, ``bench/results/h200_1feff4d/``.)
     """
 
     def __init__(

@@ -54,7 +54,6 @@ from .offload_store import (
 )
 
 MODES = ("compressed", "uncompressed")
-DEFAULT_PRIORITY = 0  # CUDA stream priority of the side streams and the compressor made here
 
 
 class ActivationOffloader(BackwardMixin):
@@ -102,14 +101,14 @@ class ActivationOffloader(BackwardMixin):
         exact_pinned: bool = True,
         prefer: str = "speed",
         compressor=None,
-        stream_priority: int | None = None,
+        stream_priority: int = 0,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if prefer not in ("speed", "memory"):
             raise ValueError(f"prefer must be 'speed' or 'memory', got {prefer!r}")
         self.prefer = prefer
-        self.stream_priority = DEFAULT_PRIORITY if stream_priority is None else stream_priority
+        self.stream_priority = stream_priority
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
         self.mode, self.prefetch = mode, prefetch
