@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from bench.training_bench import build_model, make_offloader, parse
+from bench.training_bench import make_offloader, parse, setup
 
 OURS = {"compress": r"_lz4_compress_kernel", "pack": r"pack_pages", "decompress": r"_decompress"}
 
@@ -240,11 +240,7 @@ def main() -> None:
     if "--variant" not in argv:
         argv += ["--variant", "compressed_mem"]
     args = parse(argv)
-    model = build_model(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    gen = torch.Generator(device="cuda").manual_seed(args.seed + 1)
-    x = torch.randn(args.batch, args.seq, args.d, device="cuda", dtype=torch.bfloat16,
-                    generator=gen)
+    model, opt, x = setup(args)  # on args.device: cuda, the default
     off = make_offloader(args, model, args.variant) if args.variant != "none" else None
 
     def step():

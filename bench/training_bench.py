@@ -84,6 +84,18 @@ class CountingSaveOnCpu:
         return self.inner.__exit__(*exc)
 
 
+def setup(args):
+    """The model, its optimizer and the input batch of a run: ``(model, opt, x)``."""
+    import torch
+
+    model = build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)
+    x = torch.randn(args.batch, args.seq, args.d, device=args.device, dtype=torch.bfloat16,
+                    generator=gen)
+    return model, opt, x
+
+
 def make_offloader(args, model, variant: str):
     """Our hooks on ``model`` for one of our variants (``uncompressed``, ``compressed``...)."""
     from torch_pagecomp.offload_wrap import offload_module
@@ -122,12 +134,8 @@ def run_variant(args) -> dict:
     import torch
 
     variant = args.variant
-    model = build_model(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    model, opt, x = setup(args)
     cuda = args.device == "cuda"
-    gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)
-    x = torch.randn(args.batch, args.seq, args.d, device=args.device, dtype=torch.bfloat16,
-                    generator=gen)
     off, soc = None, None
     if variant in ("uncompressed", *VARIANTS[3:], *EXTRA):
         off = make_offloader(args, model, variant)

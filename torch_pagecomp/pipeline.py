@@ -1,4 +1,4 @@
-"""The slot ring: batches of pages through upload -> kernel -> download on three streams.
+"""The slot ring: batches of pages through upload -> kernel -> download on CUDA streams.
 
 On a GPU each slot owns seven timing events; the caller's thread enqueues a batch's upload
 (``h2d`` stream) and kernels (``compute`` stream: compress, pack, and a one-value store of the
@@ -457,8 +457,8 @@ class Pipeline(CudaStages):
             ev = slot.events
             stamp = {k: self.epoch.elapsed_time(ev[k]) for k in slot.recorded}
             d = (stamp.get("d_s", stamp["k_e"]), stamp.get("d_e", stamp["k_e"]))
-            # an offload's kernel stage is compress + pack (to k_c); the metadata's copy after
-            # it (to k_e) may wait for the copy engine, which is the download's business
+            # an offload's kernel stage is compress + pack (to k_c); k_e after it marks T on
+            # the host (a kernel store, or a copy that may wait for the copy engine)
             k = (stamp["k_s"], stamp.get("k_c", stamp["k_e"]))
             t = BatchTiming(
                 job.kind, slot.index, job.nbytes, job.stored,
