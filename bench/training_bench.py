@@ -3,10 +3,13 @@ process (clean peak-memory counters, an OOM or a hang costs one row).
 
 Variants: ``none`` (no offload), ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(
 pin_memory=True)``), ``uncompressed`` (our stream-overlapped pinned offload), ``compressed``
-(ours: PageCompressor pages, per-class fallback when the ratio < ``--min-ratio``) and
-``compressed_mem`` (``prefer="memory"``: every batch of a compressible class through the kernel,
-where ``compressed`` = ``prefer="speed"`` lets the compressor store a share raw when its kernel
-is the bottleneck) and, on request, ``compressed_all`` (also classes below the ratio floor).
+(ours, ``prefer="speed"``: PageCompressor pages with a per-class fallback when the ratio <
+``--min-ratio``, and a share stored raw when the kernel is the bottleneck; the step tuner
+times compressed against copied steps during the warm-up and keeps the faster, see
+``torch_pagecomp.offload_tune``), ``compressed_mem`` (``prefer="memory"``: every batch of a
+compressible class through the kernel, always) and, on request, ``compressed_all`` (also
+classes below the ratio floor). The warm-up must cover the tuner's trials (2 warm-up passes, 2
+passes per arm): 8 steps by default.
 Losses of every step are kept: ``loss dev`` is the largest relative difference from ``none``
 (flash attention's backward is not bit-deterministic, so tiny values are expected; corrupted
 activations show as large ones or NaN). Per variant: step time
@@ -206,6 +209,8 @@ def run_variant(args) -> dict:
         st = off.stats()
         row["pinned_held_bytes"] = st["pinned_held_bytes"]
         row["policy"] = st["policy"]
+        if "tuner" in st:
+            row["tuner"] = st["tuner"]
         row["counters"] = {k: v for k, v in st.items() if isinstance(v, int)}
         comp = st.get("compressor", {})
         if comp:
@@ -285,7 +290,8 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per variant")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=8,
+                    help="untimed steps (prefer='speed' tunes in the first 6)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--prefetch", type=int, default=1, help="groups (blocks) restored ahead")
     ap.add_argument("--gpu-blocks", type=int, default=0,
@@ -337,6 +343,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"# {variant}: {row.get('step_ms_median', row.get('error', '')[-300:])}",
               flush=True)
+        if row.get("tuner"):
+            print(f"# {variant} tuner: {json.dumps(row['tuner']['decisions'])}", flush=True)
     text = table(rows)
     print(text)
     if args.out:

@@ -30,6 +30,15 @@ def gen(request) -> torch.Generator:
 
 
 @pytest.fixture
+def seed() -> int:
+    """Seeds torch's global generator afresh every run (printed); for tests of whole models."""
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={s}")
+    torch.manual_seed(s)
+    return s
+
+
+@pytest.fixture
 def cuda() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -7,7 +7,6 @@ weights and inputs (the seed is printed).
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -38,14 +37,6 @@ class GPT(nn.Module):
         for blk in self.blocks:
             x = checkpoint(blk, x, use_reentrant=False) if self.ckpt else blk(x)
         return self.head(F.relu(x)).float().square().mean()
-
-
-@pytest.fixture
-def seed() -> int:
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={s}")
-    torch.manual_seed(s)
-    return s
 
 
 def grads_of(model: nn.Module, x: torch.Tensor, ctx=None, autocast=None, sync=None):

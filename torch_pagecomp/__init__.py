@@ -14,6 +14,7 @@ from .format import (
 )
 from .module import OffloadHandle, PageCompressor, SlotState, dtype_element_size
 from .offload import ActivationOffloader, keep_on_gpu, offload_activations
+from .offload_tune import StepTuner
 from .offload_wrap import offload_module
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "PageCompError",
     "PageCompressor",
     "SlotState",
+    "StepTuner",
     "compress",
     "decompress",
     "dtype_element_size",

@@ -52,6 +52,7 @@ from .offload_store import (
     Worker,
     element_size_for,
 )
+from .offload_tune import StepTuner
 
 MODES = ("compressed", "uncompressed")
 
@@ -77,9 +78,13 @@ class ActivationOffloader(BackwardMixin):
         keep_param_casts: keep autocast copies of parameters (``ToCopy`` of a leaf) in place.
         page_size, max_pinned_bytes: passed to ``PageCompressor`` and the pinned pool.
         exact_pinned: pin page-aligned memory with cudaHostRegister (no power-of-two rounding).
-        prefer: ``"speed"``: when the compression kernel is slower than the copy engine, the
-            compressor stores a share of batches raw so both stay busy (``max_raw_share=1``);
+        prefer: ``"speed"``: compress only where it shortens the step. Passes are timed
+            (``offload_tune.StepTuner``: after two warm-up passes, two passes each compressed
+            and copied, again every ``tuner.retune`` passes) and the faster way is kept; while
+            compressing, the compressor stores a share of batches raw when its kernel is slower
+            than the copy engine, so both stay busy (``max_raw_share=1``).
             ``"memory"``: every batch of a class that compresses goes through the kernel.
+        tuner: the ``StepTuner`` of ``prefer="speed"`` (default ``StepTuner()``).
         compressor: a ``PageCompressor`` to use (default: one per device, made on first use).
         stream_priority: CUDA priority of the side streams and of the compressor made here
             (lower is higher; ``PageCompressor``'s argument of that name).
@@ -102,12 +107,16 @@ class ActivationOffloader(BackwardMixin):
         prefer: str = "speed",
         compressor=None,
         stream_priority: int = 0,
+        tuner: StepTuner | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if prefer not in ("speed", "memory"):
             raise ValueError(f"prefer must be 'speed' or 'memory', got {prefer!r}")
         self.prefer = prefer
+        self.tuner = None
+        if prefer == "speed" and mode == "compressed":
+            self.tuner = tuner if tuner is not None else StepTuner()
         self.stream_priority = stream_priority
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
@@ -155,7 +164,8 @@ class ActivationOffloader(BackwardMixin):
     def __enter__(self) -> ActivationOffloader:
         with self._lock:
             if self._depth == 0:
-                self._pass = _Pass()
+                arm = self._tuned_arm()
+                self._pass = _Pass(compress=arm == "compress")
                 self._passes.add(self._pass)
                 self._last_pass = weakref.ref(self._pass)
                 self._keep_ptrs = {
@@ -174,6 +184,24 @@ class ActivationOffloader(BackwardMixin):
             if self._depth == 0:
                 self._hooks.__exit__(*exc)
                 self._hooks = self._pass = None
+
+    def _tuned_arm(self) -> str:
+        """This pass's arm (``prefer="speed"``). Once the tuner decides, the idle pinned memory
+        of the other way is released: plain copies' pooled buffers when compressing wins
+        (classes that do not compress regrow what they use), the compressors' idle chunks
+        when copying wins."""
+        if self.tuner is None or _capturing() or torch.compiler.is_compiling():
+            return "compress"  # no events recorded into a graph capture or a trace
+        decided = len(self.tuner.history)
+        arm = self.tuner.start_pass()
+        if len(self.tuner.history) > decided:
+            if self.tuner.choice == "compress":
+                self.pool.clear()
+            else:
+                for comp in self._compressors.values():
+                    if comp is not None:
+                        comp.empty_cache()
+        return arm
 
     def next_group(self) -> None:
         """Start a new prefetch group (e.g. at each transformer block's forward)."""
@@ -241,7 +269,7 @@ class ActivationOffloader(BackwardMixin):
         entry = _Entry(self._sink, nbytes, dev, ps, len(ps.groups) - 1)
         cls = (t.dtype, tuple(t.shape))
         comp = self._compressor(dev) if self.mode == "compressed" else None
-        if comp is not None and self.policy.compress(cls):
+        if comp is not None and ps.compress and self.policy.compress(cls):
             entry.store = CompressedStore(comp)
             self._submit_offload(entry, src, esize, cls)
         elif dev.type == "cpu":
@@ -267,6 +295,8 @@ class ActivationOffloader(BackwardMixin):
                 self._release(self._stash_victim(), wait=True)
         self.counters[f"offloaded_{entry.store.kind}"] += 1
         self.counters["offloaded_bytes"] += nbytes
+        if self.tuner is not None:
+            self.tuner.add_bytes(nbytes)
         self._count_host(entry)
         self._live.add(entry)
         ps.groups[-1].append(weakref.ref(entry))
@@ -425,6 +455,8 @@ class ActivationOffloader(BackwardMixin):
         out["peak_host_bytes"] = self._peak_host
         out["pinned_held_bytes"] = self.pool.held_bytes
         out["policy"] = self.policy.summary()
+        if self.tuner is not None:
+            out["tuner"] = self.tuner.summary()
         comps = {k: c.stats() for k, c in self._compressors.items() if c is not None}
         if comps:
             out["compressor"] = comps

@@ -51,9 +51,10 @@ def _is_param_like(t: torch.Tensor, keep_casts: bool) -> bool:
 class _Pass:
     """The groups of one outermost ``with``: ``groups[k]`` holds weak references to entries."""
 
-    __slots__ = ("groups", "group_bytes", "issued", "dedup", "__weakref__")
+    __slots__ = ("groups", "group_bytes", "issued", "dedup", "compress", "__weakref__")
 
-    def __init__(self):
+    def __init__(self, compress: bool = True):
+        self.compress = compress  # False: this pass copies (``offload_tune.StepTuner``'s arm)
         self.groups: list[list[weakref.ref]] = [[]]
         self.group_bytes = 0
         self.issued = [False]

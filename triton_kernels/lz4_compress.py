@@ -484,15 +484,18 @@ DEFAULT_ACCEL = 0  # plain bytes: no faster on text / mixed, 1-2% less ratio (H2
 # hashed less, the exponent planes as before.
 TYPED_WINDOW = 64
 TYPED_ACCEL = 1
-# ``probe``: not measured on a GPU yet (the CPU model: bench/results/model_probe_*.md); off.
-TYPED_PROBE = 0
+# ``probe`` by element size. H200, 64 MiB per corpus (bench/results/h200_dcba96e/probe.txt):
+# probe 32 on fp32-randn 72.2 -> 84.0 GB/s at ratio 1.098 -> 1.091 (nvCOMP + bitshuffle 1.085);
+# on bf16 only 2.5-4% faster for 0.6-1.3% of ratio, so 16-bit pages keep it off.
+TYPED_PROBE = {2: 0, 4: 32}
 
 
 def parse_defaults(element_size: int) -> dict:
     """The default ``window``, ``accel`` and ``probe`` of :func:`compress_pages` for
     ``element_size``."""
     if element_size > 1:
-        return {"window": TYPED_WINDOW, "accel": TYPED_ACCEL, "probe": TYPED_PROBE}
+        return {"window": TYPED_WINDOW, "accel": TYPED_ACCEL,
+                "probe": TYPED_PROBE.get(element_size, 0)}
     return {"window": DEFAULT_WINDOW, "accel": DEFAULT_ACCEL, "probe": 0}
 
 

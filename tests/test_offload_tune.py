@@ -1,0 +1,189 @@
+"""``prefer="speed"``: the step tuner chooses compressed or copied offload from timed passes.
+
+The tuner's logic runs against a fake clock (step periods drawn fresh each run); the hooks'
+side runs on the CPU path (``offload_cpu=True``), where both arms must give bit-identical
+gradients and the arm in force decides which store the offloads take.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.test_offload import (
+    GPT,
+    assert_clean,
+    assert_identical,
+    cpu_offloader,
+    gpu_model,
+    grads_of,
+    needs_cuda,
+)
+from torch_pagecomp import StepTuner
+from torch_pagecomp.offload_wrap import offload_module
+
+
+class FakeClock:
+    """``perf_counter`` stand-in: ``advance(ms)`` makes time pass."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, ms: float) -> None:
+        self.t += ms / 1e3
+
+
+def run_passes(tuner: StepTuner, clock: FakeClock, ms: dict, n: int, nbytes: int = 1 << 20,
+               jitter: float = 0.0) -> list[str]:
+    """``n`` passes; a pass of arm ``a`` offloads ``nbytes`` and lasts ``ms[a]`` (+- jitter)."""
+    arms = []
+    for _ in range(n):
+        arm = tuner.start_pass()
+        arms.append(arm)
+        tuner.add_bytes(nbytes)
+        clock.advance(ms[arm] * (1 + random.uniform(-jitter, jitter)))
+    return arms
+
+
+@pytest.mark.parametrize("faster", ["copy", "compress"])
+def test_tuner_keeps_the_faster_arm(faster):
+    clock = FakeClock()
+    tuner = StepTuner(warmup=2, trials=2, retune=50, clock=clock)
+    slow = random.uniform(150, 500)
+    other = "compress" if faster == "copy" else "copy"
+    ms = {faster: slow * random.uniform(0.5, 0.9), other: slow}
+    arms = run_passes(tuner, clock, ms, 2 + 4 + 30, jitter=0.01)
+    assert arms[:2] == ["compress", "compress"]  # warm-up: compiles, pools, class policy
+    assert sorted(arms[2:6]) == ["compress", "compress", "copy", "copy"]  # alternating trials
+    assert set(arms[7:]) == {faster}, arms
+    assert tuner.choice == faster
+    dec = tuner.summary()["decisions"][-1]
+    assert dec["choice"] == faster and dec["bytes_per_pass"] == 1 << 20
+    assert dec[f"{faster}_ms"] < min(tuner.times[other])
+
+
+def test_tuner_tie_keeps_compression():
+    """Copy must be faster by more than the margin: on a tie compression still saves memory."""
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=2, retune=50, margin=0.05, clock=clock)
+    base = random.uniform(100, 300)
+    arms = run_passes(tuner, clock, {"compress": base, "copy": base * 0.97}, 1 + 4 + 10)
+    assert set(arms[6:]) == {"compress"} and tuner.choice == "compress"
+
+
+def test_tuner_shortest_pass_per_arm():
+    """One slow pass (a pool growing, a compile) does not decide: each arm's best pass does."""
+    clock = FakeClock()
+    tuner = StepTuner(warmup=0, trials=3, retune=50, clock=clock)
+    fast = random.uniform(80, 120)
+    periods = {"copy": iter([fast * 9, fast, fast]),  # the first copy pass grows the pool
+               "compress": iter([fast * 1.2] * 3)}
+    for _ in range(6):
+        arm = tuner.start_pass()
+        tuner.add_bytes(4096)
+        clock.advance(next(periods[arm]))
+    tuner.start_pass()
+    assert tuner.choice == "copy", tuner.summary()
+    assert tuner.history[-1]["copy_ms"] == pytest.approx(fast, abs=0.01)
+
+
+def test_tuner_retunes_after_retune_passes_and_on_new_workload():
+    clock = FakeClock()
+    tuner = StepTuner(warmup=0, trials=1, retune=6, clock=clock)
+    ms = {"compress": 200.0, "copy": 100.0}
+    arms = run_passes(tuner, clock, ms, 2 + 6 + 2)
+    assert arms[2:8] == ["copy"] * 6  # settled on copy for 6 passes
+    assert sorted(arms[8:10]) == ["compress", "copy"]  # then measured again
+    assert [d["choice"] for d in tuner.history] == ["copy"]  # the second: at the next start
+    # now compression wins, and a pass offloads 4x the bytes: trials restart at once
+    ms = {"compress": 100.0, "copy": 300.0}
+    run_passes(tuner, clock, ms, 3, nbytes=4 << 20)
+    arms = run_passes(tuner, clock, ms, 5, nbytes=4 << 20)
+    assert arms == ["compress"] * 5, tuner.summary()
+    assert tuner.history[-1]["bytes_per_pass"] == 4 << 20
+
+
+def test_tuner_waits_for_late_marks():
+    """Marks complete late (the host runs passes ahead of the GPU): nothing is waited for,
+    trials are handed out once, passes between trials and decision compress."""
+    clock = FakeClock()
+    done = {"t": 0.0}  # marks up to this time have happened on the "GPU"
+    tuner = StepTuner(warmup=1, trials=1, retune=50, clock=clock,
+                      elapsed=lambda a, b: (b - a) * 1e3 if b <= done["t"] else None)
+    arms = run_passes(tuner, clock, {"compress": 200.0, "copy": 100.0}, 8)
+    assert arms[:3] == ["compress", "copy", "compress"] and set(arms[3:]) == {"compress"}
+    assert tuner.choice is None  # nothing measured yet
+    done["t"] = clock.t
+    arms = run_passes(tuner, clock, {"compress": 200.0, "copy": 100.0}, 3)
+    assert tuner.choice == "copy" and arms == ["copy"] * 3, tuner.summary()
+
+
+def test_tuner_ignores_passes_without_offloads():
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=1, retune=10, clock=clock)
+    for _ in range(5):  # evaluation passes: nothing offloaded, nothing measured
+        tuner.start_pass()
+        clock.advance(1.0)
+    assert tuner.summary()["phase"] == "warmup" and tuner.choice is None
+    with pytest.raises(ValueError, match="trials"):
+        StepTuner(trials=0)
+
+
+# ------------------------------------------------------------------ the hooks, CPU path
+def test_speed_hooks_follow_the_tuner_with_identical_grads(seed):
+    """On the CPU path: trials alternate the stores, the arm in force decides; gradients equal."""
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=1, retune=100, clock=clock)
+    model = GPT(d=32, heads=4, layers=2)
+    x = torch.randn(2, 23, 32)
+    ref = grads_of(model, x)
+    off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
+    kinds = []
+    for step in range(6):
+        before = dict(off.counters)
+        got = grads_of(model, x, off, sync=off if step % 2 else None)
+        assert_identical(ref, got)
+        arm = tuner.summary()["arm"]
+        kinds.append({k.removeprefix("offloaded_"): off.counters[k] - before.get(k, 0)
+                      for k in off.counters if k.startswith("offloaded_")
+                      and k != "offloaded_bytes" and off.counters[k] - before.get(k, 0)})
+        clock.advance(50.0 if arm == "copy" else 80.0)  # copying is faster here
+    assert tuner.choice == "copy", tuner.summary()
+    assert set(kinds[0]) == {"compressed"}, kinds  # warm-up compresses
+    assert {"compressed"} in [set(k) for k in kinds[1:3]]
+    assert set(kinds[-1]) == {"cpu"}, kinds  # settled: plain copies
+    assert off.stats()["tuner"]["choice"] == "copy"
+    assert_clean(off)
+
+
+def test_memory_preference_has_no_tuner():
+    off = cpu_offloader("compressed", prefer="memory")
+    assert off.tuner is None and "tuner" not in off.stats()
+    assert cpu_offloader("uncompressed").tuner is None
+
+
+@needs_cuda
+def test_gpu_tuner_times_passes_with_events(seed):
+    """On a GPU the marks are CUDA events: both arms get measured, decisions come without a
+    host sync of the tuner's own, and every step's gradients stay bit-identical."""
+    model = gpu_model(seed, dtype=torch.bfloat16)
+    x = torch.randn(4, 256, 256, device="cuda", dtype=torch.bfloat16)
+    ref = grads_of(model, x)
+    tuner = StepTuner(warmup=1, trials=1, retune=3)
+    off = offload_module(model, mode="compressed", prefer="speed", tuner=tuner,
+                         min_offload_bytes=1 << 16, min_ratio=0.0)
+    for _ in range(12):
+        assert_identical(ref, grads_of(model, x))  # torch.equal syncs: marks complete
+    st = off.stats()
+    assert len(tuner.history) >= 2, st["tuner"]
+    for d in tuner.history:
+        assert d["compress_ms"] > 0 and d["copy_ms"] > 0 and d["bytes_per_pass"] > 0
+    assert st["offloaded_compressed"] > 0 and st["offloaded_raw"] > 0, st
+    off.remove()
+    torch.cuda.synchronize()
+    assert_clean(off)

@@ -1,0 +1,156 @@
+"""``prefer="speed"``: compress the offload only where that makes the training step faster.
+
+Compressing activations costs GPU time (the kernels share the SMs with the model) and saves link
+time (the copy engine moves ``ratio`` times fewer bytes). Which one wins depends on the step, not
+on the data. Where the plain copies already hide behind the model's compute, every compressed
+byte only adds kernel time; where the link is the bottleneck, compression shortens the step.
+Measured on one H200 (``bench/results/h200_dcba96e/``, a 12-block GPT in bf16): offloading all
+12 blocks, 451 ms uncompressed and 433 ms compressed; offloading the first 4 (the copies hide),
+141 ms uncompressed and 180 ms compressed, 39 ms more: 4.2 GiB at the kernel's solo rate.
+
+Neither the schedule nor the model's compute time can be read without a host sync, so
+:class:`StepTuner` times the passes themselves (one pass: one outermost ``with`` of the hooks,
+from its start to the next one's, so the period holds the whole step as the loop runs it). The
+marks are CUDA events recorded on the current stream (GPU time, whatever the host runs ahead;
+read once completed, never waited for), or the host clock without CUDA:
+
+1. ``warmup`` passes compress (kernels compile, pools grow, the class policy samples ratios);
+2. ``trials`` passes per arm, alternating ``"copy"`` (every offload a plain pinned copy) and
+   ``"compress"``; an arm's time is the shortest of its passes (a pass that grew a pool or
+   compiled a kernel is slower once, never faster);
+3. once they are measured, the faster arm is kept for ``retune`` passes; ``"copy"`` only if
+   it is faster by more than ``margin`` (on a tie compression still saves host memory). Then
+   the trials run again, and at once when a pass offloads a different amount (by more than a
+   quarter) than the trials did: a new sequence length or model.
+
+Passes that offload nothing (evaluation) are not timed and change nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+
+import torch
+
+ARMS = ("compress", "copy")
+
+
+def pass_mark() -> float | torch.cuda.Event:
+    """Now: a CUDA event on the current stream once CUDA is in use, else the host clock (s)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def elapsed_ms(a, b) -> float | None:
+    """Milliseconds from mark ``a`` to ``b``; None while ``b`` has not happened on the GPU yet,
+    or -1.0 for marks of different kinds (CUDA started between them: not comparable)."""
+    if isinstance(a, torch.cuda.Event) and isinstance(b, torch.cuda.Event):
+        return a.elapsed_time(b) if b.query() else None
+    if isinstance(a, float) and isinstance(b, float):
+        return (b - a) * 1e3
+    return -1.0
+
+
+class StepTuner:
+    """Chooses, per pass, whether the hooks compress (``"compress"``) or copy (``"copy"``).
+
+    ``clock`` returns a mark, ``elapsed`` the milliseconds between two (None: not yet known);
+    tests pass a fake clock of floats (seconds)."""
+
+    def __init__(self, warmup: int = 2, trials: int = 2, retune: int = 200,
+                 margin: float = 0.03, clock: Callable[[], object] = pass_mark,
+                 elapsed: Callable[[object, object], float | None] = elapsed_ms):
+        if warmup < 0 or trials < 1 or retune < 1 or margin < 0:
+            raise ValueError(
+                f"tuner: need warmup >= 0, trials >= 1, retune >= 1, margin >= 0; got "
+                f"{warmup}, {trials}, {retune}, {margin}"
+            )
+        self.warmup, self.trials, self.retune, self.margin = warmup, trials, retune, margin
+        self.clock, self.elapsed = clock, elapsed
+        self.arm = "compress"  # of the pass in progress
+        self.choice: str | None = None
+        self.times: dict[str, list[float]] = {a: [] for a in ARMS}  # ms, current trials
+        self.history: list[dict] = []  # one entry per decision
+        self._warm = 0  # warm-up passes closed (with offloads)
+        self._gen = 0  # trials generation: measurements of older ones are dropped
+        self._schedule: list[str] = []  # trial arms still to hand out
+        self._settled = 0  # passes handed the choice since the decision
+        self._open: tuple | None = None  # (mark, arm, generation, trial?) of the pass
+        self._bytes = 0  # offloaded by the pass in progress
+        self._closed: collections.deque = collections.deque()  # passes awaiting their time
+        self._trial_bytes: int | None = None  # bytes per pass the trials saw
+        self._phase = "warmup" if warmup else "trial"
+        if not warmup:
+            self._begin_trials()
+
+    def add_bytes(self, nbytes: int) -> None:
+        """The pass in progress offloaded ``nbytes`` more."""
+        self._bytes += nbytes
+
+    def start_pass(self) -> str:
+        """A pass begins: closes the previous one, reads the periods measured so far; returns
+        this pass's arm."""
+        now = self.clock()
+        if self._open is not None and self._bytes > 0:
+            self._closed.append((*self._open, self._bytes, now))
+            if self._phase == "warmup":
+                self._warm += 1
+                if self._warm >= self.warmup:
+                    self._begin_trials()
+        self._measure()
+        trial = bool(self._schedule)
+        if trial:
+            self.arm = self._schedule.pop(0)
+        elif self._phase == "settled":
+            self._settled += 1
+            self.arm = self.choice
+            if self._settled >= self.retune:
+                self._begin_trials()
+        else:
+            self.arm = "compress"  # warm-up, or trials handed out and not measured yet
+        self._open, self._bytes = (now, self.arm, self._gen, trial), 0
+        return self.arm
+
+    def _measure(self) -> None:
+        while self._closed:
+            start, arm, gen, trial, nbytes, end = self._closed[0]
+            ms = self.elapsed(start, end)
+            if ms is None:
+                return  # later ones end later
+            self._closed.popleft()
+            if gen != self._gen or ms < 0:
+                continue
+            ref = self._trial_bytes
+            if ref is not None and abs(nbytes - ref) * 4 > ref:
+                self._begin_trials()  # a different workload: measure again
+                continue
+            if trial:
+                self._trial_bytes = nbytes if ref is None else ref
+                self.times[arm].append(ms)
+                if sum(map(len, self.times.values())) == 2 * self.trials:
+                    self._decide()
+
+    def _begin_trials(self) -> None:
+        self._phase, self._gen, self._settled = "trial", self._gen + 1, 0
+        self._schedule = ["copy", "compress"] * self.trials
+        self.times = {a: [] for a in ARMS}
+        self._trial_bytes = None
+
+    def _decide(self) -> None:
+        best = {a: min(v) for a, v in self.times.items()}
+        faster = best["copy"] < best["compress"] * (1.0 - self.margin)
+        self.choice = "copy" if faster else "compress"
+        self._phase, self._settled = "settled", 0
+        self.history.append({"choice": self.choice, "bytes_per_pass": self._trial_bytes,
+                             **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
+
+    def summary(self) -> dict:
+        """Phase, current arm and the decisions so far (for ``ActivationOffloader.stats``)."""
+        return {"phase": self._phase, "arm": self.arm, "choice": self.choice,
+                "trial_ms": {a: [round(t, 2) for t in v] for a, v in self.times.items()},
+                "decisions": self.history[-4:]}
