@@ -4,8 +4,8 @@ process (clean peak-memory counters, an OOM or a hang costs one row).
 Variants: ``none`` (no offload), ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(
 pin_memory=True)``), ``uncompressed`` (our stream-overlapped pinned offload), ``compressed``
 (ours, ``prefer="speed"``: PageCompressor pages with a per-class fallback when the ratio <
-``--min-ratio``, and a share stored raw when the kernel is the bottleneck; the step tuner
-times compressed against copied steps during the warm-up and keeps the faster, see
+``--min-ratio``; the step tuner times compressed against copied steps during the warm-up and
+keeps the faster, see
 ``torch_pagecomp.offload_tune``), ``compressed_mem`` (``prefer="memory"``: every batch of a
 compressible class through the kernel, always) and, on request, ``compressed_all`` (also
 classes below the ratio floor). The warm-up must cover the tuner's trials (2 warm-up passes, 2
@@ -110,7 +110,6 @@ def make_offloader(args, model, variant: str):
 
         compressor = PageCompressor(
             device="cuda", page_size=args.page_size, slots=args.slots,
-            max_raw_share=1.0 if variant == "compressed" else 0.0,
             stream_priority=args.stream_priority,
         )
     return offload_module(

@@ -9,7 +9,8 @@ offsets, so gradients are bit-identical):
   subclasses and regions under :func:`keep_on_gpu` stay as they are. Other storages start an
   asynchronous offload after the compute stream: compressed pages through ``PageCompressor``,
   or (``mode="uncompressed"``, or a ``(dtype, shape)`` class whose sampled ratio is below
-  ``min_ratio``) a copy into exact-size pooled pinned memory on a side stream. The GPU storage
+  ``min_ratio``, or a pass where ``prefer="speed"``'s step tuner found copying faster:
+  ``offload_tune``) a copy into exact-size pooled pinned memory on a side stream. The GPU storage
   stays in a stash until its copy finished; past ``max_in_flight_bytes`` the compute stream
   waits for the oldest copy (a GPU-side wait) before it is dropped.
 * groups: a pass (one outermost ``with``) is cut into groups at every :meth:`next_group` (each
@@ -80,10 +81,13 @@ class ActivationOffloader(BackwardMixin):
         exact_pinned: pin page-aligned memory with cudaHostRegister (no power-of-two rounding).
         prefer: ``"speed"``: compress only where it shortens the step. Passes are timed
             (``offload_tune.StepTuner``: after two warm-up passes, two passes each compressed
-            and copied, again every ``tuner.retune`` passes) and the faster way is kept; while
-            compressing, the compressor stores a share of batches raw when its kernel is slower
-            than the copy engine, so both stay busy (``max_raw_share=1``).
+            and copied, again every ``tuner.retune`` passes) and the faster way is kept.
             ``"memory"``: every batch of a class that compresses goes through the kernel.
+            Either way the compressor made here sends whole batches through the kernel
+            (``max_raw_share=0``): beside a model its kernel rate reads low (the SMs are
+            shared), and storing a share raw made link-bound steps slower (H200, 12-block
+            GPT: 417 and 433 ms with the share, 395 and 407 ms without;
+            ``bench/results/h200_4e17f71/``, ``h200_dcba96e/``).
         tuner: the ``StepTuner`` of ``prefer="speed"`` (default ``StepTuner()``).
         compressor: a ``PageCompressor`` to use (default: one per device, made on first use).
         stream_priority: CUDA priority of the side streams and of the compressor made here
@@ -411,7 +415,6 @@ class ActivationOffloader(BackwardMixin):
                     device=torch.device("cpu") if key == "cpu" else torch.device("cuda", key),
                     page_size=self.page_size,
                     max_pinned_bytes=self._max_pinned,
-                    max_raw_share=1.0 if self.prefer == "speed" else 0.0,
                     stream_priority=self.stream_priority,
                 )
         return self._compressors[key]

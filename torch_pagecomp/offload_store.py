@@ -258,8 +258,8 @@ class ClassPolicy:
     ratio reaches ``min_ratio``; otherwise the class takes the uncompressed pinned path.
 
     The ratio counts only the batches the kernel compressed: batches the compressor stored
-    raw to keep its copy engine busy (``max_raw_share``, the hooks' ``prefer="speed"``) say
-    nothing about the data. Counting them (cf21ca7, H200) measured bf16 activations that
+    raw to keep its copy engine busy (a ``PageCompressor`` passed in with ``max_raw_share``)
+    say nothing about the data. Counting them (cf21ca7, H200) measured bf16 activations that
     compress 1.22-1.27x at 1.05-1.10 and sent most classes to the uncompressed path. A sample
     whose every batch went raw is dropped and the next tensor of the class sampled instead."""
 
