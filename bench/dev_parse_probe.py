@@ -41,11 +41,13 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
                                probe=16),
     "w64_accel1_probe32": dict(lazy=True, skip=True, back=True, min_match=5, accel=1, window=64,
                                probe=32),
+    "shuffle_wide": dict(shuffle_wide=True),  # the defaults, bit-shuffle from 64-bit loads
     "default": {},
 }
-# decoder settings timed per row (``lean`` of ``decompress_into``): the defaults, the checked
-# loop alone (the decoder before the fast loop), the fast loop in both kernels
-DECODERS = (None, 1, 2)
+# decoder settings timed per row (keywords of ``decompress_into``): the defaults, the checked
+# loop alone (the decoder before the fast loop), the fast loop in both kernels, the tile
+# unshuffle storing 64-bit words (typed pages)
+DECODERS = ({}, {"lean": 1}, {"lean": 2}, {"wide": True})
 CORPORA = ("text", "binary", "mixed", "bf16-relu", "gpt-kv", "gpt-act", "fp32-randn")
 
 
@@ -96,9 +98,9 @@ def _variant_row(name: str, v: str, pages: torch.Tensor, e: int, dev: torch.devi
     D.decompress_into(flat, offsets, sizes, kinds, out, status)
     ok = bool((status == 0).all()) and torch.equal(out, pages)
     dts = []
-    for lean in DECODERS:
-        def run(lean=lean):
-            D.decompress_into(flat, offsets, sizes, kinds, out, status, lean=lean, traced=False)
+    for knobs in DECODERS:
+        def run(knobs=knobs):
+            D.decompress_into(flat, offsets, sizes, kinds, out, status, traced=False, **knobs)
 
         dts.append(median(measure(run, dev, 20, 3)))
         ok = ok and bool((status == 0).all()) and torch.equal(out, pages)
@@ -133,8 +135,8 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}; nvCOMP: "
           f"{nv.version if nv else why}; {nbytes >> 20} MiB per corpus, 4 KiB pages")
     print("| corpus | E | variant | compress GB/s | ratio | seq/page | decompress GB/s default |"
-          " lean=1 | lean=2 | ok |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          " lean=1 | lean=2 | wide | ok |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in a.corpora.split(","):
         e = element_size(name)
         pages = build_corpus(name, nbytes, 4096, dev, seed=7)

@@ -87,22 +87,23 @@ def _late_window_page(gen: torch.Generator) -> torch.Tensor:
     return page
 
 
-@pytest.mark.parametrize("candidates, e, accel, probe", [
-    ("store-max", 1, 0, 0), ("store-max", 2, 0, 0), ("store", 1, 0, 0), ("atomic", 1, 0, 0),
-    ("store-max", 2, 1, 0), ("store-max", 4, 1, 16)])
-def test_compress_pack_and_decode_stay_in_bounds(bounds, gen, candidates, e, accel, probe):
+@pytest.mark.parametrize("candidates, e, accel, probe, wide", [
+    ("store-max", 1, 0, 0, False), ("store-max", 2, 0, 0, False), ("store", 1, 0, 0, False),
+    ("atomic", 1, 0, 0, False), ("store-max", 2, 1, 0, True), ("store-max", 4, 1, 16, True)])
+def test_compress_pack_and_decode_stay_in_bounds(bounds, gen, candidates, e, accel, probe, wide):
     pages = bounds(torch.cat([file_pages("text", 1, P, gen), run_pages(1, P, gen),
                               _relu_bytes(2, gen), _late_window_page(gen)]))  # the last page
     payload, sizes, kinds = lc.compress_pages(pages, e, candidates=candidates, accel=accel,
-                                              probe=probe)
+                                              probe=probe, shuffle_wide=wide)
     packed, _ = pack_pages(payload, sizes)
     assert packed.numel() == payload.numel()
     n = pages.shape[0]
     offsets = bounds(torch.arange(n, dtype=torch.int64) * P)
     out = bounds(torch.full((n, P), 0xA5, dtype=torch.uint8))
     status = bounds(torch.full((n,), -1, dtype=torch.int32))
-    for lean in (1, 2):
-        D.decompress_into(payload.view(-1), offsets, sizes, kinds, out, status, lean=lean)
+    for lean, wide in ((1, False), (2, False), (2, True)):
+        D.decompress_into(payload.view(-1), offsets, sizes, kinds, out, status, lean=lean,
+                          wide=wide)
         assert not status.any()
         if e == 1:
             assert torch.equal(out, pages)

@@ -398,16 +398,19 @@ def test_length_extension_boundaries(lit_lens, candidates):
     _check(_rows(page), candidates=candidates)
 
 
-@pytest.mark.parametrize("element_size, candidates", [(2, "atomic"), (4, "atomic"), (2, "store")])
+@pytest.mark.parametrize("element_size, candidates, wide", [
+    (2, "atomic", False), (4, "atomic", False), (2, "store", False), (2, "store-max", True),
+    (4, "store-max", True)])
 @interpret_only
-def test_bitshuffle_fused(element_size, candidates):
+def test_bitshuffle_fused(element_size, candidates, wide):
     x = torch.randn(P4K // 2, dtype=torch.bfloat16).view(torch.uint8)
     relu = torch.relu(torch.randn(P4K // 2, dtype=torch.bfloat16)).view(torch.uint8)
     ints = torch.randint(0, 1000, (P4K // 4,), dtype=torch.int32).view(torch.uint8)
     pages = torch.stack([relu, ints, torch.full((P4K,), 3, dtype=torch.uint8), x])
     if candidates == "store":
         pages = pages[:3]
-    payload, sizes, kinds = _check(pages, element_size, candidates=candidates)
+    payload, sizes, kinds = _check(pages, element_size, candidates=candidates,
+                                   shuffle_wide=wide)
     assert kinds[0] == fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4)
     assert kinds[2] == fmt.KIND_FILL  # shuffle flag only on LZ4 pages
 
@@ -538,6 +541,26 @@ def test_gpu_round_trip_all_sizes(size, element_size):
     seed = random.getrandbits(31)
     n = max(8, (8 << 20) // size)
     _gpu_check(_corpus_pages(n, size, seed), element_size)
+
+
+@needs_cuda
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_gpu_shuffle_wide_same_bytes(element_size):
+    """The 64-bit-load bit-shuffle gives the byte version's blocks exactly (store-max is
+    deterministic); a page tensor that is not 8-byte aligned falls back to byte loads."""
+    seed = random.getrandbits(31)
+    pages = _corpus_pages(2048, 4096, seed).cuda()
+    ref = lc.compress_pages(pages, element_size, shuffle_wide=False)
+    got = lc.compress_pages(pages, element_size, shuffle_wide=True)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    buf = torch.empty(pages.numel() + 4, dtype=torch.uint8, device="cuda")
+    shifted = buf[4:].view_as(pages)  # 4-aligned, not 8
+    shifted.copy_(pages)
+    got = lc.compress_pages(shifted, element_size, shuffle_wide=True)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    _gpu_check(pages.cpu(), element_size, shuffle_wide=True)
 
 
 @needs_cuda

@@ -44,3 +44,46 @@ def bitshuffle_page(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.constexp
             x = transpose8x8(tl.sum(b << (8 * t).to(tl.int64), axis=1))
             y = (x[:, None] >> (8 * t).to(tl.int64)) & 255
             tl.store(dst + (8 * j + t) * GROUPS + g, y.to(tl.uint8))
+
+
+@triton.jit
+def _compact_bytes(x, E: tl.constexpr):
+    """int64 ``x``: bytes ``0, E, 2E, ..`` moved to bytes ``0, 1, 2, ..`` (``8 / E`` bytes), the
+    rest 0 (``E`` 2 or 4; the inverse of ``bitunshuffle._spread_bytes``)."""
+    if E == 2:
+        x = x & 0x00FF00FF00FF00FF
+        x = (x | (x >> 8)) & 0x0000FFFF0000FFFF
+        x = (x | (x >> 16)) & 0x00000000FFFFFFFF
+    else:
+        x = x & 0x000000FF000000FF
+        x = (x | (x >> 24)) & 0xFFFF
+    return x
+
+
+@triton.jit
+def bitshuffle_page_wide(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.constexpr):
+    """:func:`bitshuffle_page` (same bytes) reading 64-bit words instead of bytes: a group's
+    ``8E`` bytes are ``E`` words (word ``m``: elements ``8g + (8/E)m ..``); byte lane ``k`` of
+    its 8 elements is gathered by :func:`_compact_bytes`. ``src`` must be 8-byte aligned."""
+    GROUPS: tl.constexpr = P // (8 * E)
+    M: tl.constexpr = 8 // E  # elements per word
+    src64 = src.to(tl.pointer_type(tl.int64))
+    gi = tl.arange(0, GCH)
+    t = tl.arange(0, 8)[None, :]
+    for g0 in range(0, GROUPS, GCH):
+        g = g0 + gi
+        a0 = tl.load(src64 + g * E)
+        a1 = tl.load(src64 + g * E + 1)
+        a2 = a0
+        a3 = a0
+        if E == 4:
+            a2 = tl.load(src64 + g * E + 2)
+            a3 = tl.load(src64 + g * E + 3)
+        for k in tl.static_range(E):
+            w = _compact_bytes(a0 >> (8 * k), E) | (_compact_bytes(a1 >> (8 * k), E) << (8 * M))
+            if E == 4:
+                w |= _compact_bytes(a2 >> (8 * k), E) << 32
+                w |= _compact_bytes(a3 >> (8 * k), E) << 48
+            x = transpose8x8(w)
+            y = (x[:, None] >> (8 * t).to(tl.int64)) & 255
+            tl.store(dst + (8 * k + t) * GROUPS + g[:, None], y.to(tl.uint8))

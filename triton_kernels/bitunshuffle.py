@@ -83,3 +83,54 @@ def unshuffle_groups64(row, P: tl.constexpr, E: tl.constexpr, GT: tl.constexpr):
         tl.debug_barrier()  # every thread has read the step's groups before any overwrites them
         for t in tl.static_range(8):  # byte t of w: byte k of element 8g + t
             tl.store(base + gg * (8 * E) + t * E + kk, ((w >> (8 * t)) & 255).to(tl.uint8))
+
+
+@triton.jit
+def _spread_bytes(x, E: tl.constexpr):
+    """int64 ``x`` holding ``8 / E`` bytes in its low bits: byte ``i`` moved to byte ``i * E``,
+    the others 0 (``E`` 2 or 4)."""
+    if E == 2:  # 4 bytes -> bytes 0, 2, 4, 6
+        x = (x | (x << 16)) & 0x0000FFFF0000FFFF
+        x = (x | (x << 8)) & 0x00FF00FF00FF00FF
+    else:  # 2 bytes -> bytes 0, 4
+        x = (x | (x << 24)) & 0x000000FF000000FF
+    return x
+
+
+@triton.jit
+def _lane_word(row, k: tl.constexpr, G: tl.constexpr):
+    """[G] int64: per group ``g``, the transposed 8x8 bit matrix of planes ``8k .. 8k + 7``'s
+    byte ``g`` (byte ``t``: byte ``k`` of element ``8g + t``)."""
+    j = tl.arange(0, 8)[:, None]
+    g = tl.arange(0, G)[None, :]
+    c = tl.load(row + (8 * k + j) * G + g).to(tl.int64)  # [8, G]
+    return transpose8x8(tl.sum(c << (8 * j).to(tl.int64), axis=0))
+
+
+@triton.jit
+def unshuffle_page_wide(row, P: tl.constexpr, E: tl.constexpr):
+    """:func:`unshuffle_page` (same bytes) writing 64-bit words instead of bytes: per group the
+    ``8E`` output bytes are ``E`` words, word ``m`` holding elements ``8g + (8/E)m ..`` whose
+    byte ``k`` comes from byte lane ``k``'s transposed word, interleaved by :func:`_spread_bytes`.
+    ``row`` must be 8-byte aligned. Callers place a barrier between the decoder's last store and
+    this call."""
+    G: tl.constexpr = P // (8 * E)
+    M: tl.constexpr = 8 // E  # elements per output word
+    w0 = _lane_word(row, 0, G)
+    w1 = _lane_word(row, 1, G)
+    w2 = w0
+    w3 = w0
+    if E == 4:
+        w2 = _lane_word(row, 2, G)
+        w3 = _lane_word(row, 3, G)
+    tl.debug_barrier()  # every thread has read the page before any overwrites it
+    row64 = row.to(tl.pointer_type(tl.int64))
+    gg = tl.arange(0, G)
+    mask = (1 << (8 * M)) - 1
+    for m in tl.static_range(E):
+        sh = 8 * M * m
+        o = _spread_bytes((w0 >> sh) & mask, E) | (_spread_bytes((w1 >> sh) & mask, E) << 8)
+        if E == 4:
+            o |= _spread_bytes((w2 >> sh) & mask, E) << 16
+            o |= _spread_bytes((w3 >> sh) & mask, E) << 24
+        tl.store(row64 + gg * E + m, o)

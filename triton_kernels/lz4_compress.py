@@ -70,7 +70,7 @@ import triton.language as tl
 
 from torch_pagecomp import format as fmt
 
-from .bitshuffle import bitshuffle_page
+from .bitshuffle import bitshuffle_page, bitshuffle_page_wide
 from .launch import launch
 
 
@@ -275,6 +275,7 @@ def _lz4_compress_kernel(
     BACK: tl.constexpr,
     ACC: tl.constexpr,
     PROBE: tl.constexpr,
+    SW: tl.constexpr,
 ):
     """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
 
@@ -320,7 +321,10 @@ def _lz4_compress_kernel(
         if diff != 0:
             if E > 1:
                 data = shuf_ptr + pid.to(tl.int64) * P
-                bitshuffle_page(src, data, P, E, 64)
+                if SW:
+                    bitshuffle_page_wide(src, data, P, E, 64)
+                else:
+                    bitshuffle_page(src, data, P, E, 64)
                 tl.debug_barrier()
             else:
                 data = src
@@ -488,6 +492,7 @@ TYPED_ACCEL = 1
 # probe 32 on fp32-randn 72.2 -> 84.0 GB/s at ratio 1.098 -> 1.091 (nvCOMP + bitshuffle 1.085);
 # on bf16 only 2.5-4% faster for 0.6-1.3% of ratio, so 16-bit pages keep it off.
 TYPED_PROBE = {2: 0, 4: 32}
+SHUFFLE_WIDE = False  # bitshuffle_page_wide: 64-bit loads of the page (8-aligned pages only)
 
 
 def parse_defaults(element_size: int) -> dict:
@@ -535,6 +540,7 @@ def compress_pages(
     back: bool = DEFAULT_BACK,
     accel: int | None = None,
     probe: int | None = None,
+    shuffle_wide: bool | None = None,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -567,8 +573,10 @@ def compress_pages(
     follows a window without a sequence (in any earlier bit plane too) hashes and searches
     only its first ``probe`` positions, so each noisy mantissa plane after the first costs
     ``probe`` positions instead of a window (``bench.dev_accel_model --probe``: positions
-    hashed and ratio); matches later in such a window are missed. ``traced=False`` launches
-    directly (eager callers outside the ops: see ``triton_kernels.launch``).
+    hashed and ratio); matches later in such a window are missed. ``shuffle_wide`` (default
+    ``SHUFFLE_WIDE``): the bit-shuffle reads 64-bit words instead of bytes (only where
+    ``pages`` is 8-byte aligned; same bytes). ``traced=False`` launches directly (eager
+    callers outside the ops: see ``triton_kernels.launch``).
     """
     defaults = parse_defaults(element_size)
     window = defaults["window"] if window is None else window
@@ -609,6 +617,7 @@ def compress_pages(
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
         ACC=accel, PROBE=probe,
+        SW=(SHUFFLE_WIDE if shuffle_wide is None else shuffle_wide) and pages.data_ptr() % 8 == 0,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds
