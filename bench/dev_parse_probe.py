@@ -41,13 +41,17 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
                                probe=16),
     "w64_accel1_probe32": dict(lazy=True, skip=True, back=True, min_match=5, accel=1, window=64,
                                probe=32),
-    "shuffle_wide": dict(shuffle_wide=True),  # the defaults, bit-shuffle from 64-bit loads
+    # the defaults with the bit-shuffle from bytes (0), 64-bit loads (1), loads and stores (2)
+    "shuffle_bytes": dict(shuffle_wide=0),
+    "shuffle_wide": dict(shuffle_wide=1),
+    "shuffle_wide2": dict(shuffle_wide=2),
     "default": {},
 }
 # decoder settings timed per row (keywords of ``decompress_into``): the defaults, the checked
-# loop alone (the decoder before the fast loop), the fast loop in both kernels, the tile
-# unshuffle storing 64-bit words (typed pages)
-DECODERS = ({}, {"lean": 1}, {"lean": 2}, {"wide": True})
+# loop alone (the decoder before the fast loop), the fast loop in both kernels. (A tile
+# unshuffle storing 64-bit words was 1.5-1.8x slower on every typed corpus: H200,
+# bench/results/h200_1a67841/wide_probe.txt, column "wide"; removed.)
+DECODERS = ({}, {"lean": 1}, {"lean": 2})
 CORPORA = ("text", "binary", "mixed", "bf16-relu", "gpt-kv", "gpt-act", "fp32-randn")
 
 
@@ -135,8 +139,8 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}; nvCOMP: "
           f"{nv.version if nv else why}; {nbytes >> 20} MiB per corpus, 4 KiB pages")
     print("| corpus | E | variant | compress GB/s | ratio | seq/page | decompress GB/s default |"
-          " lean=1 | lean=2 | wide | ok |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          " lean=1 | lean=2 | ok |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in a.corpora.split(","):
         e = element_size(name)
         pages = build_corpus(name, nbytes, 4096, dev, seed=7)

@@ -37,7 +37,6 @@ KNOBS = {
     "fast_split_tile": dict(lean=2, split=True, tile=True),  # fast loop in both kernels
     "split_groups": dict(lean=False, split=True, tile=False),
     "split_tile_plain": dict(lean=False, split=True, tile=True),
-    "tile_wide": dict(split=True, tile=True, wide=True),  # 64-bit stores (aligned rows only)
 }
 
 
@@ -189,8 +188,7 @@ def test_any_compliant_parse(gen):
     check_against_reference(blocks, out, status)
 
 
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain",
-                                   "tile_wide"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain"])
 @pytest.mark.parametrize("element_size", [2, 4])
 def test_shuffled_pages_unshuffle_in_kernel(element_size, knobs, gen):
     vals = torch.randn(2, P // 2, generator=gen).to(torch.bfloat16).relu().view(torch.uint8)
@@ -207,8 +205,7 @@ def test_shuffled_pages_unshuffle_in_kernel(element_size, knobs, gen):
     assert torch.equal(out.cpu(), pages)
 
 
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain",
-                                   "tile_wide"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain"])
 def test_unshuffle_matches_reference_on_random_bytes(knobs, gen):
     """The in-kernel unshuffle is the reference ``bitunshuffle`` on arbitrary shuffled bytes;
     plain pages between shuffled ones (each kernel of a split launch leaves the other's alone)."""
@@ -220,28 +217,6 @@ def test_unshuffle_matches_reference_on_random_bytes(knobs, gen):
     assert torch.equal(out[0], bitunshuffle(y[:1], 2)[0])
     assert torch.equal(out[2], bitunshuffle(y[2:3], 4)[0])
     assert torch.equal(out[1::2], y[1::2])
-
-
-@pytest.mark.parametrize("element_size", [2, 4])
-def test_wide_tile_unshuffle_on_random_bytes(element_size, gen):
-    """``wide`` (64-bit stores) on aligned rows is the reference ``bitunshuffle`` for arbitrary
-    shuffled bytes; on rows that are not 8-byte aligned the launcher falls back to bytes."""
-    y = torch.randint(0, 256, (3, P), dtype=torch.uint8, generator=gen)
-    blocks = [encode([], bytes(r.numpy())) for r in y]
-    dev = device_for_kernels()
-    payload = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8)
-    sizes = torch.tensor([len(b) for b in blocks], dtype=torch.int32)
-    offsets = torch.cumsum(sizes.to(torch.int64), 0) - sizes.to(torch.int64)
-    kinds = torch.full((3,), fmt.KIND_LZ4 | fmt.element_shift(element_size) << 4, dtype=torch.uint8)
-    args = [t.to(dev) for t in (payload, offsets, sizes, kinds)]
-    for shift in (0, 8, 3):  # aligned rows (wide stores), aligned again, misaligned (bytes)
-        buf = torch.full((3 * P + 16,), POISON, dtype=torch.uint8, device=dev)
-        out = buf[shift:shift + 3 * P].view(3, P)
-        status = torch.full((3,), -1, dtype=torch.int32, device=dev)
-        decompress_into(*args, out, status, split=True, tile=True, wide=True)
-        assert status.tolist() == [0] * 3
-        assert torch.equal(out.cpu(), bitunshuffle(y, element_size))
-        assert (buf[:shift] == POISON).all() and (buf[shift + 3 * P:] == POISON).all()
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -322,7 +322,7 @@ def _lz4_compress_kernel(
             if E > 1:
                 data = shuf_ptr + pid.to(tl.int64) * P
                 if SW:
-                    bitshuffle_page_wide(src, data, P, E, 64)
+                    bitshuffle_page_wide(src, data, P, E, 64, SW == 2)
                 else:
                     bitshuffle_page(src, data, P, E, 64)
                 tl.debug_barrier()
@@ -492,7 +492,11 @@ TYPED_ACCEL = 1
 # probe 32 on fp32-randn 72.2 -> 84.0 GB/s at ratio 1.098 -> 1.091 (nvCOMP + bitshuffle 1.085);
 # on bf16 only 2.5-4% faster for 0.6-1.3% of ratio, so 16-bit pages keep it off.
 TYPED_PROBE = {2: 0, 4: 32}
-SHUFFLE_WIDE = False  # bitshuffle_page_wide: 64-bit loads of the page (8-aligned pages only)
+# The bit-shuffle of a typed page read as 64-bit words (bitshuffle_page_wide) instead of bytes:
+# H200, 64 MiB per corpus (bench/results/h200_1a67841/wide_probe.txt), same blocks, compress
+# bf16 K/V 113.5 -> 128.2 GB/s, activations 111.7 -> 128.2, ReLU 98.3 -> 113.0, randn 92.5 ->
+# 103.6, fp32 82.4 -> 112.9. 2: its plane stores as words too.
+SHUFFLE_WIDE = 1
 
 
 def parse_defaults(element_size: int) -> dict:
@@ -540,7 +544,7 @@ def compress_pages(
     back: bool = DEFAULT_BACK,
     accel: int | None = None,
     probe: int | None = None,
-    shuffle_wide: bool | None = None,
+    shuffle_wide: int | None = None,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -574,8 +578,9 @@ def compress_pages(
     only its first ``probe`` positions, so each noisy mantissa plane after the first costs
     ``probe`` positions instead of a window (``bench.dev_accel_model --probe``: positions
     hashed and ratio); matches later in such a window are missed. ``shuffle_wide`` (default
-    ``SHUFFLE_WIDE``): the bit-shuffle reads 64-bit words instead of bytes (only where
-    ``pages`` is 8-byte aligned; same bytes). ``traced=False`` launches directly (eager
+    ``SHUFFLE_WIDE``; same bytes whatever the setting): 1 (or True) the bit-shuffle reads the
+    page as 64-bit words instead of bytes, 2 also writes its scratch row as words; only where
+    ``pages`` is 8-byte aligned (else 0). ``traced=False`` launches directly (eager
     callers outside the ops: see ``triton_kernels.launch``).
     """
     defaults = parse_defaults(element_size)
@@ -617,7 +622,8 @@ def compress_pages(
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
         ACC=accel, PROBE=probe,
-        SW=(SHUFFLE_WIDE if shuffle_wide is None else shuffle_wide) and pages.data_ptr() % 8 == 0,
+        SW=int(SHUFFLE_WIDE if shuffle_wide is None else shuffle_wide)
+        if pages.data_ptr() % 8 == 0 else 0,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds

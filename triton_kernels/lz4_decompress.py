@@ -35,12 +35,7 @@ import triton.language as tl
 
 from torch_pagecomp import format as fmt
 
-from .bitunshuffle import (
-    unshuffle_groups,
-    unshuffle_groups64,
-    unshuffle_page,
-    unshuffle_page_wide,
-)
+from .bitunshuffle import unshuffle_groups, unshuffle_groups64, unshuffle_page
 from .launch import launch
 
 VEC = 32  # bytes per copy step of a short literal run or match (one per lane of the warp)
@@ -57,7 +52,6 @@ SPLIT = True  # shuffled LZ4 pages in a second launch, _decompress_shuffled_kern
 TILE = True  # there: plain decode, then a whole-page unshuffle (pages up to TILE_MAX_PAGE)
 TILE_MAX_PAGE = 4096
 TILE_PLANES = 8  # planes per byte lane per load step of the tile unshuffle (8: one step)
-TILE_WIDE = False  # the tile unshuffle stores 64-bit words (unshuffle_page_wide; 8-aligned rows)
 SHUFFLED_GROUPS = 8  # TILE off or P > TILE_MAX_PAGE: groups per step of unshuffle_groups64
 SHUFFLED_NUM_WARPS = 1
 SHUFFLED_BIG = 256  # bytes per long-run step in the shuffled kernel (H200: 256 beat 128, 64)
@@ -353,10 +347,8 @@ def _unshuffle_e(row, P: tl.constexpr, E: tl.constexpr, T: tl.constexpr, HOW: tl
         unshuffle_groups(row, P, E, T)
     elif HOW == 1:
         unshuffle_groups64(row, P, E, T)
-    elif HOW == 2:
-        unshuffle_page(row, P, E, T)
     else:
-        unshuffle_page_wide(row, P, E)
+        unshuffle_page(row, P, E, T)
 
 
 @triton.jit
@@ -364,7 +356,7 @@ def _unshuffle_row(row, P: tl.constexpr, shift, T: tl.constexpr, HOW: tl.constex
     """Unshuffle a decoded row in place (element size ``1 << shift``, 2 or 4), after a barrier
     for the decode's stores. ``HOW``: 0 ``unshuffle_groups`` and 1 ``unshuffle_groups64``
     (transposed decode, ``T`` groups per step), 2 ``unshuffle_page`` (plain decode, ``T``
-    planes per step), 3 ``unshuffle_page_wide`` (plain decode, 64-bit stores)."""
+    planes per step)."""
     tl.debug_barrier()
     if shift == 1:
         _unshuffle_e(row, P, 2, T, HOW)
@@ -444,7 +436,7 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
                                 status_ptr, total, P: tl.constexpr, PLOG: tl.constexpr,
                                 VEC: tl.constexpr, BIG: tl.constexpr, EXT: tl.constexpr,
                                 RAW_BLOCK: tl.constexpr, GT: tl.constexpr, TILE: tl.constexpr,
-                                TJ: tl.constexpr, LEAN: tl.constexpr, TW: tl.constexpr):
+                                TJ: tl.constexpr, LEAN: tl.constexpr):
     """The other half of a ``SPLIT`` launch: program ``i`` decodes page ``i`` only if it is a
     shuffled LZ4 page (kind ``0x11`` or ``0x21``). With ``TILE`` the block is decoded plainly
     (contiguous stores; ``LEAN`` as in ``_decompress_kernel``) and unshuffled in one whole-page
@@ -460,7 +452,7 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
             if TILE:
                 st = _decode_plain(src, size, row, P, VEC, BIG, EXT, LEAN)
                 if st == 0:
-                    _unshuffle_row(row, P, shift, TJ, 3 if TW else 2)
+                    _unshuffle_row(row, P, shift, TJ, 2)
             else:
                 st = _decode_transposed(src, size, row, shift, P, PLOG, VEC, BIG, EXT)
                 if st == 0:
@@ -478,16 +470,12 @@ def launch_constants(page_size: int, lean: bool | None = None, split: bool | Non
 
 
 def shuffled_constants(page_size: int, tile: bool | None = None,
-                       lean: bool | None = None, aligned8: bool = True,
-                       wide: bool | None = None) -> dict:
-    """Compile-time arguments and ``num_warps`` of ``_decompress_shuffled_kernel``
-    (``aligned8``: the output rows are 8-byte aligned, so the tile may store words)."""
+                       lean: bool | None = None) -> dict:
+    """Compile-time arguments and ``num_warps`` of ``_decompress_shuffled_kernel``."""
     tile = (TILE if tile is None else tile) and page_size <= TILE_MAX_PAGE
     c = launch_constants(page_size, SHUFFLED_LEAN if lean is None else lean)
     del c["SPLIT"]
-    wide = (TILE_WIDE if wide is None else wide) and aligned8
-    c = dict(c, GT=SHUFFLED_GROUPS, TILE=tile, TJ=TILE_PLANES, TW=wide,
-             num_warps=SHUFFLED_NUM_WARPS)
+    c = dict(c, GT=SHUFFLED_GROUPS, TILE=tile, TJ=TILE_PLANES, num_warps=SHUFFLED_NUM_WARPS)
     if os.environ.get("TRITON_INTERPRET") != "1":
         c["BIG"] = SHUFFLED_BIG
     if SHUFFLED_MAXNREG:
@@ -498,16 +486,14 @@ def shuffled_constants(page_size: int, tile: bool | None = None,
 def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
                     kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor, *,
                     lean: bool | None = None, split: bool | None = None,
-                    tile: bool | None = None, wide: bool | None = None,
-                    traced: bool = True) -> None:
+                    tile: bool | None = None, traced: bool = True) -> None:
     """Decode into caller-provided outputs: ``pages`` ``uint8 [N, P]`` (contiguous),
     ``status`` ``int32 [N]``; other arguments as :func:`decompress_pages`. The knobs (module
     defaults ``LEAN``, ``SPLIT``, ``TILE`` when ``None``): ``lean`` decodes plain LZ4 pages with
     ``_decode_lz4_lean``; ``split`` decodes shuffled pages in a second launch, where ``tile``
-    unshuffles whole pages (``P <= TILE_MAX_PAGE``) after a plain decode, storing 64-bit words
-    with ``wide`` (``TILE_WIDE``; only where ``pages`` is 8-byte aligned, else bytes). Every
-    combination gives the same bytes and statuses. ``traced=False``: launch directly (eager
-    callers outside the ops; see ``triton_kernels.launch``)."""
+    unshuffles whole pages (``P <= TILE_MAX_PAGE``) after a plain decode. Every combination
+    gives the same bytes and statuses. ``traced=False``: launch directly (eager callers outside
+    the ops; see ``triton_kernels.launch``)."""
     n, page_size = pages.shape
     fmt.check_page_size(page_size)
     if n == 0:
@@ -516,9 +502,7 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
     args = (payload, offsets, sizes, kinds, pages, status, payload.numel())
     launches = [(_decompress_kernel, launch_constants(page_size, lean, split))]
     if split:
-        aligned8 = pages.data_ptr() % 8 == 0
-        launches.append((_decompress_shuffled_kernel,
-                         shuffled_constants(page_size, tile, lean, aligned8, wide)))
+        launches.append((_decompress_shuffled_kernel, shuffled_constants(page_size, tile, lean)))
     for kernel, consts in launches:
         launch(kernel, (n,), payload.device, args, consts, traced)
 
