@@ -41,10 +41,9 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
                                probe=16),
     "w64_accel1_probe32": dict(lazy=True, skip=True, back=True, min_match=5, accel=1, window=64,
                                probe=32),
-    # the defaults with the bit-shuffle from bytes (0), 64-bit loads (1), loads and stores (2)
-    "shuffle_bytes": dict(shuffle_wide=0),
-    "shuffle_wide": dict(shuffle_wide=1),
-    "shuffle_wide2": dict(shuffle_wide=2),
+    # the defaults with the bit-shuffle from bytes / from 64-bit loads
+    "shuffle_bytes": dict(shuffle_wide=False),
+    "shuffle_wide": dict(shuffle_wide=True),
     "default": {},
 }
 # decoder settings timed per row (keywords of ``decompress_into``): the defaults, the checked

@@ -61,13 +61,12 @@ def _compact_bytes(x, E: tl.constexpr):
 
 
 @triton.jit
-def bitshuffle_page_wide(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.constexpr,
-                         STORE64: tl.constexpr):
+def bitshuffle_page_wide(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.constexpr):
     """:func:`bitshuffle_page` (same bytes) reading 64-bit words instead of bytes: a group's
     ``8E`` bytes are ``E`` words (word ``m``: elements ``8g + (8/E)m ..``); byte lane ``k`` of
-    its 8 elements is gathered by :func:`_compact_bytes`. ``src`` must be 8-byte aligned. With
-    ``STORE64`` the planes are written as 64-bit words too (the bytes of 8 consecutive groups
-    per word; ``dst`` 8-byte aligned)."""
+    its 8 elements is gathered by :func:`_compact_bytes`. ``src`` must be 8-byte aligned.
+    (Writing the planes as 64-bit words too was no faster: H200,
+    ``bench/results/h200_1a67841/wide2_probe_e44ec50.txt``.)"""
     GROUPS: tl.constexpr = P // (8 * E)
     M: tl.constexpr = 8 // E  # elements per word
     src64 = src.to(tl.pointer_type(tl.int64))
@@ -88,16 +87,5 @@ def bitshuffle_page_wide(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.con
                 w |= _compact_bytes(a2 >> (8 * k), E) << 32
                 w |= _compact_bytes(a3 >> (8 * k), E) << 48
             x = transpose8x8(w)
-            if STORE64:  # word (plane 8k + r, groups 8q ..): byte i = byte r of x[8q + i]
-                xq = tl.reshape(x, [GCH // 8, 8])
-                i = tl.arange(0, 8)[None, :, None]
-                r = tl.arange(0, 8)[None, None, :]
-                b = (xq[:, :, None] >> (8 * r).to(tl.int64)) & 255
-                words = tl.sum(b << (8 * i).to(tl.int64), axis=1)  # [GCH / 8, 8]
-                q = tl.arange(0, GCH // 8)[:, None]
-                rr = tl.arange(0, 8)[None, :]
-                dst64 = dst.to(tl.pointer_type(tl.int64))
-                tl.store(dst64 + (8 * k + rr) * (GROUPS // 8) + g0 // 8 + q, words)
-            else:
-                y = (x[:, None] >> (8 * t).to(tl.int64)) & 255
-                tl.store(dst + (8 * k + t) * GROUPS + g[:, None], y.to(tl.uint8))
+            y = (x[:, None] >> (8 * t).to(tl.int64)) & 255
+            tl.store(dst + (8 * k + t) * GROUPS + g[:, None], y.to(tl.uint8))

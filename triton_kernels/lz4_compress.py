@@ -9,9 +9,9 @@ Design: one warp owns one page at a time (``num_warps=1``: warp-wide reductions 
 ``programs_per_sm x SMs`` programs loops over the pages.
 
 1. Same-filled check: one pass over the page as 32-bit words. Filled pages skip to step 5.
-2. ``element_size`` 2/4: the program bit-shuffles its page (8x8 bit transposes on 64-bit words,
-   ``bitshuffle.py``) into a private P-byte scratch row that stays in cache; all LZ4 work reads
-   that row. No separate pass over memory.
+2. ``element_size`` 2/4: the program bit-shuffles its page (read as 64-bit words; 8x8 bit
+   transposes on 64-bit words, ``bitshuffle.py``) into a private P-byte scratch row that stays
+   in cache; all LZ4 work reads that row. No separate pass over memory.
 3. Match candidates for a window of ``W`` positions at once (default 128): the 4-byte word at
    every position (a row of 4 positions from 2 aligned loads) and its multiplicative hash. Two
    hash tables per program in global scratch, int32 entries ``tag << log2(P) | position``
@@ -322,7 +322,7 @@ def _lz4_compress_kernel(
             if E > 1:
                 data = shuf_ptr + pid.to(tl.int64) * P
                 if SW:
-                    bitshuffle_page_wide(src, data, P, E, 64, SW == 2)
+                    bitshuffle_page_wide(src, data, P, E, 64)
                 else:
                     bitshuffle_page(src, data, P, E, 64)
                 tl.debug_barrier()
@@ -495,8 +495,8 @@ TYPED_PROBE = {2: 0, 4: 32}
 # The bit-shuffle of a typed page read as 64-bit words (bitshuffle_page_wide) instead of bytes:
 # H200, 64 MiB per corpus (bench/results/h200_1a67841/wide_probe.txt), same blocks, compress
 # bf16 K/V 113.5 -> 128.2 GB/s, activations 111.7 -> 128.2, ReLU 98.3 -> 113.0, randn 92.5 ->
-# 103.6, fp32 82.4 -> 112.9. 2: its plane stores as words too.
-SHUFFLE_WIDE = 1
+# 103.6, fp32 82.4 -> 112.9 (again at e44ec50: +11-34%, wide2_probe_e44ec50.txt).
+SHUFFLE_WIDE = True
 
 
 def parse_defaults(element_size: int) -> dict:
@@ -544,7 +544,7 @@ def compress_pages(
     back: bool = DEFAULT_BACK,
     accel: int | None = None,
     probe: int | None = None,
-    shuffle_wide: int | None = None,
+    shuffle_wide: bool | None = None,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -578,10 +578,9 @@ def compress_pages(
     only its first ``probe`` positions, so each noisy mantissa plane after the first costs
     ``probe`` positions instead of a window (``bench.dev_accel_model --probe``: positions
     hashed and ratio); matches later in such a window are missed. ``shuffle_wide`` (default
-    ``SHUFFLE_WIDE``; same bytes whatever the setting): 1 (or True) the bit-shuffle reads the
-    page as 64-bit words instead of bytes, 2 also writes its scratch row as words; only where
-    ``pages`` is 8-byte aligned (else 0). ``traced=False`` launches directly (eager
-    callers outside the ops: see ``triton_kernels.launch``).
+    ``SHUFFLE_WIDE``; same bytes either way): the bit-shuffle reads the page as 64-bit words
+    instead of bytes, where ``pages`` is 8-byte aligned (else bytes). ``traced=False``
+    launches directly (eager callers outside the ops: see ``triton_kernels.launch``).
     """
     defaults = parse_defaults(element_size)
     window = defaults["window"] if window is None else window
@@ -622,8 +621,8 @@ def compress_pages(
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
         ACC=accel, PROBE=probe,
-        SW=int(SHUFFLE_WIDE if shuffle_wide is None else shuffle_wide)
-        if pages.data_ptr() % 8 == 0 else 0,
+        SW=bool(SHUFFLE_WIDE if shuffle_wide is None else shuffle_wide)
+        and pages.data_ptr() % 8 == 0,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds
