@@ -416,6 +416,20 @@ def test_bitshuffle_fused(element_size, candidates, wide):
 
 
 @interpret_only
+@pytest.mark.parametrize("shift", [1, 4])
+def test_unaligned_page_views(shift):
+    """A page view that does not start on a 4-byte (8-byte) boundary compresses to the same
+    blocks as an aligned copy."""
+    relu = torch.relu(torch.randn(2 * P4K // 2, dtype=torch.bfloat16)).view(torch.uint8)
+    buf = torch.zeros(2 * P4K + 8, dtype=torch.uint8)
+    view = buf[shift:shift + 2 * P4K].view(2, P4K)
+    view.copy_(relu.view(2, P4K))
+    ref = lc.compress_pages(relu.view(2, P4K).clone(), 2)
+    for a, b in zip(ref, lc.compress_pages(view, 2)):
+        assert torch.equal(a, b)
+
+
+@interpret_only
 def test_window_variants_match_model():
     pages = _rows(_text_page()[: P4K // 2] + (_rand(50) * 50)[: P4K // 2])
     for window, extra_words in ((64, 0), (512, 6)):  # extra_words: what the lazy step knows
@@ -547,17 +561,18 @@ def test_gpu_round_trip_all_sizes(size, element_size):
 @pytest.mark.parametrize("element_size", [2, 4])
 def test_gpu_shuffle_wide_same_bytes(element_size):
     """The bit-shuffle from 64-bit loads gives the byte version's blocks exactly (store-max is
-    deterministic); a page tensor that is not 8-byte aligned falls back to byte loads."""
+    deterministic); a page tensor that is not 8-byte aligned falls back to byte loads, one
+    not 4-byte aligned is copied first."""
     seed = random.getrandbits(31)
     pages = _corpus_pages(2048, 4096, seed).cuda()
     ref = lc.compress_pages(pages, element_size, shuffle_wide=False)
-    buf = torch.empty(pages.numel() + 4, dtype=torch.uint8, device="cuda")
-    shifted = buf[4:].view_as(pages)  # 4-aligned, not 8
-    shifted.copy_(pages)
-    for src in (pages, shifted):
+    buf = torch.empty(pages.numel() + 8, dtype=torch.uint8, device="cuda")
+    for shift in (0, 4, 1, 3):  # 8-aligned, 4-aligned (byte loads), misaligned (copied)
+        src = buf[shift:shift + pages.numel()].view_as(pages)
+        src.copy_(pages)
         got = lc.compress_pages(src, element_size, shuffle_wide=True)
         for a, b in zip(ref, got):
-            assert torch.equal(a, b), f"aligned {src is pages}"
+            assert torch.equal(a, b), f"offset {shift}"
     _gpu_check(pages.cpu(), element_size, shuffle_wide=True)
 
 

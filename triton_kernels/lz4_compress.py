@@ -579,7 +579,7 @@ def compress_pages(
     ``probe`` positions instead of a window (``bench.dev_accel_model --probe``: positions
     hashed and ratio); matches later in such a window are missed. ``shuffle_wide`` (default
     ``SHUFFLE_WIDE``; same bytes either way): the bit-shuffle reads the page as 64-bit words
-    instead of bytes, where ``pages`` is 8-byte aligned (else bytes). ``traced=False``
+    instead of bytes, where ``pages`` starts 8-byte aligned (else bytes). ``traced=False``
     launches directly (eager callers outside the ops: see ``triton_kernels.launch``).
     """
     defaults = parse_defaults(element_size)
@@ -602,6 +602,13 @@ def compress_pages(
         raise ValueError(f"bad tuning: hash_bits={hash_bits}")
     n, page_size = pages.shape
     dev = pages.device
+    # the kernel reads pages as 32-bit (and, for the bit-shuffle, 64-bit) words: alignment from
+    # the storage offset (storage bases from PyTorch's allocators are aligned; data_ptr() is
+    # not readable under torch.compile's fake tensors). A view not 4-aligned is copied once.
+    if pages.storage_offset() % 4:
+        pages = pages.clone()
+    wide = bool(SHUFFLE_WIDE if shuffle_wide is None else shuffle_wide)
+    wide = wide and pages.storage_offset() % 8 == 0
     payload = torch.empty((n, page_size), dtype=torch.uint8, device=dev)
     sizes = torch.empty((n,), dtype=torch.int32, device=dev)
     kinds = torch.empty((n,), dtype=torch.uint8, device=dev)
@@ -621,8 +628,7 @@ def compress_pages(
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
         ACC=accel, PROBE=probe,
-        SW=bool(SHUFFLE_WIDE if shuffle_wide is None else shuffle_wide)
-        and pages.data_ptr() % 8 == 0,
+        SW=wide,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds
