@@ -5,11 +5,10 @@ Variants: ``none`` (no offload), ``save_on_cpu`` (``torch.autograd.graph.save_on
 pin_memory=True)``), ``uncompressed`` (our stream-overlapped pinned offload), ``compressed``
 (ours, ``prefer="speed"``: PageCompressor pages with a per-class fallback when the ratio <
 ``--min-ratio``; the step tuner times compressed against copied steps during the warm-up and
-keeps the faster, see
-``torch_pagecomp.offload_tune``), ``compressed_mem`` (``prefer="memory"``: every batch of a
-compressible class through the kernel, always) and, on request, ``compressed_all`` (also
-classes below the ratio floor). The warm-up must cover the tuner's trials (2 warm-up passes, 2
-passes per arm): 8 steps by default.
+keeps the faster, see ``torch_pagecomp.offload_tune``), ``compressed_mem`` (``prefer="memory"``:
+every batch of a compressible class through the kernel, always) and, on request,
+``compressed_all`` (also classes below the ratio floor). The warm-up must cover the tuner's
+trials (2 warm-up passes, 2 passes per arm): 8 steps by default.
 Losses of every step are kept: ``loss dev`` is the largest relative difference from ``none``
 (flash attention's backward is not bit-deterministic, so tiny values are expected; corrupted
 activations show as large ones or NaN). Per variant: step time
