@@ -130,7 +130,8 @@ class StepTuner:
                 self._begin_trials()  # a different workload: measure again
                 continue
             if trial:
-                self._trial_bytes = nbytes if ref is None else ref
+                if ref is None:
+                    self._trial_bytes = nbytes
                 self.times[arm].append(ms)
                 if sum(map(len, self.times.values())) == 2 * self.trials:
                     self._decide()

@@ -49,7 +49,7 @@ def bitshuffle_page(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.constexp
 @triton.jit
 def _compact_bytes(x, E: tl.constexpr):
     """int64 ``x``: bytes ``0, E, 2E, ..`` moved to bytes ``0, 1, 2, ..`` (``8 / E`` bytes), the
-    rest 0 (``E`` 2 or 4; the inverse of ``bitunshuffle._spread_bytes``)."""
+    rest 0 (``E`` 2 or 4)."""
     if E == 2:
         x = x & 0x00FF00FF00FF00FF
         x = (x | (x >> 8)) & 0x0000FFFF0000FFFF
@@ -82,10 +82,11 @@ def bitshuffle_page_wide(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.con
             a2 = tl.load(src64 + g * E + 2)
             a3 = tl.load(src64 + g * E + 3)
         for k in tl.static_range(E):
+            # byte t of w: byte k of element 8g + t, from word t // M
             w = _compact_bytes(a0 >> (8 * k), E) | (_compact_bytes(a1 >> (8 * k), E) << (8 * M))
             if E == 4:
-                w |= _compact_bytes(a2 >> (8 * k), E) << 32
-                w |= _compact_bytes(a3 >> (8 * k), E) << 48
+                w |= _compact_bytes(a2 >> (8 * k), E) << (16 * M)
+                w |= _compact_bytes(a3 >> (8 * k), E) << (24 * M)
             x = transpose8x8(w)
             y = (x[:, None] >> (8 * t).to(tl.int64)) & 255
             tl.store(dst + (8 * k + t) * GROUPS + g[:, None], y.to(tl.uint8))
