@@ -44,13 +44,26 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     # the defaults with the bit-shuffle from bytes / from 64-bit loads
     "shuffle_bytes": dict(shuffle_wide=False),
     "shuffle_wide": dict(shuffle_wide=True),
+    "shuffle_words": dict(shuffle_words=True),
+    # occupancy: programs (one warp each) per SM
+    "words_pps24": dict(shuffle_words=True, programs_per_sm=24),
+    "words_pps32": dict(shuffle_words=True, programs_per_sm=32),
     "default": {},
 }
-# decoder settings timed per row (keywords of ``decompress_into``): the defaults, the checked
-# loop alone (the decoder before the fast loop), the fast loop in both kernels. (A tile
+# decoder settings timed per row (keywords of ``decompress_into``), chosen with --decoders:
+# the defaults, the checked loop alone (the decoder before the fast loop), the fast loop in both
+# kernels, the tile unshuffle on 32-bit words, prefetching each block into L1 / L2. (A tile
 # unshuffle storing 64-bit words was 1.5-1.8x slower on every typed corpus: H200,
 # bench/results/h200_1a67841/wide_probe.txt, column "wide"; removed.)
-DECODERS = ({}, {"lean": 1}, {"lean": 2})
+DECODERS = {
+    "default": {},
+    "lean=1": {"lean": 1},
+    "lean=2": {"lean": 2},
+    "words": {"tile_words": True},
+    "words_pf1": {"tile_words": True, "prefetch": 1},
+    "words_pf2": {"tile_words": True, "prefetch": 2},
+    "pf1": {"prefetch": 1},
+}
 CORPORA = ("text", "binary", "mixed", "bf16-relu", "gpt-kv", "gpt-act", "fp32-randn")
 
 
@@ -87,7 +100,8 @@ def sequences(payload: torch.Tensor, sizes: torch.Tensor, kinds: torch.Tensor, k
     return total / max(1, pages)
 
 
-def _variant_row(name: str, v: str, pages: torch.Tensor, e: int, dev: torch.device) -> str:
+def _variant_row(name: str, v: str, pages: torch.Tensor, e: int, dev: torch.device,
+                 decoders: list[str]) -> str:
     """One table row: compress with variant ``v``, check the round trip, time both ways."""
     kw = VARIANTS[v]
     n, p = pages.shape
@@ -101,7 +115,7 @@ def _variant_row(name: str, v: str, pages: torch.Tensor, e: int, dev: torch.devi
     D.decompress_into(flat, offsets, sizes, kinds, out, status)
     ok = bool((status == 0).all()) and torch.equal(out, pages)
     dts = []
-    for knobs in DECODERS:
+    for knobs in (DECODERS[d] for d in decoders):
         def run(knobs=knobs):
             D.decompress_into(flat, offsets, sizes, kinds, out, status, traced=False, **knobs)
 
@@ -113,7 +127,7 @@ def _variant_row(name: str, v: str, pages: torch.Tensor, e: int, dev: torch.devi
             f"{' | '.join(f'{gbps(n * p, t):.1f}' for t in dts)} | {'ok' if ok else 'WRONG'} |")
 
 
-def _api_row(name: str, pages: torch.Tensor, e: int, dev: torch.device) -> str:
+def _api_row(name: str, pages: torch.Tensor, e: int, dev: torch.device, cols: int) -> str:
     """The public API on the same pages (new output buffers each call)."""
     n, p = pages.shape
     c = pc.compress(pages, element_size=e)
@@ -122,7 +136,7 @@ def _api_row(name: str, pages: torch.Tensor, e: int, dev: torch.device) -> str:
     back, st = pc.decompress(c, return_status=True)
     ok = bool((st == 0).all()) and torch.equal(back, pages)
     return (f"| {name} | {e} | api | {gbps(n * p, ct):.1f} | {c.ratio():.3f} | - | "
-            f"{gbps(n * p, dt):.1f} | - | - | {'ok' if ok else 'WRONG'} |")
+            f"{gbps(n * p, dt):.1f} | {'- | ' * (cols - 1)}{'ok' if ok else 'WRONG'} |")
 
 
 def main() -> None:
@@ -130,24 +144,26 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--corpora", default=",".join(CORPORA))
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--decoders", default="default,lean=1,lean=2")
     a = ap.parse_args()
+    decoders = a.decoders.split(",")
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     nbytes = (a.mib << 20) if cuda else 4 * 4096
     nv, why = nvcomp.load() if cuda else (None, "no GPU")
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}; nvCOMP: "
           f"{nv.version if nv else why}; {nbytes >> 20} MiB per corpus, 4 KiB pages")
-    print("| corpus | E | variant | compress GB/s | ratio | seq/page | decompress GB/s default |"
-          " lean=1 | lean=2 | ok |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| corpus | E | variant | compress GB/s | ratio | seq/page | decompress GB/s "
+          + " | ".join(decoders) + " | ok |")
+    print("|---" * (7 + len(decoders)) + "|")
     for name in a.corpora.split(","):
         e = element_size(name)
         pages = build_corpus(name, nbytes, 4096, dev, seed=7)
         n, p = pages.shape
         for v in a.variants.split(","):
-            print(_variant_row(name, v, pages, e, dev), flush=True)
+            print(_variant_row(name, v, pages, e, dev, decoders), flush=True)
         if cuda:
-            print(_api_row(name, pages, e, dev), flush=True)
+            print(_api_row(name, pages, e, dev, len(decoders)), flush=True)
         if nv is not None:
             for w in sorted({1, e}):
                 plan = nvcomp.LZ4Plan(nv, pages, w)
@@ -156,8 +172,8 @@ def main() -> None:
                 ok = plan.compress_ok() and plan.roundtrip_ok()
                 ratio = n * p / plan.stored_bytes()
                 print(f"| {name} | {w} | nvCOMP{' +bitshuffle' if w > 1 else ''} | "
-                      f"{gbps(n * p, ct):.1f} | {ratio:.3f} | - | {gbps(n * p, dt):.1f} | - | - | "
-                      f"{'ok' if ok else 'WRONG'} |", flush=True)
+                      f"{gbps(n * p, ct):.1f} | {ratio:.3f} | - | {gbps(n * p, dt):.1f} | "
+                      f"{'- | ' * (len(decoders) - 1)}{'ok' if ok else 'WRONG'} |", flush=True)
                 del plan
 
 

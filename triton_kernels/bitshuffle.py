@@ -90,3 +90,103 @@ def bitshuffle_page_wide(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.con
             x = transpose8x8(w)
             y = (x[:, None] >> (8 * t).to(tl.int64)) & 255
             tl.store(dst + (8 * k + t) * GROUPS + g[:, None], y.to(tl.uint8))
+
+
+@triton.jit
+def _swap(a, b, s: tl.constexpr, m: tl.constexpr):
+    """Delta swap of two uint32 tensors: the bits of ``a`` at ``m << s`` trade places with the
+    bits of ``b`` at ``m``."""
+    t = ((a >> s) ^ b) & m
+    return a ^ (t << s), b ^ t
+
+
+@triton.jit
+def transpose_bits8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """Per byte position ``q`` of eight uint32 tensors, transpose the 8x8 bit matrix whose row
+    ``j`` is byte ``q`` of ``aj``: afterwards bit ``j`` of byte ``q`` of ``ar`` is the old bit
+    ``r`` of byte ``q`` of ``aj``. Three rounds of block swaps (4x4, 2x2, 1x1), 60 operations
+    for four matrices."""
+    a0, a4 = _swap(a0, a4, 4, 0x0F0F0F0F)
+    a1, a5 = _swap(a1, a5, 4, 0x0F0F0F0F)
+    a2, a6 = _swap(a2, a6, 4, 0x0F0F0F0F)
+    a3, a7 = _swap(a3, a7, 4, 0x0F0F0F0F)
+    a0, a2 = _swap(a0, a2, 2, 0x33333333)
+    a1, a3 = _swap(a1, a3, 2, 0x33333333)
+    a4, a6 = _swap(a4, a6, 2, 0x33333333)
+    a5, a7 = _swap(a5, a7, 2, 0x33333333)
+    a0, a1 = _swap(a0, a1, 1, 0x55555555)
+    a2, a3 = _swap(a2, a3, 1, 0x55555555)
+    a4, a5 = _swap(a4, a5, 1, 0x55555555)
+    a6, a7 = _swap(a6, a7, 1, 0x55555555)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def transpose_bytes4(w0, w1, w2, w3):
+    """4x4 byte transpose of four uint32 tensors: byte ``s`` of the ``q``-th result is byte
+    ``q`` of ``ws``."""
+    w0, w2 = _swap(w0, w2, 16, 0xFFFF)
+    w1, w3 = _swap(w1, w3, 16, 0xFFFF)
+    w0, w1 = _swap(w0, w1, 8, 0x00FF00FF)
+    w2, w3 = _swap(w2, w3, 8, 0x00FF00FF)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _element_words(src32, o, step: tl.constexpr):
+    """The 4x4 byte transpose of the words at ``o + q * step`` (``q`` = 0..3) of ``src32``."""
+    w0 = tl.load(src32 + o)
+    w1 = tl.load(src32 + o + step)
+    w2 = tl.load(src32 + o + 2 * step)
+    w3 = tl.load(src32 + o + 3 * step)
+    return transpose_bytes4(w0, w1, w2, w3)
+
+
+@triton.jit
+def _store_planes(dst32, k: tl.constexpr, GW: tl.constexpr, i, a0, a1, a2, a3, a4, a5, a6, a7):
+    """Bit-transpose ``a0 .. a7`` (byte ``q`` of ``ar``: byte ``k`` of element ``8(4i + q) + r``)
+    and store result ``j`` as word ``i`` of plane ``8k + j``."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = transpose_bits8(a0, a1, a2, a3, a4, a5, a6, a7)
+    tl.store(dst32 + (8 * k + 0) * GW + i, a0)
+    tl.store(dst32 + (8 * k + 1) * GW + i, a1)
+    tl.store(dst32 + (8 * k + 2) * GW + i, a2)
+    tl.store(dst32 + (8 * k + 3) * GW + i, a3)
+    tl.store(dst32 + (8 * k + 4) * GW + i, a4)
+    tl.store(dst32 + (8 * k + 5) * GW + i, a5)
+    tl.store(dst32 + (8 * k + 6) * GW + i, a6)
+    tl.store(dst32 + (8 * k + 7) * GW + i, a7)
+
+
+@triton.jit
+def bitshuffle_page_words(src, dst, P: tl.constexpr, E: tl.constexpr, CW: tl.constexpr):
+    """:func:`bitshuffle_page` (same bytes) on 32-bit words, elementwise over ``CW`` word
+    positions ``i`` of a plane at a time (``GW = P / (32E)`` per plane): the words of groups
+    ``4i .. 4i + 3`` are 4x4 byte-transposed into one word per byte lane ``k`` and element
+    ``8g + r`` of the group (:func:`transpose_bytes4`), and the 8 words of each byte lane are
+    bit-transposed into word ``i`` of its 8 planes (:func:`transpose_bits8`), the inverse of
+    ``bitunshuffle.unshuffle_page_words``. ``src`` and ``dst`` must be 4-byte aligned."""
+    GW: tl.constexpr = P // (32 * E)
+    src32 = src.to(tl.pointer_type(tl.uint32))
+    dst32 = dst.to(tl.pointer_type(tl.uint32))
+    for i0 in range(0, GW, CW):
+        i = i0 + tl.arange(0, CW)
+        if E == 2:  # word 16i + 4q + m: elements 8g + 2m, 8g + 2m + 1 of group g = 4i + q
+            x0, y0, x1, y1 = _element_words(src32, 16 * i + 0, 4)
+            x2, y2, x3, y3 = _element_words(src32, 16 * i + 1, 4)
+            x4, y4, x5, y5 = _element_words(src32, 16 * i + 2, 4)
+            x6, y6, x7, y7 = _element_words(src32, 16 * i + 3, 4)
+            _store_planes(dst32, 0, GW, i, x0, x1, x2, x3, x4, x5, x6, x7)
+            _store_planes(dst32, 1, GW, i, y0, y1, y2, y3, y4, y5, y6, y7)
+        else:  # word 32i + 8q + r: element 8g + r of group g = 4i + q
+            x0, y0, u0, v0 = _element_words(src32, 32 * i + 0, 8)
+            x1, y1, u1, v1 = _element_words(src32, 32 * i + 1, 8)
+            x2, y2, u2, v2 = _element_words(src32, 32 * i + 2, 8)
+            x3, y3, u3, v3 = _element_words(src32, 32 * i + 3, 8)
+            x4, y4, u4, v4 = _element_words(src32, 32 * i + 4, 8)
+            x5, y5, u5, v5 = _element_words(src32, 32 * i + 5, 8)
+            x6, y6, u6, v6 = _element_words(src32, 32 * i + 6, 8)
+            x7, y7, u7, v7 = _element_words(src32, 32 * i + 7, 8)
+            _store_planes(dst32, 0, GW, i, x0, x1, x2, x3, x4, x5, x6, x7)
+            _store_planes(dst32, 1, GW, i, y0, y1, y2, y3, y4, y5, y6, y7)
+            _store_planes(dst32, 2, GW, i, u0, u1, u2, u3, u4, u5, u6, u7)
+            _store_planes(dst32, 3, GW, i, v0, v1, v2, v3, v4, v5, v6, v7)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bitshuffle import transpose8x8
+from .bitshuffle import transpose8x8, transpose_bits8, transpose_bytes4
 
 
 @triton.jit
@@ -83,3 +83,63 @@ def unshuffle_groups64(row, P: tl.constexpr, E: tl.constexpr, GT: tl.constexpr):
         tl.debug_barrier()  # every thread has read the step's groups before any overwrites them
         for t in tl.static_range(8):  # byte t of w: byte k of element 8g + t
             tl.store(base + gg * (8 * E) + t * E + kk, ((w >> (8 * t)) & 255).to(tl.uint8))
+
+
+@triton.jit
+def _lane_words(row32, k: tl.constexpr, GW: tl.constexpr, i):
+    """Word ``i`` of planes ``8k .. 8k + 7`` (``GW`` words per plane), bit-transposed: byte
+    ``q`` of the ``r``-th result is byte ``k`` of element ``8(4i + q) + r``."""
+    a0 = tl.load(row32 + (8 * k + 0) * GW + i)
+    a1 = tl.load(row32 + (8 * k + 1) * GW + i)
+    a2 = tl.load(row32 + (8 * k + 2) * GW + i)
+    a3 = tl.load(row32 + (8 * k + 3) * GW + i)
+    a4 = tl.load(row32 + (8 * k + 4) * GW + i)
+    a5 = tl.load(row32 + (8 * k + 5) * GW + i)
+    a6 = tl.load(row32 + (8 * k + 6) * GW + i)
+    a7 = tl.load(row32 + (8 * k + 7) * GW + i)
+    return transpose_bits8(a0, a1, a2, a3, a4, a5, a6, a7)
+
+
+@triton.jit
+def _store_bytes4(row32, o, w0, w1, w2, w3, step: tl.constexpr):
+    """Store the 4x4 byte transpose of ``w0 .. w3``: result ``q`` at word ``o + q * step``."""
+    w0, w1, w2, w3 = transpose_bytes4(w0, w1, w2, w3)
+    tl.store(row32 + o, w0)
+    tl.store(row32 + o + step, w1)
+    tl.store(row32 + o + 2 * step, w2)
+    tl.store(row32 + o + 3 * step, w3)
+
+
+@triton.jit
+def unshuffle_page_words(row, P: tl.constexpr, E: tl.constexpr):
+    """:func:`unshuffle_page` (same bytes) on 32-bit words, every step elementwise over the
+    ``GW = P / (32E)`` word positions ``i`` of a plane: word ``i`` of the 8 planes of byte lane
+    ``k`` is bit-transposed (:func:`transpose_bits8`; byte ``q`` of result ``r``: byte ``k`` of
+    element ``8(4i + q) + r``), and 4x4 byte transposes across the byte lanes assemble whole
+    elements, stored as words. ``row`` must be 4-byte aligned. Callers place a barrier between
+    the decoder's last store and this call."""
+    GW: tl.constexpr = P // (32 * E)
+    row32 = row.to(tl.pointer_type(tl.uint32))
+    i = tl.arange(0, GW)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _lane_words(row32, 0, GW, i)
+    y0, y1, y2, y3, y4, y5, y6, y7 = _lane_words(row32, 1, GW, i)
+    if E == 2:
+        tl.debug_barrier()  # every thread has read the page before any overwrites it
+        # word 4g + m holds elements 8g + 2m, 8g + 2m + 1 (g = 4i + q)
+        _store_bytes4(row32, 16 * i + 0, x0, y0, x1, y1, 4)
+        _store_bytes4(row32, 16 * i + 1, x2, y2, x3, y3, 4)
+        _store_bytes4(row32, 16 * i + 2, x4, y4, x5, y5, 4)
+        _store_bytes4(row32, 16 * i + 3, x6, y6, x7, y7, 4)
+    else:
+        u0, u1, u2, u3, u4, u5, u6, u7 = _lane_words(row32, 2, GW, i)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _lane_words(row32, 3, GW, i)
+        tl.debug_barrier()  # every thread has read the page before any overwrites it
+        # word 8g + r holds element 8g + r (g = 4i + q)
+        _store_bytes4(row32, 32 * i + 0, x0, y0, u0, v0, 8)
+        _store_bytes4(row32, 32 * i + 1, x1, y1, u1, v1, 8)
+        _store_bytes4(row32, 32 * i + 2, x2, y2, u2, v2, 8)
+        _store_bytes4(row32, 32 * i + 3, x3, y3, u3, v3, 8)
+        _store_bytes4(row32, 32 * i + 4, x4, y4, u4, v4, 8)
+        _store_bytes4(row32, 32 * i + 5, x5, y5, u5, v5, 8)
+        _store_bytes4(row32, 32 * i + 6, x6, y6, u6, v6, 8)
+        _store_bytes4(row32, 32 * i + 7, x7, y7, u7, v7, 8)

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from torch_pagecomp import format as fmt
 
-from .bitunshuffle import unshuffle_groups, unshuffle_groups64, unshuffle_page
+from .bitunshuffle import unshuffle_groups, unshuffle_groups64, unshuffle_page, unshuffle_page_words
 from .launch import launch
 
 VEC = 32  # bytes per copy step of a short literal run or match (one per lane of the warp)
@@ -52,6 +52,8 @@ SPLIT = True  # shuffled LZ4 pages in a second launch, _decompress_shuffled_kern
 TILE = True  # there: plain decode, then a whole-page unshuffle (pages up to TILE_MAX_PAGE)
 TILE_MAX_PAGE = 4096
 TILE_PLANES = 8  # planes per byte lane per load step of the tile unshuffle (8: one step)
+TILE_WORDS = False  # the tile unshuffle on 32-bit words (unshuffle_page_words)
+PREFETCH = 0  # 0: none; 1 / 2: prefetch an LZ4 block's lines into L1 / L2 before its walk
 SHUFFLED_GROUPS = 8  # TILE off or P > TILE_MAX_PAGE: groups per step of unshuffle_groups64
 SHUFFLED_NUM_WARPS = 1
 SHUFFLED_BIG = 256  # bytes per long-run step in the shuffled kernel (H200: 256 beat 128, 64)
@@ -347,8 +349,10 @@ def _unshuffle_e(row, P: tl.constexpr, E: tl.constexpr, T: tl.constexpr, HOW: tl
         unshuffle_groups(row, P, E, T)
     elif HOW == 1:
         unshuffle_groups64(row, P, E, T)
-    else:
+    elif HOW == 2:
         unshuffle_page(row, P, E, T)
+    else:
+        unshuffle_page_words(row, P, E)
 
 
 @triton.jit
@@ -356,7 +360,7 @@ def _unshuffle_row(row, P: tl.constexpr, shift, T: tl.constexpr, HOW: tl.constex
     """Unshuffle a decoded row in place (element size ``1 << shift``, 2 or 4), after a barrier
     for the decode's stores. ``HOW``: 0 ``unshuffle_groups`` and 1 ``unshuffle_groups64``
     (transposed decode, ``T`` groups per step), 2 ``unshuffle_page`` (plain decode, ``T``
-    planes per step)."""
+    planes per step), 3 ``unshuffle_page_words`` (plain decode)."""
     tl.debug_barrier()
     if shift == 1:
         _unshuffle_e(row, P, 2, T, HOW)
@@ -388,10 +392,27 @@ def _zero_row(row, P: tl.constexpr, RAW_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_block(src, size, P: tl.constexpr, PF: tl.constexpr):
+    """Ask for the lines of the block ``src[0:size]`` (its first 4 KiB at most) at once, one
+    prefetch per 128-byte line (``PF`` 1: into L1, 2: into L2), so that the token walk's loads,
+    each of which the next depends on, find their bytes on chip instead of waiting on DRAM one
+    after another. Addresses stay inside the block (clamped to its last byte)."""
+    N: tl.constexpr = min(P, 4096) // 128
+    p = src + tl.minimum(tl.arange(0, N) * 128, size - 1)
+    if PF == 1:
+        tl.inline_asm_elementwise("mov.u32 $0, 0; prefetch.global.L1 [$1];", "=r,l", [p],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [p],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr, status_ptr,
                        total, P: tl.constexpr, PLOG: tl.constexpr, VEC: tl.constexpr,
                        BIG: tl.constexpr, EXT: tl.constexpr, RAW_BLOCK: tl.constexpr,
-                       GT: tl.constexpr, LEAN: tl.constexpr, SPLIT: tl.constexpr):
+                       GT: tl.constexpr, LEAN: tl.constexpr, SPLIT: tl.constexpr,
+                       PF: tl.constexpr):
     """Program ``i`` decodes page ``i`` into ``pages[i]`` (``uint8 [P]``) and sets ``status[i]``.
     With ``SPLIT`` it leaves shuffled LZ4 pages (kinds ``0x11``, ``0x21``) alone, row and status,
     to ``_decompress_shuffled_kernel``; ``LEAN`` picks ``_decode_lz4_lean`` for plain LZ4."""
@@ -408,6 +429,8 @@ def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
         ar = tl.arange(0, RAW_BLOCK)
         if st == 0:
             if codec == 1:
+                if PF != 0:
+                    _prefetch_block(src, size, P, PF)
                 if shift == 0:
                     st = _decode_plain(src, size, row, P, VEC, BIG, EXT, LEAN)
                 elif not SPLIT:
@@ -436,7 +459,8 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
                                 status_ptr, total, P: tl.constexpr, PLOG: tl.constexpr,
                                 VEC: tl.constexpr, BIG: tl.constexpr, EXT: tl.constexpr,
                                 RAW_BLOCK: tl.constexpr, GT: tl.constexpr, TILE: tl.constexpr,
-                                TJ: tl.constexpr, LEAN: tl.constexpr):
+                                TJ: tl.constexpr, TW: tl.constexpr, LEAN: tl.constexpr,
+                                PF: tl.constexpr):
     """The other half of a ``SPLIT`` launch: program ``i`` decodes page ``i`` only if it is a
     shuffled LZ4 page (kind ``0x11`` or ``0x21``). With ``TILE`` the block is decoded plainly
     (contiguous stores; ``LEAN`` as in ``_decompress_kernel``) and unshuffled in one whole-page
@@ -449,10 +473,15 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
         src = payload_ptr + tl.where(st == 0, off, 0)
         row = pages_ptr + pid.to(tl.int64) * P
         if st == 0:
+            if PF != 0:
+                _prefetch_block(src, size, P, PF)
             if TILE:
                 st = _decode_plain(src, size, row, P, VEC, BIG, EXT, LEAN)
                 if st == 0:
-                    _unshuffle_row(row, P, shift, TJ, 2)
+                    if TW:
+                        _unshuffle_row(row, P, shift, TJ, 3)
+                    else:
+                        _unshuffle_row(row, P, shift, TJ, 2)
             else:
                 st = _decode_transposed(src, size, row, shift, P, PLOG, VEC, BIG, EXT)
                 if st == 0:
@@ -462,20 +491,27 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
         tl.store(status_ptr + pid, st)
 
 
-def launch_constants(page_size: int, lean: bool | None = None, split: bool | None = None) -> dict:
+def launch_constants(page_size: int, lean: bool | None = None, split: bool | None = None,
+                     prefetch: int | None = None) -> dict:
     """Compile-time arguments and ``num_warps`` of ``_decompress_kernel`` for ``page_size``."""
+    pf = PREFETCH if prefetch is None else prefetch
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pf = 0  # the interpreter runs no inline PTX (and has no caches to fill)
     return dict(P=page_size, PLOG=page_size.bit_length() - 1, VEC=VEC, BIG=BIG, EXT=EXT,
                 RAW_BLOCK=RAW_BLOCK, GT=UNSHUFFLE_GROUPS, LEAN=LEAN if lean is None else lean,
-                SPLIT=SPLIT if split is None else split, num_warps=NUM_WARPS)
+                SPLIT=SPLIT if split is None else split, PF=pf, num_warps=NUM_WARPS)
 
 
 def shuffled_constants(page_size: int, tile: bool | None = None,
-                       lean: bool | None = None) -> dict:
+                       lean: bool | None = None, tile_words: bool | None = None,
+                       prefetch: int | None = None) -> dict:
     """Compile-time arguments and ``num_warps`` of ``_decompress_shuffled_kernel``."""
     tile = (TILE if tile is None else tile) and page_size <= TILE_MAX_PAGE
-    c = launch_constants(page_size, SHUFFLED_LEAN if lean is None else lean)
+    c = launch_constants(page_size, SHUFFLED_LEAN if lean is None else lean, prefetch=prefetch)
     del c["SPLIT"]
-    c = dict(c, GT=SHUFFLED_GROUPS, TILE=tile, TJ=TILE_PLANES, num_warps=SHUFFLED_NUM_WARPS)
+    tw = TILE_WORDS if tile_words is None else tile_words
+    c = dict(c, GT=SHUFFLED_GROUPS, TILE=tile, TJ=TILE_PLANES, TW=tw,
+             num_warps=SHUFFLED_NUM_WARPS)
     if os.environ.get("TRITON_INTERPRET") != "1":
         c["BIG"] = SHUFFLED_BIG
     if SHUFFLED_MAXNREG:
@@ -486,7 +522,8 @@ def shuffled_constants(page_size: int, tile: bool | None = None,
 def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
                     kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor, *,
                     lean: bool | None = None, split: bool | None = None,
-                    tile: bool | None = None, traced: bool = True) -> None:
+                    tile: bool | None = None, tile_words: bool | None = None,
+                    prefetch: int | None = None, traced: bool = True) -> None:
     """Decode into caller-provided outputs: ``pages`` ``uint8 [N, P]`` (contiguous),
     ``status`` ``int32 [N]``; other arguments as :func:`decompress_pages`. The knobs (module
     defaults ``LEAN``, ``SPLIT``, ``TILE`` when ``None``): ``lean`` decodes plain LZ4 pages with
@@ -500,9 +537,10 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
         return
     split = SPLIT if split is None else split
     args = (payload, offsets, sizes, kinds, pages, status, payload.numel())
-    launches = [(_decompress_kernel, launch_constants(page_size, lean, split))]
+    launches = [(_decompress_kernel, launch_constants(page_size, lean, split, prefetch))]
     if split:
-        launches.append((_decompress_shuffled_kernel, shuffled_constants(page_size, tile, lean)))
+        consts = shuffled_constants(page_size, tile, lean, tile_words, prefetch)
+        launches.append((_decompress_shuffled_kernel, consts))
     for kernel, consts in launches:
         launch(kernel, (n,), payload.device, args, consts, traced)
 
