@@ -587,7 +587,8 @@ def compress_pages(
     instead of bytes, where ``pages`` starts 8-byte aligned (else bytes). ``shuffle_words``
     (default ``SHUFFLE_WORDS``; same bytes): instead, the bit-shuffle on 32-bit words
     (``bitshuffle.bitshuffle_page_words``), taking precedence over ``shuffle_wide``.
-    ``traced=False`` launches directly (eager callers outside the ops: see ``triton_kernels.launch``).
+    ``traced=False`` launches directly (eager callers outside the ops: see
+    ``triton_kernels.launch``).
     """
     defaults = parse_defaults(element_size)
     window = defaults["window"] if window is None else window
