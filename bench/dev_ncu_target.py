@@ -1,7 +1,8 @@
 r"""A small program for ``ncu``: compresses and decodes 64 MiB of one corpus three times each.
 
 ``ncu --clock-control none --section SchedulerStats --section WarpStateStats -k regex:_lz4_\|_dec
---launch-skip 2 --launch-count 2 python3 -m bench.dev_ncu_target text``
+--launch-skip 2 --launch-count 2 python3 -m bench.dev_ncu_target text [knob=int ...]``: knobs are
+keywords of ``compress_pages``, or, prefixed ``d.``, of ``decompress_into``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from triton_kernels import lz4_decompress as D
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "text"
     kw = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
+    dk = {k[2:]: v for k, v in kw.items() if k.startswith("d.")}  # d.<knob>=<int>: decoder
+    kw = {k: v for k, v in kw.items() if not k.startswith("d.")}
     e = element_size(name)
     pages = build_corpus(name, 64 << 20, 4096, "cuda", seed=7)
     n, p = pages.shape
@@ -27,10 +30,10 @@ def main() -> None:
     for _ in range(3):
         payload, sizes, kinds = C.compress_pages(pages, e, **kw)
     for _ in range(3):
-        D.decompress_into(payload.view(-1), offsets, sizes, kinds, out, status)
+        D.decompress_into(payload.view(-1), offsets, sizes, kinds, out, status, **dk)
     torch.cuda.synchronize()
     assert bool((status == 0).all()) and torch.equal(out, pages)
-    print(name, kw, "ok")
+    print(name, kw, dk, "ok")
 
 
 if __name__ == "__main__":

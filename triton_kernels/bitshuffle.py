@@ -133,16 +133,6 @@ def transpose_bytes4(w0, w1, w2, w3):
 
 
 @triton.jit
-def _element_words(src32, o, step: tl.constexpr):
-    """The 4x4 byte transpose of the words at ``o + q * step`` (``q`` = 0..3) of ``src32``."""
-    w0 = tl.load(src32 + o)
-    w1 = tl.load(src32 + o + step)
-    w2 = tl.load(src32 + o + 2 * step)
-    w3 = tl.load(src32 + o + 3 * step)
-    return transpose_bytes4(w0, w1, w2, w3)
-
-
-@triton.jit
 def _store_planes(dst32, k: tl.constexpr, GW: tl.constexpr, i, a0, a1, a2, a3, a4, a5, a6, a7):
     """Bit-transpose ``a0 .. a7`` (byte ``q`` of ``ar``: byte ``k`` of element ``8(4i + q) + r``)
     and store result ``j`` as word ``i`` of plane ``8k + j``."""
@@ -158,34 +148,89 @@ def _store_planes(dst32, k: tl.constexpr, GW: tl.constexpr, i, a0, a1, a2, a3, a
 
 
 @triton.jit
+def join16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
+    """``[N]`` tensors ``v0 .. v15`` as one ``[N, 16]`` tensor (column ``f`` = ``vf``), so that
+    ``N`` runs of 16 words go to memory in one store (the compiler coalesces it)."""
+    a0 = tl.join(v0, v8)  # the last axis added first is the most significant bit of f
+    a1 = tl.join(v1, v9)
+    a2 = tl.join(v2, v10)
+    a3 = tl.join(v3, v11)
+    a4 = tl.join(v4, v12)
+    a5 = tl.join(v5, v13)
+    a6 = tl.join(v6, v14)
+    a7 = tl.join(v7, v15)
+    b0 = tl.join(a0, a4)
+    b1 = tl.join(a1, a5)
+    b2 = tl.join(a2, a6)
+    b3 = tl.join(a3, a7)
+    c0 = tl.join(b0, b2)
+    c1 = tl.join(b1, b3)
+    return tl.reshape(tl.join(c0, c1), [v0.shape[0], 16])
+
+
+@triton.jit
+def _split4(x):
+    """``x [..., 2, 2]`` as 4 tensors, ``x[..., f // 2, f % 2]`` for ``f`` = 0..3."""
+    a, b = tl.split(x)
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def split16(x):
+    """``x [N, 16]`` as 16 ``[N]`` tensors (column ``f`` for ``f`` = 0..15): the inverse of
+    :func:`join16`, so that one coalesced load feeds elementwise work."""
+    y = tl.reshape(x, [x.shape[0], 2, 2, 2, 2])
+    s0, s1, s2, s3 = _split4(y)  # low 2 bits of f
+    v0, v4, v8, v12 = _split4(s0)
+    v1, v5, v9, v13 = _split4(s1)
+    v2, v6, v10, v14 = _split4(s2)
+    v3, v7, v11, v15 = _split4(s3)
+    return v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
+
+
+@triton.jit
+def _load16(src32, o):
+    """16 ``[N]`` tensors: the words at ``src32 + o + f`` (``o`` ``[N]``), in one coalesced
+    load."""
+    return split16(tl.load(src32 + o[:, None] + tl.arange(0, 16)[None, :]))
+
+
+@triton.jit
 def bitshuffle_page_words(src, dst, P: tl.constexpr, E: tl.constexpr, CW: tl.constexpr):
     """:func:`bitshuffle_page` (same bytes) on 32-bit words, elementwise over ``CW`` word
-    positions ``i`` of a plane at a time (``GW = P / (32E)`` per plane): the words of groups
-    ``4i .. 4i + 3`` are 4x4 byte-transposed into one word per byte lane ``k`` and element
-    ``8g + r`` of the group (:func:`transpose_bytes4`), and the 8 words of each byte lane are
-    bit-transposed into word ``i`` of its 8 planes (:func:`transpose_bits8`), the inverse of
-    ``bitunshuffle.unshuffle_page_words``. ``src`` and ``dst`` must be 4-byte aligned."""
+    positions ``i`` of a plane at a time (``GW = P / (32E)`` per plane): the ``8E`` words of
+    groups ``4i .. 4i + 3`` (loaded in 16-word runs) are 4x4 byte-transposed into one word per
+    byte lane ``k`` and element ``8g + r`` of the group (:func:`transpose_bytes4`), and the 8
+    words of each byte lane are bit-transposed into word ``i`` of its 8 planes
+    (:func:`transpose_bits8`): the inverse of ``bitunshuffle.unshuffle_page_words``. ``src`` and
+    ``dst`` must be 4-byte aligned."""
     GW: tl.constexpr = P // (32 * E)
     src32 = src.to(tl.pointer_type(tl.uint32))
     dst32 = dst.to(tl.pointer_type(tl.uint32))
     for i0 in range(0, GW, CW):
         i = i0 + tl.arange(0, CW)
         if E == 2:  # word 16i + 4q + m: elements 8g + 2m, 8g + 2m + 1 of group g = 4i + q
-            x0, y0, x1, y1 = _element_words(src32, 16 * i + 0, 4)
-            x2, y2, x3, y3 = _element_words(src32, 16 * i + 1, 4)
-            x4, y4, x5, y5 = _element_words(src32, 16 * i + 2, 4)
-            x6, y6, x7, y7 = _element_words(src32, 16 * i + 3, 4)
+            a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3 = _load16(src32, 16 * i)
+            x0, y0, x1, y1 = transpose_bytes4(a0, a1, a2, a3)  # m = 0
+            x2, y2, x3, y3 = transpose_bytes4(b0, b1, b2, b3)
+            x4, y4, x5, y5 = transpose_bytes4(c0, c1, c2, c3)
+            x6, y6, x7, y7 = transpose_bytes4(d0, d1, d2, d3)
             _store_planes(dst32, 0, GW, i, x0, x1, x2, x3, x4, x5, x6, x7)
             _store_planes(dst32, 1, GW, i, y0, y1, y2, y3, y4, y5, y6, y7)
         else:  # word 32i + 8q + r: element 8g + r of group g = 4i + q
-            x0, y0, u0, v0 = _element_words(src32, 32 * i + 0, 8)
-            x1, y1, u1, v1 = _element_words(src32, 32 * i + 1, 8)
-            x2, y2, u2, v2 = _element_words(src32, 32 * i + 2, 8)
-            x3, y3, u3, v3 = _element_words(src32, 32 * i + 3, 8)
-            x4, y4, u4, v4 = _element_words(src32, 32 * i + 4, 8)
-            x5, y5, u5, v5 = _element_words(src32, 32 * i + 5, 8)
-            x6, y6, u6, v6 = _element_words(src32, 32 * i + 6, 8)
-            x7, y7, u7, v7 = _element_words(src32, 32 * i + 7, 8)
+            a0, b0, c0, d0, e0, f0, g0, h0, a1, b1, c1, d1, e1, f1, g1, h1 = _load16(src32, 32 * i)
+            a2, b2, c2, d2, e2, f2, g2, h2, a3, b3, c3, d3, e3, f3, g3, h3 = _load16(
+                src32, 32 * i + 16)
+            x0, y0, u0, v0 = transpose_bytes4(a0, a1, a2, a3)  # r = 0
+            x1, y1, u1, v1 = transpose_bytes4(b0, b1, b2, b3)
+            x2, y2, u2, v2 = transpose_bytes4(c0, c1, c2, c3)
+            x3, y3, u3, v3 = transpose_bytes4(d0, d1, d2, d3)
+            x4, y4, u4, v4 = transpose_bytes4(e0, e1, e2, e3)
+            x5, y5, u5, v5 = transpose_bytes4(f0, f1, f2, f3)
+            x6, y6, u6, v6 = transpose_bytes4(g0, g1, g2, g3)
+            x7, y7, u7, v7 = transpose_bytes4(h0, h1, h2, h3)
             _store_planes(dst32, 0, GW, i, x0, x1, x2, x3, x4, x5, x6, x7)
             _store_planes(dst32, 1, GW, i, y0, y1, y2, y3, y4, y5, y6, y7)
             _store_planes(dst32, 2, GW, i, u0, u1, u2, u3, u4, u5, u6, u7)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bitshuffle import transpose8x8, transpose_bits8, transpose_bytes4
+from .bitshuffle import join16, transpose8x8, transpose_bits8, transpose_bytes4
 
 
 @triton.jit
@@ -101,13 +101,11 @@ def _lane_words(row32, k: tl.constexpr, GW: tl.constexpr, i):
 
 
 @triton.jit
-def _store_bytes4(row32, o, w0, w1, w2, w3, step: tl.constexpr):
-    """Store the 4x4 byte transpose of ``w0 .. w3``: result ``q`` at word ``o + q * step``."""
-    w0, w1, w2, w3 = transpose_bytes4(w0, w1, w2, w3)
-    tl.store(row32 + o, w0)
-    tl.store(row32 + o + step, w1)
-    tl.store(row32 + o + 2 * step, w2)
-    tl.store(row32 + o + 3 * step, w3)
+def _store16(row32, o, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
+    """Words ``v0 .. v15`` (``[N]`` each) at ``row32 + o + f`` for ``f`` = 0..15 (``o`` ``[N]``),
+    in one coalesced store."""
+    x = join16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
+    tl.store(row32 + o[:, None] + tl.arange(0, 16)[None, :], x)
 
 
 @triton.jit
@@ -116,30 +114,35 @@ def unshuffle_page_words(row, P: tl.constexpr, E: tl.constexpr):
     ``GW = P / (32E)`` word positions ``i`` of a plane: word ``i`` of the 8 planes of byte lane
     ``k`` is bit-transposed (:func:`transpose_bits8`; byte ``q`` of result ``r``: byte ``k`` of
     element ``8(4i + q) + r``), and 4x4 byte transposes across the byte lanes assemble whole
-    elements, stored as words. ``row`` must be 4-byte aligned. Callers place a barrier between
-    the decoder's last store and this call."""
+    elements, the ``8E`` words of groups ``4i .. 4i + 3`` stored in 16-word runs. ``row`` must
+    be 4-byte aligned. Callers place a barrier between the decoder's last store and this
+    call."""
     GW: tl.constexpr = P // (32 * E)
     row32 = row.to(tl.pointer_type(tl.uint32))
     i = tl.arange(0, GW)
     x0, x1, x2, x3, x4, x5, x6, x7 = _lane_words(row32, 0, GW, i)
     y0, y1, y2, y3, y4, y5, y6, y7 = _lane_words(row32, 1, GW, i)
     if E == 2:
+        # word 16i + 4q + m: elements 8g + 2m, 8g + 2m + 1 of group g = 4i + q
+        a0, a1, a2, a3 = transpose_bytes4(x0, y0, x1, y1)  # m = 0, by q
+        b0, b1, b2, b3 = transpose_bytes4(x2, y2, x3, y3)
+        c0, c1, c2, c3 = transpose_bytes4(x4, y4, x5, y5)
+        d0, d1, d2, d3 = transpose_bytes4(x6, y6, x7, y7)
         tl.debug_barrier()  # every thread has read the page before any overwrites it
-        # word 4g + m holds elements 8g + 2m, 8g + 2m + 1 (g = 4i + q)
-        _store_bytes4(row32, 16 * i + 0, x0, y0, x1, y1, 4)
-        _store_bytes4(row32, 16 * i + 1, x2, y2, x3, y3, 4)
-        _store_bytes4(row32, 16 * i + 2, x4, y4, x5, y5, 4)
-        _store_bytes4(row32, 16 * i + 3, x6, y6, x7, y7, 4)
+        _store16(row32, 16 * i, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3)
     else:
         u0, u1, u2, u3, u4, u5, u6, u7 = _lane_words(row32, 2, GW, i)
         v0, v1, v2, v3, v4, v5, v6, v7 = _lane_words(row32, 3, GW, i)
+        # word 32i + 8q + r: element 8g + r of group g = 4i + q
+        a0, a1, a2, a3 = transpose_bytes4(x0, y0, u0, v0)  # r = 0, by q
+        b0, b1, b2, b3 = transpose_bytes4(x1, y1, u1, v1)
+        c0, c1, c2, c3 = transpose_bytes4(x2, y2, u2, v2)
+        d0, d1, d2, d3 = transpose_bytes4(x3, y3, u3, v3)
+        e0, e1, e2, e3 = transpose_bytes4(x4, y4, u4, v4)
+        f0, f1, f2, f3 = transpose_bytes4(x5, y5, u5, v5)
+        g0, g1, g2, g3 = transpose_bytes4(x6, y6, u6, v6)
+        h0, h1, h2, h3 = transpose_bytes4(x7, y7, u7, v7)
         tl.debug_barrier()  # every thread has read the page before any overwrites it
-        # word 8g + r holds element 8g + r (g = 4i + q)
-        _store_bytes4(row32, 32 * i + 0, x0, y0, u0, v0, 8)
-        _store_bytes4(row32, 32 * i + 1, x1, y1, u1, v1, 8)
-        _store_bytes4(row32, 32 * i + 2, x2, y2, u2, v2, 8)
-        _store_bytes4(row32, 32 * i + 3, x3, y3, u3, v3, 8)
-        _store_bytes4(row32, 32 * i + 4, x4, y4, u4, v4, 8)
-        _store_bytes4(row32, 32 * i + 5, x5, y5, u5, v5, 8)
-        _store_bytes4(row32, 32 * i + 6, x6, y6, u6, v6, 8)
-        _store_bytes4(row32, 32 * i + 7, x7, y7, u7, v7, 8)
+        _store16(row32, 32 * i, a0, b0, c0, d0, e0, f0, g0, h0, a1, b1, c1, d1, e1, f1, g1, h1)
+        _store16(row32, 32 * i + 16, a2, b2, c2, d2, e2, f2, g2, h2,
+                 a3, b3, c3, d3, e3, f3, g3, h3)
