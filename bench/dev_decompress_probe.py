@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run under TRITON_INTERPRET=1
 
 # module settings of triton_kernels.lz4_decompress per variant, over the defaults at import
-KNOBS = ("NUM_WARPS", "VEC", "BIG", "LEAN", "SPLIT", "TILE", "TILE_PLANES", "SHUFFLED_GROUPS",
+KNOBS = ("NUM_WARPS", "VEC", "BIG", "LEAN", "SPLIT", "TILE", "PREFETCH", "SHUFFLED_GROUPS",
          "SHUFFLED_NUM_WARPS", "SHUFFLED_MAXNREG", "SHUFFLED_LEAN", "SHUFFLED_BIG")
 DEFAULTS = {k: getattr(D, k) for k in KNOBS}
 VARIANTS = {
@@ -52,7 +52,7 @@ VARIANTS = {
     "shuf_big64": dict(SHUFFLED_BIG=64),
     "shuf_w2": dict(SHUFFLED_NUM_WARPS=2),
     "shuf_groups": dict(TILE=False),  # transposed decode + group unshuffle instead of the tile
-    "tile_planes4": dict(TILE_PLANES=4),
+    "no_prefetch": dict(PREFETCH=0),
     "plain_big128": dict(BIG=128),
 }
 

@@ -44,25 +44,22 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     # the defaults with the bit-shuffle from bytes / from 64-bit loads
     "shuffle_bytes": dict(shuffle_wide=False),
     "shuffle_wide": dict(shuffle_wide=True),
-    "shuffle_words": dict(shuffle_words=True),
-    # occupancy: programs (one warp each) per SM
-    "words_pps24": dict(shuffle_words=True, programs_per_sm=24),
-    "words_pps32": dict(shuffle_words=True, programs_per_sm=32),
+    # occupancy: programs (one warp each) per SM (H200, h200_088227b: 16 stays fastest)
+    "pps24": dict(programs_per_sm=24),
+    "pps32": dict(programs_per_sm=32),
     "default": {},
 }
 # decoder settings timed per row (keywords of ``decompress_into``), chosen with --decoders:
 # the defaults, the checked loop alone (the decoder before the fast loop), the fast loop in both
-# kernels, the tile unshuffle on 32-bit words, prefetching each block into L1 / L2. (A tile
-# unshuffle storing 64-bit words was 1.5-1.8x slower on every typed corpus: H200,
-# bench/results/h200_1a67841/wide_probe.txt, column "wide"; removed.)
+# kernels, no prefetch / prefetch into L2. (The byte tile unshuffle that the word tile replaced:
+# H200, bench/results/h200_300e11a/, columns default / pf1 against words / words_pf1; a tile
+# unshuffle storing 64-bit words was 1.5-1.8x slower: h200_1a67841/wide_probe.txt.)
 DECODERS = {
     "default": {},
     "lean=1": {"lean": 1},
     "lean=2": {"lean": 2},
-    "words": {"tile_words": True},
-    "words_pf1": {"tile_words": True, "prefetch": 1},
-    "words_pf2": {"tile_words": True, "prefetch": 2},
-    "pf1": {"prefetch": 1},
+    "pf0": {"prefetch": 0},
+    "pf2": {"prefetch": 2},
     # not a decoder: shuffled blocks decoded as plain LZ4 (no unshuffle; the bytes stay shuffled,
     # so the row is not checked): the unshuffle's share of the time, by difference
     "decode_only": {"decode_only": True},

@@ -37,6 +37,8 @@ KNOBS = {
     "fast_split_tile": dict(lean=2, split=True, tile=True),  # fast loop in both kernels
     "split_groups": dict(lean=False, split=True, tile=False),
     "split_tile_plain": dict(lean=False, split=True, tile=True),
+    "no_prefetch": dict(prefetch=0),  # (the interpreter never prefetches)
+    "prefetch_l2": dict(prefetch=2),
 }
 
 
@@ -111,9 +113,10 @@ def ref_page(read, total: int, off: int, size: int, kind: int, page_size: int = 
 
 
 def run_blocks(blocks, kinds=None, page_size=P, sizes=None, offsets=None, payload=None,
-               knobs=None):
+               knobs=None, guard=GUARD):
     """Pack ``blocks`` back to back, decode them into outputs that sit inside poisoned guard
-    bytes, check the guards, and return ``(pages, status)`` on the CPU."""
+    bytes (``guard`` of them: odd by default, so rows start misaligned), check the guards, and
+    return ``(pages, status)`` on the CPU."""
     dev = device_for_kernels()
     n = len(blocks)
     if payload is None:
@@ -126,15 +129,15 @@ def run_blocks(blocks, kinds=None, page_size=P, sizes=None, offsets=None, payloa
         kinds = torch.full((n,), fmt.KIND_LZ4, dtype=torch.uint8)
     elif not isinstance(kinds, torch.Tensor):
         kinds = torch.tensor(kinds, dtype=torch.uint8)
-    buf = torch.full((2 * GUARD + n * page_size,), POISON, dtype=torch.uint8, device=dev)
-    sbuf = torch.full((2 * GUARD + n,), -0x5A5A5A5B, dtype=torch.int32, device=dev)
-    pages = buf[GUARD : GUARD + n * page_size].view(n, page_size)
-    status = sbuf[GUARD : GUARD + n]
+    buf = torch.full((2 * guard + n * page_size,), POISON, dtype=torch.uint8, device=dev)
+    sbuf = torch.full((2 * guard + n,), -0x5A5A5A5B, dtype=torch.int32, device=dev)
+    pages = buf[guard : guard + n * page_size].view(n, page_size)
+    status = sbuf[guard : guard + n]
     args = [t.to(dev) for t in (payload, offsets, sizes, kinds)]
     decompress_into(*args, pages, status, **(knobs or {}))
     buf, sbuf = buf.cpu(), sbuf.cpu()
-    assert (buf[:GUARD] == POISON).all() and (buf[GUARD + n * page_size :] == POISON).all()
-    assert (sbuf[:GUARD] == -0x5A5A5A5B).all() and (sbuf[GUARD + n :] == -0x5A5A5A5B).all()
+    assert (buf[:guard] == POISON).all() and (buf[guard + n * page_size :] == POISON).all()
+    assert (sbuf[:guard] == -0x5A5A5A5B).all() and (sbuf[guard + n :] == -0x5A5A5A5B).all()
     return pages.cpu(), status.cpu()
 
 
@@ -205,14 +208,16 @@ def test_shuffled_pages_unshuffle_in_kernel(element_size, knobs, gen):
     assert torch.equal(out.cpu(), pages)
 
 
+@pytest.mark.parametrize("guard", [GUARD, 4096])  # rows misaligned (no word tile) / aligned
 @pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain"])
-def test_unshuffle_matches_reference_on_random_bytes(knobs, gen):
+def test_unshuffle_matches_reference_on_random_bytes(knobs, guard, gen):
     """The in-kernel unshuffle is the reference ``bitunshuffle`` on arbitrary shuffled bytes;
-    plain pages between shuffled ones (each kernel of a split launch leaves the other's alone)."""
+    plain pages between shuffled ones (each kernel of a split launch leaves the other's alone);
+    nothing written outside the rows."""
     y = torch.randint(0, 256, (4, P), dtype=torch.uint8, generator=gen)
     blocks = [encode([], bytes(r.numpy())) for r in y]  # one literal run each
     kinds = [fmt.KIND_LZ4 | 1 << 4, fmt.KIND_LZ4, fmt.KIND_LZ4 | 2 << 4, fmt.KIND_LZ4]
-    out, status = run_blocks(blocks, kinds, knobs=KNOBS[knobs])
+    out, status = run_blocks(blocks, kinds, knobs=KNOBS[knobs], guard=guard)
     assert status.tolist() == [0] * 4
     assert torch.equal(out[0], bitunshuffle(y[:1], 2)[0])
     assert torch.equal(out[2], bitunshuffle(y[2:3], 4)[0])
@@ -383,7 +388,8 @@ def test_mutation_fuzz_matches_reference(knobs, gen):
 
 # ------------------------------------------------------------------ GPU only
 @needs_cuda
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain", "split_groups"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain", "split_groups",
+                                   "no_prefetch", "prefetch_l2"])
 @pytest.mark.parametrize("page_size", [4096, 8192, 16384, 32768, 65536])
 def test_gpu_roundtrip_every_kind_and_page_size(page_size, knobs, gen):
     pages = mixed_pages(64, page_size, gen)

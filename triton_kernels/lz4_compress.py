@@ -70,7 +70,7 @@ import triton.language as tl
 
 from torch_pagecomp import format as fmt
 
-from .bitshuffle import bitshuffle_page, bitshuffle_page_wide, bitshuffle_page_words
+from .bitshuffle import bitshuffle_page, bitshuffle_page_wide
 from .launch import launch
 
 
@@ -276,7 +276,6 @@ def _lz4_compress_kernel(
     ACC: tl.constexpr,
     PROBE: tl.constexpr,
     SW: tl.constexpr,
-    SWC: tl.constexpr,
 ):
     """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
 
@@ -322,9 +321,7 @@ def _lz4_compress_kernel(
         if diff != 0:
             if E > 1:
                 data = shuf_ptr + pid.to(tl.int64) * P
-                if SW == 2:
-                    bitshuffle_page_words(src, data, P, E, SWC)
-                elif SW == 1:
+                if SW:
                     bitshuffle_page_wide(src, data, P, E, 64)
                 else:
                     bitshuffle_page(src, data, P, E, 64)
@@ -500,7 +497,6 @@ TYPED_PROBE = {2: 0, 4: 32}
 # bf16 K/V 113.5 -> 128.2 GB/s, activations 111.7 -> 128.2, ReLU 98.3 -> 113.0, randn 92.5 ->
 # 103.6, fp32 82.4 -> 112.9 (again at e44ec50: +11-34%, wide2_probe_e44ec50.txt).
 SHUFFLE_WIDE = True
-SHUFFLE_WORDS = False  # the bit-shuffle on 32-bit words (bitshuffle_page_words)
 
 
 def parse_defaults(element_size: int) -> dict:
@@ -549,7 +545,6 @@ def compress_pages(
     accel: int | None = None,
     probe: int | None = None,
     shuffle_wide: bool | None = None,
-    shuffle_words: bool | None = None,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -584,11 +579,8 @@ def compress_pages(
     ``probe`` positions instead of a window (``bench.dev_accel_model --probe``: positions
     hashed and ratio); matches later in such a window are missed. ``shuffle_wide`` (default
     ``SHUFFLE_WIDE``; same bytes either way): the bit-shuffle reads the page as 64-bit words
-    instead of bytes, where ``pages`` starts 8-byte aligned (else bytes). ``shuffle_words``
-    (default ``SHUFFLE_WORDS``; same bytes): instead, the bit-shuffle on 32-bit words
-    (``bitshuffle.bitshuffle_page_words``), taking precedence over ``shuffle_wide``.
-    ``traced=False`` launches directly (eager callers outside the ops: see
-    ``triton_kernels.launch``).
+    instead of bytes, where ``pages`` starts 8-byte aligned (else bytes). ``traced=False``
+    launches directly (eager callers outside the ops: see ``triton_kernels.launch``).
     """
     defaults = parse_defaults(element_size)
     window = defaults["window"] if window is None else window
@@ -617,8 +609,6 @@ def compress_pages(
         pages = pages.clone()
     wide = bool(SHUFFLE_WIDE if shuffle_wide is None else shuffle_wide)
     wide = wide and pages.storage_offset() % 8 == 0
-    words = bool(SHUFFLE_WORDS if shuffle_words is None else shuffle_words)
-    sw = 2 if words else int(wide)
     payload = torch.empty((n, page_size), dtype=torch.uint8, device=dev)
     sizes = torch.empty((n,), dtype=torch.int32, device=dev)
     kinds = torch.empty((n,), dtype=torch.uint8, device=dev)
@@ -638,7 +628,7 @@ def compress_pages(
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
         ACC=accel, PROBE=probe,
-        SW=sw, SWC=min(64, page_size // (32 * max(element_size, 2))),
+        SW=wide,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds

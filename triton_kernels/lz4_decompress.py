@@ -11,10 +11,11 @@ Shuffled pages, with ``SPLIT`` (the default), go to a second launch
 (``_decompress_shuffled_kernel``; each kernel leaves the other's pages alone), so the plain
 kernel carries no shuffle code. There,
 with ``TILE``, the block is decoded plainly (contiguous stores) and unshuffled in one whole-page
-tile (``bitunshuffle.unshuffle_page``); larger pages are decoded transposed (byte ``g`` of bit
-plane ``b`` at ``g * 8E + b``) and unshuffled in place ``SHUFFLED_GROUPS`` groups per step.
-Without ``SPLIT`` one fused kernel does all (the code before the knobs: transposed decode, two
-groups per step). ``LEAN`` swaps in ``_decode_lz4_lean`` for plain decodes. The knobs are
+tile of 32-bit words (``bitunshuffle.unshuffle_page_words``); larger pages are decoded
+transposed (byte ``g`` of bit plane ``b`` at ``g * 8E + b``) and unshuffled in place
+``SHUFFLED_GROUPS`` groups per step. Without ``SPLIT`` one fused kernel does all (the code before
+the knobs: transposed decode, two groups per step). ``LEAN`` swaps in ``_decode_lz4_lean`` for
+plain decodes. ``PREFETCH`` asks for a block's lines before its walk starts. The knobs are
 module defaults and keywords of :func:`decompress_into`; every setting gives the same bytes and
 statuses.
 
@@ -35,7 +36,7 @@ import triton.language as tl
 
 from torch_pagecomp import format as fmt
 
-from .bitunshuffle import unshuffle_groups, unshuffle_groups64, unshuffle_page, unshuffle_page_words
+from .bitunshuffle import unshuffle_groups, unshuffle_groups64, unshuffle_page_words
 from .launch import launch
 
 VEC = 32  # bytes per copy step of a short literal run or match (one per lane of the warp)
@@ -51,9 +52,9 @@ LEAN = 2  # 0: _decode_lz4, 1: _decode_lz4_lean, 2: lean with the fast loop (pla
 SPLIT = True  # shuffled LZ4 pages in a second launch, _decompress_shuffled_kernel
 TILE = True  # there: plain decode, then a whole-page unshuffle (pages up to TILE_MAX_PAGE)
 TILE_MAX_PAGE = 4096
-TILE_PLANES = 8  # planes per byte lane per load step of the tile unshuffle (8: one step)
-TILE_WORDS = False  # the tile unshuffle on 32-bit words (unshuffle_page_words)
-PREFETCH = 0  # 0: none; 1 / 2: prefetch an LZ4 block's lines into L1 / L2 before its walk
+# 0: none; 1 / 2: prefetch an LZ4 block's lines into L1 / L2 before its walk. H200, 64 MiB per
+# corpus (bench/results/h200_300e11a/): L1 +2-4% on every corpus (text, mixed, typed), L2 less.
+PREFETCH = 1
 SHUFFLED_GROUPS = 8  # TILE off or P > TILE_MAX_PAGE: groups per step of unshuffle_groups64
 SHUFFLED_NUM_WARPS = 1
 SHUFFLED_BIG = 256  # bytes per long-run step in the shuffled kernel (H200: 256 beat 128, 64)
@@ -349,8 +350,6 @@ def _unshuffle_e(row, P: tl.constexpr, E: tl.constexpr, T: tl.constexpr, HOW: tl
         unshuffle_groups(row, P, E, T)
     elif HOW == 1:
         unshuffle_groups64(row, P, E, T)
-    elif HOW == 2:
-        unshuffle_page(row, P, E, T)
     else:
         unshuffle_page_words(row, P, E)
 
@@ -359,8 +358,7 @@ def _unshuffle_e(row, P: tl.constexpr, E: tl.constexpr, T: tl.constexpr, HOW: tl
 def _unshuffle_row(row, P: tl.constexpr, shift, T: tl.constexpr, HOW: tl.constexpr):
     """Unshuffle a decoded row in place (element size ``1 << shift``, 2 or 4), after a barrier
     for the decode's stores. ``HOW``: 0 ``unshuffle_groups`` and 1 ``unshuffle_groups64``
-    (transposed decode, ``T`` groups per step), 2 ``unshuffle_page`` (plain decode, ``T``
-    planes per step), 3 ``unshuffle_page_words`` (plain decode)."""
+    (transposed decode, ``T`` groups per step), 2 ``unshuffle_page_words`` (plain decode)."""
     tl.debug_barrier()
     if shift == 1:
         _unshuffle_e(row, P, 2, T, HOW)
@@ -459,8 +457,7 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
                                 status_ptr, total, P: tl.constexpr, PLOG: tl.constexpr,
                                 VEC: tl.constexpr, BIG: tl.constexpr, EXT: tl.constexpr,
                                 RAW_BLOCK: tl.constexpr, GT: tl.constexpr, TILE: tl.constexpr,
-                                TJ: tl.constexpr, TW: tl.constexpr, LEAN: tl.constexpr,
-                                PF: tl.constexpr):
+                                LEAN: tl.constexpr, PF: tl.constexpr):
     """The other half of a ``SPLIT`` launch: program ``i`` decodes page ``i`` only if it is a
     shuffled LZ4 page (kind ``0x11`` or ``0x21``). With ``TILE`` the block is decoded plainly
     (contiguous stores; ``LEAN`` as in ``_decompress_kernel``) and unshuffled in one whole-page
@@ -478,10 +475,7 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
             if TILE:
                 st = _decode_plain(src, size, row, P, VEC, BIG, EXT, LEAN)
                 if st == 0:
-                    if TW:
-                        _unshuffle_row(row, P, shift, TJ, 3)
-                    else:
-                        _unshuffle_row(row, P, shift, TJ, 2)
+                    _unshuffle_row(row, P, shift, 0, 2)
             else:
                 st = _decode_transposed(src, size, row, shift, P, PLOG, VEC, BIG, EXT)
                 if st == 0:
@@ -503,15 +497,12 @@ def launch_constants(page_size: int, lean: bool | None = None, split: bool | Non
 
 
 def shuffled_constants(page_size: int, tile: bool | None = None,
-                       lean: bool | None = None, tile_words: bool | None = None,
-                       prefetch: int | None = None) -> dict:
+                       lean: bool | None = None, prefetch: int | None = None) -> dict:
     """Compile-time arguments and ``num_warps`` of ``_decompress_shuffled_kernel``."""
     tile = (TILE if tile is None else tile) and page_size <= TILE_MAX_PAGE
     c = launch_constants(page_size, SHUFFLED_LEAN if lean is None else lean, prefetch=prefetch)
     del c["SPLIT"]
-    tw = TILE_WORDS if tile_words is None else tile_words
-    c = dict(c, GT=SHUFFLED_GROUPS, TILE=tile, TJ=TILE_PLANES, TW=tw,
-             num_warps=SHUFFLED_NUM_WARPS)
+    c = dict(c, GT=SHUFFLED_GROUPS, TILE=tile, num_warps=SHUFFLED_NUM_WARPS)
     if os.environ.get("TRITON_INTERPRET") != "1":
         c["BIG"] = SHUFFLED_BIG
     if SHUFFLED_MAXNREG:
@@ -522,24 +513,29 @@ def shuffled_constants(page_size: int, tile: bool | None = None,
 def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
                     kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor, *,
                     lean: bool | None = None, split: bool | None = None,
-                    tile: bool | None = None, tile_words: bool | None = None,
-                    prefetch: int | None = None, traced: bool = True) -> None:
+                    tile: bool | None = None, prefetch: int | None = None,
+                    traced: bool = True) -> None:
     """Decode into caller-provided outputs: ``pages`` ``uint8 [N, P]`` (contiguous),
     ``status`` ``int32 [N]``; other arguments as :func:`decompress_pages`. The knobs (module
-    defaults ``LEAN``, ``SPLIT``, ``TILE`` when ``None``): ``lean`` decodes plain LZ4 pages with
-    ``_decode_lz4_lean``; ``split`` decodes shuffled pages in a second launch, where ``tile``
-    unshuffles whole pages (``P <= TILE_MAX_PAGE``) after a plain decode. Every combination
-    gives the same bytes and statuses. ``traced=False``: launch directly (eager callers outside
-    the ops; see ``triton_kernels.launch``)."""
+    defaults ``LEAN``, ``SPLIT``, ``TILE``, ``PREFETCH`` when ``None``): ``lean`` decodes plain
+    LZ4 pages with ``_decode_lz4_lean``; ``split`` decodes shuffled pages in a second launch,
+    where ``tile`` unshuffles whole pages (``P <= TILE_MAX_PAGE``, ``pages`` 4-byte aligned)
+    after a plain decode;
+    ``prefetch`` (0 off, 1 into L1, 2 into L2; off under the interpreter) asks for each LZ4
+    block's lines before its walk. Every combination gives the same bytes and statuses.
+    ``traced=False``: launch directly (eager callers outside the ops; see
+    ``triton_kernels.launch``)."""
     n, page_size = pages.shape
     fmt.check_page_size(page_size)
     if n == 0:
         return
     split = SPLIT if split is None else split
+    if pages.storage_offset() % 4:
+        tile = False  # the word tile reads and writes rows as 32-bit words
     args = (payload, offsets, sizes, kinds, pages, status, payload.numel())
     launches = [(_decompress_kernel, launch_constants(page_size, lean, split, prefetch))]
     if split:
-        consts = shuffled_constants(page_size, tile, lean, tile_words, prefetch)
+        consts = shuffled_constants(page_size, tile, lean, prefetch)
         launches.append((_decompress_shuffled_kernel, consts))
     for kernel, consts in launches:
         launch(kernel, (n,), payload.device, args, consts, traced)
