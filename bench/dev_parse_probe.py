@@ -44,9 +44,14 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     # the defaults with the bit-shuffle from bytes / from 64-bit loads
     "shuffle_bytes": dict(shuffle_wide=False),
     "shuffle_wide": dict(shuffle_wide=True),
-    # occupancy: programs (one warp each) per SM (H200, h200_088227b: 16 stays fastest)
+    # occupancy: programs (one warp each) per SM (H200, h200_088227b: 24 and 32 slower than 16)
+    "pps8": dict(programs_per_sm=8),
+    "pps12": dict(programs_per_sm=12),
     "pps24": dict(programs_per_sm=24),
     "pps32": dict(programs_per_sm=32),
+    # the hash table: 1024 entries (4 KiB per program), plain L1 loads and stores
+    "hb10": dict(hash_bits=10),
+    "store": dict(candidates="store"),
     "default": {},
 }
 # decoder settings timed per row (keywords of ``decompress_into``), chosen with --decoders:

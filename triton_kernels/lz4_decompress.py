@@ -459,20 +459,22 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
                                 RAW_BLOCK: tl.constexpr, GT: tl.constexpr, TILE: tl.constexpr,
                                 LEAN: tl.constexpr, PF: tl.constexpr):
     """The other half of a ``SPLIT`` launch: program ``i`` decodes page ``i`` only if it is a
-    shuffled LZ4 page (kind ``0x11`` or ``0x21``). With ``TILE`` the block is decoded plainly
+    shuffled LZ4 page (kind ``0x11`` or ``0x21``). With ``TILE``, where the rows are 4-byte
+    aligned (checked here: the tile reads and writes 32-bit words), the block is decoded plainly
     (contiguous stores; ``LEAN`` as in ``_decompress_kernel``) and unshuffled in one whole-page
-    tile; otherwise decoded transposed and
-    unshuffled group by group as in the fused kernel."""
+    tile; otherwise decoded transposed and unshuffled group by group as in the fused kernel."""
     pid = tl.program_id(0)
     off, size, kind, st = _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, P)
     if (kind == 0x11) | (kind == 0x21):
         shift = kind >> 4
         src = payload_ptr + tl.where(st == 0, off, 0)
         row = pages_ptr + pid.to(tl.int64) * P
+        # rows are P apart, so all are aligned as the first (folded away for 16-aligned outputs)
+        tile = ((pages_ptr.to(tl.int64, bitcast=True) & 3) == 0) & TILE
         if st == 0:
             if PF != 0:
                 _prefetch_block(src, size, P, PF)
-            if TILE:
+            if tile:
                 st = _decode_plain(src, size, row, P, VEC, BIG, EXT, LEAN)
                 if st == 0:
                     _unshuffle_row(row, P, shift, 0, 2)
@@ -519,8 +521,8 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
     ``status`` ``int32 [N]``; other arguments as :func:`decompress_pages`. The knobs (module
     defaults ``LEAN``, ``SPLIT``, ``TILE``, ``PREFETCH`` when ``None``): ``lean`` decodes plain
     LZ4 pages with ``_decode_lz4_lean``; ``split`` decodes shuffled pages in a second launch,
-    where ``tile`` unshuffles whole pages (``P <= TILE_MAX_PAGE``, ``pages`` 4-byte aligned)
-    after a plain decode;
+    where ``tile`` unshuffles whole pages (``P <= TILE_MAX_PAGE``; rows 4-byte aligned, else
+    the transposed path) after a plain decode;
     ``prefetch`` (0 off, 1 into L1, 2 into L2; off under the interpreter) asks for each LZ4
     block's lines before its walk. Every combination gives the same bytes and statuses.
     ``traced=False``: launch directly (eager callers outside the ops; see
@@ -530,8 +532,6 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
     if n == 0:
         return
     split = SPLIT if split is None else split
-    if pages.storage_offset() % 4:
-        tile = False  # the word tile reads and writes rows as 32-bit words
     args = (payload, offsets, sizes, kinds, pages, status, payload.numel())
     launches = [(_decompress_kernel, launch_constants(page_size, lean, split, prefetch))]
     if split:
