@@ -85,11 +85,14 @@ def _model_block(
     lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
     min_match: int = lc.DEFAULT_MIN_MATCH, xw: int = lc.DEFAULT_EXTRA_WORDS,
     back: bool = lc.DEFAULT_BACK, accel: int = lc.DEFAULT_ACCEL, plane: int = 0, probe: int = 0,
+    hash_bits: int | None = None,
 ) -> bytes:
     """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule).
-    ``plane``: bytes per bit plane of a shuffled page (0 for plain bytes)."""
+    ``plane``: bytes per bit plane of a shuffled page (0 for plain bytes); ``hash_bits`` as the
+    kernel's (default: the kernel's default for the page kind)."""
     size = len(page)
-    hb, fb = lc.table_bits(size, window)
+    e = size // (8 * plane) if plane else 1
+    hb, fb = lc.table_bits(size, window, hash_bits, element_size=e)
     maxs, limit = size - 12, fmt.lz4_keep_limit(size)
     a = np.frombuffer(page, dtype=np.uint8).astype(np.uint64)
     words = (a[:-3] | (a[1:-2] << 8) | (a[2:-1] << 16) | (a[3:] << 24))[: maxs + 1]

@@ -497,6 +497,11 @@ TYPED_PROBE = {2: 0, 4: 32}
 # bf16 K/V 113.5 -> 128.2 GB/s, activations 111.7 -> 128.2, ReLU 98.3 -> 113.0, randn 92.5 ->
 # 103.6, fp32 82.4 -> 112.9 (again at e44ec50: +11-34%, wide2_probe_e44ec50.txt).
 SHUFFLE_WIDE = True
+# The hash table of bit-shuffled pages: 1024 entries for 4 KiB pages (4 KiB per program, half the
+# byte pages' table). Their matches sit in a few exponent and sign planes, at short distances;
+# the compressor is bound by L2 traffic (ncu, bench/results/h200_d2b7f7b/), and the smaller
+# table gave the same blocks' ratio at +3-20% speed (H200, 64 MiB per corpus, same file).
+TYPED_HASH_BITS_DELTA = -2
 
 
 def parse_defaults(element_size: int) -> dict:
@@ -512,10 +517,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def table_bits(page_size: int, window: int, hash_bits: int | None = None) -> tuple[int, int]:
-    """log2 sizes of the ``last`` (per page) and ``first`` (per window) hash tables."""
+def table_bits(page_size: int, window: int, hash_bits: int | None = None,
+               element_size: int = 1) -> tuple[int, int]:
+    """log2 sizes of the ``last`` (per page) and ``first`` (per window) hash tables; the default
+    ``last`` table is smaller for bit-shuffled pages (``element_size`` 2 or 4)."""
     if hash_bits is None:
-        hash_bits = min(page_size.bit_length() - 1, 14) + DEFAULT_HASH_BITS_DELTA
+        delta = TYPED_HASH_BITS_DELTA if element_size > 1 else DEFAULT_HASH_BITS_DELTA
+        hash_bits = min(page_size.bit_length() - 1, 14) + delta
     return hash_bits, window.bit_length() + 2
 
 
@@ -554,13 +562,14 @@ def compress_pages(
     Launches on ``pages``' device and current stream; never synchronises with the host.
     ``num_warps``, ``programs_per_sm``, ``window`` (positions per candidate step, a power of
     two from 64 to 1024; default from :func:`parse_defaults`) and ``extra_words`` (0-6:
-    match bytes compared for all positions at once) tune speed only; ``hash_bits`` (10-16,
-    log2 entries of the per-page table; default ``min(log2 P, 14)``) trades ratio for cache
-    footprint. The output depends on ``window`` and ``hash_bits`` but is always a valid
-    block. ``candidates``: ``"atomic"`` (two tables, L2 atomics: exact and deterministic) or
-    ``"store"`` (one table, plain loads and stores per 32 positions, plus the ``near`` (0-5)
-    distances 1, 2, 4, ...; on the GPU, lanes that store the same entry race, so the parse
-    may vary from run to run; every block is still valid) or ``"store-max"`` (the same with
+    match bytes compared for all positions at once) tune speed only; ``hash_bits`` (8-16,
+    log2 entries of the per-page table; default ``min(log2 P, 14) - 1``, one less for
+    bit-shuffled pages: :func:`table_bits`) trades ratio for cache footprint. The output
+    depends on ``window`` and ``hash_bits`` but is always a valid block. ``candidates``:
+    ``"atomic"`` (two tables, L2 atomics: exact and deterministic) or ``"store"`` (one table,
+    plain loads and stores per 32 positions, plus the ``near`` (0-5) distances 1, 2, 4, ...;
+    on the GPU, lanes that store the same entry race, so the parse may vary from run to run;
+    every block is still valid) or ``"store-max"`` (the same with
     ``.cg`` loads and ``atomic_max``: half the L2 traffic of ``"atomic"``, deterministic).
     Parse: ``lazy`` (a match one byte later wins when it is known to be longer), ``skip`` (a
     window wholly inside a match is not hashed; the next one starts at the match's end),
@@ -598,7 +607,7 @@ def compress_pages(
         raise ValueError(f"bad tuning: min_match={min_match} (4..{4 + 4 * extra_words})")
     if not 0 <= accel <= 8:
         raise ValueError(f"bad tuning: accel={accel} (0..8)")
-    if hash_bits is not None and not 10 <= hash_bits <= 16:
+    if hash_bits is not None and not 8 <= hash_bits <= 16:
         raise ValueError(f"bad tuning: hash_bits={hash_bits}")
     n, page_size = pages.shape
     dev = pages.device
@@ -615,7 +624,7 @@ def compress_pages(
     if n == 0:
         return payload, sizes, kinds
     pb = page_size.bit_length() - 1
-    hb, fb = table_bits(page_size, window, hash_bits)
+    hb, fb = table_bits(page_size, window, hash_bits, element_size)
     grid = _num_programs(pages, programs_per_sm)
     tabs = torch.empty((grid, (1 << hb) + (1 << fb)), dtype=torch.int32, device=dev)
     shuf_rows = grid if element_size > 1 else 1
