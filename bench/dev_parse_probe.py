@@ -55,9 +55,6 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "hb10": dict(hash_bits=10),
     "hb9": dict(hash_bits=9),
     "hb8": dict(hash_bits=8),
-    # sparse table inserts: every 2nd / 4th position (all still look up)
-    "ins2": dict(insert_step=2),
-    "ins4": dict(insert_step=4),
     "store": dict(candidates="store"),
     "default": {},
 }

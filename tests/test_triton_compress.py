@@ -43,11 +43,11 @@ def _ext(n: int) -> bytes:
     return b"\xff" * (n // 255) + bytes([n % 255])
 
 
-def _store_cands(span, words, h, last, near, step=1):
+def _store_cands(span, words, h, last, near):
     """``candidates="store"``: per 32 positions, the table entries before the sub-chunk, then
-    the entries of the sub-chunk's positions that are multiples of ``step`` (in the interpreter
-    the last lane of a conflict wins); a position whose entry fails takes the smallest of
-    ``near`` distances 1, 2, 4, ... that holds the same word."""
+    the entries of the sub-chunk (in the interpreter the last lane of a conflict wins); a
+    position whose entry fails takes the smallest of ``near`` distances 1, 2, 4, ... that holds
+    the same word."""
     cand = {}
     for s0 in range(span.start, span.stop, 32):
         sub = range(s0, min(s0 + 32, span.stop))
@@ -61,8 +61,7 @@ def _store_cands(span, words, h, last, near, step=1):
                     cand[i] = i - d
                     break
         for i in sub:
-            if i % step == 0:
-                last[h[i]] = i
+            last[h[i]] = i
     return cand
 
 
@@ -86,7 +85,7 @@ def _model_block(
     lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
     min_match: int = lc.DEFAULT_MIN_MATCH, xw: int = lc.DEFAULT_EXTRA_WORDS,
     back: bool = lc.DEFAULT_BACK, accel: int = lc.DEFAULT_ACCEL, plane: int = 0, probe: int = 0,
-    hash_bits: int | None = None, insert_step: int = 1,
+    hash_bits: int | None = None,
 ) -> bytes:
     """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule).
     ``plane``: bytes per bit plane of a shuffled page (0 for plain bytes); ``hash_bits`` as the
@@ -108,7 +107,7 @@ def _model_block(
         hashed = probe if probe and dead else window  # after a window without a sequence
         span = range(w0, min(w0 + hashed, maxs + 1))
         if candidates != "atomic":  # "store", "store-max"
-            cand = _store_cands(span, words, h, last, near, insert_step)
+            cand = _store_cands(span, words, h, last, near)
         else:
             first: dict[int, int] = {}
             for i in span:
@@ -248,7 +247,7 @@ def _check(pages: torch.Tensor, element_size: int = 1, window: int | None = None
     assert sizes.shape == (n,) and sizes.dtype == torch.int32
     assert kinds.shape == (n,) and kinds.dtype == torch.uint8
     mode = {k: tuning[k] for k in ("candidates", "near", "lazy", "skip", "min_match", "back",
-                                   "accel", "probe", "insert_step") if k in tuning}
+                                   "accel", "probe") if k in tuning}
     mode["xw"] = tuning.get("extra_words", lc.DEFAULT_EXTRA_WORDS)
     mode.setdefault("min_match", min(lc.DEFAULT_MIN_MATCH, 4 + 4 * mode["xw"]))
     mode.setdefault("candidates", lc.DEFAULT_CANDIDATES)
@@ -445,12 +444,6 @@ def test_window_variants_match_model():
     _check(pages, min_match=6)
     _check(pages, back=False)
     _check(pages, lazy=False, skip=False, min_match=4, back=False)
-    relu = torch.relu(torch.randn(P4K // 2, dtype=torch.bfloat16)).view(torch.uint8)[None]
-    for step in (2, 4):  # sparse table inserts, bytes and a bit-shuffled page
-        _check(pages, insert_step=step)
-        _check(relu, 2, insert_step=step)
-    with pytest.raises(ValueError, match="insert_step"):
-        lc.compress_pages(pages, insert_step=3)
     with pytest.raises(ValueError, match="min_match"):
         lc.compress_pages(pages, min_match=4 + 4 * lc.DEFAULT_EXTRA_WORDS + 1)
 

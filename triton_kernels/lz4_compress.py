@@ -201,13 +201,12 @@ def _near_word(m2, m1, l0, l1, lane, d):
 @triton.jit
 def _store_candidates(
     tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB: tl.constexpr, P: tl.constexpr,
-    W: tl.constexpr, NEAR: tl.constexpr, AMAX: tl.constexpr, INS: tl.constexpr,
+    W: tl.constexpr, NEAR: tl.constexpr, AMAX: tl.constexpr,
 ):
     """Verified candidates (-1: none) of a window's positions ``idx = 4 * k0 + lane`` [W / 4, 4]
     (``h`` hashes, ``word`` words, ``widx`` offsets in the window) from one plain ``last``
     table, updated in sub-chunks of 32 positions: load, barrier, store (conflicts: any lane may
-    win), barrier. Only positions that are multiples of ``INS`` are stored (every position
-    looks up). Positions whose table entry fails fall back to the nearest of distances 1, 2,
+    win), barrier. Positions whose table entry fails fall back to the nearest of distances 1, 2,
     4, 8, 16 (``NEAR`` of them) that holds the same word. ``AMAX``: ``.cg`` loads and
     ``atomic_max`` stores instead (the latest position wins: deterministic)."""
     PMASK: tl.constexpr = (1 << PB) - 1
@@ -221,8 +220,6 @@ def _store_candidates(
             e = tl.load(tlast + h, mask=m, other=0)
         ent = tl.where(sub == s, e, ent)
         tl.debug_barrier()
-        if INS > 1:
-            m = m & ((idx & (INS - 1)) == 0)
         if AMAX:
             tl.atomic_max(tlast + h, (pc << PB) | idx, mask=m, sem="relaxed")
         else:
@@ -279,7 +276,6 @@ def _lz4_compress_kernel(
     ACC: tl.constexpr,
     PROBE: tl.constexpr,
     SW: tl.constexpr,
-    INS: tl.constexpr,
 ):
     """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
 
@@ -369,7 +365,7 @@ def _lz4_compress_kernel(
                 if STORE:
                     c = _store_candidates(
                         tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB, P, W, NEAR,
-                        AMAX, INS,
+                        AMAX,
                     )
                     ok = c >= 0
                 else:
@@ -557,7 +553,6 @@ def compress_pages(
     accel: int | None = None,
     probe: int | None = None,
     shuffle_wide: bool | None = None,
-    insert_step: int = 1,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -593,10 +588,7 @@ def compress_pages(
     ``probe`` positions instead of a window (``bench.dev_accel_model --probe``: positions
     hashed and ratio); matches later in such a window are missed. ``shuffle_wide`` (default
     ``SHUFFLE_WIDE``; same bytes either way): the bit-shuffle reads the page as 64-bit words
-    instead of bytes, where ``pages`` starts 8-byte aligned (else bytes). ``insert_step``
-    (1, 2 or 4; ``"store"`` modes): only positions that are multiples of it go into the hash
-    table (every position still looks up), so a match is found up to ``insert_step - 1`` bytes
-    late and the backward extension takes those bytes back: fewer table writes. ``traced=False``
+    instead of bytes, where ``pages`` starts 8-byte aligned (else bytes). ``traced=False``
     launches directly (eager callers outside the ops: see ``triton_kernels.launch``).
     """
     defaults = parse_defaults(element_size)
@@ -615,8 +607,6 @@ def compress_pages(
         raise ValueError(f"bad tuning: min_match={min_match} (4..{4 + 4 * extra_words})")
     if not 0 <= accel <= 8:
         raise ValueError(f"bad tuning: accel={accel} (0..8)")
-    if insert_step not in (1, 2, 4) or (insert_step > 1 and candidates == "atomic"):
-        raise ValueError(f"bad tuning: insert_step={insert_step} (1, 2, 4; 1 with 'atomic')")
     if hash_bits is not None and not 8 <= hash_bits <= 16:
         raise ValueError(f"bad tuning: hash_bits={hash_bits}")
     n, page_size = pages.shape
@@ -647,7 +637,7 @@ def compress_pages(
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
         ACC=accel, PROBE=probe,
-        SW=wide, INS=insert_step,
+        SW=wide,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds
