@@ -22,7 +22,7 @@ header() {
 case "${1:-tests}" in
 tests)
     header tests | tee "$OUT/tests.txt"
-    timeout 380 python3 -m pytest -q -p no:cacheprovider tests -m "not fuzz" -rfEs \
+    timeout 440 python3 -m pytest -q -p no:cacheprovider tests -m "not fuzz" -rfEs \
         --durations=8 2>&1 | tee -a "$OUT/tests.txt" | tail -n 40
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests -m fuzz -rfE 2>&1 \
         | tee -a "$OUT/tests.txt" | tail -n 3
