@@ -45,6 +45,9 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     # the defaults with the bit-shuffle from bytes / from 64-bit loads
     "shuffle_bytes": dict(shuffle_wide=False),
     "shuffle_wide": dict(shuffle_wide=True),
+    # longer minimum matches: fewer, longer sequences (decode speed) for some ratio
+    "mm6": dict(min_match=6),
+    "mm8": dict(min_match=8),
     # occupancy: programs (one warp each) per SM (H200, h200_088227b: 24 and 32 slower than 16)
     "pps8": dict(programs_per_sm=8),
     "pps12": dict(programs_per_sm=12),
