@@ -53,10 +53,6 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "pps12": dict(programs_per_sm=12),
     "pps24": dict(programs_per_sm=24),
     "pps32": dict(programs_per_sm=32),
-    # the page's loads evict-first in L1 (bit-shuffled pages), alone and with more programs
-    "ev": dict(evict_pages=True),
-    "ev_pps24": dict(evict_pages=True, programs_per_sm=24),
-    "ev_pps32": dict(evict_pages=True, programs_per_sm=32),
     # the hash table: 2048 / 1024 / 512 / 256 entries, plain L1 loads and stores
     "hb11": dict(hash_bits=11),
     "hb10": dict(hash_bits=10),

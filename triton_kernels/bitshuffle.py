@@ -61,12 +61,10 @@ def _compact_bytes(x, E: tl.constexpr):
 
 
 @triton.jit
-def bitshuffle_page_wide(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.constexpr,
-                         EV: tl.constexpr = False):
+def bitshuffle_page_wide(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.constexpr):
     """:func:`bitshuffle_page` (same bytes) reading 64-bit words instead of bytes: a group's
     ``8E`` bytes are ``E`` words (word ``m``: elements ``8g + (8/E)m ..``); byte lane ``k`` of
-    its 8 elements is gathered by :func:`_compact_bytes`. ``src`` must be 8-byte aligned;
-    ``EV``: its loads are marked evict-first.
+    its 8 elements is gathered by :func:`_compact_bytes`. ``src`` must be 8-byte aligned.
     (Writing the planes as 64-bit words too was no faster: H200,
     ``bench/results/h200_1a67841/wide2_probe_e44ec50.txt``.)"""
     GROUPS: tl.constexpr = P // (8 * E)
@@ -76,14 +74,13 @@ def bitshuffle_page_wide(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.con
     t = tl.arange(0, 8)[None, :]
     for g0 in range(0, GROUPS, GCH):
         g = g0 + gi
-        ev: tl.constexpr = "evict_first" if EV else ""
-        a0 = tl.load(src64 + g * E, eviction_policy=ev)
-        a1 = tl.load(src64 + g * E + 1, eviction_policy=ev)
+        a0 = tl.load(src64 + g * E)
+        a1 = tl.load(src64 + g * E + 1)
         a2 = a0
         a3 = a0
         if E == 4:
-            a2 = tl.load(src64 + g * E + 2, eviction_policy=ev)
-            a3 = tl.load(src64 + g * E + 3, eviction_policy=ev)
+            a2 = tl.load(src64 + g * E + 2)
+            a3 = tl.load(src64 + g * E + 3)
         for k in tl.static_range(E):
             # byte t of w: byte k of element 8g + t, from word t // M
             w = _compact_bytes(a0 >> (8 * k), E) | (_compact_bytes(a1 >> (8 * k), E) << (8 * M))

@@ -276,7 +276,6 @@ def _lz4_compress_kernel(
     ACC: tl.constexpr,
     PROBE: tl.constexpr,
     SW: tl.constexpr,
-    EV: tl.constexpr,
 ):
     """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
 
@@ -314,11 +313,7 @@ def _lz4_compress_kernel(
         first4 = first.to(tl.uint32) * 0x01010101
         differs = tl.zeros([CH], tl.int32)
         for q in range(0, P // 4, CH):
-            if EV and E > 1:  # the page is read once more (the shuffle), then not again
-                w = tl.load(src32 + q + tl.arange(0, CH), eviction_policy="evict_first")
-            else:
-                w = tl.load(src32 + q + tl.arange(0, CH))
-            differs = differs | (w != first4).to(tl.int32)
+            differs = differs | (tl.load(src32 + q + tl.arange(0, CH)) != first4).to(tl.int32)
         diff = tl.max(differs)
         size = page * 0 + 1
         kind = page * 0 + 2
@@ -327,7 +322,7 @@ def _lz4_compress_kernel(
             if E > 1:
                 data = shuf_ptr + pid.to(tl.int64) * P
                 if SW:
-                    bitshuffle_page_wide(src, data, P, E, 64, EV)
+                    bitshuffle_page_wide(src, data, P, E, 64)
                 else:
                     bitshuffle_page(src, data, P, E, 64)
                 tl.debug_barrier()
@@ -558,7 +553,6 @@ def compress_pages(
     accel: int | None = None,
     probe: int | None = None,
     shuffle_wide: bool | None = None,
-    evict_pages: bool = False,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -594,9 +588,7 @@ def compress_pages(
     ``probe`` positions instead of a window (``bench.dev_accel_model --probe``: positions
     hashed and ratio); matches later in such a window are missed. ``shuffle_wide`` (default
     ``SHUFFLE_WIDE``; same bytes either way): the bit-shuffle reads the page as 64-bit words
-    instead of bytes, where ``pages`` starts 8-byte aligned (else bytes). ``evict_pages``
-    (bit-shuffled pages): the page's loads are marked evict-first in L1, which then keeps the
-    shuffled copy and its neighbours' instead. ``traced=False``
+    instead of bytes, where ``pages`` starts 8-byte aligned (else bytes). ``traced=False``
     launches directly (eager callers outside the ops: see ``triton_kernels.launch``).
     """
     defaults = parse_defaults(element_size)
@@ -645,7 +637,7 @@ def compress_pages(
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
         ACC=accel, PROBE=probe,
-        SW=wide, EV=evict_pages,
+        SW=wide,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds
