@@ -53,7 +53,7 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "pps12": dict(programs_per_sm=12),
     "pps24": dict(programs_per_sm=24),
     "pps32": dict(programs_per_sm=32),
-    # the hash table: 2048 / 1024 / 512 / 256 entries, plain L1 loads and stores
+    # the hash table: 2048 / 1024 / 512 / 256 entries; "store": plain loads and stores of it
     "hb11": dict(hash_bits=11),
     "hb10": dict(hash_bits=10),
     "hb9": dict(hash_bits=9),

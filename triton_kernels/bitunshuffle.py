@@ -9,8 +9,8 @@ so :func:`unshuffle_groups` finishes the inverse in place, group by group.
 order) and inverts the shuffle in one whole-page tile of 32-bit words (pages small enough to sit
 in registers): every step is elementwise over the word positions of a plane (bit transposes by
 delta swaps, 4x4 byte transposes), and the result goes out in 16-word runs. On an H200 this took
-the shuffled decode from 256-285 to 408-495 GB/s against the byte tile it replaced (64 MiB per
-typed corpus, ``bench/results/h200_300e11a/``).
+the shuffled decode from 238-285 GB/s (the byte tile it replaced) to 362-495 (64 MiB per typed
+corpus, ``bench/results/h200_300e11a/``).
 """
 
 from __future__ import annotations
