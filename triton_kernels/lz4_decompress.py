@@ -53,7 +53,8 @@ SPLIT = True  # shuffled LZ4 pages in a second launch, _decompress_shuffled_kern
 TILE = True  # there: plain decode, then a whole-page unshuffle (pages up to TILE_MAX_PAGE)
 TILE_MAX_PAGE = 4096
 # 0: none; 1 / 2: prefetch an LZ4 block's lines into L1 / L2 before its walk. H200, 64 MiB per
-# corpus (bench/results/h200_300e11a/): L1 +2-4% on every corpus (text, mixed, typed), L2 less.
+# corpus: into L1 +3-11% on the typed corpora (bench/results/h200_300e11a/), +2% on text and
+# mixed (h200_088227b/); into L2 less.
 PREFETCH = 1
 SHUFFLED_GROUPS = 8  # TILE off or P > TILE_MAX_PAGE: groups per step of unshuffle_groups64
 SHUFFLED_NUM_WARPS = 1
