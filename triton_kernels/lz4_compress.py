@@ -62,8 +62,6 @@ Scratch: ``G x (2**hash_bits + 8 * window)`` int32 tables (+ ``G x P`` bytes for
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -71,7 +69,7 @@ import triton.language as tl
 from torch_pagecomp import format as fmt
 
 from .bitshuffle import bitshuffle_page, bitshuffle_page_wide
-from .launch import launch
+from .launch import interpreting, launch
 
 
 @triton.jit
@@ -513,10 +511,6 @@ def parse_defaults(element_size: int) -> dict:
     return {"window": DEFAULT_WINDOW, "accel": DEFAULT_ACCEL, "probe": 0}
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def table_bits(page_size: int, window: int, hash_bits: int | None = None,
                element_size: int = 1) -> tuple[int, int]:
     """log2 sizes of the ``last`` (per page) and ``first`` (per window) hash tables; the default
@@ -529,7 +523,7 @@ def table_bits(page_size: int, window: int, hash_bits: int | None = None,
 
 def _num_programs(pages: torch.Tensor, programs_per_sm: int) -> int:
     n = pages.shape[0]
-    if pages.device.type != "cuda" or _interpreting():
+    if pages.device.type != "cuda" or interpreting():
         return min(n, 3)
     sms = torch.cuda.get_device_properties(pages.device).multi_processor_count
     return min(n, sms * programs_per_sm)

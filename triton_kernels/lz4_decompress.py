@@ -28,8 +28,6 @@ as ``length > end - position`` so that nothing overflows); the page base address
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -37,12 +35,12 @@ import triton.language as tl
 from torch_pagecomp import format as fmt
 
 from .bitunshuffle import unshuffle_groups, unshuffle_groups64, unshuffle_page_words
-from .launch import launch
+from .launch import interpreting, launch
 
 VEC = 32  # bytes per copy step of a short literal run or match (one per lane of the warp)
 # bytes per step of the rest of a long run: 128 was up to 9% faster than 256 on an H200; the CPU
 # interpreter pays per operation, not per byte, so it takes bigger steps (same code path).
-BIG = 256 if os.environ.get("TRITON_INTERPRET") == "1" else 64  # H200: 64 beat 128, 256
+BIG = 256 if interpreting() else 64  # H200: 64 beat 128, 256
 EXT = 32  # bytes per step of a long length extension
 RAW_BLOCK = 1024  # bytes per step of a RAW / FILL page
 UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle (fused / TILE off)
@@ -492,7 +490,7 @@ def launch_constants(page_size: int, lean: bool | None = None, split: bool | Non
                      prefetch: int | None = None) -> dict:
     """Compile-time arguments and ``num_warps`` of ``_decompress_kernel`` for ``page_size``."""
     pf = PREFETCH if prefetch is None else prefetch
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         pf = 0  # the interpreter runs no inline PTX (and has no caches to fill)
     return dict(P=page_size, PLOG=page_size.bit_length() - 1, VEC=VEC, BIG=BIG, EXT=EXT,
                 RAW_BLOCK=RAW_BLOCK, GT=UNSHUFFLE_GROUPS, LEAN=LEAN if lean is None else lean,
@@ -506,7 +504,7 @@ def shuffled_constants(page_size: int, tile: bool | None = None,
     c = launch_constants(page_size, SHUFFLED_LEAN if lean is None else lean, prefetch=prefetch)
     del c["SPLIT"]
     c = dict(c, GT=SHUFFLED_GROUPS, TILE=tile, num_warps=SHUFFLED_NUM_WARPS)
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreting():
         c["BIG"] = SHUFFLED_BIG
     if SHUFFLED_MAXNREG:
         c["maxnreg"] = SHUFFLED_MAXNREG
@@ -523,11 +521,10 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
     defaults ``LEAN``, ``SPLIT``, ``TILE``, ``PREFETCH`` when ``None``): ``lean`` decodes plain
     LZ4 pages with ``_decode_lz4_lean``; ``split`` decodes shuffled pages in a second launch,
     where ``tile`` unshuffles whole pages (``P <= TILE_MAX_PAGE``; rows 4-byte aligned, else
-    the transposed path) after a plain decode;
-    ``prefetch`` (0 off, 1 into L1, 2 into L2; off under the interpreter) asks for each LZ4
-    block's lines before its walk. Every combination gives the same bytes and statuses.
-    ``traced=False``: launch directly (eager callers outside the ops; see
-    ``triton_kernels.launch``)."""
+    the transposed path) after a plain decode; ``prefetch`` (0 off, 1 into L1, 2 into L2; off
+    under the interpreter) asks for each LZ4 block's lines before its walk. Every combination
+    gives the same bytes and statuses. ``traced=False``: launch directly (eager callers outside
+    the ops; see ``triton_kernels.launch``)."""
     n, page_size = pages.shape
     fmt.check_page_size(page_size)
     if n == 0:
