@@ -59,6 +59,15 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "hb9": dict(hash_bits=9),
     "hb8": dict(hash_bits=8),
     "store": dict(candidates="store"),
+    # typed pages: the hash table (the typed default before 2026-11-26) against "planes" (no
+    # table: distances 1-16 and one or two planes back) and the parse around it
+    "hashed": dict(candidates="store-max", near=4),
+    "planes_w128": dict(candidates="planes", window=128),
+    "planes_accel0": dict(candidates="planes", accel=0),
+    "planes_probe0": dict(candidates="planes", probe=0),
+    "planes_probe16": dict(candidates="planes", probe=16),
+    "planes_xw1": dict(candidates="planes", extra_words=1),
+    "planes_near4": dict(candidates="planes", near=4),
     "default": {},
 }
 # decoder settings timed per row (keywords of ``decompress_into``), chosen with --decoders:

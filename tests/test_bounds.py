@@ -90,7 +90,7 @@ def _late_window_page(gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("candidates, e, accel, probe, wide", [
     ("store-max", 1, 0, 0, False), ("store-max", 2, 0, 0, False), ("store", 1, 0, 0, False),
     ("atomic", 1, 0, 0, False), ("store-max", 2, 1, 0, True), ("store-max", 4, 1, 16, True),
-    ("store-max", 4, 1, 32, True)])
+    ("store-max", 4, 1, 32, True), ("planes", 2, 1, 0, True), ("planes", 4, 1, 32, False)])
 def test_compress_pack_and_decode_stay_in_bounds(bounds, gen, candidates, e, accel, probe, wide):
     pages = bounds(torch.cat([file_pages("text", 1, P, gen), run_pages(1, P, gen),
                               _relu_bytes(2, gen), _late_window_page(gen)]))  # the last page

@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 
 from torch_pagecomp import cpu_codec  # noqa: E402
 from torch_pagecomp import format as fmt  # noqa: E402
-from torch_pagecomp.shuffle import bitshuffle  # noqa: E402
+from torch_pagecomp.shuffle import bitshuffle, bitunshuffle  # noqa: E402
 from triton_kernels import lz4_compress as lc  # noqa: E402
 
 P4K = 4096
@@ -65,6 +65,18 @@ def _store_cands(span, words, h, last, near):
     return cand
 
 
+def _plane_cands(span, words, near, plane):
+    """``candidates="planes"``: the smallest of ``near`` distances 1, 2, 4, ..., then one and two
+    bit planes back (``plane`` bytes each), that holds the same word."""
+    cand = {}
+    for i in span:
+        for d in [1 << j for j in range(near)] + [plane, 2 * plane]:
+            if i >= d and words[i - d] == words[i]:
+                cand[i] = i - d
+                break
+    return cand
+
+
 def _known(page: bytes, p: int, c: int, xw: int) -> int:
     """Match bytes after the first 4 that the kernel knows before its walk: up to ``xw`` more
     words, each counted while the previous ones matched whole and it starts before ``P - 4``."""
@@ -81,7 +93,7 @@ def _known(page: bytes, p: int, c: int, xw: int) -> int:
 
 
 def _model_block(
-    page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int = lc.DEFAULT_NEAR,
+    page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int | None = None,
     lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
     min_match: int = lc.DEFAULT_MIN_MATCH, xw: int = lc.DEFAULT_EXTRA_WORDS,
     back: bool = lc.DEFAULT_BACK, accel: int = lc.DEFAULT_ACCEL, plane: int = 0, probe: int = 0,
@@ -89,9 +101,11 @@ def _model_block(
 ) -> bytes:
     """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule).
     ``plane``: bytes per bit plane of a shuffled page (0 for plain bytes); ``hash_bits`` as the
-    kernel's (default: the kernel's default for the page kind)."""
+    kernel's (default: the kernel's default for the page kind); ``near`` as the kernel's
+    (default: its default for the page kind)."""
     size = len(page)
     e = size // (8 * plane) if plane else 1
+    near = lc.parse_defaults(e)["near"] if near is None else near
     hb, fb = lc.table_bits(size, window, hash_bits, element_size=e)
     maxs, limit = size - 12, fmt.lz4_keep_limit(size)
     a = np.frombuffer(page, dtype=np.uint8).astype(np.uint64)
@@ -106,7 +120,9 @@ def _model_block(
         emitted, w_prev = False, w0
         hashed = probe if probe and dead else window  # after a window without a sequence
         span = range(w0, min(w0 + hashed, maxs + 1))
-        if candidates != "atomic":  # "store", "store-max"
+        if candidates == "planes":
+            cand = _plane_cands(span, words, near, plane)
+        elif candidates != "atomic":  # "store", "store-max"
             cand = _store_cands(span, words, h, last, near)
         else:
             first: dict[int, int] = {}
@@ -164,8 +180,8 @@ def _model(pages: torch.Tensor, element_size: int = 1, window: int | None = None
     ``near``, ...; ``window`` and ``accel`` default as the kernel's for ``element_size``)."""
     defaults = lc.parse_defaults(element_size)
     window = defaults["window"] if window is None else window
-    mode.setdefault("accel", defaults["accel"])
-    mode.setdefault("probe", defaults["probe"])
+    for key in ("accel", "probe", "candidates"):
+        mode.setdefault(key, defaults[key])
     n, size = pages.shape
     payload = torch.zeros((n, size), dtype=torch.uint8)
     sizes = torch.zeros(n, dtype=torch.int32)
@@ -250,7 +266,6 @@ def _check(pages: torch.Tensor, element_size: int = 1, window: int | None = None
                                    "accel", "probe") if k in tuning}
     mode["xw"] = tuning.get("extra_words", lc.DEFAULT_EXTRA_WORDS)
     mode.setdefault("min_match", min(lc.DEFAULT_MIN_MATCH, 4 + 4 * mode["xw"]))
-    mode.setdefault("candidates", lc.DEFAULT_CANDIDATES)
     exp = _model(pages, element_size, window, **mode)
     for i in range(n):
         assert int(sizes[i]) == int(exp[1][i]), f"page {i}: size {int(sizes[i])} != model"
@@ -331,7 +346,7 @@ def test_persistent_loop_many_pages(candidates):
     rows = []
     for i in range(4 if candidates == "store-max" else 5):  # more pages than programs (3)
         rows.append([bytes(P4K), _rand(P4K), (_rand(13 + i) * 400)[:P4K]][(i + 1) % 3])
-    _check(_rows(*rows), candidates=candidates)
+    _check(_rows(*rows), 2 if candidates == "planes" else 1, candidates=candidates)
 
 
 def _draw(make, want, tries: int = 300, window: int = WINDOW, candidates: str = "atomic") -> bytes:
@@ -403,7 +418,7 @@ def test_length_extension_boundaries(lit_lens, candidates):
 
 @pytest.mark.parametrize("element_size, candidates, wide", [
     (2, "atomic", False), (4, "atomic", False), (2, "store", True), (2, "store-max", True),
-    (4, "store-max", True)])
+    (4, "store-max", True), (2, "planes", True), (4, "planes", False)])
 @interpret_only
 def test_bitshuffle_fused(element_size, candidates, wide):
     x = torch.randn(P4K // 2, dtype=torch.bfloat16).view(torch.uint8)
@@ -487,6 +502,25 @@ def test_probe_hashes_the_start_of_windows_after_dead_ones():
         lc.compress_pages(_rows(late), probe=64, window=64)
     with pytest.raises(ValueError, match="probe"):
         lc.compress_pages(_rows(late), probe=8)
+
+
+@interpret_only
+def test_planes_candidates_find_repeated_planes():
+    """``candidates="planes"`` (the typed default): a bit plane equal to the one before it, or to
+    the one before that, is matched at one or two planes' distance with no hash table; bytes are
+    refused."""
+    plane = P4K // 16
+    planes = [_rand(plane) for _ in range(16)]
+    planes[5] = planes[4]  # one plane back
+    planes[9] = planes[7]  # two planes back
+    shuffled = torch.frombuffer(bytearray(b"".join(planes)), dtype=torch.uint8)[None]
+    page = bitunshuffle(shuffled, 2)  # the page whose bit-shuffle is `shuffled`
+    payload, sizes, kinds = _check(page, 2)
+    seqs = _sequences(payload[0, : int(sizes[0])].numpy().tobytes(), P4K)
+    offsets = {off for _, off, ml in seqs if ml >= plane - 16}
+    assert offsets == {plane, 2 * plane}, seqs
+    with pytest.raises(ValueError, match="planes"):
+        lc.compress_pages(page, 1, candidates="planes")
 
 
 @interpret_only
@@ -591,7 +625,7 @@ def test_gpu_store_candidates_round_trip(size, element_size, candidates):
 
 
 @needs_cuda
-@pytest.mark.parametrize("candidates", lc.CANDIDATE_MODES)
+@pytest.mark.parametrize("candidates", [m for m in lc.CANDIDATE_MODES if m != "planes"])
 def test_gpu_matches_model_and_lz4_ratio(candidates):
     seed = random.getrandbits(31)
     text = np.frombuffer(open(fmt.__file__, "rb").read() * 64, dtype=np.uint8)
@@ -607,6 +641,21 @@ def test_gpu_matches_model_and_lz4_ratio(candidates):
         min(len(lz4.block.compress(r.numpy().tobytes(), store_size=False)), P4K) for r in pages
     )
     assert ref / ours >= 0.98, f"ratio {ref / ours:.4f} of python-lz4 (seed {seed})"
+
+
+@needs_cuda
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_gpu_typed_default_matches_model(element_size):
+    """Typed pages at the typed defaults (``candidates="planes"``): the GPU writes the model's
+    blocks (bf16 normal, ReLU and int32 pages)."""
+    g = torch.Generator().manual_seed(random.getrandbits(31))
+    rows = [torch.randn(P4K // 2, generator=g).to(torch.bfloat16).view(torch.uint8),
+            torch.relu(torch.randn(P4K // 2, generator=g)).to(torch.bfloat16).view(torch.uint8),
+            torch.randint(0, 5000, (P4K // 4,), generator=g, dtype=torch.int32).view(torch.uint8)]
+    pages = torch.stack(rows * 8)
+    payload, sizes, kinds = _gpu_check(pages, element_size)
+    exp = _model(pages, element_size)
+    assert torch.equal(payload, exp[0]) and torch.equal(sizes, exp[1])
 
 
 @needs_cuda

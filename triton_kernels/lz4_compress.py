@@ -197,6 +197,56 @@ def _near_word(m2, m1, l0, l1, lane, d):
 
 
 @triton.jit
+def _word_back(data32, k0, sh, D4: tl.constexpr, P: tl.constexpr):
+    """Words ``4 * D4`` bytes before positions ``4 * k0 + lane`` (``k0`` [R, 1], ``sh`` [1, 4]
+    lane shifts): [R, 4]. Rows before the page start or past its end read 0 (callers check the
+    distance against the position)."""
+    k = k0 - D4
+    m = (k >= 0) & (k + 1 < P // 4)
+    lo = tl.load(data32 + k, mask=m, other=0)
+    hi = tl.load(data32 + k + 1, mask=m, other=0)
+    return (lo >> sh) | ((hi << 1) << (31 - sh))
+
+
+@triton.jit
+def _near_candidates(data32, c, idx, k0, lane, word, valid, P: tl.constexpr, NEAR: tl.constexpr):
+    """Positions of ``c`` that are -1 take the nearest of distances 1, 2, 4, 8, 16 (``NEAR`` of
+    them) that holds the same ``word`` (positions ``idx = 4 * k0 + lane`` [R, 4])."""
+    if NEAR > 0:
+        # rows past the page end (a window that starts late, after a skip) read nothing
+        m2 = tl.load(data32 + k0 - 2, mask=(k0 >= 2) & (k0 - 2 < P // 4), other=0)
+        m1 = tl.load(data32 + k0 - 1, mask=(k0 >= 1) & (k0 - 1 < P // 4), other=0)
+        l0 = tl.load(data32 + k0, mask=k0 + 1 < P // 4, other=0)
+        l1 = tl.load(data32 + k0 + 1, mask=k0 + 1 < P // 4, other=0)
+        for j in tl.static_range(min(NEAR, 4)):
+            d = 1 << j
+            okd = valid & (c < 0) & (idx >= d) & (_near_word(m2, m1, l0, l1, lane, d) == word)
+            c = tl.where(okd, idx - d, c)
+        if NEAR > 4:
+            sh = (lane * 8).to(tl.uint32)
+            okd = valid & (c < 0) & (idx >= 16) & (_word_back(data32, k0, sh, 4, P) == word)
+            c = tl.where(okd, idx - 16, c)
+    return c
+
+
+@triton.jit
+def _plane_candidates(
+    data32, idx, k0, lane, word, valid, P: tl.constexpr, PL: tl.constexpr, NEAR: tl.constexpr,
+):
+    """Candidates of a bit-shuffled page without a hash table (-1: none) for positions
+    ``idx = 4 * k0 + lane`` [R, 4]: the nearest of distances 1, 2, 4, 8, 16 (``NEAR`` of them),
+    then one and two bit planes back (``PL`` bytes per plane), that holds the same ``word``.
+    A plane equal to the one before it (exponent bits that rarely change) is one match."""
+    c = _near_candidates(data32, tl.zeros_like(idx) - 1, idx, k0, lane, word, valid, P, NEAR)
+    sh = (lane * 8).to(tl.uint32)
+    for j in tl.static_range(1, 3):
+        okd = valid & (c < 0) & (idx >= j * PL)
+        okd = okd & (_word_back(data32, k0, sh, j * PL // 4, P) == word)
+        c = tl.where(okd, idx - j * PL, c)
+    return c
+
+
+@triton.jit
 def _store_candidates(
     tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB: tl.constexpr, P: tl.constexpr,
     W: tl.constexpr, NEAR: tl.constexpr, AMAX: tl.constexpr,
@@ -227,21 +277,7 @@ def _store_candidates(
     ok = valid & (ct >= 0) & (ct < idx)
     ok = ok & (_word_at(data32, ct, ok) == word)
     c = tl.where(ok, ct, -1)
-    if NEAR > 0:
-        # rows past the page end (a window that starts late, after a skip) read nothing
-        m2 = tl.load(data32 + k0 - 2, mask=(k0 >= 2) & (k0 - 2 < P // 4), other=0)
-        m1 = tl.load(data32 + k0 - 1, mask=(k0 >= 1) & (k0 - 1 < P // 4), other=0)
-        l0 = tl.load(data32 + k0, mask=k0 + 1 < P // 4, other=0)
-        l1 = tl.load(data32 + k0 + 1, mask=k0 + 1 < P // 4, other=0)
-        for j in tl.static_range(min(NEAR, 4)):
-            d = 1 << j
-            okd = valid & (c < 0) & (idx >= d) & (_near_word(m2, m1, l0, l1, lane, d) == word)
-            c = tl.where(okd, idx - d, c)
-        if NEAR > 4:
-            okd = valid & (c < 0) & (idx >= 16)
-            okd = okd & (_word_at(data32, idx - 16, okd) == word)
-            c = tl.where(okd, idx - 16, c)
-    return c
+    return _near_candidates(data32, c, idx, k0, lane, word, valid, P, NEAR)
 
 
 @triton.jit
@@ -267,6 +303,7 @@ def _lz4_compress_kernel(
     STORE: tl.constexpr,
     NEAR: tl.constexpr,
     AMAX: tl.constexpr,
+    PLANES: tl.constexpr,
     MINML: tl.constexpr,
     LAZY: tl.constexpr,
     SKIP: tl.constexpr,
@@ -294,10 +331,11 @@ def _lz4_compress_kernel(
     PL: tl.constexpr = P // (8 * E)  # bytes per bit plane of a shuffled page (E > 1)
     tlast = tab_ptr + pid.to(tl.int64) * (H + F)
     tfirst = tlast + H
-    _fill_i32(tlast, H, 0, CH)
-    if not STORE:
-        _fill_i32(tfirst, F, EMPTY_FIRST, CH)
-    tl.debug_barrier()
+    if not PLANES:
+        _fill_i32(tlast, H, 0, CH)
+        if not STORE:
+            _fill_i32(tfirst, F, EMPTY_FIRST, CH)
+        tl.debug_barrier()
     pc = 0
     wc = 0
     for it in range(0, tl.cdiv(n_pages - pid, nprog)):
@@ -327,16 +365,17 @@ def _lz4_compress_kernel(
             else:
                 data = src
             data32 = data.to(tl.pointer_type(tl.uint32))
-            pc += 1
-            if pc > TMAX:
-                _fill_i32(tlast, H, 0, CH)
-                tl.debug_barrier()
-                pc = 1
-            if not STORE:
-                if wc + NWIN >= TMAX:
-                    _fill_i32(tfirst, F, EMPTY_FIRST, CH)
+            if not PLANES:  # the hash tables' tags
+                pc += 1
+                if pc > TMAX:
+                    _fill_i32(tlast, H, 0, CH)
                     tl.debug_barrier()
-                    wc = 0
+                    pc = 1
+                if not STORE:
+                    if wc + NWIN >= TMAX:
+                        _fill_i32(tfirst, F, EMPTY_FIRST, CH)
+                        tl.debug_barrier()
+                        wc = 0
             pos = 0
             anchor = 0
             out = 0
@@ -360,7 +399,10 @@ def _lz4_compress_kernel(
                 word = _row_words(data32, k0, sh, P)
                 prod = word * 2654435761
                 h = (prod >> (32 - HB)).to(tl.int32)
-                if STORE:
+                if PLANES:
+                    c = _plane_candidates(data32, idx, k0, lane, word, valid, P, PL, NEAR)
+                    ok = c >= 0
+                elif STORE:
                     c = _store_candidates(
                         tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB, P, W, NEAR,
                         AMAX,
@@ -468,8 +510,13 @@ DEFAULT_WINDOW = 128
 DEFAULT_EXTRA_WORDS = 2
 DEFAULT_HASH_BITS_DELTA = -1  # 2048 entries for 4 KiB pages: 8 KiB of table per program
 DEFAULT_PROGRAMS_PER_SM = 16  # faster than 32 on every H200 corpus
-CANDIDATE_MODES = ("atomic", "store", "store-max")
+CANDIDATE_MODES = ("atomic", "store", "store-max", "planes")
 DEFAULT_CANDIDATES = "store-max"  # H200 sweep: 1.3-1.4x "atomic", deterministic
+# Bit-shuffled pages: no hash table. Their matches are runs (distances 1-16) and whole planes
+# repeated (exponent bits that rarely change: distance one plane); the parse model
+# (bench.dev_accel_model --candidates) gives these candidates the hash table's ratio or more.
+TYPED_CANDIDATES = "planes"
+TYPED_NEAR = 5  # distances 1-16 (16 adds 0.05-0.1% of ratio in the model)
 DEFAULT_NEAR = 4  # "store" mode: distances 1, 2, 4, 8 checked directly
 # Parse (H200, 128 MiB, bench/results/h200_parse_*): the lazy step and the window skip raise
 # the ratio and compress faster; min_match 5 cuts sequences by a quarter (decode +10-17%) and
@@ -503,12 +550,14 @@ TYPED_HASH_BITS_DELTA = -2
 
 
 def parse_defaults(element_size: int) -> dict:
-    """The default ``window``, ``accel`` and ``probe`` of :func:`compress_pages` for
-    ``element_size``."""
+    """The default ``window``, ``accel``, ``probe``, ``candidates`` and ``near`` of
+    :func:`compress_pages` for ``element_size``."""
     if element_size > 1:
         return {"window": TYPED_WINDOW, "accel": TYPED_ACCEL,
-                "probe": TYPED_PROBE.get(element_size, 0)}
-    return {"window": DEFAULT_WINDOW, "accel": DEFAULT_ACCEL, "probe": 0}
+                "probe": TYPED_PROBE.get(element_size, 0), "candidates": TYPED_CANDIDATES,
+                "near": TYPED_NEAR}
+    return {"window": DEFAULT_WINDOW, "accel": DEFAULT_ACCEL, "probe": 0,
+            "candidates": DEFAULT_CANDIDATES, "near": DEFAULT_NEAR}
 
 
 def table_bits(page_size: int, window: int, hash_bits: int | None = None,
@@ -538,8 +587,8 @@ def compress_pages(
     window: int | None = None,
     extra_words: int = DEFAULT_EXTRA_WORDS,
     hash_bits: int | None = None,
-    candidates: str = DEFAULT_CANDIDATES,
-    near: int = DEFAULT_NEAR,
+    candidates: str | None = None,
+    near: int | None = None,
     min_match: int | None = None,
     lazy: bool = DEFAULT_LAZY,
     skip: bool = DEFAULT_SKIP,
@@ -564,7 +613,9 @@ def compress_pages(
     plain loads and stores per 32 positions, plus the ``near`` (0-5) distances 1, 2, 4, ...;
     on the GPU, lanes that store the same entry race, so the parse may vary from run to run;
     every block is still valid) or ``"store-max"`` (the same with
-    ``.cg`` loads and ``atomic_max``: half the L2 traffic of ``"atomic"``, deterministic).
+    ``.cg`` loads and ``atomic_max``: half the L2 traffic of ``"atomic"``, deterministic; the
+    default for bytes) or ``"planes"`` (bit-shuffled pages only, their default: no hash table;
+    the ``near`` distances, then one and two bit planes back; deterministic).
     Parse: ``lazy`` (a match one byte later wins when it is known to be longer), ``skip`` (a
     window wholly inside a match is not hashed; the next one starts at the match's end),
     ``back`` (a match grows backwards into its literals, up to 32 bytes, as LZ4's does),
@@ -588,6 +639,8 @@ def compress_pages(
     defaults = parse_defaults(element_size)
     window = defaults["window"] if window is None else window
     accel = defaults["accel"] if accel is None else accel
+    candidates = defaults["candidates"] if candidates is None else candidates
+    near = defaults["near"] if near is None else near
     probe = defaults["probe"] if probe is None else probe
     if probe not in (0, 16, 32) or (probe and probe >= window):
         raise ValueError(f"bad tuning: probe={probe} (0, 16 or 32, below window={window})")
@@ -595,6 +648,8 @@ def compress_pages(
         raise ValueError(f"bad tuning: window={window}, extra_words={extra_words}")
     if candidates not in CANDIDATE_MODES or not 0 <= near <= 5:
         raise ValueError(f"bad tuning: candidates={candidates!r}, near={near}")
+    if candidates == "planes" and element_size == 1:
+        raise ValueError("candidates='planes' needs bit planes: element_size 2 or 4")
     if min_match is None:  # the default, as far as extra_words lets the walk know lengths
         min_match = min(DEFAULT_MIN_MATCH, 4 + 4 * extra_words)
     if not 4 <= min_match <= 4 + 4 * extra_words:
@@ -620,7 +675,9 @@ def compress_pages(
     pb = page_size.bit_length() - 1
     hb, fb = table_bits(page_size, window, hash_bits, element_size)
     grid = _num_programs(pages, programs_per_sm)
-    tabs = torch.empty((grid, (1 << hb) + (1 << fb)), dtype=torch.int32, device=dev)
+    planes = candidates == "planes"  # no hash table: the kernel never touches ``tabs``
+    tab_shape = (1, 1) if planes else (grid, (1 << hb) + (1 << fb))
+    tabs = torch.empty(tab_shape, dtype=torch.int32, device=dev)
     shuf_rows = grid if element_size > 1 else 1
     shuf = torch.empty((shuf_rows, page_size), dtype=torch.uint8, device=dev)
     kind_lz4 = fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4)
@@ -629,9 +686,8 @@ def compress_pages(
         P=page_size, PB=pb, E=element_size, KIND_LZ4=kind_lz4, HB=hb, FB=fb,
         W=window, XW=extra_words, EXT=64, V=64, CH=128, num_warps=num_warps,
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
-        AMAX=candidates == "store-max", MINML=min_match, LAZY=lazy, SKIP=skip, BACK=back,
-        ACC=accel, PROBE=probe,
-        SW=wide,
+        AMAX=candidates == "store-max", PLANES=planes, MINML=min_match, LAZY=lazy, SKIP=skip,
+        BACK=back, ACC=accel, PROBE=probe, SW=wide,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds
