@@ -154,6 +154,34 @@ def _put_len_ext(dst, o, n, P: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
+def _copy_bytes(dst, o, src, a, n, P: tl.constexpr, V: tl.constexpr):
+    """``dst[o:o + n] = src[a:a + n]`` (``dst``, ``src``: 4-byte aligned rows of ``P`` bytes;
+    bytes at or past ``P`` are dropped): the whole 32-bit words of ``dst`` as word stores, ``V``
+    per step, each from two aligned loads of ``src``; the up to 3 bytes before and after them
+    as byte stores."""
+    src32 = src.to(tl.pointer_type(tl.uint32))
+    dst32 = dst.to(tl.pointer_type(tl.uint32))
+    b = tl.arange(0, 4)
+    head = tl.minimum((4 - (o & 3)) & 3, n)
+    v = tl.load(src + a + b, mask=b < head, other=0)
+    tl.store(dst + o + b, v, mask=(b < head) & (o + b < P))
+    q0 = (o + head) >> 2  # the first whole word of dst
+    nw = (n - head) >> 2
+    s0 = a + head  # its source byte
+    sh = ((s0 & 3) * 8).to(tl.uint32)
+    for q in range(0, nw, V):
+        j = q + tl.arange(0, V)
+        k = (s0 >> 2) + j
+        lo = tl.load(src32 + k, mask=j < nw, other=0)
+        hi = tl.load(src32 + k + 1, mask=(j < nw) & (k + 1 < P // 4), other=0)
+        w = (lo >> sh) | ((hi << 1) << (31 - sh))
+        tl.store(dst32 + q0 + j, w, mask=(j < nw) & (q0 + j < P // 4))
+    t = head + 4 * nw
+    v = tl.load(src + a + t + b, mask=b < n - t, other=0)
+    tl.store(dst + o + t + b, v, mask=(b < n - t) & (o + t + b < P))
+
+
+@triton.jit
 def _emit(
     dst, data, out, anchor, lit, off, ml, HAS_MATCH: tl.constexpr, P: tl.constexpr, V: tl.constexpr
 ):
@@ -169,11 +197,7 @@ def _emit(
     o = out + 1
     if lit >= 15:
         o = _put_len_ext(dst, o, lit, P, V)
-    for q in range(0, lit, V):
-        k = q + tl.arange(0, V)
-        m = k < lit
-        v = tl.load(data + anchor + k, mask=m, other=0)
-        tl.store(dst + o + k, v, mask=m & (o + k < P))
+    _copy_bytes(dst, o, data, anchor, lit, P, V)
     o += lit
     if HAS_MATCH:
         tl.store(dst + o, (off & 255).to(tl.uint8), mask=o < P)
@@ -421,44 +445,49 @@ def _lz4_compress_kernel(
                     c = tl.where(cf < idx, cf, cl)
                     ok = valid & (c >= 0)
                     ok = ok & (_word_at(data32, c, ok) == word)
-                m = tl.zeros([W // 4, 4], tl.int32)
-                alive = ok
-                for j in tl.static_range(1, 1 + XW):  # the next XW words of every match, at once
-                    mj = alive & (idx + 4 * j < P - 4)
-                    x = _row_words(data32, k0 + j, sh, P) ^ _word_at(data32, c + 4 * j, mj)
-                    nb = tl.where(mj, _equal_bytes(x), 0)
-                    m += nb
-                    alive = alive & (nb == 4)
-                key = tl.where(ok & (m >= MINML - 4), (widx << 21) | (m << 16) | c, NOKEY)
                 wend = tl.minimum(w0 + W, MAXS + 1)
-                while pos < wend:
-                    k = tl.min(tl.where(idx >= pos, key, NOKEY))
-                    if LAZY:
-                        if (k != NOKEY) & (((k >> 16) & 31) < 4 * XW):
-                            # lazy step: a longer match starting one byte later wins
-                            k1 = tl.min(tl.where(idx > w0 + (k >> 21), key, NOKEY))
-                            better = (k1 >> 21) == (k >> 21) + 1
-                            better = better & (((k1 >> 16) & 31) > ((k >> 16) & 31))
-                            if (k1 != NOKEY) & better:
-                                k = k1
-                    if k != NOKEY:
-                        p = w0 + (k >> 21)
-                        src_pos = k & 0xFFFF
-                        mx = (k >> 16) & 31
-                        mlen = tl.minimum(4 + mx, P - 5 - p)
-                        if (mx == 4 * XW) & (mlen == 4 + mx):
-                            mlen = _match_len(data, p, src_pos, mlen, P, EXT)
-                        if BACK:  # the match also grows backwards into its literals
-                            back_n = _back_len(data, p, src_pos, p - anchor)
-                            p -= back_n
-                            src_pos -= back_n
-                            mlen += back_n
-                        off = p - src_pos
-                        out = _emit(dst, data, out, anchor, p - anchor, off, mlen - 4, True, P, V)
-                        pos = p + mlen
-                        anchor = pos
-                    else:
-                        pos = wend
+                if tl.max(ok.to(tl.int32)) == 0:  # no candidate (a noisy plane): no walk
+                    pos = tl.maximum(pos, wend)
+                else:
+                    m = tl.zeros([W // 4, 4], tl.int32)
+                    alive = ok
+                    for j in tl.static_range(1, 1 + XW):  # the next XW words of every match
+                        mj = alive & (idx + 4 * j < P - 4)
+                        x = _row_words(data32, k0 + j, sh, P) ^ _word_at(data32, c + 4 * j, mj)
+                        nb = tl.where(mj, _equal_bytes(x), 0)
+                        m += nb
+                        alive = alive & (nb == 4)
+                    key = tl.where(ok & (m >= MINML - 4), (widx << 21) | (m << 16) | c, NOKEY)
+                    while pos < wend:
+                        k = tl.min(tl.where(idx >= pos, key, NOKEY))
+                        if LAZY:
+                            if (k != NOKEY) & (((k >> 16) & 31) < 4 * XW):
+                                # lazy step: a longer match starting one byte later wins
+                                k1 = tl.min(tl.where(idx > w0 + (k >> 21), key, NOKEY))
+                                better = (k1 >> 21) == (k >> 21) + 1
+                                better = better & (((k1 >> 16) & 31) > ((k >> 16) & 31))
+                                if (k1 != NOKEY) & better:
+                                    k = k1
+                        if k != NOKEY:
+                            p = w0 + (k >> 21)
+                            src_pos = k & 0xFFFF
+                            mx = (k >> 16) & 31
+                            mlen = tl.minimum(4 + mx, P - 5 - p)
+                            if (mx == 4 * XW) & (mlen == 4 + mx):
+                                mlen = _match_len(data, p, src_pos, mlen, P, EXT)
+                            if BACK:  # the match also grows backwards into its literals
+                                back_n = _back_len(data, p, src_pos, p - anchor)
+                                p -= back_n
+                                src_pos -= back_n
+                                mlen += back_n
+                            off = p - src_pos
+                            out = _emit(
+                                dst, data, out, anchor, p - anchor, off, mlen - 4, True, P, V
+                            )
+                            pos = p + mlen
+                            anchor = pos
+                        else:
+                            pos = wend
                 w0 += W
                 if SKIP:
                     if pos > w0:  # the match ran past this window: resume at its end
