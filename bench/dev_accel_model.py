@@ -10,6 +10,10 @@ the GPU speed itself needs ``bench.dev_parse_probe`` on a GPU.
 ``--probe``: for the typed corpora, the ``probe`` option (a window after a window without a
 sequence hashes only its first 16 or 32 positions): ratio and positions hashed per page.
 
+``--gate``: for the typed corpora, the window gate of ``candidates="planes"`` against
+searching every window and against ``accel`` 1 without the gate (the typed default before the
+gate): ratio and windows searched per page.
+
 ``--planes``: for the typed corpora, at the default parse of bit-shuffled pages, windows hashed
 and matched bytes per page in each bit plane: where the remaining hashing goes, and which
 planes the ratio comes from.
@@ -30,8 +34,8 @@ import test_triton_compress as T  # noqa: E402
 from bench.corpora import build_corpus, element_size  # noqa: E402
 from torch_pagecomp.shuffle import bitshuffle  # noqa: E402
 
-CORPORA = ("text", "binary", "mixed", "bf16-relu", "gpt-kv", "gpt-act", "fp32-randn",
-           "random")
+CORPORA = ("text", "binary", "mixed", "bf16-randn", "bf16-relu", "gpt-kv", "gpt-act",
+           "gpt-weights", "fp32-randn", "random")
 ACCELS = (0, 1, 2, 4)
 
 
@@ -64,7 +68,7 @@ def _plane_table(name: str, pages: torch.Tensor, e: int) -> None:
     T._store_cands = counted
     try:
         for row in bitshuffle(pages, e):
-            block = T._model_block(row.numpy().tobytes(), d["window"], T.lc.DEFAULT_CANDIDATES,
+            block = T._model_block(row.numpy().tobytes(), d["window"], d["candidates"],
                                    accel=d["accel"], plane=plane)
             if len(block) > size:  # stored RAW: nothing matched
                 continue
@@ -111,11 +115,45 @@ def _probe_table(pages_per_corpus: int, seed: int) -> None:
         cells = []
         for probe in probes:
             count[0] = 0
-            _, sizes, _ = T._model(pages, e, None, candidates=T.lc.DEFAULT_CANDIDATES,
-                                   probe=probe, min_match=T.lc.DEFAULT_MIN_MATCH)
+            _, sizes, _ = T._model(pages, e, None, probe=probe,
+                                   min_match=T.lc.DEFAULT_MIN_MATCH)
             ratio = pages.numel() / int(sizes.sum())
             cells.append(f"{ratio:.4f}, {count[0] / pages.shape[0]:.0f}")
         print(f"| {name} | {e} | " + " | ".join(cells) + " |", flush=True)
+
+
+def _gate_table(pages_per_corpus: int, seed: int) -> None:
+    """Typed corpora, ``candidates="planes"``: ratio and windows searched per page with the gate
+    (the default), without it, and without it at ``accel`` 1."""
+    searched = [0]
+    inner = T._plane_cands
+
+    def counted(*a, **k):
+        searched[0] += 1
+        return inner(*a, **k)
+
+    T._plane_cands = counted
+    modes = {"gate": dict(gate=True, accel=0, probe=0),
+             "every window": dict(gate=False, accel=0, probe=0),
+             "no gate, accel 1": dict(gate=False, accel=1, probe=0)}
+    print(f"candidates planes, window {T.lc.TYPED_WINDOW}; {pages_per_corpus} pages of 4 KiB per "
+          f"corpus, seed {seed}; ratio, windows searched per page")
+    print("| corpus | e | " + " | ".join(modes) + " |\n|---|---|" + "---|" * len(modes))
+    try:
+        for name in CORPORA:
+            e = element_size(name)
+            if e == 1:
+                continue
+            pages = build_corpus(name, pages_per_corpus * 4096, 4096, "cpu", seed=seed)
+            cells = []
+            for mode in modes.values():
+                searched[0] = 0
+                _, sizes, _ = T._model(pages, e, None, candidates="planes", **mode)
+                ratio = pages.numel() / int(sizes.sum())
+                cells.append(f"{ratio:.4f}, {searched[0] / pages.shape[0]:.1f}")
+            print(f"| {name} | {e} | " + " | ".join(cells) + " |", flush=True)
+    finally:
+        T._plane_cands = inner
 
 
 def main() -> None:
@@ -124,7 +162,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--planes", action="store_true", help="per bit plane, typed corpora")
     ap.add_argument("--probe", action="store_true", help="the probe option, typed corpora")
+    ap.add_argument("--gate", action="store_true", help="the planes gate, typed corpora")
     a = ap.parse_args()
+    if a.gate:
+        _gate_table(a.pages, a.seed)
+        return
     if a.probe:
         _probe_table(a.pages, a.seed)
         return
@@ -138,7 +180,7 @@ def main() -> None:
                 _plane_table(name, build_corpus(name, a.pages * 4096, 4096, "cpu", seed=a.seed), e)
         return
     count = _count_windows()
-    print(f"model of the default parse (candidates {T.lc.DEFAULT_CANDIDATES}, window "
+    print(f"model of the default parse (candidates by element size, window "
           f"{T.WINDOW}); {a.pages} pages of 4 KiB per corpus, seed {a.seed}")
     print("| corpus | e | " + " | ".join(f"accel {x}: ratio, windows/page" for x in ACCELS) + " |")
     print("|---|---|" + "---|" * len(ACCELS))
@@ -149,8 +191,8 @@ def main() -> None:
         t0 = time.time()
         for accel in ACCELS:
             count[0] = 0
-            _, sizes, _ = T._model(pages, e, T.WINDOW, candidates=T.lc.DEFAULT_CANDIDATES,
-                                   accel=accel, min_match=T.lc.DEFAULT_MIN_MATCH)
+            _, sizes, _ = T._model(pages, e, T.WINDOW, accel=accel,
+                                   min_match=T.lc.DEFAULT_MIN_MATCH)
             ratio = pages.numel() / int(sizes.sum())
             cells.append(f"{ratio:.3f}, {count[0] / pages.shape[0]:.1f}")
         print(f"| {name} | {e} | " + " | ".join(cells) + f" |  ({time.time() - t0:.0f} s)",

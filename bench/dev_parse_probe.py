@@ -68,6 +68,10 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "planes_probe16": dict(candidates="planes", probe=16),
     "planes_xw1": dict(candidates="planes", extra_words=1),
     "planes_near4": dict(candidates="planes", near=4),
+    # the gate of "planes" (default on) against accel 1 / probe 32, which did its job before
+    "nogate_accel1": dict(candidates="planes", gate=False, accel=1),
+    "nogate_accel1_probe32": dict(candidates="planes", gate=False, accel=1, probe=32),
+    "gate_accel1": dict(candidates="planes", gate=True, accel=1),
     "default": {},
 }
 # decoder settings timed per row (keywords of ``decompress_into``), chosen with --decoders:

@@ -77,6 +77,18 @@ def _plane_cands(span, words, near, plane):
     return cand
 
 
+def _window_has_repeats(page: bytes, span: range, plane: int) -> bool:
+    """The ``gate`` of ``candidates="planes"``: an aligned word of the window (one that starts in
+    ``span``) equals the word 4, 8, 16 bytes or one or two planes before it."""
+    w = np.frombuffer(page, dtype=np.uint32)
+    ks = np.arange(span.start // 4, (span.stop + 3) // 4)
+    for d in (1, 2, 4, plane // 4, plane // 2):
+        k = ks[ks >= d]
+        if (w[k] == w[k - d]).any():
+            return True
+    return False
+
+
 def _known(page: bytes, p: int, c: int, xw: int) -> int:
     """Match bytes after the first 4 that the kernel knows before its walk: up to ``xw`` more
     words, each counted while the previous ones matched whole and it starts before ``P - 4``."""
@@ -97,12 +109,12 @@ def _model_block(
     lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
     min_match: int = lc.DEFAULT_MIN_MATCH, xw: int = lc.DEFAULT_EXTRA_WORDS,
     back: bool = lc.DEFAULT_BACK, accel: int = lc.DEFAULT_ACCEL, plane: int = 0, probe: int = 0,
-    hash_bits: int | None = None,
+    hash_bits: int | None = None, gate: bool = True,
 ) -> bytes:
     """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule).
     ``plane``: bytes per bit plane of a shuffled page (0 for plain bytes); ``hash_bits`` as the
     kernel's (default: the kernel's default for the page kind); ``near`` as the kernel's
-    (default: its default for the page kind)."""
+    (default: its default for the page kind); ``gate``: the window gate of ``"planes"``."""
     size = len(page)
     e = size // (8 * plane) if plane else 1
     near = lc.parse_defaults(e)["near"] if near is None else near
@@ -121,7 +133,9 @@ def _model_block(
         hashed = probe if probe and dead else window  # after a window without a sequence
         span = range(w0, min(w0 + hashed, maxs + 1))
         if candidates == "planes":
-            cand = _plane_cands(span, words, near, plane)
+            whole = range(w0, min(w0 + window, maxs + 1))  # the gate sees the whole window
+            live = not gate or _window_has_repeats(page, whole, plane)
+            cand = _plane_cands(span, words, near, plane) if live else {}
         elif candidates != "atomic":  # "store", "store-max"
             cand = _store_cands(span, words, h, last, near)
         else:
@@ -263,7 +277,7 @@ def _check(pages: torch.Tensor, element_size: int = 1, window: int | None = None
     assert sizes.shape == (n,) and sizes.dtype == torch.int32
     assert kinds.shape == (n,) and kinds.dtype == torch.uint8
     mode = {k: tuning[k] for k in ("candidates", "near", "lazy", "skip", "min_match", "back",
-                                   "accel", "probe") if k in tuning}
+                                   "accel", "probe", "gate") if k in tuning}
     mode["xw"] = tuning.get("extra_words", lc.DEFAULT_EXTRA_WORDS)
     mode.setdefault("min_match", min(lc.DEFAULT_MIN_MATCH, 4 + 4 * mode["xw"]))
     exp = _model(pages, element_size, window, **mode)
@@ -521,6 +535,22 @@ def test_planes_candidates_find_repeated_planes():
     assert offsets == {plane, 2 * plane}, seqs
     with pytest.raises(ValueError, match="planes"):
         lc.compress_pages(page, 1, candidates="planes")
+
+
+@interpret_only
+def test_planes_gate_passes_over_windows_without_repeated_words():
+    """The gate searches a window only if one of its aligned words repeats (4, 8, 16 bytes or
+    one or two planes back): a 7-byte run that covers no two equal aligned words is a match
+    without the gate and literals with it."""
+    plane = P4K // 16
+    planes = [bytearray(_rand(plane)) for _ in range(16)]
+    planes[5] = planes[4]
+    planes[10][102:109] = b"\x07" * 7  # bytes 4k + 2 .. 4k + 8: no aligned word pair equal
+    shuffled = torch.frombuffer(bytearray(b"".join(planes)), dtype=torch.uint8)[None]
+    page = bitunshuffle(shuffled, 2)
+    gated = int(_check(page, 2)[1][0])
+    searched = int(_check(page, 2, gate=False)[1][0])
+    assert searched < gated, (searched, gated)
 
 
 @interpret_only

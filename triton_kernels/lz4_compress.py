@@ -271,6 +271,27 @@ def _plane_candidates(
 
 
 @triton.jit
+def _same_word_back(data32, k, w, D: tl.constexpr, m):
+    """``data32[k - D] == w`` where ``m`` and ``k >= D`` (else False)."""
+    m = m & (k >= D)
+    return m & (tl.load(data32 + k - D, mask=m, other=0) == w)
+
+
+@triton.jit
+def _window_has_repeats(data32, w0, W: tl.constexpr, P: tl.constexpr, PL: tl.constexpr):
+    """1 if an aligned word of the window at ``w0`` (its words that start at most at ``P - 12``)
+    equals the word 4, 8 or 16 bytes, or one or two bit planes (``PL`` bytes), before it; else 0.
+    A bit-shuffled page's noisy planes hold no such word, and their windows are not searched."""
+    k = (w0 >> 2) + tl.arange(0, W // 4)
+    m = 4 * k <= P - 12
+    w = tl.load(data32 + k, mask=m, other=0)
+    hit = _same_word_back(data32, k, w, 1, m) | _same_word_back(data32, k, w, 2, m)
+    hit = hit | _same_word_back(data32, k, w, 4, m) | _same_word_back(data32, k, w, PL // 4, m)
+    hit = hit | _same_word_back(data32, k, w, PL // 2, m)
+    return tl.max(hit.to(tl.int32))
+
+
+@triton.jit
 def _store_candidates(
     tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB: tl.constexpr, P: tl.constexpr,
     W: tl.constexpr, NEAR: tl.constexpr, AMAX: tl.constexpr,
@@ -328,6 +349,7 @@ def _lz4_compress_kernel(
     NEAR: tl.constexpr,
     AMAX: tl.constexpr,
     PLANES: tl.constexpr,
+    GATE: tl.constexpr,
     MINML: tl.constexpr,
     LAZY: tl.constexpr,
     SKIP: tl.constexpr,
@@ -410,84 +432,92 @@ def _lz4_compress_kernel(
                 wc += 1
                 out0 = out
                 wprev = w0
-                # positions as [W / 4, 4]: a row's 4 words come from 2 aligned loads
-                row = tl.arange(0, W // 4)[:, None]
-                lane = tl.arange(0, 4)[None, :]
-                widx = row * 4 + lane
-                idx = w0 + widx
-                valid = idx <= MAXS
-                if PROBE > 0:  # after a window without a sequence: its first PROBE positions
-                    valid = valid & ((widx < PROBE) | ((widx * 0 + dead) == 0))
-                k0 = (w0 >> 2) + row
-                sh = (lane * 8).to(tl.uint32)
-                word = _row_words(data32, k0, sh, P)
-                prod = word * 2654435761
-                h = (prod >> (32 - HB)).to(tl.int32)
-                if PLANES:
-                    c = _plane_candidates(data32, idx, k0, lane, word, valid, P, PL, NEAR)
-                    ok = c >= 0
-                elif STORE:
-                    c = _store_candidates(
-                        tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB, P, W, NEAR,
-                        AMAX,
-                    )
-                    ok = c >= 0
-                else:
-                    tag_f = TMAX - wc
-                    hf = (prod >> (32 - FB)).to(tl.int32)
-                    tl.atomic_min(tfirst + hf, (tag_f << PB) | idx, mask=valid, sem="relaxed")
-                    last = tl.load(tlast + h, mask=valid, other=0, cache_modifier=".cg")
-                    tl.debug_barrier()
-                    fv = tl.load(tfirst + hf, mask=valid, other=EMPTY_FIRST, cache_modifier=".cg")
-                    tl.atomic_max(tlast + h, (pc << PB) | idx, mask=valid, sem="relaxed")
-                    cf = tl.where((fv >> PB) == tag_f, fv & PMASK, idx)
-                    cl = tl.where((last >> PB) == pc, last & PMASK, -1)
-                    c = tl.where(cf < idx, cf, cl)
-                    ok = valid & (c >= 0)
-                    ok = ok & (_word_at(data32, c, ok) == word)
                 wend = tl.minimum(w0 + W, MAXS + 1)
-                if tl.max(ok.to(tl.int32)) == 0:  # no candidate (a noisy plane): no walk
+                live = 1
+                if GATE:  # a window without a repeated aligned word is not searched
+                    live = _window_has_repeats(data32, w0, W, P, PL)
+                if live == 0:
                     pos = tl.maximum(pos, wend)
                 else:
-                    m = tl.zeros([W // 4, 4], tl.int32)
-                    alive = ok
-                    for j in tl.static_range(1, 1 + XW):  # the next XW words of every match
-                        mj = alive & (idx + 4 * j < P - 4)
-                        x = _row_words(data32, k0 + j, sh, P) ^ _word_at(data32, c + 4 * j, mj)
-                        nb = tl.where(mj, _equal_bytes(x), 0)
-                        m += nb
-                        alive = alive & (nb == 4)
-                    key = tl.where(ok & (m >= MINML - 4), (widx << 21) | (m << 16) | c, NOKEY)
-                    while pos < wend:
-                        k = tl.min(tl.where(idx >= pos, key, NOKEY))
-                        if LAZY:
-                            if (k != NOKEY) & (((k >> 16) & 31) < 4 * XW):
-                                # lazy step: a longer match starting one byte later wins
-                                k1 = tl.min(tl.where(idx > w0 + (k >> 21), key, NOKEY))
-                                better = (k1 >> 21) == (k >> 21) + 1
-                                better = better & (((k1 >> 16) & 31) > ((k >> 16) & 31))
-                                if (k1 != NOKEY) & better:
-                                    k = k1
-                        if k != NOKEY:
-                            p = w0 + (k >> 21)
-                            src_pos = k & 0xFFFF
-                            mx = (k >> 16) & 31
-                            mlen = tl.minimum(4 + mx, P - 5 - p)
-                            if (mx == 4 * XW) & (mlen == 4 + mx):
-                                mlen = _match_len(data, p, src_pos, mlen, P, EXT)
-                            if BACK:  # the match also grows backwards into its literals
-                                back_n = _back_len(data, p, src_pos, p - anchor)
-                                p -= back_n
-                                src_pos -= back_n
-                                mlen += back_n
-                            off = p - src_pos
-                            out = _emit(
-                                dst, data, out, anchor, p - anchor, off, mlen - 4, True, P, V
-                            )
-                            pos = p + mlen
-                            anchor = pos
-                        else:
-                            pos = wend
+                    # positions as [W / 4, 4]: a row's 4 words come from 2 aligned loads
+                    row = tl.arange(0, W // 4)[:, None]
+                    lane = tl.arange(0, 4)[None, :]
+                    widx = row * 4 + lane
+                    idx = w0 + widx
+                    valid = idx <= MAXS
+                    if PROBE > 0:  # after a window without a sequence: its first PROBE positions
+                        valid = valid & ((widx < PROBE) | ((widx * 0 + dead) == 0))
+                    k0 = (w0 >> 2) + row
+                    sh = (lane * 8).to(tl.uint32)
+                    word = _row_words(data32, k0, sh, P)
+                    prod = word * 2654435761
+                    h = (prod >> (32 - HB)).to(tl.int32)
+                    if PLANES:
+                        c = _plane_candidates(data32, idx, k0, lane, word, valid, P, PL, NEAR)
+                        ok = c >= 0
+                    elif STORE:
+                        c = _store_candidates(
+                            tlast, data32, h, idx, widx, k0, lane, word, valid, pc, PB, P, W, NEAR,
+                            AMAX,
+                        )
+                        ok = c >= 0
+                    else:
+                        tag_f = TMAX - wc
+                        hf = (prod >> (32 - FB)).to(tl.int32)
+                        tl.atomic_min(tfirst + hf, (tag_f << PB) | idx, mask=valid, sem="relaxed")
+                        last = tl.load(tlast + h, mask=valid, other=0, cache_modifier=".cg")
+                        tl.debug_barrier()
+                        fv = tl.load(
+                            tfirst + hf, mask=valid, other=EMPTY_FIRST, cache_modifier=".cg"
+                        )
+                        tl.atomic_max(tlast + h, (pc << PB) | idx, mask=valid, sem="relaxed")
+                        cf = tl.where((fv >> PB) == tag_f, fv & PMASK, idx)
+                        cl = tl.where((last >> PB) == pc, last & PMASK, -1)
+                        c = tl.where(cf < idx, cf, cl)
+                        ok = valid & (c >= 0)
+                        ok = ok & (_word_at(data32, c, ok) == word)
+                    if tl.max(ok.to(tl.int32)) == 0:  # no candidate (a noisy plane): no walk
+                        pos = tl.maximum(pos, wend)
+                    else:
+                        m = tl.zeros([W // 4, 4], tl.int32)
+                        alive = ok
+                        for j in tl.static_range(1, 1 + XW):  # the next XW words of every match
+                            mj = alive & (idx + 4 * j < P - 4)
+                            x = _row_words(data32, k0 + j, sh, P) ^ _word_at(data32, c + 4 * j, mj)
+                            nb = tl.where(mj, _equal_bytes(x), 0)
+                            m += nb
+                            alive = alive & (nb == 4)
+                        key = tl.where(ok & (m >= MINML - 4), (widx << 21) | (m << 16) | c, NOKEY)
+                        while pos < wend:
+                            k = tl.min(tl.where(idx >= pos, key, NOKEY))
+                            if LAZY:
+                                if (k != NOKEY) & (((k >> 16) & 31) < 4 * XW):
+                                    # lazy step: a longer match starting one byte later wins
+                                    k1 = tl.min(tl.where(idx > w0 + (k >> 21), key, NOKEY))
+                                    better = (k1 >> 21) == (k >> 21) + 1
+                                    better = better & (((k1 >> 16) & 31) > ((k >> 16) & 31))
+                                    if (k1 != NOKEY) & better:
+                                        k = k1
+                            if k != NOKEY:
+                                p = w0 + (k >> 21)
+                                src_pos = k & 0xFFFF
+                                mx = (k >> 16) & 31
+                                mlen = tl.minimum(4 + mx, P - 5 - p)
+                                if (mx == 4 * XW) & (mlen == 4 + mx):
+                                    mlen = _match_len(data, p, src_pos, mlen, P, EXT)
+                                if BACK:  # the match also grows backwards into its literals
+                                    back_n = _back_len(data, p, src_pos, p - anchor)
+                                    p -= back_n
+                                    src_pos -= back_n
+                                    mlen += back_n
+                                off = p - src_pos
+                                out = _emit(
+                                    dst, data, out, anchor, p - anchor, off, mlen - 4, True, P, V
+                                )
+                                pos = p + mlen
+                                anchor = pos
+                            else:
+                                pos = wend
                 w0 += W
                 if SKIP:
                     if pos > w0:  # the match ran past this window: resume at its end
@@ -556,16 +586,15 @@ DEFAULT_SKIP = True
 DEFAULT_BACK = True
 DEFAULT_MIN_MATCH = 5
 DEFAULT_ACCEL = 0  # plain bytes: no faster on text / mixed, 1-2% less ratio (H200 probe)
-# Bit-shuffled pages (element size 2 or 4): 64-position windows and accel 1. On an H200
-# (bench/results/h200_6c8095f/parse_probe_db69570.txt, 64 MiB per corpus) 1.6-2.1x faster
-# (bf16 K/V 56 -> 116 GB/s, fp32 45 -> 72) for 0-1.6% of ratio: the noisy mantissa planes are
-# hashed less, the exponent planes as before.
+# Bit-shuffled pages (element size 2 or 4): 64-position windows. Their noisy mantissa planes
+# are passed over by the window gate of "planes" mode (``gate``: a window is searched only if
+# one of its aligned words repeats 4, 8, 16 bytes or one or two planes back), which the parse
+# model finds as tight as searching every window (bench.dev_accel_model --gate). Before the
+# gate, ``accel`` 1 (1.6-2.1x faster at 0-1.6% of ratio, bench/results/h200_6c8095f/) and, on
+# fp32, ``probe`` 32 (h200_dcba96e/probe.txt) did that job; both are off by default now.
 TYPED_WINDOW = 64
-TYPED_ACCEL = 1
-# ``probe`` by element size. H200, 64 MiB per corpus (bench/results/h200_dcba96e/probe.txt):
-# probe 32 on fp32-randn 72.2 -> 84.0 GB/s at ratio 1.098 -> 1.091 (nvCOMP + bitshuffle 1.085);
-# on bf16 only 2.5-4% faster for 0.6-1.3% of ratio, so 16-bit pages keep it off.
-TYPED_PROBE = {2: 0, 4: 32}
+TYPED_ACCEL = 0
+TYPED_PROBE = {2: 0, 4: 0}
 # The bit-shuffle of a typed page read as 64-bit words (bitshuffle_page_wide) instead of bytes:
 # H200, 64 MiB per corpus (bench/results/h200_1a67841/wide_probe.txt), same blocks, compress
 # bf16 K/V 113.5 -> 128.2 GB/s, activations 111.7 -> 128.2, ReLU 98.3 -> 113.0, randn 92.5 ->
@@ -625,6 +654,7 @@ def compress_pages(
     accel: int | None = None,
     probe: int | None = None,
     shuffle_wide: bool | None = None,
+    gate: bool = True,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -644,7 +674,10 @@ def compress_pages(
     every block is still valid) or ``"store-max"`` (the same with
     ``.cg`` loads and ``atomic_max``: half the L2 traffic of ``"atomic"``, deterministic; the
     default for bytes) or ``"planes"`` (bit-shuffled pages only, their default: no hash table;
-    the ``near`` distances, then one and two bit planes back; deterministic).
+    the ``near`` distances, then one and two bit planes back; deterministic; with ``gate``
+    (default on), a window is searched only if one of its aligned 32-bit words equals the word
+    4, 8 or 16 bytes, or one or two planes, before it: the noisy mantissa planes cost one
+    check per window).
     Parse: ``lazy`` (a match one byte later wins when it is known to be longer), ``skip`` (a
     window wholly inside a match is not hashed; the next one starts at the match's end),
     ``back`` (a match grows backwards into its literals, up to 32 bytes, as LZ4's does),
@@ -715,8 +748,8 @@ def compress_pages(
         P=page_size, PB=pb, E=element_size, KIND_LZ4=kind_lz4, HB=hb, FB=fb,
         W=window, XW=extra_words, EXT=64, V=64, CH=128, num_warps=num_warps,
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
-        AMAX=candidates == "store-max", PLANES=planes, MINML=min_match, LAZY=lazy, SKIP=skip,
-        BACK=back, ACC=accel, PROBE=probe, SW=wide,
+        AMAX=candidates == "store-max", PLANES=planes, GATE=planes and gate, MINML=min_match,
+        LAZY=lazy, SKIP=skip, BACK=back, ACC=accel, PROBE=probe, SW=wide,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds
