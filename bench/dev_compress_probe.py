@@ -168,7 +168,7 @@ def main():
     for name, (pages, e) in data.items() if not args.only_sweep else ():
         g = pages.to(dev)
         t1 = time.time()
-        payload, sizes, kinds = lc.compress_pages(g, e, **mode)
+        payload, sizes, kinds = lc.compress_pages(g, e, traced=False, **mode)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         payload, sizes, kinds = payload.cpu(), sizes.cpu(), kinds.cpu()
@@ -177,7 +177,7 @@ def main():
         ours_s = SAMPLE * P / int(sizes[sample].sum())
         ref = cpu_codec.compress_cpu(pages[sample], e)[1]
         ref_s = SAMPLE * P / int(ref.sum())
-        ms = bench(lambda g=g, e=e: lc.compress_pages(g, e, **mode), 50, 300)
+        ms = bench(lambda g=g, e=e: lc.compress_pages(g, e, traced=False, **mode), 50, 300)
         nv_gbs, nv_ratio = nvcomp_compress(g, e)
         row = (f"| {name:14s} | {NBYTES / ms / 1e6:7.1f} | {nv_gbs} | {ours_all:6.3f} | "
                f"{nv_ratio} | {ours_s:6.3f} | {ref_s:6.3f} | {ours_s / ref_s:6.3f} | {bad} |")
@@ -209,8 +209,8 @@ def sweep(data, dev, sample):
             cfg = dict(candidates=cand, near=near, programs_per_sm=pps, window=w, extra_words=xw,
                        hash_bits=hb, num_warps=nw)
             t1 = time.time()
-            ms = bench(lambda g=g, e=e, c=cfg: lc.compress_pages(g, e, **c), 10, 100)
-            out = [t.cpu() for t in lc.compress_pages(g, e, **cfg)]
+            ms = bench(lambda g=g, e=e, c=cfg: lc.compress_pages(g, e, traced=False, **c), 10, 100)
+            out = [t.cpu() for t in lc.compress_pages(g, e, traced=False, **cfg)]
             bad = check(pages, *out, e)
             ratio = NBYTES / int(out[1].sum())
             ours_s = SAMPLE * P / int(out[1][sample].sum())
