@@ -589,11 +589,13 @@ DEFAULT_ACCEL = 0  # plain bytes: no faster on text / mixed, 1-2% less ratio (H2
 # Bit-shuffled pages (element size 2 or 4): 64-position windows. Their noisy mantissa planes
 # are passed over by the window gate of "planes" mode (``gate``: a window is searched only if
 # one of its aligned words repeats 4, 8, 16 bytes or one or two planes back), which the parse
-# model finds as tight as searching every window (bench.dev_accel_model --gate). Before the
-# gate, ``accel`` 1 (1.6-2.1x faster at 0-1.6% of ratio, bench/results/h200_6c8095f/) and, on
-# fp32, ``probe`` 32 (h200_dcba96e/probe.txt) did that job; both are off by default now.
+# model finds within 0.2% of searching every window (bench.dev_accel_model --gate), and by
+# ``accel`` 1 on top (windows after windows without a sequence are not even gated). H200,
+# 64 MiB per corpus (bench/results/h200_b050f33/): gate + accel 1 against accel 1 alone,
+# compress bf16 randn 142 -> 171 GB/s, K/V 205 -> 238, fp32 155 -> 219, at 0-0.4% of ratio.
+# ``probe`` 32 on fp32 (h200_dcba96e/probe.txt) is off since the gate.
 TYPED_WINDOW = 64
-TYPED_ACCEL = 0
+TYPED_ACCEL = 1
 TYPED_PROBE = {2: 0, 4: 0}
 # The bit-shuffle of a typed page read as 64-bit words (bitshuffle_page_wide) instead of bytes:
 # H200, 64 MiB per corpus (bench/results/h200_1a67841/wide_probe.txt), same blocks, compress
