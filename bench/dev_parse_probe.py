@@ -72,6 +72,7 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "nogate_accel1": dict(candidates="planes", gate=False, accel=1),
     "nogate_accel1_probe32": dict(candidates="planes", gate=False, accel=1, probe=32),
     "gate_accel1": dict(candidates="planes", gate=True, accel=1),
+    "nogroup": dict(group=False),  # the window gate alone (same blocks as the default)
     "default": {},
 }
 # decoder settings timed per row (keywords of ``decompress_into``), chosen with --decoders:

@@ -180,11 +180,13 @@ def _model_block(
         if accel:  # after `misses` windows without a sequence, misses // accel are skipped
             misses = 0 if emitted else misses + 1
             extra = window * (misses // accel)
-            if plane:  # a new bit plane starts afresh; no skip crosses into the next one
+            if plane:  # no skip crosses into the next bit plane; a new one starts afresh
                 if w0 // plane != w_prev // plane:
-                    misses = extra = 0
+                    extra = 0
                 extra = min(extra, (w0 // plane + 1) * plane - w0)
             w0 += extra
+            if plane and w0 // plane != w_prev // plane:
+                misses = 0
     lit = size - anchor
     return bytes(out) + bytes([min(lit, 15) << 4]) + _ext(lit) + page[anchor:]
 
@@ -535,6 +537,19 @@ def test_planes_candidates_find_repeated_planes():
     assert offsets == {plane, 2 * plane}, seqs
     with pytest.raises(ValueError, match="planes"):
         lc.compress_pages(page, 1, candidates="planes")
+
+
+@interpret_only
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_planes_group_gate_gives_the_same_blocks(element_size):
+    """``group`` (whole still planes passed over at once, the default) writes the blocks of
+    gating window by window; both are the model's."""
+    x = torch.randn(4, P4K // 2).to(torch.bfloat16).view(torch.uint8)
+    x[1] = torch.relu(torch.randn(P4K // 2)).to(torch.bfloat16).view(torch.uint8)
+    x[2] = (torch.randn(P4K // 4) * 100).view(torch.uint8)
+    grouped = _check(x, element_size)
+    for a, b in zip(grouped, lc.compress_pages(x, element_size, group=False)):
+        assert torch.equal(a, b)
 
 
 @interpret_only

@@ -278,17 +278,36 @@ def _same_word_back(data32, k, w, D: tl.constexpr, m):
 
 
 @triton.jit
-def _window_has_repeats(data32, w0, W: tl.constexpr, P: tl.constexpr, PL: tl.constexpr):
-    """1 if an aligned word of the window at ``w0`` (its words that start at most at ``P - 12``)
-    equals the word 4, 8 or 16 bytes, or one or two bit planes (``PL`` bytes), before it; else 0.
-    A bit-shuffled page's noisy planes hold no such word, and their windows are not searched."""
-    k = (w0 >> 2) + tl.arange(0, W // 4)
-    m = 4 * k <= P - 12
-    w = tl.load(data32 + k, mask=m, other=0)
-    hit = _same_word_back(data32, k, w, 1, m) | _same_word_back(data32, k, w, 2, m)
-    hit = hit | _same_word_back(data32, k, w, 4, m) | _same_word_back(data32, k, w, PL // 4, m)
-    hit = hit | _same_word_back(data32, k, w, PL // 2, m)
-    return tl.max(hit.to(tl.int32))
+def _words_repeat(data32, k0, n, P: tl.constexpr, PL: tl.constexpr, CW: tl.constexpr):
+    """1 if one of the aligned words ``k0 .. k0 + n - 1`` (those that start at most at
+    ``P - 12``) equals the word 4, 8 or 16 bytes, or one or two bit planes (``PL`` bytes), before
+    it; else 0. ``CW`` words per step; stops at the first step that finds one."""
+    hit = k0 * 0
+    q = k0 * 0
+    while (q < n) & (hit == 0):
+        k = k0 + q + tl.arange(0, CW)
+        m = (k < k0 + n) & (4 * k <= P - 12)
+        w = tl.load(data32 + k, mask=m, other=0)
+        h = _same_word_back(data32, k, w, 1, m) | _same_word_back(data32, k, w, 2, m)
+        h = h | _same_word_back(data32, k, w, 4, m) | _same_word_back(data32, k, w, PL // 4, m)
+        h = h | _same_word_back(data32, k, w, PL // 2, m)
+        hit = tl.max(h.to(tl.int32))
+        q += CW
+    return hit
+
+
+@triton.jit
+def _skip_still_planes(data32, w0, P: tl.constexpr, PL: tl.constexpr, GB: tl.constexpr):
+    """From a bit plane's start ``w0``, pass over whole groups of ``GB`` bytes of planes whose
+    words all fail :func:`_words_repeat`; returns the next position to search. Every window
+    of those planes would fail the window gate, so the blocks are the same as gating each one."""
+    go = ((w0 & (PL - 1)) == 0) & (w0 <= P - 12)
+    while go:
+        live = _words_repeat(data32, w0 >> 2, GB // 4, P, PL, 128)
+        if live == 0:
+            w0 += GB
+        go = (live == 0) & (w0 <= P - 12)
+    return w0
 
 
 @triton.jit
@@ -350,6 +369,7 @@ def _lz4_compress_kernel(
     AMAX: tl.constexpr,
     PLANES: tl.constexpr,
     GATE: tl.constexpr,
+    GB: tl.constexpr,
     MINML: tl.constexpr,
     LAZY: tl.constexpr,
     SKIP: tl.constexpr,
@@ -375,6 +395,9 @@ def _lz4_compress_kernel(
     EMPTY_FIRST: tl.constexpr = 0x7FFFFFFF
     NOKEY: tl.constexpr = 0x7FFFFFFF
     PL: tl.constexpr = P // (8 * E)  # bytes per bit plane of a shuffled page (E > 1)
+    # whole planes gated at once (GB bytes, 0 = off): the same blocks as gating every window
+    # while windows never cross a plane (W <= PL) and no probe counts windows
+    GROUP: tl.constexpr = GATE and (GB > 0) and (W <= PL) and (PROBE == 0)
     tlast = tab_ptr + pid.to(tl.int64) * (H + F)
     tfirst = tlast + H
     if not PLANES:
@@ -428,6 +451,8 @@ def _lz4_compress_kernel(
             w0 = 0
             misses = 0
             dead = 0  # windows in a row without a sequence (PROBE; across bit planes)
+            if GROUP:
+                w0 = _skip_still_planes(data32, w0, P, PL, GB)
             while w0 <= MAXS:
                 wc += 1
                 out0 = out
@@ -435,7 +460,7 @@ def _lz4_compress_kernel(
                 wend = tl.minimum(w0 + W, MAXS + 1)
                 live = 1
                 if GATE:  # a window without a repeated aligned word is not searched
-                    live = _window_has_repeats(data32, w0, W, P, PL)
+                    live = _words_repeat(data32, w0 >> 2, W // 4, P, PL, W // 4)
                 if live == 0:
                     pos = tl.maximum(pos, wend)
                 else:
@@ -532,14 +557,17 @@ def _lz4_compress_kernel(
                         misses += 1
                     else:
                         misses = 0
-                    if E > 1:  # bit planes: a new plane starts afresh, no skip crosses one
+                    if E > 1:  # bit planes: no skip crosses one, a new one starts afresh
+                        if (w0 // PL) == (wprev // PL):
+                            w0 += tl.minimum(W * (misses // ACC), (w0 // PL + 1) * PL - w0)
                         if (w0 // PL) != (wprev // PL):
                             misses = 0
-                        w0 += tl.minimum(W * (misses // ACC), (w0 // PL + 1) * PL - w0)
                     else:
                         w0 += W * (misses // ACC)
                 if out > LIMIT:
                     w0 = P
+                if GROUP:  # at a plane's start: still planes are passed over in groups
+                    w0 = _skip_still_planes(data32, w0, P, PL, GB)
                 tl.debug_barrier()
             lit = P - anchor
             final = out + 1 + _ext_len(lit) + lit
@@ -596,6 +624,9 @@ DEFAULT_ACCEL = 0  # plain bytes: no faster on text / mixed, 1-2% less ratio (H2
 # ``probe`` 32 on fp32 (h200_dcba96e/probe.txt) is off since the gate.
 TYPED_WINDOW = 64
 TYPED_ACCEL = 1
+# The gate over whole planes at once where a plane starts: groups of 512 bytes (4 fp32 planes
+# of a 4 KiB page, 2 bf16 planes; at least one plane). Same blocks as the window gate alone.
+PLANE_GROUP_BYTES = 512
 TYPED_PROBE = {2: 0, 4: 0}
 # The bit-shuffle of a typed page read as 64-bit words (bitshuffle_page_wide) instead of bytes:
 # H200, 64 MiB per corpus (bench/results/h200_1a67841/wide_probe.txt), same blocks, compress
@@ -657,6 +688,7 @@ def compress_pages(
     probe: int | None = None,
     shuffle_wide: bool | None = None,
     gate: bool = True,
+    group: bool = True,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -679,7 +711,8 @@ def compress_pages(
     the ``near`` distances, then one and two bit planes back; deterministic; with ``gate``
     (default on), a window is searched only if one of its aligned 32-bit words equals the word
     4, 8 or 16 bytes, or one or two planes, before it: the noisy mantissa planes cost one
-    check per window).
+    check per window; with ``group`` (default on; same blocks), where a plane starts, whole
+    planes, ``PLANE_GROUP_BYTES`` at a time, are checked at once and passed over).
     Parse: ``lazy`` (a match one byte later wins when it is known to be longer), ``skip`` (a
     window wholly inside a match is not hashed; the next one starts at the match's end),
     ``back`` (a match grows backwards into its literals, up to 32 bytes, as LZ4's does),
@@ -750,7 +783,8 @@ def compress_pages(
         P=page_size, PB=pb, E=element_size, KIND_LZ4=kind_lz4, HB=hb, FB=fb,
         W=window, XW=extra_words, EXT=64, V=64, CH=128, num_warps=num_warps,
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
-        AMAX=candidates == "store-max", PLANES=planes, GATE=planes and gate, MINML=min_match,
+        AMAX=candidates == "store-max", PLANES=planes, GATE=planes and gate,
+        GB=max(page_size // (8 * element_size), PLANE_GROUP_BYTES) if group else 0, MINML=min_match,
         LAZY=lazy, SKIP=skip, BACK=back, ACC=accel, PROBE=probe, SW=wide,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
