@@ -197,7 +197,8 @@ def _emit(
     o = out + 1
     if lit >= 15:
         o = _put_len_ext(dst, o, lit, P, V)
-    _copy_bytes(dst, o, data, anchor, lit, P, V)
+    if lit > 0:  # (matches right after matches: none)
+        _copy_bytes(dst, o, data, anchor, lit, P, V)
     o += lit
     if HAS_MATCH:
         tl.store(dst + o, (off & 255).to(tl.uint8), mask=o < P)
@@ -531,10 +532,11 @@ def _lz4_compress_kernel(
                                 if (mx == 4 * XW) & (mlen == 4 + mx):
                                     mlen = _match_len(data, p, src_pos, mlen, P, EXT)
                                 if BACK:  # the match also grows backwards into its literals
-                                    back_n = _back_len(data, p, src_pos, p - anchor)
-                                    p -= back_n
-                                    src_pos -= back_n
-                                    mlen += back_n
+                                    if p > anchor:
+                                        back_n = _back_len(data, p, src_pos, p - anchor)
+                                        p -= back_n
+                                        src_pos -= back_n
+                                        mlen += back_n
                                 off = p - src_pos
                                 out = _emit(
                                     dst, data, out, anchor, p - anchor, off, mlen - 4, True, P, V
