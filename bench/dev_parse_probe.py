@@ -51,6 +51,7 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     # occupancy: programs (one warp each) per SM (H200, h200_088227b: 24 and 32 slower than 16)
     "pps8": dict(programs_per_sm=8),
     "pps12": dict(programs_per_sm=12),
+    "pps20": dict(programs_per_sm=20),
     "pps24": dict(programs_per_sm=24),
     "pps32": dict(programs_per_sm=32),
     # the hash table: 2048 / 1024 / 512 / 256 entries; "store": plain loads and stores of it

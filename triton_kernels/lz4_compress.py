@@ -210,14 +210,18 @@ def _emit(
 
 
 @triton.jit
-def _near_word(m2, m1, l0, l1, lane, d):
-    """Word at ``idx - d`` (``1 <= d <= 8``) of positions ``idx = 4k + lane``, from the aligned
-    words ``m2, m1, l0, l1`` at ``k - 2 .. k + 1``."""
-    j = lane - d
-    sel = j >> 2  # -2, -1 or 0: the aligned word holding byte idx - d, relative to k
-    sh = ((j & 3) * 8).to(tl.uint32)
-    a = tl.where(sel == 0, l0, tl.where(sel == -1, m1, m2))
-    b = tl.where(sel == 0, l1, tl.where(sel == -1, l0, m1))
+def _near_word(m2, m1, l0, l1, lane, D: tl.constexpr):
+    """Word at ``idx - D`` (``D`` 1, 2, 4 or 8) of positions ``idx = 4k + lane``, from the
+    aligned words ``m2, m1, l0, l1`` at ``k - 2 .. k + 1``."""
+    if D % 4 == 0:  # the same byte shift, D / 4 words back
+        sh = (lane * 8).to(tl.uint32)
+        a = m1 if D == 4 else m2
+        b = l0 if D == 4 else m1
+    else:  # lanes >= D start in word k, the others in word k - 1
+        up = lane >= D
+        sh = (((lane - D) & 3) * 8).to(tl.uint32)
+        a = tl.where(up, l0, m1)
+        b = tl.where(up, l1, l0)
     return (a >> sh) | ((b << 1) << (31 - sh))
 
 
@@ -396,6 +400,7 @@ def _lz4_compress_kernel(
     EMPTY_FIRST: tl.constexpr = 0x7FFFFFFF
     NOKEY: tl.constexpr = 0x7FFFFFFF
     PL: tl.constexpr = P // (8 * E)  # bytes per bit plane of a shuffled page (E > 1)
+    PLB: tl.constexpr = PB - 3 - (E // 2)  # log2(PL): E // 2 is log2(E) for E in 1, 2, 4
     # whole planes gated at once (GB bytes, 0 = off): the same blocks as gating every window
     # while windows never cross a plane (W <= PL) and no probe counts windows
     GROUP: tl.constexpr = GATE and (GB > 0) and (W <= PL) and (PROBE == 0)
@@ -560,9 +565,9 @@ def _lz4_compress_kernel(
                     else:
                         misses = 0
                     if E > 1:  # bit planes: no skip crosses one, a new one starts afresh
-                        if (w0 // PL) == (wprev // PL):
-                            w0 += tl.minimum(W * (misses // ACC), (w0 // PL + 1) * PL - w0)
-                        if (w0 // PL) != (wprev // PL):
+                        if (w0 >> PLB) == (wprev >> PLB):
+                            w0 += tl.minimum(W * (misses // ACC), ((w0 >> PLB) + 1) * PL - w0)
+                        if (w0 >> PLB) != (wprev >> PLB):
                             misses = 0
                     else:
                         w0 += W * (misses // ACC)
