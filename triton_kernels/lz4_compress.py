@@ -226,6 +226,13 @@ def _near_word(m2, m1, l0, l1, lane, D: tl.constexpr):
 
 
 @triton.jit
+def _near_step(c, m2, m1, l0, l1, lane, word, valid, idx, D: tl.constexpr):
+    """Positions of ``c`` still -1 whose word repeats ``D`` bytes back take ``idx - D``."""
+    ok = valid & (c < 0) & (idx >= D) & (_near_word(m2, m1, l0, l1, lane, D) == word)
+    return tl.where(ok, idx - D, c)
+
+
+@triton.jit
 def _word_back(data32, k0, sh, D4: tl.constexpr, P: tl.constexpr):
     """Words ``4 * D4`` bytes before positions ``4 * k0 + lane`` (``k0`` [R, 1], ``sh`` [1, 4]
     lane shifts): [R, 4]. Rows before the page start or past its end read 0 (callers check the
@@ -247,10 +254,14 @@ def _near_candidates(data32, c, idx, k0, lane, word, valid, P: tl.constexpr, NEA
         m1 = tl.load(data32 + k0 - 1, mask=(k0 >= 1) & (k0 - 1 < P // 4), other=0)
         l0 = tl.load(data32 + k0, mask=k0 + 1 < P // 4, other=0)
         l1 = tl.load(data32 + k0 + 1, mask=k0 + 1 < P // 4, other=0)
-        for j in tl.static_range(min(NEAR, 4)):
-            d = 1 << j
-            okd = valid & (c < 0) & (idx >= d) & (_near_word(m2, m1, l0, l1, lane, d) == word)
-            c = tl.where(okd, idx - d, c)
+        # literal distances: constexpr on every triton (a shifted loop index is not on 3.6)
+        c = _near_step(c, m2, m1, l0, l1, lane, word, valid, idx, 1)
+        if NEAR > 1:
+            c = _near_step(c, m2, m1, l0, l1, lane, word, valid, idx, 2)
+        if NEAR > 2:
+            c = _near_step(c, m2, m1, l0, l1, lane, word, valid, idx, 4)
+        if NEAR > 3:
+            c = _near_step(c, m2, m1, l0, l1, lane, word, valid, idx, 8)
         if NEAR > 4:
             sh = (lane * 8).to(tl.uint32)
             okd = valid & (c < 0) & (idx >= 16) & (_word_back(data32, k0, sh, 4, P) == word)
