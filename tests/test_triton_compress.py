@@ -107,7 +107,7 @@ def _known(page: bytes, p: int, c: int, xw: int) -> int:
 def _model_block(
     page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int | None = None,
     lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
-    min_match: int = lc.DEFAULT_MIN_MATCH, xw: int = lc.DEFAULT_EXTRA_WORDS,
+    min_match: int = lc.DEFAULT_MIN_MATCH, xw: int | None = None,
     back: bool = lc.DEFAULT_BACK, accel: int = lc.DEFAULT_ACCEL, plane: int = 0, probe: int = 0,
     hash_bits: int | None = None, gate: bool = True,
 ) -> bytes:
@@ -118,6 +118,7 @@ def _model_block(
     size = len(page)
     e = size // (8 * plane) if plane else 1
     near = lc.parse_defaults(e)["near"] if near is None else near
+    xw = lc.parse_defaults(e)["extra_words"] if xw is None else xw
     hb, fb = lc.table_bits(size, window, hash_bits, element_size=e)
     maxs, limit = size - 12, fmt.lz4_keep_limit(size)
     a = np.frombuffer(page, dtype=np.uint8).astype(np.uint64)
@@ -280,7 +281,7 @@ def _check(pages: torch.Tensor, element_size: int = 1, window: int | None = None
     assert kinds.shape == (n,) and kinds.dtype == torch.uint8
     mode = {k: tuning[k] for k in ("candidates", "near", "lazy", "skip", "min_match", "back",
                                    "accel", "probe", "gate") if k in tuning}
-    mode["xw"] = tuning.get("extra_words", lc.DEFAULT_EXTRA_WORDS)
+    mode["xw"] = tuning.get("extra_words", lc.parse_defaults(element_size)["extra_words"])
     mode.setdefault("min_match", min(lc.DEFAULT_MIN_MATCH, 4 + 4 * mode["xw"]))
     exp = _model(pages, element_size, window, **mode)
     for i in range(n):

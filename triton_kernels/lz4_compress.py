@@ -313,16 +313,38 @@ def _words_repeat(data32, k0, n, P: tl.constexpr, PL: tl.constexpr, CW: tl.const
 
 
 @triton.jit
-def _skip_still_planes(data32, w0, P: tl.constexpr, PL: tl.constexpr, GB: tl.constexpr):
-    """From a bit plane's start ``w0``, pass over whole groups of ``GB`` bytes of planes whose
-    words all fail :func:`_words_repeat`; returns the next position to search. Every window
-    of those planes would fail the window gate, so the blocks are the same as gating each one."""
+def _live_planes(data32, P: tl.constexpr, PL: tl.constexpr):
+    """int64 with bit ``p`` set for every bit plane ``p`` (``PL`` bytes each) that holds an
+    aligned word (one that starts at most at ``P - 12``) equal to the word 4, 8 or 16 bytes, or
+    one or two planes, before it (:func:`_words_repeat`). Every window of the other, still,
+    planes fails the window gate. 128 words per step: whole planes, or one plane's part."""
+    WPP: tl.constexpr = PL // 4
+    RW: tl.constexpr = WPP if WPP < 128 else 128
+    NR: tl.constexpr = 128 // RW
+    bits = tl.sum(tl.zeros([NR], tl.int64))
+    for s in range(0, P // 4, 128):
+        k = s + tl.arange(0, NR)[:, None] * RW + tl.arange(0, RW)[None, :]
+        m = 4 * k <= P - 12
+        w = tl.load(data32 + k, mask=m, other=0)
+        h = _same_word_back(data32, k, w, 1, m) | _same_word_back(data32, k, w, 2, m)
+        h = h | _same_word_back(data32, k, w, 4, m) | _same_word_back(data32, k, w, PL // 4, m)
+        h = h | _same_word_back(data32, k, w, PL // 2, m)
+        row = tl.max(h.to(tl.int64), axis=1)
+        plane = ((s + tl.arange(0, NR) * RW) // WPP).to(tl.int64)
+        bits = bits | tl.sum(row << plane)
+    return bits
+
+
+@triton.jit
+def _skip_still_planes(w0, live, P: tl.constexpr, PL: tl.constexpr, PLB: tl.constexpr):
+    """From a bit plane's start ``w0``, pass over the still planes (bits of ``live`` clear);
+    returns the next position to search. The blocks are the same as gating each window."""
     go = ((w0 & (PL - 1)) == 0) & (w0 <= P - 12)
     while go:
-        live = _words_repeat(data32, w0 >> 2, GB // 4, P, PL, 128)
-        if live == 0:
-            w0 += GB
-        go = (live == 0) & (w0 <= P - 12)
+        still = ((live >> (w0 >> PLB)) & 1) == 0
+        if still:
+            w0 += PL
+        go = still & (w0 <= P - 12)
     return w0
 
 
@@ -385,7 +407,7 @@ def _lz4_compress_kernel(
     AMAX: tl.constexpr,
     PLANES: tl.constexpr,
     GATE: tl.constexpr,
-    GB: tl.constexpr,
+    GROUP_PLANES: tl.constexpr,
     MINML: tl.constexpr,
     LAZY: tl.constexpr,
     SKIP: tl.constexpr,
@@ -412,9 +434,9 @@ def _lz4_compress_kernel(
     NOKEY: tl.constexpr = 0x7FFFFFFF
     PL: tl.constexpr = P // (8 * E)  # bytes per bit plane of a shuffled page (E > 1)
     PLB: tl.constexpr = PB - 3 - (E // 2)  # log2(PL): E // 2 is log2(E) for E in 1, 2, 4
-    # whole planes gated at once (GB bytes, 0 = off): the same blocks as gating every window
+    # still planes found once per page and passed over: the same blocks as gating every window
     # while windows never cross a plane (W <= PL) and no probe counts windows
-    GROUP: tl.constexpr = GATE and (GB > 0) and (W <= PL) and (PROBE == 0)
+    GROUP: tl.constexpr = GATE and GROUP_PLANES and (W <= PL) and (PROBE == 0)
     tlast = tab_ptr + pid.to(tl.int64) * (H + F)
     tfirst = tlast + H
     if not PLANES:
@@ -469,7 +491,8 @@ def _lz4_compress_kernel(
             misses = 0
             dead = 0  # windows in a row without a sequence (PROBE; across bit planes)
             if GROUP:
-                w0 = _skip_still_planes(data32, w0, P, PL, GB)
+                live_planes = _live_planes(data32, P, PL)
+                w0 = _skip_still_planes(w0, live_planes, P, PL, PLB)
             while w0 <= MAXS:
                 wc += 1
                 out0 = out
@@ -584,8 +607,8 @@ def _lz4_compress_kernel(
                         w0 += W * (misses // ACC)
                 if out > LIMIT:
                     w0 = P
-                if GROUP:  # at a plane's start: still planes are passed over in groups
-                    w0 = _skip_still_planes(data32, w0, P, PL, GB)
+                if GROUP:  # at a plane's start: still planes are passed over
+                    w0 = _skip_still_planes(w0, live_planes, P, PL, PLB)
                 tl.debug_barrier()
             lit = P - anchor
             final = out + 1 + _ext_len(lit) + lit
@@ -642,9 +665,10 @@ DEFAULT_ACCEL = 0  # plain bytes: no faster on text / mixed, 1-2% less ratio (H2
 # ``probe`` 32 on fp32 (h200_dcba96e/probe.txt) is off since the gate.
 TYPED_WINDOW = 64
 TYPED_ACCEL = 1
-# The gate over whole planes at once where a plane starts: groups of 512 bytes (4 fp32 planes
-# of a 4 KiB page, 2 bf16 planes; at least one plane). Same blocks as the window gate alone.
-PLANE_GROUP_BYTES = 512
+# Match bytes compared for all positions at once: one word on bf16 pages (H200, 64 MiB per corpus,
+# four probe runs in bench/results/h200_b050f33/: +2-7% on every bf16 corpus, 0-0.1% of ratio;
+# fp32 2-5% slower with one word).
+TYPED_EXTRA_WORDS = {2: 1, 4: 2}
 TYPED_PROBE = {2: 0, 4: 0}
 # The bit-shuffle of a typed page read as 64-bit words (bitshuffle_page_wide) instead of bytes:
 # H200, 64 MiB per corpus (bench/results/h200_1a67841/wide_probe.txt), same blocks, compress
@@ -659,14 +683,15 @@ TYPED_HASH_BITS_DELTA = -2
 
 
 def parse_defaults(element_size: int) -> dict:
-    """The default ``window``, ``accel``, ``probe``, ``candidates`` and ``near`` of
+    """The default ``window``, ``accel``, ``probe``, ``candidates``, ``near`` and ``extra_words`` of
     :func:`compress_pages` for ``element_size``."""
     if element_size > 1:
         return {"window": TYPED_WINDOW, "accel": TYPED_ACCEL,
                 "probe": TYPED_PROBE.get(element_size, 0), "candidates": TYPED_CANDIDATES,
-                "near": TYPED_NEAR}
+                "near": TYPED_NEAR, "extra_words": TYPED_EXTRA_WORDS.get(element_size, 2)}
     return {"window": DEFAULT_WINDOW, "accel": DEFAULT_ACCEL, "probe": 0,
-            "candidates": DEFAULT_CANDIDATES, "near": DEFAULT_NEAR}
+            "candidates": DEFAULT_CANDIDATES, "near": DEFAULT_NEAR,
+            "extra_words": DEFAULT_EXTRA_WORDS}
 
 
 def table_bits(page_size: int, window: int, hash_bits: int | None = None,
@@ -694,7 +719,7 @@ def compress_pages(
     num_warps: int = 1,
     programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM,
     window: int | None = None,
-    extra_words: int = DEFAULT_EXTRA_WORDS,
+    extra_words: int | None = None,
     hash_bits: int | None = None,
     candidates: str | None = None,
     near: int | None = None,
@@ -716,9 +741,10 @@ def compress_pages(
     Launches on ``pages``' device and current stream; never synchronises with the host.
     ``num_warps``, ``programs_per_sm``, ``window`` (positions per candidate step, a power of
     two from 64 to 1024; default from :func:`parse_defaults`) and ``extra_words`` (0-6:
-    match bytes compared for all positions at once) tune speed only; ``hash_bits`` (8-16,
-    log2 entries of the per-page table; default ``min(log2 P, 14) - 1``, one less for
-    bit-shuffled pages: :func:`table_bits`) trades ratio for cache footprint. The output
+    match bytes compared for all positions at once; default from :func:`parse_defaults`) tune
+    speed only; ``hash_bits`` (8-16, log2 entries of the per-page table; default
+    ``min(log2 P, 14) - 1``, one less for bit-shuffled pages: :func:`table_bits`) trades ratio
+    for cache footprint. The output
     depends on ``window`` and ``hash_bits`` but is always a valid block. ``candidates``:
     ``"atomic"`` (two tables, L2 atomics: exact and deterministic) or ``"store"`` (one table,
     plain loads and stores per 32 positions, plus the ``near`` (0-5) distances 1, 2, 4, ...;
@@ -729,8 +755,8 @@ def compress_pages(
     the ``near`` distances, then one and two bit planes back; deterministic; with ``gate``
     (default on), a window is searched only if one of its aligned 32-bit words equals the word
     4, 8 or 16 bytes, or one or two planes, before it: the noisy mantissa planes cost one
-    check per window; with ``group`` (default on; same blocks), where a plane starts, whole
-    planes, ``PLANE_GROUP_BYTES`` at a time, are checked at once and passed over).
+    check per window; with ``group`` (default on; same blocks), the planes all of whose
+    words fail that check are found once per page and passed over whole).
     Parse: ``lazy`` (a match one byte later wins when it is known to be longer), ``skip`` (a
     window wholly inside a match is not hashed; the next one starts at the match's end),
     ``back`` (a match grows backwards into its literals, up to 32 bytes, as LZ4's does),
@@ -756,6 +782,7 @@ def compress_pages(
     accel = defaults["accel"] if accel is None else accel
     candidates = defaults["candidates"] if candidates is None else candidates
     near = defaults["near"] if near is None else near
+    extra_words = defaults["extra_words"] if extra_words is None else extra_words
     probe = defaults["probe"] if probe is None else probe
     if probe not in (0, 16, 32) or (probe and probe >= window):
         raise ValueError(f"bad tuning: probe={probe} (0, 16 or 32, below window={window})")
@@ -802,7 +829,7 @@ def compress_pages(
         W=window, XW=extra_words, EXT=64, V=64, CH=128, num_warps=num_warps,
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", PLANES=planes, GATE=planes and gate,
-        GB=max(page_size // (8 * element_size), PLANE_GROUP_BYTES) if group else 0, MINML=min_match,
+        GROUP_PLANES=group, MINML=min_match,
         LAZY=lazy, SKIP=skip, BACK=back, ACC=accel, PROBE=probe, SW=wide,
     )
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
