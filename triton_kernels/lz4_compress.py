@@ -28,15 +28,22 @@ Design: one warp owns one page at a time (``num_warps=1``: warp-wide reductions 
    sub-chunk of 32 positions, load the entries, barrier, store the positions (lanes with one
    entry race: any wins), barrier. The sub-chunk's own earlier positions are invisible to it,
    so distances 1, 2, 4, 8 (``near``) are checked directly on 4 aligned words per row.
-   ``candidates="store-max"`` (the default: fastest on an H200 and deterministic) is the same
-   one-table scheme with ``.cg`` loads and ``atomic_max``: 2 L2 operations per position
+   ``candidates="store-max"`` (the default for bytes: fastest on an H200 and deterministic) is
+   the same one-table scheme with ``.cg`` loads and ``atomic_max``: 2 L2 operations per position
    instead of 4. Measured (H200, 128 MiB, 4 KiB pages): text 33 -> 44 GB/s, mixed memory
    43 -> 52, random 36 -> 50, bf16 shuffled 35 -> 49, ratio within 0.5% of "atomic".
+   ``candidates="planes"`` (the default for bit-shuffled pages) has no hash table at all: a
+   shuffled page's matches are runs and repeated planes, so the candidates are distances 1, 2,
+   4, 8, 16 and one and two planes back, read from the row in L1 (the parse model gives these
+   the hash table's ratio or more). Its gate searches a window only if one of its aligned words
+   repeats at 4, 8, 16 bytes or one or two planes; planes none of whose words repeat (the
+   noisy mantissa planes) are found once per page and passed over whole.
 4. Greedy parse, one short step per sequence: a warp min over packed keys ``(position, known
    length, candidate)`` finds the next match at or after the current position (a window without
-   one costs one step); only matches longer than the precomputed part are extended, 64 bytes per
-   step with vector compares. Each sequence is written at once: token and offset as scalar
-   stores, literals as a vector copy, length extensions as vectors of 255s. The LZ4 end rules
+   one costs one step, a window without a candidate none); only matches longer than the
+   precomputed part are extended, 32 words per step. Each sequence is written at once: token and
+   offset as scalar stores, literals as 32-bit word stores (bytes at the ends), length
+   extensions as vectors of 255s. The LZ4 end rules
    hold by construction: matches start at most at ``P - 12`` and end at most at ``P - 5``;
    offsets are ``1..P - 12`` (so at most 65524 for 64 KiB pages).
    Lazy step (default): when the match found is short (known length < ``4 + 4 * XW``), the
@@ -45,8 +52,8 @@ Design: one warp owns one page at a time (``num_warps=1``: warp-wide reductions 
    that the last match ran past is not
    hashed at all: the next window starts at the match's end (4-aligned), as LZ4 skips the
    positions inside a match.
-   With ``accel`` (off by default) windows are skipped after windows without a sequence
-   (within a bit plane on shuffled pages).
+   With ``accel`` (off for bytes, 1 for shuffled pages) windows are skipped after windows
+   without a sequence (within a bit plane on shuffled pages).
    A chosen match then grows backwards into its literals (up to 32 bytes; LZ4's "catch up"),
    which the hash candidates miss where a position's entry was older or overwritten.
 5. The last literals are written only if the block fits ``lz4_keep_limit(P)``; otherwise (or as
@@ -55,9 +62,9 @@ Design: one warp owns one page at a time (``num_warps=1``: warp-wide reductions 
 
 Barriers (``tl.debug_barrier``) separate table writes from other threads' reads, and the encoded
 bytes from a RAW overwrite. Table reads are ``.cg`` loads: the atomics are performed in L2.
-Resources (triton 3.6, sm_90, defaults): 64 registers, no spills, no shared memory ("store"
-mode, near 4: 72 registers).
-Scratch: ``G x (2**hash_bits + 8 * window)`` int32 tables (+ ``G x P`` bytes for the shuffle).
+Resources (triton 3.6, sm_90): 96 registers (ncu, bit-shuffled pages), no spills.
+Scratch: ``G x (2**hash_bits + 8 * window)`` int32 tables (bytes; none for "planes") and
+``G x P`` bytes for the shuffle.
 """
 
 from __future__ import annotations
