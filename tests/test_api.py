@@ -1,5 +1,7 @@
 """Public API: validation errors that name the problem, corrupt pages named, opcheck, backends."""
 
+import os
+
 import pytest
 import torch
 from pages import file_pages, mixed_pages
@@ -144,3 +146,23 @@ def test_ratio_and_sizes(gen):
     c = pc.compress(pages)
     assert c.compressed_nbytes() == int(c.sizes.sum())
     assert c.ratio() > 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs CUDA")
+def test_gpu_eager_calls_launch_directly_traced_calls_see_the_ops(gen):
+    """Eager calls on CUDA tensors skip the operator dispatch and give the ops' results; under
+    ``make_fx`` (a dispatch mode) the graph holds the ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    pages = mixed_pages(600, 4096, gen).cuda()
+    for e in (1, 2):
+        c = pc.compress(pages, element_size=e)
+        ref = torch.ops.pagecomp.compress(pages, e)
+        for a, b in zip((c.payload, c.sizes, c.kinds), ref):
+            assert torch.equal(a, b)
+        back, status = pc.decompress(c, return_status=True)
+        assert not status.any() and torch.equal(back, pages)
+    graph = make_fx(lambda x: pc.decompress(pc.compress(x), return_status=True))(pages)
+    code = graph.code
+    assert "pagecomp.compress" in code and "pagecomp.decompress" in code, code
