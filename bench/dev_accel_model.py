@@ -39,17 +39,23 @@ CORPORA = ("text", "binary", "mixed", "bf16-randn", "bf16-relu", "gpt-kv", "gpt-
 ACCELS = (0, 1, 2, 4)
 
 
-def _count_windows():
-    """Wrap the model's per-window candidate step with a counter; returns the counter."""
+def _count(weight) -> list[int]:
+    """Wrap the model's per-window candidate steps (hash table and ``"planes"``) with a counter
+    that adds ``weight(span)`` per window searched; returns the counter."""
     count = [0]
-    inner = T._store_cands
+    for name in ("_store_cands", "_plane_cands"):
+        inner = getattr(T, name)
 
-    def counted(*a, **k):
-        count[0] += 1
-        return inner(*a, **k)
+        def counted(span, *a, _inner=inner, **k):
+            count[0] += weight(span)
+            return _inner(span, *a, **k)
 
-    T._store_cands = counted
+        setattr(T, name, counted)
     return count
+
+
+def _count_windows() -> list[int]:
+    return _count(lambda span: 1)
 
 
 def _plane_table(name: str, pages: torch.Tensor, e: int) -> None:
@@ -59,13 +65,13 @@ def _plane_table(name: str, pages: torch.Tensor, e: int) -> None:
     d = T.lc.parse_defaults(e)
     hashed = [0] * (8 * e)
     matched = [0] * (8 * e)
-    inner = T._store_cands
+    inner = T._plane_cands  # the typed default: candidates="planes"
 
     def counted(span, *args, **kwargs):
         hashed[span[0] // plane] += 1
         return inner(span, *args, **kwargs)
 
-    T._store_cands = counted
+    T._plane_cands = counted
     try:
         for row in bitshuffle(pages, e):
             block = T._model_block(row.numpy().tobytes(), d["window"], d["candidates"],
@@ -79,23 +85,14 @@ def _plane_table(name: str, pages: torch.Tensor, e: int) -> None:
                     matched[op // plane] += ml
                 op += ml
     finally:
-        T._store_cands = inner
+        T._plane_cands = inner
     n = pages.shape[0]
     print(f"| {name} | {e} | " + " ".join(f"{hashed[b] / n:.1f}/{matched[b] / n:.0f}"
                                           for b in range(8 * e)) + " |", flush=True)
 
 
-def _count_positions():
-    """Wrap the model's per-window candidate step with a counter of positions hashed."""
-    count = [0]
-    inner = T._store_cands
-
-    def counted(span, *a, **k):
-        count[0] += len(span)
-        return inner(span, *a, **k)
-
-    T._store_cands = counted
-    return count
+def _count_positions() -> list[int]:
+    return _count(len)
 
 
 def _probe_table(pages_per_corpus: int, seed: int) -> None:
@@ -125,35 +122,25 @@ def _probe_table(pages_per_corpus: int, seed: int) -> None:
 def _gate_table(pages_per_corpus: int, seed: int) -> None:
     """Typed corpora, ``candidates="planes"``: ratio and windows searched per page with the gate
     (the default), without it, and without it at ``accel`` 1."""
-    searched = [0]
-    inner = T._plane_cands
-
-    def counted(*a, **k):
-        searched[0] += 1
-        return inner(*a, **k)
-
-    T._plane_cands = counted
+    searched = _count_windows()
     modes = {"gate": dict(gate=True, accel=0, probe=0),
              "every window": dict(gate=False, accel=0, probe=0),
              "no gate, accel 1": dict(gate=False, accel=1, probe=0)}
     print(f"candidates planes, window {T.lc.TYPED_WINDOW}; {pages_per_corpus} pages of 4 KiB per "
           f"corpus, seed {seed}; ratio, windows searched per page")
     print("| corpus | e | " + " | ".join(modes) + " |\n|---|---|" + "---|" * len(modes))
-    try:
-        for name in CORPORA:
-            e = element_size(name)
-            if e == 1:
-                continue
-            pages = build_corpus(name, pages_per_corpus * 4096, 4096, "cpu", seed=seed)
-            cells = []
-            for mode in modes.values():
-                searched[0] = 0
-                _, sizes, _ = T._model(pages, e, None, candidates="planes", **mode)
-                ratio = pages.numel() / int(sizes.sum())
-                cells.append(f"{ratio:.4f}, {searched[0] / pages.shape[0]:.1f}")
-            print(f"| {name} | {e} | " + " | ".join(cells) + " |", flush=True)
-    finally:
-        T._plane_cands = inner
+    for name in CORPORA:
+        e = element_size(name)
+        if e == 1:
+            continue
+        pages = build_corpus(name, pages_per_corpus * 4096, 4096, "cpu", seed=seed)
+        cells = []
+        for mode in modes.values():
+            searched[0] = 0
+            _, sizes, _ = T._model(pages, e, None, candidates="planes", **mode)
+            ratio = pages.numel() / int(sizes.sum())
+            cells.append(f"{ratio:.4f}, {searched[0] / pages.shape[0]:.1f}")
+        print(f"| {name} | {e} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
