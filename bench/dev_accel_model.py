@@ -95,40 +95,12 @@ def _count_positions() -> list[int]:
     return _count(len)
 
 
-def _probe_table(pages_per_corpus: int, seed: int) -> None:
-    """Typed corpora at the typed default parse with ``probe`` 0, 16, 32: ratio and positions
-    hashed per page (each costs the kernel two L2 operations)."""
-    count = _count_positions()
-    probes = (0, 16, 32)
-    print(f"typed default parse (window {T.lc.TYPED_WINDOW}, accel {T.lc.TYPED_ACCEL}) with "
-          f"probe 0 / 16 / 32; {pages_per_corpus} pages of 4 KiB per corpus, seed {seed}")
-    print("| corpus | e | " + " | ".join(f"probe {p}: ratio, positions/page" for p in probes)
-          + " |\n|---|---|" + "---|" * len(probes))
-    for name in CORPORA:
-        e = element_size(name)
-        if e == 1:
-            continue
-        pages = build_corpus(name, pages_per_corpus * 4096, 4096, "cpu", seed=seed)
-        cells = []
-        for probe in probes:
-            count[0] = 0
-            _, sizes, _ = T._model(pages, e, None, probe=probe,
-                                   min_match=T.lc.DEFAULT_MIN_MATCH)
-            ratio = pages.numel() / int(sizes.sum())
-            cells.append(f"{ratio:.4f}, {count[0] / pages.shape[0]:.0f}")
-        print(f"| {name} | {e} | " + " | ".join(cells) + " |", flush=True)
-
-
-def _gate_table(pages_per_corpus: int, seed: int) -> None:
-    """Typed corpora, ``candidates="planes"``: ratio and windows searched per page with the gate
-    (the default), without it, and without it at ``accel`` 1."""
-    searched = _count_windows()
-    modes = {"gate": dict(gate=True, accel=0, probe=0),
-             "every window": dict(gate=False, accel=0, probe=0),
-             "no gate, accel 1": dict(gate=False, accel=1, probe=0)}
-    print(f"candidates planes, window {T.lc.TYPED_WINDOW}; {pages_per_corpus} pages of 4 KiB per "
-          f"corpus, seed {seed}; ratio, windows searched per page")
-    print("| corpus | e | " + " | ".join(modes) + " |\n|---|---|" + "---|" * len(modes))
+def _typed_table(pages_per_corpus: int, seed: int, modes: dict[str, dict], count: list[int],
+                 unit: str) -> None:
+    """Typed corpora through the model with each of ``modes`` (keywords of ``T._model``): ratio
+    and ``count`` (windows or positions searched) per page."""
+    print("| corpus | e | " + " | ".join(f"{m}: ratio, {unit}/page" for m in modes)
+          + " |\n|---|---|" + "---|" * len(modes))
     for name in CORPORA:
         e = element_size(name)
         if e == 1:
@@ -136,11 +108,31 @@ def _gate_table(pages_per_corpus: int, seed: int) -> None:
         pages = build_corpus(name, pages_per_corpus * 4096, 4096, "cpu", seed=seed)
         cells = []
         for mode in modes.values():
-            searched[0] = 0
-            _, sizes, _ = T._model(pages, e, None, candidates="planes", **mode)
+            count[0] = 0
+            _, sizes, _ = T._model(pages, e, None, **mode)
             ratio = pages.numel() / int(sizes.sum())
-            cells.append(f"{ratio:.4f}, {searched[0] / pages.shape[0]:.1f}")
+            cells.append(f"{ratio:.4f}, {count[0] / pages.shape[0]:.1f}")
         print(f"| {name} | {e} | " + " | ".join(cells) + " |", flush=True)
+
+
+def _probe_table(pages_per_corpus: int, seed: int) -> None:
+    """Typed corpora at the typed default parse with ``probe`` 0, 16, 32: ratio and positions
+    searched per page."""
+    print(f"typed default parse (window {T.lc.TYPED_WINDOW}, accel {T.lc.TYPED_ACCEL}) with "
+          f"probe 0 / 16 / 32; {pages_per_corpus} pages of 4 KiB per corpus, seed {seed}")
+    modes = {f"probe {p}": dict(probe=p, min_match=T.lc.DEFAULT_MIN_MATCH) for p in (0, 16, 32)}
+    _typed_table(pages_per_corpus, seed, modes, _count_positions(), "positions")
+
+
+def _gate_table(pages_per_corpus: int, seed: int) -> None:
+    """Typed corpora, ``candidates="planes"``: ratio and windows searched per page with the gate
+    (the default), without it, and without it at ``accel`` 1."""
+    print(f"candidates planes, window {T.lc.TYPED_WINDOW}; {pages_per_corpus} pages of 4 KiB per "
+          f"corpus, seed {seed}")
+    modes = {"gate": dict(candidates="planes", gate=True, accel=0, probe=0),
+             "every window": dict(candidates="planes", gate=False, accel=0, probe=0),
+             "no gate, accel 1": dict(candidates="planes", gate=False, accel=1, probe=0)}
+    _typed_table(pages_per_corpus, seed, modes, _count_windows(), "windows")
 
 
 def main() -> None:
