@@ -2,8 +2,9 @@
 
 These validate inputs (errors name the problem), pick a backend and call the
 ``torch.ops.pagecomp`` operators (eager calls on plain CUDA tensors launch the same kernels
-directly, without the operator dispatch: :func:`_direct`). Only ``decompress`` (to raise on corrupt pages, unless asked
-for the statuses) and ``pack`` (to trim to the exact size, unless ``exact=False``) synchronise.
+directly, without the operator dispatch: :func:`_direct`). Only ``decompress`` (to raise on
+corrupt pages, unless asked for the statuses) and ``pack`` (to trim to the exact size, unless
+``exact=False``) synchronise.
 """
 
 from __future__ import annotations
