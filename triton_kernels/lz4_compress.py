@@ -304,29 +304,28 @@ def _same_word_back(data32, k, w, D: tl.constexpr, m):
 
 
 @triton.jit
-def _words_repeat(data32, k0, n, P: tl.constexpr, PL: tl.constexpr, CW: tl.constexpr):
-    """1 if one of the aligned words ``k0 .. k0 + n - 1`` (those that start at most at
-    ``P - 12``) equals the word 4, 8 or 16 bytes, or one or two bit planes (``PL`` bytes), before
-    it; else 0. ``CW`` words per step; stops at the first step that finds one."""
-    hit = k0 * 0
-    q = k0 * 0
-    while (q < n) & (hit == 0):
-        k = k0 + q + tl.arange(0, CW)
-        m = (k < k0 + n) & (4 * k <= P - 12)
-        w = tl.load(data32 + k, mask=m, other=0)
-        h = _same_word_back(data32, k, w, 1, m) | _same_word_back(data32, k, w, 2, m)
-        h = h | _same_word_back(data32, k, w, 4, m) | _same_word_back(data32, k, w, PL // 4, m)
-        h = h | _same_word_back(data32, k, w, PL // 2, m)
-        hit = tl.max(h.to(tl.int32))
-        q += CW
-    return hit
+def _repeats(data32, k, m, PL: tl.constexpr):
+    """Whether each aligned word ``k`` (where ``m``) equals the word 4, 8 or 16 bytes, or one or
+    two bit planes (``PL`` bytes), before it."""
+    w = tl.load(data32 + k, mask=m, other=0)
+    h = _same_word_back(data32, k, w, 1, m) | _same_word_back(data32, k, w, 2, m)
+    h = h | _same_word_back(data32, k, w, 4, m) | _same_word_back(data32, k, w, PL // 4, m)
+    return h | _same_word_back(data32, k, w, PL // 2, m)
+
+
+@triton.jit
+def _window_has_repeats(data32, w0, W: tl.constexpr, P: tl.constexpr, PL: tl.constexpr):
+    """1 if one of the aligned words of the window at ``w0`` (those that start at most at
+    ``P - 12``) :func:`_repeats`, else 0: the window gate of ``"planes"``."""
+    k = (w0 >> 2) + tl.arange(0, W // 4)
+    return tl.max(_repeats(data32, k, 4 * k <= P - 12, PL).to(tl.int32))
 
 
 @triton.jit
 def _live_planes(data32, P: tl.constexpr, PL: tl.constexpr):
     """int64 with bit ``p`` set for every bit plane ``p`` (``PL`` bytes each) that holds an
     aligned word (one that starts at most at ``P - 12``) equal to the word 4, 8 or 16 bytes, or
-    one or two planes, before it (:func:`_words_repeat`). Every window of the other, still,
+    one or two planes, before it (:func:`_repeats`). Every window of the other, still,
     planes fails the window gate. 128 words per step: whole planes, or one plane's part."""
     WPP: tl.constexpr = PL // 4
     RW: tl.constexpr = WPP if WPP < 128 else 128
@@ -334,12 +333,7 @@ def _live_planes(data32, P: tl.constexpr, PL: tl.constexpr):
     bits = tl.sum(tl.zeros([NR], tl.int64))
     for s in range(0, P // 4, 128):
         k = s + tl.arange(0, NR)[:, None] * RW + tl.arange(0, RW)[None, :]
-        m = 4 * k <= P - 12
-        w = tl.load(data32 + k, mask=m, other=0)
-        h = _same_word_back(data32, k, w, 1, m) | _same_word_back(data32, k, w, 2, m)
-        h = h | _same_word_back(data32, k, w, 4, m) | _same_word_back(data32, k, w, PL // 4, m)
-        h = h | _same_word_back(data32, k, w, PL // 2, m)
-        row = tl.max(h.to(tl.int64), axis=1)
+        row = tl.max(_repeats(data32, k, 4 * k <= P - 12, PL).to(tl.int64), axis=1)
         plane = ((s + tl.arange(0, NR) * RW) // WPP).to(tl.int64)
         bits = bits | tl.sum(row << plane)
     return bits
@@ -510,7 +504,7 @@ def _lz4_compress_kernel(
                 wend = tl.minimum(w0 + W, MAXS + 1)
                 live = 1
                 if GATE:  # a window without a repeated aligned word is not searched
-                    live = _words_repeat(data32, w0 >> 2, W // 4, P, PL, W // 4)
+                    live = _window_has_repeats(data32, w0, W, P, PL)
                 if live == 0:
                     pos = tl.maximum(pos, wend)
                 else:
@@ -525,7 +519,7 @@ def _lz4_compress_kernel(
                     k0 = (w0 >> 2) + row
                     sh = (lane * 8).to(tl.uint32)
                     word = _row_words(data32, k0, sh, P)
-                    prod = word * 2654435761
+                    prod = word * 2654435761  # the hash tables' (unused by PLANES)
                     h = (prod >> (32 - HB)).to(tl.int32)
                     if PLANES:
                         c = _plane_candidates(data32, idx, k0, lane, word, valid, P, PL, NEAR)
