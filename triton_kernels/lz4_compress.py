@@ -673,6 +673,10 @@ TYPED_ACCEL = 1
 # four probe runs in bench/results/h200_b050f33/: +2-7% on every bf16 corpus, 0-0.1% of ratio;
 # fp32 2-5% slower with one word).
 TYPED_EXTRA_WORDS = {2: 1, 4: 2}
+# No backward extension on bit-shuffled pages: their candidates are exact distances, so a match
+# is found where it starts; the parse model gives the same ratio without it (0-0.02% less on
+# every typed corpus), and it costs a 32-byte compare and a reduction per sequence.
+TYPED_BACK = False
 TYPED_PROBE = {2: 0, 4: 0}
 # The bit-shuffle of a typed page read as 64-bit words (bitshuffle_page_wide) instead of bytes:
 # H200, 64 MiB per corpus (bench/results/h200_1a67841/wide_probe.txt), same blocks, compress
@@ -687,15 +691,16 @@ TYPED_HASH_BITS_DELTA = -2
 
 
 def parse_defaults(element_size: int) -> dict:
-    """The default ``window``, ``accel``, ``probe``, ``candidates``, ``near`` and ``extra_words`` of
-    :func:`compress_pages` for ``element_size``."""
+    """The default ``window``, ``accel``, ``probe``, ``candidates``, ``near``, ``extra_words`` and
+    ``back`` of :func:`compress_pages` for ``element_size``."""
     if element_size > 1:
         return {"window": TYPED_WINDOW, "accel": TYPED_ACCEL,
                 "probe": TYPED_PROBE.get(element_size, 0), "candidates": TYPED_CANDIDATES,
-                "near": TYPED_NEAR, "extra_words": TYPED_EXTRA_WORDS.get(element_size, 2)}
+                "near": TYPED_NEAR, "extra_words": TYPED_EXTRA_WORDS.get(element_size, 2),
+                "back": TYPED_BACK}
     return {"window": DEFAULT_WINDOW, "accel": DEFAULT_ACCEL, "probe": 0,
             "candidates": DEFAULT_CANDIDATES, "near": DEFAULT_NEAR,
-            "extra_words": DEFAULT_EXTRA_WORDS}
+            "extra_words": DEFAULT_EXTRA_WORDS, "back": DEFAULT_BACK}
 
 
 def table_bits(page_size: int, window: int, hash_bits: int | None = None,
@@ -730,7 +735,7 @@ def compress_pages(
     min_match: int | None = None,
     lazy: bool = DEFAULT_LAZY,
     skip: bool = DEFAULT_SKIP,
-    back: bool = DEFAULT_BACK,
+    back: bool | None = None,
     accel: int | None = None,
     probe: int | None = None,
     shuffle_wide: bool | None = None,
@@ -763,7 +768,8 @@ def compress_pages(
     words fail that check are found once per page and passed over whole).
     Parse: ``lazy`` (a match one byte later wins when it is known to be longer), ``skip`` (a
     window wholly inside a match is not hashed; the next one starts at the match's end),
-    ``back`` (a match grows backwards into its literals, up to 32 bytes, as LZ4's does),
+    ``back`` (a match grows backwards into its literals, up to 32 bytes, as LZ4's does;
+    default from :func:`parse_defaults`: on for bytes, off for bit-shuffled pages),
     ``min_match`` (4 to ``4 + 4 * extra_words``; default ``DEFAULT_MIN_MATCH``: shorter
     matches stay literals; fewer, longer sequences decode faster, at some ratio), ``accel``
     (0 = off; ``k`` in 1..8: after ``m`` consecutive windows without a sequence, the next
@@ -787,6 +793,7 @@ def compress_pages(
     candidates = defaults["candidates"] if candidates is None else candidates
     near = defaults["near"] if near is None else near
     extra_words = defaults["extra_words"] if extra_words is None else extra_words
+    back = defaults["back"] if back is None else back
     probe = defaults["probe"] if probe is None else probe
     if probe not in (0, 16, 32) or (probe and probe >= window):
         raise ValueError(f"bad tuning: probe={probe} (0, 16 or 32, below window={window})")
