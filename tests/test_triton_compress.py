@@ -106,7 +106,7 @@ def _known(page: bytes, p: int, c: int, xw: int) -> int:
 
 def _model_block(
     page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int | None = None,
-    lazy: bool | None = None, skip: bool = lc.DEFAULT_SKIP,
+    lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
     min_match: int = lc.DEFAULT_MIN_MATCH, xw: int | None = None,
     back: bool | None = None, accel: int = lc.DEFAULT_ACCEL, plane: int = 0, probe: int = 0,
     hash_bits: int | None = None, gate: bool = True,
@@ -120,7 +120,6 @@ def _model_block(
     near = lc.parse_defaults(e)["near"] if near is None else near
     xw = lc.parse_defaults(e)["extra_words"] if xw is None else xw
     back = lc.parse_defaults(e)["back"] if back is None else back
-    lazy = lc.parse_defaults(e)["lazy"] if lazy is None else lazy
     hb, fb = lc.table_bits(size, window, hash_bits, element_size=e)
     maxs, limit = size - 12, fmt.lz4_keep_limit(size)
     a = np.frombuffer(page, dtype=np.uint8).astype(np.uint64)
