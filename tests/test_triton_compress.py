@@ -117,9 +117,10 @@ def _model_block(
     (default: its default for the page kind); ``gate``: the window gate of ``"planes"``."""
     size = len(page)
     e = size // (8 * plane) if plane else 1
-    near = lc.parse_defaults(e)["near"] if near is None else near
-    xw = lc.parse_defaults(e)["extra_words"] if xw is None else xw
-    back = lc.parse_defaults(e)["back"] if back is None else back
+    defaults = lc.parse_defaults(e)
+    near = defaults["near"] if near is None else near
+    xw = defaults["extra_words"] if xw is None else xw
+    back = defaults["back"] if back is None else back
     hb, fb = lc.table_bits(size, window, hash_bits, element_size=e)
     maxs, limit = size - 12, fmt.lz4_keep_limit(size)
     a = np.frombuffer(page, dtype=np.uint8).astype(np.uint64)

@@ -123,6 +123,17 @@ def compress_eager(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor
     return compress_pages(pages, element_size, traced=False)
 
 
+def decompress_eager(
+    payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
+) -> tuple[Tensor, Tensor]:
+    """As ``torch.ops.pagecomp.decompress``."""
+    if not _use_triton(payload):
+        return torch.ops.pagecomp.decompress(payload, offsets, sizes, kinds, page_size)
+    from triton_kernels.lz4_decompress import decompress_pages
+
+    return decompress_pages(payload, offsets, sizes, kinds, page_size, traced=False)
+
+
 def pack_eager(payload: Tensor, sizes: Tensor, zero_tail: bool = True) -> tuple[Tensor, Tensor]:
     """As ``torch.ops.pagecomp.pack``; ``zero_tail=False``: bytes past ``offsets[N]`` are
     left unwritten on the GPU (see ``triton_kernels.pack.pack_pages``)."""

@@ -14,7 +14,7 @@ import os
 import torch
 
 from . import format as fmt
-from ._ops import compress_eager, decompress_into_eager
+from ._ops import compress_eager, decompress_eager
 from .backend import gpu_status, select_backend
 from .format import CompressedPages, PageCompError
 
@@ -112,9 +112,7 @@ def decompress(
         pages, status = torch.ops.pagecomp.decompress(*(a.cpu() for a in args[:4]), c.page_size)
         pages, status = pages.to(c.device), status.to(c.device)
     elif chosen == "triton" and _direct(*args[:4]):
-        pages = torch.empty((c.num_pages, c.page_size), dtype=torch.uint8, device=c.device)
-        status = torch.empty((c.num_pages,), dtype=torch.int32, device=c.device)
-        decompress_into_eager(*args[:4], pages, status)
+        pages, status = decompress_eager(*args)
     elif c.device.type == "cuda" or chosen in ("cpu", "cpu-served"):
         pages, status = torch.ops.pagecomp.decompress(*args)
     elif _interpreting():
