@@ -70,6 +70,7 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "planes_xw1": dict(candidates="planes", extra_words=1),
     "xw2": dict(extra_words=2),
     "back_on": dict(back=True),  # the backward extension (off on typed pages by default)
+    "lazy_on": dict(lazy=True),  # the lazy step (off on typed pages by default)
     "planes_near4": dict(candidates="planes", near=4),
     # the gate of "planes" (default on) against accel 1 / probe 32, which did its job before
     "nogate_accel1": dict(candidates="planes", gate=False, accel=1),

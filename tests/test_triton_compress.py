@@ -106,7 +106,7 @@ def _known(page: bytes, p: int, c: int, xw: int) -> int:
 
 def _model_block(
     page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int | None = None,
-    lazy: bool = lc.DEFAULT_LAZY, skip: bool = lc.DEFAULT_SKIP,
+    lazy: bool | None = None, skip: bool = lc.DEFAULT_SKIP,
     min_match: int = lc.DEFAULT_MIN_MATCH, xw: int | None = None,
     back: bool | None = None, accel: int = lc.DEFAULT_ACCEL, plane: int = 0, probe: int = 0,
     hash_bits: int | None = None, gate: bool = True,
@@ -121,6 +121,7 @@ def _model_block(
     near = defaults["near"] if near is None else near
     xw = defaults["extra_words"] if xw is None else xw
     back = defaults["back"] if back is None else back
+    lazy = defaults["lazy"] if lazy is None else lazy
     hb, fb = lc.table_bits(size, window, hash_bits, element_size=e)
     maxs, limit = size - 12, fmt.lz4_keep_limit(size)
     a = np.frombuffer(page, dtype=np.uint8).astype(np.uint64)

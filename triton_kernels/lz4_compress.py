@@ -677,6 +677,10 @@ TYPED_EXTRA_WORDS = {2: 1, 4: 2}
 # is found where it starts; the parse model gives the same ratio without it (0-0.02% less on
 # every typed corpus), and it costs a 32-byte compare and a reduction per sequence.
 TYPED_BACK = False
+# No lazy step on bit-shuffled pages: it costs a second warp reduction per short match; the parse
+# model gives 0.03-0.4% less ratio without it (bf16 ReLU 1.3697 -> 1.3647, K/V 1.3847 -> 1.3792,
+# against nvCOMP + bitshuffle's 1.332 / 1.315).
+TYPED_LAZY = False
 TYPED_PROBE = {2: 0, 4: 0}
 # The bit-shuffle of a typed page read as 64-bit words (bitshuffle_page_wide) instead of bytes:
 # H200, 64 MiB per corpus (bench/results/h200_1a67841/wide_probe.txt), same blocks, compress
@@ -691,16 +695,16 @@ TYPED_HASH_BITS_DELTA = -2
 
 
 def parse_defaults(element_size: int) -> dict:
-    """The default ``window``, ``accel``, ``probe``, ``candidates``, ``near``, ``extra_words`` and
-    ``back`` of :func:`compress_pages` for ``element_size``."""
+    """The default ``window``, ``accel``, ``probe``, ``candidates``, ``near``, ``extra_words``,
+    ``back`` and ``lazy`` of :func:`compress_pages` for ``element_size``."""
     if element_size > 1:
         return {"window": TYPED_WINDOW, "accel": TYPED_ACCEL,
                 "probe": TYPED_PROBE.get(element_size, 0), "candidates": TYPED_CANDIDATES,
                 "near": TYPED_NEAR, "extra_words": TYPED_EXTRA_WORDS.get(element_size, 2),
-                "back": TYPED_BACK}
+                "back": TYPED_BACK, "lazy": TYPED_LAZY}
     return {"window": DEFAULT_WINDOW, "accel": DEFAULT_ACCEL, "probe": 0,
             "candidates": DEFAULT_CANDIDATES, "near": DEFAULT_NEAR,
-            "extra_words": DEFAULT_EXTRA_WORDS, "back": DEFAULT_BACK}
+            "extra_words": DEFAULT_EXTRA_WORDS, "back": DEFAULT_BACK, "lazy": DEFAULT_LAZY}
 
 
 def table_bits(page_size: int, window: int, hash_bits: int | None = None,
@@ -733,7 +737,7 @@ def compress_pages(
     candidates: str | None = None,
     near: int | None = None,
     min_match: int | None = None,
-    lazy: bool = DEFAULT_LAZY,
+    lazy: bool | None = None,
     skip: bool = DEFAULT_SKIP,
     back: bool | None = None,
     accel: int | None = None,
@@ -766,7 +770,8 @@ def compress_pages(
     4, 8 or 16 bytes, or one or two planes, before it: the noisy mantissa planes cost one
     check per window; with ``group`` (default on; same blocks), the planes all of whose
     words fail that check are found once per page and passed over whole).
-    Parse: ``lazy`` (a match one byte later wins when it is known to be longer), ``skip`` (a
+    Parse: ``lazy`` (a match one byte later wins when it is known to be longer; default from
+    :func:`parse_defaults`: on for bytes, off for bit-shuffled pages), ``skip`` (a
     window wholly inside a match is not hashed; the next one starts at the match's end),
     ``back`` (a match grows backwards into its literals, up to 32 bytes, as LZ4's does;
     default from :func:`parse_defaults`: on for bytes, off for bit-shuffled pages),
@@ -794,6 +799,7 @@ def compress_pages(
     near = defaults["near"] if near is None else near
     extra_words = defaults["extra_words"] if extra_words is None else extra_words
     back = defaults["back"] if back is None else back
+    lazy = defaults["lazy"] if lazy is None else lazy
     probe = defaults["probe"] if probe is None else probe
     if probe not in (0, 16, 32) or (probe and probe >= window):
         raise ValueError(f"bad tuning: probe={probe} (0, 16 or 32, below window={window})")
