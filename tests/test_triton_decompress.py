@@ -35,7 +35,6 @@ KNOBS = {
     "legacy": dict(lean=False, split=False),  # one fused kernel, as before the knobs
     "lean_fused": dict(lean=True, split=False),  # the checked loop alone, no fast loop
     "fast_split_tile": dict(lean=2, split=True, tile=True),  # fast loop in both kernels
-    "pipelined": dict(lean=3, split=True, tile=True),  # the fast loop software-pipelined
     "split_groups": dict(lean=False, split=True, tile=False),
     "split_tile_plain": dict(lean=False, split=True, tile=True),
     "no_prefetch": dict(prefetch=0),  # (the interpreter never prefetches)
@@ -192,8 +191,7 @@ def test_any_compliant_parse(gen):
     check_against_reference(blocks, out, status)
 
 
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain",
-                                   "pipelined"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain"])
 @pytest.mark.parametrize("element_size", [2, 4])
 def test_shuffled_pages_unshuffle_in_kernel(element_size, knobs, gen):
     vals = torch.randn(2, P // 2, generator=gen).to(torch.bfloat16).relu().view(torch.uint8)
@@ -211,8 +209,7 @@ def test_shuffled_pages_unshuffle_in_kernel(element_size, knobs, gen):
 
 
 @pytest.mark.parametrize("guard", [GUARD, 4096])  # rows misaligned (no word tile) / aligned
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain",
-                                   "pipelined"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain"])
 def test_unshuffle_matches_reference_on_random_bytes(knobs, guard, gen):
     """The in-kernel unshuffle is the reference ``bitunshuffle`` on arbitrary shuffled bytes;
     plain pages between shuffled ones (each kernel of a split launch leaves the other's alone);
@@ -277,7 +274,7 @@ def _blocks_and_status():
     return cases
 
 
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain", "pipelined"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain"])
 @pytest.mark.parametrize("shift", [0, 1])
 def test_malformed_blocks_give_their_status(shift, knobs):
     cases = _blocks_and_status()
@@ -391,8 +388,7 @@ def test_mutation_fuzz_matches_reference(knobs, gen):
 
 # ------------------------------------------------------------------ GPU only
 @needs_cuda
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain", "split_groups",
-                                   "pipelined"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain", "split_groups"])
 @pytest.mark.parametrize("page_size", [4096, 8192, 16384, 32768, 65536])
 def test_gpu_roundtrip_every_kind_and_page_size(page_size, knobs, gen):
     _gpu_roundtrip(page_size, knobs, gen)

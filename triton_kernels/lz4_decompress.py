@@ -46,8 +46,7 @@ RAW_BLOCK = 1024  # bytes per step of a RAW / FILL page
 UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle (fused / TILE off)
 NUM_WARPS = 1
 # Launcher defaults (best guesses until measured on a GPU; each is a keyword of decompress_into):
-LEAN = 2  # 0: _decode_lz4, 1: _decode_lz4_lean, 2: lean with the fast loop (plain decodes),
-# 3: the fast loop software-pipelined
+LEAN = 2  # 0: _decode_lz4, 1: _decode_lz4_lean, 2: lean with the fast loop (plain decodes)
 SPLIT = True  # shuffled LZ4 pages in a second launch, _decompress_shuffled_kernel
 TILE = True  # there: plain decode, then a whole-page unshuffle (pages up to TILE_MAX_PAGE)
 TILE_MAX_PAGE = 4096
@@ -199,53 +198,23 @@ def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift
 
 
 @triton.jit
-def _fast_loads(src, end, tok, ip):
-    """The loads of the sequence at ``ip`` (token ``tok``) that ``_fast_check`` needs:
-    ``(lit, ml, q, b0, b1)``, its lengths without extensions, the offset's position ``q`` and
-    bytes (0 past the block end)."""
+def _fast_next(src, end, tok, ip, op, P: tl.constexpr):
+    """Parse of the sequence at ``ip`` (token ``tok``) for ``_decode_lz4_lean``'s fast loop:
+    ``(lit, ml, q, d, fast)``; ``fast`` when no length has an extension, the offset and a next
+    token lie inside the block (``q + 2 < end``), the sequence fits the page and its offset
+    ``d`` reaches neither before the page start nor is 0. The offset loads are issued here,
+    one sequence ahead of the copies."""
     lit = tok >> 4
     ml = (tok & 15) + 4
     q = ip + 1 + lit
     has = q + 1 < end
     b0 = tl.load(src + q, mask=has, other=0).to(tl.int32)
     b1 = tl.load(src + q + 1, mask=has, other=0).to(tl.int32)
-    return lit, ml, q, b0, b1
-
-
-@triton.jit
-def _fast_check(end, tok, lit, ml, q, b0, b1, op, P: tl.constexpr):
-    """``(d, fast)`` of a sequence parsed by ``_fast_loads`` whose output starts at ``op``:
-    ``fast`` when no length has an extension, the offset and a next token lie inside the block
-    (``q + 2 < end``), the sequence fits the page and its offset ``d`` reaches neither before
-    the page start nor is 0."""
     d = b0 | (b1 << 8)
     room = tl.minimum(end - 3 - q, P - op - lit - ml)  # >= 0: offset, next token, page fit
     fast = (tok < 0xF0) & (ml < 19) & (room >= 0)
     fast = fast & ((d - 1).to(tl.uint32) < (op + lit).to(tl.uint32))  # 1 <= d <= op + lit
-    return d, fast
-
-
-@triton.jit
-def _fast_next(src, end, tok, ip, op, P: tl.constexpr):
-    """``(lit, ml, q, d, fast)`` of the sequence at ``ip`` for ``_decode_lz4_lean``'s fast loop
-    (``_fast_loads`` then ``_fast_check``), one sequence ahead of the copies."""
-    lit, ml, q, b0, b1 = _fast_loads(src, end, tok, ip)
-    d, fast = _fast_check(end, tok, lit, ml, q, b0, b1, op, P)
     return lit, ml, q, d, fast
-
-
-@triton.jit
-def _match_load(row, op, d, ml, ar, VEC: tl.constexpr):
-    """The first ``min(ml, VEC)`` bytes of the match at ``op`` (offset ``d``), one per lane: an
-    overlapping one (``d < ml``, ``d < VEC``) reads ``row[op - d + ar % d]``, ``ar % d`` by a
-    float quotient (exact for ``ar, d < 2**10``)."""
-    mm = ar < ml
-    if d >= tl.minimum(ml, VEC):
-        v = tl.load(row + (op - d + ar), mask=mm)
-    else:
-        qd = ((ar.to(tl.float32) + 0.5) * (1.0 / d.to(tl.float32))).to(tl.int32)
-        v = tl.load(row + (op - d + ar - qd * d), mask=mm)
-    return v
 
 
 @triton.jit
@@ -256,11 +225,10 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
     branches, each of which also makes the next one taken (``p = end``: no offset; ``ml = P``:
     overflow) so that a failed or finished page copies nothing more. Same statuses and bytes.
 
-    With ``FAST`` 1, sequences that ``_fast_next`` vouches for (short lengths, everything in
+    With ``FAST``, sequences that ``_fast_next`` vouches for (short lengths, everything in
     bounds: most of them) go through an inner loop with no status work and one vector copy
     each for the literals and the match; any other sequence (extensions, the last literals, a
-    bad offset) takes one step of the checked loop below, which then hands back. ``FAST`` 2:
-    the same loop software-pipelined (the next sequence's loads issued beside this match's).
+    bad offset) takes one step of the checked loop below, which then hands back.
     """
     ar = tl.arange(0, VEC)
     arb = tl.arange(0, BIG)
@@ -268,40 +236,26 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
     op = end * 0
     st = end * 0 + _RUN
     tok = tl.load(src).to(tl.int32)
-    if FAST > 0:
+    if FAST:
         lit, ml, q, d, fast = _fast_next(src, end, tok, ip, op, P)
     while st == _RUN:
-        if FAST == 1:
+        if FAST:
             while fast:  # VEC >= 32 > lit, ml
                 lm = ar < lit
                 tl.store(row + (op + ar), tl.load(src + (ip + 1 + ar), mask=lm), mask=lm)
                 op += lit
                 ip = q + 2
                 tok = tl.load(src + ip).to(tl.int32)
+                mm = ar < ml
                 tl.debug_barrier()  # the literals and earlier matches are visible to every lane
-                v = _match_load(row, op, d, ml, ar, VEC)
-                tl.store(row + (op + ar), v, mask=ar < ml)
+                if d >= ml:
+                    v = tl.load(row + (op - d + ar), mask=mm)
+                else:  # overlapping: ar % d by a float quotient (exact for ar, d < 2**10)
+                    qd = ((ar.to(tl.float32) + 0.5) * (1.0 / d.to(tl.float32))).to(tl.int32)
+                    v = tl.load(row + (op - d + ar - qd * d), mask=mm)
+                tl.store(row + (op + ar), v, mask=mm)
                 op += ml
                 lit, ml, q, d, fast = _fast_next(src, end, tok, ip, op, P)
-        if FAST == 2:
-            # software-pipelined: the next sequence's literals, offset and the token after it are
-            # loaded together with this match, so a sequence waits on one load instead of three
-            lv = tl.load(src + (ip + 1 + ar), mask=(ar < lit) & (ip + 1 + ar < end))
-            tn = tl.load(src + q + 2, mask=q + 2 < end).to(tl.int32)
-            while fast:  # VEC >= 32 > lit, ml
-                tl.store(row + (op + ar), lv, mask=ar < lit)
-                op += lit
-                ip = q + 2
-                tok = tn
-                tl.debug_barrier()  # the literals and earlier matches are visible to every lane
-                v = _match_load(row, op, d, ml, ar, VEC)
-                lit, ml_next, q, b0, b1 = _fast_loads(src, end, tok, ip)
-                lv = tl.load(src + (ip + 1 + ar), mask=(ar < lit) & (ip + 1 + ar < end))
-                tn = tl.load(src + q + 2, mask=q + 2 < end).to(tl.int32)
-                tl.store(row + (op + ar), v, mask=ar < ml)
-                op += ml
-                ml = ml_next
-                d, fast = _fast_check(end, tok, lit, ml, q, b0, b1, op, P)
         lit = tok >> 4
         p = ip + 1
         if lit == 15:
@@ -338,9 +292,14 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
             ml = 0
         tok = tl.load(src + p, mask=p < end).to(tl.int32)  # next token, early
         start = op - d
+        mm = ar < ml
         tl.debug_barrier()  # the literals and earlier matches are visible to every lane
-        v = _match_load(row, op, d, ml, ar, VEC)
-        tl.store(row + (op + ar), v, mask=ar < ml)
+        if d >= tl.minimum(ml, VEC):
+            v = tl.load(row + (start + ar), mask=mm)
+        else:  # overlapping, d < VEC: ar % d by a float quotient (exact for ar, d < 2**10)
+            qd = ((ar.to(tl.float32) + 0.5) * (1.0 / d.to(tl.float32))).to(tl.int32)
+            v = tl.load(row + (start + ar - qd * d), mask=mm)
+        tl.store(row + (op + ar), v, mask=mm)
         if ml > VEC:
             if d >= ml:
                 for k in range(VEC, ml, BIG):
@@ -357,7 +316,7 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
                     r = tl.where(r >= d, r - d, r)
         op += ml
         ip = p
-        if FAST > 0:
+        if FAST:
             lit, ml, q, d, fast = _fast_next(src, end, tok, ip, op, P)
             fast = fast & (st == _RUN)
     return st
@@ -369,7 +328,7 @@ def _decode_plain(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.con
     """Contiguous decode of one block: ``LEAN`` 0 ``_decode_lz4``, 1 ``_decode_lz4_lean``, 2 the
     lean decoder with its fast loop."""
     if LEAN != 0:
-        st = _decode_lz4_lean(src, end, row, P, VEC, BIG, EXT, LEAN - 1)
+        st = _decode_lz4_lean(src, end, row, P, VEC, BIG, EXT, LEAN == 2)
     else:
         st = _decode_lz4(src, end, row, P, False, 0, 0, VEC, BIG, EXT)
     return st
