@@ -54,6 +54,11 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "pps20": dict(programs_per_sm=20),
     "pps24": dict(programs_per_sm=24),
     "pps32": dict(programs_per_sm=32),
+    # more one-warp programs per SM under a register cap (typed compressor: 96 registers, 21
+    # warps per SM at most)
+    "pps20_r96": dict(programs_per_sm=20, maxnreg=96),
+    "pps24_r80": dict(programs_per_sm=24, maxnreg=80),
+    "pps32_r64": dict(programs_per_sm=32, maxnreg=64),
     # the hash table: 2048 / 1024 / 512 / 256 entries; "store": plain loads and stores of it
     "hb11": dict(hash_bits=11),
     "hb10": dict(hash_bits=10),
@@ -130,6 +135,22 @@ def sequences(payload: torch.Tensor, sizes: torch.Tensor, kinds: torch.Tensor, k
     return total / max(1, pages)
 
 
+def _compiled() -> set:
+    """The compressor's compiled kernels (a set of cache entries; empty where this Triton keeps
+    them elsewhere)."""
+    try:
+        return {(d, k, id(v)) for d, c in C._lz4_compress_kernel.device_caches.items()
+                for k, v in c[0].items()}
+    except (AttributeError, IndexError, TypeError):
+        return set()
+
+
+def _regs(entry) -> str:
+    d, k, _ = entry
+    kern = C._lz4_compress_kernel.device_caches[d][0][k]
+    return f"{getattr(kern, 'n_regs', '?')} registers, {getattr(kern, 'n_spills', '?')} spills"
+
+
 def _variant_row(name: str, v: str, pages: torch.Tensor, e: int, dev: torch.device,
                  decoders: list[str]) -> str:
     """One table row: compress with variant ``v``, check the round trip, time both ways."""
@@ -140,7 +161,10 @@ def _variant_row(name: str, v: str, pages: torch.Tensor, e: int, dev: torch.devi
     status = torch.empty(n, dtype=torch.int32, device=dev)
     # traced=False: a direct launch, as the ops make in eager mode (a wrap_triton launch outside
     # an op costs ~200 us of host time, enough to leave the GPU idle between 64 MiB calls)
+    seen = _compiled()
     payload, sizes, kinds = C.compress_pages(pages, e, traced=False, **kw)
+    for k in _compiled() - seen:  # compiled for this row: its registers and spills
+        print(f"# {name} {v}: {_regs(k)}", flush=True)
     ct = median(measure(lambda: C.compress_pages(pages, e, traced=False, **kw), dev, 20, 3))
     out.fill_(0xA5)
     flat = payload.view(-1)
@@ -192,6 +216,10 @@ def main() -> None:
     ap.add_argument("--decoders", default="default,lean=1,lean=2")
     a = ap.parse_args()
     decoders = a.decoders.split(",")
+    unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
+    unknown += [d for d in decoders if d not in DECODERS]
+    if unknown:  # before any corpus is built: a typo costs no device time
+        ap.error(f"unknown variants / decoders: {', '.join(unknown)}")
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     nbytes = (a.mib << 20) if cuda else 4 * 4096

@@ -745,6 +745,7 @@ def compress_pages(
     shuffle_wide: bool | None = None,
     gate: bool = True,
     group: bool = True,
+    maxnreg: int | None = None,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress ``uint8 [N, P]`` pages (contiguous, ``P`` a power of two in [4096, 65536]).
@@ -789,8 +790,10 @@ def compress_pages(
     ``probe`` positions instead of a window (``bench.dev_accel_model --probe``: positions
     hashed and ratio); matches later in such a window are missed. ``shuffle_wide`` (default
     ``SHUFFLE_WIDE``; same bytes either way): the bit-shuffle reads the page as 64-bit words
-    instead of bytes, where ``pages`` starts 8-byte aligned (else bytes). ``traced=False``
-    launches directly (eager callers outside the ops: see ``triton_kernels.launch``).
+    instead of bytes, where ``pages`` starts 8-byte aligned (else bytes). ``maxnreg`` (GPU
+    only): ptxas' register cap per thread, so that more one-warp programs fit an SM (with
+    ``programs_per_sm``). ``traced=False`` launches directly (eager callers outside the ops:
+    see ``triton_kernels.launch``).
     """
     defaults = parse_defaults(element_size)
     window = defaults["window"] if window is None else window
@@ -849,5 +852,7 @@ def compress_pages(
         GROUP_PLANES=group, MINML=min_match,
         LAZY=lazy, SKIP=skip, BACK=back, ACC=accel, PROBE=probe, SW=wide,
     )
+    if maxnreg and not interpreting():
+        meta["maxnreg"] = maxnreg
     launch(_lz4_compress_kernel, (grid,), dev, args, meta, traced)
     return payload, sizes, kinds
