@@ -82,6 +82,7 @@ VARIANTS = {  # every flag spelled out, so a variant means the same whatever the
     "nogate_accel1_probe32": dict(candidates="planes", gate=False, accel=1, probe=32),
     "gate_accel1": dict(candidates="planes", gate=True, accel=1),
     "nogroup": dict(group=False),  # the window gate alone (same blocks as the default)
+    "pairs_off": dict(pairs=False),  # the still-plane scan on 32-bit loads (same blocks)
     "default": {},
 }
 # decoder settings timed per row (keywords of ``decompress_into``), chosen with --decoders:

@@ -556,6 +556,43 @@ def test_planes_group_gate_gives_the_same_blocks(element_size):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_still_plane_scan_finds_a_single_repeated_word(element_size):
+    """The still-plane scan (64-bit loads with ``pairs``, the default; 32-bit without) must mark
+    live every plane that holds one repeated aligned word: pages of random (still) planes, one
+    or two zero planes (so the pages store as LZ4), and one planted 5-byte repeat each (one aligned word), 4, 8, 16 bytes
+    or one or two planes back, at the first words of the page and of a plane and at the last
+    word that may start a match. Both scans write the model's blocks, with a match there."""
+    size, plane = P4K, P4K // (8 * element_size)
+    wpp = plane // 4  # words per plane
+    last = (size - 12) // 4  # the last word that may start a match
+    cases = [(1, 1), (2, 1), (2, 2), (3, 2), (4, 4), (5, 4), (wpp, wpp), (wpp + 1, wpp),
+             (2 * wpp, 2 * wpp), (3 * wpp - 1, 2 * wpp), (last, 1), (last - 1, 2), (last, wpp),
+             (last, 2 * wpp)]
+    rows = []
+    for k, d in cases:
+        page = bytearray(_rand(size))
+        z = 8 * element_size - 4  # 256 zero bytes (whole planes) away from the planted words
+        page[(z + 1) * plane - 256:(z + 1) * plane] = bytes(256)
+        for b in range(4 * k, 4 * k + 5):  # word k alone repeats (forward: d 1 is a run)
+            page[b] = page[b - 4 * d]
+        rows.append(bitunshuffle(torch.frombuffer(page, dtype=torch.uint8)[None], element_size))
+    pages = torch.cat(rows)
+    wide = _check(pages, element_size, accel=0)  # accel 0: every window of a live plane
+    narrow = lc.compress_pages(pages, element_size, accel=0, pairs=False)
+    for a, b in zip(wide, narrow):
+        assert torch.equal(a, b)
+    payload, sizes, kinds = wide
+    for i, (k, d) in enumerate(cases):
+        assert int(kinds[i]) & 15 == fmt.KIND_LZ4, (k, d)
+        op, covered = 0, False
+        for lit, _, ml in _sequences(payload[i, : int(sizes[i])].numpy().tobytes(), size):
+            op += lit
+            covered |= ml > 0 and op <= 4 * k < op + ml
+            op += ml
+        assert covered, f"no match over the repeat at word {k}, {4 * d} bytes back"
+
+
 @interpret_only
 def test_planes_gate_passes_over_windows_without_repeated_words():
     """The gate searches a window only if one of its aligned words repeats (4, 8, 16 bytes or

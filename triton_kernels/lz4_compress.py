@@ -134,8 +134,9 @@ def _match_len(data, p, c, known, P: tl.constexpr, EXT: tl.constexpr):
         m = i < P - 5
         x = _word_at(data32, i, m) ^ _word_at(data32, i - (p - c), m)
         nb = tl.where(m, tl.minimum(_equal_bytes(x), P - 5 - i), 0)
-        first = tl.min(tl.where(nb < 4, k, EXT // 4))  # the first word not wholly equal
-        d = 4 * first + tl.sum(tl.where(k == first, nb, 0))
+        # the first word not wholly equal and its equal bytes, in one reduction
+        f = tl.min(tl.where(nb < 4, 8 * k + nb, 8 * (EXT // 4)))
+        d = 4 * (f >> 3) + (f & 7)
         n += d
         go = d == EXT
     return n - p
@@ -322,20 +323,56 @@ def _window_has_repeats(data32, w0, W: tl.constexpr, P: tl.constexpr, PL: tl.con
 
 
 @triton.jit
-def _live_planes(data32, P: tl.constexpr, PL: tl.constexpr):
+def _repeats_pairs(data64, j, P: tl.constexpr, PL: tl.constexpr):
+    """:func:`_repeats` of the two aligned 32-bit words of each 64-bit word ``j`` (words ``2j``,
+    ``2j + 1``), ORed: the same test with a fifth of the loads (each 64-bit load brings two
+    words and the words one, two and four back come from three loads). Words past ``P - 12``
+    count as not repeating, as there."""
+    LO: tl.constexpr = 0xFFFFFFFF
+    m = j < P // 8
+    cur = tl.load(data64 + j, mask=m, other=0)
+    b1 = tl.load(data64 + j - 1, mask=m & (j >= 1), other=0)  # words 2j - 2, 2j - 1
+    b2 = tl.load(data64 + j - 2, mask=m & (j >= 2), other=0)  # words 2j - 4, 2j - 3
+    p1 = tl.load(data64 + j - PL // 8, mask=m & (j >= PL // 8), other=0)  # one plane back
+    p2 = tl.load(data64 + j - PL // 4, mask=m & (j >= PL // 4), other=0)  # two planes back
+    x1, x2, x3, x4 = cur ^ b1, cur ^ b2, cur ^ p1, cur ^ p2
+    lo = ((cur ^ (b1 >> 32)) & LO) == 0  # word 2j against 4, 8, 16 bytes, 1, 2 planes back
+    lo = (lo | ((x1 & LO) == 0)) & (j >= 1)
+    lo = lo | (((x2 & LO) == 0) & (j >= 2))
+    lo = lo | (((x3 & LO) == 0) & (j >= PL // 8)) | (((x4 & LO) == 0) & (j >= PL // 4))
+    hi = (((cur >> 32) ^ cur) & LO) == 0  # word 2j + 1
+    hi = hi | (((x1 >> 32) == 0) & (j >= 1)) | (((x2 >> 32) == 0) & (j >= 2))
+    hi = hi | (((x3 >> 32) == 0) & (j >= PL // 8)) | (((x4 >> 32) == 0) & (j >= PL // 4))
+    return (lo & (8 * j <= P - 12)) | (hi & (8 * j + 4 <= P - 12))
+
+
+@triton.jit
+def _live_planes(data32, P: tl.constexpr, PL: tl.constexpr, PAIRS: tl.constexpr):
     """int64 with bit ``p`` set for every bit plane ``p`` (``PL`` bytes each) that holds an
     aligned word (one that starts at most at ``P - 12``) equal to the word 4, 8 or 16 bytes, or
     one or two planes, before it (:func:`_repeats`). Every window of the other, still,
-    planes fails the window gate. 128 words per step: whole planes, or one plane's part."""
-    WPP: tl.constexpr = PL // 4
-    RW: tl.constexpr = WPP if WPP < 128 else 128
-    NR: tl.constexpr = 128 // RW
-    bits = tl.sum(tl.zeros([NR], tl.int64))
-    for s in range(0, P // 4, 128):
-        k = s + tl.arange(0, NR)[:, None] * RW + tl.arange(0, RW)[None, :]
-        row = tl.max(_repeats(data32, k, 4 * k <= P - 12, PL).to(tl.int64), axis=1)
-        plane = ((s + tl.arange(0, NR) * RW) // WPP).to(tl.int64)
-        bits = bits | tl.sum(row << plane)
+    planes fails the window gate. 128 words per step: whole planes, or one plane's part; with
+    ``PAIRS`` (``data32`` 8-byte aligned) read as 64-bit words (:func:`_repeats_pairs`)."""
+    bits = tl.sum(tl.zeros([2], tl.int64))
+    if PAIRS:
+        JPP: tl.constexpr = PL // 8  # 64-bit words per plane
+        RJ: tl.constexpr = JPP if JPP < 64 else 64
+        NJ: tl.constexpr = 64 // RJ
+        data64 = data32.to(tl.pointer_type(tl.uint64))
+        for s in range(0, P // 8, 64):
+            j = s + tl.arange(0, NJ)[:, None] * RJ + tl.arange(0, RJ)[None, :]
+            row = tl.max(_repeats_pairs(data64, j, P, PL).to(tl.int64), axis=1)
+            plane = ((s + tl.arange(0, NJ) * RJ) // JPP).to(tl.int64)
+            bits = bits | tl.sum(row << plane)
+    else:
+        WPP: tl.constexpr = PL // 4
+        RW: tl.constexpr = WPP if WPP < 128 else 128
+        NR: tl.constexpr = 128 // RW
+        for s in range(0, P // 4, 128):
+            k = s + tl.arange(0, NR)[:, None] * RW + tl.arange(0, RW)[None, :]
+            row = tl.max(_repeats(data32, k, 4 * k <= P - 12, PL).to(tl.int64), axis=1)
+            plane = ((s + tl.arange(0, NR) * RW) // WPP).to(tl.int64)
+            bits = bits | tl.sum(row << plane)
     return bits
 
 
@@ -412,6 +449,7 @@ def _lz4_compress_kernel(
     PLANES: tl.constexpr,
     GATE: tl.constexpr,
     GROUP_PLANES: tl.constexpr,
+    PAIRS: tl.constexpr,
     MINML: tl.constexpr,
     LAZY: tl.constexpr,
     SKIP: tl.constexpr,
@@ -495,7 +533,7 @@ def _lz4_compress_kernel(
             misses = 0
             dead = 0  # windows in a row without a sequence (PROBE; across bit planes)
             if GROUP:
-                live_planes = _live_planes(data32, P, PL)
+                live_planes = _live_planes(data32, P, PL, PAIRS)
                 w0 = _skip_still_planes(w0, live_planes, P, PL, PLB)
             while w0 <= MAXS:
                 wc += 1
@@ -745,6 +783,7 @@ def compress_pages(
     shuffle_wide: bool | None = None,
     gate: bool = True,
     group: bool = True,
+    pairs: bool = True,
     maxnreg: int | None = None,
     traced: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -770,7 +809,8 @@ def compress_pages(
     (default on), a window is searched only if one of its aligned 32-bit words equals the word
     4, 8 or 16 bytes, or one or two planes, before it: the noisy mantissa planes cost one
     check per window; with ``group`` (default on; same blocks), the planes all of whose
-    words fail that check are found once per page and passed over whole).
+    words fail that check are found once per page and passed over whole, read as 64-bit words
+    with ``pairs``, default on; same blocks).
     Parse: ``lazy`` (a match one byte later wins when it is known to be longer; default from
     :func:`parse_defaults`: on for bytes, off for bit-shuffled pages), ``skip`` (a
     window wholly inside a match is not hashed; the next one starts at the match's end),
@@ -849,7 +889,7 @@ def compress_pages(
         W=window, XW=extra_words, EXT=128, V=64, CH=128, num_warps=num_warps,
         STORE=candidates != "atomic", NEAR=near if candidates != "atomic" else 0,
         AMAX=candidates == "store-max", PLANES=planes, GATE=planes and gate,
-        GROUP_PLANES=group, MINML=min_match,
+        GROUP_PLANES=group, PAIRS=pairs, MINML=min_match,
         LAZY=lazy, SKIP=skip, BACK=back, ACC=accel, PROBE=probe, SW=wide,
     )
     if maxnreg and not interpreting():
