@@ -154,6 +154,34 @@ def check_against_reference(blocks, pages, status, page_size=P, seed=None, kinds
             assert bytes(pages[i].numpy()) == data, f"{where} decoded wrong"
 
 
+@pytest.mark.parametrize("knobs", ["default", "legacy", "lean_fused"])
+def test_length_extensions_at_the_fast_loop_edges(knobs, gen):
+    """Literal runs of 14, 15, 16, 31-33, 269 (one extension byte, 254) and 270 (two: 255, 0)
+    bytes and matches of 18-20, 50, 273 and 274 bytes, offsets 1, 3, 17 (overlapping) and
+    longer (the fast loop's edge: one extension byte sends a sequence to the checked loop):
+    every decoder gives the reference's bytes."""
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    lits = [14, 15, 16, 31, 32, 33, 269, 270, 0, 1]
+    mls = [18, 19, 20, 50, 273, 274, 4, 33]
+    blocks = []
+    for _ in range(12):
+        seqs, op = [], 0
+        while True:
+            lit, ml = rng.choice(lits), rng.choice(mls)
+            if op + lit + ml > P - 12:
+                break
+            hi = op + lit
+            if hi == 0:
+                lit = hi = 1
+            d = min(rng.choice([1, 3, 17, 300, hi]), hi)
+            seqs.append((rng.randbytes(lit), d, ml))
+            op += lit + ml
+        blocks.append(encode(seqs, rng.randbytes(P - op)))
+    out, status = run_blocks(blocks, knobs=KNOBS[knobs])
+    check_against_reference(blocks, out, status)
+    assert not status.any()
+
+
 # --------------------------------------------------------------- valid pages, every kind
 @pytest.mark.parametrize("mode", ["default", "fast", "high_compression"])
 def test_lz4_modes_decode_bit_exact(mode, gen):
