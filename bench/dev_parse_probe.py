@@ -94,7 +94,6 @@ DECODERS = {
     "default": {},
     "lean=1": {"lean": 1},
     "lean=2": {"lean": 2},
-    "lean=3": {"lean": 3},  # the fast loop also for one-byte length extensions
     "pf0": {"prefetch": 0},
     "pf2": {"prefetch": 2},
     # not a decoder: shuffled blocks decoded as plain LZ4 (no unshuffle; the bytes stay shuffled,

@@ -35,7 +35,6 @@ KNOBS = {
     "legacy": dict(lean=False, split=False),  # one fused kernel, as before the knobs
     "lean_fused": dict(lean=True, split=False),  # the checked loop alone, no fast loop
     "fast_split_tile": dict(lean=2, split=True, tile=True),  # fast loop in both kernels
-    "fast_ext": dict(lean=3),  # the fast loop also for one-byte length extensions
     "split_groups": dict(lean=False, split=True, tile=False),
     "split_tile_plain": dict(lean=False, split=True, tile=True),
     "no_prefetch": dict(prefetch=0),  # (the interpreter never prefetches)
@@ -155,7 +154,7 @@ def check_against_reference(blocks, pages, status, page_size=P, seed=None, kinds
             assert bytes(pages[i].numpy()) == data, f"{where} decoded wrong"
 
 
-@pytest.mark.parametrize("knobs", ["default", "legacy", "lean_fused", "fast_ext"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "lean_fused"])
 def test_length_extensions_at_the_fast_loop_edges(knobs, gen):
     """Literal runs of 14, 15, 16, 31-33, 269 (one extension byte, 254) and 270 (two: 255, 0)
     bytes and matches of 18-20, 50, 273 and 274 bytes, offsets 1, 3, 17 (overlapping) and
@@ -220,8 +219,7 @@ def test_any_compliant_parse(gen):
     check_against_reference(blocks, out, status)
 
 
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain",
-                                   "fast_ext"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain"])
 @pytest.mark.parametrize("element_size", [2, 4])
 def test_shuffled_pages_unshuffle_in_kernel(element_size, knobs, gen):
     vals = torch.randn(2, P // 2, generator=gen).to(torch.bfloat16).relu().view(torch.uint8)
@@ -239,8 +237,7 @@ def test_shuffled_pages_unshuffle_in_kernel(element_size, knobs, gen):
 
 
 @pytest.mark.parametrize("guard", [GUARD, 4096])  # rows misaligned (no word tile) / aligned
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain",
-                                   "fast_ext"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain"])
 def test_unshuffle_matches_reference_on_random_bytes(knobs, guard, gen):
     """The in-kernel unshuffle is the reference ``bitunshuffle`` on arbitrary shuffled bytes;
     plain pages between shuffled ones (each kernel of a split launch leaves the other's alone);
@@ -305,7 +302,7 @@ def _blocks_and_status():
     return cases
 
 
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain", "fast_ext"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain"])
 @pytest.mark.parametrize("shift", [0, 1])
 def test_malformed_blocks_give_their_status(shift, knobs):
     cases = _blocks_and_status()
@@ -419,8 +416,7 @@ def test_mutation_fuzz_matches_reference(knobs, gen):
 
 # ------------------------------------------------------------------ GPU only
 @needs_cuda
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain", "split_groups",
-                                   "fast_ext"])
+@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain", "split_groups"])
 @pytest.mark.parametrize("page_size", [4096, 8192, 16384, 32768, 65536])
 def test_gpu_roundtrip_every_kind_and_page_size(page_size, knobs, gen):
     _gpu_roundtrip(page_size, knobs, gen)

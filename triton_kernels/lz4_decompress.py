@@ -46,8 +46,7 @@ RAW_BLOCK = 1024  # bytes per step of a RAW / FILL page
 UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle (fused / TILE off)
 NUM_WARPS = 1
 # Launcher defaults (best guesses until measured on a GPU; each is a keyword of decompress_into):
-LEAN = 2  # 0: _decode_lz4, 1: _decode_lz4_lean, 2: lean with the fast loop (plain decodes),
-# 3: the fast loop also for lengths with one extension byte
+LEAN = 2  # 0: _decode_lz4, 1: _decode_lz4_lean, 2: lean with the fast loop (plain decodes)
 SPLIT = True  # shuffled LZ4 pages in a second launch, _decompress_shuffled_kernel
 TILE = True  # there: plain decode, then a whole-page unshuffle (pages up to TILE_MAX_PAGE)
 TILE_MAX_PAGE = 4096
@@ -199,40 +198,23 @@ def _decode_lz4(src, end, row, P: tl.constexpr, SHUF: tl.constexpr, glog, gshift
 
 
 @triton.jit
-def _fast_next(src, end, tok, ip, op, P: tl.constexpr, X1: tl.constexpr):
+def _fast_next(src, end, tok, ip, op, P: tl.constexpr):
     """Parse of the sequence at ``ip`` (token ``tok``) for ``_decode_lz4_lean``'s fast loop:
-    ``(lit, ml, p, nxt, d, fast)``, literals at ``p``, the next token at ``nxt``; ``fast`` when
-    no length has an extension (``X1``: at most one extension byte each, below 255), the offset
-    and the next token lie inside the block (``nxt < end``), the sequence fits the page and its
-    offset ``d`` reaches neither before the page start nor is 0. The offset loads are issued
-    here, one sequence ahead of the copies."""
+    ``(lit, ml, q, d, fast)``; ``fast`` when no length has an extension, the offset and a next
+    token lie inside the block (``q + 2 < end``), the sequence fits the page and its offset
+    ``d`` reaches neither before the page start nor is 0. The offset loads are issued here,
+    one sequence ahead of the copies."""
     lit = tok >> 4
-    mf = tok & 15
-    p = ip + 1
-    if X1:  # one literal-length extension byte, read where the field is 15
-        le = lit == 15
-        x = tl.load(src + p, mask=le & (p < end), other=0).to(tl.int32)
-        lit += x
-        p += le.to(tl.int32)
-    q = p + lit
+    ml = (tok & 15) + 4
+    q = ip + 1 + lit
     has = q + 1 < end
     b0 = tl.load(src + q, mask=has, other=0).to(tl.int32)
     b1 = tl.load(src + q + 1, mask=has, other=0).to(tl.int32)
     d = b0 | (b1 << 8)
-    ml = mf + 4
-    nxt = q + 2
-    if X1:  # one match-length extension byte after the offset
-        me = mf == 15
-        y = tl.load(src + nxt, mask=me & (nxt < end), other=0).to(tl.int32)
-        ml += y
-        nxt += me.to(tl.int32)
-        ok = (x < 255) & (y < 255)
-    else:
-        ok = (tok < 0xF0) & (mf < 15)
-    room = tl.minimum(end - 1 - nxt, P - op - lit - ml)  # >= 0: next token, page fit
-    fast = ok & (room >= 0)
+    room = tl.minimum(end - 3 - q, P - op - lit - ml)  # >= 0: offset, next token, page fit
+    fast = (tok < 0xF0) & (ml < 19) & (room >= 0)
     fast = fast & ((d - 1).to(tl.uint32) < (op + lit).to(tl.uint32))  # 1 <= d <= op + lit
-    return lit, ml, p, nxt, d, fast
+    return lit, ml, q, d, fast
 
 
 @triton.jit
@@ -243,12 +225,10 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
     branches, each of which also makes the next one taken (``p = end``: no offset; ``ml = P``:
     overflow) so that a failed or finished page copies nothing more. Same statuses and bytes.
 
-    With ``FAST`` (1 or 2), sequences that ``_fast_next`` vouches for (short lengths, everything
-    in bounds: most of them) go through an inner loop with no status work and one vector copy
+    With ``FAST``, sequences that ``_fast_next`` vouches for (short lengths, everything in
+    bounds: most of them) go through an inner loop with no status work and one vector copy
     each for the literals and the match; any other sequence (extensions, the last literals, a
-    bad offset) takes one step of the checked loop below, which then hands back. ``FAST`` 2
-    also takes lengths with one extension byte into the fast loop (the bytes past the first
-    ``VEC`` copied in a rarely taken branch).
+    bad offset) takes one step of the checked loop below, which then hands back.
     """
     ar = tl.arange(0, VEC)
     arb = tl.arange(0, BIG)
@@ -256,42 +236,26 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
     op = end * 0
     st = end * 0 + _RUN
     tok = tl.load(src).to(tl.int32)
-    X1: tl.constexpr = FAST == 2
-    if FAST > 0:
-        lit, ml, p, nxt, d, fast = _fast_next(src, end, tok, ip, op, P, X1)
+    if FAST:
+        lit, ml, q, d, fast = _fast_next(src, end, tok, ip, op, P)
     while st == _RUN:
-        if FAST > 0:
-            while fast:  # the first VEC bytes of each copy in one step (all, without X1)
+        if FAST:
+            while fast:  # VEC >= 32 > lit, ml
                 lm = ar < lit
-                tl.store(row + (op + ar), tl.load(src + (p + ar), mask=lm), mask=lm)
-                if X1:
-                    if lit > VEC:  # a long run (one extension byte): the rest
-                        for k in range(VEC, lit, VEC):
-                            lm = k + ar < lit
-                            tl.store(row + (op + k + ar), tl.load(src + (p + k + ar), mask=lm),
-                                     mask=lm)
+                tl.store(row + (op + ar), tl.load(src + (ip + 1 + ar), mask=lm), mask=lm)
                 op += lit
-                ip = nxt
+                ip = q + 2
                 tok = tl.load(src + ip).to(tl.int32)
                 mm = ar < ml
                 tl.debug_barrier()  # the literals and earlier matches are visible to every lane
-                if d >= tl.minimum(ml, VEC):
+                if d >= ml:
                     v = tl.load(row + (op - d + ar), mask=mm)
                 else:  # overlapping: ar % d by a float quotient (exact for ar, d < 2**10)
                     qd = ((ar.to(tl.float32) + 0.5) * (1.0 / d.to(tl.float32))).to(tl.int32)
                     v = tl.load(row + (op - d + ar - qd * d), mask=mm)
                 tl.store(row + (op + ar), v, mask=mm)
-                if X1:
-                    if ml > VEC:  # a long match: the rest, reading only bytes before op
-                        rd = 1.0 / d.to(tl.float32)
-                        for k in range(VEC, ml, VEC):
-                            i = k + ar
-                            r = i - tl.where(d >= ml, 0, ((i.to(tl.float32) + 0.5) * rd).to(
-                                tl.int32) * d)
-                            tl.store(row + (op + i), tl.load(row + (op - d + r), mask=i < ml),
-                                     mask=i < ml)
                 op += ml
-                lit, ml, p, nxt, d, fast = _fast_next(src, end, tok, ip, op, P, X1)
+                lit, ml, q, d, fast = _fast_next(src, end, tok, ip, op, P)
         lit = tok >> 4
         p = ip + 1
         if lit == 15:
@@ -352,8 +316,8 @@ def _decode_lz4_lean(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.
                     r = tl.where(r >= d, r - d, r)
         op += ml
         ip = p
-        if FAST > 0:
-            lit, ml, p, nxt, d, fast = _fast_next(src, end, tok, ip, op, P, X1)
+        if FAST:
+            lit, ml, q, d, fast = _fast_next(src, end, tok, ip, op, P)
             fast = fast & (st == _RUN)
     return st
 
@@ -364,7 +328,7 @@ def _decode_plain(src, end, row, P: tl.constexpr, VEC: tl.constexpr, BIG: tl.con
     """Contiguous decode of one block: ``LEAN`` 0 ``_decode_lz4``, 1 ``_decode_lz4_lean``, 2 the
     lean decoder with its fast loop."""
     if LEAN != 0:
-        st = _decode_lz4_lean(src, end, row, P, VEC, BIG, EXT, LEAN - 1)
+        st = _decode_lz4_lean(src, end, row, P, VEC, BIG, EXT, LEAN == 2)
     else:
         st = _decode_lz4(src, end, row, P, False, 0, 0, VEC, BIG, EXT)
     return st
