@@ -22,14 +22,14 @@ header() {
 case "${1:-tests}" in
 tests)
     header tests | tee "$OUT/tests.txt"
-    timeout 440 python3 -m pytest -q -p no:cacheprovider tests -m "not fuzz" -rfEs \
+    timeout 465 python3 -m pytest -q -p no:cacheprovider tests -m "not fuzz" -rfEs \
         --durations=8 2>&1 | tee -a "$OUT/tests.txt" | tail -n 40
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests -m fuzz -rfE 2>&1 \
+    timeout 40 python3 -m pytest -q -p no:cacheprovider tests -m fuzz -rfE 2>&1 \
         | tee -a "$OUT/tests.txt" | tail -n 3
     echo "== compute-sanitizer memcheck" | tee -a "$OUT/tests.txt"
-    timeout 60 compute-sanitizer --tool memcheck python3 -m bench.dev_decompress_probe \
+    timeout 40 compute-sanitizer --tool memcheck python3 -m bench.dev_decompress_probe \
         --sanitize --variants default 2>&1 | tail -n 4 | tee -a "$OUT/tests.txt"
-    timeout 55 compute-sanitizer --tool memcheck python3 -m pytest -q -p no:cacheprovider \
+    timeout 40 compute-sanitizer --tool memcheck python3 -m pytest -q -p no:cacheprovider \
         tests/test_triton_compress.py -k "round_trip_all_sizes and (4096 or 65536)" 2>&1 \
         | grep -E "ERROR SUMMARY|passed|failed" | tee -a "$OUT/tests.txt"
     ;;

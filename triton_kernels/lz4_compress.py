@@ -46,8 +46,9 @@ Design: one warp owns one page at a time (``num_warps=1``: warp-wide reductions 
    extensions as vectors of 255s. The LZ4 end rules
    hold by construction: matches start at most at ``P - 12`` and end at most at ``P - 5``;
    offsets are ``1..P - 12`` (so at most 65524 for 64 KiB pages).
-   Lazy step (default): when the match found is short (known length < ``4 + 4 * XW``), the
-   next position's candidate is taken instead if it is known to be longer. Matches shorter
+   Lazy step (default on bytes, off on bit-shuffled pages): when the match found is short
+   (known length < ``4 + 4 * XW``), the next position's candidate is taken instead if it is
+   known to be longer. Matches shorter
    than ``min_match`` (default 5) stay literals: fewer sequences, faster decoding. A window
    that the last match ran past is not
    hashed at all: the next window starts at the match's end (4-aligned), as LZ4 skips the
@@ -717,7 +718,9 @@ TYPED_EXTRA_WORDS = {2: 1, 4: 2}
 TYPED_BACK = False
 # No lazy step on bit-shuffled pages: it costs a second warp reduction per short match; the parse
 # model gives 0.03-0.4% less ratio without it (bf16 ReLU 1.3697 -> 1.3647, K/V 1.3847 -> 1.3792,
-# against nvCOMP + bitshuffle's 1.332 / 1.315).
+# against nvCOMP + bitshuffle's 1.332 / 1.315). H200, 64 MiB (bench/results/h200_c6517cc/):
+# compress bf16 ReLU and random-normal +5%, the other typed corpora within the probe's spread;
+# decode 1-3% slower (relu: 35 -> 38 sequences per page).
 TYPED_LAZY = False
 TYPED_PROBE = {2: 0, 4: 0}
 # The bit-shuffle of a typed page read as 64-bit words (bitshuffle_page_wide) instead of bytes:
