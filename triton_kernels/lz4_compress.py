@@ -326,9 +326,9 @@ def _window_has_repeats(data32, w0, W: tl.constexpr, P: tl.constexpr, PL: tl.con
 @triton.jit
 def _repeats_pairs(data64, j, P: tl.constexpr, PL: tl.constexpr):
     """:func:`_repeats` of the two aligned 32-bit words of each 64-bit word ``j`` (words ``2j``,
-    ``2j + 1``), ORed: the same test with a fifth of the loads (each 64-bit load brings two
-    words and the words one, two and four back come from three loads). Words past ``P - 12``
-    count as not repeating, as there."""
+    ``2j + 1``), ORed: the same test with 5 loads per two words instead of 12 (each 64-bit
+    load brings two words, and the words one, two and four back come from the loads one and
+    two 64-bit words back). Words past ``P - 12`` count as not repeating, as there."""
     LO: tl.constexpr = 0xFFFFFFFF
     m = j < P // 8
     cur = tl.load(data64 + j, mask=m, other=0)
