@@ -9,20 +9,14 @@ corrupt pages, unless asked for the statuses) and ``pack`` (to trim to the exact
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import format as fmt
 from ._ops import compress_eager, decompress_eager
-from .backend import gpu_status, select_backend
+from .backend import gpu_status, interpreting, select_backend
 from .format import CompressedPages, PageCompError
 
 BACKENDS = ("auto", "cpu", "triton")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _direct(*tensors: torch.Tensor) -> bool:
@@ -31,7 +25,7 @@ def _direct(*tensors: torch.Tensor) -> bool:
     dispatch of torch 2.11 costs ~300 us per call, more than the decode of 64 MiB). Never under
     ``torch.compile``, a dispatch mode (``make_fx``, fake tensors) or a tensor subclass: those
     see the ops."""
-    if torch.compiler.is_compiling() or _interpreting():
+    if torch.compiler.is_compiling() or interpreting():
         return False
     if torch._C._len_torch_dispatch_stack() > 0:
         return False
@@ -43,7 +37,7 @@ def _resolve(backend: str, num_pages: int, device: torch.device) -> str:
         raise PageCompError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return select_backend(num_pages, device)
-    if backend == "triton" and device.type != "cuda" and not _interpreting():
+    if backend == "triton" and device.type != "cuda" and not interpreting():
         if not gpu_status().usable:
             raise PageCompError(f"backend='triton' needs a usable GPU: {gpu_status().reason}")
     return backend
@@ -80,7 +74,7 @@ def compress(
         payload, sizes, kinds = compress_eager(pages, element_size)
     elif pages.device.type == "cuda" or chosen == "cpu-served":
         payload, sizes, kinds = torch.ops.pagecomp.compress(pages, element_size)
-    elif _interpreting():
+    elif interpreting():
         from triton_kernels.lz4_compress import compress_pages
 
         payload, sizes, kinds = compress_pages(pages, element_size)
@@ -115,7 +109,7 @@ def decompress(
         pages, status = decompress_eager(*args)
     elif c.device.type == "cuda" or chosen in ("cpu", "cpu-served"):
         pages, status = torch.ops.pagecomp.decompress(*args)
-    elif _interpreting():
+    elif interpreting():
         from triton_kernels.lz4_decompress import decompress_pages
 
         pages, status = decompress_pages(*args)

@@ -13,6 +13,12 @@ import torch
 MIN_GPU_BATCH_PAGES = 256
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels on the CPU (``TRITON_INTERPRET=1``): no inline PTX, and
+    launchers pick settings that cost the interpreter fewer operations."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @dataclass(frozen=True)
 class GpuStatus:
     """Result of :func:`gpu_status`. ``usable`` is True when the Triton kernels can run."""
@@ -47,7 +53,7 @@ def gpu_status() -> GpuStatus:
         return no(triton_error, name)
     if major < 7:
         return no(f"{name} is older than compute capability 7.0", name)
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return no("TRITON_INTERPRET=1 runs Triton on the CPU", name)
     return GpuStatus(True, "ok", name, triton_version=version)
 

@@ -354,26 +354,22 @@ def _live_planes(data32, P: tl.constexpr, PL: tl.constexpr, PAIRS: tl.constexpr)
     one or two planes, before it (:func:`_repeats`). Every window of the other, still,
     planes fails the window gate. 128 words per step: whole planes, or one plane's part; with
     ``PAIRS`` (``data32`` 8-byte aligned) read as 64-bit words (:func:`_repeats_pairs`)."""
-    bits = tl.sum(tl.zeros([2], tl.int64))
-    if PAIRS:
-        JPP: tl.constexpr = PL // 8  # 64-bit words per plane
-        RJ: tl.constexpr = JPP if JPP < 64 else 64
-        NJ: tl.constexpr = 64 // RJ
-        data64 = data32.to(tl.pointer_type(tl.uint64))
-        for s in range(0, P // 8, 64):
-            j = s + tl.arange(0, NJ)[:, None] * RJ + tl.arange(0, RJ)[None, :]
-            row = tl.max(_repeats_pairs(data64, j, P, PL).to(tl.int64), axis=1)
-            plane = ((s + tl.arange(0, NJ) * RJ) // JPP).to(tl.int64)
-            bits = bits | tl.sum(row << plane)
-    else:
-        WPP: tl.constexpr = PL // 4
-        RW: tl.constexpr = WPP if WPP < 128 else 128
-        NR: tl.constexpr = 128 // RW
-        for s in range(0, P // 4, 128):
-            k = s + tl.arange(0, NR)[:, None] * RW + tl.arange(0, RW)[None, :]
-            row = tl.max(_repeats(data32, k, 4 * k <= P - 12, PL).to(tl.int64), axis=1)
-            plane = ((s + tl.arange(0, NR) * RW) // WPP).to(tl.int64)
-            bits = bits | tl.sum(row << plane)
+    U: tl.constexpr = 8 if PAIRS else 4  # bytes per element read
+    EPP: tl.constexpr = PL // U  # elements per plane
+    STEP: tl.constexpr = 512 // U  # elements per step: 128 words
+    R: tl.constexpr = EPP if EPP < STEP else STEP
+    NR: tl.constexpr = STEP // R
+    data64 = data32.to(tl.pointer_type(tl.uint64))
+    bits = tl.sum(tl.zeros([NR], tl.int64))
+    for s in range(0, P // U, STEP):
+        j = s + tl.arange(0, NR)[:, None] * R + tl.arange(0, R)[None, :]
+        if PAIRS:
+            rep = _repeats_pairs(data64, j, P, PL)
+        else:
+            rep = _repeats(data32, j, 4 * j <= P - 12, PL)
+        row = tl.max(rep.to(tl.int64), axis=1)
+        plane = ((s + tl.arange(0, NR) * R) // EPP).to(tl.int64)
+        bits = bits | tl.sum(row << plane)
     return bits
 
 
