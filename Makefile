@@ -2,11 +2,11 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat requirements-dev.txt setup.py | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat requirements-dev.txt setup.py pyproject.toml | cksum | cut -d' ' -f1)
 
 .PHONY: install demo test test-interpret test-gpu bench checkstyle clean
 
-$(STAMP): requirements-dev.txt setup.py
+$(STAMP): requirements-dev.txt setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
@@ -25,8 +25,12 @@ checkstyle: $(STAMP)
 test: $(STAMP) checkstyle
 	$(PY) -m pytest -q tests
 
+# On a CUDA machine: the whole suite on the GPU (interpreter-only tests skip themselves), then
+# the marked stages: the million-page mutation fuzz and compute-sanitizer memcheck.
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q tests -m "gpu or not gpu"
+	$(PY) -m pytest -q tests -m "not fuzz"
+	$(PY) -m pytest -q tests -m fuzz
+	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q tests/test_triton_compress.py tests/test_triton_decompress.py -m "not fuzz" -k "round_trip or hostile"
 
 bench: $(STAMP)
 	$(PY) -m bench

@@ -26,8 +26,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch_pagecomp import cpu_codec  # noqa: E402
 from torch_pagecomp import format as fmt  # noqa: E402
+from torch_pagecomp.kernels import lz4_compress as lc  # noqa: E402
 from torch_pagecomp.shuffle import bitshuffle  # noqa: E402
-from triton_kernels import lz4_compress as lc  # noqa: E402
 
 P = 4096
 NBYTES = 128 << 20 if torch.cuda.is_available() else 2 * P

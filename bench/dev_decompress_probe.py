@@ -25,12 +25,12 @@ from bench import nvcomp
 from bench.corpora import build_corpus, element_size
 from torch_pagecomp import format as fmt
 from torch_pagecomp.cpu_codec import compress_cpu, pack_cpu
-from triton_kernels import lz4_decompress as D
+from torch_pagecomp.kernels import lz4_decompress as D
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run under TRITON_INTERPRET=1
 
-# module settings of triton_kernels.lz4_decompress per variant, over the defaults at import
+# module settings of torch_pagecomp.kernels.lz4_decompress per variant, over the defaults at import
 KNOBS = ("NUM_WARPS", "VEC", "BIG", "LEAN", "SPLIT", "TILE", "PREFETCH", "SHUFFLED_GROUPS",
          "SHUFFLED_NUM_WARPS", "SHUFFLED_MAXNREG", "SHUFFLED_LEAN", "SHUFFLED_BIG")
 DEFAULTS = {k: getattr(D, k) for k in KNOBS}

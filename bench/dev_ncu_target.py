@@ -12,8 +12,8 @@ import sys
 import torch
 
 from bench.corpora import build_corpus, element_size
-from triton_kernels import lz4_compress as C
-from triton_kernels import lz4_decompress as D
+from torch_pagecomp.kernels import lz4_compress as C
+from torch_pagecomp.kernels import lz4_decompress as D
 
 
 def main() -> None:

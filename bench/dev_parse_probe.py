@@ -2,7 +2,7 @@
 ``accel``).
 
 ``python3 -m bench.dev_parse_probe [--mib 64]`` builds each corpus on the GPU, compresses it with
-every variant of ``VARIANTS`` (keywords of ``triton_kernels.lz4_compress.compress_pages``),
+every variant of ``VARIANTS`` (keywords of ``torch_pagecomp.kernels.lz4_compress.compress_pages``),
 checks that our decoder gives every page back bit-exactly (``WRONG`` otherwise), and prints
 compress GB/s, ratio, LZ4 sequences per page, and decompress GB/s of those blocks, beside
 nvCOMP's batched LZ4 (its own blocks; bitshuffle for typed corpora) in the same run. On the CPU
@@ -21,8 +21,8 @@ from bench import nvcomp
 from bench.corpora import build_corpus, element_size
 from bench.timing import gbps, measure, median
 from torch_pagecomp import format as fmt
-from triton_kernels import lz4_compress as C
-from triton_kernels import lz4_decompress as D
+from torch_pagecomp.kernels import lz4_compress as C
+from torch_pagecomp.kernels import lz4_decompress as D
 
 VARIANTS = {  # every flag spelled out, so a variant means the same whatever the defaults
     "greedy": dict(lazy=False, skip=False, back=False, min_match=4),

@@ -15,7 +15,7 @@ import torch_pagecomp as pc
 from bench import nvcomp
 from bench.corpora import build_corpus
 from bench.timing import gbps, host_seconds, measure, median, window_seconds
-from triton_kernels import lz4_decompress as D
+from torch_pagecomp.kernels import lz4_decompress as D
 
 
 def _one_size(corpus: str, mib: int, seed: int, nv, dev: torch.device) -> None:

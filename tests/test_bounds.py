@@ -19,9 +19,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from pages import file_pages, run_pages  # noqa: E402
 
-from triton_kernels import lz4_compress as lc  # noqa: E402
-from triton_kernels import lz4_decompress as D  # noqa: E402
-from triton_kernels.pack import pack_pages  # noqa: E402
+from torch_pagecomp.kernels import lz4_compress as lc  # noqa: E402
+from torch_pagecomp.kernels import lz4_decompress as D  # noqa: E402
+from torch_pagecomp.kernels.pack import pack_pages  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU interpreter tests")

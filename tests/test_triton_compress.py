@@ -1,4 +1,4 @@
-"""Tests of the Triton LZ4 compressor (``triton_kernels.lz4_compress.compress_pages``).
+"""Tests of the Triton LZ4 compressor (``torch_pagecomp.kernels.lz4_compress.compress_pages``).
 
 CPU tests run the kernel under ``TRITON_INTERPRET=1`` on a few 4 KiB pages and compare it
 byte-for-byte with ``_model``, a plain-Python statement of the same parse (same hash tables,
@@ -24,8 +24,8 @@ import pytest  # noqa: E402
 
 from torch_pagecomp import cpu_codec  # noqa: E402
 from torch_pagecomp import format as fmt  # noqa: E402
+from torch_pagecomp.kernels import lz4_compress as lc  # noqa: E402
 from torch_pagecomp.shuffle import bitshuffle, bitunshuffle  # noqa: E402
-from triton_kernels import lz4_compress as lc  # noqa: E402
 
 P4K = 4096
 WINDOW = lc.DEFAULT_WINDOW

@@ -20,8 +20,8 @@ from pages import file_pages, mixed_pages, periodic_pages, run_pages  # noqa: E4
 
 from torch_pagecomp import format as fmt  # noqa: E402
 from torch_pagecomp.cpu_codec import compress_cpu, decode_block, pack_cpu  # noqa: E402
+from torch_pagecomp.kernels.lz4_decompress import decompress_into, decompress_pages  # noqa: E402
 from torch_pagecomp.shuffle import bitunshuffle  # noqa: E402
-from triton_kernels.lz4_decompress import decompress_into, decompress_pages  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

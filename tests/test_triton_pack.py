@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torch_pagecomp.cpu_codec import pack_cpu
-from triton_kernels.pack import pack_pages, publish_to_host
+from torch_pagecomp.kernels.pack import pack_pages, publish_to_host
 
 
 def device_for_kernels() -> str:

@@ -1,6 +1,7 @@
 """torch-pagecomp: LZ4 compression of GPU memory pages for PyTorch offload."""
 
 from . import _ops  # noqa: F401  (registers torch.ops.pagecomp.*)
+from ._version import __version__
 from .api import compress, decompress, pack, raise_for_status
 from .backend import GpuStatus, gpu_status, select_backend
 from .format import (
@@ -18,6 +19,7 @@ from .offload_tune import StepTuner
 from .offload_wrap import offload_module
 
 __all__ = [
+    "__version__",
     "DEFAULT_PAGE_SIZE",
     "KIND_FILL",
     "KIND_LZ4",

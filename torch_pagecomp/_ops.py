@@ -22,6 +22,8 @@ nothing that needs the data's values; ``torch_pagecomp.api`` validates inputs.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch.library import custom_op, triton_op
 
@@ -29,6 +31,17 @@ from . import cpu_codec
 from .backend import gpu_status
 
 Tensor = torch.Tensor
+
+# Without Triton the public ops are plain custom ops over the reference path (``triton_op``
+# would scan each op for kernels and log "Triton not available" once per op).
+def _have_triton() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+_op = triton_op if _have_triton() else custom_op
 
 
 def _use_triton(t: Tensor) -> bool:
@@ -80,31 +93,31 @@ def _(payload, sizes):
 
 
 # ------------------------------------------------------------------------ public ops
-@triton_op("pagecomp::compress", mutates_args=())
+@_op("pagecomp::compress", mutates_args=())
 def compress(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     if not _use_triton(pages):
         return compress_reference(pages, element_size)
-    from triton_kernels.lz4_compress import compress_pages
+    from .kernels.lz4_compress import compress_pages
 
     return compress_pages(pages, element_size)
 
 
-@triton_op("pagecomp::decompress", mutates_args=())
+@_op("pagecomp::decompress", mutates_args=())
 def decompress(
     payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
 ) -> tuple[Tensor, Tensor]:
     if not _use_triton(payload):
         return decompress_reference(payload, offsets, sizes, kinds, page_size)
-    from triton_kernels.lz4_decompress import decompress_pages
+    from .kernels.lz4_decompress import decompress_pages
 
     return decompress_pages(payload, offsets, sizes, kinds, page_size)
 
 
-@triton_op("pagecomp::pack", mutates_args=())
+@_op("pagecomp::pack", mutates_args=())
 def pack(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
     if not _use_triton(payload):
         return pack_reference(payload, sizes)
-    from triton_kernels.pack import pack_pages
+    from .kernels.pack import pack_pages
 
     return pack_pages(payload, sizes)
 
@@ -118,7 +131,7 @@ def compress_eager(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor
     """As ``torch.ops.pagecomp.compress``."""
     if not _use_triton(pages):
         return torch.ops.pagecomp.compress(pages, element_size)
-    from triton_kernels.lz4_compress import compress_pages
+    from .kernels.lz4_compress import compress_pages
 
     return compress_pages(pages, element_size, traced=False)
 
@@ -129,25 +142,25 @@ def decompress_eager(
     """As ``torch.ops.pagecomp.decompress``."""
     if not _use_triton(payload):
         return torch.ops.pagecomp.decompress(payload, offsets, sizes, kinds, page_size)
-    from triton_kernels.lz4_decompress import decompress_pages
+    from .kernels.lz4_decompress import decompress_pages
 
     return decompress_pages(payload, offsets, sizes, kinds, page_size, traced=False)
 
 
 def pack_eager(payload: Tensor, sizes: Tensor, zero_tail: bool = True) -> tuple[Tensor, Tensor]:
     """As ``torch.ops.pagecomp.pack``; ``zero_tail=False``: bytes past ``offsets[N]`` are
-    left unwritten on the GPU (see ``triton_kernels.pack.pack_pages``)."""
+    left unwritten on the GPU (see ``torch_pagecomp.kernels.pack.pack_pages``)."""
     if not _use_triton(payload):
         return torch.ops.pagecomp.pack(payload, sizes)
-    from triton_kernels.pack import pack_pages
+    from .kernels.pack import pack_pages
 
     return pack_pages(payload, sizes, traced=False, zero_tail=zero_tail)
 
 
 def publish_total_eager(src: Tensor, dst: Tensor) -> None:
     """``dst`` (pinned host ``int64 [1]``) = ``src`` (``int64 [1]`` on the GPU) by a kernel store
-    on the current stream (see ``triton_kernels.pack.publish_to_host``)."""
-    from triton_kernels.pack import publish_to_host
+    on the current stream (see ``torch_pagecomp.kernels.pack.publish_to_host``)."""
+    from .kernels.pack import publish_to_host
 
     publish_to_host(src, dst, traced=False)
 
@@ -162,6 +175,6 @@ def decompress_into_eager(
         pages.copy_(got)
         status.copy_(st)
         return
-    from triton_kernels.lz4_decompress import decompress_into
+    from .kernels.lz4_decompress import decompress_into
 
     decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)

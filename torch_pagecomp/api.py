@@ -75,7 +75,7 @@ def compress(
     elif pages.device.type == "cuda" or chosen == "cpu-served":
         payload, sizes, kinds = torch.ops.pagecomp.compress(pages, element_size)
     elif interpreting():
-        from triton_kernels.lz4_compress import compress_pages
+        from .kernels.lz4_compress import compress_pages
 
         payload, sizes, kinds = compress_pages(pages, element_size)
     else:  # a host batch sent through the GPU
@@ -110,7 +110,7 @@ def decompress(
     elif c.device.type == "cuda" or chosen in ("cpu", "cpu-served"):
         pages, status = torch.ops.pagecomp.decompress(*args)
     elif interpreting():
-        from triton_kernels.lz4_decompress import decompress_pages
+        from .kernels.lz4_decompress import decompress_pages
 
         pages, status = decompress_pages(*args)
     else:

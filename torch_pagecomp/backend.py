@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
+from .kernels.launch import interpreting
+
 # Below this many pages, a batch that lives in host memory is compressed on the CPU: the
 # upload, launch and download cost more than the lz4 calls.
 MIN_GPU_BATCH_PAGES = 256
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels on the CPU (``TRITON_INTERPRET=1``): no inline PTX, and
-    launchers pick settings that cost the interpreter fewer operations."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)

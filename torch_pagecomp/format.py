@@ -42,24 +42,27 @@ from dataclasses import dataclass, replace
 
 import torch
 
-MIN_PAGE_SIZE = 4096
-MAX_PAGE_SIZE = 65536
-DEFAULT_PAGE_SIZE = 4096
-ELEMENT_SIZES = (1, 2, 4)
+from .kernels.constants import (  # noqa: F401 - re-exported: the format's constants
+    ELEMENT_SIZES,
+    KIND_FILL,
+    KIND_LZ4,
+    KIND_RAW,
+    MAX_PAGE_SIZE,
+    MIN_PAGE_SIZE,
+    STATUS_BAD_KIND,
+    STATUS_BAD_OFFSET,
+    STATUS_BAD_SIZE,
+    STATUS_OK,
+    STATUS_OVERFLOW,
+    STATUS_SHORT,
+    STATUS_TRUNCATED,
+    element_shift,
+    valid_page_size,
+)
 
-KIND_RAW = 0
-KIND_LZ4 = 1
-KIND_FILL = 2
+DEFAULT_PAGE_SIZE = 4096
 KIND_NAMES = {KIND_RAW: "raw", KIND_LZ4: "lz4", KIND_FILL: "fill"}
 
-# Per-page decode status (int32), written by every decoder.
-STATUS_OK = 0
-STATUS_BAD_KIND = 1  # unknown kind nibble, or a shuffle on a non-LZ4 page
-STATUS_BAD_SIZE = 2  # size out of range for the kind, or past the end of the payload
-STATUS_TRUNCATED = 3  # the LZ4 block ends inside a sequence
-STATUS_BAD_OFFSET = 4  # match offset 0, or reaching before the start of the page
-STATUS_OVERFLOW = 5  # literals or a match run past the end of the page
-STATUS_SHORT = 6  # the block decodes to fewer than P bytes
 STATUS_NAMES = {
     STATUS_OK: "ok",
     STATUS_BAD_KIND: "bad kind",
@@ -79,11 +82,6 @@ def lz4_keep_limit(page_size: int) -> int:
 def lz4_bound(page_size: int) -> int:
     """Worst-case LZ4 block size for ``page_size`` input bytes (LZ4_compressBound)."""
     return page_size + page_size // 255 + 16
-
-
-def element_shift(element_size: int) -> int:
-    """``log2(element_size)``, the value stored in the high nibble of ``kinds``."""
-    return {1: 0, 2: 1, 4: 2}[element_size]
 
 
 class PageCompError(ValueError):
@@ -171,12 +169,7 @@ class CompressedPages:
 
 def check_page_size(page_size: int) -> None:
     """Raise ``PageCompError`` unless ``page_size`` is a power of two in [4096, 65536]."""
-    if (
-        not isinstance(page_size, int)
-        or page_size < MIN_PAGE_SIZE
-        or page_size > MAX_PAGE_SIZE
-        or page_size & (page_size - 1)
-    ):
+    if not valid_page_size(page_size):
         raise PageCompError(
             f"page size must be a power of two from {MIN_PAGE_SIZE} to {MAX_PAGE_SIZE}, "
             f"got {page_size!r}"

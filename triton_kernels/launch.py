@@ -9,10 +9,17 @@ higher-order-op dispatch, measured at ~200 us of host time per launch on an H200
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.library import wrap_triton
 
-from torch_pagecomp.backend import interpreting  # noqa: F401 - the launchers' import of it
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels on the CPU (``TRITON_INTERPRET=1``): no inline PTX, and
+    launchers pick settings that cost the interpreter fewer operations. Read at each launch,
+    never at import, so import order changes nothing."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch(kernel, grid: tuple[int, ...], device: torch.device, args: tuple, meta: dict,

@@ -74,8 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_pagecomp import format as fmt
-
+from . import constants as fmt
 from .bitshuffle import bitshuffle_page, bitshuffle_page_wide
 from .launch import interpreting, launch
 
@@ -832,7 +831,7 @@ def compress_pages(
     instead of bytes, where ``pages`` starts 8-byte aligned (else bytes). ``maxnreg`` (GPU
     only): ptxas' register cap per thread, so that more one-warp programs fit an SM (with
     ``programs_per_sm``). ``traced=False`` launches directly (eager callers outside the ops:
-    see ``triton_kernels.launch``).
+    see ``torch_pagecomp.kernels.launch``).
     """
     defaults = parse_defaults(element_size)
     window = defaults["window"] if window is None else window

@@ -32,15 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_pagecomp import format as fmt
-
+from . import constants as fmt
 from .bitunshuffle import unshuffle_groups, unshuffle_groups64, unshuffle_page_words
 from .launch import interpreting, launch
 
 VEC = 32  # bytes per copy step of a short literal run or match (one per lane of the warp)
 # bytes per step of the rest of a long run: 128 was up to 9% faster than 256 on an H200; the CPU
 # interpreter pays per operation, not per byte, so it takes bigger steps (same code path).
-BIG = 256 if interpreting() else 64  # H200: 64 beat 128, 256
+BIG = 64  # H200: 64 beat 128, 256 (the interpreter takes 256: fewer steps)
 EXT = 32  # bytes per step of a long length extension
 RAW_BLOCK = 1024  # bytes per step of a RAW / FILL page
 UNSHUFFLE_GROUPS = 2  # shuffle groups per step of the in-place unshuffle (fused / TILE off)
@@ -492,7 +491,8 @@ def launch_constants(page_size: int, lean: bool | None = None, split: bool | Non
     pf = PREFETCH if prefetch is None else prefetch
     if interpreting():
         pf = 0  # the interpreter runs no inline PTX (and has no caches to fill)
-    return dict(P=page_size, PLOG=page_size.bit_length() - 1, VEC=VEC, BIG=BIG, EXT=EXT,
+    big = 256 if interpreting() else BIG
+    return dict(P=page_size, PLOG=page_size.bit_length() - 1, VEC=VEC, BIG=big, EXT=EXT,
                 RAW_BLOCK=RAW_BLOCK, GT=UNSHUFFLE_GROUPS, LEAN=LEAN if lean is None else lean,
                 SPLIT=SPLIT if split is None else split, PF=pf, num_warps=NUM_WARPS)
 
@@ -524,9 +524,10 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
     the transposed path) after a plain decode; ``prefetch`` (0 off, 1 into L1, 2 into L2; off
     under the interpreter) asks for each LZ4 block's lines before its walk. Every combination
     gives the same bytes and statuses. ``traced=False``: launch directly (eager callers outside
-    the ops; see ``triton_kernels.launch``)."""
+    the ops; see ``torch_pagecomp.kernels.launch``)."""
     n, page_size = pages.shape
-    fmt.check_page_size(page_size)
+    if not fmt.valid_page_size(page_size):
+        raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
     if n == 0:
         return
     split = SPLIT if split is None else split
@@ -549,7 +550,7 @@ def decompress_pages(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.
         offsets: ``int64 [N]``, start of page ``i`` in ``payload``.
         sizes: ``int32 [N]``, stored bytes; kinds: ``uint8 [N]`` (see ``torch_pagecomp.format``).
         page_size: ``P``, a power of two from 4096 to 65536.
-        traced: ``False`` launches directly (see ``triton_kernels.launch``).
+        traced: ``False`` launches directly (see ``torch_pagecomp.kernels.launch``).
     Returns:
         ``(pages uint8 [N, P], status int32 [N])``; a failed page (status != 0) is all zeros.
     """

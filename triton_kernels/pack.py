@@ -47,7 +47,7 @@ def pack_pages(payload: torch.Tensor, sizes: torch.Tensor, traced: bool = True,
     Args:
         payload: ``uint8 [N, P]`` fixed-stride payload.
         sizes: ``int32 [N]`` stored bytes per page (clamped to ``[0, P]``).
-        traced: ``False`` launches directly (see ``triton_kernels.launch``).
+        traced: ``False`` launches directly (see ``torch_pagecomp.kernels.launch``).
         zero_tail: ``False`` leaves the bytes past ``offsets[N]`` unwritten (a caller that
             reads only ``packed[:offsets[N]]`` saves a memset of ``N * P`` bytes).
     Returns:

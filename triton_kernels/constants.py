@@ -1,0 +1,38 @@
+"""Format constants the kernels compile in: page kinds, decode statuses, page-size bounds.
+
+This module imports nothing from the package, so the kernels depend on nothing above them;
+``torch_pagecomp.format`` re-exports these names and documents the format.
+"""
+
+from __future__ import annotations
+
+MIN_PAGE_SIZE = 4096
+MAX_PAGE_SIZE = 65536
+ELEMENT_SIZES = (1, 2, 4)
+
+KIND_RAW = 0
+KIND_LZ4 = 1
+KIND_FILL = 2
+
+# Per-page decode status (int32), written by every decoder.
+STATUS_OK = 0
+STATUS_BAD_KIND = 1  # unknown kind nibble, or a shuffle on a non-LZ4 page
+STATUS_BAD_SIZE = 2  # size out of range for the kind, or past the end of the payload
+STATUS_TRUNCATED = 3  # the LZ4 block ends inside a sequence
+STATUS_BAD_OFFSET = 4  # match offset 0, or reaching before the start of the page
+STATUS_OVERFLOW = 5  # literals or a match run past the end of the page
+STATUS_SHORT = 6  # the block decodes to fewer than P bytes
+
+
+def element_shift(element_size: int) -> int:
+    """``log2(element_size)``, the value stored in the high nibble of ``kinds``."""
+    return {1: 0, 2: 1, 4: 2}[element_size]
+
+
+def valid_page_size(page_size: object) -> bool:
+    """Whether ``page_size`` is a power of two in ``[MIN_PAGE_SIZE, MAX_PAGE_SIZE]``."""
+    return (
+        isinstance(page_size, int)
+        and MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE
+        and page_size & (page_size - 1) == 0
+    )
