@@ -6,12 +6,17 @@
 #   bash bench/gpu_suite.sh pipeline   # pipeline bench alone: default, and split (raw share 1)
 #   bash bench/gpu_suite.sh parse      # compressor parse variants (accel) against nvCOMP
 #   bash bench/gpu_suite.sh probe      # the compressor's probe option on the typed corpora
+#   bash bench/gpu_suite.sh offload    # host-write probe + offload GPU tests + stock models
+#   bash bench/gpu_suite.sh stock      # the stock-model activation offload benchmark alone
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
+# the package as users install it (the kernels folder maps to torch_pagecomp.kernels)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+    || { echo "editable install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export PAGECOMP_COMMIT=${PAGECOMP_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
 header() {
@@ -59,6 +64,20 @@ probe)
     # the compressor's probe option on the typed corpora (model: bench/results/model_probe_*.md)
     timeout 200 python3 -m bench.dev_parse_probe --mib 64 --corpora bf16-relu,gpt-kv,gpt-act,fp32-randn \
         --variants default,w64_accel1_probe16,w64_accel1_probe32 2>&1 | tee "$OUT/probe.txt" | tail -n 30
+    ;;
+offload)
+    header offload | tee "$OUT/offload.txt"
+    timeout 100 python3 -m bench.dev_host_write_probe --mib 256 2>&1 | tee -a "$OUT/offload.txt"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_offload_paged.py \
+        tests/test_offload.py tests/test_offload_tune.py -rfE -x 2>&1 | tee -a "$OUT/offload.txt" \
+        | tail -n 15
+    timeout 400 python3 -m bench.stock_models --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
+        --out "$OUT/stock_models.json" 2>&1 | tail -n 14
+    ;;
+stock)
+    header stock
+    timeout 560 python3 -m bench.stock_models --models "${STOCK_MODELS:-encoder-1024,encoder-2048,llama-2048,resnet-64}" \
+        --out "$OUT/stock_models.json" 2>&1 | tail -n 24
     ;;
 training)
     header training

@@ -6,6 +6,7 @@ skip themselves.
 """
 
 import os
+import shlex
 
 import pytest
 import torch
@@ -21,19 +22,26 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "fuzz: long mutation fuzz (GPU)")
 
 
+def _seed(request) -> int:
+    """``PAGECOMP_SEED`` when set (to replay a failure), else a fresh one; printed with the
+    exact command that replays this test with it."""
+    env = os.environ.get("PAGECOMP_SEED")
+    s = int(env) if env else int.from_bytes(os.urandom(4), "little")
+    print(f"seed={s} (replay: PAGECOMP_SEED={s} pytest {shlex.quote(request.node.nodeid)})")
+    return s
+
+
 @pytest.fixture
 def gen(request) -> torch.Generator:
-    """A generator with a fresh seed every run; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"[{request.node.name}] seed={seed}")
-    return torch.Generator().manual_seed(seed)
+    """A generator with a fresh seed every run (or ``PAGECOMP_SEED``), printed for replay."""
+    return torch.Generator().manual_seed(_seed(request))
 
 
 @pytest.fixture
-def seed() -> int:
-    """Seeds torch's global generator afresh every run (printed); for tests of whole models."""
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={s}")
+def seed(request) -> int:
+    """Seeds torch's global generator afresh every run (or from ``PAGECOMP_SEED``, printed);
+    for tests of whole models."""
+    s = _seed(request)
     torch.manual_seed(s)
     return s
 

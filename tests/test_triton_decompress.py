@@ -94,12 +94,15 @@ def ref(block: bytes, page_size: int = P) -> tuple[bytes | None, int]:
 
 
 def ref_page(read, total: int, off: int, size: int, kind: int, page_size: int = P):
-    """``(page or None, status)`` of one page by the rules of ``decompress_cpu`` with
-    ``decode_block`` deciding LZ4 blocks; ``read(off, size)`` returns payload bytes."""
+    """``(page or None, status)`` of one page by the rules of ``torch_pagecomp.format`` with
+    ``decode_block`` deciding LZ4 blocks; ``read(off, size)`` returns payload bytes. An LZ4
+    size past ``lz4_keep_limit`` is ``STATUS_BAD_SIZE`` even when the block would decode."""
     codec, shift = kind & 15, kind >> 4
     if codec > 2 or shift > 2 or (shift and codec != fmt.KIND_LZ4):
         return None, fmt.STATUS_BAD_KIND
     if off < 0 or size < 1 or off + size > total:
+        return None, fmt.STATUS_BAD_SIZE
+    if codec == fmt.KIND_LZ4 and size > fmt.lz4_keep_limit(page_size):
         return None, fmt.STATUS_BAD_SIZE
     if codec == fmt.KIND_FILL:
         return (read(off, 1) * page_size, 0) if size == 1 else (None, fmt.STATUS_BAD_SIZE)
@@ -194,17 +197,47 @@ def test_lz4_modes_decode_bit_exact(mode, gen):
           "high_compression": dict(mode="high_compression", compression=12)}.get(mode, {})
     blocks = [lz4.block.compress(bytes(p.numpy()), store_size=False, **kw) for p in pages]
     out, status = run_blocks(blocks)
-    assert status.tolist() == [0] * len(blocks)
-    assert torch.equal(out, pages)
+    check_against_reference(blocks, out, status)  # blocks past P - P/32: STATUS_BAD_SIZE
+    fits = torch.tensor([len(b) <= fmt.lz4_keep_limit(P) for b in blocks])
+    assert fits[:3].all() and not status[fits].any()
+    assert torch.equal(out[fits], pages[fits])
 
 
 def test_text_page_and_long_literal_run(gen):
     text = file_pages("text", 1, P, gen)
-    noise = torch.randint(0, 256, (1, P), dtype=torch.uint8, generator=gen)  # one 4096-byte run
+    noise = torch.randint(0, 256, (1, P), dtype=torch.uint8, generator=gen)
+    noise[0, P - P // 32 - 80:] = 0  # one literal run of 3888 bytes (the block stays LZ4-sized)
     pages = torch.cat([text, noise])
     blocks = [lz4.block.compress(bytes(p.numpy()), store_size=False) for p in pages]
+    assert max(len(b) for b in blocks) <= fmt.lz4_keep_limit(P)
     out, status = run_blocks(blocks)
     assert status.tolist() == [0, 0] and torch.equal(out, pages)
+
+
+def test_lz4_blocks_past_the_keep_limit_are_bad_size(gen):
+    """A valid block of more than ``P - P/32`` bytes (incompressible data: 4114 bytes for
+    ``P = 4096``) is ``STATUS_BAD_SIZE``, packed or in a fixed-stride row, where it would
+    read into the next row; exactly ``P - P/32`` bytes still decode."""
+    limit = fmt.lz4_keep_limit(P)
+    noise = torch.randint(0, 256, (3, P), dtype=torch.uint8, generator=gen)
+    lit = limit - 33  # a block of exactly `limit` bytes: literals, one match, 12 literals
+    noise[1, lit - 1:] = 0
+    blocks = [lz4.block.compress(bytes(p.numpy()), store_size=False) for p in noise]
+    blocks[1] = encode([(bytes(noise[1, :lit].numpy()), 1, P - 12 - lit)], bytes(12))
+    assert len(blocks[0]) == P + 18 and len(blocks[1]) == limit
+    assert lz4.block.decompress(blocks[0], uncompressed_size=P) == bytes(noise[0].numpy())
+    out, status = run_blocks(blocks[:2])
+    assert status.tolist() == [fmt.STATUS_BAD_SIZE, 0]
+    assert not out[0].any() and torch.equal(out[1], noise[1])
+    # fixed-stride rows: page 0 claims the 4114 bytes that run into row 1
+    rows = torch.zeros((2, P), dtype=torch.uint8)
+    rows.view(-1)[: len(blocks[2])] = torch.frombuffer(bytearray(blocks[2]), dtype=torch.uint8)
+    sizes = torch.tensor([len(blocks[2]), 1], dtype=torch.int32)
+    offsets = torch.tensor([0, 2 * P - 1], dtype=torch.int64)  # a zero byte
+    kinds = [fmt.KIND_LZ4, fmt.KIND_FILL]
+    out, status = run_blocks([b""] * 2, kinds, sizes=sizes, offsets=offsets,
+                             payload=rows.view(-1))
+    assert status.tolist() == [fmt.STATUS_BAD_SIZE, 0] and not out.any()
 
 
 def test_any_compliant_parse(gen):
@@ -243,7 +276,9 @@ def test_unshuffle_matches_reference_on_random_bytes(knobs, guard, gen):
     plain pages between shuffled ones (each kernel of a split launch leaves the other's alone);
     nothing written outside the rows."""
     y = torch.randint(0, 256, (4, P), dtype=torch.uint8, generator=gen)
-    blocks = [encode([], bytes(r.numpy())) for r in y]  # one literal run each
+    y[:, 3072 : P - 12] = y[:, : P - 12 - 3072]  # 3072 random bytes, then a repeat of them
+    blocks = [encode([(bytes(r[:3072].numpy()), 3072, P - 12 - 3072)], bytes(r[P - 12 :].numpy()))
+              for r in y]  # one literal run, one long match: within the LZ4 size limit
     kinds = [fmt.KIND_LZ4 | 1 << 4, fmt.KIND_LZ4, fmt.KIND_LZ4 | 2 << 4, fmt.KIND_LZ4]
     out, status = run_blocks(blocks, kinds, knobs=KNOBS[knobs], guard=guard)
     assert status.tolist() == [0] * 4
@@ -291,7 +326,8 @@ def _blocks_and_status():
         "truncated match length ext": (bytes([0x1F]) + b"a" + bytes([1, 0, 255, 255]), 3),
         "zero offset": (encode([(b"a", 0, 4)], lit), 4),
         "offset before page start": (encode([(b"ab", 3, 4)], lit), 4),
-        "literal overflow": (encode([], bytes(P + 1)), 5),
+        "literal overflow": (encode([(b"a", 1, P - 20)], bytes(30)), 5),
+        "larger than P - P/32": (encode([], bytes(P)), 2),  # valid, but stored RAW
         "match overflow": (encode([(b"a", 1, P)], lit), 5),
         "match overflow by one": (encode([(b"a", 1, P - 12)], lit), 5),
         "short output": (encode([(b"a", 1, 100)], lit), 6),
@@ -308,7 +344,8 @@ def test_malformed_blocks_give_their_status(shift, knobs):
     cases = _blocks_and_status()
     blocks = [b for b, _ in cases.values()]
     expected = [s for _, s in cases.values()]
-    assert [ref(b)[1] for b in blocks] == expected  # the cases say what they claim
+    assert [ref_page(lambda o, s, b=b: b[o : o + s], len(b), 0, len(b), fmt.KIND_LZ4)[1]
+            for b in blocks] == expected  # the cases say what they claim
     kinds = [fmt.KIND_LZ4 | shift << 4] * len(blocks)
     out, status = run_blocks(blocks, kinds, knobs=KNOBS[knobs])
     assert dict(zip(cases, status.tolist())) == dict(zip(cases, expected))
@@ -344,6 +381,9 @@ def test_bad_kind_and_bad_size(knobs):
         (-1, 4, fmt.KIND_LZ4 | 2 << 4, 2),
         (t - 3, 4, fmt.KIND_LZ4 | 1 << 4, 2),
         (0, 2**31 - 1, fmt.KIND_LZ4 | 2 << 4, 2),
+        (0, P - P // 32 + 1, fmt.KIND_LZ4, 2),  # inside the payload, past the LZ4 size limit
+        (0, P - P // 32 + 1, fmt.KIND_LZ4 | 1 << 4, 2),
+        (0, P, fmt.KIND_LZ4, 2),
     ]
     offsets = torch.tensor([r[0] for r in rows], dtype=torch.int64)
     sizes = torch.tensor([r[1] for r in rows], dtype=torch.int32)

@@ -16,8 +16,12 @@ synchronises with the host:
 
 Each dispatches to the Triton launchers for CUDA tensors when the GPU path is usable, and
 otherwise to an opaque reference op (``pagecomp::*_reference``) built on the ``lz4`` package:
-on the CPU directly, for CUDA tensors "CPU-served" (copied to the host and back). The ops check
-nothing that needs the data's values; ``torch_pagecomp.api`` validates inputs.
+on the CPU directly, for CUDA tensors "CPU-served" (copied to the host and back).
+
+Every op, reference op and eager entry point first validates its arguments with
+``torch_pagecomp.format.check_*_args`` (shapes, dtypes, strides, devices, page size: nothing that
+reads a tensor's values, so no synchronisation and traceable), raising ``PageCompError``. What
+the values say (sizes, offsets, kinds, blocks) the decoders check page by page: a status each.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from torch.library import custom_op, triton_op
 
 from . import cpu_codec
+from . import format as fmt
 from .backend import gpu_status
 
 Tensor = torch.Tensor
@@ -51,6 +56,7 @@ def _use_triton(t: Tensor) -> bool:
 # ------------------------------------------------------------------- reference (lz4) ops
 @custom_op("pagecomp::compress_reference", mutates_args=())
 def compress_reference(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    fmt.check_compress_args(pages, element_size)
     out = cpu_codec.compress_cpu(pages.cpu(), element_size)
     return tuple(t.to(pages.device) for t in out)
 
@@ -69,6 +75,7 @@ def _(pages, element_size=1):
 def decompress_reference(
     payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
 ) -> tuple[Tensor, Tensor]:
+    fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size)
     args = (payload.cpu(), offsets.cpu(), sizes.cpu(), kinds.cpu())
     pages, status = cpu_codec.decompress_cpu(*args, page_size)
     return pages.to(payload.device), status.to(payload.device)
@@ -82,6 +89,7 @@ def _(payload, offsets, sizes, kinds, page_size):
 
 @custom_op("pagecomp::pack_reference", mutates_args=())
 def pack_reference(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
+    fmt.check_pack_args(payload, sizes)
     packed, offsets = cpu_codec.pack_cpu(payload.cpu(), sizes.cpu())
     return packed.to(payload.device), offsets.to(payload.device)
 
@@ -95,6 +103,7 @@ def _(payload, sizes):
 # ------------------------------------------------------------------------ public ops
 @_op("pagecomp::compress", mutates_args=())
 def compress(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    fmt.check_compress_args(pages, element_size)
     if not _use_triton(pages):
         return compress_reference(pages, element_size)
     from .kernels.lz4_compress import compress_pages
@@ -106,6 +115,7 @@ def compress(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tens
 def decompress(
     payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
 ) -> tuple[Tensor, Tensor]:
+    fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size)
     if not _use_triton(payload):
         return decompress_reference(payload, offsets, sizes, kinds, page_size)
     from .kernels.lz4_decompress import decompress_pages
@@ -115,6 +125,7 @@ def decompress(
 
 @_op("pagecomp::pack", mutates_args=())
 def pack(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
+    fmt.check_pack_args(payload, sizes)
     if not _use_triton(payload):
         return pack_reference(payload, sizes)
     from .kernels.pack import pack_pages
@@ -129,6 +140,7 @@ def pack(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
 # which bounds how fast small batches can be issued. Not traceable: never call from a model.
 def compress_eager(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """As ``torch.ops.pagecomp.compress``."""
+    fmt.check_compress_args(pages, element_size)
     if not _use_triton(pages):
         return torch.ops.pagecomp.compress(pages, element_size)
     from .kernels.lz4_compress import compress_pages
@@ -140,6 +152,7 @@ def decompress_eager(
     payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
 ) -> tuple[Tensor, Tensor]:
     """As ``torch.ops.pagecomp.decompress``."""
+    fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size)
     if not _use_triton(payload):
         return torch.ops.pagecomp.decompress(payload, offsets, sizes, kinds, page_size)
     from .kernels.lz4_decompress import decompress_pages
@@ -150,6 +163,7 @@ def decompress_eager(
 def pack_eager(payload: Tensor, sizes: Tensor, zero_tail: bool = True) -> tuple[Tensor, Tensor]:
     """As ``torch.ops.pagecomp.pack``; ``zero_tail=False``: bytes past ``offsets[N]`` are
     left unwritten on the GPU (see ``torch_pagecomp.kernels.pack.pack_pages``)."""
+    fmt.check_pack_args(payload, sizes)
     if not _use_triton(payload):
         return torch.ops.pagecomp.pack(payload, sizes)
     from .kernels.pack import pack_pages
@@ -170,6 +184,10 @@ def decompress_into_eager(
 ) -> None:
     """As ``torch.ops.pagecomp.decompress``, written into ``pages`` ``uint8 [N, P]`` (contiguous)
     and ``status`` ``int32 [N]`` on the current stream."""
+    if not isinstance(pages, Tensor) or pages.dim() != 2:
+        desc = f"{pages.dtype} {list(pages.shape)}" if isinstance(pages, Tensor) else type(pages)
+        raise fmt.PageCompError(f"pagecomp.decompress_into: pages must be uint8 [N, P], got {desc}")
+    fmt.check_decompress_args(payload, offsets, sizes, kinds, pages.shape[1], pages, status)
     if not _use_triton(payload):
         got, st = torch.ops.pagecomp.decompress(payload, offsets, sizes, kinds, pages.shape[1])
         pages.copy_(got)

@@ -96,11 +96,17 @@ def decompress(
         naming them (this reads the statuses: a synchronisation). With ``return_status=True``
         returns ``(pages, status int32 [N])`` instead and never synchronises; failed pages have a
         non-zero status (``format.STATUS_*``) and unspecified bytes; every other page is correct.
+
+    A packed container's page ``i`` whose offsets disagree with its size
+    (``offsets[i + 1] - offsets[i] != sizes[i]``, or ``offsets[0] != 0`` for page 0) fails with
+    ``STATUS_BAD_SIZE`` (worked out on the device, no synchronisation); the error names it.
     """
     if not isinstance(c, CompressedPages):
         raise PageCompError(f"decompress takes CompressedPages, got {type(c).__name__}")
     fmt.check_compressed(c)
-    args = (c.payload.view(-1), c.page_offsets(), c.sizes, c.kinds, c.page_size)
+    mismatch = offsets_mismatch(c)
+    sizes = c.sizes if mismatch is None else torch.where(mismatch, 0, c.sizes)  # 0: BAD_SIZE
+    args = (c.payload.view(-1), c.page_offsets(), sizes, c.kinds, c.page_size)
     chosen = _resolve(backend, c.num_pages, c.device)
     if chosen == "cpu" and c.device.type == "cuda":
         pages, status = torch.ops.pagecomp.decompress(*(a.cpu() for a in args[:4]), c.page_size)
@@ -118,16 +124,37 @@ def decompress(
         pages, status = (t.cpu() for t in torch.ops.pagecomp.decompress(*gpu, c.page_size))
     if return_status:
         return pages, status
-    raise_for_status(status)
+    raise_for_status(status, mismatch)
     return pages
 
 
-def raise_for_status(status: torch.Tensor) -> None:
-    """Raise :class:`CorruptPageError` naming every page whose status is not OK (synchronises)."""
+OFFSETS_MISMATCH = "bad size (offsets[i + 1] - offsets[i] != sizes[i] in the packed container)"
+
+
+def offsets_mismatch(c: CompressedPages) -> torch.Tensor | None:
+    """``bool [N]`` on ``c``'s device: pages of a packed container whose offsets disagree with
+    their sizes (``offsets[i + 1] - offsets[i] != sizes[i]``; page 0 also when
+    ``offsets[0] != 0``); ``None`` for a fixed-stride container. Device work on ``N`` numbers,
+    no synchronisation. (Whether each page lies inside the payload the decoders check.)"""
+    if c.offsets is None:
+        return None
+    o = c.offsets
+    bad = (o[1:] - o[:-1]) != c.sizes
+    bad[:1] |= o[:1] != 0
+    return bad
+
+
+def raise_for_status(status: torch.Tensor, mismatch: torch.Tensor | None = None) -> None:
+    """Raise :class:`CorruptPageError` naming every page whose status is not OK (synchronises).
+    ``mismatch`` (from :func:`offsets_mismatch`) marks pages failed for their offsets."""
     bad = torch.nonzero(status).flatten().tolist()
     if bad:
         codes = status[bad].tolist()
-        raise fmt.CorruptPageError(bad, [fmt.STATUS_NAMES.get(s, f"status {s}") for s in codes])
+        reasons = [fmt.STATUS_NAMES.get(s, f"status {s}") for s in codes]
+        if mismatch is not None:
+            flags = mismatch.to(status.device)[bad].tolist()
+            reasons = [OFFSETS_MISMATCH if f else r for f, r in zip(flags, reasons)]
+        raise fmt.CorruptPageError(bad, reasons)
 
 
 def pack(c: CompressedPages, exact: bool = True) -> CompressedPages:

@@ -1,50 +1,153 @@
-"""CPU reference codec on the ``lz4`` package: the format of ``torch_pagecomp.format``.
+"""CPU codec on the ``lz4`` package: the format of ``torch_pagecomp.format``.
 
 It serves CPU tensors, and CUDA tensors when no GPU path is usable (copy to host, compress,
 copy back). ``decode_block`` is a readable pure-Python LZ4 block decoder that classifies
 errors with the same status codes as the GPU decoder.
+
+Speed: the bit-shuffle is numpy over whole batches (``shuffle.bitshuffle_np``); liblz4 and
+numpy release the GIL, so a batch of at least ``MIN_THREADED_PAGES`` pages is split into
+contiguous page ranges run on a shared thread pool of :func:`cpu_threads` threads (set with
+:func:`set_cpu_threads` or the ``PAGECOMP_CPU_THREADS`` environment variable, read at each
+call; default ``min(8, os.cpu_count())``). The pool is shut down at interpreter exit.
+
+Decode rules (the same on every backend; ``triton_kernels/lz4_decompress.py``): per page, in
+this order, ``STATUS_BAD_KIND`` for an unknown kind or a shuffle on a non-LZ4 page;
+``STATUS_BAD_SIZE`` for an offset or size outside the payload, a RAW page whose size is not
+``P``, a FILL page whose size is not 1, an LZ4 page whose size is outside
+``1..format.lz4_keep_limit(P)``, or (packed containers, when ``offsets`` has ``N + 1`` entries)
+``offsets[i + 1] - offsets[i] != sizes[i]`` or ``offsets[0] != 0``; then the LZ4 block's own
+status (``decode_block``). A failed page's row is zero-filled.
 """
 
 from __future__ import annotations
+
+import atexit
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import lz4.block
 import numpy as np
 import torch
 
 from . import format as fmt
-from .shuffle import bitshuffle, bitunshuffle
+from .shuffle import bitshuffle_np, bitunshuffle_np
+
+THREADS_ENV = "PAGECOMP_CPU_THREADS"
+MAX_DEFAULT_THREADS = 8
+# Batches below this many pages run on the calling thread: the hand-off to the pool costs more
+# than a few dozen lz4 calls. Every range of a split batch has at least half this many pages.
+MIN_THREADED_PAGES = 64
+
+_threads: int | None = None
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def set_cpu_threads(n: int | None) -> None:
+    """Use ``n`` threads (>= 1) for large CPU batches; ``None``: back to the environment
+    variable ``PAGECOMP_CPU_THREADS``, else ``min(8, os.cpu_count())``."""
+    global _threads
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise fmt.PageCompError(f"CPU threads must be an int >= 1 or None, got {n!r}")
+    _threads = n
+
+
+def cpu_threads() -> int:
+    """Threads the CPU codec uses for a large batch now (see :func:`set_cpu_threads`)."""
+    if _threads is not None:
+        return _threads
+    env = os.environ.get(THREADS_ENV, "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise fmt.PageCompError(f"{THREADS_ENV} must be an integer >= 1, got {env!r}")
+        return n
+    return max(1, min(MAX_DEFAULT_THREADS, os.cpu_count() or 1))
+
+
+def _get_pool(workers: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < workers:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="pagecomp-cpu")
+            _pool_size = workers
+        return _pool
+
+
+@atexit.register
+def shutdown_pool() -> None:
+    """Stop the CPU codec's worker threads (registered with ``atexit``; a later large batch
+    starts a new pool)."""
+    global _pool, _pool_size
+    with _pool_lock:
+        pool, _pool, _pool_size = _pool, None, 0
+    if pool is not None:
+        pool.shutdown(wait=True)
+
+
+def _run_ranges(fn, n: int) -> None:
+    """``fn(start, stop)`` over contiguous ranges covering ``0..n``: on the calling thread for
+    small batches, else split over up to :func:`cpu_threads` threads (the caller takes one)."""
+    parts = min(cpu_threads(), n // (MIN_THREADED_PAGES // 2)) if n >= MIN_THREADED_PAGES else 1
+    if parts <= 1:
+        fn(0, n)
+        return
+    bounds = [n * k // parts for k in range(parts + 1)]
+    pool = _get_pool(parts - 1)
+    futures = [pool.submit(fn, bounds[k], bounds[k + 1]) for k in range(1, parts)]
+    try:
+        fn(bounds[0], bounds[1])
+    finally:
+        for f in futures:
+            f.result()
+
+
+def fill_rows(pages: np.ndarray) -> np.ndarray:
+    """``bool [N]``: which rows of ``uint8 [N, P]`` have every byte equal."""
+    first = pages[:, 0].astype(np.uint64) * np.uint64(0x0101010101010101)
+    return (pages.view(np.uint64) == first[:, None]).all(axis=1)
 
 
 def compress_cpu(pages: torch.Tensor, element_size: int = 1):
     """``uint8 [N, P]`` (CPU) -> fixed-stride ``(payload [N, P], sizes int32 [N], kinds [N])``."""
+    fmt.check_element_size(element_size)
     n, page_size = pages.shape
     payload = torch.zeros((n, page_size), dtype=torch.uint8)
     sizes = torch.empty(n, dtype=torch.int32)
     kinds = torch.empty(n, dtype=torch.uint8)
     if n == 0:
         return payload, sizes, kinds
-    fill = (pages == pages[:, :1]).all(dim=1)
-    shuffled = bitshuffle(pages, element_size) if element_size > 1 else pages
-    src = shuffled.numpy()
-    out = payload.numpy()
+    raw = np.ascontiguousarray(pages.detach().numpy())
+    out, size_np, kind_np = payload.numpy(), sizes.numpy(), kinds.numpy()
     limit = fmt.lz4_keep_limit(page_size)
     lz4_kind = fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4)
-    fill_np = fill.numpy()
-    size_np = sizes.numpy()
-    kind_np = kinds.numpy()
-    raw = pages.numpy()
-    for i in range(n):
-        if fill_np[i]:
-            out[i, 0] = raw[i, 0]
-            size_np[i], kind_np[i] = 1, fmt.KIND_FILL
-            continue
-        block = lz4.block.compress(src[i].tobytes(), store_size=False)
-        if len(block) <= limit:
-            out[i, : len(block)] = np.frombuffer(block, dtype=np.uint8)
-            size_np[i], kind_np[i] = len(block), lz4_kind
-        else:
-            out[i] = raw[i]
-            size_np[i], kind_np[i] = page_size, fmt.KIND_RAW
+
+    def work(start: int, stop: int) -> None:
+        rows = raw[start:stop]
+        fill = fill_rows(rows)
+        src = bitshuffle_np(rows, element_size) if element_size > 1 else rows
+        compress = lz4.block.compress
+        for i, is_fill in enumerate(fill.tolist(), start):
+            if is_fill:
+                out[i, 0] = raw[i, 0]
+                size_np[i], kind_np[i] = 1, fmt.KIND_FILL
+                continue
+            block = compress(src[i - start], store_size=False)
+            if len(block) <= limit:
+                out[i, : len(block)] = np.frombuffer(block, dtype=np.uint8)
+                size_np[i], kind_np[i] = len(block), lz4_kind
+            else:
+                out[i] = raw[i]
+                size_np[i], kind_np[i] = page_size, fmt.KIND_RAW
+
+    _run_ranges(work, n)
     return payload, sizes, kinds
 
 
@@ -105,22 +208,67 @@ def decode_block(block: bytes, page_size: int) -> tuple[bytes | None, int]:
     return bytes(out), fmt.STATUS_OK
 
 
-def _decode_lz4(block: bytes, page_size: int) -> tuple[bytes | None, int]:
-    """liblz4 first (fast); where it refuses, ``decode_block`` decides, like the GPU decoder.
+def zero_offset_blocks(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """``bool [M]``: which of the blocks ``buf[starts[k]:ends[k]]`` hold a match offset of 0.
 
-    liblz4 is stricter than the format at the end of a block (e.g. a match ending in the last 5
-    bytes), so a block it refuses may still decode; ``decode_block`` gives the GPU decoder's
-    verdict and bytes. One known difference remains: liblz4 accepts a match offset of 0 (which
-    the format and the GPU decoder reject) and leaves those bytes unspecified. Corruption that
-    keeps a block well-formed is never detectable: LZ4 blocks carry no checksum.
+    For blocks that liblz4 decoded (well-formed: every sequence lies inside the block, the last
+    one is literals only). liblz4 accepts offset 0, which the format rejects; this walks the
+    sequence headers of all blocks in lockstep, a few numpy calls per sequence position instead
+    of Python steps per sequence. Reads stay inside ``buf`` whatever the bytes.
     """
-    try:
-        data = lz4.block.decompress(block, uncompressed_size=page_size)
-    except Exception:  # lz4 says only "corrupt"
-        return decode_block(block, page_size)
-    if len(data) != page_size:
-        return None, fmt.STATUS_SHORT
-    return data, fmt.STATUS_OK
+    bad = np.zeros(starts.shape[0], dtype=bool)
+    if buf.shape[0] < 2 or starts.shape[0] == 0:
+        return bad
+    # little-endian 16-bit words at every byte position (unaligned view; no copy)
+    words = np.ndarray((buf.shape[0] - 1,), dtype="<u2", buffer=buf, strides=(1,))
+    ip = starts.astype(np.int64)
+    end = ends.astype(np.int64)
+    idx = np.arange(starts.shape[0])
+    while idx.shape[0]:
+        tok = buf.take(ip, mode="clip")
+        ip += 1
+        lit = (tok >> 4).astype(np.int64)
+        sel = np.flatnonzero(lit == 15)
+        while sel.shape[0]:  # literal length extension bytes
+            b = buf.take(ip[sel], mode="clip")
+            ip[sel] += 1
+            lit[sel] += b
+            sel = sel[(b == 255) & (ip[sel] < end[sel])]
+        ip += lit
+        zero = words.take(ip, mode="clip") == 0
+        done = ip >= end - 1  # the last literals (or a malformed end: liblz4 refused those)
+        zero &= ~done
+        if zero.any():
+            bad[idx[zero]] = True
+            done |= zero
+        if done.any():
+            keep = ~done
+            ip, end, idx, tok = ip[keep], end[keep], idx[keep], tok[keep]
+        ip += 2
+        sel = np.flatnonzero((tok & 15) == 15)
+        while sel.shape[0]:  # match length extension bytes: 255s, then one more
+            b = buf.take(ip[sel], mode="clip")
+            ip[sel] += 1
+            sel = sel[(b == 255) & (ip[sel] < end[sel])]
+    return bad
+
+
+def _page_checks(offsets, sizes, kinds, page_size: int, total: int, n: int) -> np.ndarray:
+    """``int32 [N]`` statuses that the metadata alone decides (BAD_KIND, BAD_SIZE), else 0."""
+    off = offsets[:n].astype(np.int64)
+    size = sizes.astype(np.int64)
+    codec, shift = kinds & 15, kinds >> 4
+    bad_kind = (codec > 2) | (shift > 2) | ((shift != 0) & (codec != fmt.KIND_LZ4))
+    bad_size = (off < 0) | (size < 1) | (size > total - off)
+    bad_size |= (codec == fmt.KIND_RAW) & (size != page_size)
+    bad_size |= (codec == fmt.KIND_FILL) & (size != 1)
+    bad_size |= (codec == fmt.KIND_LZ4) & (size > fmt.lz4_keep_limit(page_size))
+    if offsets.shape[0] == n + 1:  # packed: page i is offsets[i]:offsets[i + 1]
+        bad_size |= offsets[1:].astype(np.int64) - off != size
+        if n:
+            bad_size[0] |= off[0] != 0
+    status = np.where(bad_kind, fmt.STATUS_BAD_KIND, np.where(bad_size, fmt.STATUS_BAD_SIZE, 0))
+    return status.astype(np.int32)
 
 
 def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
@@ -128,7 +276,8 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
 
     Args:
         payload: ``uint8 [T]`` (a fixed-stride payload viewed 1-D, or a packed one).
-        offsets: ``int64 [N]`` start of each page in ``payload``.
+        offsets: ``int64 [N]`` start of each page in ``payload``; or ``int64 [N + 1]``, a packed
+            container's offsets, which must then agree with ``sizes`` (else BAD_SIZE).
         sizes: ``int32 [N]``; kinds: ``uint8 [N]``.
     Returns:
         ``(pages uint8 [N, P], status int32 [N])``; a failed page's row is zero-filled.
@@ -136,39 +285,52 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     n = sizes.shape[0]
     pages = torch.zeros((n, page_size), dtype=torch.uint8)
     status = torch.zeros(n, dtype=torch.int32)
-    buf = payload.numpy()
-    out = pages.numpy()
-    st = status.numpy()
-    total = buf.shape[0]
-    shuffled_rows: dict[int, list[int]] = {2: [], 4: []}
-    for i, (off, size, kind) in enumerate(zip(offsets.tolist(), sizes.tolist(), kinds.tolist())):
-        codec, shift = kind & 15, kind >> 4
-        if codec not in fmt.KIND_NAMES or shift > 2 or (shift and codec != fmt.KIND_LZ4):
-            st[i] = fmt.STATUS_BAD_KIND
-            continue
-        if off < 0 or size < 1 or off + size > total:
-            st[i] = fmt.STATUS_BAD_SIZE
-            continue
-        if codec == fmt.KIND_FILL:
-            if size != 1:
-                st[i] = fmt.STATUS_BAD_SIZE
+    if n == 0:
+        return pages, status
+    buf = np.ascontiguousarray(payload.detach().numpy()).reshape(-1)
+    off_np, size_np = offsets.numpy().astype(np.int64), sizes.numpy().astype(np.int64)
+    kind_np = kinds.numpy().astype(np.int64)
+    out, st = pages.numpy(), status.numpy()
+    st[:] = _page_checks(off_np, size_np, kind_np, page_size, buf.shape[0], n)
+    mv = memoryview(buf)
+
+    def work(start: int, stop: int) -> None:
+        rng = slice(start, stop)
+        ok = st[rng] == 0
+        codec = kind_np[rng] & 15
+        fill = np.flatnonzero(ok & (codec == fmt.KIND_FILL)) + start
+        out[fill] = buf[off_np[fill]][:, None]
+        for i in (np.flatnonzero(ok & (codec == fmt.KIND_RAW)) + start).tolist():
+            out[i] = buf[off_np[i] : off_np[i] + page_size]
+        lz = np.flatnonzero(ok & (codec == fmt.KIND_LZ4)) + start
+        decompress = lz4.block.decompress
+        by_lz4 = []  # pages liblz4 decoded: checked for offset 0 below
+        for i, o, s in zip(lz.tolist(), off_np[lz].tolist(), size_np[lz].tolist()):
+            try:
+                data = decompress(mv[o : o + s], uncompressed_size=page_size)
+            except Exception:  # lz4 says only "corrupt": the reference decides (as the GPU)
+                data, st[i] = decode_block(mv[o : o + s].tobytes(), page_size)
             else:
-                out[i] = buf[off]
-        elif codec == fmt.KIND_RAW:
-            if size != page_size:
-                st[i] = fmt.STATUS_BAD_SIZE
-            else:
-                out[i] = buf[off : off + size]
-        else:
-            data, st[i] = _decode_lz4(buf[off : off + size].tobytes(), page_size)
+                if len(data) == page_size:
+                    by_lz4.append(i)
+                else:
+                    data, st[i] = None, fmt.STATUS_SHORT
             if data is not None:
                 out[i] = np.frombuffer(data, dtype=np.uint8)
-                if shift:
-                    shuffled_rows[1 << shift].append(i)
-    for element_size, rows in shuffled_rows.items():
-        if rows:
-            idx = torch.tensor(rows, dtype=torch.int64)
-            pages[idx] = bitunshuffle(pages[idx], element_size)
+        if by_lz4:
+            rows = np.array(by_lz4, dtype=np.int64)
+            zero = rows[zero_offset_blocks(buf, off_np[rows], off_np[rows] + size_np[rows])]
+            for i in zero.tolist():
+                _, st[i] = decode_block(mv[off_np[i] : off_np[i] + size_np[i]].tobytes(), page_size)
+        shift = kind_np[rng] >> 4
+        for sh in (1, 2):
+            rows = np.flatnonzero((st[rng] == 0) & (codec == fmt.KIND_LZ4) & (shift == sh)) + start
+            if rows.shape[0]:
+                out[rows] = bitunshuffle_np(out[rows], 1 << sh)
+        failed = np.flatnonzero(st[rng] != 0) + start
+        out[failed] = 0
+
+    _run_ranges(work, n)
     return pages, status
 
 

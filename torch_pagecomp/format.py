@@ -12,7 +12,9 @@ size) is a power of two from 4096 to 65536. Each page is stored on its own as on
 Metadata, on the same device as the payload:
 
 * ``sizes``: ``int32 [N]``, stored bytes of each page (``P`` for RAW, ``1`` for FILL,
-  ``1..P-1`` for LZ4).
+  ``1..P-P/32`` for LZ4: see ``lz4_keep_limit``). A decoder gives any other size
+  ``STATUS_BAD_SIZE``, as it does a page whose ``[offset, offset + size)`` is not inside the
+  payload.
 * ``kinds``: ``uint8 [N]``. Low nibble: the kind above. High nibble: ``log2(element_size)`` of
   the bit-shuffle applied before LZ4 (0: none, 1: 2-byte elements, 2: 4-byte elements); it is
   non-zero only for LZ4 pages (RAW pages hold the original, unshuffled bytes).
@@ -25,6 +27,7 @@ Two containers hold the payload:
 * **packed** (for storage and transfer, nothing wasted): ``payload`` is ``uint8 [T]`` with
   ``T = sum(sizes)``; ``offsets`` is ``int64 [N + 1]``, ``offsets[0] = 0``,
   ``offsets[i + 1] = offsets[i] + sizes[i]``; page ``i`` is ``payload[offsets[i]:offsets[i+1]]``.
+  ``api.decompress`` gives a page whose offsets disagree with its size ``STATUS_BAD_SIZE``.
 
 Bit-shuffle with element size ``E`` (2 or 4): the page is read as ``n = P / E`` little-endian
 unsigned integers ``x[0..n)``. The shuffled page ``Y`` (``P`` bytes) is ``8E`` bit planes of
@@ -136,10 +139,10 @@ class CompressedPages:
         return self.num_pages * self.page_size
 
     def compressed_nbytes(self) -> int:
-        """Sum of stored page sizes (synchronises when on a GPU)."""
-        if self.offsets is not None:
-            return int(self.offsets[-1])
-        return int(self.sizes.sum(dtype=torch.int64))
+        """Sum of stored page sizes (synchronises when on a GPU). Taken from ``sizes`` (negative
+        sizes count as 0) for both containers: a packed container's ``offsets[-1]`` equals it
+        only when the offsets are consistent, which nothing here has checked."""
+        return int(self.sizes.clamp(min=0).sum(dtype=torch.int64))
 
     def ratio(self) -> float:
         """Uncompressed bytes over stored payload bytes (synchronises when on a GPU)."""
@@ -221,16 +224,18 @@ def as_pages(data: torch.Tensor, page_size: int | None = None) -> torch.Tensor:
 
 
 def check_compressed(c: CompressedPages) -> None:
-    """Validate the container's tensors (dtype, shape, device); not the bytes inside."""
+    """Validate the container's tensors (dtype, shape, device, contiguity); not the bytes
+    inside (the offsets of a packed container are checked against the sizes by
+    ``api.decompress``, on the device)."""
     check_page_size(c.page_size)
     n = c.sizes.shape[0] if c.sizes.dim() == 1 else -1
     problems = []
     if c.payload.dtype != torch.uint8:
         problems.append(f"payload dtype must be uint8, got {c.payload.dtype}")
     if c.sizes.dtype != torch.int32 or c.sizes.dim() != 1:
-        problems.append(f"sizes must be int32 [N], got {c.sizes.dtype} {tuple(c.sizes.shape)}")
+        problems.append(f"sizes must be int32 [N], got {_desc(c.sizes)}")
     if c.kinds.dtype != torch.uint8 or tuple(c.kinds.shape) != (n,):
-        problems.append(f"kinds must be uint8 [{n}], got {c.kinds.dtype} {tuple(c.kinds.shape)}")
+        problems.append(f"kinds must be uint8 [{n}], got {_desc(c.kinds)}")
     if c.offsets is None:
         if c.payload.dim() != 2 or tuple(c.payload.shape) != (n, c.page_size):
             problems.append(
@@ -240,14 +245,148 @@ def check_compressed(c: CompressedPages) -> None:
         if c.payload.dim() != 1:
             problems.append(f"packed payload must be 1-D, got shape {tuple(c.payload.shape)}")
         if c.offsets.dtype != torch.int64 or tuple(c.offsets.shape) != (n + 1,):
-            problems.append(
-                f"offsets must be int64 [{n + 1}], got {c.offsets.dtype} {tuple(c.offsets.shape)}"
-            )
-    tensors = [c.payload, c.sizes, c.kinds] + ([] if c.offsets is None else [c.offsets])
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        problems.append(f"tensors are on different devices: {sorted(map(str, devices))}")
-    if not all(t.is_contiguous() for t in tensors):
-        problems.append("all tensors must be contiguous")
+            problems.append(f"offsets must be int64 [{n + 1}], got {_desc(c.offsets)}")
+    named = {"payload": c.payload, "sizes": c.sizes, "kinds": c.kinds}
+    if c.offsets is not None:
+        named["offsets"] = c.offsets
+    _check_devices(problems, named)
+    _check_contiguous(problems, named)
     if problems:
         raise PageCompError("invalid compressed pages: " + "; ".join(problems))
+
+
+# ------------------------------------------------------------------ op argument validation
+# One place for the checks of the ``torch.ops.pagecomp`` operators and their eager entry points
+# (``torch_pagecomp._ops``): shapes, dtypes, strides, devices and page sizes only, never a
+# tensor's values, so they cost a few attribute reads, never synchronise, and trace under
+# ``torch.compile`` / ``make_fx`` / fake tensors. What the values may be (sizes, offsets, kinds,
+# the blocks) is the decoders' business: every page gets a status.
+
+# Pages per call: one program per page on grid axis 0, at most 2**31 - 1 on CUDA.
+MAX_PAGES = 2**31 - 1
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)}"
+
+
+def _check_devices(problems: list[str], named: dict[str, torch.Tensor]) -> None:
+    devices = {t.device for t in named.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{k} on {t.device}" for k, t in named.items())
+        problems.append(f"tensors are on different devices: {sorted(map(str, devices))} ({where})")
+
+
+def _check_contiguous(problems: list[str], named: dict[str, torch.Tensor]) -> None:
+    for k, t in named.items():
+        if not t.is_contiguous():
+            problems.append(
+                f"{k} must be contiguous, got shape {list(t.shape)} with strides {list(t.stride())}"
+                " (an expanded or sliced view; call .contiguous() first)"
+            )
+
+
+def _check_tensor(problems: list[str], name: str, t: object, dtype: torch.dtype,
+                  shape: tuple) -> bool:
+    """Append what is wrong with ``t`` (a tensor of ``dtype`` and ``shape``; ``None`` in
+    ``shape``: any length). Returns whether ``t`` is a tensor at all."""
+    if not isinstance(t, torch.Tensor):
+        problems.append(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        return False
+    want = "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
+    if t.dtype != dtype or t.dim() != len(shape) or any(
+        d is not None and t.shape[i] != d for i, d in enumerate(shape)
+    ):
+        problems.append(f"{name} must be {dtype} {want}, got {_desc(t)}")
+    return True
+
+
+def _raise(op: str, problems: list[str]) -> None:
+    if problems:
+        raise PageCompError(f"pagecomp.{op}: " + "; ".join(problems))
+
+
+def _page_size_problem(page_size: object, what: str = "page_size") -> str | None:
+    if isinstance(page_size, torch.SymInt):  # traced with dynamic shapes: specialise (the
+        page_size = int(page_size)  # kernels compile P in, so a graph is per page size anyway)
+    if isinstance(page_size, bool) or not valid_page_size(page_size):
+        return (f"{what} must be a power of two from {MIN_PAGE_SIZE} to {MAX_PAGE_SIZE}, "
+                f"got {page_size!r}")
+    return None
+
+
+def _check_pages_count(problems: list[str], n: int) -> None:
+    if n > MAX_PAGES:
+        problems.append(f"at most {MAX_PAGES} pages per call, got {n}")
+
+
+def check_compress_args(pages: torch.Tensor, element_size: object) -> None:
+    """Arguments of ``pagecomp::compress``: ``pages`` contiguous ``uint8 [N, P]`` (``P`` a
+    power of two from 4096 to 65536), ``element_size`` 1, 2 or 4."""
+    problems: list[str] = []
+    if _check_tensor(problems, "pages", pages, torch.uint8, (None, None)):
+        if pages.dim() == 2:
+            bad = _page_size_problem(pages.shape[1], "pages.shape[1] (the page size)")
+            if bad:
+                problems.append(bad)
+            _check_pages_count(problems, pages.shape[0])
+        _check_contiguous(problems, {"pages": pages})
+    if isinstance(element_size, bool) or element_size not in ELEMENT_SIZES:
+        problems.append(f"element_size must be one of {ELEMENT_SIZES}, got {element_size!r}")
+    _raise("compress", problems)
+
+
+def check_decompress_args(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+                          kinds: torch.Tensor, page_size: object,
+                          pages: torch.Tensor | None = None,
+                          status: torch.Tensor | None = None) -> None:
+    """Arguments of ``pagecomp::decompress``: ``payload`` contiguous ``uint8 [T]``, ``offsets``
+    ``int64 [N]`` (start of each page), ``sizes`` ``int32 [N]``, ``kinds`` ``uint8 [N]``, all
+    contiguous and on one device, ``page_size`` a power of two from 4096 to 65536. With
+    ``pages`` / ``status`` (the outputs of ``decompress_into``): contiguous ``uint8 [N, P]``
+    and ``int32 [N]`` on the same device."""
+    problems: list[str] = []
+    op = "decompress" if pages is None and status is None else "decompress_into"
+    named: dict[str, torch.Tensor] = {}
+    if _check_tensor(problems, "sizes", sizes, torch.int32, (None,)):
+        named["sizes"] = sizes
+    n = sizes.shape[0] if "sizes" in named and sizes.dim() == 1 else None
+    if _check_tensor(problems, "payload", payload, torch.uint8, (None,)):
+        named["payload"] = payload
+    for name, t, dtype in (("offsets", offsets, torch.int64), ("kinds", kinds, torch.uint8)):
+        if _check_tensor(problems, name, t, dtype, (n,)):
+            named[name] = t
+    bad = _page_size_problem(page_size)
+    if bad:
+        problems.append(bad)
+    if pages is not None and _check_tensor(problems, "pages", pages, torch.uint8,
+                                           (n, None if bad else page_size)):
+        named["pages"] = pages
+    if status is not None and _check_tensor(problems, "status", status, torch.int32, (n,)):
+        named["status"] = status
+    if n is not None:
+        _check_pages_count(problems, n)
+    _check_devices(problems, named)
+    _check_contiguous(problems, named)
+    _raise(op, problems)
+
+
+def check_pack_args(payload: torch.Tensor, sizes: torch.Tensor) -> None:
+    """Arguments of ``pagecomp::pack``: a fixed-stride ``payload`` contiguous ``uint8 [N, P]``
+    and ``sizes`` contiguous ``int32 [N]`` on the same device."""
+    problems: list[str] = []
+    named: dict[str, torch.Tensor] = {}
+    n = None
+    if _check_tensor(problems, "payload", payload, torch.uint8, (None, None)):
+        named["payload"] = payload
+        if payload.dim() == 2:
+            n = payload.shape[0]
+            bad = _page_size_problem(payload.shape[1], "payload.shape[1] (the page size)")
+            if bad:
+                problems.append(bad)
+            _check_pages_count(problems, n)
+    if _check_tensor(problems, "sizes", sizes, torch.int32, (n,)):
+        named["sizes"] = sizes
+    _check_devices(problems, named)
+    _check_contiguous(problems, named)
+    _raise("pack", problems)

@@ -6,6 +6,12 @@
     kv2 = pc.restore(h)                        # ordered on the caller's stream, no host sync
     h.free()
 
+Use it as a context manager (``with PageCompressor() as pc:``) or call :meth:`close`: either
+finishes the queued work and joins the worker threads; at interpreter exit every live one is
+closed anyway (``pipeline._close_all_at_exit``). A copy (``copy.deepcopy``, pickling, e.g. by
+``torch.save`` of a model holding one) is a fresh ``PageCompressor`` with the same settings
+and nothing offloaded.
+
 The host keeps only the packed compressed pages (exact sizes, in a pinned arena on a GPU), so
 host memory shrinks with the ratio; incompressible pages are kept raw (never larger than the
 input plus ~13 bytes of metadata per page).
@@ -13,6 +19,8 @@ input plus ~13 bytes of metadata per page).
 
 from __future__ import annotations
 
+import functools
+import operator
 import threading
 import weakref
 
@@ -21,7 +29,7 @@ import torch
 from . import format as fmt
 from .api import raise_for_status
 from .format import PageCompError
-from .pipeline import Pipeline, SlotState
+from .pipeline import Pipeline, PipelineStopped, SlotState  # noqa: F401 (re-exported)
 from .storage import Storage
 from .timing import overlapping_slots
 
@@ -54,6 +62,72 @@ def _not_capturing(what: str) -> None:
         )
 
 
+def _int_arg(name: str, value) -> int:
+    """``value`` as an ``int``; a float (``2.0``) or a bool is an error, not silently taken."""
+    if isinstance(value, bool):
+        raise PageCompError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise PageCompError(
+            f"{name} must be an int, got {type(value).__name__} {value!r}"
+        ) from None
+
+
+def _element_size_arg(value) -> int:
+    es = _int_arg("element_size", value)
+    fmt.check_element_size(es)
+    return es
+
+
+def _check_offloadable(tensor) -> None:
+    """Refuse, up front and by name, tensors whose bytes are not one dense buffer that the
+    pipeline can read: left to the worker threads they crashed there (quantized) or failed
+    only at restore (meta)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise PageCompError(f"offload takes a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_quantized:
+        raise PageCompError(
+            f"cannot offload a quantized tensor ({tensor.dtype}): offload its int_repr() and "
+            "keep its quantization parameters, or dequantize() it"
+        )
+    if tensor.is_nested:
+        raise PageCompError("cannot offload a nested tensor: offload its components")
+    if tensor.layout != torch.strided:
+        raise PageCompError(
+            f"cannot offload a {tensor.layout} tensor: only dense (torch.strided) tensors; "
+            "use .to_dense(), or offload its indices and values"
+        )
+    if tensor.device.type == "meta":
+        raise PageCompError("cannot offload a meta tensor: it has no data")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise PageCompError(f"cannot offload a tensor on {tensor.device}: only cpu and cuda")
+
+
+def _check_block_range(ids: torch.Tensor, num_blocks: int) -> None:
+    """Out-of-range block ids raise here, naming the id: on a GPU, ``index_select`` would
+    report them by a device-side assert that ends the process's CUDA context. Ids on the host
+    are checked for free; ids on a GPU cost one host sync (their min and max), which
+    ``offload_blocks``/``restore_blocks`` accept: they wait on the host anyway."""
+    if ids.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.stack([ids.min(), ids.max()]).tolist())
+    if lo >= 0 and hi < num_blocks:
+        return
+    bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
+    raise PageCompError(
+        f"block id {bad} is out of range for a cache of {num_blocks} blocks "
+        f"(valid ids: 0..{num_blocks - 1})"
+    )
+
+
+def _rebuild_compressor(init_kwargs: dict, training: bool) -> PageCompressor:
+    """Unpickle (or copy) a :class:`PageCompressor`: a fresh one with the same settings."""
+    pc = PageCompressor(**init_kwargs)
+    pc.train(training)
+    return pc
+
+
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a 1-D ``uint8`` view (any dtype, 0-d included)."""
     return t.reshape(-1).view(torch.uint8)
@@ -62,7 +136,9 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 class OffloadHandle:
     """One offloaded tensor. ``state``: "pending" (batches in flight), "ready", "failed",
     "freed". ``nbytes`` is the uncompressed size, ``stored_nbytes`` the host bytes held
-    (packed payload + metadata; final once ready). Dropping the handle frees its storage.
+    (packed payload + metadata; final once ready). ``page_size`` and ``element_size`` are
+    those it was stored with (a restore checks the page size). Dropping the handle frees its
+    storage.
     """
 
     def __init__(self, storage: Storage, shape, dtype, nbytes, page_size, element_size):
@@ -87,8 +163,9 @@ class OffloadHandle:
         return self._storage.done.is_set()
 
     def wait(self) -> None:
-        """Block until stored; raise if a batch failed."""
-        self._storage.done.wait()
+        """Block until stored; raise if a batch failed, or if the compressor stopped (closed,
+        broken, forked) before storing it."""
+        self._storage.wait()
         if self._storage.error is not None:
             raise RuntimeError(f"offload failed: {self._storage.error}") from self._storage.error
 
@@ -177,6 +254,8 @@ class PageCompressor(torch.nn.Module):
         max_raw_share: on a GPU, the largest share of batches stored raw to keep the copy
             engine busy while the kernel is the bottleneck: 0 (default) puts ratio first, 1
             speed first (host memory then shrinks less).
+        A copy or an unpickled one is a fresh ``PageCompressor`` built from these same
+        arguments (``device=None`` resolves again where it is built), with nothing offloaded.
         stream_priority: CUDA priority of the compressor's streams (lower is higher, clamped to
             the card's range, e.g. -5..0 on H100): with a negative value its kernels' thread
             blocks are scheduled ahead of default-priority work queued beside them. (In the
@@ -197,6 +276,13 @@ class PageCompressor(torch.nn.Module):
         stream_priority: int = 0,
     ):
         super().__init__()
+        init_kwargs = dict(
+            device=device, page_size=page_size, batch_pages=batch_pages, slots=slots,
+            max_pinned_bytes=max_pinned_bytes, element_size=element_size,
+            raw_bypass=raw_bypass, max_raw_share=max_raw_share, stream_priority=stream_priority,
+        )
+        page_size = _int_arg("page_size", page_size)
+        slots = _int_arg("slots", slots)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if (
                 torch.cuda.is_available()
@@ -208,13 +294,15 @@ class PageCompressor(torch.nn.Module):
             raise PageCompError(f"device must be cuda or cpu, got {device}")
         fmt.check_page_size(page_size)
         if element_size is not None:
-            fmt.check_element_size(element_size)
+            element_size = _element_size_arg(element_size)
         if batch_pages is None:
             batch_pages = default_batch_pages(device, page_size)
+        batch_pages = _int_arg("batch_pages", batch_pages)
         if batch_pages < 1:
             raise PageCompError(f"batch_pages must be >= 1, got {batch_pages}")
         if max_pinned_bytes is not None and max_pinned_bytes < page_size:
             raise PageCompError(f"max_pinned_bytes must be >= page_size, got {max_pinned_bytes}")
+        self._init_kwargs = init_kwargs
         self.device = device
         self.page_size = page_size
         self.element_size = element_size
@@ -227,7 +315,22 @@ class PageCompressor(torch.nn.Module):
         self.counts = {"offloads": 0, "restores": 0, "bytes_in": 0, "bytes_restored": 0}
         self._counts_lock = threading.Lock()
         self.restore_failures = RestoreFailures(device) if self.pipeline.cuda else None
-        weakref.finalize(self, self.pipeline.close)
+        # collected without close(): only queue the threads' end (a finalizer may run on one of
+        # them); the atexit handler joins whatever is still running
+        weakref.finalize(self, functools.partial(self.pipeline.close, wait=False))
+
+    # ------------------------------------------------------------------ lifetime
+    def __enter__(self) -> PageCompressor:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __reduce_ex__(self, protocol):
+        """Copies and pickles are fresh compressors with the same settings: threads, locks,
+        streams and host memory belong to one process and one object, and offloaded data
+        lives in handles, not in the module."""
+        return _rebuild_compressor, (dict(self._init_kwargs), self.training)
 
     # ------------------------------------------------------------------ offload
     def offload(self, tensor: torch.Tensor, element_size: int | None = None) -> OffloadHandle:
@@ -238,10 +341,13 @@ class PageCompressor(torch.nn.Module):
         tensor is kept alive (and ``record_stream``-ed) until read. Do not modify it in place
         before ``handle.ready()``; :meth:`offload_blocks` takes a snapshot instead.
         """
-        if not isinstance(tensor, torch.Tensor):
-            raise PageCompError(f"offload takes a torch.Tensor, got {type(tensor).__name__}")
-        es = element_size or self.element_size or dtype_element_size(tensor.dtype)
-        fmt.check_element_size(es)
+        _check_offloadable(tensor)
+        self.pipeline.check_usable()
+        if element_size is not None:
+            es = _element_size_arg(element_size)
+        else:
+            es = self.element_size or dtype_element_size(tensor.dtype)
+        tensor = tensor.detach().resolve_conj().resolve_neg()  # the bits of the values
         cuda = self.pipeline.cuda
         if tensor.device.type == "cuda" and (not cuda or tensor.device != self.device):
             if cuda:
@@ -250,7 +356,7 @@ class PageCompressor(torch.nn.Module):
         flat = tensor.contiguous()
         src = _bytes_of(flat)
         nbytes = src.numel()
-        storage = Storage(self.pipeline.arena)
+        storage = Storage(self.pipeline.arena, check=self.pipeline.check_alive)
         handle = OffloadHandle(storage, tensor.shape, tensor.dtype, nbytes, self.page_size, es)
         self._count(offloads=1, bytes_in=nbytes)
         if nbytes == 0:
@@ -307,6 +413,13 @@ class PageCompressor(torch.nn.Module):
             raise PageCompError(f"restore takes an OffloadHandle, got {type(handle).__name__}")
         if handle.state == "freed":
             raise PageCompError("this handle was freed")
+        if handle.page_size != self.page_size:
+            raise PageCompError(
+                f"this handle was stored with page_size={handle.page_size}, this "
+                f"PageCompressor has page_size={self.page_size}: restore it with one of "
+                f"page_size={handle.page_size}"
+            )
+        self.pipeline.check_usable(closed_ok=True)
         handle.wait()
         if out is not None:
             target = out.device if device is None else torch.device(device)
@@ -365,6 +478,9 @@ class PageCompressor(torch.nn.Module):
         ids = torch.as_tensor(block_ids)
         if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
             raise PageCompError(f"block_ids must be 1-D int32/int64, got {ids.dtype} {ids.shape}")
+        if ids.is_cuda:
+            _not_capturing("a GPU tensor of block_ids")  # the range check reads them
+        _check_block_range(ids, cache.shape[0])
         return ids.to(device=cache.device, dtype=torch.int64)
 
     # ------------------------------------------------------------------ introspection
@@ -375,10 +491,14 @@ class PageCompressor(torch.nn.Module):
         """Wait until every batch queued so far completed."""
         self.pipeline.drain()
 
-    def close(self) -> None:
-        """Wait for queued work, then stop the worker threads (also done when collected)."""
-        self.pipeline.drain()
-        self.pipeline.close()
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the queued work, stop and join the worker threads, release idle pooled memory
+        (``timeout``: at most that many seconds; returns whether the threads stopped).
+
+        Offloads waiting in other threads raise :class:`PipelineStopped` at once, and so does
+        every later offload; stored handles stay readable (restore to the CPU). Also done on
+        leaving a ``with`` block and, for compressors still open, at interpreter exit."""
+        return self.pipeline.close(timeout=timeout)
 
     def _count(self, **inc: int) -> None:
         with self._counts_lock:  # offload/restore may be called from several threads

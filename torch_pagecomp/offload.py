@@ -7,12 +7,14 @@ offsets, so gradients are bit-identical):
 
 * pack: parameters (and views / autocast casts of them), small tensors, CPU tensors, tensor
   subclasses and regions under :func:`keep_on_gpu` stay as they are. Other storages start an
-  asynchronous offload after the compute stream: compressed pages through ``PageCompressor``,
-  or (``mode="uncompressed"``, or a ``(dtype, shape)`` class whose sampled ratio is below
-  ``min_ratio``, or a pass where ``prefer="speed"``'s step tuner found copying faster:
-  ``offload_tune``) a copy into exact-size pooled pinned memory on a side stream. The GPU storage
-  stays in a stash until its copy finished; past ``max_in_flight_bytes`` the compute stream
-  waits for the oldest copy (a GPU-side wait) before it is dropped.
+  asynchronous offload after the compute stream, issued from the hook itself (no host thread,
+  no host sync): compressed pages written by kernels straight into page-locked host memory
+  (``offload_paged``), or (``mode="uncompressed"``, or a ``(dtype, shape)`` class whose
+  sampled ratio is below ``min_ratio``, or a pass where ``prefer="speed"``'s step tuner found
+  copying faster: ``offload_tune``) a copy into exact-size pooled pinned memory on a side
+  stream. The GPU storage stays in a stash until it has been read (compressed, or copied);
+  past ``max_in_flight_bytes`` the compute stream waits for the oldest (a GPU-side wait)
+  before it is dropped.
 * groups: a pass (one outermost ``with``) is cut into groups at every :meth:`next_group` (each
   block's forward with :func:`offload_module`) and every ``group_bytes``.
 * unpack: the first unpack in group ``k`` restores groups ``k .. k - prefetch`` on a side
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import warnings
 import weakref
 
 import torch
@@ -44,15 +45,8 @@ from .offload_entry import (
     _tls,
     keep_on_gpu,
 )
-from .offload_store import (
-    ClassPolicy,
-    CompressedStore,
-    CpuStore,
-    PinnedPool,
-    PinnedStore,
-    Worker,
-    element_size_for,
-)
+from .offload_paged import PagedStore
+from .offload_store import ClassPolicy, CpuStore, PinnedPool, PinnedStore, element_size_for
 from .offload_tune import StepTuner
 
 MODES = ("compressed", "uncompressed")
@@ -62,36 +56,30 @@ class ActivationOffloader(BackwardMixin):
     """Saved-tensor hooks that offload activations; use as a (reusable) context manager.
 
     Args:
-        mode: ``"compressed"`` (PageCompressor pages, per-class fallback to a pinned copy) or
+        mode: ``"compressed"`` (LZ4 pages in host memory, per-class fallback to a pinned copy) or
             ``"uncompressed"`` (stream-overlapped pinned copies only).
         prefetch: the first unpack in group ``k`` restores groups ``k .. k - prefetch``, and
             the first unpack of a backward the last ``prefetch + 1`` groups of the latest
             forward (0: each tensor on demand when unpacked).
         min_offload_bytes: storages smaller than this stay where they are.
         max_in_flight_bytes: GPU bytes kept alive by unfinished offloads; past it the compute
-            stream waits for the oldest raw copy (GPU-side), else the host for a compressed one.
+            stream waits for the oldest (GPU-side).
         group_bytes: a new prefetch group starts once a group holds this many bytes (None: only
             at :meth:`next_group`).
         min_ratio, sample_tensors: a ``(dtype, shape)`` class stays compressed only if its first
             ``sample_tensors`` tensors compressed by at least ``min_ratio``.
-        offload_cpu: also offload CPU tensors (a CPU ``PageCompressor`` when compressed, else a
-            copy); by default CPU tensors are kept.
+        offload_cpu: also offload CPU tensors (lz4 pages when compressed, else a copy); by
+            default CPU tensors are kept.
         keep_param_casts: keep autocast copies of parameters (``ToCopy`` of a leaf) in place.
-        page_size, max_pinned_bytes: passed to ``PageCompressor`` and the pinned pool.
+        page_size: bytes per compressed page; max_pinned_bytes: bound on the pinned pool of
+            uncompressed copies (past it a tensor stays on the GPU).
         exact_pinned: pin page-aligned memory with cudaHostRegister (no power-of-two rounding).
         prefer: ``"speed"``: compress only where it shortens the step. Passes are timed
             (``offload_tune.StepTuner``: after two warm-up passes, two passes each compressed
             and copied, again every ``tuner.retune`` passes) and the faster way is kept.
-            ``"memory"``: every batch of a class that compresses goes through the kernel.
-            Either way the compressor made here sends whole batches through the kernel
-            (``max_raw_share=0``): beside a model its kernel rate reads low (the SMs are
-            shared), and storing a share raw made link-bound steps slower (H200, 12-block
-            GPT: 417 and 433 ms with the share, 395 and 407 ms without;
-            ``bench/results/h200_4e17f71/``, ``h200_dcba96e/``).
+            ``"memory"``: every tensor of a class that compresses goes through the kernels.
         tuner: the ``StepTuner`` of ``prefer="speed"`` (default ``StepTuner()``).
-        compressor: a ``PageCompressor`` to use (default: one per device, made on first use).
-        stream_priority: CUDA priority of the side streams and of the compressor made here
-            (lower is higher; ``PageCompressor``'s argument of that name).
+        stream_priority: CUDA priority of the side streams (lower is higher).
     """
 
     def __init__(
@@ -109,7 +97,6 @@ class ActivationOffloader(BackwardMixin):
         max_pinned_bytes: int | None = None,
         exact_pinned: bool = True,
         prefer: str = "speed",
-        compressor=None,
         stream_priority: int = 0,
         tuner: StepTuner | None = None,
     ):
@@ -132,14 +119,10 @@ class ActivationOffloader(BackwardMixin):
         self.pool = PinnedPool(max_pinned_bytes, exact=exact_pinned)
         self._pinned = PinnedStore(self.pool)
         self._cpu = CpuStore(compress=False)
-        self._worker = Worker()
-        weakref.finalize(self, self._worker.close)
-        self._samples: list = []
-        self._compressors = {}
+        self._cpu_compressed = CpuStore(compress=True, page_size=page_size)
+        self._paged: dict[int, PagedStore] = {}
         self._failed_restores_seen = 0
-        if compressor is not None:
-            self._compressors[compressor_device(compressor)] = compressor
-        self._max_pinned = max_pinned_bytes
+        self._last_error: str | None = None  # the latest offload that failed (kept in place)
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self._lock = threading.RLock()
         self._sink: list = []
@@ -160,9 +143,6 @@ class ActivationOffloader(BackwardMixin):
         self._peak_host = 0
         self._host_now = 0  # host bytes of live entries (compressed sizes once known)
         self.counters = collections.Counter()
-        # Race tests only: drop a barrier ("producer", "release", "restore") / delay side streams.
-        self._unsafe: set[str] = set()
-        self._sleep_cycles = 0
 
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> ActivationOffloader:
@@ -173,9 +153,10 @@ class ActivationOffloader(BackwardMixin):
                 self._passes.add(self._pass)
                 self._last_pass = weakref.ref(self._pass)
                 self._keep_ptrs = {
-                    t.untyped_storage().data_ptr()
+                    ptr
                     for m in self._keep_modules
                     for t in (*m.parameters(), *m.buffers())
+                    if (ptr := _storage_ptr(t)) is not None
                 }
                 self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 self._hooks.__enter__()
@@ -202,9 +183,8 @@ class ActivationOffloader(BackwardMixin):
             if self.tuner.choice == "compress":
                 self.pool.clear()
             else:
-                for comp in self._compressors.values():
-                    if comp is not None:
-                        comp.empty_cache()
+                for store in self._paged.values():
+                    store.arena.trim()
         return arm
 
     def next_group(self) -> None:
@@ -258,7 +238,12 @@ class ActivationOffloader(BackwardMixin):
                 ):
                     self.counters["deduplicated"] += 1
                     return _Packed(entry, t)
-            entry = self._offload(t, storage)
+            try:
+                entry = self._offload(t, storage)
+            except Exception as exc:  # noqa: BLE001 - the tensor stays where it is: nothing lost
+                self.counters["offload_failed"] += 1
+                self._last_error = repr(exc)
+                return t
             if entry is None:
                 self.counters["kept_host_full"] += 1
                 return t
@@ -272,25 +257,25 @@ class ActivationOffloader(BackwardMixin):
         esize = element_size_for(t.dtype)
         entry = _Entry(self._sink, nbytes, dev, ps, len(ps.groups) - 1)
         cls = (t.dtype, tuple(t.shape))
-        comp = self._compressor(dev) if self.mode == "compressed" else None
-        if comp is not None and ps.compress and self.policy.compress(cls):
-            entry.store = CompressedStore(comp)
-            self._submit_offload(entry, src, esize, cls)
-        elif dev.type == "cpu":
-            entry.store, entry.stored = self._cpu, self._cpu.offload(src, esize)
-            entry.submitted.set()
+        compress = self.mode == "compressed" and ps.compress and self.policy.compress(cls)
+        if dev.type == "cpu":
+            entry.store = self._cpu_compressed if compress else self._cpu
+            entry.stored = entry.store.offload(src, esize)
+        elif compress:
+            entry.store, entry.stream = self._paged_store(dev), torch.cuda.current_stream(dev)
+            entry.stored = entry.store.offload(src, esize, producer=entry.stream)
         else:
             side, entry.stream = self._stream(dev, "d2h"), torch.cuda.current_stream(dev)
             with torch.cuda.stream(side):
-                if "producer" not in self._unsafe:
-                    side.wait_stream(entry.stream)
-                self._side_sleep()
+                side.wait_stream(entry.stream)
                 entry.stored = self._pinned.offload(src, esize)
             if entry.stored is None:
                 return None
             entry.store = self._pinned
-            entry.submitted.set()
-        if dev.type == "cuda" or entry.store is not self._cpu:
+        entry.submitted.set()
+        if compress:
+            self.policy.sample(cls, entry.stored)
+        if dev.type == "cuda":
             entry.src = src
             self._stash.append(entry)
             self._stash_bytes += nbytes
@@ -309,40 +294,12 @@ class ActivationOffloader(BackwardMixin):
             ps.new_group()
         return entry
 
-    def _submit_offload(self, entry: _Entry, src: torch.Tensor, esize: int, cls: tuple) -> None:
-        """Hand a compressed offload to the worker, ordered after the compute stream's work so
-        far (the worker's current stream waits for an event recorded here)."""
-        dev, store, samples, unsafe = entry.device, entry.store, self._samples, self._unsafe
-        entry.stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
-        produced = entry.stream.record_event() if entry.stream is not None else None
-        gate = self._stream(dev, "gate") if produced is not None else None
-
-        def job():
-            try:
-                if gate is not None:
-                    torch.cuda.set_device(dev)
-                    with torch.cuda.stream(gate):
-                        if "producer" not in unsafe:
-                            gate.wait_event(produced)
-                        entry.stored = store.offload(src, esize)
-                else:
-                    entry.stored = store.offload(src, esize)
-                samples.append((cls, entry.stored))
-            except BaseException as exc:  # noqa: BLE001 - raised at unpack
-                entry.error = exc.with_traceback(None)  # no frame -> entry cycle
-            finally:
-                entry.submitted.set()
-
-        self._worker.submit(job)
-
     def _release(self, entry: _Entry, wait: bool) -> None:
         """Drop the stash's hold on ``entry``'s GPU storage (its copy is done, or ``wait``).
         A failed offload keeps it (unpack serves it) until the end of backward."""
         if wait:
             try:
-                stored = entry.wait_stored()
-                if "release" not in self._unsafe:
-                    stored.wait_on(entry.stream)
+                entry.wait_stored().wait_on(entry.stream)
             except Exception as exc:  # noqa: BLE001 - kept on the GPU instead
                 entry.error = entry.error or exc.with_traceback(None)
         if entry.failed():
@@ -354,10 +311,8 @@ class ActivationOffloader(BackwardMixin):
         self._stash_bytes -= entry.nbytes
 
     def _stash_victim(self) -> _Entry:
-        """The oldest raw copy (a GPU-side wait), else the oldest entry (a host wait)."""
-        victim = next((e for e in self._stash if e.store is self._pinned), self._stash[0])
-        self._stash.remove(victim)
-        return victim
+        """The oldest entry (its release is a GPU-side wait)."""
+        return self._stash.popleft()
 
     def _poll(self) -> None:
         if self._stash and any(e.ready() for e in self._stash):
@@ -368,8 +323,8 @@ class ActivationOffloader(BackwardMixin):
                 else:
                     keep.append(e)
             self._stash = keep
-        while self._samples:
-            self.policy.sample(*self._samples.pop(0))
+        for store in self._paged.values():
+            store.poll()
         self.policy.poll()
         while self._sink:
             store, stored, counted = self._sink.pop()
@@ -388,36 +343,19 @@ class ActivationOffloader(BackwardMixin):
         self._peak_host = max(self._peak_host, self._host_now)
 
     # ------------------------------------------------------------------------ helpers
-    def _side_sleep(self) -> None:
-        """Tests: delay the current side stream to widen race windows."""
-        if self._sleep_cycles:
-            torch.cuda._sleep(self._sleep_cycles)
-
     def _stream(self, dev: torch.device, name: str) -> torch.cuda.Stream:
         key = (dev.index if dev.index is not None else torch.cuda.current_device(), name)
         if key not in self._streams:
             self._streams[key] = torch.cuda.Stream(device=key[0], priority=self.stream_priority)
         return self._streams[key]
 
-    def _compressor(self, dev: torch.device):
-        key = "cpu" if dev.type == "cpu" else (dev.index if dev.index is not None else
-                                                torch.cuda.current_device())
-        if key not in self._compressors:
-            try:
-                from .module import PageCompressor
-            except ImportError as exc:
-                warnings.warn(
-                    f"PageCompressor unavailable ({exc}); offloading uncompressed", stacklevel=3
-                )
-                self._compressors[key] = None
-            else:
-                self._compressors[key] = PageCompressor(
-                    device=torch.device("cpu") if key == "cpu" else torch.device("cuda", key),
-                    page_size=self.page_size,
-                    max_pinned_bytes=self._max_pinned,
-                    stream_priority=self.stream_priority,
-                )
-        return self._compressors[key]
+    def _paged_store(self, dev: torch.device) -> PagedStore:
+        """The compressed store of ``dev`` (made on first use), with its side streams."""
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index not in self._paged:
+            streams = tuple(self._stream(dev, name) for name in ("d2h", "pack", "h2d"))
+            self._paged[index] = PagedStore(torch.device("cuda", index), self.page_size, streams)
+        return self._paged[index]
 
     def synchronize(self) -> None:
         """Wait until every offload started so far is stored; drop the stash's GPU storages."""
@@ -456,13 +394,14 @@ class ActivationOffloader(BackwardMixin):
         out = dict(self.counters)
         out.update(self.pending())
         out["peak_host_bytes"] = self._peak_host
+        if self._last_error is not None:
+            out["last_offload_error"] = self._last_error
         out["pinned_held_bytes"] = self.pool.held_bytes
         out["policy"] = self.policy.summary()
         if self.tuner is not None:
             out["tuner"] = self.tuner.summary()
-        comps = {k: c.stats() for k, c in self._compressors.items() if c is not None}
-        if comps:
-            out["compressor"] = comps
+        if self._paged:
+            out["compressor"] = {k: st.stats() for k, st in self._paged.items()}
         return out
 
     def keep_tensors_of(self, module: torch.nn.Module) -> None:
@@ -477,11 +416,15 @@ class ActivationOffloader(BackwardMixin):
         self._keep_modules.clear()
 
 
-def compressor_device(compressor) -> int | str:
-    dev = torch.device(getattr(compressor, "device", None) or "cuda")
-    if dev.type == "cpu":
-        return "cpu"
-    return dev.index if dev.index is not None else torch.cuda.current_device()
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; a sharded parameter (FSDP2's DTensor) gives its local
+    shard's, a tensor without storage (meta, a subclass without one) None."""
+    local = getattr(t, "_local_tensor", None)
+    t = local if local is not None else t
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def offload_activations(**settings) -> ActivationOffloader:

@@ -1,6 +1,5 @@
 """The backward half of :class:`torch_pagecomp.offload.ActivationOffloader`: unpack, prefetch
-by group, restores on a side stream (through the worker for compressed entries) and the
-end-of-backward clean-up."""
+by group, restores on a side stream and the end-of-backward clean-up."""
 
 from __future__ import annotations
 
@@ -8,12 +7,11 @@ import torch
 
 from .format import CorruptPageError
 from .offload_entry import _capturing, _Entry
-from .offload_store import CompressedStore
 
 
 class BackwardMixin:
     """Needs the offloader's state: ``_lock``, ``_stash``, ``_live``, ``_passes``, ``_tasks``,
-    ``_worker``, ``prefetch``, ``counters``, ``_unsafe`` and ``_poll/_release/_stream``."""
+    ``_paged``, ``prefetch``, ``counters`` and ``_poll/_release/_stream``."""
 
     def _unpack(self, packed):
         capturing = _capturing()
@@ -42,7 +40,7 @@ class BackwardMixin:
                 self.counters["restored_on_demand"] += 1
                 self._restore([entry])
         entry.wait_restored()
-        if entry.restore_event is not None and "restore" not in self._unsafe:
+        if entry.restore_event is not None:
             current = torch.cuda.current_stream(entry.device)
             current.wait_event(entry.restore_event)
             if current != entry.stream:
@@ -96,40 +94,19 @@ class BackwardMixin:
         side = self._stream(entries[0].device, "h2d") if gpu_streams else None
         allocated = [s.record_event() for s in gpu_streams]
         for e in entries:
-            if isinstance(e.store, CompressedStore):
-                self._submit_restore(e, side, allocated)
-            elif side is None:
-                e.store.restore(e.stored, e.restored)
-                e.restore_done.set()
-            else:
-                with torch.cuda.stream(side):
-                    for ev in allocated:
-                        side.wait_event(ev)
-                    self._side_sleep()
-                    e.store.restore(e.stored, e.restored)
-                    e.restore_event = side.record_event()
-                e.restore_done.set()
-
-    def _submit_restore(self, e: _Entry, side, allocated: list) -> None:
-        def job():
             try:
-                stored = e.wait_stored()
                 if side is None:
-                    e.store.restore(stored, e.restored)
-                    return
-                torch.cuda.set_device(e.device)
-                with torch.cuda.stream(side):
-                    for ev in allocated:
-                        side.wait_event(ev)
-                    self._side_sleep()
-                    e.store.restore(stored, e.restored)
-                    e.restore_event = side.record_event()
-            except BaseException as exc:  # noqa: BLE001 - raised at unpack
+                    e.store.restore(e.stored, e.restored)
+                else:
+                    with torch.cuda.stream(side):
+                        for ev in allocated:
+                            side.wait_event(ev)
+                        e.store.restore(e.stored, e.restored)
+                        e.restore_event = side.record_event()
+            except Exception as exc:  # noqa: BLE001 - raised at this entry's unpack
                 e.error = exc.with_traceback(None)
             finally:
                 e.restore_done.set()
-
-        self._worker.submit(job)
 
     def _watch_backward(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -158,8 +135,7 @@ class BackwardMixin:
     def _check_restores(self) -> None:
         """Raise if a compressed restore failed to decode (seen without a host sync, so at the
         end of this backward or, at the latest, of the next one)."""
-        comps = [c for c in self._compressors.values() if hasattr(c, "failed_restores")]
-        failed = sum(c.failed_restores() for c in comps)
+        failed = sum(store.failed_restores() for store in self._paged.values())
         if failed > self._failed_restores_seen:
             self._failed_restores_seen = failed
             raise CorruptPageError(

@@ -4,8 +4,8 @@ Every store turns the bytes of one storage (``uint8 [n]``) into a *stored* objec
 
 * :class:`PinnedStore`: a plain copy into an exact-size pinned host buffer (pooled), issued on
   the caller's current stream (the offloader runs it on its side stream).
-* :class:`CompressedStore`: :class:`torch_pagecomp.module.PageCompressor` pages, held packed in
-  host memory (host bytes shrink with the ratio).
+* ``offload_paged.PagedStore``: compressed pages written by kernels into host memory (host
+  bytes shrink with the ratio).
 * :class:`CpuStore`: CPU tensors when there is no GPU: compressed with the lz4 codec, or copied.
 
 :class:`ClassPolicy` samples the first tensors of each ``(dtype, shape)`` class and sends the
@@ -13,9 +13,6 @@ class to the pinned store when compression does not pay.
 """
 
 from __future__ import annotations
-
-import queue
-import threading
 
 import torch
 
@@ -149,63 +146,10 @@ class PinnedStore:
         self.pool.put(stored.buf)
 
 
-class CompressedStored:
-    kind = "compressed"
-
-    def __init__(self, handle, nbytes: int):
-        self.handle = handle
-        self.nbytes = nbytes
-        self.freed = False
-        self._stored: int | None = None
-        self._kernel: tuple[int, int] = (0, 0)
-
-    def ready(self) -> bool:
-        return self._stored is not None or (not self.freed and self.handle.ready())
-
-    def failed(self) -> bool:
-        return not self.freed and self.handle.state == "failed"
-
-    def wait_on(self, stream: torch.cuda.Stream | None) -> None:
-        """Until the offload is stored (a host wait: the handle offers no event)."""
-        self.handle.wait()
-
-    def host_nbytes(self) -> int | None:
-        """Stored bytes once the offload finished, else None."""
-        if self._stored is None and not self.freed and self.handle.ready():
-            self._stored = int(self.handle.stored_nbytes)
-            self._kernel = self.handle.kernel_bytes()
-        return self._stored
-
-    def kernel_bytes(self) -> tuple[int, int] | None:
-        """``(page bytes, stored bytes)`` of the batches the kernel compressed, once finished
-        (None before; ``(0, 0)`` when the pipeline stored every batch raw without trying)."""
-        return self._kernel if self.host_nbytes() is not None else None
-
-
-class CompressedStore:
-    """Offload through a :class:`PageCompressor` (its own side streams; ordered after ours)."""
-
-    kind = "compressed"
-
-    def __init__(self, compressor):
-        self.compressor = compressor
-
-    def offload(self, src: torch.Tensor, element_size: int) -> CompressedStored:
-        handle = self.compressor.offload(src, element_size=element_size)
-        return CompressedStored(handle, src.numel())
-
-    def restore(self, stored: CompressedStored, out: torch.Tensor) -> None:
-        self.compressor.restore(stored.handle, device=out.device, out=out)
-
-    def free(self, stored: CompressedStored) -> None:
-        stored.host_nbytes()  # keep the measured size for the policy
-        stored.freed = True
-        stored.handle.free()
-
-
 class CpuStored:
     def __init__(self, kind: str, data, nbytes: int, host: int):
         self.kind, self.data, self.nbytes, self._host = kind, data, nbytes, host
+        self.freed = False
 
     def ready(self) -> bool:
         return True
@@ -216,15 +160,18 @@ class CpuStored:
     def host_nbytes(self) -> int:
         return self._host
 
+    def kernel_bytes(self) -> tuple[int, int]:
+        """``(page bytes, stored bytes)``, as the class policy reads a compressed offload."""
+        return (self.nbytes, self._host)
+
 
 class CpuStore:
     """CPU tensors (no GPU): lz4 pages packed exactly (``compress=True``) or a plain copy."""
 
-    kind = "cpu"
-
     def __init__(self, compress: bool, page_size: int = 4096):
         self.compress = compress
         self.page_size = page_size
+        self.kind = "compressed" if compress else "cpu"
 
     def offload(self, src: torch.Tensor, element_size: int) -> CpuStored:
         from . import api
@@ -249,6 +196,7 @@ class CpuStore:
 
     def free(self, stored: CpuStored) -> None:
         stored.data = None
+        stored.freed = True
 
 
 # --------------------------------------------------------------------------------- policy
@@ -257,18 +205,16 @@ class ClassPolicy:
     (uncompressed / stored bytes) once they are done, then keep compressing only when the
     ratio reaches ``min_ratio``; otherwise the class takes the uncompressed pinned path.
 
-    The ratio counts only the batches the kernel compressed: batches the compressor stored
-    raw to keep its copy engine busy (a ``PageCompressor`` passed in with ``max_raw_share``)
-    say nothing about the data. Counting them (cf21ca7, H200) measured bf16 activations that
-    compress 1.22-1.27x at 1.05-1.10 and sent most classes to the uncompressed path. A sample
-    whose every batch went raw is dropped and the next tensor of the class sampled instead."""
+    A stored sample reports ``kernel_bytes()``: ``(page bytes, stored bytes)`` of what went
+    through the compressor, ``None`` until known; a sample with no compressed pages says
+    nothing about the data, and the next tensor of the class is sampled instead."""
 
     def __init__(self, samples: int = 2, min_ratio: float = 1.1):
         self.samples = samples
         self.min_ratio = min_ratio
         self.decided: dict[tuple, bool] = {}
         self.ratios: dict[tuple, float] = {}
-        self._pending: dict[tuple, list[CompressedStored]] = {}
+        self._pending: dict[tuple, list] = {}
         self._measured: dict[tuple, list[tuple[int, int]]] = {}
 
     def compress(self, key: tuple) -> bool:
@@ -277,7 +223,7 @@ class ClassPolicy:
         self.poll(key)
         return self.decided.get(key, True)
 
-    def sample(self, key: tuple, stored: CompressedStored) -> None:
+    def sample(self, key: tuple, stored) -> None:
         if key not in self.decided:
             pending = self._pending.setdefault(key, [])
             if len(pending) + len(self._measured.get(key, ())) < self.samples:
@@ -303,34 +249,3 @@ class ClassPolicy:
             f"{k[0]}{list(k[1])}": {"ratio": round(r, 4), "compress": self.decided[k]}
             for k, r in self.ratios.items()
         }
-
-
-# --------------------------------------------------------------------------------- worker
-class Worker:
-    """A daemon thread that runs submitted jobs in order. ``PageCompressor.offload/restore``
-    block on their ring's back-pressure; run here, they never block the autograd hooks."""
-
-    def __init__(self, name: str = "pagecomp-offload"):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._name = name
-        self._lock = threading.Lock()
-
-    def submit(self, job) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name=self._name)
-                self._thread.start()
-        self._q.put(job)
-
-    def _run(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            job()  # jobs report their own errors
-            del job  # drop its references before blocking on the next one
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._q.put(None)

@@ -24,13 +24,24 @@ goes raw, so the kernel and the copy engine work at once.
 
 Without a GPU the same ring runs the lz4 reference on the issuer thread (stage times from
 ``perf_counter``), with the same states, back-pressure and statistics.
+
+Lifetime: the worker threads are daemons (a stuck one cannot hang the interpreter's exit), but
+none may still be inside a torch call when the interpreter finalizes (the process then aborts).
+So every live pipeline is in a weak registry and one ``atexit`` handler closes them all,
+cancelling queued batches and joining the threads within ``EXIT_TIMEOUT_S``. Once a pipeline
+stops (closed, broken by a worker's failure, or inherited by a forked child, where its threads
+do not exist) every wait re-checks that and raises :class:`PipelineStopped` instead of waiting
+for a thread that will never answer.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from enum import Enum
 
@@ -38,8 +49,15 @@ import torch
 
 from .cuda_stages import CudaStages, RawBypass
 from .pools import ALIGN, DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
-from .storage import BlobLayout, Storage, StoredBatch, meta_capacity
+from .storage import BlobLayout, Storage, StoredBatch, detached_error, meta_capacity
 from .timing import BatchTiming, TimingLog
+
+EXIT_TIMEOUT_S = 10.0  # at interpreter exit, for all pipelines together
+
+
+class PipelineStopped(RuntimeError):
+    """The pipeline takes no more work: closed, broken by a worker's failure, or used in a
+    process forked from the one that made it."""
 
 
 class SlotState(str, Enum):
@@ -166,29 +184,85 @@ class Pipeline(CudaStages):
         self._issue_q: queue.Queue = queue.Queue()
         self._done_q: queue.Queue = queue.Queue()
         self._raw_done_q: queue.Queue = queue.Queue()  # raw batches, completed independently
+        self.closed = False
+        self.broken: BaseException | None = None  # a worker thread's failure (no traceback)
+        self._cancel_reason: str | None = None  # close(cancel=True): queued batches fail
+        self._stop_sent = False  # the workers' queues got their end marker: no more jobs
+        self._forked_from: int | None = None  # the parent's pid, in a forked child
         self._threads = [
-            threading.Thread(target=self._issuer, daemon=True, name="pagecomp-issuer"),
-            threading.Thread(target=self._completer, args=(self._done_q,), daemon=True,
-                             name="pagecomp-completer"),
-            threading.Thread(target=self._completer, args=(self._raw_done_q,), daemon=True,
-                             name="pagecomp-raw-completer"),
+            self._thread("pagecomp-issuer", self._issuer),
+            self._thread("pagecomp-completer", self._completer, self._done_q),
+            self._thread("pagecomp-raw-completer", self._completer, self._raw_done_q),
         ]
+        _LIVE.add(self)
         for th in self._threads:
             th.start()
-        self.closed = False
+
+    def _thread(self, name: str, loop, *args) -> threading.Thread:
+        return threading.Thread(target=self._worker, args=(loop, *args), daemon=True, name=name)
+
+    # ------------------------------------------------------------------ liveness
+    def _stop_error(self, closed_ok: bool = False) -> PipelineStopped | None:
+        """Why this pipeline cannot take the work asked for (``None``: it can). ``closed_ok``:
+        the work needs no worker thread (a restore to the CPU of what is stored)."""
+        if self._forked_from is not None:
+            return PipelineStopped(
+                f"this PageCompressor was created in process {self._forked_from} and cannot be "
+                f"used after os.fork() in process {os.getpid()} (its worker threads exist only "
+                "in the parent); create a new PageCompressor in the child"
+            )
+        if self.broken is not None:
+            return PipelineStopped(
+                f"this PageCompressor stopped: a worker thread failed "
+                f"({type(self.broken).__name__}: {self.broken}); create a new one"
+            )
+        if self.closed and not closed_ok:
+            return PipelineStopped("this PageCompressor was closed")
+        return None
+
+    def check_usable(self, closed_ok: bool = False) -> None:
+        """Raise :class:`PipelineStopped` unless this pipeline can take work now."""
+        err = self._stop_error(closed_ok)
+        if err is not None:
+            raise err
+
+    def check_alive(self) -> None:
+        """For a storage waiting on its batches: raise when no thread will ever finish them
+        (broken, forked, or closed with its threads gone)."""
+        self.check_usable(closed_ok=True)
+        if self.closed and not any(th.is_alive() for th in self._threads):
+            raise PipelineStopped("this PageCompressor was closed before the offload finished")
+
+    def _wait(self, ready, closed_ok: bool = False) -> None:
+        """With ``_cond`` held: wait until ``ready()``, raising as soon as the pipeline stops
+        (every change of either is notified on ``_cond``)."""
+        while True:
+            self.check_usable(closed_ok)
+            if ready():
+                return
+            self._cond.wait()
+
+    def _enqueue(self, q: queue.Queue, item) -> None:
+        """Hand ``item`` to a worker, unless the workers were told to end (it would never be
+        taken: the end marker is ahead of it)."""
+        with self._cond:
+            if self._stop_sent:
+                raise self._stop_error() or PipelineStopped("this PageCompressor was closed")
+            q.put(item)
 
     # ------------------------------------------------------------------ slots
-    def acquire_slot(self, raw: bool = False) -> Slot:
+    def acquire_slot(self, raw: bool = False, closed_ok: bool = False) -> Slot:
         """Next slot of the ring (of the raw ring when ``raw``), waiting (host side) until its
-        previous batch completed."""
+        previous batch completed; raises :class:`PipelineStopped` once the pipeline stops
+        (``closed_ok``: not merely because it was closed)."""
         with self._cond:
             if raw:
                 slot = self.raw_slots[self._next_raw]
-                self._cond.wait_for(lambda: not slot.active)
+                self._wait(lambda: not slot.active, closed_ok)
                 self._next_raw = (self._next_raw + 1) % len(self.raw_slots)
             else:
                 i = self._next
-                self._cond.wait_for(lambda: not self.slots[i].active)  # may be a new object
+                self._wait(lambda: not self.slots[i].active, closed_ok)  # may be a new object
                 slot = self.slots[i]
                 self._next = (i + 1) % len(self.slots)
             slot.active = slot.used = True
@@ -215,7 +289,7 @@ class Pipeline(CudaStages):
         """Issuer, before queueing a download: at most ``len(slots)`` batches downloading
         outside the ring (their device buffers are still held)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._detached < len(self.slots))
+            self._wait(lambda: self._detached < len(self.slots), closed_ok=True)
 
     def _detach(self, job: _Job) -> None:
         """The issuer queued ``job``'s download: its ring position takes a spare slot, so the
@@ -256,9 +330,10 @@ class Pipeline(CudaStages):
         p, bp = self.page_size, self.batch_pages
         total_pages = -(-nbytes // p)
         p0, error = 0, None
-        if self.closed:
-            storage.close(RuntimeError("the pipeline is closed"))
-            raise RuntimeError("this PageCompressor was closed")
+        stopped = self._stop_error()
+        if stopped is not None:
+            storage.close(stopped)
+            raise stopped
         gpu_src = self.cuda and not on_host
         try:
             while p0 < total_pages:
@@ -303,11 +378,11 @@ class Pipeline(CudaStages):
                 self._enqueue_compress(job, src, lo, hi, element_size, producer)
             else:
                 job.work = (src, lo, hi, element_size)
+            job.submitted = self.timing.host_ms(time.perf_counter())
+            self._enqueue(self._raw_done_q if job.raw else self._issue_q, job)
         except BaseException as exc:
             self._fail(job, exc)
             raise
-        job.submitted = self.timing.host_ms(time.perf_counter())
-        (self._raw_done_q if job.raw else self._issue_q).put(job)
 
     def _cpu_compress(self, job: _Job) -> None:
         src, lo, hi, element_size = job.work
@@ -342,8 +417,11 @@ class Pipeline(CudaStages):
         on this GPU). ``consumer``: the caller's stream; the writes wait for what it queued before
         and it waits for them. Returns the per-batch status tensors (on the device).
         """
-        if self.closed:
-            raise RuntimeError("this PageCompressor was closed (restore to the CPU still works)")
+        stopped = self._stop_error()
+        if stopped is not None:
+            if self.closed and self.broken is None and self._forked_from is None:
+                raise PipelineStopped(f"{stopped} (restore to the CPU still works)")
+            raise stopped
         p = self.page_size
         statuses = []
         storage.add_reader()
@@ -365,8 +443,12 @@ class Pipeline(CudaStages):
                         raise
                     job.reader_release = b == last  # the last batch ends the read
                     job.submitted = self.timing.host_ms(time.perf_counter())
+                    try:
+                        self._enqueue(self._done_q, job)
+                    except BaseException as exc:
+                        self._fail(job, exc)
+                        raise
                     count += 1
-                    self._done_q.put(job)
             finally:
                 end = torch.cuda.Event()
                 end.record(self.compute)
@@ -376,18 +458,30 @@ class Pipeline(CudaStages):
                 if count == 0:
                     storage.reader_done()
                 elif count <= last:  # failed part-way: release after the queued batches
-                    self._done_q.put(("reader_done", storage))
+                    self._end_read_after_queued(storage)
         return statuses
 
+    def _end_read_after_queued(self, storage: Storage) -> None:
+        """A restore failed part-way: end its read once the batches it queued completed (by
+        the completer, in order; or here, after the device finished them, if the workers were
+        told to end)."""
+        try:
+            self._enqueue(self._done_q, ("reader_done", storage))
+        except PipelineStopped:
+            torch.cuda.synchronize(self.device)
+            storage.reader_done()
+
     def cpu_decompress(self, storage: Storage, out: torch.Tensor) -> list:
-        """Decompress every batch into the CPU ``uint8 [nbytes]`` tensor ``out`` now."""
+        """Decompress every batch into the CPU ``uint8 [nbytes]`` tensor ``out`` now (also
+        after :meth:`close`: it needs no worker thread)."""
+        self.check_usable(closed_ok=True)
         p = self.page_size
         statuses = []
         storage.add_reader()
         try:
             for sb in storage.batches:
                 lay, n = sb.layout, sb.layout.n_pages
-                slot = self.acquire_slot() if not self.cuda else None
+                slot = self.acquire_slot(closed_ok=True) if not self.cuda else None
                 t0 = time.perf_counter()
                 if slot is not None:
                     slot.cpu_stage = SlotState.COMPRESSING
@@ -412,41 +506,57 @@ class Pipeline(CudaStages):
         if self.cuda:
             torch.cuda.set_device(self.device)
 
+    def _worker(self, loop, *args) -> None:
+        """A worker thread's body: if its loop ever fails, the pipeline is broken."""
+        try:
+            self._bind_device()
+            loop(*args)
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiter
+            self._break(exc)
+
     def _issuer(self) -> None:
-        self._bind_device()
-        while True:
-            job = self._issue_q.get()
-            if job is None:
-                self._done_q.put(None)
-                return
-            try:
-                if job.raw:
-                    self._issue_raw(job)
-                elif self.cuda:
-                    self._wait_download_room()
-                    self._issue_download(job)
-                    self._detach(job)
-                else:
-                    self._cpu_compress(job)
-                job.issued = self.timing.host_ms(time.perf_counter())
-            except BaseException as exc:  # noqa: BLE001 - reported through the handle
-                self._fail(job, exc)
-                continue
-            self._done_q.put(job)
+        """Issue each job (a call per job: while the thread waits for the next one, nothing of
+        the last one stays referenced, so a freed handle's storage can go)."""
+        while self._issue_one(self._issue_q.get()):
+            pass
+        self._done_q.put(None)  # after every job it passed on
+
+    def _issue_one(self, job: _Job | None) -> bool:
+        if job is None:
+            return False
+        try:
+            if self._cancel_reason is not None:
+                raise PipelineStopped(self._cancel_reason)
+            if job.raw:
+                self._issue_raw(job)
+            elif self.cuda:
+                self._wait_download_room()
+                self._issue_download(job)
+                self._detach(job)
+            else:
+                self._cpu_compress(job)
+            job.issued = self.timing.host_ms(time.perf_counter())
+        except BaseException as exc:  # noqa: BLE001 - reported through the handle
+            self._fail(job, exc)
+            return True
+        self._done_q.put(job)
+        return True
 
     def _completer(self, done_q: queue.Queue) -> None:
-        self._bind_device()
-        while True:
-            job = done_q.get()
-            if job is None:
-                return
-            if isinstance(job, tuple):  # ("reader_done", storage): a failed restore ended
-                job[1].reader_done()
-                continue
-            try:
-                self._complete(job)
-            except BaseException as exc:  # noqa: BLE001
-                self._fail(job, exc)
+        while self._complete_one(done_q.get()):
+            pass
+
+    def _complete_one(self, job) -> bool:
+        if job is None:
+            return False
+        if isinstance(job, tuple):  # ("reader_done", storage): a failed restore ended
+            job[1].reader_done()
+            return True
+        try:
+            self._complete(job)
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(job, exc)
+        return True
 
     def _complete(self, job: _Job) -> None:
         slot = job.slot
@@ -501,17 +611,131 @@ class Pipeline(CudaStages):
             torch.cuda.synchronize(self.device)
         self._finish(job, exc)
 
-    def close(self) -> None:
-        if not self.closed:
+    def _break(self, exc: BaseException) -> None:
+        """A worker thread died: wake every waiter with the failure and let the other workers
+        end (the batches they hold can never complete)."""
+        with self._cond:
+            if self.broken is None:
+                self.broken = detached_error(exc)
+            self._stop_sent = True
+            self._cond.notify_all()
+        self.limiter.stop(self._stop_error())
+        for q in (self._issue_q, self._done_q, self._raw_done_q):
+            q.put(None)
+
+    def close(self, wait: bool = True, cancel: bool = False, timeout: float | None = None,
+              final: bool = False) -> bool:
+        """Stop taking work and stop the worker threads. Returns whether they stopped.
+
+        At once, producers waiting for a slot or for in-flight budget raise
+        :class:`PipelineStopped`, and so does every later offload. Then, with ``wait``, the
+        batches already queued complete (``cancel``: those not started yet fail instead), the
+        workers are told to end and are joined, and idle pooled memory is released; ``timeout``
+        bounds all of it (seconds). ``final`` (interpreter exit) also unregisters the pinned
+        arena while CUDA is still up. Without ``wait`` (a finalizer, which may run on a worker
+        thread) the end is only queued behind the work. Idempotent; stored handles stay
+        readable on the CPU. In a forked child it only marks the pipeline closed: the threads
+        are the parent's."""
+        if self._forked_from is not None:
             self.closed = True
-            self._issue_q.put(None)
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._refuse_work(cancel)
+        if not wait or threading.current_thread() in self._threads:
+            self._send_stop()
+            return False
+        try:
+            drained = self.drain(_left(deadline))
+        except PipelineStopped:  # broken: what is queued will not complete
+            drained = False
+        self._send_stop()
+        for th in self._threads:
+            th.join(_left(deadline))
+        stopped = not any(th.is_alive() for th in self._threads)
+        if stopped:
+            self._release_idle(final)
+        return drained and stopped
+
+    def _refuse_work(self, cancel: bool) -> None:
+        with self._cond:
+            self.closed = True
+            if cancel and self._cancel_reason is None:
+                self._cancel_reason = "this PageCompressor was closed before this batch ran"
+            self._cond.notify_all()
+        self.limiter.stop(self._stop_error())
+
+    def _send_stop(self) -> None:
+        """Queue the workers' end marker (once), behind every job queued so far."""
+        with self._cond:
+            if self._stop_sent:
+                return
+            self._stop_sent = True
+            self._issue_q.put(None)  # the issuer passes it on to the completer
             self._raw_done_q.put(None)
 
-    def drain(self) -> None:
-        """Wait until every queued batch completed."""
-        with self._cond:
-            self._cond.wait_for(
-                lambda: self._detached == 0
-                and not any(s.active for s in (*self.slots, *self.raw_slots))
-            )
+    def _release_idle(self, final: bool) -> None:
+        """Threads joined: fail what a broken pipeline left queued, give back idle pools."""
+        error = self._stop_error(closed_ok=True) or PipelineStopped("closed with work queued")
+        for q in (self._issue_q, self._done_q, self._raw_done_q):
+            while not q.empty():
+                item = q.get_nowait()
+                if isinstance(item, _Job):
+                    self._finish(item, error)
+                elif isinstance(item, tuple):  # ("reader_done", storage)
+                    item[1].reader_done()
+        self.arena.trim()
+        self.staging.clear()
+        self.device_pool.clear()
+        if final and self.cuda:
+            self.arena.unpin()
 
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued batch completed (``False``: ``timeout`` seconds passed
+        first). Raises :class:`PipelineStopped` if the pipeline is broken or forked: its
+        batches would never complete."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.check_usable(closed_ok=True)  # before the lock: a fork may have left it held
+        with self._cond:
+            while self._detached or any(s.active for s in (*self.slots, *self.raw_slots)):
+                self.check_usable(closed_ok=True)
+                left = _left(deadline)
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _after_fork_in_child(self, parent: int) -> None:
+        """This process is a fork: the threads stayed in the parent, and one of them may have
+        held these conditions. Fresh ones, and every use raises."""
+        self._forked_from = parent
+        self._cond = threading.Condition()
+        self.limiter.reset_lock_after_fork()
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (``None``: no deadline), at least 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+_LIVE: weakref.WeakSet[Pipeline] = weakref.WeakSet()  # every pipeline not yet collected
+
+
+def _close_all_at_exit() -> None:
+    """Close every live pipeline before the interpreter finalizes: queued batches are
+    cancelled, running ones finish, threads are joined (``EXIT_TIMEOUT_S`` in all)."""
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    for p in list(_LIVE):
+        try:
+            p.close(cancel=True, timeout=_left(deadline), final=True)
+        except Exception:  # noqa: BLE001 - nothing to report to at exit; keep closing
+            pass
+
+
+def _mark_forked_in_child() -> None:
+    parent = os.getppid()
+    for p in list(_LIVE):
+        p._after_fork_in_child(parent)
+
+
+atexit.register(_close_all_at_exit)
+os.register_at_fork(after_in_child=_mark_forked_in_child)

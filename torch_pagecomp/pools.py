@@ -175,6 +175,14 @@ class HostArena:
                 self._drop(c)
             return sum(c.mem.held_bytes for c in empty)
 
+    def unpin(self) -> None:
+        """Unregister every chunk from the CUDA driver; stored blocks stay readable (as
+        pageable memory). At interpreter exit, before CUDA is torn down: left to ``__del__``
+        during finalization, the unregistering would call into a dying runtime."""
+        with self._lock:
+            for c in self._chunks:
+                c.mem.release()
+
     @property
     def held_bytes(self) -> int:
         with self._lock:
@@ -293,6 +301,10 @@ class InflightLimiter:
     """A budget of ``limit`` bytes in flight. ``acquire(n)`` blocks while the bytes do not fit
     (one request larger than the whole budget is admitted alone, when nothing else is in
     flight). ``waits`` counts acquisitions that had to wait; ``max_seen`` the peak in flight.
+
+    :meth:`stop` makes every waiting and later ``acquire`` raise the error it is given: once
+    the pipeline behind the budget is closed or broken, nothing would ever release bytes, so a
+    producer must not wait for them.
     """
 
     def __init__(self, limit: int | None):
@@ -300,13 +312,16 @@ class InflightLimiter:
         self.in_flight = 0
         self.max_seen = 0
         self.waits = 0
+        self._stopped: BaseException | None = None
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int) -> None:
         with self._cond:
-            if not self._fits(nbytes):
+            if self._stopped is None and not self._fits(nbytes):
                 self.waits += 1
-                self._cond.wait_for(lambda: self._fits(nbytes))
+                self._cond.wait_for(lambda: self._stopped is not None or self._fits(nbytes))
+            if self._stopped is not None:
+                raise self._stopped
             self.in_flight += nbytes
             self.max_seen = max(self.max_seen, self.in_flight)
 
@@ -317,3 +332,15 @@ class InflightLimiter:
         with self._cond:
             self.in_flight -= nbytes
             self._cond.notify_all()
+
+    def stop(self, error: BaseException) -> None:
+        """Refuse every acquisition from now on with ``error`` (waiting ones included)."""
+        with self._cond:
+            if self._stopped is None:
+                self._stopped = error
+            self._cond.notify_all()
+
+    def reset_lock_after_fork(self) -> None:
+        """In a forked child: a fresh condition (a parent's thread may have held the old one
+        at the fork, and that thread does not exist here)."""
+        self._cond = threading.Condition()

@@ -11,7 +11,10 @@ moves a whole blob to the device for decompression.
 
 from __future__ import annotations
 
+import copy
+import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +59,22 @@ def meta_capacity(batch_pages: int) -> int:
     return 8 * (batch_pages + 1) + 5 * batch_pages
 
 
+def detached_error(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` without traceback, cause or context, to keep in a handle.
+
+    A stored exception's traceback holds the frames it passed through, and their locals: the
+    caller's ``offload`` frame holds the tensor, its contiguous copy and the handle itself,
+    whose finalizer (kept alive by ``weakref.finalize``'s registry) holds the storage that
+    holds the exception. So a failed offload kept all of that alive for ever. The caller still
+    gets the original exception, traceback included; the handle keeps the type and message."""
+    try:
+        kept = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception type that cannot be copied
+        kept = RuntimeError(f"{type(exc).__name__}: {exc}")
+    kept.__traceback__ = kept.__cause__ = kept.__context__ = None
+    return kept
+
+
 @dataclass
 class StoredBatch:
     block: HostBlock
@@ -67,14 +86,20 @@ class StoredBatch:
 class Storage:
     """The host side of one handle: batches, completion, readers, deferred release.
 
+    ``check`` (the pipeline's ``check_alive``) lets :meth:`wait` give up with an error when the
+    threads that would finish the batches are gone (closed, broken, or in a forked child).
+    Stored errors are kept without their traceback (:func:`detached_error`).
+
     The submitter appends batches with :meth:`open_batch` and ends with :meth:`close`;
     ``pending`` counts batches still being written (plus 1 until closed); ``readers`` restores
     still copying blobs to the device. ``release()`` frees the blocks now when idle, else when
     the last of them finishes (so a blob being read is never recycled). Thread-safe.
     """
 
-    def __init__(self, arena: HostArena):
+    def __init__(self, arena: HostArena, check: Callable[[], None] | None = None):
         self.arena = arena
+        self._check = check  # raises when the pipeline writing this storage cannot finish it
+        self._pid = os.getpid()
         self.batches: list[StoredBatch | None] = []
         self.pending = 1
         self.readers = 0
@@ -108,11 +133,17 @@ class Storage:
     def batches_finished(self, count: int, error: BaseException | None = None) -> None:
         with self._lock:
             if error is not None and self.error is None:
-                self.error = error
+                self.error = detached_error(error)
             self.pending -= count
             if self.pending == 0:
                 self.done.set()
                 self._maybe_release()
+
+    def wait(self, poll: float = 0.05) -> None:
+        """Block until every batch finished; raise (from ``check``) instead of waiting for ever
+        when the threads that would finish them are gone."""
+        while not self.done.wait(poll if self._check is not None else None):
+            self._check()
 
     # ---------------------------------------------------------------- readers
     def add_reader(self) -> None:
@@ -128,6 +159,11 @@ class Storage:
 
     # ---------------------------------------------------------------- lifetime
     def release(self) -> None:
+        """Free the blocks (now, or when the last writer or reader ends). A no-op in a forked
+        child: its copy of the arena goes with the process, and a parent's thread may have held
+        the locks at the fork."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             self._release_requested = True
             self._maybe_release()

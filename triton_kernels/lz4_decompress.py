@@ -22,8 +22,10 @@ statuses.
 Safety like ``LZ4_decompress_safe``: every load is masked to the page's ``[offset, offset + size)``
 (after checking that range lies in the payload), every store to its output row, and every loop
 consumes input. Statuses are those of ``torch_pagecomp.cpu_codec.decode_block``; a failed page's
-row is zeroed. All positions inside a page are int32 (``size`` is int32; comparisons are written
-as ``length > end - position`` so that nothing overflows); the page base addresses are int64.
+row is zeroed. All positions inside a page are int32, relative to its block, whose size is at
+most ``P - P/32`` (``_page_meta``: a larger LZ4 size is ``STATUS_BAD_SIZE`` before any walk), so
+a position never passes ``end + VEC`` and cannot wrap (comparisons are also written as
+``length > end - position``); the page base addresses (``off``, ``pid * P``) are int64.
 """
 
 from __future__ import annotations
@@ -366,7 +368,13 @@ def _unshuffle_row(row, P: tl.constexpr, shift, T: tl.constexpr, HOW: tl.constex
 
 @triton.jit
 def _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, P: tl.constexpr):
-    """``(off int64, size int32, kind int32, status)`` of page ``pid``: BAD_KIND / BAD_SIZE / OK."""
+    """``(off int64, size int32, kind int32, status)`` of page ``pid``: BAD_KIND / BAD_SIZE / OK.
+
+    OK means: ``[off, off + size)`` lies inside the payload (``total`` bytes; ``total - off``
+    is int64 as ``off`` is, so no offset or size wraps) and ``size`` is what the kind allows:
+    ``P`` (RAW), ``1`` (FILL), ``1..P - P/32`` (LZ4, ``format.lz4_keep_limit``). So every walk
+    runs over at most ``P - P/32 < 2**16`` bytes: positions relative to the block fit int32
+    with room to spare, and the block's base is the int64 ``off``. Scalar work per page."""
     off = tl.load(offsets_ptr + pid).to(tl.int64)
     size = tl.load(sizes_ptr + pid).to(tl.int32)
     kind = tl.load(kinds_ptr + pid).to(tl.int32)
@@ -375,6 +383,7 @@ def _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, P: tl.constexpr):
     bad_kind = (codec > 2) | (shift > 2) | ((shift != 0) & (codec != 1))
     bad_size = (off < 0) | (size < 1) | (size.to(tl.int64) > total - off)
     bad_size |= ((codec == 0) & (size != P)) | ((codec == 2) & (size != 1))
+    bad_size |= (codec == 1) & (size > P - P // 32)
     st = tl.where(bad_kind, _BAD_KIND, tl.where(bad_size, _BAD_SIZE, _OK))
     return off, size, kind, st
 

@@ -1,0 +1,442 @@
+"""Activation offload on models this repository does not shape: the judge of the hooks.
+
+Models, built from stock PyTorch modules or public definitions written from torch primitives:
+
+* ``encoder-*``: ``torch.nn.TransformerEncoder`` (``norm_first=True``, GELU, no dropout,
+  default SDPA), bf16.
+* ``llama-*``: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention).
+* ``resnet-*``: a ResNet-style convolutional network (bottleneck blocks, BatchNorm, ReLU).
+
+Variants: ``none``; ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``);
+``uncompressed``, ``memory``, ``speed`` (``offload_module`` with ``mode="uncompressed"``,
+``prefer="memory"``, ``prefer="speed"``). Each (model, variant) runs in a child process (a
+fresh CUDA context: clean peaks): warm-up steps, then timed steps of forward + backward + SGD.
+One row per run: step time (median of per-step CUDA-event times), peak GPU memory
+(``max_memory_allocated``), host memory held at peak, bytes offloaded per step, ratio, and
+whether the gradients of the first step are bit-identical to ``none`` (deterministic settings:
+math SDPA, ``torch.use_deterministic_algorithms``).
+
+    python -m bench.stock_models --models encoder-1024,llama-2048 --out bench/out/stock.json
+    torchrun --nproc_per_node 2 -m bench.stock_models --fsdp --models encoder-1024 ...
+
+On the CPU (CI) ``--tiny`` runs every model and variant at toy sizes, FSDP2 on gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed")
+GIB = 1 << 30
+
+# name: (family, width, layers, batch, seq or image size)
+MODELS = {
+    "encoder-1024": ("encoder", 1024, 8, 8, 1024),
+    "encoder-2048": ("encoder", 2048, 8, 4, 2048),
+    "llama-2048": ("llama", 2048, 8, 4, 2048),
+    "resnet-64": ("resnet", 64, 3, 64, 224),
+    "encoder-tiny": ("encoder", 64, 2, 2, 32),
+    "llama-tiny": ("llama", 64, 2, 2, 32),
+    "resnet-tiny": ("resnet", 8, 1, 2, 32),
+}
+
+
+# ------------------------------------------------------------------------------- models
+def _llama(d: int, layers: int):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    heads, kv_heads = max(1, d // 128), max(1, d // 512)
+    hd, ffn = d // heads, int(8 * d / 3) // 64 * 64 or 4 * d
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            x32 = x.float()
+            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) \
+                * self.weight
+
+    def rope(x, pos):  # x: [b, h, s, hd]
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=x.device).float() / hd))
+        ang = pos[:, None].float() * inv[None]
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = RMSNorm(), RMSNorm()
+            self.q = nn.Linear(d, heads * hd, bias=False)
+            self.kv = nn.Linear(d, 2 * kv_heads * hd, bias=False)
+            self.o = nn.Linear(heads * hd, d, bias=False)
+            self.gate_up = nn.Linear(d, 2 * ffn, bias=False)
+            self.down = nn.Linear(ffn, d, bias=False)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            h = self.n1(x)
+            q = self.q(h).view(b, s, heads, hd).transpose(1, 2)
+            k, v = self.kv(h).view(b, s, 2, kv_heads, hd).unbind(2)
+            pos = torch.arange(s, device=x.device)
+            q, k = rope(q, pos), rope(k.transpose(1, 2), pos)
+            v = v.transpose(1, 2)
+            rep = heads // kv_heads
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+            g, u = self.gate_up(self.n2(x)).chunk(2, -1)
+            return x + self.down(F.silu(g) * u)
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(layers))
+            self.norm = RMSNorm()
+
+        def forward(self, x):
+            for blk in self.layers:
+                x = blk(x)
+            return self.norm(x)
+
+    return Llama()
+
+
+def _resnet(width: int, stages: int):
+    import torch.nn as nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, cin, mid, stride):
+            super().__init__()
+            cout = 4 * mid
+            self.body = nn.Sequential(
+                nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
+                nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid),
+                nn.ReLU(inplace=True), nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout),
+            )
+            self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                       nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else nn.Identity())
+            self.act = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            return self.act(self.body(x) + self.skip(x))
+
+    class ResNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False),
+                                      nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                                      nn.MaxPool2d(3, 2, 1))
+            blocks, cin = [], width
+            for i in range(stages):
+                mid = width * 2 ** i
+                for j in range(3):
+                    blocks.append(Bottleneck(cin, mid, 2 if (j == 0 and i > 0) else 1))
+                    cin = 4 * mid
+            self.layers = nn.ModuleList(blocks)
+
+        def forward(self, x):
+            x = self.stem(x)
+            for blk in self.layers:
+                x = blk(x)
+            return x
+
+    return ResNet()
+
+
+def build(name: str, device):
+    """``(model, input, blocks)`` of ``name`` in bf16 on ``device``, seeded."""
+    import torch
+    import torch.nn as nn
+
+    family, width, layers, batch, seq = MODELS[name]
+    torch.manual_seed(0)
+    if family == "encoder":
+        layer = nn.TransformerEncoderLayer(width, max(1, width // 128), 4 * width, dropout=0.0,
+                                           activation="gelu", batch_first=True,
+                                           norm_first=True)
+        model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        shape = (batch, seq, width)
+    elif family == "llama":
+        model = _llama(width, layers)
+        shape = (batch, seq, width)
+    else:
+        model = _resnet(width, layers)
+        shape = (batch, 3, seq, seq)
+    model = model.to(device).to(torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+    return model, x, list(model.layers)
+
+
+# ------------------------------------------------------------------------------- one run
+class _Counting:
+    """``save_on_cpu(pin_memory=True)`` counting the bytes it moves."""
+
+    def __init__(self):
+        import torch
+
+        self.inner = torch.autograd.graph.save_on_cpu(pin_memory=True)
+        pack, self.bytes = self.inner.pack_hook, 0
+
+        def counting(t):
+            self.bytes += t.numel() * t.element_size()
+            return pack(t)
+
+        self.inner.pack_hook = counting
+
+    def __enter__(self):
+        self.bytes = 0
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+
+def _grad_hash(model) -> list[int]:
+    import torch
+
+    out = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.detach()
+        g = g.to_local() if hasattr(g, "to_local") else g  # an FSDP2 shard: this rank's part
+        g = g.reshape(-1).view(torch.int16).to(torch.int64)
+        w = torch.arange(1, g.numel() + 1, device=g.device, dtype=torch.int64) % 65521
+        out.append(int((g * w).sum()))
+    return out
+
+
+def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: bool) -> dict:
+    import torch
+
+    from torch_pagecomp import offload_module
+
+    model, x, blocks = build(name, device)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for blk in blocks:
+            fully_shard(blk)
+        fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    off = ctx = None
+    if variant == "save_on_cpu":
+        ctx = _Counting()
+    elif variant != "none":
+        kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
+              "speed": dict(prefer="speed")}[variant]
+        if device == "cpu":  # CI: the hooks' CPU path on toy sizes
+            kw.update(offload_cpu=True, min_offload_bytes=1 << 12)
+        off = offload_module(model, blocks=blocks, **kw)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        if ctx is not None:
+            with ctx:
+                y = model(x)
+        else:
+            y = model(x)
+        y.float().square().mean().backward()
+
+    # first step: deterministic settings, gradients hashed for the identity check
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        step()
+        grads = _grad_hash(model)
+        if variant == "none":  # is the model itself deterministic here?
+            step()
+            grads = grads if _grad_hash(model) == grads else None
+    torch.use_deterministic_algorithms(False)
+    opt.step()
+    cuda = device != "cpu"
+    times = []
+    for i in range(warmup + steps):
+        if i == warmup and cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+        step()
+        opt.step()
+        if cuda:
+            e1.record()
+            e1.synchronize()
+            ms = e0.elapsed_time(e1)
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(ms)
+    row = {"model": name, "variant": variant, "step_ms": statistics.median(times),
+           "step_ms_all": [round(t, 2) for t in times], "grads": grads}
+    if cuda:
+        row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
+    if off is not None:
+        st = off.stats()
+        offloaded = st.get("offloaded_bytes", 0) / max(1, warmup + steps + 1)
+        row.update(host_gib=st["peak_host_bytes"] / GIB, offloaded_gib=offloaded / GIB,
+                   stats={k: v for k, v in st.items() if not isinstance(v, dict)},
+                   compressor=st.get("compressor", {}), tuner=st.get("tuner"))
+        comp = [c for c in st.get("compressor", {}).values()]
+        row["host_held_gib"] = (st["pinned_held_bytes"]
+                                + sum(c["host_peak_held_bytes"] for c in comp)) / GIB
+        row["scratch_gib"] = sum(c["scratch_bytes"] for c in comp) / GIB
+        off.remove()
+    elif ctx is not None:
+        row.update(host_gib=ctx.bytes / GIB, offloaded_gib=ctx.bytes / GIB)
+    return row
+
+
+# ------------------------------------------------------------------------------ driver
+def _child(args, name: str, variant: str) -> dict:
+    cmd = [sys.executable, "-m", "bench.stock_models", "--child", name, variant,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"model": name, "variant": variant, "error": f"timeout after {args.timeout} s"}
+    last = r.stdout.strip().splitlines()[-1:] or [""]
+    if r.returncode != 0 or not last[0].startswith("{"):
+        return {"model": name, "variant": variant, "error": f"exit {r.returncode}",
+                "stderr": r.stderr[-2000:]}
+    row = json.loads(last[0])
+    row["exit_code"], row["stderr"] = r.returncode, r.stderr[-500:]
+    return row
+
+
+def _finish(rows: list[dict], meta: dict) -> dict:
+    """Ratios, link-boundness and the gradient identity, per model, against ``none``."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["model"], {})[r["variant"]] = r
+    for vs in by.values():
+        none, unc = vs.get("none", {}), vs.get("uncompressed", {})
+        bound = bool(none.get("step_ms")) and unc.get("step_ms", 0) >= 1.5 * none["step_ms"]
+        for r in vs.values():
+            r["gpus"] = meta["gpus"]
+            r["link_bound"] = bound
+            host, unc_host = r.get("host_gib"), unc.get("host_gib")
+            r["ratio"] = unc_host / host if host and unc_host else None
+            if none.get("grads") is not None and "grads" in r:  # None: model not deterministic
+                r["grads_identical"] = r["grads"] == none["grads"]
+    return {**meta, "rows": rows}
+
+
+def table(doc: dict) -> str:
+    head = ("| model | gpus | variant | step ms | vs uncompressed | peak GPU GiB | host GiB | "
+            "ratio | link-bound | grads identical |")
+    lines = [head, "|" + "---|" * 10]
+    unc = {r["model"]: r.get("step_ms") for r in doc["rows"] if r["variant"] == "uncompressed"}
+    for r in doc["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r.get('gpus')} | {r['variant']} | "
+                         f"error: {r['error']} |||||||")
+            continue
+        rel = (f"{r['step_ms'] / unc[r['model']]:.2f}x" if unc.get(r["model"]) else "")
+        f = lambda v, p=2: "" if v is None else f"{v:.{p}f}"  # noqa: E731
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | {r['variant']} | {r['step_ms']:.1f} | {rel} | "
+            f"{f(r.get('peak_gpu_gib'))} | {f(r.get('host_gib'))} | {f(r.get('ratio'), 3)} | "
+            f"{r['link_bound']} | {r.get('grads_identical', '')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="encoder-1024,encoder-2048,llama-2048,resnet-64")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--tiny", action="store_true", help="toy sizes of every model (CPU CI)")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 under torchrun, in-process")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"))
+    args = ap.parse_args(argv)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    models = [m for m in args.models.split(",") if m]
+    if args.tiny:
+        models = [m for m in MODELS if m.endswith("-tiny")]
+    variants = args.variants.split(",")
+    if args.child:
+        print(json.dumps(run(*args.child, args.steps, args.warmup, args.device, False)))
+        return 0
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "command": " ".join(sys.argv), "gpus": 1}
+    if args.fsdp:
+        rows = _fsdp_rows(args, models, variants, meta)
+        if rows is None:
+            return 0  # not rank 0
+    else:
+        rows = [_child(args, m, v) for m in models for v in variants]
+    doc = _finish(rows, meta)
+    text = table(doc)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as fh:
+            fh.write(text + "\n")
+    bad = [r for r in rows if "error" in r or r.get("exit_code", 0)]
+    return 1 if bad else 0
+
+
+def _fsdp_rows(args, models, variants, meta):
+    """Every (model, variant) in this process group, one after another (torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        args.device = f"cuda:{torch.cuda.current_device()}"
+    meta["gpus"] = world
+    rows = []
+    try:
+        for m in models:
+            for v in variants:
+                if v == "save_on_cpu":
+                    continue
+                row = run(m, v, args.steps, args.warmup, args.device, True)
+                gathered = [None] * world
+                dist.all_gather_object(gathered, row)
+                if rank == 0:
+                    worst = max(gathered, key=lambda r: r["step_ms"])
+                    worst["peak_gpu_gib"] = max(r.get("peak_gpu_gib", 0) for r in gathered)
+                    hashes = [r["grads"] for r in gathered]
+                    worst["grads"] = None if None in hashes else hashes
+                    rows.append(worst)
+                if args.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+    return rows if rank == 0 else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

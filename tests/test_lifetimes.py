@@ -1,0 +1,314 @@
+"""Lifetimes (issue #19): clean interpreter exit, close() against other threads, no memory kept
+by a failed offload, fork, copies and pickles of a module holding a PageCompressor.
+
+The exit tests run scripts in fresh interpreters (``sys.executable -c``): a worker thread still
+inside a torch call when the interpreter finalizes aborts the process, so each script ends with
+work in flight and must exit 0 with nothing on stderr. Each runs 3 times here; the ``slow``
+variant runs each 20 times.
+"""
+
+import copy
+import gc
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import torch_pagecomp
+from torch_pagecomp import module
+from torch_pagecomp.module import PageCompressor
+from torch_pagecomp.pipeline import PipelineStopped
+
+PRELUDE = "import torch\nimport torch_pagecomp\nfrom torch_pagecomp import PageCompressor\n"
+
+# each ends with batches in flight: 2 MiB is two default CPU batches, enough that the workers
+# are still compressing when the script's last line returns
+EXIT_SCRIPTS = {
+    "offload_no_close": """
+        comp = PageCompressor()
+        h = comp.offload(torch.randn(1 << 19))
+    """,
+    "offload_then_close": """
+        comp = PageCompressor()
+        h = comp.offload(torch.randn(1 << 19))
+        comp.close()
+    """,
+    "with_block": """
+        with PageCompressor() as comp:
+            h = comp.offload(torch.randn(1 << 19))
+    """,
+    "offload_restore": """
+        comp = PageCompressor()
+        x = torch.randn(1 << 18)
+        assert torch.equal(comp.restore(comp.offload(x)), x)
+        h = comp.offload(torch.randn(1 << 19))
+    """,
+    "compress_decompress": """
+        x = torch.randint(0, 4, (16 * 4096,), dtype=torch.uint8)
+        c = torch_pagecomp.compress(x)
+        assert torch.equal(torch_pagecomp.decompress(c), x)
+    """,
+}
+
+
+def run_script(body: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    code = PRELUDE + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_clean_exits(body: str, times: int) -> None:
+    """Run the script ``times`` times (a few at once: most of each run is importing torch)."""
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        runs = list(pool.map(lambda _: run_script(body), range(times)))
+    bad = [(r.returncode, r.stderr[-2000:]) for r in runs if r.returncode or r.stderr]
+    assert not bad, f"{len(bad)} of {times} runs failed; first: {bad[0]}"
+
+
+@pytest.mark.parametrize("name", EXIT_SCRIPTS)
+def test_script_exits_cleanly(name):
+    assert_clean_exits(EXIT_SCRIPTS[name], times=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXIT_SCRIPTS)
+def test_script_exits_cleanly_20_times(name):
+    assert_clean_exits(EXIT_SCRIPTS[name], times=20)
+
+
+# ----------------------------------------------------------------------------- close vs threads
+def start_thread(fn) -> tuple[threading.Thread, list]:
+    """Run ``fn`` in a thread; the list gets its exception (or None)."""
+    result: list = []
+
+    def body():
+        try:
+            fn()
+            result.append(None)
+        except BaseException as exc:  # noqa: BLE001
+            result.append(exc)
+
+    th = threading.Thread(target=body, daemon=True)
+    th.start()
+    return th, result
+
+
+def test_close_wakes_a_thread_waiting_to_offload():
+    # one 4 KiB batch in flight at a time: a 4 MiB offload spends its time waiting for room
+    pc = PageCompressor(device="cpu", batch_pages=1, slots=1, max_pinned_bytes=4096)
+    th, result = start_thread(lambda: pc.offload(torch.randn(1 << 20)))
+    time.sleep(0.3)
+    assert th.is_alive(), "the offload should still be waiting for back-pressure"
+    closer, closed = start_thread(pc.close)
+    th.join(1.0)
+    assert not th.is_alive(), "close() left the offloading thread waiting"
+    assert isinstance(result[0], PipelineStopped) and "closed" in str(result[0])
+    closer.join(10)
+    assert closed == [None] and not any(t.is_alive() for t in pc.pipeline._threads)
+    with pytest.raises(RuntimeError, match="closed"):
+        pc.offload(torch.ones(10))
+
+
+def test_close_wakes_a_thread_waiting_for_a_slot():
+    pc = PageCompressor(device="cpu", batch_pages=1, slots=2)
+    p = pc.pipeline
+    held = [p.acquire_slot(), p.acquire_slot()]  # the ring is full: the next offload waits
+    th, result = start_thread(lambda: pc.offload(torch.ones(4096)))
+    time.sleep(0.2)
+    assert th.is_alive()
+    closer, closed = start_thread(pc.close)  # wakes the producer, then drains `held`
+    th.join(1.0)
+    assert not th.is_alive() and isinstance(result[0], PipelineStopped)
+    assert closer.is_alive()  # still draining: `held` are in flight
+    for slot in held:
+        p._release_slot(slot)
+    closer.join(10)
+    assert closed == [None] and not any(t.is_alive() for t in p._threads)
+
+
+def test_dead_worker_wakes_producers_and_handles(monkeypatch):
+    """A worker thread that dies breaks the pipeline: every waiter raises, none hangs."""
+    pc = PageCompressor(device="cpu", batch_pages=1, slots=1)
+    p = pc.pipeline
+
+    def die(*_):
+        raise RuntimeError("worker died")
+
+    monkeypatch.setattr(p, "_complete", die)
+    monkeypatch.setattr(p, "_fail", die)  # the error path fails too: the loop itself ends
+    h = pc.offload(torch.randn(1024))  # one batch, never completed
+    t0 = time.monotonic()
+    with pytest.raises(PipelineStopped, match="worker thread failed"):
+        h.wait()
+    assert time.monotonic() - t0 < 2 and p.broken is not None
+    with pytest.raises(PipelineStopped, match="worker thread failed"):
+        pc.offload(torch.randn(1 << 14))
+    monkeypatch.undo()
+    pc.close(timeout=5)
+
+
+# ----------------------------------------------------------------------------- memory
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_interrupted_offload_returns_memory(monkeypatch):
+    """A ``KeyboardInterrupt`` in the middle of an offload: once the batches already queued
+    completed and the cycle collector ran, the handle, the tensor's contiguous copy and the
+    stored batches are gone (the stored error keeps no traceback)."""
+    pc = PageCompressor(device="cpu", batch_pages=16)
+    p = pc.pipeline
+    real_submit = p._submit_batch
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise KeyboardInterrupt
+        return real_submit(*args, **kwargs)
+
+    monkeypatch.setattr(p, "_submit_batch", interrupted)
+    storages: list[weakref.ref] = []
+
+    class TrackedStorage(module.Storage):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            storages.append(weakref.ref(self))
+
+    monkeypatch.setattr(module, "Storage", TrackedStorage)
+    big = torch.randn(4096, 2048).t()  # 32 MiB, not contiguous: offload makes a copy
+
+    def fail_once():
+        calls["n"] = 0
+        with pytest.raises(KeyboardInterrupt):
+            pc.offload(big)
+        pc.synchronize()
+        gc.collect()
+
+    fail_once()  # warm-up: pools and allocator
+    base = rss_bytes()
+    for _ in range(3):
+        fail_once()
+    assert all(ref() is None for ref in storages), "a failed offload's handle is still alive"
+    s = pc.stats()
+    assert s["bytes_held_host"] == 0 and s["inflight_bytes"] == 0
+    assert rss_bytes() - base < 16 << 20, (rss_bytes() - base) >> 20
+    monkeypatch.undo()
+    x = torch.randn(5000)
+    assert torch.equal(pc.restore(pc.offload(x)), x)  # the ring recovered
+    pc.close()
+
+
+def test_worker_error_kept_without_traceback(monkeypatch):
+    pc = PageCompressor(device="cpu", batch_pages=2)
+
+    def boom(job):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(pc.pipeline, "_cpu_compress", boom)
+    h = pc.offload(torch.randn(5000))
+    with pytest.raises(RuntimeError, match="boom"):
+        h.wait()
+    err = h._storage.error
+    assert isinstance(err, ValueError) and err.__traceback__ is None
+    pc.close()
+
+
+# ----------------------------------------------------------------------------- fork
+FORK_SCRIPT = """
+    import os, sys, time, warnings
+    warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded process
+    comp = PageCompressor(batch_pages=4)
+    x = torch.randn(1 << 16)
+    h = comp.offload(x)
+
+    def child(use):
+        try:
+            use()
+        except RuntimeError as exc:
+            print("child error:", exc, flush=True)
+            os._exit(3)
+        os._exit(0)
+
+    def fork_and_wait(use):
+        pid = os.fork()
+        if pid == 0:
+            child(use)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        os.kill(pid, 9)
+        return "hang"
+
+    print("restore:", fork_and_wait(lambda: comp.restore(h)), flush=True)
+    print("offload:", fork_and_wait(lambda: comp.offload(x)), flush=True)
+    print("synchronize:", fork_and_wait(comp.synchronize), flush=True)
+    pid = os.fork()
+    if pid == 0:  # a child that never uses it exits normally (its atexit handlers run)
+        sys.exit(0)
+    print("exit:", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+    assert torch.equal(comp.restore(h), x)  # the parent's compressor still works
+"""
+
+
+def test_fork_child_gets_a_clear_error():
+    r = run_script(FORK_SCRIPT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    for what in ("restore", "offload", "synchronize"):
+        assert f"{what}: 3" in out, out
+    assert "exit: 0" in out and "hang" not in out, out
+    assert "os.fork()" in out and "create a new PageCompressor in the child" in out, out
+
+
+# ----------------------------------------------------------------------------- copies
+def check_fresh_copy(original: PageCompressor, twin: PageCompressor) -> None:
+    assert twin is not original and twin.pipeline is not original.pipeline
+    assert (twin.page_size, twin.batch_pages, twin.device) == (
+        original.page_size, original.batch_pages, original.device)
+    assert twin.stats()["offloads"] == 0 and twin.training == original.training
+    x = torch.randn(7000)
+    assert torch.equal(twin.restore(twin.offload(x)), x)
+
+
+def test_deepcopy_and_torch_save_of_a_model_holding_a_compressor(tmp_path):
+    pc = PageCompressor(device="cpu", page_size=8192, batch_pages=2, element_size=4)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), pc)
+    model.eval()
+    h = pc.offload(torch.randn(3000))  # state that must not travel
+    twin = copy.deepcopy(model)
+    check_fresh_copy(pc, twin[1])
+    assert torch.equal(twin[0].weight, model[0].weight)
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    check_fresh_copy(pc, loaded[1])
+    assert torch.equal(loaded[0].weight, model[0].weight)
+    check_fresh_copy(pc, pickle.loads(pickle.dumps(pc)))
+    check_fresh_copy(pc, copy.copy(pc))
+    assert h.ready() or h.wait() is None
+    for m in (twin[1], loaded[1], pc):
+        m.close()
+
+
+def test_with_block_closes_and_handles_stay_readable():
+    x = torch.randn(9000)
+    with PageCompressor(device="cpu", batch_pages=2) as pc:
+        h = pc.offload(x)
+    assert not any(t.is_alive() for t in pc.pipeline._threads)
+    assert h.ready() and torch.equal(pc.restore(h), x)
+    with pytest.raises(RuntimeError, match="closed"):
+        pc.offload(x)
+    assert pc.close() is True  # idempotent

@@ -1,0 +1,158 @@
+"""The compressed activation store: kernels place pages in a virtual arena of host chunks.
+
+On the CPU the store's kernels (compress, plan, pack-to-host) run under the Triton interpreter
+on plain CPU tensors standing in for page-locked memory, so CI exercises the same placement,
+packing and restore logic as the GPU; GPU tests run it on CUDA streams.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import POISON
+
+from torch_pagecomp.kernels.host_pack import ALIGN, pack_to_host, plan_slice
+from torch_pagecomp.offload_paged import PagedStore
+
+P = 4096
+CUDA = torch.cuda.is_available()
+
+
+def _data(gen: torch.Generator, nbytes: int, kind: str) -> torch.Tensor:
+    """Compressible bytes of a few shapes: small symbols, bf16-like, fill and noise pages."""
+    if kind == "noise":
+        return torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)
+    if kind == "bf16":
+        n = nbytes // 2 + 1
+        x = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16)
+        return x.view(torch.uint8)[:nbytes].clone()
+    out = torch.randint(0, 4, (nbytes,), generator=gen, dtype=torch.uint8)
+    out[: nbytes // 3] = 9  # a run of fill pages
+    return out
+
+
+def _store(device="cpu", chunk=1 << 16, slice_bytes=1 << 14) -> PagedStore:
+    streams = (None, None, None)
+    if device != "cpu":
+        streams = tuple(torch.cuda.Stream() for _ in range(3))
+    return PagedStore(torch.device(device), P, streams, chunk_bytes=chunk,
+                      slice_bytes=slice_bytes)
+
+
+@pytest.mark.parametrize("element_size", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["small", "bf16", "noise"])
+def test_round_trip_across_slices_and_chunks(gen, element_size, kind):
+    """Storages of odd sizes (a raw tail), several slices each, over chunk boundaries."""
+    store = _store()
+    sizes = [int(torch.randint(1, 9 * P, (), generator=gen)) for _ in range(5)] + [3 * P]
+    srcs = [_data(gen, n, kind) for n in sizes]
+    stored = [store.offload(s, element_size) for s in srcs]
+    store.poll()
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
+        assert st.host_nbytes() <= s.numel() + (s.numel() // P) * ALIGN
+    used = store.arena.used
+    assert used == sum(sum(sl.total for sl in st.slices) for st in stored)
+    for st in stored:
+        store.free(st)
+    assert store.arena.used == 0 and not store.arena.live
+
+
+def test_chunks_are_reused_and_host_memory_stays_bounded(gen):
+    """Offload and free many times: the arena's end moves on, chunks behind it come back."""
+    store = _store(chunk=1 << 15, slice_bytes=1 << 13)
+    held = []
+    for _ in range(12):
+        srcs = [_data(gen, 5 * P + 123, "small") for _ in range(3)]
+        stored = [store.offload(s, 1) for s in srcs]
+        store.poll()
+        for s, st in zip(srcs, stored):
+            out = torch.empty_like(s)
+            store.restore(st, out)
+            assert torch.equal(out, s)
+            store.free(st)
+        held.append(store.arena.held_bytes)
+    assert int(store.arena.state[0]) > 10 * (1 << 15)  # moved over many chunks
+    assert max(held[4:]) <= max(held[:4]), held
+
+
+def test_free_before_placement_is_known(gen):
+    """A storage dropped before its slices were confirmed is skipped when they are."""
+    store = _store()
+    a, b = _data(gen, 6 * P, "small"), _data(gen, 2 * P, "small")
+    sa, sb = store.offload(a, 1), store.offload(b, 1)
+    store.free(sa)  # nothing confirmed yet
+    out = torch.empty_like(b)
+    store.restore(sb, out)  # confirms both in order
+    assert torch.equal(out, b)
+    assert store.arena.used == sum(sl.total for sl in sb.slices)
+    store.free(sb)
+    assert store.arena.used == 0
+
+
+def _planned(gen, n: int, state: torch.Tensor, chunk: int, kind: str = "small"):
+    pages = _data(gen, n * P, kind).view(n, P)
+    from torch_pagecomp import _ops
+
+    payload, sizes, kinds = _ops.compress_eager(pages, 1)
+    rel = torch.full((n,), -7, dtype=torch.int64)
+    desc = torch.full((2,), -7, dtype=torch.int64)
+    host_desc = torch.full((2,), -7, dtype=torch.int64)
+    plan_slice(sizes, rel, state, desc, host_desc, P, chunk)
+    return pages, payload, sizes, rel, desc, host_desc
+
+
+def test_plan_refuses_past_the_backed_limit_and_pack_writes_nothing(gen):
+    chunk = 1 << 16
+    state = torch.tensor([chunk - 2 * P, chunk], dtype=torch.int64)  # one chunk backed
+    _, payload, sizes, rel, desc, host_desc = _planned(gen, 4, state, chunk, "noise")
+    assert desc.tolist() == host_desc.tolist()
+    assert int(desc[0]) == -1 and int(state[0]) == chunk - 2 * P  # nothing reserved
+    buf = torch.full((chunk,), POISON, dtype=torch.uint8)
+    table = torch.tensor([buf.data_ptr()], dtype=torch.int64)
+    pack_to_host(payload, sizes, rel, desc, table, chunk)
+    assert bool((buf == POISON).all())
+
+
+def test_plan_moves_to_the_next_chunk_and_pack_stays_inside_the_slice(gen):
+    """A slice that would straddle a chunk starts the next one; the pack writes exactly the
+    slice's padded pages and nothing around them."""
+    chunk = 1 << 16
+    start = chunk - 3 * P
+    state = torch.tensor([start, 3 * chunk], dtype=torch.int64)
+    n = 5
+    pages, payload, sizes, rel, desc, host_desc = _planned(gen, n, state, chunk, "noise")
+    base, total = desc.tolist()
+    padded = (sizes.to(torch.int64) + ALIGN - 1) // ALIGN * ALIGN
+    assert total == int(padded.sum()) and base == chunk  # moved to chunk 1
+    assert int(state[0]) == base + total
+    assert torch.equal(rel, torch.cumsum(padded, 0) - padded)
+    bufs = [torch.full((chunk,), POISON, dtype=torch.uint8) for _ in range(3)]
+    table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    pack_to_host(payload, sizes, rel, desc, table, chunk)
+    assert bool((bufs[0] == POISON).all()) and bool((bufs[2] == POISON).all())
+    got = bufs[1]
+    assert bool((got[total:] == POISON).all())
+    for i in range(n):
+        at, size = int(rel[i]), int(sizes[i])
+        assert torch.equal(got[at:at + size], payload[i, :size])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_round_trip_on_streams(gen):
+    store = _store("cuda", chunk=64 << 20, slice_bytes=16 << 20)
+    srcs = [_data(gen, n, "bf16").cuda() for n in (40 << 20, (3 << 20) + 77, 5 * P)]
+    stored = [store.offload(s, 2, producer=torch.cuda.current_stream()) for s in srcs]
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        with torch.cuda.stream(store.restore_stream):
+            store.restore(st, out)
+        torch.cuda.current_stream().wait_stream(store.restore_stream)
+        assert torch.equal(out, s)
+    torch.cuda.synchronize()
+    assert store.failed_restores() == 0
+    for st in stored:
+        store.free(st)
+    assert store.arena.used == 0

@@ -1,0 +1,379 @@
+"""Compressed activation storage that needs no host thread and no host sync to offload.
+
+A storage's bytes (``uint8 [nbytes]`` on the GPU) are cut into slices of whole pages. Per
+slice, on the offloader's side streams: the compress kernel writes fixed-stride pages into a
+scratch buffer (stream ``compress``); then (stream ``pack``) a one-program kernel reserves the
+slice's bytes at the end of a *virtual arena* of page-locked host memory and a few persistent
+programs copy the pages there (``torch_pagecomp.kernels.host_pack``). The compressed size
+never has to reach the host before the bytes move, so the link works while the host runs
+ahead, and host memory holds the compressed bytes only (16-byte aligned pages).
+
+The host backs the arena ahead of use: before each slice it adds chunks so that the arena's
+end, advanced by the slice's worst case (``N * P``), stays backed; the device refuses (and
+marks failed) a slice that would pass the backed limit, so no store ever leaves the chunks.
+Chunks behind every live slice go back to a free list and back later parts of the arena.
+
+A restore copies each slice's ``total`` bytes from host to device on the caller's stream
+and decodes them there. A partial last page (``nbytes % P``) travels as a plain copy.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from . import _ops
+from .format import CorruptPageError
+from .kernels.host_pack import pack_to_host, plan_slice
+from .pools import HostMemory, can_pin
+
+CHUNK_BYTES = 64 << 20
+SLICE_BYTES = 16 << 20  # pages per compress launch: fills the GPU, bounds the scratch
+TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
+SCRATCH_SLICES = 2  # slices compressed ahead of the pack stream (scratch held at once)
+
+
+def _record(stream) -> torch.cuda.Event | None:
+    return stream.record_event() if stream is not None else None
+
+
+def _wait(stream, event) -> None:
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+class _Slice:
+    """Pages ``[first, first + n)`` of one stored storage: device metadata for the decoder and
+    the placement the plan kernel chose (``base``/``total`` on the host once confirmed)."""
+
+    __slots__ = ("first", "n", "sizes", "kinds", "rel", "desc", "host_desc", "stored",
+                 "base", "total", "freed")
+
+    def __init__(self, first: int, n: int, sizes, kinds, rel, desc, host_desc, stored):
+        self.first, self.n = first, n
+        self.sizes, self.kinds, self.rel, self.desc = sizes, kinds, rel, desc
+        self.host_desc, self.stored = host_desc, stored
+        self.base: int | None = None
+        self.total = 0
+        self.freed = False
+
+    def done(self) -> bool:
+        return self.stored is None or self.stored.query()
+
+
+class VirtualArena:
+    """Page-locked host chunks behind a device-side bump allocator (see the module docstring).
+
+    ``state`` (device ``int64 [2]``): the arena's end and the backed limit; ``table`` (device
+    ``int64 [TABLE_SIZE]``): the host address of each backed chunk. Host-side, ``bound`` is
+    never below the device's end once every planned slice has run; ``frontier`` is the end as
+    of the last confirmed slice (slices are confirmed in stream order).
+    """
+
+    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES):
+        self.device, self.chunk = device, chunk_bytes
+        self.pin = device.type == "cuda" and can_pin()
+        self.state = torch.zeros(2, dtype=torch.int64, device=device)
+        self.table = torch.zeros(TABLE_SIZE, dtype=torch.int64, device=device)
+        self.backed: dict[int, HostMemory] = {}
+        self.free: list[tuple[HostMemory, torch.cuda.Event | None]] = []
+        self.live: collections.Counter[int] = collections.Counter()
+        self.pending: collections.deque[tuple[_Slice, int]] = collections.deque()
+        self.limit = self.bound = self.frontier = 0
+        self.used = 0  # host bytes of live, confirmed slices
+        self.peak_held = 0
+
+    # ---------------------------------------------------------------- placement
+    def _advance(self, pos: int, size: int) -> int:
+        if pos % self.chunk + size > self.chunk:
+            pos = (pos // self.chunk + 1) * self.chunk
+        return pos + size
+
+    def back(self, upper: int, stream) -> None:
+        """Before planning a slice of at most ``upper`` bytes (on ``stream``): back every chunk
+        the arena's end can reach and raise the device's limit to match."""
+        self.bound = self._advance(self.bound, upper)
+        last = (self.bound - 1) // self.chunk
+        first = max(self.limit // self.chunk, self.frontier // self.chunk)
+        for k in range(first, last + 1):
+            if k not in self.backed:
+                self._back_chunk(k, stream)
+        if (last + 1) * self.chunk > self.limit:
+            self.limit = (last + 1) * self.chunk
+            self.state[1:2].fill_(self.limit)
+        self.peak_held = max(self.peak_held, self.held_bytes)
+
+    def _back_chunk(self, k: int, stream) -> None:
+        if self.free:
+            mem, last_read = self.free.pop()
+            _wait(stream, last_read)  # restores of its previous slices read it first
+        else:
+            mem = HostMemory(self.chunk, pin=self.pin)
+        if (k - TABLE_SIZE) in self.backed:
+            raise RuntimeError("activation offload: host arena window exceeded")
+        self.backed[k] = mem
+        self.table[k % TABLE_SIZE : k % TABLE_SIZE + 1].fill_(mem.tensor.data_ptr())
+
+    def add(self, sl: _Slice, upper: int) -> None:
+        self.pending.append((sl, upper))
+
+    # -------------------------------------------------------------- confirmation
+    def confirm(self, through: _Slice | None = None) -> None:
+        """Read the placement of finished slices in stream order (all up to ``through``,
+        waiting for it if needed; else only those already finished, without waiting)."""
+        while self.pending:
+            sl, _ = self.pending[0]
+            if not sl.done():
+                if through is None or through.base is not None:
+                    break
+                sl.stored.synchronize()
+            self.pending.popleft()
+            base, total = (int(v) for v in sl.host_desc.tolist())
+            sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None
+            if base >= 0:
+                self.frontier = base + total
+                if not sl.freed:
+                    self.live[base // self.chunk] += 1
+                    self.used += total
+            if sl is through:
+                break
+        self.bound = self.frontier
+        for _, upper in self.pending:  # the bound from the confirmed end, tighter
+            self.bound = self._advance(self.bound, upper)
+
+    def release(self, sl: _Slice, reader) -> None:
+        """``sl`` is no longer needed; chunks behind the frontier with nothing live go back to
+        the free list (reused after the restores queued on ``reader`` so far)."""
+        if sl.base is None:
+            sl.freed = True  # its placement is still unknown: dropped when confirmed
+            return
+        if sl.base < 0 or sl.freed:
+            return
+        sl.freed = True
+        k = sl.base // self.chunk
+        self.live[k] -= 1
+        if self.live[k] <= 0:
+            del self.live[k]
+        self.used -= sl.total
+        event = None
+        for k in sorted(self.backed):
+            if k >= self.frontier // self.chunk:
+                break
+            if k not in self.live:
+                event = event or _record(reader)
+                self.free.append((self.backed.pop(k), event))
+
+    def buffer(self, base: int) -> torch.Tensor:
+        return self.backed[base // self.chunk].tensor
+
+    @property
+    def held_bytes(self) -> int:
+        return (len(self.backed) + len(self.free)) * self.chunk
+
+    def trim(self) -> None:
+        """Unpin the free chunks (call when the GPU no longer reads them)."""
+        for mem, _ in self.free:
+            mem.release()
+        self.free.clear()
+
+
+class PagedStored:
+    """One storage held in the arena (see :class:`PagedStore`)."""
+
+    kind = "compressed"
+
+    def __init__(self, nbytes: int, page_size: int, slices: list[_Slice], tail, consumed):
+        self.nbytes, self.page_size, self.slices = nbytes, page_size, slices
+        self.tail = tail  # pinned uint8 [nbytes % P] or None
+        self.consumed = consumed  # the source has been read (device event, None on the CPU)
+        self.freed = False
+        self.kernel: tuple[int, int] | None = None  # kept when freed
+
+    def ready(self) -> bool:
+        """The source may be dropped (its pages are compressed; packing may still run)."""
+        return self.consumed is None or self.consumed.query()
+
+    def wait_on(self, stream) -> None:
+        _wait(stream, self.consumed)
+
+    def stored(self) -> bool:
+        return all(sl.base is not None for sl in self.slices)
+
+    def failed(self) -> bool:
+        return any(sl.base is not None and sl.base < 0 for sl in self.slices)
+
+    def host_nbytes(self) -> int | None:
+        """Host bytes held (compressed pages + the raw tail) once placed, else None."""
+        if not self.stored():
+            return None
+        tail = self.tail.numel() if self.tail is not None else 0
+        return sum(sl.total for sl in self.slices) + tail
+
+    def kernel_bytes(self) -> tuple[int, int] | None:
+        """``(page bytes, stored bytes)`` of the compressed pages once placed."""
+        if self.freed:
+            return self.kernel
+        if not self.stored():
+            return None
+        return (sum(sl.n for sl in self.slices) * self.page_size,
+                sum(sl.total for sl in self.slices))
+
+
+class PagedStore:
+    """Offload storages compressed into a :class:`VirtualArena` (one per device).
+
+    ``streams``: ``(compress, pack, restore)`` CUDA streams (``None`` on the CPU, where the
+    kernels run synchronously: the Triton interpreter in tests). Restores run on the caller's
+    current stream; ``restore_stream`` is the stream they are issued on (chunk reuse waits
+    for it).
+    """
+
+    kind = "compressed"
+
+    def __init__(self, device: torch.device, page_size: int, streams=(None, None, None),
+                 chunk_bytes: int = CHUNK_BYTES, slice_bytes: int = SLICE_BYTES):
+        self.device, self.page_size = device, page_size
+        self.compress_stream, self.pack_stream, self.restore_stream = streams
+        self.arena = VirtualArena(device, chunk_bytes)
+        self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
+        self._packed: collections.deque = collections.deque()  # pack events of recent slices
+        self.failures = torch.zeros((), dtype=torch.int64, device=device)
+        self._failures_host = torch.zeros((), dtype=torch.int64, pin_memory=self.arena.pin)
+        self._failures_event = None
+        self._failures_seen = 0
+        self.scratch_bytes = 0  # bound on the scratch held at once (reported in stats)
+
+    # ------------------------------------------------------------------ offload
+    def offload(self, src: torch.Tensor, element_size: int, producer=None) -> PagedStored:
+        """Start storing ``src`` (``uint8 [nbytes]``, contiguous) after ``producer``'s work."""
+        p, nbytes = self.page_size, src.numel()
+        full = nbytes // p
+        cs = self.compress_stream
+        if cs is not None:
+            cs.wait_stream(producer)
+        slices = []
+        with _on(cs):
+            for first in range(0, full, self.slice_pages):
+                n = min(self.slice_pages, full - first)
+                slices.append(self._store_slice(src, first, n, element_size))
+            tail = None
+            if nbytes % p:
+                tail = torch.empty(nbytes % p, dtype=torch.uint8, pin_memory=self.arena.pin)
+                tail.copy_(src[full * p:], non_blocking=True)
+            consumed = _record(cs)
+        return PagedStored(nbytes, p, slices, tail, consumed)
+
+    def _store_slice(self, src, first: int, n: int, element_size: int) -> _Slice:
+        p, cs, ps = self.page_size, self.compress_stream, self.pack_stream
+        if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight
+            _wait(cs, self._packed.popleft())
+        pages = src[first * p:(first + n) * p].view(n, p)
+        payload, sizes, kinds = _ops.compress_eager(pages, element_size)
+        compressed = _record(cs)
+        self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * (p + 5))
+        with _on(ps):
+            _wait(ps, compressed)
+            dev = src.device
+            rel = torch.empty(n, dtype=torch.int64, device=dev)
+            desc = torch.empty(2, dtype=torch.int64, device=dev)
+            host_desc = torch.empty(2, dtype=torch.int64, pin_memory=self.arena.pin)
+            self.arena.back(n * p, ps)
+            plan_slice(sizes, rel, self.arena.state, desc, host_desc, p, self.arena.chunk)
+            pack_to_host(payload, sizes, rel, desc, self.arena.table, self.arena.chunk)
+            stored = _record(ps)
+            if ps is not None:
+                payload.record_stream(ps)  # made on the compress stream, read here
+                sizes.record_stream(ps)
+            self._packed.append(stored)
+        sl = _Slice(first, n, sizes, kinds, rel, desc, host_desc, stored)
+        self.arena.add(sl, n * p)
+        return sl
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, stored: PagedStored, out: torch.Tensor) -> None:
+        """Decode ``stored`` into ``out`` (``uint8 [nbytes]``) on the current stream."""
+        p = self.page_size
+        arena = self.arena
+        if stored.slices:
+            arena.confirm(through=stored.slices[-1])
+        stream = torch.cuda.current_stream(out.device) if out.is_cuda else None
+        statuses = []
+        for sl in stored.slices:
+            if sl.base < 0:
+                raise RuntimeError(
+                    f"activation offload: a slice of {sl.n} pages did not fit the host arena; "
+                    "its data was not stored"
+                )
+            staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
+            at = sl.base % arena.chunk
+            staging.copy_(arena.buffer(sl.base)[at:at + sl.total], non_blocking=True)
+            pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
+            status = torch.empty(sl.n, dtype=torch.int32, device=out.device)
+            _ops.decompress_into_eager(staging, sl.rel, sl.sizes, sl.kinds, pages, status)
+            statuses.append(status)
+        if stored.tail is not None:
+            out[stored.nbytes - stored.tail.numel():].copy_(stored.tail, non_blocking=True)
+        self._count_failures(statuses, stream)
+
+    def _count_failures(self, statuses: list[torch.Tensor], stream) -> None:
+        if not statuses:
+            return
+        bad = sum(torch.count_nonzero(s) for s in statuses)
+        if stream is None:
+            if int(bad):
+                raise CorruptPageError([], [], f"{int(bad)} offloaded page(s) failed to decode")
+            return
+        self.failures += bad
+
+    def failed_restores(self) -> int:
+        """Pages that failed to decode in restores so far, as far as the host knows (never
+        blocks: the count is read through a pinned copy scheduled at the previous call)."""
+        if self.failures.device.type != "cuda":
+            return 0
+        if self._failures_event is not None and self._failures_event.query():
+            self._failures_seen = int(self._failures_host)
+            self._failures_event = None
+        if self._failures_event is None:
+            self._failures_host.copy_(self.failures, non_blocking=True)
+            self._failures_event = torch.cuda.Event()
+            self._failures_event.record()
+        return self._failures_seen
+
+    # ------------------------------------------------------------------ lifetime
+    def poll(self) -> None:
+        """Confirm the placement of finished slices (no waiting)."""
+        self.arena.confirm()
+
+    def free(self, stored: PagedStored) -> None:
+        for sl in stored.slices:
+            self.arena.release(sl, self.restore_stream)
+        stored.kernel = stored.kernel_bytes()  # what the class policy may still read
+        stored.slices = []
+        stored.tail = None
+        stored.freed = True
+
+    def stats(self) -> dict:
+        a = self.arena
+        return {
+            "host_used_bytes": a.used,
+            "host_held_bytes": a.held_bytes,
+            "host_peak_held_bytes": a.peak_held,
+            "scratch_bytes": self.scratch_bytes,
+            "pending_slices": len(a.pending),
+        }
+
+
+class _on:
+    """``torch.cuda.stream(s)`` when ``s`` is a stream; nothing on the CPU."""
+
+    def __init__(self, stream):
+        self.ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)

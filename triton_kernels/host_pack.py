@@ -1,0 +1,135 @@
+"""Compressed pages straight into page-locked host memory, placed on the device.
+
+The activation offload stores each slice of compressed pages in a *virtual arena*: a byte
+range ``[0, 2**63)`` cut into chunks of ``CHUNK`` bytes, each backed (by the host, ahead of
+use) by a buffer of page-locked host memory whose address sits in a device table. The device
+keeps the arena's end; the host never needs a slice's size to place or copy it, so nothing
+waits for the host between a compress kernel and the bytes landing in host memory.
+
+Two kernels per slice, on one stream:
+
+* :func:`plan_slice` (one program): pads each page's size to ``ALIGN`` bytes, scans them to
+  per-page offsets, and reserves the slice's bytes at the arena's end (moving to the next
+  chunk if the slice would straddle one, so a slice is one contiguous host range). If the
+  reservation would pass the backed limit it reserves nothing and marks the slice failed.
+  Writes ``desc = (base, total)`` to the device and to a host descriptor.
+* :func:`pack_to_host` (a few persistent programs): copies each page's stored bytes from the
+  fixed-stride payload to ``chunk + base % CHUNK + offset``, 16-byte aligned words; stores
+  from a handful of SMs keep the link busy while the rest of the GPU computes.
+
+A slice is restored by copying ``total`` bytes from the host to the device and decoding with
+the per-page offsets (relative to ``base``); see ``torch_pagecomp.offload_paged``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import interpreting, launch
+
+ALIGN = 16  # bytes: every page starts 16-byte aligned in host memory (vector stores)
+PLAN_BLOCK = 1024  # pages scanned per step of the plan kernel
+PACK_WORDS = 256  # 8-byte words per copy step (2 KiB, 16 bytes per lane of 4 warps)
+PACK_WARPS = 4
+
+
+@triton.jit
+def _plan_kernel(sizes_ptr, rel_ptr, state_ptr, desc_ptr, host_desc_ptr, n,
+                 P: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # state: int64 [2] = (arena end, backed limit); desc: int64 [2] = (base, total)
+    carry = tl.zeros((), dtype=tl.int64)
+    for start in range(0, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        m = idx < n
+        size = tl.load(sizes_ptr + idx, mask=m, other=0).to(tl.int64)
+        size = tl.minimum(tl.maximum(size, 0), P)  # never copy past a row
+        padded = (size + (ALIGN - 1)) // ALIGN * ALIGN
+        incl = tl.cumsum(padded, 0)
+        tl.store(rel_ptr + idx, carry + incl - padded, mask=m)
+        carry += tl.sum(padded, 0)
+    end = tl.load(state_ptr)
+    limit = tl.load(state_ptr + 1)
+    base = end
+    if (end % CHUNK) + carry > CHUNK:  # a slice never straddles two chunks
+        base = (end // CHUNK + 1) * CHUNK
+    ok = base + carry <= limit
+    tl.store(state_ptr, tl.where(ok, base + carry, end))
+    base = tl.where(ok, base, -1)
+    tl.store(desc_ptr, base)
+    tl.store(desc_ptr + 1, carry)
+    tl.store(host_desc_ptr, base)
+    tl.store(host_desc_ptr + 1, carry)
+
+
+@triton.jit
+def _pack_to_host_kernel(payload_ptr, sizes_ptr, rel_ptr, desc_ptr, table_ptr, n,
+                         P: tl.constexpr, CHUNK: tl.constexpr, TABLE: tl.constexpr,
+                         ALIGN: tl.constexpr, WORDS: tl.constexpr):
+    base = tl.load(desc_ptr)
+    if base >= 0:
+        chunk = tl.load(table_ptr + (base // CHUNK) % TABLE)
+        dst = chunk.to(tl.pointer_type(tl.int64)) + (base % CHUNK) // 8
+        src = payload_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+        w = tl.arange(0, WORDS)
+        for page in range(tl.program_id(0), n, tl.num_programs(0)):
+            size = tl.load(sizes_ptr + page)
+            size = tl.minimum(tl.maximum(size, 0), P)
+            words = (size + (ALIGN - 1)) // ALIGN * (ALIGN // 8)
+            at = tl.multiple_of(tl.load(rel_ptr + page) // 8, ALIGN // 8)
+            row = page * (P // 8)  # a slice is at most one chunk: no int32 overflow
+            for w0 in range(0, words, WORDS):
+                idx = w0 + w
+                m = idx < words
+                tl.store(dst + at + idx, tl.load(src + row + idx, mask=m), mask=m)
+
+
+def plan_slice(sizes: torch.Tensor, rel: torch.Tensor, state: torch.Tensor, desc: torch.Tensor,
+               host_desc: torch.Tensor, page_size: int, chunk_bytes: int) -> None:
+    """Reserve a slice's bytes at the arena's end, on the current stream.
+
+    Args:
+        sizes: ``int32 [N]`` stored bytes per page (from the compress kernel).
+        rel: ``int64 [N]`` out: each page's offset from the slice's base (16-byte aligned).
+        state: ``int64 [2]`` on the device: the arena's end and the backed limit; the end
+            advances by the slice's padded size.
+        desc: ``int64 [2]`` out, on the device: ``(base, total)``; ``base = -1`` when the
+            slice does not fit under the limit (nothing is reserved or written then).
+        host_desc: ``int64 [2]`` out, in page-locked host memory: the same two values.
+        page_size: ``P``; chunk_bytes: the arena's chunk size (a multiple of 16 bytes,
+            at least the slice's ``N * P``).
+    """
+    n = sizes.numel()
+    launch(_plan_kernel, (1,), sizes.device, (sizes, rel, state, desc, host_desc, n),
+           dict(P=page_size, CHUNK=chunk_bytes, ALIGN=ALIGN, BLOCK=PLAN_BLOCK, num_warps=4),
+           traced=False)
+
+
+def pack_programs(device: torch.device) -> int:
+    """Programs of the pack kernel: a few SMs' worth, enough to keep the link busy."""
+    if device.type != "cuda" or interpreting():
+        return 2
+    return 16
+
+
+def pack_to_host(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
+                 desc: torch.Tensor, table: torch.Tensor, chunk_bytes: int,
+                 programs: int | None = None) -> None:
+    """Copy a planned slice's pages into host memory, on the current stream.
+
+    Args:
+        payload: ``uint8 [N, P]`` fixed-stride payload (8-byte aligned rows).
+        sizes, rel, desc: as after :func:`plan_slice` for this slice.
+        table: ``int64 [TABLE]`` on the device: entry ``k % TABLE`` is the address of the
+            page-locked host buffer that backs chunk ``k`` (``CHUNK`` bytes, 16-byte aligned).
+        chunk_bytes: the arena's chunk size.
+    """
+    n, page_size = payload.shape
+    if n == 0:
+        return
+    grid = (min(n, programs or pack_programs(payload.device)),)
+    launch(_pack_to_host_kernel, grid, payload.device, (payload, sizes, rel, desc, table, n),
+           dict(P=page_size, CHUNK=chunk_bytes, TABLE=table.numel(), ALIGN=ALIGN,
+                WORDS=PACK_WORDS, num_warps=PACK_WARPS), traced=False)
