@@ -72,6 +72,8 @@ offload)
         tests/test_offload.py tests/test_offload_tune.py -rfE -x 2>&1 | tee -a "$OUT/offload.txt" \
         | tail -n 15
     timeout 400 python3 -m bench.stock_models --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
+        --variants "${STOCK_VARIANTS:-none,save_on_cpu,uncompressed,memory,speed}" \
+        --profile "${STOCK_PROFILE_RUN:-encoder-1024:memory}:$OUT/profile.txt" \
         --out "$OUT/stock_models.json" 2>&1 | tail -n 14
     ;;
 stock)

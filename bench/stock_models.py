@@ -220,7 +220,21 @@ def _grad_hash(model) -> list[int]:
     return out
 
 
-def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: bool) -> dict:
+def _profile(step, opt, path: str) -> None:
+    """One more step under the profiler: where the GPU time goes, by kernel and copy."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        opt.step()
+        torch.cuda.synchronize()
+    with open(path, "w") as fh:
+        fh.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
+def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: bool,
+        profile: str | None = None) -> dict:
     import torch
 
     from torch_pagecomp import offload_module
@@ -265,11 +279,15 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     torch.use_deterministic_algorithms(False)
     opt.step()
     cuda = device != "cpu"
-    times = []
+    times, before = [], {}
     for i in range(warmup + steps):
-        if i == warmup and cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        if i == warmup:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            if off is not None:
+                off.reset_peak_stats()
+                before = off.stats()
         t0 = time.perf_counter()
         if cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -288,9 +306,11 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
            "step_ms_all": [round(t, 2) for t in times], "grads": grads}
     if cuda:
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
+    if profile and cuda:
+        _profile(step, opt, profile)
     if off is not None:
         st = off.stats()
-        offloaded = st.get("offloaded_bytes", 0) / max(1, warmup + steps + 1)
+        offloaded = (st.get("offloaded_bytes", 0) - before.get("offloaded_bytes", 0)) / steps
         row.update(host_gib=st["peak_host_bytes"] / GIB, offloaded_gib=offloaded / GIB,
                    stats={k: v for k, v in st.items() if not isinstance(v, dict)},
                    compressor=st.get("compressor", {}), tuner=st.get("tuner"))
@@ -308,8 +328,12 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
 def _child(args, name: str, variant: str) -> dict:
     cmd = [sys.executable, "-m", "bench.stock_models", "--child", name, variant,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
+    env = dict(os.environ)
+    env.pop("STOCK_PROFILE", None)
+    if args.profile and args.profile.split(":")[:2] == [name, variant]:
+        env["STOCK_PROFILE"] = args.profile.split(":", 2)[2]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"model": name, "variant": variant, "error": f"timeout after {args.timeout} s"}
     last = r.stdout.strip().splitlines()[-1:] or [""]
@@ -369,6 +393,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="toy sizes of every model (CPU CI)")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 under torchrun, in-process")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="MODEL:VARIANT:PATH",
+                    help="profile one more step of that run; the table goes to PATH")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"))
     args = ap.parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
@@ -380,7 +406,8 @@ def main(argv=None) -> int:
         models = [m for m in MODELS if m.endswith("-tiny")]
     variants = args.variants.split(",")
     if args.child:
-        print(json.dumps(run(*args.child, args.steps, args.warmup, args.device, False)))
+        print(json.dumps(run(*args.child, args.steps, args.warmup, args.device, False,
+                             os.environ.get("STOCK_PROFILE"))))
         return 0
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),

@@ -222,6 +222,83 @@ def test_constructor_validation():
     assert pc.batch_pages >= 1 and isinstance(pc, torch.nn.Module)
 
 
+def test_handle_carries_page_size_and_restore_checks_it(gen):
+    pc4 = PageCompressor(device="cpu", batch_pages=2)
+    pc8 = PageCompressor(device="cpu", page_size=8192, batch_pages=2)
+    x = torch.zeros(3 * 8192 + 5, dtype=torch.uint8)  # FILL pages: wrong silently before
+    x[-1] = 7
+    h = pc4.offload(x)
+    assert (h.page_size, h.element_size) == (4096, 1)
+    with pytest.raises(PageCompError, match="page_size=4096.*page_size=8192"):
+        pc8.restore(h)
+    other = PageCompressor(device="cpu", batch_pages=5)  # same page size: fine
+    assert same_bits(x, other.restore(h)) and same_bits(x, pc4.restore(h))
+
+
+UNSUPPORTED = {
+    "quantized": (lambda: torch.quantize_per_tensor(torch.randn(64), 0.1, 0, torch.quint8),
+                  "quantized tensor"),
+    "meta": (lambda: torch.empty(4096, device="meta"), "meta tensor"),
+    "sparse_coo": (lambda: torch.randn(64, 64).to_sparse(), "torch.sparse_coo"),
+    "sparse_csr": (lambda: torch.randn(64, 64).to_sparse_csr(), "torch.sparse_csr"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
+               "nested tensor"),
+    "jagged": (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)],
+                                                  layout=torch.jagged), "nested tensor"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # deprecated, beta or prototype layouts
+@pytest.mark.parametrize("kind", UNSUPPORTED)
+def test_unsupported_tensors_refused_up_front(pc, kind):
+    make_tensor, named = UNSUPPORTED[kind]
+    x = make_tensor()
+    before = pc.stats()["offloads"]
+    with pytest.raises(PageCompError, match=named):
+        pc.offload(x)
+    assert pc.stats()["offloads"] == before  # refused before any work was queued
+
+
+def test_conjugate_negative_and_grad_views_offload_their_values(pc):
+    z = torch.randn(300, dtype=torch.complex64).conj()
+    assert z.is_conj()
+    assert same_bits(z.resolve_conj(), pc.restore(pc.offload(z)))
+    n = torch.randn(300, dtype=torch.complex64).conj().imag  # a negative view
+    assert same_bits(n.resolve_neg(), pc.restore(pc.offload(n)))
+    w = torch.randn(300, requires_grad=True)
+    assert same_bits(w.detach(), pc.restore(pc.offload(w)))
+
+
+@pytest.mark.parametrize("bad", [2.0, 0, True, 3, "2"])
+def test_element_size_must_be_a_valid_int(pc, bad):
+    x = torch.randn(100)
+    with pytest.raises(PageCompError, match="element_size"):
+        pc.offload(x, element_size=bad)
+    with pytest.raises(PageCompError, match="element_size"):
+        PageCompressor(device="cpu", element_size=bad)
+
+
+def test_integer_settings_reject_floats():
+    for kwargs in ({"page_size": 4096.0}, {"batch_pages": 2.0}, {"slots": 3.0}):
+        with pytest.raises(PageCompError, match=next(iter(kwargs))):
+            PageCompressor(device="cpu", **kwargs)
+
+
+def test_block_ids_out_of_range_named_before_any_work(pc):
+    cache = torch.randn(8, 2, 512)
+    before = pc.stats()["offloads"]
+    cases = [([0, 8], 8), (torch.tensor([3, -1]), -1), (torch.tensor([9, 2], dtype=torch.int32), 9)]
+    for ids, bad in cases:
+        with pytest.raises(PageCompError, match=f"block id {bad} is out of range for a cache of 8"):
+            pc.offload_blocks(cache, ids)
+    assert pc.stats()["offloads"] == before
+    h = pc.offload_blocks(cache, [1, 2])
+    with pytest.raises(PageCompError, match="block id 8"):
+        pc.restore_blocks(h, cache, [1, 8])
+    with pytest.raises(PageCompError, match="block id 0 is out of range for a cache of 0"):
+        pc.offload_blocks(cache[:0], [0])
+
+
 # ---------------------------------------------------------------------------- GPU
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -424,3 +501,15 @@ def test_gpu_cold_device_pool_restore_behind_busy_consumer(gen, raw_share):
             pc.restore(h, out=out, check=True)
             assert torch.equal(out, x)
         pc.close()
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_block_ids_on_the_device_out_of_range_is_an_error():
+    pc = PageCompressor(device="cuda", batch_pages=4)
+    cache = torch.randn(16, 1024, device="cuda")
+    with pytest.raises(PageCompError, match="block id 16 is out of range for a cache of 16"):
+        pc.offload_blocks(cache, torch.tensor([3, 16], device="cuda"))
+    ids = torch.tensor([15, 0], device="cuda")
+    h = pc.offload_blocks(cache, ids)  # the CUDA context is still usable
+    assert torch.equal(pc.restore(h), cache[ids])

@@ -99,6 +99,29 @@ def test_limiter_blocks_until_release():
     lim.release(500)
 
 
+
+def test_limiter_stop_wakes_waiters_and_refuses_later():
+    lim = InflightLimiter(100)
+    lim.acquire(100)
+    errors = []
+
+    def wait():
+        try:
+            lim.acquire(10)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    th = threading.Thread(target=wait)
+    th.start()
+    time.sleep(0.1)
+    lim.stop(RuntimeError("stopped"))
+    th.join(1)
+    assert not th.is_alive() and [str(e) for e in errors] == ["stopped"]
+    with pytest.raises(RuntimeError, match="stopped"):
+        lim.acquire(1)
+    lim.release(100)  # in-flight work still gives its bytes back
+    assert lim.in_flight == 0
+
 # ----------------------------------------------------------------------------- storage
 def test_blob_layout():
     lay = BlobLayout.of(3, 13)
@@ -271,6 +294,43 @@ def test_worker_error_reaches_handle_and_ring_recovers(monkeypatch, gen):
     h.free()
     h2.free()
     assert pc.stats()["bytes_held_host"] == 0 and pc.stats()["inflight_bytes"] == 0
+
+
+def test_close_cancel_fails_queued_batches_and_joins(monkeypatch, gen):
+    pc = PageCompressor(device="cpu", batch_pages=1, slots=3)
+    p = pc.pipeline
+    real = p._cpu_compress
+
+    def slow(job):
+        time.sleep(0.3)
+        real(job)
+
+    monkeypatch.setattr(p, "_cpu_compress", slow)
+    x = torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8, generator=gen)
+    h = pc.offload(x)  # three batches queued; the first one is running
+    assert p.close(cancel=True, timeout=10)
+    assert not any(t.is_alive() for t in p._threads)
+    with pytest.raises(RuntimeError, match="closed before this batch ran"):
+        h.wait()
+    h.free()
+    s = pc.stats()
+    assert s["bytes_held_host"] == 0 and s["inflight_bytes"] == 0
+    assert s["host_pool_bytes"] == 0  # idle pools released on close
+
+
+def test_no_job_queued_behind_the_workers_end(gen):
+    """A batch handed over after the end marker would never be taken: refused instead."""
+    from torch_pagecomp.pipeline import PipelineStopped
+
+    pc = PageCompressor(device="cpu", batch_pages=1)
+    p = pc.pipeline
+    p._send_stop()
+    with pytest.raises(PipelineStopped):
+        p._enqueue(p._issue_q, object())
+    assert p.close(timeout=10)
+    with pytest.raises(PipelineStopped, match="closed"):
+        p.acquire_slot()
+    assert p.drain(timeout=1)
 
 
 def test_raw_bypass_policy():

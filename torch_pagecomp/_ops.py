@@ -63,6 +63,7 @@ def compress_reference(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Te
 
 @compress_reference.register_fake
 def _(pages, element_size=1):
+    fmt.check_compress_args(pages, element_size)
     n, p = pages.shape
     return (
         pages.new_empty((n, p)),
@@ -83,6 +84,7 @@ def decompress_reference(
 
 @decompress_reference.register_fake
 def _(payload, offsets, sizes, kinds, page_size):
+    fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size)
     n = sizes.shape[0]
     return payload.new_empty((n, page_size)), payload.new_empty((n,), dtype=torch.int32)
 
@@ -96,6 +98,7 @@ def pack_reference(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
 
 @pack_reference.register_fake
 def _(payload, sizes):
+    fmt.check_pack_args(payload, sizes)
     n, p = payload.shape
     return payload.new_empty((n * p,)), payload.new_empty((n + 1,), dtype=torch.int64)
 

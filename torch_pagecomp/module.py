@@ -254,13 +254,15 @@ class PageCompressor(torch.nn.Module):
         max_raw_share: on a GPU, the largest share of batches stored raw to keep the copy
             engine busy while the kernel is the bottleneck: 0 (default) puts ratio first, 1
             speed first (host memory then shrinks less).
-        A copy or an unpickled one is a fresh ``PageCompressor`` built from these same
-        arguments (``device=None`` resolves again where it is built), with nothing offloaded.
         stream_priority: CUDA priority of the compressor's streams (lower is higher, clamped to
             the card's range, e.g. -5..0 on H100): with a negative value its kernels' thread
             blocks are scheduled ahead of default-priority work queued beside them. (In the
             training bench's link-bound step it changed nothing measurable: the kernels rarely
             meet the model's, ``bench/results/h200_1feff4d/``.)
+
+    A copy or an unpickled one is a fresh ``PageCompressor`` built from these same arguments
+    (``device=None`` resolves again where it is built), with nothing offloaded. ``with
+    PageCompressor() as pc:`` closes it on leaving the block.
     """
 
     def __init__(

@@ -121,6 +121,8 @@ class ActivationOffloader(BackwardMixin):
         self._cpu = CpuStore(compress=False)
         self._cpu_compressed = CpuStore(compress=True, page_size=page_size)
         self._paged: dict[int, PagedStore] = {}
+        # compressed entries whose stored size the host does not know yet (placed in order)
+        self._unsized: collections.deque[weakref.ref] = collections.deque()
         self._failed_restores_seen = 0
         self._last_error: str | None = None  # the latest offload that failed (kept in place)
         self._streams: dict[tuple, torch.cuda.Stream] = {}
@@ -264,6 +266,7 @@ class ActivationOffloader(BackwardMixin):
         elif compress:
             entry.store, entry.stream = self._paged_store(dev), torch.cuda.current_stream(dev)
             entry.stored = entry.store.offload(src, esize, producer=entry.stream)
+            self._unsized.append(weakref.ref(entry))
         else:
             side, entry.stream = self._stream(dev, "d2h"), torch.cuda.current_stream(dev)
             with torch.cuda.stream(side):
@@ -325,6 +328,13 @@ class ActivationOffloader(BackwardMixin):
             self._stash = keep
         for store in self._paged.values():
             store.poll()
+        while self._unsized:  # sizes the kernels placed since: count what the host holds
+            entry = self._unsized[0]()
+            if entry is not None and entry.stored.host_nbytes() is None:
+                break
+            self._unsized.popleft()
+            if entry is not None:
+                self._count_host(entry)
         self.policy.poll()
         while self._sink:
             store, stored, counted = self._sink.pop()
@@ -363,6 +373,14 @@ class ActivationOffloader(BackwardMixin):
             while self._stash:
                 self._release(self._stash.popleft(), wait=True)
             self._poll()
+
+    def reset_peak_stats(self) -> None:
+        """Start the peaks of :meth:`stats` (host bytes, host memory held) from now."""
+        with self._lock:
+            self._poll()
+            self._peak_host = self._host_now
+            for store in self._paged.values():
+                store.arena.peak_held = store.arena.held_bytes
 
     def host_bytes(self) -> int:
         """Host bytes held now by live offloaded storages (compressed sizes once known)."""

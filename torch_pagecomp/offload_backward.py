@@ -130,6 +130,8 @@ class BackwardMixin:
                 e.src = None
             self._failed.clear()
             self._poll()
+            for store in self._paged.values():
+                store.arena.shrink()
         self._check_restores()
 
     def _check_restores(self) -> None:

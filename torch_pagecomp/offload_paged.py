@@ -13,8 +13,10 @@ end, advanced by the slice's worst case (``N * P``), stays backed; the device re
 marks failed) a slice that would pass the backed limit, so no store ever leaves the chunks.
 Chunks behind every live slice go back to a free list and back later parts of the arena.
 
-A restore copies each slice's ``total`` bytes from host to device on the caller's stream
-and decodes them there. A partial last page (``nbytes % P``) travels as a plain copy.
+A restore is queued on the caller's stream after the slice's pack, again with nothing from
+the host: a few persistent programs read the slice's bytes from its chunk into a device
+buffer (placement from the device descriptor) and the decoder expands them. A partial last
+page (``nbytes % P``) travels as a plain copy.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from . import _ops
 from .format import CorruptPageError
-from .kernels.host_pack import pack_to_host, plan_slice
+from .kernels.host_pack import fetch_from_host, pack_to_host, plan_slice
 from .pools import HostMemory, can_pin
 
 CHUNK_BYTES = 64 << 20
@@ -83,6 +85,7 @@ class VirtualArena:
         self.limit = self.bound = self.frontier = 0
         self.used = 0  # host bytes of live, confirmed slices
         self.peak_held = 0
+        self.peak_backed = 0  # chunks backed at once since the last shrink
 
     # ---------------------------------------------------------------- placement
     def _advance(self, pos: int, size: int) -> int:
@@ -103,6 +106,7 @@ class VirtualArena:
             self.limit = (last + 1) * self.chunk
             self.state[1:2].fill_(self.limit)
         self.peak_held = max(self.peak_held, self.held_bytes)
+        self.peak_backed = max(self.peak_backed, len(self.backed))
 
     def _back_chunk(self, k: int, stream) -> None:
         if self.free:
@@ -164,18 +168,23 @@ class VirtualArena:
                 event = event or _record(reader)
                 self.free.append((self.backed.pop(k), event))
 
-    def buffer(self, base: int) -> torch.Tensor:
-        return self.backed[base // self.chunk].tensor
-
     @property
     def held_bytes(self) -> int:
         return (len(self.backed) + len(self.free)) * self.chunk
 
-    def trim(self) -> None:
-        """Unpin the free chunks (call when the GPU no longer reads them)."""
-        for mem, _ in self.free:
+    def trim(self, keep: int = 0) -> None:
+        """Unpin free chunks beyond ``keep`` (the oldest first)."""
+        while len(self.free) > keep:
+            mem, event = self.free.pop(0)
+            if event is not None:
+                event.synchronize()  # a restore may still read it
             mem.release()
-        self.free.clear()
+
+    def shrink(self) -> None:
+        """Keep as many chunks as the busiest moment since the last call needed; unpin the
+        rest (after a step whose offloads were smaller, or a first step that was larger)."""
+        self.trim(keep=max(0, self.peak_backed - len(self.backed)))
+        self.peak_backed = len(self.backed)
 
 
 class PagedStored:
@@ -292,22 +301,20 @@ class PagedStore:
 
     # ------------------------------------------------------------------ restore
     def restore(self, stored: PagedStored, out: torch.Tensor) -> None:
-        """Decode ``stored`` into ``out`` (``uint8 [nbytes]``) on the current stream."""
-        p = self.page_size
-        arena = self.arena
-        if stored.slices:
-            arena.confirm(through=stored.slices[-1])
+        """Decode ``stored`` into ``out`` (``uint8 [nbytes]``) on the current stream, after
+        its pack (a device-side wait: the host learns nothing and waits for nothing)."""
+        p, arena = self.page_size, self.arena
         stream = torch.cuda.current_stream(out.device) if out.is_cuda else None
         statuses = []
         for sl in stored.slices:
-            if sl.base < 0:
+            if sl.base is not None and sl.base < 0:
                 raise RuntimeError(
                     f"activation offload: a slice of {sl.n} pages did not fit the host arena; "
                     "its data was not stored"
                 )
-            staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
-            at = sl.base % arena.chunk
-            staging.copy_(arena.buffer(sl.base)[at:at + sl.total], non_blocking=True)
+            _wait(stream, sl.stored)
+            staging = torch.empty(sl.n * p, dtype=torch.uint8, device=out.device)
+            fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
             status = torch.empty(sl.n, dtype=torch.int32, device=out.device)
             _ops.decompress_into_eager(staging, sl.rel, sl.sizes, sl.kinds, pages, status)
@@ -315,6 +322,8 @@ class PagedStore:
         if stored.tail is not None:
             out[stored.nbytes - stored.tail.numel():].copy_(stored.tail, non_blocking=True)
         self._count_failures(statuses, stream)
+        if stream is None:
+            arena.confirm()
 
     def _count_failures(self, statuses: list[torch.Tensor], stream) -> None:
         if not statuses:

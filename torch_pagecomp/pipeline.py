@@ -446,6 +446,7 @@ class Pipeline(CudaStages):
                     try:
                         self._enqueue(self._done_q, job)
                     except BaseException as exc:
+                        job.reader_release = False  # the read ends below, once
                         self._fail(job, exc)
                         raise
                     count += 1

@@ -17,8 +17,10 @@ Two kernels per slice, on one stream:
   fixed-stride payload to ``chunk + base % CHUNK + offset``, 16-byte aligned words; stores
   from a handful of SMs keep the link busy while the rest of the GPU computes.
 
-A slice is restored by copying ``total`` bytes from the host to the device and decoding with
-the per-page offsets (relative to ``base``); see ``torch_pagecomp.offload_paged``.
+A slice comes back the same way: :func:`fetch_from_host` (a few persistent programs) reads
+its ``total`` bytes from the chunk into a device buffer, taking ``base``/``total`` from the
+device descriptor, and the decoder reads them with the per-page offsets (relative to
+``base``); see ``torch_pagecomp.offload_paged``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,23 @@ def _plan_kernel(sizes_ptr, rel_ptr, state_ptr, desc_ptr, host_desc_ptr, n,
 
 
 @triton.jit
+def _fetch_from_host_kernel(dst_ptr, desc_ptr, table_ptr, CHUNK: tl.constexpr,
+                            TABLE: tl.constexpr, WORDS: tl.constexpr):
+    base = tl.load(desc_ptr)
+    if base >= 0:
+        total_words = tl.load(desc_ptr + 1) // 8
+        chunk = tl.load(table_ptr + (base // CHUNK) % TABLE)
+        src = chunk.to(tl.pointer_type(tl.int64)) + (base % CHUNK) // 8
+        dst = dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+        w = tl.arange(0, WORDS)
+        step = tl.num_programs(0) * WORDS
+        for w0 in range(tl.program_id(0) * WORDS, total_words, step):
+            idx = w0 + w
+            m = idx < total_words
+            tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
+
+
+@triton.jit
 def _pack_to_host_kernel(payload_ptr, sizes_ptr, rel_ptr, desc_ptr, table_ptr, n,
                          P: tl.constexpr, CHUNK: tl.constexpr, TABLE: tl.constexpr,
                          ALIGN: tl.constexpr, WORDS: tl.constexpr):
@@ -107,11 +126,12 @@ def plan_slice(sizes: torch.Tensor, rel: torch.Tensor, state: torch.Tensor, desc
            traced=False)
 
 
-def pack_programs(device: torch.device) -> int:
-    """Programs of the pack kernel: a few SMs' worth, enough to keep the link busy."""
+def link_programs(device: torch.device) -> int:
+    """Programs of the kernels that move bytes over the link: a quarter of an H100's SMs
+    reach ~90% of a copy engine's rate, and leave the rest of the GPU to the model."""
     if device.type != "cuda" or interpreting():
         return 2
-    return 16
+    return 32
 
 
 def pack_to_host(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
@@ -129,7 +149,23 @@ def pack_to_host(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
     n, page_size = payload.shape
     if n == 0:
         return
-    grid = (min(n, programs or pack_programs(payload.device)),)
+    grid = (min(n, programs or link_programs(payload.device)),)
     launch(_pack_to_host_kernel, grid, payload.device, (payload, sizes, rel, desc, table, n),
            dict(P=page_size, CHUNK=chunk_bytes, TABLE=table.numel(), ALIGN=ALIGN,
                 WORDS=PACK_WORDS, num_warps=PACK_WARPS), traced=False)
+
+
+def fetch_from_host(dst: torch.Tensor, desc: torch.Tensor, table: torch.Tensor,
+                    chunk_bytes: int, programs: int | None = None) -> None:
+    """Read a placed slice's bytes back from host memory, on the current stream.
+
+    Args:
+        dst: ``uint8 [>= total]`` on the device, 8-byte aligned (``total`` is at most the
+            slice's ``N * P``); bytes ``[0, total)`` are written.
+        desc, table, chunk_bytes: as for :func:`pack_to_host`; nothing is read or written
+            when ``desc[0] < 0``.
+    """
+    grid = (programs or link_programs(dst.device),)
+    launch(_fetch_from_host_kernel, grid, dst.device, (dst, desc, table),
+           dict(CHUNK=chunk_bytes, TABLE=table.numel(), WORDS=PACK_WORDS * 2,
+                num_warps=PACK_WARPS), traced=False)
