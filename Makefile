@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements-dev.txt setup.py pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test test-interpret test-gpu bench checkstyle clean
+.PHONY: install demo test test-slow test-interpret test-gpu bench checkstyle clean
 
 $(STAMP): requirements-dev.txt setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,9 +21,14 @@ demo: $(STAMP)
 checkstyle: $(STAMP)
 	$(PY) -m ruff check torch_pagecomp triton_kernels tests bench
 
-# CPU suite: the lz4 reference path plus every Triton kernel under TRITON_INTERPRET=1.
+# CPU suite: the lz4 reference path plus every Triton kernel under TRITON_INTERPRET=1, less the
+# cases marked slow (larger interpreter cases whose code paths a default case also runs).
 test: $(STAMP) checkstyle
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests -m "not slow"
+
+# The slow cases left out of `make test`.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q tests -m slow
 
 # On a CUDA machine: the whole suite on the GPU (interpreter-only tests skip themselves), then
 # the marked stages: the million-page mutation fuzz and compute-sanitizer memcheck.

@@ -3,7 +3,8 @@
 Builds 64 MiB (``--mib``) of mixed memory pages from files on this machine (text, shared
 libraries, about 30% zero pages), compresses and decompresses them with ``torch_pagecomp`` and
 prints the ratio, GB/s of uncompressed bytes and a bit-exact check (every page, plus lz4.block
-decoding a sample of our LZ4 blocks).
+decoding a sample of our LZ4 blocks); then the same for bf16 activations as bytes and with
+``element_size=2`` (bit-shuffled), on the GPU or the CPU alike.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 import torch_pagecomp as pc
 from bench.corpora import build_corpus
+from torch_pagecomp import cpu_codec
 from torch_pagecomp import format as fmt
 from torch_pagecomp.shuffle import bitshuffle
 
@@ -75,8 +77,29 @@ def main() -> None:
     print(f"bit-exact round trip of all {n} pages: {'yes' if exact else 'NO'}")
     sample_ok = _lz4_sample_ok(c, pages)
     print(f"lz4.block decodes our LZ4 blocks (sample of 256): {'yes' if sample_ok else 'NO'}")
-    if not (exact and sample_ok):
+    typed_ok = _typed(args.mib, args.page_size, device)
+    if not (exact and sample_ok and typed_ok):
         raise SystemExit(1)
+
+
+def _typed(mib: int, page_size: int, device: torch.device) -> bool:
+    """bf16 activations (ReLU outputs): bytes against ``element_size=2`` (bit-shuffled)."""
+    x = torch.relu(torch.randn((mib << 20) // 2, device=device)).to(torch.bfloat16)
+    pages = x.view(torch.uint8).view(-1, page_size)
+    where = "GPU" if device.type == "cuda" else f"CPU, {cpu_codec.cpu_threads()} thread(s)"
+    print(f"typed batch: {pages.numel() / 2**20:.0f} MiB of bf16 ReLU activations ({where})")
+    ok = True
+    for e in (1, 2):
+        pc.decompress(pc.compress(pages[:64], element_size=e))  # warm-up
+        c, t_comp = _timed(lambda e=e: pc.compress(pages, element_size=e), device)
+        out, t_dec = _timed(lambda c=c: pc.decompress(c), device)
+        ok &= bool(torch.equal(out, pages)) and _lz4_sample_ok(c, pages, 64)
+        label = "bytes          " if e == 1 else "element_size=2 "
+        gb = pages.numel() / 1e9
+        print(f"  {label} ratio {c.ratio():.3f}  compress {gb / t_comp:6.2f} GB/s  "
+              f"decompress {gb / t_dec:6.2f} GB/s")
+    print(f"  bit-exact round trips and lz4.block sample: {'yes' if ok else 'NO'}")
+    return ok
 
 
 if __name__ == "__main__":

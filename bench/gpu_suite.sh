@@ -67,7 +67,8 @@ probe)
     ;;
 offload)
     header offload | tee "$OUT/offload.txt"
-    timeout 100 python3 -m bench.dev_host_write_probe --mib 256 2>&1 | tee -a "$OUT/offload.txt"
+    [ -n "${SKIP_PROBE:-}" ] || timeout 100 python3 -m bench.dev_host_write_probe --mib 256 2>&1 \
+        | tee -a "$OUT/offload.txt"
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_offload_paged.py \
         tests/test_offload.py tests/test_offload_tune.py -rfE -x 2>&1 | tee -a "$OUT/offload.txt" \
         | tail -n 15

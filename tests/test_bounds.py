@@ -58,7 +58,8 @@ def bounds(monkeypatch):
         for lo, hi in ranges:
             inside |= (a >= np.uint64(lo)) & (a + np.uint64(itemsize) <= np.uint64(hi))
         if not inside.all():
-            raise AssertionError(f"{what} outside every tensor of the call at {int(a[~inside][0]):#x}")
+            at = int(a[~inside][0])
+            raise AssertionError(f"{what} outside every tensor of the call at {at:#x}")
 
     b = interp.InterpreterBuilder
     load, store, rmw = b.create_masked_load, b.create_masked_store, b.create_atomic_rmw
@@ -97,9 +98,14 @@ def _late_window_page(gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("candidates, e, accel, probe, wide", [
-    ("store-max", 1, 0, 0, False), ("store-max", 2, 0, 0, False), ("store", 1, 0, 0, False),
-    ("atomic", 1, 0, 0, False), ("store-max", 2, 1, 0, True), ("store-max", 4, 1, 16, True),
-    ("store-max", 4, 1, 32, True), ("planes", 2, 1, 0, True), ("planes", 4, 1, 32, False)])
+    ("store-max", 1, 0, 0, False),
+    pytest.param("store-max", 2, 0, 0, False, marks=pytest.mark.slow),
+    pytest.param("store", 1, 0, 0, False, marks=pytest.mark.slow),
+    ("atomic", 1, 0, 0, False),
+    pytest.param("store-max", 2, 1, 0, True, marks=pytest.mark.slow),
+    pytest.param("store-max", 4, 1, 16, True, marks=pytest.mark.slow),
+    ("store-max", 4, 1, 32, True), ("planes", 2, 1, 0, True),
+    pytest.param("planes", 4, 1, 32, False, marks=pytest.mark.slow)])
 def test_compress_pack_and_decode_stay_in_bounds(bounds, gen, candidates, e, accel, probe, wide):
     pages = bounds(torch.cat([file_pages("text", 1, P, gen), run_pages(1, P, gen),
                               _relu_bytes(2, gen), _late_window_page(gen)]))  # the last page

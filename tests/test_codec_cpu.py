@@ -1,13 +1,16 @@
 """The CPU reference path: bit-exact round trips, lz4 interop, kinds and the packed form."""
 
 import lz4.block
+import numpy as np
 import pytest
 import torch
 from pages import file_pages, mixed_pages, periodic_pages, run_pages
 
 import torch_pagecomp as pc
+from torch_pagecomp import cpu_codec
 from torch_pagecomp import format as fmt
-from torch_pagecomp.cpu_codec import decode_block
+from torch_pagecomp.cpu_codec import decode_block, decompress_cpu
+from torch_pagecomp.shuffle import _bitshuffle_torch, _bitunshuffle_torch, bitshuffle, bitunshuffle
 
 PAGE_SIZES = [4096, 8192, 16384, 32768, 65536]
 
@@ -119,7 +122,12 @@ def test_reads_lz4_library_blocks(mode, page_size, gen):
     offsets[1:] = torch.cumsum(sizes, 0)
     kinds = torch.full((len(blocks),), fmt.KIND_LZ4, dtype=torch.uint8)
     c = pc.CompressedPages(payload, sizes, kinds, page_size, offsets)
-    assert torch.equal(pc.decompress(c), pages)
+    out, status = pc.decompress(c, return_status=True, backend="cpu")
+    # a block that saves less than P/32 is not an LZ4 page of the format (random pages)
+    overlong = sizes > fmt.lz4_keep_limit(page_size)
+    assert (status[overlong] == fmt.STATUS_BAD_SIZE).all() and not out[overlong].any()
+    assert (status[~overlong] == fmt.STATUS_OK).all()
+    assert torch.equal(out[~overlong], pages[~overlong])
     for block, page in zip(blocks, pages):
         data, status = decode_block(block, page_size)
         assert status == fmt.STATUS_OK and data == page.numpy().tobytes()
@@ -155,3 +163,261 @@ def test_reference_decoder_agrees_with_lz4_on_mutations(gen):
                 assert len(data) == 4096
             else:
                 assert data is None and status in fmt.STATUS_NAMES
+
+
+# --------------------------------------------------------------------------- bit-shuffle
+def reference_bitshuffle(pages: np.ndarray, e: int) -> np.ndarray:
+    """The format's definition, one plane at a time: ``Y[b * (n/8) + g] = sum_t bit b of
+    x[8g + t] << t`` with ``x`` the page's ``n = P / e`` little-endian ``e``-byte integers."""
+    n_pages, page_size = pages.shape
+    x = pages.reshape(n_pages, -1, e).astype(np.uint64)
+    x = (x << (8 * np.arange(e, dtype=np.uint64))).sum(axis=2)  # [N, n] element values
+    groups = x.shape[1] // 8
+    out = np.zeros((n_pages, 8 * e, groups), dtype=np.uint64)
+    for b in range(8 * e):
+        bit = (x >> np.uint64(b)) & np.uint64(1)  # [N, n]
+        for t in range(8):
+            out[:, b] |= bit[:, t::8] << np.uint64(t)
+    return out.astype(np.uint8).reshape(n_pages, page_size)
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_bitshuffle_matches_the_definition(element_size, page_size, gen):
+    n = 3 if page_size > 8192 else 9
+    pages = torch.randint(0, 256, (n, page_size), dtype=torch.uint8, generator=gen)
+    want = reference_bitshuffle(pages.numpy(), element_size)
+    got = bitshuffle(pages, element_size)
+    assert np.array_equal(got.numpy(), want)
+    assert torch.equal(bitunshuffle(got, element_size), pages)
+    # the torch element-op version (other devices) gives the same bytes
+    assert np.array_equal(_bitshuffle_torch(pages, element_size).numpy(), want)
+    assert torch.equal(_bitunshuffle_torch(got, element_size), pages)
+
+
+@pytest.mark.parametrize("element_size", [1, 2, 4])
+def test_bitshuffle_batches_across_chunks(element_size, gen):
+    """Batches larger than one numpy step (``CHUNK_BYTES``), a partial last step, views."""
+    rows = pc.shuffle.CHUNK_BYTES // 4096
+    pages = torch.randint(0, 256, (rows * 2 + 5, 4096), dtype=torch.uint8, generator=gen)
+    got = bitshuffle(pages, element_size)
+    if element_size > 1:
+        sample = torch.randint(0, pages.shape[0], (6,), generator=gen)
+        want = reference_bitshuffle(pages[sample].numpy(), element_size)
+        assert np.array_equal(got[sample].numpy(), want)
+    assert torch.equal(bitunshuffle(got, element_size), pages)
+    y = got.numpy().copy()
+    assert pc.shuffle.bitunshuffle_np(y, element_size, out=y) is y  # in place
+    assert np.array_equal(y, pages.numpy())
+    assert bitshuffle(pages[:0], element_size).shape == (0, 4096)
+
+
+# ------------------------------------------------------------------- threads
+def test_threads_give_the_same_bytes(gen):
+    pages = torch.cat([mixed_pages(140, 4096, gen), run_pages(3, 4096, gen)])
+    x = torch.relu(torch.randn(70 * 2048, generator=gen)).to(torch.bfloat16)
+    typed = x.view(torch.uint8).view(-1, 4096)
+    try:
+        results = []
+        for threads in (1, 2, 3, 7):
+            cpu_codec.set_cpu_threads(threads)
+            assert cpu_codec.cpu_threads() == threads
+            results.append([cpu_codec.compress_cpu(pages), cpu_codec.compress_cpu(typed, 2)])
+            c = roundtrip(pages)
+            roundtrip(typed, 2)
+            assert torch.equal(c.payload, results[0][0][0])
+        for r in results[1:]:
+            for a, b in zip(r, results[0]):
+                assert all(torch.equal(u, v) for u, v in zip(a, b))
+    finally:
+        cpu_codec.set_cpu_threads(None)
+
+
+def test_thread_setting(monkeypatch):
+    monkeypatch.delenv(cpu_codec.THREADS_ENV, raising=False)
+    cpu_codec.set_cpu_threads(None)
+    default = cpu_codec.cpu_threads()
+    assert 1 <= default <= cpu_codec.MAX_DEFAULT_THREADS
+    monkeypatch.setenv(cpu_codec.THREADS_ENV, "3")  # read at each call
+    assert cpu_codec.cpu_threads() == 3
+    cpu_codec.set_cpu_threads(5)
+    assert cpu_codec.cpu_threads() == 5
+    cpu_codec.set_cpu_threads(None)
+    monkeypatch.setenv(cpu_codec.THREADS_ENV, "zero")
+    with pytest.raises(pc.PageCompError, match=cpu_codec.THREADS_ENV):
+        cpu_codec.cpu_threads()
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(pc.PageCompError):
+            cpu_codec.set_cpu_threads(bad)
+
+
+def test_pool_exits_cleanly(tmp_path):
+    """A script that compresses on the pool exits 0 with nothing on stderr."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "use_pool.py"
+    script.write_text(
+        "import torch\n"
+        "from torch_pagecomp import cpu_codec\n"
+        "cpu_codec.set_cpu_threads(4)\n"
+        "x = torch.arange(4096 * 256, dtype=torch.int32).view(torch.uint8).view(-1, 4096)\n"
+        "p, s, k = cpu_codec.compress_cpu(x, 4)\n"
+        "offs = torch.arange(x.shape[0], dtype=torch.int64) * 4096\n"
+        "out, st = cpu_codec.decompress_cpu(p.view(-1), offs, s, k, 4096)\n"
+        "assert torch.equal(out, x) and not st.any()\n"
+        "assert cpu_codec._pool is not None\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done
+    assert done.stderr == "", done.stderr
+
+
+# ---------------------------------------------------------------- decode rules (#20)
+def lz4_block(sequences, last: bytes) -> bytes:
+    """A raw LZ4 block: ``sequences`` of ``(literals, offset, match_len)``, then ``last``."""
+    def length(n):
+        out = bytearray()
+        while n >= 255:
+            out.append(255)
+            n -= 255
+        out.append(n)
+        return bytes(out)
+
+    block = bytearray()
+    for lits, offset, ml in sequences:
+        lit_n, ml_n = len(lits), ml - 4
+        block.append((min(lit_n, 15) << 4) | min(ml_n, 15))
+        if lit_n >= 15:
+            block += length(lit_n - 15)
+        block += lits + offset.to_bytes(2, "little")
+        if ml_n >= 15:
+            block += length(ml_n - 15)
+    block.append(min(len(last), 15) << 4)
+    if len(last) >= 15:
+        block += length(len(last) - 15)
+    return bytes(block + last)
+
+
+def decode(blocks, sizes=None, kinds=None, page_size=4096, packed=True):
+    """``decompress_cpu`` over ``blocks`` packed back to back (``offsets [N + 1]``)."""
+    sizes = torch.tensor([len(b) for b in blocks] if sizes is None else sizes, dtype=torch.int32)
+    offsets = torch.zeros(len(blocks) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor([len(b) for b in blocks]), 0)
+    if kinds is None:
+        kinds = [fmt.KIND_LZ4] * len(blocks)
+    kinds = torch.tensor(kinds, dtype=torch.uint8)
+    payload = torch.frombuffer(bytearray(b"".join(blocks) or b"\0"), dtype=torch.uint8)
+    return decompress_cpu(payload, offsets if packed else offsets[:-1], sizes, kinds, page_size)
+
+
+def test_offset_zero_is_bad_offset(gen):
+    """liblz4 decodes a match offset of 0; the format (and the GPU decoder) reject it."""
+    text = file_pages("text", 1, 4096, gen)[0].numpy().tobytes()
+    good_seq = [(text[:100], 100, 200)]
+    ok = lz4_block(good_seq, text[300:4096])
+    cases = [
+        lz4_block([(text[:100], 0, 200)], text[300:4096]),  # the first match
+        lz4_block(good_seq + [(b"", 0, 4)], text[304:4096]),  # a later one, no literals
+        lz4_block(good_seq + [(text[300:320], 0, 300)], text[620:4096]),  # long match
+        lz4_block(good_seq + [(text[300:3000], 0, 19)], text[3019:4096]),  # lit ext before
+    ]
+    for block in cases:
+        assert lz4.block.decompress(block, uncompressed_size=4096)  # liblz4 lets it through
+        assert decode_block(block, 4096) == (None, fmt.STATUS_BAD_OFFSET)
+    out, status = decode([ok] + cases + [ok])
+    assert status.tolist() == [0] + [fmt.STATUS_BAD_OFFSET] * len(cases) + [0]
+    assert not out[1:-1].any()
+    assert out[0].numpy().tobytes() == decode_block(ok, 4096)[0]
+
+
+def test_overlong_lz4_raw_and_fill_sizes_are_bad_size(gen):
+    page = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+    overlong = lz4.block.compress(page, store_size=False)  # valid, ~4114 bytes
+    assert len(overlong) > fmt.lz4_keep_limit(4096)
+    text = file_pages("text", 1, 4096, gen)[0].numpy().tobytes()
+    good = lz4.block.compress(text, store_size=False)
+    raw, fill = text, b"\x07"
+    blocks = [overlong, good, raw[:4095], raw + b"x", raw, fill + b"\x07", fill, b""]
+    sizes = [len(b) for b in blocks]
+    sizes[-1] = 0  # an LZ4 page of size 0
+    kinds = [1, 1, 0, 0, 0, 2, 2, 1]
+    for packed in (True, False):
+        out, status = decode(blocks, sizes, kinds, packed=packed)
+        assert status.tolist() == [2, 0, 2, 2, 0, 2, 0, 2], packed
+        assert not out[[0, 2, 3, 5, 7]].any()
+        assert out[1].numpy().tobytes() == text and out[4].numpy().tobytes() == raw
+        assert (out[6] == 7).all()
+    # the limit itself is allowed: a block of exactly P - P/32 bytes that decodes
+    limit = fmt.lz4_keep_limit(4096)
+    edge = next(b for b in (lz4_block([], page[:k]) for k in range(limit - 30, limit))
+                if len(b) == limit)
+    assert decode([edge], page_size=4096)[1].tolist() == [fmt.STATUS_SHORT]
+
+
+def test_packed_offsets_must_agree_with_sizes(gen):
+    pages = torch.cat([file_pages("text", 4, 4096, gen), mixed_pages(7, 4096, gen)])
+    c = pc.pack(pc.compress(pages, backend="cpu"))
+    n = c.num_pages
+    args = (c.payload, c.offsets, c.sizes, c.kinds, 4096)
+    out, status = decompress_cpu(*args)
+    assert not status.any() and torch.equal(out, pages)
+    i = int(torch.randint(1, n - 1, (1,), generator=gen))
+    cases = {
+        "size one short": (lambda o, s: s.__setitem__(i, s[i] - 1), [i]),
+        "offset moved": (lambda o, s: o.__setitem__(i, o[i] + 1), [i - 1, i]),
+        "offsets[0] != 0": (lambda o, s: o.__setitem__(0, 1), [0]),
+        "end past the payload": (lambda o, s: o.__setitem__(n, o[n] + 1), [n - 1]),
+        "not monotonic": (lambda o, s: o.__setitem__(i, o[i + 1] + 5), [i - 1, i]),
+    }
+    for name, (mutate, bad) in cases.items():
+        offsets, sizes = c.offsets.clone(), c.sizes.clone()
+        mutate(offsets, sizes)
+        out, status = decompress_cpu(c.payload, offsets, sizes, c.kinds, 4096)
+        assert torch.nonzero(status).flatten().tolist() == bad, name
+        assert (status[bad] == fmt.STATUS_BAD_SIZE).all(), name
+        good = [k for k in range(n) if k not in bad]
+        assert torch.equal(out[good], pages[good]) and not out[bad].any(), name
+    # hostile offsets never read outside the payload
+    for _ in range(20):
+        offsets = torch.randint(-50, c.payload.numel() + 50, (n + 1,), generator=gen)
+        sizes = torch.randint(-3, 5000, (n,), dtype=torch.int32, generator=gen)
+        out, status = decompress_cpu(c.payload, offsets, sizes, c.kinds, 4096)
+        assert set(status.tolist()) <= set(fmt.STATUS_NAMES)
+
+
+def test_cpu_statuses_are_the_reference_rules(gen):
+    """Every mutated block: ``decompress_cpu``'s status is ``decode_block``'s (after the size
+    rule), whether or not liblz4 takes the block; offsets of 0 planted among the mutations."""
+    pages = torch.cat([mixed_pages(14, 4096, gen), file_pages("binary", 4, 4096, gen)])
+    x = torch.relu(torch.randn(4 * 2048, generator=gen)).to(torch.bfloat16)
+    shuffled = bitshuffle(x.view(torch.uint8).view(-1, 4096), 2)
+    blocks = []
+    for page in torch.cat([pages, shuffled]):
+        block = bytearray(lz4.block.compress(page.numpy().tobytes(), store_size=False))
+        for _ in range(12):
+            b = bytearray(block)
+            op = int(torch.randint(0, 4, (1,), generator=gen))
+            pos = int(torch.randint(0, len(b), (1,), generator=gen))
+            if op == 0:
+                b[pos] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
+            elif op == 1:
+                b = b[:pos]
+            elif op == 2:
+                b[pos:pos + 2] = b"\0\0"  # an offset of 0 when pos is an offset
+            else:
+                b[pos:pos] = b[int(torch.randint(0, len(b), (1,), generator=gen)):][:8]
+            blocks.append(bytes(b))
+    out, status = decode(blocks)
+    limit = fmt.lz4_keep_limit(4096)
+    for k, b in enumerate(blocks):
+        data, want = decode_block(b, 4096) if 1 <= len(b) <= limit else (None, 2)
+        assert status[k] == want, (k, status[k], want)
+        if want == 0:
+            assert out[k].numpy().tobytes() == data
+        else:
+            assert not out[k].any()
+    assert (status == fmt.STATUS_BAD_OFFSET).any()  # the planted zeros did plant some

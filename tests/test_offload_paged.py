@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import POISON
 
-from torch_pagecomp.kernels.host_pack import ALIGN, pack_to_host, plan_slice
+from torch_pagecomp.kernels.host_pack import ALIGN, fetch_from_host, pack_to_host, plan_slice
 from torch_pagecomp.offload_paged import PagedStore
 
 P = 4096
@@ -148,6 +148,13 @@ def test_plan_moves_to_the_next_chunk_and_pack_stays_inside_the_slice(gen):
     for i in range(n):
         at, size = int(rel[i]), int(sizes[i])
         assert torch.equal(got[at:at + size], payload[i, :size])
+    # and back: the fetch kernel reads exactly the slice, placed by the device descriptor
+    back = torch.full((n * P + 64,), POISON, dtype=torch.uint8)
+    fetch_from_host(back, desc, table, chunk)
+    assert torch.equal(back[:total], got[:total]) and bool((back[total:] == POISON).all())
+    desc_failed = torch.tensor([-1, total], dtype=torch.int64)
+    fetch_from_host(back[total:], desc_failed, table, chunk)  # a failed slice reads nothing
+    assert bool((back[total:] == POISON).all())
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

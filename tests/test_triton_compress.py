@@ -360,7 +360,8 @@ def test_empty_and_single():
         assert payload.shape == (n, P4K) and sizes.shape == (n,) and kinds.shape == (n,)
 
 
-@pytest.mark.parametrize("candidates", lc.CANDIDATE_MODES)
+@pytest.mark.parametrize("candidates", [
+    pytest.param(m, marks=pytest.mark.slow) if m == "store" else m for m in lc.CANDIDATE_MODES])
 @interpret_only
 def test_persistent_loop_many_pages(candidates):
     rows = []
@@ -437,7 +438,8 @@ def test_length_extension_boundaries(lit_lens, candidates):
 
 
 @pytest.mark.parametrize("element_size, candidates, wide", [
-    (2, "atomic", False), (4, "atomic", False), (2, "store", True), (2, "store-max", True),
+    (2, "atomic", False), pytest.param(4, "atomic", False, marks=pytest.mark.slow),
+    (2, "store", True), pytest.param(2, "store-max", True, marks=pytest.mark.slow),
     (4, "store-max", True), (2, "planes", True), (4, "planes", False)])
 @interpret_only
 def test_bitshuffle_fused(element_size, candidates, wide):
@@ -483,6 +485,7 @@ def test_window_variants_match_model():
         lc.compress_pages(pages, min_match=4 + 4 * lc.DEFAULT_EXTRA_WORDS + 1)
 
 
+@pytest.mark.slow  # accel=1 runs in every typed default case (TYPED_ACCEL)
 @interpret_only
 def test_accel_skips_windows_without_sequences():
     """``accel``: windows after windows without a sequence are not hashed; the model states it.
@@ -544,7 +547,7 @@ def test_planes_candidates_find_repeated_planes():
 
 
 @interpret_only
-@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("element_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_planes_group_gate_gives_the_same_blocks(element_size):
     """``group`` (whole still planes passed over at once, the default) writes the blocks of
     gating window by window; both are the model's."""
@@ -556,7 +559,7 @@ def test_planes_group_gate_gives_the_same_blocks(element_size):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("element_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_still_plane_scan_finds_a_single_repeated_word(element_size):
     """The still-plane scan (64-bit loads with ``pairs``, the default; 32-bit without) must mark
     live every plane that holds one repeated aligned word: pages of random (still) planes, one

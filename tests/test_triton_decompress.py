@@ -253,7 +253,7 @@ def test_any_compliant_parse(gen):
 
 
 @pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain"])
-@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("element_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_shuffled_pages_unshuffle_in_kernel(element_size, knobs, gen):
     vals = torch.randn(2, P // 2, generator=gen).to(torch.bfloat16).relu().view(torch.uint8)
     pages = torch.cat([vals.view(-1, P), periodic_pages(element_size * 3, 1, P, gen)])
@@ -431,7 +431,9 @@ def fuzz_bases(rng: random.Random, gen: torch.Generator, count: int) -> list[byt
     return bases
 
 
-@pytest.mark.parametrize("knobs", KNOBS)
+@pytest.mark.parametrize("knobs", [  # prefetch knobs: the interpreter's code path is default's
+    pytest.param(k, marks=pytest.mark.slow) if k in ("no_prefetch", "prefetch_l2") else k
+    for k in KNOBS])
 def test_mutation_fuzz_matches_reference(knobs, gen):
     """Mutated blocks, some marked shuffled (2- and 4-byte elements), in one packed payload."""
     seed = int(torch.randint(0, 2**62, (1,), generator=gen))

@@ -165,7 +165,8 @@ COMPRESS_CASES = {
     "every other row": (lambda: torch.zeros((4, P), dtype=torch.uint8)[::2], 1,
                         r"pages must be contiguous"),
     "float": (lambda: torch.zeros((2, P), dtype=torch.float32), 1, r"pages must be torch.uint8"),
-    "1-D": (lambda: torch.zeros(2 * P, dtype=torch.uint8), 1, r"pages must be torch.uint8 \[\*, \*\]"),
+    "1-D": (lambda: torch.zeros(2 * P, dtype=torch.uint8), 1,
+            r"pages must be torch.uint8 \[\*, \*\]"),
     "3-D": (lambda: torch.zeros((2, 2, P), dtype=torch.uint8), 1, r"pages must be torch.uint8"),
     "page size 2048": (lambda: torch.zeros((2, 2048), dtype=torch.uint8), 1, r"power of two"),
     "page size 6144": (lambda: torch.zeros((2, 6144), dtype=torch.uint8), 1, r"power of two"),
@@ -272,7 +273,7 @@ KNOBS = [dict(), dict(lean=False, split=False), dict(lean=True, split=False)]
 
 
 @interpreter_only
-def test_reported_int32_wrap_is_bad_size(bounds):
+def test_reported_int32_wrap_is_bad_size(bounds):  # noqa: F811
     """The reported reproducer: a 2**31 - 1 byte LZ4 page whose literal length extension runs
     on; the 32-bit positions of the fast loop wrapped and read at ``payload - 2**31``. Its size
     is past ``P - P/32``: ``STATUS_BAD_SIZE`` before any walk, and nothing read out of bounds."""
@@ -290,7 +291,7 @@ def test_reported_int32_wrap_is_bad_size(bounds):
 
 
 @interpreter_only
-def test_pages_past_2gib_of_payload_stay_in_bounds(bounds, gen):
+def test_pages_past_2gib_of_payload_stay_in_bounds(bounds, gen):  # noqa: F811
     """Blocks at offsets past ``2**31`` (the base is int64), walks over a block of the
     largest LZ4 size with the reproducer's pattern at both ends of the payload (positions
     relative to the block stay small), RAW pages across the 2 GiB mark, a FILL at the last
@@ -443,9 +444,10 @@ def _pending_cpu(want: int, cpu: int, size: int, kind: int, page_size: int) -> b
 
 @interpreter_only
 @pytest.mark.parametrize("page_size, element_size", [
-    (4096, 1), (4096, 2), (4096, 4), (65536, 1), (65536, 2),
-    pytest.param(65536, 4, marks=pytest.mark.slow)])  # ~20 s: a 64 KiB page unshuffled
-def test_differential_fuzz_triton_vs_cpu(page_size, element_size, bounds, gen):
+    (4096, 1), (4096, 2), (4096, 4), (65536, 1),
+    # 10-25 s each: the interpreter decodes a 64 KiB shuffled page transposed and unshuffles it
+    pytest.param(65536, 2, marks=pytest.mark.slow), pytest.param(65536, 4, marks=pytest.mark.slow)])
+def test_differential_fuzz_triton_vs_cpu(page_size, element_size, bounds, gen):  # noqa: F811
     """Mutated valid pages of every kind, in one packed payload: the Triton decoder (every
     access checked) gives the format's statuses and bytes, and so does ``decompress_cpu``."""
     seed = int(torch.randint(0, 2**62, (1,), generator=gen))

@@ -128,24 +128,36 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
     out, size_np, kind_np = payload.numpy(), sizes.numpy(), kinds.numpy()
     limit = fmt.lz4_keep_limit(page_size)
     lz4_kind = fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4)
+    out_mv = memoryview(out.reshape(-1))
 
     def work(start: int, stop: int) -> None:
+        # Per page only a few Python steps, on memoryviews: the GIL is held there, liblz4
+        # releases it, so threads scale only as far as these stay short.
         rows = raw[start:stop]
         fill = fill_rows(rows)
         src = bitshuffle_np(rows, element_size) if element_size > 1 else rows
+        src_mv = memoryview(src.reshape(-1))
         compress = lz4.block.compress
-        for i, is_fill in enumerate(fill.tolist(), start):
+        got = []
+        p, base = page_size, start * page_size
+        for k, is_fill in enumerate(fill.tolist()):
             if is_fill:
-                out[i, 0] = raw[i, 0]
-                size_np[i], kind_np[i] = 1, fmt.KIND_FILL
+                got.append(1)
                 continue
-            block = compress(src[i - start], store_size=False)
-            if len(block) <= limit:
-                out[i, : len(block)] = np.frombuffer(block, dtype=np.uint8)
-                size_np[i], kind_np[i] = len(block), lz4_kind
+            block = compress(src_mv[k * p : k * p + p], store_size=False)
+            size = len(block)
+            if size <= limit:
+                out_mv[base + k * p : base + k * p + size] = block
             else:
-                out[i] = raw[i]
-                size_np[i], kind_np[i] = page_size, fmt.KIND_RAW
+                size = p
+            got.append(size)
+        got = np.array(got, dtype=np.int32)
+        size_np[start:stop] = got
+        stored = np.where(got == p, fmt.KIND_RAW, lz4_kind)
+        kind_np[start:stop] = np.where(fill, fmt.KIND_FILL, stored)
+        out[start:stop][fill, 0] = rows[fill, 0]
+        stored_raw = np.flatnonzero(got == p) + start
+        out[stored_raw] = raw[stored_raw]
 
     _run_ranges(work, n)
     return payload, sizes, kinds
@@ -222,20 +234,33 @@ def zero_offset_blocks(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) ->
     For blocks that liblz4 decoded (well-formed: every sequence lies inside the block, the last
     one is literals only); liblz4 accepts offset 0, which the format rejects. The blocks' sequence
     headers are walked in lockstep, about ten numpy calls per sequence position for all blocks at
-    once (a Python walk costs ~0.3 us per sequence, 10-20x liblz4's decode). Reads stay inside
-    the copied blocks whatever their bytes.
+    once (a Python walk costs ~0.3 us per sequence, 10-20x liblz4's decode), each block only up
+    to its last pair of zero bytes. A block may be reported that holds no offset of 0 (never one
+    the other way round): callers confirm with :func:`decode_block`. Reads stay inside the
+    copied blocks whatever their bytes.
     """
     m = starts.shape[0]
     bad = np.zeros(m, dtype=bool)
     if m == 0:
         return bad
     lens = (ends - starts).astype(np.int64)
-    cb = np.concatenate([buf[s:e] for s, e in zip(starts.tolist(), ends.tolist())] + [np.ones(2, np.uint8)])
+    parts = [buf[s:e] for s, e in zip(starts.tolist(), ends.tolist())]
+    cb = np.concatenate(parts + [np.ones(2, np.uint8)])  # blocks back to back, then padding
     zz = (cb[:-1] | cb[1:]) == 0  # zz[p]: bytes p and p + 1 are both zero (an offset of 0 there)
     ip = np.zeros(m, dtype=np.int64)
     np.cumsum(lens[:-1], out=ip[1:])
-    last = ip + lens - 1  # an offset needs two bytes: at or past here, the block ends
-    idx = np.arange(m)
+    # Each block is walked only up to its last zero pair: no offset of 0 can come after it.
+    pairs = np.flatnonzero(zz)
+    owner = np.searchsorted(ip, pairs, side="right") - 1
+    pairs = pairs[pairs < (ip + lens - 1)[owner]]  # both bytes inside the block
+    owner = np.searchsorted(ip, pairs, side="right") - 1
+    final = np.ones(pairs.shape[0], dtype=bool)
+    final[:-1] = owner[1:] != owner[:-1]
+    last = np.full(m, -1, dtype=np.int64)  # at or past here the walk of a block ends
+    last[owner[final]] = pairs[final] + 1
+    live = np.flatnonzero(last >= 0)
+    ip, last = ip[live], last[live]
+    idx = live
     while idx.shape[0]:
         tok = cb.take(ip, mode="clip")
         ext = bool(_HAS_EXT.take(tok).any())
@@ -250,7 +275,7 @@ def zero_offset_blocks(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) ->
                 more = (b == 255) & (pos <= last[sel])
                 sel, pos = sel[more], pos[more]
         q = ip + lit  # the match offset, if the block goes on
-        done = q >= last
+        done = q >= last  # past the last zero pair (or at the end of the block)
         zero = zz.take(q, mode="clip") & ~done
         stop = done | zero
         if stop.any():
@@ -307,6 +332,7 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     out, st = pages.numpy(), status.numpy()
     st[:] = _page_checks(off_np, size_np, kind_np, page_size, buf.shape[0], n)
     mv = memoryview(buf)
+    out_mv = memoryview(out.reshape(-1))
 
     def work(start: int, stop: int) -> None:
         rng = slice(start, stop)
@@ -326,14 +352,12 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
                 data, st[i] = decode_block(mv[o : o + s].tobytes(), page_size)
             else:
                 if len(data) == page_size:
-                    if not _LZ4_ZEROES_OFFSET_0 or (
-                        b"\0\0\0\0" in data and b"\0\0" in bytes(mv[o : o + s])
-                    ):
+                    if not _LZ4_ZEROES_OFFSET_0 or b"\0\0\0\0" in data:
                         walk.append(i)
-                else:
-                    data, st[i] = None, fmt.STATUS_SHORT
+                else:  # short: the reference decides (an offset of 0 may come first)
+                    data, st[i] = decode_block(mv[o : o + s].tobytes(), page_size)
             if data is not None:
-                out[i] = np.frombuffer(data, dtype=np.uint8)
+                out_mv[i * page_size : (i + 1) * page_size] = data
         if walk:
             rows = np.array(walk, dtype=np.int64)
             zero = rows[zero_offset_blocks(buf, off_np[rows], off_np[rows] + size_np[rows])]

@@ -13,10 +13,11 @@ end, advanced by the slice's worst case (``N * P``), stays backed; the device re
 marks failed) a slice that would pass the backed limit, so no store ever leaves the chunks.
 Chunks behind every live slice go back to a free list and back later parts of the arena.
 
-A restore is queued on the caller's stream after the slice's pack, again with nothing from
-the host: a few persistent programs read the slice's bytes from its chunk into a device
-buffer (placement from the device descriptor) and the decoder expands them. A partial last
-page (``nbytes % P``) travels as a plain copy.
+A restore is queued on the caller's stream after the slice's pack, without waiting on the
+host: when the slice's placement is already known (its pack finished: the usual case by the
+time backward needs it) the copy engine brings its exact bytes back; otherwise a few
+persistent programs read them from the chunk (placement from the device descriptor). The
+decoder then expands them. A partial last page (``nbytes % P``) travels as a plain copy.
 """
 
 from __future__ import annotations
@@ -305,6 +306,7 @@ class PagedStore:
         its pack (a device-side wait: the host learns nothing and waits for nothing)."""
         p, arena = self.page_size, self.arena
         stream = torch.cuda.current_stream(out.device) if out.is_cuda else None
+        arena.confirm()  # placements known by now (never waits)
         statuses = []
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
@@ -312,9 +314,15 @@ class PagedStore:
                     f"activation offload: a slice of {sl.n} pages did not fit the host arena; "
                     "its data was not stored"
                 )
-            _wait(stream, sl.stored)
-            staging = torch.empty(sl.n * p, dtype=torch.uint8, device=out.device)
-            fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
+            if sl.base is not None:  # placed: the copy engine
+                staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
+                at = sl.base % arena.chunk
+                host = arena.backed[sl.base // arena.chunk].tensor[at:at + sl.total]
+                staging.copy_(host, non_blocking=True)
+            else:  # still packing: kernels read it once the pack is done
+                _wait(stream, sl.stored)
+                staging = torch.empty(sl.n * p, dtype=torch.uint8, device=out.device)
+                fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
             status = torch.empty(sl.n, dtype=torch.int32, device=out.device)
             _ops.decompress_into_eager(staging, sl.rel, sl.sizes, sl.kinds, pages, status)

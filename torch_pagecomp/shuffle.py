@@ -62,7 +62,9 @@ def _check_np(pages: np.ndarray, element_size: int) -> np.ndarray:
     return np.ascontiguousarray(pages)
 
 
-def bitshuffle_np(pages: np.ndarray, element_size: int, out: np.ndarray | None = None) -> np.ndarray:
+def bitshuffle_np(
+    pages: np.ndarray, element_size: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """Bit planes of each page (numpy): ``uint8 [N, P]`` -> ``uint8 [N, P]`` (``out`` if given,
     which must not overlap ``pages``)."""
     pages = _check_np(pages, element_size)
