@@ -344,7 +344,6 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
             out[i] = buf[off_np[i] : off_np[i] + page_size]
         lz = np.flatnonzero(ok & (codec == fmt.KIND_LZ4)) + start
         decompress = lz4.block.decompress
-        walk = []  # pages liblz4 decoded that may hold a match offset of 0
         for i, o, s in zip(lz.tolist(), off_np[lz].tolist(), size_np[lz].tolist()):
             try:
                 data = decompress(mv[o : o + s], uncompressed_size=page_size)
@@ -358,11 +357,6 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
                     data, st[i] = decode_block(mv[o : o + s].tobytes(), page_size)
             if data is not None:
                 out_mv[i * page_size : (i + 1) * page_size] = data
-        if walk:
-            rows = np.array(walk, dtype=np.int64)
-            zero = rows[zero_offset_blocks(buf, off_np[rows], off_np[rows] + size_np[rows])]
-            for i in zero.tolist():
-                _, st[i] = decode_block(mv[off_np[i] : off_np[i] + size_np[i]].tobytes(), page_size)
         shift = kind_np[rng] >> 4
         for sh in (1, 2):
             rows = np.flatnonzero((st[rng] == 0) & (codec == fmt.KIND_LZ4) & (shift == sh)) + start
@@ -371,7 +365,14 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
         failed = np.flatnonzero(st[rng] != 0) + start
         out[failed] = 0
 
+    walk: list[int] = []  # pages liblz4 decoded that may hold a match offset of 0
     _run_ranges(work, n)
+    if walk:  # one lockstep walk for the batch (its numpy calls hold the GIL between them)
+        rows = np.array(walk, dtype=np.int64)
+        for i in rows[zero_offset_blocks(buf, off_np[rows], off_np[rows] + size_np[rows])].tolist():
+            _, st[i] = decode_block(mv[off_np[i] : off_np[i] + size_np[i]].tobytes(), page_size)
+            if st[i]:
+                out[i] = 0
     return pages, status
 
 

@@ -32,7 +32,7 @@ from .kernels.host_pack import fetch_from_host, pack_to_host, plan_slice
 from .pools import HostMemory, can_pin
 
 CHUNK_BYTES = 64 << 20
-SLICE_BYTES = 16 << 20  # pages per compress launch: fills the GPU, bounds the scratch
+SLICE_BYTES = 32 << 20  # pages per compress launch: fills the GPU, bounds the scratch
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 SCRATCH_SLICES = 2  # slices compressed ahead of the pack stream (scratch held at once)
 
@@ -127,6 +127,7 @@ class VirtualArena:
     def confirm(self, through: _Slice | None = None) -> None:
         """Read the placement of finished slices in stream order (all up to ``through``,
         waiting for it if needed; else only those already finished, without waiting)."""
+        confirmed = False
         while self.pending:
             sl, _ = self.pending[0]
             if not sl.done():
@@ -134,6 +135,7 @@ class VirtualArena:
                     break
                 sl.stored.synchronize()
             self.pending.popleft()
+            confirmed = True
             base, total = (int(v) for v in sl.host_desc.tolist())
             sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None
             if base >= 0:
@@ -143,9 +145,10 @@ class VirtualArena:
                     self.used += total
             if sl is through:
                 break
-        self.bound = self.frontier
-        for _, upper in self.pending:  # the bound from the confirmed end, tighter
-            self.bound = self._advance(self.bound, upper)
+        if confirmed:  # the bound from the confirmed end, tighter
+            self.bound = self.frontier
+            for _, upper in self.pending:
+                self.bound = self._advance(self.bound, upper)
 
     def release(self, sl: _Slice, reader) -> None:
         """``sl`` is no longer needed; chunks behind the frontier with nothing live go back to
@@ -245,10 +248,15 @@ class PagedStore:
                  chunk_bytes: int = CHUNK_BYTES, slice_bytes: int = SLICE_BYTES):
         self.device, self.page_size = device, page_size
         self.compress_stream, self.pack_stream, self.restore_stream = streams
-        self.arena = VirtualArena(device, chunk_bytes)
+        with _on(self.pack_stream):  # the plan and pack kernels read the arena's state there
+            self.arena = VirtualArena(device, chunk_bytes)
         self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
         self._packed: collections.deque = collections.deque()  # pack events of recent slices
-        self.failures = torch.zeros((), dtype=torch.int64, device=device)
+        with _on(self.restore_stream):
+            self.failures = torch.zeros((), dtype=torch.int64, device=device)
+        if self.pack_stream is not None:  # both made before any kernel may use them
+            self.pack_stream.synchronize()
+            self.restore_stream.synchronize()
         self._failures_host = torch.zeros((), dtype=torch.int64, pin_memory=self.arena.pin)
         self._failures_event = None
         self._failures_seen = 0
@@ -336,7 +344,7 @@ class PagedStore:
     def _count_failures(self, statuses: list[torch.Tensor], stream) -> None:
         if not statuses:
             return
-        bad = sum(torch.count_nonzero(s) for s in statuses)
+        bad = torch.count_nonzero(torch.cat(statuses))
         if stream is None:
             if int(bad):
                 raise CorruptPageError([], [], f"{int(bad)} offloaded page(s) failed to decode")

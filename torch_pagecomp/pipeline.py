@@ -417,11 +417,9 @@ class Pipeline(CudaStages):
         on this GPU). ``consumer``: the caller's stream; the writes wait for what it queued before
         and it waits for them. Returns the per-batch status tensors (on the device).
         """
-        stopped = self._stop_error()
-        if stopped is not None:
-            if self.closed and self.broken is None and self._forked_from is None:
-                raise PipelineStopped(f"{stopped} (restore to the CPU still works)")
-            raise stopped
+        self.check_usable(closed_ok=True)  # broken or forked
+        if self.closed:
+            raise PipelineStopped("this PageCompressor was closed (restore to the CPU still works)")
         p = self.page_size
         statuses = []
         storage.add_reader()
@@ -708,7 +706,8 @@ class Pipeline(CudaStages):
     def _after_fork_in_child(self, parent: int) -> None:
         """This process is a fork: the threads stayed in the parent, and one of them may have
         held these conditions. Fresh ones, and every use raises."""
-        self._forked_from = parent
+        if self._forked_from is None:  # (a grandchild keeps the first owner's pid)
+            self._forked_from = parent
         self._cond = threading.Condition()
         self.limiter.reset_lock_after_fork()
 

@@ -1,0 +1,361 @@
+"""Integrations: the transformers KV cache (``CompressedOffloadedCache``) and the torchtune/TRL
+drop-ins for activation offloading (``OffloadActivations``, ``get_act_offloading_ctx_manager``).
+
+CPU: the cache compresses through the lz4 CPU path and restores synchronously; the activation
+hooks offload CPU tensors (``offload_cpu=True``). Models are tiny random ones built from
+configs (no download); fresh weights and inputs every run (the seed is printed). The
+transformers tests skip themselves when it is not installed; torchtune is never imported
+(its documented behaviour, from torchtune 0.6.1's source, is what the tests check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_pagecomp.integrations.torchtune import (
+    NoOpManager,
+    OffloadActivations,
+    get_act_offloading_ctx_manager,
+)
+
+
+def test_imports_stay_lazy():
+    code = (
+        "import sys, torch_pagecomp, torch_pagecomp.integrations as i\n"
+        "assert 'transformers' not in sys.modules and 'torchtune' not in sys.modules\n"
+        "assert 'CompressedOffloadedCache' in dir(i)\n"
+        "import torch_pagecomp.integrations.torchtune\n"
+        "assert 'transformers' not in sys.modules and 'torchtune' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------ transformers
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+def tiny_llama(dtype=torch.float32):
+    tr = _transformers()
+    config = tr.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128,
+    )
+    return tr.LlamaForCausalLM(config).to(dtype).eval(), config
+
+
+def cache_kw(model) -> str:
+    """The keyword ``generate`` takes a cache by: ``cache`` (transformers 5.x renamed it),
+    ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else (
+        "past_key_values"
+    )
+
+
+def generate(model, ids, cache, **kw):
+    kw.setdefault("max_new_tokens", 20)
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, **{cache_kw(model): cache},
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("with_config", [True, False], ids=["config", "lazy"])
+def test_generate_identical_to_dynamic_cache(seed, with_config):
+    from transformers import DynamicCache
+
+    from torch_pagecomp.integrations.transformers import CompressedLayer, CompressedOffloadedCache
+
+    model, config = tiny_llama()
+    ids = torch.randint(0, config.vocab_size, (2, 7))
+    ref_cache = DynamicCache(config=config)
+    ref = generate(model, ids, ref_cache)
+    bt = 6
+    cache = CompressedOffloadedCache(config=config if with_config else None, block_tokens=bt)
+    out = generate(model, ids, cache)
+    assert torch.equal(ref, out)
+
+    tokens = ids.shape[1] + 20 - 1  # the last generated token is never fed back
+    assert cache.get_seq_length() == ref_cache.get_seq_length() == tokens
+    layers = config.num_hidden_layers
+    assert all(isinstance(layer, CompressedLayer) for layer in cache.layers)
+    st = cache.stats()
+    assert st["compressed_layers"] == layers and st["blocks"] == layers * (tokens // bt)
+    # every block compressed exactly once: no recompression as layers grow
+    assert cache._compressor.counts["offloads"] == layers * (tokens // bt)
+    assert st["restored_on_use"] > 0 and st["device_tail_bytes"] > 0
+    for i in range(layers):  # the round trip is bit-exact
+        k, v = cache.materialize(i)
+        assert torch.equal(k, ref_cache.layers[i].keys)
+        assert torch.equal(v, ref_cache.layers[i].values)
+        assert cache.layers[i].keys is None  # nothing held between uses but the tail
+    cache.close()
+    assert cache.get_seq_length() == 0 and cache.stats()["blocks"] == 0
+
+
+def test_generate_bf16_typed_path_and_beams(seed):
+    from transformers import DynamicCache
+
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    model, config = tiny_llama(torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (2, 5))
+    ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=12)
+    cache = CompressedOffloadedCache(config=config, block_tokens=4)
+    assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=12))
+    handle = cache.layers[0]._blocks[0].handle
+    assert handle.dtype == torch.bfloat16 and handle.element_size == 2  # bit-shuffled
+
+    # beam search reorders the cache every step (sealed blocks through their row maps)
+    ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=8, num_beams=3)
+    cache = CompressedOffloadedCache(config=config, block_tokens=3)
+    assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=8, num_beams=3))
+    assert cache.stats()["blocks"] > 0
+
+
+def test_layer_ops_match_dynamic_cache(gen):
+    """update in chunks, crop into sealed blocks, beam reorders, batch edits and copies: the
+    same as ``DynamicCache`` at every step."""
+    from transformers import DynamicCache
+
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    b, h, d, layers = 3, 2, 8, 2
+    ref = DynamicCache()
+    ours = CompressedOffloadedCache(block_tokens=4)
+
+    def kv(n):
+        return (torch.randn(b_now, h, n, d, generator=gen),
+                torch.randn(b_now, h, n, d, generator=gen))
+
+    def check():
+        assert ours.get_seq_length() == ref.get_seq_length()
+        for i in range(layers):
+            k, v = ours.materialize(i)
+            assert torch.equal(k, ref.layers[i].keys) and torch.equal(v, ref.layers[i].values)
+
+    def update(n):
+        for i in range(layers):
+            k, v = kv(n)
+            rk, rv = ref.update(k, v, i)
+            ok, ov = ours.update(k, v, i)
+            assert torch.equal(ok, rk) and torch.equal(ov, rv)
+
+    b_now = b
+    for n in (9, 1, 1, 3, 6):  # a prompt, then single tokens and chunks across blocks
+        update(n)
+        check()
+    assert ours.stats()["blocks"] == layers * (20 // 4)
+    for cut in (-1, -6, -5):  # within the tail, into sealed blocks, to a block edge
+        ref.crop(cut)
+        ours.crop(cut)
+        check()
+    update(5)
+    rows = torch.tensor([2, 0, 0])
+    ref.reorder_cache(rows)
+    ours.reorder_cache(rows)
+    check()
+    update(2)
+    ref.reorder_cache(torch.tensor([1, 2, 0]))  # composed with the earlier reorder
+    ours.reorder_cache(torch.tensor([1, 2, 0]))
+    check()
+    ref.batch_repeat_interleave(2)
+    ours.batch_repeat_interleave(2)
+    b_now = 2 * b
+    check()
+    keep = torch.tensor([True, False, True, True, False, True])
+    ref.batch_select_indices(keep)
+    ours.batch_select_indices(keep)
+    b_now = 4
+    check()
+    update(3)
+    check()
+
+    twin = copy.deepcopy(ours)  # shares the sealed blocks, owns its tail
+    twin.crop(-7)
+    check()  # the original is untouched
+    assert twin.get_seq_length() == ours.get_seq_length() - 7
+    ref.crop(-7)
+    for i in range(layers):
+        k, v = twin.materialize(i)
+        assert torch.equal(k, ref.layers[i].keys) and torch.equal(v, ref.layers[i].values)
+    with pytest.raises(ValueError, match="positive"):
+        ours.crop(2)
+    with pytest.raises(ValueError, match="block_tokens"):
+        CompressedOffloadedCache(block_tokens=0)
+
+
+def test_trl_style_training_on_hf_model(seed):
+    """get_act_offloading_ctx_manager on a transformers model finds ``lm_head`` (TRL's use)."""
+    model, config = tiny_llama()
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    ref = grads(model, lambda: model(ids, labels=ids).loss)
+    ctx = get_act_offloading_ctx_manager(model, True, offload_cpu=True, min_offload_size=0)
+    got = grads(model, lambda: model(ids, labels=ids).loss, ctx)
+    assert_identical(ref, got)
+    st = ctx.stats()
+    assert st["offloaded_bytes"] > 0 and st["kept_region"] > 0  # the head's inputs kept
+    ctx.remove()
+
+
+# --------------------------------------------------------------------------- torchtune
+class TinyDecoder(nn.Module):
+    """torchtune's layout: ``layers`` (a ModuleList) and ``output`` (the head)."""
+
+    def __init__(self, d: int = 32, vocab: int = 50, n: int = 3, tied: bool = False):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+            for _ in range(n)
+        )
+        self.norm = nn.LayerNorm(d)
+        self.output = Tied(self.tok) if tied else nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.output(self.norm(x))
+
+
+class _Linear(nn.Module):
+    def forward(self, x, w):
+        return F.linear(x, w)
+
+
+class Tied:
+    """torchtune's ``TiedLinear``: not a Module; its ``linear`` is."""
+
+    def __init__(self, emb: nn.Embedding):
+        self.emb, self.linear = emb, _Linear()
+
+    def __call__(self, x):
+        return self.linear(x, self.emb.weight)
+
+
+def grads(model: nn.Module, loss_fn, ctx=None) -> list[torch.Tensor]:
+    """One training step's gradients (forward under ``ctx``, backward outside, as torchtune's
+    recipes do)."""
+    model.zero_grad(set_to_none=True)
+    with ctx if ctx is not None else contextlib.nullcontext():
+        loss = loss_fn()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_identical(ref, got) -> None:
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), f"gradient {i} differs (max {(a - b).abs().max().item()})"
+
+
+def test_offload_activations_signature_is_torchtunes():
+    params = inspect.signature(OffloadActivations).parameters
+    want = {"use_pin_memory": True, "use_streams": True, "max_fwd_stash_size": 5,
+            "min_offload_size": 1024}
+    assert list(params)[:4] == list(want)
+    assert {k: params[k].default for k in want} == want
+    sig = inspect.signature(get_act_offloading_ctx_manager).parameters
+    assert list(sig)[:2] == ["model", "enable_activation_offloading"]
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_fwd_stash_size should be at least 1"):
+            OffloadActivations(max_fwd_stash_size=bad)
+
+
+def test_argument_mapping():
+    off = OffloadActivations(use_pin_memory=False, use_streams=False, max_fwd_stash_size=2,
+                             min_offload_size=4096, offload_cpu=True)
+    assert off.min_offload_bytes == 4096 and off.prefetch == 0 and off.prefer == "speed"
+    assert off.tuner is not None and off.offload_cpu
+    assert off.use_pin_memory is False and off.use_streams is False
+    on = OffloadActivations()
+    assert on.prefetch == 1 and on.min_offload_bytes == 1024
+    # max_fwd_stash_size bounds the count of the in-flight stash; max_in_flight_bytes its bytes
+    off = OffloadActivations(max_fwd_stash_size=2, max_in_flight_bytes=1 << 20)
+    assert off.max_in_flight_bytes == 1 << 20
+    off._stash.extend([object()] * 2)
+    assert off.max_in_flight_bytes == 1 << 20
+    off._stash.append(object())
+    assert off.max_in_flight_bytes < 0  # ActivationOffloader waits for the oldest now
+    off._stash.clear()
+    with pytest.raises(TypeError, match="min_offload_size"):
+        OffloadActivations(min_offload_bytes=1)
+
+
+@pytest.mark.parametrize("use_streams", [True, False])
+def test_ctx_manager_grads_identical_and_head_kept(seed, use_streams):
+    model = TinyDecoder()
+    tokens = torch.randint(0, 50, (4, 16))
+    labels = torch.randint(0, 50, (4, 16))
+
+    def loss():
+        return F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+
+    ref = grads(model, loss)
+    ctx = get_act_offloading_ctx_manager(model, enable_activation_offloading=True,
+                                         use_streams=use_streams, min_offload_size=0,
+                                         offload_cpu=True)
+    assert isinstance(ctx, OffloadActivations)
+    head_saved = []
+    probe = model.output.register_forward_hook(
+        lambda m, a, o: head_saved.append(ctx.counters["kept_region"])
+    )
+    for _ in range(3):  # reusable across steps
+        assert_identical(ref, grads(model, loss, ctx))
+    probe.remove()
+    st = ctx.stats()
+    assert st["offloaded_bytes"] > 0 and st["kept_param"] > 0
+    assert st["kept_region"] == head_saved[-1] > 0  # only the head's forward kept tensors
+    assert st["entries"] == 0 and st["host_bytes"] == 0  # all freed after backward
+    ctx.remove()
+    packed = st["packed"]
+    assert_identical(ref, grads(model, loss))  # hooks off: nothing goes through it
+    assert ctx.stats()["packed"] == packed
+
+
+def test_ctx_manager_disabled_no_head_tied_and_noop(seed):
+    model = TinyDecoder()
+    assert isinstance(get_act_offloading_ctx_manager(model, False), contextlib.nullcontext)
+
+    class NoHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    with pytest.warns(UserWarning, match="no output head was detected"):
+        get_act_offloading_ctx_manager(NoHead(), True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        get_act_offloading_ctx_manager(NoHead(), True, warn_if_no_head=False)
+
+    tied = TinyDecoder(tied=True)
+    tokens = torch.randint(0, 50, (2, 8))
+    ref = grads(tied, lambda: tied(tokens).square().mean())
+    ctx = get_act_offloading_ctx_manager(tied, True, min_offload_size=0, offload_cpu=True)
+    assert_identical(ref, grads(tied, lambda: tied(tokens).square().mean(), ctx))
+    assert ctx.stats()["kept_region"] > 0
+
+    # NoOpManager: what is saved inside it does not reach the offloader
+    lin = nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+    off = OffloadActivations(min_offload_size=0, offload_cpu=True)
+    with off:
+        with NoOpManager():
+            y = lin(torch.tanh(x))
+    assert off.stats().get("packed", 0) == 0
+    y.sum().backward()
