@@ -101,7 +101,7 @@ def _late_window_page(gen: torch.Generator) -> torch.Tensor:
     ("store-max", 1, 0, 0, False),
     pytest.param("store-max", 2, 0, 0, False, marks=pytest.mark.slow),
     pytest.param("store", 1, 0, 0, False, marks=pytest.mark.slow),
-    ("atomic", 1, 0, 0, False),
+    pytest.param("atomic", 1, 0, 0, False, marks=pytest.mark.slow),
     pytest.param("store-max", 2, 1, 0, True, marks=pytest.mark.slow),
     pytest.param("store-max", 4, 1, 16, True, marks=pytest.mark.slow),
     ("store-max", 4, 1, 32, True), ("planes", 2, 1, 0, True),

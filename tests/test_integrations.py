@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch_pagecomp import PageCompressor
 from torch_pagecomp.integrations.torchtune import (
     NoOpManager,
     OffloadActivations,
@@ -72,7 +73,7 @@ def generate(model, ids, cache, **kw):
 
 @pytest.mark.parametrize("with_config", [True, False], ids=["config", "lazy"])
 def test_generate_identical_to_dynamic_cache(seed, with_config):
-    from transformers import DynamicCache
+    DynamicCache = _transformers().DynamicCache
 
     from torch_pagecomp.integrations.transformers import CompressedLayer, CompressedOffloadedCache
 
@@ -92,7 +93,9 @@ def test_generate_identical_to_dynamic_cache(seed, with_config):
     st = cache.stats()
     assert st["compressed_layers"] == layers and st["blocks"] == layers * (tokens // bt)
     # every block compressed exactly once: no recompression as layers grow
-    assert cache._compressor.counts["offloads"] == layers * (tokens // bt)
+    (pc,) = cache.compressors.values()
+    assert pc.device == torch.device("cpu")
+    assert pc.counts["offloads"] == layers * (tokens // bt)
     assert st["restored_on_use"] > 0 and st["device_tail_bytes"] > 0
     for i in range(layers):  # the round trip is bit-exact
         k, v = cache.materialize(i)
@@ -104,7 +107,7 @@ def test_generate_identical_to_dynamic_cache(seed, with_config):
 
 
 def test_generate_bf16_typed_path_and_beams(seed):
-    from transformers import DynamicCache
+    DynamicCache = _transformers().DynamicCache
 
     from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
 
@@ -116,23 +119,47 @@ def test_generate_bf16_typed_path_and_beams(seed):
     handle = cache.layers[0]._blocks[0].handle
     assert handle.dtype == torch.bfloat16 and handle.element_size == 2  # bit-shuffled
 
-    # beam search reorders the cache every step (sealed blocks through their row maps)
+    # beam search reorders the cache every step (sealed blocks through their row maps); the
+    # prefetch bookkeeping (CUDA's, run synchronously here) must drop what a reorder outdates
     ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=8, num_beams=3)
-    cache = CompressedOffloadedCache(config=config, block_tokens=3)
-    assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=8, num_beams=3))
-    assert cache.stats()["blocks"] > 0
+    for prefetch in (False, True):
+        cache = CompressedOffloadedCache(config=config, block_tokens=3)
+        cache._prefetch_cpu = prefetch
+        assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=8, num_beams=3))
+        st = cache.stats()
+        assert st["blocks"] > 0 and (st["prefetched"] > 0) == prefetch
+
+
+def test_prefetch_bookkeeping_on_cpu(seed):
+    """The next layer's blocks restored ahead (CUDA's path, synchronous here) are used when
+    that layer comes, and the tokens stay identical."""
+    DynamicCache = _transformers().DynamicCache
+
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    model, config = tiny_llama()
+    ids = torch.randint(0, config.vocab_size, (1, 6))
+    ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=14)
+    cache = CompressedOffloadedCache(config=config, block_tokens=5)
+    cache._prefetch_cpu = True
+    assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=14))
+    st = cache.stats()
+    # from the step after the first seal on, every layer's blocks come from a prefetch (the
+    # first layer's from the last layer's update of the step before)
+    assert st["prefetched"] > 0 and st["restored_on_use"] <= config.num_hidden_layers
 
 
 def test_layer_ops_match_dynamic_cache(gen):
     """update in chunks, crop into sealed blocks, beam reorders, batch edits and copies: the
     same as ``DynamicCache`` at every step."""
-    from transformers import DynamicCache
+    DynamicCache = _transformers().DynamicCache
 
     from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
 
     b, h, d, layers = 3, 2, 8, 2
     ref = DynamicCache()
-    ours = CompressedOffloadedCache(block_tokens=4)
+    shared = PageCompressor(device="cpu", batch_pages=2)
+    ours = CompressedOffloadedCache(block_tokens=4, compressor=shared)
 
     def kv(n):
         return (torch.randn(b_now, h, n, d, generator=gen),
@@ -191,6 +218,13 @@ def test_layer_ops_match_dynamic_cache(gen):
         assert torch.equal(k, ref.layers[i].keys) and torch.equal(v, ref.layers[i].values)
     with pytest.raises(ValueError, match="positive"):
         ours.crop(2)
+    assert ours.compressors == {torch.device("cpu"): shared}
+    assert shared.counts["offloads"] >= ours.stats()["blocks"] > 0
+    twin.close()
+    ours.close()
+    assert ours.get_seq_length() == 0 and ours.stats()["blocks"] == 0
+    x = torch.arange(1000.0)
+    assert torch.equal(shared.restore(shared.offload(x)), x)  # a shared compressor stays open
     with pytest.raises(ValueError, match="block_tokens"):
         CompressedOffloadedCache(block_tokens=0)
 
@@ -284,12 +318,7 @@ def test_argument_mapping():
     assert on.prefetch == 1 and on.min_offload_bytes == 1024
     # max_fwd_stash_size bounds the count of the in-flight stash; max_in_flight_bytes its bytes
     off = OffloadActivations(max_fwd_stash_size=2, max_in_flight_bytes=1 << 20)
-    assert off.max_in_flight_bytes == 1 << 20
-    off._stash.extend([object()] * 2)
-    assert off.max_in_flight_bytes == 1 << 20
-    off._stash.append(object())
-    assert off.max_in_flight_bytes < 0  # ActivationOffloader waits for the oldest now
-    off._stash.clear()
+    assert off.max_in_flight_tensors == 2 and off.max_in_flight_bytes == 1 << 20
     with pytest.raises(TypeError, match="min_offload_size"):
         OffloadActivations(min_offload_bytes=1)
 

@@ -51,6 +51,26 @@ EXIT_SCRIPTS = {
         assert torch.equal(comp.restore(comp.offload(x), device="cpu"), x)
         h = comp.offload(torch.randn(1 << 19))
     """,
+    # the activation offload hooks in every mode, on the GPU when there is one (else CPU
+    # tensors with offload_cpu), with a backward and with the graph left alive at exit
+    "hooks_with_backward": """
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        lin = torch.nn.Linear(256, 256).to(dev)
+        for kw in (dict(mode="uncompressed"), dict(prefer="memory"), dict(prefer="speed")):
+            off = torch_pagecomp.offload_activations(offload_cpu=True, min_offload_bytes=0, **kw)
+            with off:
+                loss = lin(torch.randn(512, 256, device=dev)).relu().square().sum()
+            loss.backward()
+    """,
+    "hooks_forward_only": """
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        lin = torch.nn.Linear(256, 256).to(dev)
+        keep = []
+        for kw in (dict(mode="uncompressed"), dict(prefer="memory"), dict(prefer="speed")):
+            off = torch_pagecomp.offload_activations(offload_cpu=True, min_offload_bytes=0, **kw)
+            with off:
+                keep.append(lin(torch.randn(512, 256, device=dev)).relu().square().sum())
+    """,
     "compress_decompress": """
         x = torch.randint(0, 4, (16 * 4096,), dtype=torch.uint8)
         c = torch_pagecomp.compress(x)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from bench.tinygpt import Block
+from torch_pagecomp.format import CorruptPageError
 from torch_pagecomp.offload import ActivationOffloader, keep_on_gpu, offload_activations
 from torch_pagecomp.offload_wrap import offload_module
 
@@ -147,6 +148,37 @@ def test_prefetch_zero_restores_on_demand(seed):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_backward_start_prefetches_when_first_unpack_is_kept(seed, mode):
+    _prefetch_when_first_unpack_is_kept(mode)
+
+
+@pytest.mark.slow
+def test_prefetch_when_first_unpack_is_kept_200_times_under_load(seed):
+    """Once intermittent (about 1 in 16 under load, when compressed offloads ran on a worker
+    thread); the hooks now issue every offload from the hook itself."""
+    import multiprocessing as mp
+
+    burners = [mp.Process(target=_burn, args=(30.0,), daemon=True) for _ in range(2)]
+    for b in burners:
+        b.start()
+    try:
+        for _ in range(200):
+            for mode in MODES:
+                _prefetch_when_first_unpack_is_kept(mode)
+    finally:
+        for b in burners:
+            b.terminate()
+            b.join()
+
+
+def _burn(seconds: float) -> None:
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(10_000))
+
+
+def _prefetch_when_first_unpack_is_kept(mode: str) -> None:
     x = torch.randn(3000, requires_grad=True)
     off = cpu_offloader(mode, prefetch=1)
     with off:
@@ -539,8 +571,11 @@ def test_gpu_race_barriers(seed, mode, barrier, monkeypatch):
                 _drop_barrier(mp, barrier)
             ok = True
             for _ in range(3):
-                got = _race_step(off, x, sleep=sleep if barrier == "producer" else 0)
-                ok &= torch.equal(got, ref)
+                try:
+                    got = _race_step(off, x, sleep=sleep if barrier == "producer" else 0)
+                    ok &= torch.equal(got, ref)
+                except (CorruptPageError, RuntimeError):  # the corruption was caught
+                    ok = False
             torch.cuda.synchronize()
         assert off.stats()["offloaded_bytes"] > 0
         return ok

@@ -46,6 +46,7 @@ def test_wheel_installs_one_top_level_package(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"torch_pagecomp"}, top
     assert "torch_pagecomp/kernels/lz4_compress.py" in names
+    assert "torch_pagecomp/integrations/transformers.py" in names
     assert "torch_pagecomp/py.typed" in names
     assert not any(n.startswith(("bench/", "tests/", "triton_kernels/")) for n in names)
 

@@ -432,16 +432,6 @@ def _mutate(rng: random.Random, block: bytes, off: int, kind: int, page_size: in
     return bytes(b), off, size, kind, what
 
 
-def _pending_cpu(want: int, cpu: int, size: int, kind: int, page_size: int) -> bool:
-    """The two rules the CPU path is being brought to (offset 0: BAD_OFFSET; an LZ4 size
-    past ``P - P/32``: BAD_SIZE), where the CPU path still decodes the page."""
-    if cpu != 0:
-        return False
-    if want == fmt.STATUS_BAD_OFFSET:
-        return True
-    return want == fmt.STATUS_BAD_SIZE and kind & 15 == 1 and size > fmt.lz4_keep_limit(page_size)
-
-
 @interpreter_only
 @pytest.mark.parametrize("page_size, element_size", [
     (4096, 1), (4096, 2), (4096, 4), (65536, 1),
@@ -472,6 +462,8 @@ def test_differential_fuzz_triton_vs_cpu(page_size, element_size, bounds, gen): 
         buf += blk + rng.randbytes(rng.randrange(8, 64))  # real bytes after every block
         meta.append((off, size, kind))
         whats.append(what)
+    meta.append((0, fmt.lz4_keep_limit(page_size) + 1, 1))  # always one bad page (status 2)
+    whats.append("overlong")
     buf = bytes(buf)
     flat = bounds(torch.frombuffer(bytearray(buf), dtype=torch.uint8))
     offsets = bounds(torch.tensor([m[0] for m in meta], dtype=torch.int64))
@@ -481,7 +473,6 @@ def test_differential_fuzz_triton_vs_cpu(page_size, element_size, bounds, gen): 
     out, status = (bounds(t) for t in _outs(len(meta), page_size))
     lz4_decompress.decompress_into(flat, offsets, sizes_t, kinds_t, out, status)
     cpu_out, cpu_status = cpu_codec.decompress_cpu(flat, offsets, sizes_t, kinds_t, page_size)
-    pending = []
     for j, (off, size, kind) in enumerate(meta):
         size = int(sizes_t[j])
         data, want = _rules(buf, off, size, kind, page_size)
@@ -490,14 +481,8 @@ def test_differential_fuzz_triton_vs_cpu(page_size, element_size, bounds, gen): 
         got = bytes(out[j].numpy())
         assert got == (data if data is not None else bytes(page_size)), f"{where}: Triton bytes"
         cst = int(cpu_status[j])
-        if cst != want and _pending_cpu(want, cst, size, kind, page_size):
-            pending.append(f"{where}: CPU status {cst}, Triton {want}")
-            continue
         assert cst == want, f"{where}: CPU status {cst} != Triton {want}"
         assert bytes(cpu_out[j].numpy()) == got, f"{where}: CPU bytes differ"
     assert not status[: len(blocks)].any(), f"seed {seed}: an unmutated page failed"
     assert torch.equal(out[: len(blocks)], pages), f"seed {seed}"
     assert (status != 0).any()
-    if pending:  # cpu_codec is being changed to these rules (issue #20) by another engineer
-        pytest.xfail("CPU path still accepts offset-0 matches / LZ4 sizes past P - P/32: "
-                     + "; ".join(pending[:4]))

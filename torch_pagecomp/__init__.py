@@ -4,6 +4,7 @@ from . import _ops  # noqa: F401  (registers torch.ops.pagecomp.*)
 from ._version import __version__
 from .api import compress, decompress, pack, raise_for_status
 from .backend import GpuStatus, gpu_status, select_backend
+from .cpu_codec import cpu_threads, set_cpu_threads
 from .format import (
     DEFAULT_PAGE_SIZE,
     KIND_FILL,
@@ -34,6 +35,7 @@ __all__ = [
     "SlotState",
     "StepTuner",
     "compress",
+    "cpu_threads",
     "decompress",
     "dtype_element_size",
     "gpu_status",
@@ -43,4 +45,5 @@ __all__ = [
     "pack",
     "raise_for_status",
     "select_backend",
+    "set_cpu_threads",
 ]

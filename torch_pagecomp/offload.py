@@ -64,6 +64,7 @@ class ActivationOffloader(BackwardMixin):
         min_offload_bytes: storages smaller than this stay where they are.
         max_in_flight_bytes: GPU bytes kept alive by unfinished offloads; past it the compute
             stream waits for the oldest (GPU-side).
+        max_in_flight_tensors: the same bound as a count of unfinished offloads (None: none).
         group_bytes: a new prefetch group starts once a group holds this many bytes (None: only
             at :meth:`next_group`).
         min_ratio, sample_tensors: a ``(dtype, shape)`` class stays compressed only if its first
@@ -88,6 +89,7 @@ class ActivationOffloader(BackwardMixin):
         prefetch: int = 1,
         min_offload_bytes: int = 1 << 20,
         max_in_flight_bytes: int = 1 << 30,
+        max_in_flight_tensors: int | None = None,
         group_bytes: int | None = 256 << 20,
         min_ratio: float = 1.1,
         sample_tensors: int = 2,
@@ -113,6 +115,9 @@ class ActivationOffloader(BackwardMixin):
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
         self.mode, self.prefetch = mode, prefetch
         self.min_offload_bytes, self.max_in_flight_bytes = min_offload_bytes, max_in_flight_bytes
+        if max_in_flight_tensors is not None and max_in_flight_tensors < 1:
+            raise ValueError(f"max_in_flight_tensors must be >= 1, got {max_in_flight_tensors}")
+        self.max_in_flight_tensors = max_in_flight_tensors
         self.group_bytes, self.offload_cpu = group_bytes, offload_cpu
         self.keep_param_casts, self.page_size = keep_param_casts, page_size
         self.policy = ClassPolicy(sample_tensors, min_ratio)
@@ -282,7 +287,10 @@ class ActivationOffloader(BackwardMixin):
             entry.src = src
             self._stash.append(entry)
             self._stash_bytes += nbytes
-            while self._stash_bytes > self.max_in_flight_bytes and len(self._stash) > 1:
+            while len(self._stash) > 1 and (
+                self._stash_bytes > self.max_in_flight_bytes
+                or len(self._stash) > (self.max_in_flight_tensors or len(self._stash))
+            ):
                 self.counters["in_flight_waits"] += 1
                 self._release(self._stash_victim(), wait=True)
         self.counters[f"offloaded_{entry.store.kind}"] += 1

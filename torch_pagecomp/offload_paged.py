@@ -28,7 +28,6 @@ import torch
 
 from . import _ops
 from .format import CorruptPageError
-from .kernels.host_pack import fetch_from_host, pack_to_host, plan_slice
 from .pools import HostMemory, can_pin
 
 CHUNK_BYTES = 64 << 20
@@ -283,6 +282,8 @@ class PagedStore:
         return PagedStored(nbytes, p, slices, tail, consumed)
 
     def _store_slice(self, src, first: int, n: int, element_size: int) -> _Slice:
+        from .kernels.host_pack import pack_to_host, plan_slice  # Triton: imported on use
+
         p, cs, ps = self.page_size, self.compress_stream, self.pack_stream
         if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight
             _wait(cs, self._packed.popleft())
@@ -312,6 +313,8 @@ class PagedStore:
     def restore(self, stored: PagedStored, out: torch.Tensor) -> None:
         """Decode ``stored`` into ``out`` (``uint8 [nbytes]``) on the current stream, after
         its pack (a device-side wait: the host learns nothing and waits for nothing)."""
+        from .kernels.host_pack import fetch_from_host
+
         p, arena = self.page_size, self.arena
         stream = torch.cuda.current_stream(out.device) if out.is_cuda else None
         arena.confirm()  # placements known by now (never waits)

@@ -21,7 +21,7 @@ How torchtune's arguments map here:
 * ``min_offload_size`` (bytes, default 1024) -> ``min_offload_bytes``: tensors whose storage is
   smaller stay where they are (torchtune measures the tensor, we its whole storage: views of
   one storage are offloaded once).
-* ``max_fwd_stash_size`` (default 5) -> the bound of the in-flight stash
+* ``max_fwd_stash_size`` (default 5) -> ``max_in_flight_tensors``, the bound of the in-flight stash
   (``max_in_flight_bytes``). In torchtune it is a count: the GPU tensors kept alive while their
   copy to the host runs; past it the compute stream waits for the oldest (a GPU-side wait).
   Here the same count is enforced together with ``max_in_flight_bytes`` (our byte bound,
@@ -104,20 +104,8 @@ class OffloadActivations(ActivationOffloader):
         self.min_offload_size = min_offload_size
         settings.setdefault("prefer", "speed")
         settings.setdefault("prefetch", 1 if use_streams else 0)
-        super().__init__(min_offload_bytes=min_offload_size, **settings)
-
-    # ActivationOffloader waits for the oldest stash entry while ``stash bytes >
-    # max_in_flight_bytes`` (and more than one entry is left); reading the bound as -1 while
-    # the stash holds more than ``max_fwd_stash_size`` entries makes it wait down to that count.
-    @property
-    def max_in_flight_bytes(self) -> int:
-        if len(getattr(self, "_stash", ())) > self.max_fwd_stash_size:
-            return -1
-        return self._max_in_flight_bytes
-
-    @max_in_flight_bytes.setter
-    def max_in_flight_bytes(self, value: int) -> None:
-        self._max_in_flight_bytes = value
+        super().__init__(min_offload_bytes=min_offload_size,
+                         max_in_flight_tensors=max_fwd_stash_size, **settings)
 
 
 class NoOpManager(saved_tensors_hooks):

@@ -22,7 +22,8 @@ At ``update(layer_idx)`` the layer's blocks are restored (bit-exactly) into one 
 with the tail and the new tokens, and handed to attention; then the cache drops its hold of the
 full tensors, so between uses a layer costs only its tail on the device. On CUDA the next
 compressed layer is restored on a side stream while the current one computes (the compute
-stream waits on an event, no host sync); on the CPU restores run when the layer is used.
+stream waits on an event; the host waits only for a block still being compressed); on the
+CPU restores run when the layer is used.
 Layers that are not full attention (sliding window, linear attention, ...) use transformers'
 own layer classes, kept uncompressed on the device (like ``offload_only_non_sliding``).
 
@@ -130,9 +131,15 @@ class CompressedLayer(DynamicLayer):
         """Start restoring the sealed blocks (on CUDA, on the cache's side stream)."""
         if not self._blocks or self._prefetched is not None:
             return
-        if self.device.type != "cuda":
-            return  # on the CPU the blocks are restored when the layer is used
         cache = self._cache()
+        if self.device.type != "cuda":
+            # on the CPU the blocks are restored when the layer is used (no overlap to gain);
+            # ``_prefetch_cpu`` (tests) restores them here instead, with the same bookkeeping
+            if cache._prefetch_cpu:
+                buf = self._empty_buffer()
+                self._restore_into(buf)
+                self._prefetched = (len(self._blocks), buf, None)
+            return
         compute = torch.cuda.current_stream(self.device)
         side = cache._side_stream(self.device)
         buf = self._empty_buffer()  # allocated on the compute stream
@@ -369,12 +376,13 @@ class CompressedOffloadedCache(Cache):
             the newest ``< block_tokens`` tokens of every layer stay uncompressed on the device.
             Larger blocks compress better and cost fewer handles; smaller ones keep less on
             the device. At ``[B, H, D] = [1, 8, 128]`` bf16, 256 tokens are 512 KiB of keys.
-        compressor: a :class:`~torch_pagecomp.PageCompressor` to use (shared, not closed by
-            :meth:`close`); default: one made on the device of the first keys, closed by
+        compressor: a :class:`~torch_pagecomp.PageCompressor` for the layers on its device
+            (shared: :meth:`close` leaves it open). Layers on other devices (or all, without
+            one) get a compressor of their device, made on first use and closed by
             :meth:`close`.
         prefetch: on CUDA, restore the next compressed layer on a side stream while the current
             one computes (True); False restores each layer when it is used.
-        compressor_kwargs: settings of the default compressor (e.g. ``page_size``).
+        compressor_kwargs: settings of the compressors this cache makes (e.g. ``page_size``).
     """
 
     def __init__(
@@ -387,15 +395,18 @@ class CompressedOffloadedCache(Cache):
     ):
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
-        if compressor is not None and compressor_kwargs:
-            raise ValueError("pass either a compressor or settings for one, not both")
         self.block_tokens = block_tokens
         self.prefetch_layers = prefetch
-        self._compressor = compressor
-        self._owns_compressor = compressor is None
+        self._compressors: dict[torch.device, PageCompressor] = {}
+        self._owned: list[PageCompressor] = []
+        if compressor is not None:
+            if not isinstance(compressor, PageCompressor):
+                raise TypeError(f"compressor must be a PageCompressor, got {compressor!r}")
+            self._compressors[compressor.device] = compressor
         self._compressor_kwargs = compressor_kwargs
         self._streams: dict = {}
         self.counters = {"prefetched": 0, "restored_on_use": 0}
+        self._prefetch_cpu = False  # tests: run the prefetch bookkeeping on the CPU too
         layers = []
         if config is not None:
             for kind, kwargs in zip(*_layer_types(config)):
@@ -416,7 +427,7 @@ class CompressedOffloadedCache(Cache):
             return layer.update(key_states, value_states, *args, **kwargs)
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
-        if self.prefetch_layers and key_states.device.type == "cuda":
+        if self.prefetch_layers and (key_states.device.type == "cuda" or self._prefetch_cpu):
             nxt = self._next_compressed(layer_idx)
             if nxt is not None and nxt is not layer and nxt.is_initialized:
                 nxt.prefetch()  # overlaps with this layer's attention
@@ -454,19 +465,15 @@ class CompressedOffloadedCache(Cache):
 
     def __deepcopy__(self, memo) -> CompressedOffloadedCache:
         """A copy (e.g. of a prompt's cache, to reuse it for several continuations): it shares
-        the compressed blocks (never changed once stored) and this cache's compressor (which
-        it does not close), and has its own uncompressed tails."""
+        the compressed blocks (never changed once stored) and this cache's compressors (which
+        it does not close: close the original last), and has its own uncompressed tails."""
         new = type(self)(
-            block_tokens=self.block_tokens,
-            compressor=self._compressor,
-            prefetch=self.prefetch_layers,
-            **({} if self._compressor is not None else self._compressor_kwargs),
+            block_tokens=self.block_tokens, prefetch=self.prefetch_layers,
+            **self._compressor_kwargs,
         )
-        if self._compressor is None:  # made when first needed, by whichever copy needs it
-            new._owns_compressor = True
-        else:
-            new._owns_compressor = False
+        new._compressors = dict(self._compressors)
         new._lazy_layers = self._lazy_layers
+        new._prefetch_cpu = self._prefetch_cpu
         new.layers = [
             layer._copy_to(new) if isinstance(layer, CompressedLayer)
             else copy.deepcopy(layer, memo)
@@ -475,18 +482,30 @@ class CompressedOffloadedCache(Cache):
         return new
 
     def close(self) -> None:
-        """Free every layer's host storage; close the compressor if this cache made it."""
+        """Free every layer's host storage; close the compressors this cache made."""
         self.reset()
-        if self._owns_compressor and self._compressor is not None:
-            self._compressor.close()
-            self._compressor = None
+        for pc in self._owned:
+            pc.close()
+            self._compressors = {d: c for d, c in self._compressors.items() if c is not pc}
+        self._owned = []
+
+    @property
+    def compressors(self) -> dict[torch.device, PageCompressor]:
+        """The compressor of each device holding compressed layers (``stats()``, ``counts``)."""
+        return dict(self._compressors)
 
     # ------------------------------------------------------------------ internals
     def _compressor_for(self, device: torch.device) -> PageCompressor:
-        if self._compressor is None:
-            dev = device if device.type == "cuda" else torch.device("cpu")
-            self._compressor = PageCompressor(device=dev, **self._compressor_kwargs)
-        return self._compressor
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.type != "cuda":
+            device = torch.device("cpu")
+        pc = self._compressors.get(device)
+        if pc is None:
+            pc = self._compressors[device] = PageCompressor(device=device,
+                                                            **self._compressor_kwargs)
+            self._owned.append(pc)
+        return pc
 
     def _side_stream(self, device: torch.device):
         index = device.index if device.index is not None else torch.cuda.current_device()
