@@ -103,14 +103,6 @@ def make_offloader(args, model, variant: str):
     from torch_pagecomp.offload_wrap import offload_module
 
     keep = model.blocks[len(model.blocks) - args.gpu_blocks:] if args.gpu_blocks else ()
-    compressor = None
-    if args.slots is not None and variant != "uncompressed" and args.device == "cuda":
-        from torch_pagecomp import PageCompressor
-
-        compressor = PageCompressor(
-            device="cuda", page_size=args.page_size, slots=args.slots,
-            stream_priority=args.stream_priority,
-        )
     return offload_module(
         model,
         keep=keep,
@@ -124,7 +116,6 @@ def make_offloader(args, model, variant: str):
         page_size=args.page_size,
         offload_cpu=args.device != "cuda",  # CPU smoke runs only
         stream_priority=args.stream_priority,
-        compressor=compressor,
     )
 
 
@@ -213,11 +204,8 @@ def run_variant(args) -> dict:
         comp = st.get("compressor", {})
         if comp:
             c = next(iter(comp.values()))
-            keys = ("ratio", "pinned_bytes_held", "bytes_held_host", "batches", "upload_ms",
-                    "kernel_ms", "download_ms", "total_ms", "restore_batches",
-                    "restore_kernel_ms", "restore_total_ms", "backpressure_waits")
-            row["compressor"] = {k: c[k] for k in keys if k in c}
-            row["pinned_held_bytes"] += c.get("pinned_bytes_held", 0)
+            row["compressor"] = c
+            row["pinned_held_bytes"] += c.get("host_held_bytes", 0)
         pending = off.pending()
         row["pending_after_backward"] = pending
     return row
@@ -244,8 +232,7 @@ def header(args) -> dict:
         "command": " ".join([sys.executable, "-m", "bench.training_bench", *sys.argv[1:]]),
         "config": {k: getattr(args, k) for k in (
             "layers", "d", "heads", "batch", "seq", "steps", "warmup", "prefetch", "gpu_blocks",
-            "max_in_flight_mb", "min_offload_kb", "min_ratio", "page_size", "stream_priority",
-            "slots")},
+            "max_in_flight_mb", "min_offload_kb", "min_ratio", "page_size", "stream_priority")},
     }
 
 
@@ -300,8 +287,6 @@ def parse(argv=None):
     ap.add_argument("--page-size", type=int, default=4096)
     ap.add_argument("--stream-priority", type=int, default=0,
                     help="our side streams' CUDA priority (lower = higher)")
-    ap.add_argument("--slots", type=int, default=None,
-                    help="the compressor's ring slots (default: PageCompressor's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=150, help="seconds per variant")
     ap.add_argument("--out", default=None, help="write the JSON here")

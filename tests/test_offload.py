@@ -199,7 +199,8 @@ def test_cpu_tensors_kept_by_default(seed):
     x = torch.randn(2, 11, 24)
     ref = grads_of(model, x)
     off = offload_activations(min_offload_bytes=0)
-    assert_identical(ref, grads_of(model, x, off))
+    with pytest.warns(UserWarning, match="offload_cpu=True"):
+        assert_identical(ref, grads_of(model, x, off))
     st = off.stats()
     assert st["packed"] == st["kept_cpu"] + st.get("kept_param", 0) and "offloaded_bytes" not in st
 
@@ -399,8 +400,9 @@ def test_failed_offloads_stay_and_are_visible(seed, monkeypatch):
 
     monkeypatch.setattr(off._cpu_compressed, "offload", fail)
     model.zero_grad()
-    with off:
-        loss = model(x)
+    with pytest.warns(UserWarning, match="injected offload failure"):
+        with off:
+            loss = model(x)
     off.synchronize()
     assert off.pending()["stash"] == 0
     loss.backward()
@@ -637,3 +639,25 @@ def test_gpu_100_steps_no_growth(seed, mode):
     assert max(pinned[50:]) <= max(pinned[5:50]), f"pinned grows: {pinned[5]} .. {pinned[-1]}"
     assert set(host) == {0}
     assert_clean(off)
+
+
+def test_warns_once_when_a_pass_offloads_nothing(seed):
+    """CPU tensors without ``offload_cpu`` (or all below ``min_offload_bytes``) are kept: the
+    first such pass says so and what to pass, later ones stay quiet."""
+    lin = nn.Linear(64, 64)
+    off = offload_activations()
+    with pytest.warns(UserWarning, match="offload_cpu=True"):
+        with off:
+            y = lin(torch.randn(256, 64)).relu().sum()
+    y.backward()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with off:
+            y = lin(torch.randn(256, 64)).relu().sum()
+        y.backward()
+    small = offload_activations(offload_cpu=True, min_offload_bytes=1 << 30)
+    with pytest.warns(UserWarning, match="min_offload_bytes"):
+        with small:
+            lin(torch.randn(256, 64)).relu().sum()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 import weakref
 
 import torch
@@ -150,6 +151,8 @@ class ActivationOffloader(BackwardMixin):
         self._peak_host = 0
         self._host_now = 0  # host bytes of live entries (compressed sizes once known)
         self.counters = collections.Counter()
+        self._pass_start = collections.Counter()
+        self._warned_idle = False
 
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> ActivationOffloader:
@@ -167,6 +170,7 @@ class ActivationOffloader(BackwardMixin):
                 }
                 self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 self._hooks.__enter__()
+                self._pass_start = self.counters.copy()
             self._depth += 1
         return self
 
@@ -176,6 +180,36 @@ class ActivationOffloader(BackwardMixin):
             if self._depth == 0:
                 self._hooks.__exit__(*exc)
                 self._hooks = self._pass = None
+                self._warn_if_nothing_offloaded()
+
+    def _warn_if_nothing_offloaded(self) -> None:
+        """Once per offloader: a pass saved tensors yet offloaded none. Say why and what to
+        pass, rather than silently doing nothing."""
+        if self._warned_idle:
+            return
+        delta = self.counters - self._pass_start
+        if delta["packed"] == 0 or delta["offloaded_bytes"] > 0:
+            return
+        self._warned_idle = True
+        why = []
+        if delta["kept_cpu"]:
+            why.append(f"{delta['kept_cpu']} were CPU tensors (pass offload_cpu=True to "
+                       "offload those)")
+        if delta["kept_small"]:
+            why.append(f"{delta['kept_small']} were smaller than min_offload_bytes="
+                       f"{self.min_offload_bytes} (pass a smaller min_offload_bytes)")
+        if delta["offload_failed"]:
+            why.append(f"{delta['offload_failed']} offloads failed and stayed in place "
+                       f"(latest: {self._last_error})")
+        kept = {k[5:]: v for k, v in delta.items()
+                if k.startswith("kept_") and k not in ("kept_cpu", "kept_small")}
+        if kept:
+            why.append(f"others were kept: {kept}")
+        warnings.warn(
+            f"offload_activations: {delta['packed']} saved tensors, none offloaded: "
+            + "; ".join(why),
+            stacklevel=3,
+        )
 
     def _tuned_arm(self) -> str:
         """This pass's arm (``prefer="speed"``). Once the tuner decides, the idle pinned memory
