@@ -24,7 +24,7 @@ checkstyle: $(STAMP)
 # CPU suite: the lz4 reference path plus every Triton kernel under TRITON_INTERPRET=1, less the
 # cases marked slow (larger interpreter cases whose code paths a default case also runs).
 test: $(STAMP) checkstyle
-	$(PY) -m pytest -q tests -m "not slow"
+	$(PY) -m pytest -q tests -m "not slow" --durations=15
 
 # The slow cases left out of `make test`.
 test-slow: $(STAMP)

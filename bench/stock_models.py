@@ -182,29 +182,6 @@ def build(name: str, device):
 
 
 # ------------------------------------------------------------------------------- one run
-class _Counting:
-    """``save_on_cpu(pin_memory=True)`` counting the bytes it moves."""
-
-    def __init__(self):
-        import torch
-
-        self.inner = torch.autograd.graph.save_on_cpu(pin_memory=True)
-        pack, self.bytes = self.inner.pack_hook, 0
-
-        def counting(t):
-            self.bytes += t.numel() * t.element_size()
-            return pack(t)
-
-        self.inner.pack_hook = counting
-
-    def __enter__(self):
-        self.bytes = 0
-        return self.inner.__enter__()
-
-    def __exit__(self, *exc):
-        return self.inner.__exit__(*exc)
-
-
 def _grad_hash(model) -> list[int]:
     import torch
 
@@ -249,7 +226,9 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     off = ctx = None
     if variant == "save_on_cpu":
-        ctx = _Counting()
+        from bench.training_bench import CountingSaveOnCpu
+
+        ctx = CountingSaveOnCpu()
     elif variant != "none":
         kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
               "speed": dict(prefer="speed")}[variant]

@@ -28,6 +28,7 @@ import torch
 
 from . import _ops
 from .format import CorruptPageError
+from .module import RestoreFailures
 from .pools import HostMemory, can_pin
 
 CHUNK_BYTES = 64 << 20
@@ -251,14 +252,12 @@ class PagedStore:
             self.arena = VirtualArena(device, chunk_bytes)
         self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
         self._packed: collections.deque = collections.deque()  # pack events of recent slices
-        with _on(self.restore_stream):
-            self.failures = torch.zeros((), dtype=torch.int64, device=device)
-        if self.pack_stream is not None:  # both made before any kernel may use them
-            self.pack_stream.synchronize()
+        self.failures = None  # pages that failed to decode, counted on the device
+        if device.type == "cuda":
+            with _on(self.restore_stream):
+                self.failures = RestoreFailures(device)
+            self.pack_stream.synchronize()  # both made before any kernel may use them
             self.restore_stream.synchronize()
-        self._failures_host = torch.zeros((), dtype=torch.int64, pin_memory=self.arena.pin)
-        self._failures_event = None
-        self._failures_seen = 0
         self.scratch_bytes = 0  # bound on the scratch held at once (reported in stats)
 
     # ------------------------------------------------------------------ offload
@@ -347,26 +346,17 @@ class PagedStore:
     def _count_failures(self, statuses: list[torch.Tensor], stream) -> None:
         if not statuses:
             return
-        bad = torch.count_nonzero(torch.cat(statuses))
-        if stream is None:
-            if int(bad):
-                raise CorruptPageError([], [], f"{int(bad)} offloaded page(s) failed to decode")
+        if stream is None:  # the CPU: known at once
+            bad = int(torch.count_nonzero(torch.cat(statuses)))
+            if bad:
+                raise CorruptPageError([], [], f"{bad} offloaded page(s) failed to decode")
             return
-        self.failures += bad
+        self.failures.add(statuses, stream)
 
     def failed_restores(self) -> int:
         """Pages that failed to decode in restores so far, as far as the host knows (never
-        blocks: the count is read through a pinned copy scheduled at the previous call)."""
-        if self.failures.device.type != "cuda":
-            return 0
-        if self._failures_event is not None and self._failures_event.query():
-            self._failures_seen = int(self._failures_host)
-            self._failures_event = None
-        if self._failures_event is None:
-            self._failures_host.copy_(self.failures, non_blocking=True)
-            self._failures_event = torch.cuda.Event()
-            self._failures_event.record()
-        return self._failures_seen
+        blocks)."""
+        return self.failures.poll() if self.failures is not None else 0
 
     # ------------------------------------------------------------------ lifetime
     def poll(self) -> None:
