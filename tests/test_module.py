@@ -158,8 +158,9 @@ def test_kv_blocks_gather_scatter(pc, gen):
 
 
 def test_element_size_and_compressed_container(pc, gen):
-    assert [dtype_element_size(d) for d in (torch.bfloat16, torch.float32, torch.int64)] == [
-        2, 4, 1]
+    dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64,
+              torch.float64, torch.uint8, torch.bool)
+    assert [dtype_element_size(d) for d in dtypes] == [2, 2, 4, 4, 4, 4, 1, 1]
     x = torch.randn(8192, generator=gen).to(torch.bfloat16)
     h = pc.offload(x)
     assert h.element_size == 2

@@ -170,6 +170,13 @@ class CompressedPages:
         )
 
 
+def dtype_element_size(dtype: torch.dtype) -> int:
+    """Bit-shuffle width for ``dtype``, the one rule every path uses: its element width for
+    2- and 4-byte types (bf16/fp16 -> 2, fp32/int32 -> 4), 4 for 8-byte types (each element as
+    two 32-bit halves), 1 (no shuffle) for 1-byte and other types."""
+    return {2: 2, 4: 4, 8: 4}.get(dtype.itemsize, 1)
+
+
 def check_page_size(page_size: int) -> None:
     """Raise ``PageCompError`` unless ``page_size`` is a power of two in [4096, 65536]."""
     if not valid_page_size(page_size):

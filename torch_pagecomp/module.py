@@ -28,17 +28,10 @@ import torch
 
 from . import format as fmt
 from .api import raise_for_status
-from .format import PageCompError
+from .format import PageCompError, dtype_element_size
 from .pipeline import Pipeline, PipelineStopped, SlotState  # noqa: F401 (re-exported)
 from .storage import Storage
 from .timing import overlapping_slots
-
-_ELEMENT_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.int32: 4}
-
-
-def dtype_element_size(dtype: torch.dtype) -> int:
-    """Bit-shuffle width for ``dtype``: 2 for bf16/fp16, 4 for fp32/int32, else 1."""
-    return _ELEMENT_SIZES.get(dtype, 1)
 
 
 def default_batch_pages(device: torch.device, page_size: int) -> int:

@@ -35,6 +35,7 @@ import weakref
 
 import torch
 
+from .format import dtype_element_size
 from .offload_backward import BackwardMixin
 from .offload_entry import (
     _capturing,
@@ -47,7 +48,7 @@ from .offload_entry import (
     keep_on_gpu,
 )
 from .offload_paged import PagedStore
-from .offload_store import ClassPolicy, CpuStore, PinnedPool, PinnedStore, element_size_for
+from .offload_store import ClassPolicy, CpuStore, PinnedPool, PinnedStore
 from .offload_tune import StepTuner
 
 MODES = ("compressed", "uncompressed")
@@ -295,7 +296,7 @@ class ActivationOffloader(BackwardMixin):
         ps = self._pass
         nbytes, dev = storage.nbytes(), t.device
         src = torch.empty((0,), dtype=torch.uint8, device=dev).set_(storage)
-        esize = element_size_for(t.dtype)
+        esize = dtype_element_size(t.dtype)
         entry = _Entry(self._sink, nbytes, dev, ps, len(ps.groups) - 1)
         cls = (t.dtype, tuple(t.shape))
         compress = self.mode == "compressed" and ps.compress and self.policy.compress(cls)

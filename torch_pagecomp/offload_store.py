@@ -19,12 +19,6 @@ import torch
 from .pools import HostMemory, SizePool
 
 
-def element_size_for(dtype: torch.dtype) -> int:
-    """Bit-shuffle width for ``dtype``: 2 for bf16/fp16, 4 for fp32/int32 (and 8-byte types)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return {1: 1, 2: 2, 4: 4, 8: 4}.get(size, 1)
-
-
 # --------------------------------------------------------------------------- pinned memory
 class HostBuffer:
     """One exact-size pinned buffer: ``tensor`` is ``uint8 [nbytes]``; ``last_use`` the event
