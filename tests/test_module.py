@@ -157,6 +157,25 @@ def test_kv_blocks_gather_scatter(pc, gen):
         pc.offload_blocks(cache, ids.float())
 
 
+def test_kv_blocks_along_another_dim(pc, gen):
+    """A ``[layers, blocks, ...]`` cache: blocks along dim 1; ids past the block count (but
+    below the layer count's neighbourhood) are errors naming the id and the bound."""
+    cache = make((4, 32, 2, 8, 16), torch.bfloat16, gen)
+    ref = cache.clone()
+    ids = torch.randperm(32, generator=gen)[:9]
+    h = pc.offload_blocks(cache, ids, dim=1)
+    assert tuple(h.shape) == (4, 9, 2, 8, 16)
+    cache[:, ids] = 0
+    pc.restore_blocks(h, cache, ids, dim=-4)
+    assert same_bits(cache, ref)
+    with pytest.raises(PageCompError, match="block id 32 is out of range for a cache of 32"):
+        pc.offload_blocks(cache, torch.tensor([3, 32]), dim=1)
+    with pytest.raises(PageCompError, match="dim 5 is out of range"):
+        pc.offload_blocks(cache, ids, dim=5)
+    with pytest.raises(PageCompError, match="along dim 1"):
+        pc.restore_blocks(h, cache, ids[:4], dim=1)
+
+
 def test_element_size_and_compressed_container(pc, gen):
     dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64,
               torch.float64, torch.uint8, torch.bool)

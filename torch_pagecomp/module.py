@@ -109,7 +109,7 @@ def _check_block_range(ids: torch.Tensor, num_blocks: int) -> None:
         return
     bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
     raise PageCompError(
-        f"block id {bad} is out of range for a cache of {num_blocks} blocks "
+        f"block id {bad} is out of range for a cache of {num_blocks} blocks along its block dim "
         f"(valid ids: 0..{num_blocks - 1})"
     )
 
@@ -383,11 +383,14 @@ class PageCompressor(torch.nn.Module):
             raise PageCompError(f"compress_host takes a host tensor, got {pages.device}")
         return self.offload(pages, element_size)
 
-    def offload_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor) -> OffloadHandle:
-        """Offload ``cache[block_ids]`` (dim 0 = block). The gather runs on the caller's stream
-        (a snapshot in stream order), so the caller may overwrite those blocks right away."""
-        ids = self._block_ids(cache, block_ids)
-        return self.offload(cache.index_select(0, ids))
+    def offload_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor,
+                       dim: int = 0) -> OffloadHandle:
+        """Offload the blocks ``block_ids`` of ``cache`` along ``dim`` (e.g. ``dim=1`` for a
+        ``[layers, blocks, ...]`` cache). The gather runs on the caller's stream (a snapshot in
+        stream order), so the caller may overwrite those blocks right away."""
+        dim = self._block_dim(cache, dim)
+        ids = self._block_ids(cache, block_ids, dim)
+        return self.offload(cache.index_select(dim, ids))
 
     # ------------------------------------------------------------------ restore
     def restore(
@@ -453,29 +456,39 @@ class PageCompressor(torch.nn.Module):
         return out
 
     def restore_blocks(
-        self, handle: OffloadHandle, cache: torch.Tensor, block_ids: torch.Tensor
+        self, handle: OffloadHandle, cache: torch.Tensor, block_ids: torch.Tensor, dim: int = 0
     ) -> None:
-        """Scatter a handle from :meth:`offload_blocks` into ``cache[block_ids]``, ordered on
-        the caller's current stream."""
-        ids = self._block_ids(cache, block_ids)
-        want = (ids.numel(), *cache.shape[1:])
-        if tuple(handle.shape) != want or handle.dtype != cache.dtype:
+        """Scatter a handle from :meth:`offload_blocks` into the blocks ``block_ids`` of
+        ``cache`` along ``dim``, ordered on the caller's current stream."""
+        dim = self._block_dim(cache, dim)
+        ids = self._block_ids(cache, block_ids, dim)
+        want = list(cache.shape)
+        want[dim] = ids.numel()
+        if tuple(handle.shape) != tuple(want) or handle.dtype != cache.dtype:
             raise PageCompError(
-                f"handle holds {tuple(handle.shape)} {handle.dtype}, cache[block_ids] is "
-                f"{want} {cache.dtype}"
+                f"handle holds {tuple(handle.shape)} {handle.dtype}, the blocks of cache along "
+                f"dim {dim} are {tuple(want)} {cache.dtype}"
             )
-        cache.index_copy_(0, ids, self.restore(handle, device=cache.device))
+        cache.index_copy_(dim, ids, self.restore(handle, device=cache.device))
 
     @staticmethod
-    def _block_ids(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    def _block_dim(cache: torch.Tensor, dim: int) -> int:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise PageCompError(f"dim must be an int, got {dim!r}")
+        if not -cache.dim() <= dim < cache.dim():
+            raise PageCompError(f"dim {dim} is out of range for a cache of {cache.dim()} dims")
+        return dim % cache.dim()
+
+    @staticmethod
+    def _block_ids(cache: torch.Tensor, block_ids: torch.Tensor, dim: int = 0) -> torch.Tensor:
         if cache.dim() < 1:
-            raise PageCompError("cache must have a block dimension (dim 0)")
+            raise PageCompError("cache must have a block dimension")
         ids = torch.as_tensor(block_ids)
         if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
             raise PageCompError(f"block_ids must be 1-D int32/int64, got {ids.dtype} {ids.shape}")
         if ids.is_cuda:
             _not_capturing("a GPU tensor of block_ids")  # the range check reads them
-        _check_block_range(ids, cache.shape[0])
+        _check_block_range(ids, cache.shape[dim])
         return ids.to(device=cache.device, dtype=torch.int64)
 
     # ------------------------------------------------------------------ introspection
