@@ -48,8 +48,9 @@ from .offload_entry import (
     keep_on_gpu,
 )
 from .offload_paged import PagedStore
-from .offload_store import ClassPolicy, CpuStore, PinnedPool, PinnedStore
+from .offload_store import ClassPolicy, CpuStore, PinnedStore
 from .offload_tune import StepTuner
+from .pools import PinnedBufferPool, can_pin
 
 MODES = ("compressed", "uncompressed")
 
@@ -76,7 +77,6 @@ class ActivationOffloader(BackwardMixin):
         keep_param_casts: keep autocast copies of parameters (``ToCopy`` of a leaf) in place.
         page_size: bytes per compressed page; max_pinned_bytes: bound on the pinned pool of
             uncompressed copies (past it a tensor stays on the GPU).
-        exact_pinned: pin page-aligned memory with cudaHostRegister (no power-of-two rounding).
         prefer: ``"speed"``: compress only where it shortens the step. Passes are timed
             (``offload_tune.StepTuner``: after two warm-up passes, two passes each compressed
             and copied, again every ``tuner.retune`` passes) and the faster way is kept.
@@ -99,7 +99,6 @@ class ActivationOffloader(BackwardMixin):
         keep_param_casts: bool = True,
         page_size: int = 4096,
         max_pinned_bytes: int | None = None,
-        exact_pinned: bool = True,
         prefer: str = "speed",
         stream_priority: int = 0,
         tuner: StepTuner | None = None,
@@ -123,7 +122,8 @@ class ActivationOffloader(BackwardMixin):
         self.group_bytes, self.offload_cpu = group_bytes, offload_cpu
         self.keep_param_casts, self.page_size = keep_param_casts, page_size
         self.policy = ClassPolicy(sample_tensors, min_ratio)
-        self.pool = PinnedPool(max_pinned_bytes, exact=exact_pinned)
+        # page-aligned memory registered at exact sizes (no power-of-two rounding)
+        self.pool = PinnedBufferPool(pin=can_pin(), max_bytes=max_pinned_bytes)
         self._pinned = PinnedStore(self.pool)
         self._cpu = CpuStore(compress=False)
         self._cpu_compressed = CpuStore(compress=True, page_size=page_size)

@@ -16,77 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .pools import HostMemory, SizePool
-
-
-# --------------------------------------------------------------------------- pinned memory
-class HostBuffer:
-    """One exact-size pinned buffer: ``tensor`` is ``uint8 [nbytes]``; ``last_use`` the event
-    after which the GPU no longer touches it (reuse waits on it)."""
-
-    __slots__ = ("tensor", "nbytes", "held", "last_use", "memory")
-
-    def __init__(self, tensor: torch.Tensor, held: int, memory: object = None):
-        self.tensor = tensor
-        self.nbytes = tensor.numel()
-        self.held = held
-        self.last_use: torch.cuda.Event | None = None
-        self.memory = memory  # a pools.HostMemory (exact, registered) or None
-
-
-def _pinned_exact(nbytes: int) -> HostBuffer | None:
-    """Page-aligned host memory registered with the driver (no power-of-two rounding)."""
-    try:
-        mem = HostMemory(nbytes, pin=True)
-    except Exception:  # noqa: BLE001 - fall back to torch's pinned allocator
-        return None
-    return HostBuffer(mem.tensor, mem.held_bytes, mem)
-
-
-class PinnedPool(SizePool):
-    """Pinned host buffers kept by exact size and reused (no allocation on the hot path after the
-    first step). ``exact=True`` registers page-aligned memory (held = size rounded to 4 KiB);
-    otherwise (or if that fails) torch's pinned allocator is used. ``clear()`` unpins and drops
-    the idle buffers (call after synchronising)."""
-
-    def __init__(self, max_bytes: int | None = None, exact: bool = True):
-        super().__init__()
-        self.max_bytes = max_bytes
-        self.exact = exact
-        self.in_use_bytes = 0
-
-    def _make(self, nbytes: int) -> HostBuffer:
-        buf = _pinned_exact(nbytes) if self.exact else None
-        if buf is None:
-            self.exact = False
-            buf = HostBuffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes)
-        return buf
-
-    def _size(self, buf: HostBuffer) -> int:
-        return buf.nbytes
-
-    def _held(self, buf: HostBuffer) -> int:
-        return buf.held
-
-    def _drop(self, buf: HostBuffer) -> None:
-        if buf.memory is not None:
-            buf.memory.release()
-
-    def get(self, nbytes: int) -> HostBuffer | None:
-        """A buffer of exactly ``nbytes`` or None when ``max_bytes`` would be passed."""
-        with self._lock:
-            full = self.max_bytes is not None and self.held_bytes + nbytes > self.max_bytes
-            if full and not self._free.get(nbytes):
-                return None
-        buf = self.acquire(nbytes)
-        with self._lock:
-            self.in_use_bytes += buf.held
-        return buf
-
-    def put(self, buf: HostBuffer) -> None:
-        with self._lock:
-            self.in_use_bytes -= buf.held
-        self.release(buf)
+from .pools import HostMemory, PinnedBufferPool
 
 
 # --------------------------------------------------------------------------------- stores
@@ -95,7 +25,7 @@ class RawStored:
 
     kind = "raw"
 
-    def __init__(self, buf: HostBuffer, event: torch.cuda.Event | None):
+    def __init__(self, buf: HostMemory, event: torch.cuda.Event | None):
         self.buf = buf
         self.event = event
 
@@ -107,7 +37,7 @@ class RawStored:
             stream.wait_event(self.event)
 
     def host_nbytes(self) -> int:
-        return self.buf.held
+        return self.buf.held_bytes
 
 
 class PinnedStore:
@@ -115,7 +45,7 @@ class PinnedStore:
 
     kind = "raw"
 
-    def __init__(self, pool: PinnedPool):
+    def __init__(self, pool: PinnedBufferPool):
         self.pool = pool
 
     def offload(self, src: torch.Tensor, element_size: int) -> RawStored | None:

@@ -48,6 +48,7 @@ class HostMemory:
         self._map = mmap.mmap(-1, self.held_bytes)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[: self.nbytes]
         self.pinned = False
+        self.last_use: torch.cuda.Event | None = None  # the GPU's last use (reuse waits on it)
         if pin:
             ptr = self.tensor.data_ptr()
             try:
@@ -255,11 +256,33 @@ class SizePool:
 
 
 class PinnedBufferPool(SizePool):
-    """Exact-size host staging buffers (:class:`HostMemory`, pinned where possible)."""
+    """Exact-size host buffers (:class:`HostMemory`, pinned where possible), the one pinned
+    pool of the package: the pipeline's staging and the hooks' uncompressed copies.
 
-    def __init__(self, pin: bool):
+    ``get``/``put`` also bound the bytes held (``max_bytes``: ``get`` returns None rather than
+    grow past it) and count the bytes handed out (``in_use_bytes``)."""
+
+    def __init__(self, pin: bool, max_bytes: int | None = None):
         super().__init__()
         self.pin = pin
+        self.max_bytes = max_bytes
+        self.in_use_bytes = 0
+
+    def get(self, nbytes: int) -> HostMemory | None:
+        """A buffer of exactly ``nbytes``, or None when making one would pass ``max_bytes``."""
+        with self._lock:
+            full = self.max_bytes is not None and self.held_bytes + nbytes > self.max_bytes
+            if full and not self._free.get(nbytes):
+                return None
+        mem = self.acquire(nbytes)
+        with self._lock:
+            self.in_use_bytes += mem.held_bytes
+        return mem
+
+    def put(self, mem: HostMemory) -> None:
+        with self._lock:
+            self.in_use_bytes -= mem.held_bytes
+        self.release(mem)
 
     def _make(self, nbytes: int) -> HostMemory:
         return HostMemory(nbytes, self.pin)
