@@ -5,7 +5,7 @@ Variants: ``none`` (no offload), ``save_on_cpu`` (``torch.autograd.graph.save_on
 pin_memory=True)``), ``uncompressed`` (our stream-overlapped pinned offload), ``compressed``
 (ours, ``prefer="speed"``: PageCompressor pages with a per-class fallback when the ratio <
 ``--min-ratio``; the step tuner times compressed against copied steps during the warm-up and
-keeps the faster, see ``torch_pagecomp.offload_tune``), ``compressed_mem`` (``prefer="memory"``:
+keeps the faster, see ``torch_pagecomp.offload._tune``), ``compressed_mem`` (``prefer="memory"``:
 every batch of a compressible class through the kernel, always) and, on request,
 ``compressed_all`` (also classes below the ratio floor). The warm-up must cover the tuner's
 trials (2 warm-up passes, 2 passes per arm): 8 steps by default.
@@ -100,7 +100,7 @@ def setup(args):
 
 def make_offloader(args, model, variant: str):
     """Our hooks on ``model`` for one of our variants (``uncompressed``, ``compressed``...)."""
-    from torch_pagecomp.offload_wrap import offload_module
+    from torch_pagecomp.offload import offload_module
 
     keep = model.blocks[len(model.blocks) - args.gpu_blocks:] if args.gpu_blocks else ()
     return offload_module(

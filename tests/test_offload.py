@@ -15,8 +15,12 @@ from torch.utils.checkpoint import checkpoint
 
 from bench.tinygpt import Block
 from torch_pagecomp.format import CorruptPageError
-from torch_pagecomp.offload import ActivationOffloader, keep_on_gpu, offload_activations
-from torch_pagecomp.offload_wrap import offload_module
+from torch_pagecomp.offload import (
+    ActivationOffloader,
+    keep_on_gpu,
+    offload_activations,
+    offload_module,
+)
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -318,7 +322,7 @@ class _Sample:
 def test_policy_ratio_ignores_batches_stored_raw_for_speed():
     """With the raw share (``prefer="speed"``) a sample may hold raw batches, or only raw
     batches: the ratio is the kernel batches' alone, and an all-raw sample is replaced."""
-    from torch_pagecomp.offload_store import ClassPolicy
+    from torch_pagecomp.offload._stores import ClassPolicy
 
     pol, key = ClassPolicy(samples=2, min_ratio=1.1), (torch.bfloat16, (8, 2048))
     ratio = 1.15 + 0.2 * torch.rand(()).item()  # fresh each run; above min_ratio
@@ -520,8 +524,8 @@ def test_gpu_large_tensors_many_batches(seed, mode, prefer):
 
 def _delay_side_streams(monkeypatch, off: ActivationOffloader, cycles: int) -> None:
     """Every offload and restore starts with a long kernel on its side stream."""
-    from torch_pagecomp.offload_paged import PagedStore
-    from torch_pagecomp.offload_store import PinnedStore
+    from torch_pagecomp.offload._paged import PagedStore
+    from torch_pagecomp.offload._stores import PinnedStore
 
     for cls in (PagedStore, PinnedStore):
         for name in ("offload", "restore"):
@@ -538,8 +542,8 @@ def _delay_side_streams(monkeypatch, off: ActivationOffloader, cycles: int) -> N
 
 def _drop_barrier(monkeypatch, barrier: str) -> None:
     """The control of a race test: the barrier that ``barrier`` names does nothing."""
-    from torch_pagecomp.offload_paged import PagedStored
-    from torch_pagecomp.offload_store import RawStored
+    from torch_pagecomp.offload._paged import PagedStored
+    from torch_pagecomp.offload._stores import RawStored
 
     if barrier == "producer":  # side streams do not wait for the compute stream
         monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, other: None)

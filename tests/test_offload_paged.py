@@ -14,7 +14,7 @@ import torch
 from conftest import POISON
 
 from torch_pagecomp.kernels.host_pack import ALIGN, fetch_from_host, pack_to_host, plan_slice
-from torch_pagecomp.offload_paged import PagedStore
+from torch_pagecomp.offload._paged import PagedStore
 
 P = 4096
 CUDA = torch.cuda.is_available()

@@ -22,7 +22,7 @@ from tests.test_offload import (
     needs_cuda,
 )
 from torch_pagecomp import StepTuner
-from torch_pagecomp.offload_wrap import offload_module
+from torch_pagecomp.offload import offload_module
 
 
 class FakeClock:

@@ -15,9 +15,13 @@ from .format import (
     PageCompError,
 )
 from .module import OffloadHandle, PageCompressor, SlotState, dtype_element_size
-from .offload import ActivationOffloader, keep_on_gpu, offload_activations
-from .offload_tune import StepTuner
-from .offload_wrap import offload_module
+from .offload import (
+    ActivationOffloader,
+    StepTuner,
+    keep_on_gpu,
+    offload_activations,
+    offload_module,
+)
 
 __all__ = [
     "__version__",

@@ -20,7 +20,7 @@ Two kernels per slice, on one stream:
 A slice comes back the same way: :func:`fetch_from_host` (a few persistent programs) reads
 its ``total`` bytes from the chunk into a device buffer, taking ``base``/``total`` from the
 device descriptor, and the decoder reads them with the per-page offsets (relative to
-``base``); see ``torch_pagecomp.offload_paged``.
+``base``); see ``torch_pagecomp.offload._paged``.
 """
 
 from __future__ import annotations

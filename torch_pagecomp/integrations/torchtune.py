@@ -51,8 +51,7 @@ import warnings
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..offload import ActivationOffloader
-from ..offload_entry import keep_on_gpu
+from ..offload import ActivationOffloader, keep_on_gpu
 
 __all__ = ["NoOpManager", "OffloadActivations", "get_act_offloading_ctx_manager"]
 

@@ -54,7 +54,7 @@ class _Pass:
     __slots__ = ("groups", "group_bytes", "issued", "dedup", "compress", "__weakref__")
 
     def __init__(self, compress: bool = True):
-        self.compress = compress  # False: this pass copies (``offload_tune.StepTuner``'s arm)
+        self.compress = compress  # False: this pass copies (``_tune.StepTuner``'s arm)
         self.groups: list[list[weakref.ref]] = [[]]
         self.group_bytes = 0
         self.issued = [False]

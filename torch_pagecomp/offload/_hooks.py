@@ -1,6 +1,6 @@
 """Training-loop activation offload: saved-tensor hooks that send activations to host memory.
 
-``with offload_activations(...):`` (or ``offload_wrap.offload_module``) installs
+``with offload_activations(...):`` (or ``_wrap.offload_module``) installs
 ``torch.autograd.graph.saved_tensors_hooks``. The unit of offload is a tensor's whole *storage*
 (views and shared storages are offloaded once and rebuilt with their exact sizes, strides and
 offsets, so gradients are bit-identical):
@@ -9,9 +9,9 @@ offsets, so gradients are bit-identical):
   subclasses and regions under :func:`keep_on_gpu` stay as they are. Other storages start an
   asynchronous offload after the compute stream, issued from the hook itself (no host thread,
   no host sync): compressed pages written by kernels straight into page-locked host memory
-  (``offload_paged``), or (``mode="uncompressed"``, or a ``(dtype, shape)`` class whose
+  (``_paged``), or (``mode="uncompressed"``, or a ``(dtype, shape)`` class whose
   sampled ratio is below ``min_ratio``, or a pass where ``prefer="speed"``'s step tuner found
-  copying faster: ``offload_tune``) a copy into exact-size pooled pinned memory on a side
+  copying faster: ``_tune``) a copy into exact-size pooled pinned memory on a side
   stream. The GPU storage stays in a stash until it has been read (compressed, or copied);
   past ``max_in_flight_bytes`` the compute stream waits for the oldest (a GPU-side wait)
   before it is dropped.
@@ -35,9 +35,10 @@ import weakref
 
 import torch
 
-from .format import dtype_element_size
-from .offload_backward import BackwardMixin
-from .offload_entry import (
+from ..format import dtype_element_size
+from ..pools import PinnedBufferPool, can_pin
+from ._backward import BackwardMixin
+from ._entry import (
     _capturing,
     _Entry,
     _in_backward,
@@ -47,10 +48,9 @@ from .offload_entry import (
     _tls,
     keep_on_gpu,
 )
-from .offload_paged import PagedStore
-from .offload_store import ClassPolicy, CpuStore, PinnedStore
-from .offload_tune import StepTuner
-from .pools import PinnedBufferPool, can_pin
+from ._paged import PagedStore
+from ._stores import ClassPolicy, CpuStore, PinnedStore
+from ._tune import StepTuner
 
 MODES = ("compressed", "uncompressed")
 
@@ -78,7 +78,7 @@ class ActivationOffloader(BackwardMixin):
         page_size: bytes per compressed page; max_pinned_bytes: bound on the pinned pool of
             uncompressed copies (past it a tensor stays on the GPU).
         prefer: ``"speed"``: compress only where it shortens the step. Passes are timed
-            (``offload_tune.StepTuner``: after two warm-up passes, two passes each compressed
+            (``_tune.StepTuner``: after two warm-up passes, two passes each compressed
             and copied, again every ``tuner.retune`` passes) and the faster way is kept.
             ``"memory"``: every tensor of a class that compresses goes through the kernels.
         tuner: the ``StepTuner`` of ``prefer="speed"`` (default ``StepTuner()``).

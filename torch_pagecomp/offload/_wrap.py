@@ -7,8 +7,8 @@ from collections.abc import Iterable
 
 import torch
 
-from .offload import ActivationOffloader
-from .offload_entry import _in_backward, _tls
+from ._entry import _in_backward, _tls
+from ._hooks import ActivationOffloader
 
 
 def offload_module(

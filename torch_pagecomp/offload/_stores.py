@@ -4,7 +4,7 @@ Every store turns the bytes of one storage (``uint8 [n]``) into a *stored* objec
 
 * :class:`PinnedStore`: a plain copy into an exact-size pinned host buffer (pooled), issued on
   the caller's current stream (the offloader runs it on its side stream).
-* ``offload_paged.PagedStore``: compressed pages written by kernels into host memory (host
+* ``_paged.PagedStore``: compressed pages written by kernels into host memory (host
   bytes shrink with the ratio).
 * :class:`CpuStore`: CPU tensors when there is no GPU: compressed with the lz4 codec, or copied.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .pools import HostMemory, PinnedBufferPool
+from ..pools import HostMemory, PinnedBufferPool
 
 
 # --------------------------------------------------------------------------------- stores
@@ -98,7 +98,7 @@ class CpuStore:
         self.kind = "compressed" if compress else "cpu"
 
     def offload(self, src: torch.Tensor, element_size: int) -> CpuStored:
-        from . import api
+        from .. import api
 
         n = src.numel()
         if not self.compress:
@@ -111,7 +111,7 @@ class CpuStore:
         return CpuStored("compressed", packed, n, host)
 
     def restore(self, stored: CpuStored, out: torch.Tensor) -> None:
-        from . import api
+        from .. import api
 
         if stored.kind == "raw":
             out.copy_(stored.data)

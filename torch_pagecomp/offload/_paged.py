@@ -26,10 +26,10 @@ import collections
 
 import torch
 
-from . import _ops
-from .format import CorruptPageError
-from .module import RestoreFailures
-from .pools import HostMemory, can_pin
+from .. import _ops
+from ..format import CorruptPageError
+from ..module import RestoreFailures
+from ..pools import HostMemory, can_pin
 
 CHUNK_BYTES = 64 << 20
 SLICE_BYTES = 32 << 20  # pages per compress launch: fills the GPU, bounds the scratch
@@ -281,7 +281,7 @@ class PagedStore:
         return PagedStored(nbytes, p, slices, tail, consumed)
 
     def _store_slice(self, src, first: int, n: int, element_size: int) -> _Slice:
-        from .kernels.host_pack import pack_to_host, plan_slice  # Triton: imported on use
+        from ..kernels.host_pack import pack_to_host, plan_slice  # Triton: imported on use
 
         p, cs, ps = self.page_size, self.compress_stream, self.pack_stream
         if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight
@@ -312,7 +312,7 @@ class PagedStore:
     def restore(self, stored: PagedStored, out: torch.Tensor) -> None:
         """Decode ``stored`` into ``out`` (``uint8 [nbytes]``) on the current stream, after
         its pack (a device-side wait: the host learns nothing and waits for nothing)."""
-        from .kernels.host_pack import fetch_from_host
+        from ..kernels.host_pack import fetch_from_host
 
         p, arena = self.page_size, self.arena
         stream = torch.cuda.current_stream(out.device) if out.is_cuda else None

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .format import CorruptPageError
-from .offload_entry import _capturing, _Entry
+from ..format import CorruptPageError
+from ._entry import _capturing, _Entry
 
 
 class BackwardMixin:
