@@ -440,6 +440,7 @@ def _fsdp_rows(args, models, variants, meta):
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
     finally:
+        dist.barrier()  # tear down together: no rank leaves while another still talks
         dist.destroy_process_group()
     return rows if rank == 0 else None
 
