@@ -208,6 +208,22 @@ def _profile(step, opt, path: str) -> None:
         torch.cuda.synchronize()
     with open(path, "w") as fh:
         fh.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    # the host side alone (no profiler hooks on every op): Python functions by own time
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    host = cProfile.Profile()
+    host.enable()
+    step()
+    opt.step()
+    host.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+    with open(path, "a") as fh:
+        fh.write("\n\n# cProfile of one step's host side (by own time)\n" + text.getvalue())
 
 
 def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: bool,
@@ -258,7 +274,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     torch.use_deterministic_algorithms(False)
     opt.step()
     cuda = device != "cpu"
-    times, before = [], {}
+    times, issue, before = [], [], {}
     for i in range(warmup + steps):
         if i == warmup:
             if cuda:
@@ -275,16 +291,20 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         opt.step()
         if cuda:
             e1.record()
+            host_ms = (time.perf_counter() - t0) * 1e3  # the host's issue time of the step
             e1.synchronize()
             ms = e0.elapsed_time(e1)
         else:
             ms = (time.perf_counter() - t0) * 1e3
         if i >= warmup:
             times.append(ms)
+            if cuda:
+                issue.append(host_ms)
     row = {"model": name, "variant": variant, "step_ms": statistics.median(times),
            "step_ms_all": [round(t, 2) for t in times], "grads": grads}
     if cuda:
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
+        row["host_issue_ms"] = statistics.median(issue)
     if profile and cuda:
         _profile(step, opt, profile)
     if off is not None:
@@ -343,19 +363,20 @@ def _finish(rows: list[dict], meta: dict) -> dict:
 
 
 def table(doc: dict) -> str:
-    head = ("| model | gpus | variant | step ms | vs uncompressed | peak GPU GiB | host GiB | "
-            "ratio | link-bound | grads identical |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| model | gpus | variant | step ms | host issue ms | vs uncompressed | peak GPU GiB | "
+            "host GiB | ratio | link-bound | grads identical |")
+    lines = [head, "|" + "---|" * 11]
     unc = {r["model"]: r.get("step_ms") for r in doc["rows"] if r["variant"] == "uncompressed"}
     for r in doc["rows"]:
         if "error" in r:
             lines.append(f"| {r['model']} | {r.get('gpus')} | {r['variant']} | "
-                         f"error: {r['error']} |||||||")
+                         f"error: {r['error']} ||||||||")
             continue
         rel = (f"{r['step_ms'] / unc[r['model']]:.2f}x" if unc.get(r["model"]) else "")
         f = lambda v, p=2: "" if v is None else f"{v:.{p}f}"  # noqa: E731
         lines.append(
-            f"| {r['model']} | {r['gpus']} | {r['variant']} | {r['step_ms']:.1f} | {rel} | "
+            f"| {r['model']} | {r['gpus']} | {r['variant']} | {r['step_ms']:.1f} | "
+            f"{f(r.get('host_issue_ms'), 1)} | {rel} | "
             f"{f(r.get('peak_gpu_gib'))} | {f(r.get('host_gib'))} | {f(r.get('ratio'), 3)} | "
             f"{r['link_bound']} | {r.get('grads_identical', '')} |")
     return "\n".join(lines)

@@ -510,6 +510,28 @@ def _race_step(off: ActivationOffloader | None, x: torch.Tensor, sleep: int = 0)
 
 @needs_cuda
 @pytest.mark.parametrize("mode", MODES)
+def test_gpu_backward_reads_unfinished_offloads_in_place(seed, mode, monkeypatch):
+    """Offloads still copying when backward starts are served from the GPU in place: none is
+    dropped (and read back over the link) while the backward runs, gradients are exact and
+    nothing is left after it."""
+    x = torch.randn(1 << 22, device="cuda", requires_grad=True)
+    ref = _race_step(None, x)
+    off = gpu_offloader(mode, min_offload_bytes=0, prefer="memory", min_ratio=0.0)
+    _delay_side_streams(monkeypatch, off, 400_000_000)  # the copies outlast the forward
+    x.grad = None
+    with off:
+        y = torch.sin(x * 3.0).sum() + torch.sin(x * 5.0).sum()
+    y.backward()
+    torch.cuda.synchronize()
+    assert torch.equal(x.grad, ref)
+    st = off.stats()
+    assert st["served_from_stash"] == 2, st
+    assert st.get("restored_prefetch", 0) == st.get("restored_on_demand", 0) == 0, st
+    assert_clean(off)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("prefer", ["speed", "memory"])
 def test_gpu_large_tensors_many_batches(seed, mode, prefer):
     """Tensors of several compressed slices, produced behind a long kernel: bit-exact

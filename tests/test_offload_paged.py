@@ -86,6 +86,26 @@ def test_chunks_are_reused_and_host_memory_stays_bounded(gen):
 
 
 @interpreter
+def test_placement_descriptors_are_reused_in_order(gen, monkeypatch):
+    """More slices in flight than pinned descriptors: a slot is reused only after the slice
+    before it is confirmed, and every storage still comes back exact."""
+    import torch_pagecomp.offload._paged as paged
+
+    monkeypatch.setattr(paged, "DESC_SLOTS", 2)
+    store = _store(slice_bytes=P)
+    store.arena.descs = torch.empty((2, 2), dtype=torch.int64)
+    srcs = [_data(gen, 4 * P + 7, "bf16") for _ in range(3)]  # 12 slices of one page
+    stored = [store.offload(s, 2) for s in srcs]
+    assert len(store.arena.pending) <= 2
+    store.poll()
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
+        assert all(sl.base is not None and sl.base >= 0 for sl in st.slices)
+
+
+@interpreter
 def test_free_before_placement_is_known(gen):
     """A storage dropped before its slices were confirmed is skipped when they are."""
     store = _store()

@@ -34,6 +34,7 @@ class BackwardMixin:
             self._poll()
             if entry.src is not None:
                 self.counters["served_from_stash"] += 1
+                entry.served = True
                 return packed.view(entry.src.untyped_storage())
             self._prefetch(entry)
             if entry.restored is None:

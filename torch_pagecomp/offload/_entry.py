@@ -83,6 +83,7 @@ class _Entry:
         self.restore_event = None
         self.restore_done = threading.Event()
         self.waited = False
+        self.served = False  # handed back from the stash (in place) at least once
         self.host_counted = 0  # bytes this entry adds to the offloader's running host total
 
     def wait_stored(self):

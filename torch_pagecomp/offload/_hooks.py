@@ -12,9 +12,10 @@ offsets, so gradients are bit-identical):
   (``_paged``), or (``mode="uncompressed"``, or a ``(dtype, shape)`` class whose
   sampled ratio is below ``min_ratio``, or a pass where ``prefer="speed"``'s step tuner found
   copying faster: ``_tune``) a copy into exact-size pooled pinned memory on a side
-  stream. The GPU storage stays in a stash until it has been read (compressed, or copied);
-  past ``max_in_flight_bytes`` the compute stream waits for the oldest (a GPU-side wait)
-  before it is dropped.
+  stream. The GPU storage stays in a stash until its bytes are in host memory (a backward
+  that comes first reads it in place, with no round trip over the link); past
+  ``max_in_flight_bytes`` the compute stream waits until the oldest has been read (copied, or
+  compressed: a GPU-side wait) and it is dropped.
 * groups: a pass (one outermost ``with``) is cut into groups at every :meth:`next_group` (each
   block's forward with :func:`offload_module`) and every ``group_bytes``.
 * unpack: the first unpack in group ``k`` restores groups ``k .. k - prefetch`` on a side
@@ -65,8 +66,9 @@ class ActivationOffloader(BackwardMixin):
             the first unpack of a backward the last ``prefetch + 1`` groups of the latest
             forward (0: each tensor on demand when unpacked).
         min_offload_bytes: storages smaller than this stay where they are.
-        max_in_flight_bytes: GPU bytes kept alive by unfinished offloads; past it the compute
-            stream waits for the oldest (GPU-side).
+        max_in_flight_bytes: GPU bytes kept alive by unfinished offloads (with the compressors'
+            scratch); past it the compute stream waits until the oldest has been read (copied,
+            or compressed), a GPU-side wait.
         max_in_flight_tensors: the same bound as a count of unfinished offloads (None: none).
         group_bytes: a new prefetch group starts once a group holds this many bytes (None: only
             at :meth:`next_group`).
@@ -322,8 +324,10 @@ class ActivationOffloader(BackwardMixin):
             entry.src = src
             self._stash.append(entry)
             self._stash_bytes += nbytes
+            # the compressors' scratch counts against the same bound
+            limit = self.max_in_flight_bytes - sum(st.scratch_bytes for st in self._paged.values())
             while len(self._stash) > 1 and (
-                self._stash_bytes > self.max_in_flight_bytes
+                self._stash_bytes > limit
                 or len(self._stash) > (self.max_in_flight_tensors or len(self._stash))
             ):
                 self.counters["in_flight_waits"] += 1
@@ -361,10 +365,13 @@ class ActivationOffloader(BackwardMixin):
         return self._stash.popleft()
 
     def _poll(self) -> None:
+        # during a backward, a stashed storage is kept until served in place: released when
+        # its copy finished, it would be read back over the link instead
+        backward = _in_backward()
         if self._stash and any(e.ready() for e in self._stash):
             keep = collections.deque()
             for e in self._stash:  # release every finished copy, not only the oldest
-                if e.ready():
+                if e.ready() and (e.served or not backward):
                     self._release(e, wait=False)
                 else:
                     keep.append(e)

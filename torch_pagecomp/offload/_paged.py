@@ -35,6 +35,7 @@ CHUNK_BYTES = 64 << 20
 SLICE_BYTES = 32 << 20  # pages per compress launch: fills the GPU, bounds the scratch
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 SCRATCH_SLICES = 2  # slices compressed ahead of the pack stream (scratch held at once)
+DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
 
 
 def _record(stream) -> torch.cuda.Event | None:
@@ -87,6 +88,10 @@ class VirtualArena:
         self.used = 0  # host bytes of live, confirmed slices
         self.peak_held = 0
         self.peak_backed = 0  # chunks backed at once since the last shrink
+        # where the plan kernel publishes each slice's (base, total): one pinned ring, not a
+        # pinned allocation per slice
+        self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
+        self._next_desc = 0
 
     # ---------------------------------------------------------------- placement
     def _advance(self, pos: int, size: int) -> int:
@@ -119,6 +124,15 @@ class VirtualArena:
             raise RuntimeError("activation offload: host arena window exceeded")
         self.backed[k] = mem
         self.table[k % TABLE_SIZE : k % TABLE_SIZE + 1].fill_(mem.tensor.data_ptr())
+
+    def host_desc(self) -> torch.Tensor:
+        """The pinned ``int64 [2]`` the next slice's placement is published to. Slot ``k`` is
+        reused ``DESC_SLOTS`` slices later, once the slice before has been confirmed."""
+        if len(self.pending) >= DESC_SLOTS:
+            self.confirm(through=self.pending[len(self.pending) - DESC_SLOTS][0])
+        k = self._next_desc
+        self._next_desc = (k + 1) % DESC_SLOTS
+        return self.descs[k]
 
     def add(self, sl: _Slice, upper: int) -> None:
         self.pending.append((sl, upper))
@@ -204,10 +218,15 @@ class PagedStored:
         self.kernel: tuple[int, int] | None = None  # kept when freed
 
     def ready(self) -> bool:
-        """The source may be dropped (its pages are compressed; packing may still run)."""
-        return self.consumed is None or self.consumed.query()
+        """The copy is done: every page is in host memory. Until then the offloader keeps the
+        source, as it does for a plain copy, so a backward that comes first reads it in place
+        rather than over the link."""
+        return (self.consumed is None or self.consumed.query()) and all(
+            sl.done() for sl in self.slices)
 
     def wait_on(self, stream) -> None:
+        """``stream`` waits until the source may be dropped: its pages are compressed (the
+        packing may still run)."""
         _wait(stream, self.consumed)
 
     def stored(self) -> bool:
@@ -295,7 +314,7 @@ class PagedStore:
             dev = src.device
             rel = torch.empty(n, dtype=torch.int64, device=dev)
             desc = torch.empty(2, dtype=torch.int64, device=dev)
-            host_desc = torch.empty(2, dtype=torch.int64, pin_memory=self.arena.pin)
+            host_desc = self.arena.host_desc()
             self.arena.back(n * p, ps)
             plan_slice(sizes, rel, self.arena.state, desc, host_desc, p, self.arena.chunk)
             pack_to_host(payload, sizes, rel, desc, self.arena.table, self.arena.chunk)

@@ -156,8 +156,10 @@ class ClassPolicy:
     def poll(self, key: tuple | None = None) -> None:
         for k in [key] if key is not None else list(self._pending):
             pending = self._pending.get(k, [])
-            for s in [s for s in pending if s.ready() or s.freed]:
+            for s in list(pending):
                 measured = s.kernel_bytes()
+                if measured is None and not s.freed:
+                    continue  # not placed yet: its stored size is still on the device
                 if measured is not None and measured[0] > 0:
                     self._measured.setdefault(k, []).append(measured)
                 pending.remove(s)
