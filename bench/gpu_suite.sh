@@ -8,6 +8,7 @@
 #   bash bench/gpu_suite.sh probe      # the compressor's probe option on the typed corpora
 #   bash bench/gpu_suite.sh offload    # host-write probe + offload GPU tests + stock models
 #   bash bench/gpu_suite.sh stock      # the stock-model activation offload benchmark alone
+#   bash bench/gpu_suite.sh fsdp       # the same under FSDP2 on every GPU (torchrun)
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -81,6 +82,14 @@ stock)
     header stock
     timeout 560 python3 -m bench.stock_models --models "${STOCK_MODELS:-encoder-1024,encoder-2048,llama-2048,resnet-64}" \
         --out "$OUT/stock_models.json" 2>&1 | tail -n 24
+    ;;
+fsdp)
+    header fsdp
+    # FSDP2 (fully_shard per block) on every GPU of the machine, one process per GPU
+    timeout 540 torchrun --standalone --nproc_per_node "$(nvidia-smi -L | wc -l)" \
+        -m bench.stock_models --fsdp --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
+        --variants "${STOCK_VARIANTS:-none,uncompressed,memory,speed}" \
+        --out "$OUT/stock_models_fsdp.json" 2>&1 | tail -n 24
     ;;
 training)
     header training

@@ -221,7 +221,10 @@ def _profile(step, opt, path: str) -> None:
     host.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+    stats = pstats.Stats(host, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    text.write("\n# the same, cumulative, the package's and Triton's functions\n")
+    stats.sort_stats("cumulative").print_stats("torch_pagecomp|triton_kernels|triton/runtime", 45)
     with open(path, "a") as fh:
         fh.write("\n\n# cProfile of one step's host side (by own time)\n" + text.getvalue())
 

@@ -26,8 +26,9 @@ def launch(kernel, grid: tuple[int, ...], device: torch.device, args: tuple, met
            traced: bool = True) -> None:
     """Launch ``kernel[grid](*args, **meta)`` on ``device``'s current stream."""
     fn = wrap_triton(kernel)[grid] if traced else kernel[grid]
-    if device.type == "cuda" and not torch.compiler.is_compiling():
+    if (device.type == "cuda" and not torch.compiler.is_compiling()
+            and device.index is not None and device.index != torch.cuda.current_device()):
         with torch.cuda.device(device):  # Triton launches on the current device's stream
             fn(*args, **meta)
-    else:  # compiled code sets the device itself
-        fn(*args, **meta)
+    else:  # on the current device already (the common case: no switch), or compiled code,
+        fn(*args, **meta)  # which sets the device itself

@@ -35,7 +35,11 @@ class BackwardMixin:
             if entry.src is not None:
                 self.counters["served_from_stash"] += 1
                 entry.served = True
-                return packed.view(entry.src.untyped_storage())
+                storage = entry.src.untyped_storage()
+                if entry.ready() and entry in self._stash:  # its host copy is complete
+                    self._stash.remove(entry)
+                    self._release(entry, wait=False)
+                return packed.view(storage)
             self._prefetch(entry)
             if entry.restored is None:
                 self.counters["restored_on_demand"] += 1

@@ -365,17 +365,13 @@ class ActivationOffloader(BackwardMixin):
         return self._stash.popleft()
 
     def _poll(self) -> None:
-        # during a backward, a stashed storage is kept until served in place: released when
-        # its copy finished, it would be read back over the link instead
+        # Copies finish in the order they were issued (one side stream each way), so only the
+        # oldest stashed entries are looked at: O(released) per hook, not O(stash). During a
+        # backward a stashed storage is kept until served in place (released when its copy
+        # finished, it would be read back over the link instead); served ones go at once.
         backward = _in_backward()
-        if self._stash and any(e.ready() for e in self._stash):
-            keep = collections.deque()
-            for e in self._stash:  # release every finished copy, not only the oldest
-                if e.ready() and (e.served or not backward):
-                    self._release(e, wait=False)
-                else:
-                    keep.append(e)
-            self._stash = keep
+        while self._stash and self._stash[0].ready() and (self._stash[0].served or not backward):
+            self._release(self._stash.popleft(), wait=False)
         for store in self._paged.values():
             store.poll()
         while self._unsized:  # sizes the kernels placed since: count what the host holds

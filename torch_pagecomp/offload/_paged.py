@@ -306,7 +306,7 @@ class PagedStore:
         if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight
             _wait(cs, self._packed.popleft())
         pages = src[first * p:(first + n) * p].view(n, p)
-        payload, sizes, kinds = _ops.compress_eager(pages, element_size)
+        payload, sizes, kinds = _compress(pages, element_size)
         compressed = _record(cs)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * (p + 5))
         with _on(ps):
@@ -334,9 +334,10 @@ class PagedStore:
         from ..kernels.host_pack import fetch_from_host
 
         p, arena = self.page_size, self.arena
-        stream = torch.cuda.current_stream(out.device) if out.is_cuda else None
+        stream = torch.cuda.current_stream() if out.is_cuda else None  # on out's device
         arena.confirm()  # placements known by now (never waits)
-        statuses = []
+        pages_in = sum(sl.n for sl in stored.slices)
+        status = torch.empty(pages_in, dtype=torch.int32, device=out.device)
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
                 raise RuntimeError(
@@ -353,12 +354,11 @@ class PagedStore:
                 staging = torch.empty(sl.n * p, dtype=torch.uint8, device=out.device)
                 fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
-            status = torch.empty(sl.n, dtype=torch.int32, device=out.device)
-            _ops.decompress_into_eager(staging, sl.rel, sl.sizes, sl.kinds, pages, status)
-            statuses.append(status)
+            _decompress_into(staging, sl.rel, sl.sizes, sl.kinds, pages,
+                             status[sl.first:sl.first + sl.n])
         if stored.tail is not None:
             out[stored.nbytes - stored.tail.numel():].copy_(stored.tail, non_blocking=True)
-        self._count_failures(statuses, stream)
+        self._count_failures([status] if pages_in else [], stream)
         if stream is None:
             arena.confirm()
 
@@ -399,6 +399,27 @@ class PagedStore:
             "scratch_bytes": self.scratch_bytes,
             "pending_slices": len(a.pending),
         }
+
+
+def _compress(pages: torch.Tensor, element_size: int):
+    """``pagecomp.compress`` of pages the store cut itself: on the GPU the kernel's launcher
+    is called directly (the op's argument checks cost host time per slice and cannot fail
+    here); on the CPU (tests, under the interpreter) the op's lz4 path."""
+    if pages.is_cuda:
+        from ..kernels.lz4_compress import compress_pages
+
+        return compress_pages(pages, element_size, traced=False)
+    return _ops.compress_eager(pages, element_size)
+
+
+def _decompress_into(payload, offsets, sizes, kinds, pages, status) -> None:
+    """``pagecomp.decompress_into`` of a slice's own metadata (see :func:`_compress`)."""
+    if pages.is_cuda:
+        from ..kernels.lz4_decompress import decompress_into
+
+        decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)
+    else:
+        _ops.decompress_into_eager(payload, offsets, sizes, kinds, pages, status)
 
 
 class _on:
