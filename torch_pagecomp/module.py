@@ -206,10 +206,13 @@ class RestoreFailures:
         self._seen = 0
 
     def add(self, statuses: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
+        if not statuses:
+            return
         with torch.cuda.stream(stream):
             for s in statuses:
                 s.record_stream(stream)  # made on the kernel stream, read on this one
-                self.count += torch.count_nonzero(s)
+            joined = statuses[0] if len(statuses) == 1 else torch.cat(statuses)
+            self.count += torch.count_nonzero(joined)
 
     def poll(self) -> int:
         """Failures known to the host so far (never blocks); schedules the next read."""

@@ -32,7 +32,8 @@ from ..module import RestoreFailures
 from ..pools import HostMemory, can_pin
 
 CHUNK_BYTES = 64 << 20
-SLICE_BYTES = 32 << 20  # pages per compress launch: fills the GPU, bounds the scratch
+SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
+# slice costs the host ~5 kernel launches both ways, so most saved tensors are one slice
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 SCRATCH_SLICES = 2  # slices compressed ahead of the pack stream (scratch held at once)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
@@ -272,6 +273,7 @@ class PagedStore:
         self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
         self._packed: collections.deque = collections.deque()  # pack events of recent slices
         self.failures = None  # pages that failed to decode, counted on the device
+        self._statuses: dict = {}  # restore stream -> decode statuses not counted yet
         if device.type == "cuda":
             with _on(self.restore_stream):
                 self.failures = RestoreFailures(device)
@@ -312,8 +314,8 @@ class PagedStore:
         with _on(ps):
             _wait(ps, compressed)
             dev = src.device
-            rel = torch.empty(n, dtype=torch.int64, device=dev)
-            desc = torch.empty(2, dtype=torch.int64, device=dev)
+            meta = torch.empty(n + 2, dtype=torch.int64, device=dev)  # one allocation
+            rel, desc = meta[:n], meta[n:]
             host_desc = self.arena.host_desc()
             self.arena.back(n * p, ps)
             plan_slice(sizes, rel, self.arena.state, desc, host_desc, p, self.arena.chunk)
@@ -358,24 +360,30 @@ class PagedStore:
                              status[sl.first:sl.first + sl.n])
         if stored.tail is not None:
             out[stored.nbytes - stored.tail.numel():].copy_(stored.tail, non_blocking=True)
-        self._count_failures([status] if pages_in else [], stream)
+        if pages_in:
+            self._count_failures(status, stream)
         if stream is None:
             arena.confirm()
 
-    def _count_failures(self, statuses: list[torch.Tensor], stream) -> None:
-        if not statuses:
-            return
+    def _count_failures(self, status: torch.Tensor, stream) -> None:
         if stream is None:  # the CPU: known at once
-            bad = int(torch.count_nonzero(torch.cat(statuses)))
+            bad = int(torch.count_nonzero(status))
             if bad:
                 raise CorruptPageError([], [], f"{bad} offloaded page(s) failed to decode")
             return
-        self.failures.add(statuses, stream)
+        # counted once per backward (one launch for all restores, not two per restore);
+        # the statuses stay alive until then, on the stream that wrote them
+        self._statuses.setdefault(stream, []).append(status)
 
     def failed_restores(self) -> int:
         """Pages that failed to decode in restores so far, as far as the host knows (never
         blocks)."""
-        return self.failures.poll() if self.failures is not None else 0
+        if self.failures is None:
+            return 0
+        for stream, statuses in self._statuses.items():
+            self.failures.add(statuses, stream)
+        self._statuses.clear()
+        return self.failures.poll()
 
     # ------------------------------------------------------------------ lifetime
     def poll(self) -> None:
