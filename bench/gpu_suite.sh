@@ -81,6 +81,8 @@ offload)
 stock)
     header stock
     timeout 560 python3 -m bench.stock_models --models "${STOCK_MODELS:-encoder-1024,encoder-2048,llama-2048,resnet-64}" \
+        --variants "${STOCK_VARIANTS:-none,save_on_cpu,uncompressed,memory,speed}" \
+        ${STOCK_PROFILE_RUN:+--profile "$STOCK_PROFILE_RUN:$OUT/profile.txt"} \
         --out "$OUT/stock_models.json" 2>&1 | tail -n 24
     ;;
 fsdp)
