@@ -7,6 +7,7 @@ import torch
 
 from ..format import CorruptPageError
 from ._entry import _capturing, _Entry
+from ._streams import on_stream
 
 
 class BackwardMixin:
@@ -93,25 +94,22 @@ class BackwardMixin:
             if e.device.type == "cpu":
                 e.restored = torch.empty(e.nbytes, dtype=torch.uint8)
             else:
-                with torch.cuda.stream(e.stream):
+                with on_stream(e.stream):
                     e.restored = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
         gpu_streams = {e.stream for e in entries if e.device.type == "cuda"}
         side = self._stream(entries[0].device, "h2d") if gpu_streams else None
-        allocated = [s.record_event() for s in gpu_streams]
-        for e in entries:
-            try:
-                if side is None:
+        with on_stream(side):
+            for s in gpu_streams:  # the buffers were allocated there
+                side.wait_stream(s)
+            for e in entries:
+                try:
                     e.store.restore(e.stored, e.restored)
-                else:
-                    with torch.cuda.stream(side):
-                        for ev in allocated:
-                            side.wait_event(ev)
-                        e.store.restore(e.stored, e.restored)
+                    if side is not None:
                         e.restore_event = side.record_event()
-            except Exception as exc:  # noqa: BLE001 - raised at this entry's unpack
-                e.error = exc.with_traceback(None)
-            finally:
-                e.restore_done.set()
+                except Exception as exc:  # noqa: BLE001 - raised at this entry's unpack
+                    e.error = exc.with_traceback(None)
+                finally:
+                    e.restore_done.set()
 
     def _watch_backward(self) -> None:
         task = torch._C._current_graph_task_id()

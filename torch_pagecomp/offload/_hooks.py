@@ -51,6 +51,7 @@ from ._entry import (
 )
 from ._paged import PagedStore
 from ._stores import ClassPolicy, CpuStore, PinnedStore
+from ._streams import on_stream
 from ._tune import StepTuner
 
 MODES = ("compressed", "uncompressed")
@@ -311,7 +312,7 @@ class ActivationOffloader(BackwardMixin):
             self._unsized.append(weakref.ref(entry))
         else:
             side, entry.stream = self._stream(dev, "d2h"), torch.cuda.current_stream(dev)
-            with torch.cuda.stream(side):
+            with on_stream(side):
                 side.wait_stream(entry.stream)
                 entry.stored = self._pinned.offload(src, esize)
             if entry.stored is None:

@@ -30,6 +30,7 @@ from .. import _ops
 from ..format import CorruptPageError
 from ..module import RestoreFailures
 from ..pools import HostMemory, can_pin
+from ._streams import on_stream as _on
 
 CHUNK_BYTES = 64 << 20
 SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
@@ -428,18 +429,3 @@ def _decompress_into(payload, offsets, sizes, kinds, pages, status) -> None:
         decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)
     else:
         _ops.decompress_into_eager(payload, offsets, sizes, kinds, pages, status)
-
-
-class _on:
-    """``torch.cuda.stream(s)`` when ``s`` is a stream; nothing on the CPU."""
-
-    def __init__(self, stream):
-        self.ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
