@@ -277,15 +277,27 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     torch.use_deterministic_algorithms(False)
     opt.step()
     cuda = device != "cpu"
-    times, issue, before = [], [], {}
-    for i in range(warmup + steps):
-        if i == warmup:
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            if off is not None:
-                off.reset_peak_stats()
-                before = off.stats()
+    times, issue = [], []
+    for _ in range(warmup):
+        step()
+        opt.step()
+    # prefer="speed" is measured once its tuner has chosen (its trial passes time both ways
+    # and grow both pools once): the warm-up goes on until then, at most 16 steps more
+    tuner = off.tuner if off is not None else None
+    while tuner is not None and tuner.choice is None and warmup < 20:
+        warmup += 1
+        step()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = {}
+    if off is not None:
+        off.reset_peak_stats()
+        before = off.stats()
+    for _ in range(steps):
         t0 = time.perf_counter()
         if cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -294,17 +306,14 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         opt.step()
         if cuda:
             e1.record()
-            host_ms = (time.perf_counter() - t0) * 1e3  # the host's issue time of the step
+            issue.append((time.perf_counter() - t0) * 1e3)  # the host's issue time
             e1.synchronize()
-            ms = e0.elapsed_time(e1)
+            times.append(e0.elapsed_time(e1))
         else:
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
-            if cuda:
-                issue.append(host_ms)
+            times.append((time.perf_counter() - t0) * 1e3)
     row = {"model": name, "variant": variant, "step_ms": statistics.median(times),
-           "step_ms_all": [round(t, 2) for t in times], "grads": grads}
+           "step_ms_all": [round(t, 2) for t in times], "grads": grads,
+           "warmup_steps": warmup}
     if cuda:
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
         row["host_issue_ms"] = statistics.median(issue)

@@ -86,6 +86,30 @@ def test_chunks_are_reused_and_host_memory_stays_bounded(gen):
 
 
 @interpreter
+def test_shrink_keeps_chunks_after_a_step_that_placed_nothing(gen):
+    """A step that placed nothing here (it copied: ``prefer="speed"``'s trials) leaves the
+    chunks for the next compressing step; a smaller compressing step lets the extra go."""
+    store = _store(chunk=1 << 15, slice_bytes=1 << 13)
+    arena = store.arena
+
+    def step(n: int) -> None:
+        stored = [store.offload(_data(gen, 5 * P, "small"), 1) for _ in range(n)]
+        store.poll()
+        for st in stored:
+            store.free(st)
+
+    step(6)
+    arena.shrink()
+    held = arena.held_bytes
+    assert held > 0
+    arena.shrink()  # a step that copied instead: nothing placed since
+    assert arena.held_bytes == held
+    step(1)
+    arena.shrink()
+    assert arena.held_bytes < held
+
+
+@interpreter
 def test_placement_descriptors_are_reused_in_order(gen, monkeypatch):
     """More slices in flight than pinned descriptors: a slot is reused only after the slice
     before it is confirmed, and every storage still comes back exact."""

@@ -90,6 +90,7 @@ class VirtualArena:
         self.used = 0  # host bytes of live, confirmed slices
         self.peak_held = 0
         self.peak_backed = 0  # chunks backed at once since the last shrink
+        self.placed_since_shrink = False
         # where the plan kernel publishes each slice's (base, total): one pinned ring, not a
         # pinned allocation per slice
         self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
@@ -105,6 +106,7 @@ class VirtualArena:
         """Before planning a slice of at most ``upper`` bytes (on ``stream``): back every chunk
         the arena's end can reach and raise the device's limit to match."""
         self.bound = self._advance(self.bound, upper)
+        self.placed_since_shrink = True
         last = (self.bound - 1) // self.chunk
         first = max(self.limit // self.chunk, self.frontier // self.chunk)
         for k in range(first, last + 1):
@@ -165,6 +167,7 @@ class VirtualArena:
             self.bound = self.frontier
             for _, upper in self.pending:
                 self.bound = self._advance(self.bound, upper)
+        self.placed_since_shrink = True
 
     def release(self, sl: _Slice, reader) -> None:
         """``sl`` is no longer needed; chunks behind the frontier with nothing live go back to
@@ -202,9 +205,14 @@ class VirtualArena:
 
     def shrink(self) -> None:
         """Keep as many chunks as the busiest moment since the last call needed; unpin the
-        rest (after a step whose offloads were smaller, or a first step that was larger)."""
+        rest (after a step whose offloads were smaller, or a first step that was larger). A
+        step that placed nothing here (it copied: ``prefer="speed"``'s trials) says nothing
+        about the next compressing one: the chunks stay."""
+        if not self.placed_since_shrink:
+            return
         self.trim(keep=max(0, self.peak_backed - len(self.backed)))
         self.peak_backed = len(self.backed)
+        self.placed_since_shrink = False
 
 
 class PagedStored:
