@@ -9,6 +9,7 @@
 #   bash bench/gpu_suite.sh offload    # host-write probe + offload GPU tests + stock models
 #   bash bench/gpu_suite.sh stock      # the stock-model activation offload benchmark alone
 #   bash bench/gpu_suite.sh fsdp       # the same under FSDP2 on every GPU (torchrun)
+#   bash bench/gpu_suite.sh final      # GPU tests (no fuzz) + transformers generation table
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -84,6 +85,14 @@ stock)
         --variants "${STOCK_VARIANTS:-none,save_on_cpu,uncompressed,memory,speed}" \
         ${STOCK_PROFILE_RUN:+--profile "$STOCK_PROFILE_RUN:$OUT/profile.txt"} \
         --out "$OUT/stock_models.json" 2>&1 | tail -n 24
+    ;;
+final)
+    # the GPU test suite (no fuzz, no sanitizer) and the transformers generation table
+    header final | tee "$OUT/tests.txt"
+    timeout 330 python3 -m pytest -q -p no:cacheprovider tests -m "not fuzz" -rfEs \
+        --durations=8 2>&1 | tee -a "$OUT/tests.txt" | tail -n 25
+    timeout 220 python3 -m bench.hf_generate ${HF_ARGS:-} --out "$OUT/hf_generate.json" 2>&1 \
+        | tail -n 12
     ;;
 fsdp)
     header fsdp

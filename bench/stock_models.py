@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed")
+VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed", "torchtune")
 GIB = 1 << 30
 
 # name: (family, width, layers, batch, seq or image size)
@@ -248,6 +248,11 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         from bench.training_bench import CountingSaveOnCpu
 
         ctx = CountingSaveOnCpu()
+    elif variant == "torchtune":  # the drop-in, as a torchtune recipe sets it up
+        from torch_pagecomp.integrations.torchtune import get_act_offloading_ctx_manager
+
+        kw = dict(offload_cpu=True, min_offload_size=1 << 12) if device == "cpu" else {}
+        off = ctx = get_act_offloading_ctx_manager(model, True, warn_if_no_head=False, **kw)
     elif variant != "none":
         kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
               "speed": dict(prefer="speed")}[variant]

@@ -18,13 +18,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("model", ["encoder-tiny", "llama-tiny", "resnet-tiny"])
 def test_models_offload_with_identical_grads(model):
+    variants = ("none", "uncompressed", "memory", "torchtune")
     rows = [stock_models.run(model, v, steps=1, warmup=1, device="cpu", fsdp=False)
-            for v in ("none", "uncompressed", "memory")]
+            for v in variants]
     doc = stock_models._finish(rows, {"gpus": 1})
-    none, unc, mem = doc["rows"]
+    none, unc, mem, tune = doc["rows"]
     assert none["grads"] is not None  # the model is deterministic here
-    assert unc["grads_identical"] and mem["grads_identical"]
-    assert unc["offloaded_gib"] > 0 and mem["offloaded_gib"] > 0
+    assert unc["grads_identical"] and mem["grads_identical"] and tune["grads_identical"]
+    assert unc["offloaded_gib"] > 0 and mem["offloaded_gib"] > 0 and tune["offloaded_gib"] > 0
     assert mem["ratio"] > 1.0  # bf16 activations compress
     assert "| memory |" in stock_models.table(doc)
 
