@@ -1,0 +1,362 @@
+"""Greedy generation with Hugging Face ``transformers``: stock KV caches against ours.
+
+Model: a Llama-architecture ``LlamaForCausalLM`` built from a ``LlamaConfig`` with random weights
+(``torch.manual_seed(0)``; no download): hidden 2048, intermediate 5632, 16 heads, 4 KV heads
+(grouped-query attention, head dim 128), ``--layers`` layers, vocab 32000, SDPA attention; bf16
+on CUDA, float32 on the CPU. Input: random token ids ``[batch, prompt]`` (seed 1). No EOS token,
+so every run generates exactly ``--new`` tokens (``do_sample=False``).
+
+Caches (each variant in a fresh child process: a fresh CUDA context, clean peaks):
+
+* ``dynamic``: ``DynamicCache(config=model.config)``, everything on the GPU;
+* ``dynamic_offloaded``: ``DynamicCache(config=model.config, offloading=True)``, transformers'
+  own offload (whole layers to the CPU and back, every step);
+* ``compressed``: ``torch_pagecomp.integrations.transformers.CompressedOffloadedCache`` (sealed
+  ``--block-tokens`` blocks LZ4-compressed in host memory, the tail on the GPU).
+
+Per child: one warm-up generate (a short prompt, long enough to seal blocks of the compressed
+cache, 4 new tokens; its own cache, closed), then one timed generate with a new cache. Times are
+host wall times with ``torch.cuda.synchronize()`` before and after. ``prefill_s`` is the time to
+the first generated token in that same run, taken by a streamer at its first generated token
+(``generate`` hands tokens to the streamer after copying them to the host, so the device has
+finished the prefill and the first token then); ``decode_tokens_per_s`` is
+``(new - 1) * batch / (total_s - prefill_s)``. ``peak_gpu_gib``: ``max_memory_allocated`` over
+the timed run (model weights included: ``model_gib``). ``host_gib``: host memory the cache holds
+at the end: 0 for ``dynamic``; for ``dynamic_offloaded`` the bytes of its layer tensors then on
+the CPU; for ``compressed`` the stored bytes of its compressed blocks (``cache.stats()``;
+``host_pool_gib``: the host memory its compressor pools, stored bytes included; the timed
+run's cache makes its own compressor, so pools grow inside the timed run). ``kv_gib``: the
+uncompressed KV of the whole sequence,
+``layers * 2 * batch * kv_heads * head_dim * (prompt + new) * itemsize``.
+The driver compares each row's generated ids with ``dynamic``'s (``tokens_identical_to_dynamic``;
+the JSON keeps a hash of the ids).
+
+    python -m bench.hf_generate --layers 16 --prompt 16384 --new 64 --out bench/out/hf.json
+
+``--tiny`` (CPU, CI): 2 layers, hidden 64, prompt 40, 6 new tokens, 16-token blocks. On the CPU
+``dynamic_offloaded`` is attempted and, where transformers' offloading needs CUDA (5.24 calls
+``torch.cuda.default_stream`` in ``Cache.update``), reported as skipped with that error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+VARIANTS = ("dynamic", "dynamic_offloaded", "compressed")
+GIB = 1 << 30
+
+# hidden, intermediate, heads, kv heads, vocab
+FULL = dict(hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=32000)
+TINY = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=128, layers=2, prompt=40,
+            new=6, block_tokens=16)
+
+
+def _sizes(args) -> dict:
+    s = dict(FULL, layers=args.layers, prompt=args.prompt, new=args.new,
+             block_tokens=args.block_tokens or 256)
+    if args.tiny:
+        s.update(TINY)
+        if args.block_tokens:
+            s["block_tokens"] = args.block_tokens
+    s["batch"] = args.batch
+    return s
+
+
+# ------------------------------------------------------------------------------- one run
+def build(s: dict, device: str):
+    """``(model, input_ids)``: a random-weight Llama on ``device``, seeded."""
+    import torch
+    import transformers as tr
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    config = tr.LlamaConfig(
+        hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"],
+        max_position_embeddings=max(4096, s["prompt"] + s["new"]),
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = tr.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                    attn_implementation="sdpa")
+    model = model.to(device).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, s["vocab"], (s["batch"], s["prompt"]), generator=gen).to(device)
+    return model, ids
+
+
+def cache_kwarg(model) -> str:
+    """The keyword ``generate`` takes a user cache by: ``cache`` (transformers 5.x; it maps the
+    deprecated ``past_key_values`` onto it), ``past_key_values`` in older releases."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else (
+        "past_key_values")
+
+
+def make_cache(variant: str, model, block_tokens: int):
+    import transformers as tr
+
+    if variant == "dynamic":
+        return tr.DynamicCache(config=model.config)
+    if variant == "dynamic_offloaded":
+        return tr.DynamicCache(config=model.config, offloading=True)
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    return CompressedOffloadedCache(config=model.config, block_tokens=block_tokens)
+
+
+def _close(cache) -> None:
+    close = getattr(cache, "close", None)
+    if callable(close):
+        close()
+
+
+class _FirstToken:
+    """A streamer recording when ``generate`` hands over the first generated token (its first
+    ``put`` is the prompt). ``generate`` copies the tokens to the host before handing them
+    over, so the device has finished the prefill and the first token by then."""
+
+    def __init__(self, sync):
+        self.sync, self.puts, self.t = sync, 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.sync()
+            self.t = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def _held(cache, on_cpu: bool) -> int:
+    """Bytes of the cache's layer tensors on the CPU (``on_cpu``) or elsewhere."""
+    n = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None and (t.device.type == "cpu") == on_cpu:
+                n += t.numel() * t.element_size()
+    return n
+
+
+def run(variant: str, s: dict, device: str) -> dict:
+    import torch
+    import transformers as tr
+
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model, ids = build(s, device)
+    kw = cache_kwarg(model)
+    prompt, new, batch = s["prompt"], s["new"], s["batch"]
+    row = {"variant": variant, "layers": s["layers"], "prompt": prompt, "new": new,
+           "batch": batch, "block_tokens": s["block_tokens"] if variant == "compressed" else None,
+           "cache_kwarg": kw}
+
+    def generate(inp, max_new, cache, streamer=None):
+        return model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new,
+                              do_sample=False, streamer=streamer, **{kw: cache})
+
+    # warm-up: kernels compiled, pools grown; long enough to seal compressed blocks
+    warm_prompt = min(prompt, max(128, 2 * s["block_tokens"]))
+    cache = make_cache(variant, model, s["block_tokens"])
+    try:
+        generate(ids[:, :warm_prompt], min(4, new), cache)
+    except Exception as e:  # transformers' offloading is CUDA-only: say so instead of failing
+        if variant != "dynamic_offloaded" or cuda:
+            raise
+        _close(cache)
+        row["skipped"] = (f"DynamicCache(offloading=True) on {device} with transformers "
+                          f"{tr.__version__}: {type(e).__name__}: {e}")
+        return row
+    _close(cache)
+    del cache
+    sync()
+    if cuda:
+        torch.cuda.empty_cache()
+        row["model_gib"] = torch.cuda.memory_allocated() / GIB
+        torch.cuda.reset_peak_memory_stats()
+
+    # the timed run
+    cache = make_cache(variant, model, s["block_tokens"])
+    first = _FirstToken(sync)
+    sync()
+    t0 = time.perf_counter()
+    out = generate(ids, new, cache, first)
+    sync()
+    total = time.perf_counter() - t0
+    if cuda:
+        row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
+    gen_ids = out[:, prompt:].tolist()
+    prefill = first.t - t0 if first.t is not None else None
+    row.update(
+        total_s=total, prefill_s=prefill,
+        decode_tokens_per_s=((new - 1) * batch / (total - prefill)
+                             if prefill is not None and new > 1 and total > prefill else None),
+        new_tokens=len(gen_ids[0]), tokens=gen_ids,
+        cache_seq_length=cache.get_seq_length(),
+    )
+    head_dim = s["hidden"] // s["heads"]
+    itemsize = next(model.parameters()).element_size()
+    row["kv_gib"] = (s["layers"] * 2 * batch * s["kv_heads"] * head_dim * (prompt + new)
+                     * itemsize / GIB)
+    if variant == "compressed":
+        st = cache.stats()
+        row["host_gib"] = st["host_bytes"] / GIB
+        row["cache_on_device_gib"] = st["device_tail_bytes"] / GIB
+        row["ratio"] = st["ratio"]
+        row["cache_stats"] = st
+        pcs = {str(d): pc.stats() for d, pc in cache.compressors.items()}
+        row["host_pool_gib"] = sum(p["host_pool_bytes"] for p in pcs.values()) / GIB
+        row["compressor"] = {d: {k: v for k, v in p.items() if not isinstance(v, (dict, list))}
+                             for d, p in pcs.items()}
+    else:
+        on_cpu = _held(cache, on_cpu=True)
+        row["host_gib"] = (on_cpu if variant == "dynamic_offloaded" else 0) / GIB
+        row["cache_on_device_gib"] = (_held(cache, on_cpu=False) if cuda else on_cpu) / GIB
+    _close(cache)
+    del cache
+    codec = sys.modules.get("torch_pagecomp.cpu_codec")
+    if codec is not None:  # the CPU codec's process-wide worker pool (else joined at exit)
+        codec.shutdown_pool()
+    row["threads_after_close"] = sorted(
+        t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive())
+    return row
+
+
+# ------------------------------------------------------------------------------ driver
+def _child(args, variant: str, s: dict) -> dict:
+    cmd = [sys.executable, "-m", "bench.hf_generate", "--child", variant,
+           "--layers", str(args.layers), "--prompt", str(args.prompt), "--new", str(args.new),
+           "--batch", str(args.batch), "--device", args.device]
+    if args.block_tokens:
+        cmd += ["--block-tokens", str(args.block_tokens)]
+    if args.tiny:
+        cmd.append("--tiny")
+    base = {"variant": variant, "layers": s["layers"], "prompt": s["prompt"], "new": s["new"],
+            "batch": s["batch"]}
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    except subprocess.TimeoutExpired:
+        return {**base, "error": f"timeout after {args.timeout} s"}
+    last = r.stdout.strip().splitlines()[-1:] or [""]
+    if r.returncode != 0 or not last[0].startswith("{"):
+        return {**base, "error": f"exit {r.returncode}", "stderr": r.stderr[-2000:]}
+    row = json.loads(last[0])
+    row["exit_code"], row["stderr"] = r.returncode, r.stderr[-500:]
+    return row
+
+
+def _tokens_hash(tokens) -> str:
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+def _finish(rows: list[dict], meta: dict) -> dict:
+    """Token identity against ``dynamic``; the raw ids replaced by a hash."""
+    ref = next((r.get("tokens") for r in rows if r["variant"] == "dynamic"), None)
+    out = []
+    for r in rows:
+        r = dict(r)
+        tokens = r.pop("tokens", None)
+        if tokens is not None:
+            r["tokens_hash"] = _tokens_hash(tokens)
+            r["tokens_identical_to_dynamic"] = (tokens == ref) if ref is not None else None
+        out.append(r)
+    return {**meta, "rows": out}
+
+
+def table(doc: dict) -> str:
+    head = ("| variant | layers | batch | prompt | new | prefill s | total s | decode tok/s | "
+            "decode vs dynamic | peak GPU GiB | host GiB | KV GiB | ratio | tokens identical |")
+    lines = [head, "|" + "---|" * 14]
+    ref = next((r.get("decode_tokens_per_s") for r in doc["rows"]
+                if r["variant"] == "dynamic"), None)
+    f = lambda v, p=2: "" if v is None else f"{v:.{p}f}"  # noqa: E731
+    g = lambda v: "" if v is None else f"{v:.3g}"  # noqa: E731
+    for r in doc["rows"]:
+        lead = f"| {r['variant']} | {r['layers']} | {r['batch']} | {r['prompt']} | {r['new']} | "
+        if "error" in r or "skipped" in r:
+            what = f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
+            lines.append(lead + what.replace("|", "/").replace("\n", " ")[:200] + " ||||||||")
+            continue
+        dec = r.get("decode_tokens_per_s")
+        rel = f"{dec / ref:.2f}x" if dec and ref else ""
+        lines.append(
+            lead + f"{f(r['prefill_s'], 3)} | {f(r['total_s'], 3)} | {f(dec, 1)} | {rel} | "
+            f"{f(r.get('peak_gpu_gib'))} | {g(r.get('host_gib'))} | {g(r.get('kv_gib'))} | "
+            f"{f(r.get('ratio'), 3)} | {r.get('tokens_identical_to_dynamic', '')} |")
+    return "\n".join(lines)
+
+
+def _write(doc: dict, path: str | None, text: str) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    with open(os.path.splitext(path)[0] + ".md", "w") as fh:
+        fh.write(text + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=16384)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--block-tokens", type=int, default=None,
+                    help="tokens per compressed block (default 256; 16 with --tiny)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per child")
+    ap.add_argument("--device", default=None, choices=("cuda", "cpu"))
+    ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU CI)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", default=None, choices=VARIANTS)
+    args = ap.parse_args(argv)
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    s = _sizes(args)
+    if args.child:
+        print(json.dumps(run(args.child, s, args.device)))
+        sys.stdout.flush()
+        return 0
+    import transformers
+
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}")
+    argv_list = sys.argv[1:] if argv is None else list(argv)
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "command": " ".join(["python -m bench.hf_generate", *argv_list]),
+            "sizes": s, "prefill_measure": "time to the first generated token in the timed "
+            "run (streamer), host wall time with torch.cuda.synchronize()"}
+    rows = []
+    for v in variants:
+        rows.append(_child(args, v, s))
+        doc = _finish(rows, meta)
+        _write(doc, args.out, table(doc))  # partial results survive an outer timeout
+    text = table(doc)
+    print(text)
+    _write(doc, args.out, text)
+    bad = [r for r in rows if "error" in r or r.get("exit_code", 0)]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
