@@ -25,8 +25,9 @@ from torch_pagecomp import PageCompressor
 from torch_pagecomp._ops import compress_eager, pack_eager
 
 
-def profile_calls(fn, calls: int, top: int = 22) -> str:
-    """cProfile's top functions (by own time) over ``calls`` calls of ``fn``."""
+def profile_calls(fn, calls: int, top: int = 22, cumulative: str | None = None) -> str:
+    """cProfile's top functions (by own time) over ``calls`` calls of ``fn``; with
+    ``cumulative`` (a regex of file names), also those functions by cumulative time."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -34,7 +35,10 @@ def profile_calls(fn, calls: int, top: int = 22) -> str:
     torch.cuda.synchronize()
     prof.disable()
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(prof, stream=s)
+    stats.sort_stats("tottime").print_stats(top)
+    if cumulative:
+        stats.sort_stats("cumulative").print_stats(cumulative, top + 15)
     return s.getvalue()
 
 

@@ -46,10 +46,11 @@ import hashlib
 import inspect
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
+
+from bench.children import run_child, write_results
 
 VARIANTS = ("dynamic", "dynamic_offloaded", "compressed")
 GIB = 1 << 30
@@ -236,26 +237,16 @@ def run(variant: str, s: dict, device: str) -> dict:
 
 # ------------------------------------------------------------------------------ driver
 def _child(args, variant: str, s: dict) -> dict:
-    cmd = [sys.executable, "-m", "bench.hf_generate", "--child", variant,
-           "--layers", str(args.layers), "--prompt", str(args.prompt), "--new", str(args.new),
-           "--batch", str(args.batch), "--device", args.device]
+    argv = ["--child", variant, "--layers", str(args.layers), "--prompt", str(args.prompt),
+            "--new", str(args.new), "--batch", str(args.batch), "--device", args.device]
     if args.block_tokens:
-        cmd += ["--block-tokens", str(args.block_tokens)]
+        argv += ["--block-tokens", str(args.block_tokens)]
     if args.tiny:
-        cmd.append("--tiny")
+        argv.append("--tiny")
     base = {"variant": variant, "layers": s["layers"], "prompt": s["prompt"], "new": s["new"],
             "batch": s["batch"]}
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    except subprocess.TimeoutExpired:
-        return {**base, "error": f"timeout after {args.timeout} s"}
-    last = r.stdout.strip().splitlines()[-1:] or [""]
-    if r.returncode != 0 or not last[0].startswith("{"):
-        return {**base, "error": f"exit {r.returncode}", "stderr": r.stderr[-2000:]}
-    row = json.loads(last[0])
-    row["exit_code"], row["stderr"] = r.returncode, r.stderr[-500:]
-    return row
+    return run_child("bench.hf_generate", argv, base, args.timeout,
+                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tokens_hash(tokens) -> str:
@@ -299,16 +290,6 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _write(doc: dict, path: str | None, text: str) -> None:
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    with open(os.path.splitext(path)[0] + ".md", "w") as fh:
-        fh.write(text + "\n")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -350,10 +331,10 @@ def main(argv=None) -> int:
     for v in variants:
         rows.append(_child(args, v, s))
         doc = _finish(rows, meta)
-        _write(doc, args.out, table(doc))  # partial results survive an outer timeout
+        write_results(doc, args.out, table(doc))  # partial results survive an outer timeout
     text = table(doc)
     print(text)
-    _write(doc, args.out, text)
+    write_results(doc, args.out, text)
     bad = [r for r in rows if "error" in r or r.get("exit_code", 0)]
     return 1 if bad else 0
 

@@ -29,9 +29,10 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from bench.children import run_child, write_results
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed", "torchtune")
 GIB = 1 << 30
@@ -197,36 +198,23 @@ def _grad_hash(model) -> list[int]:
     return out
 
 
-def _profile(step, opt, path: str) -> None:
-    """One more step under the profiler: where the GPU time goes, by kernel and copy."""
+def _profile(train_step, path: str) -> None:
+    """One more step under the profiler (where the GPU time goes, by kernel and copy), then
+    one under cProfile (the host side, no profiler hooks on every op)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.dev_host_profile import profile_calls
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        opt.step()
+        train_step()
         torch.cuda.synchronize()
     with open(path, "w") as fh:
         fh.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-    # the host side alone (no profiler hooks on every op): Python functions by own time
-    import cProfile
-    import io
-    import pstats
-
-    torch.cuda.synchronize()
-    host = cProfile.Profile()
-    host.enable()
-    step()
-    opt.step()
-    host.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    stats = pstats.Stats(host, stream=text)
-    stats.sort_stats("tottime").print_stats(30)
-    text.write("\n# the same, cumulative, the package's and Triton's functions\n")
-    stats.sort_stats("cumulative").print_stats("torch_pagecomp|triton_kernels|triton/runtime", 45)
-    with open(path, "a") as fh:
-        fh.write("\n\n# cProfile of one step's host side (by own time)\n" + text.getvalue())
+        fh.write("\n\n# cProfile of one step's host side (by own time; cumulative for the "
+                 "package's and Triton's functions)\n")
+        fh.write(profile_calls(train_step, 1, 30,
+                               cumulative="torch_pagecomp|triton_kernels|triton/runtime"))
 
 
 def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: bool,
@@ -269,6 +257,10 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
             y = model(x)
         y.float().square().mean().backward()
 
+    def train_step():
+        step()
+        opt.step()
+
     # first step: deterministic settings, gradients hashed for the identity check
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -284,15 +276,13 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     cuda = device != "cpu"
     times, issue = [], []
     for _ in range(warmup):
-        step()
-        opt.step()
+        train_step()
     # prefer="speed" is measured once its tuner has chosen (its trial passes time both ways
     # and grow both pools once): the warm-up goes on until then, at most 16 steps more
     tuner = off.tuner if off is not None else None
     while tuner is not None and tuner.choice is None and warmup < 20:
         warmup += 1
-        step()
-        opt.step()
+        train_step()
         if cuda:
             torch.cuda.synchronize()
     if cuda:
@@ -307,8 +297,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         if cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-        step()
-        opt.step()
+        train_step()
         if cuda:
             e1.record()
             issue.append((time.perf_counter() - t0) * 1e3)  # the host's issue time
@@ -323,7 +312,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
         row["host_issue_ms"] = statistics.median(issue)
     if profile and cuda:
-        _profile(step, opt, profile)
+        _profile(train_step, profile)
     if off is not None:
         st = off.stats()
         offloaded = (st.get("offloaded_bytes", 0) - before.get("offloaded_bytes", 0)) / steps
@@ -342,23 +331,14 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
 
 # ------------------------------------------------------------------------------ driver
 def _child(args, name: str, variant: str) -> dict:
-    cmd = [sys.executable, "-m", "bench.stock_models", "--child", name, variant,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
     env = dict(os.environ)
     env.pop("STOCK_PROFILE", None)
     if args.profile and args.profile.split(":")[:2] == [name, variant]:
         env["STOCK_PROFILE"] = args.profile.split(":", 2)[2]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"model": name, "variant": variant, "error": f"timeout after {args.timeout} s"}
-    last = r.stdout.strip().splitlines()[-1:] or [""]
-    if r.returncode != 0 or not last[0].startswith("{"):
-        return {"model": name, "variant": variant, "error": f"exit {r.returncode}",
-                "stderr": r.stderr[-2000:]}
-    row = json.loads(last[0])
-    row["exit_code"], row["stderr"] = r.returncode, r.stderr[-500:]
-    return row
+    return run_child("bench.stock_models",
+                     ["--child", name, variant, "--steps", str(args.steps),
+                      "--warmup", str(args.warmup), "--device", args.device],
+                     {"model": name, "variant": variant}, args.timeout, env=env)
 
 
 def _finish(rows: list[dict], meta: dict) -> dict:
@@ -439,11 +419,7 @@ def main(argv=None) -> int:
     doc = _finish(rows, meta)
     text = table(doc)
     print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(doc, fh, indent=1)
-        with open(os.path.splitext(args.out)[0] + ".md", "w") as fh:
-            fh.write(text + "\n")
+    write_results(doc, args.out, text)
     bad = [r for r in rows if "error" in r or r.get("exit_code", 0)]
     return 1 if bad else 0
 

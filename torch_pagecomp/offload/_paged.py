@@ -30,7 +30,7 @@ from .. import _ops
 from ..format import CorruptPageError
 from ..module import RestoreFailures
 from ..pools import HostMemory, can_pin
-from ._streams import on_stream as _on
+from ._streams import on_stream
 
 CHUNK_BYTES = 64 << 20
 SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
@@ -277,14 +277,14 @@ class PagedStore:
                  chunk_bytes: int = CHUNK_BYTES, slice_bytes: int = SLICE_BYTES):
         self.device, self.page_size = device, page_size
         self.compress_stream, self.pack_stream, self.restore_stream = streams
-        with _on(self.pack_stream):  # the plan and pack kernels read the arena's state there
+        with on_stream(self.pack_stream):  # the plan and pack kernels read the arena's state there
             self.arena = VirtualArena(device, chunk_bytes)
         self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
         self._packed: collections.deque = collections.deque()  # pack events of recent slices
         self.failures = None  # pages that failed to decode, counted on the device
         self._statuses: dict = {}  # restore stream -> decode statuses not counted yet
         if device.type == "cuda":
-            with _on(self.restore_stream):
+            with on_stream(self.restore_stream):
                 self.failures = RestoreFailures(device)
             self.pack_stream.synchronize()  # both made before any kernel may use them
             self.restore_stream.synchronize()
@@ -299,7 +299,7 @@ class PagedStore:
         if cs is not None:
             cs.wait_stream(producer)
         slices = []
-        with _on(cs):
+        with on_stream(cs):
             for first in range(0, full, self.slice_pages):
                 n = min(self.slice_pages, full - first)
                 slices.append(self._store_slice(src, first, n, element_size))
@@ -320,7 +320,7 @@ class PagedStore:
         payload, sizes, kinds = _compress(pages, element_size)
         compressed = _record(cs)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * (p + 5))
-        with _on(ps):
+        with on_stream(ps):
             _wait(ps, compressed)
             dev = src.device
             meta = torch.empty(n + 2, dtype=torch.int64, device=dev)  # one allocation
@@ -347,8 +347,8 @@ class PagedStore:
         p, arena = self.page_size, self.arena
         stream = torch.cuda.current_stream() if out.is_cuda else None  # on out's device
         arena.confirm()  # placements known by now (never waits)
-        pages_in = sum(sl.n for sl in stored.slices)
-        status = torch.empty(pages_in, dtype=torch.int32, device=out.device)
+        full = stored.nbytes // p  # the slices' pages; the partial tail travels as bytes
+        status = torch.empty(full, dtype=torch.int32, device=out.device)
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
                 raise RuntimeError(
@@ -369,7 +369,7 @@ class PagedStore:
                              status[sl.first:sl.first + sl.n])
         if stored.tail is not None:
             out[stored.nbytes - stored.tail.numel():].copy_(stored.tail, non_blocking=True)
-        if pages_in:
+        if full:
             self._count_failures(status, stream)
         if stream is None:
             arena.confirm()
