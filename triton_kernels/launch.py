@@ -5,6 +5,12 @@ Inside a ``triton_op`` (``torch.ops.pagecomp.*``) a kernel goes through ``wrap_t
 launches directly. An eager caller that calls a launcher itself (the pipeline, on its own streams)
 passes ``traced=False``: a ``wrap_triton`` kernel called outside an op goes through PyTorch's
 higher-order-op dispatch, measured at ~200 us of host time per launch on an H200 host.
+
+A direct launch goes through ``JITFunction.run`` once per specialisation and then calls the
+compiled kernel's launcher itself (:func:`_launch_compiled`): ``JITFunction.run`` rebinds the
+arguments, reads Triton's environment-backed settings and rebuilds its cache key on every call,
+which is most of a launch's host time; the activation-offload hooks launch a handful of kernels
+per saved tensor, so that time is paid hundreds of times per training step.
 """
 
 from __future__ import annotations
@@ -24,11 +30,123 @@ def interpreting() -> bool:
 
 def launch(kernel, grid: tuple[int, ...], device: torch.device, args: tuple, meta: dict,
            traced: bool = True) -> None:
-    """Launch ``kernel[grid](*args, **meta)`` on ``device``'s current stream."""
-    fn = wrap_triton(kernel)[grid] if traced else kernel[grid]
+    """Launch ``kernel[grid](*args, **meta)`` on ``device``'s current stream.
+
+    ``args`` are the kernel's leading parameters in order (tensors, ints, floats, bools, None);
+    ``meta`` names the rest (constexprs, launch options such as ``num_warps``).
+    """
+    if traced:
+        fn = wrap_triton(kernel)[grid]
+    elif device.type == "cuda" and not torch.compiler.is_compiling() and not interpreting():
+        index = torch._C._cuda_getDevice()
+        if device.index is None or device.index == index:
+            _launch_compiled(kernel, grid, index, args, meta)
+            return
+        with torch.cuda.device(device):  # Triton launches on the current device's stream
+            _launch_compiled(kernel, grid, device.index, args, meta)
+        return
+    else:
+        fn = kernel[grid]
     if (device.type == "cuda" and not torch.compiler.is_compiling()
             and device.index is not None and device.index != torch.cuda.current_device()):
-        with torch.cuda.device(device):  # Triton launches on the current device's stream
+        with torch.cuda.device(device):
             fn(*args, **meta)
     else:  # on the current device already (the common case: no switch), or compiled code,
         fn(*args, **meta)  # which sets the device itself
+
+
+# (kernel, device index, meta items, per-argument specialisation) -> (compiled kernel, the
+# parameter values after ``args``) or None where the compiled kernel cannot be called directly
+_COMPILED: dict = {}
+_INT32 = (-(1 << 31), 1 << 31)
+
+
+def _arg_class(a) -> tuple | None:
+    """What of an argument can change the kernel Triton compiles for it, at least as finely as
+    Triton's own specialisation: a tensor's dtype and 16-byte alignment; an int's equality to 1,
+    divisibility by 16 and width. None: a kind of argument the direct path does not handle."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() & 15 == 0)
+    t = type(a)
+    if t is int:
+        return (a == 1, a & 15 == 0, _INT32[0] <= a < _INT32[1], a < 1 << 63)
+    if t is bool or t is float or a is None:
+        return (t, a) if t is bool else (t,)
+    return None
+
+
+def _meta_key(meta: dict) -> tuple | None:
+    """``meta`` as a key, or None if a value is not a plain constant (a tensor there would be
+    kept alive, and hashed by identity, by the cache)."""
+    items = tuple(meta.items())
+    for _, v in items:
+        if type(v) not in (int, bool, float, str, type(None)):
+            return None
+    return items
+
+
+def _launch_compiled(kernel, grid: tuple[int, ...], index: int, args: tuple, meta: dict) -> None:
+    """Launch on device ``index``'s current stream through the cached compiled kernel; the first
+    launch of each specialisation (and any launch the cache cannot key, or while Triton's launch
+    hooks are set, e.g. under its profiler) goes through ``JITFunction.run``."""
+    mkey = _meta_key(meta)
+    classes = tuple(map(_arg_class, args))
+    if mkey is None or None in classes or _hooks_set():
+        kernel[grid](*args, **meta)
+        return
+    key = (kernel, index, mkey, classes)
+    entry = _COMPILED.get(key, False)
+    if entry is False:
+        compiled = kernel[grid](*args, **meta)
+        _COMPILED[key] = _direct_entry(kernel, compiled, index, args, meta)
+        return
+    if entry is None:
+        kernel[grid](*args, **meta)
+        return
+    run, function, packed, tail = entry
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(index), function, packed, None, None,
+        None, *args, *tail)
+
+
+def _direct_entry(kernel, compiled, index: int, args: tuple, meta: dict):
+    """What ``JITFunction.run`` passes to the compiled kernel's launcher besides the grid, the
+    stream and ``args``: (launcher, function handle, packed metadata, values of the parameters
+    after ``args``), or None if this Triton's objects do not look as expected (then every
+    launch keeps going through ``JITFunction.run``)."""
+    try:
+        binder = kernel.device_caches[index][-1]
+        bound = binder(*args, **meta)[0]
+        values = list(bound.values())
+        run, function = compiled.run, compiled.function
+        if not callable(run) or function is None or len(values) < len(args):
+            return None
+        return run, function, compiled.packed_metadata, tuple(values[len(args):])
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+
+
+def _hooks_set() -> bool:
+    """Whether Triton's launch hooks are set (its profiler uses them): then launches go
+    through ``JITFunction.run``, which calls them."""
+    runtime = _knobs_runtime()
+    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+
+
+_RUNTIME: list = []  # Triton's runtime settings object, found on first use
+
+
+def _knobs_runtime():
+    if not _RUNTIME:
+        try:
+            from triton import knobs
+            _RUNTIME.append(knobs.runtime)
+        except ImportError:  # a Triton without knobs keeps its hooks elsewhere: never direct
+            _RUNTIME.append(_AlwaysHooked())
+    return _RUNTIME[0]
+
+
+class _AlwaysHooked:
+    launch_enter_hook = True
+    launch_exit_hook = None
