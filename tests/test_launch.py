@@ -70,3 +70,20 @@ def test_launch_under_the_interpreter_goes_through_triton(monkeypatch):
     L.launch(_scaled_copy, (1,), src.device, (src, dst, 100, 2), dict(BLOCK=128, SHIFT=1),
              traced=False)
     assert torch.equal(dst, src * 2 + 1)
+
+
+def test_launch_hooks_send_launches_through_triton(monkeypatch):
+    class Chain:  # Triton >= 3.5 keeps hooks in chains that are never None
+        def __init__(self, calls):
+            self.calls = calls
+
+    class Runtime:
+        launch_enter_hook = Chain([])
+        launch_exit_hook = None
+
+    monkeypatch.setattr(L, "_RUNTIME", [Runtime()])
+    assert not L._hooks_set()
+    Runtime.launch_exit_hook = Chain([print])
+    assert L._hooks_set()
+    Runtime.launch_exit_hook, Runtime.launch_enter_hook = None, print
+    assert L._hooks_set()

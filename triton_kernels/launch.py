@@ -131,7 +131,12 @@ def _hooks_set() -> bool:
     """Whether Triton's launch hooks are set (its profiler uses them): then launches go
     through ``JITFunction.run``, which calls them."""
     runtime = _knobs_runtime()
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _is_set(runtime.launch_enter_hook) or _is_set(runtime.launch_exit_hook)
+
+
+def _is_set(hook) -> bool:
+    # newer Tritons keep a chain of hooks that is never None (set when it has calls)
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 _RUNTIME: list = []  # Triton's runtime settings object, found on first use
