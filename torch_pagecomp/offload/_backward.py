@@ -7,7 +7,7 @@ import torch
 
 from ..format import CorruptPageError
 from ._entry import _capturing, _Entry
-from ._streams import on_stream
+from ._streams import current_stream, on_stream
 
 
 class BackwardMixin:
@@ -47,7 +47,7 @@ class BackwardMixin:
                 self._restore([entry])
         entry.wait_restored()
         if entry.restore_event is not None:
-            current = torch.cuda.current_stream(entry.device)
+            current = current_stream(entry.device)
             current.wait_event(entry.restore_event)
             if current != entry.stream:
                 entry.stream.wait_event(entry.restore_event)

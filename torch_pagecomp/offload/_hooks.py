@@ -51,7 +51,7 @@ from ._entry import (
 )
 from ._paged import PagedStore
 from ._stores import ClassPolicy, CpuStore, PinnedStore
-from ._streams import on_stream
+from ._streams import current_stream, on_stream
 from ._tune import StepTuner
 
 MODES = ("compressed", "uncompressed")
@@ -307,11 +307,11 @@ class ActivationOffloader(BackwardMixin):
             entry.store = self._cpu_compressed if compress else self._cpu
             entry.stored = entry.store.offload(src, esize)
         elif compress:
-            entry.store, entry.stream = self._paged_store(dev), torch.cuda.current_stream(dev)
+            entry.store, entry.stream = self._paged_store(dev), current_stream(dev)
             entry.stored = entry.store.offload(src, esize, producer=entry.stream)
             self._unsized.append(weakref.ref(entry))
         else:
-            side, entry.stream = self._stream(dev, "d2h"), torch.cuda.current_stream(dev)
+            side, entry.stream = self._stream(dev, "d2h"), current_stream(dev)
             with on_stream(side):
                 side.wait_stream(entry.stream)
                 entry.stored = self._pinned.offload(src, esize)

@@ -30,7 +30,7 @@ from .. import _ops
 from ..format import CorruptPageError
 from ..module import RestoreFailures
 from ..pools import HostMemory, can_pin
-from ._streams import on_stream
+from ._streams import current_stream, on_stream
 
 CHUNK_BYTES = 64 << 20
 SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
@@ -345,7 +345,7 @@ class PagedStore:
         from ..kernels.host_pack import fetch_from_host
 
         p, arena = self.page_size, self.arena
-        stream = torch.cuda.current_stream() if out.is_cuda else None  # on out's device
+        stream = current_stream(out.device) if out.is_cuda else None  # on out's device
         arena.confirm()  # placements known by now (never waits)
         full = stored.nbytes // p  # the slices' pages; the partial tail travels as bytes
         status = torch.empty(full, dtype=torch.int32, device=out.device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..pools import HostMemory, PinnedBufferPool
+from ._streams import current_stream
 
 
 # --------------------------------------------------------------------------------- stores
@@ -52,7 +53,7 @@ class PinnedStore:
         buf = self.pool.get(src.numel())
         if buf is None:
             return None
-        stream = torch.cuda.current_stream(src.device)
+        stream = current_stream(src.device)
         if buf.last_use is not None:
             stream.wait_event(buf.last_use)
         buf.tensor.copy_(src, non_blocking=True)
@@ -61,7 +62,7 @@ class PinnedStore:
         return RawStored(buf, ev)
 
     def restore(self, stored: RawStored, out: torch.Tensor) -> None:
-        stream = torch.cuda.current_stream(out.device)
+        stream = current_stream(out.device)
         stored.wait_on(stream)
         out.copy_(stored.buf.tensor, non_blocking=True)
         stored.buf.last_use = stream.record_event()

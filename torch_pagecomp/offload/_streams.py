@@ -1,5 +1,6 @@
 """Stream switching on the hooks' hot path: every saved tensor and every restore switches
-streams a few times, and ``torch.cuda.stream`` costs several device-index lookups each."""
+streams a few times, and ``torch.cuda.stream`` / ``torch.cuda.current_stream`` cost several
+device-index lookups and a ``Stream`` object each."""
 
 from __future__ import annotations
 
@@ -21,18 +22,34 @@ class on_stream:
         s = self.stream
         if s is None:
             return
-        prev = torch.cuda.current_stream()
-        if prev.device_index != s.device_index:
+        if s.device_index != torch._C._cuda_getDevice():
             self.ctx = torch.cuda.stream(s)
             self.ctx.__enter__()
             return
-        self.prev = prev
-        torch.cuda.set_stream(s)
+        # (stream id, device index, device type) of the current stream: restored as it was
+        self.prev = torch._C._cuda_getCurrentStream(s.device_index)
+        torch._C._cuda_setStream(s.stream_id, s.device_index, s.device_type)
 
     def __exit__(self, *exc) -> None:
         if self.ctx is not None:
             self.ctx.__exit__(*exc)
             self.ctx = None
         elif self.prev is not None:
-            torch.cuda.set_stream(self.prev)
+            torch._C._cuda_setStream(*self.prev)
             self.prev = None
+
+
+_STREAMS: dict[tuple, torch.cuda.Stream] = {}
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device)`` for a CUDA ``device``, without building a new
+    ``Stream`` each call: streams are kept by their (id, device, type), which name the same
+    CUDA stream for the life of the process (PyTorch's streams come from pools it never
+    destroys)."""
+    index = device.index if device.index is not None else torch._C._cuda_getDevice()
+    key = torch._C._cuda_getCurrentStream(index)
+    s = _STREAMS.get(key)
+    if s is None:
+        s = _STREAMS[key] = torch.cuda.current_stream(index)
+    return s
