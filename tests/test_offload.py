@@ -67,7 +67,8 @@ def assert_clean(off: ActivationOffloader) -> None:
     assert all(v == 0 for v in pending.values()), pending
     with off._lock:
         off._poll()  # frees of entries that died after pending() looked
-        assert off._host_now == 0  # the running host total behind peak_host_bytes
+        off._ledger.settle()  # the running host total behind peak_host_bytes
+        assert off._ledger.now == 0 and not off._ledger._events
     for store in off._paged.values():
         store.poll()
         assert store.arena.used == 0 and not store.arena.live, store.stats()

@@ -84,7 +84,7 @@ class _Entry:
         self.restore_done = threading.Event()
         self.waited = False
         self.served = False  # handed back from the stash (in place) at least once
-        self.host_counted = 0  # bytes this entry adds to the offloader's running host total
+        self.host_rec = None  # its record in the offloader's host ledger
 
     def wait_stored(self):
         self.submitted.wait()
@@ -116,8 +116,8 @@ class _Entry:
         try:
             self.drop_restored()
         finally:
-            if self.stored is not None or self.host_counted:
-                self.sink.append((self.store, self.stored, self.host_counted))
+            if self.stored is not None or self.host_rec is not None:
+                self.sink.append((self.store, self.stored, self.host_rec))
 
 
 class _Packed:

@@ -49,6 +49,7 @@ from ._entry import (
     _tls,
     keep_on_gpu,
 )
+from ._ledger import HostLedger
 from ._paged import PagedStore
 from ._stores import ClassPolicy, CpuStore, PinnedStore
 from ._streams import current_stream, on_stream
@@ -131,8 +132,6 @@ class ActivationOffloader(BackwardMixin):
         self._cpu = CpuStore(compress=False)
         self._cpu_compressed = CpuStore(compress=True, page_size=page_size)
         self._paged: dict[int, PagedStore] = {}
-        # compressed entries whose stored size the host does not know yet (placed in order)
-        self._unsized: collections.deque[weakref.ref] = collections.deque()
         self._failed_restores_seen = 0
         self._last_error: str | None = None  # the latest offload that failed (kept in place)
         self._streams: dict[tuple, torch.cuda.Stream] = {}
@@ -152,8 +151,7 @@ class ActivationOffloader(BackwardMixin):
         self._keep_ptrs: set[int] = set()
         self._keep_modules: list[torch.nn.Module] = []
         self._handles: list = []
-        self._peak_host = 0
-        self._host_now = 0  # host bytes of live entries (compressed sizes once known)
+        self._ledger = HostLedger()  # stored bytes of live entries, and their peak
         self.counters = collections.Counter()
         self._pass_start = collections.Counter()
         self._warned_idle = False
@@ -309,7 +307,6 @@ class ActivationOffloader(BackwardMixin):
         elif compress:
             entry.store, entry.stream = self._paged_store(dev), current_stream(dev)
             entry.stored = entry.store.offload(src, esize, producer=entry.stream)
-            self._unsized.append(weakref.ref(entry))
         else:
             side, entry.stream = self._stream(dev, "d2h"), current_stream(dev)
             with on_stream(side):
@@ -337,7 +334,7 @@ class ActivationOffloader(BackwardMixin):
         self.counters["offloaded_bytes"] += nbytes
         if self.tuner is not None:
             self.tuner.add_bytes(nbytes)
-        self._count_host(entry)
+        entry.host_rec = self._ledger.add(entry.stored, nbytes)
         self._live.add(entry)
         ps.groups[-1].append(weakref.ref(entry))
         ps.group_bytes += nbytes
@@ -358,7 +355,6 @@ class ActivationOffloader(BackwardMixin):
             self._failed.add(entry)
         else:
             entry.src = None
-            self._count_host(entry)  # the stored size is known now
         self._stash_bytes -= entry.nbytes
 
     def _stash_victim(self) -> _Entry:
@@ -375,29 +371,15 @@ class ActivationOffloader(BackwardMixin):
             self._release(self._stash.popleft(), wait=False)
         for store in self._paged.values():
             store.poll()
-        while self._unsized:  # sizes the kernels placed since: count what the host holds
-            entry = self._unsized[0]()
-            if entry is not None and entry.stored.host_nbytes() is None:
-                break
-            self._unsized.popleft()
-            if entry is not None:
-                self._count_host(entry)
         self.policy.poll()
         while self._sink:
-            store, stored, counted = self._sink.pop()
-            self._host_now -= counted
+            store, stored, rec = self._sink.pop()
+            if rec is not None:
+                self._ledger.remove(rec)  # before the free: its size is read from ``stored``
             if stored is not None:
                 store.free(stored)
+        self._ledger.settle()  # sizes the kernels placed since
 
-    def _count_host(self, entry: _Entry) -> None:
-        """Account ``entry`` in the running host total (its stored size when known, else its
-        uncompressed size) and the peak: kept current as entries come and go, so the peak
-        does not depend on when :meth:`stats` is called."""
-        size = entry.stored.host_nbytes() if entry.stored is not None else None
-        counted = entry.nbytes if size is None else size
-        self._host_now += counted - entry.host_counted
-        entry.host_counted = counted
-        self._peak_host = max(self._peak_host, self._host_now)
 
     # ------------------------------------------------------------------------ helpers
     def _stream(self, dev: torch.device, name: str) -> torch.cuda.Stream:
@@ -425,7 +407,7 @@ class ActivationOffloader(BackwardMixin):
         """Start the peaks of :meth:`stats` (host bytes, host memory held) from now."""
         with self._lock:
             self._poll()
-            self._peak_host = self._host_now
+            self._ledger.reset_peak()
             for store in self._paged.values():
                 store.arena.peak_held = store.arena.held_bytes
 
@@ -435,7 +417,6 @@ class ActivationOffloader(BackwardMixin):
         for e in list(self._live):
             size = e.stored.host_nbytes() if e.stored is not None else None
             total += e.nbytes if size is None else size
-        self._peak_host = max(self._peak_host, total)
         return total
 
     def pending(self) -> dict:
@@ -458,7 +439,7 @@ class ActivationOffloader(BackwardMixin):
         """Counters (packed / kept by reason / offloaded / restores), bytes and policy."""
         out = dict(self.counters)
         out.update(self.pending())
-        out["peak_host_bytes"] = self._peak_host
+        out["peak_host_bytes"] = self._ledger.peak
         if self._last_error is not None:
             out["last_offload_error"] = self._last_error
         out["pinned_held_bytes"] = self.pool.held_bytes
