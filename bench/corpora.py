@@ -13,6 +13,7 @@ same ``seed`` gives the same pages on the same machine, ``seed=None`` fresh ones
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import site
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from . import tinygpt
 
@@ -186,6 +188,126 @@ def _gpt(kind: str):
     return build
 
 
+# Periodic pages: a random pattern of 1..17 bytes repeated over the page, after a short
+# random prefix. LZ4 encodes them as matches whose offset (the period) is shorter than their
+# length, which decoders must copy byte by byte (overlapping), not as one block move.
+_PERIOD_MAX = 17
+_PREFIX_MAX = 15
+_PERIODIC_CHUNK = 8 << 20  # bytes per gather: its int64 index takes 8 bytes per byte built
+
+
+def _periodic(n: int, p: int, device, gen, seed) -> torch.Tensor:
+    # Every random draw is made on the CPU generator, so a seed gives the same bytes on
+    # every device; only the (integer, exact) gathers run on ``device``.
+    period = torch.randint(1, _PERIOD_MAX + 1, (n, 1), generator=gen)
+    prefix = torch.randint(0, _PREFIX_MAX + 1, (n, 1), generator=gen)
+    pattern = torch.randint(0, 256, (n, _PERIOD_MAX), generator=gen, dtype=torch.uint8)
+    head = torch.randint(0, 256, (n, _PREFIX_MAX), generator=gen, dtype=torch.uint8)
+    period, prefix, pattern, head = (t.to(device) for t in (period, prefix, pattern, head))
+    pos = torch.arange(p, device=device)
+    out = torch.empty((n, p), dtype=torch.uint8, device=device)
+    rows = max(1, _PERIODIC_CHUNK // p)
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        phase = (pos - prefix[lo:hi]).clamp_(min=0) % period[lo:hi]
+        out[lo:hi] = pattern[lo:hi].gather(1, phase)
+    lead = out[:, :_PREFIX_MAX]
+    lead.copy_(torch.where(pos[:_PREFIX_MAX] < prefix, head, lead))
+    return out
+
+
+# Encoder activations: what a stock pre-norm ``nn.TransformerEncoder`` saves for backward.
+ENCODER_D_MODEL = 512
+ENCODER_HEADS = 8
+ENCODER_LAYERS = 4
+_ENCODER_MAX_SEQ = 512
+_ENCODER_MIN_SEQ = 32
+# Bytes saved per token (bf16, all layers) by the capture below: measured, used only to size
+# the batch; the capture runs until it has the bytes asked for.
+_ENCODER_BYTES_PER_TOKEN = ENCODER_LAYERS * 12 * ENCODER_D_MODEL * 2
+
+
+def _encoder_model(seed: int) -> tuple[nn.Embedding, nn.TransformerEncoder]:
+    """A byte-level embedding and a stock pre-norm encoder, randomly initialised from ``seed``
+    on the CPU (the same weights on every device)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        embed = nn.Embedding(256, ENCODER_D_MODEL)
+        layer = nn.TransformerEncoderLayer(
+            ENCODER_D_MODEL, ENCODER_HEADS, 4 * ENCODER_D_MODEL, dropout=0.0,
+            batch_first=True, norm_first=True,
+        )
+        model = nn.TransformerEncoder(layer, ENCODER_LAYERS, enable_nested_tensor=False)
+        # The encoder deep-copies one layer, so its layers start equal: draw each afresh.
+        for m in model.modules():
+            if isinstance(m, nn.MultiheadAttention):
+                m._reset_parameters()
+            elif isinstance(m, (nn.Linear, nn.LayerNorm)):
+                m.reset_parameters()
+    return embed, model
+
+
+def _positions(seq: int, d: int) -> torch.Tensor:
+    """Sinusoidal position encodings ``[seq, d]`` (fp32), as in "Attention is all you need"."""
+    pos = torch.arange(seq, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
+    out = torch.empty(seq, d)
+    out[:, 0::2] = torch.sin(pos * freq)
+    out[:, 1::2] = torch.cos(pos * freq)
+    return out
+
+
+def encoder_capture(nbytes: int, text: torch.Tensor, device: torch.device,
+                    gen: torch.Generator, seed: int) -> torch.Tensor:
+    """At least ``nbytes`` bytes of activations saved for backward by a stock pre-norm
+    ``nn.TransformerEncoder``, as a flat bf16 tensor on ``device``.
+
+    The model (:func:`_encoder_model`) runs in training mode on windows of ``text`` (``uint8``
+    bytes as token ids, byte-level vocabulary) drawn with ``gen``; every tensor that autograd
+    saves (``saved_tensors_hooks``) is kept once per storage, in the order saved, when it is
+    not a parameter and holds at least ``d_model`` values per token (layer-norm statistics and
+    attention log-sum-exps are left out). On a GPU the model runs in bf16; on the CPU, where
+    bf16 matmuls are slow, in fp32, its saved tensors rounded to bf16.
+    """
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embed, model = _encoder_model(seed)
+    embed, model = embed.to(device, dtype), model.to(device, dtype)
+    params = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    tokens = -(-nbytes // _ENCODER_BYTES_PER_TOKEN)
+    seq = min(_ENCODER_MAX_SEQ, max(_ENCODER_MIN_SEQ, -(-tokens // 32) * 32))
+    batch = max(1, min(8, tokens // seq))
+    pos = _positions(seq, ENCODER_D_MODEL).to(device, dtype)
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    have = 0
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        nonlocal have
+        ptr = t.untyped_storage().data_ptr()
+        if (have < nbytes and t.dtype == dtype and ptr not in params and ptr not in seen
+                and t.numel() >= batch * seq * ENCODER_D_MODEL):
+            seen.add(ptr)
+            whole = torch.empty(0, dtype=dtype, device=t.device).set_(t.untyped_storage())
+            out.append(whole.detach().to(torch.bfloat16).flatten())
+            have += out[-1].numel() * 2
+        return t
+
+    while have < nbytes:
+        starts = torch.randint(0, max(1, text.numel() - seq), (batch, 1), generator=gen)
+        idx = (starts + torch.arange(seq)) % text.numel()
+        with torch.no_grad():
+            x = embed(text[idx].long().to(device)) + pos
+        seen.clear()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            model(x)
+    return torch.cat(out)
+
+
+def _encoder_act(n: int, p: int, device, gen, seed) -> torch.Tensor:
+    data = encoder_capture(n * p, TEXT_POOL.get(4 << 20), device, gen, seed)
+    return data.view(torch.uint8)[: n * p].view(n, p)
+
+
 CORPORA: dict[str, Corpus] = {
     c.name: c
     for c in [
@@ -200,6 +322,10 @@ CORPORA: dict[str, Corpus] = {
                _gpt("act")),
         Corpus("gpt-kv", 2, "tiny GPT on text: K and V projections, bf16", _gpt("kv")),
         Corpus("gpt-weights", 2, "tiny GPT weights, bf16", _gpt("weights")),
+        Corpus("periodic", 1, "pages repeating a random 1..17-byte pattern after a short "
+               "random prefix (overlapping LZ4 matches)", _periodic),
+        Corpus("encoder-act", 2, "stock pre-norm nn.TransformerEncoder on text: activations "
+               "saved for backward, bf16", _encoder_act),
     ]
 }
 

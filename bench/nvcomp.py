@@ -176,10 +176,15 @@ class LZ4Plan:
             self.sizes.data_ptr(), self.copts, self.cstatus.data_ptr(), self._stream(),
         ), "nvcompBatchedLZ4CompressAsync")
 
-    def decompress(self) -> None:
-        """Enqueue decompression of ``out`` into ``result`` on the current stream."""
+    def decompress(self, src_ptrs: torch.Tensor | None = None) -> None:
+        """Enqueue decompression of ``out`` into ``result`` on the current stream.
+
+        ``src_ptrs``: an ``int64 [n]`` device array of where each chunk (``sizes[i]`` bytes)
+        lies instead, e.g. in a packed copy of ``out``; kept alive by the caller until done.
+        """
+        src = self.out_ptrs if src_ptrs is None else src_ptrs
         self.nv.check(self.nv.lib.nvcompBatchedLZ4DecompressAsync(
-            self.out_ptrs.data_ptr(), self.sizes.data_ptr(), self.in_bytes.data_ptr(),
+            src.data_ptr(), self.sizes.data_ptr(), self.in_bytes.data_ptr(),
             self.result_bytes.data_ptr(), self.n, self.dtemp.data_ptr(), self.dtemp.numel(),
             self.result_ptrs.data_ptr(), self.dopts, self.dstatus.data_ptr(), self._stream(),
         ), "nvcompBatchedLZ4DecompressAsync")

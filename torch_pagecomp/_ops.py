@@ -33,7 +33,7 @@ from torch.library import custom_op, triton_op
 
 from . import cpu_codec
 from . import format as fmt
-from .backend import gpu_status
+from .backend import KERNELS, route
 
 Tensor = torch.Tensor
 
@@ -50,7 +50,9 @@ _op = triton_op if _have_triton() else custom_op
 
 
 def _use_triton(t: Tensor) -> bool:
-    return t.device.type == "cuda" and gpu_status().usable
+    """Whether an op on ``t`` (left where it is) runs the Triton kernels: ``backend.route``'s
+    decision, the same one the public API takes."""
+    return route("auto", None, t.device) == KERNELS
 
 
 # ------------------------------------------------------------------- reference (lz4) ops

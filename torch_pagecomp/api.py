@@ -1,10 +1,10 @@
 """Public Python API: ``compress``, ``decompress``, ``pack``.
 
-These validate inputs (errors name the problem), pick a backend and call the
-``torch.ops.pagecomp`` operators (eager calls on plain CUDA tensors launch the same kernels
-directly, without the operator dispatch: :func:`_direct`). Only ``decompress`` (to raise on
-corrupt pages, unless asked for the statuses) and ``pack`` (to trim to the exact size, unless
-``exact=False``) synchronise.
+These validate inputs (errors name the problem), ask ``backend.route`` where the call runs and
+call the ``torch.ops.pagecomp`` operators (eager calls on plain CUDA tensors launch the same
+kernels directly, without the operator dispatch: ``backend.direct_launch_ok``). Only
+``decompress`` (to raise on corrupt pages, unless asked for the statuses) and ``pack`` (to trim
+to the exact size, unless ``exact=False``) synchronise.
 """
 
 from __future__ import annotations
@@ -13,34 +13,8 @@ import torch
 
 from . import format as fmt
 from ._ops import compress_eager, decompress_eager
-from .backend import gpu_status, interpreting, select_backend
+from .backend import BACKENDS, CPU, INTERPRET, KERNELS, route  # noqa: F401 (BACKENDS)
 from .format import CompressedPages, PageCompError
-
-BACKENDS = ("auto", "cpu", "triton")
-
-
-def _direct(*tensors: torch.Tensor) -> bool:
-    """Whether an eager call on the GPU may launch the kernels itself instead of going through
-    the ``torch.ops.pagecomp`` dispatch (same kernels, same results; on an H200 host the
-    dispatch of torch 2.11 costs ~300 us per call, more than the decode of 64 MiB). Never under
-    ``torch.compile``, a dispatch mode (``make_fx``, fake tensors) or a tensor subclass: those
-    see the ops."""
-    if torch.compiler.is_compiling() or interpreting():
-        return False
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    return all(type(t) is torch.Tensor and t.is_cuda for t in tensors)
-
-
-def _resolve(backend: str, num_pages: int, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise PageCompError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return select_backend(num_pages, device)
-    if backend == "triton" and device.type != "cuda" and not interpreting():
-        if not gpu_status().usable:
-            raise PageCompError(f"backend='triton' needs a usable GPU: {gpu_status().reason}")
-    return backend
 
 
 def compress(
@@ -66,19 +40,19 @@ def compress(
     pages = fmt.as_pages(data, page_size)
     fmt.check_element_size(element_size)
     page_size = pages.shape[1]
-    chosen = _resolve(backend, pages.shape[0], pages.device)
-    if chosen == "cpu":
+    where = route(backend, pages.shape[0], pages.device, (pages,))
+    if where == CPU:
         payload, sizes, kinds = torch.ops.pagecomp.compress(pages.cpu(), element_size)
         payload, sizes, kinds = (t.to(pages.device) for t in (payload, sizes, kinds))
-    elif chosen == "triton" and _direct(pages):
+    elif where == KERNELS:
         payload, sizes, kinds = compress_eager(pages, element_size)
-    elif pages.device.type == "cuda" or chosen == "cpu-served":
+    elif pages.device.type == "cuda":  # OP, or CPU_SERVED: the op serves it on the host
         payload, sizes, kinds = torch.ops.pagecomp.compress(pages, element_size)
-    elif interpreting():
+    elif where == INTERPRET:
         from .kernels.lz4_compress import compress_pages
 
         payload, sizes, kinds = compress_pages(pages, element_size)
-    else:  # a host batch sent through the GPU
+    else:  # UPLOAD: a host batch sent through the GPU
         gpu = pages.to("cuda", non_blocking=pages.is_pinned())
         payload, sizes, kinds = (t.cpu() for t in torch.ops.pagecomp.compress(gpu, element_size))
     return CompressedPages(payload, sizes, kinds, page_size)
@@ -107,19 +81,19 @@ def decompress(
     mismatch = offsets_mismatch(c)
     sizes = c.sizes if mismatch is None else torch.where(mismatch, 0, c.sizes)  # 0: BAD_SIZE
     args = (c.payload.view(-1), c.page_offsets(), sizes, c.kinds, c.page_size)
-    chosen = _resolve(backend, c.num_pages, c.device)
-    if chosen == "cpu" and c.device.type == "cuda":
+    where = route(backend, c.num_pages, c.device, args[:4])
+    if where == CPU:
         pages, status = torch.ops.pagecomp.decompress(*(a.cpu() for a in args[:4]), c.page_size)
         pages, status = pages.to(c.device), status.to(c.device)
-    elif chosen == "triton" and _direct(*args[:4]):
+    elif where == KERNELS:
         pages, status = decompress_eager(*args)
-    elif c.device.type == "cuda" or chosen in ("cpu", "cpu-served"):
+    elif c.device.type == "cuda":  # OP, or CPU_SERVED: the op serves it on the host
         pages, status = torch.ops.pagecomp.decompress(*args)
-    elif interpreting():
+    elif where == INTERPRET:
         from .kernels.lz4_decompress import decompress_pages
 
         pages, status = decompress_pages(*args)
-    else:
+    else:  # UPLOAD
         gpu = [a.to("cuda") for a in args[:4]]
         pages, status = (t.cpu() for t in torch.ops.pagecomp.decompress(*gpu, c.page_size))
     if return_status:

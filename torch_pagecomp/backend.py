@@ -1,13 +1,26 @@
-"""Which compression path can run here, and why not: the GPU status probe and backend choice."""
+"""Which compression path can run here, and why not: the GPU status probe and the one backend
+decision, :func:`route`, that the public API, the ops and :func:`select_backend` all ask."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .format import PageCompError
 from .kernels.launch import interpreting
+
+BACKENDS = ("auto", "cpu", "triton")
+
+# Routes: where one compress or decompress call runs (see route()).
+CPU = "cpu"
+CPU_SERVED = "cpu-served"
+KERNELS = "kernels"
+OP = "op"
+INTERPRET = "interpret"
+UPLOAD = "upload"
 
 # Below this many pages, a batch that lives in host memory is compressed on the CPU: the
 # upload, launch and download cost more than the lz4 calls.
@@ -53,15 +66,75 @@ def gpu_status() -> GpuStatus:
     return GpuStatus(True, "ok", name, triton_version=version)
 
 
+def direct_launch_ok(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether an eager call on the GPU may launch the kernels itself instead of going through
+    the ``torch.ops.pagecomp`` dispatch (same kernels, same results; on an H200 host the
+    dispatch of torch 2.11 costs ~300 us per call, more than the decode of 64 MiB). Never under
+    ``torch.compile``, a dispatch mode (``make_fx``, fake tensors) or a tensor subclass: those
+    see the ops."""
+    if torch.compiler.is_compiling() or interpreting():
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(type(t) is torch.Tensor and t.is_cuda for t in tensors)
+
+
+def route(
+    backend: str,
+    num_pages: int | None,
+    device: torch.device | str,
+    tensors: Sequence[torch.Tensor] | None = None,
+) -> str:
+    """The one backend decision: where a call on ``num_pages`` pages held on ``device`` runs.
+
+    Args:
+        backend: what the caller asked for, one of ``BACKENDS``.
+        num_pages: the batch size; ``None`` inside an op, where the tensors stay where they are
+            (a host batch is never sent through the GPU).
+        tensors: the call's inputs when the caller launches it itself: they decide between
+            ``KERNELS`` and ``OP``. ``None``: only which backend counts (``KERNELS`` then
+            stands for the Triton kernels either way).
+
+    Returns:
+        ``CPU``: lz4 on the host (CUDA inputs copied down, the outputs back). ``CPU_SERVED``:
+        CUDA inputs without a usable GPU path: the ops' lz4 reference, on copies. ``KERNELS``:
+        CUDA inputs, the Triton kernels launched directly (:func:`direct_launch_ok`). ``OP``:
+        CUDA inputs, the kernels through ``torch.ops.pagecomp``. ``INTERPRET``: host inputs,
+        the kernels under ``TRITON_INTERPRET=1``. ``UPLOAD``: host inputs sent through the GPU
+        and back (``"auto"``: batches of at least ``MIN_GPU_BATCH_PAGES`` pages).
+
+    Raises:
+        PageCompError: an unknown ``backend``, or ``"triton"`` for host inputs with neither a
+            usable GPU nor the interpreter.
+    """
+    if backend not in BACKENDS:
+        raise PageCompError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if backend == "cpu":
+        return CPU
+    usable = gpu_status().usable
+    if device.type == "cuda":
+        if not usable:
+            return CPU_SERVED
+        return KERNELS if tensors is None or direct_launch_ok(tensors) else OP
+    if backend == "auto" and not (usable and num_pages is not None
+                                  and num_pages >= MIN_GPU_BATCH_PAGES):
+        return CPU
+    if interpreting():
+        return INTERPRET
+    if not usable:
+        raise PageCompError(f"backend='triton' needs a usable GPU: {gpu_status().reason}")
+    return UPLOAD
+
+
 def select_backend(num_pages: int, device: torch.device | str) -> str:
     """Choose where a batch of ``num_pages`` pages held on ``device`` is compressed.
 
     Returns ``"triton"`` (GPU kernels; a host batch of at least ``MIN_GPU_BATCH_PAGES`` pages
     is copied to the GPU and back), ``"cpu-served"`` (CUDA tensor, but no usable GPU path:
-    copied to the host, lz4 there, copied back) or ``"cpu"`` (lz4 on the CPU).
+    copied to the host, lz4 there, copied back) or ``"cpu"`` (lz4 on the CPU): the backend of
+    :func:`route` for ``backend="auto"``.
     """
-    device = torch.device(device)
-    usable = gpu_status().usable
-    if device.type == "cuda":
-        return "triton" if usable else "cpu-served"
-    return "triton" if usable and num_pages >= MIN_GPU_BATCH_PAGES else "cpu"
+    where = route("auto", num_pages, device)
+    return where if where in (CPU, CPU_SERVED) else "triton"
