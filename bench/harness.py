@@ -203,8 +203,9 @@ def nvcomp_interop(plan: nvc.LZ4Plan, pages: torch.Tensor, sample: list[int],
     if width > 1 and not matches_ours:
         result["pagecomp_decoder"] = "not tried: nvCOMP's bit-shuffle differs from ours"
         return result
-    # Our container holds LZ4 blocks of 1..P-1 bytes; larger nvCOMP blocks cannot be stored.
-    fits = torch.nonzero(plan.sizes < p).flatten()
+    # Our container holds LZ4 pages of 1..P-P/32 bytes (a page that saves less is stored RAW);
+    # nvCOMP's larger blocks are valid LZ4 but not pages of the format (status 2 there).
+    fits = torch.nonzero(plan.sizes <= fmt.lz4_keep_limit(p)).flatten()
     result["pages_fitting_format"] = int(fits.numel())
     if fits.numel() == 0:
         return result
