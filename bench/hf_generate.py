@@ -9,13 +9,15 @@ so every run generates exactly ``--new`` tokens (``do_sample=False``).
 Caches (each variant in a fresh child process: a fresh CUDA context, clean peaks):
 
 * ``dynamic``: ``DynamicCache(config=model.config)``, everything on the GPU;
+* ``dynamic_repeat``: the same again in another child: how far the baseline agrees with itself;
 * ``dynamic_offloaded``: ``DynamicCache(config=model.config, offloading=True)``, transformers'
   own offload (whole layers to the CPU and back, every step);
 * ``compressed``: ``torch_pagecomp.integrations.transformers.CompressedOffloadedCache`` (sealed
   ``--block-tokens`` blocks LZ4-compressed in host memory, the tail on the GPU).
 
 Per child: one warm-up generate (a short prompt, long enough to seal blocks of the compressed
-cache, 4 new tokens; its own cache, closed), then one timed generate with a new cache. Times are
+cache, 4 new tokens; its own cache, closed), then one timed generate with a new cache
+(``output_logits=True``: every step's logits are kept, for the diagnostics below). Times are
 host wall times with ``torch.cuda.synchronize()`` before and after. ``prefill_s`` is the time to
 the first generated token in that same run, taken by a streamer at its first generated token
 (``generate`` hands tokens to the streamer after copying them to the host, so the device has
@@ -24,12 +26,20 @@ finished the prefill and the first token then); ``decode_tokens_per_s`` is
 the timed run (model weights included: ``model_gib``). ``host_gib``: host memory the cache holds
 at the end: 0 for ``dynamic``; for ``dynamic_offloaded`` the bytes of its layer tensors then on
 the CPU; for ``compressed`` the stored bytes of its compressed blocks (``cache.stats()``;
-``host_pool_gib``: the host memory its compressor pools, stored bytes included; the timed
-run's cache makes its own compressor, so pools grow inside the timed run). ``kv_gib``: the
-uncompressed KV of the whole sequence,
+``host_pool_gib``: the page-locked chunks its stores hold, ``host_pool_peak_gib`` their peak;
+the timed run's cache makes its own stores, so chunks are pinned inside the timed run).
+``kv_gib``: the uncompressed KV of the whole sequence,
 ``layers * 2 * batch * kv_heads * head_dim * (prompt + new) * itemsize``.
-The driver compares each row's generated ids with ``dynamic``'s (``tokens_identical_to_dynamic``;
-the JSON keeps a hash of the ids).
+
+Token identity: each row keeps its generated ids (``tokens``), a hash of each step's logits
+(``logits_hash``), the margin between the top two logits of every step and row
+(``top2_margin``) and fingerprints of the weights and the input. The driver compares every row
+with ``dynamic``: ``tokens_identical_to_dynamic``, and for rows that differ ``divergence``: the
+first step where a row's token differs, ``dynamic``'s margin there, and the first step whose
+logits differ at all (bit for bit). ``--check-kv N`` adds, in every child but ``dynamic``'s, a
+teacher-forced comparison with a ``DynamicCache`` in the same process over the prompt and
+``N`` steps (``bench/hf_kvcheck.py``): whether the keys and values handed to attention, the
+attention outputs and the logits were bit-identical, and where they first were not.
 
     python -m bench.hf_generate --layers 16 --prompt 16384 --new 64 --out bench/out/hf.json
 
@@ -52,7 +62,7 @@ import time
 
 from bench.children import run_child, write_results
 
-VARIANTS = ("dynamic", "dynamic_offloaded", "compressed")
+VARIANTS = ("dynamic", "dynamic_repeat", "dynamic_offloaded", "compressed")
 GIB = 1 << 30
 
 # hidden, intermediate, heads, kv heads, vocab
@@ -69,6 +79,7 @@ def _sizes(args) -> dict:
         if args.block_tokens:
             s["block_tokens"] = args.block_tokens
     s["batch"] = args.batch
+    s["check_kv"] = args.check_kv
     return s
 
 
@@ -108,7 +119,7 @@ def cache_kwarg(model) -> str:
 def make_cache(variant: str, model, block_tokens: int):
     import transformers as tr
 
-    if variant == "dynamic":
+    if variant in ("dynamic", "dynamic_repeat"):
         return tr.DynamicCache(config=model.config)
     if variant == "dynamic_offloaded":
         return tr.DynamicCache(config=model.config, offloading=True)
@@ -166,7 +177,8 @@ def run(variant: str, s: dict, device: str) -> dict:
 
     def generate(inp, max_new, cache, streamer=None):
         return model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new,
-                              do_sample=False, streamer=streamer, **{kw: cache})
+                              do_sample=False, streamer=streamer, output_logits=True,
+                              return_dict_in_generate=True, **{kw: cache})
 
     # warm-up: kernels compiled, pools grown; long enough to seal compressed blocks
     warm_prompt = min(prompt, max(128, 2 * s["block_tokens"]))
@@ -198,7 +210,10 @@ def run(variant: str, s: dict, device: str) -> dict:
     total = time.perf_counter() - t0
     if cuda:
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
-    gen_ids = out[:, prompt:].tolist()
+    gen_ids = out.sequences[:, prompt:].tolist()
+    row.update(_logit_stats(out.logits))
+    row["weights_hash"] = _fingerprint(list(model.parameters()))
+    row["input_hash"] = _fingerprint([ids])
     prefill = first.t - t0 if first.t is not None else None
     row.update(
         total_s=total, prefill_s=prefill,
@@ -217,16 +232,25 @@ def run(variant: str, s: dict, device: str) -> dict:
         row["cache_on_device_gib"] = st["device_tail_bytes"] / GIB
         row["ratio"] = st["ratio"]
         row["cache_stats"] = st
-        pcs = {str(d): pc.stats() for d, pc in cache.compressors.items()}
-        row["host_pool_gib"] = sum(p["host_pool_bytes"] for p in pcs.values()) / GIB
-        row["compressor"] = {d: {k: v for k, v in p.items() if not isinstance(v, (dict, list))}
-                             for d, p in pcs.items()}
+        row["host_pool_gib"] = st["host_held_bytes"] / GIB
+        row["host_pool_peak_gib"] = st["host_peak_held_bytes"] / GIB
+        row["stores"] = {str(d): store.stats() for d, store in cache.stores.items()}
     else:
         on_cpu = _held(cache, on_cpu=True)
         row["host_gib"] = (on_cpu if variant == "dynamic_offloaded" else 0) / GIB
         row["cache_on_device_gib"] = (_held(cache, on_cpu=False) if cuda else on_cpu) / GIB
     _close(cache)
     del cache
+    if s["check_kv"] and variant != "dynamic":
+        from bench.hf_kvcheck import check_kv
+
+        ref_cache, cache = tr.DynamicCache(config=model.config), make_cache(
+            variant, model, s["block_tokens"])
+        try:
+            row["kv_check"] = check_kv(model, ids, cache, ref_cache, s["check_kv"], kw)
+        finally:
+            _close(cache)
+        del ref_cache, cache
     codec = sys.modules.get("torch_pagecomp.cpu_codec")
     if codec is not None:  # the CPU codec's process-wide worker pool (else joined at exit)
         codec.shutdown_pool()
@@ -235,12 +259,35 @@ def run(variant: str, s: dict, device: str) -> dict:
     return row
 
 
+def _logit_stats(logits) -> dict:
+    """Per step (``logits``: one ``[batch, vocab]`` tensor per generated token): a hash of the
+    logits' bytes, and per row the margin between the two largest logits."""
+    import torch
+
+    steps = torch.stack([t.float() for t in logits])  # [steps, batch, vocab]
+    top = steps.topk(2, dim=-1).values
+    hashes = [hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16] for t in steps]
+    return {"logits_hash": hashes, "top2_margin": (top[..., 0] - top[..., 1]).tolist()}
+
+
+def _fingerprint(tensors) -> str:
+    """A hash of the tensors' bit patterns, summed on their device (cheap for a model)."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    sums = [t.detach().reshape(-1).view(ints[t.element_size()]).sum(dtype=torch.int64)
+            for t in tensors]
+    return hashlib.sha256(torch.stack(sums).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
 # ------------------------------------------------------------------------------ driver
 def _child(args, variant: str, s: dict) -> dict:
     argv = ["--child", variant, "--layers", str(args.layers), "--prompt", str(args.prompt),
             "--new", str(args.new), "--batch", str(args.batch), "--device", args.device]
     if args.block_tokens:
         argv += ["--block-tokens", str(args.block_tokens)]
+    if args.check_kv:
+        argv += ["--check-kv", str(args.check_kv)]
     if args.tiny:
         argv.append("--tiny")
     base = {"variant": variant, "layers": s["layers"], "prompt": s["prompt"], "new": s["new"],
@@ -254,23 +301,72 @@ def _tokens_hash(tokens) -> str:
 
 
 def _finish(rows: list[dict], meta: dict) -> dict:
-    """Token identity against ``dynamic``; the raw ids replaced by a hash."""
-    ref = next((r.get("tokens") for r in rows if r["variant"] == "dynamic"), None)
+    """Token identity against ``dynamic``, with a hash of the ids and, where they differ, where
+    (see the module docstring)."""
+    ref = next((r for r in rows if r["variant"] == "dynamic" and "tokens" in r), None)
     out = []
     for r in rows:
         r = dict(r)
-        tokens = r.pop("tokens", None)
+        tokens = r.get("tokens")
         if tokens is not None:
             r["tokens_hash"] = _tokens_hash(tokens)
-            r["tokens_identical_to_dynamic"] = (tokens == ref) if ref is not None else None
+            if ref is not None:
+                r["tokens_identical_to_dynamic"] = tokens == ref["tokens"]
+                r["weights_identical_to_dynamic"] = r.get("weights_hash") == ref.get(
+                    "weights_hash") and r.get("input_hash") == ref.get("input_hash")
+                r["first_logits_diff_step"] = next(
+                    (i for i, (a, b) in enumerate(zip(r.get("logits_hash", []),
+                                                      ref.get("logits_hash", []))) if a != b),
+                    None)
+                if not r["tokens_identical_to_dynamic"]:
+                    r["divergence"] = _divergence(tokens, ref)
         out.append(r)
     return {**meta, "rows": out}
 
 
+def _divergence(tokens: list[list[int]], ref: dict) -> dict:
+    """Where ``tokens`` first part from ``ref``'s, and how close ``ref``'s top two logits were
+    there (a margin of 0 is a tie that the smallest difference turns over)."""
+    first = {}
+    for b, (ours, theirs) in enumerate(zip(tokens, ref["tokens"])):
+        i = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), None)
+        if i is not None:
+            first[b] = i
+    step = min(first.values())
+    rows = [b for b, i in first.items() if i == step]
+    margins = ref.get("top2_margin")
+    at = [margins[step][b] for b in rows] if margins else []
+    flat = sorted(m for per_step in margins or [] for m in per_step)
+    return {
+        "first_step": step, "rows_first_differing": first,
+        "dynamic_margin_at_first_step": min(at) if at else None,
+        "dynamic_margin_min": flat[0] if flat else None,
+        "dynamic_margin_median": flat[len(flat) // 2] if flat else None,
+        "dynamic_exact_ties": sum(m == 0 for m in flat),
+    }
+
+
+def _kv_summary(check: dict | None) -> str:
+    """``--check-kv``'s findings in a few words (``s``: step, ``L``: layer)."""
+    if not check:
+        return ""
+    parts = []
+    for key in ("kv", "attn"):
+        where = check.get(key)
+        if where is not None:
+            extra = f" ({where['part']})" if "part" in where else ""
+            parts.append(f"{key} s{where['step']} L{where['layer']}{extra}")
+    for key in ("logits", "argmax"):
+        if check.get(key) is not None:
+            parts.append(f"{key} s{check[key]}")
+    return "; ".join(parts) if parts else f"bit-identical over {check['steps']} steps"
+
+
 def table(doc: dict) -> str:
     head = ("| variant | layers | batch | prompt | new | prefill s | total s | decode tok/s | "
-            "decode vs dynamic | peak GPU GiB | host GiB | KV GiB | ratio | tokens identical |")
-    lines = [head, "|" + "---|" * 14]
+            "decode vs dynamic | peak GPU GiB | host GiB | KV GiB | ratio | tokens identical | "
+            "first token diff: step (dynamic margin) | first logits diff | kv check |")
+    lines = [head, "|" + "---|" * 17]
     ref = next((r.get("decode_tokens_per_s") for r in doc["rows"]
                 if r["variant"] == "dynamic"), None)
     f = lambda v, p=2: "" if v is None else f"{v:.{p}f}"  # noqa: E731
@@ -279,14 +375,19 @@ def table(doc: dict) -> str:
         lead = f"| {r['variant']} | {r['layers']} | {r['batch']} | {r['prompt']} | {r['new']} | "
         if "error" in r or "skipped" in r:
             what = f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
-            lines.append(lead + what.replace("|", "/").replace("\n", " ")[:200] + " ||||||||")
+            lines.append(lead + what.replace("|", "/").replace("\n", " ")[:200] + " ||||||||||||")
             continue
         dec = r.get("decode_tokens_per_s")
         rel = f"{dec / ref:.2f}x" if dec and ref else ""
+        div = r.get("divergence")
+        first = "" if div is None else (
+            f"{div['first_step']} ({g(div['dynamic_margin_at_first_step'])})")
         lines.append(
             lead + f"{f(r['prefill_s'], 3)} | {f(r['total_s'], 3)} | {f(dec, 1)} | {rel} | "
             f"{f(r.get('peak_gpu_gib'))} | {g(r.get('host_gib'))} | {g(r.get('kv_gib'))} | "
-            f"{f(r.get('ratio'), 3)} | {r.get('tokens_identical_to_dynamic', '')} |")
+            f"{f(r.get('ratio'), 3)} | {r.get('tokens_identical_to_dynamic', '')} | {first} | "
+            f"{'' if r.get('first_logits_diff_step') is None else r['first_logits_diff_step']} | "
+            f"{_kv_summary(r.get('kv_check'))} |")
     return "\n".join(lines)
 
 
@@ -302,6 +403,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=600, help="seconds per child")
     ap.add_argument("--device", default=None, choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU CI)")
+    ap.add_argument("--check-kv", type=int, default=0, metavar="N",
+                    help="compare with a DynamicCache fed the same tokens over the prompt and "
+                    "N steps, in every child but dynamic's (bench/hf_kvcheck.py)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None, choices=VARIANTS)
     args = ap.parse_args(argv)

@@ -1,7 +1,8 @@
 """The transformers generation benchmark at toy sizes on the CPU: every variant runs in its own
-child, the compressed cache seals and compresses blocks, and greedy tokens match
-``DynamicCache``'s. (``DynamicCache(offloading=True)`` needs CUDA in transformers 5.24: on the
-CPU its row is a skip that names the error, not a failure.)"""
+child, the compressed cache seals and compresses blocks, greedy tokens match ``DynamicCache``'s
+and the diagnostics (ids, logit hashes and margins, ``--check-kv``) come back.
+(``DynamicCache(offloading=True)`` needs CUDA in transformers 5.24: on the CPU its row is a skip
+that names the error, not a failure.)"""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ pytest.importorskip("transformers")
 
 def test_tiny_cpu_generation_bench(tmp_path):
     out = tmp_path / "g.json"
-    assert hf_generate.main(["--tiny", "--device", "cpu", "--out", str(out)]) == 0
+    assert hf_generate.main(["--tiny", "--device", "cpu", "--check-kv", "2", "--out",
+                             str(out)]) == 0
     doc = json.loads(out.read_text())
     for key in ("device", "commit", "date", "torch", "transformers", "command", "rows"):
         assert key in doc, key
@@ -26,7 +28,7 @@ def test_tiny_cpu_generation_bench(tmp_path):
     assert not [r for r in doc["rows"] if "error" in r], doc["rows"]
 
     off = rows["dynamic_offloaded"]
-    ran = [rows["dynamic"], rows["compressed"]]
+    ran = [rows["dynamic"], rows["dynamic_repeat"], rows["compressed"]]
     if "skipped" in off:  # transformers' offloading is CUDA-only; the row says why
         assert "offloading=True" in off["skipped"] and "cpu" in off["skipped"]
     else:
@@ -34,7 +36,14 @@ def test_tiny_cpu_generation_bench(tmp_path):
     for r in ran:
         assert r["exit_code"] == 0
         assert r["tokens_identical_to_dynamic"] is True, r
-        assert "tokens" not in r and len(r["tokens_hash"]) == 16
+        assert len(r["tokens_hash"]) == 16 and len(r["tokens"]) == r["batch"] == 1
+        assert len(r["tokens"][0]) == len(r["logits_hash"]) == len(r["top2_margin"]) == 6
+        assert r["first_logits_diff_step"] is None and "divergence" not in r
+        assert r["weights_identical_to_dynamic"] is True
+        if r["variant"] != "dynamic":  # fed the same tokens, everything bit-identical
+            check = r["kv_check"]
+            assert check["steps"] == 2
+            assert all(check[k] is None for k in ("kv", "attn", "logits", "argmax")), check
         assert r["new_tokens"] == r["new"] == 6 and r["prompt"] == 40
         assert r["cache_kwarg"] in ("cache", "past_key_values")
         assert r["total_s"] > r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0
@@ -49,9 +58,31 @@ def test_tiny_cpu_generation_bench(tmp_path):
     assert st["compressed_layers"] == 2 and st["blocks"] == 2 * (tokens // 16) > 0
     assert st["host_bytes"] > 0 and comp["host_gib"] > 0
     assert st["compressed_bytes"] == st["blocks"] * 2 * 2 * 16 * 16 * 4  # K+V, fp32 blocks
-    assert comp["compressor"]["cpu"]["offloads"] == st["blocks"]  # each block once
-    assert st["restored_on_use"] > 0
+    assert st["sealed"] == st["blocks"]  # each block once
+    assert st["restored_on_use"] > 0 and comp["host_pool_gib"] > 0
 
     md = (tmp_path / "g.md").read_text()
     assert "| compressed |" in md and "| dynamic |" in md
     assert md.strip() == hf_generate.table(doc)
+
+
+def test_divergence_report():
+    """A row whose tokens part from ``dynamic``'s: the first step, ``dynamic``'s margin there,
+    the first step whose logits differ."""
+    ref = {"variant": "dynamic", "tokens": [[1, 2, 3, 4], [5, 6, 7, 8]],
+           "logits_hash": ["a", "b", "c", "d"], "top2_margin": [[1.0, 2.0], [0.5, 0.0],
+                                                                [0.25, 3.0], [1.0, 1.0]],
+           "weights_hash": "w", "input_hash": "i"}
+    other = dict(ref, variant="compressed", tokens=[[1, 2, 9, 9], [5, 9, 7, 8]],
+                 logits_hash=["a", "x", "y", "z"])
+    doc = hf_generate._finish([ref, other], {})
+    same, diff = doc["rows"]
+    assert same["tokens_identical_to_dynamic"] and same["first_logits_diff_step"] is None
+    assert "divergence" not in same and same["tokens"] == ref["tokens"]
+    assert diff["tokens_identical_to_dynamic"] is False and diff["first_logits_diff_step"] == 1
+    div = diff["divergence"]
+    assert div["first_step"] == 1 and div["rows_first_differing"] == {0: 2, 1: 1}
+    assert div["dynamic_margin_at_first_step"] == 0.0 and div["dynamic_exact_ties"] == 1
+    assert "first token diff" in hf_generate.table(
+        {"rows": [dict(r, layers=1, batch=2, prompt=3, new=4, prefill_s=0.1, total_s=0.2)
+                  for r in doc["rows"]]})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import os
 import subprocess
 import sys
 import warnings
@@ -22,7 +23,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_pagecomp import PageCompressor
 from torch_pagecomp.integrations.torchtune import (
     NoOpManager,
     OffloadActivations,
@@ -71,17 +71,30 @@ def generate(model, ids, cache, **kw):
     )
 
 
+def _store_kinds(cache) -> set[int]:
+    """Page kinds of every stored block (``0x11``: LZ4 on bit-shuffled 2-byte elements)."""
+    kinds = set()
+    for layer in cache.layers:
+        for b in getattr(layer, "_blocks", []):
+            for sl in getattr(b.held.stored, "slices", []):  # PagedStore's (not the lz4 path)
+                kinds.update(int(k) for k in sl.kinds)
+    return kinds
+
+
+# fp32, 2 KV heads of 16, batch 2: 512 bytes a token, so 8-token blocks are one whole page and
+# 20-token blocks two pages and a partial one (its bytes travel uncompressed)
+@pytest.mark.parametrize("bt", [8, 20])
 @pytest.mark.parametrize("with_config", [True, False], ids=["config", "lazy"])
-def test_generate_identical_to_dynamic_cache(seed, with_config):
+def test_generate_identical_to_dynamic_cache(seed, with_config, bt):
     DynamicCache = _transformers().DynamicCache
 
     from torch_pagecomp.integrations.transformers import CompressedLayer, CompressedOffloadedCache
+    from torch_pagecomp.offload._paged import PagedStore
 
     model, config = tiny_llama()
-    ids = torch.randint(0, config.vocab_size, (2, 7))
+    ids = torch.randint(0, config.vocab_size, (2, 22))
     ref_cache = DynamicCache(config=config)
     ref = generate(model, ids, ref_cache)
-    bt = 6
     cache = CompressedOffloadedCache(config=config if with_config else None, block_tokens=bt)
     out = generate(model, ids, cache)
     assert torch.equal(ref, out)
@@ -92,11 +105,14 @@ def test_generate_identical_to_dynamic_cache(seed, with_config):
     assert all(isinstance(layer, CompressedLayer) for layer in cache.layers)
     st = cache.stats()
     assert st["compressed_layers"] == layers and st["blocks"] == layers * (tokens // bt)
-    # every block compressed exactly once: no recompression as layers grow
-    (pc,) = cache.compressors.values()
-    assert pc.device == torch.device("cpu")
-    assert pc.counts["offloads"] == layers * (tokens // bt)
+    assert st["sealed"] == st["blocks"]  # every block compressed once: none as layers grow
+    (store,) = cache.stores.values()
+    paged = isinstance(store, PagedStore)  # on the CPU without the interpreter: the lz4 path
+    assert paged == (os.environ.get("TRITON_INTERPRET") == "1")
     assert st["restored_on_use"] > 0 and st["device_tail_bytes"] > 0
+    if paged:
+        assert store.device == torch.device("cpu")
+        assert 0 < st["host_bytes"] <= store.arena.used + st["blocks"] * (bt * 512 % 4096)
     for i in range(layers):  # the round trip is bit-exact
         k, v = cache.materialize(i)
         assert torch.equal(k, ref_cache.layers[i].keys)
@@ -104,30 +120,42 @@ def test_generate_identical_to_dynamic_cache(seed, with_config):
         assert cache.layers[i].keys is None  # nothing held between uses but the tail
     cache.close()
     assert cache.get_seq_length() == 0 and cache.stats()["blocks"] == 0
+    assert not paged or (store.arena.used == 0 and not store.arena.backed)  # unpinned
 
 
-def test_generate_bf16_typed_path_and_beams(seed):
+def test_generate_bf16_typed_path_and_beams(seed, monkeypatch):
     DynamicCache = _transformers().DynamicCache
 
+    from torch_pagecomp.integrations._kv_store import DeviceStore
     from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
 
-    model, config = tiny_llama(torch.bfloat16)
-    ids = torch.randint(0, config.vocab_size, (2, 5))
-    ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=12)
-    cache = CompressedOffloadedCache(config=config, block_tokens=4)
-    assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=12))
-    handle = cache.layers[0]._blocks[0].handle
-    assert handle.dtype == torch.bfloat16 and handle.element_size == 2  # bit-shuffled
+    element_sizes = []
+    seal = DeviceStore.seal
 
-    # beam search reorders the cache every step (sealed blocks through their row maps); the
-    # prefetch bookkeeping (CUDA's, run synchronously here) must drop what a reorder outdates
+    def spy(self, src, element_size):
+        element_sizes.append(element_size)
+        return seal(self, src, element_size)
+
+    monkeypatch.setattr(DeviceStore, "seal", spy)
+    model, config = tiny_llama(torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (2, 36))  # bf16: 16-token blocks are a page
+    ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=12)
+    cache = CompressedOffloadedCache(config=config, block_tokens=16)
+    assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=12))
+    assert element_sizes and set(element_sizes) == {2}  # bit-shuffled as 2-byte elements
+    assert _store_kinds(cache) <= {0x00, 0x02, 0x11}
+
+    # beam search reorders the cache every step (sealed blocks through their row maps, one
+    # gather for all of them); the prefetch bookkeeping (CUDA's, run synchronously here)
+    # keeps a prefetch across reorders (it holds the blocks as stored)
     ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=8, num_beams=3)
     for prefetch in (False, True):
-        cache = CompressedOffloadedCache(config=config, block_tokens=3)
+        cache = CompressedOffloadedCache(config=config, block_tokens=16)
         cache._prefetch_cpu = prefetch
         assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=8, num_beams=3))
         st = cache.stats()
         assert st["blocks"] > 0 and (st["prefetched"] > 0) == prefetch
+        assert cache.layers[0]._rows is not None
 
 
 def test_prefetch_bookkeeping_on_cpu(seed):
@@ -138,9 +166,9 @@ def test_prefetch_bookkeeping_on_cpu(seed):
     from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
 
     model, config = tiny_llama()
-    ids = torch.randint(0, config.vocab_size, (1, 6))
+    ids = torch.randint(0, config.vocab_size, (1, 20))
     ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=14)
-    cache = CompressedOffloadedCache(config=config, block_tokens=5)
+    cache = CompressedOffloadedCache(config=config, block_tokens=16)
     cache._prefetch_cpu = True
     assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=14))
     st = cache.stats()
@@ -149,17 +177,21 @@ def test_prefetch_bookkeeping_on_cpu(seed):
     assert st["prefetched"] > 0 and st["restored_on_use"] <= config.num_hidden_layers
 
 
-def test_layer_ops_match_dynamic_cache(gen):
+@pytest.mark.parametrize("store", ["paged", "lz4"])
+@pytest.mark.parametrize("bt", [5, 8])
+def test_layer_ops_match_dynamic_cache(gen, monkeypatch, bt, store):
     """update in chunks, crop into sealed blocks, beam reorders, batch edits and copies: the
-    same as ``DynamicCache`` at every step."""
+    same as ``DynamicCache`` at every step (``lz4``: a CPU without the Triton interpreter)."""
     DynamicCache = _transformers().DynamicCache
 
+    from torch_pagecomp.integrations import _kv_store
     from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
 
-    b, h, d, layers = 3, 2, 8, 2
+    if store == "lz4":
+        monkeypatch.setattr(_kv_store, "interpreting", lambda: False)
+    b, h, d, layers = 3, 2, 32, 2  # 1536 bytes a token: 8-token blocks are 3 pages
     ref = DynamicCache()
-    shared = PageCompressor(device="cpu", batch_pages=2)
-    ours = CompressedOffloadedCache(block_tokens=4, compressor=shared)
+    ours = CompressedOffloadedCache(block_tokens=bt)
 
     def kv(n):
         return (torch.randn(b_now, h, n, d, generator=gen),
@@ -177,12 +209,13 @@ def test_layer_ops_match_dynamic_cache(gen):
             rk, rv = ref.update(k, v, i)
             ok, ov = ours.update(k, v, i)
             assert torch.equal(ok, rk) and torch.equal(ov, rv)
+            assert ok.is_contiguous() and ov.is_contiguous()
 
     b_now = b
     for n in (9, 1, 1, 3, 6):  # a prompt, then single tokens and chunks across blocks
         update(n)
         check()
-    assert ours.stats()["blocks"] == layers * (20 // 4)
+    assert ours.stats()["blocks"] == layers * (20 // bt)
     for cut in (-1, -6, -5):  # within the tail, into sealed blocks, to a block edge
         ref.crop(cut)
         ours.crop(cut)
@@ -192,13 +225,15 @@ def test_layer_ops_match_dynamic_cache(gen):
     ref.reorder_cache(rows)
     ours.reorder_cache(rows)
     check()
-    update(2)
+    update(2 * bt)  # blocks sealed after a reorder read as stored
     ref.reorder_cache(torch.tensor([1, 2, 0]))  # composed with the earlier reorder
     ours.reorder_cache(torch.tensor([1, 2, 0]))
     check()
     ref.batch_repeat_interleave(2)
     ours.batch_repeat_interleave(2)
     b_now = 2 * b
+    check()
+    update(bt)  # a block stored with 6 rows next to blocks of 3
     check()
     keep = torch.tensor([True, False, True, True, False, True])
     ref.batch_select_indices(keep)
@@ -218,15 +253,132 @@ def test_layer_ops_match_dynamic_cache(gen):
         assert torch.equal(k, ref.layers[i].keys) and torch.equal(v, ref.layers[i].values)
     with pytest.raises(ValueError, match="positive"):
         ours.crop(2)
-    assert ours.compressors == {torch.device("cpu"): shared}
-    assert shared.counts["offloads"] >= ours.stats()["blocks"] > 0
+    (st,) = ours.stores.values()
+    assert st.stats()["host_used_bytes"] > 0
+    ours.close()  # the twin still holds the stores and its blocks
+    for i in range(layers):
+        k, v = twin.materialize(i)
+        assert torch.equal(k, ref.layers[i].keys) and torch.equal(v, ref.layers[i].values)
     twin.close()
-    ours.close()
+    assert st.stats()["host_used_bytes"] == 0
     assert ours.get_seq_length() == 0 and ours.stats()["blocks"] == 0
-    x = torch.arange(1000.0)
-    assert torch.equal(shared.restore(shared.offload(x)), x)  # a shared compressor stays open
     with pytest.raises(ValueError, match="block_tokens"):
         CompressedOffloadedCache(block_tokens=0)
+    with pytest.raises(ValueError, match="page_size"):
+        CompressedOffloadedCache(page_size=3000)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_decode_step_restores_each_layer_with_one_decode(gen, monkeypatch, device):
+    """However many blocks a layer holds, a decode step decodes each layer's blocks in one
+    launch (``_decompress_into``) and one copy per run of adjacent host bytes."""
+    _transformers()
+    import torch_pagecomp.offload._paged as paged
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU's compressed store needs the Triton interpreter")
+
+    calls = []
+    decode = paged._decompress_into
+
+    def counting(payload, offsets, sizes, kinds, pages, status):
+        calls.append(pages.shape[0])
+        decode(payload, offsets, sizes, kinds, pages, status)
+
+    monkeypatch.setattr(paged, "_decompress_into", counting)
+    b, h, d, bt, layers = 1, 2, 32, 8, 3  # 512 bytes a token: one page a block
+    per_step = {}
+    for nb in (2, 7):
+        cache = CompressedOffloadedCache(block_tokens=bt, prefetch=False)
+
+        def kv(n):
+            return (torch.randn(b, h, n, d, generator=gen).to(device),
+                    torch.randn(b, h, n, d, generator=gen).to(device))
+
+        for i in range(layers):  # the prompt seals nb blocks per layer
+            cache.update(*kv(nb * bt + 3), i)
+        if device == "cuda":
+            torch.cuda.synchronize()  # every block packed: its placement read at the restore
+        calls.clear()
+        for i in range(layers):  # one decode step
+            cache.update(*kv(1), i)
+        per_step[nb] = list(calls)
+        group = cache.layers[0]._group
+        assert len(group) == nb and len(group.runs) < nb  # adjacent blocks: fewer copies
+        cache.close()
+    assert per_step == {2: [2] * layers, 7: [7] * layers}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_restore_many_round_trip(gen, device):
+    """Stored tensors of odd sizes (partial last pages, less than a page, several slices)
+    restored back to back, bit-exact, into poisoned outputs: through the cached metadata,
+    through the kernel fetch of slices not yet confirmed, and a group extended later."""
+    from conftest import POISON
+
+    from torch_pagecomp.offload._paged import PagedStore
+    from torch_pagecomp.offload._paged_group import StoredGroup
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU stand-ins need the Triton interpreter")
+    P = 4096
+    streams = (None,) * 3 if device == "cpu" else tuple(torch.cuda.Stream() for _ in range(3))
+    store = PagedStore(torch.device(device), P, streams, chunk_bytes=1 << 16,
+                       slice_bytes=1 << 14)
+
+    def data(n):
+        x = (torch.randn(n // 2 + 1, generator=gen) * 0.02).to(torch.bfloat16)
+        return x.view(torch.uint8)[:n].clone().to(device)
+
+    def poisoned(n):
+        return torch.full((n,), POISON, dtype=torch.uint8, device=device)
+
+    def offload(src):
+        producer = torch.cuda.current_stream() if device == "cuda" else None
+        return store.offload(src, 2, producer=producer)
+
+    sizes = [3 * P, 5 * P + 123, 77, 9 * P, 2 * P + 1]  # 9 pages: three slices of 4 pages
+    srcs = [data(n) for n in sizes]
+    stored = [offload(s) for s in srcs]
+    if device == "cpu":  # placements not confirmed yet: the fetch kernel reads every slice
+        confirm = store.arena.confirm
+        store.arena.confirm = lambda through=None: None
+        out = poisoned(sum(sizes))
+        store.restore_many(stored, out)
+        assert torch.equal(out, torch.cat(srcs))
+        store.arena.confirm = confirm
+    for pick in ([0, 1, 2, 3, 4], [3, 0], [2], [4, 4]):
+        out = poisoned(sum(sizes[i] for i in pick))
+        store.restore_many([stored[i] for i in pick], out)
+        assert torch.equal(out, torch.cat([srcs[i] for i in pick]))
+
+    group = StoredGroup(P, [stored[0], stored[3]])  # whole pages only: decoded in place
+    for extra in (None, 5 * P, 3 * P + 9):
+        if extra is not None:
+            srcs.append(data(extra))
+            stored.append(offload(srcs[-1]))
+            group.append(stored[-1])
+        for _ in range(2):  # the second restore reuses the cached metadata
+            out = poisoned(group.nbytes)
+            store.restore_group(group, out)
+            want = torch.cat([srcs[0], srcs[3]] + srcs[len(sizes):])
+            assert torch.equal(out, want)
+    store.wait_placed()  # on a GPU the packs may still have been running: cached now
+    store.restore_group(group, poisoned(group.nbytes))
+    assert group.known == len(group) and len(group.runs) < sum(len(s.slices) for s in stored)
+    group.truncate(1)
+    out = poisoned(group.nbytes)
+    store.restore_group(group, out)
+    assert torch.equal(out, srcs[0])
+    assert store.failed_restores() == 0
+    for st in stored:
+        store.free(st)
+    assert store.arena.used == 0
 
 
 def test_trl_style_training_on_hf_model(seed):

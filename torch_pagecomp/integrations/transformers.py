@@ -5,6 +5,7 @@
     cache = CompressedOffloadedCache(config=model.config, block_tokens=256)
     out = model.generate(**inputs, max_new_tokens=200, cache=cache)
     # (``past_key_values=cache`` with releases that predate the rename to ``cache``)
+    cache.close()
 
 Written against the layered cache API of ``transformers`` 5.x (``cache_utils.Cache`` holding one
 ``CacheLayerMixin`` per layer, ``DynamicLayer`` for full attention; the stock offloading is
@@ -12,33 +13,40 @@ Written against the layered cache API of ``transformers`` 5.x (``cache_utils.Cac
 Here each full-attention layer keeps:
 
 * its **sealed blocks**: every ``block_tokens`` tokens, once all of them are in, the block's keys
-  and values (flattened into one tensor, one handle) are offloaded once through
-  :class:`~torch_pagecomp.PageCompressor` (LZ4 pages in host memory; bf16/fp16 through the
-  bit-shuffled typed path, picked from the dtype). A block is never recompressed as the layer
-  grows;
+  and values (one tensor) are stored once in page-locked host memory by kernels, with no host
+  thread and no host sync (``torch_pagecomp.offload._paged.PagedStore``: LZ4 pages, bf16/fp16
+  bit-shuffled, placed in a device-side arena of pinned chunks). A block is never recompressed
+  as the layer grows;
 * its **tail**: the newest ``< block_tokens`` tokens, uncompressed on the device.
 
-At ``update(layer_idx)`` the layer's blocks are restored (bit-exactly) into one buffer, joined
-with the tail and the new tokens, and handed to attention; then the cache drops its hold of the
-full tensors, so between uses a layer costs only its tail on the device. On CUDA the next
-compressed layer is restored on a side stream while the current one computes (the compute
-stream waits on an event; the host waits only for a block still being compressed); on the
-CPU restores run when the layer is used.
+At ``update(layer_idx)`` all of the layer's blocks come back together with a constant number
+of launches however many there are (one staging buffer, a copy-engine copy per run of adjacent
+host bytes, one decode launch: ``PagedStore.restore_group``), are joined with the tail and the
+new tokens and handed to attention; then the cache drops its hold of the full tensors, so
+between uses a layer costs only its tail on the device. On CUDA the next compressed layer is
+restored on a side stream while the current one computes (the compute stream waits on an
+event; the host waits for nothing); on the CPU restores run when the layer is used.
 Layers that are not full attention (sliding window, linear attention, ...) use transformers'
 own layer classes, kept uncompressed on the device (like ``offload_only_non_sliding``).
 
-Generated tokens are the same as with ``DynamicCache``: the attention sees the same values.
+Attention gets the same keys and values as from ``DynamicCache``, bit for bit and in the same
+layout (contiguous ``[B, H, T, D]``, as its ``torch.cat``), so the generated tokens are the same
+wherever the model's own kernels give the same logits for the same inputs (see the README and
+``bench/hf_generate.py --check-kv``).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer
 
-from ..module import OffloadHandle, PageCompressor
+from ..format import dtype_element_size, valid_page_size
+from ..offload._paged_group import StoredGroup
+from ._kv_store import DeviceStore, Held, Stores
 
 try:  # transformers >= 5: layer types and their kwargs from a config
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -49,20 +57,13 @@ __all__ = ["CompressedLayer", "CompressedOffloadedCache"]
 
 
 class _Block:
-    """One sealed block: the keys then the values of ``block_tokens`` tokens, flattened into one
-    tensor and compressed as one handle; ``batch`` rows as stored, ``rows`` the stored rows to
-    read, in order (``None``: all, as stored; set by beam reorders and batch edits). A handle
-    never changes once stored, so copies of a cache share it; its host storage is freed when
-    the last block holding it is dropped."""
+    """One sealed block: its holder (copies of a cache share it; the stored bytes never change)
+    and ``batch``, the rows it was stored with."""
 
-    __slots__ = ("handle", "batch", "rows")
+    __slots__ = ("held", "batch")
 
-    def __init__(self, handle: OffloadHandle, batch: int, rows: torch.Tensor | None = None):
-        self.handle, self.batch, self.rows = handle, batch, rows
-
-    @property
-    def out_batch(self) -> int:
-        return self.batch if self.rows is None else self.rows.numel()
+    def __init__(self, held: Held, batch: int):
+        self.held, self.batch = held, batch
 
 
 class CompressedLayer(DynamicLayer):
@@ -78,10 +79,15 @@ class CompressedLayer(DynamicLayer):
         self._cache = weakref.ref(cache)
         self.block_tokens = cache.block_tokens
         self._blocks: list[_Block] = []
+        self._group = StoredGroup(cache.page_size)  # the blocks' stored tensors, in order
+        # ``int64 [n_blocks, batch]`` (CPU): row r of the layer is row rows[i, r] of block i as
+        # stored (beam reorders and batch edits); None while every block reads as stored
+        self._rows: torch.Tensor | None = None
+        self._gather = None  # (rows it was built for, device index tensor, unit elements)
         self._tail_k: torch.Tensor | None = None
         self._tail_v: torch.Tensor | None = None
         self._length = 0
-        self._prefetched = None  # (n_blocks, buffer [nb, per block], event | None)
+        self._prefetched = None  # (n_blocks, uint8 buffer of the blocks as stored, event)
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -102,19 +108,21 @@ class CompressedLayer(DynamicLayer):
         """Append the new tokens; return the layer's full keys and values (on the device)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        bt = self.block_tokens
-        past_k, past_v = self._restored()
-        nb = len(self._blocks)
-        parts_k = [t for t in (self._tail_k, key_states) if t is not None]
-        parts_v = [t for t in (self._tail_v, value_states) if t is not None]
-        keys = _join(past_k, parts_k)
-        values = _join(past_v, parts_v)
+        blocks = self._restored()
+        if blocks is None and self._tail_k is None:
+            # the first tokens: contiguous, as DynamicCache's ``torch.cat`` hands them over
+            keys, values = key_states.contiguous(), value_states.contiguous()
+        else:
+            past_k, past_v = (None, None) if blocks is None else self._split(blocks)
+            keys = _join(past_k, [t for t in (self._tail_k, key_states) if t is not None])
+            values = _join(past_v, [t for t in (self._tail_v, value_states) if t is not None])
         self._length = keys.shape[-2]
-        # seal the blocks the new tokens filled: each is compressed once, never again
-        start = nb * bt
-        while self._length - start >= bt:
-            self._blocks.append(self._seal(keys, values, start, start + bt))
-            start += bt
+        bt = self.block_tokens
+        start = len(self._blocks) * bt
+        n = (self._length - start) // bt
+        if n:  # seal the blocks the new tokens filled: each is compressed once, never again
+            self._seal(keys, values, start, n)
+            start += n * bt
         self._tail_k = keys[..., start:, :].clone() if start < self._length else None
         self._tail_v = values[..., start:, :].clone() if start < self._length else None
         self.keys, self.values = keys, values
@@ -128,31 +136,19 @@ class CompressedLayer(DynamicLayer):
         self.keys = self.values = None
 
     def prefetch(self) -> None:
-        """Start restoring the sealed blocks (on CUDA, on the cache's side stream)."""
+        """Start restoring the sealed blocks (on CUDA, on the store's side stream)."""
         if not self._blocks or self._prefetched is not None:
             return
-        cache = self._cache()
-        if self.device.type != "cuda":
-            # on the CPU the blocks are restored when the layer is used (no overlap to gain);
-            # ``_prefetch_cpu`` (tests) restores them here instead, with the same bookkeeping
-            if cache._prefetch_cpu:
-                buf = self._empty_buffer()
-                self._restore_into(buf)
-                self._prefetched = (len(self._blocks), buf, None)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        side = cache._side_stream(self.device)
-        buf = self._empty_buffer()  # allocated on the compute stream
-        side.wait_stream(compute)  # its memory may still be read by queued compute work
-        with torch.cuda.stream(side):
-            self._restore_into(buf)
-            event = torch.cuda.Event()
-            event.record(side)
-        self._prefetched = (len(self._blocks), buf, event)
+        # on the CPU the blocks are restored when the layer is used (no overlap to gain);
+        # ``_prefetch_cpu`` (tests) restores them here instead, with the same bookkeeping
+        if self.device.type == "cuda" or self._cache()._prefetch_cpu:
+            self._prefetched = (len(self._blocks), *self._store().restore(self._group))
 
     def reset(self) -> None:
         self._drop_prefetch()
-        self._blocks = []  # a handle's host storage goes when its last holder drops it
+        self._blocks = []  # a block is freed when its last holder drops it
+        self._group = StoredGroup(self._group.page_size)
+        self._rows = self._gather = None
         self._tail_k = self._tail_v = None
         self._length = 0
         super().reset()
@@ -172,10 +168,11 @@ class CompressedLayer(DynamicLayer):
         bt = self.block_tokens
         keep = new_len // bt
         if keep < len(self._blocks):  # the cut reaches into sealed blocks: unseal them
-            buf = self._empty_buffer(keep, len(self._blocks))
-            self._restore_into(buf, keep)
-            keys, values = (_unblock(t) for t in self._split(buf))
+            keys, values = (_unblock(t[keep:]) for t in self._split(self._restored()))
             del self._blocks[keep:]
+            self._group.truncate(keep)
+            if self._rows is not None:
+                self._rows = self._rows[:keep] if keep else None
             if self._tail_k is not None:
                 keys = torch.cat([keys, self._tail_k], dim=-2)
                 values = torch.cat([values, self._tail_v], dim=-2)
@@ -194,13 +191,11 @@ class CompressedLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.get_seq_length() > 0:
-            rows = torch.arange(self._batch_size()).repeat_interleave(repeats)
-            self._select_rows(rows)
+            self._select_rows(torch.arange(self._batch_size()).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.get_seq_length() > 0:
-            rows = torch.arange(self._batch_size())[torch.as_tensor(indices).cpu()]
-            self._select_rows(rows)
+            self._select_rows(torch.arange(self._batch_size())[torch.as_tensor(indices).cpu()])
 
     # ------------------------------------------------------------------ extras
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
@@ -208,13 +203,16 @@ class CompressedLayer(DynamicLayer):
         before the first update)."""
         if not self.is_initialized or self._length == 0:
             return None, None
-        past_k, past_v = self._restored()
-        parts_k = [] if self._tail_k is None else [self._tail_k]
-        parts_v = [] if self._tail_v is None else [self._tail_v]
-        return _join(past_k, parts_k), _join(past_v, parts_v)
+        blocks = self._restored()
+        past_k, past_v = (None, None) if blocks is None else self._split(blocks)
+        return (_join(past_k, [] if self._tail_k is None else [self._tail_k]),
+                _join(past_v, [] if self._tail_v is None else [self._tail_v]))
 
     def stats(self) -> dict:
-        handles = [b.handle for b in self._blocks]
+        """Tokens, blocks, bytes compressed and held on the host (exact once every block is
+        placed: :meth:`CompressedOffloadedCache.stats` waits for that), device tail bytes."""
+        storeds = [b.held.stored for b in self._blocks]
+        host = [s.host_nbytes() for s in storeds]
         tail = 0 if self._tail_k is None else (
             self._tail_k.numel() * self._tail_k.element_size()
             + self._tail_v.numel() * self._tail_v.element_size()
@@ -223,120 +221,128 @@ class CompressedLayer(DynamicLayer):
             "tokens": self._length,
             "blocks": len(self._blocks),
             "tail_tokens": 0 if self._tail_k is None else self._tail_k.shape[-2],
-            "compressed_bytes": sum(h.nbytes for h in handles),
-            "host_bytes": sum(h.stored_nbytes for h in handles),
+            "compressed_bytes": sum(s.nbytes for s in storeds),
+            "host_bytes": sum(s.nbytes if h is None else h for s, h in zip(storeds, host)),
             "device_tail_bytes": tail,
         }
 
     def _copy_to(self, cache: CompressedOffloadedCache) -> CompressedLayer:
-        """A copy owned by ``cache``: the same (immutable) compressed blocks, its own tail."""
+        """A copy owned by ``cache``: the same (immutable) stored blocks, its own tail."""
         new = CompressedLayer(cache)
         new.block_tokens = self.block_tokens
         for name in ("device", "dtype", "_kdims", "_vdims"):
             if hasattr(self, name):
                 setattr(new, name, getattr(self, name))
         new.is_initialized = self.is_initialized
-        new._blocks = [_Block(b.handle, b.batch, b.rows) for b in self._blocks]
+        new._blocks = list(self._blocks)
+        new._group = StoredGroup(self._group.page_size, self._group.storeds)
+        new._rows = None if self._rows is None else self._rows.clone()
         new._tail_k = None if self._tail_k is None else self._tail_k.clone()
         new._tail_v = None if self._tail_v is None else self._tail_v.clone()
         new._length = self._length
         return new
 
     # ------------------------------------------------------------------ internals
-    def _compressor(self) -> PageCompressor:
-        return self._cache()._compressor_for(self.device)
+    def _store(self) -> DeviceStore:
+        return self._cache()._stores.get(self.device)
 
     def _numel(self, batch: int) -> tuple[int, int]:
         """Elements of one block's keys and of its values at ``batch`` rows."""
         bt = self.block_tokens
-        return batch * self._kdims[0] * bt * self._kdims[1], (
-            batch * self._vdims[0] * bt * self._vdims[1]
-        )
+        return (batch * self._kdims[0] * bt * self._kdims[1],
+                batch * self._vdims[0] * bt * self._vdims[1])
 
     def _split(self, flat: torch.Tensor, batch: int | None = None):
         """Views ``[..., B, H, bt, D]`` of the keys and the values in ``flat`` ``[..., n]``."""
-        if batch is None:
-            batch = self._blocks[0].out_batch if self._blocks else self._batch_size()
+        batch = self._batch_size() if batch is None else batch
         nk, nv = self._numel(batch)
         bt = self.block_tokens
         k = flat[..., :nk].unflatten(-1, (batch, self._kdims[0], bt, self._kdims[1]))
         v = flat[..., nk : nk + nv].unflatten(-1, (batch, self._vdims[0], bt, self._vdims[1]))
         return k, v
 
-    def _seal(self, keys: torch.Tensor, values: torch.Tensor, lo: int, hi: int) -> _Block:
-        batch = keys.shape[0]
-        flat = torch.empty(sum(self._numel(batch)), dtype=keys.dtype, device=keys.device)
+    def _seal(self, keys: torch.Tensor, values: torch.Tensor, lo: int, n: int) -> None:
+        """Store the ``n`` blocks of ``keys``/``values`` from token ``lo`` (one tensor each)."""
+        batch, bt, ds = keys.shape[0], self.block_tokens, self._store()
+        ds.store.poll()  # placements known so far: the arena backs only what may still come
+        flat = torch.empty((n, sum(self._numel(batch))), dtype=self.dtype, device=self.device)
         k, v = self._split(flat, batch)
-        k.copy_(keys[..., lo:hi, :])
-        v.copy_(values[..., lo:hi, :])
-        # read in the compute stream's order; ``flat`` is kept alive until read, and nothing
-        # writes it again (this layer drops it now)
-        return _Block(self._compressor().offload(flat), batch)
+        k.copy_(keys[..., lo : lo + n * bt, :].unflatten(2, (n, bt)).permute(2, 0, 1, 3, 4))
+        v.copy_(values[..., lo : lo + n * bt, :].unflatten(2, (n, bt)).permute(2, 0, 1, 3, 4))
+        raw = flat.view(torch.uint8)
+        element_size = dtype_element_size(self.dtype)
+        for i in range(n):
+            held = ds.seal(raw[i], element_size)
+            self._blocks.append(_Block(held, batch))
+            self._group.append(held.stored)
+        ds.keep_until_read(flat)  # read on the compress stream; nothing writes it again
+        if self._rows is not None:  # new blocks read as stored
+            self._rows = torch.cat([self._rows, torch.arange(batch).expand(n, batch)])
+        self._cache().counters["sealed"] += n
 
     def _batch_size(self) -> int:
         if self._tail_k is not None:
             return self._tail_k.shape[0]
-        return self._blocks[0].out_batch
+        return self._blocks[0].batch if self._rows is None else self._rows.shape[1]
 
     def _select_rows(self, rows: torch.Tensor) -> None:
         """Keep batch rows ``rows`` (a long tensor) in this order: the tail now, the sealed
-        blocks at their next restore (their stored bytes do not change)."""
-        self._drop_prefetch()
+        blocks when they are next restored (their stored bytes do not change)."""
         rows = torch.as_tensor(rows).to(torch.long)
         if self._tail_k is not None:
             r = rows.to(self._tail_k.device)
             self._tail_k = self._tail_k.index_select(0, r)
             self._tail_v = self._tail_v.index_select(0, r)
-        cpu_rows = rows.cpu()
-        for b in self._blocks:
-            b.rows = cpu_rows if b.rows is None else b.rows[cpu_rows]
+        if self._blocks:
+            cpu = rows.cpu()
+            self._rows = (cpu.expand(len(self._blocks), -1).clone() if self._rows is None
+                          else self._rows[:, cpu])
 
     def _drop_prefetch(self) -> None:
-        if self._prefetched is not None:
-            event = self._prefetched[2]
-            if event is not None:  # its buffer was allocated on the compute stream
-                torch.cuda.current_stream(self.device).wait_event(event)
-            self._prefetched = None
+        # its buffer belongs to the restore stream, which alone wrote it: dropped as it is
+        self._prefetched = None
 
-    def _empty_buffer(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        hi = len(self._blocks) if hi is None else hi
-        per = sum(self._numel(self._blocks[lo].out_batch))
-        return torch.empty((hi - lo, per), dtype=self.dtype, device=self.device)
-
-    def _restore_into(self, buf: torch.Tensor, lo: int = 0) -> None:
-        """Restore blocks ``lo, lo + 1, ...`` into the rows of ``buf`` (writes ordered on the
-        current stream)."""
-        pc = self._compressor()
-        for i in range(buf.shape[0]):
-            b = self._blocks[lo + i]
-            if b.rows is None:
-                pc.restore(b.handle, out=buf[i])
-                continue
-            stored_k, stored_v = self._split(pc.restore(b.handle, device=self.device), b.batch)
-            out_k, out_v = self._split(buf[i], b.out_batch)
-            rows = b.rows.to(self.device)
-            out_k.copy_(stored_k.index_select(0, rows))
-            out_v.copy_(stored_v.index_select(0, rows))
-
-    def _restored(self):
-        """The sealed blocks as ``[nb, B, H, bt, D]`` views of keys and values (ready on the
-        current stream), or ``(None, None)``: a prefetch's if one matches, else restored now."""
+    def _restored(self) -> torch.Tensor | None:
+        """The sealed blocks as ``[n_blocks, per block]`` in the layer's row order (ready on the
+        current stream), or None: a prefetch's if one matches, else restored now."""
         nb = len(self._blocks)
-        if nb == 0:
-            self._drop_prefetch()
-            return None, None
-        if self._prefetched is not None and self._prefetched[0] == nb:
-            _, buf, event = self._prefetched
-            self._prefetched = None
-            if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
+        pf, self._prefetched = self._prefetched, None
+        if pf is not None and pf[0] == nb:
+            raw, event = pf[1], pf[2]
             self._cache().counters["prefetched"] += 1
-            return self._split(buf)
-        self._drop_prefetch()
-        buf = self._empty_buffer()
-        self._restore_into(buf)
-        self._cache().counters["restored_on_use"] += 1
-        return self._split(buf)
+        elif nb == 0:
+            return None
+        else:
+            raw, event = self._store().restore(self._group)
+            self._cache().counters["restored_on_use"] += 1
+        DeviceStore.use(raw, event)
+        typed = raw.view(self.dtype)
+        if self._rows is None:
+            return typed.view(nb, -1)
+        # rows picked from every block by one gather (rows of keys and of values as units)
+        idx, unit = self._gather_index()
+        out = torch.empty((nb, sum(self._numel(self._rows.shape[1]))), dtype=self.dtype,
+                          device=self.device)
+        torch.index_select(typed.view(-1, unit), 0, idx, out=out.view(-1, unit))
+        return out
+
+    def _gather_index(self) -> tuple[torch.Tensor, int]:
+        """For the current ``_rows``: the index of every output unit in the stored buffer, and
+        the unit (elements; a divisor of a key row and a value row)."""
+        if self._gather is not None and self._gather[0] is self._rows:
+            return self._gather[1], self._gather[2]
+        rows = self._rows
+        batches = torch.tensor([b.batch for b in self._blocks], dtype=torch.long)
+        rk, rv = self._numel(1)  # elements of one stored row of keys, of values
+        unit = math.gcd(rk, rv)
+        uk, uv = rk // unit, rv // unit
+        per = batches * (uk + uv)
+        start = torch.cumsum(per, 0) - per
+        k = start[:, None, None] + rows[:, :, None] * uk + torch.arange(uk)
+        v = (start + batches * uk)[:, None, None] + rows[:, :, None] * uv + torch.arange(uv)
+        idx = torch.cat([k.flatten(1), v.flatten(1)], 1).flatten().to(self.device)
+        self._gather = (rows, idx, unit)
+        return idx, unit
 
 
 def _unblock(blocks: torch.Tensor) -> torch.Tensor:
@@ -347,7 +353,7 @@ def _unblock(blocks: torch.Tensor) -> torch.Tensor:
 
 def _join(blocks: torch.Tensor | None, parts: list[torch.Tensor]) -> torch.Tensor:
     """The restored blocks ``[nb, B, H, bt, D]`` followed by ``parts`` along the token dim, in
-    one new tensor (one copy of everything)."""
+    one new contiguous tensor (one copy of everything)."""
     if blocks is None:
         return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim=-2)
     nb, b, h, bt, d = blocks.shape
@@ -374,38 +380,34 @@ class CompressedOffloadedCache(Cache):
             model first updates it.
         block_tokens: tokens per compressed block: a block is compressed once, when it is full;
             the newest ``< block_tokens`` tokens of every layer stay uncompressed on the device.
-            Larger blocks compress better and cost fewer handles; smaller ones keep less on
-            the device. At ``[B, H, D] = [1, 8, 128]`` bf16, 256 tokens are 512 KiB of keys.
-        compressor: a :class:`~torch_pagecomp.PageCompressor` for the layers on its device
-            (shared: :meth:`close` leaves it open). Layers on other devices (or all, without
-            one) get a compressor of their device, made on first use and closed by
-            :meth:`close`.
+            Larger blocks compress as well and cost fewer stored tensors; smaller ones keep
+            less on the device. At ``[B, H, D] = [1, 8, 128]`` bf16, 256 tokens are 512 KiB of
+            keys. A block's bytes past its last whole page travel uncompressed.
+        page_size: bytes per compressed page (a power of two, 4096..65536).
         prefetch: on CUDA, restore the next compressed layer on a side stream while the current
             one computes (True); False restores each layer when it is used.
-        compressor_kwargs: settings of the compressors this cache makes (e.g. ``page_size``).
+
+    Host memory: page-locked chunks of 64 MiB, backed as the blocks need them (the compressed
+    bytes, plus up to the uncompressed size of the blocks still being compressed); unpinned by
+    :meth:`close` (or when the cache and its copies are collected).
     """
 
     def __init__(
         self,
         config=None,
         block_tokens: int = 256,
-        compressor: PageCompressor | None = None,
+        page_size: int = 4096,
         prefetch: bool = True,
-        **compressor_kwargs,
     ):
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
-        self.block_tokens = block_tokens
+        if not isinstance(page_size, int) or not valid_page_size(page_size):
+            raise ValueError(f"page_size must be a power of two from 4096 to 65536, got "
+                             f"{page_size!r}")
+        self.block_tokens, self.page_size = block_tokens, page_size
         self.prefetch_layers = prefetch
-        self._compressors: dict[torch.device, PageCompressor] = {}
-        self._owned: list[PageCompressor] = []
-        if compressor is not None:
-            if not isinstance(compressor, PageCompressor):
-                raise TypeError(f"compressor must be a PageCompressor, got {compressor!r}")
-            self._compressors[compressor.device] = compressor
-        self._compressor_kwargs = compressor_kwargs
-        self._streams: dict = {}
-        self.counters = {"prefetched": 0, "restored_on_use": 0}
+        self._share_stores(Stores(page_size))
+        self.counters = {"prefetched": 0, "restored_on_use": 0, "sealed": 0}
         self._prefetch_cpu = False  # tests: run the prefetch bookkeeping on the CPU too
         layers = []
         if config is not None:
@@ -416,6 +418,9 @@ class CompressedOffloadedCache(Cache):
                     layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
         self._lazy_layers = config is None
         super().__init__(layers=layers, offloading=False)
+        # failed decodes are checked once per forward, at the first compressed layer
+        self._check_at = next(
+            (i for i, layer in enumerate(self.layers) if isinstance(layer, CompressedLayer)), 0)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Append the new tokens of layer ``layer_idx``; return its full keys and values."""
@@ -427,6 +432,10 @@ class CompressedOffloadedCache(Cache):
             return layer.update(key_states, value_states, *args, **kwargs)
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
+        ds = layer._store()
+        ds.drain()
+        if layer_idx == self._check_at:
+            ds.check()
         if self.prefetch_layers and (key_states.device.type == "cuda" or self._prefetch_cpu):
             nxt = self._next_compressed(layer_idx)
             if nxt is not None and nxt is not layer and nxt.is_initialized:
@@ -434,6 +443,11 @@ class CompressedOffloadedCache(Cache):
         keys, values = layer.update(key_states, value_states, *args, **kwargs)
         layer.offload()
         return keys, values
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder every layer for beam search (the indices read on the host once, not per
+        layer)."""
+        super().reorder_cache(beam_idx.cpu())
 
     def offload(self, layer_idx: int, only_non_sliding: bool = True):
         layer = self.layers[layer_idx]
@@ -453,27 +467,40 @@ class CompressedOffloadedCache(Cache):
         return layer.keys, layer.values
 
     def stats(self) -> dict:
-        """Tokens, blocks, uncompressed and host bytes of the compressed blocks, device bytes
-        of the tails, summed over the compressed layers; and how layers were restored."""
+        """Summed over the compressed layers: blocks, their uncompressed (``compressed_bytes``)
+        and stored (``host_bytes``) sizes, the device bytes of the tails; ``ratio``; how
+        layers were restored and blocks sealed (``counters``); the page-locked host memory
+        the stores hold now and at their peak. Waits until every block is placed."""
+        for ds in self._stores.by_device.values():
+            ds.drain()
+            ds.store.wait_placed()
         per = [layer.stats() for layer in self.layers if isinstance(layer, CompressedLayer)]
         out = {k: sum(p[k] for p in per) for k in ("blocks", "compressed_bytes", "host_bytes",
                                                    "device_tail_bytes")}
         out["compressed_layers"] = len(per)
         out["ratio"] = out["compressed_bytes"] / max(1, out["host_bytes"])
         out.update(self.counters)
+        stores = [ds.store.stats() for ds in self._stores.by_device.values()]
+        out["host_held_bytes"] = sum(s["host_held_bytes"] for s in stores)
+        out["host_peak_held_bytes"] = sum(s["host_peak_held_bytes"] for s in stores)
         return out
+
+    @property
+    def stores(self) -> dict:
+        """The block store of each device holding compressed layers."""
+        return {d: ds.store for d, ds in self._stores.by_device.items()}
 
     def __deepcopy__(self, memo) -> CompressedOffloadedCache:
         """A copy (e.g. of a prompt's cache, to reuse it for several continuations): it shares
-        the compressed blocks (never changed once stored) and this cache's compressors (which
-        it does not close: close the original last), and has its own uncompressed tails."""
-        new = type(self)(
-            block_tokens=self.block_tokens, prefetch=self.prefetch_layers,
-            **self._compressor_kwargs,
-        )
-        new._compressors = dict(self._compressors)
+        the stored blocks (never changed once stored) and the stores, and has its own
+        uncompressed tails. The stores close when the last cache sharing them does."""
+        new = type(self)(block_tokens=self.block_tokens, page_size=self.page_size,
+                         prefetch=self.prefetch_layers)
+        new._finalizer()
+        new._share_stores(self._stores)
         new._lazy_layers = self._lazy_layers
         new._prefetch_cpu = self._prefetch_cpu
+        new._check_at = self._check_at
         new.layers = [
             layer._copy_to(new) if isinstance(layer, CompressedLayer)
             else copy.deepcopy(layer, memo)
@@ -482,36 +509,20 @@ class CompressedOffloadedCache(Cache):
         return new
 
     def close(self) -> None:
-        """Free every layer's host storage; close the compressors this cache made."""
+        """Drop every layer's blocks; the last cache sharing the stores frees their host
+        memory. The cache can be used again afterwards (with new stores)."""
         self.reset()
-        for pc in self._owned:
-            pc.close()
-            self._compressors = {d: c for d, c in self._compressors.items() if c is not pc}
-        self._owned = []
-
-    @property
-    def compressors(self) -> dict[torch.device, PageCompressor]:
-        """The compressor of each device holding compressed layers (``stats()``, ``counts``)."""
-        return dict(self._compressors)
+        for ds in self._stores.by_device.values():
+            ds.drain()
+        self._finalizer()
+        self._share_stores(Stores(self.page_size))
 
     # ------------------------------------------------------------------ internals
-    def _compressor_for(self, device: torch.device) -> PageCompressor:
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        elif device.type != "cuda":
-            device = torch.device("cpu")
-        pc = self._compressors.get(device)
-        if pc is None:
-            pc = self._compressors[device] = PageCompressor(device=device,
-                                                            **self._compressor_kwargs)
-            self._owned.append(pc)
-        return pc
-
-    def _side_stream(self, device: torch.device):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._streams:
-            self._streams[index] = torch.cuda.Stream(device=index)
-        return self._streams[index]
+    def _share_stores(self, stores: Stores) -> None:
+        stores.users += 1
+        self._stores = stores
+        self._finalizer = weakref.finalize(self, stores.release)
+        self._finalizer.atexit = False  # at exit the process's memory goes anyway
 
     def _next_compressed(self, layer_idx: int) -> CompressedLayer | None:
         n = len(self.layers)

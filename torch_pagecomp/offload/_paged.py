@@ -374,6 +374,39 @@ class PagedStore:
         if stream is None:
             arena.confirm()
 
+    def restore_many(self, storeds: list[PagedStored], out: torch.Tensor) -> None:
+        """Decode ``storeds`` back to back into ``out`` (``uint8 [sum of their nbytes]``) on
+        the current stream with a constant number of launches: one staging buffer, a copy per
+        run of placed slices, one decode launch for all pages (see ``_paged_group``)."""
+        from ._paged_group import StoredGroup
+
+        self.restore_group(StoredGroup(self.page_size, storeds), out)
+
+    def restore_group(self, group, out: torch.Tensor) -> None:
+        """As :meth:`restore_many` for a ``_paged_group.StoredGroup``, which keeps the
+        metadata of its placed tensors between calls (a KV cache layer's blocks)."""
+        from ._paged_group import restore_group
+
+        restore_group(self, group, out)
+
+    def wait_placed(self) -> None:
+        """Wait until every slice stored so far is placed and confirmed (exact host sizes)."""
+        if self.arena.pending:
+            self.arena.confirm(through=self.arena.pending[-1][0])
+
+    def close(self) -> None:
+        """Wait for this store's streams, then unpin every chunk. Stored tensors are not
+        restorable afterwards; the store must not be used again."""
+        for s in (self.compress_stream, self.pack_stream, self.restore_stream):
+            if s is not None:
+                s.synchronize()
+        self.arena.confirm()
+        for mem in self.arena.backed.values():
+            mem.release()
+        self.arena.backed.clear()
+        self.arena.trim()
+        self._packed.clear()
+
     def _count_failures(self, status: torch.Tensor, stream) -> None:
         if stream is None:  # the CPU: known at once
             bad = int(torch.count_nonzero(status))

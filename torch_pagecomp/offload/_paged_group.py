@@ -1,0 +1,194 @@
+"""Restoring many stored tensors of a :class:`~._paged.PagedStore` at once.
+
+A :class:`StoredGroup` lists stored tensors that come back together, back to back in one
+output (a KV cache layer's sealed blocks). :func:`restore_group` brings them all back with a
+constant number of launches, however many the group holds:
+
+* one staging buffer on the device; one copy-engine copy per run of placed slices that lie
+  next to each other in one arena chunk (slices stored one after another are), and a kernel
+  fetch per slice whose placement the host does not know yet (as ``PagedStore.restore``);
+* one decode launch over every page (offsets into the staging buffer, sizes and kinds
+  concatenated), one status tensor counted as ``restore`` counts it.
+
+The group keeps, for its leading stored tensors whose slices are all placed, the concatenated
+metadata on the device and the host ranges to copy, and extends them as later ones are
+placed: a restore of an unchanged group costs the host a few tensor allocations, a copy per
+run and the decode launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _paged
+from ._streams import current_stream
+
+
+class StoredGroup:
+    """Stored tensors (:class:`~._paged.PagedStored`) restored together, back to back in the
+    order appended (see the module docstring). ``page_size``: the store's page size."""
+
+    def __init__(self, page_size: int, storeds=()):
+        self.page_size = page_size
+        self.storeds: list = []
+        self.starts: list[int] = []  # byte offset of each stored tensor in the output
+        self.nbytes = 0
+        self.ragged = 0  # stored tensors with a partial last page (their pages are not P-aligned)
+        self.clear_cache()
+        for s in storeds:
+            self.append(s)
+
+    def __len__(self) -> int:
+        return len(self.storeds)
+
+    def append(self, stored) -> None:
+        """Add ``stored`` after the others (its bytes follow theirs in the output)."""
+        self.storeds.append(stored)
+        self.starts.append(self.nbytes)
+        self.nbytes += stored.nbytes
+        self.ragged += stored.nbytes % self.page_size != 0
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` stored tensors."""
+        if n >= len(self.storeds):
+            return
+        self.nbytes = self.starts[n]
+        del self.storeds[n:], self.starts[n:]
+        self.ragged = sum(s.nbytes % self.page_size != 0 for s in self.storeds)
+        if n < self.known:
+            self.clear_cache()
+
+    def clear_cache(self) -> None:
+        """Forget the cached metadata (rebuilt at the next restore)."""
+        self.known = 0  # leading stored tensors whose metadata is cached
+        self.pages = 0  # their full pages
+        self.staged = 0  # their staging bytes (exact compressed sizes)
+        self.meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.meta_stream = None
+        self.runs: list[list] = []  # [chunk, offset in chunk, bytes, staging offset, view]
+
+
+def _failed(sl) -> RuntimeError:
+    return RuntimeError(
+        f"compressed store: a slice of {sl.n} pages did not fit the host arena; its data was "
+        "not stored"
+    )
+
+
+def _absorb(store, group: StoredGroup, device: torch.device) -> None:
+    """Cache the metadata of the stored tensors after ``group.known`` whose slices are all
+    placed, in order, stopping at the first that is not."""
+    chunk = store.arena.chunk
+    rels, shifts, counts, sizes, kinds = [], [], [], [], []
+    at = group.known
+    while at < len(group.storeds):
+        stored = group.storeds[at]
+        if stored.freed:
+            raise RuntimeError("compressed store: a stored tensor of the group was freed")
+        if any(sl.base is None for sl in stored.slices):
+            break
+        for sl in stored.slices:
+            if sl.base < 0:
+                raise _failed(sl)
+            k, off = divmod(sl.base, chunk)
+            last = group.runs[-1] if group.runs else None
+            if last is not None and last[0] == k and last[1] + last[2] == off:
+                last[2] += sl.total  # the next bytes of the same chunk: one copy for both
+                last[4] = None
+            else:
+                group.runs.append([k, off, sl.total, group.staged, None])
+            rels.append(sl.rel)
+            sizes.append(sl.sizes)
+            kinds.append(sl.kinds)
+            shifts.append(group.staged)
+            counts.append(sl.n)
+            group.staged += sl.total
+        group.pages += stored.nbytes // group.page_size
+        at += 1
+    group.known = at
+    if not rels:
+        return
+    # one add for all the new slices: offsets relative to each slice's base -> into staging
+    shift = torch.repeat_interleave(torch.tensor(shifts, dtype=torch.int64),
+                                    torch.tensor(counts, dtype=torch.int64))
+    offsets = torch.cat(rels) + shift.to(device, non_blocking=True)
+    new = (offsets, torch.cat(sizes), torch.cat(kinds))
+    if group.meta is not None:
+        new = tuple(torch.cat([old, t]) for old, t in zip(group.meta, new))
+    group.meta = new
+    group.meta_stream = current_stream(device) if device.type == "cuda" else None
+
+
+def restore_group(store, group: StoredGroup, out: torch.Tensor) -> None:
+    """Decode every stored tensor of ``group`` into ``out`` (``uint8 [group.nbytes]``, back to
+    back in the group's order) on the current stream, after their packs (device-side waits:
+    the host waits for nothing). Failed pages are counted as ``PagedStore.restore`` counts
+    them (raised at once on the CPU)."""
+    from ..kernels.host_pack import fetch_from_host
+
+    p, arena = store.page_size, store.arena
+    if out.numel() != group.nbytes:
+        raise ValueError(f"out has {out.numel()} bytes, the group {group.nbytes}")
+    dev = out.device
+    stream = current_stream(dev) if out.is_cuda else None
+    arena.confirm()  # placements known by now (never waits)
+    _absorb(store, group, dev)
+
+    # the stored tensors not cached yet (placement unknown): their own staging space
+    rest, staged, pages = [], group.staged, group.pages
+    for stored in group.storeds[group.known:]:
+        for sl in stored.slices:
+            if sl.base is not None and sl.base < 0:
+                raise _failed(sl)
+            rest.append((sl, staged))
+            staged += sl.total if sl.base is not None else sl.n * p
+        pages += stored.nbytes // p
+    staging = torch.empty(staged, dtype=torch.uint8, device=dev)
+    for run in group.runs:
+        if run[4] is None:
+            run[4] = arena.backed[run[0]].tensor[run[1]:run[1] + run[2]]
+        staging[run[3]:run[3] + run[2]].copy_(run[4], non_blocking=True)
+    extra = []
+    for sl, at in rest:
+        if sl.base is not None:  # placed since the last absorb: the copy engine
+            off = sl.base % arena.chunk
+            host = arena.backed[sl.base // arena.chunk].tensor[off:off + sl.total]
+            staging[at:at + sl.total].copy_(host, non_blocking=True)
+        else:  # still packing: kernels read it once the pack is done
+            _paged._wait(stream, sl.stored)
+            fetch_from_host(staging[at:at + sl.n * p], sl.desc, arena.table, arena.chunk)
+        extra.append((sl.rel + at, sl.sizes, sl.kinds))
+
+    if pages:
+        meta = group.meta
+        if meta is not None and stream is not None and group.meta_stream is not stream:
+            for t in meta:  # made on another stream, read on this one
+                t.record_stream(stream)
+        if extra:
+            parts = ([] if meta is None else [meta]) + extra
+            meta = tuple(torch.cat([q[i] for q in parts]) for i in range(3))
+        offsets, sizes, kinds = meta
+        status = torch.empty(pages, dtype=torch.int32, device=dev)
+        if group.ragged:  # pages of different tensors are not P apart in out: decode aside
+            rows = torch.empty((pages, p), dtype=torch.uint8, device=dev)
+        else:
+            rows = out.view(pages, p)
+        _paged._decompress_into(staging, offsets, sizes, kinds, rows, status)
+        if group.ragged:
+            first = 0
+            for stored, start in zip(group.storeds, group.starts):
+                n = stored.nbytes // p
+                if n:
+                    out[start:start + n * p].copy_(rows[first:first + n].view(-1))
+                first += n
+        store._count_failures(status, stream)
+    if group.ragged:  # partial last pages travel as plain bytes
+        for stored, start in zip(group.storeds, group.starts):
+            if stored.tail is not None:
+                # copied to the host on the compress stream after the pages (not covered by
+                # the packs' events)
+                _paged._wait(stream, stored.consumed)
+                end = start + stored.nbytes
+                out[end - stored.tail.numel():end].copy_(stored.tail, non_blocking=True)
+    if stream is None:
+        arena.confirm()
