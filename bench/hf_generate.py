@@ -288,6 +288,8 @@ def _child(args, variant: str, s: dict) -> dict:
         argv += ["--block-tokens", str(args.block_tokens)]
     if args.check_kv:
         argv += ["--check-kv", str(args.check_kv)]
+    if args.deterministic:
+        argv.append("--deterministic")
     if args.tiny:
         argv.append("--tiny")
     base = {"variant": variant, "layers": s["layers"], "prompt": s["prompt"], "new": s["new"],
@@ -406,10 +408,20 @@ def main(argv=None) -> int:
     ap.add_argument("--check-kv", type=int, default=0, metavar="N",
                     help="compare with a DynamicCache fed the same tokens over the prompt and "
                     "N steps, in every child but dynamic's (bench/hf_kvcheck.py)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="every child with torch.use_deterministic_algorithms (warn only), "
+                    "cuDNN deterministic and CUBLAS_WORKSPACE_CONFIG=:4096:8")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None, choices=VARIANTS)
     args = ap.parse_args(argv)
+    if args.child and args.deterministic:  # before cuBLAS starts in this process
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     import torch
+
+    if args.child and args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     s = _sizes(args)
