@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -218,7 +219,7 @@ def _profile(train_step, path: str) -> None:
 
 
 def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: bool,
-        profile: str | None = None) -> dict:
+        profile: str | None = None, min_offload_bytes: int | None = None) -> dict:
     import torch
 
     from torch_pagecomp import offload_module
@@ -246,6 +247,8 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
               "speed": dict(prefer="speed")}[variant]
         if device == "cpu":  # CI: the hooks' CPU path on toy sizes
             kw.update(offload_cpu=True, min_offload_bytes=1 << 12)
+        if min_offload_bytes is not None:
+            kw["min_offload_bytes"] = min_offload_bytes
         off = offload_module(model, blocks=blocks, **kw)
 
     def step():
@@ -335,9 +338,11 @@ def _child(args, name: str, variant: str) -> dict:
     env.pop("STOCK_PROFILE", None)
     if args.profile and args.profile.split(":")[:2] == [name, variant]:
         env["STOCK_PROFILE"] = args.profile.split(":", 2)[2]
+    extra = ([] if args.min_offload_bytes is None
+             else ["--min-offload-bytes", str(args.min_offload_bytes)])
     return run_child("bench.stock_models",
                      ["--child", name, variant, "--steps", str(args.steps),
-                      "--warmup", str(args.warmup), "--device", args.device],
+                      "--warmup", str(args.warmup), "--device", args.device, *extra],
                      {"model": name, "variant": variant}, args.timeout, env=env)
 
 
@@ -392,6 +397,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, metavar="MODEL:VARIANT:PATH",
                     help="profile one more step of that run; the table goes to PATH")
+    ap.add_argument("--min-offload-bytes", type=int, default=None,
+                    help="the hooks' min_offload_bytes (default: theirs on a GPU, 4096 on "
+                         "the CPU); the tiny models need a small one to offload on a GPU")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"))
     args = ap.parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
@@ -404,7 +412,7 @@ def main(argv=None) -> int:
     variants = args.variants.split(",")
     if args.child:
         print(json.dumps(run(*args.child, args.steps, args.warmup, args.device, False,
-                             os.environ.get("STOCK_PROFILE"))))
+                             os.environ.get("STOCK_PROFILE"), args.min_offload_bytes)))
         return 0
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),
@@ -425,38 +433,91 @@ def main(argv=None) -> int:
 
 
 def _fsdp_rows(args, models, variants, meta):
-    """Every (model, variant) in this process group, one after another (torchrun)."""
+    """Every (model, variant) in this process group, one after another (torchrun).
+
+    FSDP2 is imported before the group exists: imported first while one exists (from run()),
+    it (its torch._dynamo import) keeps that group alive past ``destroy_process_group``, and
+    the group's threads with it (see :func:`_join_process_group_threads`)."""
     import torch
     import torch.distributed as dist
+    import torch.distributed.fsdp  # noqa: F401  (before init_process_group: see above)
 
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        args.device = f"cuda:{torch.cuda.current_device()}"
+        local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        args.device = f"cuda:{local}"
+        # bound to its GPU: the barrier at the end need not guess the device (and warn)
+        dist.init_process_group("nccl", device_id=torch.device(args.device))
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     meta["gpus"] = world
     rows = []
-    try:
-        for m in models:
-            for v in variants:
-                if v == "save_on_cpu":
-                    continue
-                row = run(m, v, args.steps, args.warmup, args.device, True)
-                gathered = [None] * world
-                dist.all_gather_object(gathered, row)
-                if rank == 0:
-                    worst = max(gathered, key=lambda r: r["step_ms"])
-                    worst["peak_gpu_gib"] = max(r.get("peak_gpu_gib", 0) for r in gathered)
-                    hashes = [r["grads"] for r in gathered]
-                    worst["grads"] = None if None in hashes else hashes
-                    rows.append(worst)
-                if args.device.startswith("cuda"):
-                    torch.cuda.empty_cache()
-    finally:
-        dist.barrier()  # tear down together: no rank leaves while another still talks
-        dist.destroy_process_group()
+    # No try/finally around the runs: a rank that fails must not wait at the barrier while
+    # the others are inside another collective (that hangs); torchrun stops them instead.
+    for m in models:
+        for v in variants:
+            if v == "save_on_cpu":
+                continue
+            row = run(m, v, args.steps, args.warmup, args.device, True,
+                      min_offload_bytes=args.min_offload_bytes)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, row)
+            if rank == 0:
+                worst = max(gathered, key=lambda r: r["step_ms"])
+                worst["peak_gpu_gib"] = max(r.get("peak_gpu_gib", 0) for r in gathered)
+                hashes = [r["grads"] for r in gathered]
+                worst["grads"] = None if None in hashes else hashes
+                rows.append(worst)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    dist.barrier()  # tear down together: no rank leaves while another still talks
+    dist.destroy_process_group()
+    _join_process_group_threads()
     return rows if rank == 0 else None
+
+
+# thread names (Linux) of torch's process-group backends
+_PG_THREADS = ("pt_gloo", "gloo_", "pt_nccl")
+
+
+def _join_process_group_threads() -> None:
+    """Free the process group now, so that its threads are joined while the interpreter is
+    whole. ``destroy_process_group`` unregisters it, but FSDP2's device mesh stays referenced
+    from DTensor's sharding-propagation cache, and with it the group and its threads. A gloo
+    worker drops each finished collective (and the Python tensors it holds) a little after
+    the caller moved on; a drop that starts just before the interpreter finalizes waits for
+    the GIL, is ended inside a destructor, and the process aborts ("terminate called without
+    an active exception"). A backend thread still alive here is reported on stderr."""
+    import torch
+
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    try:
+        from torch.distributed.tensor import DTensor
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        prop.propagate_op_sharding.cache_clear()
+        prop._propagate_tensor_meta_cached.cache_clear()
+    except (ImportError, AttributeError):
+        pass
+    gc.collect()
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return
+    left = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as fh:
+                name = fh.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(_PG_THREADS):
+            left.append(name)
+    if left:
+        print(f"stock_models: process-group threads outlived teardown: {sorted(left)}",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

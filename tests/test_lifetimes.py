@@ -3,13 +3,18 @@ by a failed offload, fork, copies and pickles of a module holding a PageCompress
 
 The exit tests run scripts in fresh interpreters (``sys.executable -c``): a worker thread still
 inside a torch call when the interpreter finalizes aborts the process, so each script ends with
-work in flight and must exit 0 with nothing on stderr. Each runs 3 times here; the ``slow``
-variant runs each 20 times.
+work in flight and must exit 0 with nothing on stderr. Each runs on the CPU and, where there is
+one, on the GPU: 3 times here, 20 times in the ``slow`` variant, ``PAGECOMP_EXIT_WORKERS`` at
+once (default 3). The ``slow`` FSDP2 test runs the stock-model bench on two ranks under
+``torchrun`` 20 times (gloo on the CPU; NCCL too with two GPUs), ``PAGECOMP_TORCHRUN_WORKERS``
+at once (default 1: each run keeps two ranks busy).
 """
 
 import copy
 import gc
+import json
 import os
+import pathlib
 import pickle
 import subprocess
 import sys
@@ -27,81 +32,155 @@ from torch_pagecomp import module
 from torch_pagecomp.module import PageCompressor
 from torch_pagecomp.pipeline import PipelineStopped
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRELUDE = "import torch\nimport torch_pagecomp\nfrom torch_pagecomp import PageCompressor\n"
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-# each ends with batches in flight: 2 MiB is two default CPU batches, enough that the workers
-# are still compressing when the script's last line returns
+
+def prelude(device: str) -> str:
+    # two default batches of the compressor: with the script's last line returning right
+    # after offload(), its worker threads are still busy when the interpreter exits
+    return PRELUDE + textwrap.dedent(f"""
+        dev = torch.device({device!r})
+
+        def two_batches(comp, device=dev):
+            return torch.randn(2 * comp.batch_pages * comp.page_size // 4, device=device)
+    """)
+
+
+# each ends with batches in flight, on ``dev`` (the CPU, or the GPU where there is one)
 EXIT_SCRIPTS = {
     "offload_no_close": """
-        comp = PageCompressor()
-        h = comp.offload(torch.randn(1 << 19))
+        comp = PageCompressor(device=dev)
+        h = comp.offload(two_batches(comp))
     """,
     "offload_then_close": """
-        comp = PageCompressor()
-        h = comp.offload(torch.randn(1 << 19))
+        comp = PageCompressor(device=dev)
+        h = comp.offload(two_batches(comp))
         comp.close()
     """,
     "with_block": """
-        with PageCompressor() as comp:
-            h = comp.offload(torch.randn(1 << 19))
+        with PageCompressor(device=dev) as comp:
+            h = comp.offload(two_batches(comp))
     """,
     "offload_restore": """
-        comp = PageCompressor()
-        x = torch.randn(1 << 18)
-        assert torch.equal(comp.restore(comp.offload(x), device="cpu"), x)
-        h = comp.offload(torch.randn(1 << 19))
+        comp = PageCompressor(device=dev)
+        x = torch.randn(1 << 18, device=dev)
+        assert torch.equal(comp.restore(comp.offload(x), device=dev), x)
+        h = comp.offload(two_batches(comp))
     """,
-    # the activation offload hooks in every mode, on the GPU when there is one (else CPU
-    # tensors with offload_cpu), with a backward and with the graph left alive at exit
+    # a GPU compressor fed from host memory (the upload stage), as the default device gives
+    "host_tensor_to_gpu": """
+        comp = PageCompressor()
+        assert comp.device.type == dev.type
+        h = comp.offload(two_batches(comp, device="cpu"))
+    """,
+    # the activation offload hooks in every mode, with a backward and with the graph left
+    # alive at exit (offload_cpu: the CPU run offloads its CPU tensors)
     "hooks_with_backward": """
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
         lin = torch.nn.Linear(256, 256).to(dev)
         for kw in (dict(mode="uncompressed"), dict(prefer="memory"), dict(prefer="speed")):
             off = torch_pagecomp.offload_activations(offload_cpu=True, min_offload_bytes=0, **kw)
             with off:
                 loss = lin(torch.randn(512, 256, device=dev)).relu().square().sum()
             loss.backward()
+            assert off.stats()["offloaded_bytes"] > 0
     """,
     "hooks_forward_only": """
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
         lin = torch.nn.Linear(256, 256).to(dev)
         keep = []
         for kw in (dict(mode="uncompressed"), dict(prefer="memory"), dict(prefer="speed")):
             off = torch_pagecomp.offload_activations(offload_cpu=True, min_offload_bytes=0, **kw)
             with off:
                 keep.append(lin(torch.randn(512, 256, device=dev)).relu().square().sum())
+            assert off.stats()["offloaded_bytes"] > 0
     """,
     "compress_decompress": """
-        x = torch.randint(0, 4, (16 * 4096,), dtype=torch.uint8)
+        x = torch.randint(0, 4, (16 * 4096,), dtype=torch.uint8, device=dev)
         c = torch_pagecomp.compress(x)
+        assert c.payload.device.type == dev.type
         assert torch.equal(torch_pagecomp.decompress(c).view(-1), x)
     """,
 }
+EXIT_CASES = [
+    *(pytest.param(n, "cpu", id=f"{n}-cpu") for n in EXIT_SCRIPTS if n != "host_tensor_to_gpu"),
+    *(pytest.param(n, "cuda", id=f"{n}-cuda", marks=NEEDS_CUDA) for n in EXIT_SCRIPTS),
+]
 
 
-def run_script(body: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    code = PRELUDE + textwrap.dedent(body)
+def _workers(var: str, default: int) -> int:
+    n = int(os.environ.get(var, default))
+    if n < 1:
+        raise ValueError(f"{var} must be >= 1, got {n}")
+    return n
+
+
+def run_script(body: str, timeout: float = 300, device: str = "cpu") -> subprocess.CompletedProcess:
+    code = prelude(device) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=timeout)
 
 
-def assert_clean_exits(body: str, times: int) -> None:
-    """Run the script ``times`` times (a few at once: most of each run is importing torch)."""
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        runs = list(pool.map(lambda _: run_script(body), range(times)))
-    bad = [(r.returncode, r.stderr[-2000:]) for r in runs if r.returncode or r.stderr]
+def assert_clean_runs(run, times: int, workers: int) -> list[subprocess.CompletedProcess]:
+    """``run(i)`` ``times`` times, ``workers`` at once; every one exits 0 with an empty stderr."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        runs = list(pool.map(run, range(times)))
+    bad = [(r.returncode, r.stderr[-3000:]) for r in runs if r.returncode or r.stderr]
     assert not bad, f"{len(bad)} of {times} runs failed; first: {bad[0]}"
+    return runs
 
 
-@pytest.mark.parametrize("name", EXIT_SCRIPTS)
-def test_script_exits_cleanly(name):
-    assert_clean_exits(EXIT_SCRIPTS[name], times=3)
+def assert_clean_exits(body: str, times: int, device: str = "cpu") -> None:
+    """Run the script ``times`` times, ``PAGECOMP_EXIT_WORKERS`` at once (most of each run is
+    importing torch)."""
+    assert_clean_runs(lambda _: run_script(body, device=device), times,
+                      _workers("PAGECOMP_EXIT_WORKERS", 3))
+
+
+@pytest.mark.parametrize("name,device", EXIT_CASES)
+def test_script_exits_cleanly(name, device):
+    assert_clean_exits(EXIT_SCRIPTS[name], times=3, device=device)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", EXIT_SCRIPTS)
-def test_script_exits_cleanly_20_times(name):
-    assert_clean_exits(EXIT_SCRIPTS[name], times=20)
+@pytest.mark.parametrize("name,device", EXIT_CASES)
+def test_script_exits_cleanly_20_times(name, device):
+    assert_clean_exits(EXIT_SCRIPTS[name], times=20, device=device)
+
+
+# ----------------------------------------------------------------------------- FSDP2, torchrun
+FSDP_BACKENDS = [
+    "gloo",
+    pytest.param("nccl", marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")),
+]
+
+
+def torchrun_fsdp(backend: str, out: pathlib.Path) -> subprocess.CompletedProcess:
+    """The stock-model bench under FSDP2 on two ranks, every offload mode, one step each;
+    gloo on the CPU, NCCL on two GPUs."""
+    device = "cpu" if backend == "gloo" else "cuda"
+    # OMP_NUM_THREADS set: else torchrun says on stderr that it set it
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "-m", "bench.stock_models", "--fsdp", "--device", device,
+           "--models", "encoder-tiny", "--variants", "uncompressed,memory,speed",
+           "--steps", "1", "--warmup", "1", "--min-offload-bytes", "4096", "--out", str(out)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", FSDP_BACKENDS)
+def test_fsdp2_torchrun_exits_cleanly_20_times(backend, tmp_path):
+    """Every rank of every run exits 0 and nothing reaches stderr (the bench reports a process
+    group's thread that outlived its teardown there)."""
+    outs = [tmp_path / f"run{i}.json" for i in range(20)]
+    assert_clean_runs(lambda i: torchrun_fsdp(backend, outs[i]), 20,
+                      _workers("PAGECOMP_TORCHRUN_WORKERS", 1))
+    doc = json.loads(outs[0].read_text())
+    assert doc["gpus"] == 2
+    assert [r["variant"] for r in doc["rows"]] == ["uncompressed", "memory", "speed"]
+    assert all(r["offloaded_gib"] > 0 for r in doc["rows"]), doc["rows"]
 
 
 # ----------------------------------------------------------------------------- close vs threads
