@@ -2,11 +2,11 @@
 
 ``python3 -m bench.dev_decompress_probe --bench`` builds 128 MiB of pages per corpus, compresses
 them on the CPU (``cpu_codec.compress_cpu``, packed), checks a bit-exact decode of every page on
-the GPU for every variant (``WRONG`` in the table otherwise), also decodes nvCOMP's own RAW LZ4
-blocks of the same pages, and times (``triton.testing.do_bench``, median) each variant of the
-launcher's knobs (``VARIANTS``; ``legacy`` is the code before the knobs) beside nvCOMP's batched
-LZ4 decompression. ``--sanitize`` decodes a small hostile batch with every variant (for
-``compute-sanitizer --tool memcheck``).
+the GPU (``WRONG`` in the table otherwise), also decodes nvCOMP's own RAW LZ4 blocks of the same
+pages, and times (``triton.testing.do_bench``, median) the decoder beside nvCOMP's batched LZ4
+decompression and a device copy. ``--sanitize`` decodes a small hostile batch (for
+``compute-sanitizer --tool memcheck``). (The variants of the decoder's former knobs were
+removed with the knobs; see git history.)
 """
 
 from __future__ import annotations
@@ -30,46 +30,13 @@ from torch_pagecomp.kernels import lz4_decompress as D
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run under TRITON_INTERPRET=1
 
-# module settings of torch_pagecomp.kernels.lz4_decompress per variant, over the defaults at import
-KNOBS = ("NUM_WARPS", "VEC", "BIG", "LEAN", "SPLIT", "TILE", "PREFETCH", "SHUFFLED_GROUPS",
-         "SHUFFLED_NUM_WARPS", "SHUFFLED_MAXNREG", "SHUFFLED_LEAN", "SHUFFLED_BIG")
-DEFAULTS = {k: getattr(D, k) for k in KNOBS}
-VARIANTS = {
-    "legacy": dict(NUM_WARPS=1, VEC=32, BIG=128, LEAN=False, SPLIT=False),  # before the knobs
-    "default": {},  # the launcher's defaults
-    "lean_fused": dict(LEAN=True, SPLIT=False),  # lean plain decoder, shuffled pages as legacy
-    "split_tile": dict(LEAN=False, SPLIT=True, TILE=True),
-    "split_tile_lean": dict(LEAN=True, SPLIT=True, TILE=True),
-    "split_groups": dict(LEAN=False, SPLIT=True, TILE=False),
-    "split_tile_w2": dict(LEAN=False, SPLIT=True, TILE=True, SHUFFLED_NUM_WARPS=2),
-    "split_tile_b256": dict(LEAN=False, SPLIT=True, TILE=True, BIG=256),
-    "split_tile_b64": dict(LEAN=False, SPLIT=True, TILE=True, BIG=64),
-    "split_tile_lean_b64": dict(LEAN=True, SPLIT=True, TILE=True, BIG=64),
-    "checked_only": dict(LEAN=1),  # plain pages: the checked loop alone (before the fast loop)
-    "shuffled_fast": dict(SHUFFLED_LEAN=2),  # shuffled pages decoded by the fast loop too
-    "shuffled_lean": dict(SHUFFLED_LEAN=1),
-    "shuf_big128": dict(SHUFFLED_BIG=128),  # shuffled pages, now on the fast loop: BIG again
-    "shuf_big64": dict(SHUFFLED_BIG=64),
-    "shuf_w2": dict(SHUFFLED_NUM_WARPS=2),
-    "shuf_groups": dict(TILE=False),  # transposed decode + group unshuffle instead of the tile
-    "no_prefetch": dict(PREFETCH=0),
-    "plain_big128": dict(BIG=128),
-}
-
-
-def set_variant(name: str) -> None:
-    for k, v in {**DEFAULTS, **VARIANTS[name]}.items():
-        setattr(D, k, v)
-
-
 def kernel_resources(args, out, status, page_size: int) -> str:
-    """Registers and spills of the kernels the current settings launch (compiles them)."""
+    """Registers and spills of the two decoder kernels (compiles them)."""
     n = status.shape[0]
     ks = [D._decompress_kernel[(n,)](*args, out, status, args[0].numel(),
-                                     **D.launch_constants(page_size))]
-    if D.SPLIT:
-        ks.append(D._decompress_shuffled_kernel[(n,)](*args, out, status, args[0].numel(),
-                                                      **D.shuffled_constants(page_size)))
+                                     **D.decode_config(page_size).meta()),
+          D._decompress_shuffled_kernel[(n,)](*args, out, status, args[0].numel(),
+                                              **D.shuffled_decode_config(page_size).meta())]
     return ", ".join(f"{k.n_regs} regs {k.n_spills} spills" for k in ks)
 
 
@@ -97,7 +64,7 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median")
 
 
-def run_bench(corpora: list[str], page_size: int, variants: list[str], mib: float) -> None:
+def run_bench(corpora: list[str], page_size: int, mib: float) -> None:
     nv, why = nvcomp.load() if DEV == "cuda" else (None, "no CUDA")
     if nv is None:
         log(f"nvCOMP unavailable: {why}")
@@ -114,18 +81,15 @@ def run_bench(corpora: list[str], page_size: int, variants: list[str], mib: floa
         out = torch.empty_like(gpu_pages)
         status = torch.empty(n, dtype=torch.int32, device=DEV)
         row = {"corpus": name, "P": page_size, "ratio": n * page_size / stored}
-        for v in variants:
-            set_variant(v)
-            out.fill_(0xA5)
-            status.fill_(-1)
-            D.decompress_into(*args, out, status)
-            sync()
-            ok = bool((status == 0).all()) and torch.equal(out, gpu_pages)
-            ms = bench_ms(partial(D.decompress_into, *args, out, status, traced=False))
-            row[v] = (n * page_size / ms / 1e6, ok)
-            if DEV == "cuda" and name == corpora[0]:
-                log(f"{v}: {kernel_resources(args, out, status, page_size)}")
-        set_variant("default")
+        out.fill_(0xA5)
+        status.fill_(-1)
+        D.decompress_into(*args, out, status)
+        sync()
+        ok = bool((status == 0).all()) and torch.equal(out, gpu_pages)
+        ms = bench_ms(partial(D.decompress_into, *args, out, status, traced=False))
+        row["ours"] = (n * page_size / ms / 1e6, ok)
+        if DEV == "cuda" and name == corpora[0]:
+            log(f"kernels: {kernel_resources(args, out, status, page_size)}")
         if nv is not None:
             plan = nvcomp.LZ4Plan(nv, gpu_pages, es)
             plan.compress()
@@ -153,8 +117,7 @@ def run_bench(corpora: list[str], page_size: int, variants: list[str], mib: floa
         rows.append(row)
         del gpu_pages, out, args
         torch.cuda.empty_cache()
-    cols = [*variants, "ours_on_nv_blocks", "nvcomp", "d2d_copy"]
-    best = [v for v in variants if v != "legacy"]
+    cols = ["ours", "ours_on_nv_blocks", "nvcomp", "d2d_copy"]
     print("\n| corpus | P | ratio (lz4 CPU) | ratio nvCOMP | " + " | ".join(cols) + " |")
     print("|---" * (4 + len(cols)) + "|")
     for r in rows:
@@ -168,15 +131,9 @@ def run_bench(corpora: list[str], page_size: int, variants: list[str], mib: floa
         print(f"| {r['corpus']} | {r['P']} | {r['ratio']:.3f} | {r.get('nv_ratio', 0):.3f} | "
               + " | ".join(cells) + " |")
     print("GB/s = uncompressed bytes / median time (triton.testing.do_bench)")
-    for r in rows:  # the best correct variant against legacy and nvCOMP
-        ok = [v for v in best if v in r and r[v][1]]
-        if ok:
-            v = max(ok, key=lambda c: r[c][0])
-            vs = [f"{r[v][0] / r[c][0]:.2f}x {c}" for c in ("legacy", "nvcomp") if c in r]
-            print(f"{r['corpus']} P={r['P']}: best {v} {r[v][0]:.1f} GB/s = " + ", ".join(vs))
 
 
-def run_sanitize(variants: list[str]) -> None:
+def run_sanitize() -> None:
     """A small hostile batch (valid, mutated, garbage metadata, shuffled, 64 KiB pages)."""
     from test_triton_decompress import fuzz_bases, mutate, random_block
 
@@ -203,16 +160,13 @@ def run_sanitize(variants: list[str]) -> None:
                                      dtype=torch.int32)
         offs[6::13] += torch.randint(-(1 << 20), 1 << 20, offs[6::13].shape)
         flat = torch.frombuffer(payload, dtype=torch.uint8)
-        for v in variants:
-            set_variant(v)
-            pages, status = D.decompress_pages(flat.to(DEV), offs.to(DEV), sizes.to(DEV),
-                                               kinds.to(DEV), page_size)
-            sync()
-            check_hostile(v, page_size, payload, offs, sizes, kinds, pages.cpu(), status.cpu())
-        set_variant("default")
+        pages, status = D.decompress_pages(flat.to(DEV), offs.to(DEV), sizes.to(DEV),
+                                           kinds.to(DEV), page_size)
+        sync()
+        check_hostile(page_size, payload, offs, sizes, kinds, pages.cpu(), status.cpu())
 
 
-def check_hostile(v, page_size, payload, offs, sizes, kinds, pages, status) -> None:
+def check_hostile(page_size, payload, offs, sizes, kinds, pages, status) -> None:
     """Statuses and bytes of every page against ``ref_page`` (``decode_block`` rules)."""
     from test_triton_decompress import ref_page
 
@@ -227,7 +181,7 @@ def check_hostile(v, page_size, payload, offs, sizes, kinds, pages, status) -> N
         bad += data is not None and bytes(pages[i].numpy()) != data
     zero_ok = not pages[status != 0].any()
     counts = torch.bincount(status, minlength=7).tolist()
-    log(f"sanitize {v} P={page_size}: {status.shape[0]} pages, statuses {counts}, mismatches "
+    log(f"sanitize P={page_size}: {status.shape[0]} pages, statuses {counts}, mismatches "
         f"against decode_block {bad}, failed rows zero {zero_ok}")
 
 
@@ -236,19 +190,17 @@ def main() -> None:
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--corpora", default="text,binary,mixed,bf16-relu")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--big-pages", action="store_true", help="also mixed at 64 KiB pages")
     ap.add_argument("--mib", type=float, default=128, help="MiB of pages per corpus")
     a = ap.parse_args()
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)"
     log(f"{name} torch {torch.__version__} triton {triton.__version__}")
     if a.sanitize:
-        run_sanitize(a.variants.split(","))
+        run_sanitize()
     if a.bench:
-        variants = a.variants.split(",")
-        run_bench(a.corpora.split(","), 4096, variants, a.mib)
+        run_bench(a.corpora.split(","), 4096, a.mib)
         if a.big_pages:
-            run_bench(["mixed"], 65536, variants, a.mib)
+            run_bench(["mixed"], 65536, a.mib)
 
 
 if __name__ == "__main__":

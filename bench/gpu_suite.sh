@@ -4,12 +4,11 @@
 #   bash bench/gpu_suite.sh bench      # python -m bench (128 MiB corpora) + pipeline bench
 #   bash bench/gpu_suite.sh training   # activation-offload training step bench
 #   bash bench/gpu_suite.sh pipeline   # pipeline bench alone: default, and split (raw share 1)
-#   bash bench/gpu_suite.sh parse      # compressor parse variants (accel) against nvCOMP
-#   bash bench/gpu_suite.sh probe      # the compressor's probe option on the typed corpora
 #   bash bench/gpu_suite.sh offload    # host-write probe + offload GPU tests + stock models
 #   bash bench/gpu_suite.sh stock      # the stock-model activation offload benchmark alone
 #   bash bench/gpu_suite.sh fsdp       # the same under FSDP2 on every GPU (torchrun)
 #   bash bench/gpu_suite.sh final      # GPU tests (no fuzz) + transformers generation table
+#   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -35,7 +34,7 @@ tests)
         | tee -a "$OUT/tests.txt" | tail -n 3
     echo "== compute-sanitizer memcheck" | tee -a "$OUT/tests.txt"
     timeout 40 compute-sanitizer --tool memcheck python3 -m bench.dev_decompress_probe \
-        --sanitize --variants default 2>&1 | tail -n 4 | tee -a "$OUT/tests.txt"
+        --sanitize 2>&1 | tail -n 4 | tee -a "$OUT/tests.txt"
     timeout 40 compute-sanitizer --tool memcheck python3 -m pytest -q -p no:cacheprovider \
         tests/test_triton_compress.py -k "round_trip_all_sizes and (4096 or 65536)" 2>&1 \
         | grep -E "ERROR SUMMARY|passed|failed" | tee -a "$OUT/tests.txt"
@@ -54,18 +53,6 @@ pipeline)
         --repeats 3 --out "$OUT/pipeline" 2>&1 | tail -n 14
     timeout 150 python3 -m bench.pipeline_bench --mib 1024 --corpora mixed,bf16-randn \
         --max-raw-share 1 --repeats 3 --out "$OUT/pipeline_split" 2>&1 | tail -n 8
-    ;;
-parse)
-    header parse
-    timeout 240 python3 -m bench.dev_parse_probe --mib 64 \
-        --corpora text,mixed,bf16-relu,gpt-kv,gpt-act,fp32-randn \
-        --variants default,accel1,accel2,w64_accel1 2>&1 | tee "$OUT/parse_probe.txt" | tail -n 40
-    ;;
-probe)
-    header probe
-    # the compressor's probe option on the typed corpora (model: bench/results/model_probe_*.md)
-    timeout 200 python3 -m bench.dev_parse_probe --mib 64 --corpora bf16-relu,gpt-kv,gpt-act,fp32-randn \
-        --variants default,w64_accel1_probe16,w64_accel1_probe32 2>&1 | tee "$OUT/probe.txt" | tail -n 30
     ;;
 offload)
     header offload | tee "$OUT/offload.txt"
@@ -114,5 +101,29 @@ training)
         --gpu-blocks 8 --prefetch 4 --max-in-flight-mb 4096 \
         --variants none,uncompressed,compressed,compressed_mem \
         --out "$OUT/training_partial.json" 2>&1 | tee "$OUT/training_partial.txt" | tail -n 10
+    ;;
+lifetimes)
+    # tests/test_lifetimes.py -m slow: each exit script 20 times on the CPU and the GPU, and the
+    # FSDP2 bench on two ranks under torchrun 20 times (gloo; NCCL with two GPUs). Most of a run
+    # is starting an interpreter: one script per core, one torchrun (two ranks) per 4 cores.
+    header lifetimes | tee "$OUT/lifetimes.txt"
+    export PAGECOMP_EXIT_WORKERS=${PAGECOMP_EXIT_WORKERS:-$(nproc)}
+    export PAGECOMP_TORCHRUN_WORKERS=${PAGECOMP_TORCHRUN_WORKERS:-$(( $(nproc) > 7 ? $(nproc) / 4 : 1 ))}
+    # compile the kernels once, so that the parallel first runs load them from Triton's cache
+    timeout 120 python3 -c '
+import torch, torch_pagecomp
+x = torch.randint(0, 4, (16 * 4096,), dtype=torch.uint8, device="cuda")
+assert torch.equal(torch_pagecomp.decompress(torch_pagecomp.compress(x)).view(-1), x)
+with torch_pagecomp.PageCompressor() as comp:
+    y = torch.randn(1 << 22, device="cuda")
+    assert torch.equal(comp.restore(comp.offload(y)), y)
+lin = torch.nn.Linear(256, 256).cuda()
+for kw in (dict(prefer="memory"), dict(prefer="speed")):
+    with torch_pagecomp.offload_activations(min_offload_bytes=0, **kw):
+        loss = lin(torch.randn(512, 256, device="cuda")).relu().square().sum()
+    loss.backward()
+print("kernels warm")' 2>&1 | tee -a "$OUT/lifetimes.txt"
+    timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_lifetimes.py -m slow -rfE \
+        --durations=12 2>&1 | tee -a "$OUT/lifetimes.txt" | tail -n 40
     ;;
 esac

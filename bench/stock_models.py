@@ -446,8 +446,7 @@ def _fsdp_rows(args, models, variants, meta):
         local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
         torch.cuda.set_device(local)
         args.device = f"cuda:{local}"
-        # bound to its GPU: the barrier at the end need not guess the device (and warn)
-        dist.init_process_group("nccl", device_id=torch.device(args.device))
+        dist.init_process_group("nccl")
     else:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -471,7 +470,10 @@ def _fsdp_rows(args, models, variants, meta):
                 rows.append(worst)
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    dist.barrier()  # tear down together: no rank leaves while another still talks
+    # tear down together: no rank leaves while another still talks (on NCCL with its device
+    # named, else the barrier warns that it guesses it)
+    dist.barrier(**({"device_ids": [torch.cuda.current_device()]}
+                    if args.device.startswith("cuda") else {}))
     dist.destroy_process_group()
     _join_process_group_threads()
     return rows if rank == 0 else None

@@ -161,7 +161,8 @@ def torchrun_fsdp(backend: str, out: pathlib.Path) -> subprocess.CompletedProces
     gloo on the CPU, NCCL on two GPUs."""
     device = "cpu" if backend == "gloo" else "cuda"
     # OMP_NUM_THREADS set: else torchrun says on stderr that it set it
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", "-m", "bench.stock_models", "--fsdp", "--device", device,
            "--models", "encoder-tiny", "--variants", "uncompressed,memory,speed",

@@ -37,7 +37,8 @@ def test_fsdp2_two_ranks_on_gloo(tmp_path):
     and its fix are in ``stock_models._join_process_group_threads``; the exit itself is
     checked 20 times over by ``test_lifetimes.test_fsdp2_torchrun_exits_cleanly_20_times``."""
     out = tmp_path / "stock.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "bench.stock_models", "--fsdp", "--models", "encoder-tiny",
            "--variants", "none,memory", "--steps", "1", "--warmup", "1", "--out", str(out)]

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import random  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
 import lz4.block  # noqa: E402
 import numpy as np  # noqa: E402
@@ -28,7 +29,6 @@ from torch_pagecomp.kernels import lz4_compress as lc  # noqa: E402
 from torch_pagecomp.shuffle import bitshuffle, bitunshuffle  # noqa: E402
 
 P4K = 4096
-WINDOW = lc.DEFAULT_WINDOW
 needs_cuda = pytest.mark.skipif(
     INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (and no TRITON_INTERPRET=1)"
 )
@@ -43,11 +43,10 @@ def _ext(n: int) -> bytes:
     return b"\xff" * (n // 255) + bytes([n % 255])
 
 
-def _store_cands(span, words, h, last, near):
-    """``candidates="store"``: per 32 positions, the table entries before the sub-chunk, then
-    the entries of the sub-chunk (in the interpreter the last lane of a conflict wins); a
-    position whose entry fails takes the smallest of ``near`` distances 1, 2, 4, ... that holds
-    the same word."""
+def _table_cands(span, words, h, last, near):
+    """Plain bytes: per 32 positions, the table entries before the sub-chunk, then the entries
+    of the sub-chunk (the latest position wins); a position whose entry fails takes the
+    smallest of ``near`` distances 1, 2, 4, ... that holds the same word."""
     cand = {}
     for s0 in range(span.start, span.stop, 32):
         sub = range(s0, min(s0 + 32, span.stop))
@@ -66,7 +65,7 @@ def _store_cands(span, words, h, last, near):
 
 
 def _plane_cands(span, words, near, plane):
-    """``candidates="planes"``: the smallest of ``near`` distances 1, 2, 4, ..., then one and two
+    """Bit-shuffled pages: the smallest of ``near`` distances 1, 2, 4, ..., then one and two
     bit planes back (``plane`` bytes each), that holds the same word."""
     cand = {}
     for i in span:
@@ -78,7 +77,7 @@ def _plane_cands(span, words, near, plane):
 
 
 def _window_has_repeats(page: bytes, span: range, plane: int) -> bool:
-    """The ``gate`` of ``candidates="planes"``: an aligned word of the window (one that starts in
+    """The window gate of bit-shuffled pages: an aligned word of the window (one that starts in
     ``span``) equals the word 4, 8, 16 bytes or one or two planes before it."""
     w = np.frombuffer(page, dtype=np.uint32)
     ks = np.arange(span.start // 4, (span.stop + 3) // 4)
@@ -104,61 +103,36 @@ def _known(page: bytes, p: int, c: int, xw: int) -> int:
     return m
 
 
-def _model_block(
-    page: bytes, window: int = WINDOW, candidates: str = "atomic", near: int | None = None,
-    lazy: bool | None = None, skip: bool = lc.DEFAULT_SKIP,
-    min_match: int = lc.DEFAULT_MIN_MATCH, xw: int | None = None,
-    back: bool | None = None, accel: int = lc.DEFAULT_ACCEL, plane: int = 0, probe: int = 0,
-    hash_bits: int | None = None, gate: bool = True,
-) -> bytes:
-    """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule).
-    ``plane``: bytes per bit plane of a shuffled page (0 for plain bytes); ``hash_bits`` as the
-    kernel's (default: the kernel's default for the page kind); ``near`` as the kernel's
-    (default: its default for the page kind); ``gate``: the window gate of ``"planes"``."""
+def _model_block(page: bytes, cfg: lc.CompressConfig) -> bytes:
+    """The kernel's parse in plain Python: the LZ4 block it must write (before the RAW rule)
+    for one page (bit-shuffled already where ``cfg.ELEMENT_SIZE > 1``) under the settings
+    ``cfg``."""
     size = len(page)
-    e = size // (8 * plane) if plane else 1
-    defaults = lc.parse_defaults(e)
-    near = defaults["near"] if near is None else near
-    xw = defaults["extra_words"] if xw is None else xw
-    back = defaults["back"] if back is None else back
-    lazy = defaults["lazy"] if lazy is None else lazy
-    hb, fb = lc.table_bits(size, window, hash_bits, element_size=e)
+    plane = size // (8 * cfg.ELEMENT_SIZE) if cfg.ELEMENT_SIZE > 1 else 0
+    window, near, xw, accel = cfg.WINDOW, cfg.NEAR, cfg.KNOWN_WORDS, cfg.ACCEL
     maxs, limit = size - 12, fmt.lz4_keep_limit(size)
     a = np.frombuffer(page, dtype=np.uint8).astype(np.uint64)
     words = (a[:-3] | (a[1:-2] << 8) | (a[2:-1] << 16) | (a[3:] << 24))[: maxs + 1]
     prod = (words * 2654435761) & 0xFFFFFFFF
-    h, hf = (prod >> (32 - hb)).tolist(), (prod >> (32 - fb)).tolist()
+    h = (prod >> (32 - cfg.HASH_BITS)).tolist()
     words = words.tolist()
     last: dict[int, int] = {}
     out = bytearray()
-    pos = anchor = w0 = misses = dead = 0
+    pos = anchor = w0 = misses = 0
     while w0 <= maxs:
         emitted, w_prev = False, w0
-        hashed = probe if probe and dead else window  # after a window without a sequence
-        span = range(w0, min(w0 + hashed, maxs + 1))
-        if candidates == "planes":
-            whole = range(w0, min(w0 + window, maxs + 1))  # the gate sees the whole window
-            live = not gate or _window_has_repeats(page, whole, plane)
+        span = range(w0, min(w0 + window, maxs + 1))
+        if plane:
+            live = _window_has_repeats(page, span, plane)
             cand = _plane_cands(span, words, near, plane) if live else {}
-        elif candidates != "atomic":  # "store", "store-max"
-            cand = _store_cands(span, words, h, last, near)
         else:
-            first: dict[int, int] = {}
-            for i in span:
-                first.setdefault(hf[i], i)
-            cand = {}
-            for i in span:
-                c = first[hf[i]] if first[hf[i]] < i else last.get(h[i], -1)
-                if c >= 0 and words[c] == words[i]:
-                    cand[i] = c
-            for i in span:
-                last[h[i]] = i
+            cand = _table_cands(span, words, h, last, near)
         known = {i: _known(page, i, c, xw) for i, c in cand.items()}
-        usable = sorted(i for i in cand if known[i] >= min_match - 4)
+        usable = sorted(i for i in cand if known[i] >= cfg.MIN_MATCH - 4)
         for p in usable:
             if p < pos:
                 continue
-            if lazy and known[p] < 4 * xw:  # a longer match one byte later wins
+            if cfg.LAZY and known[p] < 4 * xw:  # a longer match one byte later wins
                 nxt = next((i for i in usable if i > p), None)
                 if nxt == p + 1 and known[nxt] > known[p]:
                     p = nxt
@@ -166,7 +140,7 @@ def _model_block(
             while p + n < size - 5 and page[p + n] == page[c + n]:
                 n += 1
             k = 0  # backwards into the literals, at most 32 bytes
-            while back and k < min(32, p - anchor, c) and page[p - k - 1] == page[c - k - 1]:
+            while cfg.BACK and k < min(32, p - anchor, c) and page[p - k - 1] == page[c - k - 1]:
                 k += 1
             p, c, n = p - k, c - k, n + k
             lit, ml = p - anchor, n - 4
@@ -177,32 +151,31 @@ def _model_block(
         if len(out) > limit:
             return bytes(out) + b"\x00" * size  # too long: RAW
         w0 += window
-        if skip and pos > w0:  # the match ran past this window: resume at its end
+        if pos > w0:  # the match ran past this window: resume at its end
             w0 = pos & ~3
-        if probe:
-            dead = 0 if emitted else dead + 1
         if accel:  # after `misses` windows without a sequence, misses // accel are skipped
             misses = 0 if emitted else misses + 1
             extra = window * (misses // accel)
-            if plane:  # no skip crosses into the next bit plane; a new one starts afresh
-                if w0 // plane != w_prev // plane:
-                    extra = 0
-                extra = min(extra, (w0 // plane + 1) * plane - w0)
+            if w0 // plane != w_prev // plane:  # no skip crosses into the next bit plane
+                extra = 0
+            extra = min(extra, (w0 // plane + 1) * plane - w0)
             w0 += extra
-            if plane and w0 // plane != w_prev // plane:
+            if w0 // plane != w_prev // plane:  # a new plane starts afresh
                 misses = 0
     lit = size - anchor
     return bytes(out) + bytes([min(lit, 15) << 4]) + _ext(lit) + page[anchor:]
 
 
-def _model(pages: torch.Tensor, element_size: int = 1, window: int | None = None, **mode):
-    """Expected ``(payload, sizes, kinds)`` of ``compress_pages`` (``mode``: ``candidates``,
-    ``near``, ...; ``window`` and ``accel`` default as the kernel's for ``element_size``)."""
-    defaults = lc.parse_defaults(element_size)
-    window = defaults["window"] if window is None else window
-    for key in ("accel", "probe", "candidates"):
-        mode.setdefault(key, defaults[key])
+def _config(size: int = P4K, element_size: int = 1, **changes) -> lc.CompressConfig:
+    """The kernel's settings for the page kind, with ``changes`` (field names) applied."""
+    return replace(lc.compress_config(size, element_size), **changes)
+
+
+def _model(pages: torch.Tensor, element_size: int = 1, **changes):
+    """Expected ``(payload, sizes, kinds)`` of ``compress_pages`` under
+    ``_config(P, element_size, **changes)``."""
     n, size = pages.shape
+    cfg = _config(size, element_size, **changes)
     payload = torch.zeros((n, size), dtype=torch.uint8)
     sizes = torch.zeros(n, dtype=torch.int32)
     kinds = torch.zeros(n, dtype=torch.uint8)
@@ -212,8 +185,7 @@ def _model(pages: torch.Tensor, element_size: int = 1, window: int | None = None
         if bool((row == row[0]).all()):
             payload[i, 0], sizes[i], kinds[i] = row[0], 1, fmt.KIND_FILL
             continue
-        plane = size // (8 * element_size) if element_size > 1 else 0
-        block = _model_block(src[i].numpy().tobytes(), window, plane=plane, **mode)
+        block = _model_block(src[i].numpy().tobytes(), cfg)
         if len(block) <= fmt.lz4_keep_limit(size):
             payload[i, : len(block)] = torch.frombuffer(bytearray(block), dtype=torch.uint8)
             sizes[i] = len(block)
@@ -275,18 +247,16 @@ def _poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-def _check(pages: torch.Tensor, element_size: int = 1, window: int | None = None, **tuning):
-    """Run the kernel; compare with the model; decode every page. Returns the outputs."""
-    payload, sizes, kinds = lc.compress_pages(pages, element_size, window=window, **tuning)
+def _check(pages: torch.Tensor, element_size: int = 1, **changes):
+    """Run the kernel (settings: ``_config`` with ``changes``); compare with the model; decode
+    every page. Returns the outputs."""
     n, size = pages.shape
+    cfg = _config(size, element_size, **changes) if changes else None
+    payload, sizes, kinds = lc.compress_pages(pages, element_size, config=cfg)
     assert payload.shape == (n, size) and payload.dtype == torch.uint8
     assert sizes.shape == (n,) and sizes.dtype == torch.int32
     assert kinds.shape == (n,) and kinds.dtype == torch.uint8
-    mode = {k: tuning[k] for k in ("candidates", "near", "lazy", "skip", "min_match", "back",
-                                   "accel", "probe", "gate") if k in tuning}
-    mode["xw"] = tuning.get("extra_words", lc.parse_defaults(element_size)["extra_words"])
-    mode.setdefault("min_match", min(lc.DEFAULT_MIN_MATCH, 4 + 4 * mode["xw"]))
-    exp = _model(pages, element_size, window, **mode)
+    exp = _model(pages, element_size, **changes)
     for i in range(n):
         assert int(sizes[i]) == int(exp[1][i]), f"page {i}: size {int(sizes[i])} != model"
         assert int(kinds[i]) == int(exp[2][i]), f"page {i}: kind {int(kinds[i])} != model"
@@ -321,13 +291,16 @@ def _rows(*rows: bytes) -> torch.Tensor:
     return torch.stack([torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in rows])
 
 
+def _unaligned8(pages: torch.Tensor) -> torch.Tensor:
+    """A copy of ``pages`` 4 bytes into its storage: 4-byte aligned, not 8 (the bit-shuffle
+    then reads bytes, not 64-bit words)."""
+    buf = torch.zeros(pages.numel() + 4, dtype=torch.uint8, device=pages.device)
+    return buf[4:].view_as(pages).copy_(pages)
+
+
 # -------------------------------------------------------------------------- CPU tests
-MODES = pytest.mark.parametrize("candidates", ["atomic", "store"])
-
-
-@MODES
 @interpret_only
-def test_all_kinds_poisoned(monkeypatch, candidates):
+def test_all_kinds_poisoned(monkeypatch):
     _poisoned_empty(monkeypatch)
     period = _rand(41)
     pages = _rows(
@@ -339,12 +312,7 @@ def test_all_kinds_poisoned(monkeypatch, candidates):
         _rand(P4K - 100) + bytes(100),  # saves too little: RAW
         _rand(7) + b"\x7f" * (P4K - 7),  # almost filled
     )
-    if candidates == "store":  # the kind rules do not depend on the mode: the LZ4 pages only
-        pages = pages[[0, 3, 4, 6]]
-    payload, sizes, kinds = _check(pages, candidates=candidates)
-    if candidates == "store":
-        assert kinds.tolist() == [0, 1, 1, 1] and sizes[1] < 100
-        return
+    payload, sizes, kinds = _check(pages)
     assert kinds.tolist()[:7] == [0, 2, 2, 1, 1, 0, 1]
     assert sizes[0] == P4K and sizes[1] == 1 and payload[2, 0] == 0x7F
     assert sizes[3] < 100
@@ -360,22 +328,22 @@ def test_empty_and_single():
         assert payload.shape == (n, P4K) and sizes.shape == (n,) and kinds.shape == (n,)
 
 
-@pytest.mark.parametrize("candidates", [
-    pytest.param(m, marks=pytest.mark.slow) if m == "store" else m for m in lc.CANDIDATE_MODES])
+@pytest.mark.parametrize("element_size", [1, 2])  # hash table / bit-plane candidates
 @interpret_only
-def test_persistent_loop_many_pages(candidates):
+def test_persistent_loop_many_pages(element_size):
     rows = []
-    for i in range(4 if candidates == "store-max" else 5):  # more pages than programs (3)
+    for i in range(4 if element_size == 1 else 5):  # more pages than programs (3)
         rows.append([bytes(P4K), _rand(P4K), (_rand(13 + i) * 400)[:P4K]][(i + 1) % 3])
-    _check(_rows(*rows), 2 if candidates == "planes" else 1, candidates=candidates)
+    _check(_rows(*rows), element_size)
 
 
-def _draw(make, want, tries: int = 300, window: int = WINDOW, candidates: str = "atomic") -> bytes:
-    """A page from ``make()`` whose model parse satisfies ``want(seqs)`` (hash collisions can
-    move a match; such pages are drawn again). The kernel is then held to the model."""
+def _draw(make, want, tries: int = 300, **changes) -> bytes:
+    """A page from ``make()`` whose model parse (plain bytes, ``_config(**changes)``)
+    satisfies ``want(seqs)`` (hash collisions can move a match; such pages are drawn again).
+    The kernel is then held to the model."""
     for _ in range(tries):
         page = make()
-        block = _model_block(page, window, candidates)
+        block = _model_block(page, _config(len(page), 1, **changes))
         if len(block) <= fmt.lz4_keep_limit(len(page)) and want(_sequences(block, len(page))):
             return page
     raise AssertionError("could not draw a page with the wanted parse")
@@ -385,36 +353,30 @@ def _offsets(seqs):
     return {o for _, o, _ in seqs}
 
 
-@MODES
 @interpret_only
-def test_end_rules_and_offsets(candidates):
+def test_end_rules_and_offsets():
     size = P4K
     # a long offset-1 run that ends where the last possible match starts (offset P - 12)
     def edge():
         x = _rand(16)
         return x + b"z" * (size - 12 - 16) + x[:12]
 
-    a = _draw(edge, lambda s: {1, size - 12} <= _offsets(s) and s[-2][2] == 7, 50, WINDOW,
-              candidates)
+    a = _draw(edge, lambda s: {1, size - 12} <= _offsets(s) and s[-2][2] == 7, 50)
     # the repeated pattern runs to the end: the match must stop 5 bytes before it
     b = _draw(lambda: (_rand(64) * 64)[:size], lambda s: s[-1][0] == 5 and 64 in _offsets(s),
-              50, WINDOW, candidates)
+              50)
     # a 4-byte repeat inside the last 11 bytes must stay literal
     c = (_rand(29) * 200)[: size - 11] + _rand(11)
     c = c[: size - 11] + c[100:104] + _rand(7)
-    payload, sizes, kinds = _check(_rows(a, b, c), candidates=candidates)
+    payload, sizes, kinds = _check(_rows(a, b, c))
     assert kinds.tolist() == [1, 1, 1]
     seqs = _sequences(payload[2, : int(sizes[2])].numpy().tobytes(), size)
     assert seqs[-1][0] >= 11
 
 
-@pytest.mark.parametrize(
-    "lit_lens, candidates",
-    [((14, 15, 16, 19), "atomic"), ((269, 270, 271, 524, 525), "atomic"),
-     ((15, 270, 524), "store")],
-)
+@pytest.mark.parametrize("lit_lens", [(14, 15, 16, 19), (269, 270, 271, 524, 525), (15, 270, 524)])
 @interpret_only
-def test_length_extension_boundaries(lit_lens, candidates):
+def test_length_extension_boundaries(lit_lens):
     # literal runs of the given lengths, each followed by a copy of an earlier stretch whose
     # match length sits at a boundary of the 4-bit field and its extension bytes
     match_lens = [4 + m for m in (14, 15, 16, 19, 269, 270, 271)]
@@ -433,24 +395,20 @@ def test_length_extension_boundaries(lit_lens, candidates):
         lits, mls = {s[0] for s in seqs}, {s[2] for s in seqs}
         return set(lit_lens) <= lits and len(mls & set(match_lens)) >= len(lit_lens)
 
-    page = _draw(make, want, candidates=candidates)
-    _check(_rows(page), candidates=candidates)
+    page = _draw(make, want)
+    _check(_rows(page))
 
 
-@pytest.mark.parametrize("element_size, candidates, wide", [
-    (2, "atomic", False), pytest.param(4, "atomic", False, marks=pytest.mark.slow),
-    (2, "store", True), pytest.param(2, "store-max", True, marks=pytest.mark.slow),
-    (4, "store-max", True), (2, "planes", True), (4, "planes", False)])
+@pytest.mark.parametrize("element_size, wide", [  # wide: 64-bit loads (8-aligned pages)
+    (2, True), (4, False), pytest.param(2, False, marks=pytest.mark.slow),
+    pytest.param(4, True, marks=pytest.mark.slow)])
 @interpret_only
-def test_bitshuffle_fused(element_size, candidates, wide):
+def test_bitshuffle_fused(element_size, wide):
     x = torch.randn(P4K // 2, dtype=torch.bfloat16).view(torch.uint8)
     relu = torch.relu(torch.randn(P4K // 2, dtype=torch.bfloat16)).view(torch.uint8)
     ints = torch.randint(0, 1000, (P4K // 4,), dtype=torch.int32).view(torch.uint8)
     pages = torch.stack([relu, ints, torch.full((P4K,), 3, dtype=torch.uint8), x])
-    if candidates == "store":
-        pages = pages[:3]
-    payload, sizes, kinds = _check(pages, element_size, candidates=candidates,
-                                   shuffle_wide=wide)
+    payload, sizes, kinds = _check(pages if wide else _unaligned8(pages), element_size)
     assert kinds[0] == fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4)
     assert kinds[2] == fmt.KIND_FILL  # shuffle flag only on LZ4 pages
 
@@ -470,68 +428,33 @@ def test_unaligned_page_views(shift):
 
 
 @interpret_only
-def test_window_variants_match_model():
+def test_config_variants_match_model():
+    """Settings other than a page kind's own (``CompressConfig`` fields) still write the
+    model's blocks, and bad ones are refused."""
     pages = _rows(_text_page()[: P4K // 2] + (_rand(50) * 50)[: P4K // 2])
-    for window, extra_words in ((64, 0), (512, 6)):  # extra_words: what the lazy step knows
-        _check(pages, window=window, extra_words=extra_words)
-    _check(pages, window=256, extra_words=0, candidates="store", near=5)
-    # the parse knobs one at a time, and all of them off (the greedy parse before them)
-    _check(pages, lazy=False)
-    _check(pages, skip=False)
-    _check(pages, min_match=6)
-    _check(pages, back=False)
-    _check(pages, lazy=False, skip=False, min_match=4, back=False)
-    with pytest.raises(ValueError, match="min_match"):
-        lc.compress_pages(pages, min_match=4 + 4 * lc.DEFAULT_EXTRA_WORDS + 1)
-
-
-@pytest.mark.slow  # accel=1 runs in every typed default case (TYPED_ACCEL)
-@interpret_only
-def test_accel_skips_windows_without_sequences():
-    """``accel``: windows after windows without a sequence are not hashed; the model states it.
-    Page 0 repeats 1 KiB after random bytes: with ``accel`` the first copy lies partly in
-    skipped windows, so the repeat is found later or not at all (the page may go RAW)."""
-    x = _rand(1024)
-    repeat = _rand(1536) + x + _rand(512) + x
-    relu = torch.relu(torch.randn(P4K // 2, dtype=torch.bfloat16)).view(torch.uint8)
-    pages = torch.cat([_rows(repeat, _text_page()), relu[None]])
-    plain = _check(pages)
-    for accel in (1, 3):
-        fast = _check(pages, accel=accel)
-        assert plain[2][0] == fmt.KIND_LZ4
-        assert int(fast[1][0]) > int(plain[1][0]), "no window was skipped"
-    _check(pages[2:], 2, accel=1)  # bit-shuffled: the mantissa planes hold no matches
-    with pytest.raises(ValueError, match="accel"):
-        lc.compress_pages(pages, accel=9)
-
-
-@interpret_only
-def test_probe_hashes_the_start_of_windows_after_dead_ones():
-    """``probe``: a window after a window without a sequence hashes only its first ``probe``
-    positions (the model states which); bit-shuffled pages keep their exponent planes' matches
-    when those start a window, bytes lose a repeat that starts late in a probed window."""
-    relu = torch.relu(torch.randn(P4K // 2, dtype=torch.bfloat16)).view(torch.uint8)
-    fp32 = (torch.randn(P4K // 4) * 3).view(torch.uint8)
-    x = _rand(700)
-    late = _rand(1000) + _rand(40) + x + _rand(1200) + x
-    late = (late + _rand(P4K))[:P4K]
-    for probe in (16, 32):
-        _check(torch.stack([relu, relu.roll(64)]), 2, probe=probe)
-        _check(fp32[None], 4, probe=probe, candidates="atomic")
-    plain = _check(_rows(late))
-    probed = _check(_rows(late), probe=16)
-    assert plain[2][0] == fmt.KIND_LZ4 and int(probed[1][0]) > int(plain[1][0]), "no probe"
-    with pytest.raises(ValueError, match="probe"):
-        lc.compress_pages(_rows(late), probe=64, window=64)
-    with pytest.raises(ValueError, match="probe"):
-        lc.compress_pages(_rows(late), probe=8)
+    for window, known in ((64, 0), (512, 6)):  # known words: what the lazy step knows
+        _check(pages, WINDOW=window, KNOWN_WORDS=known, MIN_MATCH=min(5, 4 + 4 * known))
+    _check(pages, WINDOW=256, KNOWN_WORDS=0, MIN_MATCH=4, NEAR=5)
+    # the parse options one at a time, and all of them off (the greedy parse before them)
+    _check(pages, LAZY=False)
+    _check(pages, MIN_MATCH=6)
+    _check(pages, BACK=False)
+    _check(pages, LAZY=False, MIN_MATCH=4, BACK=False)
+    known = lc.compress_config(P4K, 1).KNOWN_WORDS
+    with pytest.raises(ValueError, match="MIN_MATCH"):
+        _config(MIN_MATCH=4 + 4 * known + 1)
+    with pytest.raises(ValueError, match="ACCEL"):
+        _config(ACCEL=1)  # window skipping is for bit planes only
+    with pytest.raises(ValueError, match="ACCEL"):
+        _config(P4K, 2, ACCEL=9)
+    with pytest.raises(ValueError, match="config is for"):
+        lc.compress_pages(pages, 2, config=_config())
 
 
 @interpret_only
 def test_planes_candidates_find_repeated_planes():
-    """``candidates="planes"`` (the typed default): a bit plane equal to the one before it, or to
-    the one before that, is matched at one or two planes' distance with no hash table; bytes are
-    refused."""
+    """Bit-shuffled pages: a bit plane equal to the one before it, or to the one before that, is
+    matched at one or two planes' distance with no hash table."""
     plane = P4K // 16
     planes = [_rand(plane) for _ in range(16)]
     planes[5] = planes[4]  # one plane back
@@ -542,31 +465,16 @@ def test_planes_candidates_find_repeated_planes():
     seqs = _sequences(payload[0, : int(sizes[0])].numpy().tobytes(), P4K)
     offsets = {off for _, off, ml in seqs if ml >= plane - 16}
     assert offsets == {plane, 2 * plane}, seqs
-    with pytest.raises(ValueError, match="planes"):
-        lc.compress_pages(page, 1, candidates="planes")
-
-
-@interpret_only
-@pytest.mark.parametrize("element_size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_planes_group_gate_gives_the_same_blocks(element_size):
-    """``group`` (whole still planes passed over at once, the default) writes the blocks of
-    gating window by window; both are the model's."""
-    x = torch.randn(4, P4K // 2).to(torch.bfloat16).view(torch.uint8)
-    x[1] = torch.relu(torch.randn(P4K // 2)).to(torch.bfloat16).view(torch.uint8)
-    x[2] = (torch.randn(P4K // 4) * 100).view(torch.uint8)
-    grouped = _check(x, element_size)
-    for a, b in zip(grouped, lc.compress_pages(x, element_size, group=False)):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("element_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_still_plane_scan_finds_a_single_repeated_word(element_size):
-    """The still-plane scan (64-bit loads with ``pairs``, the default; 32-bit without) must mark
-    live every plane that holds one repeated aligned word: pages of random (still) planes, one
-    or two zero planes (so the pages store as LZ4), and one planted 5-byte repeat each (one
-    aligned word), 4, 8, 16 bytes or one or two planes back, at the first words of the page and
-    of a plane and at the last word that may start a match. Both scans write the model's
-    blocks, with a match there (interpreter and GPU)."""
+    """The still-plane scan (64-bit loads) must mark live every plane that holds one repeated
+    aligned word: pages of random (still) planes, one or two zero planes (so the pages store as
+    LZ4), and one planted 5-byte repeat each (one aligned word), 4, 8, 16 bytes or one or two
+    planes back, at the first words of the page and of a plane and at the last word that may
+    start a match. The kernel writes the model's blocks, with a match there (interpreter and
+    GPU)."""
     size, plane = P4K, P4K // (8 * element_size)
     wpp = plane // 4  # words per plane
     last = (size - 12) // 4  # the last word that may start a match
@@ -583,18 +491,14 @@ def test_still_plane_scan_finds_a_single_repeated_word(element_size):
         rows.append(bitunshuffle(torch.frombuffer(page, dtype=torch.uint8)[None], element_size))
     pages = torch.cat(rows)
     if INTERPRET:
-        wide = _check(pages, element_size, accel=0)  # accel 0: every window of a live plane
-        narrow = lc.compress_pages(pages, element_size, accel=0, pairs=False)
+        got = _check(pages, element_size, ACCEL=0)  # ACCEL 0: every window of a live plane
     elif torch.cuda.is_available():  # the 64-bit loads where they run for real
-        wide = _gpu_check(pages, element_size, accel=0)
-        narrow = _gpu_check(pages, element_size, accel=0, pairs=False)
-        exp = _model(pages, element_size, None, accel=0)
-        assert torch.equal(wide[0], exp[0]) and torch.equal(wide[1], exp[1])
+        got = _gpu_check(pages, element_size, config=_config(P4K, element_size, ACCEL=0))
+        exp = _model(pages, element_size, ACCEL=0)
+        assert torch.equal(got[0], exp[0]) and torch.equal(got[1], exp[1])
     else:
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    for a, b in zip(wide, narrow):
-        assert torch.equal(a, b)
-    payload, sizes, kinds = wide
+    payload, sizes, kinds = got
     for i, (k, d) in enumerate(cases):
         assert int(kinds[i]) & 15 == fmt.KIND_LZ4, (k, d)
         op, covered = 0, False
@@ -608,25 +512,30 @@ def test_still_plane_scan_finds_a_single_repeated_word(element_size):
 @interpret_only
 def test_planes_gate_passes_over_windows_without_repeated_words():
     """The gate searches a window only if one of its aligned words repeats (4, 8, 16 bytes or
-    one or two planes back): a 7-byte run that covers no two equal aligned words is a match
-    without the gate and literals with it."""
+    one or two planes back): a 7-byte run that covers no two equal aligned words (a match if
+    its window were searched) stays literals."""
     plane = P4K // 16
     planes = [bytearray(_rand(plane)) for _ in range(16)]
     planes[5] = planes[4]
     planes[10][102:109] = b"\x07" * 7  # bytes 4k + 2 .. 4k + 8: no aligned word pair equal
     shuffled = torch.frombuffer(bytearray(b"".join(planes)), dtype=torch.uint8)[None]
     page = bitunshuffle(shuffled, 2)
-    gated = int(_check(page, 2, accel=0)[1][0])  # accel 0: every window reaches the gate
-    searched = int(_check(page, 2, gate=False, accel=0)[1][0])
-    assert searched < gated, (searched, gated)
+    payload, sizes, _ = _check(page, 2, ACCEL=0)  # ACCEL 0: every window reaches the gate
+    run = range(10 * plane + 102, 10 * plane + 109)
+    op, covered = 0, set()
+    for lit, _, ml in _sequences(payload[0, : int(sizes[0])].numpy().tobytes(), P4K):
+        covered |= set(range(op + lit, op + lit + ml))
+        op += lit + ml
+    assert covered & set(range(5 * plane, 6 * plane)), "the repeated plane is a match"
+    assert not covered & set(run), "the run in a still plane was searched"
 
 
 @interpret_only
-def test_store_near_distances():
+def test_table_near_distances():
     """Repeats closer than a sub-chunk of 32: only the direct distance checks find them."""
     runs = b"".join(_rand(d) * (40 // d) + _rand(9) for d in (1, 2, 3, 4, 8, 16))
     page = (runs * (P4K // len(runs) + 1))[:P4K]
-    sizes = [int(_check(_rows(page), candidates="store", near=n)[1][0]) for n in (0, 4)]
+    sizes = [int(_check(_rows(page), NEAR=n)[1][0]) for n in (0, 4)]
     assert sizes[1] <= sizes[0], sizes  # matches start earlier
 
 
@@ -638,8 +547,8 @@ def test_64k_page_far_offset():
         x = _rand(16)
         return x + b"q" * (size - 12 - 16) + x[:12]  # offset 65524: the largest a page allows
 
-    page = _draw(edge, lambda s: size - 12 in _offsets(s), window=1024)
-    _check(_rows(page), window=1024)  # big windows: fewer interpreter steps
+    page = _draw(edge, lambda s: size - 12 in _offsets(s), WINDOW=1024)
+    _check(_rows(page), WINDOW=1024)  # big windows: fewer interpreter steps
 
 
 # -------------------------------------------------------------------------- GPU tests
@@ -669,9 +578,9 @@ def _corpus_pages(n: int, size: int, seed: int) -> torch.Tensor:
     return out
 
 
-def _gpu_check(pages_cpu: torch.Tensor, element_size: int = 1, **tuning):
+def _gpu_check(pages_cpu: torch.Tensor, element_size: int = 1, config=None):
     pages = pages_cpu.cuda()
-    payload, sizes, kinds = lc.compress_pages(pages, element_size, **tuning)
+    payload, sizes, kinds = lc.compress_pages(pages, element_size, config=config)
     torch.cuda.synchronize()
     payload, sizes, kinds = payload.cpu(), sizes.cpu(), kinds.cpu()
     size = pages.shape[1]
@@ -695,45 +604,31 @@ def test_gpu_round_trip_all_sizes(size, element_size):
 @needs_cuda
 @pytest.mark.parametrize("element_size", [2, 4])
 def test_gpu_shuffle_wide_same_bytes(element_size):
-    """The bit-shuffle from 64-bit loads gives the byte version's blocks exactly (store-max is
-    deterministic); a page tensor that is not 8-byte aligned falls back to byte loads, one
-    not 4-byte aligned is copied first."""
+    """The bit-shuffle from 64-bit loads (8-byte aligned pages) gives the byte version's blocks
+    (a page tensor 4-byte aligned only) exactly; one not 4-byte aligned is copied first."""
     seed = random.getrandbits(31)
     pages = _corpus_pages(2048, 4096, seed).cuda()
-    ref = lc.compress_pages(pages, element_size, shuffle_wide=False)
+    ref = lc.compress_pages(_unaligned8(pages), element_size)
     buf = torch.empty(pages.numel() + 8, dtype=torch.uint8, device="cuda")
-    for shift in (0, 4, 1, 3):  # 8-aligned, 4-aligned (byte loads), misaligned (copied)
+    for shift in (0, 8, 1, 3):  # 8-aligned (64-bit loads), misaligned (copied)
         src = buf[shift:shift + pages.numel()].view_as(pages)
         src.copy_(pages)
-        got = lc.compress_pages(src, element_size, shuffle_wide=True)
+        got = lc.compress_pages(src, element_size)
         for a, b in zip(ref, got):
             assert torch.equal(a, b), f"offset {shift}"
-    _gpu_check(pages.cpu(), element_size, shuffle_wide=True)
+    _gpu_check(pages.cpu(), element_size)
 
 
 @needs_cuda
-@pytest.mark.parametrize(
-    "size, element_size, candidates",
-    [(4096, 1, "store"), (65536, 2, "store"), (16384, 4, "store-max")],
-)
-def test_gpu_store_candidates_round_trip(size, element_size, candidates):
-    seed = random.getrandbits(31)
-    n = max(8, (8 << 20) // size)
-    _gpu_check(_corpus_pages(n, size, seed), element_size, candidates=candidates)
-
-
-@needs_cuda
-@pytest.mark.parametrize("candidates", [m for m in lc.CANDIDATE_MODES if m != "planes"])
-def test_gpu_matches_model_and_lz4_ratio(candidates):
+def test_gpu_matches_model_and_lz4_ratio():
     seed = random.getrandbits(31)
     text = np.frombuffer(open(fmt.__file__, "rb").read() * 64, dtype=np.uint8)
     n = 512
     starts = torch.randint(0, len(text) - P4K, (n,), generator=torch.Generator().manual_seed(seed))
     pages = torch.stack([torch.from_numpy(text[s : s + P4K].copy()) for s in starts.tolist()])
-    payload, sizes, kinds = _gpu_check(pages, candidates=candidates)
-    if candidates != "store":  # "store": racing table stores, the parse may vary
-        exp = _model(pages[:32], candidates=candidates)
-        assert torch.equal(payload[:32], exp[0]) and torch.equal(sizes[:32], exp[1])
+    payload, sizes, kinds = _gpu_check(pages)
+    exp = _model(pages[:32])
+    assert torch.equal(payload[:32], exp[0]) and torch.equal(sizes[:32], exp[1])
     ours = int(sizes.sum())
     ref = sum(
         min(len(lz4.block.compress(r.numpy().tobytes(), store_size=False)), P4K) for r in pages
@@ -744,7 +639,7 @@ def test_gpu_matches_model_and_lz4_ratio(candidates):
 @needs_cuda
 @pytest.mark.parametrize("element_size", [2, 4])
 def test_gpu_typed_default_matches_model(element_size):
-    """Typed pages at the typed defaults (``candidates="planes"``): the GPU writes the model's
+    """Typed pages at the typed defaults (bit-plane candidates): the GPU writes the model's
     blocks (bf16 normal, ReLU and int32 pages)."""
     g = torch.Generator().manual_seed(random.getrandbits(31))
     rows = [torch.randn(P4K // 2, generator=g).to(torch.bfloat16).view(torch.uint8),

@@ -28,18 +28,9 @@ DEV = "cuda" if CUDA else "cpu"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 P = 4096
 POISON = 0xA5
-GUARD = 4099  # odd, so the output rows also start misaligned
-# launcher knobs (decompress_into keywords): every combination gives the same bytes and statuses
-KNOBS = {
-    "default": {},
-    "legacy": dict(lean=False, split=False),  # one fused kernel, as before the knobs
-    "lean_fused": dict(lean=True, split=False),  # the checked loop alone, no fast loop
-    "fast_split_tile": dict(lean=2, split=True, tile=True),  # fast loop in both kernels
-    "split_groups": dict(lean=False, split=True, tile=False),
-    "split_tile_plain": dict(lean=False, split=True, tile=True),
-    "no_prefetch": dict(prefetch=0),  # (the interpreter never prefetches)
-    "prefetch_l2": dict(prefetch=2),
-}
+# Odd, so the output rows also start misaligned: bit-shuffled pages then take the transposed
+# decode; with 4096 (aligned rows) 4 KiB ones take the plain decode and the word-tile unshuffle.
+GUARD = 4099
 
 
 def device_for_kernels() -> str:
@@ -116,7 +107,7 @@ def ref_page(read, total: int, off: int, size: int, kind: int, page_size: int = 
 
 
 def run_blocks(blocks, kinds=None, page_size=P, sizes=None, offsets=None, payload=None,
-               knobs=None, guard=GUARD):
+               guard=GUARD):
     """Pack ``blocks`` back to back, decode them into outputs that sit inside poisoned guard
     bytes (``guard`` of them: odd by default, so rows start misaligned), check the guards, and
     return ``(pages, status)`` on the CPU."""
@@ -137,7 +128,7 @@ def run_blocks(blocks, kinds=None, page_size=P, sizes=None, offsets=None, payloa
     pages = buf[guard : guard + n * page_size].view(n, page_size)
     status = sbuf[guard : guard + n]
     args = [t.to(dev) for t in (payload, offsets, sizes, kinds)]
-    decompress_into(*args, pages, status, **(knobs or {}))
+    decompress_into(*args, pages, status)
     buf, sbuf = buf.cpu(), sbuf.cpu()
     assert (buf[:guard] == POISON).all() and (buf[guard + n * page_size :] == POISON).all()
     assert (sbuf[:guard] == -0x5A5A5A5B).all() and (sbuf[guard + n :] == -0x5A5A5A5B).all()
@@ -157,12 +148,11 @@ def check_against_reference(blocks, pages, status, page_size=P, seed=None, kinds
             assert bytes(pages[i].numpy()) == data, f"{where} decoded wrong"
 
 
-@pytest.mark.parametrize("knobs", ["default", "legacy", "lean_fused"])
-def test_length_extensions_at_the_fast_loop_edges(knobs, gen):
+def test_length_extensions_at_the_fast_loop_edges(gen):
     """Literal runs of 14, 15, 16, 31-33, 269 (one extension byte, 254) and 270 (two: 255, 0)
     bytes and matches of 18-20, 50, 273 and 274 bytes, offsets 1, 3, 17 (overlapping) and
     longer (the fast loop's edge: one extension byte sends a sequence to the checked loop):
-    every decoder gives the reference's bytes."""
+    the decoder gives the reference's bytes."""
     rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
     lits = [14, 15, 16, 31, 32, 33, 269, 270, 0, 1]
     mls = [18, 19, 20, 50, 273, 274, 4, 33]
@@ -180,7 +170,7 @@ def test_length_extensions_at_the_fast_loop_edges(knobs, gen):
             seqs.append((rng.randbytes(lit), d, ml))
             op += lit + ml
         blocks.append(encode(seqs, rng.randbytes(P - op)))
-    out, status = run_blocks(blocks, knobs=KNOBS[knobs])
+    out, status = run_blocks(blocks)
     check_against_reference(blocks, out, status)
     assert not status.any()
 
@@ -252,35 +242,34 @@ def test_any_compliant_parse(gen):
     check_against_reference(blocks, out, status)
 
 
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain"])
+@pytest.mark.parametrize("misalign", [0, 1])  # output rows 4-byte aligned (word tile) or not
 @pytest.mark.parametrize("element_size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_shuffled_pages_unshuffle_in_kernel(element_size, knobs, gen):
+def test_shuffled_pages_unshuffle_in_kernel(element_size, misalign, gen):
     vals = torch.randn(2, P // 2, generator=gen).to(torch.bfloat16).relu().view(torch.uint8)
     pages = torch.cat([vals.view(-1, P), periodic_pages(element_size * 3, 1, P, gen)])
     payload, sizes, kinds = compress_cpu(pages, element_size)
     assert (kinds == (fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4))).all()
     dev = device_for_kernels()
     offsets = torch.arange(len(sizes), dtype=torch.int64) * P
-    out = torch.full_like(pages, POISON, device=dev)
+    buf = torch.full((pages.numel() + misalign,), POISON, dtype=torch.uint8, device=dev)
+    out = buf[misalign:].view_as(pages)
     status = torch.full((len(sizes),), -7, dtype=torch.int32, device=dev)
-    decompress_into(*(t.to(dev) for t in (payload.view(-1), offsets, sizes, kinds)), out, status,
-                    **KNOBS[knobs])
+    decompress_into(*(t.to(dev) for t in (payload.view(-1), offsets, sizes, kinds)), out, status)
     assert status.tolist() == [0] * len(sizes)
     assert torch.equal(out.cpu(), pages)
 
 
 @pytest.mark.parametrize("guard", [GUARD, 4096])  # rows misaligned (no word tile) / aligned
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_groups", "split_tile_plain"])
-def test_unshuffle_matches_reference_on_random_bytes(knobs, guard, gen):
+def test_unshuffle_matches_reference_on_random_bytes(guard, gen):
     """The in-kernel unshuffle is the reference ``bitunshuffle`` on arbitrary shuffled bytes;
-    plain pages between shuffled ones (each kernel of a split launch leaves the other's alone);
+    plain pages between shuffled ones (each of the two kernels leaves the other's alone);
     nothing written outside the rows."""
     y = torch.randint(0, 256, (4, P), dtype=torch.uint8, generator=gen)
     y[:, 3072 : P - 12] = y[:, : P - 12 - 3072]  # 3072 random bytes, then a repeat of them
     blocks = [encode([(bytes(r[:3072].numpy()), 3072, P - 12 - 3072)], bytes(r[P - 12 :].numpy()))
               for r in y]  # one literal run, one long match: within the LZ4 size limit
-    kinds = [fmt.KIND_LZ4 | 1 << 4, fmt.KIND_LZ4, fmt.KIND_LZ4 | 2 << 4, fmt.KIND_LZ4]
-    out, status = run_blocks(blocks, kinds, knobs=KNOBS[knobs], guard=guard)
+    kinds = [fmt.KIND_LZ4_SHUFFLED_2, fmt.KIND_LZ4, fmt.KIND_LZ4_SHUFFLED_4, fmt.KIND_LZ4]
+    out, status = run_blocks(blocks, kinds, guard=guard)
     assert status.tolist() == [0] * 4
     assert torch.equal(out[0], bitunshuffle(y[:1], 2)[0])
     assert torch.equal(out[2], bitunshuffle(y[2:3], 4)[0])
@@ -338,22 +327,21 @@ def _blocks_and_status():
     return cases
 
 
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain"])
+@pytest.mark.parametrize("guard", [GUARD, 4096])  # shuffled: transposed decode / word tile
 @pytest.mark.parametrize("shift", [0, 1])
-def test_malformed_blocks_give_their_status(shift, knobs):
+def test_malformed_blocks_give_their_status(shift, guard):
     cases = _blocks_and_status()
     blocks = [b for b, _ in cases.values()]
     expected = [s for _, s in cases.values()]
     assert [ref_page(lambda o, s, b=b: b[o : o + s], len(b), 0, len(b), fmt.KIND_LZ4)[1]
             for b in blocks] == expected  # the cases say what they claim
     kinds = [fmt.KIND_LZ4 | shift << 4] * len(blocks)
-    out, status = run_blocks(blocks, kinds, knobs=KNOBS[knobs])
+    out, status = run_blocks(blocks, kinds, guard=guard)
     assert dict(zip(cases, status.tolist())) == dict(zip(cases, expected))
     check_against_reference(blocks, out, status, kinds=kinds)
 
 
-@pytest.mark.parametrize("knobs", ["default", "legacy"])
-def test_bad_kind_and_bad_size(knobs):
+def test_bad_kind_and_bad_size():
     good = encode([(b"a", 1, P - 13)], bytes(12))
     payload = torch.frombuffer(bytearray(good + bytes(P) + b"\x07"), dtype=torch.uint8)
     t = payload.numel()
@@ -377,7 +365,7 @@ def test_bad_kind_and_bad_size(knobs):
         (2**62, 2**31 - 1, fmt.KIND_LZ4, 2),  # offset + size overflows nothing
         (0, 2**31 - 1, fmt.KIND_LZ4, 2),
         (t - 1, 1, fmt.KIND_FILL, 0),
-        (0, 0, fmt.KIND_LZ4 | 1 << 4, 2),  # shuffled pages: the second kernel of a split launch
+        (0, 0, fmt.KIND_LZ4 | 1 << 4, 2),  # shuffled pages: the second kernel
         (-1, 4, fmt.KIND_LZ4 | 2 << 4, 2),
         (t - 3, 4, fmt.KIND_LZ4 | 1 << 4, 2),
         (0, 2**31 - 1, fmt.KIND_LZ4 | 2 << 4, 2),
@@ -389,7 +377,7 @@ def test_bad_kind_and_bad_size(knobs):
     sizes = torch.tensor([r[1] for r in rows], dtype=torch.int32)
     kinds = torch.tensor([r[2] for r in rows], dtype=torch.uint8)
     out, status = run_blocks([b""] * len(rows), kinds, sizes=sizes, offsets=offsets,
-                             payload=payload, knobs=KNOBS[knobs])
+                             payload=payload)
     assert status.tolist() == [r[3] for r in rows]
     assert not out[status != 0].any()
     assert out[0, -12:].eq(0).all() and out[0, :-12].eq(ord("a")).all()
@@ -431,15 +419,13 @@ def fuzz_bases(rng: random.Random, gen: torch.Generator, count: int) -> list[byt
     return bases
 
 
-@pytest.mark.parametrize("knobs", [  # prefetch knobs: the interpreter's code path is default's
-    pytest.param(k, marks=pytest.mark.slow) if k in ("no_prefetch", "prefetch_l2") else k
-    for k in KNOBS])
-def test_mutation_fuzz_matches_reference(knobs, gen):
+@pytest.mark.parametrize("guard", [GUARD, 4096])  # shuffled: transposed decode / word tile
+def test_mutation_fuzz_matches_reference(guard, gen):
     """Mutated blocks, some marked shuffled (2- and 4-byte elements), in one packed payload."""
     seed = int(torch.randint(0, 2**62, (1,), generator=gen))
     rng = random.Random(seed)
     bases = fuzz_bases(rng, gen, 12)
-    n = 2000 if CUDA else (150 if knobs == "default" else 50)
+    n = 2000 if CUDA else (150 if guard == GUARD else 50)
     blocks, payload = [], bytearray()
     offsets = []
     for _ in range(n):
@@ -449,29 +435,19 @@ def test_mutation_fuzz_matches_reference(knobs, gen):
         payload += blk + tail
     payload = torch.frombuffer(payload, dtype=torch.uint8)
     sizes = torch.tensor([len(b) for b in blocks], dtype=torch.int32)
-    kinds = [rng.choice([fmt.KIND_LZ4] * 4 + [0x11, 0x21]) for _ in blocks]
+    kinds = [rng.choice([fmt.KIND_LZ4] * 4 + [fmt.KIND_LZ4_SHUFFLED_2, fmt.KIND_LZ4_SHUFFLED_4])
+             for _ in blocks]
     out, status = run_blocks(blocks, kinds, sizes=sizes, offsets=torch.tensor(offsets),
-                             payload=payload, knobs=KNOBS[knobs])
+                             payload=payload, guard=guard)
     check_against_reference(blocks, out, status, seed=seed, kinds=kinds)
     assert (status == 0).any() and (status != 0).any()
 
 
 # ------------------------------------------------------------------ GPU only
 @needs_cuda
-@pytest.mark.parametrize("knobs", ["default", "legacy", "split_tile_plain", "split_groups"])
+@pytest.mark.parametrize("misalign", [0, 1])  # output rows 4-byte aligned (word tile) or not
 @pytest.mark.parametrize("page_size", [4096, 8192, 16384, 32768, 65536])
-def test_gpu_roundtrip_every_kind_and_page_size(page_size, knobs, gen):
-    _gpu_roundtrip(page_size, knobs, gen)
-
-
-@needs_cuda
-@pytest.mark.parametrize("knobs", ["no_prefetch", "prefetch_l2"])
-@pytest.mark.parametrize("page_size", [4096, 65536])
-def test_gpu_roundtrip_prefetch_settings(page_size, knobs, gen):
-    _gpu_roundtrip(page_size, knobs, gen)
-
-
-def _gpu_roundtrip(page_size, knobs, gen):
+def test_gpu_roundtrip_every_kind_and_page_size(page_size, misalign, gen):
     """Every page kind and element size, fixed-stride and packed, decodes bit-exactly."""
     pages = mixed_pages(64, page_size, gen)
     for element_size in (1, 2, 4):
@@ -481,9 +457,11 @@ def _gpu_roundtrip(page_size, knobs, gen):
         flat, offs = pack_cpu(payload, sizes)
         for args in ((payload.view(-1), offsets, sizes, kinds),
                      (flat[: int(offs[-1])], offs[:-1], sizes, kinds)):
-            out = torch.full((len(sizes), page_size), POISON, dtype=torch.uint8, device="cuda")
+            buf = torch.full((pages.numel() + misalign,), POISON, dtype=torch.uint8,
+                             device="cuda")
+            out = buf[misalign:].view(len(sizes), page_size)
             status = torch.full((len(sizes),), -7, dtype=torch.int32, device="cuda")
-            decompress_into(*(t.cuda() for t in args), out, status, **KNOBS[knobs])
+            decompress_into(*(t.cuda() for t in args), out, status)
             assert not status.any() and torch.equal(out.cpu(), pages)
 
 

@@ -264,12 +264,14 @@ def test_packed_offsets_disagreeing_with_sizes_are_named(gen):
 
 
 # ------------------------------------------------------------------ 64-bit positions
-def _outs(n: int, page_size: int = P):
-    return (torch.full((n, page_size), POISON, dtype=torch.uint8),
-            torch.full((n,), -1, dtype=torch.int32))
+def _outs(n: int, page_size: int = P, misalign: int = 0):
+    """Poisoned ``(pages, status)`` outputs; ``misalign`` 1 starts the rows off a 4-byte
+    boundary (bit-shuffled pages then take the transposed decode, not the word tile)."""
+    buf = torch.full((n * page_size + misalign,), POISON, dtype=torch.uint8)
+    return buf[misalign:].view(n, page_size), torch.full((n,), -1, dtype=torch.int32)
 
 
-KNOBS = [dict(), dict(lean=False, split=False), dict(lean=True, split=False)]
+MISALIGN = (0, 1)
 
 
 @interpreter_only
@@ -283,9 +285,9 @@ def test_reported_int32_wrap_is_bad_size(bounds):  # noqa: F811
     sizes = bounds(torch.tensor([n], dtype=torch.int32))
     kinds = bounds(torch.tensor([fmt.KIND_LZ4], dtype=torch.uint8))
     offsets = bounds(torch.tensor([0], dtype=torch.int64))
-    for knobs in KNOBS:
-        out, status = (bounds(t) for t in _outs(1))
-        lz4_decompress.decompress_into(pl, offsets, sizes, kinds, out, status, **knobs)
+    for misalign in MISALIGN:
+        out, status = (bounds(t) for t in _outs(1, misalign=misalign))
+        lz4_decompress.decompress_into(pl, offsets, sizes, kinds, out, status)
         assert status.tolist() == [fmt.STATUS_BAD_SIZE] and not out.any()
     assert cpu_codec.decompress_cpu(pl, offsets, sizes, kinds, P)[1].tolist() == [2]
 
@@ -326,10 +328,10 @@ def test_pages_past_2gib_of_payload_stay_in_bounds(bounds, gen):  # noqa: F811
     offsets = bounds(torch.tensor([r[0] for r in rows], dtype=torch.int64))
     sizes = bounds(torch.tensor([r[1] for r in rows], dtype=torch.int32))
     kinds = bounds(torch.tensor([r[2] for r in rows], dtype=torch.uint8))
-    for knobs in KNOBS:
-        out, status = (bounds(t) for t in _outs(len(rows)))
-        lz4_decompress.decompress_into(pl, offsets, sizes, kinds, out, status, **knobs)
-        assert status.tolist() == [r[3] for r in rows], knobs
+    for misalign in MISALIGN:
+        out, status = (bounds(t) for t in _outs(len(rows), misalign=misalign))
+        lz4_decompress.decompress_into(pl, offsets, sizes, kinds, out, status)
+        assert status.tolist() == [r[3] for r in rows], misalign
         assert torch.equal(out[3], page[0]) and torch.equal(out[4], raw)
         assert out[5].eq(0x5C).all() and not out[status != 0].any()
 

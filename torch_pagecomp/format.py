@@ -49,6 +49,8 @@ from .kernels.constants import (  # noqa: F401 - re-exported: the format's const
     ELEMENT_SIZES,
     KIND_FILL,
     KIND_LZ4,
+    KIND_LZ4_SHUFFLED_2,
+    KIND_LZ4_SHUFFLED_4,
     KIND_RAW,
     MAX_PAGE_SIZE,
     MIN_PAGE_SIZE,

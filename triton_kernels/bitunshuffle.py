@@ -1,16 +1,16 @@
-"""Bit-unshuffle helper (``@triton.jit``) fused into the LZ4 page decoder.
+"""Bit-unshuffle helpers (``@triton.jit``) fused into the LZ4 page decoder.
 
-The decoder writes a shuffled page ``Y`` (``8E`` bit planes of ``G = P / (8E)`` bytes, see
-``torch_pagecomp.format``) *transposed*: byte ``g`` of plane ``b`` lands at ``g * 8E + b``.
-Each run of ``8E`` bytes then holds everything group ``g`` (elements ``8g .. 8g + 7``) needs,
-so :func:`unshuffle_groups` finishes the inverse in place, group by group.
+The shuffled page ``Y`` has ``8E`` bit planes of ``G = P / (8E)`` bytes (``torch_pagecomp.format``).
 
-:func:`unshuffle_page_words` instead takes the page as a plain LZ4 decode leaves it (planes in
-order) and inverts the shuffle in one whole-page tile of 32-bit words (pages small enough to sit
-in registers): every step is elementwise over the word positions of a plane (bit transposes by
-delta swaps, 4x4 byte transposes), and the result goes out in 16-word runs. On an H200 this took
-the shuffled decode from 238-285 GB/s (the byte tile it replaced) to 362-495 (64 MiB per typed
-corpus, ``bench/results/h200_300e11a/``).
+:func:`unshuffle_page_words` takes the page as a plain LZ4 decode leaves it (planes in order)
+and inverts the shuffle in one whole-page tile of 32-bit words (pages small enough to sit in
+registers): every step is elementwise over the word positions of a plane (bit transposes by
+delta swaps, 4x4 byte transposes), and the result goes out in 16-word runs.
+
+For larger pages (or rows not 4-byte aligned) the decoder writes ``Y`` *transposed*: byte ``g``
+of plane ``b`` lands at ``g * 8E + b``. Each run of ``8E`` bytes then holds everything group
+``g`` (elements ``8g .. 8g + 7``) needs, so :func:`unshuffle_groups64` finishes the inverse in
+place, a few groups per step.
 """
 
 from __future__ import annotations
@@ -22,28 +22,10 @@ from .bitshuffle import transpose8x8
 
 
 @triton.jit
-def unshuffle_groups(row, P: tl.constexpr, E: tl.constexpr, GT: tl.constexpr):
-    """Rewrite ``row`` (``uint8 [P]`` pointer, transposed planes as written by the decoder) in
-    place as the unshuffled page: element ``8g + t`` byte ``k`` bit ``j`` = bit ``t`` of byte
-    ``8k + j`` of group ``g``. ``E`` (2 or 4) is the element size, ``GT`` groups per step.
-    Callers place a barrier between the decoder's last store and this call."""
-    G: tl.constexpr = P // (8 * E)
-    g = tl.arange(0, GT)[:, None, None, None]
-    t = tl.arange(0, 8)[None, :, None, None]
-    k = tl.arange(0, E)[None, None, :, None]
-    j = tl.arange(0, 8)[None, None, None, :]
-    for g0 in range(0, G, GT):
-        base = row + (g0 + g) * (8 * E)
-        c = tl.load(base + k * 8 + j).to(tl.int32)  # [GT, 1, E, 8]: byte 8k + j of the group
-        x = tl.sum(((c >> t) & 1) << j, axis=3, keep_dims=True)  # [GT, 8, E, 1]
-        tl.debug_barrier()  # every thread has read the group before any overwrites it
-        tl.store(base + t * E + k, x.to(tl.uint8))
-
-
-@triton.jit
 def unshuffle_groups64(row, P: tl.constexpr, E: tl.constexpr, GT: tl.constexpr):
-    """:func:`unshuffle_groups` (same layout in, same bytes out) with ``GT`` groups per step
-    (``GT * 8E`` contiguous bytes) and a 64-bit bit transpose per byte lane ``k``: bytes
+    """Rewrite ``row`` (``uint8 [P]`` pointer, transposed planes as written by the decoder) in
+    place as the unshuffled page (element size ``E``, 2 or 4), ``GT`` groups per step
+    (``GT * 8E`` contiguous bytes), with a 64-bit bit transpose per byte lane ``k``: bytes
     ``8k .. 8k + 7`` of a group are one little-endian word whose 8x8 transpose holds byte ``k``
     of its 8 elements. Callers place a barrier between the decoder's last store and this call."""
     G: tl.constexpr = P // (8 * E)

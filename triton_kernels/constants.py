@@ -13,6 +13,9 @@ ELEMENT_SIZES = (1, 2, 4)
 KIND_RAW = 0
 KIND_LZ4 = 1
 KIND_FILL = 2
+# An LZ4 page of bit-shuffled elements: ``KIND_LZ4 | element_shift(element_size) << 4``.
+KIND_LZ4_SHUFFLED_2 = 0x11  # 2-byte elements
+KIND_LZ4_SHUFFLED_4 = 0x21  # 4-byte elements
 
 # Per-page decode status (int32), written by every decoder.
 STATUS_OK = 0
@@ -21,7 +24,7 @@ STATUS_BAD_SIZE = 2  # size out of range for the kind, or past the end of the pa
 STATUS_TRUNCATED = 3  # the LZ4 block ends inside a sequence
 STATUS_BAD_OFFSET = 4  # match offset 0, or reaching before the start of the page
 STATUS_OVERFLOW = 5  # literals or a match run past the end of the page
-STATUS_SHORT = 6  # the block decodes to fewer than P bytes
+STATUS_SHORT = 6  # the block decodes to fewer bytes than the page holds
 
 
 def element_shift(element_size: int) -> int:
