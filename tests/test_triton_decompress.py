@@ -533,7 +533,8 @@ def test_gpu_million_page_mutation_fuzz(gen):
     srcs += [bytes(p.numpy()) for p in file_pages("text", 512, P, gen)]
     bases = [lz4.block.compress(s, store_size=False) for s in srcs]
     bases += [random_block(P, rng.choice([3, 20, 200]), rng) for _ in range(512)]
-    bases = [b for b in bases if len(b) <= P]
+    # the format's LZ4 pages are 1..P-P/32 bytes; larger blocks are status 2 (a mutation case)
+    bases = [b for b in bases if len(b) <= fmt.lz4_keep_limit(P)]
     base = torch.zeros((len(bases), P), dtype=torch.uint8)
     for i, blk in enumerate(bases):
         base[i, : len(blk)] = torch.frombuffer(bytearray(blk), dtype=torch.uint8)
