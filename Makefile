@@ -22,9 +22,13 @@ checkstyle: $(STAMP)
 	$(PY) -m ruff check torch_pagecomp triton_kernels tests bench
 
 # CPU suite: the lz4 reference path plus every Triton kernel under TRITON_INTERPRET=1, less the
-# cases marked slow (larger interpreter cases whose code paths a default case also runs).
+# cases marked slow (larger interpreter cases whose code paths a default case also runs), on
+# TEST_WORKERS processes (pytest-xdist; each worker runs torch on one thread, tests/conftest.py).
+# worksteal: the interpreter cases take from under a second to a minute, so idle workers take
+# queued tests from busy ones instead of waiting on a fixed split.
+TEST_WORKERS ?= 2
 test: $(STAMP) checkstyle
-	$(PY) -m pytest -q tests -m "not slow" --durations=15
+	$(PY) -m pytest -q tests -m "not slow" -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 # The slow cases left out of `make test`.
 test-slow: $(STAMP)

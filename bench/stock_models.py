@@ -283,7 +283,18 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     # prefer="speed" is measured once its tuner has chosen (its trial passes time both ways
     # and grow both pools once): the warm-up goes on until then, at most 16 steps more
     tuner = off.tuner if off is not None else None
-    while tuner is not None and tuner.choice is None and warmup < 20:
+
+    def undecided() -> bool:
+        flag = tuner is not None and tuner.choice is None
+        if fsdp:  # every rank steps until every rank's tuner chose: the same collectives
+            import torch.distributed as dist
+
+            t = torch.tensor([int(flag)], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item())
+        return flag
+
+    while warmup < 20 and undecided():
         warmup += 1
         train_step()
         if cuda:

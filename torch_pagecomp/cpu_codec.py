@@ -16,7 +16,9 @@ this order, ``STATUS_BAD_KIND`` for an unknown kind or a shuffle on a non-LZ4 pa
 ``P``, a FILL page whose size is not 1, an LZ4 page whose size is outside
 ``1..format.lz4_keep_limit(P)``, or (packed containers, when ``offsets`` has ``N + 1`` entries)
 ``offsets[i + 1] - offsets[i] != sizes[i]`` or ``offsets[0] != 0``; then the LZ4 block's own
-status (``decode_block``). A failed page's row is zero-filled.
+status (``decode_block``). A failed page's row is zero-filled. liblz4 decodes a block for
+speed; it lets a match offset of 0 through (copying zeros), so the pages it decodes with four
+zero bytes in a row are checked for one (``zero_offsets.zero_offset_blocks``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 
 from . import format as fmt
 from .shuffle import bitshuffle_np, bitunshuffle_np
+from .zero_offsets import zero_offset_blocks
 
 THREADS_ENV = "PAGECOMP_CPU_THREADS"
 MAX_DEFAULT_THREADS = 8
@@ -220,76 +223,10 @@ def decode_block(block: bytes, page_size: int) -> tuple[bytes | None, int]:
     return bytes(out), fmt.STATUS_OK
 
 
-_LIT1 = np.array([(t >> 4) + 1 for t in range(256)], dtype=np.int64)  # token + literals
-_HAS_EXT = np.array([t >> 4 == 15 or t & 15 == 15 for t in range(256)])
 # liblz4 (1.9 and later) writes zeros for a match of offset 0 (``LZ4_write32(op, 0)``, "silence
 # an msan warning when offset==0", then copies those): a page it decoded with such a match holds
-# four zero bytes in a row, and a block with one holds two. Pages without either are not walked.
+# four zero bytes in a row. Pages without them are not walked.
 _LZ4_ZEROES_OFFSET_0 = lz4.library_version_number() >= 10900
-
-
-def zero_offset_blocks(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """``bool [M]``: which of the blocks ``buf[starts[k]:ends[k]]`` hold a match offset of 0.
-
-    For blocks that liblz4 decoded (well-formed: every sequence lies inside the block, the last
-    one is literals only); liblz4 accepts offset 0, which the format rejects. The blocks' sequence
-    headers are walked in lockstep, about ten numpy calls per sequence position for all blocks at
-    once (a Python walk costs ~0.3 us per sequence, 10-20x liblz4's decode), each block only up
-    to its last pair of zero bytes. A block may be reported that holds no offset of 0 (never one
-    the other way round): callers confirm with :func:`decode_block`. Reads stay inside the
-    copied blocks whatever their bytes.
-    """
-    m = starts.shape[0]
-    bad = np.zeros(m, dtype=bool)
-    if m == 0:
-        return bad
-    lens = (ends - starts).astype(np.int64)
-    parts = [buf[s:e] for s, e in zip(starts.tolist(), ends.tolist())]
-    cb = np.concatenate(parts + [np.ones(2, np.uint8)])  # blocks back to back, then padding
-    zz = (cb[:-1] | cb[1:]) == 0  # zz[p]: bytes p and p + 1 are both zero (an offset of 0 there)
-    ip = np.zeros(m, dtype=np.int64)
-    np.cumsum(lens[:-1], out=ip[1:])
-    # Each block is walked only up to its last zero pair: no offset of 0 can come after it.
-    pairs = np.flatnonzero(zz)
-    owner = np.searchsorted(ip, pairs, side="right") - 1
-    pairs = pairs[pairs < (ip + lens - 1)[owner]]  # both bytes inside the block
-    owner = np.searchsorted(ip, pairs, side="right") - 1
-    final = np.ones(pairs.shape[0], dtype=bool)
-    final[:-1] = owner[1:] != owner[:-1]
-    last = np.full(m, -1, dtype=np.int64)  # at or past here the walk of a block ends
-    last[owner[final]] = pairs[final] + 1
-    live = np.flatnonzero(last >= 0)
-    ip, last = ip[live], last[live]
-    idx = live
-    while idx.shape[0]:
-        tok = cb.take(ip, mode="clip")
-        ext = bool(_HAS_EXT.take(tok).any())
-        lit = _LIT1.take(tok)
-        if ext:  # literal length extension bytes: 255s, then one byte below 255
-            sel = np.flatnonzero(tok >= 0xF0)
-            pos = ip[sel] + 1
-            while sel.shape[0]:
-                b = cb.take(pos, mode="clip")
-                lit[sel] += b.astype(np.int64) + 1
-                pos += 1
-                more = (b == 255) & (pos <= last[sel])
-                sel, pos = sel[more], pos[more]
-        q = ip + lit  # the match offset, if the block goes on
-        done = q >= last  # past the last zero pair (or at the end of the block)
-        zero = zz.take(q, mode="clip") & ~done
-        stop = done | zero
-        if stop.any():
-            bad[idx[zero]] = True
-            keep = ~stop
-            q, last, idx, tok = q[keep], last[keep], idx[keep], tok[keep]
-        ip = q + 2
-        if ext:  # match length extension bytes: 255s, then one more
-            sel = np.flatnonzero((tok & 15) == 15)
-            while sel.shape[0]:
-                b = cb.take(ip[sel], mode="clip")
-                ip[sel] += 1
-                sel = sel[(b == 255) & (ip[sel] <= last[sel])]
-    return bad
 
 
 def _page_checks(offsets, sizes, kinds, page_size: int, total: int, n: int) -> np.ndarray:
@@ -322,7 +259,8 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
         ``(pages uint8 [N, P], status int32 [N])``; a failed page's row is zero-filled.
     """
     n = sizes.shape[0]
-    pages = torch.zeros((n, page_size), dtype=torch.uint8)
+    # every row is written below (a failed one with zeros): no zero-fill of the whole batch
+    pages = torch.empty((n, page_size), dtype=torch.uint8)
     status = torch.zeros(n, dtype=torch.int32)
     if n == 0:
         return pages, status
@@ -344,6 +282,7 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
             out[i] = buf[off_np[i] : off_np[i] + page_size]
         lz = np.flatnonzero(ok & (codec == fmt.KIND_LZ4)) + start
         decompress = lz4.block.decompress
+        walk = []  # pages liblz4 decoded that may hold a match offset of 0
         for i, o, s in zip(lz.tolist(), off_np[lz].tolist(), size_np[lz].tolist()):
             try:
                 data = decompress(mv[o : o + s], uncompressed_size=page_size)
@@ -351,28 +290,30 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
                 data, st[i] = decode_block(mv[o : o + s].tobytes(), page_size)
             else:
                 if len(data) == page_size:
-                    if not _LZ4_ZEROES_OFFSET_0 or b"\0\0\0\0" in data:
+                    # memchr first: most pages without four zeros hold no zero byte at all
+                    if not _LZ4_ZEROES_OFFSET_0 or (b"\0" in data and b"\0\0\0\0" in data):
                         walk.append(i)
                 else:  # short: the reference decides (an offset of 0 may come first)
                     data, st[i] = decode_block(mv[o : o + s].tobytes(), page_size)
             if data is not None:
                 out_mv[i * page_size : (i + 1) * page_size] = data
+        if walk:
+            rows = np.array(walk, dtype=np.int64)
+            starts = off_np[rows]
+            for i in rows[zero_offset_blocks(buf, starts, starts + size_np[rows])].tolist():
+                # exact for blocks liblz4 took; the reference names the status all the same
+                st[i] = decode_block(mv[off_np[i] : off_np[i] + size_np[i]].tobytes(), page_size)[1]
         shift = kind_np[rng] >> 4
         for sh in (1, 2):
             rows = np.flatnonzero((st[rng] == 0) & (codec == fmt.KIND_LZ4) & (shift == sh)) + start
-            if rows.shape[0]:
+            if rows.shape[0] == stop - start:  # a typed batch: whole range, no gather/scatter
+                out[rng] = bitunshuffle_np(out[rng], 1 << sh)
+            elif rows.shape[0]:
                 out[rows] = bitunshuffle_np(out[rows], 1 << sh)
         failed = np.flatnonzero(st[rng] != 0) + start
         out[failed] = 0
 
-    walk: list[int] = []  # pages liblz4 decoded that may hold a match offset of 0
     _run_ranges(work, n)
-    if walk:  # one lockstep walk for the batch (its numpy calls hold the GIL between them)
-        rows = np.array(walk, dtype=np.int64)
-        for i in rows[zero_offset_blocks(buf, off_np[rows], off_np[rows] + size_np[rows])].tolist():
-            _, st[i] = decode_block(mv[off_np[i] : off_np[i] + size_np[i]].tobytes(), page_size)
-            if st[i]:
-                out[i] = 0
     return pages, status
 
 

@@ -1,0 +1,145 @@
+"""CPU thread scaling of the lz4 path: compress and decompress GB/s at each thread count.
+
+    python3 -m bench.cpu_threads [--mib 256] [--threads 1,2,4,8] [--out f.json]
+                                 [--corpora mixed,text,bf16-relu] [--page-size 4096]
+
+Each corpus (``bench/corpora.py``; typed ones at their element size, so ``bf16-relu`` is
+bit-shuffled) is built once, ``--mib`` MiB of pages, then compressed and decompressed with
+``torch_pagecomp.compress`` / ``decompress`` (``backend="cpu"``) at each thread count set with
+``torch_pagecomp.set_cpu_threads``: the median of ``--repeats`` timed calls after one warm-up.
+GB/s are decimal, of uncompressed bytes; ``speedup`` is against the 1-thread row of the same
+corpus and operation (1 is always measured), ``efficiency`` is ``speedup / threads`` (1.0 is
+linear). Every round trip is checked bit-exact. The table goes to stdout, the JSON (``device``,
+``commit``, ``date``, ``rows``, ...) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import torch_pagecomp as pc
+
+from . import corpora
+from .baselines import default_threads
+from .harness import _cpu_name, commit_id
+
+DEFAULT_CORPORA = ("mixed", "text", "bf16-relu")
+
+
+def _ints(text: str) -> list[int]:
+    values = sorted({int(t) for t in text.split(",") if t.strip()})
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"thread counts must be integers >= 1, got {text!r}")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in corpora.CORPORA]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(corpora.CORPORA)}")
+    return names
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(pages: torch.Tensor, element_size: int, threads: list[int], repeats: int) -> list[dict]:
+    """Rows for one corpus: ``pages`` ``uint8 [N, P]`` (CPU) compressed and decompressed at each
+    thread count. Raises ``AssertionError`` if a round trip is not bit-exact."""
+    counts = sorted(set(threads) | {1})
+    nbytes = pages.numel()
+    rows = []
+    try:
+        for t in counts:
+            pc.set_cpu_threads(t)
+            c = pc.compress(pages, element_size=element_size, backend="cpu")  # warm-up
+            assert torch.equal(pc.decompress(c, backend="cpu"), pages), f"round trip, {t} threads"
+            times = {
+                "compress": _median_s(
+                    lambda: pc.compress(pages, element_size=element_size, backend="cpu"), repeats),
+                "decompress": _median_s(lambda c=c: pc.decompress(c, backend="cpu"), repeats),
+            }
+            for op, s in times.items():
+                rows.append({"op": op, "threads": t, "seconds": s, "gbps": nbytes / s / 1e9,
+                             "ratio": c.ratio()})
+    finally:
+        pc.set_cpu_threads(None)
+    base = {r["op"]: r["gbps"] for r in rows if r["threads"] == 1}
+    for r in rows:
+        r["speedup"] = r["gbps"] / base[r["op"]]
+        r["efficiency"] = r["speedup"] / r["threads"]
+    return [r for r in rows if r["threads"] in threads]
+
+
+def run(mib: float, threads: list[int], names: list[str], page_size: int, repeats: int,
+        seed: int) -> dict:
+    """Measure every corpus; returns the JSON document (see the module docstring)."""
+    cores = default_threads()
+    doc = {
+        "device": f"CPU: {_cpu_name()} x{cores}",
+        "cpu": _cpu_name(),
+        "cores": cores,
+        "commit": commit_id(None),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "page_size": page_size,
+        "mib_per_corpus": mib,
+        "repeats": repeats,
+        "gbps": "decimal GB/s of uncompressed bytes, median of the timed calls",
+        "rows": [],
+    }
+    for k, name in enumerate(names):
+        e = corpora.element_size(name)
+        pages = corpora.build_corpus(name, int(mib * (1 << 20)), page_size, seed=seed + k)
+        for row in measure(pages, e, threads, repeats):
+            doc["rows"].append({"corpus": name, "element_size": e, **row})
+    return doc
+
+
+def table(doc: dict) -> str:
+    lines = [f"{doc['device']}, commit {doc['commit']}, {doc['date']}",
+             f"{'corpus':<11} {'e':>1} {'op':<10} {'threads':>7} {'GB/s':>8} {'speedup':>8} "
+             f"{'efficiency':>10}"]
+    for r in doc["rows"]:
+        lines.append(f"{r['corpus']:<11} {r['element_size']:>1} {r['op']:<10} {r['threads']:>7} "
+                     f"{r['gbps']:>8.3f} {r['speedup']:>8.2f} {r['efficiency']:>10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=float, default=256, help="MiB of pages per corpus")
+    parser.add_argument("--threads", type=_ints, default=[1, 2, 4, 8])
+    parser.add_argument("--corpora", type=_names, default=list(DEFAULT_CORPORA))
+    parser.add_argument("--page-size", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the JSON here")
+    args = parser.parse_args(argv)
+    doc = run(args.mib, args.threads, args.corpora, args.page_size, max(1, args.repeats),
+              args.seed)
+    print(table(doc))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

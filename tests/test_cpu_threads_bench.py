@@ -1,0 +1,27 @@
+"""``python -m bench.cpu_threads`` at a tiny size: the JSON it writes and the table it prints."""
+
+import json
+
+from bench import cpu_threads
+
+
+def test_cpu_threads_bench_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PAGECOMP_COMMIT", "abc1234")
+    out = tmp_path / "threads.json"
+    rc = cpu_threads.main(["--mib", "0.25", "--threads", "2,1", "--corpora", "text,bf16-relu",
+                           "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["commit"] == "abc1234"
+    assert doc["device"].startswith("CPU: ") and doc["cores"] >= 1 and doc["date"]
+    rows = doc["rows"]
+    assert {(r["corpus"], r["op"], r["threads"]) for r in rows} == {
+        (c, op, t) for c in ("text", "bf16-relu") for op in ("compress", "decompress")
+        for t in (1, 2)}
+    for r in rows:
+        assert r["element_size"] == (2 if r["corpus"] == "bf16-relu" else 1)
+        assert r["gbps"] > 0 and r["seconds"] > 0 and r["ratio"] > 1
+        assert abs(r["efficiency"] - r["speedup"] / r["threads"]) < 1e-9
+        if r["threads"] == 1:
+            assert r["speedup"] == 1.0
+    assert "efficiency" in capsys.readouterr().out
