@@ -56,6 +56,7 @@ The settings of each page kind, and why, are in :func:`compress_config`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -644,8 +645,11 @@ class CompressConfig:
 
     def meta(self, wide_shuffle: bool) -> dict:
         """The keyword arguments of the launch."""
-        meta = dict(vars(self), WIDE_SHUFFLE=wide_shuffle)
-        del meta["programs_per_sm"]
+        # by field, not ``vars``: traced by torch.compile, whose older Dynamo cannot build a
+        # dict from a frozen dataclass's ``__dict__``
+        meta = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "programs_per_sm"}
+        meta["WIDE_SHUFFLE"] = wide_shuffle
         return meta
 
 

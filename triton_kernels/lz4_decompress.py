@@ -32,6 +32,7 @@ int64.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -61,7 +62,7 @@ class DecodeConfig:
 
     def meta(self) -> dict:
         """The keyword arguments of the launch."""
-        return dict(vars(self))
+        return _fields(self)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,13 @@ class ShuffledDecodeConfig:
 
     def meta(self) -> dict:
         """The keyword arguments of the launch."""
-        return dict(vars(self))
+        return _fields(self)
+
+
+def _fields(cfg) -> dict:
+    # by field, not ``vars``: torch.compile traces this (fullgraph) and older releases of
+    # Dynamo cannot build a dict from a frozen dataclass's ``__dict__``
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
 @functools.cache
