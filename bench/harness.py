@@ -85,7 +85,8 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def environment(device: torch.device, cfg: Config, nv_version: str | None) -> dict:
+def device_versions(device: torch.device) -> dict:
+    """The device's name and driver, and the torch, CUDA, Triton and Python versions."""
     try:
         import triton
 
@@ -95,18 +96,25 @@ def environment(device: torch.device, cfg: Config, nv_version: str | None) -> di
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-        driver = (smi.splitlines()[0] if smi else "unknown") + f" (torch CUDA {torch.version.cuda})"
+        driver = smi.splitlines()[0] if smi else "unknown"
     else:
-        name = f"CPU: {_cpu_name()}"
-        driver = "n/a"
+        name, driver = f"CPU: {_cpu_name()}", "n/a"
+    return {"name": name, "driver": driver, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton_version,
+            "python": platform.python_version()}
+
+
+def environment(device: torch.device, cfg: Config, nv_version: str | None) -> dict:
+    v = device_versions(device)
+    cuda = f" (torch CUDA {v['cuda']})" if device.type == "cuda" else ""
     status = pc.gpu_status()
     return {
-        "device": name,
-        "driver": driver,
+        "device": v["name"],
+        "driver": v["driver"] + cuda,
         "host_cpu": f"{_cpu_name()} x{baselines.default_threads()}",
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "python": platform.python_version(),
+        "torch": v["torch"],
+        "triton": v["triton"],
+        "python": v["python"],
         "lz4": lz4.__version__,
         "nvcomp": nv_version,
         "commit": commit_id(cfg.commit),

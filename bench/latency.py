@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -40,7 +38,7 @@ import torch
 
 import torch_pagecomp as pc
 
-from . import corpora
+from . import corpora, harness
 from . import nvcomp as nvc
 from .children import write_results
 
@@ -80,40 +78,14 @@ def human(nbytes: int) -> str:
 
 
 # ----------------------------------------------------------------------- environment
-def _run(cmd: list[str]) -> str | None:
-    """``cmd``'s stripped stdout, or ``None`` if it cannot run, fails or prints nothing."""
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def commit_id() -> str:
-    """``$PAGECOMP_COMMIT``, else ``git rev-parse --short HEAD`` here, else ``"unknown"``."""
-    if os.environ.get("PAGECOMP_COMMIT"):
-        return os.environ["PAGECOMP_COMMIT"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return _run(["git", "-C", root, "rev-parse", "--short", "HEAD"]) or "unknown"
+    """``$PAGECOMP_COMMIT``, else the checkout's ``HEAD`` (as the harness records it)."""
+    return harness.commit_id(None)
 
 
 def device_info(device: torch.device, nv_version: str | None) -> dict:
     """GPU (or CPU) name, driver, and the torch, Triton, CUDA and nvCOMP versions."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "absent"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-        driver = smi.splitlines()[0] if smi else "unknown"
-    else:
-        name, driver = f"CPU: {platform.processor() or platform.machine()}", "n/a"
-    return {"name": name, "driver": driver, "torch": torch.__version__,
-            "triton": triton_version, "cuda": torch.version.cuda, "nvcomp": nv_version,
-            "python": platform.python_version()}
+    return {**harness.device_versions(device), "nvcomp": nv_version}
 
 
 # ---------------------------------------------------------------------------- timing
