@@ -15,6 +15,7 @@ from bench import hf_generate  # imports transformers only inside its functions
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow  # three child processes (~35 s); the cache itself is tested in test_integrations
 def test_tiny_cpu_generation_bench(tmp_path):
     out = tmp_path / "g.json"
     assert hf_generate.main(["--tiny", "--device", "cpu", "--check-kv", "2", "--out",

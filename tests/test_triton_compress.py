@@ -427,6 +427,7 @@ def test_unaligned_page_views(shift):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # non-default settings; the defaults are checked against the model above
 @interpret_only
 def test_config_variants_match_model():
     """Settings other than a page kind's own (``CompressConfig`` fields) still write the
