@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU machine's one script: GPU tests, sanitizer, benchmarks. Each stage fits one device call:
-#   bash bench/gpu_suite.sh tests      # GPU test suite + million-page fuzz + compute-sanitizer memcheck
+#   bash bench/gpu_suite.sh tests      # kernel tests + million-page fuzz + compute-sanitizer memcheck
+#   bash bench/gpu_suite.sh others     # the rest of the GPU test suite (not slow)
 #   bash bench/gpu_suite.sh bench      # python -m bench (128 MiB corpora) + pipeline bench
 #   bash bench/gpu_suite.sh training   # activation-offload training step bench
 #   bash bench/gpu_suite.sh pipeline   # pipeline bench alone: default, and split (raw share 1)
 #   bash bench/gpu_suite.sh offload    # host-write probe + offload GPU tests + stock models
 #   bash bench/gpu_suite.sh stock      # the stock-model activation offload benchmark alone
 #   bash bench/gpu_suite.sh fsdp       # the same under FSDP2 on every GPU (torchrun)
-#   bash bench/gpu_suite.sh final      # GPU tests (no fuzz) + transformers generation table
+#   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
@@ -25,19 +26,26 @@ header() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 }
+# the whole GPU suite no longer fits one device call: `tests` runs these files, `others` the rest
+KERNEL_TESTS="tests/test_triton_compress.py tests/test_triton_decompress.py tests/test_triton_pack.py tests/test_validation.py tests/test_bounds.py"
 case "${1:-tests}" in
 tests)
+    # the kernel files and the fuzz (~210 s on an H100), then memcheck; the rest: stage `others`
     header tests | tee "$OUT/tests.txt"
-    timeout 465 python3 -m pytest -q -p no:cacheprovider tests -m "not fuzz" -rfEs \
-        --durations=8 2>&1 | tee -a "$OUT/tests.txt" | tail -n 40
-    timeout 40 python3 -m pytest -q -p no:cacheprovider tests -m fuzz -rfE 2>&1 \
-        | tee -a "$OUT/tests.txt" | tail -n 3
+    timeout 300 python3 -m pytest -q -p no:cacheprovider $KERNEL_TESTS -m "not slow" -rfE \
+        --durations=8 2>&1 | tee -a "$OUT/tests.txt" | tail -n 20
     echo "== compute-sanitizer memcheck" | tee -a "$OUT/tests.txt"
     timeout 40 compute-sanitizer --tool memcheck python3 -m bench.dev_decompress_probe \
         --sanitize 2>&1 | tail -n 4 | tee -a "$OUT/tests.txt"
     timeout 40 compute-sanitizer --tool memcheck python3 -m pytest -q -p no:cacheprovider \
         tests/test_triton_compress.py -k "round_trip_all_sizes and (4096 or 65536)" 2>&1 \
         | grep -E "ERROR SUMMARY|passed|failed" | tee -a "$OUT/tests.txt"
+    ;;
+others)
+    header others | tee "$OUT/tests_others.txt"
+    timeout 540 python3 -m pytest -q -p no:cacheprovider tests -m "not fuzz and not slow" \
+        $(for f in $KERNEL_TESTS; do echo --ignore "$f"; done) -rfE --durations=8 2>&1 \
+        | tee -a "$OUT/tests_others.txt" | tail -n 20
     ;;
 bench)
     header bench
@@ -74,12 +82,13 @@ stock)
         --out "$OUT/stock_models.json" 2>&1 | tail -n 24
     ;;
 final)
-    # the GPU test suite (no fuzz, no sanitizer) and the transformers generation table
-    header final | tee "$OUT/tests.txt"
-    timeout 330 python3 -m pytest -q -p no:cacheprovider tests -m "not fuzz" -rfEs \
-        --durations=8 2>&1 | tee -a "$OUT/tests.txt" | tail -n 25
-    timeout 220 python3 -m bench.hf_generate ${HF_ARGS:-} --out "$OUT/hf_generate.json" 2>&1 \
-        | tail -n 12
+    # the transformers generation table, then the same with deterministic kernels (#24)
+    header final
+    timeout 270 python3 -m bench.hf_generate ${HF_ARGS:---layers 16 --prompt 12288 --new 64 --batch 8 --check-kv 4} \
+        --out "$OUT/hf_generate.json" 2>&1 | tail -n 8
+    timeout 270 python3 -m bench.hf_generate ${HF_ARGS:---layers 16 --prompt 12288 --new 64 --batch 8} \
+        --variants dynamic,dynamic_repeat,compressed --deterministic \
+        --out "$OUT/hf_generate_deterministic.json" 2>&1 | tail -n 6
     ;;
 fsdp)
     header fsdp
