@@ -87,3 +87,30 @@ def test_launch_hooks_send_launches_through_triton(monkeypatch):
     assert L._hooks_set()
     Runtime.launch_exit_hook, Runtime.launch_enter_hook = None, print
     assert L._hooks_set()
+
+
+def test_direct_entry_takes_what_jit_run_passes_and_refuses_the_unexpected():
+    class Compiled:
+        function, packed_metadata = 7, ("meta",)
+
+        @staticmethod
+        def run(*a):
+            return a
+
+    class Kernel:  # Triton's JITFunction as _direct_entry reads it: a binder per device
+        def __init__(self, binder):
+            self.device_caches = {0: ({}, {}, None, None, binder)}
+
+    def binder(a, b, n, BLOCK=64, SHIFT=0, **options):
+        return dict(a=a, b=b, n=n, BLOCK=BLOCK, SHIFT=SHIFT), [], options
+
+    entry = L._direct_entry(Kernel(binder), Compiled(), 0, ("x", "y", 5), dict(SHIFT=3,
+                                                                               num_warps=4))
+    assert entry is not None
+    run, function, packed, tail = entry
+    assert (function, packed) == (7, ("meta",))
+    assert tail == (64, 3)  # the parameters after args: defaults and meta, in order
+    assert L._direct_entry(Kernel(binder), object(), 0, ("x", "y", 5), {}) is None
+    assert L._direct_entry(object(), Compiled(), 0, ("x", "y", 5), {}) is None
+    no_handle = type("NoHandle", (Compiled,), {"function": None})()
+    assert L._direct_entry(Kernel(binder), no_handle, 0, ("x", "y", 5), {}) is None
