@@ -385,11 +385,15 @@ def _match_offsets(block: bytes) -> list[int]:
 def _bases(page_size: int, element_size: int, gen: torch.Generator) -> torch.Tensor:
     """Pages that store as every kind: random (RAW), one byte (FILL), runs and periodic
     (LZ4, shuffled with ``element_size`` > 1)."""
+    period = int(torch.randint(2, 24, (1,), generator=gen)) * element_size
+    periodic = periodic_pages(period, 1, page_size, gen)
+    # never one byte repeated: that page stores as FILL, and at 64 KiB (no run page below) the
+    # batch would have no LZ4 page (period 1 did, in 1 of 23 runs)
+    periodic[0, 1::period] = int(periodic[0, 0]) ^ 0x5A
     parts = [torch.randint(0, 256, (1, page_size), dtype=torch.uint8, generator=gen),
              torch.full((1, page_size), int(torch.randint(0, 256, (1,), generator=gen)),
                         dtype=torch.uint8),
-             periodic_pages(int(torch.randint(1, 24, (1,), generator=gen)) * element_size, 1,
-                            page_size, gen)]
+             periodic]
     if page_size <= 4096:  # (64 KiB ones take the interpreter tens of seconds)
         parts.append(run_pages(1, page_size, gen))
         if element_size > 1:  # bf16 ReLU: many sequences unless shuffled
