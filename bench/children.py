@@ -9,6 +9,11 @@ import subprocess
 import sys
 
 
+def cell(value: float | None, places: int = 2) -> str:
+    """A table cell: ``value`` to ``places`` decimals, empty when absent."""
+    return "" if value is None else f"{value:.{places}f}"
+
+
 def run_child(module: str, args: list[str], row: dict, timeout: float,
               env: dict | None = None, cwd: str | None = None) -> dict:
     """``python -m module *args``; its last stdout line is its row (JSON), returned with the

@@ -60,7 +60,7 @@ import sys
 import threading
 import time
 
-from bench.children import run_child, write_results
+from bench.children import cell, run_child, write_results
 
 VARIANTS = ("dynamic", "dynamic_repeat", "dynamic_offloaded", "compressed")
 GIB = 1 << 30
@@ -371,7 +371,6 @@ def table(doc: dict) -> str:
     lines = [head, "|" + "---|" * 17]
     ref = next((r.get("decode_tokens_per_s") for r in doc["rows"]
                 if r["variant"] == "dynamic"), None)
-    f = lambda v, p=2: "" if v is None else f"{v:.{p}f}"  # noqa: E731
     g = lambda v: "" if v is None else f"{v:.3g}"  # noqa: E731
     for r in doc["rows"]:
         lead = f"| {r['variant']} | {r['layers']} | {r['batch']} | {r['prompt']} | {r['new']} | "
@@ -385,9 +384,10 @@ def table(doc: dict) -> str:
         first = "" if div is None else (
             f"{div['first_step']} ({g(div['dynamic_margin_at_first_step'])})")
         lines.append(
-            lead + f"{f(r['prefill_s'], 3)} | {f(r['total_s'], 3)} | {f(dec, 1)} | {rel} | "
-            f"{f(r.get('peak_gpu_gib'))} | {g(r.get('host_gib'))} | {g(r.get('kv_gib'))} | "
-            f"{f(r.get('ratio'), 3)} | {r.get('tokens_identical_to_dynamic', '')} | {first} | "
+            lead + f"{cell(r['prefill_s'], 3)} | {cell(r['total_s'], 3)} | {cell(dec, 1)} | "
+            f"{rel} | "
+            f"{cell(r.get('peak_gpu_gib'))} | {g(r.get('host_gib'))} | {g(r.get('kv_gib'))} | "
+            f"{cell(r.get('ratio'), 3)} | {r.get('tokens_identical_to_dynamic', '')} | {first} | "
             f"{'' if r.get('first_logits_diff_step') is None else r['first_logits_diff_step']} | "
             f"{_kv_summary(r.get('kv_check'))} |")
     return "\n".join(lines)

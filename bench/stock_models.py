@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 
-from bench.children import run_child, write_results
+from bench.children import cell, run_child, write_results
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed", "torchtune")
 GIB = 1 << 30
@@ -386,11 +386,11 @@ def table(doc: dict) -> str:
                          f"error: {r['error']} ||||||||")
             continue
         rel = (f"{r['step_ms'] / unc[r['model']]:.2f}x" if unc.get(r["model"]) else "")
-        f = lambda v, p=2: "" if v is None else f"{v:.{p}f}"  # noqa: E731
         lines.append(
             f"| {r['model']} | {r['gpus']} | {r['variant']} | {r['step_ms']:.1f} | "
-            f"{f(r.get('host_issue_ms'), 1)} | {rel} | "
-            f"{f(r.get('peak_gpu_gib'))} | {f(r.get('host_gib'))} | {f(r.get('ratio'), 3)} | "
+            f"{cell(r.get('host_issue_ms'), 1)} | {rel} | "
+            f"{cell(r.get('peak_gpu_gib'))} | {cell(r.get('host_gib'))} | "
+            f"{cell(r.get('ratio'), 3)} | "
             f"{r['link_bound']} | {r.get('grads_identical', '')} |")
     return "\n".join(lines)
 

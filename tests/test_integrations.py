@@ -313,7 +313,7 @@ def test_decode_step_restores_each_layer_with_one_decode(gen, monkeypatch, devic
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_restore_many_round_trip(gen, device):
+def test_restore_group_round_trip(gen, device):
     """Stored tensors of odd sizes (partial last pages, less than a page, several slices)
     restored back to back, bit-exact, into poisoned outputs: through the cached metadata,
     through the kernel fetch of slices not yet confirmed, and a group extended later."""
@@ -349,12 +349,12 @@ def test_restore_many_round_trip(gen, device):
         confirm = store.arena.confirm
         store.arena.confirm = lambda through=None: None
         out = poisoned(sum(sizes))
-        store.restore_many(stored, out)
+        store.restore_group(StoredGroup(P, stored), out)
         assert torch.equal(out, torch.cat(srcs))
         store.arena.confirm = confirm
     for pick in ([0, 1, 2, 3, 4], [3, 0], [2], [4, 4]):
         out = poisoned(sum(sizes[i] for i in pick))
-        store.restore_many([stored[i] for i in pick], out)
+        store.restore_group(StoredGroup(P, [stored[i] for i in pick]), out)
         assert torch.equal(out, torch.cat([srcs[i] for i in pick]))
 
     group = StoredGroup(P, [stored[0], stored[3]])  # whole pages only: decoded in place

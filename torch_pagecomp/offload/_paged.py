@@ -374,17 +374,10 @@ class PagedStore:
         if stream is None:
             arena.confirm()
 
-    def restore_many(self, storeds: list[PagedStored], out: torch.Tensor) -> None:
-        """Decode ``storeds`` back to back into ``out`` (``uint8 [sum of their nbytes]``) on
-        the current stream with a constant number of launches: one staging buffer, a copy per
-        run of placed slices, one decode launch for all pages (see ``_paged_group``)."""
-        from ._paged_group import StoredGroup
-
-        self.restore_group(StoredGroup(self.page_size, storeds), out)
-
     def restore_group(self, group, out: torch.Tensor) -> None:
-        """As :meth:`restore_many` for a ``_paged_group.StoredGroup``, which keeps the
-        metadata of its placed tensors between calls (a KV cache layer's blocks)."""
+        """Decode the stored tensors of ``group`` (a ``_paged_group.StoredGroup``, which keeps
+        the metadata of its placed tensors between calls: a KV cache layer's blocks) back to
+        back into ``out`` with a constant number of launches (see ``_paged_group``)."""
         from ._paged_group import restore_group
 
         restore_group(self, group, out)
