@@ -1,0 +1,137 @@
+"""Dev probe: the activation-offload hooks' host time per call, without cProfile's inflation.
+
+``python3 -m bench.dev_hook_timing --models encoder-1024,resnet-64 --variants uncompressed,memory``
+(GPU): for each model and variant, a few warm steps, then ``--steps`` steps with the package's
+hot functions wrapped in ``perf_counter_ns`` timers (inclusive time: a wrapped function's time
+includes the wrapped functions it calls). Prints, per function, calls per step, host ms per
+step and host us per call, beside the step's host issue time with and without the timers (their
+own cost is one call to ``perf_counter_ns`` on entry and exit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import importlib
+import statistics
+import time
+
+TARGETS = (
+    "torch_pagecomp.offload._hooks:ActivationOffloader._pack",
+    "torch_pagecomp.offload._hooks:ActivationOffloader._offload",
+    "torch_pagecomp.offload._hooks:ActivationOffloader._keep_reason",
+    "torch_pagecomp.offload._hooks:ActivationOffloader._poll",
+    "torch_pagecomp.offload._backward:BackwardMixin._unpack",
+    "torch_pagecomp.offload._backward:BackwardMixin._restore",
+    "torch_pagecomp.offload._paged:PagedStore.offload",
+    "torch_pagecomp.offload._paged:PagedStore._store_slice",
+    "torch_pagecomp.offload._paged:PagedStore.restore",
+    "torch_pagecomp.offload._paged:VirtualArena.back",
+    "torch_pagecomp.offload._paged:VirtualArena.confirm",
+    "torch_pagecomp.offload._stores:PinnedStore.offload",
+    "torch_pagecomp.offload._stores:PinnedStore.restore",
+    "torch_pagecomp.offload._ledger:HostLedger.add",
+    "torch_pagecomp.offload._ledger:HostLedger.settle",
+    "torch_pagecomp.kernels.lz4_compress:compress_pages",
+    "torch_pagecomp.kernels.lz4_decompress:decompress_into",
+    "torch_pagecomp.kernels.host_pack:plan_slice",
+    "torch_pagecomp.kernels.host_pack:pack_to_host",
+    "torch_pagecomp.kernels.launch:_launch_compiled",
+)
+
+
+def _wrap(stats, name, fn):
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rec = stats[name]
+            rec[0] += 1
+            rec[1] += time.perf_counter_ns() - t0
+    return timed
+
+
+def instrument(stats) -> list:
+    """Wrap every target (module attribute or class attribute); return the undo list."""
+    undo = []
+    for target in TARGETS:
+        mod_name, qual = target.split(":")
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        owner, attr = mod, qual
+        if "." in qual:
+            cls, attr = qual.split(".")
+            owner = getattr(mod, cls)
+        fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        if fn is None:
+            continue
+        setattr(owner, attr, _wrap(stats, qual, fn))
+        undo.append((owner, attr, fn))
+    return undo
+
+
+def measure(name: str, variant: str, steps: int, warmup: int) -> str:
+    import torch
+
+    from bench.stock_models import build
+    from torch_pagecomp import offload_module
+
+    model, x, blocks = build(name, "cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory")}[variant]
+    off = offload_module(model, blocks=blocks, **kw)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+        opt.step()
+
+    def issue_ms(n):
+        out = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            out.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        return statistics.median(out)
+
+    for _ in range(warmup):
+        step()
+    plain = issue_ms(steps)
+    stats = collections.defaultdict(lambda: [0, 0])
+    undo = instrument(stats)
+    try:
+        timed = issue_ms(steps)
+    finally:
+        for owner, attr, fn in undo:
+            setattr(owner, attr, fn)
+    off.remove()
+    lines = [f"## {name} {variant}: host issue {plain:.1f} ms per step "
+             f"({timed:.1f} ms with timers)",
+             "| function | calls / step | ms / step | us / call |", "|---|---|---|---|"]
+    for fn_name, (calls, ns) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| {fn_name} | {calls / steps:.0f} | {ns / steps / 1e6:.2f} | "
+                     f"{ns / max(calls, 1) / 1e3:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="encoder-1024,resnet-64")
+    ap.add_argument("--variants", default="uncompressed,memory")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=4)
+    a = ap.parse_args()
+    for name in a.models.split(","):
+        for variant in a.variants.split(","):
+            print(measure(name, variant, a.steps, a.warmup), flush=True)
+
+
+if __name__ == "__main__":
+    main()
