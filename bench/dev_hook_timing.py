@@ -15,6 +15,7 @@ import collections
 import functools
 import importlib
 import statistics
+import sys
 import time
 
 TARGETS = (
@@ -38,6 +39,15 @@ TARGETS = (
     "torch_pagecomp.kernels.host_pack:plan_slice",
     "torch_pagecomp.kernels.host_pack:pack_to_host",
     "torch_pagecomp.kernels.launch:_launch_compiled",
+    "torch_pagecomp.kernels.launch:_arg_class",
+    "torch_pagecomp.kernels.launch:_hooks_set",
+    "triton.backends.nvidia.driver:CudaLauncher.__call__",
+    "torch_pagecomp.offload._entry:_is_param_like",
+    "torch_pagecomp.offload._paged:PagedStored.ready",
+    "torch_pagecomp.offload._paged:PagedStore.free",
+    "torch_pagecomp.offload._paged:PagedStore._count_failures",
+    "torch_pagecomp.offload._stores:ClassPolicy.poll",
+    "torch_pagecomp.offload._streams:current_stream",
 )
 
 
@@ -55,7 +65,9 @@ def _wrap(stats, name, fn):
 
 
 def instrument(stats) -> list:
-    """Wrap every target (module attribute or class attribute); return the undo list."""
+    """Wrap every target (module attribute or class attribute); return the undo list. A
+    function imported by name into another module before this runs keeps its unwrapped
+    binding there: such bindings in the package's modules are wrapped too."""
     undo = []
     for target in TARGETS:
         mod_name, qual = target.split(":")
@@ -70,8 +82,15 @@ def instrument(stats) -> list:
         fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
         if fn is None:
             continue
-        setattr(owner, attr, _wrap(stats, qual, fn))
+        timed = _wrap(stats, qual, fn)
+        setattr(owner, attr, timed)
         undo.append((owner, attr, fn))
+        if owner is mod:  # the modules of the package that imported it by name
+            for name, other in list(sys.modules.items()):
+                if (other is not mod and name.startswith("torch_pagecomp")
+                        and getattr(other, attr, None) is fn):
+                    setattr(other, attr, timed)
+                    undo.append((other, attr, fn))
     return undo
 
 

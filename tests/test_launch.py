@@ -32,6 +32,20 @@ def test_argument_classes_separate_what_triton_specialises_on():
     assert L._meta_key({"X": torch.zeros(1)}) is None  # never kept alive by the cache
 
 
+def test_frozen_meta_is_one_shared_constant_object():
+    items = (("BLOCK", 64), ("num_warps", 4))
+    meta = L.frozen_meta(items)
+    assert meta is L.frozen_meta(items) and meta == dict(items)
+    assert hash(meta) == hash(L.frozen_meta(items))  # a cache key, by identity
+    for change in (lambda m: m.__setitem__("BLOCK", 32), lambda m: m.update(BLOCK=32),
+                   lambda m: m.pop("BLOCK"), lambda m: m.clear()):
+        with pytest.raises(TypeError, match="shared"):
+            change(meta)
+    assert meta == dict(items)
+    with pytest.raises(TypeError, match="plain constants"):
+        L.frozen_meta((("X", torch.zeros(1)),))
+
+
 def test_direct_launches_match_and_skip_jit_run(cuda, gen, monkeypatch):
     calls = []
     run = _scaled_copy.run

@@ -328,6 +328,28 @@ def test_empty_and_single():
         assert payload.shape == (n, P4K) and sizes.shape == (n,) and kinds.shape == (n,)
 
 
+@pytest.mark.parametrize("element_size", [1, 2, 4])
+@interpret_only
+def test_caller_outputs_and_reused_scratch_match(element_size):
+    # the offload store's way: outputs it allocated (poisoned here) and one scratch for every
+    # launch; the same bytes as a call that allocates everything
+    rows = [(_rand(11 + i) * 400)[:P4K] for i in range(4)] + [_rand(P4K), bytes(P4K)]
+    pages = _rows(*rows)
+    want = lc.compress_pages(pages, element_size)
+    dev = pages.device
+    scratch = lc.compress_scratch(dev, P4K, element_size, lc.max_programs(dev, P4K,
+                                                                          element_size))
+    for _ in range(2):  # the scratch holds the previous launch's state: never read
+        out = (torch.full((len(rows), P4K), 0xA5, dtype=torch.uint8),
+               torch.full((len(rows),), -7, dtype=torch.int32),
+               torch.full((len(rows),), 0xEE, dtype=torch.uint8))
+        got = lc.compress_pages(pages, element_size, out=out, scratch=scratch)
+        assert all(g is o for g, o in zip(got, out))
+        assert torch.equal(out[1], want[1]) and torch.equal(out[2], want[2])
+        for i, size in enumerate(want[1].tolist()):
+            assert torch.equal(out[0][i, :size], want[0][i, :size]), f"page {i}"
+
+
 @pytest.mark.parametrize("element_size", [1, 2])  # hash table / bit-plane candidates
 @interpret_only
 def test_persistent_loop_many_pages(element_size):

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import interpreting, launch
+from .launch import frozen_meta, interpreting, launch
 
 ALIGN = 16  # bytes: every page starts 16-byte aligned in host memory (vector stores)
 PLAN_BLOCK = 1024  # pages scanned per step of the plan kernel
@@ -122,8 +122,8 @@ def plan_slice(sizes: torch.Tensor, rel: torch.Tensor, state: torch.Tensor, desc
     """
     n = sizes.numel()
     launch(_plan_kernel, (1,), sizes.device, (sizes, rel, state, desc, host_desc, n),
-           dict(P=page_size, CHUNK=chunk_bytes, ALIGN=ALIGN, BLOCK=PLAN_BLOCK, num_warps=4),
-           traced=False)
+           frozen_meta((("P", page_size), ("CHUNK", chunk_bytes), ("ALIGN", ALIGN),
+                        ("BLOCK", PLAN_BLOCK), ("num_warps", 4))), traced=False)
 
 
 def link_programs(device: torch.device) -> int:
@@ -151,8 +151,9 @@ def pack_to_host(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
         return
     grid = (min(n, programs or link_programs(payload.device)),)
     launch(_pack_to_host_kernel, grid, payload.device, (payload, sizes, rel, desc, table, n),
-           dict(P=page_size, CHUNK=chunk_bytes, TABLE=table.numel(), ALIGN=ALIGN,
-                WORDS=PACK_WORDS, num_warps=PACK_WARPS), traced=False)
+           frozen_meta((("P", page_size), ("CHUNK", chunk_bytes), ("TABLE", table.numel()),
+                        ("ALIGN", ALIGN), ("WORDS", PACK_WORDS), ("num_warps", PACK_WARPS))),
+           traced=False)
 
 
 def fetch_from_host(dst: torch.Tensor, desc: torch.Tensor, table: torch.Tensor,
@@ -167,5 +168,5 @@ def fetch_from_host(dst: torch.Tensor, desc: torch.Tensor, table: torch.Tensor,
     """
     grid = (programs or link_programs(dst.device),)
     launch(_fetch_from_host_kernel, grid, dst.device, (dst, desc, table),
-           dict(CHUNK=chunk_bytes, TABLE=table.numel(), WORDS=PACK_WORDS * 2,
-                num_warps=PACK_WARPS), traced=False)
+           frozen_meta((("CHUNK", chunk_bytes), ("TABLE", table.numel()),
+                        ("WORDS", PACK_WORDS * 2), ("num_warps", PACK_WARPS))), traced=False)

@@ -15,10 +15,33 @@ per saved tensor, so that time is paid hundreds of times per training step.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 from torch.library import wrap_triton
+
+
+class FrozenMeta(dict):
+    """A launch's keyword arguments that never change: a launcher builds one per configuration
+    once (:func:`frozen_meta`) and the direct path keys its cache on the object, not on its
+    items (hashing two dozen items per launch is measurable on the hooks' hot path)."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    def _frozen(self, *args, **kwargs):
+        raise TypeError("FrozenMeta is shared by every launch of its configuration: copy it")
+
+    __setitem__ = __delitem__ = update = pop = popitem = setdefault = clear = _frozen
+
+
+@functools.cache
+def frozen_meta(items: tuple) -> FrozenMeta:
+    """The one :class:`FrozenMeta` of ``items`` (``(name, value)`` pairs of plain constants)."""
+    if _meta_key(dict(items)) is None:
+        raise TypeError(f"launch settings must be plain constants: {items!r}")
+    return FrozenMeta(items)
 
 
 def interpreting() -> bool:
@@ -89,7 +112,8 @@ def _launch_compiled(kernel, grid: tuple[int, ...], index: int, args: tuple, met
     """Launch on device ``index``'s current stream through the cached compiled kernel; the first
     launch of each specialisation (and any launch the cache cannot key, or while Triton's launch
     hooks are set, e.g. under its profiler) goes through ``JITFunction.run``."""
-    mkey = _meta_key(meta)
+    # a FrozenMeta keys by identity (equal settings built apart only cost a second entry)
+    mkey = meta if type(meta) is FrozenMeta else _meta_key(meta)
     classes = tuple(map(_arg_class, args))
     if mkey is None or None in classes or _hooks_set():
         kernel[grid](*args, **meta)

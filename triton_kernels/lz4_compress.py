@@ -66,7 +66,7 @@ import triton.language as tl
 
 from . import constants as fmt
 from .bitshuffle import bitshuffle_page, bitshuffle_page_wide
-from .launch import interpreting, launch
+from .launch import frozen_meta, interpreting, launch
 
 _NOKEY = tl.constexpr(0x7FFFFFFF)  # no match (a parse key larger than every real one)
 
@@ -645,12 +645,20 @@ class CompressConfig:
 
     def meta(self, wide_shuffle: bool) -> dict:
         """The keyword arguments of the launch."""
+        if not torch.compiler.is_compiling():  # eager: one shared dict per configuration
+            return _frozen_meta(self, wide_shuffle)
         # by field, not ``vars``: traced by torch.compile, whose older Dynamo cannot build a
         # dict from a frozen dataclass's ``__dict__``
         meta = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name != "programs_per_sm"}
         meta["WIDE_SHUFFLE"] = wide_shuffle
         return meta
+
+
+@functools.cache
+def _frozen_meta(cfg: CompressConfig, wide_shuffle: bool) -> dict:
+    return frozen_meta(tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                             if f.name != "programs_per_sm") + (("WIDE_SHUFFLE", wide_shuffle),))
 
 
 @functools.cache
@@ -678,17 +686,41 @@ def compress_config(page_size: int, element_size: int) -> CompressConfig:
         programs_per_sm=16)
 
 
-def _num_programs(pages: torch.Tensor, programs_per_sm: int) -> int:
-    n = pages.shape[0]
-    if pages.device.type != "cuda" or interpreting():
-        return min(n, 3)
-    sms = torch.cuda.get_device_properties(pages.device).multi_processor_count
-    return min(n, sms * programs_per_sm)
+def max_programs(device: torch.device, page_size: int, element_size: int) -> int:
+    """The most programs a compress launch on ``device`` uses (scratch is sized for these)."""
+    return _sm_programs(device, compress_config(page_size, element_size).programs_per_sm)
+
+
+def _sm_programs(device: torch.device, programs_per_sm: int) -> int:
+    if device.type != "cuda" or interpreting():
+        return 3
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index) * programs_per_sm
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def compress_scratch(device: torch.device, page_size: int, element_size: int,
+                     programs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's working memory for up to ``programs`` programs: ``(hash tables int32
+    [programs, 2^HASH_BITS] or [1, 1], shuffle rows uint8 [programs, P] or [1, P])`` (the
+    hash tables serve plain bytes, the shuffle rows bit-shuffled pages; each kind uses one)."""
+    cfg = compress_config(page_size, element_size)
+    tab_shape = (1, 1) if element_size > 1 else (programs, 1 << cfg.HASH_BITS)
+    tabs = torch.empty(tab_shape, dtype=torch.int32, device=device)
+    shuf = torch.empty((programs if element_size > 1 else 1, page_size), dtype=torch.uint8,
+                       device=device)
+    return tabs, shuf
 
 
 def compress_pages(pages: torch.Tensor, element_size: int = 1, *,
-                   config: CompressConfig | None = None,
-                   traced: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   config: CompressConfig | None = None, traced: bool = True,
+                   out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress pages on their device and current stream; never synchronises with the host.
 
     Args:
@@ -700,6 +732,11 @@ def compress_pages(pages: torch.Tensor, element_size: int = 1, *,
             element_size)``. Every setting writes valid blocks; the blocks depend on it.
         traced: ``False`` launches directly (eager callers outside the ops: see
             ``torch_pagecomp.kernels.launch``).
+        out: the outputs, given by a caller that allocates them its own way (the offload
+            store: one block of metadata per slice); shapes and dtypes as returned.
+        scratch: :func:`compress_scratch` of this device, page size and element size, for at
+            least :func:`max_programs` programs, reused by a caller that compresses on one
+            stream (its launches run in order); ``None``: allocated per call.
     Returns:
         The fixed-stride ``(payload uint8 [N, P], sizes int32 [N], kinds uint8 [N])`` of
         ``torch_pagecomp.format``.
@@ -716,17 +753,18 @@ def compress_pages(pages: torch.Tensor, element_size: int = 1, *,
     if pages.storage_offset() % 4:
         pages = pages.clone()
     wide = pages.storage_offset() % 8 == 0
-    payload = torch.empty((n, page_size), dtype=torch.uint8, device=dev)
-    sizes = torch.empty((n,), dtype=torch.int32, device=dev)
-    kinds = torch.empty((n,), dtype=torch.uint8, device=dev)
+    if out is None:
+        payload = torch.empty((n, page_size), dtype=torch.uint8, device=dev)
+        sizes = torch.empty((n,), dtype=torch.int32, device=dev)
+        kinds = torch.empty((n,), dtype=torch.uint8, device=dev)
+    else:
+        payload, sizes, kinds = out
     if n == 0:
         return payload, sizes, kinds
-    grid = _num_programs(pages, cfg.programs_per_sm)
+    grid = min(n, _sm_programs(dev, cfg.programs_per_sm))
     # bit-shuffled pages use no hash table: the kernel never touches ``tabs`` then
-    tab_shape = (1, 1) if element_size > 1 else (grid, 1 << cfg.HASH_BITS)
-    tabs = torch.empty(tab_shape, dtype=torch.int32, device=dev)
-    shuf = torch.empty((grid if element_size > 1 else 1, page_size), dtype=torch.uint8,
-                       device=dev)
+    tabs, shuf = scratch if scratch is not None else compress_scratch(
+        dev, page_size, element_size, grid)
     args = (pages, payload, sizes, kinds, tabs, shuf, n)
     launch(_lz4_compress_kernel, (grid,), dev, args, cfg.meta(wide), traced)
     return payload, sizes, kinds

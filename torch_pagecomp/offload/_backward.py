@@ -89,7 +89,6 @@ class BackwardMixin:
         """Start restoring ``entries`` (in this order) into buffers allocated on each entry's
         compute stream; a side stream writes them after that stream's work so far."""
         for e in entries:
-            e.restore_done.clear()
             e.restore_event = None
             if e.device.type == "cpu":
                 e.restored = torch.empty(e.nbytes, dtype=torch.uint8)
@@ -108,8 +107,6 @@ class BackwardMixin:
                         e.restore_event = side.record_event()
                 except Exception as exc:  # noqa: BLE001 - raised at this entry's unpack
                     e.error = exc.with_traceback(None)
-                finally:
-                    e.restore_done.set()
 
     def _watch_backward(self) -> None:
         task = torch._C._current_graph_task_id()

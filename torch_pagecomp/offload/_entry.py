@@ -68,8 +68,9 @@ class _Pass:
 
 
 class _Entry:
-    """One offloaded storage: ``uint8 [nbytes]`` on ``device``. ``stored`` is set (by the worker
-    for compressed offloads) before ``submitted`` is; ``restored`` before ``restore_done``."""
+    """One offloaded storage: ``uint8 [nbytes]`` on ``device``. ``stored`` is set before
+    ``submitted`` is; both are set by the hook that issues the work, under the offloader's
+    lock, so no thread waits on them (a flag, not an event)."""
 
     def __init__(self, sink: list, nbytes: int, device: torch.device, pass_: _Pass, group: int):
         self.sink, self.nbytes, self.device = sink, nbytes, device
@@ -78,16 +79,14 @@ class _Entry:
         self.src: torch.Tensor | None = None  # the GPU storage while its copy may run
         self.store = self.stored = None
         self.error: BaseException | None = None
-        self.submitted = threading.Event()
+        self.submitted = False
         self.restored: torch.Tensor | None = None
         self.restore_event = None
-        self.restore_done = threading.Event()
         self.waited = False
         self.served = False  # handed back from the stash (in place) at least once
         self.host_rec = None  # its record in the offloader's host ledger
 
     def wait_stored(self):
-        self.submitted.wait()
         if self.error is not None:
             raise RuntimeError(f"activation offload failed: {self.error}") from self.error
         return self.stored
@@ -97,16 +96,14 @@ class _Entry:
         return self.error is not None or (failed is not None and failed())
 
     def ready(self) -> bool:
-        return self.submitted.is_set() and (self.stored is None or self.stored.ready())
+        return self.submitted and (self.stored is None or self.stored.ready())
 
     def wait_restored(self) -> None:
-        self.restore_done.wait()
         if self.error is not None:
             raise RuntimeError(f"activation restore failed: {self.error}") from self.error
 
     def drop_restored(self) -> None:
         if self.restored is not None:
-            self.restore_done.wait()
             if not self.waited and self.restore_event is not None:
                 self.stream.wait_event(self.restore_event)  # the block returns to this stream
         self.restored = self.restore_event = None

@@ -247,11 +247,12 @@ class ActivationOffloader(BackwardMixin):
             return "subclass"
         if t.is_conj() or t.is_neg():
             return "subclass"
-        if t.device.type == "cuda":
+        kind = t.device.type
+        if kind == "cuda":
             if torch.compiler.is_compiling() or _capturing():
                 return "capture"
-        elif t.device.type != "cpu" or not self.offload_cpu:
-            return "cpu" if t.device.type == "cpu" else "device"
+        elif kind != "cpu" or not self.offload_cpu:
+            return "cpu" if kind == "cpu" else "device"
         if _is_param_like(t, self.keep_param_casts):
             return "param"
         storage = t.untyped_storage()
@@ -315,7 +316,7 @@ class ActivationOffloader(BackwardMixin):
             if entry.stored is None:
                 return None
             entry.store = self._pinned
-        entry.submitted.set()
+        entry.submitted = True
         if compress:
             self.policy.sample(cls, entry.stored)
         if dev.type == "cuda":

@@ -94,6 +94,8 @@ class VirtualArena:
         # where the plan kernel publishes each slice's (base, total): one pinned ring, not a
         # pinned allocation per slice
         self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
+        self._desc_rows = self.descs.unbind(0)  # views made once, not per slice
+        self._limit = self.state[1:2]
         self._next_desc = 0
 
     # ---------------------------------------------------------------- placement
@@ -114,7 +116,7 @@ class VirtualArena:
                 self._back_chunk(k, stream)
         if (last + 1) * self.chunk > self.limit:
             self.limit = (last + 1) * self.chunk
-            self.state[1:2].fill_(self.limit)
+            self._limit.fill_(self.limit)
         self.peak_held = max(self.peak_held, self.held_bytes)
         self.peak_backed = max(self.peak_backed, len(self.backed))
 
@@ -136,7 +138,7 @@ class VirtualArena:
             self.confirm(through=self.pending[len(self.pending) - DESC_SLOTS][0])
         k = self._next_desc
         self._next_desc = (k + 1) % DESC_SLOTS
-        return self.descs[k]
+        return self._desc_rows[k]
 
     def add(self, sl: _Slice, upper: int) -> None:
         self.pending.append((sl, upper))
@@ -289,6 +291,8 @@ class PagedStore:
             self.pack_stream.synchronize()  # both made before any kernel may use them
             self.restore_stream.synchronize()
         self.scratch_bytes = 0  # bound on the scratch held at once (reported in stats)
+        self._scratches: dict[int, tuple] = {}  # element size -> the compress kernel's scratch
+        self._scratch_held = 0
 
     # ------------------------------------------------------------------ offload
     def offload(self, src: torch.Tensor, element_size: int, producer=None) -> PagedStored:
@@ -317,14 +321,18 @@ class PagedStore:
         if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight
             _wait(cs, self._packed.popleft())
         pages = src[first * p:(first + n) * p].view(n, p)
-        payload, sizes, kinds = _compress(pages, element_size)
+        # two allocations per slice: the fixed-stride payload (freed once packed) and the
+        # metadata the restore needs, ``rel int64 [n] | desc int64 [2] | sizes int32 [n] |
+        # kinds uint8 [n]`` (each part aligned for its dtype)
+        payload = torch.empty((n, p), dtype=torch.uint8, device=src.device)
+        meta = torch.empty(13 * n + 16, dtype=torch.uint8, device=src.device)
+        rel, desc, sizes, kinds = meta.split_with_sizes((8 * n, 16, 4 * n, n))
+        rel, desc, sizes = rel.view(torch.int64), desc.view(torch.int64), sizes.view(torch.int32)
+        _compress(pages, element_size, (payload, sizes, kinds), self._scratch(src, element_size))
         compressed = _record(cs)
-        self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * (p + 5))
+        self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
         with on_stream(ps):
             _wait(ps, compressed)
-            dev = src.device
-            meta = torch.empty(n + 2, dtype=torch.int64, device=dev)  # one allocation
-            rel, desc = meta[:n], meta[n:]
             host_desc = self.arena.host_desc()
             self.arena.back(n * p, ps)
             plan_slice(sizes, rel, self.arena.state, desc, host_desc, p, self.arena.chunk)
@@ -332,11 +340,26 @@ class PagedStore:
             stored = _record(ps)
             if ps is not None:
                 payload.record_stream(ps)  # made on the compress stream, read here
-                sizes.record_stream(ps)
+                meta.record_stream(ps)
             self._packed.append(stored)
         sl = _Slice(first, n, sizes, kinds, rel, desc, host_desc, stored)
         self.arena.add(sl, n * p)
         return sl
+
+    def _scratch(self, src: torch.Tensor, element_size: int):
+        """The compress kernel's working memory for ``element_size`` (on the GPU: kept for the
+        store's life, used on its compress stream only, so launches reuse it in order)."""
+        if not src.is_cuda:
+            return None
+        scratch = self._scratches.get(element_size)
+        if scratch is None:
+            from ..kernels.lz4_compress import compress_scratch, max_programs
+
+            programs = max_programs(src.device, self.page_size, element_size)
+            scratch = compress_scratch(src.device, self.page_size, element_size, programs)
+            self._scratches[element_size] = scratch
+            self._scratch_held += sum(t.numel() * t.element_size() for t in scratch)
+        return scratch
 
     # ------------------------------------------------------------------ restore
     def restore(self, stored: PagedStored, out: torch.Tensor) -> None:
@@ -399,6 +422,7 @@ class PagedStore:
         self.arena.backed.clear()
         self.arena.trim()
         self._packed.clear()
+        self._scratches.clear()
 
     def _count_failures(self, status: torch.Tensor, stream) -> None:
         if stream is None:  # the CPU: known at once
@@ -444,15 +468,18 @@ class PagedStore:
         }
 
 
-def _compress(pages: torch.Tensor, element_size: int):
-    """``pagecomp.compress`` of pages the store cut itself: on the GPU the kernel's launcher
-    is called directly (the op's argument checks cost host time per slice and cannot fail
-    here); on the CPU (tests, under the interpreter) the op's lz4 path."""
+def _compress(pages: torch.Tensor, element_size: int, out: tuple, scratch) -> None:
+    """``pagecomp.compress`` of pages the store cut itself into ``out`` (``payload, sizes,
+    kinds``): on the GPU the kernel's launcher is called directly (the op's argument checks
+    cost host time per slice and cannot fail here); on the CPU (tests, under the
+    interpreter) the op's lz4 path."""
     if pages.is_cuda:
         from ..kernels.lz4_compress import compress_pages
 
-        return compress_pages(pages, element_size, traced=False)
-    return _ops.compress_eager(pages, element_size)
+        compress_pages(pages, element_size, traced=False, out=out, scratch=scratch)
+        return
+    for dst, res in zip(out, _ops.compress_eager(pages, element_size)):
+        dst.copy_(res)
 
 
 def _decompress_into(payload, offsets, sizes, kinds, pages, status) -> None:
