@@ -89,7 +89,7 @@ def _arg_class(a) -> tuple | None:
     Triton's own specialisation: a tensor's dtype and 16-byte alignment; an int's equality to 1,
     divisibility by 16 and width. None: a kind of argument the direct path does not handle."""
     if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() & 15 == 0)
+        return (a.dtype, not a.data_ptr() & 15)
     t = type(a)
     if t is int:
         return (a == 1, a & 15 == 0, _INT32[0] <= a < _INT32[1], a < 1 << 63)
@@ -114,7 +114,9 @@ def _launch_compiled(kernel, grid: tuple[int, ...], index: int, args: tuple, met
     hooks are set, e.g. under its profiler) goes through ``JITFunction.run``."""
     # a FrozenMeta keys by identity (equal settings built apart only cost a second entry)
     mkey = meta if type(meta) is FrozenMeta else _meta_key(meta)
-    classes = tuple(map(_arg_class, args))
+    # plain tensors inline (most arguments; a call per argument is measurable here)
+    classes = tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is torch.Tensor
+                     else _arg_class(a) for a in args])
     if mkey is None or None in classes or _hooks_set():
         kernel[grid](*args, **meta)
         return

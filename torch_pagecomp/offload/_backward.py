@@ -7,6 +7,8 @@ import torch
 
 from ..format import CorruptPageError
 from ._entry import _capturing, _Entry
+from ._paged import PagedStored
+from ._paged_group import StoredGroup
 from ._streams import current_stream, on_stream
 
 
@@ -52,7 +54,7 @@ class BackwardMixin:
             if current != entry.stream:
                 entry.stream.wait_event(entry.restore_event)
             entry.waited = True
-        return packed.view(entry.restored.untyped_storage())
+        return packed.view(entry.restored.untyped_storage(), entry.restored.storage_offset())
 
     def _prefetch(self, entry: _Entry) -> None:
         self._prefetch_from(entry.pass_, entry.group, entry)
@@ -70,43 +72,85 @@ class BackwardMixin:
 
     def _prefetch_from(self, ps, group: int, entry: _Entry | None) -> None:
         """Restore groups ``group .. group - prefetch`` of pass ``ps`` (not yet issued)."""
-        todo = []
         if self.prefetch == 0:
             return
         for k in range(group, max(-1, group - self.prefetch - 1), -1):
             if ps.issued[k]:
                 continue
             ps.issued[k] = True
+            todo = []
             for ref in reversed(ps.groups[k]):
                 e = ref()
                 if e is not None and e.src is None and e.restored is None and e.stored is not None:
                     todo.append(e)
-        if todo:
-            self.counters["restored_prefetch"] += len(todo) - (entry in todo)
-            self._restore(todo)
+            if todo:  # one group at a time: a group's compressed tensors share one buffer
+                self.counters["restored_prefetch"] += len(todo) - (entry in todo)
+                self._restore(todo)
 
     def _restore(self, entries: list[_Entry]) -> None:
         """Start restoring ``entries`` (in this order) into buffers allocated on each entry's
-        compute stream; a side stream writes them after that stream's work so far."""
+        compute stream; a side stream writes them after that stream's work so far.
+
+        The compressed ones of one store and stream whose sizes are whole pages are restored
+        together (``PagedStore.restore_group``: one staging buffer, a copy per run of adjacent
+        host bytes, one decode over all their pages) into one buffer that they view: per
+        tensor that saves two decode launches, two allocations and a copy of host time, and
+        the buffer lives as long as the group's last tensor (a group is one block's)."""
+        batches: dict[tuple, list[_Entry]] = {}
         for e in entries:
             e.restore_event = None
             if e.device.type == "cpu":
                 e.restored = torch.empty(e.nbytes, dtype=torch.uint8)
-            else:
-                with on_stream(e.stream):
-                    e.restored = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+                continue
+            if isinstance(e.stored, PagedStored) and e.nbytes % e.stored.page_size == 0:
+                batches.setdefault((id(e.store), e.stream), []).append(e)
+                continue
+            with on_stream(e.stream):
+                e.restored = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+        groups = []
+        for batch in batches.values():
+            first = batch[0]
+            if len(batch) == 1:  # alone: its own buffer and restore (no metadata to join)
+                with on_stream(first.stream):
+                    first.restored = torch.empty(first.nbytes, dtype=torch.uint8,
+                                                 device=first.device)
+                continue
+            with on_stream(first.stream):
+                buf = torch.empty(sum(e.nbytes for e in batch), dtype=torch.uint8,
+                                  device=first.device)
+            at = 0
+            for e in batch:
+                e.restored = buf[at:at + e.nbytes]
+                at += e.nbytes
+            groups.append((batch, buf))
+        grouped = {id(e) for batch, _ in groups for e in batch}
         gpu_streams = {e.stream for e in entries if e.device.type == "cuda"}
         side = self._stream(entries[0].device, "h2d") if gpu_streams else None
         with on_stream(side):
             for s in gpu_streams:  # the buffers were allocated there
                 side.wait_stream(s)
-            for e in entries:
+            for batch, buf in groups:
                 try:
-                    e.store.restore(e.stored, e.restored)
-                    if side is not None:
-                        e.restore_event = side.record_event()
-                except Exception as exc:  # noqa: BLE001 - raised at this entry's unpack
-                    e.error = exc.with_traceback(None)
+                    batch[0].store.restore_group(
+                        StoredGroup(batch[0].stored.page_size, [e.stored for e in batch]), buf)
+                except Exception:  # noqa: BLE001 - one by one: only the failing one raises
+                    for e in batch:
+                        self._restore_one(e, side)
+                    continue
+                event = side.record_event()
+                for e in batch:
+                    e.restore_event = event
+            for e in entries:
+                if id(e) not in grouped:
+                    self._restore_one(e, side)
+
+    def _restore_one(self, e: _Entry, side) -> None:
+        try:
+            e.store.restore(e.stored, e.restored)
+            if side is not None:
+                e.restore_event = side.record_event()
+        except Exception as exc:  # noqa: BLE001 - raised at this entry's unpack
+            e.error = exc.with_traceback(None)
 
     def _watch_backward(self) -> None:
         task = torch._C._current_graph_task_id()
