@@ -688,3 +688,18 @@ def test_warns_once_when_a_pass_offloads_nothing(seed):
     with pytest.warns(UserWarning, match="min_offload_bytes"):
         with small:
             lin(torch.randn(256, 64)).relu().sum()
+
+
+def test_batched_restores_are_cut_at_the_batch_bound():
+    from torch_pagecomp.offload._backward import RESTORE_BATCH_BYTES as M
+    from torch_pagecomp.offload._backward import _split
+
+    class E:
+        def __init__(self, n):
+            self.nbytes = n
+
+    sizes = [M // 2, M // 2, M // 4, 2 * M, 1, 1, M]
+    parts = _split([E(n) for n in sizes])
+    assert [[e.nbytes for e in p] for p in parts] == [[M // 2, M // 2], [M // 4], [2 * M],
+                                                      [1, 1], [M]]
+    assert [e.nbytes for p in parts for e in p] == sizes  # order kept, nothing lost

@@ -127,9 +127,6 @@ class _Packed:
         self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
         self.offset = t.storage_offset()
 
-    def view(self, storage: torch.UntypedStorage, base: int = 0) -> torch.Tensor:
-        """The saved tensor over ``storage``, whose byte ``base`` is the original storage's
-        first byte (a restore into a view of a buffer shared by a group: page-aligned)."""
+    def view(self, storage: torch.UntypedStorage) -> torch.Tensor:
         out = torch.empty((0,), dtype=self.dtype, device=storage.device)
-        offset = self.offset + base // self.dtype.itemsize
-        return out.set_(storage, offset, self.size, self.stride)
+        return out.set_(storage, self.offset, self.size, self.stride)
