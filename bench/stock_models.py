@@ -434,7 +434,14 @@ def main(argv=None) -> int:
         if rows is None:
             return 0  # not rank 0
     else:
-        rows = [_child(args, m, v) for m in models for v in variants]
+        rows = []
+        for m in models:
+            for v in variants:
+                rows.append(_child(args, m, v))
+                # after every row: a run cut off by its time limit keeps what it measured
+                partial = _finish([dict(r) for r in rows], meta)
+                write_results(partial, args.out, table(partial))
+                print(table(partial).splitlines()[-1], file=sys.stderr, flush=True)
     doc = _finish(rows, meta)
     text = table(doc)
     print(text)

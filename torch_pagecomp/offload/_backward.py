@@ -97,8 +97,8 @@ class BackwardMixin:
         into a side-stream buffer, then copied into their own buffers: per tensor that trades
         two decode launches, two allocations and a host-to-device copy of host time for a
         device copy, and each tensor still lives only as long as autograd keeps it (a
-        buffer shared for the whole backward of a block held 0.6 GiB more at the peak on
-        a ResNet: ``bench/results/h200_b6b2c3b_ab/``)."""
+        buffer shared by a group would live until the group's last tensor is used: the end
+        of its block's backward, raising the peak)."""
         batches: dict[tuple, list[_Entry]] = {}
         for e in entries:
             e.restore_event = None
