@@ -325,13 +325,16 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     if cuda:
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
         row["host_issue_ms"] = statistics.median(issue)
+    st = off.stats() if off is not None else None  # the timed steps' (before any profile)
     if profile and cuda:
         _profile(train_step, profile)
     if off is not None:
-        st = off.stats()
         offloaded = (st.get("offloaded_bytes", 0) - before.get("offloaded_bytes", 0)) / steps
+        # counters per timed step (what the warm-up did is not in them), other values as read
+        per_step = {k: (v - before.get(k, 0)) / steps if isinstance(v, int) and k in
+                    off.counters else v for k, v in st.items() if not isinstance(v, dict)}
         row.update(host_gib=st["peak_host_bytes"] / GIB, offloaded_gib=offloaded / GIB,
-                   stats={k: v for k, v in st.items() if not isinstance(v, dict)},
+                   stats=per_step,
                    compressor=st.get("compressor", {}), tuner=st.get("tuner"))
         comp = [c for c in st.get("compressor", {}).values()]
         row["host_held_gib"] = (st["pinned_held_bytes"]

@@ -328,12 +328,12 @@ def test_empty_and_single():
         assert payload.shape == (n, P4K) and sizes.shape == (n,) and kinds.shape == (n,)
 
 
-@pytest.mark.parametrize("element_size", [1, 2, 4])
+@pytest.mark.parametrize("element_size", [1, 2])  # hash tables / shuffle rows as scratch
 @interpret_only
 def test_caller_outputs_and_reused_scratch_match(element_size):
     # the offload store's way: outputs it allocated (poisoned here) and one scratch for every
     # launch; the same bytes as a call that allocates everything
-    rows = [(_rand(11 + i) * 400)[:P4K] for i in range(4)] + [_rand(P4K), bytes(P4K)]
+    rows = [(_rand(11 + i) * 400)[:P4K] for i in range(3)] + [_rand(P4K), bytes(P4K)]
     pages = _rows(*rows)
     want = lc.compress_pages(pages, element_size)
     dev = pages.device
