@@ -10,6 +10,7 @@
 #   bash bench/gpu_suite.sh fsdp       # the same under FSDP2 on every GPU (torchrun)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
+#   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -110,6 +111,46 @@ training)
         --gpu-blocks 8 --prefetch 4 --max-in-flight-mb 4096 \
         --variants none,uncompressed,compressed,compressed_mem \
         --out "$OUT/training_partial.json" 2>&1 | tee "$OUT/training_partial.txt" | tail -n 10
+    ;;
+ab)
+    # before/after on one machine (hosts of one card kind differ by 25% on these steps): the
+    # stock bench at the tree in $OLD (another commit, e.g. `git archive REV` unpacked and
+    # carried) and at this one, model by model, each installed in turn; one table at the end
+    header ab
+    [ -d "${OLD:-}" ] || { echo "OLD=<the other commit's tree> is needed"; exit 1; }
+    here=$PWD
+    mkdir -p "$OUT/ab_parts" && OUT=$(cd "$OUT" && pwd)  # the runs cd into each tree
+    for m in $(echo "${STOCK_MODELS:-encoder-1024,resnet-64,llama-2048,encoder-2048}" | tr , ' '); do
+        for side in old new; do
+            dir=$here; [ $side = old ] && dir=$OLD
+            (cd "$dir" && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+                >/dev/null 2>&1 && PYTHONPATH=/tmp/site:$dir PAGECOMP_COMMIT=$(cat .commit 2>/dev/null \
+                || echo $side) timeout 240 python3 -m bench.stock_models --models "$m" \
+                --variants "${STOCK_VARIANTS:-uncompressed,memory}" \
+                --out "$OUT/ab_parts/${side}_$m.json" 2>/dev/null | tail -n +3)
+        done
+    done
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+rows = []
+for path in sorted(glob.glob(f"{out}/ab_parts/*.json")):
+    doc = json.load(open(path))
+    for r in doc["rows"]:
+        rows.append({**r, "side": os.path.basename(path).split("_")[0], "commit": doc["commit"],
+                     "device": doc["device"], "date": doc["date"]})
+json.dump({"rows": rows}, open(f"{out}/ab.json", "w"), indent=1)
+lines = ["| model | variant | side | commit | step ms | host issue ms | peak GPU GiB | host GiB |",
+         "|---|---|---|---|---|---|---|---|"]
+for r in sorted(rows, key=lambda r: (r["model"], r["variant"], r["side"] != "old")):
+    lines.append(f"| {r['model']} | {r['variant']} | {r['side']} | {r['commit']} | "
+                 f"{r.get('step_ms', 0):.1f} | {r.get('host_issue_ms', 0):.1f} | "
+                 f"{r.get('peak_gpu_gib', 0):.2f} | {r.get('host_gib') or 0:.2f} |")
+open(f"{out}/ab.md", "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
+    rm -rf "$OUT/ab_parts"
     ;;
 lifetimes)
     # tests/test_lifetimes.py -m slow: each exit script 20 times on the CPU and the GPU, and the
