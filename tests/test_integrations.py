@@ -381,6 +381,46 @@ def test_restore_group_round_trip(gen, device):
     assert store.arena.used == 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_restore_group_into_separate_outputs(gen, device):
+    """The activation hooks' batched restore: whole-page stored tensors (several slices, one
+    not placed yet on the CPU) decoded by one group restore, each into its own poisoned
+    allocation, bit-exact; ragged groups and wrong output sizes are refused."""
+    from conftest import POISON
+
+    from torch_pagecomp.offload._paged import PagedStore
+    from torch_pagecomp.offload._paged_group import StoredGroup
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU stand-ins need the Triton interpreter")
+    P = 4096
+    streams = (None,) * 3 if device == "cpu" else tuple(torch.cuda.Stream() for _ in range(3))
+    store = PagedStore(torch.device(device), P, streams, chunk_bytes=1 << 16,
+                       slice_bytes=1 << 14)
+    producer = torch.cuda.current_stream() if device == "cuda" else None
+    sizes = [3 * P, 9 * P, P, 5 * P]
+    srcs = [(torch.randn(n // 2, generator=gen) * 0.02).to(torch.bfloat16).view(torch.uint8)
+            .to(device) for n in sizes]
+    stored = [store.offload(s, 2, producer=producer) for s in srcs]
+    for pick in ([0, 1, 2, 3], [3, 1], [2]):
+        outs = [torch.full((sizes[i],), POISON, dtype=torch.uint8, device=device)
+                for i in pick]
+        store.restore_group(StoredGroup(P, [stored[i] for i in pick]), outs)
+        for i, o in zip(pick, outs):
+            assert torch.equal(o, srcs[i]), f"tensor {i}"
+    with pytest.raises(ValueError, match="bytes"):
+        store.restore_group(StoredGroup(P, stored[:2]), [torch.empty(sizes[0] + P,
+                                                                     dtype=torch.uint8,
+                                                                     device=device)] * 2)
+    odd = store.offload(srcs[0][:P + 5].clone(), 2, producer=producer)
+    with pytest.raises(ValueError, match="whole pages"):
+        store.restore_group(StoredGroup(P, [odd]), [torch.empty(P + 5, dtype=torch.uint8,
+                                                                 device=device)])
+    assert store.failed_restores() == 0
+
+
 def test_trl_style_training_on_hf_model(seed):
     """get_act_offloading_ctx_manager on a transformers model finds ``lm_head`` (TRL's use)."""
     model, config = tiny_llama()

@@ -703,3 +703,39 @@ def test_batched_restores_are_cut_at_the_batch_bound():
     assert [[e.nbytes for e in p] for p in parts] == [[M // 2, M // 2], [M // 4], [2 * M],
                                                       [1, 1], [M]]
     assert [e.nbytes for p in parts for e in p] == sizes  # order kept, nothing lost
+
+
+def test_a_failing_batched_restore_falls_back_one_by_one_and_stays_off():
+    """If the batched decode cannot run (a launch or compile failure), the batch is restored
+    tensor by tensor, a warning says so once, and later restores are not batched; a tensor
+    that was never stored fails alone, without turning batching off."""
+    from torch_pagecomp.offload._paged import SliceNotStored
+
+    off = ActivationOffloader()
+    calls = []
+
+    class Store:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def restore_group(self, group, outs):
+            raise self.exc
+
+        def restore(self, stored, out):
+            calls.append(stored)
+
+    class Stored:
+        page_size = nbytes = 4096
+
+    class Entry:
+        def __init__(self, store):
+            self.store, self.stored, self.restored = store, Stored(), None
+            self.restore_event = self.error = None
+
+    part = [Entry(Store(SliceNotStored("did not fit"))) for _ in range(2)]
+    off._restore_batch(part, None)
+    assert len(calls) == 2 and off._batch_restores
+    part = [Entry(Store(RuntimeError("no kernel image"))) for _ in range(3)]
+    with pytest.warns(UserWarning, match="batched restores off"):
+        off._restore_batch(part, None)
+    assert len(calls) == 5 and not off._batch_restores

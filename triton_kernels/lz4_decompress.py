@@ -59,6 +59,7 @@ class DecodeConfig:
     RAW_BYTES: int  # bytes per step of a RAW or FILL page, or of zeroing a failed row
     PREFETCH_L1: bool  # prefetch each LZ4 block's lines into L1 before its walk
     num_warps: int
+    ROWS: bool = False  # ``pages`` is an ``int64 [N]`` table of row addresses (not ``[N, P]``)
 
     def meta(self) -> dict:
         """The keyword arguments of the launch."""
@@ -80,6 +81,7 @@ class ShuffledDecodeConfig:
     WORD_TILE: bool  # decode plainly and unshuffle the whole page as 32-bit words (aligned rows)
     PREFETCH_L1: bool
     num_warps: int
+    ROWS: bool = False
 
     def meta(self) -> dict:
         """The keyword arguments of the launch."""
@@ -446,19 +448,30 @@ def _prefetch_block(src, size, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _row(pages_ptr, pid, PAGE: tl.constexpr, ROWS: tl.constexpr):
+    """Page ``pid``'s output row: ``PAGE`` bytes apart, or (``ROWS``) the address in entry
+    ``pid`` of the ``int64`` table ``pages_ptr`` (tensors of different allocations)."""
+    if ROWS:
+        return tl.load(pages_ptr + pid).to(tl.pointer_type(tl.uint8))
+    else:
+        return pages_ptr + pid.to(tl.int64) * PAGE
+
+
+@triton.jit
 def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr, status_ptr,
                        total, PAGE: tl.constexpr, VEC_BYTES: tl.constexpr, RUN_BYTES: tl.constexpr,
-                       EXT_BYTES: tl.constexpr, RAW_BYTES: tl.constexpr, PREFETCH_L1: tl.constexpr):
-    """Program ``i`` decodes page ``i`` into ``pages[i]`` (``uint8 [PAGE]``) and sets ``status[i]``,
-    except bit-shuffled LZ4 pages, which it leaves alone, row and status, to
-    ``_decompress_shuffled_kernel``."""
+                       EXT_BYTES: tl.constexpr, RAW_BYTES: tl.constexpr, PREFETCH_L1: tl.constexpr,
+                       ROWS: tl.constexpr = False):
+    """Program ``i`` decodes page ``i`` into ``pages[i]`` (``uint8 [PAGE]``; with ``ROWS``, the
+    ``PAGE`` bytes at address ``pages[i]``) and sets ``status[i]``, except bit-shuffled LZ4
+    pages, which it leaves alone, row and status, to ``_decompress_shuffled_kernel``."""
     pid = tl.program_id(0)
     off, size, kind, st = _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE)
     codec = kind & 15
     shift = kind >> 4
     if (kind != _SHUFFLED_2) & (kind != _SHUFFLED_4):
         src = payload_ptr + tl.where(st == 0, off, 0)
-        row = pages_ptr + pid.to(tl.int64) * PAGE
+        row = _row(pages_ptr, pid, PAGE, ROWS)
         ar = tl.arange(0, RAW_BYTES)
         if st == 0:
             if codec == 1:
@@ -489,8 +502,10 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
                                 PAGE_LOG2: tl.constexpr, VEC_BYTES: tl.constexpr,
                                 RUN_BYTES: tl.constexpr, EXT_BYTES: tl.constexpr,
                                 RAW_BYTES: tl.constexpr, UNSHUFFLE_GROUPS: tl.constexpr,
-                                WORD_TILE: tl.constexpr, PREFETCH_L1: tl.constexpr):
-    """Program ``i`` decodes page ``i`` only if it is a bit-shuffled LZ4 page. With
+                                WORD_TILE: tl.constexpr, PREFETCH_L1: tl.constexpr,
+                                ROWS: tl.constexpr = False):
+    """Program ``i`` decodes page ``i`` only if it is a bit-shuffled LZ4 page (rows as in
+    ``_decompress_kernel``). With
     ``WORD_TILE``, where the rows are 4-byte aligned (checked here: the tile reads and writes
     32-bit words), the block is decoded plainly (``_decode_lz4``) and unshuffled in one
     whole-page tile (``unshuffle_page_words``); otherwise it is decoded transposed and
@@ -500,9 +515,11 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
     if (kind == _SHUFFLED_2) | (kind == _SHUFFLED_4):
         shift = kind >> 4
         src = payload_ptr + tl.where(st == 0, off, 0)
-        row = pages_ptr + pid.to(tl.int64) * PAGE
-        # rows are PAGE apart, so all are aligned as the first (folded away for 16-aligned outputs)
-        tile = ((pages_ptr.to(tl.int64, bitcast=True) & 3) == 0) & WORD_TILE
+        row = _row(pages_ptr, pid, PAGE, ROWS)
+        if ROWS:  # each row where its table entry says
+            tile = ((row.to(tl.int64, bitcast=True) & 3) == 0) & WORD_TILE
+        else:  # rows are PAGE apart, so aligned as the first (folded for 16-aligned outputs)
+            tile = ((pages_ptr.to(tl.int64, bitcast=True) & 3) == 0) & WORD_TILE
         if st == 0:
             if PREFETCH_L1:
                 _prefetch_block(src, size, PAGE)
@@ -548,6 +565,41 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
            traced)
     launch(_decompress_shuffled_kernel, (n,), payload.device, args,
            shuffled_decode_config(page_size).meta(), traced)
+
+
+def decompress_rows(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+                    kinds: torch.Tensor, rows: torch.Tensor, page_size: int,
+                    status: torch.Tensor) -> None:
+    """:func:`decompress_into` with each page's output row given by address: many tensors'
+    pages decoded by one launch pair, each into its own allocation (no shared buffer, no copy).
+    Launches directly (callers outside the ops only: the addresses are not traceable).
+
+    Args:
+        payload, offsets, sizes, kinds, status: as for :func:`decompress_into`.
+        rows: ``int64 [N]`` on the payload's device: the address of page ``i``'s ``page_size``
+            bytes of output, each inside a live ``uint8`` tensor of that device that the caller
+            keeps alive until the decode has run; rows must not overlap.
+        page_size: ``P``, a power of two from 4096 to 65536.
+    """
+    n = rows.numel()
+    if not fmt.valid_page_size(page_size):
+        raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
+    if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous int64 [N] tensor, got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    if n == 0:
+        return
+    plain, shuffled = _row_configs(page_size, interpreting())
+    args = (payload, offsets, sizes, kinds, rows, status, payload.numel())
+    launch(_decompress_kernel, (n,), payload.device, args, plain.meta(), traced=False)
+    launch(_decompress_shuffled_kernel, (n,), payload.device, args, shuffled.meta(),
+           traced=False)
+
+
+@functools.cache
+def _row_configs(page_size: int, interpret: bool):
+    plain, shuffled = _configs(page_size, interpret)
+    return dataclasses.replace(plain, ROWS=True), dataclasses.replace(shuffled, ROWS=True)
 
 
 def decompress_pages(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,

@@ -3,11 +3,13 @@ by group, restores on a side stream and the end-of-backward clean-up."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..format import CorruptPageError
 from ._entry import _capturing, _Entry
-from ._paged import PagedStored
+from ._paged import PagedStored, SliceNotStored
 from ._paged_group import StoredGroup
 from ._streams import current_stream, on_stream
 
@@ -93,12 +95,11 @@ class BackwardMixin:
 
         Compressed ones of one store and stream whose sizes are whole pages are restored in
         batches of up to ``RESTORE_BATCH_BYTES`` (``PagedStore.restore_group``: one staging
-        buffer, one copy per run of adjacent host bytes, one decode over all their pages)
-        into a side-stream buffer, then copied into their own buffers: per tensor that trades
-        two decode launches, two allocations and a host-to-device copy of host time for a
-        device copy, and each tensor still lives only as long as autograd keeps it (a
-        buffer shared by a group would live until the group's last tensor is used: the end
-        of its block's backward, raising the peak)."""
+        buffer, one copy per run of adjacent host bytes, one decode over all their pages, each
+        page into its own tensor's buffer): per tensor that saves two decode launches, two
+        allocations and a host-to-device copy of host time, and each tensor still lives only
+        as long as autograd keeps it (a buffer shared by a group would live until the group's
+        last tensor is used: the end of its block's backward, raising the peak)."""
         batches: dict[tuple, list[_Entry]] = {}
         for e in entries:
             e.restore_event = None
@@ -107,36 +108,38 @@ class BackwardMixin:
                 continue
             with on_stream(e.stream):
                 e.restored = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
-            if isinstance(e.stored, PagedStored) and e.nbytes % e.stored.page_size == 0:
+            if (self._batch_restores and isinstance(e.stored, PagedStored)
+                    and e.nbytes % e.stored.page_size == 0):
                 batches.setdefault((id(e.store), e.stream), []).append(e)
-        grouped = [part for batch in batches.values() for part in _split(batch) if len(part) > 1]
-        batched = {id(e) for part in grouped for e in part}
+        parts = [part for batch in batches.values() for part in _split(batch) if len(part) > 1]
+        batched = {id(e) for part in parts for e in part}
+        starts = {id(part[0]): part for part in parts}
         gpu_streams = {e.stream for e in entries if e.device.type == "cuda"}
         side = self._stream(entries[0].device, "h2d") if gpu_streams else None
         with on_stream(side):
             for s in gpu_streams:  # the buffers were allocated there
                 side.wait_stream(s)
-            for part in grouped:
-                self._restore_batch(part, side)
-            for e in entries:
-                if id(e) not in batched:
+            for e in entries:  # in the order given (the order backward needs them)
+                if id(e) in starts:
+                    self._restore_batch(starts[id(e)], side)
+                elif id(e) not in batched:
                     self._restore_one(e, side)
 
     def _restore_batch(self, part: list[_Entry], side) -> None:
         first = part[0]
-        buf = torch.empty(sum(e.nbytes for e in part), dtype=torch.uint8, device=first.device)
         try:
-            first.store.restore_group(
-                StoredGroup(first.stored.page_size, [e.stored for e in part]), buf)
-        except Exception:  # noqa: BLE001 - one by one: only the failing one raises
+            first.store.restore_group(StoredGroup(first.stored.page_size,
+                                                  [e.stored for e in part]),
+                                      [e.restored for e in part])
+        except Exception as exc:  # noqa: BLE001 - one by one: only a failing tensor raises
+            if not isinstance(exc, SliceNotStored):  # the batched decode itself failed
+                self._batch_restores = False
+                warnings.warn(f"activation offload: batched restores off after {exc!r}; "
+                              "tensors are restored one by one", stacklevel=2)
             for e in part:
                 self._restore_one(e, side)
             return
-        at = 0
-        for e in part:
-            e.restored.copy_(buf[at:at + e.nbytes])
-            at += e.nbytes
-        event = side.record_event()  # ``buf`` goes back to the side stream's pool here
+        event = side.record_event()
         for e in part:
             e.restore_event = event
 
@@ -185,7 +188,8 @@ class BackwardMixin:
             )
 
 
-RESTORE_BATCH_BYTES = 64 << 20  # bounds the side-stream buffer of a batched restore
+RESTORE_BATCH_BYTES = 64 << 20  # a batch's staging (its compressed bytes) is at most about
+# what one large tensor's restore stages alone
 
 
 def _split(batch: list[_Entry]) -> list[list[_Entry]]:
@@ -199,3 +203,4 @@ def _split(batch: list[_Entry]) -> list[list[_Entry]]:
         parts[-1].append(e)
         size += e.nbytes
     return parts
+

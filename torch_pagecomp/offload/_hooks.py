@@ -155,6 +155,7 @@ class ActivationOffloader(BackwardMixin):
         self.counters = collections.Counter()
         self._pass_start = collections.Counter()
         self._warned_idle = False
+        self._batch_restores = True  # off for good if the batched decode ever fails to run
 
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> ActivationOffloader:

@@ -40,6 +40,10 @@ SCRATCH_SLICES = 2  # slices compressed ahead of the pack stream (scratch held a
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
 
 
+class SliceNotStored(RuntimeError):
+    """A slice of a stored tensor did not fit the host arena: its data was not stored."""
+
+
 def _record(stream) -> torch.cuda.Event | None:
     return stream.record_event() if stream is not None else None
 
@@ -374,7 +378,7 @@ class PagedStore:
         status = torch.empty(full, dtype=torch.int32, device=out.device)
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
-                raise RuntimeError(
+                raise SliceNotStored(
                     f"activation offload: a slice of {sl.n} pages did not fit the host arena; "
                     "its data was not stored"
                 )
@@ -397,10 +401,11 @@ class PagedStore:
         if stream is None:
             arena.confirm()
 
-    def restore_group(self, group, out: torch.Tensor) -> None:
+    def restore_group(self, group, out) -> None:
         """Decode the stored tensors of ``group`` (a ``_paged_group.StoredGroup``, which keeps
-        the metadata of its placed tensors between calls: a KV cache layer's blocks) back to
-        back into ``out`` with a constant number of launches (see ``_paged_group``)."""
+        the metadata of its placed tensors between calls: a KV cache layer's blocks) with a
+        constant number of launches, back to back into ``out`` (``uint8 [group.nbytes]``) or
+        into a list of one output per stored tensor (see ``_paged_group``)."""
         from ._paged_group import restore_group
 
         restore_group(self, group, out)
@@ -480,6 +485,33 @@ def _compress(pages: torch.Tensor, element_size: int, out: tuple, scratch) -> No
         return
     for dst, res in zip(out, _ops.compress_eager(pages, element_size)):
         dst.copy_(res)
+
+
+def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
+                     status) -> None:
+    """Decode the pages of several outputs (``uint8 [n_i * P]`` each, back to back in the
+    metadata's order) with one launch pair, each page into its own output: on the GPU the
+    decoder takes a table of row addresses; on the CPU the pages are decoded aside and copied."""
+    if outs[0].is_cuda:
+        import numpy as np
+
+        from ..kernels.lz4_decompress import decompress_rows
+
+        rows = np.concatenate([np.arange(o.numel() // page_size, dtype=np.int64) * page_size
+                               + o.data_ptr() for o in outs])
+        table = torch.from_numpy(rows)
+        if can_pin():  # a copy from pageable memory would make the host wait for the stream
+            table = table.pin_memory()
+        table = table.to(outs[0].device, non_blocking=True)
+        decompress_rows(payload, offsets, sizes, kinds, table, page_size, status)
+        return
+    pages = torch.empty((status.numel(), page_size), dtype=torch.uint8)
+    _ops.decompress_into_eager(payload, offsets, sizes, kinds, pages, status)
+    at = 0
+    for o in outs:
+        n = o.numel() // page_size
+        o.view(n, page_size).copy_(pages[at:at + n])
+        at += n
 
 
 def _decompress_into(payload, offsets, sizes, kinds, pages, status) -> None:

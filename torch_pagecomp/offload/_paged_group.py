@@ -8,7 +8,9 @@ constant number of launches, however many the group holds:
   next to each other in one arena chunk (slices stored one after another are), and a kernel
   fetch per slice whose placement the host does not know yet (as ``PagedStore.restore``);
 * one decode launch over every page (offsets into the staging buffer, sizes and kinds
-  concatenated), one status tensor counted as ``restore`` counts it.
+  concatenated), into one output or, by a table of row addresses, into one output per stored
+  tensor (the activation hooks: each tensor keeps its own allocation); one status tensor
+  counted as ``restore`` counts it.
 
 The group keeps, for its leading stored tensors whose slices are all placed, the concatenated
 metadata on the device and the host ranges to copy, and extends them as later ones are
@@ -70,7 +72,7 @@ class StoredGroup:
 
 
 def _failed(sl) -> RuntimeError:
-    return RuntimeError(
+    return _paged.SliceNotStored(
         f"compressed store: a slice of {sl.n} pages did not fit the host arena; its data was "
         "not stored"
     )
@@ -124,16 +126,27 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     group.meta_stream = current_stream(device) if device.type == "cuda" else None
 
 
-def restore_group(store, group: StoredGroup, out: torch.Tensor) -> None:
-    """Decode every stored tensor of ``group`` into ``out`` (``uint8 [group.nbytes]``, back to
-    back in the group's order) on the current stream, after their packs (device-side waits:
-    the host waits for nothing). Failed pages are counted as ``PagedStore.restore`` counts
-    them (raised at once on the CPU)."""
+def restore_group(store, group: StoredGroup, out) -> None:
+    """Decode every stored tensor of ``group`` into ``out`` on the current stream, after their
+    packs (device-side waits: the host waits for nothing): ``uint8 [group.nbytes]``, back to
+    back in the group's order, or a list of one ``uint8 [nbytes]`` tensor per stored tensor
+    (each its own allocation; whole pages only). Failed pages are counted as
+    ``PagedStore.restore`` counts them (raised at once on the CPU)."""
     from ..kernels.host_pack import fetch_from_host
 
     p, arena = store.page_size, store.arena
-    if out.numel() != group.nbytes:
+    outs = list(out) if isinstance(out, (list, tuple)) else None
+    if outs is None and out.numel() != group.nbytes:
         raise ValueError(f"out has {out.numel()} bytes, the group {group.nbytes}")
+    if outs is not None:
+        if group.ragged:
+            raise ValueError("restore into separate outputs takes whole pages only")
+        if [o.numel() for o in outs] != [s.nbytes for s in group.storeds]:
+            raise ValueError(f"outputs of {[o.numel() for o in outs]} bytes for stored "
+                             f"tensors of {[s.nbytes for s in group.storeds]}")
+        if not outs:
+            return
+        out = outs[0]
     dev = out.device
     stream = current_stream(dev) if out.is_cuda else None
     arena.confirm()  # placements known by now (never waits)
@@ -174,6 +187,12 @@ def restore_group(store, group: StoredGroup, out: torch.Tensor) -> None:
             meta = tuple(torch.cat([q[i] for q in parts]) for i in range(3))
         offsets, sizes, kinds = meta
         status = torch.empty(pages, dtype=torch.int32, device=dev)
+        if outs is not None:  # each page into its own tensor's row
+            _paged._decompress_rows(staging, offsets, sizes, kinds, outs, p, status)
+            store._count_failures(status, stream)
+            if stream is None:
+                arena.confirm()
+            return
         if group.ragged:  # pages of different tensors are not P apart in out: decode aside
             rows = torch.empty((pages, p), dtype=torch.uint8, device=dev)
         else:
