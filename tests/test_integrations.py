@@ -312,6 +312,20 @@ def test_decode_step_restores_each_layer_with_one_decode(gen, monkeypatch, devic
     assert per_step == {2: [2] * layers, 7: [7] * layers}
 
 
+def _small_store(device: str, page_size: int):
+    """A ``PagedStore`` of small chunks and slices (several per tensor): on the GPU on side
+    streams, on the CPU synchronous (the Triton interpreter's stand-ins)."""
+    from torch_pagecomp.offload._paged import PagedStore
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU stand-ins need the Triton interpreter")
+    streams = (None,) * 3 if device == "cpu" else tuple(torch.cuda.Stream() for _ in range(3))
+    return PagedStore(torch.device(device), page_size, streams, chunk_bytes=1 << 16,
+                      slice_bytes=1 << 14)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_restore_group_round_trip(gen, device):
     """Stored tensors of odd sizes (partial last pages, less than a page, several slices)
@@ -319,17 +333,10 @@ def test_restore_group_round_trip(gen, device):
     through the kernel fetch of slices not yet confirmed, and a group extended later."""
     from conftest import POISON
 
-    from torch_pagecomp.offload._paged import PagedStore
     from torch_pagecomp.offload._paged_group import StoredGroup
 
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU stand-ins need the Triton interpreter")
     P = 4096
-    streams = (None,) * 3 if device == "cpu" else tuple(torch.cuda.Stream() for _ in range(3))
-    store = PagedStore(torch.device(device), P, streams, chunk_bytes=1 << 16,
-                       slice_bytes=1 << 14)
+    store = _small_store(device, P)
 
     def data(n):
         x = (torch.randn(n // 2 + 1, generator=gen) * 0.02).to(torch.bfloat16)
@@ -388,17 +395,10 @@ def test_restore_group_into_separate_outputs(gen, device):
     allocation, bit-exact; ragged groups and wrong output sizes are refused."""
     from conftest import POISON
 
-    from torch_pagecomp.offload._paged import PagedStore
     from torch_pagecomp.offload._paged_group import StoredGroup
 
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU stand-ins need the Triton interpreter")
     P = 4096
-    streams = (None,) * 3 if device == "cpu" else tuple(torch.cuda.Stream() for _ in range(3))
-    store = PagedStore(torch.device(device), P, streams, chunk_bytes=1 << 16,
-                       slice_bytes=1 << 14)
+    store = _small_store(device, P)
     producer = torch.cuda.current_stream() if device == "cuda" else None
     sizes = [3 * P, 9 * P, P, 5 * P]
     srcs = [(torch.randn(n // 2, generator=gen) * 0.02).to(torch.bfloat16).view(torch.uint8)
