@@ -44,6 +44,10 @@ class SliceNotStored(RuntimeError):
     """A slice of a stored tensor did not fit the host arena: its data was not stored."""
 
 
+def _align16(nbytes: int) -> int:
+    return (nbytes + 15) & ~15
+
+
 def _record(stream) -> torch.cuda.Event | None:
     return stream.record_event() if stream is not None else None
 
@@ -327,11 +331,14 @@ class PagedStore:
         pages = src[first * p:(first + n) * p].view(n, p)
         # two allocations per slice: the fixed-stride payload (freed once packed) and the
         # metadata the restore needs, ``rel int64 [n] | desc int64 [2] | sizes int32 [n] |
-        # kinds uint8 [n]`` (each part aligned for its dtype)
+        # kinds uint8 [n]``, each part 16-byte aligned (Triton compiles a kernel per pointer
+        # alignment: parts placed by ``n`` alone would compile new variants mid-training)
         payload = torch.empty((n, p), dtype=torch.uint8, device=src.device)
-        meta = torch.empty(13 * n + 16, dtype=torch.uint8, device=src.device)
-        rel, desc, sizes, kinds = meta.split_with_sizes((8 * n, 16, 4 * n, n))
-        rel, desc, sizes = rel.view(torch.int64), desc.view(torch.int64), sizes.view(torch.int32)
+        a = _align16(8 * n)
+        b = a + 16 + _align16(4 * n)
+        meta = torch.empty(b + n, dtype=torch.uint8, device=src.device)
+        rel, desc = meta[:8 * n].view(torch.int64), meta[a:a + 16].view(torch.int64)
+        sizes, kinds = meta[a + 16:a + 16 + 4 * n].view(torch.int32), meta[b:]
         _compress(pages, element_size, (payload, sizes, kinds), self._scratch(src, element_size))
         compressed = _record(cs)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
