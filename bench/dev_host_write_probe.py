@@ -1,7 +1,9 @@
 """Probe: how fast do kernel stores reach page-locked host memory, by number of programs?
 
 The compressed activation store writes its pages to host memory from a few persistent
-programs (``torch_pagecomp.kernels.host_pack``). This times that pack kernel on compressed
+programs (``torch_pagecomp.kernels.host_pack``). This times that kernel (plan and pack of one
+slice; each run places the slice at the same place: the arena's end is read from one slot and
+written to the other) on compressed
 bf16-like pages against a plain device-to-host copy of the same bytes, for several program
 counts, and checks that the written bytes round-trip (the chunk is registered with
 ``cudaHostRegister`` and addressed by its host pointer). Also times a bf16 matrix product
@@ -17,7 +19,7 @@ import argparse
 import torch
 
 from torch_pagecomp import _ops
-from torch_pagecomp.kernels.host_pack import pack_to_host, plan_slice
+from torch_pagecomp.kernels.host_pack import pack_slice
 from torch_pagecomp.pools import HostMemory
 
 
@@ -34,11 +36,16 @@ def main() -> None:
     mem = HostMemory(chunk, pin=True)
     table = torch.zeros(1, dtype=torch.int64, device="cuda")
     table[0] = mem.tensor.data_ptr()
-    state = torch.tensor([0, chunk], dtype=torch.int64, device="cuda")
+    ends = torch.zeros(2, dtype=torch.int64, device="cuda")
     rel = torch.empty(n, dtype=torch.int64, device="cuda")
     desc = torch.empty(2, dtype=torch.int64, device="cuda")
     host_desc = torch.empty(2, dtype=torch.int64, pin_memory=True)
-    plan_slice(sizes, rel, state, desc, host_desc, P, chunk)
+
+    def pack(programs=None):
+        pack_slice(payload, sizes, rel, ends, 0, chunk, desc, host_desc, table, chunk,
+                   programs=programs)
+
+    pack()
     torch.cuda.synchronize()
     base, total = host_desc.tolist()
     print(f"pages {n}, compressed {total / 2**20:.1f} MiB of {n * P / 2**20:.0f} MiB "
@@ -63,20 +70,20 @@ def main() -> None:
     print(f"copy H2D {total / up / 1e6:7.1f} GB/s (compressed bytes)")
     for g in [int(v) for v in args.programs.split(",")]:
         mem.tensor[:total].fill_(0)
-        ms = timed(lambda g=g: pack_to_host(payload, sizes, rel, desc, table, chunk, programs=g))
+        ms = timed(lambda g=g: pack(g))
         got = mem.tensor[:total].cuda()
         ok = all(
             torch.equal(got[int(rel[i]):int(rel[i]) + int(sizes[i])], payload[i, :int(sizes[i])])
             for i in torch.randint(0, n, (64,)).tolist()
         )
-        print(f"pack to host, {g:3d} programs: {total / ms / 1e6:7.1f} GB/s  bytes ok={ok}")
+        print(f"plan + pack to host, {g:3d} programs: {total / ms / 1e6:7.1f} GB/s  bytes ok={ok}")
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     mm = timed(lambda: a @ a, reps=10)
     for g in (8, 16, 32):
         def both(g=g):
             with torch.cuda.stream(side):
-                pack_to_host(payload, sizes, rel, desc, table, chunk, programs=g)
+                pack(g)
             return a @ a
         t = timed(both, reps=10)
         print(f"8192^3 bf16 matmul {mm:.2f} ms alone, {t:.2f} ms beside the pack ({g} programs)")

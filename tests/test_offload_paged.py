@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import POISON
 
-from torch_pagecomp.kernels.host_pack import ALIGN, fetch_from_host, pack_to_host, plan_slice
+from torch_pagecomp.kernels.host_pack import ALIGN, fetch_from_host, pack_slice
 from torch_pagecomp.offload._paged import PagedStore
 
 P = 4096
@@ -81,7 +81,7 @@ def test_chunks_are_reused_and_host_memory_stays_bounded(gen):
             assert torch.equal(out, s)
             store.free(st)
         held.append(store.arena.held_bytes)
-    assert int(store.arena.state[0]) > 10 * (1 << 15)  # moved over many chunks
+    assert int(store.arena.state[store.arena.parity]) > 10 * (1 << 15)  # many chunks on
     assert max(held[4:]) <= max(held[:4]), held
 
 
@@ -144,48 +144,51 @@ def test_free_before_placement_is_known(gen):
     assert store.arena.used == 0
 
 
-def _planned(gen, n: int, state: torch.Tensor, chunk: int, kind: str = "small"):
-    pages = _data(gen, n * P, kind).view(n, P)
+def _packed(gen, n: int, end: int, limit: int, chunk: int, bufs: list, parity: int):
+    """``n`` pages compressed and packed by ``pack_slice`` into host chunks ``bufs`` (the
+    arena's end ``end`` in slot ``parity``; the other slot poisoned)."""
+    pages = _data(gen, n * P, "noise").view(n, P)
     from torch_pagecomp import _ops
 
     payload, sizes, kinds = _ops.compress_eager(pages, 1)
     rel = torch.full((n,), -7, dtype=torch.int64)
     desc = torch.full((2,), -7, dtype=torch.int64)
     host_desc = torch.full((2,), -7, dtype=torch.int64)
-    plan_slice(sizes, rel, state, desc, host_desc, P, chunk)
-    return pages, payload, sizes, rel, desc, host_desc
+    ends = torch.full((2,), -7, dtype=torch.int64)
+    ends[parity] = end
+    table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    pack_slice(payload, sizes, rel, ends, parity, limit, desc, host_desc, table, chunk)
+    return pages, payload, sizes, rel, desc, host_desc, ends, table
 
 
 @interpreter
-def test_plan_refuses_past_the_backed_limit_and_pack_writes_nothing(gen):
+@pytest.mark.parametrize("parity", [0, 1])
+def test_plan_refuses_past_the_backed_limit_and_pack_writes_nothing(gen, parity):
     chunk = 1 << 16
-    state = torch.tensor([chunk - 2 * P, chunk], dtype=torch.int64)  # one chunk backed
-    _, payload, sizes, rel, desc, host_desc = _planned(gen, 4, state, chunk, "noise")
+    buf = torch.full((chunk,), POISON, dtype=torch.uint8)  # one chunk backed
+    *_, desc, host_desc, ends, _ = _packed(gen, 4, chunk - 2 * P, chunk, chunk, [buf], parity)
     assert desc.tolist() == host_desc.tolist()
-    assert int(desc[0]) == -1 and int(state[0]) == chunk - 2 * P  # nothing reserved
-    buf = torch.full((chunk,), POISON, dtype=torch.uint8)
-    table = torch.tensor([buf.data_ptr()], dtype=torch.int64)
-    pack_to_host(payload, sizes, rel, desc, table, chunk)
+    assert int(desc[0]) == -1 and int(ends[1 - parity]) == chunk - 2 * P  # nothing reserved
+    assert int(ends[parity]) == chunk - 2 * P  # the slot read is left as it was
     assert bool((buf == POISON).all())
 
 
 @interpreter
-def test_plan_moves_to_the_next_chunk_and_pack_stays_inside_the_slice(gen):
+@pytest.mark.parametrize("parity", [0, 1])
+def test_plan_moves_to_the_next_chunk_and_pack_stays_inside_the_slice(gen, parity):
     """A slice that would straddle a chunk starts the next one; the pack writes exactly the
-    slice's padded pages and nothing around them."""
+    slice's padded pages and nothing around them; the new end goes to the other slot."""
     chunk = 1 << 16
-    start = chunk - 3 * P
-    state = torch.tensor([start, 3 * chunk], dtype=torch.int64)
     n = 5
-    pages, payload, sizes, rel, desc, host_desc = _planned(gen, n, state, chunk, "noise")
+    bufs = [torch.full((chunk,), POISON, dtype=torch.uint8) for _ in range(3)]
+    pages, payload, sizes, rel, desc, host_desc, ends, table = _packed(
+        gen, n, chunk - 3 * P, 3 * chunk, chunk, bufs, parity)
     base, total = desc.tolist()
+    assert host_desc.tolist() == [base, total]
     padded = (sizes.to(torch.int64) + ALIGN - 1) // ALIGN * ALIGN
     assert total == int(padded.sum()) and base == chunk  # moved to chunk 1
-    assert int(state[0]) == base + total
+    assert int(ends[1 - parity]) == base + total and int(ends[parity]) == chunk - 3 * P
     assert torch.equal(rel, torch.cumsum(padded, 0) - padded)
-    bufs = [torch.full((chunk,), POISON, dtype=torch.uint8) for _ in range(3)]
-    table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    pack_to_host(payload, sizes, rel, desc, table, chunk)
     assert bool((bufs[0] == POISON).all()) and bool((bufs[2] == POISON).all())
     got = bufs[1]
     assert bool((got[total:] == POISON).all())

@@ -6,16 +6,22 @@ use) by a buffer of page-locked host memory whose address sits in a device table
 keeps the arena's end; the host never needs a slice's size to place or copy it, so nothing
 waits for the host between a compress kernel and the bytes landing in host memory.
 
-Two kernels per slice, on one stream:
+One kernel per slice, :func:`pack_slice`, a few persistent programs on one stream:
 
-* :func:`plan_slice` (one program): pads each page's size to ``ALIGN`` bytes, scans them to
-  per-page offsets, and reserves the slice's bytes at the arena's end (moving to the next
-  chunk if the slice would straddle one, so a slice is one contiguous host range). If the
-  reservation would pass the backed limit it reserves nothing and marks the slice failed.
-  Writes ``desc = (base, total)`` to the device and to a host descriptor.
-* :func:`pack_to_host` (a few persistent programs): copies each page's stored bytes from the
-  fixed-stride payload to ``chunk + base % CHUNK + offset``, 16-byte aligned words; stores
-  from a handful of SMs keep the link busy while the rest of the GPU computes.
+* plan (every program alike, so none waits for another): pads each page's size to ``ALIGN``
+  bytes, scans them to per-page offsets, and reserves the slice's bytes at the arena's end
+  (moving to the next chunk if the slice would straddle one, so a slice is one contiguous
+  host range). If the reservation would pass the backed limit it reserves nothing and marks
+  the slice failed. Program 0 writes ``desc = (base, total)`` to the device and to a host
+  descriptor, and the new end. The end lives in two slots used in turn (slice ``k`` reads
+  slot ``k % 2``, writes the other), so no program reads a slot that its own launch writes;
+  the launch before, on the same stream, finished writing it.
+* pack: copies each page's stored bytes from the fixed-stride payload to
+  ``chunk + base % CHUNK + offset``, 16-byte aligned words; stores from a handful of SMs keep
+  the link busy while the rest of the GPU computes.
+
+(Planning in its own one-program launch cost the host one more launch per slice, ~50 us of
+host time per saved tensor in the activation hooks.)
 
 A slice comes back the same way: :func:`fetch_from_host` (a few persistent programs) reads
 its ``total`` bytes from the chunk into a device buffer, taking ``base``/``total`` from the
@@ -32,16 +38,19 @@ import triton.language as tl
 from .launch import frozen_meta, interpreting, launch
 
 ALIGN = 16  # bytes: every page starts 16-byte aligned in host memory (vector stores)
-PLAN_BLOCK = 1024  # pages scanned per step of the plan kernel
+PLAN_BLOCK = 1024  # pages scanned per step of the plan
 PACK_WORDS = 256  # 8-byte words per copy step (2 KiB, 16 bytes per lane of 4 warps)
 PACK_WARPS = 4
 
 
 @triton.jit
-def _plan_kernel(sizes_ptr, rel_ptr, state_ptr, desc_ptr, host_desc_ptr, n,
-                 P: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    # state: int64 [2] = (arena end, backed limit); desc: int64 [2] = (base, total)
+def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host_desc_ptr,
+                       table_ptr, n, parity, limit, P: tl.constexpr, CHUNK: tl.constexpr,
+                       TABLE: tl.constexpr, ALIGN: tl.constexpr, WORDS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    # plan: the same in every program; each stores the offsets of the pages it copies
     carry = tl.zeros((), dtype=tl.int64)
     for start in range(0, n, BLOCK):
         idx = start + tl.arange(0, BLOCK)
@@ -50,20 +59,36 @@ def _plan_kernel(sizes_ptr, rel_ptr, state_ptr, desc_ptr, host_desc_ptr, n,
         size = tl.minimum(tl.maximum(size, 0), P)  # never copy past a row
         padded = (size + (ALIGN - 1)) // ALIGN * ALIGN
         incl = tl.cumsum(padded, 0)
-        tl.store(rel_ptr + idx, carry + incl - padded, mask=m)
+        tl.store(rel_ptr + idx, carry + incl - padded, mask=m & (idx % programs == pid))
         carry += tl.sum(padded, 0)
-    end = tl.load(state_ptr)
-    limit = tl.load(state_ptr + 1)
+    end = tl.load(ends_ptr + parity)
     base = end
     if (end % CHUNK) + carry > CHUNK:  # a slice never straddles two chunks
         base = (end // CHUNK + 1) * CHUNK
     ok = base + carry <= limit
-    tl.store(state_ptr, tl.where(ok, base + carry, end))
-    base = tl.where(ok, base, -1)
-    tl.store(desc_ptr, base)
-    tl.store(desc_ptr + 1, carry)
-    tl.store(host_desc_ptr, base)
-    tl.store(host_desc_ptr + 1, carry)
+    if pid == 0:
+        tl.store(ends_ptr + (1 - parity), tl.where(ok, base + carry, end))
+        placed = tl.where(ok, base, -1)
+        tl.store(desc_ptr, placed)
+        tl.store(desc_ptr + 1, carry)
+        tl.store(host_desc_ptr, placed)
+        tl.store(host_desc_ptr + 1, carry)
+    tl.debug_barrier()  # this program's offsets, stored by its threads, read back below
+    if ok:
+        chunk = tl.load(table_ptr + (base // CHUNK) % TABLE)
+        dst = chunk.to(tl.pointer_type(tl.int64)) + (base % CHUNK) // 8
+        src = payload_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+        w = tl.arange(0, WORDS)
+        for page in range(pid, n, programs):
+            size = tl.load(sizes_ptr + page)
+            size = tl.minimum(tl.maximum(size, 0), P)
+            words = (size + (ALIGN - 1)) // ALIGN * (ALIGN // 8)
+            at = tl.multiple_of(tl.load(rel_ptr + page) // 8, ALIGN // 8)
+            row = page * (P // 8)  # a slice is at most one chunk: no int32 overflow
+            for w0 in range(0, words, WORDS):
+                idx = w0 + w
+                m = idx < words
+                tl.store(dst + at + idx, tl.load(src + row + idx, mask=m), mask=m)
 
 
 @triton.jit
@@ -83,49 +108,6 @@ def _fetch_from_host_kernel(dst_ptr, desc_ptr, table_ptr, CHUNK: tl.constexpr,
             tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
 
 
-@triton.jit
-def _pack_to_host_kernel(payload_ptr, sizes_ptr, rel_ptr, desc_ptr, table_ptr, n,
-                         P: tl.constexpr, CHUNK: tl.constexpr, TABLE: tl.constexpr,
-                         ALIGN: tl.constexpr, WORDS: tl.constexpr):
-    base = tl.load(desc_ptr)
-    if base >= 0:
-        chunk = tl.load(table_ptr + (base // CHUNK) % TABLE)
-        dst = chunk.to(tl.pointer_type(tl.int64)) + (base % CHUNK) // 8
-        src = payload_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-        w = tl.arange(0, WORDS)
-        for page in range(tl.program_id(0), n, tl.num_programs(0)):
-            size = tl.load(sizes_ptr + page)
-            size = tl.minimum(tl.maximum(size, 0), P)
-            words = (size + (ALIGN - 1)) // ALIGN * (ALIGN // 8)
-            at = tl.multiple_of(tl.load(rel_ptr + page) // 8, ALIGN // 8)
-            row = page * (P // 8)  # a slice is at most one chunk: no int32 overflow
-            for w0 in range(0, words, WORDS):
-                idx = w0 + w
-                m = idx < words
-                tl.store(dst + at + idx, tl.load(src + row + idx, mask=m), mask=m)
-
-
-def plan_slice(sizes: torch.Tensor, rel: torch.Tensor, state: torch.Tensor, desc: torch.Tensor,
-               host_desc: torch.Tensor, page_size: int, chunk_bytes: int) -> None:
-    """Reserve a slice's bytes at the arena's end, on the current stream.
-
-    Args:
-        sizes: ``int32 [N]`` stored bytes per page (from the compress kernel).
-        rel: ``int64 [N]`` out: each page's offset from the slice's base (16-byte aligned).
-        state: ``int64 [2]`` on the device: the arena's end and the backed limit; the end
-            advances by the slice's padded size.
-        desc: ``int64 [2]`` out, on the device: ``(base, total)``; ``base = -1`` when the
-            slice does not fit under the limit (nothing is reserved or written then).
-        host_desc: ``int64 [2]`` out, in page-locked host memory: the same two values.
-        page_size: ``P``; chunk_bytes: the arena's chunk size (a multiple of 16 bytes,
-            at least the slice's ``N * P``).
-    """
-    n = sizes.numel()
-    launch(_plan_kernel, (1,), sizes.device, (sizes, rel, state, desc, host_desc, n),
-           frozen_meta((("P", page_size), ("CHUNK", chunk_bytes), ("ALIGN", ALIGN),
-                        ("BLOCK", PLAN_BLOCK), ("num_warps", 4))), traced=False)
-
-
 def link_programs(device: torch.device) -> int:
     """Programs of the kernels that move bytes over the link: a quarter of an H100's SMs
     reach ~90% of a copy engine's rate, and leave the rest of the GPU to the model."""
@@ -134,26 +116,37 @@ def link_programs(device: torch.device) -> int:
     return 32
 
 
-def pack_to_host(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
-                 desc: torch.Tensor, table: torch.Tensor, chunk_bytes: int,
-                 programs: int | None = None) -> None:
-    """Copy a planned slice's pages into host memory, on the current stream.
+def pack_slice(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
+               ends: torch.Tensor, parity: int, limit: int, desc: torch.Tensor,
+               host_desc: torch.Tensor, table: torch.Tensor, chunk_bytes: int,
+               programs: int | None = None) -> None:
+    """Reserve a slice's bytes at the arena's end and copy its pages there, on the current
+    stream (see the module docstring).
 
     Args:
         payload: ``uint8 [N, P]`` fixed-stride payload (8-byte aligned rows).
-        sizes, rel, desc: as after :func:`plan_slice` for this slice.
+        sizes: ``int32 [N]`` stored bytes per page (from the compress kernel).
+        rel: ``int64 [N]`` out: each page's offset from the slice's base (16-byte aligned).
+        ends: ``int64 [2]`` on the device: the arena's end, in slot ``parity`` (read) and
+            ``1 - parity`` (written: the end after this slice). Slices of one arena go on one
+            stream with ``parity`` taking turns.
+        limit: the backed limit (bytes of the arena backed by host chunks, in order).
+        desc: ``int64 [2]`` out, on the device: ``(base, total)``; ``base = -1`` when the
+            slice does not fit under ``limit`` (nothing is reserved or written then).
+        host_desc: ``int64 [2]`` out, in page-locked host memory: the same two values.
         table: ``int64 [TABLE]`` on the device: entry ``k % TABLE`` is the address of the
             page-locked host buffer that backs chunk ``k`` (``CHUNK`` bytes, 16-byte aligned).
-        chunk_bytes: the arena's chunk size.
+        chunk_bytes: the arena's chunk size (a multiple of 16 bytes, at least ``N * P``).
     """
     n, page_size = payload.shape
     if n == 0:
         return
     grid = (min(n, programs or link_programs(payload.device)),)
-    launch(_pack_to_host_kernel, grid, payload.device, (payload, sizes, rel, desc, table, n),
+    launch(_pack_slice_kernel, grid, payload.device,
+           (payload, sizes, rel, ends, desc, host_desc, table, n, parity, limit),
            frozen_meta((("P", page_size), ("CHUNK", chunk_bytes), ("TABLE", table.numel()),
-                        ("ALIGN", ALIGN), ("WORDS", PACK_WORDS), ("num_warps", PACK_WARPS))),
-           traced=False)
+                        ("ALIGN", ALIGN), ("WORDS", PACK_WORDS), ("BLOCK", PLAN_BLOCK),
+                        ("num_warps", PACK_WARPS))), traced=False)
 
 
 def fetch_from_host(dst: torch.Tensor, desc: torch.Tensor, table: torch.Tensor,
@@ -163,7 +156,7 @@ def fetch_from_host(dst: torch.Tensor, desc: torch.Tensor, table: torch.Tensor,
     Args:
         dst: ``uint8 [>= total]`` on the device, 8-byte aligned (``total`` is at most the
             slice's ``N * P``); bytes ``[0, total)`` are written.
-        desc, table, chunk_bytes: as for :func:`pack_to_host`; nothing is read or written
+        desc, table, chunk_bytes: as for :func:`pack_slice`; nothing is read or written
             when ``desc[0] < 0``.
     """
     grid = (programs or link_programs(dst.device),)

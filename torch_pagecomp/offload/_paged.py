@@ -2,9 +2,9 @@
 
 A storage's bytes (``uint8 [nbytes]`` on the GPU) are cut into slices of whole pages. Per
 slice, on the offloader's side streams: the compress kernel writes fixed-stride pages into a
-scratch buffer (stream ``compress``); then (stream ``pack``) a one-program kernel reserves the
-slice's bytes at the end of a *virtual arena* of page-locked host memory and a few persistent
-programs copy the pages there (``torch_pagecomp.kernels.host_pack``). The compressed size
+scratch buffer (stream ``compress``); then (stream ``pack``) one kernel of a few persistent
+programs reserves the slice's bytes at the end of a *virtual arena* of page-locked host memory
+and copies the pages there (``torch_pagecomp.kernels.host_pack.pack_slice``). The compressed size
 never has to reach the host before the bytes move, so the link works while the host runs
 ahead, and host memory holds the compressed bytes only (16-byte aligned pages).
 
@@ -59,7 +59,7 @@ def _wait(stream, event) -> None:
 
 class _Slice:
     """Pages ``[first, first + n)`` of one stored storage: device metadata for the decoder and
-    the placement the plan kernel chose (``base``/``total`` on the host once confirmed)."""
+    the placement the pack kernel chose (``base``/``total`` on the host once confirmed)."""
 
     __slots__ = ("first", "n", "sizes", "kinds", "rel", "desc", "host_desc", "stored",
                  "base", "total", "freed")
@@ -79,7 +79,9 @@ class _Slice:
 class VirtualArena:
     """Page-locked host chunks behind a device-side bump allocator (see the module docstring).
 
-    ``state`` (device ``int64 [2]``): the arena's end and the backed limit; ``table`` (device
+    ``state`` (device ``int64 [2]``): the arena's end, in slot ``parity`` for the next slice
+    (``kernels.host_pack.pack_slice``: the slots take turns); ``limit``: the backed limit,
+    passed with each slice; ``table`` (device
     ``int64 [TABLE_SIZE]``): the host address of each backed chunk. Host-side, ``bound`` is
     never below the device's end once every planned slice has run; ``frontier`` is the end as
     of the last confirmed slice (slices are confirmed in stream order).
@@ -99,12 +101,12 @@ class VirtualArena:
         self.peak_held = 0
         self.peak_backed = 0  # chunks backed at once since the last shrink
         self.placed_since_shrink = False
-        # where the plan kernel publishes each slice's (base, total): one pinned ring, not a
+        # where the pack kernel publishes each slice's (base, total): one pinned ring, not a
         # pinned allocation per slice
         self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
         self._desc_rows = self.descs.unbind(0)  # views made once, not per slice
-        self._limit = self.state[1:2]
         self._next_desc = 0
+        self.parity = 0  # the slot of ``state`` that holds the end for the next slice
 
     # ---------------------------------------------------------------- placement
     def _advance(self, pos: int, size: int) -> int:
@@ -114,7 +116,7 @@ class VirtualArena:
 
     def back(self, upper: int, stream) -> None:
         """Before planning a slice of at most ``upper`` bytes (on ``stream``): back every chunk
-        the arena's end can reach and raise the device's limit to match."""
+        the arena's end can reach and raise the limit (passed with the slice) to match."""
         self.bound = self._advance(self.bound, upper)
         self.placed_since_shrink = True
         last = (self.bound - 1) // self.chunk
@@ -122,9 +124,7 @@ class VirtualArena:
         for k in range(first, last + 1):
             if k not in self.backed:
                 self._back_chunk(k, stream)
-        if (last + 1) * self.chunk > self.limit:
-            self.limit = (last + 1) * self.chunk
-            self._limit.fill_(self.limit)
+        self.limit = max(self.limit, (last + 1) * self.chunk)  # passed with the slice
         self.peak_held = max(self.peak_held, self.held_bytes)
         self.peak_backed = max(self.peak_backed, len(self.backed))
 
@@ -287,7 +287,7 @@ class PagedStore:
                  chunk_bytes: int = CHUNK_BYTES, slice_bytes: int = SLICE_BYTES):
         self.device, self.page_size = device, page_size
         self.compress_stream, self.pack_stream, self.restore_stream = streams
-        with on_stream(self.pack_stream):  # the plan and pack kernels read the arena's state there
+        with on_stream(self.pack_stream):  # the pack kernel reads the arena's state there
             self.arena = VirtualArena(device, chunk_bytes)
         self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
         self._packed: collections.deque = collections.deque()  # pack events of recent slices
@@ -323,7 +323,7 @@ class PagedStore:
         return PagedStored(nbytes, p, slices, tail, consumed)
 
     def _store_slice(self, src, first: int, n: int, element_size: int) -> _Slice:
-        from ..kernels.host_pack import pack_to_host, plan_slice  # Triton: imported on use
+        from ..kernels.host_pack import pack_slice  # Triton: imported on use
 
         p, cs, ps = self.page_size, self.compress_stream, self.pack_stream
         if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight
@@ -346,8 +346,10 @@ class PagedStore:
             _wait(ps, compressed)
             host_desc = self.arena.host_desc()
             self.arena.back(n * p, ps)
-            plan_slice(sizes, rel, self.arena.state, desc, host_desc, p, self.arena.chunk)
-            pack_to_host(payload, sizes, rel, desc, self.arena.table, self.arena.chunk)
+            arena = self.arena
+            pack_slice(payload, sizes, rel, arena.state, arena.parity, arena.limit, desc,
+                       host_desc, arena.table, arena.chunk)
+            arena.parity ^= 1
             stored = _record(ps)
             if ps is not None:
                 payload.record_stream(ps)  # made on the compress stream, read here
