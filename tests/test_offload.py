@@ -739,3 +739,32 @@ def test_a_failing_batched_restore_falls_back_one_by_one_and_stays_off():
     with pytest.warns(UserWarning, match="batched restores off"):
         off._restore_batch(part, None)
     assert len(calls) == 5 and not off._batch_restores
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["uncompressed", "compressed"])
+def test_a_tensor_saved_twice_is_not_restored_again_after_its_first_unpack(mode, monkeypatch):
+    """``y * y`` saves ``y`` twice (one entry, two unpacks). With every copy still in flight at
+    the end of the forward (the stash holds them), the first unpack hands the storage back in
+    place; the second must reuse it, not restore it over the link; gradients as without
+    offload."""
+    from torch_pagecomp.offload._entry import _Entry
+
+    torch.manual_seed(0)
+    x = torch.randn(1 << 20, device="cuda", requires_grad=True)
+    want = torch.autograd.grad(((x * 1.5) * (x * 1.5)).sum(), x)[0]
+    in_flight = [True]
+    ready = _Entry.ready
+    monkeypatch.setattr(_Entry, "ready", lambda self: not in_flight[0] and ready(self))
+    off = ActivationOffloader(mode=mode, prefer="memory", min_offload_bytes=0,
+                              max_in_flight_bytes=1 << 40)
+    with off:
+        y = x * 1.5
+        z = (y * y).sum()
+    torch.cuda.synchronize()
+    in_flight[0] = False
+    got = torch.autograd.grad(z, x)[0]
+    st = off.stats()
+    assert st["served_from_stash"] >= 1 and st.get("restored_on_demand", 0) == 0, st
+    assert torch.equal(got, want)
+    assert off.pending()["restored"] == 0 and off.pending()["stash"] == 0

@@ -43,7 +43,7 @@ class BackwardMixin:
                 storage = entry.src.untyped_storage()
                 if entry.ready() and entry in self._stash:  # its host copy is complete
                     self._stash.remove(entry)
-                    self._release(entry, wait=False)
+                    self._release(entry, wait=False, keep_served=True)
                 return packed.view(storage)
             self._prefetch(entry)
             if entry.restored is None:

@@ -344,9 +344,12 @@ class ActivationOffloader(BackwardMixin):
             ps.new_group()
         return entry
 
-    def _release(self, entry: _Entry, wait: bool) -> None:
+    def _release(self, entry: _Entry, wait: bool, keep_served: bool = False) -> None:
         """Drop the stash's hold on ``entry``'s GPU storage (its copy is done, or ``wait``).
-        A failed offload keeps it (unpack serves it) until the end of backward."""
+        A failed offload keeps it (unpack serves it) until the end of backward. With
+        ``keep_served`` (in a backward), a storage already handed back in place becomes the
+        entry's restored copy: a tensor saved twice (one storage, two unpacks) is then not
+        brought back over the link for its second unpack."""
         if wait:
             try:
                 entry.wait_stored().wait_on(entry.stream)
@@ -356,6 +359,8 @@ class ActivationOffloader(BackwardMixin):
             self.counters["offload_failed"] += 1
             self._failed.add(entry)
         else:
+            if keep_served and entry.served and entry.restored is None:
+                entry.restored = entry.src  # on the compute stream already: nothing to wait for
             entry.src = None
         self._stash_bytes -= entry.nbytes
 
@@ -370,7 +375,7 @@ class ActivationOffloader(BackwardMixin):
         # finished, it would be read back over the link instead); served ones go at once.
         backward = _in_backward()
         while self._stash and self._stash[0].ready() and (self._stash[0].served or not backward):
-            self._release(self._stash.popleft(), wait=False)
+            self._release(self._stash.popleft(), wait=False, keep_served=backward)
         for store in self._paged.values():
             store.poll()
         self.policy.poll()
