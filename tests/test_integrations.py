@@ -404,12 +404,21 @@ def test_restore_group_into_separate_outputs(gen, device):
     srcs = [(torch.randn(n // 2, generator=gen) * 0.02).to(torch.bfloat16).view(torch.uint8)
             .to(device) for n in sizes]
     stored = [store.offload(s, 2, producer=producer) for s in srcs]
-    for pick in ([0, 1, 2, 3], [3, 1], [2]):
+
+    def check(pick):
         outs = [torch.full((sizes[i],), POISON, dtype=torch.uint8, device=device)
                 for i in pick]
         store.restore_group(StoredGroup(P, [stored[i] for i in pick]), outs)
         for i, o in zip(pick, outs):
             assert torch.equal(o, srcs[i]), f"tensor {i}"
+
+    if device == "cpu":  # placements not confirmed yet: the fetch kernel reads every slice
+        confirm = store.arena.confirm
+        store.arena.confirm = lambda through=None: None
+        check([1, 0])
+        store.arena.confirm = confirm
+    for pick in ([0, 1, 2, 3], [3, 1], [2]):
+        check(pick)
     with pytest.raises(ValueError, match="bytes"):
         store.restore_group(StoredGroup(P, stored[:2]), [torch.empty(sizes[0] + P,
                                                                      dtype=torch.uint8,
