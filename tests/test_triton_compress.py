@@ -337,8 +337,8 @@ def test_caller_outputs_and_reused_scratch_match(element_size):
     pages = _rows(*rows)
     want = lc.compress_pages(pages, element_size)
     dev = pages.device
-    scratch = lc.compress_scratch(dev, P4K, element_size, lc.max_programs(dev, P4K,
-                                                                          element_size))
+    cfg = lc.compress_config(P4K, element_size)
+    scratch = lc.compress_scratch(dev, cfg, lc.max_programs(dev, cfg))
     for _ in range(2):  # the scratch holds the previous launch's state: never read
         out = (torch.full((len(rows), P4K), 0xA5, dtype=torch.uint8),
                torch.full((len(rows),), -7, dtype=torch.int32),

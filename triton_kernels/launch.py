@@ -15,6 +15,7 @@ per saved tensor, so that time is paid hundreds of times per training step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -42,6 +43,25 @@ def frozen_meta(items: tuple) -> FrozenMeta:
     if _meta_key(dict(items)) is None:
         raise TypeError(f"launch settings must be plain constants: {items!r}")
     return FrozenMeta(items)
+
+
+def config_meta(cfg, skip: tuple = (), extra: tuple = ()) -> dict:
+    """The launch keyword arguments of a frozen dataclass of settings ``cfg``: its fields but
+    ``skip``, then the ``(name, value)`` pairs of ``extra``. Eager: the shared
+    :class:`FrozenMeta`. Traced by ``torch.compile``: a plain dict built field by field (older
+    Dynamo releases cannot build one from a frozen dataclass's ``__dict__``)."""
+    if not torch.compiler.is_compiling():
+        return _frozen_config_meta(cfg, skip, extra)
+    meta = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
+    for name, value in extra:
+        meta[name] = value
+    return meta
+
+
+@functools.cache
+def _frozen_config_meta(cfg, skip: tuple, extra: tuple) -> FrozenMeta:
+    return frozen_meta(tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                             if f.name not in skip) + extra)
 
 
 def interpreting() -> bool:
@@ -114,9 +134,7 @@ def _launch_compiled(kernel, grid: tuple[int, ...], index: int, args: tuple, met
     hooks are set, e.g. under its profiler) goes through ``JITFunction.run``."""
     # a FrozenMeta keys by identity (equal settings built apart only cost a second entry)
     mkey = meta if type(meta) is FrozenMeta else _meta_key(meta)
-    # plain tensors inline (most arguments; a call per argument is measurable here)
-    classes = tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is torch.Tensor
-                     else _arg_class(a) for a in args])
+    classes = tuple(map(_arg_class, args))
     if mkey is None or None in classes or _hooks_set():
         kernel[grid](*args, **meta)
         return

@@ -56,7 +56,6 @@ The settings of each page kind, and why, are in :func:`compress_config`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -66,7 +65,7 @@ import triton.language as tl
 
 from . import constants as fmt
 from .bitshuffle import bitshuffle_page, bitshuffle_page_wide
-from .launch import frozen_meta, interpreting, launch
+from .launch import config_meta, interpreting, launch
 
 _NOKEY = tl.constexpr(0x7FFFFFFF)  # no match (a parse key larger than every real one)
 
@@ -645,20 +644,7 @@ class CompressConfig:
 
     def meta(self, wide_shuffle: bool) -> dict:
         """The keyword arguments of the launch."""
-        if not torch.compiler.is_compiling():  # eager: one shared dict per configuration
-            return _frozen_meta(self, wide_shuffle)
-        # by field, not ``vars``: traced by torch.compile, whose older Dynamo cannot build a
-        # dict from a frozen dataclass's ``__dict__``
-        meta = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "programs_per_sm"}
-        meta["WIDE_SHUFFLE"] = wide_shuffle
-        return meta
-
-
-@functools.cache
-def _frozen_meta(cfg: CompressConfig, wide_shuffle: bool) -> dict:
-    return frozen_meta(tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
-                             if f.name != "programs_per_sm") + (("WIDE_SHUFFLE", wide_shuffle),))
+        return config_meta(self, ("programs_per_sm",), (("WIDE_SHUFFLE", wide_shuffle),))
 
 
 @functools.cache
@@ -686,9 +672,10 @@ def compress_config(page_size: int, element_size: int) -> CompressConfig:
         programs_per_sm=16)
 
 
-def max_programs(device: torch.device, page_size: int, element_size: int) -> int:
-    """The most programs a compress launch on ``device`` uses (scratch is sized for these)."""
-    return _sm_programs(device, compress_config(page_size, element_size).programs_per_sm)
+def max_programs(device: torch.device, cfg: CompressConfig) -> int:
+    """The most programs a compress launch of ``cfg`` on ``device`` uses (scratch is sized
+    for these)."""
+    return _sm_programs(device, cfg.programs_per_sm)
 
 
 def _sm_programs(device: torch.device, programs_per_sm: int) -> int:
@@ -703,17 +690,26 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def compress_scratch(device: torch.device, page_size: int, element_size: int,
+def compress_scratch(device: torch.device, cfg: CompressConfig,
                      programs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's working memory for up to ``programs`` programs: ``(hash tables int32
-    [programs, 2^HASH_BITS] or [1, 1], shuffle rows uint8 [programs, P] or [1, P])`` (the
-    hash tables serve plain bytes, the shuffle rows bit-shuffled pages; each kind uses one)."""
-    cfg = compress_config(page_size, element_size)
-    tab_shape = (1, 1) if element_size > 1 else (programs, 1 << cfg.HASH_BITS)
-    tabs = torch.empty(tab_shape, dtype=torch.int32, device=device)
-    shuf = torch.empty((programs if element_size > 1 else 1, page_size), dtype=torch.uint8,
+    """The kernel's working memory for up to ``programs`` programs of ``cfg``: ``(hash
+    tables int32 [programs, 2^HASH_BITS] or [1, 1], shuffle rows uint8 [programs, P] or
+    [1, P])`` (the hash tables serve plain bytes, the shuffle rows bit-shuffled pages; each
+    kind uses one)."""
+    shuffled = cfg.ELEMENT_SIZE > 1
+    tabs = torch.empty((1, 1) if shuffled else (programs, 1 << cfg.HASH_BITS),
+                       dtype=torch.int32, device=device)
+    shuf = torch.empty((programs if shuffled else 1, cfg.PAGE), dtype=torch.uint8,
                        device=device)
     return tabs, shuf
+
+
+def _scratch_fits(scratch: tuple[torch.Tensor, torch.Tensor], cfg: CompressConfig,
+                  programs: int) -> bool:
+    tabs, shuf = scratch
+    if cfg.ELEMENT_SIZE > 1:
+        return shuf.shape[0] >= programs and shuf.shape[1] == cfg.PAGE
+    return tabs.shape[0] >= programs and tabs.shape[1] == 1 << cfg.HASH_BITS
 
 
 def compress_pages(pages: torch.Tensor, element_size: int = 1, *,
@@ -734,9 +730,9 @@ def compress_pages(pages: torch.Tensor, element_size: int = 1, *,
             ``torch_pagecomp.kernels.launch``).
         out: the outputs, given by a caller that allocates them its own way (the offload
             store: one block of metadata per slice); shapes and dtypes as returned.
-        scratch: :func:`compress_scratch` of this device, page size and element size, for at
-            least :func:`max_programs` programs, reused by a caller that compresses on one
-            stream (its launches run in order); ``None``: allocated per call.
+        scratch: :func:`compress_scratch` of this device and settings, for at least
+            :func:`max_programs` programs, reused by a caller that compresses on one stream
+            (its launches run in order); ``None``: allocated per call.
     Returns:
         The fixed-stride ``(payload uint8 [N, P], sizes int32 [N], kinds uint8 [N])`` of
         ``torch_pagecomp.format``.
@@ -763,8 +759,12 @@ def compress_pages(pages: torch.Tensor, element_size: int = 1, *,
         return payload, sizes, kinds
     grid = min(n, _sm_programs(dev, cfg.programs_per_sm))
     # bit-shuffled pages use no hash table: the kernel never touches ``tabs`` then
-    tabs, shuf = scratch if scratch is not None else compress_scratch(
-        dev, page_size, element_size, grid)
+    if scratch is None:
+        scratch = compress_scratch(dev, cfg, grid)
+    elif not _scratch_fits(scratch, cfg, grid):  # the kernel would write past it
+        raise ValueError(f"scratch of shapes {[tuple(t.shape) for t in scratch]} is too small "
+                         f"for {grid} programs of these settings")
+    tabs, shuf = scratch
     args = (pages, payload, sizes, kinds, tabs, shuf, n)
     launch(_lz4_compress_kernel, (grid,), dev, args, cfg.meta(wide), traced)
     return payload, sizes, kinds

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from . import constants as fmt
 from .bitunshuffle import unshuffle_groups64, unshuffle_page_words
-from .launch import frozen_meta, interpreting, launch
+from .launch import config_meta, interpreting, launch
 
 WORD_TILE_MAX_PAGE = 4096  # largest page whose whole-page unshuffle tile fits in registers
 
@@ -63,7 +63,7 @@ class DecodeConfig:
 
     def meta(self) -> dict:
         """The keyword arguments of the launch."""
-        return _fields(self)
+        return config_meta(self)
 
 
 @dataclass(frozen=True)
@@ -85,20 +85,9 @@ class ShuffledDecodeConfig:
 
     def meta(self) -> dict:
         """The keyword arguments of the launch."""
-        return _fields(self)
+        return config_meta(self)
 
 
-def _fields(cfg) -> dict:
-    if not torch.compiler.is_compiling():  # eager: one shared dict per configuration
-        return _frozen_fields(cfg)
-    # by field, not ``vars``: torch.compile traces this (fullgraph) and older releases of
-    # Dynamo cannot build a dict from a frozen dataclass's ``__dict__``
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-
-
-@functools.cache
-def _frozen_fields(cfg) -> dict:
-    return frozen_meta(tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)))
 
 
 @functools.cache

@@ -49,7 +49,7 @@ class BackwardMixin:
             if entry.restored is None:
                 self.counters["restored_on_demand"] += 1
                 self._restore([entry])
-        entry.wait_restored()
+        entry.check_restored()
         if entry.restore_event is not None:
             current = current_stream(entry.device)
             current.wait_event(entry.restore_event)
@@ -111,19 +111,19 @@ class BackwardMixin:
             if (self._batch_restores and isinstance(e.stored, PagedStored)
                     and e.nbytes % e.stored.page_size == 0):
                 batches.setdefault((id(e.store), e.stream), []).append(e)
-        parts = [part for batch in batches.values() for part in _split(batch) if len(part) > 1]
-        batched = {id(e) for part in parts for e in part}
-        starts = {id(part[0]): part for part in parts}
+        part_of = {id(e): part for batch in batches.values() for part in _split(batch)
+                   if len(part) > 1 for e in part}
         gpu_streams = {e.stream for e in entries if e.device.type == "cuda"}
         side = self._stream(entries[0].device, "h2d") if gpu_streams else None
         with on_stream(side):
             for s in gpu_streams:  # the buffers were allocated there
                 side.wait_stream(s)
             for e in entries:  # in the order given (the order backward needs them)
-                if id(e) in starts:
-                    self._restore_batch(starts[id(e)], side)
-                elif id(e) not in batched:
+                part = part_of.get(id(e))
+                if part is None:
                     self._restore_one(e, side)
+                elif e is part[0]:
+                    self._restore_batch(part, side)
 
     def _restore_batch(self, part: list[_Entry], side) -> None:
         first = part[0]

@@ -68,9 +68,9 @@ class _Pass:
 
 
 class _Entry:
-    """One offloaded storage: ``uint8 [nbytes]`` on ``device``. ``stored`` is set before
-    ``submitted`` is; both are set by the hook that issues the work, under the offloader's
-    lock, so no thread waits on them (a flag, not an event)."""
+    """One offloaded storage: ``uint8 [nbytes]`` on ``device``. The hook that makes it sets
+    ``stored`` before anything else can see the entry, and issues its restores, under the
+    offloader's lock: nothing waits on another thread for them."""
 
     def __init__(self, sink: list, nbytes: int, device: torch.device, pass_: _Pass, group: int):
         self.sink, self.nbytes, self.device = sink, nbytes, device
@@ -79,14 +79,14 @@ class _Entry:
         self.src: torch.Tensor | None = None  # the GPU storage while its copy may run
         self.store = self.stored = None
         self.error: BaseException | None = None
-        self.submitted = False
         self.restored: torch.Tensor | None = None
         self.restore_event = None
         self.waited = False
         self.served = False  # handed back from the stash (in place) at least once
         self.host_rec = None  # its record in the offloader's host ledger
 
-    def wait_stored(self):
+    def checked_stored(self):
+        """``stored``, or the error of the offload that did not store it."""
         if self.error is not None:
             raise RuntimeError(f"activation offload failed: {self.error}") from self.error
         return self.stored
@@ -96,9 +96,10 @@ class _Entry:
         return self.error is not None or (failed is not None and failed())
 
     def ready(self) -> bool:
-        return self.submitted and (self.stored is None or self.stored.ready())
+        return self.stored is None or self.stored.ready()
 
-    def wait_restored(self) -> None:
+    def check_restored(self) -> None:
+        """Raise the error of a restore that failed."""
         if self.error is not None:
             raise RuntimeError(f"activation restore failed: {self.error}") from self.error
 

@@ -317,7 +317,6 @@ class ActivationOffloader(BackwardMixin):
             if entry.stored is None:
                 return None
             entry.store = self._pinned
-        entry.submitted = True
         if compress:
             self.policy.sample(cls, entry.stored)
         if dev.type == "cuda":
@@ -352,7 +351,7 @@ class ActivationOffloader(BackwardMixin):
         brought back over the link for its second unpack."""
         if wait:
             try:
-                entry.wait_stored().wait_on(entry.stream)
+                entry.checked_stored().wait_on(entry.stream)
             except Exception as exc:  # noqa: BLE001 - kept on the GPU instead
                 entry.error = entry.error or exc.with_traceback(None)
         if entry.failed():

@@ -43,6 +43,18 @@ DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slic
 class SliceNotStored(RuntimeError):
     """A slice of a stored tensor did not fit the host arena: its data was not stored."""
 
+    def __init__(self, pages: int):
+        super().__init__(f"compressed store: a slice of {pages} pages did not fit the host "
+                         "arena; its data was not stored")
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without making the host wait: on CUDA it goes up
+    from page-locked memory (a copy from pageable memory waits for the stream)."""
+    if device.type == "cuda" and can_pin():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
 
 def _align16(nbytes: int) -> int:
     return (nbytes + 15) & ~15
@@ -104,7 +116,6 @@ class VirtualArena:
         # where the pack kernel publishes each slice's (base, total): one pinned ring, not a
         # pinned allocation per slice
         self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
-        self._desc_rows = self.descs.unbind(0)  # views made once, not per slice
         self._next_desc = 0
         self.parity = 0  # the slot of ``state`` that holds the end for the next slice
 
@@ -146,7 +157,7 @@ class VirtualArena:
             self.confirm(through=self.pending[len(self.pending) - DESC_SLOTS][0])
         k = self._next_desc
         self._next_desc = (k + 1) % DESC_SLOTS
-        return self._desc_rows[k]
+        return self.descs[k]
 
     def add(self, sl: _Slice, upper: int) -> None:
         self.pending.append((sl, upper))
@@ -366,10 +377,10 @@ class PagedStore:
             return None
         scratch = self._scratches.get(element_size)
         if scratch is None:
-            from ..kernels.lz4_compress import compress_scratch, max_programs
+            from ..kernels.lz4_compress import compress_config, compress_scratch, max_programs
 
-            programs = max_programs(src.device, self.page_size, element_size)
-            scratch = compress_scratch(src.device, self.page_size, element_size, programs)
+            cfg = compress_config(self.page_size, element_size)
+            scratch = compress_scratch(src.device, cfg, max_programs(src.device, cfg))
             self._scratches[element_size] = scratch
             self._scratch_held += sum(t.numel() * t.element_size() for t in scratch)
         return scratch
@@ -387,10 +398,7 @@ class PagedStore:
         status = torch.empty(full, dtype=torch.int32, device=out.device)
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
-                raise SliceNotStored(
-                    f"activation offload: a slice of {sl.n} pages did not fit the host arena; "
-                    "its data was not stored"
-                )
+                raise SliceNotStored(sl.n)
             if sl.base is not None:  # placed: the copy engine
                 staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
                 at = sl.base % arena.chunk
@@ -508,10 +516,7 @@ def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
 
         rows = np.concatenate([np.arange(o.numel() // page_size, dtype=np.int64) * page_size
                                + o.data_ptr() for o in outs])
-        table = torch.from_numpy(rows)
-        if can_pin():  # a copy from pageable memory would make the host wait for the stream
-            table = table.pin_memory()
-        table = table.to(outs[0].device, non_blocking=True)
+        table = to_device(torch.from_numpy(rows), outs[0].device)
         decompress_rows(payload, offsets, sizes, kinds, table, page_size, status)
         return
     pages = torch.empty((status.numel(), page_size), dtype=torch.uint8)

@@ -8,9 +8,10 @@ constant number of launches, however many the group holds:
   next to each other in one arena chunk (slices stored one after another are), and a kernel
   fetch per slice whose placement the host does not know yet (as ``PagedStore.restore``);
 * one decode launch over every page (offsets into the staging buffer, sizes and kinds
-  concatenated), into one output or, by a table of row addresses, into one output per stored
-  tensor (the activation hooks: each tensor keeps its own allocation); one status tensor
-  counted as ``restore`` counts it.
+  concatenated), into one output, or by a table of row addresses where pages are not ``P``
+  apart: into one output per stored tensor (the activation hooks: each tensor keeps its own
+  allocation) or into the parts of one output whose tensors end in a partial page; one status
+  tensor counted as ``restore`` counts it.
 
 The group keeps, for its leading stored tensors whose slices are all placed, the concatenated
 metadata on the device and the host ranges to copy, and extends them as later ones are
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from ..pools import can_pin
 from . import _paged
 from ._streams import current_stream
 
@@ -71,13 +71,6 @@ class StoredGroup:
         self.runs: list[list] = []  # [chunk, offset in chunk, bytes, staging offset, view]
 
 
-def _failed(sl) -> RuntimeError:
-    return _paged.SliceNotStored(
-        f"compressed store: a slice of {sl.n} pages did not fit the host arena; its data was "
-        "not stored"
-    )
-
-
 def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     """Cache the metadata of the stored tensors after ``group.known`` whose slices are all
     placed, in order, stopping at the first that is not."""
@@ -92,7 +85,7 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
             break
         for sl in stored.slices:
             if sl.base < 0:
-                raise _failed(sl)
+                raise _paged.SliceNotStored(sl.n)
             k, off = divmod(sl.base, chunk)
             last = group.runs[-1] if group.runs else None
             if last is not None and last[0] == k and last[1] + last[2] == off:
@@ -111,14 +104,10 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     group.known = at
     if not rels:
         return
-    # one add for all the new slices: offsets relative to each slice's base -> into staging.
-    # The shifts go up from page-locked memory: a copy from pageable memory makes the host
-    # wait for the stream (measured: a restore per prefetch group made the step host-bound)
+    # one add for all the new slices: offsets relative to each slice's base -> into staging
     shift = torch.repeat_interleave(torch.tensor(shifts, dtype=torch.int64),
                                     torch.tensor(counts, dtype=torch.int64))
-    if device.type == "cuda" and can_pin():
-        shift = shift.pin_memory()
-    offsets = torch.cat(rels) + shift.to(device, non_blocking=True)
+    offsets = torch.cat(rels) + _paged.to_device(shift, device)
     new = (offsets, torch.cat(sizes), torch.cat(kinds))
     if group.meta is not None:
         new = tuple(torch.cat([old, t]) for old, t in zip(group.meta, new))
@@ -135,10 +124,8 @@ def restore_group(store, group: StoredGroup, out) -> None:
     from ..kernels.host_pack import fetch_from_host
 
     p, arena = store.page_size, store.arena
-    outs = list(out) if isinstance(out, (list, tuple)) else None
-    if outs is None and out.numel() != group.nbytes:
-        raise ValueError(f"out has {out.numel()} bytes, the group {group.nbytes}")
-    if outs is not None:
+    if isinstance(out, (list, tuple)):
+        outs = list(out)
         if group.ragged:
             raise ValueError("restore into separate outputs takes whole pages only")
         if [o.numel() for o in outs] != [s.nbytes for s in group.storeds]:
@@ -146,9 +133,17 @@ def restore_group(store, group: StoredGroup, out) -> None:
                              f"tensors of {[s.nbytes for s in group.storeds]}")
         if not outs:
             return
-        out = outs[0]
-    dev = out.device
-    stream = current_stream(dev) if out.is_cuda else None
+        dev = outs[0].device
+    else:
+        if out.numel() != group.nbytes:
+            raise ValueError(f"out has {out.numel()} bytes, the group {group.nbytes}")
+        dev = out.device
+        # a ragged group's tensors do not start P apart in out: their whole pages are decoded
+        # into their own parts of it, by row address (the partial last pages: below)
+        outs = ([out[start:start + stored.nbytes // p * p]
+                 for stored, start in zip(group.storeds, group.starts)]
+                if group.ragged else None)
+    stream = current_stream(dev) if dev.type == "cuda" else None
     arena.confirm()  # placements known by now (never waits)
     _absorb(store, group, dev)
 
@@ -157,7 +152,7 @@ def restore_group(store, group: StoredGroup, out) -> None:
     for stored in group.storeds[group.known:]:
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
-                raise _failed(sl)
+                raise _paged.SliceNotStored(sl.n)
             rest.append((sl, staged))
             staged += sl.total if sl.base is not None else sl.n * p
         pages += stored.nbytes // p
@@ -187,24 +182,10 @@ def restore_group(store, group: StoredGroup, out) -> None:
             meta = tuple(torch.cat([q[i] for q in parts]) for i in range(3))
         offsets, sizes, kinds = meta
         status = torch.empty(pages, dtype=torch.int32, device=dev)
-        if outs is not None:  # each page into its own tensor's row
+        if outs is not None:  # each tensor's pages into its own output (or part of out)
             _paged._decompress_rows(staging, offsets, sizes, kinds, outs, p, status)
-            store._count_failures(status, stream)
-            if stream is None:
-                arena.confirm()
-            return
-        if group.ragged:  # pages of different tensors are not P apart in out: decode aside
-            rows = torch.empty((pages, p), dtype=torch.uint8, device=dev)
         else:
-            rows = out.view(pages, p)
-        _paged._decompress_into(staging, offsets, sizes, kinds, rows, status)
-        if group.ragged:
-            first = 0
-            for stored, start in zip(group.storeds, group.starts):
-                n = stored.nbytes // p
-                if n:
-                    out[start:start + n * p].copy_(rows[first:first + n].view(-1))
-                first += n
+            _paged._decompress_into(staging, offsets, sizes, kinds, out.view(pages, p), status)
         store._count_failures(status, stream)
     if group.ragged:  # partial last pages travel as plain bytes
         for stored, start in zip(group.storeds, group.starts):
