@@ -2,6 +2,7 @@
 # The GPU machine's one script: GPU tests, sanitizer, benchmarks. Each stage fits one device call:
 #   bash bench/gpu_suite.sh tests      # kernel tests + million-page fuzz + compute-sanitizer memcheck
 #   bash bench/gpu_suite.sh others     # the rest of the GPU test suite (not slow)
+#   bash bench/gpu_suite.sh hooks      # the offload, module and integration GPU tests alone
 #   bash bench/gpu_suite.sh bench      # python -m bench (128 MiB corpora) + pipeline bench
 #   bash bench/gpu_suite.sh training   # activation-offload training step bench
 #   bash bench/gpu_suite.sh pipeline   # pipeline bench alone: default, and split (raw share 1)
@@ -47,6 +48,13 @@ others)
     timeout 540 python3 -m pytest -q -p no:cacheprovider tests -m "not fuzz and not slow" \
         $(for f in $KERNEL_TESTS; do echo --ignore "$f"; done) -rfE --durations=8 2>&1 \
         | tee -a "$OUT/tests_others.txt" | tail -n 20
+    ;;
+hooks)
+    # what the activation hooks and the store run on: a check after a change to them
+    header hooks | tee "$OUT/tests_hooks.txt"
+    timeout ${HOOKS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_offload_paged.py \
+        tests/test_offload.py tests/test_offload_tune.py tests/test_integrations.py -m "not slow" \
+        -rfE --durations=6 2>&1 | tee -a "$OUT/tests_hooks.txt" | tail -n 20
     ;;
 bench)
     header bench
