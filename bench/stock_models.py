@@ -507,24 +507,33 @@ _PG_THREADS = ("pt_gloo", "gloo_", "pt_nccl")
 def _join_process_group_threads() -> None:
     """Free the process group now, so that its threads are joined while the interpreter is
     whole. ``destroy_process_group`` unregisters it, but FSDP2's device mesh stays referenced
-    from DTensor's sharding-propagation cache, and with it the group and its threads. A gloo
-    worker drops each finished collective (and the Python tensors it holds) a little after
-    the caller moved on; a drop that starts just before the interpreter finalizes waits for
-    the GIL, is ended inside a destructor, and the process aborts ("terminate called without
-    an active exception"). A backend thread still alive here is reported on stderr."""
+    from DTensor's caches (the sharding propagator's, C++ and Python, and, on torch 2.11, the
+    redistribute planner's and ``functools`` caches of transforms and strategies), and with it
+    the group and its threads. A gloo worker drops each finished collective (and the Python
+    tensors it holds) a little after the caller moved on; a drop that starts just before the
+    interpreter finalizes waits for the GIL, is ended inside a destructor, and the process
+    aborts ("terminate called without an active exception"). A backend thread still alive
+    here is reported on stderr."""
+    import functools
+
     import torch
 
     clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear is not None:
         clear()
     try:
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _redistribute
 
-        prop = DTensor._op_dispatcher.sharding_propagator
-        prop.propagate_op_sharding.cache_clear()
-        prop._propagate_tensor_meta_cached.cache_clear()
+        _redistribute.clear_redistribute_planner_cache()
     except (ImportError, AttributeError):
         pass
+    # every functools cache of torch.distributed, wherever it lives (module, class, closure):
+    # which ones hold a mesh changes between torch releases
+    caches = [obj for obj in gc.get_objects() if type(obj) is functools._lru_cache_wrapper
+              and getattr(obj, "__module__", "").startswith("torch.distributed")]
+    for cache in caches:
+        cache.cache_clear()
+    del caches
     gc.collect()
     tasks = "/proc/self/task"
     if not os.path.isdir(tasks):
@@ -539,8 +548,15 @@ def _join_process_group_threads() -> None:
         if name.startswith(_PG_THREADS):
             left.append(name)
     if left:
-        print(f"stock_models: process-group threads outlived teardown: {sorted(left)}",
-              file=sys.stderr)
+        # torch 2.11 keeps the mesh through objects no Python object refers to (DTensor
+        # strategy tuples of its C++ dispatch; every cache above cleared, the C++ one's counters
+        # at zero): a leak of that release, not a reference of ours, and its runs exit 0
+        # (bench/results/h200x2_lifetimes_19e3aa2/). Reported, but on stderr only where torch
+        # is expected to let go (a check that our teardown stays complete).
+        known_leak = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
+        print(f"stock_models: process-group threads outlived teardown: {sorted(left)}"
+              + (" (torch < 2.13: DTensor's C++ dispatch keeps the mesh)" if known_leak else ""),
+              file=sys.stdout if known_leak else sys.stderr)
 
 
 if __name__ == "__main__":
