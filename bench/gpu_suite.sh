@@ -2,7 +2,8 @@
 # The GPU machine's one script: GPU tests, sanitizer, benchmarks. Each stage fits one device call:
 #   bash bench/gpu_suite.sh tests      # kernel tests + million-page fuzz + compute-sanitizer memcheck
 #   bash bench/gpu_suite.sh others     # the rest of the GPU test suite (not slow)
-#   bash bench/gpu_suite.sh hooks      # the offload, module and integration GPU tests alone
+#   bash bench/gpu_suite.sh hooks      # the offload and integration GPU tests alone
+#   TEST_FILES="tests/a.py tests/b.py" bash bench/gpu_suite.sh files   # those test files (not slow)
 #   bash bench/gpu_suite.sh bench      # python -m bench (128 MiB corpora) + pipeline bench
 #   bash bench/gpu_suite.sh training   # activation-offload training step bench
 #   bash bench/gpu_suite.sh pipeline   # pipeline bench alone: default, and split (raw share 1)
@@ -55,6 +56,11 @@ hooks)
     timeout ${HOOKS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_offload_paged.py \
         tests/test_offload.py tests/test_offload_tune.py tests/test_integrations.py -m "not slow" \
         -rfE --durations=6 2>&1 | tee -a "$OUT/tests_hooks.txt" | tail -n 20
+    ;;
+files)
+    header files | tee "$OUT/tests_files.txt"
+    timeout ${FILES_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider ${TEST_FILES:?} -m "not slow" \
+        -rfE --durations=6 2>&1 | tee -a "$OUT/tests_files.txt" | tail -n 20
     ;;
 bench)
     header bench

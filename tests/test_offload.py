@@ -733,12 +733,12 @@ def test_a_failing_batched_restore_falls_back_one_by_one_and_stays_off():
             self.restore_event = self.error = None
 
     part = [Entry(Store(SliceNotStored("did not fit"))) for _ in range(2)]
-    off._restore_batch(part, None)
-    assert len(calls) == 2 and off._batch_restores
+    off._backward.restore_batch(part, None)
+    assert len(calls) == 2 and off._backward.batch_restores
     part = [Entry(Store(RuntimeError("no kernel image"))) for _ in range(3)]
     with pytest.warns(UserWarning, match="batched restores off"):
-        off._restore_batch(part, None)
-    assert len(calls) == 5 and not off._batch_restores
+        off._backward.restore_batch(part, None)
+    assert len(calls) == 5 and not off._backward.batch_restores
 
 
 @needs_cuda

@@ -543,5 +543,5 @@ def test_gpu_batch_size_reaches_host_by_kernel_or_copy(publish, gen, monkeypatch
         assert torch.equal(pc.restore(h), s)
     pc.synchronize()
     warned = [w for w in recwarn.list if "kernel stores to pinned memory" in str(w.message)]
-    assert pc.pipeline._publish is (publish == "kernel")
+    assert pc.pipeline._gpu.publish is (publish == "kernel")
     assert len(warned) == (publish == "copy")

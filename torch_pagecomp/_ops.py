@@ -141,8 +141,8 @@ def pack(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
 # ------------------------------------------------------------------- eager entry points
 # For eager callers that enqueue on their own streams (the pipeline): the same kernels and
 # results as the ops above, without the operator dispatch and with the kernel launched directly
-# (measured on an H200 host: ~140 us of host time per op call, about half of it the dispatch),
-# which bounds how fast small batches can be issued. Not traceable: never call from a model.
+# (the dispatch is a large share of an op call's host time, which bounds how fast small batches
+# can be issued). Not traceable: never call from a model.
 def compress_eager(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """As ``torch.ops.pagecomp.compress``."""
     fmt.check_compress_args(pages, element_size)

@@ -68,8 +68,8 @@ def gpu_status() -> GpuStatus:
 
 def direct_launch_ok(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether an eager call on the GPU may launch the kernels itself instead of going through
-    the ``torch.ops.pagecomp`` dispatch (same kernels, same results; on an H200 host the
-    dispatch of torch 2.11 costs ~300 us per call, more than the decode of 64 MiB). Never under
+    the ``torch.ops.pagecomp`` dispatch (same kernels, same results; the dispatch's host time
+    per call can exceed the decode's own GPU time). Never under
     ``torch.compile``, a dispatch mode (``make_fx``, fake tensors) or a tensor subclass: those
     see the ops."""
     if torch.compiler.is_compiling() or interpreting():

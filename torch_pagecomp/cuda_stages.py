@@ -1,32 +1,42 @@
-"""The GPU stages of the pipeline, enqueued on its five streams (a mixin of ``Pipeline``).
+"""The GPU stages of the pipeline, enqueued on its five streams (``CudaStages``, owned by
+``Pipeline``).
+
+``Pipeline`` runs the ring (slots, threads, back-pressure, completion); ``CudaStages`` enqueues
+one batch's device work and is handed, when made, exactly what that needs: the streams, the
+pools and arena, the page geometry and the bypass policy. It keeps no ring state, so the ring
+can change without reaching into this module and the other way round.
 
 Every device operation here runs inside an explicit ``torch.cuda.stream`` context of one of the
 pipeline's streams (``h2d``, ``compute``, ``d2h``, ``d2h_raw``, ``d2h_meta``), never on whatever
 stream the calling thread has current; cross-stream order comes from the slot's events and the
 caller's events.
 
-Device-to-host copies share one copy engine, which served them in the order they were queued
-(measured at 2c29bf1: a batch's 256 KiB metadata copy waited for the whole of a raw batch's
-chunked 64 MiB download queued before it). So nothing the issuer waits for goes through it: a
-batch's packed size ``T`` reaches pinned host memory by a one-program kernel store on the compute
-stream (``publish_to_host``), and the issuer queues the download of batch ``k`` (payload and
-metadata, four copies on ``d2h``) while batch ``k - 1``'s is still on the link. With ``T`` sent
-by a copy instead (``d2h_meta``), the issuer learnt it only after the previous download ended,
-and the link idled while the host reacted: a 12-block GPT step's offload moved 64 MiB batches
-every 1.87 ms against 0.93 ms of copy (H200, ``dev_training_profile``).
+Device-to-host copies share one copy engine, which serves them in the order they were queued:
+a batch's small metadata copy waits for every larger download queued before it (a raw batch's
+whole chunked download, say). So nothing the issuer waits for goes through it: a batch's packed
+size ``T`` reaches pinned host memory by a one-program kernel store on the compute stream
+(``publish_to_host``), and the issuer queues the download of batch ``k`` (payload and metadata,
+four copies on ``d2h``) while batch ``k - 1``'s is still on the link. With ``T`` sent by a copy
+instead (``d2h_meta``), the issuer learns it only after the previous download ended, and the
+link idles between batches while the host reacts.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ._ops import compress_eager, decompress_into_eager, pack_eager, publish_total_eager
-from .storage import BlobLayout, StoredBatch
+from .pools import DeviceBufferPool, HostArena, PinnedBufferPool
+from .storage import BlobLayout, StoredBatch, meta_capacity
 
-RAW_CHUNK = 4 << 20  # bytes per copy of a raw batch's download (see CudaStages._issue_raw)
+if TYPE_CHECKING:  # pipeline imports this module: the ring's types are for annotations only
+    from .pipeline import _Job
+
+RAW_CHUNK = 4 << 20  # bytes per copy of a raw batch's download (see CudaStages.issue_raw)
 
 
 class RawBypass:
@@ -41,9 +51,9 @@ class RawBypass:
       than the copy engine moving its output (link ``B``, ratio ``r``), a share
       ``f = a / (a + 1/B)``, ``a = 1/K - 1/(rB)``, of the batches (at most ``max_raw_share``;
       :meth:`split`) goes raw so that both engines stay busy: faster, at the cost of ratio.
-      Whole batches: splitting each batch in two (db69570) doubled the caller's work per byte
-      (~0.4 ms of host time per part) and made a 1 GiB offload of mixed memory host-bound
-      (40.4 GB/s against 51.8 with whole batches, H200).
+      Whole batches, not a split of each batch: two parts per batch double the caller's host
+      work per byte (each part is a full enqueue), which makes a large offload of mixed data
+      bound by the host rather than by the kernel or the link.
     """
 
     def __init__(self, enabled: bool, bypass: bool = True, max_raw_share: float = 0.0,
@@ -123,10 +133,54 @@ class RawBypass:
                 self._ema(key, "link", nbytes / download_ms)
 
 
-class CudaStages:
-    """Upload, kernel and download of one batch on a GPU (see ``pipeline.Pipeline``)."""
+class CudaStreams(NamedTuple):
+    """The pipeline's five streams, one per kind of device work (see the module docstring).
+    Work on different streams is ordered only by the events the stages record and wait for,
+    so one batch's upload, another's kernel and a third's download run at once."""
 
-    def _enqueue_compress(self, job, src, lo, hi, element_size, producer) -> None:
+    h2d: torch.cuda.Stream  # uploads
+    compute: torch.cuda.Stream  # kernels (and device-side copies of a partial batch)
+    d2h: torch.cuda.Stream  # kernel batches' downloads
+    d2h_raw: torch.cuda.Stream  # raw batches' downloads
+    d2h_meta: torch.cuda.Stream  # T by copy, where kernels cannot store to pinned memory
+
+
+class CudaStages:
+    """Upload, kernel and download of one batch on a GPU, for ``pipeline.Pipeline``.
+
+    The pipeline makes one and keeps it; everything the stages touch besides the batch itself
+    (its job, slot and source) is given here. ``arena``, ``staging``, ``device_pool`` and
+    ``bypass`` are the pipeline's own objects, shared, not copies: the pipeline's completer
+    gives the batches' buffers back to the same pools, and ``bypass``'s ``max_raw_share`` is
+    read at each raw batch. The only state of its own that changes is ``publish``.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        streams: CudaStreams,
+        page_size: int,
+        batch_pages: int,
+        arena: HostArena,
+        staging: PinnedBufferPool,
+        device_pool: DeviceBufferPool,
+        bypass: RawBypass,
+    ) -> None:
+        self.device = device
+        self.h2d, self.compute, self.d2h, self.d2h_raw, self.d2h_meta = streams
+        self.page_size = page_size
+        self.batch_pages = batch_pages
+        self.arena = arena
+        self.staging = staging
+        self.device_pool = device_pool
+        self.bypass = bypass
+        # a device buffer holds a batch's pages, or an uploaded blob (payload and metadata)
+        self.dev_bytes = batch_pages * page_size + meta_capacity(batch_pages) + 64
+        # kernels store T to pinned memory (off after the first failure: _publish_total)
+        self.publish = True
+
+    def enqueue_compress(self, job: _Job, src: torch.Tensor, lo: int, hi: int,
+                         element_size: int, producer: torch.cuda.Event | None) -> None:
         """Caller's thread: upload (host source or a partial last batch) and kernels, all on
         the pipeline's own streams (never the caller's current stream)."""
         p, n, slot = self.page_size, job.n_pages, job.slot
@@ -167,7 +221,7 @@ class CudaStages:
             payload, sizes, kinds = compress_eager(pages, element_size)
             packed, offsets = pack_eager(payload, sizes, zero_tail=False)  # T bytes go down
             slot.record("k_c", self.compute)
-            if self._publish:  # T to the host by a kernel: the copy engine is the link's
+            if self.publish:  # T to the host by a kernel: the copy engine is the link's
                 self._publish_total(offsets[n:], slot.total)
                 slot.record("k_e", self.compute)
         if "k_e" not in slot.recorded:  # no kernel stores to host memory here: copy T
@@ -187,12 +241,12 @@ class CudaStages:
         try:
             publish_total_eager(src, dst)
         except Exception as exc:  # noqa: BLE001 - the copy path is always there
-            self._publish = False
+            self.publish = False
             warnings.warn(f"pagecomp: kernel stores to pinned memory failed ({exc}); the "
                           "batch sizes go to the host by copy (downloads then queue behind "
                           "each other's size)", stacklevel=3)
 
-    def _device_buffer(self, writer) -> torch.Tensor:
+    def _device_buffer(self, writer: torch.cuda.Stream) -> torch.Tensor:
         """A pooled device buffer for a batch whose first write is on stream ``writer``.
 
         A pooled buffer is idle (its last batch completed on the host). A new one is allocated
@@ -203,7 +257,10 @@ class CudaStages:
         with torch.cuda.stream(writer):
             return self.device_pool.acquire(self.dev_bytes)
 
-    def _issue_download(self, job) -> None:
+    def issue_download(self, job: _Job) -> None:
+        """Issuer thread: once the batch's kernels stored ``T`` on the host, carve an
+        exact-size block from the arena and queue the download (payload and metadata) on
+        ``d2h``; the block is the batch's in its storage from here on."""
         slot, n = job.slot, job.n_pages
         slot.events["k_e"].synchronize()
         lay = BlobLayout.of(n, int(slot.total[0]))
@@ -220,7 +277,7 @@ class CudaStages:
         job.stored, job.payload_bytes = lay.total, lay.payload_bytes
         job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page))
 
-    def _issue_raw(self, job) -> None:
+    def issue_raw(self, job: _Job) -> None:
         """An incompressible stream's batch: download the pages as they are (RAW pages, the
         metadata written on the host), no kernel. Ordered after the producer.
 
@@ -251,7 +308,12 @@ class CudaStages:
         job.stored, job.payload_bytes = lay.total, lay.payload_bytes
         job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page, True))
 
-    def _enqueue_decompress(self, job, sb, out, statuses, start) -> None:
+    def enqueue_decompress(self, job: _Job, sb: StoredBatch, out: torch.Tensor,
+                           statuses: list, start: torch.cuda.Event) -> None:
+        """Caller's thread: upload one stored batch and decode it into its pages of ``out``
+        (an all-RAW batch is uploaded straight into ``out``, no kernel); appends the batch's
+        per-page status tensor to ``statuses``. ``start``: recorded on the caller's stream,
+        which may still be using ``out``."""
         p, slot, lay, n = self.page_size, job.slot, sb.layout, sb.layout.n_pages
         lo = sb.first_page * p
         hi = min(out.numel(), lo + n * p)

@@ -37,8 +37,8 @@ from .timing import overlapping_slots
 def default_batch_pages(device: torch.device, page_size: int) -> int:
     """Pages per batch: ~512 KiB per multiprocessor (8..64 MiB, <= 1/256 of the card's
     memory) on a GPU; 1 MiB on the CPU. A batch fills the card several times over and its
-    kernel outlasts the host's work to issue it (~0.4 ms per batch measured on an H200 host:
-    at 256 KiB per multiprocessor a restore was host-bound), while three slots stay small."""
+    kernel outlasts the host's work to issue it (with much smaller batches a restore is bound
+    by the host's launch time), while three slots stay small."""
     if device.type != "cuda":
         return max(1, (1 << 20) // page_size)
     props = torch.cuda.get_device_properties(device)
@@ -251,10 +251,10 @@ class PageCompressor(torch.nn.Module):
             engine busy while the kernel is the bottleneck: 0 (default) puts ratio first, 1
             speed first (host memory then shrinks less).
         stream_priority: CUDA priority of the compressor's streams (lower is higher, clamped to
-            the card's range, e.g. -5..0 on H100): with a negative value its kernels' thread
-            blocks are scheduled ahead of default-priority work queued beside them. (In the
-            training bench's link-bound step it changed nothing measurable: the kernels rarely
-            meet the model's, ``bench/results/h200_1feff4d/``.)
+            the device's range, 0 down to a few negative levels): with a negative value its
+            kernels' thread blocks are scheduled ahead of default-priority work queued beside
+            them. (It matters only where the kernels run beside the model's; in a link-bound
+            step they rarely do.)
 
     A copy or an unpickled one is a fresh ``PageCompressor`` built from these same arguments
     (``device=None`` resolves again where it is built), with nothing offloaded. ``with

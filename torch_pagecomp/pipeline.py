@@ -47,9 +47,9 @@ from enum import Enum
 
 import torch
 
-from .cuda_stages import CudaStages, RawBypass
+from .cuda_stages import CudaStages, CudaStreams, RawBypass
 from .pools import ALIGN, DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
-from .storage import BlobLayout, Storage, StoredBatch, detached_error, meta_capacity
+from .storage import BlobLayout, Storage, StoredBatch, detached_error
 from .timing import BatchTiming, TimingLog
 
 EXIT_TIMEOUT_S = 10.0  # at interpreter exit, for all pipelines together
@@ -85,7 +85,7 @@ class Slot:
         self.cpu_stage: SlotState = SlotState.FREE
         self.events = {k: torch.cuda.Event(enable_timing=True) for k in _STAGES} if cuda else {}
         self.recorded: set[str] = set()
-        # an offload batch's packed size, stored here by a kernel (cuda_stages: publish)
+        # an offload batch's packed size, stored here by a kernel (CudaStages.publish)
         self.total = torch.zeros(1, dtype=torch.int64, pin_memory=True) if cuda else None
 
     def record(self, name: str, stream) -> None:
@@ -133,12 +133,16 @@ class _Job:
     issued: float = -1.0  # ... when the issuer had queued its download
 
 
-class Pipeline(CudaStages):
+class Pipeline:
     """A ring of ``slots`` slots moving batches of ``batch_pages`` pages of ``page_size`` bytes.
 
     ``max_inflight_bytes`` bounds the uncompressed bytes of offload batches in flight (pinned
     landing space); producers wait for earlier batches (back-pressure). ``stream_priority``: the
     CUDA priority of the pipeline's streams (lower is higher; see ``PageCompressor``).
+
+    On a GPU the device work of a batch (upload, kernels, download) is enqueued by ``_gpu``, a
+    :class:`CudaStages` made here from this pipeline's streams, pools and arena; the pipeline
+    keeps the ring, the threads and the bookkeeping, and calls it at each stage.
     """
 
     def __init__(
@@ -171,16 +175,22 @@ class Pipeline(CudaStages):
         self._detached = 0  # offload batches downloading outside the ring (see _detach)
         self._spare: list[Slot] = []  # slots (event sets) of completed detached batches
         self._cond = threading.Condition()
-        self._publish = True  # kernels store T to pinned memory (cuda_stages._publish_total)
-        self.dev_bytes = batch_pages * page_size + meta_capacity(batch_pages) + 64
+        self._gpu: CudaStages | None = None  # the device stages (GPU only)
         if self.cuda:
             with torch.cuda.device(self.device):
-                self.h2d, self.compute, self.d2h, self.d2h_raw, self.d2h_meta = (
-                    torch.cuda.Stream(priority=stream_priority) for _ in range(5)
+                streams = CudaStreams(
+                    *(torch.cuda.Stream(priority=stream_priority) for _ in range(5))
                 )
+                # kept here too: a restore orders against ``compute``, and ``PageCompressor``
+                # marks a source tensor as used on the streams that read it
+                self.h2d, self.compute, self.d2h, self.d2h_raw, self.d2h_meta = streams
                 self.epoch = torch.cuda.Event(enable_timing=True)
                 self.epoch.record(self.compute)
                 self.timing.epoch = time.perf_counter()  # the host clock's zero, roughly
+            self._gpu = CudaStages(
+                self.device, streams, self.page_size, self.batch_pages, self.arena,
+                self.staging, self.device_pool, self.bypass,
+            )
         self._issue_q: queue.Queue = queue.Queue()
         self._done_q: queue.Queue = queue.Queue()
         self._raw_done_q: queue.Queue = queue.Queue()  # raw batches, completed independently
@@ -296,9 +306,9 @@ class Pipeline(CudaStages):
         caller may queue the next batch's kernel while this one downloads; the job keeps its
         slot, whose events time the download, until it completes.
 
-        Without this a ring of three held every batch through kernel, download and the host's
-        notice of both, and refilled only after the oldest completed: the link idled ~1 ms
-        every three batches (``bench/results/h200_6c8095f/trace_bf16_44e7ca4.txt``)."""
+        Without this a ring of three holds every batch through kernel, download and the host's
+        notice of both, and refills only after the oldest completed: the link idles once every
+        three batches, for as long as the host takes to notice and queue the next kernel."""
         with self._cond:
             old = job.slot
             new = self._spare.pop() if self._spare else Slot(old.index, self.cuda)
@@ -373,9 +383,9 @@ class Pipeline(CudaStages):
             if route == "raw":  # issued here, on its own stream and slot ring
                 job.raw, job.producer = True, producer
                 job.work = (src, lo, hi, element_size)
-                self._issue_raw(job)
-            elif self.cuda:
-                self._enqueue_compress(job, src, lo, hi, element_size, producer)
+                self._gpu.issue_raw(job)
+            elif self._gpu is not None:
+                self._gpu.enqueue_compress(job, src, lo, hi, element_size, producer)
             else:
                 job.work = (src, lo, hi, element_size)
             job.submitted = self.timing.host_ms(time.perf_counter())
@@ -435,7 +445,7 @@ class Pipeline(CudaStages):
                     job = _Job("restore", slot, storage, b, n, n * p)
                     slot.job = job
                     try:
-                        self._enqueue_decompress(job, sb, out, statuses, start)
+                        self._gpu.enqueue_decompress(job, sb, out, statuses, start)
                     except BaseException as exc:
                         self._fail(job, exc)
                         raise
@@ -527,10 +537,10 @@ class Pipeline(CudaStages):
             if self._cancel_reason is not None:
                 raise PipelineStopped(self._cancel_reason)
             if job.raw:
-                self._issue_raw(job)
-            elif self.cuda:
+                self._gpu.issue_raw(job)
+            elif self._gpu is not None:
                 self._wait_download_room()
-                self._issue_download(job)
+                self._gpu.issue_download(job)
                 self._detach(job)
             else:
                 self._cpu_compress(job)

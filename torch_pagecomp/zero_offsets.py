@@ -3,7 +3,7 @@ enforce (it copies zeros instead), found for many blocks at once with numpy.
 
 The blocks' sequence headers are walked in lockstep: one step moves every block from one token
 to the next with a handful of numpy calls over all blocks, so the cost is a few numpy element
-operations per sequence instead of a Python loop (~0.3 us) per sequence. A token with a length
+operations per sequence instead of a pass of a Python loop per sequence. A token with a length
 extension byte (about one in six) parks its block until the next fix-up step, which reads the
 extensions of all parked blocks together. When few blocks are left, a Python loop finishes
 them (a numpy step costs about the same for one block as for a thousand).

@@ -65,7 +65,7 @@ def bitshuffle_page_wide(src, dst, P: tl.constexpr, E: tl.constexpr, GCH: tl.con
     """:func:`bitshuffle_page` (same bytes) reading 64-bit words instead of bytes: a group's
     ``8E`` bytes are ``E`` words (word ``m``: elements ``8g + (8/E)m ..``); byte lane ``k`` of
     its 8 elements is gathered by :func:`_compact_bytes`. ``src`` must be 8-byte aligned.
-    The planes are still written as bytes: 64-bit stores were measured no faster."""
+    The planes are still written as bytes: 64-bit stores are no faster."""
     GROUPS: tl.constexpr = P // (8 * E)
     M: tl.constexpr = 8 // E  # elements per word
     src64 = src.to(tl.pointer_type(tl.int64))

@@ -20,8 +20,8 @@ One kernel per slice, :func:`pack_slice`, a few persistent programs on one strea
   ``chunk + base % CHUNK + offset``, 16-byte aligned words; stores from a handful of SMs keep
   the link busy while the rest of the GPU computes.
 
-(Planning in its own one-program launch cost the host one more launch per slice, ~50 us of
-host time per saved tensor in the activation hooks.)
+(Planning in the same launch spares the host a second launch per slice, a cost the activation
+hooks would pay for every saved tensor.)
 
 A slice comes back the same way: :func:`fetch_from_host` (a few persistent programs) reads
 its ``total`` bytes from the chunk into a device buffer, taking ``base``/``total`` from the
@@ -109,8 +109,8 @@ def _fetch_from_host_kernel(dst_ptr, desc_ptr, table_ptr, CHUNK: tl.constexpr,
 
 
 def link_programs(device: torch.device) -> int:
-    """Programs of the kernels that move bytes over the link: a quarter of an H100's SMs
-    reach ~90% of a copy engine's rate, and leave the rest of the GPU to the model."""
+    """Programs of the kernels that move bytes over the link: a few dozen programs come close
+    to a copy engine's rate and leave the rest of the GPU to the model."""
     if device.type != "cuda" or interpreting():
         return 2
     return 32

@@ -4,7 +4,7 @@ Inside a ``triton_op`` (``torch.ops.pagecomp.*``) a kernel goes through ``wrap_t
 ``torch.compile`` and ``make_fx`` can trace it; in eager mode the op turns that off and the kernel
 launches directly. An eager caller that calls a launcher itself (the pipeline, on its own streams)
 passes ``traced=False``: a ``wrap_triton`` kernel called outside an op goes through PyTorch's
-higher-order-op dispatch, measured at ~200 us of host time per launch on an H200 host.
+higher-order-op dispatch, which costs several times a direct launch's host time.
 
 A direct launch goes through ``JITFunction.run`` once per specialisation and then calls the
 compiled kernel's launcher itself (:func:`_launch_compiled`): ``JITFunction.run`` rebinds the

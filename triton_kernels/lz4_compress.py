@@ -649,8 +649,8 @@ class CompressConfig:
 
 @functools.cache
 def compress_config(page_size: int, element_size: int) -> CompressConfig:
-    """The compressor's settings for ``page_size`` and ``element_size`` (the measurements behind
-    them: ``bench/results/README.md``).
+    """The compressor's settings for ``page_size`` and ``element_size``: each trades ratio
+    against speed as follows.
 
     Plain bytes: 128-position windows, 2 known words, a hash table of ``min(log2 P, 14) - 1``
     bits (2048 entries for 4 KiB pages), the lazy step and the backward extension (which win

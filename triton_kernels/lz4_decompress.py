@@ -92,7 +92,8 @@ class ShuffledDecodeConfig:
 
 @functools.cache
 def _configs(page_size: int, interpret: bool) -> tuple[DecodeConfig, ShuffledDecodeConfig]:
-    # Shuffled pages take longer runs per step than plain ones (measured: bench/results/).
+    # Shuffled pages take longer runs per step than plain ones: their planes hold long matches,
+    # while a plain page's short ones would leave most of a long step idle.
     # The interpreter pays per operation, not per byte: long steps, and it runs no inline PTX.
     plain = DecodeConfig(PAGE=page_size, VEC_BYTES=32, RUN_BYTES=256 if interpret else 64,
                          EXT_BYTES=32, RAW_BYTES=1024, PREFETCH_L1=not interpret, num_warps=1)

@@ -31,8 +31,7 @@ own layer classes, kept uncompressed on the device (like ``offload_only_non_slid
 
 Attention gets the same keys and values as from ``DynamicCache``, bit for bit and in the same
 layout (contiguous ``[B, H, T, D]``, as its ``torch.cat``), so the generated tokens are the same
-wherever the model's own kernels give the same logits for the same inputs (see the README and
-``bench/hf_generate.py --check-kv``).
+wherever the model's own kernels give the same logits for the same inputs (see the README).
 """
 
 from __future__ import annotations

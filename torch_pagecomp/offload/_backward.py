@@ -1,9 +1,15 @@
 """The backward half of :class:`torch_pagecomp.offload.ActivationOffloader`: unpack, prefetch
-by group, restores on a side stream and the end-of-backward clean-up."""
+by group, restores on a side stream and the end-of-backward clean-up.
+
+:class:`Backward` is a part the offloader owns (``offloader._backward``): it keeps what only the
+backward uses (the autograd graph tasks it watches, whether restores are batched, the decode
+failures already reported) and reaches the offloader's shared state (lock, stash, entries,
+stores, counters) through a weak reference, so the two never form a reference cycle."""
 
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
@@ -14,16 +20,28 @@ from ._paged_group import StoredGroup
 from ._streams import current_stream, on_stream
 
 
-class BackwardMixin:
-    """Needs the offloader's state: ``_lock``, ``_stash``, ``_live``, ``_passes``, ``_tasks``,
-    ``_paged``, ``prefetch``, ``counters`` and ``_poll/_release/_stream``."""
+class Backward:
+    """Unpack and restore for one :class:`ActivationOffloader` (see the module docstring)."""
 
-    def _unpack(self, packed):
+    def __init__(self, offloader):
+        self._owner = weakref.ref(offloader)
+        self.tasks: set[int] = set()  # autograd graph tasks whose end is watched
+        self.batch_restores = True  # off for good if the batched decode ever fails to run
+        self.failed_restores_seen = 0
+
+    @property
+    def off(self):
+        """The offloader (alive while its hooks can call this)."""
+        return self._owner()
+
+    def unpack(self, packed):
+        """The saved-tensor unpack hook: the tensor, restored or served from the stash."""
+        off = self.off
         capturing = _capturing()
         if isinstance(packed, torch.Tensor):  # kept: still, the first unpack starts prefetching
             task = torch._C._current_graph_task_id()
-            if self.prefetch and not capturing and task not in self._tasks:
-                with self._lock:
+            if off.prefetch and not capturing and task not in self.tasks:
+                with off._lock:
                     self._watch_backward()
             return packed
         if capturing:  # no side-stream work inside a CUDA graph capture
@@ -33,22 +51,22 @@ class BackwardMixin:
                     "CUDA graph capture; run the captured forward under keep_on_gpu()"
                 )
             return packed.view(packed.entry.src.untyped_storage())
-        with self._lock:
+        with off._lock:
             entry = packed.entry
             self._watch_backward()
-            self._poll()
+            off._poll()
             if entry.src is not None:
-                self.counters["served_from_stash"] += 1
+                off.counters["served_from_stash"] += 1
                 entry.served = True
                 storage = entry.src.untyped_storage()
-                if entry.ready() and entry in self._stash:  # its host copy is complete
-                    self._stash.remove(entry)
-                    self._release(entry, wait=False, keep_served=True)
+                if entry.ready() and entry in off._stash:  # its host copy is complete
+                    off._stash.remove(entry)
+                    off._release(entry, wait=False, keep_served=True)
                 return packed.view(storage)
-            self._prefetch(entry)
+            self._prefetch_from(entry.pass_, entry.group, entry)
             if entry.restored is None:
-                self.counters["restored_on_demand"] += 1
-                self._restore([entry])
+                off.counters["restored_on_demand"] += 1
+                self.restore([entry])
         entry.check_restored()
         if entry.restore_event is not None:
             current = current_stream(entry.device)
@@ -58,14 +76,12 @@ class BackwardMixin:
             entry.waited = True
         return packed.view(entry.restored.untyped_storage())
 
-    def _prefetch(self, entry: _Entry) -> None:
-        self._prefetch_from(entry.pass_, entry.group, entry)
-
     def _prefetch_tail(self) -> None:
         """At the start of a backward: restore the last groups of the latest forward (so kept
         blocks' backward hides the first restores)."""
-        ps = self._last_pass() if self._last_pass is not None else None
-        if ps is None or not self.prefetch:
+        off = self.off
+        ps = off._last_pass() if off._last_pass is not None else None
+        if ps is None or not off.prefetch:
             return
         for k in range(len(ps.groups) - 1, -1, -1):
             if any(r() is not None for r in ps.groups[k]):
@@ -74,9 +90,10 @@ class BackwardMixin:
 
     def _prefetch_from(self, ps, group: int, entry: _Entry | None) -> None:
         """Restore groups ``group .. group - prefetch`` of pass ``ps`` (not yet issued)."""
-        if self.prefetch == 0:
+        off = self.off
+        if off.prefetch == 0:
             return
-        for k in range(group, max(-1, group - self.prefetch - 1), -1):
+        for k in range(group, max(-1, group - off.prefetch - 1), -1):
             if ps.issued[k]:
                 continue
             ps.issued[k] = True
@@ -86,10 +103,10 @@ class BackwardMixin:
                 if e is not None and e.src is None and e.restored is None and e.stored is not None:
                     todo.append(e)
             if todo:  # one group at a time (batched restores stay within a group)
-                self.counters["restored_prefetch"] += len(todo) - (entry in todo)
-                self._restore(todo)
+                off.counters["restored_prefetch"] += len(todo) - (entry in todo)
+                self.restore(todo)
 
-    def _restore(self, entries: list[_Entry]) -> None:
+    def restore(self, entries: list[_Entry]) -> None:
         """Start restoring ``entries`` (in this order) into buffers allocated on each entry's
         compute stream; a side stream writes them after that stream's work so far.
 
@@ -108,13 +125,13 @@ class BackwardMixin:
                 continue
             with on_stream(e.stream):
                 e.restored = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
-            if (self._batch_restores and isinstance(e.stored, PagedStored)
+            if (self.batch_restores and isinstance(e.stored, PagedStored)
                     and e.nbytes % e.stored.page_size == 0):
                 batches.setdefault((id(e.store), e.stream), []).append(e)
         part_of = {id(e): part for batch in batches.values() for part in _split(batch)
                    if len(part) > 1 for e in part}
         gpu_streams = {e.stream for e in entries if e.device.type == "cuda"}
-        side = self._stream(entries[0].device, "h2d") if gpu_streams else None
+        side = self.off._stream(entries[0].device, "h2d") if gpu_streams else None
         with on_stream(side):
             for s in gpu_streams:  # the buffers were allocated there
                 side.wait_stream(s)
@@ -123,9 +140,11 @@ class BackwardMixin:
                 if part is None:
                     self._restore_one(e, side)
                 elif e is part[0]:
-                    self._restore_batch(part, side)
+                    self.restore_batch(part, side)
 
-    def _restore_batch(self, part: list[_Entry], side) -> None:
+    def restore_batch(self, part: list[_Entry], side) -> None:
+        """Restore ``part`` (compressed, one store and stream) with one group restore; if the
+        batched decode cannot run, turn batching off and restore them one by one."""
         first = part[0]
         try:
             first.store.restore_group(StoredGroup(first.stored.page_size,
@@ -133,7 +152,7 @@ class BackwardMixin:
                                       [e.restored for e in part])
         except Exception as exc:  # noqa: BLE001 - one by one: only a failing tensor raises
             if not isinstance(exc, SliceNotStored):  # the batched decode itself failed
-                self._batch_restores = False
+                self.batch_restores = False
                 warnings.warn(f"activation offload: batched restores off after {exc!r}; "
                               "tensors are restored one by one", stacklevel=2)
             for e in part:
@@ -153,36 +172,39 @@ class BackwardMixin:
 
     def _watch_backward(self) -> None:
         task = torch._C._current_graph_task_id()
-        if task != -1 and task not in self._tasks:
-            self._tasks.add(task)
+        if task != -1 and task not in self.tasks:
+            self.tasks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._end_backward(task)
             )
             self._prefetch_tail()
 
     def _end_backward(self, task: int) -> None:
-        with self._lock:
-            self._tasks.discard(task)
-            for ps in list(self._passes):
+        off = self.off
+        if off is None:  # the offloader is gone: nothing of it is left to clean up
+            return
+        with off._lock:
+            self.tasks.discard(task)
+            for ps in list(off._passes):
                 ps.issued = [False] * len(ps.issued)
-            for e in list(self._live):
+            for e in list(off._live):
                 e.drop_restored()
-            while self._stash:
-                self._release(self._stash.popleft(), wait=True)
-            for e in list(self._failed):
+            while off._stash:
+                off._release(off._stash.popleft(), wait=True)
+            for e in list(off._failed):
                 e.src = None
-            self._failed.clear()
-            self._poll()
-            for store in self._paged.values():
+            off._failed.clear()
+            off._poll()
+            for store in off._paged.values():
                 store.arena.shrink()
         self._check_restores()
 
     def _check_restores(self) -> None:
         """Raise if a compressed restore failed to decode (seen without a host sync, so at the
         end of this backward or, at the latest, of the next one)."""
-        failed = sum(store.failed_restores() for store in self._paged.values())
-        if failed > self._failed_restores_seen:
-            self._failed_restores_seen = failed
+        failed = sum(store.failed_restores() for store in self.off._paged.values())
+        if failed > self.failed_restores_seen:
+            self.failed_restores_seen = failed
             raise CorruptPageError(
                 [], [], f"{failed} page(s) of offloaded activations failed to decode on restore"
             )

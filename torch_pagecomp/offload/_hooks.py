@@ -38,7 +38,7 @@ import torch
 
 from ..format import dtype_element_size
 from ..pools import PinnedBufferPool, can_pin
-from ._backward import BackwardMixin
+from ._backward import Backward
 from ._entry import (
     _capturing,
     _Entry,
@@ -58,7 +58,7 @@ from ._tune import StepTuner
 MODES = ("compressed", "uncompressed")
 
 
-class ActivationOffloader(BackwardMixin):
+class ActivationOffloader:
     """Saved-tensor hooks that offload activations; use as a (reusable) context manager.
 
     Args:
@@ -132,7 +132,6 @@ class ActivationOffloader(BackwardMixin):
         self._cpu = CpuStore(compress=False)
         self._cpu_compressed = CpuStore(compress=True, page_size=page_size)
         self._paged: dict[int, PagedStore] = {}
-        self._failed_restores_seen = 0
         self._last_error: str | None = None  # the latest offload that failed (kept in place)
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self._lock = threading.RLock()
@@ -147,7 +146,6 @@ class ActivationOffloader(BackwardMixin):
         self._last_pass: weakref.ref | None = None
         self._depth = 0
         self._hooks = None
-        self._tasks: set[int] = set()
         self._keep_ptrs: set[int] = set()
         self._keep_modules: list[torch.nn.Module] = []
         self._handles: list = []
@@ -155,7 +153,7 @@ class ActivationOffloader(BackwardMixin):
         self.counters = collections.Counter()
         self._pass_start = collections.Counter()
         self._warned_idle = False
-        self._batch_restores = True  # off for good if the batched decode ever fails to run
+        self._backward = Backward(self)  # unpack, prefetch and restores
 
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> ActivationOffloader:
@@ -171,7 +169,8 @@ class ActivationOffloader(BackwardMixin):
                     for t in (*m.parameters(), *m.buffers())
                     if (ptr := _storage_ptr(t)) is not None
                 }
-                self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._hooks = torch.autograd.graph.saved_tensors_hooks(
+                    self._pack, self._backward.unpack)
                 self._hooks.__enter__()
                 self._pass_start = self.counters.copy()
             self._depth += 1
@@ -294,6 +293,11 @@ class ActivationOffloader(BackwardMixin):
                 return t
             self._pass.dedup[key] = (weakref.ref(t), weakref.ref(entry), t._version)
             return _Packed(entry, t)
+
+    def _unpack(self, packed):
+        # a method of the offloader, not of its part: autograd keeps the unpack hook of every
+        # saved tensor, and with it the offloader, until backward (a user need not hold it)
+        return self._backward.unpack(packed)
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Entry | None:
         ps = self._pass
@@ -438,7 +442,7 @@ class ActivationOffloader(BackwardMixin):
                 "restored": sum(e.restored is not None for e in live),
                 "host_bytes": self.host_bytes(),
                 "pinned_in_use_bytes": self.pool.in_use_bytes,
-                "backward_callbacks": len(self._tasks),
+                "backward_callbacks": len(self._backward.tasks),
             }
 
     def stats(self) -> dict:
