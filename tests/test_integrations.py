@@ -150,8 +150,7 @@ def test_generate_bf16_typed_path_and_beams(seed, monkeypatch):
     # keeps a prefetch across reorders (it holds the blocks as stored)
     ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=8, num_beams=3)
     for prefetch in (False, True):
-        cache = CompressedOffloadedCache(config=config, block_tokens=16)
-        cache._prefetch_cpu = prefetch
+        cache = CompressedOffloadedCache(config=config, block_tokens=16, prefetch=prefetch)
         assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=8, num_beams=3))
         st = cache.stats()
         assert st["blocks"] > 0 and (st["prefetched"] > 0) == prefetch
@@ -168,8 +167,7 @@ def test_prefetch_bookkeeping_on_cpu(seed):
     model, config = tiny_llama()
     ids = torch.randint(0, config.vocab_size, (1, 20))
     ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=14)
-    cache = CompressedOffloadedCache(config=config, block_tokens=16)
-    cache._prefetch_cpu = True
+    cache = CompressedOffloadedCache(config=config, block_tokens=16, prefetch=True)
     assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=14))
     st = cache.stats()
     # from the step after the first seal on, every layer's blocks come from a prefetch (the

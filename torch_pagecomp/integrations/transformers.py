@@ -135,13 +135,11 @@ class CompressedLayer(DynamicLayer):
         self.keys = self.values = None
 
     def prefetch(self) -> None:
-        """Start restoring the sealed blocks (on CUDA, on the store's side stream)."""
+        """Start restoring the sealed blocks (on CUDA, on the store's side stream; on the CPU
+        at once)."""
         if not self._blocks or self._prefetched is not None:
             return
-        # on the CPU the blocks are restored when the layer is used (no overlap to gain);
-        # ``_prefetch_cpu`` (tests) restores them here instead, with the same bookkeeping
-        if self.device.type == "cuda" or self._cache()._prefetch_cpu:
-            self._prefetched = (len(self._blocks), *self._store().restore(self._group))
+        self._prefetched = (len(self._blocks), *self._store().restore(self._group))
 
     def reset(self) -> None:
         self._drop_prefetch()
@@ -383,8 +381,10 @@ class CompressedOffloadedCache(Cache):
             less on the device. At ``[B, H, D] = [1, 8, 128]`` bf16, 256 tokens are 512 KiB of
             keys. A block's bytes past its last whole page travel uncompressed.
         page_size: bytes per compressed page (a power of two, 4096..65536).
-        prefetch: on CUDA, restore the next compressed layer on a side stream while the current
-            one computes (True); False restores each layer when it is used.
+        prefetch: restore the next compressed layer ahead, while the current one computes (on
+            CUDA, on a side stream). ``None`` (default): on CUDA only (on the CPU a restore
+            ahead overlaps with nothing); True: on the CPU too (the same bookkeeping as on
+            CUDA, restored synchronously); False: each layer is restored when it is used.
 
     Host memory: page-locked chunks of 64 MiB, backed as the blocks need them (the compressed
     bytes, plus up to the uncompressed size of the blocks still being compressed); unpinned by
@@ -396,10 +396,12 @@ class CompressedOffloadedCache(Cache):
         config=None,
         block_tokens: int = 256,
         page_size: int = 4096,
-        prefetch: bool = True,
+        prefetch: bool | None = None,
     ):
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+        if prefetch not in (None, True, False):
+            raise ValueError(f"prefetch must be None, True or False, got {prefetch!r}")
         if not isinstance(page_size, int) or not valid_page_size(page_size):
             raise ValueError(f"page_size must be a power of two from 4096 to 65536, got "
                              f"{page_size!r}")
@@ -407,7 +409,6 @@ class CompressedOffloadedCache(Cache):
         self.prefetch_layers = prefetch
         self._share_stores(Stores(page_size))
         self.counters = {"prefetched": 0, "restored_on_use": 0, "sealed": 0}
-        self._prefetch_cpu = False  # tests: run the prefetch bookkeeping on the CPU too
         layers = []
         if config is not None:
             for kind, kwargs in zip(*_layer_types(config)):
@@ -435,7 +436,8 @@ class CompressedOffloadedCache(Cache):
         ds.drain()
         if layer_idx == self._check_at:
             ds.check()
-        if self.prefetch_layers and (key_states.device.type == "cuda" or self._prefetch_cpu):
+        if self.prefetch_layers or (self.prefetch_layers is None
+                                    and key_states.device.type == "cuda"):
             nxt = self._next_compressed(layer_idx)
             if nxt is not None and nxt is not layer and nxt.is_initialized:
                 nxt.prefetch()  # overlaps with this layer's attention
@@ -498,7 +500,6 @@ class CompressedOffloadedCache(Cache):
         new._finalizer()
         new._share_stores(self._stores)
         new._lazy_layers = self._lazy_layers
-        new._prefetch_cpu = self._prefetch_cpu
         new._check_at = self._check_at
         new.layers = [
             layer._copy_to(new) if isinstance(layer, CompressedLayer)
