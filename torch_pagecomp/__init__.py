@@ -2,7 +2,7 @@
 
 from . import _ops  # noqa: F401  (registers torch.ops.pagecomp.*)
 from ._version import __version__
-from .api import compress, decompress, pack, raise_for_status
+from .api import compress, decompress, pack, page_checksums, raise_for_status
 from .backend import GpuStatus, gpu_status, select_backend
 from .cpu_codec import cpu_threads, set_cpu_threads
 from .format import (
@@ -47,6 +47,7 @@ __all__ = [
     "offload_activations",
     "offload_module",
     "pack",
+    "page_checksums",
     "raise_for_status",
     "select_backend",
     "set_cpu_threads",

@@ -13,6 +13,8 @@ synchronises with the host:
 * ``pagecomp::pack(Tensor payload, Tensor sizes) -> (Tensor packed, Tensor offsets)``: fixed-stride
   ``[N, P]`` -> ``packed`` ``uint8 [N * P]`` (first ``offsets[N]`` bytes meaningful) and ``offsets``
   ``int64 [N + 1]``.
+* ``pagecomp::checksum(Tensor pages) -> Tensor``: ``pages`` ``uint8 [N, P]`` -> the format's page
+  checksums, ``int32 [N]``.
 
 Each dispatches to the Triton launchers for CUDA tensors when the GPU path is usable, and
 otherwise to an opaque reference op (``pagecomp::*_reference``) built on the ``lz4`` package:
@@ -105,6 +107,18 @@ def _(payload, sizes):
     return payload.new_empty((n * p,)), payload.new_empty((n + 1,), dtype=torch.int64)
 
 
+@custom_op("pagecomp::checksum_reference", mutates_args=())
+def checksum_reference(pages: Tensor) -> Tensor:
+    fmt.check_checksum_args(pages)
+    return cpu_codec.page_checksums_cpu(pages.cpu()).to(pages.device)
+
+
+@checksum_reference.register_fake
+def _(pages):
+    fmt.check_checksum_args(pages)
+    return pages.new_empty((pages.shape[0],), dtype=torch.int32)
+
+
 # ------------------------------------------------------------------------ public ops
 @_op("pagecomp::compress", mutates_args=())
 def compress(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
@@ -136,6 +150,16 @@ def pack(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
     from .kernels.pack import pack_pages
 
     return pack_pages(payload, sizes)
+
+
+@_op("pagecomp::checksum", mutates_args=())
+def checksum(pages: Tensor) -> Tensor:
+    fmt.check_checksum_args(pages)
+    if not _use_triton(pages):
+        return checksum_reference(pages)
+    from .kernels.checksum import page_checksums
+
+    return page_checksums(pages)
 
 
 # ------------------------------------------------------------------- eager entry points
@@ -174,6 +198,16 @@ def pack_eager(payload: Tensor, sizes: Tensor, zero_tail: bool = True) -> tuple[
     from .kernels.pack import pack_pages
 
     return pack_pages(payload, sizes, traced=False, zero_tail=zero_tail)
+
+
+def checksum_eager(pages: Tensor) -> Tensor:
+    """As ``torch.ops.pagecomp.checksum``."""
+    fmt.check_checksum_args(pages)
+    if not _use_triton(pages):
+        return torch.ops.pagecomp.checksum(pages)
+    from .kernels.checksum import page_checksums
+
+    return page_checksums(pages, traced=False)
 
 
 def publish_total_eager(src: Tensor, dst: Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Public Python API: ``compress``, ``decompress``, ``pack``.
+"""Public Python API: ``compress``, ``decompress``, ``pack``, ``page_checksums``.
 
 These validate inputs (errors name the problem), ask ``backend.route`` where the call runs and
 call the ``torch.ops.pagecomp`` operators (eager calls on plain CUDA tensors launch the same
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import format as fmt
-from ._ops import compress_eager, decompress_eager
+from ._ops import checksum_eager, compress_eager, decompress_eager
 from .backend import BACKENDS, CPU, INTERPRET, KERNELS, route  # noqa: F401 (BACKENDS)
 from .format import CompressedPages, PageCompError
 
@@ -22,6 +22,7 @@ def compress(
     page_size: int | None = None,
     element_size: int = 1,
     backend: str = "auto",
+    checksum: bool = False,
 ) -> CompressedPages:
     """Compress a batch of pages, each on its own.
 
@@ -32,10 +33,14 @@ def compress(
         element_size: 1 (bytes), 2 (bf16/fp16) or 4 (fp32/int32): bit-shuffle each page by this
             element width before LZ4.
         backend: ``"auto"`` (see ``select_backend``), ``"cpu"`` (lz4) or ``"triton"``.
+        checksum: also store each page's checksum (``checksums int32 [N]``, one more read of
+            the pages): :func:`decompress` then flags a page that decodes to other bytes than
+            were compressed (``STATUS_CHECKSUM``) instead of returning it.
 
     Returns:
         A fixed-stride :class:`CompressedPages` on ``data``'s device: ``payload uint8 [N, P]``,
-        ``sizes int32 [N]``, ``kinds uint8 [N]``. No host synchronisation on the GPU path.
+        ``sizes int32 [N]``, ``kinds uint8 [N]`` (and ``checksums``). No host synchronisation
+        on the GPU path.
     """
     pages = fmt.as_pages(data, page_size)
     fmt.check_element_size(element_size)
@@ -55,7 +60,33 @@ def compress(
     else:  # UPLOAD: a host batch sent through the GPU
         gpu = pages.to("cuda", non_blocking=pages.is_pinned())
         payload, sizes, kinds = (t.cpu() for t in torch.ops.pagecomp.compress(gpu, element_size))
-    return CompressedPages(payload, sizes, kinds, page_size)
+    sums = page_checksums(pages, backend) if checksum else None
+    return CompressedPages(payload, sizes, kinds, page_size, checksums=sums)
+
+
+def page_checksums(data: torch.Tensor, backend: str = "auto",
+                   page_size: int | None = None) -> torch.Tensor:
+    """The format's checksum of each page (``torch_pagecomp.format``).
+
+    Args:
+        data: ``uint8 [N, P]``, or 1-D ``uint8`` of ``N * page_size`` bytes; CPU or CUDA.
+        backend, page_size: as for :func:`compress`.
+    Returns:
+        ``int32 [N]`` on ``data``'s device; no host synchronisation.
+    """
+    pages = fmt.as_pages(data, page_size)
+    where = route(backend, pages.shape[0], pages.device, (pages,))
+    if where == CPU:
+        return torch.ops.pagecomp.checksum(pages.cpu()).to(pages.device)
+    if where == KERNELS:
+        return checksum_eager(pages)
+    if pages.device.type == "cuda":  # OP, or CPU_SERVED
+        return torch.ops.pagecomp.checksum(pages)
+    if where == INTERPRET:
+        from .kernels.checksum import page_checksums as kernel
+
+        return kernel(pages)
+    return torch.ops.pagecomp.checksum(pages.to("cuda")).cpu()  # UPLOAD
 
 
 def decompress(
@@ -70,6 +101,10 @@ def decompress(
         naming them (this reads the statuses: a synchronisation). With ``return_status=True``
         returns ``(pages, status int32 [N])`` instead and never synchronises; failed pages have a
         non-zero status (``format.STATUS_*``) and unspecified bytes; every other page is correct.
+
+    With ``c.checksums`` (``compress(..., checksum=True)``) each decoded page's checksum is
+    compared on the device (one more read of the pages): a page that decoded without error to
+    other bytes than were compressed fails with ``STATUS_CHECKSUM``.
 
     A packed container's page ``i`` whose offsets disagree with its size
     (``offsets[i + 1] - offsets[i] != sizes[i]``, or ``offsets[0] != 0`` for page 0) fails with
@@ -96,6 +131,9 @@ def decompress(
     else:  # UPLOAD
         gpu = [a.to("cuda") for a in args[:4]]
         pages, status = (t.cpu() for t in torch.ops.pagecomp.decompress(*gpu, c.page_size))
+    if c.checksums is not None:  # decoded, but to the bytes that were compressed?
+        wrong = page_checksums(pages, backend) != c.checksums.to(pages.device)
+        status = torch.where((status == fmt.STATUS_OK) & wrong, fmt.STATUS_CHECKSUM, status)
     if return_status:
         return pages, status
     raise_for_status(status, mismatch)
@@ -144,4 +182,4 @@ def pack(c: CompressedPages, exact: bool = True) -> CompressedPages:
     packed, offsets = torch.ops.pagecomp.pack(c.payload, c.sizes)
     if exact:
         packed = packed[: int(offsets[-1])].clone()
-    return CompressedPages(packed, c.sizes, c.kinds, c.page_size, offsets)
+    return CompressedPages(packed, c.sizes, c.kinds, c.page_size, offsets, c.checksums)

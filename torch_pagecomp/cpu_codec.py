@@ -317,6 +317,28 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     return pages, status
 
 
+def page_checksums_cpu(pages: torch.Tensor) -> torch.Tensor:
+    """The format's checksum of each page of ``pages`` (``uint8 [N, P]`` on the CPU): ``int32
+    [N]``. numpy over a few MiB of pages at a time (uint32 arithmetic wraps as the format's)."""
+    arr = pages.contiguous().numpy()
+    n, p = arr.shape
+    words = arr.view("<u4")
+    steps = ((np.arange(1, p // 4 + 1, dtype=np.uint64) * fmt.CHECKSUM_STEP)
+             & 0xFFFFFFFF).astype(np.uint32)
+    mul1, mul2 = np.uint32(fmt.CHECKSUM_MUL1), np.uint32(fmt.CHECKSUM_MUL2)
+    out = np.empty(n, dtype=np.uint32)
+    rows = max(1, (4 << 20) // p)
+    for a in range(0, n, rows):
+        h = words[a:a + rows] + steps
+        h ^= h >> 16
+        h *= mul1
+        h ^= h >> 13
+        h *= mul2
+        h ^= h >> 16
+        out[a:a + rows] = h.sum(axis=1, dtype=np.uint64) & 0xFFFFFFFF
+    return torch.from_numpy(out.view(np.int32))
+
+
 def pack_cpu(payload: torch.Tensor, sizes: torch.Tensor):
     """Fixed-stride ``payload [N, P]`` -> ``(packed uint8 [N * P], offsets int64 [N + 1])``.
 

@@ -37,6 +37,20 @@ holds ``Y``; decompression inverts it.
 
 An LZ4 page is kept only when its block saves at least ``P / 32`` bytes (``size <= P - P/32``);
 otherwise the page is stored RAW, so a stored page never exceeds ``P`` bytes.
+
+Checksums (optional: ``compress(..., checksum=True)``): ``checksums`` is ``int32 [N]``, the
+checksum of each *uncompressed* page, so a decoder can tell a page that decoded to other bytes
+(a flipped bit in a stored payload, host memory or a transfer) from a correct one. Read the page
+as ``m = P / 4`` little-endian ``uint32`` words ``w[0..m)``; all arithmetic modulo ``2^32``:
+
+    h_j = w[j] + (j + 1) * 0x9E3779B9
+    h_j ^= h_j >> 16;  h_j *= 0x85EBCA6B;  h_j ^= h_j >> 13;  h_j *= 0xC2B2AE35;  h_j ^= h_j >> 16
+    checksum = sum_j h_j            (stored as the int32 of the same 32 bits)
+
+Each ``h_j`` is a bijection of ``w[j]`` (murmur3's finaliser), so a page that differs from the
+original in one word (any single-bit flip) always gets another checksum; the terms add up in any
+order, so thousands of threads compute it at memory speed. A page whose decode status is OK
+but whose checksum differs gets ``STATUS_CHECKSUM``.
 """
 
 from __future__ import annotations
@@ -46,6 +60,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from .kernels.constants import (  # noqa: F401 - re-exported: the format's constants
+    CHECKSUM_MUL1,
+    CHECKSUM_MUL2,
+    CHECKSUM_STEP,
     ELEMENT_SIZES,
     KIND_FILL,
     KIND_LZ4,
@@ -57,6 +74,7 @@ from .kernels.constants import (  # noqa: F401 - re-exported: the format's const
     STATUS_BAD_KIND,
     STATUS_BAD_OFFSET,
     STATUS_BAD_SIZE,
+    STATUS_CHECKSUM,
     STATUS_OK,
     STATUS_OVERFLOW,
     STATUS_SHORT,
@@ -76,6 +94,7 @@ STATUS_NAMES = {
     STATUS_BAD_OFFSET: "bad match offset",
     STATUS_OVERFLOW: "output overflow",
     STATUS_SHORT: "decodes short of the page size",
+    STATUS_CHECKSUM: "checksum mismatch (decoded to other bytes than were compressed)",
 }
 
 
@@ -116,6 +135,8 @@ class CompressedPages:
         kinds: ``uint8 [N]`` kind (low nibble) and log2 shuffle element size (high nibble).
         page_size: ``P``.
         offsets: ``None`` (fixed-stride) or ``int64 [N + 1]`` (packed).
+        checksums: ``None`` or ``int32 [N]``, the checksum of each uncompressed page (see the
+            module docstring); decompression checks them when present.
     """
 
     payload: torch.Tensor
@@ -123,6 +144,7 @@ class CompressedPages:
     kinds: torch.Tensor
     page_size: int
     offsets: torch.Tensor | None = None
+    checksums: torch.Tensor | None = None
 
     @property
     def num_pages(self) -> int:
@@ -169,6 +191,7 @@ class CompressedPages:
             sizes=mv(self.sizes),
             kinds=mv(self.kinds),
             offsets=mv(self.offsets),
+            checksums=mv(self.checksums),
         )
 
 
@@ -255,9 +278,14 @@ def check_compressed(c: CompressedPages) -> None:
             problems.append(f"packed payload must be 1-D, got shape {tuple(c.payload.shape)}")
         if c.offsets.dtype != torch.int64 or tuple(c.offsets.shape) != (n + 1,):
             problems.append(f"offsets must be int64 [{n + 1}], got {_desc(c.offsets)}")
+    if c.checksums is not None and (c.checksums.dtype != torch.int32
+                                    or tuple(c.checksums.shape) != (n,)):
+        problems.append(f"checksums must be int32 [{n}], got {_desc(c.checksums)}")
     named = {"payload": c.payload, "sizes": c.sizes, "kinds": c.kinds}
     if c.offsets is not None:
         named["offsets"] = c.offsets
+    if c.checksums is not None:
+        named["checksums"] = c.checksums
     _check_devices(problems, named)
     _check_contiguous(problems, named)
     if problems:
@@ -329,10 +357,7 @@ def _check_pages_count(problems: list[str], n: int) -> None:
         problems.append(f"at most {MAX_PAGES} pages per call, got {n}")
 
 
-def check_compress_args(pages: torch.Tensor, element_size: object) -> None:
-    """Arguments of ``pagecomp::compress``: ``pages`` contiguous ``uint8 [N, P]`` (``P`` a
-    power of two from 4096 to 65536), ``element_size`` 1, 2 or 4."""
-    problems: list[str] = []
+def _check_pages(problems: list[str], pages: torch.Tensor) -> None:
     if _check_tensor(problems, "pages", pages, torch.uint8, (None, None)):
         if pages.dim() == 2:
             bad = _page_size_problem(pages.shape[1], "pages.shape[1] (the page size)")
@@ -340,9 +365,23 @@ def check_compress_args(pages: torch.Tensor, element_size: object) -> None:
                 problems.append(bad)
             _check_pages_count(problems, pages.shape[0])
         _check_contiguous(problems, {"pages": pages})
+
+
+def check_compress_args(pages: torch.Tensor, element_size: object) -> None:
+    """Arguments of ``pagecomp::compress``: ``pages`` contiguous ``uint8 [N, P]`` (``P`` a
+    power of two from 4096 to 65536), ``element_size`` 1, 2 or 4."""
+    problems: list[str] = []
+    _check_pages(problems, pages)
     if isinstance(element_size, bool) or element_size not in ELEMENT_SIZES:
         problems.append(f"element_size must be one of {ELEMENT_SIZES}, got {element_size!r}")
     _raise("compress", problems)
+
+
+def check_checksum_args(pages: torch.Tensor) -> None:
+    """Arguments of ``pagecomp::checksum``: ``pages`` as for ``pagecomp::compress``."""
+    problems: list[str] = []
+    _check_pages(problems, pages)
+    _raise("checksum", problems)
 
 
 def check_decompress_args(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,

@@ -25,6 +25,13 @@ STATUS_TRUNCATED = 3  # the LZ4 block ends inside a sequence
 STATUS_BAD_OFFSET = 4  # match offset 0, or reaching before the start of the page
 STATUS_OVERFLOW = 5  # literals or a match run past the end of the page
 STATUS_SHORT = 6  # the block decodes to fewer bytes than the page holds
+STATUS_CHECKSUM = 7  # decoded, but to other bytes than were compressed (page checksum)
+
+# Page checksum (``torch_pagecomp.format``): word ``j`` of a page is offset by ``(j + 1)`` times
+# this odd constant, then mixed by murmur3's 32-bit finaliser (multipliers below).
+CHECKSUM_STEP = 0x9E3779B9
+CHECKSUM_MUL1 = 0x85EBCA6B
+CHECKSUM_MUL2 = 0xC2B2AE35
 
 
 def element_shift(element_size: int) -> int:

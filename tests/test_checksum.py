@@ -1,0 +1,143 @@
+"""Page checksums (issue #20): the format's definition, the CPU reference and the Triton kernel
+agree; every single-bit flip of a page is caught; a corrupted stored payload never decodes
+silently to wrong bytes when checksums are on."""
+
+import os
+
+import pytest
+import torch
+
+import torch_pagecomp as pc
+from torch_pagecomp import format as fmt
+from torch_pagecomp.cpu_codec import page_checksums_cpu
+from torch_pagecomp.kernels.checksum import page_checksums as kernel_checksums
+
+M32 = 0xFFFFFFFF
+
+
+def definition(page: bytes) -> int:
+    """The format docstring's checksum, word by word in plain Python."""
+    total = 0
+    for j in range(len(page) // 4):
+        h = (int.from_bytes(page[4 * j:4 * j + 4], "little") + (j + 1) * 0x9E3779B9) & M32
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & M32
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & M32
+        h ^= h >> 16
+        total = (total + h) & M32
+    return total - (1 << 32) if total >= 1 << 31 else total
+
+
+def kernel_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    return "cpu"
+
+
+def mixed_pages(gen: torch.Generator, n: int, page_size: int) -> torch.Tensor:
+    """Random, low-entropy, zero and 0xFF pages (every stored kind)."""
+    x = torch.randint(0, 256, (n, page_size), dtype=torch.uint8, generator=gen)
+    x[1::4] = torch.randint(0, 3, (len(range(1, n, 4)), page_size), dtype=torch.uint8,
+                            generator=gen)
+    x[2::4] = 0
+    x[3::4] = 255
+    return x
+
+
+def test_reference_follows_the_definition(gen):
+    x = mixed_pages(gen, 6, 4096)
+    x[5, :7] = torch.tensor([1, 2, 3, 4, 5, 6, 7], dtype=torch.uint8)  # odd bytes at the start
+    want = [definition(bytes(row.tolist())) for row in x]
+    assert page_checksums_cpu(x).tolist() == want
+
+
+@pytest.mark.parametrize("page_size", [4096, 65536])
+def test_kernel_equals_reference(page_size, gen):
+    x = mixed_pages(gen, 5, page_size)
+    dev = kernel_device()
+    got = kernel_checksums(x.to(dev))
+    assert got.dtype == torch.int32 and got.shape == (5,)
+    assert torch.equal(got.cpu(), page_checksums_cpu(x))
+
+
+def test_kernel_reads_a_view_that_is_not_word_aligned(gen):
+    flat = torch.randint(0, 256, (3 * 4096 + 1,), dtype=torch.uint8, generator=gen)
+    pages = flat[1:].view(3, 4096)
+    dev = kernel_device()
+    got = kernel_checksums(flat.to(dev)[1:].view(3, 4096))
+    assert torch.equal(got.cpu(), page_checksums_cpu(pages))
+
+
+def test_every_single_bit_flip_changes_the_checksum(gen):
+    """10,000 flips at random bits of random pages: each one changes its page's checksum (a
+    bijection per word: guaranteed, and checked)."""
+    flips, page_size = 10_000, 4096
+    base = mixed_pages(gen, 8, page_size)
+    which = torch.randint(0, 8, (flips,), generator=gen)
+    byte = torch.randint(0, page_size, (flips,), generator=gen)
+    bit = torch.randint(0, 8, (flips,), generator=gen)
+    flipped = base[which].clone()
+    rows = torch.arange(flips)
+    flipped[rows, byte] ^= (1 << bit).to(torch.uint8)
+    assert (page_checksums_cpu(flipped) != page_checksums_cpu(base)[which]).all()
+
+
+@pytest.mark.parametrize("element_size", [1, 2])
+def test_corrupted_payload_never_decodes_silently(element_size, gen):
+    """Single-bit flips in a packed container's stored bytes: every page either decodes to
+    the original bytes or fails (a decode status, or STATUS_CHECKSUM); none is wrong with
+    status 0."""
+    x = mixed_pages(gen, 8, 4096)
+    c = pc.pack(pc.compress(x, element_size=element_size, checksum=True, backend="cpu"))
+    total = c.payload.numel()
+    caught_by_checksum = 0
+    for _ in range(300):
+        payload = c.payload.clone()
+        at = int(torch.randint(0, total, (1,), generator=gen))
+        payload[at] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
+        bad = pc.CompressedPages(payload, c.sizes, c.kinds, c.page_size, c.offsets, c.checksums)
+        pages, status = pc.decompress(bad, return_status=True, backend="cpu")
+        ok = status == fmt.STATUS_OK
+        assert torch.equal(pages[ok], x[ok]), "a page decoded to wrong bytes with status 0"
+        caught_by_checksum += int((status == fmt.STATUS_CHECKSUM).sum())
+    assert caught_by_checksum > 0  # flips in literals decode "fine": only the checksum sees them
+
+
+def test_kernel_path_flags_a_wrong_page(gen):
+    dev = kernel_device()
+    x = mixed_pages(gen, 4, 4096)
+    c = pc.compress(x.to(dev), checksum=True, backend="triton")
+    assert torch.equal(c.checksums.cpu(), page_checksums_cpu(x))
+    raw = int(torch.nonzero((c.kinds.cpu() & 15) == fmt.KIND_RAW)[0])  # a stored-as-is page
+    payload = c.payload.clone()
+    payload[raw, 100] ^= 4
+    bad = pc.CompressedPages(payload, c.sizes, c.kinds, c.page_size, checksums=c.checksums)
+    pages, status = pc.decompress(bad, return_status=True, backend="triton")
+    want = [fmt.STATUS_CHECKSUM if i == raw else fmt.STATUS_OK for i in range(4)]
+    assert status.cpu().tolist() == want
+    with pytest.raises(pc.CorruptPageError, match="checksum mismatch"):
+        pc.decompress(bad, backend="triton")
+
+
+def test_checksums_survive_pack_and_move(gen):
+    x = mixed_pages(gen, 4, 4096)
+    c = pc.compress(x, checksum=True, backend="cpu")
+    p = pc.pack(c)
+    assert p.checksums is c.checksums
+    assert torch.equal(pc.decompress(p.to("cpu")), x)
+    assert pc.compress(x, backend="cpu").checksums is None  # off unless asked
+
+
+def test_bad_arguments_name_the_problem():
+    with pytest.raises(pc.PageCompError, match="checksum.*uint8"):
+        torch.ops.pagecomp.checksum(torch.zeros(2, 4096, dtype=torch.int32))
+    with pytest.raises(pc.PageCompError, match="page size"):
+        torch.ops.pagecomp.checksum(torch.zeros(2, 1000, dtype=torch.uint8))
+    c = pc.compress(torch.zeros(2, 4096, dtype=torch.uint8), backend="cpu")
+    bad = pc.CompressedPages(c.payload, c.sizes, c.kinds, c.page_size,
+                             checksums=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(pc.PageCompError, match=r"checksums must be int32 \[2\]"):
+        pc.decompress(bad)
