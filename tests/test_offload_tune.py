@@ -187,3 +187,55 @@ def test_gpu_tuner_times_passes_with_events(seed):
     off.remove()
     torch.cuda.synchronize()
     assert_clean(off)
+
+
+def test_settling_on_copies_frees_the_compressors_scratch(seed):
+    """Once the tuner keeps copying, each compressed store gives back its idle host chunks and
+    its GPU scratch, so copied passes are bounded (and hold memory) as plain copies are."""
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=1, retune=100, clock=clock)
+    off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
+    calls = []
+
+    class Arena:
+        def trim(self):
+            calls.append("trim")
+
+        def shrink(self):
+            pass
+
+    class Store:  # what the offloader calls on a GPU's compressed store
+        scratch_bytes = 1 << 20
+        arena = Arena()
+
+        def release_scratch(self):
+            calls.append("scratch")
+            self.scratch_bytes = 0
+
+        def poll(self):
+            pass
+
+        def failed_restores(self):
+            return 0
+
+        def stats(self):
+            return {}
+
+    store = off._paged[0] = Store()
+    model = GPT(d=32, heads=4, layers=2)
+    x = torch.randn(2, 23, 32)
+    for _ in range(5):
+        grads_of(model, x, off)
+        clock.advance(50.0 if tuner.summary()["arm"] == "copy" else 80.0)
+    assert tuner.choice == "copy", tuner.summary()
+    assert calls.count("scratch") == 1 and "trim" in calls and store.scratch_bytes == 0
+
+
+def test_paged_store_release_scratch_resets_its_bound():
+    from torch_pagecomp.offload._paged import PagedStore
+
+    store = PagedStore(torch.device("cpu"), 4096)
+    store.scratch_bytes, store._scratch_held = 3 << 20, 1 << 20
+    store._scratches[2] = (torch.empty(4), torch.empty(4))
+    store.release_scratch()
+    assert (store.scratch_bytes, store._scratch_held, store._scratches) == (0, 0, {})

@@ -214,10 +214,11 @@ class ActivationOffloader:
         )
 
     def _tuned_arm(self) -> str:
-        """This pass's arm (``prefer="speed"``). Once the tuner decides, the idle pinned memory
-        of the other way is released: plain copies' pooled buffers when compressing wins
-        (classes that do not compress regrow what they use), the compressors' idle chunks
-        when copying wins."""
+        """This pass's arm (``prefer="speed"``). Once the tuner decides, the idle memory of the
+        other way is released: plain copies' pooled buffers when compressing wins (classes
+        that do not compress regrow what they use); when copying wins, the compressors' idle
+        host chunks and their GPU scratch, which would otherwise stay allocated and shrink the
+        in-flight bound of every copied pass (more waits, fewer storages served in place)."""
         if self.tuner is None or _capturing() or torch.compiler.is_compiling():
             return "compress"  # no events recorded into a graph capture or a trace
         decided = len(self.tuner.history)
@@ -228,6 +229,7 @@ class ActivationOffloader:
             else:
                 for store in self._paged.values():
                     store.arena.trim()
+                    store.release_scratch()
         return arm
 
     def next_group(self) -> None:

@@ -385,6 +385,16 @@ class PagedStore:
             self._scratch_held += sum(t.numel() * t.element_size() for t in scratch)
         return scratch
 
+    def release_scratch(self) -> None:
+        """Free the compress kernel's scratch and stop counting it (the offloader's in-flight
+        bound subtracts ``scratch_bytes``): the offloader calls this when it settles on copying,
+        so copied passes get the bound and the GPU memory of plain copies. Made again on the
+        next compressed slice. The scratch is only used on the compress stream, where it was
+        made, so its memory is reused after the kernels queued there."""
+        self._scratches.clear()
+        self._scratch_held = 0
+        self.scratch_bytes = 0
+
     # ------------------------------------------------------------------ restore
     def restore(self, stored: PagedStored, out: torch.Tensor) -> None:
         """Decode ``stored`` into ``out`` (``uint8 [nbytes]``) on the current stream, after
