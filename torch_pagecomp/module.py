@@ -19,6 +19,7 @@ input plus ~13 bytes of metadata per page).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import threading
@@ -27,7 +28,7 @@ import weakref
 import torch
 
 from . import format as fmt
-from .api import raise_for_status
+from .api import page_checksums, raise_for_status
 from .format import PageCompError, dtype_element_size
 from .pipeline import Pipeline, PipelineStopped, SlotState  # noqa: F401 (re-exported)
 from .storage import Storage
@@ -126,6 +127,29 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _page_sums(data: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The format's checksum of each page of ``data`` (``uint8 [nbytes]``; a partial last
+    page counts as zero-padded to a whole one): ``int32 [ceil(nbytes / P)]`` on ``data``'s
+    device, on its current stream."""
+    full, rest = divmod(data.numel(), page_size)
+    sums = [page_checksums(data[:full * page_size].view(full, page_size))] if full else []
+    if rest:
+        last = torch.zeros((1, page_size), dtype=torch.uint8, device=data.device)
+        last[0, :rest] = data[full * page_size:]
+        sums.append(page_checksums(last))
+    return sums[0] if len(sums) == 1 else torch.cat(sums)
+
+
+def _checked(status: torch.Tensor, dst: torch.Tensor, handle: OffloadHandle) -> torch.Tensor:
+    """``status`` (``int32``, one per page of the restore) with ``STATUS_CHECKSUM`` where a page
+    decoded without error to bytes whose checksum is not the stored one (device work only)."""
+    got = _page_sums(dst, handle.page_size)
+    if got.numel() != status.numel():  # the statuses do not cover the pages one to one
+        raise RuntimeError(f"restore: {status.numel()} statuses for {got.numel()} pages")
+    wrong = got != handle.checksums.to(got.device, non_blocking=True)
+    return torch.where((status == fmt.STATUS_OK) & wrong, fmt.STATUS_CHECKSUM, status)
+
+
 class OffloadHandle:
     """One offloaded tensor. ``state``: "pending" (batches in flight), "ready", "failed",
     "freed". ``nbytes`` is the uncompressed size, ``stored_nbytes`` the host bytes held
@@ -141,6 +165,7 @@ class OffloadHandle:
         self.nbytes = nbytes
         self.page_size = page_size
         self.element_size = element_size
+        self.checksums: torch.Tensor | None = None  # int32 [pages] with ``checksum=True``
         self._free = weakref.finalize(self, storage.release)
 
     @property
@@ -255,6 +280,12 @@ class PageCompressor(torch.nn.Module):
             kernels' thread blocks are scheduled ahead of default-priority work queued beside
             them. (It matters only where the kernels run beside the model's; in a link-bound
             step they rarely do.)
+        checksum: keep the format's checksum of every page of each offloaded tensor (computed
+            from the source on the caller's stream: one more read of it; 4 bytes per page,
+            kept on the source's device) and check each restore against them: a page that
+            decodes without error to other bytes fails with ``STATUS_CHECKSUM``, raised by
+            ``restore(..., check=True)`` and on the CPU, else counted by
+            :meth:`failed_restores`.
 
     A copy or an unpickled one is a fresh ``PageCompressor`` built from these same arguments
     (``device=None`` resolves again where it is built), with nothing offloaded. ``with
@@ -272,13 +303,18 @@ class PageCompressor(torch.nn.Module):
         raw_bypass: bool = True,
         max_raw_share: float = 0.0,
         stream_priority: int = 0,
+        checksum: bool = False,
     ):
         super().__init__()
         init_kwargs = dict(
             device=device, page_size=page_size, batch_pages=batch_pages, slots=slots,
             max_pinned_bytes=max_pinned_bytes, element_size=element_size,
             raw_bypass=raw_bypass, max_raw_share=max_raw_share, stream_priority=stream_priority,
+            checksum=checksum,
         )
+        if not isinstance(checksum, bool):
+            raise PageCompError(f"checksum must be True or False, got {checksum!r}")
+        self.checksum = checksum
         page_size = _int_arg("page_size", page_size)
         slots = _int_arg("slots", slots)
         if device is None:
@@ -360,6 +396,9 @@ class PageCompressor(torch.nn.Module):
         if nbytes == 0:
             storage.close()
             return handle
+        if self.checksum:  # on the caller's stream, before anything may change the source
+            with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
+                handle.checksums = _page_sums(src, self.page_size)
         if cuda:
             _not_capturing("offload")
             with torch.cuda.device(self.device):
@@ -445,6 +484,10 @@ class PageCompressor(torch.nn.Module):
             with torch.cuda.device(self.device):
                 consumer = torch.cuda.current_stream(self.device)
                 statuses = self.pipeline.submit_decompress(handle._storage, dst, consumer)
+                if handle.checksums is not None and statuses:
+                    for s in statuses:
+                        s.record_stream(consumer)  # made on the kernel stream, read here
+                    statuses = [_checked(torch.cat(statuses), dst, handle)]
             if check and statuses:
                 raise_for_status(torch.cat(statuses))
             elif statuses:  # counted on the device: see failed_restores()
@@ -452,7 +495,10 @@ class PageCompressor(torch.nn.Module):
         elif target.type == "cpu":
             statuses = self.pipeline.cpu_decompress(handle._storage, dst)
             if statuses:  # one status per page, in page order: errors name global pages
-                raise_for_status(torch.cat(statuses))
+                status = torch.cat(statuses)
+                if handle.checksums is not None:
+                    status = _checked(status, dst, handle)
+                raise_for_status(status)
         else:
             host = self.restore(handle, device="cpu")
             out.copy_(host)
