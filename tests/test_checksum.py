@@ -109,8 +109,10 @@ def test_corrupted_payload_never_decodes_silently(element_size, gen):
 def test_kernel_path_flags_a_wrong_page(gen):
     dev = kernel_device()
     x = mixed_pages(gen, 2, 4096)  # a random page (stored RAW) and a low-entropy one (LZ4)
-    c = pc.compress(x.to(dev), checksum=True, backend="triton")
-    assert torch.equal(c.checksums.cpu(), page_checksums_cpu(x))
+    # compressed by the CPU path (the interpreter's compressor is slow; the same format), the
+    # checksums and the decode by the kernels
+    c = pc.compress(x, checksum=True, backend="cpu").to(dev)
+    assert torch.equal(pc.page_checksums(x.to(dev), backend="triton").cpu(), c.checksums.cpu())
     raw = int(torch.nonzero((c.kinds.cpu() & 15) == fmt.KIND_RAW)[0])  # a stored-as-is page
     payload = c.payload.clone()
     payload[raw, 100] ^= 4
