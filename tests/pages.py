@@ -67,3 +67,15 @@ def mixed_pages(n: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
     ]
     pages = torch.cat([p.contiguous() for p in parts])
     return pages[torch.randperm(pages.shape[0], generator=gen)].contiguous()
+
+
+def kernel_device() -> str:
+    """Where the Triton kernels run in this session: the GPU, else the CPU under the Triton
+    interpreter; skips the calling test when neither is available."""
+    import pytest
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    return "cpu"

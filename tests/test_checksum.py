@@ -2,10 +2,9 @@
 agree; every single-bit flip of a page is caught; a corrupted stored payload never decodes
 silently to wrong bytes when checksums are on."""
 
-import os
-
 import pytest
 import torch
+from pages import kernel_device
 
 import torch_pagecomp as pc
 from torch_pagecomp import format as fmt
@@ -27,14 +26,6 @@ def definition(page: bytes) -> int:
         h ^= h >> 16
         total = (total + h) & M32
     return total - (1 << 32) if total >= 1 << 31 else total
-
-
-def kernel_device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    return "cpu"
 
 
 def mixed_pages(gen: torch.Generator, n: int, page_size: int) -> torch.Tensor:

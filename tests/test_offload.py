@@ -768,3 +768,51 @@ def test_a_tensor_saved_twice_is_not_restored_again_after_its_first_unpack(mode,
     assert st["served_from_stash"] >= 1 and st.get("restored_on_demand", 0) == 0, st
     assert torch.equal(got, want)
     assert off.pending()["restored"] == 0 and off.pending()["stash"] == 0
+
+
+def test_checksums_catch_corrupted_host_copies_on_the_cpu_path(seed):
+    """offload_activations(checksum=True): a stored byte of an offloaded activation flipped on
+    the host makes the backward raise rather than compute gradients from wrong data."""
+    lin = torch.nn.Linear(1024, 1024)
+    x = torch.randn(64, 1024, requires_grad=True)
+    off = cpu_offloader("compressed", prefer="memory", min_ratio=0.0, checksum=True)
+    with off:
+        loss = torch.relu(lin(x)).sum()
+    entries = [e for e in off._live if e.stored is not None and e.stored.kind == "compressed"]
+    assert entries and entries[0].stored.data.checksums is not None
+    payload = entries[0].stored.data.payload
+    payload[int(torch.randint(0, payload.numel(), ()))] ^= 1  # the stored bytes, on the host
+    with pytest.raises(RuntimeError, match="checksum mismatch"):  # at its unpack
+        loss.backward()
+
+
+@needs_cuda
+def test_gpu_checksums_grads_identical_and_corruption_raises(seed):
+    """checksum=True on a GPU: gradients bit-identical, restores checked on the device; a bit
+    flipped in a placed slice's host bytes raises at the end of that backward."""
+    model = gpu_model(seed, dtype=torch.bfloat16)
+    x = torch.randn(4, 256, 256, device="cuda", dtype=torch.bfloat16)
+    ref = grads_of(model, x)
+    off = gpu_offloader("compressed", prefer="memory", min_ratio=0.0, checksum=True)
+    for _ in range(2):
+        assert_identical(ref, grads_of(model, x, off, sync=off))
+    assert off.stats()["offloaded_compressed"] > 0
+    model.zero_grad(set_to_none=True)
+    with off:
+        loss = model(x).float().square().mean()
+    off.synchronize()
+    store = next(iter(off._paged.values()))
+    store.wait_placed()
+    sl = next(sl for e in off._live if e.stored is not None and e.stored.kind == "compressed"
+              for sl in e.stored.slices)
+    host = store.arena.backed[sl.base // store.arena.chunk].tensor
+    host[sl.base % store.arena.chunk + 7] ^= 0x10
+    # counted on the device, read without a host sync: raised at the end of this backward or,
+    # at the latest, of the next one
+    try:
+        loss.backward()
+    except CorruptPageError:
+        return
+    torch.cuda.synchronize()
+    with pytest.raises(CorruptPageError):
+        grads_of(model, x, off)

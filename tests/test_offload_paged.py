@@ -36,12 +36,12 @@ def _data(gen: torch.Generator, nbytes: int, kind: str) -> torch.Tensor:
     return out
 
 
-def _store(device="cpu", chunk=1 << 16, slice_bytes=1 << 14) -> PagedStore:
+def _store(device="cpu", chunk=1 << 16, slice_bytes=1 << 14, checksum=False) -> PagedStore:
     streams = (None, None, None)
     if device != "cpu":
         streams = tuple(torch.cuda.Stream() for _ in range(3))
     return PagedStore(torch.device(device), P, streams, chunk_bytes=chunk,
-                      slice_bytes=slice_bytes)
+                      slice_bytes=slice_bytes, checksum=checksum)
 
 
 @interpreter
@@ -220,3 +220,39 @@ def test_gpu_round_trip_on_streams(gen):
     for st in stored:
         store.free(st)
     assert store.arena.used == 0
+
+
+@interpreter
+@pytest.mark.parametrize("checksum", [True, False])
+def test_checksums_catch_a_flipped_host_byte(gen, checksum):
+    """A bit flipped in a stored RAW page (noise: its bytes decode 'fine' to the flipped ones):
+    with checksums every restore path raises naming the failure; without, the wrong bytes come
+    back (the control: the test sees what checksums are for)."""
+    from torch_pagecomp.format import CorruptPageError
+    from torch_pagecomp.offload._paged_group import StoredGroup
+
+    store = _store(checksum=checksum)
+    srcs = [_data(gen, 3 * P, "noise"), _data(gen, 2 * P, "small")]
+    stored = [store.offload(s, 1) for s in srcs]
+    store.wait_placed()
+    sl = stored[0].slices[0]
+    host = store.arena.backed[sl.base // store.arena.chunk].tensor
+    at = sl.base % store.arena.chunk + int(torch.randint(0, P, (), generator=gen))
+    host[at] ^= 1 << int(torch.randint(0, 8, (), generator=gen))
+    first = torch.empty_like(srcs[0])
+    restores = [
+        lambda: store.restore(stored[0], first),
+        lambda: store.restore_group(StoredGroup(P, stored), torch.empty(5 * P, dtype=torch.uint8)),
+        lambda: store.restore_group(StoredGroup(P, stored), [torch.empty_like(s) for s in srcs]),
+    ]
+    for restore in restores:
+        if checksum:
+            with pytest.raises(CorruptPageError, match="failed to decode"):
+                restore()
+        else:
+            restore()  # silently wrong:
+    if not checksum:
+        assert (first != srcs[0]).sum() == 1
+    out = torch.empty_like(srcs[1])
+    store.restore(stored[1], out)  # the other tensor is intact either way
+    assert torch.equal(out, srcs[1])

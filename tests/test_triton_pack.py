@@ -1,20 +1,11 @@
 """The Triton pack kernel equals the CPU reference (interpreter on CPU, GPU when present)."""
 
-import os
-
 import pytest
 import torch
+from pages import kernel_device
 
 from torch_pagecomp.cpu_codec import pack_cpu
 from torch_pagecomp.kernels.pack import pack_pages, publish_to_host
-
-
-def device_for_kernels() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    return "cpu"
 
 
 @pytest.mark.parametrize("page_size", [4096, 65536])
@@ -23,7 +14,7 @@ def test_pack_matches_reference(page_size, gen):
     payload = torch.randint(0, 256, (n, page_size), dtype=torch.uint8, generator=gen)
     sizes = torch.randint(1, page_size + 1, (n,), dtype=torch.int32, generator=gen)
     sizes[0], sizes[-1] = 1, page_size
-    dev = device_for_kernels()
+    dev = kernel_device()
     packed, offsets = pack_pages(payload.to(dev), sizes.to(dev))
     ref_packed, ref_offsets = pack_cpu(payload, sizes)
     assert torch.equal(offsets.cpu(), ref_offsets)
@@ -33,7 +24,7 @@ def test_pack_matches_reference(page_size, gen):
 def test_pack_clamps_garbage_sizes(gen):
     payload = torch.randint(0, 256, (4, 4096), dtype=torch.uint8, generator=gen)
     sizes = torch.tensor([-7, 5000, 12, 1 << 30], dtype=torch.int32)
-    dev = device_for_kernels()
+    dev = kernel_device()
     packed, offsets = pack_pages(payload.to(dev), sizes.to(dev))
     assert offsets.tolist() == [0, 0, 4096, 4108, 8204]
     assert torch.equal(packed[:8204].cpu(), torch.cat([payload[1], payload[2, :12], payload[3]]))
@@ -52,7 +43,7 @@ def test_pack_without_zero_tail_writes_every_stored_byte(gen, monkeypatch):
     payload = torch.randint(0, 256, (n, page_size), dtype=torch.uint8, generator=gen)
     sizes = torch.randint(1, page_size + 1, (n,), dtype=torch.int32, generator=gen)
     sizes[2] = 0  # an empty page between two others
-    dev = device_for_kernels()
+    dev = kernel_device()
     payload, sizes = payload.to(dev), sizes.to(dev)
     monkeypatch.setattr(torch, "empty", poisoned)
     packed, offsets = pack_pages(payload, sizes, zero_tail=False)
@@ -68,7 +59,7 @@ def test_publish_to_host_stores_the_value_in_pinned_memory(gen):
     """The pipeline's packed size reaches the host by a kernel store (GPU: into pinned memory
     the kernel writes across the bus; interpreter: a CPU tensor). The target is poisoned first,
     and the value is fresh each run (any of the 64 bits wrong shows)."""
-    dev = device_for_kernels()
+    dev = kernel_device()
     value = int(torch.randint(-(1 << 62), 1 << 62, (1,), dtype=torch.int64, generator=gen))
     src = torch.tensor([value, 7], dtype=torch.int64, device=dev)
     pinned = dev == "cuda"

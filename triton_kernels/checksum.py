@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .constants import CHECKSUM_MUL1, CHECKSUM_MUL2, CHECKSUM_STEP
-from .launch import launch
+from .launch import frozen_meta, launch
 
 CHECKSUM_BLOCK = 1024  # words per step (divides every page size's P / 4)
 CHECKSUM_WARPS = 4
@@ -24,13 +24,17 @@ _MUL2 = tl.constexpr(CHECKSUM_MUL2)
 
 @triton.jit
 def page_checksum_kernel(
-    pages_ptr,  # uint8 [N, P], rows contiguous, 4-byte aligned
+    pages_ptr,  # uint8 [N, P], rows contiguous, 4-byte aligned; or (ROWS) int64 [N] addresses
     out_ptr,  # int32 [N]
     PAGE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     page = tl.program_id(0).to(tl.int64)
-    words = (pages_ptr + page * PAGE).to(tl.pointer_type(tl.uint32))
+    if ROWS:  # pages of several tensors: the address of each in a table
+        words = tl.load(pages_ptr + page).to(tl.pointer_type(tl.uint32))
+    else:
+        words = (pages_ptr + page * PAGE).to(tl.pointer_type(tl.uint32))
     acc = tl.zeros((BLOCK,), dtype=tl.uint32)
     for start in range(0, PAGE // 4, BLOCK):
         j = start + tl.arange(0, BLOCK)
@@ -45,21 +49,45 @@ def page_checksum_kernel(
     tl.store(out_ptr + page, total.to(tl.int32, bitcast=True))
 
 
-def page_checksums(pages: torch.Tensor, traced: bool = True) -> torch.Tensor:
+def page_checksums(pages: torch.Tensor, traced: bool = True,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Checksums of uncompressed pages on their device and current stream.
 
     Args:
         pages: ``uint8 [N, P]``, rows contiguous, ``P`` a power of two from 4096 to 65536. A
             view that does not start 4-byte aligned is copied once.
         traced: ``False`` launches directly (see ``torch_pagecomp.kernels.launch``).
+        out: ``int32 [N]`` (contiguous) to write into, or ``None``.
     Returns:
         ``int32 [N]`` (the format's page checksums), never synchronising with the host.
     """
     n, page_size = pages.shape
     if pages.storage_offset() % 4:
         pages = pages.clone()
-    out = torch.empty((n,), dtype=torch.int32, device=pages.device)
+    if out is None:
+        out = torch.empty((n,), dtype=torch.int32, device=pages.device)
     if n:
+        meta = dict(PAGE=page_size, BLOCK=CHECKSUM_BLOCK, ROWS=False, num_warps=CHECKSUM_WARPS)
         launch(page_checksum_kernel, (n,), pages.device, (pages, out),
-               dict(PAGE=page_size, BLOCK=CHECKSUM_BLOCK, num_warps=CHECKSUM_WARPS), traced)
+               meta if traced else _direct_meta(page_size, False), traced)
     return out
+
+
+def row_checksums(rows: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
+    """:func:`page_checksums` of pages given by address: ``rows`` ``int64 [N]`` on the device,
+    each the 4-byte aligned address of ``page_size`` bytes inside a live tensor of that device
+    (the decoder's row table, ``lz4_decompress.decompress_rows``); ``out`` ``int32 [N]``.
+    Launches directly (addresses are not traceable)."""
+    if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous int64 [N] tensor, got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    if rows.numel():
+        launch(page_checksum_kernel, (rows.numel(),), rows.device, (rows, out),
+               _direct_meta(page_size, True), traced=False)
+
+
+def _direct_meta(page_size: int, rows: bool) -> dict:
+    """The settings of a direct launch, one shared object per configuration (the direct path
+    keys its cache on it: ``launch.FrozenMeta``)."""
+    return frozen_meta((("PAGE", page_size), ("BLOCK", CHECKSUM_BLOCK), ("ROWS", rows),
+                        ("num_warps", CHECKSUM_WARPS)))

@@ -87,6 +87,11 @@ class ActivationOffloader:
             ``"memory"``: every tensor of a class that compresses goes through the kernels.
         tuner: the ``StepTuner`` of ``prefer="speed"`` (default ``StepTuner()``).
         stream_priority: CUDA priority of the side streams (lower is higher).
+        checksum: compressed offloads keep each page's checksum (format) and every restore
+            checks its pages against them: a page restored to other bytes than were saved
+            raises (on a GPU ``CorruptPageError`` at the end of that backward, with the decode
+            failures; on the CPU at its unpack) instead of reaching the gradients silently.
+            One more read of each tensor each way; a partial last page is not covered.
     """
 
     def __init__(
@@ -106,6 +111,7 @@ class ActivationOffloader:
         prefer: str = "speed",
         stream_priority: int = 0,
         tuner: StepTuner | None = None,
+        checksum: bool = False,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -130,7 +136,10 @@ class ActivationOffloader:
         self.pool = PinnedBufferPool(pin=can_pin(), max_bytes=max_pinned_bytes)
         self._pinned = PinnedStore(self.pool)
         self._cpu = CpuStore(compress=False)
-        self._cpu_compressed = CpuStore(compress=True, page_size=page_size)
+        if not isinstance(checksum, bool):
+            raise ValueError(f"checksum must be True or False, got {checksum!r}")
+        self.checksum = checksum
+        self._cpu_compressed = CpuStore(compress=True, page_size=page_size, checksum=checksum)
         self._paged: dict[int, PagedStore] = {}
         self._last_error: str | None = None  # the latest offload that failed (kept in place)
         self._streams: dict[tuple, torch.cuda.Stream] = {}
@@ -405,7 +414,8 @@ class ActivationOffloader:
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index not in self._paged:
             streams = tuple(self._stream(dev, name) for name in ("d2h", "pack", "h2d"))
-            self._paged[index] = PagedStore(torch.device("cuda", index), self.page_size, streams)
+            self._paged[index] = PagedStore(torch.device("cuda", index), self.page_size, streams,
+                                            checksum=self.checksum)
         return self._paged[index]
 
     def synchronize(self) -> None:

@@ -26,8 +26,8 @@ import collections
 
 import torch
 
-from .. import _ops
-from ..format import CorruptPageError
+from .. import _ops, cpu_codec
+from ..format import STATUS_CHECKSUM, STATUS_OK, CorruptPageError
 from ..module import RestoreFailures
 from ..pools import HostMemory, can_pin
 from ._streams import current_stream, on_stream
@@ -74,11 +74,13 @@ class _Slice:
     the placement the pack kernel chose (``base``/``total`` on the host once confirmed)."""
 
     __slots__ = ("first", "n", "sizes", "kinds", "rel", "desc", "host_desc", "stored",
-                 "base", "total", "freed")
+                 "base", "total", "freed", "sums")
 
-    def __init__(self, first: int, n: int, sizes, kinds, rel, desc, host_desc, stored):
+    def __init__(self, first: int, n: int, sizes, kinds, rel, desc, host_desc, stored,
+                 sums=None):
         self.first, self.n = first, n
         self.sizes, self.kinds, self.rel, self.desc = sizes, kinds, rel, desc
+        self.sums = sums  # int32 [n] page checksums (the store's ``checksum``), or None
         self.host_desc, self.stored = host_desc, stored
         self.base: int | None = None
         self.total = 0
@@ -289,14 +291,19 @@ class PagedStore:
     ``streams``: ``(compress, pack, restore)`` CUDA streams (``None`` on the CPU, where the
     kernels run synchronously: the Triton interpreter in tests). Restores run on the caller's
     current stream; ``restore_stream`` is the stream they are issued on (chunk reuse waits
-    for it).
+    for it). ``checksum``: keep each page's checksum (format) on the device beside its
+    metadata and check every restored page against it (``STATUS_CHECKSUM``, counted as decode
+    failures are); one more read of the pages each way. A partial last page travels as plain
+    bytes, unchecked.
     """
 
     kind = "compressed"
 
     def __init__(self, device: torch.device, page_size: int, streams=(None, None, None),
-                 chunk_bytes: int = CHUNK_BYTES, slice_bytes: int = SLICE_BYTES):
+                 chunk_bytes: int = CHUNK_BYTES, slice_bytes: int = SLICE_BYTES,
+                 checksum: bool = False):
         self.device, self.page_size = device, page_size
+        self.checksum = checksum
         self.compress_stream, self.pack_stream, self.restore_stream = streams
         with on_stream(self.pack_stream):  # the pack kernel reads the arena's state there
             self.arena = VirtualArena(device, chunk_bytes)
@@ -342,15 +349,22 @@ class PagedStore:
         pages = src[first * p:(first + n) * p].view(n, p)
         # two allocations per slice: the fixed-stride payload (freed once packed) and the
         # metadata the restore needs, ``rel int64 [n] | desc int64 [2] | sizes int32 [n] |
-        # kinds uint8 [n]``, each part 16-byte aligned (Triton compiles a kernel per pointer
-        # alignment: parts placed by ``n`` alone would compile new variants mid-training)
+        # kinds uint8 [n] (| sums int32 [n])``, each part 16-byte aligned (Triton compiles a
+        # kernel per pointer alignment: parts placed by ``n`` alone would compile new variants
+        # mid-training)
         payload = torch.empty((n, p), dtype=torch.uint8, device=src.device)
         a = _align16(8 * n)
         b = a + 16 + _align16(4 * n)
-        meta = torch.empty(b + n, dtype=torch.uint8, device=src.device)
+        c = b + _align16(n)
+        meta = torch.empty(c + 4 * n if self.checksum else b + n, dtype=torch.uint8,
+                           device=src.device)
         rel, desc = meta[:8 * n].view(torch.int64), meta[a:a + 16].view(torch.int64)
-        sizes, kinds = meta[a + 16:a + 16 + 4 * n].view(torch.int32), meta[b:]
+        sizes, kinds = meta[a + 16:a + 16 + 4 * n].view(torch.int32), meta[b:b + n]
         _compress(pages, element_size, (payload, sizes, kinds), self._scratch(src, element_size))
+        sums = None
+        if self.checksum:
+            sums = meta[c:c + 4 * n].view(torch.int32)
+            _checksums(pages, sums)
         compressed = _record(cs)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
         with on_stream(ps):
@@ -366,7 +380,7 @@ class PagedStore:
                 payload.record_stream(ps)  # made on the compress stream, read here
                 meta.record_stream(ps)
             self._packed.append(stored)
-        sl = _Slice(first, n, sizes, kinds, rel, desc, host_desc, stored)
+        sl = _Slice(first, n, sizes, kinds, rel, desc, host_desc, stored, sums)
         self.arena.add(sl, n * p)
         return sl
 
@@ -419,8 +433,10 @@ class PagedStore:
                 staging = torch.empty(sl.n * p, dtype=torch.uint8, device=out.device)
                 fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
-            _decompress_into(staging, sl.rel, sl.sizes, sl.kinds, pages,
-                             status[sl.first:sl.first + sl.n])
+            st = status[sl.first:sl.first + sl.n]
+            _decompress_into(staging, sl.rel, sl.sizes, sl.kinds, pages, st)
+            if sl.sums is not None:
+                verify(st, _checksums(pages), sl.sums)
         if stored.tail is not None:
             out[stored.nbytes - stored.tail.numel():].copy_(stored.tail, non_blocking=True)
         if full:
@@ -514,23 +530,58 @@ def _compress(pages: torch.Tensor, element_size: int, out: tuple, scratch) -> No
         dst.copy_(res)
 
 
+def _checksums(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The format's checksum of each page of ``pages`` (``uint8 [n, P]``) on the current
+    stream, into ``out`` (``int32 [n]``) if given: the kernel on the GPU, numpy on the CPU."""
+    if pages.is_cuda:
+        from ..kernels.checksum import page_checksums
+
+        return page_checksums(pages, traced=False, out=out)
+    got = cpu_codec.page_checksums_cpu(pages)
+    if out is None:
+        return got
+    out.copy_(got)
+    return out
+
+
+def verify(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Mark ``STATUS_CHECKSUM`` in ``status`` where a page decoded without error to bytes whose
+    checksum ``got`` is not the stored ``want`` (device work, no synchronisation)."""
+    status.copy_(torch.where((status == STATUS_OK) & (got != want), STATUS_CHECKSUM, status))
+
+
+def _row_table(outs: list, page_size: int) -> torch.Tensor:
+    """``int64 [pages]`` on the outputs' device: the address of every page of ``outs`` in
+    order (uploaded from pinned memory, no host wait)."""
+    import numpy as np
+
+    rows = np.concatenate([np.arange(o.numel() // page_size, dtype=np.int64) * page_size
+                           + o.data_ptr() for o in outs])
+    return to_device(torch.from_numpy(rows), outs[0].device)
+
+
 def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
-                     status) -> None:
+                     status, sums=None) -> None:
     """Decode the pages of several outputs (``uint8 [n_i * P]`` each, back to back in the
     metadata's order) with one launch pair, each page into its own output: on the GPU the
-    decoder takes a table of row addresses; on the CPU the pages are decoded aside and copied."""
+    decoder takes a table of row addresses; on the CPU the pages are decoded aside and copied.
+    ``sums`` (``int32 [pages]``): check the decoded pages against them (:func:`verify`)."""
     if outs[0].is_cuda:
-        import numpy as np
-
         from ..kernels.lz4_decompress import decompress_rows
 
-        rows = np.concatenate([np.arange(o.numel() // page_size, dtype=np.int64) * page_size
-                               + o.data_ptr() for o in outs])
-        table = to_device(torch.from_numpy(rows), outs[0].device)
+        table = _row_table(outs, page_size)
         decompress_rows(payload, offsets, sizes, kinds, table, page_size, status)
+        if sums is not None:
+            from ..kernels.checksum import row_checksums
+
+            got = torch.empty_like(sums)
+            row_checksums(table, page_size, got)
+            verify(status, got, sums)
         return
     pages = torch.empty((status.numel(), page_size), dtype=torch.uint8)
     _ops.decompress_into_eager(payload, offsets, sizes, kinds, pages, status)
+    if sums is not None:
+        verify(status, _checksums(pages), sums)
     at = 0
     for o in outs:
         n = o.numel() // page_size

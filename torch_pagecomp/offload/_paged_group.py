@@ -66,7 +66,8 @@ class StoredGroup:
         self.known = 0  # leading stored tensors whose metadata is cached
         self.pages = 0  # their full pages
         self.staged = 0  # their staging bytes (exact compressed sizes)
-        self.meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # (offsets, sizes, kinds[, checksums]) of the cached pages, concatenated
+        self.meta: tuple[torch.Tensor, ...] | None = None
         self.meta_stream = None
         self.runs: list[list] = []  # [chunk, offset in chunk, bytes, staging offset, view]
 
@@ -75,7 +76,7 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     """Cache the metadata of the stored tensors after ``group.known`` whose slices are all
     placed, in order, stopping at the first that is not."""
     chunk = store.arena.chunk
-    rels, shifts, counts, sizes, kinds = [], [], [], [], []
+    rels, shifts, counts, sizes, kinds, sums = [], [], [], [], [], []
     at = group.known
     while at < len(group.storeds):
         stored = group.storeds[at]
@@ -96,6 +97,8 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
             rels.append(sl.rel)
             sizes.append(sl.sizes)
             kinds.append(sl.kinds)
+            if store.checksum:
+                sums.append(sl.sums)
             shifts.append(group.staged)
             counts.append(sl.n)
             group.staged += sl.total
@@ -108,7 +111,7 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     shift = torch.repeat_interleave(torch.tensor(shifts, dtype=torch.int64),
                                     torch.tensor(counts, dtype=torch.int64))
     offsets = torch.cat(rels) + _paged.to_device(shift, device)
-    new = (offsets, torch.cat(sizes), torch.cat(kinds))
+    new = (offsets, torch.cat(sizes), torch.cat(kinds)) + ((torch.cat(sums),) if sums else ())
     if group.meta is not None:
         new = tuple(torch.cat([old, t]) for old, t in zip(group.meta, new))
     group.meta = new
@@ -170,7 +173,8 @@ def restore_group(store, group: StoredGroup, out) -> None:
         else:  # still packing: kernels read it once the pack is done
             _paged._wait(stream, sl.stored)
             fetch_from_host(staging[at:at + sl.n * p], sl.desc, arena.table, arena.chunk)
-        extra.append((sl.rel + at, sl.sizes, sl.kinds))
+        extra.append((sl.rel + at, sl.sizes, sl.kinds)
+                     + ((sl.sums,) if store.checksum else ()))
 
     if pages:
         meta = group.meta
@@ -179,13 +183,16 @@ def restore_group(store, group: StoredGroup, out) -> None:
                 t.record_stream(stream)
         if extra:
             parts = ([] if meta is None else [meta]) + extra
-            meta = tuple(torch.cat([q[i] for q in parts]) for i in range(3))
-        offsets, sizes, kinds = meta
+            meta = tuple(torch.cat([q[i] for q in parts]) for i in range(len(parts[0])))
+        offsets, sizes, kinds = meta[:3]
+        sums = meta[3] if store.checksum else None
         status = torch.empty(pages, dtype=torch.int32, device=dev)
         if outs is not None:  # each tensor's pages into its own output (or part of out)
-            _paged._decompress_rows(staging, offsets, sizes, kinds, outs, p, status)
+            _paged._decompress_rows(staging, offsets, sizes, kinds, outs, p, status, sums)
         else:
             _paged._decompress_into(staging, offsets, sizes, kinds, out.view(pages, p), status)
+            if sums is not None:
+                _paged.verify(status, _paged._checksums(out.view(pages, p)), sums)
         store._count_failures(status, stream)
     if group.ragged:  # partial last pages travel as plain bytes
         for stored, start in zip(group.storeds, group.starts):

@@ -93,9 +93,10 @@ class CpuStored:
 class CpuStore:
     """CPU tensors (no GPU): lz4 pages packed exactly (``compress=True``) or a plain copy."""
 
-    def __init__(self, compress: bool, page_size: int = 4096):
+    def __init__(self, compress: bool, page_size: int = 4096, checksum: bool = False):
         self.compress = compress
         self.page_size = page_size
+        self.checksum = checksum  # page checksums kept and checked (compressed only)
         self.kind = "compressed" if compress else "cpu"
 
     def offload(self, src: torch.Tensor, element_size: int) -> CpuStored:
@@ -107,8 +108,9 @@ class CpuStore:
         pages = -(-n // self.page_size)
         padded = torch.zeros(pages * self.page_size, dtype=torch.uint8)
         padded[:n] = src
-        packed = api.pack(api.compress(padded, self.page_size, element_size, backend="cpu"))
-        host = packed.payload.numel() + packed.sizes.numel() * 13
+        packed = api.pack(api.compress(padded, self.page_size, element_size, backend="cpu",
+                                       checksum=self.checksum))
+        host = packed.payload.numel() + packed.sizes.numel() * (17 if self.checksum else 13)
         return CpuStored("compressed", packed, n, host)
 
     def restore(self, stored: CpuStored, out: torch.Tensor) -> None:
