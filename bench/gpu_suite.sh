@@ -13,6 +13,7 @@
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
+#   bash bench/gpu_suite.sh stash      # probe: finished offloads kept for backward vs shipped (#21)
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -165,6 +166,11 @@ open(f"{out}/ab.md", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
     rm -rf "$OUT/ab_parts"
+    ;;
+stash)
+    header stash
+    timeout 540 python3 -m bench.dev_stash_policy --models "${STOCK_MODELS:-encoder-1024,resnet-64,llama-2048}" \
+        --variants "${STOCK_VARIANTS:-uncompressed,memory}" --out "$OUT/stash_policy.json" 2>&1 | tail -n 16
     ;;
 lifetimes)
     # tests/test_lifetimes.py -m slow: each exit script 20 times on the CPU and the GPU, and the
