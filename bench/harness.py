@@ -260,6 +260,10 @@ def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample) 
     decomp = lambda: pc.decompress(c, return_status=True, backend=be)  # noqa: E731
     ctimes = measure(comp, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
     dtimes = measure(decomp, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
+    # the page checksums (issue #20): what checksum=True adds to each direction (one more
+    # pass over the uncompressed pages: after compress from the source, after decode)
+    sums = lambda: pc.page_checksums(pages, backend=be)  # noqa: E731
+    stimes = measure(sums, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
     out, status = pc.decompress(c, return_status=True, backend=be)
     roundtrip = bool((status == 0).all()) and torch.equal(out, pages)
     blocks_ok, checked = check_pagecomp_blocks(c, pages, sample)
@@ -269,6 +273,9 @@ def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample) 
         "ratio": c.ratio(),
         "stored_bytes": c.compressed_nbytes(),
         **_times(ctimes, dtimes, n * p, comp, decomp, dev),
+        "checksum_gbps": gbps(n * p, median(stimes)),
+        "checksum_cost": {"compress": median(stimes) / median(ctimes),
+                          "decompress": median(stimes) / median(dtimes)},
         "roundtrip_ok": roundtrip and blocks_ok,
         "roundtrip_all_pages": roundtrip,
         "lz4_block_check": {"ok": blocks_ok, "pages_checked": checked},

@@ -60,6 +60,10 @@ def format_table(report: dict) -> str:
             k = r.get("page_kinds", {})
             note = (f"backend={r['backend']} "
                     f"raw/lz4/fill={k.get('raw')}/{k.get('lz4')}/{k.get('fill')}")
+            if r.get("checksum_gbps"):
+                cost = r["checksum_cost"]
+                note += (f" checksum {r['checksum_gbps']:.0f} GB/s (+{cost['compress']:.0%} c,"
+                         f" +{cost['decompress']:.0%} d)")
         if r["codec"] == "nvcomp" and "interop" in r:
             note = "interop " + ",".join(f"{k}={v}" for k, v in r["interop"].items()
                                          if isinstance(v, bool))

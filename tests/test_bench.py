@@ -85,6 +85,8 @@ def test_rows_correct_and_plausible(smoke):
             assert r["lz4_block_check"] == {"ok": True, "pages_checked": r["pages"]}, where
             assert r["backend"] == "cpu", where
             assert sum(r["page_kinds"].values()) == r["pages"], where
+            assert r["checksum_gbps"] > 0 and set(r["checksum_cost"]) == {"compress",
+                                                                          "decompress"}, where
     ratio = {(r["corpus"], r["label"]): r["ratio"] for r in rep["results"] if r.get("ratio")}
     for codec in ("pagecomp", "lz4-cpu"):
         assert ratio[("text", codec)] > 1.3, seed
