@@ -14,6 +14,14 @@ def cell(value: float | None, places: int = 2) -> str:
     return "" if value is None else f"{value:.{places}f}"
 
 
+def md_table(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: the header, its rule, one line per row of cells (a short row, e.g.
+    an error, is padded with empty cells)."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r + [""] * (len(head) - len(r))) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def run_child(module: str, args: list[str], row: dict, timeout: float,
               env: dict | None = None, cwd: str | None = None) -> dict:
     """``python -m module *args``; its last stdout line is its row (JSON), returned with the

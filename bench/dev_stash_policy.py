@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from bench.children import run_child, write_results
+from bench.children import cell, md_table, run_child, write_results
 
 POLICIES = ("shipped", "keep")
 COUNTS = ("served_from_stash", "restored_prefetch", "restored_on_demand", "in_flight_waits")
@@ -62,20 +62,20 @@ def child(model: str, variant: str, policy: str, steps: int, warmup: int, device
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | variant | policy | step ms | host issue ms | peak GPU GiB | served in "
-             "place | restored ahead | restored on demand | in-flight waits | grads |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    head = ["model", "variant", "policy", "step ms", "host issue ms", "peak GPU GiB",
+            "served in place", "restored ahead", "restored on demand", "in-flight waits",
+            "grads"]
+    body = []
     for r in rows:
+        first = [r["model"], r["variant"], str(r.get("policy"))]
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['variant']} | {r.get('policy')} | error: "
-                         f"{r['error']} |||||||||")
+            body.append(first + [f"error: {r['error']}"])
             continue
         st = r.get("stats", {})
-        counts = " | ".join(f"{st.get(k, 0):.1f}" for k in COUNTS)
-        lines.append(f"| {r['model']} | {r['variant']} | {r['policy']} | {r['step_ms']:.1f} | "
-                     f"{r.get('host_issue_ms', 0):.1f} | {r.get('peak_gpu_gib', 0):.2f} | "
-                     f"{counts} | {str(r.get('grads'))[:12]} |")
-    return "\n".join(lines)
+        body.append(first + [f"{r['step_ms']:.1f}", cell(r.get("host_issue_ms"), 1),
+                             cell(r.get("peak_gpu_gib"))]
+                    + [cell(st.get(k, 0), 1) for k in COUNTS] + [str(r.get("grads"))[:12]])
+    return md_table(head, body)
 
 
 def main(argv=None) -> int:

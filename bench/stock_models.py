@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 
-from bench.children import cell, run_child, write_results
+from bench.children import cell, md_table, run_child, write_results
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed", "torchtune")
 GIB = 1 << 30
@@ -379,23 +379,21 @@ def _finish(rows: list[dict], meta: dict) -> dict:
 
 
 def table(doc: dict) -> str:
-    head = ("| model | gpus | variant | step ms | host issue ms | vs uncompressed | peak GPU GiB | "
-            "host GiB | ratio | link-bound | grads identical |")
-    lines = [head, "|" + "---|" * 11]
+    head = ["model", "gpus", "variant", "step ms", "host issue ms", "vs uncompressed",
+            "peak GPU GiB", "host GiB", "ratio", "link-bound", "grads identical"]
     unc = {r["model"]: r.get("step_ms") for r in doc["rows"] if r["variant"] == "uncompressed"}
+    rows = []
     for r in doc["rows"]:
+        first = [r["model"], str(r.get("gpus")), r["variant"]]
         if "error" in r:
-            lines.append(f"| {r['model']} | {r.get('gpus')} | {r['variant']} | "
-                         f"error: {r['error']} ||||||||")
+            rows.append(first + [f"error: {r['error']}"])
             continue
         rel = (f"{r['step_ms'] / unc[r['model']]:.2f}x" if unc.get(r["model"]) else "")
-        lines.append(
-            f"| {r['model']} | {r['gpus']} | {r['variant']} | {r['step_ms']:.1f} | "
-            f"{cell(r.get('host_issue_ms'), 1)} | {rel} | "
-            f"{cell(r.get('peak_gpu_gib'))} | {cell(r.get('host_gib'))} | "
-            f"{cell(r.get('ratio'), 3)} | "
-            f"{r['link_bound']} | {r.get('grads_identical', '')} |")
-    return "\n".join(lines)
+        rows.append(first + [f"{r['step_ms']:.1f}", cell(r.get("host_issue_ms"), 1), rel,
+                             cell(r.get("peak_gpu_gib")), cell(r.get("host_gib")),
+                             cell(r.get("ratio"), 3), str(r["link_bound"]),
+                             str(r.get("grads_identical", ""))])
+    return md_table(head, rows)
 
 
 def main(argv=None) -> int:

@@ -132,12 +132,19 @@ def decompress(
         gpu = [a.to("cuda") for a in args[:4]]
         pages, status = (t.cpu() for t in torch.ops.pagecomp.decompress(*gpu, c.page_size))
     if c.checksums is not None:  # decoded, but to the bytes that were compressed?
-        wrong = page_checksums(pages, backend) != c.checksums.to(pages.device)
-        status = torch.where((status == fmt.STATUS_OK) & wrong, fmt.STATUS_CHECKSUM, status)
+        status = checksum_status(status, page_checksums(pages, backend), c.checksums)
     if return_status:
         return pages, status
     raise_for_status(status, mismatch)
     return pages
+
+
+def checksum_status(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """``status`` with ``STATUS_CHECKSUM`` where a page decoded without error (status OK) to
+    bytes whose checksum ``got`` is not the stored ``want`` (all ``int32 [N]``; device work,
+    no synchronisation)."""
+    wrong = got != want.to(got.device, non_blocking=True)
+    return torch.where((status == fmt.STATUS_OK) & wrong, fmt.STATUS_CHECKSUM, status)
 
 
 OFFSETS_MISMATCH = "bad size (offsets[i + 1] - offsets[i] != sizes[i] in the packed container)"

@@ -19,7 +19,6 @@ input plus ~13 bytes of metadata per page).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
 import threading
@@ -28,7 +27,7 @@ import weakref
 import torch
 
 from . import format as fmt
-from .api import page_checksums, raise_for_status
+from .api import checksum_status, page_checksums, raise_for_status
 from .format import PageCompError, dtype_element_size
 from .pipeline import Pipeline, PipelineStopped, SlotState  # noqa: F401 (re-exported)
 from .storage import Storage
@@ -146,8 +145,7 @@ def _checked(status: torch.Tensor, dst: torch.Tensor, handle: OffloadHandle) -> 
     got = _page_sums(dst, handle.page_size)
     if got.numel() != status.numel():  # the statuses do not cover the pages one to one
         raise RuntimeError(f"restore: {status.numel()} statuses for {got.numel()} pages")
-    wrong = got != handle.checksums.to(got.device, non_blocking=True)
-    return torch.where((status == fmt.STATUS_OK) & wrong, fmt.STATUS_CHECKSUM, status)
+    return checksum_status(status, got, handle.checksums)
 
 
 class OffloadHandle:
@@ -397,8 +395,7 @@ class PageCompressor(torch.nn.Module):
             storage.close()
             return handle
         if self.checksum:  # on the caller's stream, before anything may change the source
-            with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
-                handle.checksums = _page_sums(src, self.page_size)
+            handle.checksums = _page_sums(src, self.page_size)
         if cuda:
             _not_capturing("offload")
             with torch.cuda.device(self.device):

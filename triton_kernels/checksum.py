@@ -7,15 +7,25 @@ them up modulo ``2^32``. The reference is ``torch_pagecomp.cpu_codec.page_checks
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from .constants import CHECKSUM_MUL1, CHECKSUM_MUL2, CHECKSUM_STEP
-from .launch import frozen_meta, launch
+from .launch import config_meta, launch
 
-CHECKSUM_BLOCK = 1024  # words per step (divides every page size's P / 4)
-CHECKSUM_WARPS = 4
+
+@dataclass(frozen=True)
+class ChecksumConfig:
+    """Settings of ``page_checksum_kernel``: its constexprs and ``num_warps``."""
+
+    PAGE: int  # bytes per page
+    ROWS: bool  # pages given by a table of addresses (``row_checksums``)
+    BLOCK: int = 1024  # words per step (divides every page size's P / 4)
+    num_warps: int = 4
+
 
 _STEP = tl.constexpr(CHECKSUM_STEP)
 _MUL1 = tl.constexpr(CHECKSUM_MUL1)
@@ -67,9 +77,8 @@ def page_checksums(pages: torch.Tensor, traced: bool = True,
     if out is None:
         out = torch.empty((n,), dtype=torch.int32, device=pages.device)
     if n:
-        meta = dict(PAGE=page_size, BLOCK=CHECKSUM_BLOCK, ROWS=False, num_warps=CHECKSUM_WARPS)
         launch(page_checksum_kernel, (n,), pages.device, (pages, out),
-               meta if traced else _direct_meta(page_size, False), traced)
+               config_meta(ChecksumConfig(page_size, False)), traced)
     return out
 
 
@@ -83,11 +92,4 @@ def row_checksums(rows: torch.Tensor, page_size: int, out: torch.Tensor) -> None
                          f"{tuple(rows.shape)}")
     if rows.numel():
         launch(page_checksum_kernel, (rows.numel(),), rows.device, (rows, out),
-               _direct_meta(page_size, True), traced=False)
-
-
-def _direct_meta(page_size: int, rows: bool) -> dict:
-    """The settings of a direct launch, one shared object per configuration (the direct path
-    keys its cache on it: ``launch.FrozenMeta``)."""
-    return frozen_meta((("PAGE", page_size), ("BLOCK", CHECKSUM_BLOCK), ("ROWS", rows),
-                        ("num_warps", CHECKSUM_WARPS)))
+               config_meta(ChecksumConfig(page_size, True)), traced=False)

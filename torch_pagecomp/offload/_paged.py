@@ -27,7 +27,8 @@ import collections
 import torch
 
 from .. import _ops, cpu_codec
-from ..format import STATUS_CHECKSUM, STATUS_OK, CorruptPageError
+from ..api import checksum_status
+from ..format import CorruptPageError
 from ..module import RestoreFailures
 from ..pools import HostMemory, can_pin
 from ._streams import current_stream, on_stream
@@ -545,9 +546,8 @@ def _checksums(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 
 
 def verify(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> None:
-    """Mark ``STATUS_CHECKSUM`` in ``status`` where a page decoded without error to bytes whose
-    checksum ``got`` is not the stored ``want`` (device work, no synchronisation)."""
-    status.copy_(torch.where((status == STATUS_OK) & (got != want), STATUS_CHECKSUM, status))
+    """``api.checksum_status`` written into ``status`` (a part of the restore's statuses)."""
+    status.copy_(checksum_status(status, got, want))
 
 
 def _row_table(outs: list, page_size: int) -> torch.Tensor:

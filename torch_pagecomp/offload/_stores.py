@@ -110,7 +110,8 @@ class CpuStore:
         padded[:n] = src
         packed = api.pack(api.compress(padded, self.page_size, element_size, backend="cpu",
                                        checksum=self.checksum))
-        host = packed.payload.numel() + packed.sizes.numel() * (17 if self.checksum else 13)
+        per_page = 13 + 4 * (packed.checksums is not None)  # offset, size, kind (, checksum)
+        host = packed.payload.numel() + packed.sizes.numel() * per_page
         return CpuStored("compressed", packed, n, host)
 
     def restore(self, stored: CpuStored, out: torch.Tensor) -> None:
