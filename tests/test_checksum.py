@@ -204,7 +204,8 @@ def test_compressor_checksum_setting_is_copied_and_checked():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_compressor_checksums_flag_a_corrupted_page(gen):
-    x = torch.randn(8 * 1024, device="cuda")
+    # incompressible bytes: every page is stored RAW, so a flipped byte still decodes with status 0
+    x = torch.randint(0, 256, (8 * 4096,), dtype=torch.uint8, device="cuda")
     with pc.PageCompressor(checksum=True) as comp:
         h = comp.offload(x)
         assert torch.equal(comp.restore(h, check=True), x)
