@@ -256,3 +256,140 @@ def test_checksums_catch_a_flipped_host_byte(gen, checksum):
     out = torch.empty_like(srcs[1])
     store.restore(stored[1], out)  # the other tensor is intact either way
     assert torch.equal(out, srcs[1])
+
+
+# ----------------------------------------------------------------- coalesced (queued) tensors
+def _coalesced(store, gen, sizes, kind="small", element_size=1):
+    srcs = [_data(gen, n, kind) for n in sizes]
+    return srcs, [store.offload(s, element_size, coalesce=True) for s in srcs]
+
+
+@interpreter
+@pytest.mark.parametrize("checksum", [False, True])
+def test_coalesced_tensors_share_a_slice_and_restore_exactly(gen, checksum):
+    """Small tensors (odd sizes: raw tails) wait in the queue, are stored as one slice once
+    it holds a slice's pages, and each comes back exact on every restore path; the host bytes
+    go back with the last part."""
+    from torch_pagecomp.offload._paged_group import StoredGroup
+    from torch_pagecomp.offload._paged_queue import Part
+
+    store = _store(chunk=1 << 17, slice_bytes=1 << 16, checksum=checksum)  # 16-page slices
+    sizes = [3 * P + 5, 2 * P, 4 * P + 999, P, 7 * P + 1]  # 3+2+4+1 pages queued, then 7
+    srcs, stored = _coalesced(store, gen, sizes)
+    # the fifth would pass a slice: the first four were stored together, the fifth waits
+    assert [st.queued is None for st in stored] == [True] * 4 + [False]
+    assert not stored[4].ready() and stored[4].host_nbytes() is None
+    assert store.stats()["queued_bytes"] == 7 * P
+    parts = [st.slices[0] for st in stored[:4]]
+    assert all(isinstance(sl, Part) for sl in parts)
+    assert len({id(sl.batch) for sl in parts}) == 1 and len(store.arena.pending) == 1
+    stored[4].wait_on(None)  # anyone waiting for its source stores it
+    assert stored[4].queued is None and len(store.arena.pending) == 2
+    store.wait_placed()
+    assert all(st.stored() for st in stored)
+    host = [st.host_nbytes() for st in stored]
+    assert sum(host[:4]) == parts[0].batch.carrier.total + sum(n % P for n in sizes[:4])
+    bases = [sl.base for sl in parts]
+    assert bases == sorted(bases) and bases[0] == parts[0].batch.carrier.base
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
+    whole = [s[:n // P * P] for s, n in zip(srcs, sizes) if n % P == 0]
+    group = [st for st, n in zip(stored, sizes) if n % P == 0]
+    outs = [torch.full_like(s, POISON) for s in whole]
+    store.restore_group(StoredGroup(P, group), outs)
+    assert all(torch.equal(o, s) for o, s in zip(outs, whole))
+    out = torch.full((sum(sizes),), POISON, dtype=torch.uint8)
+    store.restore_group(StoredGroup(P, stored), out)
+    assert torch.equal(out, torch.cat(srcs))
+    used = store.arena.used
+    for st in stored[:3]:
+        store.free(st)
+    assert store.arena.used == used  # the shared slice is held by its last part
+    store.free(stored[3])
+    store.free(stored[4])
+    assert store.arena.used == 0 and not store.arena.live
+
+
+@interpreter
+def test_a_tensor_freed_while_queued_is_never_stored(gen):
+    store = _store(chunk=1 << 17, slice_bytes=1 << 16)
+    srcs, stored = _coalesced(store, gen, [2 * P + 3, 3 * P, P])
+    assert all(st.queued is not None for st in stored) and not store.arena.pending
+    store.free(stored[1])
+    assert stored[1].queued is None and store.stats()["queued_bytes"] == 3 * P
+    for s, st in zip(srcs[::2], stored[::2]):  # a restore stores the queue first
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
+    assert len(store.arena.pending) + (store.arena.frontier > 0) >= 1
+    assert [sl.n for sl in stored[0].slices + stored[2].slices] == [2, 1]
+    store.free(stored[0])
+    store.free(stored[2])
+    assert store.arena.used == 0
+
+
+@interpreter
+def test_queue_keeps_one_element_size_and_leaves_large_tensors_alone(gen):
+    """Another element size stores the queue first (one compress launch has one); a tensor of
+    half a slice or more is stored at once, as without ``coalesce``."""
+    store = _store(chunk=1 << 17, slice_bytes=1 << 16)
+    a, b, big = _data(gen, 2 * P, "bf16"), _data(gen, 3 * P, "bf16"), _data(gen, 8 * P, "bf16")
+    sa = store.offload(a, 2, coalesce=True)
+    sb = store.offload(b, 1, coalesce=True)
+    assert sa.queued is None and sb.queued is not None
+    sbig = store.offload(big, 2, coalesce=True)
+    assert sbig.queued is None and sb.queued is not None
+    assert type(sbig.slices[0]).__name__ == "_Slice"
+    for s, st in ((a, sa), (b, sb), (big, sbig)):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
+
+
+@interpreter
+def test_a_failed_shared_slice_fails_every_part(gen):
+    """Arena full: the shared slice is refused and so is every tensor in it (never wrong bytes,
+    and the fetch path reads nothing for a part of a failed slice)."""
+    from torch_pagecomp.offload._paged import SliceNotStored
+
+    store = _store(chunk=1 << 16, slice_bytes=1 << 16)
+    srcs, stored = _coalesced(store, gen, [2 * P, 3 * P], kind="noise")
+    store.arena.back = lambda upper, stream: None  # nothing backed: limit 0
+    stored[0].wait_on(None)
+    part = stored[1].slices[0]
+    back = torch.full((3 * P,), POISON, dtype=torch.uint8)
+    fetch_from_host(back, part.desc, store.arena.table, store.arena.chunk)
+    assert bool((back == POISON).all())
+    store.poll()
+    assert all(st.failed() for st in stored)
+    for s, st in zip(srcs, stored):
+        with pytest.raises(SliceNotStored):
+            store.restore(st, torch.empty_like(s))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_coalesced_round_trip_on_streams(gen):
+    """Queued tensors on CUDA streams: the producer's later writes and a source freed after
+    the wait never reach the stored bytes."""
+    store = _store("cuda", chunk=64 << 20, slice_bytes=16 << 20)
+    srcs = [_data(gen, n, "bf16").cuda() for n in (3 << 20, (1 << 20) + 77, 5 * P, 2 << 20)]
+    want = [s.clone() for s in srcs]
+    stored = [store.offload(s, 2, producer=torch.cuda.current_stream(), coalesce=True)
+              for s in srcs]
+    for s, st in zip(srcs, stored):
+        st.wait_on(torch.cuda.current_stream())
+        s.fill_(POISON)  # after the wait: the source may be reused
+    del srcs
+    for w, st in zip(want, stored):
+        out = torch.full_like(w, POISON)
+        with torch.cuda.stream(store.restore_stream):
+            store.restore(st, out)
+        torch.cuda.current_stream().wait_stream(store.restore_stream)
+        assert torch.equal(out, w)
+    torch.cuda.synchronize()
+    assert store.failed_restores() == 0
+    for st in stored:
+        store.free(st)
+    assert store.arena.used == 0

@@ -189,8 +189,7 @@ class Backward:
                 ps.issued = [False] * len(ps.issued)
             for e in list(off._live):
                 e.drop_restored()
-            while off._stash:
-                off._release(off._stash.popleft(), wait=True)
+            off._drop_stash()
             for e in list(off._failed):
                 e.src = None
             off._failed.clear()
