@@ -189,7 +189,8 @@ class Backward:
                 ps.issued = [False] * len(ps.issued)
             for e in list(off._live):
                 e.drop_restored()
-            off._drop_stash()
+            while off._stash:
+                off._release(off._stash.popleft(), wait=True)
             for e in list(off._failed):
                 e.src = None
             off._failed.clear()

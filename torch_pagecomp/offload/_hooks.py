@@ -323,8 +323,7 @@ class ActivationOffloader:
             entry.stored = entry.store.offload(src, esize)
         elif compress:
             entry.store, entry.stream = self._paged_store(dev), current_stream(dev)
-            entry.stored = entry.store.offload(src, esize, producer=entry.stream,
-                                               coalesce=True)
+            entry.stored = entry.store.offload(src, esize, producer=entry.stream)
         else:
             side, entry.stream = self._stream(dev, "d2h"), current_stream(dev)
             with on_stream(side):
@@ -385,21 +384,12 @@ class ActivationOffloader:
 
     def _poll(self) -> None:
         # Copies finish in the order they were issued (one side stream each way), so only the
-        # oldest stashed entries are looked at: O(released) per hook, not O(stash); tensors
-        # still queued in a compressed store (stored later, together) are stepped over. During
-        # a backward a stashed storage is kept until served in place (released when its copy
+        # oldest stashed entries are looked at: O(released) per hook, not O(stash). During a
+        # backward a stashed storage is kept until served in place (released when its copy
         # finished, it would be read back over the link instead); served ones go at once.
         backward = _in_backward()
-        queued = []
-        while self._stash:
-            head = self._stash[0]
-            if _queued(head):
-                queued.append(self._stash.popleft())
-            elif head.ready() and (head.served or not backward):
-                self._release(self._stash.popleft(), wait=False, keep_served=backward)
-            else:
-                break
-        self._stash.extendleft(reversed(queued))
+        while self._stash and self._stash[0].ready() and (self._stash[0].served or not backward):
+            self._release(self._stash.popleft(), wait=False, keep_served=backward)
         for store in self._paged.values():
             store.poll()
         self.policy.poll()
@@ -413,14 +403,6 @@ class ActivationOffloader:
 
 
     # ------------------------------------------------------------------------ helpers
-    def _drop_stash(self) -> None:
-        """Release every stashed storage (the end of a backward). A tensor still queued in a
-        compressed store is not stored for this: the queue keeps its source until it is
-        stored or freed, and a dead entry's is freed without ever being compressed."""
-        while self._stash:
-            entry = self._stash.popleft()
-            self._release(entry, wait=not _queued(entry))
-
     def _stream(self, dev: torch.device, name: str) -> torch.cuda.Stream:
         key = (dev.index if dev.index is not None else torch.cuda.current_device(), name)
         if key not in self._streams:
@@ -468,7 +450,6 @@ class ActivationOffloader:
                 "entries": len(live),
                 "stash": len(self._stash),
                 "stash_bytes": self._stash_bytes,
-                "queued_bytes": sum(st.stats()["queued_bytes"] for st in self._paged.values()),
                 "failed": len(self._failed),
                 "restored": sum(e.restored is not None for e in live),
                 "host_bytes": self.host_bytes(),
@@ -518,8 +499,3 @@ def offload_activations(**settings) -> ActivationOffloader:
     """``with offload_activations(mode=..., prefetch=...):`` offloads the activations saved
     inside. Takes the settings of :class:`ActivationOffloader`."""
     return ActivationOffloader(**settings)
-
-
-def _queued(entry: _Entry) -> bool:
-    """``entry`` waits in a compressed store's queue (nothing of it stored yet)."""
-    return getattr(entry.stored, "queued", None) is not None

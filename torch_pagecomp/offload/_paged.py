@@ -244,10 +244,8 @@ class PagedStored:
 
     kind = "compressed"
 
-    def __init__(self, nbytes: int, page_size: int, slices: list, tail, consumed, queued=None):
+    def __init__(self, nbytes: int, page_size: int, slices: list[_Slice], tail, consumed):
         self.nbytes, self.page_size, self.slices = nbytes, page_size, slices
-        # the store's ``_paged_queue.OffloadQueue`` while queued there (nothing stored yet)
-        self.queued = queued
         self.tail = tail  # pinned uint8 [nbytes % P] or None
         self.consumed = consumed  # the source has been read (device event, None on the CPU)
         self.freed = False
@@ -257,20 +255,16 @@ class PagedStored:
         """The copy is done: every page is in host memory. Until then the offloader keeps the
         source, as it does for a plain copy, so a backward that comes first reads it in place
         rather than over the link."""
-        if self.queued is not None:
-            return False
         return (self.consumed is None or self.consumed.query()) and all(
             sl.done() for sl in self.slices)
 
     def wait_on(self, stream) -> None:
         """``stream`` waits until the source may be dropped: its pages are compressed (the
-        packing may still run). A queued tensor is stored first."""
-        if self.queued is not None:
-            self.queued.flush()
+        packing may still run)."""
         _wait(stream, self.consumed)
 
     def stored(self) -> bool:
-        return self.queued is None and all(sl.base is not None for sl in self.slices)
+        return all(sl.base is not None for sl in self.slices)
 
     def failed(self) -> bool:
         return any(sl.base is not None and sl.base < 0 for sl in self.slices)
@@ -326,19 +320,10 @@ class PagedStore:
         self.scratch_bytes = 0  # bound on the scratch held at once (reported in stats)
         self._scratches: dict[int, tuple] = {}  # element size -> the compress kernel's scratch
         self._scratch_held = 0
-        from ._paged_queue import OffloadQueue
-
-        self.queue = OffloadQueue(self)  # small tensors stored together (``coalesce``)
 
     # ------------------------------------------------------------------ offload
-    def offload(self, src: torch.Tensor, element_size: int, producer=None,
-                coalesce: bool = False) -> PagedStored:
-        """Start storing ``src`` (``uint8 [nbytes]``, contiguous) after ``producer``'s work.
-        ``coalesce``: a tensor under half a slice may wait in the store's queue to be stored
-        with others (``_paged_queue``); the caller keeps ``src`` until ``wait_on`` says it may
-        go, as for any stored tensor."""
-        if coalesce and self.queue.takes(src.numel()):
-            return self.queue.add(src, element_size, producer)
+    def offload(self, src: torch.Tensor, element_size: int, producer=None) -> PagedStored:
+        """Start storing ``src`` (``uint8 [nbytes]``, contiguous) after ``producer``'s work."""
         p, nbytes = self.page_size, src.numel()
         full = nbytes // p
         cs = self.compress_stream
@@ -356,9 +341,7 @@ class PagedStore:
             consumed = _record(cs)
         return PagedStored(nbytes, p, slices, tail, consumed)
 
-    def _store_slice(self, src, first: int, n: int, element_size: int, parts=None):
-        """Compress and pack pages ``[first, first + n)`` of ``src`` as one slice; with
-        ``parts`` (page counts adding up to ``n``), one ``_paged_queue.Part`` per count."""
+    def _store_slice(self, src, first: int, n: int, element_size: int) -> _Slice:
         from ..kernels.host_pack import pack_slice  # Triton: imported on use
 
         p, cs, ps = self.page_size, self.compress_stream, self.pack_stream
@@ -393,10 +376,6 @@ class PagedStore:
             pack_slice(payload, sizes, rel, arena.state, arena.parity, arena.limit, desc,
                        host_desc, arena.table, arena.chunk)
             arena.parity ^= 1
-            if parts is not None:
-                from ._paged_queue import part_tables
-
-                tables = part_tables(rel, desc, parts, arena.pin)
             stored = _record(ps)
             if ps is not None:
                 payload.record_stream(ps)  # made on the compress stream, read here
@@ -404,17 +383,7 @@ class PagedStore:
             self._packed.append(stored)
         sl = _Slice(first, n, sizes, kinds, rel, desc, host_desc, stored, sums)
         self.arena.add(sl, n * p)
-        if parts is None:
-            return sl
-        from ._paged_queue import Batch, Part
-
-        part_rel, part_desc, host_bounds = tables
-        batch, out, a = Batch(sl, len(parts), host_bounds), [], 0
-        for i, c in enumerate(parts):
-            out.append(Part(batch, i, c, sizes[a:a + c], kinds[a:a + c], part_rel[a:a + c],
-                            part_desc[i], None if sums is None else sums[a:a + c]))
-            a += c
-        return out
+        return sl
 
     def _scratch(self, src: torch.Tensor, element_size: int):
         """The compress kernel's working memory for ``element_size`` (on the GPU: kept for the
@@ -448,8 +417,6 @@ class PagedStore:
         from ..kernels.host_pack import fetch_from_host
 
         p, arena = self.page_size, self.arena
-        if stored.queued is not None:
-            stored.queued.flush()
         stream = current_stream(out.device) if out.is_cuda else None  # on out's device
         arena.confirm()  # placements known by now (never waits)
         full = stored.nbytes // p  # the slices' pages; the partial tail travels as bytes
@@ -472,7 +439,6 @@ class PagedStore:
             if sl.sums is not None:
                 verify(st, _checksums(pages), sl.sums)
         if stored.tail is not None:
-            _wait(stream, stored.consumed)  # copied on the compress stream, after the pages
             out[stored.nbytes - stored.tail.numel():].copy_(stored.tail, non_blocking=True)
         if full:
             self._count_failures(status, stream)
@@ -496,7 +462,6 @@ class PagedStore:
     def close(self) -> None:
         """Wait for this store's streams, then unpin every chunk. Stored tensors are not
         restorable afterwards; the store must not be used again."""
-        self.queue.clear()
         for s in (self.compress_stream, self.pack_stream, self.restore_stream):
             if s is not None:
                 s.synchronize()
@@ -534,13 +499,8 @@ class PagedStore:
         self.arena.confirm()
 
     def free(self, stored: PagedStored) -> None:
-        if stored.queued is not None:
-            stored.queued.drop(stored)
         for sl in stored.slices:
-            if isinstance(sl, _Slice):
-                self.arena.release(sl, self.restore_stream)
-            else:  # a part of a shared slice
-                sl.release(self.arena, self.restore_stream)
+            self.arena.release(sl, self.restore_stream)
         stored.kernel = stored.kernel_bytes()  # what the class policy may still read
         stored.slices = []
         stored.tail = None
@@ -554,7 +514,6 @@ class PagedStore:
             "host_peak_held_bytes": a.peak_held,
             "scratch_bytes": self.scratch_bytes,
             "pending_slices": len(a.pending),
-            "queued_bytes": self.queue.pages * self.page_size,
         }
 
 

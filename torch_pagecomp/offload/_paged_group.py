@@ -146,9 +146,6 @@ def restore_group(store, group: StoredGroup, out) -> None:
         outs = ([out[start:start + stored.nbytes // p * p]
                  for stored, start in zip(group.storeds, group.starts)]
                 if group.ragged else None)
-    for stored in group.storeds[group.known:]:
-        if stored.queued is not None:
-            stored.queued.flush()
     stream = current_stream(dev) if dev.type == "cuda" else None
     arena.confirm()  # placements known by now (never waits)
     _absorb(store, group, dev)
