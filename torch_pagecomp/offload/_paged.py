@@ -439,6 +439,7 @@ class PagedStore:
             if sl.sums is not None:
                 verify(st, _checksums(pages), sl.sums)
         if stored.tail is not None:
+            _wait(stream, stored.consumed)  # copied on the compress stream, after the pages
             out[stored.nbytes - stored.tail.numel():].copy_(stored.tail, non_blocking=True)
         if full:
             self._count_failures(status, stream)
