@@ -12,9 +12,11 @@ Variants: ``none``; ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memo
 ``prefer="memory"``, ``prefer="speed"``). Each (model, variant) runs in a child process (a
 fresh CUDA context: clean peaks): warm-up steps, then timed steps of forward + backward + SGD.
 One row per run: step time (median of per-step CUDA-event times), peak GPU memory
-(``max_memory_allocated``), host memory held at peak, bytes offloaded per step, ratio, and
-whether the gradients of the first step are bit-identical to ``none`` (deterministic settings:
-math SDPA, ``torch.use_deterministic_algorithms``).
+(``max_memory_allocated``, and in the JSON where it falls: ``phase_gib``, per timed step the
+forward's peak, what the forward leaves allocated, the backward's peak, the backward's and the
+optimizer's), host memory held at peak, bytes offloaded per step, ratio, and whether the
+gradients of the first step are bit-identical to ``none`` (deterministic settings: math SDPA,
+``torch.use_deterministic_algorithms``).
 
     python -m bench.stock_models --models encoder-1024,llama-2048 --out bench/out/stock.json
     torchrun --nproc_per_node 2 -m bench.stock_models --fsdp --models encoder-1024 ...
@@ -251,18 +253,30 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
             kw["min_offload_bytes"] = min_offload_bytes
         off = offload_module(model, blocks=blocks, **kw)
 
-    def step():
+    phases: list[list[float]] = []  # per timed step, GiB: see ``row["phase_gib"]``
+
+    def step(record: bool = False):
         opt.zero_grad(set_to_none=True)
+        if record:
+            torch.cuda.reset_peak_memory_stats()
         if ctx is not None:
             with ctx:
                 y = model(x)
         else:
             y = model(x)
+        if record:  # host-side counters only: nothing waits, nothing of the hooks is touched
+            phases.append([torch.cuda.max_memory_allocated() / GIB,
+                           torch.cuda.memory_allocated() / GIB])
+            torch.cuda.reset_peak_memory_stats()
         y.float().square().mean().backward()
+        if record:
+            phases[-1].append(torch.cuda.max_memory_allocated() / GIB)
 
-    def train_step():
-        step()
+    def train_step(record: bool = False):
+        step(record)
         opt.step()
+        if record:  # the backward's and the optimizer's peak
+            phases[-1].append(torch.cuda.max_memory_allocated() / GIB)
 
     # first step: deterministic settings, gradients hashed for the identity check
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -311,7 +325,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         if cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-        train_step()
+        train_step(record=cuda)
         if cuda:
             e1.record()
             issue.append((time.perf_counter() - t0) * 1e3)  # the host's issue time
@@ -322,8 +336,12 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     row = {"model": name, "variant": variant, "step_ms": statistics.median(times),
            "step_ms_all": [round(t, 2) for t in times], "grads": grads,
            "warmup_steps": warmup}
-    if cuda:
-        row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
+    if cuda:  # the peak over every phase of every timed step (optimizer steps included)
+        row["peak_gpu_gib"] = max(torch.cuda.max_memory_allocated() / GIB,
+                                  max(max(p) for p in phases))
+        # where the peak is: per timed step, the forward's peak, what is allocated when the
+        # forward ends, the backward's peak, then that of the backward and the optimizer (GiB)
+        row["phase_gib"] = [[round(v, 3) for v in p] for p in phases]
         row["host_issue_ms"] = statistics.median(issue)
     st = off.stats() if off is not None else None  # the timed steps' (before any profile)
     if profile and cuda:
