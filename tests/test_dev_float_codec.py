@@ -1,0 +1,88 @@
+"""The exponent-codec probe (``bench/dev_float_codec.py``, issue #23): its Triton encoder and
+decoder are bit-identical to its numpy reference (under the interpreter on the CPU), so the
+speeds it measures on a GPU are those of a correct codec."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import POISON
+
+fc = pytest.importorskip("bench.dev_float_codec")
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
+                                 not torch.cuda.is_available(),
+                                 reason="Triton kernels need the interpreter or CUDA")
+P = 4096
+
+
+def _pages(gen: torch.Generator) -> torch.Tensor:
+    """bf16 pages of every exponent shape: normal, one value, all 256 exponents, NaN / Inf /
+    denormals, zeros, and a page whose exponents are spread over more than 7 values."""
+    n = P // 2
+    rows = [
+        (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16),
+        torch.full((n,), 1.5).to(torch.bfloat16),
+        torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int32).to(torch.int16)
+        .view(torch.bfloat16),
+        torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -0.0] * (n // 5)
+                     + [0.0] * (n % 5)).to(torch.bfloat16),
+        torch.zeros(n, dtype=torch.bfloat16),
+        (torch.randn(n, generator=gen) * torch.logspace(-20, 20, n)).to(torch.bfloat16),
+    ]
+    return torch.stack([r.view(torch.uint8) for r in rows])
+
+
+def test_reference_round_trip_and_sizes(gen):
+    pages = _pages(gen).numpy()
+    payload, sizes = fc.encode_ref(pages)
+    n, sm_at, esc_at = fc.layout(P)
+    assert (sizes >= esc_at).all()
+    assert sizes[1] == esc_at  # one exponent: no escape
+    ok = sizes <= fc.limit(P)
+    out, status = fc.decode_ref(payload, sizes, P)
+    assert (status[ok] == 0).all() and (out[ok] == pages[ok]).all()
+    assert (status[~ok] == fc.STATUS_BAD_SIZE).all()  # those pages are stored RAW
+    assert not ok[2]  # random bits: more than the limit, RAW
+
+
+@interpreter
+def test_kernels_equal_reference(gen):
+    pages = _pages(gen)
+    if torch.cuda.is_available():
+        pages = pages.cuda()
+    want_payload, want_sizes = fc.encode_ref(pages.cpu().numpy())
+    payload, sizes = fc.encode(pages, torch.full_like(pages, POISON))
+    assert sizes.cpu().numpy().tolist() == want_sizes.tolist()
+    for i, s in enumerate(want_sizes.tolist()):
+        k = min(s, P)
+        assert np.array_equal(payload[i, :k].cpu().numpy(), want_payload[i, :k]), i
+        assert bool((payload[i, k:] == POISON).all())  # nothing written past the page's bytes
+    out, status = fc.decode(payload, sizes, torch.full_like(pages, POISON))
+    ok = torch.from_numpy(want_sizes <= fc.limit(P)).to(status.device)
+    assert torch.equal(status[ok], torch.zeros_like(status[ok]))
+    assert torch.equal(out[ok], pages[ok])
+    assert bool((status[~ok] == fc.STATUS_BAD_SIZE).all()) and bool((out[~ok] == 0).all())
+
+
+@interpreter
+def test_hostile_sizes_and_codes_never_read_past_the_page(gen):
+    """Sizes off by one either way, over the limit, and random code bytes: statuses equal the
+    reference's, failed pages come back zero."""
+    pages = _pages(gen)[:2]
+    payload, sizes = fc.encode_ref(pages.numpy())
+    payload = np.repeat(payload, 4, axis=0)
+    sizes = np.repeat(sizes, 4).astype(np.int64)
+    sizes[0::4] += 1
+    sizes[1::4] -= 1
+    sizes[2::4] = P
+    rnd = torch.randint(0, 256, (2, 3 * P // 16), generator=gen, dtype=torch.uint8).numpy()
+    payload[3::4, fc.K:fc.K + rnd.shape[1]] = rnd
+    sizes = sizes.astype(np.int32)
+    want, want_status = fc.decode_ref(payload, sizes, P)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got, status = fc.decode(torch.from_numpy(payload).to(dev), torch.from_numpy(sizes).to(dev))
+    assert status.cpu().numpy().tolist() == want_status.tolist()
+    assert np.array_equal(got.cpu().numpy(), want)
