@@ -40,16 +40,11 @@ otherwise the page is stored RAW, so a stored page never exceeds ``P`` bytes.
 
 Checksums (optional: ``compress(..., checksum=True)``): ``checksums`` is ``int32 [N]``, the
 checksum of each *uncompressed* page, so a decoder can tell a page that decoded to other bytes
-(a flipped bit in a stored payload, host memory or a transfer) from a correct one. Read the page
-as ``m = P / 4`` little-endian ``uint32`` words ``w[0..m)``; all arithmetic modulo ``2^32``:
-
-    h_j = w[j] + (j + 1) * 0x9E3779B9
-    h_j ^= h_j >> 16;  h_j *= 0x85EBCA6B;  h_j ^= h_j >> 13;  h_j *= 0xC2B2AE35;  h_j ^= h_j >> 16
-    checksum = sum_j h_j            (stored as the int32 of the same 32 bits)
-
-Each ``h_j`` is a bijection of ``w[j]`` (murmur3's finaliser), so a page that differs from the
-original in one word (any single-bit flip) always gets another checksum; the terms add up in any
-order, so thousands of threads compute it at memory speed. A page whose decode status is OK
+(a flipped bit in a stored payload, host memory or a transfer) from a correct one: the page's
+standard xxHash32 with seed 0 (the hash the LZ4 frame format uses for its checksums; any
+xxHash library gives the same value, e.g. ``xxhash.xxh32_intdigest(page)``), stored as the
+int32 of the same 32 bits. Pages are whole 16-byte stripes, so the hash is its four lanes over
+the stripes, their merge, the length and the final avalanche. A page whose decode status is OK
 but whose checksum differs gets ``STATUS_CHECKSUM``.
 """
 
@@ -60,9 +55,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from .kernels.constants import (  # noqa: F401 - re-exported: the format's constants
-    CHECKSUM_MUL1,
-    CHECKSUM_MUL2,
-    CHECKSUM_STEP,
     ELEMENT_SIZES,
     KIND_FILL,
     KIND_LZ4,
@@ -79,6 +71,9 @@ from .kernels.constants import (  # noqa: F401 - re-exported: the format's const
     STATUS_OVERFLOW,
     STATUS_SHORT,
     STATUS_TRUNCATED,
+    XXH_PRIME1,
+    XXH_PRIME2,
+    XXH_PRIME3,
     element_shift,
     valid_page_size,
 )

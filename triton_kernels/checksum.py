@@ -1,8 +1,11 @@
 """Page checksums: the optional ``checksums int32 [N]`` of ``torch_pagecomp.format``.
 
-One program per page reads it as ``uint32`` words, ``BLOCK`` at a time, offsets and mixes each
-word (murmur3's finaliser: a bijection, so one changed word always changes the sum) and adds
-them up modulo ``2^32``. The reference is ``torch_pagecomp.cpu_codec.page_checksums_cpu``.
+The checksum is the page's xxHash32 (seed 0), whose four lanes each run through the page's
+16-byte stripes in order: a chain per lane, not a sum that threads could split. So each program
+takes ``BLOCK`` pages and each page's four lanes are four elements of a ``[BLOCK, 4]`` tile
+(one 16-byte load a page per stripe); the parallelism is across pages. ``UNROLL`` stripes are
+loaded before they are mixed in, so loads overlap the chains. The reference is
+``torch_pagecomp.cpu_codec.page_checksums_cpu``.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .constants import CHECKSUM_MUL1, CHECKSUM_MUL2, CHECKSUM_STEP
-from .launch import config_meta, launch
+from .constants import XXH_PRIME1, XXH_PRIME2, XXH_PRIME3
+from .launch import config_meta, interpreting, launch
 
 
 @dataclass(frozen=True)
@@ -23,40 +26,67 @@ class ChecksumConfig:
 
     PAGE: int  # bytes per page
     ROWS: bool  # pages given by a table of addresses (``row_checksums``)
-    BLOCK: int = 1024  # words per step (divides every page size's P / 4)
-    num_warps: int = 4
+    BLOCK: int = 16  # pages per program (see :func:`checksum_config`)
+    UNROLL: int = 4  # stripes loaded per step (divides every page size's P / 16)
+    num_warps: int = 1
 
 
-_STEP = tl.constexpr(CHECKSUM_STEP)
-_MUL1 = tl.constexpr(CHECKSUM_MUL1)
-_MUL2 = tl.constexpr(CHECKSUM_MUL2)
+def checksum_config(page_size: int, rows: bool) -> ChecksumConfig:
+    """The settings of a launch: on the GPU 16 pages a program (enough programs to fill it
+    from a few thousand pages on); under the interpreter 256 (its cost is per operation, and a
+    chain is as many operations as the page has stripes)."""
+    return ChecksumConfig(page_size, rows, BLOCK=256 if interpreting() else 16)
+
+
+_P1 = tl.constexpr(XXH_PRIME1)
+_P2 = tl.constexpr(XXH_PRIME2)
+_P3 = tl.constexpr(XXH_PRIME3)
+_MINUS_P1 = tl.constexpr(-XXH_PRIME1 & 0xFFFFFFFF)
+_P1_PLUS_P2 = tl.constexpr((XXH_PRIME1 + XXH_PRIME2) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _rotl(x, r):
+    return (x << r) | (x >> (32 - r))
 
 
 @triton.jit
 def page_checksum_kernel(
     pages_ptr,  # uint8 [N, P], rows contiguous, 4-byte aligned; or (ROWS) int64 [N] addresses
     out_ptr,  # int32 [N]
+    n,
     PAGE: tl.constexpr,
     BLOCK: tl.constexpr,
+    UNROLL: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    page = tl.program_id(0).to(tl.int64)
+    page = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = page < n
+    lane = tl.arange(0, 4)[None, :]
     if ROWS:  # pages of several tensors: the address of each in a table
-        words = tl.load(pages_ptr + page).to(tl.pointer_type(tl.uint32))
+        row = tl.load(pages_ptr + page, mask=live, other=0)
+        words = row.to(tl.pointer_type(tl.uint32))[:, None] + lane
     else:
-        words = (pages_ptr + page * PAGE).to(tl.pointer_type(tl.uint32))
-    acc = tl.zeros((BLOCK,), dtype=tl.uint32)
-    for start in range(0, PAGE // 4, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        h = tl.load(words + j) + (j + 1).to(tl.uint32) * _STEP
-        h ^= h >> 16
-        h *= _MUL1
-        h ^= h >> 13
-        h *= _MUL2
-        h ^= h >> 16
-        acc += h
-    total = tl.sum(acc, axis=0)
-    tl.store(out_ptr + page, total.to(tl.int32, bitcast=True))
+        words = (pages_ptr + page * PAGE).to(tl.pointer_type(tl.uint32))[:, None] + lane
+    mask = live[:, None] & (lane < 4)
+    # lanes start at seed + P1 + P2, seed + P2, seed, seed - P1 (seed 0)
+    z = tl.zeros((BLOCK, 4), dtype=tl.uint32)
+    v = tl.where(lane == 0, z + _P1_PLUS_P2,
+                 tl.where(lane == 1, z + _P2, tl.where(lane == 2, z, z + _MINUS_P1)))
+    for stripe in range(0, PAGE // 16, UNROLL):
+        w = []
+        for u in tl.static_range(UNROLL):
+            w.append(tl.load(words + (stripe + u) * 4, mask=mask, other=0))
+        for u in tl.static_range(UNROLL):
+            v = _rotl(v + w[u] * _P2, 13) * _P1
+    r = tl.where(lane == 0, 1, tl.where(lane == 1, 7, tl.where(lane == 2, 12, 18))).to(tl.uint32)
+    h = tl.sum(_rotl(v, r), axis=1) + PAGE
+    h ^= h >> 15
+    h *= _P2
+    h ^= h >> 13
+    h *= _P3
+    h ^= h >> 16
+    tl.store(out_ptr + page, h.to(tl.int32, bitcast=True), mask=live)
 
 
 def page_checksums(pages: torch.Tensor, traced: bool = True,
@@ -77,8 +107,9 @@ def page_checksums(pages: torch.Tensor, traced: bool = True,
     if out is None:
         out = torch.empty((n,), dtype=torch.int32, device=pages.device)
     if n:
-        launch(page_checksum_kernel, (n,), pages.device, (pages, out),
-               config_meta(ChecksumConfig(page_size, False)), traced)
+        cfg = checksum_config(page_size, False)
+        launch(page_checksum_kernel, (triton.cdiv(n, cfg.BLOCK),), pages.device, (pages, out, n),
+               config_meta(cfg), traced)
     return out
 
 
@@ -91,5 +122,6 @@ def row_checksums(rows: torch.Tensor, page_size: int, out: torch.Tensor) -> None
         raise ValueError(f"rows must be a contiguous int64 [N] tensor, got {rows.dtype} "
                          f"{tuple(rows.shape)}")
     if rows.numel():
-        launch(page_checksum_kernel, (rows.numel(),), rows.device, (rows, out),
-               config_meta(ChecksumConfig(page_size, True)), traced=False)
+        cfg = checksum_config(page_size, True)
+        launch(page_checksum_kernel, (triton.cdiv(rows.numel(), cfg.BLOCK),), rows.device,
+               (rows, out, rows.numel()), config_meta(cfg), traced=False)
