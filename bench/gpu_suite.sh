@@ -13,7 +13,7 @@
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
-#   bash bench/gpu_suite.sh stash      # probe: finished offloads kept for backward vs shipped (#21)
+#   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codec's GPU speed and ratio (#23)
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
@@ -173,10 +173,11 @@ float)
     timeout 300 python3 -m bench.dev_float_codec --mib "${FLOAT_MIB:-128}" 2>&1 | tee "$OUT/float_codec.txt"
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_dev_float_codec.py 2>&1 | tail -n 2
     ;;
-stash)
-    header stash
-    timeout 540 python3 -m bench.dev_stash_policy --models "${STOCK_MODELS:-encoder-1024,resnet-64,llama-2048}" \
-        --variants "${STOCK_VARIANTS:-uncompressed,memory}" --out "$OUT/stash_policy.json" 2>&1 | tail -n 16
+policy)
+    header policy
+    timeout 540 python3 -m bench.dev_offload_policy --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
+        --variants "${STOCK_VARIANTS:-uncompressed,memory}" --policies "${POLICIES:-shipped,keep,slice32,scratch1,restore32}" \
+        --out "$OUT/offload_policy.json" 2>&1 | tail -n 24
     ;;
 lifetimes)
     # tests/test_lifetimes.py -m slow: each exit script 20 times on the CPU and the GPU, and the

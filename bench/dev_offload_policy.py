@@ -1,19 +1,27 @@
-"""Probe (issue #21): does keeping finished offloads on the GPU until backward pay?
+"""Probe (issue #21): the compressed offload's policies and GPU buffers, A/B on stock models.
 
-The stock runs' own counters (``bench/results/h200x2_72948eb/``) show where the plain copy's
-speed comes from: its copies are slow to finish, so at the end of a forward most of the newest
-storages are still in the offloader's stash and backward uses them in place (resnet-64: 55.8
-of 62 per step), while compression finishes sooner, releases them (a lower GPU peak) and then
-restores 57. Policy ``keep`` releases a finished offload's GPU storage during a forward only
-when the in-flight bound (``max_in_flight_bytes``) forces it, so the newest ones stay for
-backward as the plain copy's do; ``shipped`` is the package as it is. The GPU peak of ``keep``
-should stay at or below uncompressed offload's (the same bound holds both).
+Each policy is the package with one thing changed (patched in the child before the model is
+built), against ``shipped``:
+
+* ``keep``: finished offloads stay on the GPU until backward (released during a forward only
+  when the in-flight bound forces it), as the plain copy's late copies do; measured at 193cacc
+  (``bench/results/h200x2_193cacc/``): 7-8% faster on the host-bound models, 0.1-0.2 GiB more
+  GPU peak.
+* ``slice32`` / ``slice16``: slices of 32 / 16 MiB instead of 64 (the compress kernel's
+  fixed-stride scratch, two slices of it, shrinks; a large tensor takes more launches).
+* ``scratch1``: one slice compressed ahead of the pack stream instead of two.
+* ``restore32``: batched restores stage at most 32 MiB instead of 64.
+
+Under FSDP2 (``bench/results/h100x2_fsdp_4ecd9ac/``) ``prefer="memory"`` peaked 0.2-0.4 GiB
+above uncompressed offload, about its fixed GPU buffers (0.14 GiB of compress scratch, up to
+64 MiB of restore staging): these policies say what each buffer buys.
 
 Each (model, variant, policy) runs in its own child (``bench.stock_models.run``, the same
-steps, timing and gradient hash as the stock bench). Prints one table: step ms, host issue
-ms, peak GPU GiB, storages served in place, restored ahead and on demand, per step.
+steps, timing and gradient hash as the stock bench). Prints one table: step ms, host issue ms,
+peak GPU GiB, the forward's and the backward's peaks (``phase_gib``), storages served in place,
+restored ahead and on demand, in-flight waits, per step.
 
-    python -m bench.dev_stash_policy --models encoder-1024,resnet-64 --variants uncompressed,memory
+    python -m bench.dev_offload_policy --models encoder-1024 --policies shipped,slice16
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import sys
 
 from bench.children import cell, md_table, run_child, write_results
 
-POLICIES = ("shipped", "keep")
+POLICIES = ("shipped", "keep", "slice32", "slice16", "scratch1", "restore32")
 COUNTS = ("served_from_stash", "restored_prefetch", "restored_on_demand", "in_flight_waits")
 
 
@@ -51,9 +59,38 @@ def keep_finished_offloads() -> None:
     ActivationOffloader._poll = poll
 
 
-def child(model: str, variant: str, policy: str, steps: int, warmup: int, device: str) -> dict:
+def store_args(**kw) -> None:
+    """Patch the compressed store: made with ``kw`` (``slice_bytes``) unless given."""
+    from torch_pagecomp.offload import _paged
+
+    init = _paged.PagedStore.__init__
+
+    def patched(self, *args, **kwargs):
+        for key, value in kw.items():
+            kwargs.setdefault(key, value)
+        init(self, *args, **kwargs)
+
+    _paged.PagedStore.__init__ = patched
+
+
+def apply(policy: str) -> None:
+    """Patch the package for ``policy`` (see the module docstring)."""
+    from torch_pagecomp.offload import _backward, _paged
+
     if policy == "keep":
         keep_finished_offloads()
+    elif policy in ("slice32", "slice16"):
+        store_args(slice_bytes=int(policy[5:]) << 20)
+    elif policy == "scratch1":
+        _paged.SCRATCH_SLICES = 1
+    elif policy == "restore32":
+        _backward.RESTORE_BATCH_BYTES = 32 << 20
+    elif policy != "shipped":
+        raise ValueError(f"unknown policy {policy!r}; one of {POLICIES}")
+
+
+def child(model: str, variant: str, policy: str, steps: int, warmup: int, device: str) -> dict:
+    apply(policy)
     from bench.stock_models import run
 
     row = run(model, variant, steps, warmup, device, False)
@@ -63,8 +100,8 @@ def child(model: str, variant: str, policy: str, steps: int, warmup: int, device
 
 def table(rows: list[dict]) -> str:
     head = ["model", "variant", "policy", "step ms", "host issue ms", "peak GPU GiB",
-            "served in place", "restored ahead", "restored on demand", "in-flight waits",
-            "grads"]
+            "fwd / bwd peak GiB", "served in place", "restored ahead", "restored on demand",
+            "in-flight waits", "grads"]
     body = []
     for r in rows:
         first = [r["model"], r["variant"], str(r.get("policy"))]
@@ -72,15 +109,18 @@ def table(rows: list[dict]) -> str:
             body.append(first + [f"error: {r['error']}"])
             continue
         st = r.get("stats", {})
+        phases = r.get("phase_gib") or [[None] * 3]
+        split = (f"{cell(max(p[0] for p in phases))} / {cell(max(p[2] for p in phases))}"
+                 if phases[0][0] is not None else "")
         body.append(first + [f"{r['step_ms']:.1f}", cell(r.get("host_issue_ms"), 1),
-                             cell(r.get("peak_gpu_gib"))]
+                             cell(r.get("peak_gpu_gib")), split]
                     + [cell(st.get(k, 0), 1) for k in COUNTS] + [str(r.get("grads"))[:12]])
     return md_table(head, body)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="encoder-1024,resnet-64")
+    ap.add_argument("--models", default="encoder-1024,llama-2048")
     ap.add_argument("--variants", default="uncompressed,memory")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--steps", type=int, default=6)
@@ -101,7 +141,9 @@ def main(argv=None) -> int:
     for m in args.models.split(","):
         for v in args.variants.split(","):
             for p in args.policies.split(","):
-                row = run_child("bench.dev_stash_policy",
+                if p != "shipped" and v not in ("memory", "speed"):
+                    continue  # the policies change the compressed path only
+                row = run_child("bench.dev_offload_policy",
                                 ["--child", m, v, p, "--steps", str(args.steps), "--warmup",
                                  str(args.warmup), "--device", device],
                                 {"model": m, "variant": v, "policy": p}, args.timeout)
