@@ -3,7 +3,7 @@
 The checksum is the page's xxHash32 (seed 0), whose four lanes each run through the page's
 16-byte stripes in order: a chain per lane, not a sum that threads could split. So each program
 takes ``BLOCK`` pages and each page's four lanes are four elements of a ``[BLOCK, 4]`` tile
-(one 16-byte load a page per stripe); the parallelism is across pages. ``UNROLL`` stripes are
+(one 16-byte load a page per stripe); the parallelism is across pages. Four stripes are
 loaded before they are mixed in, so loads overlap the chains. The reference is
 ``torch_pagecomp.cpu_codec.page_checksums_cpu``.
 """
@@ -27,7 +27,6 @@ class ChecksumConfig:
     PAGE: int  # bytes per page
     ROWS: bool  # pages given by a table of addresses (``row_checksums``)
     BLOCK: int = 16  # pages per program (see :func:`checksum_config`)
-    UNROLL: int = 4  # stripes loaded per step (divides every page size's P / 16)
     num_warps: int = 1
 
 
@@ -51,13 +50,18 @@ def _rotl(x, r):
 
 
 @triton.jit
+def _round(v, w):
+    """One stripe into the lanes: ``v = rotl(v + w * P2, 13) * P1``."""
+    return _rotl(v + w * _P2, 13) * _P1
+
+
+@triton.jit
 def page_checksum_kernel(
     pages_ptr,  # uint8 [N, P], rows contiguous, 4-byte aligned; or (ROWS) int64 [N] addresses
     out_ptr,  # int32 [N]
     n,
     PAGE: tl.constexpr,
     BLOCK: tl.constexpr,
-    UNROLL: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     page = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -73,12 +77,13 @@ def page_checksum_kernel(
     z = tl.zeros((BLOCK, 4), dtype=tl.uint32)
     v = tl.where(lane == 0, z + _P1_PLUS_P2,
                  tl.where(lane == 1, z + _P2, tl.where(lane == 2, z, z + _MINUS_P1)))
-    for stripe in range(0, PAGE // 16, UNROLL):
-        w = []
-        for u in tl.static_range(UNROLL):
-            w.append(tl.load(words + (stripe + u) * 4, mask=mask, other=0))
-        for u in tl.static_range(UNROLL):
-            v = _rotl(v + w[u] * _P2, 13) * _P1
+    for stripe in range(0, PAGE // 16, 4):
+        # four stripes loaded before any is mixed in: the loads overlap the chains
+        w0 = tl.load(words + stripe * 4, mask=mask, other=0)
+        w1 = tl.load(words + (stripe + 1) * 4, mask=mask, other=0)
+        w2 = tl.load(words + (stripe + 2) * 4, mask=mask, other=0)
+        w3 = tl.load(words + (stripe + 3) * 4, mask=mask, other=0)
+        v = _round(_round(_round(_round(v, w0), w1), w2), w3)
     r = tl.where(lane == 0, 1, tl.where(lane == 1, 7, tl.where(lane == 2, 12, 18))).to(tl.uint32)
     h = tl.sum(_rotl(v, r), axis=1) + PAGE
     h ^= h >> 15
