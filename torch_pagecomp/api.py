@@ -66,7 +66,8 @@ def compress(
 
 def page_checksums(data: torch.Tensor, backend: str = "auto",
                    page_size: int | None = None) -> torch.Tensor:
-    """The format's checksum of each page (``torch_pagecomp.format``).
+    """The format's checksum of each page (``torch_pagecomp.format``): its xxHash32, seed 0,
+    as ``int32`` (``& 0xFFFFFFFF`` gives what any xxHash library returns for the page).
 
     Args:
         data: ``uint8 [N, P]``, or 1-D ``uint8`` of ``N * page_size`` bytes; CPU or CUDA.
