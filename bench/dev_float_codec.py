@@ -200,17 +200,11 @@ def decode(payload: torch.Tensor, sizes: torch.Tensor, out: torch.Tensor | None 
 
 # --------------------------------------------------------------------------------- bench
 def _time(fn, reps: int) -> float:
-    """Seconds per call: CUDA events around ``reps`` back-to-back calls, best of 3."""
-    best = float("inf")
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3 / reps)
-    return best
+    """Seconds per call: the best of 3 windows of ``reps`` back-to-back calls (CUDA events)."""
+    from bench.timing import window_seconds
+
+    fn()  # compiled and warm
+    return min(window_seconds(fn, reps) for _ in range(3))
 
 
 def measure(x: torch.Tensor, reps: int) -> str:
