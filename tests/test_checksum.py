@@ -130,16 +130,15 @@ def test_kernel_path_flags_a_wrong_page(gen):
     x = mixed_pages(gen, 2, 4096)  # a random page (stored RAW) and a low-entropy one (LZ4)
     # compressed by the CPU path (the interpreter's compressor is slow; the same format), the
     # checksums and the decode by the kernels
+    # (one decode: each costs the interpreter seconds; the kernel's checksums against the
+    # reference are test_kernel_equals_reference's)
     c = pc.compress(x, checksum=True, backend="cpu").to(dev)
-    assert torch.equal(pc.page_checksums(x.to(dev), backend="triton").cpu(), c.checksums.cpu())
     raw = int(torch.nonzero((c.kinds.cpu() & 15) == fmt.KIND_RAW)[0])  # a stored-as-is page
     payload = c.payload.clone()
     payload[raw, 100] ^= 4
     bad = pc.CompressedPages(payload, c.sizes, c.kinds, c.page_size, checksums=c.checksums)
-    pages, status = pc.decompress(bad, return_status=True, backend="triton")
-    want = [fmt.STATUS_CHECKSUM if i == raw else fmt.STATUS_OK for i in range(2)]
-    assert status.cpu().tolist() == want
-    with pytest.raises(pc.CorruptPageError, match="checksum mismatch"):
+    # exactly the flipped page, by its checksum (the other decodes and checks OK)
+    with pytest.raises(pc.CorruptPageError, match=rf"^1 corrupt page\(s\): {raw} \(checksum"):
         pc.decompress(bad, backend="triton")
 
 
