@@ -780,8 +780,12 @@ def test_checksums_catch_corrupted_host_copies_on_the_cpu_path(seed):
         loss = torch.relu(lin(x)).sum()
     entries = [e for e in off._live if e.stored is not None and e.stored.kind == "compressed"]
     assert entries and entries[0].stored.data.checksums is not None
-    payload = entries[0].stored.data.payload
-    payload[int(torch.randint(0, payload.numel(), ()))] ^= 1  # the stored bytes, on the host
+    data = entries[0].stored.data
+    # the last stored byte of a random page: an LZ4 block ends in literals (RAW and FILL pages
+    # are all literal), so the page still decodes, to wrong bytes only the checksum sees
+    page = int(torch.randint(0, data.sizes.numel(), ()))
+    start = int(data.offsets[page]) if data.offsets is not None else page * data.page_size
+    data.payload.view(-1)[start + int(data.sizes[page]) - 1] ^= 1  # on the host
     with pytest.raises(RuntimeError, match="checksum mismatch"):  # at its unpack
         loss.backward()
 
