@@ -1,0 +1,159 @@
+"""Dev tool: compile every kernel the package launches for a GPU architecture, without a GPU.
+
+The Triton interpreter (CI, and sessions without a GPU) runs a kernel's Python, not its
+compilation: device code the compiler rejects, or a type the interpreter lets through, shows up
+only on the next GPU run. This tool closes that gap on any machine with Triton's CUDA backend
+installed (its ``ptxas`` ships with the wheel):
+
+1. a child process runs the package's entry points on small CPU inputs under the interpreter
+   (compress of every element size with checksums, decompress of fixed-stride and packed
+   pages, the activation store's pack / restore, row-address decode and checksums, the
+   float-codec probe) and records each distinct launch: kernel, argument types, constexprs and
+   launch options;
+2. this process compiles each of them ahead of time for ``--arch`` (``triton.compile`` with
+   ``GPUTarget("cuda", arch, 32)``) down to a cubin, and prints one line a kernel.
+
+Exit status 1 if any kernel fails to compile. About a minute on a 2-core machine, most of it
+the interpreter. Limitation: a launch is compiled with the settings its launcher picked under
+the interpreter; where a launcher picks other constexprs for a GPU (the checksum's pages per
+program, the decoder's L1 prefetch), that GPU variant is not among them.
+
+    python -m bench.dev_aot_compile [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+_DTYPES = {"uint8": "*u8", "int8": "*i8", "int16": "*i16", "int32": "*i32", "int64": "*i64",
+           "float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
+
+
+def _signature(kernel, args: tuple, meta: dict) -> dict:
+    """What ``triton.compile`` needs to rebuild a launch: argument types, constexprs, options."""
+    import torch
+
+    sig, const, opts = {}, {}, {}
+    for name, a in zip(kernel.arg_names, args):
+        if isinstance(a, torch.Tensor):
+            sig[name] = _DTYPES[str(a.dtype).removeprefix("torch.")]
+        elif isinstance(a, bool):
+            sig[name] = "i1"
+        elif isinstance(a, int):
+            sig[name] = "i32" if -(1 << 31) <= a < (1 << 31) else "i64"
+        elif a is None:
+            sig[name], const[name] = "constexpr", None
+        else:
+            sig[name] = "fp32"
+    for name, value in meta.items():
+        if name in kernel.arg_names:
+            sig[name], const[name] = "constexpr", value
+        else:
+            opts[name] = value
+    fn = kernel.fn
+    return {"module": fn.__module__, "name": fn.__name__, "sig": sig, "const": const,
+            "opts": opts}
+
+
+def record(path: str) -> None:
+    """Run the entry points under the interpreter; write each distinct launch to ``path``."""
+    import torch
+
+    import torch_pagecomp as pc
+    from torch_pagecomp.kernels import launch as launch_mod
+
+    seen: dict = {}
+    original = launch_mod.launch
+
+    def recording(kernel, grid, device, args, meta, traced=True):
+        entry = _signature(kernel, args, meta)
+        seen.setdefault(json.dumps(entry, sort_keys=True, default=str), entry)
+        return original(kernel, grid, device, args, meta, traced)
+
+    for name, mod in list(sys.modules.items()):  # the launchers hold `launch` by name
+        if name.startswith("torch_pagecomp.kernels") and getattr(mod, "launch", None) is original:
+            mod.launch = recording
+    launch_mod.launch = recording
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (3 * 4096,), dtype=torch.uint8, generator=gen)
+    for e in (1, 2, 4):
+        c = pc.compress(x, element_size=e, backend="triton", checksum=True)
+        pc.decompress(c, backend="triton")
+        pc.decompress(pc.pack(c), backend="triton")
+    _record_store(torch, gen)
+    from bench import dev_float_codec as fc
+
+    pages = x.view(-1, 4096)
+    for kernel, args in ((fc._encode_kernel, (pages, torch.empty_like(pages),
+                                              torch.empty(3, dtype=torch.int32))),
+                         (fc._decode_kernel, (pages, torch.zeros(3, dtype=torch.int32),
+                                              torch.empty_like(pages),
+                                              torch.empty(3, dtype=torch.int32)))):
+        entry = _signature(kernel, args, {"P": 4096, "K": fc.K, "num_warps": 4})
+        seen.setdefault(json.dumps(entry, sort_keys=True, default=str), entry)
+    with open(path, "w") as f:
+        json.dump(list(seen.values()), f)
+
+
+def _record_store(torch, gen) -> None:
+    """The activation store: compress + pack to the arena, restore one by one and as a group
+    (row-address decode and checksums), as ``tests/test_offload_paged.py`` runs it."""
+    from torch_pagecomp.offload._paged import PagedStore
+    from torch_pagecomp.offload._paged_group import StoredGroup
+
+    store = PagedStore(torch.device("cpu"), 4096, chunk_bytes=1 << 16, slice_bytes=1 << 14,
+                       checksum=True)
+    srcs = [torch.randint(0, 4, (n,), dtype=torch.uint8, generator=gen) for n in (3 * 4096, 8192)]
+    stored = [store.offload(s, 1) for s in srcs]
+    store.poll()
+    store.restore(stored[0], torch.empty_like(srcs[0]))
+    store.restore_group(StoredGroup(4096, stored), [torch.empty_like(s) for s in srcs])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (Hopper)")
+    ap.add_argument("--record", help=argparse.SUPPRESS)  # the child's output path
+    a = ap.parse_args(argv)
+    if a.record:
+        record(a.record)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "launches.json")
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        subprocess.run([sys.executable, "-m", "bench.dev_aot_compile", "--record", path],
+                       env=env, check=True)
+        with open(path) as f:
+            launches = json.load(f)
+    os.environ.pop("TRITON_INTERPRET", None)
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", a.arch, 32)
+    failed = 0
+    for k in launches:
+        fn = getattr(importlib.import_module(k["module"]), k["name"])
+        t0 = time.time()
+        try:
+            triton.compile(ASTSource(fn=fn, signature=k["sig"], constexprs=k["const"]),
+                           target=target, options=k["opts"])
+            print(f"ok    {k['name']:32s} {time.time() - t0:5.1f} s  {k['const']}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported, and the exit status says so
+            failed += 1
+            print(f"FAIL  {k['name']:32s} {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+    print(f"{len(launches) - failed} of {len(launches)} kernel variants compile for sm_{a.arch}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
