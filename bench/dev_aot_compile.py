@@ -14,9 +14,8 @@ installed (its ``ptxas`` ships with the wheel):
    ``GPUTarget("cuda", arch, 32)``) down to a cubin, and prints one line a kernel.
 
 Exit status 1 if any kernel fails to compile. About a minute on a 2-core machine, most of it
-the interpreter. Limitation: a launch is compiled with the settings its launcher picked under
-the interpreter; where a launcher picks other constexprs for a GPU (the checksum's pages per
-program, the decoder's L1 prefetch), that GPU variant is not among them.
+the interpreter. Where a launcher picks other settings for the interpreter (the decoders' step
+sizes and L1 prefetch, the checksum's pages a program) the GPU's settings are compiled too.
 
     python -m bench.dev_aot_compile [--arch 90]
 """
@@ -98,8 +97,38 @@ def record(path: str) -> None:
                                               torch.empty(3, dtype=torch.int32)))):
         entry = _signature(kernel, args, {"P": 4096, "K": fc.K, "num_warps": 4})
         seen.setdefault(json.dumps(entry, sort_keys=True, default=str), entry)
+    entries = list(seen.values())
     with open(path, "w") as f:
-        json.dump(list(seen.values()), f)
+        json.dump(entries + _gpu_settings(entries), f)
+
+
+def _gpu_settings(entries: list[dict]) -> list[dict]:
+    """The GPU's variants of the kernels whose launchers pick other settings under the
+    interpreter (the decoders' step sizes and L1 prefetch, the checksum's pages a program):
+    each recorded launch again with the settings a GPU launch would use."""
+    import dataclasses
+
+    from torch_pagecomp.kernels import checksum, lz4_decompress
+    from torch_pagecomp.kernels.launch import config_meta
+
+    out = []
+    for e in entries:
+        page, cfg = e["const"].get("PAGE"), None
+        if e["name"] == "_decompress_kernel" and not e["const"].get("ROWS"):
+            cfg = lz4_decompress._configs(page, False)[0]
+        elif e["name"] == "_decompress_shuffled_kernel" and not e["const"].get("ROWS"):
+            cfg = lz4_decompress._configs(page, False)[1]
+        elif e["name"] == "page_checksum_kernel":
+            cfg = dataclasses.replace(checksum.checksum_config(page, e["const"]["ROWS"]),
+                                      BLOCK=16)
+        if cfg is None:
+            continue
+        gpu = json.loads(json.dumps(e))
+        for name, value in config_meta(cfg).items():
+            (gpu["const"] if name in gpu["const"] else gpu["opts"])[name] = value
+        if gpu != e:
+            out.append(gpu)
+    return out
 
 
 def _record_store(torch, gen) -> None:
