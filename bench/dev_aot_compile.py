@@ -11,7 +11,8 @@ installed (its ``ptxas`` ships with the wheel):
    float-codec probe) and records each distinct launch: kernel, argument types, constexprs and
    launch options;
 2. this process compiles each of them ahead of time for ``--arch`` (``triton.compile`` with
-   ``GPUTarget("cuda", arch, 32)``) down to a cubin, and prints one line a kernel.
+   ``GPUTarget("cuda", arch, 32)``) down to a cubin, and prints one line a kernel with its
+   registers and spilled bytes a thread (``ptxas -v``).
 
 Exit status 1 if any kernel fails to compile. About a minute on a 2-core machine, most of it
 the interpreter. Where a launcher picks other settings for the interpreter (the decoders' step
@@ -146,6 +147,27 @@ def _record_store(torch, gen) -> None:
     store.restore_group(StoredGroup(4096, stored), [torch.empty_like(s) for s in srcs])
 
 
+def _resources(compiled, arch: int) -> str:
+    """Registers and spilled bytes a thread, from the ptxas Triton uses (``-v``): spills are the
+    first thing to look at when a kernel is slower than its memory traffic says."""
+    import re
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        out = subprocess.run([get_ptxas(arch).path, "-v", f"-arch=sm_{arch}a", f.name, "-o",
+                              os.devnull], capture_output=True, text=True, timeout=120)
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", out.stderr + out.stdout)
+    spill = re.search(r"(\d+) bytes spill stores", out.stderr + out.stdout)
+    if regs is None:
+        return "registers ?"
+    return f"{regs.group(1)} registers, {spill.group(1) if spill else '?'} B spilled"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (Hopper)")
@@ -174,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         fn = getattr(importlib.import_module(k["module"]), k["name"])
         t0 = time.time()
         try:
-            triton.compile(ASTSource(fn=fn, signature=k["sig"], constexprs=k["const"]),
-                           target=target, options=k["opts"])
-            print(f"ok    {k['name']:32s} {time.time() - t0:5.1f} s  {k['const']}", flush=True)
+            compiled = triton.compile(ASTSource(fn=fn, signature=k["sig"], constexprs=k["const"]),
+                                      target=target, options=k["opts"])
+            print(f"ok    {k['name']:32s} {time.time() - t0:5.1f} s  {_resources(compiled, a.arch)}"
+                  f"  {k['const']}", flush=True)
         except Exception as exc:  # noqa: BLE001 - reported, and the exit status says so
             failed += 1
             print(f"FAIL  {k['name']:32s} {type(exc).__name__}: {str(exc)[:400]}", flush=True)
