@@ -109,9 +109,9 @@ def table(rows: list[dict]) -> str:
             body.append(first + [f"error: {r['error']}"])
             continue
         st = r.get("stats", {})
-        phases = r.get("phase_gib") or [[None] * 3]
+        phases = r.get("phase_gib")
         split = (f"{cell(max(p[0] for p in phases))} / {cell(max(p[2] for p in phases))}"
-                 if phases[0][0] is not None else "")
+                 if phases else "")
         body.append(first + [f"{r['step_ms']:.1f}", cell(r.get("host_issue_ms"), 1),
                              cell(r.get("peak_gpu_gib")), split]
                     + [cell(st.get(k, 0), 1) for k in COUNTS] + [str(r.get("grads"))[:12]])

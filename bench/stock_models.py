@@ -337,8 +337,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
            "step_ms_all": [round(t, 2) for t in times], "grads": grads,
            "warmup_steps": warmup}
     if cuda:  # the peak over every phase of every timed step (optimizer steps included)
-        row["peak_gpu_gib"] = max(torch.cuda.max_memory_allocated() / GIB,
-                                  max(max(p) for p in phases))
+        row["peak_gpu_gib"] = max(max(p) for p in phases)
         # where the peak is: per timed step, the forward's peak, what is allocated when the
         # forward ends, the backward's peak, then that of the backward and the optimizer (GiB)
         row["phase_gib"] = [[round(v, 3) for v in p] for p in phases]

@@ -282,9 +282,9 @@ def test_decode_step_restores_each_layer_with_one_decode(gen, monkeypatch, devic
     calls = []
     decode = paged._decompress_into
 
-    def counting(payload, offsets, sizes, kinds, pages, status):
+    def counting(payload, offsets, sizes, kinds, pages, status, sums=None):
         calls.append(pages.shape[0])
-        decode(payload, offsets, sizes, kinds, pages, status)
+        decode(payload, offsets, sizes, kinds, pages, status, sums)
 
     monkeypatch.setattr(paged, "_decompress_into", counting)
     b, h, d, bt, layers = 1, 2, 32, 8, 3  # 512 bytes a token: one page a block

@@ -178,6 +178,8 @@ class ActivationOffloader:
                     for t in (*m.parameters(), *m.buffers())
                     if (ptr := _storage_ptr(t)) is not None
                 }
+                # every saved tensor keeps both hooks until it is freed: the bound ``_pack``
+                # keeps the offloader alive for its backward (a user need not hold it)
                 self._hooks = torch.autograd.graph.saved_tensors_hooks(
                     self._pack, self._backward.unpack)
                 self._hooks.__enter__()
@@ -304,11 +306,6 @@ class ActivationOffloader:
                 return t
             self._pass.dedup[key] = (weakref.ref(t), weakref.ref(entry), t._version)
             return _Packed(entry, t)
-
-    def _unpack(self, packed):
-        # a method of the offloader, not of its part: autograd keeps the unpack hook of every
-        # saved tensor, and with it the offloader, until backward (a user need not hold it)
-        return self._backward.unpack(packed)
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Entry | None:
         ps = self._pass

@@ -435,9 +435,7 @@ class PagedStore:
                 fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
             st = status[sl.first:sl.first + sl.n]
-            _decompress_into(staging, sl.rel, sl.sizes, sl.kinds, pages, st)
-            if sl.sums is not None:
-                verify(st, _checksums(pages), sl.sums)
+            _decompress_into(staging, sl.rel, sl.sizes, sl.kinds, pages, st, sl.sums)
         if stored.tail is not None:
             _wait(stream, stored.consumed)  # copied on the compress stream, after the pages
             out[stored.nbytes - stored.tail.numel():].copy_(stored.tail, non_blocking=True)
@@ -580,9 +578,7 @@ def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
             verify(status, got, sums)
         return
     pages = torch.empty((status.numel(), page_size), dtype=torch.uint8)
-    _ops.decompress_into_eager(payload, offsets, sizes, kinds, pages, status)
-    if sums is not None:
-        verify(status, _checksums(pages), sums)
+    _decompress_into(payload, offsets, sizes, kinds, pages, status, sums)
     at = 0
     for o in outs:
         n = o.numel() // page_size
@@ -590,11 +586,14 @@ def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
         at += n
 
 
-def _decompress_into(payload, offsets, sizes, kinds, pages, status) -> None:
-    """``pagecomp.decompress_into`` of a slice's own metadata (see :func:`_compress`)."""
+def _decompress_into(payload, offsets, sizes, kinds, pages, status, sums=None) -> None:
+    """``pagecomp.decompress_into`` of a slice's own metadata (see :func:`_compress`);
+    ``sums`` (``int32 [n]``): then check the decoded pages against them (:func:`verify`)."""
     if pages.is_cuda:
         from ..kernels.lz4_decompress import decompress_into
 
         decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)
     else:
         _ops.decompress_into_eager(payload, offsets, sizes, kinds, pages, status)
+    if sums is not None:
+        verify(status, _checksums(pages), sums)

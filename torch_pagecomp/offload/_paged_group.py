@@ -190,9 +190,8 @@ def restore_group(store, group: StoredGroup, out) -> None:
         if outs is not None:  # each tensor's pages into its own output (or part of out)
             _paged._decompress_rows(staging, offsets, sizes, kinds, outs, p, status, sums)
         else:
-            _paged._decompress_into(staging, offsets, sizes, kinds, out.view(pages, p), status)
-            if sums is not None:
-                _paged.verify(status, _paged._checksums(out.view(pages, p)), sums)
+            _paged._decompress_into(staging, offsets, sizes, kinds, out.view(pages, p), status,
+                                    sums)
         store._count_failures(status, stream)
     if group.ragged:  # partial last pages travel as plain bytes
         for stored, start in zip(group.storeds, group.starts):
