@@ -256,3 +256,45 @@ def test_checksums_catch_a_flipped_host_byte(gen, checksum):
     out = torch.empty_like(srcs[1])
     store.restore(stored[1], out)  # the other tensor is intact either way
     assert torch.equal(out, srcs[1])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param(
+    "cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))])
+@pytest.mark.parametrize("checksum", [True, False])
+def test_checksums_cover_the_partial_last_page(gen, device, checksum):
+    """A bit flipped in the plain-copied tail of a tensor (its last ``nbytes % P`` bytes):
+    with checksums the single and the group restore both report it (raised on the CPU,
+    counted on the GPU); without, the wrong byte comes back (the control)."""
+    from torch_pagecomp.format import CorruptPageError
+    from torch_pagecomp.offload._paged_group import StoredGroup
+
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU stand-ins need the Triton interpreter")
+    store = _store(device, checksum=checksum)
+    tails = [int(torch.randint(1, P, (), generator=gen)) for _ in range(2)]
+    srcs = [_data(gen, n * P + r, "small").to(device) for n, r in zip((2, 1), tails)]
+    producer = torch.cuda.current_stream() if device == "cuda" else None
+    stored = [store.offload(s, 1, producer=producer) for s in srcs]
+    store.wait_placed()
+    if device == "cuda":
+        torch.cuda.synchronize()  # the tails are in host memory
+    at = int(torch.randint(0, tails[0], (), generator=gen))
+    stored[0].tail[at] ^= 1 << int(torch.randint(0, 8, (), generator=gen))
+    first = torch.full_like(srcs[0], POISON)
+    both = torch.full((sum(tails) + 3 * P,), POISON, dtype=torch.uint8, device=device)
+    restores = [lambda: store.restore(stored[0], first),
+                lambda: store.restore_group(StoredGroup(P, stored), both)]
+    for restore in restores:
+        if checksum and device == "cpu":
+            with pytest.raises(CorruptPageError, match="failed to decode"):
+                restore()
+        else:
+            restore()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        assert store.failed_restores() == (2 if checksum else 0)
+    if not checksum or device == "cuda":  # both restores ran to the end: one wrong byte each
+        assert (first != srcs[0]).sum() == 1 and (both != torch.cat(srcs)).sum() == 1
+    out = torch.empty_like(srcs[1])
+    store.restore(stored[1], out)  # the other tensor's tail is intact
+    assert torch.equal(out, srcs[1])

@@ -91,7 +91,7 @@ class ActivationOffloader:
             checks its pages against them: a page restored to other bytes than were saved
             raises (on a GPU ``CorruptPageError`` at the end of that backward, with the decode
             failures; on the CPU at its unpack) instead of reaching the gradients silently.
-            One more read of each tensor each way; a partial last page is not covered.
+            One more read of each tensor each way (a partial last page: as one zero-padded page).
     """
 
     def __init__(

@@ -247,6 +247,7 @@ class PagedStored:
     def __init__(self, nbytes: int, page_size: int, slices: list[_Slice], tail, consumed):
         self.nbytes, self.page_size, self.slices = nbytes, page_size, slices
         self.tail = tail  # pinned uint8 [nbytes % P] or None
+        self.tail_sum = None  # its checksum (int32 [1], on the device) with the store's checksum
         self.consumed = consumed  # the source has been read (device event, None on the CPU)
         self.freed = False
         self.kernel: tuple[int, int] | None = None  # kept when freed
@@ -295,7 +296,7 @@ class PagedStore:
     for it). ``checksum``: keep each page's checksum (format) on the device beside its
     metadata and check every restored page against it (``STATUS_CHECKSUM``, counted as decode
     failures are); one more read of the pages each way. A partial last page travels as plain
-    bytes, unchecked.
+    bytes, checked as one zero-padded page (:func:`tail_checksum`).
     """
 
     kind = "compressed"
@@ -334,12 +335,16 @@ class PagedStore:
             for first in range(0, full, self.slice_pages):
                 n = min(self.slice_pages, full - first)
                 slices.append(self._store_slice(src, first, n, element_size))
-            tail = None
+            tail = tail_sum = None
             if nbytes % p:
                 tail = torch.empty(nbytes % p, dtype=torch.uint8, pin_memory=self.arena.pin)
                 tail.copy_(src[full * p:], non_blocking=True)
+                if self.checksum:
+                    tail_sum = tail_checksum(src[full * p:], p)
             consumed = _record(cs)
-        return PagedStored(nbytes, p, slices, tail, consumed)
+        stored = PagedStored(nbytes, p, slices, tail, consumed)
+        stored.tail_sum = tail_sum
+        return stored
 
     def _store_slice(self, src, first: int, n: int, element_size: int) -> _Slice:
         from ..kernels.host_pack import pack_slice  # Triton: imported on use
@@ -420,7 +425,8 @@ class PagedStore:
         stream = current_stream(out.device) if out.is_cuda else None  # on out's device
         arena.confirm()  # placements known by now (never waits)
         full = stored.nbytes // p  # the slices' pages; the partial tail travels as bytes
-        status = torch.empty(full, dtype=torch.int32, device=out.device)
+        checked_tail = stored.tail_sum is not None
+        status = torch.empty(full + checked_tail, dtype=torch.int32, device=out.device)
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
                 raise SliceNotStored(sl.n)
@@ -438,8 +444,12 @@ class PagedStore:
             _decompress_into(staging, sl.rel, sl.sizes, sl.kinds, pages, st, sl.sums)
         if stored.tail is not None:
             _wait(stream, stored.consumed)  # copied on the compress stream, after the pages
-            out[stored.nbytes - stored.tail.numel():].copy_(stored.tail, non_blocking=True)
-        if full:
+            end = out[stored.nbytes - stored.tail.numel():]
+            end.copy_(stored.tail, non_blocking=True)
+            if checked_tail:  # its status follows the pages'
+                status[full:].zero_()
+                verify(status[full:], tail_checksum(end, p), stored.tail_sum)
+        if status.numel():
             self._count_failures(status, stream)
         if stream is None:
             arena.confirm()
@@ -502,7 +512,7 @@ class PagedStore:
             self.arena.release(sl, self.restore_stream)
         stored.kernel = stored.kernel_bytes()  # what the class policy may still read
         stored.slices = []
-        stored.tail = None
+        stored.tail = stored.tail_sum = None
         stored.freed = True
 
     def stats(self) -> dict:
@@ -542,6 +552,15 @@ def _checksums(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         return got
     out.copy_(got)
     return out
+
+
+def tail_checksum(tail: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The checksum (``int32 [1]``) of a partial last page ``tail`` (``uint8 [r]``, ``r <
+    page_size``) zero-padded to a page, on its device's current stream: the hooks store a
+    tensor's last ``nbytes % P`` bytes as a plain copy and check them with this."""
+    page = torch.zeros((1, page_size), dtype=torch.uint8, device=tail.device)
+    page[0, :tail.numel()].copy_(tail, non_blocking=True)
+    return _checksums(page)
 
 
 def verify(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> None:

@@ -194,12 +194,22 @@ def restore_group(store, group: StoredGroup, out) -> None:
                                     sums)
         store._count_failures(status, stream)
     if group.ragged:  # partial last pages travel as plain bytes
+        checked = [s for s in group.storeds if s.tail_sum is not None]
+        status = torch.zeros(len(checked), dtype=torch.int32, device=dev) if checked else None
+        i = 0
         for stored, start in zip(group.storeds, group.starts):
             if stored.tail is not None:
                 # copied to the host on the compress stream after the pages (not covered by
                 # the packs' events)
                 _paged._wait(stream, stored.consumed)
                 end = start + stored.nbytes
-                out[end - stored.tail.numel():end].copy_(stored.tail, non_blocking=True)
+                tail = out[end - stored.tail.numel():end]
+                tail.copy_(stored.tail, non_blocking=True)
+                if stored.tail_sum is not None:
+                    _paged.verify(status[i:i + 1], _paged.tail_checksum(tail, p),
+                                  stored.tail_sum)
+                    i += 1
+        if status is not None:
+            store._count_failures(status, stream)
     if stream is None:
         arena.confirm()
