@@ -29,6 +29,7 @@ the codes) and at most the limit; anything else is a bad size, so no read leaves
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import numpy as np
@@ -175,26 +176,27 @@ def _decode_kernel(payload_ptr, sizes_ptr, out_ptr, status_ptr, P: tl.constexpr,
     tl.store(status_ptr + page, tl.where(ok, STATUS_OK_C, STATUS_BAD_SIZE_C))
 
 
-def encode(pages: torch.Tensor, payload: torch.Tensor | None = None
+def encode(pages: torch.Tensor, payload: torch.Tensor | None = None, warps: int = 4
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton encoder: ``uint8 [N, P]`` (4-byte aligned rows) -> ``(payload, sizes int32)``,
-    into ``payload`` if given; bytes past a page's size are not written."""
+    into ``payload`` if given; bytes past a page's size are not written. ``warps``: per page
+    (one program each)."""
     n, page_size = pages.shape
     payload = torch.empty_like(pages) if payload is None else payload
     sizes = torch.empty(n, dtype=torch.int32, device=pages.device)
     if n:
-        _encode_kernel[(n,)](pages, payload, sizes, P=page_size, K=K, num_warps=4)
+        _encode_kernel[(n,)](pages, payload, sizes, P=page_size, K=K, num_warps=warps)
     return payload, sizes
 
 
-def decode(payload: torch.Tensor, sizes: torch.Tensor, out: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(payload: torch.Tensor, sizes: torch.Tensor, out: torch.Tensor | None = None,
+           warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton decoder: ``(pages uint8 [N, P], status int32 [N])``, into ``out`` if given."""
     n, page_size = payload.shape
     out = torch.empty_like(payload) if out is None else out
     status = torch.empty(n, dtype=torch.int32, device=payload.device)
     if n:
-        _decode_kernel[(n,)](payload, sizes, out, status, P=page_size, K=K, num_warps=4)
+        _decode_kernel[(n,)](payload, sizes, out, status, P=page_size, K=K, num_warps=warps)
     return out, status
 
 
@@ -228,6 +230,22 @@ def measure(x: torch.Tensor, reps: int) -> str:
             f"{dgb:7.0f}")
 
 
+def sweep_warps(x: torch.Tensor, reps: int, warps: list[int]) -> str:
+    """Encode / decode GB/s of the pages ``x`` at each number of warps per page (the same
+    bytes each way: every setting is checked exact)."""
+    nbytes = x.numel()
+    cells = []
+    for w in warps:
+        payload, sizes = encode(x, warps=w)
+        out, status = decode(payload, sizes, warps=w)
+        if not torch.equal(out, x) or int(status.count_nonzero()):
+            raise AssertionError(f"num_warps={w}: the round trip is not exact")
+        enc = nbytes / _time(functools.partial(encode, x, payload, warps=w), reps) / 1e9
+        dec = nbytes / _time(functools.partial(decode, payload, sizes, out, warps=w), reps) / 1e9
+        cells.append(f"{w}: {enc:4.0f} / {dec:4.0f}")
+    return "  ".join(cells)
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.corpora import build_corpus
 
@@ -236,17 +254,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpora", default="bf16-randn,bf16-relu,gpt-act,gpt-kv,gpt-weights,"
                                           "encoder-act")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warps", default=None,
+                    help="instead: encode / decode GB/s at these warps per page (1,2,4,8)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
           f"{triton.__version__} | {a.mib} MiB per corpus, 4096-byte pages | GB/s = "
           "uncompressed bytes / time", flush=True)
-    print(f"{'corpus':12s} {'ratio':>6s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'exact':>6s} "
-          f"{'lz4+shuf ratio':>14s} {'c GB/s':>7s} {'d GB/s':>7s}", flush=True)
+    if a.warps:
+        print(f"{'corpus':12s} warps per page: encode / decode GB/s", flush=True)
+    else:
+        print(f"{'corpus':12s} {'ratio':>6s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'exact':>6s} "
+              f"{'lz4+shuf ratio':>14s} {'c GB/s':>7s} {'d GB/s':>7s}", flush=True)
     for name in a.corpora.split(","):
         t0 = time.time()
         x = build_corpus(name, a.mib << 20, 4096, dev, seed=1).view(torch.uint8).reshape(-1, 4096)
-        print(f"{name:12s} {measure(x, a.reps)}   ({time.time() - t0:.0f} s)", flush=True)
+        row = (sweep_warps(x, a.reps, [int(w) for w in a.warps.split(",")]) if a.warps
+               else measure(x, a.reps))
+        print(f"{name:12s} {row}   ({time.time() - t0:.0f} s)", flush=True)
     return 0
 
 
