@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's one script: GPU tests, sanitizer, benchmarks. Each stage fits one device call:
 #   bash bench/gpu_suite.sh tests      # kernel tests + million-page fuzz + compute-sanitizer memcheck
-#   bash bench/gpu_suite.sh others     # the rest of the GPU test suite (not slow)
+#   bash bench/gpu_suite.sh others     # the rest of the GPU test suite (not slow; OTHERS_WORKERS=4)
 #   bash bench/gpu_suite.sh hooks      # the offload and integration GPU tests alone
 #   TEST_FILES="tests/a.py tests/b.py" bash bench/gpu_suite.sh files   # those test files (not slow)
 #   bash bench/gpu_suite.sh bench      # python -m bench (128 MiB corpora) + pipeline bench
@@ -48,7 +48,9 @@ tests)
     ;;
 others)
     header others | tee "$OUT/tests_others.txt"
+    # OTHERS_WORKERS=4: pytest-xdist workers sharing the GPU (its wheel carried in .whl)
     timeout 540 python3 -m pytest -q -p no:cacheprovider tests -m "not fuzz and not slow" \
+        ${OTHERS_WORKERS:+-n $OTHERS_WORKERS --dist worksteal} \
         $(for f in $KERNEL_TESTS; do echo --ignore "$f"; done) -rfE --durations=8 2>&1 \
         | tee -a "$OUT/tests_others.txt" | tail -n 20
     ;;
