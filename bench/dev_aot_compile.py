@@ -98,6 +98,18 @@ def record(path: str) -> None:
                                               torch.empty(3, dtype=torch.int32)))):
         entry = _signature(kernel, args, {"P": 4096, "K": fc.K, "num_warps": 4})
         seen.setdefault(json.dumps(entry, sort_keys=True, default=str), entry)
+    from bench import dev_float_window as fw
+
+    window_meta = {"P": 4096, "BINS": fw.BINS, "OFFSETS": fw.OFFSETS, "OFFSETS_P2": 16,
+                   "num_warps": 4}
+    for kernel, args, meta in (
+            (fw._encode_kernel, (pages, torch.empty_like(pages),
+                                 torch.empty(3, dtype=torch.int32)), window_meta),
+            (fw._decode_kernel, (pages, torch.zeros(3, dtype=torch.int32),
+                                 torch.empty_like(pages), torch.empty(3, dtype=torch.int32)),
+             {"P": 4096, "num_warps": 4})):
+        entry = _signature(kernel, args, meta)
+        seen.setdefault(json.dumps(entry, sort_keys=True, default=str), entry)
     entries = list(seen.values())
     with open(path, "w") as f:
         json.dump(entries + _gpu_settings(entries), f)

@@ -62,6 +62,22 @@ def layout(page_size: int) -> tuple[int, int, int]:
 
 
 # ---------------------------------------------------------------------------- reference
+def pack_codes_np(code: np.ndarray) -> np.ndarray:
+    """``int [N, n]`` 3-bit codes -> ``uint8 [N, 3n / 8]``: 8 values to a 3-byte
+    little-endian group, value ``i`` at bits ``3i .. 3i + 2``."""
+    n_pages, n = code.shape
+    word = (code.reshape(n_pages, n // 8, 8) << (3 * np.arange(8))).sum(axis=2)
+    codes = np.stack([word & 255, (word >> 8) & 255, (word >> 16) & 255], axis=2)
+    return codes.reshape(n_pages, -1).astype(np.uint8)
+
+
+def unpack_codes_np(packed: np.ndarray) -> np.ndarray:
+    """One page's ``3n / 8`` code bytes (any integer dtype) -> ``int64 [n]`` codes."""
+    b = packed.astype(np.int64).reshape(-1, 3)
+    word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+    return ((word[:, None] >> (3 * np.arange(8))) & 7).reshape(-1)
+
+
 def encode_ref(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``uint8 [N, P]`` bf16 pages -> ``(payload uint8 [N, P], sizes int32 [N])``; bytes past
     a page's size are zero."""
@@ -78,10 +94,7 @@ def encode_ref(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         code[e == table[:, k:k + 1]] = k
     out = np.zeros((n_pages, page_size), dtype=np.uint8)
     out[:, :K] = table
-    groups = code.reshape(n_pages, n // 8, 8) << (3 * np.arange(8))
-    word = groups.sum(axis=2)
-    codes = np.stack([word & 255, (word >> 8) & 255, (word >> 16) & 255], axis=2)
-    out[:, K:sm_at] = codes.reshape(n_pages, -1)
+    out[:, K:sm_at] = pack_codes_np(code)
     out[:, sm_at:esc_at] = ((v >> 8) & 0x80) | (v & 0x7F)
     escaped = code == ESC
     sizes = esc_at + escaped.sum(axis=1)
@@ -100,9 +113,7 @@ def decode_ref(payload: np.ndarray, sizes: np.ndarray, page_size: int):
     status = np.zeros(n_pages, dtype=np.int32)
     for i in range(n_pages):
         row = payload[i].astype(np.int64)
-        b = row[K:sm_at].reshape(n // 8, 3)
-        word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-        code = ((word[:, None] >> (3 * np.arange(8))) & 7).reshape(-1)
+        code = unpack_codes_np(row[K:sm_at])
         escaped = code == ESC
         if int(sizes[i]) != esc_at + int(escaped.sum()) or int(sizes[i]) > limit(page_size):
             status[i] = STATUS_BAD_SIZE

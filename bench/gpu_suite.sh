@@ -14,7 +14,7 @@
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
-#   bash bench/gpu_suite.sh float      # probe: the exponent page codec's GPU speed and ratio (#23)
+#   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -173,7 +173,10 @@ PY
 float)
     header float
     timeout 300 python3 -m bench.dev_float_codec --mib "${FLOAT_MIB:-128}" 2>&1 | tee "$OUT/float_codec.txt"
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_dev_float_codec.py 2>&1 | tail -n 2
+    # the window layout beside the table layout, at 2 and 4 warps a page
+    timeout 200 python3 -m bench.dev_float_window --mib "${FLOAT_MIB:-128}" 2>&1 | tee "$OUT/float_window.txt"
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_dev_float_codec.py \
+        tests/test_dev_float_window.py 2>&1 | tail -n 2
     ;;
 policy)
     header policy

@@ -79,3 +79,21 @@ def kernel_device() -> str:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     return "cpu"
+
+
+def bf16_exponent_pages(gen: torch.Generator, page_size: int = 4096) -> torch.Tensor:
+    """``uint8 [6, page_size]`` bf16 pages of every exponent shape, for the exponent codecs:
+    normal, one value, all 256 exponents (random bits), NaN / Inf / denormals / -0, zeros, and
+    exponents spread over far more than 7 values."""
+    n = page_size // 2
+    rows = [
+        (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16),
+        torch.full((n,), 1.5).to(torch.bfloat16),
+        torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int32).to(torch.int16)
+        .view(torch.bfloat16),
+        torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -0.0] * (n // 5)
+                     + [0.0] * (n % 5)).to(torch.bfloat16),
+        torch.zeros(n, dtype=torch.bfloat16),
+        (torch.randn(n, generator=gen) * torch.logspace(-20, 20, n)).to(torch.bfloat16),
+    ]
+    return torch.stack([r.view(torch.uint8) for r in rows])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import POISON
+from pages import bf16_exponent_pages
 
 fc = pytest.importorskip("bench.dev_float_codec")
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
@@ -18,25 +19,8 @@ interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
 P = 4096
 
 
-def _pages(gen: torch.Generator) -> torch.Tensor:
-    """bf16 pages of every exponent shape: normal, one value, all 256 exponents, NaN / Inf /
-    denormals, zeros, and a page whose exponents are spread over more than 7 values."""
-    n = P // 2
-    rows = [
-        (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16),
-        torch.full((n,), 1.5).to(torch.bfloat16),
-        torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int32).to(torch.int16)
-        .view(torch.bfloat16),
-        torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -0.0] * (n // 5)
-                     + [0.0] * (n % 5)).to(torch.bfloat16),
-        torch.zeros(n, dtype=torch.bfloat16),
-        (torch.randn(n, generator=gen) * torch.logspace(-20, 20, n)).to(torch.bfloat16),
-    ]
-    return torch.stack([r.view(torch.uint8) for r in rows])
-
-
 def test_reference_round_trip_and_sizes(gen):
-    pages = _pages(gen).numpy()
+    pages = bf16_exponent_pages(gen, P).numpy()
     payload, sizes = fc.encode_ref(pages)
     n, sm_at, esc_at = fc.layout(P)
     assert (sizes >= esc_at).all()
@@ -50,7 +34,7 @@ def test_reference_round_trip_and_sizes(gen):
 
 @interpreter
 def test_kernels_equal_reference(gen):
-    pages = _pages(gen)
+    pages = bf16_exponent_pages(gen, P)
     if torch.cuda.is_available():
         pages = pages.cuda()
     want_payload, want_sizes = fc.encode_ref(pages.cpu().numpy())
@@ -71,7 +55,7 @@ def test_kernels_equal_reference(gen):
 def test_hostile_sizes_and_codes_never_read_past_the_page(gen):
     """Sizes off by one either way, over the limit, and random code bytes: statuses equal the
     reference's, failed pages come back zero."""
-    pages = _pages(gen)[:2]
+    pages = bf16_exponent_pages(gen, P)[:2]
     payload, sizes = fc.encode_ref(pages.numpy())
     payload = np.repeat(payload, 4, axis=0)
     sizes = np.repeat(sizes, 4).astype(np.int64)
