@@ -55,10 +55,11 @@ def stored_bytes(sizes: np.ndarray, page_size: int) -> int:
     return int(np.where(s > limit(page_size), page_size, s).sum())
 
 
-def layout(page_size: int) -> tuple[int, int, int]:
-    """``(values, offset of the sign + mantissa bytes, offset of the escapes)`` of a page."""
+def layout(page_size: int, header: int = K) -> tuple[int, int, int]:
+    """``(values, offset of the sign + mantissa bytes, offset of the escapes)`` of a page whose
+    ``header`` bytes (this layout's table: ``K``) precede its codes."""
     n = page_size // 2
-    return n, K + 3 * n // 8, K + 3 * n // 8 + n
+    return n, header + 3 * n // 8, header + 3 * n // 8 + n
 
 
 # ---------------------------------------------------------------------------- reference
@@ -81,8 +82,7 @@ def unpack_codes_np(packed: np.ndarray) -> np.ndarray:
 def encode_ref(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``uint8 [N, P]`` bf16 pages -> ``(payload uint8 [N, P], sizes int32 [N])``; bytes past
     a page's size are zero."""
-    n_pages, page_size = pages.shape
-    n, sm_at, esc_at = layout(page_size)
+    n_pages = pages.shape[0]
     v = pages.view("<u2").astype(np.int64)
     e = (v >> 7) & 255
     counts = np.zeros((n_pages, 256), dtype=np.int64)
@@ -92,12 +92,24 @@ def encode_ref(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     code = np.full(e.shape, ESC, dtype=np.int64)
     for k in range(K - 1, -1, -1):
         code[e == table[:, k:k + 1]] = k
+    return write_pages_ref(table, code, v)
+
+
+def write_pages_ref(header: np.ndarray, code: np.ndarray, v: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The payload and sizes of pages from their ``uint8 [N, H]`` header bytes, ``int [N, n]``
+    3-bit codes (``ESC``: escaped) and ``int [N, n]`` bf16 values: header, codes, sign +
+    mantissa, escaped exponents; bytes past a page's size (or its row: then RAW) are zero."""
+    n_pages, n = v.shape
+    page_size = 2 * n
+    _, sm_at, esc_at = layout(page_size, header.shape[1])
     out = np.zeros((n_pages, page_size), dtype=np.uint8)
-    out[:, :K] = table
-    out[:, K:sm_at] = pack_codes_np(code)
+    out[:, :sm_at - 3 * n // 8] = header
+    out[:, sm_at - 3 * n // 8:sm_at] = pack_codes_np(code)
     out[:, sm_at:esc_at] = ((v >> 8) & 0x80) | (v & 0x7F)
     escaped = code == ESC
     sizes = esc_at + escaped.sum(axis=1)
+    e = (v >> 7) & 255
     for i in np.flatnonzero(escaped.any(axis=1)):
         k = min(int(sizes[i]), page_size) - esc_at  # nothing past the row (then RAW)
         out[i, esc_at:esc_at + k] = e[i][escaped[i]][:k]
@@ -107,18 +119,27 @@ def encode_ref(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def decode_ref(payload: np.ndarray, sizes: np.ndarray, page_size: int):
     """Inverse of :func:`encode_ref`: ``(pages uint8 [N, P], status int32 [N])``; a page of
     another size than its codes say is ``STATUS_BAD_SIZE`` and comes back zero."""
+    return read_pages_ref(payload, sizes, page_size, K,
+                          lambda row, code: row[:K][np.minimum(code, K - 1)])
+
+
+def read_pages_ref(payload: np.ndarray, sizes: np.ndarray, page_size: int, header: int,
+                   exponents) -> tuple[np.ndarray, np.ndarray]:
+    """Decode pages of ``header`` header bytes: ``exponents(row, codes)`` gives each value's
+    exponent from the page's bytes (``int64``) and codes (escaped ones are replaced). A page of
+    another size than its codes imply, or over the limit, is ``STATUS_BAD_SIZE`` and zero."""
     n_pages = payload.shape[0]
-    n, sm_at, esc_at = layout(page_size)
+    _, sm_at, esc_at = layout(page_size, header)
     pages = np.zeros((n_pages, page_size), dtype=np.uint8)
     status = np.zeros(n_pages, dtype=np.int32)
     for i in range(n_pages):
         row = payload[i].astype(np.int64)
-        code = unpack_codes_np(row[K:sm_at])
+        code = unpack_codes_np(row[header:sm_at])
         escaped = code == ESC
         if int(sizes[i]) != esc_at + int(escaped.sum()) or int(sizes[i]) > limit(page_size):
             status[i] = STATUS_BAD_SIZE
             continue
-        e = np.where(escaped, 0, row[:K][np.minimum(code, K - 1)])
+        e = np.asarray(exponents(row, code), dtype=np.int64).copy()
         e[escaped] = row[esc_at:int(sizes[i])]
         sm = row[sm_at:esc_at]
         v = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
@@ -192,22 +213,32 @@ def encode(pages: torch.Tensor, payload: torch.Tensor | None = None, warps: int 
     """Triton encoder: ``uint8 [N, P]`` (4-byte aligned rows) -> ``(payload, sizes int32)``,
     into ``payload`` if given; bytes past a page's size are not written. ``warps``: per page
     (one program each)."""
-    n, page_size = pages.shape
-    payload = torch.empty_like(pages) if payload is None else payload
-    sizes = torch.empty(n, dtype=torch.int32, device=pages.device)
-    if n:
-        _encode_kernel[(n,)](pages, payload, sizes, P=page_size, K=K, num_warps=warps)
-    return payload, sizes
+    return launch_encode(_encode_kernel, pages, payload, warps, K=K)
 
 
 def decode(payload: torch.Tensor, sizes: torch.Tensor, out: torch.Tensor | None = None,
            warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton decoder: ``(pages uint8 [N, P], status int32 [N])``, into ``out`` if given."""
+    return launch_decode(_decode_kernel, payload, sizes, out, warps, K=K)
+
+
+def launch_encode(kernel, pages, payload, warps: int, **meta):
+    """One program per page of ``kernel(pages, payload, sizes, P=..., **meta)``."""
+    n, page_size = pages.shape
+    payload = torch.empty_like(pages) if payload is None else payload
+    sizes = torch.empty(n, dtype=torch.int32, device=pages.device)
+    if n:
+        kernel[(n,)](pages, payload, sizes, P=page_size, num_warps=warps, **meta)
+    return payload, sizes
+
+
+def launch_decode(kernel, payload, sizes, out, warps: int, **meta):
+    """One program per page of ``kernel(payload, sizes, out, status, P=..., **meta)``."""
     n, page_size = payload.shape
     out = torch.empty_like(payload) if out is None else out
     status = torch.empty(n, dtype=torch.int32, device=payload.device)
     if n:
-        _decode_kernel[(n,)](payload, sizes, out, status, P=page_size, K=K, num_warps=warps)
+        kernel[(n,)](payload, sizes, out, status, P=page_size, num_warps=warps, **meta)
     return out, status
 
 
@@ -241,18 +272,19 @@ def measure(x: torch.Tensor, reps: int) -> str:
             f"{dgb:7.0f}")
 
 
-def sweep_warps(x: torch.Tensor, reps: int, warps: list[int]) -> str:
-    """Encode / decode GB/s of the pages ``x`` at each number of warps per page (the same
-    bytes each way: every setting is checked exact)."""
+def sweep_warps(x: torch.Tensor, reps: int, warps: list[int], enc_fn=None, dec_fn=None) -> str:
+    """Encode / decode GB/s of the pages ``x`` at each number of warps per page, by this
+    layout's kernels or ``enc_fn`` / ``dec_fn`` (every setting checked exact)."""
+    enc_fn, dec_fn = enc_fn or encode, dec_fn or decode
     nbytes = x.numel()
     cells = []
     for w in warps:
-        payload, sizes = encode(x, warps=w)
-        out, status = decode(payload, sizes, warps=w)
+        payload, sizes = enc_fn(x, warps=w)
+        out, status = dec_fn(payload, sizes, warps=w)
         if not torch.equal(out, x) or int(status.count_nonzero()):
             raise AssertionError(f"num_warps={w}: the round trip is not exact")
-        enc = nbytes / _time(functools.partial(encode, x, payload, warps=w), reps) / 1e9
-        dec = nbytes / _time(functools.partial(decode, payload, sizes, out, warps=w), reps) / 1e9
+        enc = nbytes / _time(functools.partial(enc_fn, x, payload, warps=w), reps) / 1e9
+        dec = nbytes / _time(functools.partial(dec_fn, payload, sizes, out, warps=w), reps) / 1e9
         cells.append(f"{w}: {enc:4.0f} / {dec:4.0f}")
     return "  ".join(cells)
 

@@ -54,7 +54,6 @@ imply, and at most the limit.
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import numpy as np
@@ -62,15 +61,18 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.dev_float_codec import (
-    STATUS_BAD_SIZE,
+from bench.dev_float_codec import (  # STATUS_BAD_SIZE, limit: this layout's as well
+    STATUS_BAD_SIZE,  # noqa: F401
     STATUS_BAD_SIZE_C,
     STATUS_OK_C,
-    limit,
-    pack_codes_np,
+    launch_decode,
+    launch_encode,
+    limit,  # noqa: F401
+    read_pages_ref,
     stored_bytes,
-    unpack_codes_np,
+    write_pages_ref,
 )
+from bench.dev_float_codec import layout as table_layout
 
 HEADER = 2
 ESC = 7
@@ -78,8 +80,7 @@ ESC = 7
 
 def layout(page_size: int) -> tuple[int, int, int]:
     """``(values, offset of the sign + mantissa bytes, offset of the escapes)`` of a page."""
-    n = page_size // 2
-    return n, HEADER + 3 * n // 8, HEADER + 3 * n // 8 + n
+    return table_layout(page_size, HEADER)
 
 
 OFFSETS = 10  # window tops m - 0 .. m - 9
@@ -120,8 +121,7 @@ def _codes(e: np.ndarray, base: np.ndarray, mode: np.ndarray) -> np.ndarray:
 def encode_ref(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``uint8 [N, P]`` bf16 pages -> ``(payload uint8 [N, P], sizes int32 [N])``; bytes past
     a page's size are zero."""
-    n_pages, page_size = pages.shape
-    n, sm_at, esc_at = layout(page_size)
+    n_pages = pages.shape[0]
     v = pages.view("<u2").astype(np.int64)
     e = (v >> 7) & 255
     nz = e != 0
@@ -131,40 +131,14 @@ def encode_ref(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     hist = np.zeros((n_pages, BINS), dtype=np.int64)
     np.add.at(hist, (np.arange(n_pages)[:, None], idx), 1)
     base, mode = choose_window(hist, m)
-    code = _codes(e, base, mode)
-    out = np.zeros((n_pages, page_size), dtype=np.uint8)
-    out[:, 0], out[:, 1] = base, mode
-    out[:, HEADER:sm_at] = pack_codes_np(code)
-    out[:, sm_at:esc_at] = ((v >> 8) & 0x80) | (v & 0x7F)
-    escaped = code == ESC
-    sizes = esc_at + escaped.sum(axis=1)
-    for i in np.flatnonzero(escaped.any(axis=1)):
-        k = min(int(sizes[i]), page_size) - esc_at  # nothing past the row (then RAW)
-        out[i, esc_at:esc_at + k] = e[i][escaped[i]][:k]
-    return out, sizes.astype(np.int32)
+    return write_pages_ref(np.stack([base, mode], axis=1), _codes(e, base, mode), v)
 
 
 def decode_ref(payload: np.ndarray, sizes: np.ndarray, page_size: int):
     """Inverse of :func:`encode_ref`: ``(pages uint8 [N, P], status int32 [N])``; a page of
     another size than its codes imply is ``STATUS_BAD_SIZE`` and comes back zero."""
-    n_pages = payload.shape[0]
-    n, sm_at, esc_at = layout(page_size)
-    pages = np.zeros((n_pages, page_size), dtype=np.uint8)
-    status = np.zeros(n_pages, dtype=np.int32)
-    for i in range(n_pages):
-        row = payload[i].astype(np.int64)
-        code = unpack_codes_np(row[HEADER:sm_at])
-        escaped = code == ESC
-        if int(sizes[i]) != esc_at + int(escaped.sum()) or int(sizes[i]) > limit(page_size):
-            status[i] = STATUS_BAD_SIZE
-            continue
-        base, mode = row[0], row[1] & 1
-        e = np.where((mode == 1) & (code == 6), 0, (base - code) & 255)
-        e[escaped] = row[esc_at:int(sizes[i])]
-        sm = row[sm_at:esc_at]
-        v = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
-        pages[i] = v.astype("<u2").view(np.uint8)
-    return pages, status
+    return read_pages_ref(payload, sizes, page_size, HEADER, lambda row, code: np.where(
+        ((row[1] & 1) == 1) & (code == 6), 0, (row[0] - code) & 255))
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -251,24 +225,14 @@ def encode(pages: torch.Tensor, payload: torch.Tensor | None = None, warps: int 
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton encoder: ``uint8 [N, P]`` (4-byte aligned rows) -> ``(payload, sizes int32)``,
     into ``payload`` if given; bytes past a page's size are not written."""
-    n, page_size = pages.shape
-    payload = torch.empty_like(pages) if payload is None else payload
-    sizes = torch.empty(n, dtype=torch.int32, device=pages.device)
-    if n:
-        _encode_kernel[(n,)](pages, payload, sizes, P=page_size, BINS=BINS, OFFSETS=OFFSETS,
-                             OFFSETS_P2=triton.next_power_of_2(OFFSETS), num_warps=warps)
-    return payload, sizes
+    return launch_encode(_encode_kernel, pages, payload, warps, BINS=BINS, OFFSETS=OFFSETS,
+                         OFFSETS_P2=triton.next_power_of_2(OFFSETS))
 
 
 def decode(payload: torch.Tensor, sizes: torch.Tensor, out: torch.Tensor | None = None,
            warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton decoder: ``(pages uint8 [N, P], status int32 [N])``, into ``out`` if given."""
-    n, page_size = payload.shape
-    out = torch.empty_like(payload) if out is None else out
-    status = torch.empty(n, dtype=torch.int32, device=payload.device)
-    if n:
-        _decode_kernel[(n,)](payload, sizes, out, status, P=page_size, num_warps=warps)
-    return out, status
+    return launch_decode(_decode_kernel, payload, sizes, out, warps)
 
 
 # --------------------------------------------------------------------------------- bench
@@ -276,27 +240,13 @@ def measure(x: torch.Tensor, reps: int, warps: list[int]) -> str:
     """Ratio, then encode / decode GB/s at each warp count, of both layouts on the pages
     ``x`` (``uint8 [N, 4096]`` on the GPU); every round trip checked exact."""
     from bench import dev_float_codec as table
-    from bench.dev_float_codec import _time
 
-    nbytes = x.numel()
     cells = []
-    for name, codec in (("table", table), ("window", None)):
-        enc_fn = table.encode if codec else encode
-        dec_fn = table.decode if codec else decode
-        payload, sizes = enc_fn(x)
-        ratio = nbytes / stored_bytes(sizes.cpu().numpy(), x.shape[1])
-        speeds = []
-        for w in warps:
-            payload, sizes = enc_fn(x, warps=w)
-            out, status = dec_fn(payload, sizes, warps=w)
-            if not torch.equal(out, x) or int(status.count_nonzero()):
-                raise AssertionError(f"{name}, num_warps={w}: the round trip is not exact")
-            enc = nbytes / _time(functools.partial(enc_fn, x, payload, warps=w), reps) / 1e9
-            dec = nbytes / _time(functools.partial(dec_fn, payload, sizes, out, warps=w),
-                                 reps) / 1e9
-            speeds.append(f"{w}w {enc:4.0f} / {dec:4.0f}")
-        cells.append(f"{name} {ratio:.3f} " + " ".join(speeds))
-        del payload, out
+    for name, enc_fn, dec_fn in (("table", table.encode, table.decode),
+                                 ("window", encode, decode)):
+        _, sizes = enc_fn(x)
+        ratio = x.numel() / stored_bytes(sizes.cpu().numpy(), x.shape[1])
+        cells.append(f"{name} {ratio:.3f}  {table.sweep_warps(x, reps, warps, enc_fn, dec_fn)}")
     return "  |  ".join(cells)
 
 
