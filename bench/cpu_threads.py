@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 import torch_pagecomp as pc
+from torch_pagecomp import cpu_codec
 
 from . import corpora
 from .baselines import default_threads
@@ -102,6 +103,7 @@ def run(mib: float, threads: list[int], names: list[str], page_size: int, repeat
         "mib_per_corpus": mib,
         "repeats": repeats,
         "gbps": "decimal GB/s of uncompressed bytes, median of the timed calls",
+        "loops": "C (_native)" if cpu_codec._native is not None else "python-lz4 page by page",
         "rows": [],
     }
     for k, name in enumerate(names):
@@ -113,7 +115,7 @@ def run(mib: float, threads: list[int], names: list[str], page_size: int, repeat
 
 
 def table(doc: dict) -> str:
-    lines = [f"{doc['device']}, commit {doc['commit']}, {doc['date']}",
+    lines = [f"{doc['device']}, commit {doc['commit']}, {doc['date']}, LZ4 loops: {doc['loops']}",
              f"{'corpus':<11} {'e':>1} {'op':<10} {'threads':>7} {'GB/s':>8} {'speedup':>8} "
              f"{'efficiency':>10}"]
     for r in doc["rows"]:
@@ -131,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the JSON here")
+    parser.add_argument("--python-lz4", action="store_true",
+                        help="page by page through python-lz4, as without a C compiler")
     args = parser.parse_args(argv)
+    if args.python_lz4:
+        cpu_codec._native = None
     doc = run(args.mib, args.threads, args.corpora, args.page_size, max(1, args.repeats),
               args.seed)
     print(table(doc))

@@ -389,9 +389,21 @@ def test_packed_offsets_must_agree_with_sizes(gen):
         assert set(status.tolist()) <= set(fmt.STATUS_NAMES)
 
 
-def test_cpu_statuses_are_the_reference_rules(gen):
+@pytest.fixture(params=["native", "python-lz4"])
+def cpu_loops(request, monkeypatch):
+    """Each way the CPU path runs its LZ4 pages in turn: the C loops (``_native``, where
+    built) and python-lz4 page by page, which they replace where no C compiler is found."""
+    if request.param == "native" and cpu_codec._native is None:
+        pytest.skip("torch_pagecomp._native is not built here")
+    if request.param == "python-lz4":
+        monkeypatch.setattr(cpu_codec, "_native", None)
+    return request.param
+
+
+def test_cpu_statuses_are_the_reference_rules(gen, cpu_loops):
     """Every mutated block: ``decompress_cpu``'s status is ``decode_block``'s (after the size
-    rule), whether or not liblz4 takes the block; offsets of 0 planted among the mutations."""
+    rule), whether or not liblz4 takes the block; offsets of 0 planted among the mutations.
+    Both decoders."""
     pages = torch.cat([mixed_pages(14, 4096, gen), file_pages("binary", 4, 4096, gen)])
     x = torch.relu(torch.randn(4 * 2048, generator=gen)).to(torch.bfloat16)
     shuffled = bitshuffle(x.view(torch.uint8).view(-1, 4096), 2)
@@ -421,3 +433,72 @@ def test_cpu_statuses_are_the_reference_rules(gen):
         else:
             assert not out[k].any()
     assert (status == fmt.STATUS_BAD_OFFSET).any()  # the planted zeros did plant some
+
+
+def test_the_c_decoder_is_built_where_a_compiler_is():
+    """``make install`` builds ``torch_pagecomp._native`` when a C compiler is on the path (as
+    on CI): the CPU path's speed and thread scaling depend on it."""
+    import shutil
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here: python-lz4 decodes")
+    assert cpu_codec._native is not None
+
+
+def test_c_loops_check_their_arguments(gen):
+    """Buffers shorter than the batch they describe are a ValueError, a row outside the batch
+    an IndexError (before any page is written past), a block outside the payload BAD_SIZE; the
+    compress loop refuses missing liblz4 calls."""
+    if cpu_codec._native is None:
+        pytest.skip("torch_pagecomp._native is not built here")
+    dec = cpu_codec._native.decode_lz4
+    page = bytes(range(256)) * 16
+    block = lz4.block.compress(page, store_size=False)
+    payload = np.frombuffer(block, dtype=np.uint8)
+    off, size = np.zeros(2, np.int64), np.full(2, len(block), np.int64)
+    out, st = np.zeros(2 * 4096, np.uint8), np.zeros(2, np.int32)
+    rows = np.arange(2, dtype=np.int64)
+    with pytest.raises(ValueError, match="out holds"):
+        dec(payload, off, size, rows, out[:4096], st, 4096)
+    with pytest.raises(ValueError, match="offsets holds"):
+        dec(payload, off[:1], size, rows, out, st, 4096)
+    with pytest.raises(IndexError, match="outside the batch"):
+        dec(payload, off, size, np.array([2], np.int64), out, st, 4096)
+    size[1] = len(block) + 1  # one byte past the payload
+    dec(payload, off, size, rows, out, st, 4096)
+    assert st.tolist() == [fmt.STATUS_OK, fmt.STATUS_BAD_SIZE]
+    assert out[:4096].tobytes() == page
+    comp, calls = cpu_codec._native.compress_lz4, cpu_codec._liblz4_calls()
+    src = np.frombuffer(page * 2, dtype=np.uint8)
+    sizes = np.zeros(2, np.int32)
+    with pytest.raises(ValueError, match="out holds"):
+        comp(src, rows, out[:4096], sizes, 4096, 3968, calls)
+    with pytest.raises(ValueError, match="liblz4 calls are invalid"):
+        comp(src, rows, out, sizes, 4096, 3968, (0, 0, 0))
+    with pytest.raises(IndexError, match="outside the batch"):
+        comp(src, np.array([5], np.int64), out, sizes, 4096, 3968, calls)
+    comp(src, rows, out, sizes, 4096, 3968, calls)
+    assert sizes.tolist() == [len(block)] * 2 and out[4096:4096 + len(block)].tobytes() == block
+
+
+def test_c_compress_loop_writes_lz4_block_bytes(gen, monkeypatch):
+    """The C loop compresses with python-lz4's own liblz4: payload, sizes and kinds equal the
+    page-by-page python-lz4 path's on every kind of page (fill, RAW, bytes, bit-shuffled), and
+    every block is ``lz4.block.compress``'s."""
+    if cpu_codec._native is None or cpu_codec._liblz4_calls() is None:
+        pytest.skip("torch_pagecomp._native is not built here")
+    pages = torch.cat([mixed_pages(40, 4096, gen), file_pages("text", 8, 4096, gen),
+                       torch.randint(0, 256, (4, 4096), generator=gen, dtype=torch.uint8)])
+    pages[3] = 7  # a fill page
+    for e in (1, 2, 4):
+        native = cpu_codec.compress_cpu(pages, e)
+        with monkeypatch.context() as m:
+            m.setattr(cpu_codec, "_native", None)
+            python = cpu_codec.compress_cpu(pages, e)
+        for a, b in zip(native, python):
+            assert torch.equal(a, b)
+    payload, sizes, kinds = native  # element size 4
+    src = bitshuffle(pages, 4)
+    for i in torch.nonzero((kinds & 15) == fmt.KIND_LZ4).flatten().tolist():
+        want = lz4.block.compress(src[i].numpy().tobytes(), store_size=False)
+        assert payload[i, :int(sizes[i])].numpy().tobytes() == want

@@ -85,23 +85,33 @@ def free_core_speedup() -> float:
 
 @pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")
-@pytest.mark.xfail(strict=False, reason="issue #25, open: python-lz4 holds the GIL around each "
-                   "call's arguments and result copy, so one call per 4 KiB page convoys on it "
-                   "(2 threads: 0.96-1.27x compress on a 2-core VM)")
-def test_two_threads_scale(gen):
-    """Compression of compressible pages on 2 threads against 1: at least 0.8x the speed-up
-    that two threads of plain numpy get at the same moment (up to 3 tries; skipped when numpy
-    gets below 1.5x: no second core free); the result is the same bytes."""
+@pytest.mark.parametrize("op", ["compress", "decompress"])
+def test_two_threads_scale(gen, op):
+    """Compression or decoding of compressible pages on 2 threads against 1: at least 0.8x the
+    speed-up that two threads of plain numpy get at the same moment (up to 3 tries; skipped
+    when numpy gets below 1.5x: no second core free); the result is the same bytes. With the C
+    loops (``_native``); page by page through python-lz4 the threads convoy on the GIL (2
+    threads: 0.96-1.27x compress, 0.7-0.8x decode), so there it is expected to fail."""
+    if cpu_codec._native is None:
+        pytest.xfail("torch_pagecomp._native is not built: python-lz4 page by page")
     pages = file_pages("text", 4096, 4096, gen)
+    payload, sizes, kinds = cpu_codec.compress_cpu(pages)
+    offsets = torch.arange(pages.shape[0], dtype=torch.int64) * 4096
+    if op == "compress":
+        def run():
+            return cpu_codec.compress_cpu(pages)
+    else:
+        def run():
+            return cpu_codec.decompress_cpu(payload.view(-1), offsets, sizes, kinds, 4096)
     tries = []
     try:
         for _ in range(3):
             cpu_codec.set_cpu_threads(1)
-            one = cpu_codec.compress_cpu(pages)
-            t1 = best(lambda: cpu_codec.compress_cpu(pages))
+            one = run()
+            t1 = best(run)
             cpu_codec.set_cpu_threads(2)
-            two = cpu_codec.compress_cpu(pages)
-            t2 = best(lambda: cpu_codec.compress_cpu(pages))
+            two = run()
+            t2 = best(run)
             assert all(torch.equal(a, b) for a, b in zip(one, two))
             free = free_core_speedup()
             tries.append((t1 / t2, free))
@@ -130,15 +140,19 @@ def decode_ratio(pages: torch.Tensor) -> float:
     return t_ours / t_lz4
 
 
-def test_decode_without_zero_runs_within_3x_lz4(gen, one_thread):
-    """Text pages (no four zero bytes in a row: no offset-0 walk): decompress_cpu within 3x of
-    lz4.block (measured 1.5-2.5x on a loaded 2-core VM: the per-page Python steps)."""
-    assert decode_ratio(file_pages("text", 1024, 4096, gen)) < 3
+def test_decode_without_zero_runs_near_lz4(gen, one_thread):
+    """Text pages: decompress_cpu within 2.5x of lz4.block with the C decoder (measured
+    1.0-1.1x on the 2-core VM), within 3x page by page through python-lz4 (1.5-2.5x on a loaded
+    VM: the per-page Python steps)."""
+    bound = 2.5 if cpu_codec._native is not None else 3
+    assert decode_ratio(file_pages("text", 1024, 4096, gen)) < bound
 
 
-def test_decode_with_offset_zero_walk_within_12x_lz4(gen, one_thread):
-    """bf16 ReLU activations as bytes: every page holds zero runs, so every block's sequences
-    are walked for a match offset of 0 (``zero_offsets``). Within 12x of lz4.block (measured
-    5-9x on a loaded 2-core VM, 11-12x with the walk it replaced; a numpy step costs the same
-    for one block as for a thousand, so small batches pay more per page)."""
-    assert decode_ratio(bf16_pages(8, gen)) < 12
+def test_decode_with_zero_runs_near_lz4(gen, one_thread):
+    """bf16 ReLU activations as bytes (every page holds zero runs): within 4x of lz4.block with
+    the C decoder, which enforces the offset-0 rule as it decodes (measured 0.9-1.7x); within
+    12x through python-lz4, where every such block's sequences are walked again for a match
+    offset of 0 (``zero_offsets``; measured 4-9x; a numpy step costs the same for one block as
+    for a thousand, so small batches pay more per page)."""
+    bound = 4 if cpu_codec._native is not None else 12
+    assert decode_ratio(bf16_pages(8, gen)) < bound

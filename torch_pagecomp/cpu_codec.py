@@ -4,9 +4,11 @@ It serves CPU tensors, and CUDA tensors when no GPU path is usable (copy to host
 copy back). ``decode_block`` is a readable pure-Python LZ4 block decoder that classifies
 errors with the same status codes as the GPU decoder.
 
-Speed: the bit-shuffle is numpy over whole batches (``shuffle.bitshuffle_np``); liblz4 and
-numpy release the GIL, so a batch of at least ``MIN_THREADED_PAGES`` pages is split into
-contiguous page ranges run on a shared thread pool of :func:`cpu_threads` threads (set with
+Speed: the bit-shuffle is numpy over whole batches (``shuffle.bitshuffle_np``); the LZ4 pages of
+a range are compressed and decoded by the C loops of ``_native`` with the GIL released (the
+compress loop calls the liblz4 that python-lz4 carries, as ``lz4.block.compress`` does: the
+same blocks). So a batch of at least ``MIN_THREADED_PAGES`` pages is split into contiguous page
+ranges run on a shared thread pool of :func:`cpu_threads` threads (set with
 :func:`set_cpu_threads` or the ``PAGECOMP_CPU_THREADS`` environment variable, read at each
 call; default ``min(8, os.cpu_count())``). The pool is shut down at interpreter exit.
 
@@ -16,14 +18,20 @@ this order, ``STATUS_BAD_KIND`` for an unknown kind or a shuffle on a non-LZ4 pa
 ``P``, a FILL page whose size is not 1, an LZ4 page whose size is outside
 ``1..format.lz4_keep_limit(P)``, or (packed containers, when ``offsets`` has ``N + 1`` entries)
 ``offsets[i + 1] - offsets[i] != sizes[i]`` or ``offsets[0] != 0``; then the LZ4 block's own
-status (``decode_block``). A failed page's row is zero-filled. liblz4 decodes a block for
-speed; it lets a match offset of 0 through (copying zeros), so the pages it decodes with four
-zero bytes in a row are checked for one (``zero_offsets.zero_offset_blocks``).
+status (``decode_block``). A failed page's row is zero-filled.
+
+LZ4 pages are decoded by the C decoder ``_native.decode_lz4`` (those rules, a range of pages
+per call with the GIL released, so the pool's threads decode in parallel), built by
+``setup.py`` where a C compiler is found. Without it python-lz4 decodes: one call per page
+(holding the GIL between calls), and since liblz4 lets a match offset of 0 through (copying
+zeros), the pages it decodes with four zero bytes in a row are checked for one
+(``zero_offsets.zero_offset_blocks``). Both give the same pages and statuses.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +43,30 @@ import torch
 from . import format as fmt
 from .shuffle import bitshuffle_np, bitunshuffle_np
 from .zero_offsets import zero_offset_blocks
+
+try:  # the C page loops (setup.py builds them where a C compiler is found)
+    from . import _native
+except ImportError:  # python-lz4, a call per page, instead: slower, the same bytes and statuses
+    _native = None
+
+
+@functools.cache
+def _liblz4_calls() -> tuple[int, int, int] | None:
+    """The addresses of ``LZ4_resetStream``, ``LZ4_compress_fast_continue`` and
+    ``LZ4_sizeofState`` in the liblz4 that python-lz4 carries, for ``_native.compress_lz4``
+    (which calls them as ``lz4.block.compress`` does: the same blocks); None where that
+    library does not export them (then python-lz4 compresses page by page)."""
+    import ctypes
+
+    import lz4.block._block as block
+
+    try:
+        lib = ctypes.CDLL(block.__file__)
+        calls = (lib.LZ4_resetStream, lib.LZ4_compress_fast_continue, lib.LZ4_sizeofState)
+    except (OSError, AttributeError):
+        return None
+    return tuple(ctypes.cast(fn, ctypes.c_void_p).value for fn in calls)
+
 
 THREADS_ENV = "PAGECOMP_CPU_THREADS"
 MAX_DEFAULT_THREADS = 8
@@ -122,7 +154,8 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
     """``uint8 [N, P]`` (CPU) -> fixed-stride ``(payload [N, P], sizes int32 [N], kinds [N])``."""
     fmt.check_element_size(element_size)
     n, page_size = pages.shape
-    payload = torch.zeros((n, page_size), dtype=torch.uint8)
+    # every row is written in the (threaded) ranges below, the bytes past a block zeroed there
+    payload = torch.empty((n, page_size), dtype=torch.uint8)
     sizes = torch.empty(n, dtype=torch.int32)
     kinds = torch.empty(n, dtype=torch.uint8)
     if n == 0:
@@ -133,31 +166,39 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
     lz4_kind = fmt.KIND_LZ4 | (fmt.element_shift(element_size) << 4)
     out_mv = memoryview(out.reshape(-1))
 
+    native = _native is not None and _liblz4_calls() is not None
+
     def work(start: int, stop: int) -> None:
-        # Per page only a few Python steps, on memoryviews: the GIL is held there, liblz4
-        # releases it, so threads scale only as far as these stay short.
         rows = raw[start:stop]
         fill = fill_rows(rows)
         src = bitshuffle_np(rows, element_size) if element_size > 1 else rows
-        src_mv = memoryview(src.reshape(-1))
-        compress = lz4.block.compress
-        got = []
-        p, base = page_size, start * page_size
-        for k, is_fill in enumerate(fill.tolist()):
-            if is_fill:
-                got.append(1)
-                continue
-            block = compress(src_mv[k * p : k * p + p], store_size=False)
-            size = len(block)
-            if size <= limit:
-                out_mv[base + k * p : base + k * p + size] = block
-            else:
-                size = p
-            got.append(size)
-        got = np.array(got, dtype=np.int32)
+        p = page_size
+        if native:  # the whole range without the GIL
+            got = np.ones(stop - start, dtype=np.int32)  # FILL pages: size 1
+            _native.compress_lz4(src.reshape(-1), np.flatnonzero(~fill).astype(np.int64),
+                                 out[start:stop].reshape(-1), got, p, limit, _liblz4_calls())
+        else:  # a few Python steps per page on memoryviews, holding the GIL between calls
+            out[start:stop] = 0
+            src_mv = memoryview(src.reshape(-1))
+            compress = lz4.block.compress
+            got = []
+            base = start * p
+            for k, is_fill in enumerate(fill.tolist()):
+                if is_fill:
+                    got.append(1)
+                    continue
+                block = compress(src_mv[k * p : k * p + p], store_size=False)
+                size = len(block)
+                if size <= limit:
+                    out_mv[base + k * p : base + k * p + size] = block
+                else:
+                    size = p
+                got.append(size)
+            got = np.array(got, dtype=np.int32)
         size_np[start:stop] = got
         stored = np.where(got == p, fmt.KIND_RAW, lz4_kind)
         kind_np[start:stop] = np.where(fill, fmt.KIND_FILL, stored)
+        out[start:stop][fill] = 0
         out[start:stop][fill, 0] = rows[fill, 0]
         stored_raw = np.flatnonzero(got == p) + start
         out[stored_raw] = raw[stored_raw]
@@ -247,6 +288,35 @@ def _page_checks(offsets, sizes, kinds, page_size: int, total: int, n: int) -> n
     return status.astype(np.int32)
 
 
+def _decode_lz4_python(buf, off_np, size_np, rows, out_flat, st, page_size: int) -> None:
+    """The LZ4 pages ``rows`` of a batch through python-lz4 (where ``_native`` is not built):
+    liblz4 decodes, ``decode_block`` decides the pages it refuses or decodes short, and the
+    pages it decoded with four zero bytes in a row are walked for a match offset of 0."""
+    mv, out_mv = memoryview(buf), memoryview(out_flat)
+    decompress = lz4.block.decompress
+    walk = []  # pages liblz4 decoded that may hold a match offset of 0
+    for i, o, s in zip(rows.tolist(), off_np[rows].tolist(), size_np[rows].tolist()):
+        try:
+            data = decompress(mv[o : o + s], uncompressed_size=page_size)
+        except Exception:  # lz4 says only "corrupt": the reference decides (as the GPU)
+            data, st[i] = decode_block(mv[o : o + s].tobytes(), page_size)
+        else:
+            if len(data) == page_size:
+                # memchr first: most pages without four zeros hold no zero byte at all
+                if not _LZ4_ZEROES_OFFSET_0 or (b"\0" in data and b"\0\0\0\0" in data):
+                    walk.append(i)
+            else:  # short: the reference decides (an offset of 0 may come first)
+                data, st[i] = decode_block(mv[o : o + s].tobytes(), page_size)
+        if data is not None:
+            out_mv[i * page_size : (i + 1) * page_size] = data
+    if walk:
+        w = np.array(walk, dtype=np.int64)
+        starts = off_np[w]
+        for i in w[zero_offset_blocks(buf, starts, starts + size_np[w])].tolist():
+            # exact for blocks liblz4 took; the reference names the status all the same
+            st[i] = decode_block(mv[off_np[i] : off_np[i] + size_np[i]].tobytes(), page_size)[1]
+
+
 def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     """Decode pages on the CPU.
 
@@ -269,8 +339,7 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     kind_np = kinds.numpy().astype(np.int64)
     out, st = pages.numpy(), status.numpy()
     st[:] = _page_checks(off_np, size_np, kind_np, page_size, buf.shape[0], n)
-    mv = memoryview(buf)
-    out_mv = memoryview(out.reshape(-1))
+    out_flat = out.reshape(-1)
 
     def work(start: int, stop: int) -> None:
         rng = slice(start, stop)
@@ -280,29 +349,11 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
         out[fill] = buf[off_np[fill]][:, None]
         for i in (np.flatnonzero(ok & (codec == fmt.KIND_RAW)) + start).tolist():
             out[i] = buf[off_np[i] : off_np[i] + page_size]
-        lz = np.flatnonzero(ok & (codec == fmt.KIND_LZ4)) + start
-        decompress = lz4.block.decompress
-        walk = []  # pages liblz4 decoded that may hold a match offset of 0
-        for i, o, s in zip(lz.tolist(), off_np[lz].tolist(), size_np[lz].tolist()):
-            try:
-                data = decompress(mv[o : o + s], uncompressed_size=page_size)
-            except Exception:  # lz4 says only "corrupt": the reference decides (as the GPU)
-                data, st[i] = decode_block(mv[o : o + s].tobytes(), page_size)
-            else:
-                if len(data) == page_size:
-                    # memchr first: most pages without four zeros hold no zero byte at all
-                    if not _LZ4_ZEROES_OFFSET_0 or (b"\0" in data and b"\0\0\0\0" in data):
-                        walk.append(i)
-                else:  # short: the reference decides (an offset of 0 may come first)
-                    data, st[i] = decode_block(mv[o : o + s].tobytes(), page_size)
-            if data is not None:
-                out_mv[i * page_size : (i + 1) * page_size] = data
-        if walk:
-            rows = np.array(walk, dtype=np.int64)
-            starts = off_np[rows]
-            for i in rows[zero_offset_blocks(buf, starts, starts + size_np[rows])].tolist():
-                # exact for blocks liblz4 took; the reference names the status all the same
-                st[i] = decode_block(mv[off_np[i] : off_np[i] + size_np[i]].tobytes(), page_size)[1]
+        lz = (np.flatnonzero(ok & (codec == fmt.KIND_LZ4)) + start).astype(np.int64)
+        if _native is not None:  # the whole range without the GIL
+            _native.decode_lz4(buf, off_np, size_np, lz, out_flat, st, page_size)
+        else:
+            _decode_lz4_python(buf, off_np, size_np, lz, out_flat, st, page_size)
         shift = kind_np[rng] >> 4
         for sh in (1, 2):
             rows = np.flatnonzero((st[rng] == 0) & (codec == fmt.KIND_LZ4) & (shift == sh)) + start
