@@ -138,13 +138,15 @@ ab)
     [ -d "${OLD:-}" ] || { echo "OLD=<the other commit's tree> is needed"; exit 1; }
     here=$PWD
     mkdir -p "$OUT/ab_parts" && OUT=$(cd "$OUT" && pwd)  # the runs cd into each tree
+    # NEW_ARGS: extra stock-bench arguments for this tree only (e.g. --no-phases, to time it
+    # the way a tree from before phase_gib does)
     for m in $(echo "${STOCK_MODELS:-encoder-1024,resnet-64,llama-2048,encoder-2048}" | tr , ' '); do
         for side in old new; do
-            dir=$here; [ $side = old ] && dir=$OLD
+            dir=$here; args=${NEW_ARGS:-}; [ $side = old ] && { dir=$OLD; args=; }
             (cd "$dir" && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
                 >/dev/null 2>&1 && PYTHONPATH=/tmp/site:$dir PAGECOMP_COMMIT=$(cat .commit 2>/dev/null \
                 || echo $side) timeout 240 python3 -m bench.stock_models --models "$m" \
-                --variants "${STOCK_VARIANTS:-uncompressed,memory}" \
+                --variants "${STOCK_VARIANTS:-uncompressed,memory}" $args \
                 --out "$OUT/ab_parts/${side}_$m.json" 2>/dev/null | tail -n +3)
         done
     done

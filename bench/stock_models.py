@@ -221,7 +221,8 @@ def _profile(train_step, path: str) -> None:
 
 
 def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: bool,
-        profile: str | None = None, min_offload_bytes: int | None = None) -> dict:
+        profile: str | None = None, min_offload_bytes: int | None = None,
+        record_phases: bool = True) -> dict:
     import torch
 
     from torch_pagecomp import offload_module
@@ -325,7 +326,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         if cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-        train_step(record=cuda)
+        train_step(record=cuda and record_phases)
         if cuda:
             e1.record()
             issue.append((time.perf_counter() - t0) * 1e3)  # the host's issue time
@@ -337,7 +338,8 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
            "step_ms_all": [round(t, 2) for t in times], "grads": grads,
            "warmup_steps": warmup}
     if cuda:  # the peak over every phase of every timed step (optimizer steps included)
-        row["peak_gpu_gib"] = max(max(p) for p in phases)
+        row["peak_gpu_gib"] = (max(max(p) for p in phases) if phases
+                               else torch.cuda.max_memory_allocated() / GIB)
         # where the peak is: per timed step, the forward's peak, what is allocated when the
         # forward ends, the backward's peak, then that of the backward and the optimizer (GiB)
         row["phase_gib"] = [[round(v, 3) for v in p] for p in phases]
@@ -371,6 +373,7 @@ def _child(args, name: str, variant: str) -> dict:
         env["STOCK_PROFILE"] = args.profile.split(":", 2)[2]
     extra = ([] if args.min_offload_bytes is None
              else ["--min-offload-bytes", str(args.min_offload_bytes)])
+    extra += ["--no-phases"] if args.no_phases else []
     return run_child("bench.stock_models",
                      ["--child", name, variant, "--steps", str(args.steps),
                       "--warmup", str(args.warmup), "--device", args.device, *extra],
@@ -429,6 +432,10 @@ def main(argv=None) -> int:
     ap.add_argument("--min-offload-bytes", type=int, default=None,
                     help="the hooks' min_offload_bytes (default: theirs on a GPU, 4096 on "
                          "the CPU); the tiny models need a small one to offload on a GPU")
+    ap.add_argument("--no-phases", action="store_true",
+                    help="time the steps without recording where their peaks fall (the runs "
+                         "before phase_gib existed did not; peak_gpu_gib is then the "
+                         "allocator's peak over the timed steps)")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"))
     args = ap.parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
@@ -441,7 +448,8 @@ def main(argv=None) -> int:
     variants = args.variants.split(",")
     if args.child:
         print(json.dumps(run(*args.child, args.steps, args.warmup, args.device, False,
-                             os.environ.get("STOCK_PROFILE"), args.min_offload_bytes)))
+                             os.environ.get("STOCK_PROFILE"), args.min_offload_bytes,
+                             not args.no_phases)))
         return 0
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),
