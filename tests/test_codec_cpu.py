@@ -455,23 +455,33 @@ def test_c_loops_check_their_arguments(gen):
     compress loop refuses missing liblz4 calls."""
     if cpu_codec._native is None:
         pytest.skip("torch_pagecomp._native is not built here")
-    dec = cpu_codec._native.decode_lz4
     page = bytes(range(256)) * 16
     block = lz4.block.compress(page, store_size=False)
     payload = np.frombuffer(block, dtype=np.uint8)
     off, size = np.zeros(2, np.int64), np.full(2, len(block), np.int64)
+    kinds = np.full(2, fmt.KIND_LZ4, np.uint8)
     out, st = np.zeros(2 * 4096, np.uint8), np.zeros(2, np.int32)
     rows = np.arange(2, dtype=np.int64)
+
+    def dec(off=off, size=size, kinds=kinds, rows=rows, out=out):
+        cpu_codec._native.decode_pages(payload, off, size, kinds, rows, out, st, 4096)
+
     with pytest.raises(ValueError, match="out holds"):
-        dec(payload, off, size, rows, out[:4096], st, 4096)
+        dec(out=out[:4096])
     with pytest.raises(ValueError, match="offsets holds"):
-        dec(payload, off[:1], size, rows, out, st, 4096)
+        dec(off=off[:1])
+    with pytest.raises(ValueError, match="kinds holds"):
+        dec(kinds=kinds[:1])
     with pytest.raises(IndexError, match="outside the batch"):
-        dec(payload, off, size, np.array([2], np.int64), out, st, 4096)
+        dec(rows=np.array([2], np.int64))
     size[1] = len(block) + 1  # one byte past the payload
-    dec(payload, off, size, rows, out, st, 4096)
+    dec()
     assert st.tolist() == [fmt.STATUS_OK, fmt.STATUS_BAD_SIZE]
     assert out[:4096].tobytes() == page
+    size[1] = len(block)
+    kinds[1] = fmt.KIND_FILL  # a FILL page's size must be 1, a RAW page's the page size
+    dec()
+    assert st.tolist() == [fmt.STATUS_OK, fmt.STATUS_BAD_SIZE]
     comp, calls = cpu_codec._native.compress_lz4, cpu_codec._liblz4_calls()
     src = np.frombuffer(page * 2, dtype=np.uint8)
     sizes = np.zeros(2, np.int32)

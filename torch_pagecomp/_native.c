@@ -91,28 +91,31 @@ static int check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count, const char
     return 1;
 }
 
-PyDoc_STRVAR(decode_lz4_doc,
-"decode_lz4(payload, offsets, sizes, rows, out, status, page_size)\n\n"
-"Decode the LZ4 pages ``rows`` (int64 [R]) of a batch, with the GIL released: page i's\n"
-"block is payload[offsets[i]:offsets[i] + sizes[i]] (uint8; int64 [N] offsets and sizes),\n"
-"its bytes go to out[i * page_size:(i + 1) * page_size] (uint8 [N * page_size]) and its\n"
-"status to status[i] (int32 [N]). A block outside the payload is BAD_SIZE. Rows of failed\n"
-"pages hold partial bytes: the caller zeroes them.");
+PyDoc_STRVAR(decode_pages_doc,
+"decode_pages(payload, offsets, sizes, kinds, rows, out, status, page_size)\n\n"
+"Decode the pages ``rows`` (int64 [R]) of a batch, with the GIL released: page i's stored\n"
+"bytes are payload[offsets[i]:offsets[i] + sizes[i]] (uint8; int64 [N] offsets and sizes),\n"
+"its kind's codec is kinds[i] & 15 (uint8 [N]: RAW 0, LZ4 1, FILL 2), its bytes go to\n"
+"out[i * page_size:(i + 1) * page_size] (uint8 [N * page_size]) and its status to status[i]\n"
+"(int32 [N]). The caller has checked kinds and sizes (cpu_codec._page_checks); a page whose\n"
+"bytes lie outside the payload, or a RAW / FILL page of another size, is BAD_SIZE all the\n"
+"same. Rows of failed pages hold partial bytes: the caller zeroes them. Bit-shuffled pages\n"
+"come out shuffled.");
 
-static PyObject *decode_lz4(PyObject *self, PyObject *args) {
-    Py_buffer payload, offsets, sizes, rows, out, status;
+static PyObject *decode_pages(PyObject *self, PyObject *args) {
+    Py_buffer payload, offsets, sizes, kinds, rows, out, status;
     Py_ssize_t page;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*n", &payload, &offsets, &sizes, &rows, &out,
-                          &status, &page))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*n", &payload, &offsets, &sizes, &kinds, &rows,
+                          &out, &status, &page))
         return NULL;
     PyObject *result = NULL;
     const Py_ssize_t n = status.len / 4, r = rows.len / 8;
     if (page <= 0) {
         PyErr_SetString(PyExc_ValueError, "page_size must be positive");
     } else if (check(&offsets, 8, n, "offsets") && check(&sizes, 8, n, "sizes") &&
-               check(&out, page, n, "out")) {
-        const uint8_t *src = payload.buf;
+               check(&kinds, 1, n, "kinds") && check(&out, page, n, "out")) {
+        const uint8_t *src = payload.buf, *kind = kinds.buf;
         const int64_t *off = offsets.buf, *size = sizes.buf, *row = rows.buf;
         uint8_t *dst = out.buf;
         int32_t *st = status.buf;
@@ -125,11 +128,20 @@ static PyObject *decode_lz4(PyObject *self, PyObject *args) {
                 bad_row = 1;
                 break;
             }
-            if (off[i] < 0 || size[i] < 1 || size[i] > total - off[i]) {
+            const int codec = kind[i] & 15;
+            uint8_t *to = dst + i * (int64_t)page;
+            if (off[i] < 0 || size[i] < 1 || size[i] > total - off[i] ||
+                (codec == 0 && size[i] != page) || (codec == 2 && size[i] != 1) || codec > 2) {
                 st[i] = STATUS_BAD_SIZE;
-                continue;
+            } else if (codec == 0) { /* RAW */
+                memcpy(to, src + off[i], (size_t)page);
+                st[i] = STATUS_OK;
+            } else if (codec == 2) { /* FILL */
+                memset(to, src[off[i]], (size_t)page);
+                st[i] = STATUS_OK;
+            } else {
+                st[i] = decode_block(src + off[i], size[i], to, page);
             }
-            st[i] = decode_block(src + off[i], size[i], dst + i * (int64_t)page, page);
         }
         Py_END_ALLOW_THREADS
         if (bad_row) {
@@ -141,6 +153,7 @@ static PyObject *decode_lz4(PyObject *self, PyObject *args) {
     PyBuffer_Release(&payload);
     PyBuffer_Release(&offsets);
     PyBuffer_Release(&sizes);
+    PyBuffer_Release(&kinds);
     PyBuffer_Release(&rows);
     PyBuffer_Release(&out);
     PyBuffer_Release(&status);
@@ -230,7 +243,7 @@ static PyObject *compress_lz4(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"decode_lz4", decode_lz4, METH_VARARGS, decode_lz4_doc},
+    {"decode_pages", decode_pages, METH_VARARGS, decode_pages_doc},
     {"compress_lz4", compress_lz4, METH_VARARGS, compress_lz4_doc},
     {NULL, NULL, 0, NULL},
 };

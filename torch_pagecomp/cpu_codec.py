@@ -20,9 +20,9 @@ this order, ``STATUS_BAD_KIND`` for an unknown kind or a shuffle on a non-LZ4 pa
 ``offsets[i + 1] - offsets[i] != sizes[i]`` or ``offsets[0] != 0``; then the LZ4 block's own
 status (``decode_block``). A failed page's row is zero-filled.
 
-LZ4 pages are decoded by the C decoder ``_native.decode_lz4`` (those rules, a range of pages
-per call with the GIL released, so the pool's threads decode in parallel), built by
-``setup.py`` where a C compiler is found. Without it python-lz4 decodes: one call per page
+Pages are decoded by the C decoder ``_native.decode_pages`` (those rules, a range of pages per
+call with the GIL released, so the pool's threads decode in parallel), built by ``setup.py``
+where a C compiler is found. Without it python-lz4 decodes: one call per page
 (holding the GIL between calls), and since liblz4 lets a match offset of 0 through (copying
 zeros), the pages it decodes with four zero bytes in a row are checked for one
 (``zero_offsets.zero_offset_blocks``). Both give the same pages and statuses.
@@ -340,19 +340,21 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     out, st = pages.numpy(), status.numpy()
     st[:] = _page_checks(off_np, size_np, kind_np, page_size, buf.shape[0], n)
     out_flat = out.reshape(-1)
+    kinds_u8 = np.ascontiguousarray(kinds.numpy(), dtype=np.uint8)
 
     def work(start: int, stop: int) -> None:
         rng = slice(start, stop)
         ok = st[rng] == 0
         codec = kind_np[rng] & 15
-        fill = np.flatnonzero(ok & (codec == fmt.KIND_FILL)) + start
-        out[fill] = buf[off_np[fill]][:, None]
-        for i in (np.flatnonzero(ok & (codec == fmt.KIND_RAW)) + start).tolist():
-            out[i] = buf[off_np[i] : off_np[i] + page_size]
-        lz = (np.flatnonzero(ok & (codec == fmt.KIND_LZ4)) + start).astype(np.int64)
-        if _native is not None:  # the whole range without the GIL
-            _native.decode_lz4(buf, off_np, size_np, lz, out_flat, st, page_size)
+        if _native is not None:  # every page of the range without the GIL
+            rows = (np.flatnonzero(ok) + start).astype(np.int64)
+            _native.decode_pages(buf, off_np, size_np, kinds_u8, rows, out_flat, st, page_size)
         else:
+            fill = np.flatnonzero(ok & (codec == fmt.KIND_FILL)) + start
+            out[fill] = buf[off_np[fill]][:, None]
+            for i in (np.flatnonzero(ok & (codec == fmt.KIND_RAW)) + start).tolist():
+                out[i] = buf[off_np[i] : off_np[i] + page_size]
+            lz = (np.flatnonzero(ok & (codec == fmt.KIND_LZ4)) + start).astype(np.int64)
             _decode_lz4_python(buf, off_np, size_np, lz, out_flat, st, page_size)
         shift = kind_np[rng] >> 4
         for sh in (1, 2):
