@@ -26,6 +26,17 @@ enum {
     STATUS_SHORT = 6,
 };
 
+/* A length's extension bytes (255 means more follow) added to *len; 0 if the block ends first. */
+static int add_length(const uint8_t *src, int64_t *ip, int64_t end, int64_t *len) {
+    unsigned b;
+    do {
+        if (*ip >= end) return 0;
+        b = src[(*ip)++];
+        *len += b;
+    } while (b == 255);
+    return 1;
+}
+
 /* One LZ4 block -> exactly `page` bytes at `dst`; the status. */
 static int32_t decode_block(const uint8_t *src, int64_t end, uint8_t *dst, int64_t page) {
     int64_t ip = 0, op = 0;
@@ -33,14 +44,7 @@ static int32_t decode_block(const uint8_t *src, int64_t end, uint8_t *dst, int64
         if (ip >= end) return STATUS_TRUNCATED;
         const unsigned token = src[ip++];
         int64_t lit = token >> 4;
-        if (lit == 15) {
-            unsigned b;
-            do {
-                if (ip >= end) return STATUS_TRUNCATED;
-                b = src[ip++];
-                lit += b;
-            } while (b == 255);
-        }
+        if (lit == 15 && !add_length(src, &ip, end, &lit)) return STATUS_TRUNCATED;
         if (lit > end - ip) return STATUS_TRUNCATED;
         if (lit > page - op) return STATUS_OVERFLOW;
         if (lit <= 16 && end - ip >= 16 && page - op >= 16) {
@@ -58,14 +62,7 @@ static int32_t decode_block(const uint8_t *src, int64_t end, uint8_t *dst, int64
         ip += 2;
         if (offset == 0 || offset > op) return STATUS_BAD_OFFSET;
         int64_t mlen = (int64_t)(token & 15) + 4;
-        if ((token & 15) == 15) {
-            unsigned b;
-            do {
-                if (ip >= end) return STATUS_TRUNCATED;
-                b = src[ip++];
-                mlen += b;
-            } while (b == 255);
-        }
+        if ((token & 15) == 15 && !add_length(src, &ip, end, &mlen)) return STATUS_TRUNCATED;
         if (mlen > page - op) return STATUS_OVERFLOW;
         const uint8_t *from = dst + op - offset;
         if (offset >= 16 && page - op >= ((mlen + 15) & ~(int64_t)15)) {
@@ -89,6 +86,15 @@ static int check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count, const char
         return 0;
     }
     return 1;
+}
+
+/* A loop's result once the GIL is back: None, or the error for a row outside the batch. */
+static PyObject *finished(int bad_row) {
+    if (bad_row) {
+        PyErr_SetString(PyExc_IndexError, "rows: a page index outside the batch");
+        return NULL;
+    }
+    return Py_NewRef(Py_None);
 }
 
 PyDoc_STRVAR(decode_pages_doc,
@@ -144,11 +150,7 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
             }
         }
         Py_END_ALLOW_THREADS
-        if (bad_row) {
-            PyErr_SetString(PyExc_IndexError, "rows: a page index outside the batch");
-        } else {
-            result = Py_NewRef(Py_None);
-        }
+        result = finished(bad_row);
     }
     PyBuffer_Release(&payload);
     PyBuffer_Release(&offsets);
@@ -228,11 +230,7 @@ static PyObject *compress_lz4(PyObject *self, PyObject *args) {
             }
             Py_END_ALLOW_THREADS
             PyMem_RawFree(tmp);
-            if (bad_row) {
-                PyErr_SetString(PyExc_IndexError, "rows: a page index outside the batch");
-            } else {
-                result = Py_NewRef(Py_None);
-            }
+            result = finished(bad_row);
         }
     }
     PyBuffer_Release(&pages);
