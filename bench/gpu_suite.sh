@@ -14,6 +14,7 @@
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
+#   bash bench/gpu_suite.sh cputhreads # the CPU path's thread scaling, C loops and python-lz4 (#25)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
@@ -179,6 +180,16 @@ float)
     timeout 200 python3 -m bench.dev_float_window --mib "${FLOAT_MIB:-128}" 2>&1 | tee "$OUT/float_window.txt"
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_dev_float_codec.py \
         tests/test_dev_float_window.py 2>&1 | tail -n 2
+    ;;
+cputhreads)
+    # the CPU path's thread scaling on this host's cores (#25): the C loops, then python-lz4
+    # page by page; the table's first line says which loops ran (no compiler: python-lz4 twice)
+    header cputhreads
+    timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" --threads 1,2,4,8,16 \
+        --out "$OUT/cpu_threads.json" 2>&1 | tee "$OUT/cpu_threads.txt"
+    timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" --threads 1,2,4,8,16 \
+        --python-lz4 --out "$OUT/cpu_threads_python_lz4.json" 2>&1 \
+        | tee "$OUT/cpu_threads_python_lz4.txt"
     ;;
 policy)
     header policy
