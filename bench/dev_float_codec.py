@@ -195,16 +195,25 @@ def _decode_kernel(payload_ptr, sizes_ptr, out_ptr, status_ptr, P: tl.constexpr,
     escaped = (code == K).to(tl.int32)
     size = tl.load(sizes_ptr + page)
     ok = (size == SM + N + tl.sum(escaped, axis=0)) & (size <= P - P // 32)
-    i = tl.arange(0, N)
     at = tl.cumsum(escaped, axis=0) - escaped
     okv = (tl.zeros((N,), tl.int32) + ok.to(tl.int32)) != 0  # the page's verdict, per value
     e = tl.load(src + code, mask=okv & (escaped == 0), other=0).to(tl.int32)
     e = tl.where(escaped != 0, tl.load(src + SM + N + at, mask=okv & (escaped != 0), other=0)
                  .to(tl.int32), e)
+    store_page(src, e, ok, okv, out_ptr, status_ptr, page, P, SM)
+
+
+@triton.jit
+def store_page(src, e, ok, okv, out_ptr, status_ptr, page, P: tl.constexpr, SM: tl.constexpr):
+    """A decoder's last step: page ``page``'s values from its sign + mantissa bytes (at
+    ``src + SM``) and exponents ``e``, zero where the page failed (``ok`` false; ``okv`` the
+    same per value), and its status."""
+    N: tl.constexpr = P // 2
+    i = tl.arange(0, N)
     sm = tl.load(src + SM + i, mask=okv, other=0).to(tl.int32)
     v = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
     dst = (out_ptr + page * P).to(tl.pointer_type(tl.uint16))
-    tl.store(dst + i, tl.where(ok, v, 0).to(tl.uint16))
+    tl.store(dst + i, tl.where(okv, v, 0).to(tl.uint16))
     tl.store(status_ptr + page, tl.where(ok, STATUS_OK_C, STATUS_BAD_SIZE_C))
 
 
@@ -272,10 +281,9 @@ def measure(x: torch.Tensor, reps: int) -> str:
             f"{dgb:7.0f}")
 
 
-def sweep_warps(x: torch.Tensor, reps: int, warps: list[int], enc_fn=None, dec_fn=None) -> str:
-    """Encode / decode GB/s of the pages ``x`` at each number of warps per page, by this
-    layout's kernels or ``enc_fn`` / ``dec_fn`` (every setting checked exact)."""
-    enc_fn, dec_fn = enc_fn or encode, dec_fn or decode
+def sweep_warps(x: torch.Tensor, reps: int, warps: list[int], enc_fn, dec_fn) -> str:
+    """Encode / decode GB/s of the pages ``x`` at each number of warps per page by ``enc_fn``
+    / ``dec_fn`` (a layout's ``encode`` / ``decode``; every setting checked exact)."""
     nbytes = x.numel()
     cells = []
     for w in warps:
@@ -289,33 +297,36 @@ def sweep_warps(x: torch.Tensor, reps: int, warps: list[int], enc_fn=None, dec_f
     return "  ".join(cells)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_corpora(argv: list[str] | None, description: str, legend: str, row, **extra) -> int:
+    """The probes' command line: ``--mib`` of each of ``--corpora`` (4 KiB pages, on the GPU),
+    one line ``row(pages, args)`` each after a header ending in ``legend``; ``extra``: more
+    ``--name`` options (name -> default)."""
     from bench.corpora import build_corpus
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--mib", type=int, default=128)
     ap.add_argument("--corpora", default="bf16-randn,bf16-relu,gpt-act,gpt-kv,gpt-weights,"
                                           "encoder-act")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--warps", default=None,
-                    help="instead: encode / decode GB/s at these warps per page (1,2,4,8)")
+    for name, default in extra.items():
+        ap.add_argument(f"--{name}", default=default)
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
-          f"{triton.__version__} | {a.mib} MiB per corpus, 4096-byte pages | GB/s = "
-          "uncompressed bytes / time", flush=True)
-    if a.warps:
-        print(f"{'corpus':12s} warps per page: encode / decode GB/s", flush=True)
-    else:
-        print(f"{'corpus':12s} {'ratio':>6s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'exact':>6s} "
-              f"{'lz4+shuf ratio':>14s} {'c GB/s':>7s} {'d GB/s':>7s}", flush=True)
+          f"{triton.__version__} | {a.mib} MiB per corpus, 4096-byte pages | {legend}",
+          flush=True)
     for name in a.corpora.split(","):
         t0 = time.time()
         x = build_corpus(name, a.mib << 20, 4096, dev, seed=1).view(torch.uint8).reshape(-1, 4096)
-        row = (sweep_warps(x, a.reps, [int(w) for w in a.warps.split(",")]) if a.warps
-               else measure(x, a.reps))
-        print(f"{name:12s} {row}   ({time.time() - t0:.0f} s)", flush=True)
+        print(f"{name:12s} {row(x, a)}   ({time.time() - t0:.0f} s)", flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    legend = (f"GB/s = uncompressed bytes / time\n{'corpus':12s} {'ratio':>6s} {'enc GB/s':>9s} "
+              f"{'dec GB/s':>9s} {'exact':>6s} {'lz4+shuf ratio':>14s} {'c GB/s':>7s} "
+              f"{'d GB/s':>7s}")
+    return run_corpora(argv, __doc__.splitlines()[0], legend, lambda x, a: measure(x, a.reps))
 
 
 if __name__ == "__main__":

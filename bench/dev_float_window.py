@@ -53,9 +53,6 @@ imply, and at most the limit.
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import numpy as np
 import torch
 import triton
@@ -63,12 +60,11 @@ import triton.language as tl
 
 from bench.dev_float_codec import (  # STATUS_BAD_SIZE, limit: this layout's as well
     STATUS_BAD_SIZE,  # noqa: F401
-    STATUS_BAD_SIZE_C,
-    STATUS_OK_C,
     launch_decode,
     launch_encode,
     limit,  # noqa: F401
     read_pages_ref,
+    store_page,
     stored_bytes,
     write_pages_ref,
 )
@@ -207,18 +203,13 @@ def _decode_kernel(payload_ptr, sizes_ptr, out_ptr, status_ptr, P: tl.constexpr)
     ok = (size == SM + N + count) & (size <= P - P // 32)
     base = tl.load(src).to(tl.int32)
     mode = tl.load(src + 1).to(tl.int32) & 1
-    i = tl.arange(0, N)
     e = tl.where((mode == 1) & (code == 6), 0, (base - code) & 255)
     if ok & (count > 0):
         at = tl.cumsum(escaped, axis=0) - escaped
         e = tl.where(escaped != 0,
                      tl.load(src + SM + N + at, mask=escaped != 0, other=0).to(tl.int32), e)
     okv = (tl.zeros((N,), tl.int32) + ok.to(tl.int32)) != 0  # the page's verdict, per value
-    sm = tl.load(src + SM + i, mask=okv, other=0).to(tl.int32)
-    v = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
-    dst = (out_ptr + page * P).to(tl.pointer_type(tl.uint16))
-    tl.store(dst + i, tl.where(okv, v, 0).to(tl.uint16))
-    tl.store(status_ptr + page, tl.where(ok, STATUS_OK_C, STATUS_BAD_SIZE_C))
+    store_page(src, e, ok, okv, out_ptr, status_ptr, page, P, SM)
 
 
 def encode(pages: torch.Tensor, payload: torch.Tensor | None = None, warps: int = 4
@@ -251,26 +242,13 @@ def measure(x: torch.Tensor, reps: int, warps: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.corpora import build_corpus
+    from bench.dev_float_codec import run_corpora
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=128)
-    ap.add_argument("--corpora", default="bf16-randn,bf16-relu,gpt-act,gpt-kv,gpt-weights,"
-                                          "encoder-act")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--warps", default="2,4")
-    a = ap.parse_args(argv)
-    dev = torch.device("cuda")
-    warps = [int(w) for w in a.warps.split(",")]
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
-          f"{triton.__version__} | {a.mib} MiB per corpus, 4096-byte pages | per layout: ratio, "
-          "then encode / decode GB/s (uncompressed bytes / time) at each warps per page",
-          flush=True)
-    for name in a.corpora.split(","):
-        t0 = time.time()
-        x = build_corpus(name, a.mib << 20, 4096, dev, seed=1).view(torch.uint8).reshape(-1, 4096)
-        print(f"{name:12s} {measure(x, a.reps, warps)}   ({time.time() - t0:.0f} s)", flush=True)
-    return 0
+    return run_corpora(argv, __doc__.splitlines()[0],
+                       "per layout: ratio, then encode / decode GB/s (uncompressed bytes / "
+                       "time) at each --warps per page",
+                       lambda x, a: measure(x, a.reps, [int(w) for w in a.warps.split(",")]),
+                       warps="2,4")
 
 
 if __name__ == "__main__":

@@ -88,13 +88,17 @@ static int check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count, const char
     return 1;
 }
 
-/* A loop's result once the GIL is back: None, or the error for a row outside the batch. */
-static PyObject *finished(int bad_row) {
-    if (bad_row) {
-        PyErr_SetString(PyExc_IndexError, "rows: a page index outside the batch");
-        return NULL;
+/* Whether every entry of `rows` (int64) is a page of the batch (0..n-1); else an IndexError,
+ * before the loop writes anything. */
+static int rows_in_batch(Py_buffer *rows, Py_ssize_t n) {
+    const int64_t *row = rows->buf;
+    for (Py_ssize_t k = 0; k < rows->len / 8; k++) {
+        if (row[k] < 0 || row[k] >= n) {
+            PyErr_SetString(PyExc_IndexError, "rows: a page index outside the batch");
+            return 0;
+        }
     }
-    return Py_NewRef(Py_None);
+    return 1;
 }
 
 PyDoc_STRVAR(decode_pages_doc,
@@ -120,20 +124,16 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
     if (page <= 0) {
         PyErr_SetString(PyExc_ValueError, "page_size must be positive");
     } else if (check(&offsets, 8, n, "offsets") && check(&sizes, 8, n, "sizes") &&
-               check(&kinds, 1, n, "kinds") && check(&out, page, n, "out")) {
+               check(&kinds, 1, n, "kinds") && check(&out, page, n, "out") &&
+               rows_in_batch(&rows, n)) {
         const uint8_t *src = payload.buf, *kind = kinds.buf;
         const int64_t *off = offsets.buf, *size = sizes.buf, *row = rows.buf;
         uint8_t *dst = out.buf;
         int32_t *st = status.buf;
         const int64_t total = payload.len;
-        int bad_row = 0;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t k = 0; k < r; k++) {
             const int64_t i = row[k];
-            if (i < 0 || i >= n) {
-                bad_row = 1;
-                break;
-            }
             const int codec = kind[i] & 15;
             uint8_t *to = dst + i * (int64_t)page;
             if (off[i] < 0 || size[i] < 1 || size[i] > total - off[i] ||
@@ -150,7 +150,7 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
             }
         }
         Py_END_ALLOW_THREADS
-        result = finished(bad_row);
+        result = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&payload);
     PyBuffer_Release(&offsets);
@@ -193,7 +193,8 @@ static PyObject *compress_lz4(PyObject *self, PyObject *args) {
     if (page <= 0 || page > (1 << 24) || limit < 1 || limit > page || !reset_addr ||
         !continue_addr || !sizeof_addr) {
         PyErr_SetString(PyExc_ValueError, "page_size, limit or the liblz4 calls are invalid");
-    } else if (check(&pages, page, n, "pages") && check(&out, page, n, "out")) {
+    } else if (check(&pages, page, n, "pages") && check(&out, page, n, "out") &&
+               rows_in_batch(&rows, n)) {
         const lz4_reset_fn reset = (lz4_reset_fn)(uintptr_t)reset_addr;
         const lz4_continue_fn compress = (lz4_continue_fn)(uintptr_t)continue_addr;
         const int state_size = ((lz4_sizeof_fn)(uintptr_t)sizeof_addr)();
@@ -205,17 +206,12 @@ static PyObject *compress_lz4(PyObject *self, PyObject *args) {
         const char *src = pages.buf;
         char *dst = out.buf;
         int32_t *size = sizes.buf;
-        int bad_row = 0;
         if (tmp == NULL) {
             PyErr_NoMemory();
         } else {
             Py_BEGIN_ALLOW_THREADS
             for (Py_ssize_t k = 0; k < r; k++) {
                 const int64_t i = row[k];
-                if (i < 0 || i >= n) {
-                    bad_row = 1;
-                    break;
-                }
                 /* into a buffer of the bound, as lz4.block.compress does, then kept if it fits */
                 reset(tmp + at);
                 const int got = compress(tmp + at, src + i * (int64_t)page, tmp, (int)page,
@@ -230,7 +226,7 @@ static PyObject *compress_lz4(PyObject *self, PyObject *args) {
             }
             Py_END_ALLOW_THREADS
             PyMem_RawFree(tmp);
-            result = finished(bad_row);
+            result = Py_NewRef(Py_None);
         }
     }
     PyBuffer_Release(&pages);

@@ -27,12 +27,11 @@ STATUS_OVERFLOW = 5  # literals or a match run past the end of the page
 STATUS_SHORT = 6  # the block decodes to fewer bytes than the page holds
 STATUS_CHECKSUM = 7  # decoded, but to other bytes than were compressed (page checksum)
 
-# Page checksum (``torch_pagecomp.format``): xxHash32 of the page, seed 0; its five primes.
+# Page checksum (``torch_pagecomp.format``): xxHash32 of the page, seed 0; the primes a page of
+# whole 16-byte stripes uses (xxHash32's PRIME4 and PRIME5 only mix bytes after the last stripe).
 XXH_PRIME1 = 0x9E3779B1
 XXH_PRIME2 = 0x85EBCA77
 XXH_PRIME3 = 0xC2B2AE3D
-XXH_PRIME4 = 0x27D4EB2F
-XXH_PRIME5 = 0x165667B1
 
 
 def element_shift(element_size: int) -> int:
