@@ -233,6 +233,81 @@ def test_threads_give_the_same_bytes(gen):
         cpu_codec.set_cpu_threads(None)
 
 
+def test_threads_take_ranges_as_they_finish(monkeypatch):
+    """A split batch runs as a few ranges per thread, each taken once, covering every page."""
+    monkeypatch.setattr(cpu_codec, "cpu_threads", lambda: 3)
+    seen, lock = [], __import__("threading").Lock()
+
+    def fn(start, stop):
+        with lock:
+            seen.append((start, stop))
+
+    n = 1000
+    cpu_codec._run_ranges(fn, n)
+    seen.sort()
+    assert len(seen) == min(3 * cpu_codec.RANGES_PER_THREAD, n // (cpu_codec.MIN_THREADED_PAGES // 2))
+    assert seen[0][0] == 0 and seen[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(seen, seen[1:]))  # no gap, no overlap
+
+
+def test_output_pool_reuses_only_dead_outputs():
+    from torch_pagecomp.pools import CpuOutputPool
+
+    pool = CpuOutputPool(max_idle_bytes=3 * (2 << 20))
+    shape = (512, 4096)  # 2 MiB
+    a = pool.empty(shape)
+    assert a.shape == shape and a.dtype == torch.uint8
+    ptr = a.data_ptr()
+    view = a[3:]
+    del a
+    b = pool.empty(shape)  # the view keeps the first buffer alive: a new one
+    assert b.data_ptr() != ptr
+    del view
+    c = pool.empty(shape)
+    assert c.data_ptr() == ptr and pool.stats()["hits"] == 1
+    assert pool.empty((511, 4096)).data_ptr() != b.data_ptr()  # exact sizes only
+    del b, c
+    held = [pool.empty(shape) for _ in range(5)]
+    del held
+    assert pool.stats()["idle_buffers"] == 3  # the cap: the oldest idle ones dropped
+    pool.clear()
+    assert pool.stats()["idle_bytes"] == 0
+    small = pool.empty((16, 4096))  # below MIN_BYTES: plain torch memory, not counted
+    assert pool.stats()["misses"] == 6 and pool.stats()["hits"] == 3
+    assert small.numel() == 16 * 4096
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_reused_outputs_are_written_in_full(threads, gen):
+    """The codec's outputs come back from the pool with the bytes of earlier calls: every byte
+    must be written again. Poisoned outputs are handed back and must not show."""
+    pages = torch.cat([mixed_pages(300, 4096, gen), run_pages(8, 4096, gen)])
+    x = torch.relu(torch.randn(300 * 2048, generator=gen)).to(torch.bfloat16)
+    typed = x.view(torch.uint8).view(-1, 4096)
+    cpu_codec.empty_cpu_cache()
+    try:
+        cpu_codec.set_cpu_threads(threads)
+        for batch, e in ((pages, 1), (typed, 2)):
+            first = cpu_codec.compress_cpu(batch, e)
+            want = [t.clone() for t in first]
+            first[0].fill_(0xAB)  # poison, then hand the memory back
+            del first
+            hits = cpu_codec._outputs.stats()["hits"]
+            again = cpu_codec.compress_cpu(batch, e)
+            assert cpu_codec._outputs.stats()["hits"] == hits + 1
+            assert all(torch.equal(u, v) for u, v in zip(again, want))
+            out, status = decompress_cpu(again[0].view(-1), torch.arange(batch.shape[0]) * 4096,
+                                         again[1], again[2], 4096)
+            assert torch.equal(out, batch) and not status.any()
+            out.fill_(0xCD)
+            del out
+            out, status = decompress_cpu(again[0].view(-1), torch.arange(batch.shape[0]) * 4096,
+                                         again[1], again[2], 4096)
+            assert torch.equal(out, batch) and not status.any()
+    finally:
+        cpu_codec.set_cpu_threads(None)
+
+
 def test_thread_setting(monkeypatch):
     monkeypatch.delenv(cpu_codec.THREADS_ENV, raising=False)
     cpu_codec.set_cpu_threads(None)

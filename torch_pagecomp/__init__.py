@@ -4,7 +4,7 @@ from . import _ops  # noqa: F401  (registers torch.ops.pagecomp.*)
 from ._version import __version__
 from .api import compress, decompress, pack, page_checksums, raise_for_status
 from .backend import GpuStatus, gpu_status, select_backend
-from .cpu_codec import cpu_threads, set_cpu_threads
+from .cpu_codec import cpu_threads, empty_cpu_cache, set_cpu_threads
 from .format import (
     DEFAULT_PAGE_SIZE,
     KIND_FILL,
@@ -42,6 +42,7 @@ __all__ = [
     "cpu_threads",
     "decompress",
     "dtype_element_size",
+    "empty_cpu_cache",
     "gpu_status",
     "keep_on_gpu",
     "offload_activations",

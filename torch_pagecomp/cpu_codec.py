@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from . import format as fmt
+from .pools import CpuOutputPool
 from .shuffle import bitshuffle_np, bitunshuffle_np
 from .zero_offsets import zero_offset_blocks
 
@@ -73,6 +75,15 @@ MAX_DEFAULT_THREADS = 8
 # Batches below this many pages run on the calling thread: the hand-off to the pool costs more
 # than a few dozen lz4 calls. Every range of a split batch has at least half this many pages.
 MIN_THREADED_PAGES = 64
+RANGES_PER_THREAD = 4
+# Large outputs come from a pool that reuses their memory (see ``pools.CpuOutputPool``).
+_outputs = CpuOutputPool()
+
+
+def empty_cpu_cache() -> None:
+    """Return the idle memory of the CPU codec's output pool to the system (outputs still in
+    use are not touched; they go back to the pool when they die)."""
+    _outputs.clear()
 
 _threads: int | None = None
 _pool: ThreadPoolExecutor | None = None
@@ -129,16 +140,26 @@ def shutdown_pool() -> None:
 
 def _run_ranges(fn, n: int) -> None:
     """``fn(start, stop)`` over contiguous ranges covering ``0..n``: on the calling thread for
-    small batches, else split over up to :func:`cpu_threads` threads (the caller takes one)."""
-    parts = min(cpu_threads(), n // (MIN_THREADED_PAGES // 2)) if n >= MIN_THREADED_PAGES else 1
-    if parts <= 1:
+    small batches, else on up to :func:`cpu_threads` threads (the caller is one of them). A
+    batch is cut into a few ranges per thread, each thread taking the next range as it
+    finishes one: pages differ in cost (a page of zeros against one of text), so equal shares
+    fixed up front would leave threads idle behind the slowest."""
+    threads = min(cpu_threads(), n // (MIN_THREADED_PAGES // 2)) if n >= MIN_THREADED_PAGES else 1
+    if threads <= 1:
         fn(0, n)
         return
+    parts = min(RANGES_PER_THREAD * threads, n // (MIN_THREADED_PAGES // 2))
     bounds = [n * k // parts for k in range(parts + 1)]
-    pool = _get_pool(parts - 1)
-    futures = [pool.submit(fn, bounds[k], bounds[k + 1]) for k in range(1, parts)]
+    taken = itertools.count()  # next() of a count is atomic under the GIL
+
+    def worker() -> None:
+        while (k := next(taken)) < parts:
+            fn(bounds[k], bounds[k + 1])
+
+    pool = _get_pool(threads - 1)
+    futures = [pool.submit(worker) for _ in range(threads - 1)]
     try:
-        fn(bounds[0], bounds[1])
+        worker()
     finally:
         for f in futures:
             f.result()
@@ -155,7 +176,7 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
     fmt.check_element_size(element_size)
     n, page_size = pages.shape
     # every row is written in the (threaded) ranges below, the bytes past a block zeroed there
-    payload = torch.empty((n, page_size), dtype=torch.uint8)
+    payload = _outputs.empty((n, page_size))
     sizes = torch.empty(n, dtype=torch.int32)
     kinds = torch.empty(n, dtype=torch.uint8)
     if n == 0:
@@ -330,7 +351,7 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     """
     n = sizes.shape[0]
     # every row is written below (a failed one with zeros): no zero-fill of the whole batch
-    pages = torch.empty((n, page_size), dtype=torch.uint8)
+    pages = _outputs.empty((n, page_size))
     status = torch.zeros(n, dtype=torch.int32)
     if n == 0:
         return pages, status

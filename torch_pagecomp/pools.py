@@ -8,6 +8,7 @@
   exact sizes (``ALIGN``-byte granularity, first fit, coalescing free list). Chunks are kept
   and reused, so after warm-up an offload registers nothing.
 * :class:`DeviceBufferPool`: ``uint8`` device (or CPU) buffers reused by size.
+* :class:`CpuOutputPool`: the CPU codec's large outputs, reused once the tensors handed out die.
 * :class:`InflightLimiter`: a byte budget with back-pressure: ``acquire`` blocks until the
   bytes fit, it never drops work and never over-allocates.
 """
@@ -17,8 +18,10 @@ from __future__ import annotations
 import mmap
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 HOST_PAGE = 4096
@@ -367,3 +370,67 @@ class InflightLimiter:
         """In a forked child: a fresh condition (a parent's thread may have held the old one
         at the fork, and that thread does not exist here)."""
         self._cond = threading.Condition()
+
+
+class CpuOutputPool:
+    """The CPU codec's large outputs (``uint8``), reused once every tensor on them has died.
+
+    The first write to newly mapped memory takes a page fault per 4 KiB page; on a batch of
+    tens of MiB the faults cost several times the codec's own work, and the faults of several
+    threads in one process do not run in parallel, so a codec that writes new memory on every
+    call cannot scale over cores (``bench/results/cpu2_*``). A buffer handed out by
+    :meth:`empty` comes back here when the last tensor or view on it dies (a finalizer on the
+    numpy array behind it); up to ``max_idle_bytes`` stay idle for the next call of the same
+    size (the oldest are dropped beyond it), and :meth:`clear` drops them all. The bytes of a
+    reused buffer are whatever was written there before: callers write every byte.
+    """
+
+    MIN_BYTES = 1 << 20  # smaller outputs come from torch.empty (malloc reuses those itself)
+
+    def __init__(self, max_idle_bytes: int = 512 << 20):
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: list[np.ndarray] = []  # oldest first
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A ``uint8`` CPU tensor of ``shape`` (contents undefined)."""
+        nbytes = 1
+        for d in shape:
+            nbytes *= d
+        if nbytes < self.MIN_BYTES:
+            return torch.empty(shape, dtype=torch.uint8)
+        base = None
+        with self._lock:
+            for k in range(len(self._idle) - 1, -1, -1):
+                if self._idle[k].nbytes == nbytes:
+                    base = self._idle.pop(k)
+                    self._idle_bytes -= nbytes
+                    self.hits += 1
+                    break
+            else:
+                self.misses += 1
+        if base is None:
+            base = np.empty(nbytes, dtype=np.uint8)
+        lease = base[:]  # its own array object: dies with the last tensor that holds it
+        weakref.finalize(lease, self._put, base).atexit = False
+        return torch.from_numpy(lease).view(shape)
+
+    def _put(self, base: np.ndarray) -> None:
+        with self._lock:
+            self._idle.append(base)
+            self._idle_bytes += base.nbytes
+            while self._idle_bytes > self.max_idle_bytes:
+                self._idle_bytes -= self._idle.pop(0).nbytes
+
+    def clear(self) -> None:
+        """Drop every idle buffer (returns their memory to the system)."""
+        with self._lock:
+            self._idle.clear()
+            self._idle_bytes = 0
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"idle_bytes": self._idle_bytes, "idle_buffers": len(self._idle),
+                    "hits": self.hits, "misses": self.misses}
