@@ -233,21 +233,32 @@ def test_threads_give_the_same_bytes(gen):
         cpu_codec.set_cpu_threads(None)
 
 
-def test_threads_take_ranges_as_they_finish(monkeypatch):
-    """A split batch runs as a few ranges per thread, each taken once, covering every page."""
-    monkeypatch.setattr(cpu_codec, "cpu_threads", lambda: 3)
-    seen, lock = [], __import__("threading").Lock()
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("n", [40, 1000, 5000])
+def test_threads_take_ranges_as_they_finish(monkeypatch, threads, n):
+    """A batch runs as bounded ranges, a few per thread when split, each taken once, covering
+    every page."""
+    import threading
+
+    monkeypatch.setattr(cpu_codec, "cpu_threads", lambda: threads)
+    seen, workers, lock = [], set(), threading.Lock()
 
     def fn(start, stop):
         with lock:
             seen.append((start, stop))
+            workers.add(threading.get_ident())
 
-    n = 1000
     cpu_codec._run_ranges(fn, n)
     seen.sort()
-    assert len(seen) == min(3 * cpu_codec.RANGES_PER_THREAD, n // (cpu_codec.MIN_THREADED_PAGES // 2))
     assert seen[0][0] == 0 and seen[-1][1] == n
     assert all(a[1] == b[0] for a, b in zip(seen, seen[1:]))  # no gap, no overlap
+    assert all(b - a <= cpu_codec.MAX_RANGE_PAGES for a, b in seen)
+    split = threads > 1 and n >= cpu_codec.MIN_THREADED_PAGES
+    if split:
+        assert len(seen) >= min(threads * cpu_codec.RANGES_PER_THREAD,
+                                n // (cpu_codec.MIN_THREADED_PAGES // 2))
+    else:
+        assert workers == {threading.get_ident()}
 
 
 def test_output_pool_reuses_only_dead_outputs():

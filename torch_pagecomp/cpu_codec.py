@@ -76,6 +76,7 @@ MAX_DEFAULT_THREADS = 8
 # than a few dozen lz4 calls. Every range of a split batch has at least half this many pages.
 MIN_THREADED_PAGES = 64
 RANGES_PER_THREAD = 4
+MAX_RANGE_PAGES = 512
 # Large outputs come from a pool that reuses their memory (see ``pools.CpuOutputPool``).
 _outputs = CpuOutputPool()
 
@@ -139,16 +140,16 @@ def shutdown_pool() -> None:
 
 
 def _run_ranges(fn, n: int) -> None:
-    """``fn(start, stop)`` over contiguous ranges covering ``0..n``: on the calling thread for
-    small batches, else on up to :func:`cpu_threads` threads (the caller is one of them). A
-    batch is cut into a few ranges per thread, each thread taking the next range as it
-    finishes one: pages differ in cost (a page of zeros against one of text), so equal shares
-    fixed up front would leave threads idle behind the slowest."""
+    """``fn(start, stop)`` over contiguous ranges covering ``0..n`` in order of ``start``, on up
+    to :func:`cpu_threads` threads (the caller is one of them; small batches: the caller
+    alone). A batch is cut into ranges of at most ``MAX_RANGE_PAGES`` pages, and into at least
+    a few per thread, each thread taking the next range as it finishes one: pages differ in
+    cost (a page of zeros against one of text), so equal shares fixed up front would leave
+    threads idle behind the slowest, and a bounded range keeps its temporaries (the
+    bit-shuffled pages) in one reused buffer per thread (:func:`_scratch`)."""
     threads = min(cpu_threads(), n // (MIN_THREADED_PAGES // 2)) if n >= MIN_THREADED_PAGES else 1
-    if threads <= 1:
-        fn(0, n)
-        return
-    parts = min(RANGES_PER_THREAD * threads, n // (MIN_THREADED_PAGES // 2))
+    parts = max(-(-n // MAX_RANGE_PAGES), min(RANGES_PER_THREAD * threads,
+                                               n // (MIN_THREADED_PAGES // 2)), 1)
     bounds = [n * k // parts for k in range(parts + 1)]
     taken = itertools.count()  # next() of a count is atomic under the GIL
 
@@ -156,6 +157,9 @@ def _run_ranges(fn, n: int) -> None:
         while (k := next(taken)) < parts:
             fn(bounds[k], bounds[k + 1])
 
+    if threads <= 1:
+        worker()
+        return
     pool = _get_pool(threads - 1)
     futures = [pool.submit(worker) for _ in range(threads - 1)]
     try:
@@ -163,6 +167,19 @@ def _run_ranges(fn, n: int) -> None:
     finally:
         for f in futures:
             f.result()
+
+
+_local = threading.local()
+
+
+def _scratch(shape: tuple[int, int]) -> np.ndarray:
+    """``uint8`` scratch of ``shape`` (a range's pages at most) reused by the calling thread:
+    memory written again on every call instead of new memory that faults on each page."""
+    need = shape[0] * shape[1]
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.shape[0] < need:
+        buf = _local.scratch = np.empty(need, dtype=np.uint8)
+    return buf[:need].reshape(shape)
 
 
 def fill_rows(pages: np.ndarray) -> np.ndarray:
@@ -192,7 +209,9 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
     def work(start: int, stop: int) -> None:
         rows = raw[start:stop]
         fill = fill_rows(rows)
-        src = bitshuffle_np(rows, element_size) if element_size > 1 else rows
+        src = rows
+        if element_size > 1:
+            src = bitshuffle_np(rows, element_size, out=_scratch(rows.shape))
         p = page_size
         if native:  # the whole range without the GIL
             got = np.ones(stop - start, dtype=np.int32)  # FILL pages: size 1
@@ -380,8 +399,8 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
         shift = kind_np[rng] >> 4
         for sh in (1, 2):
             rows = np.flatnonzero((st[rng] == 0) & (codec == fmt.KIND_LZ4) & (shift == sh)) + start
-            if rows.shape[0] == stop - start:  # a typed batch: whole range, no gather/scatter
-                out[rng] = bitunshuffle_np(out[rng], 1 << sh)
+            if rows.shape[0] == stop - start:  # a typed batch: whole range, in place
+                bitunshuffle_np(out[rng], 1 << sh, out=out[rng])
             elif rows.shape[0]:
                 out[rows] = bitunshuffle_np(out[rows], 1 << sh)
         failed = np.flatnonzero(st[rng] != 0) + start
