@@ -98,8 +98,9 @@ def _late_window_page(gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("e, wide", [  # wide: the bit-shuffle from 64-bit loads (8-aligned)
-    (1, True), (2, True), pytest.param(2, False, marks=pytest.mark.slow), (4, False),
-    pytest.param(4, True, marks=pytest.mark.slow)])
+    (1, True), pytest.param(2, True, marks=pytest.mark.slow),
+    pytest.param(2, False, marks=pytest.mark.slow), (4, False),
+    pytest.param(4, True, marks=pytest.mark.slow)])  # 2 and 4: one kernel, other constants
 def test_compress_pack_and_decode_stay_in_bounds(bounds, gen, e, wide):
     pages = torch.cat([file_pages("text", 1, P, gen), run_pages(1, P, gen),
                        _relu_bytes(2, gen), _late_window_page(gen)])  # the last page
