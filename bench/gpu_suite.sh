@@ -14,7 +14,8 @@
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
-#   bash bench/gpu_suite.sh cputhreads # the CPU path's thread scaling, C loops and python-lz4 (#25)
+#   bash bench/gpu_suite.sh cputhreads # the CPU path's thread scaling, C loops and python-lz4 (#25;
+#                                      # PYTHON_LZ4=0: the C loops only)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
@@ -187,8 +188,8 @@ cputhreads)
     header cputhreads
     timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" --threads 1,2,4,8,16 \
         --out "$OUT/cpu_threads.json" 2>&1 | tee "$OUT/cpu_threads.txt"
-    timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" --threads 1,2,4,8,16 \
-        --python-lz4 --out "$OUT/cpu_threads_python_lz4.json" 2>&1 \
+    [ "${PYTHON_LZ4:-1}" = 0 ] || timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" \
+        --threads 1,2,4,8,16 --python-lz4 --out "$OUT/cpu_threads_python_lz4.json" 2>&1 \
         | tee "$OUT/cpu_threads_python_lz4.txt"
     ;;
 policy)
