@@ -22,6 +22,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -87,8 +88,44 @@ def measure(pages: torch.Tensor, element_size: int, threads: list[int], repeats:
     return [r for r in rows if r["threads"] in threads]
 
 
+def host_reference(threads: list[int], repeats: int, mib: int = 32) -> list[dict]:
+    """What this host's cores give any code at each thread count, as rows of the pseudo-corpus
+    ``host``: ``copy`` (each thread copies its own ``mib`` MiB with numpy, GIL released: memory
+    bandwidth) and ``sort`` (each thread sorts its own ``mib`` MiB of float64: compute, which
+    shows the clock falling as cores wake up, and hyperthreads). GB/s of bytes handled; the
+    codec's efficiency is read against these."""
+    import numpy as np
+
+    counts = sorted(set(threads) | {1})
+    n = (mib << 20) // 8
+    data = [np.random.default_rng(k).random(n) for k in range(max(counts))]
+    dst = [np.empty_like(a) for a in data]
+    for d in dst:
+        d.fill(0)  # fault its pages in before timing
+
+    def copy(k: int) -> None:
+        for _ in range(4):
+            np.copyto(dst[k], data[k])
+
+    def sort(k: int) -> None:
+        np.sort(data[k])
+
+    rows = []
+    with ThreadPoolExecutor(max(counts)) as pool:
+        for op, fn, per_call in (("copy", copy, 4 * 2 * n * 8), ("sort", sort, n * 8)):
+            for t in counts:
+                s = _median_s(lambda fn=fn, t=t: list(pool.map(fn, range(t))), repeats)
+                rows.append({"op": op, "threads": t, "seconds": s,
+                             "gbps": t * per_call / s / 1e9, "ratio": None})
+    base = {r["op"]: r["gbps"] for r in rows if r["threads"] == 1}
+    for r in rows:
+        r["speedup"] = r["gbps"] / base[r["op"]]
+        r["efficiency"] = r["speedup"] / r["threads"]
+    return [{"corpus": "host", "element_size": 0, **r} for r in rows if r["threads"] in threads]
+
+
 def run(mib: float, threads: list[int], names: list[str], page_size: int, repeats: int,
-        seed: int) -> dict:
+        seed: int, host: bool = False) -> dict:
     """Measure every corpus; returns the JSON document (see the module docstring)."""
     cores = default_threads()
     doc = {
@@ -111,6 +148,8 @@ def run(mib: float, threads: list[int], names: list[str], page_size: int, repeat
         pages = corpora.build_corpus(name, int(mib * (1 << 20)), page_size, seed=seed + k)
         for row in measure(pages, e, threads, repeats):
             doc["rows"].append({"corpus": name, "element_size": e, **row})
+    if host:
+        doc["rows"] += host_reference(threads, repeats)
     return doc
 
 
@@ -133,13 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the JSON here")
+    parser.add_argument("--host", action="store_true",
+                        help="also the host's own scaling: numpy copies and sorts per thread")
     parser.add_argument("--python-lz4", action="store_true",
                         help="page by page through python-lz4, as without a C compiler")
     args = parser.parse_args(argv)
     if args.python_lz4:
         cpu_codec._native = None
     doc = run(args.mib, args.threads, args.corpora, args.page_size, max(1, args.repeats),
-              args.seed)
+              args.seed, host=args.host)
     print(table(doc))
     if args.out:
         with open(args.out, "w") as f:

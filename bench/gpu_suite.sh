@@ -186,7 +186,7 @@ cputhreads)
     # the CPU path's thread scaling on this host's cores (#25): the C loops, then python-lz4
     # page by page; the table's first line says which loops ran (no compiler: python-lz4 twice)
     header cputhreads
-    timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" --threads 1,2,4,8,16 \
+    timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" --threads 1,2,4,8,16 --host \
         --out "$OUT/cpu_threads.json" 2>&1 | tee "$OUT/cpu_threads.txt"
     [ "${PYTHON_LZ4:-1}" = 0 ] || timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" \
         --threads 1,2,4,8,16 --python-lz4 --out "$OUT/cpu_threads_python_lz4.json" 2>&1 \

@@ -25,3 +25,11 @@ def test_cpu_threads_bench_json(tmp_path, monkeypatch, capsys):
         if r["threads"] == 1:
             assert r["speedup"] == 1.0
     assert "efficiency" in capsys.readouterr().out
+
+
+def test_host_reference_rows():
+    rows = cpu_threads.host_reference([1, 2], repeats=1, mib=1)
+    assert {(r["corpus"], r["op"], r["threads"]) for r in rows} == {
+        ("host", op, t) for op in ("copy", "sort") for t in (1, 2)}
+    for r in rows:
+        assert r["gbps"] > 0 and abs(r["efficiency"] - r["speedup"] / r["threads"]) < 1e-9
