@@ -6,11 +6,16 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements-dev.txt setup.py pyproject
 
 .PHONY: install demo test test-slow test-interpret test-gpu bench checkstyle clean
 
+# pip compiles no bytecode at install (most of torch's modules are never imported here):
+# Python writes each module's bytecode at its first import instead, also where the environment
+# sets PYTHONDONTWRITEBYTECODE (cleared for make's commands), so later processes reuse it.
+export PYTHONDONTWRITEBYTECODE =
+
 $(STAMP): requirements-dev.txt setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q --no-compile --upgrade pip
+	$(PY) -m pip install -q --no-compile -r requirements-dev.txt
+	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*; touch $@
 
 install: $(STAMP)
