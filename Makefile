@@ -8,14 +8,16 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements-dev.txt setup.py pyproject
 
 # pip compiles no bytecode at install (most of torch's modules are never imported here):
 # Python writes each module's bytecode at its first import instead, also where the environment
-# sets PYTHONDONTWRITEBYTECODE (cleared for make's commands), so later processes reuse it.
+# sets PYTHONDONTWRITEBYTECODE (cleared for make's commands), so later processes reuse it; the
+# last step imports what the tests import once, so that parallel test workers do not each
+# compile the same modules.
 export PYTHONDONTWRITEBYTECODE =
 
 $(STAMP): requirements-dev.txt setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile --upgrade pip
 	$(PY) -m pip install -q --no-compile -r requirements-dev.txt
 	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation -e .
+	$(PY) -c "import torch_pagecomp.integrations.transformers, torch_pagecomp.offload, xdist"
 	rm -f $(VENV)/.installed-*; touch $@
 
 install: $(STAMP)
