@@ -17,6 +17,8 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from pages import file_pages, run_pages  # noqa: E402
 
 from torch_pagecomp.kernels import lz4_compress as lc  # noqa: E402
@@ -89,6 +91,30 @@ def bounds(monkeypatch):
     monkeypatch.setattr(b, "create_masked_store", checked_store)
     monkeypatch.setattr(b, "create_atomic_rmw", checked_rmw)
     return keep
+
+
+@triton.jit
+def _copy_first(src, dst, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(dst + i, tl.load(src + i, mask=i < n), mask=i < n)
+
+
+@pytest.mark.parametrize("past", ["load", "store"])
+def test_the_check_catches_an_access_past_a_tensor(bounds, past):
+    """The check itself: one byte past a tensor of the call fails, though the memory there is
+    valid (the rest of an unrecorded buffer), as it is on the GPU when a batch is not the end
+    of its allocation."""
+    base = torch.arange(64, dtype=torch.uint8)  # not recorded: only its slices are
+    src, dst = bounds(base[:16]), bounds(base[32:48])
+    _copy_first[(1,)](src, dst, 16, BLOCK=16)  # in bounds: passes
+    assert torch.equal(dst, src)
+    from triton.runtime.errors import InterpreterError  # what the interpreter raises it as
+
+    with pytest.raises(InterpreterError, match=f"{past} outside every tensor"):
+        if past == "load":
+            _copy_first[(1,)](src, bounds(torch.empty(32, dtype=torch.uint8)), 17, BLOCK=32)
+        else:
+            _copy_first[(1,)](bounds(torch.empty(32, dtype=torch.uint8)), dst, 17, BLOCK=32)
 
 
 def _relu_bytes(n: int, gen: torch.Generator) -> torch.Tensor:
