@@ -244,10 +244,11 @@ class PagedStored:
 
     kind = "compressed"
 
-    def __init__(self, nbytes: int, page_size: int, slices: list[_Slice], tail, consumed):
+    def __init__(self, nbytes: int, page_size: int, slices: list[_Slice], tail, consumed,
+                 tail_sum=None):
         self.nbytes, self.page_size, self.slices = nbytes, page_size, slices
         self.tail = tail  # pinned uint8 [nbytes % P] or None
-        self.tail_sum = None  # its checksum (int32 [1], on the device) with the store's checksum
+        self.tail_sum = tail_sum  # its checksum (int32 [1], on the device), or None
         self.consumed = consumed  # the source has been read (device event, None on the CPU)
         self.freed = False
         self.kernel: tuple[int, int] | None = None  # kept when freed
@@ -342,9 +343,7 @@ class PagedStore:
                 if self.checksum:
                     tail_sum = tail_checksum(src[full * p:], p)
             consumed = _record(cs)
-        stored = PagedStored(nbytes, p, slices, tail, consumed)
-        stored.tail_sum = tail_sum
-        return stored
+        return PagedStored(nbytes, p, slices, tail, consumed, tail_sum)
 
     def _store_slice(self, src, first: int, n: int, element_size: int) -> _Slice:
         from ..kernels.host_pack import pack_slice  # Triton: imported on use
@@ -442,13 +441,9 @@ class PagedStore:
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
             st = status[sl.first:sl.first + sl.n]
             _decompress_into(staging, sl.rel, sl.sizes, sl.kinds, pages, st, sl.sums)
-        if stored.tail is not None:
-            _wait(stream, stored.consumed)  # copied on the compress stream, after the pages
-            end = out[stored.nbytes - stored.tail.numel():]
-            end.copy_(stored.tail, non_blocking=True)
-            if checked_tail:  # its status follows the pages'
-                status[full:].zero_()
-                verify(status[full:], tail_checksum(end, p), stored.tail_sum)
+        if stored.tail is not None:  # its status (if checked) follows the pages'
+            restore_tail(stored, out[stored.nbytes - stored.tail.numel():], stream,
+                         status[full:])
         if status.numel():
             self._count_failures(status, stream)
         if stream is None:
@@ -552,6 +547,18 @@ def _checksums(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         return got
     out.copy_(got)
     return out
+
+
+def restore_tail(stored: PagedStored, out: torch.Tensor, stream, status) -> None:
+    """Copy ``stored``'s partial last page into ``out`` (``uint8 [nbytes % P]``) on ``stream``
+    once its copy to the host is done (on the compress stream, after the pages: not covered by
+    the packs' events); with its checksum (the store's ``checksum``), its status goes to
+    ``status`` (``int32 [1]``; unused without one)."""
+    _wait(stream, stored.consumed)
+    out.copy_(stored.tail, non_blocking=True)
+    if stored.tail_sum is not None:
+        status.zero_()
+        verify(status, tail_checksum(out, stored.page_size), stored.tail_sum)
 
 
 def tail_checksum(tail: torch.Tensor, page_size: int) -> torch.Tensor:

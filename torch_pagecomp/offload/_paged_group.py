@@ -194,21 +194,14 @@ def restore_group(store, group: StoredGroup, out) -> None:
                                     sums)
         store._count_failures(status, stream)
     if group.ragged:  # partial last pages travel as plain bytes
-        checked = [s for s in group.storeds if s.tail_sum is not None]
-        status = torch.zeros(len(checked), dtype=torch.int32, device=dev) if checked else None
-        i = 0
-        for stored, start in zip(group.storeds, group.starts):
-            if stored.tail is not None:
-                # copied to the host on the compress stream after the pages (not covered by
-                # the packs' events)
-                _paged._wait(stream, stored.consumed)
-                end = start + stored.nbytes
-                tail = out[end - stored.tail.numel():end]
-                tail.copy_(stored.tail, non_blocking=True)
-                if stored.tail_sum is not None:
-                    _paged.verify(status[i:i + 1], _paged.tail_checksum(tail, p),
-                                  stored.tail_sum)
-                    i += 1
+        tails = [(s, start) for s, start in zip(group.storeds, group.starts)
+                 if s.tail is not None]
+        status = (torch.empty(len(tails), dtype=torch.int32, device=dev) if store.checksum
+                  else None)
+        for i, (stored, start) in enumerate(tails):
+            end = start + stored.nbytes
+            _paged.restore_tail(stored, out[end - stored.tail.numel():end], stream,
+                                None if status is None else status[i:i + 1])
         if status is not None:
             store._count_failures(status, stream)
     if stream is None:
