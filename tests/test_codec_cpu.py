@@ -195,6 +195,31 @@ def test_bitshuffle_matches_the_definition(element_size, page_size, gen):
     assert torch.equal(_bitunshuffle_torch(got, element_size), pages)
 
 
+@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("page_size", [4096, 65536])
+def test_numpy_and_c_shuffles_give_the_definition(element_size, page_size, gen):
+    """Both implementations (the C extension's SSE2 loops where built, numpy everywhere): the
+    definition's bytes, the inverse, and the inverse in place."""
+    pages = torch.randint(0, 256, (5, page_size), dtype=torch.uint8, generator=gen).numpy()
+    want = reference_bitshuffle(pages, element_size)
+    sh = pc.shuffle
+    assert np.array_equal(sh._bitshuffle_numpy(pages, element_size, np.empty_like(pages)), want)
+    assert np.array_equal(sh._bitunshuffle_numpy(want, element_size, np.empty_like(pages)), pages)
+    if sh._native is None:
+        pytest.skip("no C shuffle here (not built, or not x86-64): numpy only")
+    got = np.full_like(pages, 0xA5)
+    sh._native.bitshuffle(pages.reshape(-1), got.reshape(-1), page_size, element_size, False)
+    assert np.array_equal(got, want)
+    sh._native.bitshuffle(got.reshape(-1), got.reshape(-1), page_size, element_size, True)
+    assert np.array_equal(got, pages)  # in place
+    for bad in ((3, page_size), (element_size, 64 * element_size + 8)):
+        with pytest.raises(ValueError, match="bitshuffle"):
+            sh._native.bitshuffle(pages.reshape(-1), got.reshape(-1), bad[1], bad[0], False)
+    with pytest.raises(ValueError, match="bitshuffle"):
+        sh._native.bitshuffle(pages.reshape(-1), got.reshape(-1)[:-page_size], page_size,
+                              element_size, False)
+
+
 @pytest.mark.parametrize("element_size", [1, 2, 4])
 def test_bitshuffle_batches_across_chunks(element_size, gen):
     """Batches larger than one numpy step (``CHUNK_BYTES``), a partial last step, views."""
@@ -533,6 +558,10 @@ def test_the_c_decoder_is_built_where_a_compiler_is():
     if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         pytest.skip("no Python headers here: python-lz4 page by page")
     assert cpu_codec._native is not None
+    import platform
+
+    if platform.machine().lower() in ("x86_64", "amd64"):  # SSE2: the bit-shuffle in C too
+        assert pc.shuffle._native is not None
 
 
 def test_c_loops_check_their_arguments(gen):

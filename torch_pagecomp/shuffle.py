@@ -2,9 +2,11 @@
 
 See ``torch_pagecomp.format`` for the exact definition. :func:`bitshuffle` and
 :func:`bitunshuffle` take and return ``uint8 [N, P]`` tensors (``element_size`` 1 is the
-identity); CPU tensors go through :func:`bitshuffle_np` / :func:`bitunshuffle_np` (numpy, over
-the whole batch at once), tensors on other devices through the same transform in torch element
-ops.
+identity); CPU tensors go through :func:`bitshuffle_np` / :func:`bitunshuffle_np`: the C
+extension's SSE2 loops where it is built on x86-64 (``_native.bitshuffle``: per block of 64
+elements, an 8x8 byte transpose and an 8x8 bit transpose of each 64-bit lane, with the GIL
+released), else numpy over the whole batch at once (the reference, below); tensors on other
+devices through the same transform in torch element ops.
 
 How the numpy version works (element size ``E``, ``G = P / 8E`` groups of 8 elements a page):
 the elements are transposed so that element ``t`` of every group of every page lies in row
@@ -24,6 +26,14 @@ import numpy as np
 import torch
 
 from .format import check_element_size
+
+try:  # the C loops (setup.py builds them where a C compiler is found; the shuffle on x86-64)
+    from . import _native
+
+    if not hasattr(_native, "bitshuffle"):
+        _native = None
+except ImportError:
+    _native = None
 
 _U64 = np.uint64
 # (d, mask): bits i with i & d == 0 of every byte lane
@@ -62,13 +72,31 @@ def _check_np(pages: np.ndarray, element_size: int) -> np.ndarray:
     return np.ascontiguousarray(pages)
 
 
+def _native_shuffle(pages: np.ndarray, out: np.ndarray, element_size: int,
+                    inverse: bool) -> bool:
+    """The transform through the C extension (``_native.bitshuffle``: SSE2, the GIL released)
+    where it is built and takes these arrays; False where numpy has to do it."""
+    if (_native is None or element_size == 1 or pages.shape[1] % (64 * element_size)
+            or not out.flags.c_contiguous or out.shape != pages.shape or out.dtype != np.uint8):
+        return False
+    _native.bitshuffle(pages.reshape(-1), out.reshape(-1), pages.shape[1], element_size, inverse)
+    return True
+
+
 def bitshuffle_np(
     pages: np.ndarray, element_size: int, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """Bit planes of each page (numpy): ``uint8 [N, P]`` -> ``uint8 [N, P]`` (``out`` if given,
-    which must not overlap ``pages``)."""
+    """Bit planes of each page: ``uint8 [N, P]`` -> ``uint8 [N, P]`` (``out`` if given,
+    which must not overlap ``pages``). In C where the extension is built (x86-64), else numpy
+    (:func:`_bitshuffle_numpy`): the same bytes."""
     pages = _check_np(pages, element_size)
     out = np.empty_like(pages) if out is None else out
+    if _native_shuffle(pages, out, element_size, inverse=False):
+        return out
+    return _bitshuffle_numpy(pages, element_size, out)
+
+
+def _bitshuffle_numpy(pages: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarray:
     if element_size == 1:
         np.copyto(out, pages)
         return out
@@ -94,9 +122,16 @@ def bitshuffle_np(
 def bitunshuffle_np(
     shuffled: np.ndarray, element_size: int, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """Inverse of :func:`bitshuffle_np` (``out`` may be ``shuffled`` itself)."""
+    """Inverse of :func:`bitshuffle_np` (``out`` may be ``shuffled`` itself); in C where the
+    extension is built, else numpy (:func:`_bitunshuffle_numpy`)."""
     shuffled = _check_np(shuffled, element_size)
     out = np.empty_like(shuffled) if out is None else out
+    if _native_shuffle(shuffled, out, element_size, inverse=True):
+        return out
+    return _bitunshuffle_numpy(shuffled, element_size, out)
+
+
+def _bitunshuffle_numpy(shuffled: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarray:
     if element_size == 1:
         if out is not shuffled:
             np.copyto(out, shuffled)
