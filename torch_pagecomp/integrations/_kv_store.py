@@ -106,9 +106,15 @@ class DeviceStore:
         return Held(self.store.offload(src, element_size, producer=producer), self.sink)
 
     def keep_until_read(self, src: torch.Tensor) -> None:
-        """``src``'s memory is not reused before the compress stream has read it."""
+        """``src``'s memory is not reused before the compress stream has read it; called once
+        the blocks of a layer's update are sealed. A cache seals a few blocks a layer every
+        ``block_tokens`` tokens, so the compress kernel's scratch is not kept between seals (it
+        would be GPU memory held for the life of the cache, beside every layer's tail)."""
         if src.is_cuda:
             src.record_stream(self.store.compress_stream)
+        release = getattr(self.store, "release_scratch", None)
+        if release is not None:
+            release()
 
     def restore(self, group: StoredGroup) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """``(out, event)``: ``group`` restored into a new ``uint8 [group.nbytes]`` buffer on
