@@ -565,9 +565,10 @@ def test_the_c_decoder_is_built_where_a_compiler_is():
 
 
 def test_c_loops_check_their_arguments(gen):
-    """Buffers shorter than the batch they describe are a ValueError, a row outside the batch
-    an IndexError (before any page is written past), a block outside the payload BAD_SIZE; the
-    compress loop refuses missing liblz4 calls."""
+    """Buffers shorter than the range they describe are a ValueError (before any page is
+    written), a block outside the payload BAD_SIZE and its row zeroed, a page whose status is
+    already set is not decoded; the compress loop refuses missing liblz4 calls and writes
+    FILL, LZ4 and RAW pages with their kinds."""
     if cpu_codec._native is None:
         pytest.skip("torch_pagecomp._native is not built here")
     page = bytes(range(256)) * 16
@@ -575,11 +576,10 @@ def test_c_loops_check_their_arguments(gen):
     payload = np.frombuffer(block, dtype=np.uint8)
     off, size = np.zeros(2, np.int64), np.full(2, len(block), np.int64)
     kinds = np.full(2, fmt.KIND_LZ4, np.uint8)
-    out, st = np.zeros(2 * 4096, np.uint8), np.zeros(2, np.int32)
-    rows = np.arange(2, dtype=np.int64)
+    out, st = np.full(2 * 4096, 0xA5, np.uint8), np.zeros(2, np.int32)
 
-    def dec(off=off, size=size, kinds=kinds, rows=rows, out=out):
-        cpu_codec._native.decode_pages(payload, off, size, kinds, rows, out, st, 4096)
+    def dec(off=off, size=size, kinds=kinds, out=out):
+        cpu_codec._native.decode_pages(payload, off, size, kinds, out, st, 4096)
 
     with pytest.raises(ValueError, match="out holds"):
         dec(out=out[:4096])
@@ -587,27 +587,40 @@ def test_c_loops_check_their_arguments(gen):
         dec(off=off[:1])
     with pytest.raises(ValueError, match="kinds holds"):
         dec(kinds=kinds[:1])
-    with pytest.raises(IndexError, match="outside the batch"):
-        dec(rows=np.array([2], np.int64))
+    assert (out == 0xA5).all()  # nothing written before the checks
     size[1] = len(block) + 1  # one byte past the payload
     dec()
     assert st.tolist() == [fmt.STATUS_OK, fmt.STATUS_BAD_SIZE]
-    assert out[:4096].tobytes() == page
+    assert out[:4096].tobytes() == page and not out[4096:].any()
     size[1] = len(block)
     kinds[1] = fmt.KIND_FILL  # a FILL page's size must be 1, a RAW page's the page size
+    st[:] = 0
     dec()
     assert st.tolist() == [fmt.STATUS_OK, fmt.STATUS_BAD_SIZE]
-    comp, calls = cpu_codec._native.compress_lz4, cpu_codec._liblz4_calls()
-    src = np.frombuffer(page * 2, dtype=np.uint8)
-    sizes = np.zeros(2, np.int32)
+    kinds[1] = fmt.KIND_LZ4
+    st[:] = [fmt.STATUS_BAD_KIND, 0]  # set by the caller's checks: left alone, row zeroed
+    out[:] = 0xA5
+    dec()
+    assert st.tolist() == [fmt.STATUS_BAD_KIND, fmt.STATUS_OK] and not out[:4096].any()
+    comp, calls = cpu_codec._native.compress_pages, cpu_codec._liblz4_calls()
+    raw = np.frombuffer(page + bytes([9]) * 4096 + bytes(gen_bytes(gen, 4096)), dtype=np.uint8)
+    sizes, kinds3 = np.zeros(3, np.int32), np.zeros(3, np.uint8)
+    out3 = np.full(3 * 4096, 0xA5, np.uint8)
     with pytest.raises(ValueError, match="out holds"):
-        comp(src, rows, out[:4096], sizes, 4096, 3968, calls)
+        comp(raw, raw, out3[:4096], sizes, kinds3, 4096, 3968, fmt.KIND_LZ4, calls)
     with pytest.raises(ValueError, match="liblz4 calls are invalid"):
-        comp(src, rows, out, sizes, 4096, 3968, (0, 0, 0))
-    with pytest.raises(IndexError, match="outside the batch"):
-        comp(src, np.array([5], np.int64), out, sizes, 4096, 3968, calls)
-    comp(src, rows, out, sizes, 4096, 3968, calls)
-    assert sizes.tolist() == [len(block)] * 2 and out[4096:4096 + len(block)].tobytes() == block
+        comp(raw, raw, out3, sizes, kinds3, 4096, 3968, fmt.KIND_LZ4, (0, 0, 0))
+    assert (out3 == 0xA5).all()
+    comp(raw, raw, out3, sizes, kinds3, 4096, 3968, fmt.KIND_LZ4, calls)
+    assert sizes.tolist() == [len(block), 1, 4096]
+    assert kinds3.tolist() == [fmt.KIND_LZ4, fmt.KIND_FILL, fmt.KIND_RAW]
+    assert out3[:len(block)].tobytes() == block and not out3[len(block):4096].any()
+    assert out3[4096] == 9 and not out3[4097:8192].any()
+    assert out3[8192:].tobytes() == raw[8192:].tobytes()
+
+
+def gen_bytes(gen: torch.Generator, n: int) -> bytes:
+    return bytes(torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8).numpy())
 
 
 def test_c_compress_loop_writes_lz4_block_bytes(gen, monkeypatch):

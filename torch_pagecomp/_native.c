@@ -79,163 +79,6 @@ static int32_t decode_block(const uint8_t *src, int64_t end, uint8_t *dst, int64
     return op == page ? STATUS_OK : STATUS_SHORT;
 }
 
-static int check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count, const char *name) {
-    if (b->len < itemsize * count) {
-        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", name, b->len,
-                     itemsize * count);
-        return 0;
-    }
-    return 1;
-}
-
-/* Whether every entry of `rows` (int64) is a page of the batch (0..n-1); else an IndexError,
- * before the loop writes anything. */
-static int rows_in_batch(Py_buffer *rows, Py_ssize_t n) {
-    const int64_t *row = rows->buf;
-    for (Py_ssize_t k = 0; k < rows->len / 8; k++) {
-        if (row[k] < 0 || row[k] >= n) {
-            PyErr_SetString(PyExc_IndexError, "rows: a page index outside the batch");
-            return 0;
-        }
-    }
-    return 1;
-}
-
-PyDoc_STRVAR(decode_pages_doc,
-"decode_pages(payload, offsets, sizes, kinds, rows, out, status, page_size)\n\n"
-"Decode the pages ``rows`` (int64 [R]) of a batch, with the GIL released: page i's stored\n"
-"bytes are payload[offsets[i]:offsets[i] + sizes[i]] (uint8; int64 [N] offsets and sizes),\n"
-"its kind's codec is kinds[i] & 15 (uint8 [N]: RAW 0, LZ4 1, FILL 2), its bytes go to\n"
-"out[i * page_size:(i + 1) * page_size] (uint8 [N * page_size]) and its status to status[i]\n"
-"(int32 [N]). The caller has checked kinds and sizes (cpu_codec._page_checks); a page whose\n"
-"bytes lie outside the payload, or a RAW / FILL page of another size, is BAD_SIZE all the\n"
-"same. Rows of failed pages hold partial bytes: the caller zeroes them. Bit-shuffled pages\n"
-"come out shuffled.");
-
-static PyObject *decode_pages(PyObject *self, PyObject *args) {
-    Py_buffer payload, offsets, sizes, kinds, rows, out, status;
-    Py_ssize_t page;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*n", &payload, &offsets, &sizes, &kinds, &rows,
-                          &out, &status, &page))
-        return NULL;
-    PyObject *result = NULL;
-    const Py_ssize_t n = status.len / 4, r = rows.len / 8;
-    if (page <= 0) {
-        PyErr_SetString(PyExc_ValueError, "page_size must be positive");
-    } else if (check(&offsets, 8, n, "offsets") && check(&sizes, 8, n, "sizes") &&
-               check(&kinds, 1, n, "kinds") && check(&out, page, n, "out") &&
-               rows_in_batch(&rows, n)) {
-        const uint8_t *src = payload.buf, *kind = kinds.buf;
-        const int64_t *off = offsets.buf, *size = sizes.buf, *row = rows.buf;
-        uint8_t *dst = out.buf;
-        int32_t *st = status.buf;
-        const int64_t total = payload.len;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t k = 0; k < r; k++) {
-            const int64_t i = row[k];
-            const int codec = kind[i] & 15;
-            uint8_t *to = dst + i * (int64_t)page;
-            if (off[i] < 0 || size[i] < 1 || size[i] > total - off[i] ||
-                (codec == 0 && size[i] != page) || (codec == 2 && size[i] != 1) || codec > 2) {
-                st[i] = STATUS_BAD_SIZE;
-            } else if (codec == 0) { /* RAW */
-                memcpy(to, src + off[i], (size_t)page);
-                st[i] = STATUS_OK;
-            } else if (codec == 2) { /* FILL */
-                memset(to, src[off[i]], (size_t)page);
-                st[i] = STATUS_OK;
-            } else {
-                st[i] = decode_block(src + off[i], size[i], to, page);
-            }
-        }
-        Py_END_ALLOW_THREADS
-        result = Py_NewRef(Py_None);
-    }
-    PyBuffer_Release(&payload);
-    PyBuffer_Release(&offsets);
-    PyBuffer_Release(&sizes);
-    PyBuffer_Release(&kinds);
-    PyBuffer_Release(&rows);
-    PyBuffer_Release(&out);
-    PyBuffer_Release(&status);
-    return result;
-}
-
-/* liblz4's streaming calls, as python-lz4 makes them for lz4.block.compress (a reset stream, then
- * one compress_fast_continue at acceleration 1): the same blocks, not LZ4_compress_default's,
- * which hashes small inputs differently. */
-typedef void (*lz4_reset_fn)(void *stream);
-typedef int (*lz4_continue_fn)(void *stream, const char *src, char *dst, int src_size,
-                               int dst_capacity, int acceleration);
-typedef int (*lz4_sizeof_fn)(void);
-
-PyDoc_STRVAR(compress_lz4_doc,
-"compress_lz4(pages, rows, out, sizes, page_size, limit, liblz4)\n\n"
-"Compress the pages ``rows`` (int64 [R]) of pages (uint8 [N * page_size]), with the GIL\n"
-"released, through the liblz4 that python-lz4 carries: ``liblz4`` is the addresses of its\n"
-"(LZ4_resetStream, LZ4_compress_fast_continue, LZ4_sizeofState), called as\n"
-"lz4.block.compress calls them, so the blocks are its blocks. A block of at most ``limit``\n"
-"bytes goes to out[i * page_size:] (uint8 [N * page_size]), the rest of the row zeroed, and\n"
-"its size to sizes[i] (int32 [N]); a larger one is not written and sizes[i] = page_size\n"
-"(stored RAW: the caller copies the page).");
-
-static PyObject *compress_lz4(PyObject *self, PyObject *args) {
-    Py_buffer pages, rows, out, sizes;
-    Py_ssize_t page, limit;
-    unsigned long long reset_addr, continue_addr, sizeof_addr;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*nn(KKK)", &pages, &rows, &out, &sizes, &page, &limit,
-                          &reset_addr, &continue_addr, &sizeof_addr))
-        return NULL;
-    PyObject *result = NULL;
-    const Py_ssize_t n = sizes.len / 4, r = rows.len / 8;
-    if (page <= 0 || page > (1 << 24) || limit < 1 || limit > page || !reset_addr ||
-        !continue_addr || !sizeof_addr) {
-        PyErr_SetString(PyExc_ValueError, "page_size, limit or the liblz4 calls are invalid");
-    } else if (check(&pages, page, n, "pages") && check(&out, page, n, "out") &&
-               rows_in_batch(&rows, n)) {
-        const lz4_reset_fn reset = (lz4_reset_fn)(uintptr_t)reset_addr;
-        const lz4_continue_fn compress = (lz4_continue_fn)(uintptr_t)continue_addr;
-        const int state_size = ((lz4_sizeof_fn)(uintptr_t)sizeof_addr)();
-        const int bound = (int)page + (int)page / 255 + 16; /* LZ4_COMPRESSBOUND */
-        /* the block, then the stream state (8-byte aligned, as liblz4 needs) */
-        const size_t at = ((size_t)bound + 15) & ~(size_t)15;
-        char *tmp = PyMem_RawMalloc(at + (size_t)state_size);
-        const int64_t *row = rows.buf;
-        const char *src = pages.buf;
-        char *dst = out.buf;
-        int32_t *size = sizes.buf;
-        if (tmp == NULL) {
-            PyErr_NoMemory();
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t k = 0; k < r; k++) {
-                const int64_t i = row[k];
-                /* into a buffer of the bound, as lz4.block.compress does, then kept if it fits */
-                reset(tmp + at);
-                const int got = compress(tmp + at, src + i * (int64_t)page, tmp, (int)page,
-                                         bound, 1);
-                if (got > 0 && got <= limit) {
-                    memcpy(dst + i * (int64_t)page, tmp, (size_t)got);
-                    memset(dst + i * (int64_t)page + got, 0, (size_t)(page - got));
-                    size[i] = got;
-                } else {
-                    size[i] = (int32_t)page;
-                }
-            }
-            Py_END_ALLOW_THREADS
-            PyMem_RawFree(tmp);
-            result = Py_NewRef(Py_None);
-        }
-    }
-    PyBuffer_Release(&pages);
-    PyBuffer_Release(&rows);
-    PyBuffer_Release(&out);
-    PyBuffer_Release(&sizes);
-    return result;
-}
-
 /* ---------------------------------------------------------------------- bit-shuffle
  * The format's bit-shuffle (torch_pagecomp.format, shuffle.bitshuffle_np): a page of n = P / E
  * elements of E bytes becomes 8E bit planes of n / 8 bytes, plane 8j + i holding bit i of byte j
@@ -347,6 +190,184 @@ static void unshuffle_page(const uint8_t *src, uint8_t *dst, int64_t page, int e
 }
 #endif
 
+static int check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count, const char *name) {
+    if (b->len < itemsize * count) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", name, b->len,
+                     itemsize * count);
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(decode_pages_doc,
+"decode_pages(payload, offsets, sizes, kinds, out, status, page_size)\n\n"
+"Decode the N pages of a range of a batch, with the GIL released: page i's stored bytes are\n"
+"payload[offsets[i]:offsets[i] + sizes[i]] (uint8; int64 [N] offsets and sizes), its kind\n"
+"kinds[i] (uint8 [N]: codec kinds[i] & 15, RAW 0, LZ4 1, FILL 2; bit-shuffle shift\n"
+"kinds[i] >> 4), its bytes go to out[i * page_size:(i + 1) * page_size] (uint8 [N * page_size])\n"
+"and its status to status[i] (int32 [N]). A page whose status is already set (the caller's\n"
+"checks of kinds and sizes: cpu_codec._page_checks) is not decoded. A page whose bytes lie\n"
+"outside the payload, or a RAW / FILL page of another size, is BAD_SIZE. A failed page's row\n"
+"is zeroed. Bit-shuffled LZ4 pages are unshuffled where the module has bitshuffle (SSE2), else\n"
+"they come out shuffled.");
+
+static PyObject *decode_pages(PyObject *self, PyObject *args) {
+    Py_buffer payload, offsets, sizes, kinds, out, status;
+    Py_ssize_t page;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*n", &payload, &offsets, &sizes, &kinds, &out,
+                          &status, &page))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = status.len / 4;
+    uint8_t *tmp = NULL;
+    if (page <= 0 || page > (1 << 24)) {
+        PyErr_SetString(PyExc_ValueError, "page_size must be in 1..2**24");
+    } else if (check(&offsets, 8, n, "offsets") && check(&sizes, 8, n, "sizes") &&
+               check(&kinds, 1, n, "kinds") && check(&out, page, n, "out") &&
+               (tmp = PyMem_RawMalloc((size_t)page)) == NULL) {
+        PyErr_NoMemory();
+    } else if (tmp != NULL) {
+        const uint8_t *src = payload.buf, *kind = kinds.buf;
+        const int64_t *off = offsets.buf, *size = sizes.buf;
+        uint8_t *dst = out.buf;
+        int32_t *st = status.buf;
+        const int64_t total = payload.len;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const int codec = kind[i] & 15;
+            uint8_t *to = dst + i * (int64_t)page;
+            if (st[i] != STATUS_OK) {
+                /* failed the caller's checks */
+            } else if (off[i] < 0 || size[i] < 1 || size[i] > total - off[i] ||
+                       (codec == 0 && size[i] != page) || (codec == 2 && size[i] != 1) ||
+                       codec > 2) {
+                st[i] = STATUS_BAD_SIZE;
+            } else if (codec == 0) { /* RAW */
+                memcpy(to, src + off[i], (size_t)page);
+            } else if (codec == 2) { /* FILL */
+                memset(to, src[off[i]], (size_t)page);
+            } else {
+                st[i] = decode_block(src + off[i], size[i], to, page);
+#if defined(HAVE_SHUFFLE)
+                const int e = 1 << (kind[i] >> 4);
+                if (st[i] == STATUS_OK && e > 1 && page % (64 * e) == 0) {
+                    memcpy(tmp, to, (size_t)page);
+                    unshuffle_page(tmp, to, page, e);
+                }
+#endif
+            }
+            if (st[i] != STATUS_OK) memset(to, 0, (size_t)page);
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyMem_RawFree(tmp);
+    PyBuffer_Release(&payload);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&kinds);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&status);
+    return result;
+}
+
+/* liblz4's streaming calls, as python-lz4 makes them for lz4.block.compress (a reset stream, then
+ * one compress_fast_continue at acceleration 1): the same blocks, not LZ4_compress_default's,
+ * which hashes small inputs differently. */
+typedef void (*lz4_reset_fn)(void *stream);
+typedef int (*lz4_continue_fn)(void *stream, const char *src, char *dst, int src_size,
+                               int dst_capacity, int acceleration);
+typedef int (*lz4_sizeof_fn)(void);
+
+PyDoc_STRVAR(compress_pages_doc,
+"compress_pages(raw, src, out, sizes, kinds, page_size, limit, lz4_kind, liblz4)\n\n"
+"Compress the N pages of a range (raw: uint8 [N * page_size]; src: the same pages as the LZ4\n"
+"compressor reads them, bit-shuffled or raw itself) with the GIL released: a page whose bytes\n"
+"are all equal is FILL (size 1, its byte then zeros); else src's page is compressed through\n"
+"the liblz4 that python-lz4 carries (``liblz4``: the addresses of its LZ4_resetStream,\n"
+"LZ4_compress_fast_continue and LZ4_sizeofState, called as lz4.block.compress calls them, so\n"
+"the blocks are its blocks) and kept as kind lz4_kind if at most ``limit`` bytes (the rest of\n"
+"the row zeroed), else the raw page is stored RAW (size page_size). Writes out (uint8\n"
+"[N * page_size]), sizes (int32 [N]) and kinds (uint8 [N]).");
+
+static PyObject *compress_pages(PyObject *self, PyObject *args) {
+    Py_buffer raw, pages, out, sizes, kinds;
+    Py_ssize_t page, limit;
+    int lz4_kind;
+    unsigned long long reset_addr, continue_addr, sizeof_addr;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*nni(KKK)", &raw, &pages, &out, &sizes, &kinds, &page,
+                          &limit, &lz4_kind, &reset_addr, &continue_addr, &sizeof_addr))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = sizes.len / 4;
+    if (page <= 0 || page > (1 << 24) || page % 8 || limit < 1 || limit > page ||
+        lz4_kind < 0 || lz4_kind > 255 || !reset_addr || !continue_addr || !sizeof_addr) {
+        PyErr_SetString(PyExc_ValueError, "page_size, limit, lz4_kind or the liblz4 calls are "
+                        "invalid");
+    } else if (check(&raw, page, n, "raw") && check(&pages, page, n, "pages") &&
+               check(&out, page, n, "out") && check(&kinds, 1, n, "kinds")) {
+        const lz4_reset_fn reset = (lz4_reset_fn)(uintptr_t)reset_addr;
+        const lz4_continue_fn compress = (lz4_continue_fn)(uintptr_t)continue_addr;
+        const int state_size = ((lz4_sizeof_fn)(uintptr_t)sizeof_addr)();
+        const int bound = (int)page + (int)page / 255 + 16; /* LZ4_COMPRESSBOUND */
+        /* the block, then the stream state (8-byte aligned, as liblz4 needs) */
+        const size_t at = ((size_t)bound + 15) & ~(size_t)15;
+        char *tmp = PyMem_RawMalloc(at + (size_t)state_size);
+        const uint8_t *from = raw.buf;
+        const char *src = pages.buf;
+        uint8_t *dst = out.buf, *kind = kinds.buf;
+        int32_t *size = sizes.buf;
+        if (tmp == NULL) {
+            PyErr_NoMemory();
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < n; i++) {
+                const uint8_t *r = from + i * (int64_t)page;
+                uint8_t *to = dst + i * (int64_t)page;
+                uint64_t first, word = 0;
+                memset(&first, r[0], 8);
+                for (Py_ssize_t k = 0; k < page && word == 0; k += 8) {
+                    uint64_t w;
+                    memcpy(&w, r + k, 8);
+                    word = w ^ first;
+                }
+                if (word == 0) { /* every byte equal: FILL */
+                    memset(to, 0, (size_t)page);
+                    to[0] = r[0];
+                    size[i] = 1;
+                    kind[i] = 2;
+                    continue;
+                }
+                /* into a buffer of the bound, as lz4.block.compress does, then kept if it fits */
+                reset(tmp + at);
+                const int got = compress(tmp + at, src + i * (int64_t)page, tmp, (int)page,
+                                         bound, 1);
+                if (got > 0 && got <= limit) {
+                    memcpy(to, tmp, (size_t)got);
+                    memset(to + got, 0, (size_t)(page - got));
+                    size[i] = got;
+                    kind[i] = (uint8_t)lz4_kind;
+                } else { /* RAW: the page as it is */
+                    memcpy(to, r, (size_t)page);
+                    size[i] = (int32_t)page;
+                    kind[i] = 0;
+                }
+            }
+            Py_END_ALLOW_THREADS
+            PyMem_RawFree(tmp);
+            result = Py_NewRef(Py_None);
+        }
+    }
+    PyBuffer_Release(&raw);
+    PyBuffer_Release(&pages);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&kinds);
+    return result;
+}
+
 PyDoc_STRVAR(bitshuffle_doc,
 "bitshuffle(src, dst, page_size, element_size, inverse)\n\n"
 "The format's bit-shuffle of every page of src (uint8 [N * page_size]) into dst (the same\n"
@@ -391,7 +412,7 @@ static PyObject *bitshuffle(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_pages", decode_pages, METH_VARARGS, decode_pages_doc},
-    {"compress_lz4", compress_lz4, METH_VARARGS, compress_lz4_doc},
+    {"compress_pages", compress_pages, METH_VARARGS, compress_pages_doc},
 #if defined(HAVE_SHUFFLE)
     {"bitshuffle", bitshuffle, METH_VARARGS, bitshuffle_doc},
 #endif

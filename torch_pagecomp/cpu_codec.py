@@ -55,7 +55,7 @@ except ImportError:  # python-lz4, a call per page, instead: slower, the same by
 @functools.cache
 def _liblz4_calls() -> tuple[int, int, int] | None:
     """The addresses of ``LZ4_resetStream``, ``LZ4_compress_fast_continue`` and
-    ``LZ4_sizeofState`` in the liblz4 that python-lz4 carries, for ``_native.compress_lz4``
+    ``LZ4_sizeofState`` in the liblz4 that python-lz4 carries, for ``_native.compress_pages``
     (which calls them as ``lz4.block.compress`` does: the same blocks); None where that
     library does not export them (then python-lz4 compresses page by page)."""
     import ctypes
@@ -208,37 +208,37 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
 
     def work(start: int, stop: int) -> None:
         rows = raw[start:stop]
-        fill = fill_rows(rows)
         src = rows
         if element_size > 1:
             src = bitshuffle_np(rows, element_size, out=_scratch(rows.shape))
         p = page_size
-        if native:  # the whole range without the GIL
-            got = np.ones(stop - start, dtype=np.int32)  # FILL pages: size 1
-            _native.compress_lz4(src.reshape(-1), np.flatnonzero(~fill).astype(np.int64),
-                                 out[start:stop].reshape(-1), got, p, limit, _liblz4_calls())
-        else:  # a few Python steps per page on memoryviews, holding the GIL between calls
-            out[start:stop] = 0
-            src_mv = memoryview(src.reshape(-1))
-            compress = lz4.block.compress
-            got = []
-            base = start * p
-            for k, is_fill in enumerate(fill.tolist()):
-                if is_fill:
-                    got.append(1)
-                    continue
-                block = compress(src_mv[k * p : k * p + p], store_size=False)
-                size = len(block)
-                if size <= limit:
-                    out_mv[base + k * p : base + k * p + size] = block
-                else:
-                    size = p
-                got.append(size)
-            got = np.array(got, dtype=np.int32)
+        if native:  # every page of the range, kinds and RAW copies included, without the GIL
+            _native.compress_pages(rows.reshape(-1), src.reshape(-1), out[start:stop].reshape(-1),
+                                   size_np[start:stop], kind_np[start:stop], p, limit, lz4_kind,
+                                   _liblz4_calls())
+            return
+        # a few Python steps per page on memoryviews, holding the GIL between calls
+        fill = fill_rows(rows)
+        out[start:stop] = 0
+        src_mv = memoryview(src.reshape(-1))
+        compress = lz4.block.compress
+        got = []
+        base = start * p
+        for k, is_fill in enumerate(fill.tolist()):
+            if is_fill:
+                got.append(1)
+                continue
+            block = compress(src_mv[k * p : k * p + p], store_size=False)
+            size = len(block)
+            if size <= limit:
+                out_mv[base + k * p : base + k * p + size] = block
+            else:
+                size = p
+            got.append(size)
+        got = np.array(got, dtype=np.int32)
         size_np[start:stop] = got
         stored = np.where(got == p, fmt.KIND_RAW, lz4_kind)
         kind_np[start:stop] = np.where(fill, fmt.KIND_FILL, stored)
-        out[start:stop][fill] = 0
         out[start:stop][fill, 0] = rows[fill, 0]
         stored_raw = np.flatnonzero(got == p) + start
         out[stored_raw] = raw[stored_raw]
@@ -381,22 +381,26 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     st[:] = _page_checks(off_np, size_np, kind_np, page_size, buf.shape[0], n)
     out_flat = out.reshape(-1)
     kinds_u8 = np.ascontiguousarray(kinds.numpy(), dtype=np.uint8)
+    native_unshuffle = _native is not None and hasattr(_native, "bitshuffle")
 
     def work(start: int, stop: int) -> None:
         rng = slice(start, stop)
-        ok = st[rng] == 0
-        codec = kind_np[rng] & 15
-        if _native is not None:  # every page of the range without the GIL
-            rows = (np.flatnonzero(ok) + start).astype(np.int64)
-            _native.decode_pages(buf, off_np, size_np, kinds_u8, rows, out_flat, st, page_size)
+        if _native is not None:  # every page of the range without the GIL: decoded, failed
+            # rows zeroed and, with the C bit-shuffle, bit-shuffled pages unshuffled
+            _native.decode_pages(buf, off_np[rng], size_np[rng], kinds_u8[rng],
+                                 out[rng].reshape(-1), st[rng], page_size)
+            if native_unshuffle:
+                return
         else:
+            ok = st[rng] == 0
+            codec = kind_np[rng] & 15
             fill = np.flatnonzero(ok & (codec == fmt.KIND_FILL)) + start
             out[fill] = buf[off_np[fill]][:, None]
             for i in (np.flatnonzero(ok & (codec == fmt.KIND_RAW)) + start).tolist():
                 out[i] = buf[off_np[i] : off_np[i] + page_size]
             lz = (np.flatnonzero(ok & (codec == fmt.KIND_LZ4)) + start).astype(np.int64)
             _decode_lz4_python(buf, off_np, size_np, lz, out_flat, st, page_size)
-        shift = kind_np[rng] >> 4
+        codec, shift = kind_np[rng] & 15, kind_np[rng] >> 4
         for sh in (1, 2):
             rows = np.flatnonzero((st[rng] == 0) & (codec == fmt.KIND_LZ4) & (shift == sh)) + start
             if rows.shape[0] == stop - start:  # a typed batch: whole range, in place
