@@ -4,13 +4,17 @@ It serves CPU tensors, and CUDA tensors when no GPU path is usable (copy to host
 copy back). ``decode_block`` is a readable pure-Python LZ4 block decoder that classifies
 errors with the same status codes as the GPU decoder.
 
-Speed: the bit-shuffle is numpy over whole batches (``shuffle.bitshuffle_np``); the LZ4 pages of
-a range are compressed and decoded by the C loops of ``_native`` with the GIL released (the
-compress loop calls the liblz4 that python-lz4 carries, as ``lz4.block.compress`` does: the
-same blocks). So a batch of at least ``MIN_THREADED_PAGES`` pages is split into contiguous page
-ranges run on a shared thread pool of :func:`cpu_threads` threads (set with
-:func:`set_cpu_threads` or the ``PAGECOMP_CPU_THREADS`` environment variable, read at each
-call; default ``min(8, os.cpu_count())``). The pool is shut down at interpreter exit.
+Speed: a batch is cut into ranges of at most ``MAX_RANGE_PAGES`` pages, and each range is one
+call of the C loops of ``_native`` each way, with the GIL released: compression finds FILL
+pages, compresses through the liblz4 that python-lz4 carries (as ``lz4.block.compress`` does:
+the same blocks), stores RAW pages and writes the kinds; decoding decodes, unshuffles and
+zeroes failed rows (the bit-shuffle in C on x86-64, ``shuffle.bitshuffle_np``, else numpy). A
+batch of at least ``MIN_THREADED_PAGES`` pages runs its ranges on a shared thread pool of
+:func:`cpu_threads` threads (set with :func:`set_cpu_threads` or the ``PAGECOMP_CPU_THREADS``
+environment variable, read at each call; default ``min(8, os.cpu_count())``), shut down at
+interpreter exit. Large outputs come from a pool that reuses their memory
+(``pools.CpuOutputPool``): first writes to new memory fault page by page, and those faults
+do not run in parallel.
 
 Decode rules (the same on every backend; ``triton_kernels/lz4_decompress.py``): per page, in
 this order, ``STATUS_BAD_KIND`` for an unknown kind or a shuffle on a non-LZ4 page;
