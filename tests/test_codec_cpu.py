@@ -602,6 +602,13 @@ def test_c_loops_check_their_arguments(gen):
     out[:] = 0xA5
     dec()
     assert st.tolist() == [fmt.STATUS_BAD_KIND, fmt.STATUS_OK] and not out[:4096].any()
+    # kinds the caller's checks refuse are refused here too (never unshuffled as other sizes)
+    for bad in (fmt.KIND_LZ4 | 3 << 4, 3, fmt.KIND_RAW | 1 << 4, fmt.KIND_FILL | 2 << 4):
+        kinds[:] = [fmt.KIND_LZ4, bad]
+        st[:] = 0
+        out[:] = 0xA5
+        dec()
+        assert st.tolist() == [fmt.STATUS_OK, fmt.STATUS_BAD_KIND] and not out[4096:].any()
     comp, calls = cpu_codec._native.compress_pages, cpu_codec._liblz4_calls()
     raw = np.frombuffer(page + bytes([9]) * 4096 + bytes(gen_bytes(gen, 4096)), dtype=np.uint8)
     sizes, kinds3 = np.zeros(3, np.int32), np.zeros(3, np.uint8)

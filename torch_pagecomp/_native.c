@@ -19,6 +19,7 @@
 
 enum {
     STATUS_OK = 0,
+    STATUS_BAD_KIND = 1,
     STATUS_BAD_SIZE = 2,
     STATUS_TRUNCATED = 3,
     STATUS_BAD_OFFSET = 4,
@@ -206,8 +207,9 @@ PyDoc_STRVAR(decode_pages_doc,
 "kinds[i] (uint8 [N]: codec kinds[i] & 15, RAW 0, LZ4 1, FILL 2; bit-shuffle shift\n"
 "kinds[i] >> 4), its bytes go to out[i * page_size:(i + 1) * page_size] (uint8 [N * page_size])\n"
 "and its status to status[i] (int32 [N]). A page whose status is already set (the caller's\n"
-"checks of kinds and sizes: cpu_codec._page_checks) is not decoded. A page whose bytes lie\n"
-"outside the payload, or a RAW / FILL page of another size, is BAD_SIZE. A failed page's row\n"
+"checks of kinds and sizes: cpu_codec._page_checks) is not decoded. An unknown kind, or a\n"
+"shift other than 0..2 or on a page that is not LZ4, is BAD_KIND; a page whose bytes lie\n"
+"outside the payload, or a RAW / FILL page of another size, BAD_SIZE. A failed page's row\n"
 "is zeroed. Bit-shuffled LZ4 pages are unshuffled where the module has bitshuffle (SSE2), else\n"
 "they come out shuffled.");
 
@@ -235,13 +237,15 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
         const int64_t total = payload.len;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
-            const int codec = kind[i] & 15;
+            const int codec = kind[i] & 15, shift = kind[i] >> 4;
             uint8_t *to = dst + i * (int64_t)page;
             if (st[i] != STATUS_OK) {
                 /* failed the caller's checks */
+            } else if (codec > 2 || shift > 2 || (shift && codec != 1)) {
+                /* as the caller checks too: no other kind reaches the unshuffle */
+                st[i] = STATUS_BAD_KIND;
             } else if (off[i] < 0 || size[i] < 1 || size[i] > total - off[i] ||
-                       (codec == 0 && size[i] != page) || (codec == 2 && size[i] != 1) ||
-                       codec > 2) {
+                       (codec == 0 && size[i] != page) || (codec == 2 && size[i] != 1)) {
                 st[i] = STATUS_BAD_SIZE;
             } else if (codec == 0) { /* RAW */
                 memcpy(to, src + off[i], (size_t)page);
@@ -250,7 +254,7 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
             } else {
                 st[i] = decode_block(src + off[i], size[i], to, page);
 #if defined(HAVE_SHUFFLE)
-                const int e = 1 << (kind[i] >> 4);
+                const int e = 1 << shift; /* 1, 2 or 4 */
                 if (st[i] == STATUS_OK && e > 1 && page % (64 * e) == 0) {
                     memcpy(tmp, to, (size_t)page);
                     unshuffle_page(tmp, to, page, e);
