@@ -93,15 +93,17 @@ static int32_t decode_block(const uint8_t *src, int64_t end, uint8_t *dst, int64
 #include <emmintrin.h>
 #define HAVE_SHUFFLE 1
 
+/* One butterfly step: in each 64-bit lane, the bits of `mask` and those `d` above them swap. */
+static inline __m128i swap_bits(__m128i x, int d, long long mask) {
+    const __m128i t = _mm_and_si128(_mm_xor_si128(x, _mm_srli_epi64(x, d)), _mm_set1_epi64x(mask));
+    return _mm_xor_si128(_mm_xor_si128(x, t), _mm_slli_epi64(t, d));
+}
+
 /* In each 64-bit lane: bit c of byte r <-> bit r of byte c. */
 static inline __m128i transpose_bits(__m128i x) {
-    __m128i t;
-    t = _mm_and_si128(_mm_xor_si128(x, _mm_srli_epi64(x, 7)), _mm_set1_epi64x(0x00AA00AA00AA00AAll));
-    x = _mm_xor_si128(_mm_xor_si128(x, t), _mm_slli_epi64(t, 7));
-    t = _mm_and_si128(_mm_xor_si128(x, _mm_srli_epi64(x, 14)), _mm_set1_epi64x(0x0000CCCC0000CCCCll));
-    x = _mm_xor_si128(_mm_xor_si128(x, t), _mm_slli_epi64(t, 14));
-    t = _mm_and_si128(_mm_xor_si128(x, _mm_srli_epi64(x, 28)), _mm_set1_epi64x(0x00000000F0F0F0F0ll));
-    return _mm_xor_si128(_mm_xor_si128(x, t), _mm_slli_epi64(t, 28));
+    x = swap_bits(x, 7, 0x00AA00AA00AA00AAll);
+    x = swap_bits(x, 14, 0x0000CCCC0000CCCCll);
+    return swap_bits(x, 28, 0x00000000F0F0F0F0ll);
 }
 
 /* r[k]: row k in the low 8 bytes (k = 0..7) -> o[m]: columns 2m and 2m + 1 (column c: byte c of
@@ -127,10 +129,10 @@ static inline void gather_byte(const uint8_t *src, int e, int j, __m128i x[4]) {
             if (j) { a = _mm_srli_epi16(a, 8); b = _mm_srli_epi16(b, 8); }
             x[k] = _mm_packus_epi16(_mm_and_si128(a, lo), _mm_and_si128(b, lo));
         } else { /* e == 4 */
+            const __m128i shift = _mm_cvtsi32_si128(8 * j);
             __m128i t[4];
             for (int m = 0; m < 4; m++)
-                t[m] = _mm_and_si128(_mm_srl_epi32(_mm_loadu_si128(v + m), _mm_cvtsi32_si128(8 * j)),
-                                     lo32);
+                t[m] = _mm_and_si128(_mm_srl_epi32(_mm_loadu_si128(v + m), shift), lo32);
             x[k] = _mm_packus_epi16(_mm_packs_epi32(t[0], t[1]), _mm_packs_epi32(t[2], t[3]));
         }
     }
@@ -144,8 +146,10 @@ static inline void scatter_bytes(__m128i x[4][4], int e, uint8_t *dst) {
             _mm_storeu_si128(v, _mm_unpacklo_epi8(x[0][k], x[1][k]));
             _mm_storeu_si128(v + 1, _mm_unpackhi_epi8(x[0][k], x[1][k]));
         } else {
-            const __m128i a = _mm_unpacklo_epi8(x[0][k], x[1][k]), b = _mm_unpacklo_epi8(x[2][k], x[3][k]);
-            const __m128i c = _mm_unpackhi_epi8(x[0][k], x[1][k]), d = _mm_unpackhi_epi8(x[2][k], x[3][k]);
+            const __m128i a = _mm_unpacklo_epi8(x[0][k], x[1][k]);
+            const __m128i b = _mm_unpacklo_epi8(x[2][k], x[3][k]);
+            const __m128i c = _mm_unpackhi_epi8(x[0][k], x[1][k]);
+            const __m128i d = _mm_unpackhi_epi8(x[2][k], x[3][k]);
             _mm_storeu_si128(v, _mm_unpacklo_epi16(a, b));
             _mm_storeu_si128(v + 1, _mm_unpackhi_epi16(a, b));
             _mm_storeu_si128(v + 2, _mm_unpacklo_epi16(c, d));
