@@ -614,11 +614,13 @@ def test_c_loops_check_their_arguments(gen):
     sizes, kinds3 = np.zeros(3, np.int32), np.zeros(3, np.uint8)
     out3 = np.full(3 * 4096, 0xA5, np.uint8)
     with pytest.raises(ValueError, match="out holds"):
-        comp(raw, raw, out3[:4096], sizes, kinds3, 4096, 3968, fmt.KIND_LZ4, calls)
+        comp(raw, raw, out3[:4096], sizes, kinds3, 4096, 3968, fmt.KIND_LZ4, 0, calls)
     with pytest.raises(ValueError, match="liblz4 calls are invalid"):
-        comp(raw, raw, out3, sizes, kinds3, 4096, 3968, fmt.KIND_LZ4, (0, 0, 0))
+        comp(raw, raw, out3, sizes, kinds3, 4096, 3968, fmt.KIND_LZ4, 0, (0, 0, 0))
+    with pytest.raises(ValueError, match="shuffle"):
+        comp(raw, raw, out3, sizes, kinds3, 4096, 3968, fmt.KIND_LZ4, 8, calls)
     assert (out3 == 0xA5).all()
-    comp(raw, raw, out3, sizes, kinds3, 4096, 3968, fmt.KIND_LZ4, calls)
+    comp(raw, raw, out3, sizes, kinds3, 4096, 3968, fmt.KIND_LZ4, 0, calls)
     assert sizes.tolist() == [len(block), 1, 4096]
     assert kinds3.tolist() == [fmt.KIND_LZ4, fmt.KIND_FILL, fmt.KIND_RAW]
     assert out3[:len(block)].tobytes() == block and not out3[len(block):4096].any()

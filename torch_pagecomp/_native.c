@@ -289,10 +289,12 @@ typedef int (*lz4_continue_fn)(void *stream, const char *src, char *dst, int src
 typedef int (*lz4_sizeof_fn)(void);
 
 PyDoc_STRVAR(compress_pages_doc,
-"compress_pages(raw, src, out, sizes, kinds, page_size, limit, lz4_kind, liblz4)\n\n"
+"compress_pages(raw, src, out, sizes, kinds, page_size, limit, lz4_kind, shuffle, liblz4)\n\n"
 "Compress the N pages of a range (raw: uint8 [N * page_size]; src: the same pages as the LZ4\n"
 "compressor reads them, bit-shuffled or raw itself) with the GIL released: a page whose bytes\n"
 "are all equal is FILL (size 1, its byte then zeros); else src's page is compressed through\n"
+"(shuffle 2 or 4, where the module has bitshuffle: raw's page bit-shuffled here with that\n"
+"element size, page by page in a buffer that stays in cache; src is then not read)\n"
 "the liblz4 that python-lz4 carries (``liblz4``: the addresses of its LZ4_resetStream,\n"
 "LZ4_compress_fast_continue and LZ4_sizeofState, called as lz4.block.compress calls them, so\n"
 "the blocks are its blocks) and kept as kind lz4_kind if at most ``limit`` bytes (the rest of\n"
@@ -302,27 +304,35 @@ PyDoc_STRVAR(compress_pages_doc,
 static PyObject *compress_pages(PyObject *self, PyObject *args) {
     Py_buffer raw, pages, out, sizes, kinds;
     Py_ssize_t page, limit;
-    int lz4_kind;
+    int lz4_kind, shuffle;
     unsigned long long reset_addr, continue_addr, sizeof_addr;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*w*nni(KKK)", &raw, &pages, &out, &sizes, &kinds, &page,
-                          &limit, &lz4_kind, &reset_addr, &continue_addr, &sizeof_addr))
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*nnii(KKK)", &raw, &pages, &out, &sizes, &kinds, &page,
+                          &limit, &lz4_kind, &shuffle, &reset_addr, &continue_addr, &sizeof_addr))
         return NULL;
     PyObject *result = NULL;
     const Py_ssize_t n = sizes.len / 4;
+#if defined(HAVE_SHUFFLE)
+    const int shuffle_ok = shuffle == 0 || ((shuffle == 2 || shuffle == 4) &&
+                                            page % (64 * shuffle) == 0);
+#else
+    const int shuffle_ok = shuffle == 0;
+#endif
     if (page <= 0 || page > (1 << 24) || page % 8 || limit < 1 || limit > page ||
-        lz4_kind < 0 || lz4_kind > 255 || !reset_addr || !continue_addr || !sizeof_addr) {
-        PyErr_SetString(PyExc_ValueError, "page_size, limit, lz4_kind or the liblz4 calls are "
-                        "invalid");
+        lz4_kind < 0 || lz4_kind > 255 || !shuffle_ok || !reset_addr || !continue_addr ||
+        !sizeof_addr) {
+        PyErr_SetString(PyExc_ValueError, "page_size, limit, lz4_kind, shuffle or the liblz4 "
+                        "calls are invalid");
     } else if (check(&raw, page, n, "raw") && check(&pages, page, n, "pages") &&
                check(&out, page, n, "out") && check(&kinds, 1, n, "kinds")) {
         const lz4_reset_fn reset = (lz4_reset_fn)(uintptr_t)reset_addr;
         const lz4_continue_fn compress = (lz4_continue_fn)(uintptr_t)continue_addr;
         const int state_size = ((lz4_sizeof_fn)(uintptr_t)sizeof_addr)();
         const int bound = (int)page + (int)page / 255 + 16; /* LZ4_COMPRESSBOUND */
-        /* the block, then the stream state (8-byte aligned, as liblz4 needs) */
+        /* the block, then the stream state (8-byte aligned, as liblz4 needs), then a page */
         const size_t at = ((size_t)bound + 15) & ~(size_t)15;
-        char *tmp = PyMem_RawMalloc(at + (size_t)state_size);
+        const size_t at_page = (at + (size_t)state_size + 15) & ~(size_t)15;
+        char *tmp = PyMem_RawMalloc(at_page + (size_t)page);
         const uint8_t *from = raw.buf;
         const char *src = pages.buf;
         uint8_t *dst = out.buf, *kind = kinds.buf;
@@ -348,10 +358,16 @@ static PyObject *compress_pages(PyObject *self, PyObject *args) {
                     kind[i] = 2;
                     continue;
                 }
+                const char *from_page = src + i * (int64_t)page;
+#if defined(HAVE_SHUFFLE)
+                if (shuffle) {
+                    shuffle_page(r, (uint8_t *)tmp + at_page, page, shuffle);
+                    from_page = tmp + at_page;
+                }
+#endif
                 /* into a buffer of the bound, as lz4.block.compress does, then kept if it fits */
                 reset(tmp + at);
-                const int got = compress(tmp + at, src + i * (int64_t)page, tmp, (int)page,
-                                         bound, 1);
+                const int got = compress(tmp + at, from_page, tmp, (int)page, bound, 1);
                 if (got > 0 && got <= limit) {
                     memcpy(to, tmp, (size_t)got);
                     memset(to + got, 0, (size_t)(page - got));

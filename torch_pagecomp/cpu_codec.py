@@ -209,17 +209,20 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
     out_mv = memoryview(out.reshape(-1))
 
     native = _native is not None and _liblz4_calls() is not None
+    c_shuffle = (native and element_size > 1 and hasattr(_native, "bitshuffle")
+                 and page_size % (64 * element_size) == 0)
 
     def work(start: int, stop: int) -> None:
         rows = raw[start:stop]
         src = rows
-        if element_size > 1:
+        if element_size > 1 and not c_shuffle:
             src = bitshuffle_np(rows, element_size, out=_scratch(rows.shape))
         p = page_size
         if native:  # every page of the range, kinds and RAW copies included, without the GIL
+            # (and with the C bit-shuffle, each page shuffled there, in cache, just before)
             _native.compress_pages(rows.reshape(-1), src.reshape(-1), out[start:stop].reshape(-1),
                                    size_np[start:stop], kind_np[start:stop], p, limit, lz4_kind,
-                                   _liblz4_calls())
+                                   element_size if c_shuffle else 0, _liblz4_calls())
             return
         # a few Python steps per page on memoryviews, holding the GIL between calls
         fill = fill_rows(rows)
