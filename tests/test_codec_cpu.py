@@ -273,11 +273,11 @@ def test_threads_take_ranges_as_they_finish(monkeypatch, threads, n):
             seen.append((start, stop))
             workers.add(threading.get_ident())
 
-    cpu_codec._run_ranges(fn, n)
+    cpu_codec._run_ranges(fn, n, 4096)
     seen.sort()
     assert seen[0][0] == 0 and seen[-1][1] == n
     assert all(a[1] == b[0] for a, b in zip(seen, seen[1:]))  # no gap, no overlap
-    assert all(b - a <= cpu_codec.MAX_RANGE_PAGES for a, b in seen)
+    assert all((b - a) * 4096 <= cpu_codec.MAX_RANGE_BYTES for a, b in seen)
     split = threads > 1 and n >= cpu_codec.MIN_THREADED_PAGES
     if split:
         assert len(seen) >= min(threads * cpu_codec.RANGES_PER_THREAD,

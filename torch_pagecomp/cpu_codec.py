@@ -4,7 +4,7 @@ It serves CPU tensors, and CUDA tensors when no GPU path is usable (copy to host
 copy back). ``decode_block`` is a readable pure-Python LZ4 block decoder that classifies
 errors with the same status codes as the GPU decoder.
 
-Speed: a batch is cut into ranges of at most ``MAX_RANGE_PAGES`` pages, and each range is one
+Speed: a batch is cut into ranges of at most ``MAX_RANGE_BYTES``, and each range is one
 call of the C loops of ``_native`` each way, with the GIL released: compression finds FILL
 pages, compresses through the liblz4 that python-lz4 carries (as ``lz4.block.compress`` does:
 the same blocks), stores RAW pages and writes the kinds; decoding decodes, unshuffles and
@@ -80,7 +80,7 @@ MAX_DEFAULT_THREADS = 8
 # than a few dozen lz4 calls. Every range of a split batch has at least half this many pages.
 MIN_THREADED_PAGES = 64
 RANGES_PER_THREAD = 4
-MAX_RANGE_PAGES = 512
+MAX_RANGE_BYTES = 2 << 20  # a range's pages (and its scratch, without the C bit-shuffle)
 # Large outputs come from a pool that reuses their memory (see ``pools.CpuOutputPool``).
 _outputs = CpuOutputPool()
 
@@ -143,17 +143,19 @@ def shutdown_pool() -> None:
         pool.shutdown(wait=True)
 
 
-def _run_ranges(fn, n: int) -> None:
+def _run_ranges(fn, n: int, page_size: int) -> None:
     """``fn(start, stop)`` over contiguous ranges covering ``0..n`` in order of ``start``, on up
     to :func:`cpu_threads` threads (the caller is one of them; small batches: the caller
-    alone). A batch is cut into ranges of at most ``MAX_RANGE_PAGES`` pages, and into at least
+    alone). A batch of ``page_size``-byte pages is cut into ranges of at most
+    ``MAX_RANGE_BYTES`` (and at least ``MIN_THREADED_PAGES // 2`` pages), and into at least
     a few per thread, each thread taking the next range as it finishes one: pages differ in
     cost (a page of zeros against one of text), so equal shares fixed up front would leave
     threads idle behind the slowest, and a bounded range keeps its temporaries (the
     bit-shuffled pages) in one reused buffer per thread (:func:`_scratch`)."""
     threads = min(cpu_threads(), n // (MIN_THREADED_PAGES // 2)) if n >= MIN_THREADED_PAGES else 1
-    parts = max(-(-n // MAX_RANGE_PAGES), min(RANGES_PER_THREAD * threads,
-                                               n // (MIN_THREADED_PAGES // 2)), 1)
+    most = max(MIN_THREADED_PAGES // 2, MAX_RANGE_BYTES // page_size)  # pages in a range
+    parts = max(-(-n // most), min(RANGES_PER_THREAD * threads,
+                                   n // (MIN_THREADED_PAGES // 2)), 1)
     bounds = [n * k // parts for k in range(parts + 1)]
     taken = itertools.count()  # next() of a count is atomic under the GIL
 
@@ -250,7 +252,7 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
         stored_raw = np.flatnonzero(got == p) + start
         out[stored_raw] = raw[stored_raw]
 
-    _run_ranges(work, n)
+    _run_ranges(work, n, page_size)
     return payload, sizes, kinds
 
 
@@ -417,7 +419,7 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
         failed = np.flatnonzero(st[rng] != 0) + start
         out[failed] = 0
 
-    _run_ranges(work, n)
+    _run_ranges(work, n, page_size)
     return pages, status
 
 
