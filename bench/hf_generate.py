@@ -23,7 +23,10 @@ the first generated token in that same run, taken by a streamer at its first gen
 (``generate`` hands tokens to the streamer after copying them to the host, so the device has
 finished the prefill and the first token then); ``decode_tokens_per_s`` is
 ``(new - 1) * batch / (total_s - prefill_s)``. ``peak_gpu_gib``: ``max_memory_allocated`` over
-the timed run (model weights included: ``model_gib``). ``host_gib``: host memory the cache holds
+the timed run (model weights included: ``model_gib``), ``peak_prefill_gib`` the same up to the
+first token (where the peak falls); for ``compressed``, ``device_metadata_bytes``: the device
+memory its stored blocks keep for their restore (page metadata) at the end. ``host_gib``: host
+memory the cache holds
 at the end: 0 for ``dynamic``; for ``dynamic_offloaded`` the bytes of its layer tensors then on
 the CPU; for ``compressed`` the stored bytes of its compressed blocks (``cache.stats()``;
 ``host_pool_gib``: the page-locked chunks its stores hold, ``host_pool_peak_gib`` their peak;
@@ -141,15 +144,38 @@ class _FirstToken:
 
     def __init__(self, sync):
         self.sync, self.puts, self.t = sync, 0, None
+        self.peak = None  # GPU bytes: the peak up to the first token (the prefill's)
 
     def put(self, value):
         self.puts += 1
         if self.puts == 2:
             self.sync()
             self.t = time.perf_counter()
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                self.peak = torch.cuda.max_memory_allocated()
 
     def end(self):
         pass
+
+
+def _metadata_bytes(cache) -> int:
+    """Bytes of device memory the compressed cache's stored blocks keep for their restore (each
+    slice's page metadata, and each layer's concatenated copy of it), counted once per
+    allocation: what the cache holds on the device besides its tails."""
+    seen: dict[int, int] = {}
+    for layer in cache.layers:
+        group = getattr(layer, "_group", None)
+        tensors = [t for stored in getattr(group, "storeds", ())
+                   for sl in getattr(stored, "slices", ())
+                   for t in (sl.rel, sl.sizes, sl.kinds)]
+        tensors += list(getattr(group, "meta", None) or ())
+        for t in tensors:
+            if t is not None and t.is_cuda:
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def _held(cache, on_cpu: bool) -> int:
@@ -210,6 +236,8 @@ def run(variant: str, s: dict, device: str) -> dict:
     total = time.perf_counter() - t0
     if cuda:
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
+        if first.peak is not None:  # where the peak falls: the prefill's, or later (decoding)
+            row["peak_prefill_gib"] = first.peak / GIB
     gen_ids = out.sequences[:, prompt:].tolist()
     row.update(_logit_stats(out.logits))
     row["weights_hash"] = _fingerprint(list(model.parameters()))
@@ -235,6 +263,7 @@ def run(variant: str, s: dict, device: str) -> dict:
         row["host_pool_gib"] = st["host_held_bytes"] / GIB
         row["host_pool_peak_gib"] = st["host_peak_held_bytes"] / GIB
         row["stores"] = {str(d): store.stats() for d, store in cache.stores.items()}
+        row["device_metadata_bytes"] = _metadata_bytes(cache)
     else:
         on_cpu = _held(cache, on_cpu=True)
         row["host_gib"] = (on_cpu if variant == "dynamic_offloaded" else 0) / GIB

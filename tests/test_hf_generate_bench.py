@@ -61,6 +61,7 @@ def test_tiny_cpu_generation_bench(tmp_path):
     assert st["compressed_bytes"] == st["blocks"] * 2 * 2 * 16 * 16 * 4  # K+V, fp32 blocks
     assert st["sealed"] == st["blocks"]  # each block once
     assert st["restored_on_use"] > 0 and comp["host_pool_gib"] > 0
+    assert comp["device_metadata_bytes"] == 0  # counted on a GPU only (on the CPU: none)
 
     md = (tmp_path / "g.md").read_text()
     assert "| compressed |" in md and "| dynamic |" in md
