@@ -363,21 +363,37 @@ def test_thread_setting(monkeypatch):
 
 
 def test_pool_exits_cleanly(tmp_path):
-    """A script that compresses on the pool exits 0 with nothing on stderr."""
+    """A script that compresses on the pool exits 0 with nothing on stderr; a child forked
+    after the pool ran (a DataLoader worker, say) runs a pool of its own (the parent's threads
+    are not in the child: submitting to the parent's pool would wait forever)."""
     import subprocess
     import sys
 
     script = tmp_path / "use_pool.py"
     script.write_text(
-        "import torch\n"
+        "import os, time, torch\n"
         "from torch_pagecomp import cpu_codec\n"
         "cpu_codec.set_cpu_threads(4)\n"
         "x = torch.arange(4096 * 256, dtype=torch.int32).view(torch.uint8).view(-1, 4096)\n"
-        "p, s, k = cpu_codec.compress_cpu(x, 4)\n"
-        "offs = torch.arange(x.shape[0], dtype=torch.int64) * 4096\n"
-        "out, st = cpu_codec.decompress_cpu(p.view(-1), offs, s, k, 4096)\n"
-        "assert torch.equal(out, x) and not st.any()\n"
-        "assert cpu_codec._pool is not None\n"
+        "def round_trip():\n"
+        "    p, s, k = cpu_codec.compress_cpu(x, 4)\n"
+        "    offs = torch.arange(x.shape[0], dtype=torch.int64) * 4096\n"
+        "    out, st = cpu_codec.decompress_cpu(p.view(-1), offs, s, k, 4096)\n"
+        "    # numpy's compare: torch's own thread pool does not survive a fork (not ours)\n"
+        "    return bool((out.numpy() == x.numpy()).all()) and not st.numpy().any()\n"
+        "assert round_trip() and cpu_codec._pool is not None\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if round_trip() else 1)\n"
+        "for _ in range(600):\n"
+        "    done, status = os.waitpid(pid, os.WNOHANG)\n"
+        "    if done:\n"
+        "        break\n"
+        "    time.sleep(0.1)\n"
+        "else:\n"
+        "    os.kill(pid, 9)\n"
+        "    raise SystemExit('the forked child hung on the pool')\n"
+        "assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status\n"
         "print('ok')\n"
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}

@@ -132,6 +132,17 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, say) has none of the parent's pool threads, and a
+    lock a parent thread held at the fork stays held: it starts a pool and locks of its own."""
+    global _pool, _pool_size, _pool_lock
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+    _outputs.reset_lock_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @atexit.register
 def shutdown_pool() -> None:
     """Stop the CPU codec's worker threads (registered with ``atexit``; a later large batch

@@ -430,6 +430,11 @@ class CpuOutputPool:
             self._idle.clear()
             self._idle_bytes = 0
 
+    def reset_lock_after_fork(self) -> None:
+        """In a forked child: a fresh lock (a parent thread may have held the old one at the
+        fork, and that thread does not exist here)."""
+        self._lock = threading.Lock()
+
     def stats(self) -> dict:
         with self._lock:
             return {"idle_bytes": self._idle_bytes, "idle_buffers": len(self._idle),
