@@ -97,3 +97,25 @@ def bf16_exponent_pages(gen: torch.Generator, page_size: int = 4096) -> torch.Te
         (torch.randn(n, generator=gen) * torch.logspace(-20, 20, n)).to(torch.bfloat16),
     ]
     return torch.stack([r.view(torch.uint8) for r in rows])
+
+
+def assert_probe_kernels_equal_reference(codec, pages: torch.Tensor, poison: int) -> None:
+    """An exponent-codec probe's (``bench.dev_float_*``) Triton kernels against its numpy
+    reference on ``pages`` (``uint8 [N, P]``): the same sizes and bytes, nothing written past a
+    page's bytes (outputs poisoned), stored pages decoded exactly, oversized ones BAD_SIZE and
+    zero."""
+    import numpy as np
+
+    p = pages.shape[1]
+    want_payload, want_sizes = codec.encode_ref(pages.cpu().numpy())
+    payload, sizes = codec.encode(pages, torch.full_like(pages, poison))
+    assert sizes.cpu().numpy().tolist() == want_sizes.tolist()
+    for i, s in enumerate(want_sizes.tolist()):
+        k = min(s, p)
+        assert np.array_equal(payload[i, :k].cpu().numpy(), want_payload[i, :k]), i
+        assert bool((payload[i, k:] == poison).all())  # nothing written past the page's bytes
+    out, status = codec.decode(payload, sizes, torch.full_like(pages, poison))
+    ok = torch.from_numpy(want_sizes <= codec.limit(p)).to(status.device)
+    assert torch.equal(status[ok], torch.zeros_like(status[ok]))
+    assert torch.equal(out[ok], pages[ok])
+    assert bool((status[~ok] == codec.STATUS_BAD_SIZE).all()) and bool((out[~ok] == 0).all())

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import POISON
-from pages import bf16_exponent_pages
+from pages import assert_probe_kernels_equal_reference, bf16_exponent_pages
 
 fc = pytest.importorskip("bench.dev_float_codec")
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
@@ -37,18 +37,7 @@ def test_kernels_equal_reference(gen):
     pages = bf16_exponent_pages(gen, P)
     if torch.cuda.is_available():
         pages = pages.cuda()
-    want_payload, want_sizes = fc.encode_ref(pages.cpu().numpy())
-    payload, sizes = fc.encode(pages, torch.full_like(pages, POISON))
-    assert sizes.cpu().numpy().tolist() == want_sizes.tolist()
-    for i, s in enumerate(want_sizes.tolist()):
-        k = min(s, P)
-        assert np.array_equal(payload[i, :k].cpu().numpy(), want_payload[i, :k]), i
-        assert bool((payload[i, k:] == POISON).all())  # nothing written past the page's bytes
-    out, status = fc.decode(payload, sizes, torch.full_like(pages, POISON))
-    ok = torch.from_numpy(want_sizes <= fc.limit(P)).to(status.device)
-    assert torch.equal(status[ok], torch.zeros_like(status[ok]))
-    assert torch.equal(out[ok], pages[ok])
-    assert bool((status[~ok] == fc.STATUS_BAD_SIZE).all()) and bool((out[~ok] == 0).all())
+    assert_probe_kernels_equal_reference(fc, pages, POISON)
 
 
 @interpreter

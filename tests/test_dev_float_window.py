@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import POISON
-from pages import bf16_exponent_pages
+from pages import assert_probe_kernels_equal_reference, bf16_exponent_pages
 
 fw = pytest.importorskip("bench.dev_float_window")
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
@@ -69,18 +69,7 @@ def test_kernels_equal_reference(gen):
     pages = _shaped_pages(gen)
     if torch.cuda.is_available():
         pages = pages.cuda()
-    want_payload, want_sizes = fw.encode_ref(pages.cpu().numpy())
-    payload, sizes = fw.encode(pages, torch.full_like(pages, POISON))
-    assert sizes.cpu().numpy().tolist() == want_sizes.tolist()
-    for i, s in enumerate(want_sizes.tolist()):
-        k = min(s, P)
-        assert np.array_equal(payload[i, :k].cpu().numpy(), want_payload[i, :k]), i
-        assert bool((payload[i, k:] == POISON).all())  # nothing written past the page's bytes
-    out, status = fw.decode(payload, sizes, torch.full_like(pages, POISON))
-    ok = torch.from_numpy(want_sizes <= fw.limit(P)).to(status.device)
-    assert torch.equal(status[ok], torch.zeros_like(status[ok]))
-    assert torch.equal(out[ok], pages[ok])
-    assert bool((status[~ok] == fw.STATUS_BAD_SIZE).all()) and bool((out[~ok] == 0).all())
+    assert_probe_kernels_equal_reference(fw, pages, POISON)
 
 
 @interpreter

@@ -226,14 +226,15 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *result = NULL;
     const Py_ssize_t n = status.len / 4;
-    uint8_t *tmp = NULL;
+    uint8_t *tmp = NULL; /* a page, for the in-place unshuffle */
     if (page <= 0 || page > (1 << 24)) {
         PyErr_SetString(PyExc_ValueError, "page_size must be in 1..2**24");
-    } else if (check(&offsets, 8, n, "offsets") && check(&sizes, 8, n, "sizes") &&
-               check(&kinds, 1, n, "kinds") && check(&out, page, n, "out") &&
-               (tmp = PyMem_RawMalloc((size_t)page)) == NULL) {
+    } else if (!check(&offsets, 8, n, "offsets") || !check(&sizes, 8, n, "sizes") ||
+               !check(&kinds, 1, n, "kinds") || !check(&out, page, n, "out")) {
+        /* the error is set */
+    } else if ((tmp = PyMem_RawMalloc((size_t)page)) == NULL) {
         PyErr_NoMemory();
-    } else if (tmp != NULL) {
+    } else {
         const uint8_t *src = payload.buf, *kind = kinds.buf;
         const int64_t *off = offsets.buf, *size = sizes.buf;
         uint8_t *dst = out.buf;

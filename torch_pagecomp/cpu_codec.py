@@ -47,7 +47,7 @@ import torch
 
 from . import format as fmt
 from .pools import CpuOutputPool
-from .shuffle import bitshuffle_np, bitunshuffle_np
+from .shuffle import C_SHUFFLE, bitshuffle_np, bitunshuffle_np
 from .zero_offsets import zero_offset_blocks
 
 try:  # the C page loops (setup.py builds them where a C compiler is found)
@@ -163,10 +163,10 @@ def _run_ranges(fn, n: int, page_size: int) -> None:
     cost (a page of zeros against one of text), so equal shares fixed up front would leave
     threads idle behind the slowest, and a bounded range keeps its temporaries (the
     bit-shuffled pages) in one reused buffer per thread (:func:`_scratch`)."""
-    threads = min(cpu_threads(), n // (MIN_THREADED_PAGES // 2)) if n >= MIN_THREADED_PAGES else 1
-    most = max(MIN_THREADED_PAGES // 2, MAX_RANGE_BYTES // page_size)  # pages in a range
-    parts = max(-(-n // most), min(RANGES_PER_THREAD * threads,
-                                   n // (MIN_THREADED_PAGES // 2)), 1)
+    least = MIN_THREADED_PAGES // 2  # pages in a range, at least
+    threads = min(cpu_threads(), n // least) if n >= MIN_THREADED_PAGES else 1
+    most = max(least, MAX_RANGE_BYTES // page_size)
+    parts = max(-(-n // most), min(RANGES_PER_THREAD * threads, n // least), 1)
     bounds = [n * k // parts for k in range(parts + 1)]
     taken = itertools.count()  # next() of a count is atomic under the GIL
 
@@ -222,8 +222,7 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
     out_mv = memoryview(out.reshape(-1))
 
     native = _native is not None and _liblz4_calls() is not None
-    c_shuffle = (native and element_size > 1 and hasattr(_native, "bitshuffle")
-                 and page_size % (64 * element_size) == 0)
+    c_shuffle = native and C_SHUFFLE and element_size > 1 and page_size % (64 * element_size) == 0
 
     def work(start: int, stop: int) -> None:
         rows = raw[start:stop]
@@ -401,7 +400,6 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     st[:] = _page_checks(off_np, size_np, kind_np, page_size, buf.shape[0], n)
     out_flat = out.reshape(-1)
     kinds_u8 = np.ascontiguousarray(kinds.numpy(), dtype=np.uint8)
-    native_unshuffle = _native is not None and hasattr(_native, "bitshuffle")
 
     def work(start: int, stop: int) -> None:
         rng = slice(start, stop)
@@ -409,7 +407,7 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
             # rows zeroed and, with the C bit-shuffle, bit-shuffled pages unshuffled
             _native.decode_pages(buf, off_np[rng], size_np[rng], kinds_u8[rng],
                                  out[rng].reshape(-1), st[rng], page_size)
-            if native_unshuffle:
+            if C_SHUFFLE:
                 return
         else:
             ok = st[rng] == 0

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 import warnings
@@ -396,9 +397,7 @@ class CpuOutputPool:
 
     def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A ``uint8`` CPU tensor of ``shape`` (contents undefined)."""
-        nbytes = 1
-        for d in shape:
-            nbytes *= d
+        nbytes = math.prod(shape)
         if nbytes < self.MIN_BYTES:
             return torch.empty(shape, dtype=torch.uint8)
         base = None

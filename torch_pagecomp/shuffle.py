@@ -34,6 +34,8 @@ try:  # the C loops (setup.py builds them where a C compiler is found; the shuff
         _native = None
 except ImportError:
     _native = None
+# Whether the C extension bit-shuffles (then its page loops do it page by page themselves).
+C_SHUFFLE = _native is not None
 
 _U64 = np.uint64
 # (d, mask): bits i with i & d == 0 of every byte lane
