@@ -106,12 +106,14 @@ class DeviceStore:
         return Held(self.store.offload(src, element_size, producer=producer), self.sink)
 
     def keep_until_read(self, src: torch.Tensor) -> None:
-        """``src``'s memory is not reused before the compress stream has read it; called once
-        the blocks of a layer's update are sealed. A cache seals a few blocks a layer every
-        ``block_tokens`` tokens, so the compress kernel's scratch is not kept between seals (it
-        would be GPU memory held for the life of the cache, beside every layer's tail)."""
+        """``src``'s memory is not reused before the compress stream has read it."""
         if src.is_cuda:
             src.record_stream(self.store.compress_stream)
+
+    def release_scratch(self) -> None:
+        """Free the compress kernel's scratch (made again by the next seal): a cache seals a
+        few blocks a layer every ``block_tokens`` tokens, so keeping it would hold GPU memory
+        for the life of the cache, beside every layer's tail."""
         release = getattr(self.store, "release_scratch", None)
         if release is not None:
             release()

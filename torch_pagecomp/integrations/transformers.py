@@ -273,6 +273,7 @@ class CompressedLayer(DynamicLayer):
             self._blocks.append(_Block(held, batch))
             self._group.append(held.stored)
         ds.keep_until_read(flat)  # read on the compress stream; nothing writes it again
+        ds.release_scratch()
         if self._rows is not None:  # new blocks read as stored
             self._rows = torch.cat([self._rows, torch.arange(batch).expand(n, batch)])
         self._cache().counters["sealed"] += n
