@@ -243,7 +243,7 @@ def test_deferred_offloads_share_slices_and_come_back_alone_or_together(gen, che
     together; one freed while pending never reaches the arena; freeing all empties it."""
     from torch_pagecomp.offload._paged_group import StoredGroup
 
-    store = _store(slice_bytes=6 * P, checksum=checksum)
+    store = _store(chunk=1 << 17, slice_bytes=6 * P, checksum=checksum)  # batches of 6 pages
     dropped = store.offload(_data(gen, 2 * P, "small"), 2, defer=True)
     assert dropped.pending is store and not dropped.ready() and not dropped.stored()
     store.free(dropped)
@@ -291,10 +291,11 @@ def test_checksums_catch_a_flipped_host_byte(gen, checksum, defer):
     from torch_pagecomp.format import CorruptPageError
     from torch_pagecomp.offload._paged_group import StoredGroup
 
-    store = _store(checksum=checksum)
+    store = _store(chunk=1 << 17, slice_bytes=8 * P, checksum=checksum)
     srcs = [_data(gen, 3 * P, "noise"), _data(gen, 2 * P, "small")]
     stored = [store.offload(s, 1, defer=defer) for s in srcs]
     store.wait_placed()
+    assert (stored[0].slices[0].sl is stored[1].slices[0].sl) == defer
     sl = stored[0].slices[0]
     host = store.arena.backed[sl.base // store.arena.chunk].tensor
     at = sl.base % store.arena.chunk + int(torch.randint(0, P, (), generator=gen))
