@@ -113,9 +113,9 @@ def test_shrink_keeps_chunks_after_a_step_that_placed_nothing(gen):
 def test_placement_descriptors_are_reused_in_order(gen, monkeypatch):
     """More slices in flight than pinned descriptors: a slot is reused only after the slice
     before it is confirmed, and every storage still comes back exact."""
-    import torch_pagecomp.offload._arena as arena
+    import torch_pagecomp.offload._paged as paged
 
-    monkeypatch.setattr(arena, "DESC_SLOTS", 2)
+    monkeypatch.setattr(paged, "DESC_SLOTS", 2)
     store = _store(slice_bytes=P)
     store.arena.descs = torch.empty((2, 2), dtype=torch.int64)
     srcs = [_data(gen, 4 * P + 7, "bf16") for _ in range(3)]  # 12 slices of one page
@@ -205,22 +205,10 @@ def test_plan_moves_to_the_next_chunk_and_pack_stays_inside_the_slice(gen, parit
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("defer", [False, True])  # True: several tensors per slice (by address)
-def test_gpu_round_trip_on_streams(gen, defer):
+def test_gpu_round_trip_on_streams(gen):
     store = _store("cuda", chunk=64 << 20, slice_bytes=16 << 20)
-    srcs = [_data(gen, n, "bf16").cuda() for n in (40 << 20, (3 << 20) + 77, 5 * P, 3 << 20)]
-    stored = [store.offload(s, 2, producer=torch.cuda.current_stream(), defer=defer)
-              for s in srcs]
-    if defer:  # restored as one group (placements known or not), then alone below
-        from torch_pagecomp.offload._paged_group import StoredGroup
-
-        group = StoredGroup(P, stored)
-        out = torch.full((group.nbytes,), POISON, dtype=torch.uint8, device="cuda")
-        with torch.cuda.stream(store.restore_stream):
-            store.restore_group(group, out)
-        torch.cuda.current_stream().wait_stream(store.restore_stream)
-        assert torch.equal(out, torch.cat(srcs))
-        assert any(len(part.sl.ats) > 1 for st in stored for part in st.slices)
+    srcs = [_data(gen, n, "bf16").cuda() for n in (40 << 20, (3 << 20) + 77, 5 * P)]
+    stored = [store.offload(s, 2, producer=torch.cuda.current_stream()) for s in srcs]
     for s, st in zip(srcs, stored):
         out = torch.full_like(s, POISON)
         with torch.cuda.stream(store.restore_stream):
@@ -235,67 +223,18 @@ def test_gpu_round_trip_on_streams(gen, defer):
 
 
 @interpreter
-@pytest.mark.parametrize("checksum", [False, True])
-def test_deferred_offloads_share_slices_and_come_back_alone_or_together(gen, checksum):
-    """``defer=True`` (the activation hooks): tensors offloaded before a flush share slices
-    (several parts per slice, a tensor across slices, a change of element size cuts the
-    batch). Each comes back exact alone (its part's own host bytes), out of order, and all
-    together; one freed while pending never reaches the arena; freeing all empties it."""
-    from torch_pagecomp.offload._paged_group import StoredGroup
-
-    store = _store(chunk=1 << 17, slice_bytes=6 * P, checksum=checksum)  # batches of 6 pages
-    dropped = store.offload(_data(gen, 2 * P, "small"), 2, defer=True)
-    assert dropped.pending is store and not dropped.ready() and not dropped.stored()
-    store.free(dropped)
-    store.flush()
-    assert not store.arena.pending and store.arena.used == 0
-
-    specs = [(3 * P, "bf16", 2), (2 * P + 5, "small", 2), (8 * P, "noise", 2), (P, "small", 2),
-             (4 * P + 1, "bf16", 4), (P, "small", 4)]
-    srcs = [_data(gen, n, kind) for n, kind, _ in specs]
-    stored = [store.offload(s, e, defer=True) for s, (_, _, e) in zip(srcs, specs)]
-    assert stored[-1].pending is store  # the last batch waits for a flush
-    store.flush()
-    assert all(st.pending is None for st in stored)
-    parts = [part for st in stored for part in st.slices]
-    assert any(len(part.sl.ats) > 1 for part in parts), "no slice holds two tensors"
-    assert max(len(st.slices) for st in stored) > 1, "no tensor spans two slices"
-    assert not any(stored[3].slices[0].sl is part.sl for part in stored[4].slices), \
-        "a slice mixes element sizes"
-    store.poll()
-    for s, st in reversed(list(zip(srcs, stored))):
-        out = torch.full_like(s, POISON)
-        store.restore(st, out)
-        assert torch.equal(out, s)
-    group = StoredGroup(P, stored)
-    out = torch.full((group.nbytes,), POISON, dtype=torch.uint8)
-    store.restore_group(group, out)
-    assert torch.equal(out, torch.cat(srcs))
-    whole = [(s, st) for s, st in zip(srcs, stored) if s.numel() % P == 0][1:]  # not from 0
-    outs = [torch.full_like(s, POISON) for s, _ in whole]
-    store.restore_group(StoredGroup(P, [st for _, st in whole]), outs)
-    assert all(torch.equal(o, s) for o, (s, _) in zip(outs, whole))
-    assert store.arena.used == sum(part.total for part in parts)
-    for st in stored:
-        store.free(st)
-    assert store.arena.used == 0 and not store.arena.live
-
-
-@interpreter
-@pytest.mark.parametrize("defer", [False, True])  # True: both tensors share a slice
 @pytest.mark.parametrize("checksum", [True, False])
-def test_checksums_catch_a_flipped_host_byte(gen, checksum, defer):
+def test_checksums_catch_a_flipped_host_byte(gen, checksum):
     """A bit flipped in a stored RAW page (noise: its bytes decode 'fine' to the flipped ones):
     with checksums every restore path raises naming the failure; without, the wrong bytes come
     back (the control: the test sees what checksums are for)."""
     from torch_pagecomp.format import CorruptPageError
     from torch_pagecomp.offload._paged_group import StoredGroup
 
-    store = _store(chunk=1 << 17, slice_bytes=8 * P, checksum=checksum)
+    store = _store(checksum=checksum)
     srcs = [_data(gen, 3 * P, "noise"), _data(gen, 2 * P, "small")]
-    stored = [store.offload(s, 1, defer=defer) for s in srcs]
+    stored = [store.offload(s, 1) for s in srcs]
     store.wait_placed()
-    assert (stored[0].slices[0].sl is stored[1].slices[0].sl) == defer
     sl = stored[0].slices[0]
     host = store.arena.backed[sl.base // store.arena.chunk].tensor
     at = sl.base % store.arena.chunk + int(torch.randint(0, P, (), generator=gen))

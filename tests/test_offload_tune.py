@@ -215,9 +215,6 @@ def test_settling_on_copies_frees_the_compressors_scratch(seed):
         def poll(self):
             pass
 
-        def flush(self):
-            pass
-
         def failed_restores(self):
             return 0
 

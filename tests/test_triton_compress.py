@@ -350,41 +350,6 @@ def test_caller_outputs_and_reused_scratch_match(element_size):
             assert torch.equal(out[0][i, :size], want[0][i, :size]), f"page {i}"
 
 
-def _rows_check(pages: torch.Tensor, element_size: int, gap: int) -> None:
-    """``compress_rows`` of ``pages`` (``uint8 [N, P]``) laid out apart, in shuffled order,
-    in a poisoned buffer (``gap`` bytes between rows): the same blocks as ``compress_pages``
-    of the pages side by side, into poisoned outputs, and the buffer's bytes unchanged."""
-    n, p = pages.shape
-    dev = pages.device
-    want = lc.compress_pages(pages, element_size)
-    buf = torch.full((n * (p + gap) + gap,), 0x5A, dtype=torch.uint8, device=dev)
-    order = torch.randperm(n).tolist()
-    starts = [gap + order[i] * (p + gap) for i in range(n)]
-    for i, a in enumerate(starts):
-        buf[a:a + p] = pages[i]
-    before = buf.clone()
-    rows = torch.tensor([buf.data_ptr() + a for a in starts], dtype=torch.int64, device=dev)
-    out = (torch.full((n, p), 0xA5, dtype=torch.uint8, device=dev),
-           torch.full((n,), -7, dtype=torch.int32, device=dev),
-           torch.full((n,), 0xEE, dtype=torch.uint8, device=dev))
-    lc.compress_rows(rows, p, element_size, out)
-    assert torch.equal(out[1], want[1]) and torch.equal(out[2], want[2])
-    for i, size in enumerate(want[1].tolist()):
-        assert torch.equal(out[0][i, :size], want[0][i, :size]), f"page {i}"
-    assert torch.equal(buf, before), "compress_rows wrote to its input"
-    with pytest.raises(ValueError, match="int64"):
-        lc.compress_rows(rows.to(torch.int32), p, element_size, out)
-
-
-@pytest.mark.parametrize("element_size", [1, 2, 4])
-@interpret_only
-def test_rows_by_address_match_contiguous_pages(element_size):
-    """Pages of several tensors compressed by address (the activation hooks' batches): LZ4,
-    RAW and FILL pages give the blocks of the same pages side by side."""
-    rows = [(_rand(11) * 400)[:P4K], _rand(P4K), bytes(P4K), (_rand(7) * 600)[:P4K]]
-    _rows_check(_rows(*rows), element_size, gap=8 * 3 + 8)
-
-
 @pytest.mark.parametrize("element_size", [1, 2])  # hash table / bit-plane candidates
 @interpret_only
 def test_persistent_loop_many_pages(element_size):
@@ -675,13 +640,6 @@ def test_gpu_shuffle_wide_same_bytes(element_size):
         for a, b in zip(ref, got):
             assert torch.equal(a, b), f"offset {shift}"
     _gpu_check(pages.cpu(), element_size)
-
-
-@needs_cuda
-@pytest.mark.parametrize("element_size", [1, 2, 4])
-def test_gpu_rows_by_address_match_contiguous_pages(element_size):
-    seed = random.getrandbits(31)
-    _rows_check(_corpus_pages(512, 4096, seed).cuda(), element_size, gap=4096 + 8)
 
 
 @needs_cuda

@@ -45,9 +45,9 @@ PACK_WARPS = 4
 
 @triton.jit
 def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host_desc_ptr,
-                       host_rel_ptr, table_ptr, n, parity, limit, P: tl.constexpr,
-                       CHUNK: tl.constexpr, TABLE: tl.constexpr, ALIGN: tl.constexpr,
-                       WORDS: tl.constexpr, BLOCK: tl.constexpr, HOST_REL: tl.constexpr):
+                       table_ptr, n, parity, limit, P: tl.constexpr, CHUNK: tl.constexpr,
+                       TABLE: tl.constexpr, ALIGN: tl.constexpr, WORDS: tl.constexpr,
+                       BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     # plan: the same in every program; each stores the offsets of the pages it copies
@@ -59,10 +59,7 @@ def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host
         size = tl.minimum(tl.maximum(size, 0), P)  # never copy past a row
         padded = (size + (ALIGN - 1)) // ALIGN * ALIGN
         incl = tl.cumsum(padded, 0)
-        mine = m & (idx % programs == pid)
-        tl.store(rel_ptr + idx, carry + incl - padded, mask=mine)
-        if HOST_REL:
-            tl.store(host_rel_ptr + idx, carry + incl - padded, mask=mine)
+        tl.store(rel_ptr + idx, carry + incl - padded, mask=m & (idx % programs == pid))
         carry += tl.sum(padded, 0)
     end = tl.load(ends_ptr + parity)
     base = end
@@ -122,7 +119,7 @@ def link_programs(device: torch.device) -> int:
 def pack_slice(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
                ends: torch.Tensor, parity: int, limit: int, desc: torch.Tensor,
                host_desc: torch.Tensor, table: torch.Tensor, chunk_bytes: int,
-               programs: int | None = None, host_rel: torch.Tensor | None = None) -> None:
+               programs: int | None = None) -> None:
     """Reserve a slice's bytes at the arena's end and copy its pages there, on the current
     stream (see the module docstring).
 
@@ -140,20 +137,16 @@ def pack_slice(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
         table: ``int64 [TABLE]`` on the device: entry ``k % TABLE`` is the address of the
             page-locked host buffer that backs chunk ``k`` (``CHUNK`` bytes, 16-byte aligned).
         chunk_bytes: the arena's chunk size (a multiple of 16 bytes, at least ``N * P``).
-        host_rel: ``int64 [N]`` out, in page-locked host memory, or None: ``rel`` again, for a
-            host that restores parts of the slice alone (the slices of the activation hooks
-            hold the pages of several tensors).
     """
     n, page_size = payload.shape
     if n == 0:
         return
     grid = (min(n, programs or link_programs(payload.device)),)
     launch(_pack_slice_kernel, grid, payload.device,
-           (payload, sizes, rel, ends, desc, host_desc, host_rel, table, n, parity, limit),
+           (payload, sizes, rel, ends, desc, host_desc, table, n, parity, limit),
            frozen_meta((("P", page_size), ("CHUNK", chunk_bytes), ("TABLE", table.numel()),
                         ("ALIGN", ALIGN), ("WORDS", PACK_WORDS), ("BLOCK", PLAN_BLOCK),
-                        ("num_warps", PACK_WARPS), ("HOST_REL", host_rel is not None))),
-           traced=False)
+                        ("num_warps", PACK_WARPS))), traced=False)
 
 
 def fetch_from_host(dst: torch.Tensor, desc: torch.Tensor, table: torch.Tensor,

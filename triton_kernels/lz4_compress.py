@@ -453,14 +453,12 @@ def _lz4_compress_kernel(
     KIND_LZ4: tl.constexpr, HASH_BITS: tl.constexpr, WINDOW: tl.constexpr,
     KNOWN_WORDS: tl.constexpr, MIN_MATCH: tl.constexpr, NEAR: tl.constexpr, LAZY: tl.constexpr,
     BACK: tl.constexpr, ACCEL: tl.constexpr, MATCH_STEP: tl.constexpr, LEN_STEP: tl.constexpr,
-    WORD_STEP: tl.constexpr, WIDE_SHUFFLE: tl.constexpr, ROWS: tl.constexpr = False,
+    WORD_STEP: tl.constexpr, WIDE_SHUFFLE: tl.constexpr,
 ):
     """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
 
     pages/payload ``uint8 [N, PAGE]``, sizes ``int32 [N]``, kinds ``uint8 [N]``, tab ``int32
     [G, 2**HASH_BITS]`` (plain bytes; uninitialised), shuf ``uint8 [G, PAGE]`` (ELEMENT_SIZE > 1).
-    ``ROWS``: ``pages`` is an ``int64 [N]`` table of page addresses instead (pages of several
-    tensors in one launch).
     """
     tl.static_assert((ACCEL == 0) | (ELEMENT_SIZE > 1))  # window skipping is for bit planes only
     pid = tl.program_id(0)
@@ -480,10 +478,7 @@ def _lz4_compress_kernel(
     for it in range(0, tl.cdiv(n_pages - pid, nprog)):
         page = pid + it * nprog
         base = page.to(tl.int64) * PAGE
-        if ROWS:
-            src = tl.load(pages_ptr + page).to(tl.pointer_type(tl.uint8))
-        else:
-            src = pages_ptr + base
+        src = pages_ptr + base
         dst = payload_ptr + base
         src32 = src.to(tl.pointer_type(tl.uint32))
         dst32 = dst.to(tl.pointer_type(tl.uint32))
@@ -647,10 +642,9 @@ class CompressConfig:
         if not 0 <= self.ACCEL <= 8 or (self.ACCEL and self.ELEMENT_SIZE == 1):
             raise ValueError(f"bad tuning: ACCEL={self.ACCEL} (0..8; bit planes only)")
 
-    def meta(self, wide_shuffle: bool, rows: bool = False) -> dict:
-        """The keyword arguments of the launch (``rows``: pages given by address)."""
-        extra = (("WIDE_SHUFFLE", wide_shuffle),) + ((("ROWS", True),) if rows else ())
-        return config_meta(self, ("programs_per_sm",), extra)
+    def meta(self, wide_shuffle: bool) -> dict:
+        """The keyword arguments of the launch."""
+        return config_meta(self, ("programs_per_sm",), (("WIDE_SHUFFLE", wide_shuffle),))
 
 
 @functools.cache
@@ -756,41 +750,13 @@ def compress_pages(pages: torch.Tensor, element_size: int = 1, *,
         pages = pages.clone()
     wide = pages.storage_offset() % 8 == 0
     if out is None:
-        out = (torch.empty((n, page_size), dtype=torch.uint8, device=dev),
-               torch.empty((n,), dtype=torch.int32, device=dev),
-               torch.empty((n,), dtype=torch.uint8, device=dev))
-    _launch_compress(pages, n, cfg, out, scratch, wide, False, traced)
-    return out
-
-
-def compress_rows(rows: torch.Tensor, page_size: int, element_size: int,
-                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """:func:`compress_pages` of pages given by address: the pages of many tensors compressed
-    by one launch, each read where it lies (no gathering copy). Launches directly (callers
-    outside the ops only: the addresses are not traceable).
-
-    Args:
-        rows: ``int64 [N]`` on the device: the 8-byte aligned address of page ``i``'s
-            ``page_size`` bytes, inside a live tensor of that device that the caller keeps
-            alive until the kernel has run.
-        page_size, element_size: as for :func:`compress_pages`.
-        out: ``(payload uint8 [N, P], sizes int32 [N], kinds uint8 [N])``, written.
-        scratch: as for :func:`compress_pages`.
-    """
-    if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
-        raise ValueError(f"rows must be a contiguous int64 [N] tensor, got {rows.dtype} "
-                         f"{tuple(rows.shape)}")
-    cfg = compress_config(page_size, element_size)
-    _launch_compress(rows, rows.numel(), cfg, out, scratch, True, True, False)
-
-
-def _launch_compress(pages: torch.Tensor, n: int, cfg: CompressConfig, out: tuple,
-                     scratch, wide: bool, rows: bool, traced: bool) -> None:
+        payload = torch.empty((n, page_size), dtype=torch.uint8, device=dev)
+        sizes = torch.empty((n,), dtype=torch.int32, device=dev)
+        kinds = torch.empty((n,), dtype=torch.uint8, device=dev)
+    else:
+        payload, sizes, kinds = out
     if n == 0:
-        return
-    dev = pages.device
-    payload, sizes, kinds = out
+        return payload, sizes, kinds
     grid = min(n, _sm_programs(dev, cfg.programs_per_sm))
     # bit-shuffled pages use no hash table: the kernel never touches ``tabs`` then
     if scratch is None:
@@ -800,4 +766,5 @@ def _launch_compress(pages: torch.Tensor, n: int, cfg: CompressConfig, out: tupl
                          f"for {grid} programs of these settings")
     tabs, shuf = scratch
     args = (pages, payload, sizes, kinds, tabs, shuf, n)
-    launch(_lz4_compress_kernel, (grid,), dev, args, cfg.meta(wide, rows), traced)
+    launch(_lz4_compress_kernel, (grid,), dev, args, cfg.meta(wide), traced)
+    return payload, sizes, kinds

@@ -145,9 +145,6 @@ class Backward:
     def restore_batch(self, part: list[_Entry], side) -> None:
         """Restore ``part`` (compressed, one store and stream) with one group restore; if the
         batched decode cannot run, turn batching off and restore them one by one."""
-        # in offload order (backward asks in reverse): the parts of a slice, and the bytes
-        # of neighbouring tensors, then come back as one range each
-        part = sorted(part, key=lambda e: e.stored.seq)
         first = part[0]
         try:
             first.store.restore_group(StoredGroup(first.stored.page_size,

@@ -193,7 +193,6 @@ class ActivationOffloader:
             if self._depth == 0:
                 self._hooks.__exit__(*exc)
                 self._hooks = self._pass = None
-                self._flush()
                 self._warn_if_nothing_offloaded()
 
     def _warn_if_nothing_offloaded(self) -> None:
@@ -247,18 +246,7 @@ class ActivationOffloader:
     def next_group(self) -> None:
         """Start a new prefetch group (e.g. at each transformer block's forward)."""
         if self._pass is not None and not _in_backward():
-            with self._lock:
-                self._new_group(self._pass)
-
-    def _new_group(self, ps: _Pass) -> None:
-        """A group ends: the compressed stores make the slices of its tensors (one compress
-        and one pack launch per store for the group's tensors, not per tensor)."""
-        ps.new_group()
-        self._flush()
-
-    def _flush(self) -> None:
-        for store in self._paged.values():
-            store.flush()
+            self._pass.new_group()
 
     def keep_on_gpu(self):
         """Same as the module-level :func:`keep_on_gpu`."""
@@ -332,7 +320,7 @@ class ActivationOffloader:
             entry.stored = entry.store.offload(src, esize)
         elif compress:
             entry.store, entry.stream = self._paged_store(dev), current_stream(dev)
-            entry.stored = entry.store.offload(src, esize, producer=entry.stream, defer=True)
+            entry.stored = entry.store.offload(src, esize, producer=entry.stream)
         else:
             side, entry.stream = self._stream(dev, "d2h"), current_stream(dev)
             with on_stream(side):
@@ -364,7 +352,7 @@ class ActivationOffloader:
         ps.groups[-1].append(weakref.ref(entry))
         ps.group_bytes += nbytes
         if self.group_bytes is not None and ps.group_bytes >= self.group_bytes:
-            self._new_group(ps)
+            ps.new_group()
         return entry
 
     def _release(self, entry: _Entry, wait: bool, keep_served: bool = False) -> None:
@@ -430,7 +418,6 @@ class ActivationOffloader:
     def synchronize(self) -> None:
         """Wait until every offload started so far is stored; drop the stash's GPU storages."""
         with self._lock:
-            self._flush()
             while self._stash:
                 self._release(self._stash.popleft(), wait=True)
             self._poll()

@@ -1,20 +1,12 @@
 """Compressed activation storage that needs no host thread and no host sync to offload.
 
-Stored tensors (``uint8 [nbytes]`` storages on the GPU) are compressed in *slices* of whole
-pages (``_arena``). Per slice, on the offloader's side streams: the compress kernel writes
-fixed-stride pages into a scratch buffer (stream ``compress``); then (stream ``pack``) one
-kernel of a few persistent programs reserves the slice's bytes at the end of a *virtual
-arena* of page-locked host memory and copies the pages there
-(``torch_pagecomp.kernels.host_pack.pack_slice``). The compressed size never has to reach the
-host before the bytes move, so the link works while the host runs ahead, and host memory
-holds the compressed bytes only (16-byte aligned pages).
-
-A slice holds the pages of one tensor, or (``offload(..., defer=True)``: the activation
-hooks) of every tensor offloaded since the last :meth:`PagedStore.flush`, up to
-``BATCH_BYTES``: the compress kernel then reads each page where it lies (a table of page
-addresses), so a block's saved tensors cost the host one compress and one pack launch
-together rather than two each. Until its slice is made a stored tensor is *pending*: not
-ready, its source still needed; asking to wait on it, restore it or place it flushes first.
+A storage's bytes (``uint8 [nbytes]`` on the GPU) are cut into slices of whole pages. Per
+slice, on the offloader's side streams: the compress kernel writes fixed-stride pages into a
+scratch buffer (stream ``compress``); then (stream ``pack``) one kernel of a few persistent
+programs reserves the slice's bytes at the end of a *virtual arena* of page-locked host memory
+and copies the pages there (``torch_pagecomp.kernels.host_pack.pack_slice``). The compressed size
+never has to reach the host before the bytes move, so the link works while the host runs
+ahead, and host memory holds the compressed bytes only (16-byte aligned pages).
 
 The host backs the arena ahead of use: before each slice it adds chunks so that the arena's
 end, advanced by the slice's worst case (``N * P``), stays backed; the device refuses (and
@@ -23,35 +15,38 @@ Chunks behind every live slice go back to a free list and back later parts of th
 
 A restore is queued on the caller's stream after the slice's pack, without waiting on the
 host: when the slice's placement is already known (its pack finished: the usual case by the
-time backward needs it) the copy engine brings the tensor's exact bytes back; otherwise a few
-persistent programs read the slice from the chunk (placement from the device descriptor).
-The decoder then expands them. A partial last page (``nbytes % P``) travels as a plain copy.
+time backward needs it) the copy engine brings its exact bytes back; otherwise a few
+persistent programs read them from the chunk (placement from the device descriptor). The
+decoder then expands them. A partial last page (``nbytes % P``) travels as a plain copy.
 """
 
 from __future__ import annotations
 
 import collections
 
-import numpy as np
 import torch
 
 from .. import _ops, cpu_codec
 from ..api import checksum_status
 from ..format import CorruptPageError
 from ..module import RestoreFailures
-from ..pools import can_pin
-from ._arena import CHUNK_BYTES, SliceNotStored, VirtualArena, _Part, _record, _Slice, _wait
+from ..pools import HostMemory, can_pin
 from ._streams import current_stream, on_stream
 
-__all__ = ["PagedStore", "PagedStored", "SliceNotStored"]
-
+CHUNK_BYTES = 64 << 20
 SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
-# slice costs the host ~5 kernel launches both ways
+# slice costs the host ~5 kernel launches both ways, so most saved tensors are one slice
+TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 SCRATCH_SLICES = 2  # slices compressed ahead of the pack stream (scratch held at once)
-BATCH_BYTES = 16 << 20  # a batch of deferred offloads is flushed once it holds this many bytes
-# of pages: the host backs the arena ahead by each pending slice's worst case (``N * P``), so a
-# batch stays a fraction of a chunk (batches of a whole chunk each backed a chunk more than
-# they used until confirmed: new pinned chunks every step, measured at 290 us per slice)
+DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
+
+
+class SliceNotStored(RuntimeError):
+    """A slice of a stored tensor did not fit the host arena: its data was not stored."""
+
+    def __init__(self, pages: int):
+        super().__init__(f"compressed store: a slice of {pages} pages did not fit the host "
+                         "arena; its data was not stored")
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -66,20 +61,195 @@ def _align16(nbytes: int) -> int:
     return (nbytes + 15) & ~15
 
 
+def _record(stream) -> torch.cuda.Event | None:
+    return stream.record_event() if stream is not None else None
+
+
+def _wait(stream, event) -> None:
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+class _Slice:
+    """Pages ``[first, first + n)`` of one stored storage: device metadata for the decoder and
+    the placement the pack kernel chose (``base``/``total`` on the host once confirmed)."""
+
+    __slots__ = ("first", "n", "sizes", "kinds", "rel", "desc", "host_desc", "stored",
+                 "base", "total", "freed", "sums")
+
+    def __init__(self, first: int, n: int, sizes, kinds, rel, desc, host_desc, stored,
+                 sums=None):
+        self.first, self.n = first, n
+        self.sizes, self.kinds, self.rel, self.desc = sizes, kinds, rel, desc
+        self.sums = sums  # int32 [n] page checksums (the store's ``checksum``), or None
+        self.host_desc, self.stored = host_desc, stored
+        self.base: int | None = None
+        self.total = 0
+        self.freed = False
+
+    def done(self) -> bool:
+        return self.stored is None or self.stored.query()
+
+
+class VirtualArena:
+    """Page-locked host chunks behind a device-side bump allocator (see the module docstring).
+
+    ``state`` (device ``int64 [2]``): the arena's end, in slot ``parity`` for the next slice
+    (``kernels.host_pack.pack_slice``: the slots take turns); ``limit``: the backed limit,
+    passed with each slice; ``table`` (device
+    ``int64 [TABLE_SIZE]``): the host address of each backed chunk. Host-side, ``bound`` is
+    never below the device's end once every planned slice has run; ``frontier`` is the end as
+    of the last confirmed slice (slices are confirmed in stream order).
+    """
+
+    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES):
+        self.device, self.chunk = device, chunk_bytes
+        self.pin = device.type == "cuda" and can_pin()
+        self.state = torch.zeros(2, dtype=torch.int64, device=device)
+        self.table = torch.zeros(TABLE_SIZE, dtype=torch.int64, device=device)
+        self.backed: dict[int, HostMemory] = {}
+        self.free: list[tuple[HostMemory, torch.cuda.Event | None]] = []
+        self.live: collections.Counter[int] = collections.Counter()
+        self.pending: collections.deque[tuple[_Slice, int]] = collections.deque()
+        self.limit = self.bound = self.frontier = 0
+        self.used = 0  # host bytes of live, confirmed slices
+        self.peak_held = 0
+        self.peak_backed = 0  # chunks backed at once since the last shrink
+        self.placed_since_shrink = False
+        # where the pack kernel publishes each slice's (base, total): one pinned ring, not a
+        # pinned allocation per slice
+        self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
+        self._next_desc = 0
+        self.parity = 0  # the slot of ``state`` that holds the end for the next slice
+
+    # ---------------------------------------------------------------- placement
+    def _advance(self, pos: int, size: int) -> int:
+        if pos % self.chunk + size > self.chunk:
+            pos = (pos // self.chunk + 1) * self.chunk
+        return pos + size
+
+    def back(self, upper: int, stream) -> None:
+        """Before planning a slice of at most ``upper`` bytes (on ``stream``): back every chunk
+        the arena's end can reach and raise the limit (passed with the slice) to match."""
+        self.bound = self._advance(self.bound, upper)
+        self.placed_since_shrink = True
+        last = (self.bound - 1) // self.chunk
+        first = max(self.limit // self.chunk, self.frontier // self.chunk)
+        for k in range(first, last + 1):
+            if k not in self.backed:
+                self._back_chunk(k, stream)
+        self.limit = max(self.limit, (last + 1) * self.chunk)  # passed with the slice
+        self.peak_held = max(self.peak_held, self.held_bytes)
+        self.peak_backed = max(self.peak_backed, len(self.backed))
+
+    def _back_chunk(self, k: int, stream) -> None:
+        if self.free:
+            mem, last_read = self.free.pop()
+            _wait(stream, last_read)  # restores of its previous slices read it first
+        else:
+            mem = HostMemory(self.chunk, pin=self.pin)
+        if (k - TABLE_SIZE) in self.backed:
+            raise RuntimeError("activation offload: host arena window exceeded")
+        self.backed[k] = mem
+        self.table[k % TABLE_SIZE : k % TABLE_SIZE + 1].fill_(mem.tensor.data_ptr())
+
+    def host_desc(self) -> torch.Tensor:
+        """The pinned ``int64 [2]`` the next slice's placement is published to. Slot ``k`` is
+        reused ``DESC_SLOTS`` slices later, once the slice before has been confirmed."""
+        if len(self.pending) >= DESC_SLOTS:
+            self.confirm(through=self.pending[len(self.pending) - DESC_SLOTS][0])
+        k = self._next_desc
+        self._next_desc = (k + 1) % DESC_SLOTS
+        return self.descs[k]
+
+    def add(self, sl: _Slice, upper: int) -> None:
+        self.pending.append((sl, upper))
+
+    # -------------------------------------------------------------- confirmation
+    def confirm(self, through: _Slice | None = None) -> None:
+        """Read the placement of finished slices in stream order (all up to ``through``,
+        waiting for it if needed; else only those already finished, without waiting)."""
+        confirmed = False
+        while self.pending:
+            sl, _ = self.pending[0]
+            if not sl.done():
+                if through is None or through.base is not None:
+                    break
+                sl.stored.synchronize()
+            self.pending.popleft()
+            confirmed = True
+            base, total = (int(v) for v in sl.host_desc.tolist())
+            sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None
+            if base >= 0:
+                self.frontier = base + total
+                if not sl.freed:
+                    self.live[base // self.chunk] += 1
+                    self.used += total
+            if sl is through:
+                break
+        if confirmed:  # the bound from the confirmed end, tighter
+            self.bound = self.frontier
+            for _, upper in self.pending:
+                self.bound = self._advance(self.bound, upper)
+        self.placed_since_shrink = True
+
+    def release(self, sl: _Slice, reader) -> None:
+        """``sl`` is no longer needed; chunks behind the frontier with nothing live go back to
+        the free list (reused after the restores queued on ``reader`` so far)."""
+        if sl.base is None:
+            sl.freed = True  # its placement is still unknown: dropped when confirmed
+            return
+        if sl.base < 0 or sl.freed:
+            return
+        sl.freed = True
+        k = sl.base // self.chunk
+        self.live[k] -= 1
+        if self.live[k] <= 0:
+            del self.live[k]
+        self.used -= sl.total
+        event = None
+        for k in sorted(self.backed):
+            if k >= self.frontier // self.chunk:
+                break
+            if k not in self.live:
+                event = event or _record(reader)
+                self.free.append((self.backed.pop(k), event))
+
+    @property
+    def held_bytes(self) -> int:
+        return (len(self.backed) + len(self.free)) * self.chunk
+
+    def trim(self, keep: int = 0) -> None:
+        """Unpin free chunks beyond ``keep`` (the oldest first)."""
+        while len(self.free) > keep:
+            mem, event = self.free.pop(0)
+            if event is not None:
+                event.synchronize()  # a restore may still read it
+            mem.release()
+
+    def shrink(self) -> None:
+        """Keep as many chunks as the busiest moment since the last call needed; unpin the
+        rest (after a step whose offloads were smaller, or a first step that was larger). A
+        step that placed nothing here (it copied: ``prefer="speed"``'s trials) says nothing
+        about the next compressing one: the chunks stay."""
+        if not self.placed_since_shrink:
+            return
+        self.trim(keep=max(0, self.peak_backed - len(self.backed)))
+        self.peak_backed = len(self.backed)
+        self.placed_since_shrink = False
+
+
 class PagedStored:
-    """One storage held in the arena (see :class:`PagedStore`): ``slices`` are its parts
-    (``_arena._Part``), in page order; empty and ``pending`` until its slices are made."""
+    """One storage held in the arena (see :class:`PagedStore`)."""
 
     kind = "compressed"
 
-    def __init__(self, nbytes: int, page_size: int, slices: list[_Part], tail=None,
-                 consumed=None, tail_sum=None, pending=None, seq: int = 0):
+    def __init__(self, nbytes: int, page_size: int, slices: list[_Slice], tail, consumed,
+                 tail_sum=None):
         self.nbytes, self.page_size, self.slices = nbytes, page_size, slices
-        self.seq = seq  # offload order in its store (restoring in it joins adjacent copies)
         self.tail = tail  # pinned uint8 [nbytes % P] or None
         self.tail_sum = tail_sum  # its checksum (int32 [1], on the device), or None
         self.consumed = consumed  # the source has been read (device event, None on the CPU)
-        self.pending = pending  # the store whose next flush makes its slices, or None
         self.freed = False
         self.kernel: tuple[int, int] | None = None  # kept when freed
 
@@ -87,18 +257,16 @@ class PagedStored:
         """The copy is done: every page is in host memory. Until then the offloader keeps the
         source, as it does for a plain copy, so a backward that comes first reads it in place
         rather than over the link."""
-        return self.pending is None and (self.consumed is None or self.consumed.query()) and all(
+        return (self.consumed is None or self.consumed.query()) and all(
             sl.done() for sl in self.slices)
 
     def wait_on(self, stream) -> None:
         """``stream`` waits until the source may be dropped: its pages are compressed (the
-        packing may still run). A pending tensor is flushed first."""
-        if self.pending is not None:
-            self.pending.flush()
+        packing may still run)."""
         _wait(stream, self.consumed)
 
     def stored(self) -> bool:
-        return self.pending is None and all(sl.base is not None for sl in self.slices)
+        return all(sl.base is not None for sl in self.slices)
 
     def failed(self) -> bool:
         return any(sl.base is not None and sl.base < 0 for sl in self.slices)
@@ -121,7 +289,7 @@ class PagedStored:
 
 
 class PagedStore:
-    """Offload storages compressed into a :class:`~._arena.VirtualArena` (one per device).
+    """Offload storages compressed into a :class:`VirtualArena` (one per device).
 
     ``streams``: ``(compress, pack, restore)`` CUDA streams (``None`` on the CPU, where the
     kernels run synchronously: the Triton interpreter in tests). Restores run on the caller's
@@ -143,7 +311,6 @@ class PagedStore:
         with on_stream(self.pack_stream):  # the pack kernel reads the arena's state there
             self.arena = VirtualArena(device, chunk_bytes)
         self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
-        self.batch_pages = max(1, min(BATCH_BYTES, slice_bytes, chunk_bytes // 4) // page_size)
         self._packed: collections.deque = collections.deque()  # pack events of recent slices
         self.failures = None  # pages that failed to decode, counted on the device
         self._statuses: dict = {}  # restore stream -> decode statuses not counted yet
@@ -155,135 +322,84 @@ class PagedStore:
         self.scratch_bytes = 0  # bound on the scratch held at once (reported in stats)
         self._scratches: dict[int, tuple] = {}  # element size -> the compress kernel's scratch
         self._scratch_held = 0
-        # deferred offloads, in order: (stored, source) of one element size and producer
-        self._batch: list[tuple[PagedStored, torch.Tensor]] = []
-        self._batch_key: tuple | None = None  # (element size, producer stream)
-        self._batch_pages = 0
-        self._seq = 0
 
     # ------------------------------------------------------------------ offload
-    def offload(self, src: torch.Tensor, element_size: int, producer=None,
-                defer: bool = False) -> PagedStored:
-        """Start storing ``src`` (``uint8 [nbytes]``, contiguous) after ``producer``'s work.
-
-        ``defer``: join the pending batch (compressed with the tensors offloaded after it, at
-        the next :meth:`flush`, or once the batch holds ``BATCH_BYTES``); the caller keeps
-        ``src`` unchanged until the stored tensor is ready (as for any offload). Sources that
-        do not start 16-byte aligned are stored at once."""
-        self._seq += 1
-        stored = PagedStored(src.numel(), self.page_size, [], pending=self, seq=self._seq)
-        key, pages = (element_size, producer), src.numel() // self.page_size
-        if self._batch and (self._batch_key != key
-                            or self._batch_pages + pages > self.batch_pages):
-            self.flush()  # a batch holds one kind of pages, and a large tensor goes alone
-        self._batch.append((stored, src))
-        self._batch_key = key
-        self._batch_pages += pages
-        if not defer or self._batch_pages >= self.batch_pages or src.data_ptr() % 16:
-            self.flush()
-        return stored
-
-    def flush(self) -> None:
-        """Make the slices of every pending offload: one compress and one pack launch per
-        ``SLICE_BYTES`` of their pages, after their producer's work so far."""
-        batch, (element_size, producer) = self._batch, self._batch_key or (1, None)
-        if not batch:
-            return
-        self._batch, self._batch_key, self._batch_pages = [], None, 0
-        p, cs = self.page_size, self.compress_stream
-        if cs is not None and producer is not None:
+    def offload(self, src: torch.Tensor, element_size: int, producer=None) -> PagedStored:
+        """Start storing ``src`` (``uint8 [nbytes]``, contiguous) after ``producer``'s work."""
+        p, nbytes = self.page_size, src.numel()
+        full = nbytes // p
+        cs = self.compress_stream
+        if cs is not None:
             cs.wait_stream(producer)
-        spans: list[tuple] = []  # (stored, source, first page, pages) of the next slice
-        room = self.slice_pages
+        slices = []
         with on_stream(cs):
-            for stored, src in batch:
-                full = src.numel() // p
-                first = 0
-                while first < full:
-                    n = min(room, full - first)
-                    spans.append((stored, src, first, n))
-                    first += n
-                    room -= n
-                    if room == 0:
-                        self._store_slice(spans, element_size)
-                        spans, room = [], self.slice_pages
-            if spans:
-                self._store_slice(spans, element_size)
-            for stored, src in batch:
-                full = src.numel() // p
-                if src.numel() % p:
-                    stored.tail = torch.empty(src.numel() % p, dtype=torch.uint8,
-                                              pin_memory=self.arena.pin)
-                    stored.tail.copy_(src[full * p:], non_blocking=True)
-                    if self.checksum:
-                        stored.tail_sum = tail_checksum(src[full * p:], p)
+            for first in range(0, full, self.slice_pages):
+                n = min(self.slice_pages, full - first)
+                slices.append(self._store_slice(src, first, n, element_size))
+            tail = tail_sum = None
+            if nbytes % p:
+                tail = torch.empty(nbytes % p, dtype=torch.uint8, pin_memory=self.arena.pin)
+                tail.copy_(src[full * p:], non_blocking=True)
+                if self.checksum:
+                    tail_sum = tail_checksum(src[full * p:], p)
             consumed = _record(cs)
-        for stored, _ in batch:
-            stored.consumed, stored.pending = consumed, None
+        return PagedStored(nbytes, p, slices, tail, consumed, tail_sum)
 
-    def _store_slice(self, spans: list[tuple], element_size: int) -> None:
-        """One slice of the pages of ``spans`` (``(stored, source, first, n)`` each, in
-        order): compressed on the current (compress) stream, packed on the pack stream; each
-        span becomes its stored tensor's next part."""
+    def _store_slice(self, src, first: int, n: int, element_size: int) -> _Slice:
         from ..kernels.host_pack import pack_slice  # Triton: imported on use
 
         p, cs, ps = self.page_size, self.compress_stream, self.pack_stream
         if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight
             _wait(cs, self._packed.popleft())
-        n = sum(span[3] for span in spans)
-        dev = spans[0][1].device
+        pages = src[first * p:(first + n) * p].view(n, p)
         # two allocations per slice: the fixed-stride payload (freed once packed) and the
         # metadata the restore needs, ``rel int64 [n] | desc int64 [2] | sizes int32 [n] |
         # kinds uint8 [n] (| sums int32 [n])``, each part 16-byte aligned (Triton compiles a
         # kernel per pointer alignment: parts placed by ``n`` alone would compile new variants
         # mid-training)
-        payload = torch.empty((n, p), dtype=torch.uint8, device=dev)
+        payload = torch.empty((n, p), dtype=torch.uint8, device=src.device)
         a = _align16(8 * n)
         b = a + 16 + _align16(4 * n)
         c = b + _align16(n)
-        meta = torch.empty(c + 4 * n if self.checksum else b + n, dtype=torch.uint8, device=dev)
+        meta = torch.empty(c + 4 * n if self.checksum else b + n, dtype=torch.uint8,
+                           device=src.device)
         rel, desc = meta[:8 * n].view(torch.int64), meta[a:a + 16].view(torch.int64)
         sizes, kinds = meta[a + 16:a + 16 + 4 * n].view(torch.int32), meta[b:b + n]
-        sums = meta[c:c + 4 * n].view(torch.int32) if self.checksum else None
-        scratch = self._scratch(dev, element_size)
-        _compress_spans(spans, p, element_size, (payload, sizes, kinds), scratch, sums)
+        _compress(pages, element_size, (payload, sizes, kinds), self._scratch(src, element_size))
+        sums = None
+        if self.checksum:
+            sums = meta[c:c + 4 * n].view(torch.int32)
+            _checksums(pages, sums)
         compressed = _record(cs)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
-        ats, at = [], 0
-        for span in spans:
-            ats.append(at)
-            at += span[3]
-        host_rel = (torch.empty(n, dtype=torch.int64, pin_memory=self.arena.pin)
-                    if len(spans) > 1 else None)
         with on_stream(ps):
             _wait(ps, compressed)
+            host_desc = self.arena.host_desc()
+            self.arena.back(n * p, ps)
             arena = self.arena
-            host_desc = arena.host_desc()
-            arena.back(n * p, ps)
             pack_slice(payload, sizes, rel, arena.state, arena.parity, arena.limit, desc,
-                       host_desc, arena.table, arena.chunk, host_rel=host_rel)
+                       host_desc, arena.table, arena.chunk)
             arena.parity ^= 1
             stored = _record(ps)
             if ps is not None:
                 payload.record_stream(ps)  # made on the compress stream, read here
                 meta.record_stream(ps)
             self._packed.append(stored)
-        sl = _Slice(n, sizes, kinds, rel, desc, host_desc, stored, sums, tuple(ats), host_rel)
-        for k, (owner, _, first, count) in enumerate(spans):
-            owner.slices.append(_Part(sl, k, ats[k], count, first))
-        arena.add(sl, n * p)
+        sl = _Slice(first, n, sizes, kinds, rel, desc, host_desc, stored, sums)
+        self.arena.add(sl, n * p)
+        return sl
 
-    def _scratch(self, dev: torch.device, element_size: int):
+    def _scratch(self, src: torch.Tensor, element_size: int):
         """The compress kernel's working memory for ``element_size`` (on the GPU: kept for the
         store's life, used on its compress stream only, so launches reuse it in order)."""
-        if dev.type != "cuda":
+        if not src.is_cuda:
             return None
         scratch = self._scratches.get(element_size)
         if scratch is None:
             from ..kernels.lz4_compress import compress_config, compress_scratch, max_programs
 
             cfg = compress_config(self.page_size, element_size)
-            scratch = compress_scratch(dev, cfg, max_programs(dev, cfg))
+            scratch = compress_scratch(src.device, cfg, max_programs(src.device, cfg))
             self._scratches[element_size] = scratch
             self._scratch_held += sum(t.numel() * t.element_size() for t in scratch)
         return scratch
@@ -304,33 +420,27 @@ class PagedStore:
         its pack (a device-side wait: the host learns nothing and waits for nothing)."""
         from ..kernels.host_pack import fetch_from_host
 
-        if stored.pending is not None:
-            self.flush()
         p, arena = self.page_size, self.arena
         stream = current_stream(out.device) if out.is_cuda else None  # on out's device
         arena.confirm()  # placements known by now (never waits)
         full = stored.nbytes // p  # the slices' pages; the partial tail travels as bytes
         checked_tail = stored.tail_sum is not None
         status = torch.empty(full + checked_tail, dtype=torch.int32, device=out.device)
-        for part in stored.slices:
-            sl = part.sl
+        for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
-                raise SliceNotStored(part.n)
-            rel, sizes, kinds, sums = part.meta()
-            if sl.base is not None:  # placed: the copy engine brings the part's bytes
-                staging = torch.empty(part.total, dtype=torch.uint8, device=out.device)
-                at = sl.base % arena.chunk + part.start
-                host = arena.backed[sl.base // arena.chunk].tensor[at:at + part.total]
+                raise SliceNotStored(sl.n)
+            if sl.base is not None:  # placed: the copy engine
+                staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
+                at = sl.base % arena.chunk
+                host = arena.backed[sl.base // arena.chunk].tensor[at:at + sl.total]
                 staging.copy_(host, non_blocking=True)
-                if part.start:
-                    rel = rel - part.start
-            else:  # still packing: kernels read the slice once the pack is done
+            else:  # still packing: kernels read it once the pack is done
                 _wait(stream, sl.stored)
                 staging = torch.empty(sl.n * p, dtype=torch.uint8, device=out.device)
                 fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
-            pages = out[part.first * p:(part.first + part.n) * p].view(part.n, p)
-            st = status[part.first:part.first + part.n]
-            _decompress_into(staging, rel, sizes, kinds, pages, st, sums)
+            pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
+            st = status[sl.first:sl.first + sl.n]
+            _decompress_into(staging, sl.rel, sl.sizes, sl.kinds, pages, st, sl.sums)
         if stored.tail is not None:  # its status (if checked) follows the pages'
             restore_tail(stored, out[stored.nbytes - stored.tail.numel():], stream,
                          status[full:])
@@ -346,21 +456,16 @@ class PagedStore:
         into a list of one output per stored tensor (see ``_paged_group``)."""
         from ._paged_group import restore_group
 
-        if self._batch:
-            self.flush()
         restore_group(self, group, out)
 
     def wait_placed(self) -> None:
         """Wait until every slice stored so far is placed and confirmed (exact host sizes)."""
-        self.flush()
         if self.arena.pending:
             self.arena.confirm(through=self.arena.pending[-1][0])
 
     def close(self) -> None:
         """Wait for this store's streams, then unpin every chunk. Stored tensors are not
-        restorable afterwards (pending ones are never stored); the store must not be used
-        again."""
-        self._batch.clear()
+        restorable afterwards; the store must not be used again."""
         for s in (self.compress_stream, self.pack_stream, self.restore_stream):
             if s is not None:
                 s.synchronize()
@@ -398,12 +503,8 @@ class PagedStore:
         self.arena.confirm()
 
     def free(self, stored: PagedStored) -> None:
-        if stored.pending is not None:  # never compressed: out of the batch, source dropped
-            self._batch = [(s, src) for s, src in self._batch if s is not stored]
-            self._batch_pages = sum(src.numel() // self.page_size for _, src in self._batch)
-            stored.pending = None
-        for part in stored.slices:
-            self.arena.release(part, self.restore_stream)
+        for sl in stored.slices:
+            self.arena.release(sl, self.restore_stream)
         stored.kernel = stored.kernel_bytes()  # what the class policy may still read
         stored.slices = []
         stored.tail = stored.tail_sum = None
@@ -417,41 +518,21 @@ class PagedStore:
             "host_peak_held_bytes": a.peak_held,
             "scratch_bytes": self.scratch_bytes,
             "pending_slices": len(a.pending),
-            "pending_tensors": len(self._batch),
         }
 
 
-def _compress_spans(spans: list[tuple], page_size: int, element_size: int, out: tuple,
-                    scratch, sums) -> None:
-    """``pagecomp.compress`` of the pages of ``spans`` into ``out`` (``payload, sizes,
-    kinds``) and, with ``sums``, their checksums. On the GPU the launchers are called directly
-    (the op's argument checks cost host time per slice and cannot fail here): one span's pages
-    as they lie, several by a table of page addresses. On the CPU (tests, under the
-    interpreter) the op's lz4 path over the pages gathered."""
-    p = page_size
-    views = [src[first * p:(first + n) * p] for _, src, first, n in spans]
-    if not views[0].is_cuda:
-        pages = torch.cat(views).view(-1, p)
-        for dst, res in zip(out, _ops.compress_eager(pages, element_size)):
-            dst.copy_(res)
-        if sums is not None:
-            _checksums(pages, sums)
-        return
-    if len(spans) == 1:
+def _compress(pages: torch.Tensor, element_size: int, out: tuple, scratch) -> None:
+    """``pagecomp.compress`` of pages the store cut itself into ``out`` (``payload, sizes,
+    kinds``): on the GPU the kernel's launcher is called directly (the op's argument checks
+    cost host time per slice and cannot fail here); on the CPU (tests, under the
+    interpreter) the op's lz4 path."""
+    if pages.is_cuda:
         from ..kernels.lz4_compress import compress_pages
 
-        pages = views[0].view(-1, p)
         compress_pages(pages, element_size, traced=False, out=out, scratch=scratch)
-        if sums is not None:
-            _checksums(pages, sums)
         return
-    from ..kernels.checksum import row_checksums
-    from ..kernels.lz4_compress import compress_rows
-
-    rows = _row_table(views, p)
-    compress_rows(rows, p, element_size, out, scratch)
-    if sums is not None:
-        row_checksums(rows, p, sums)
+    for dst, res in zip(out, _ops.compress_eager(pages, element_size)):
+        dst.copy_(res)
 
 
 def _checksums(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -497,6 +578,8 @@ def verify(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> None:
 def _row_table(outs: list, page_size: int) -> torch.Tensor:
     """``int64 [pages]`` on the outputs' device: the address of every page of ``outs`` in
     order (uploaded from pinned memory, no host wait)."""
+    import numpy as np
+
     rows = np.concatenate([np.arange(o.numel() // page_size, dtype=np.int64) * page_size
                            + o.data_ptr() for o in outs])
     return to_device(torch.from_numpy(rows), outs[0].device)

@@ -76,62 +76,46 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     """Cache the metadata of the stored tensors after ``group.known`` whose slices are all
     placed, in order, stopping at the first that is not."""
     chunk = store.arena.chunk
-    ranges: list[list] = []  # [slice, first page, pages, shift]: adjacent parts of a slice as one
+    rels, shifts, counts, sizes, kinds, sums = [], [], [], [], [], []
     at = group.known
     while at < len(group.storeds):
         stored = group.storeds[at]
         if stored.freed:
             raise RuntimeError("compressed store: a stored tensor of the group was freed")
-        if not stored.stored():
+        if any(sl.base is None for sl in stored.slices):
             break
-        for part in stored.slices:
-            if part.base < 0:
-                raise _paged.SliceNotStored(part.n)
-            k, off = divmod(part.base, chunk)
+        for sl in stored.slices:
+            if sl.base < 0:
+                raise _paged.SliceNotStored(sl.n)
+            k, off = divmod(sl.base, chunk)
             last = group.runs[-1] if group.runs else None
             if last is not None and last[0] == k and last[1] + last[2] == off:
-                last[2] += part.total  # the next bytes of the same chunk: one copy for both
+                last[2] += sl.total  # the next bytes of the same chunk: one copy for both
                 last[4] = None
             else:
-                group.runs.append([k, off, part.total, group.staged, None])
-            shift = group.staged - part.start  # its bytes' offset in staging, from its slice's
-            prev = ranges[-1] if ranges else None
-            if prev is not None and prev[0] is part.sl and prev[1] + prev[2] == part.at \
-                    and prev[3] == shift:
-                prev[2] += part.n
-            else:
-                ranges.append([part.sl, part.at, part.n, shift])
-            group.staged += part.total
+                group.runs.append([k, off, sl.total, group.staged, None])
+            rels.append(sl.rel)
+            sizes.append(sl.sizes)
+            kinds.append(sl.kinds)
+            if store.checksum:
+                sums.append(sl.sums)
+            shifts.append(group.staged)
+            counts.append(sl.n)
+            group.staged += sl.total
         group.pages += stored.nbytes // group.page_size
         at += 1
     group.known = at
-    if not ranges:
+    if not rels:
         return
-    metas = [_range_meta(sl, first, n) for sl, first, n, _ in ranges]
-    # one add for all the new ranges: offsets relative to each slice's base -> into staging
-    shift = torch.repeat_interleave(torch.tensor([r[3] for r in ranges], dtype=torch.int64),
-                                    torch.tensor([r[2] for r in ranges], dtype=torch.int64))
-    offsets = _cat([m[0] for m in metas]) + _paged.to_device(shift, device)
-    new = (offsets, _cat([m[1] for m in metas]), _cat([m[2] for m in metas]))
-    if store.checksum:
-        new += (_cat([m[3] for m in metas]),)
+    # one add for all the new slices: offsets relative to each slice's base -> into staging
+    shift = torch.repeat_interleave(torch.tensor(shifts, dtype=torch.int64),
+                                    torch.tensor(counts, dtype=torch.int64))
+    offsets = torch.cat(rels) + _paged.to_device(shift, device)
+    new = (offsets, torch.cat(sizes), torch.cat(kinds)) + ((torch.cat(sums),) if sums else ())
     if group.meta is not None:
         new = tuple(torch.cat([old, t]) for old, t in zip(group.meta, new))
     group.meta = new
     group.meta_stream = current_stream(device) if device.type == "cuda" else None
-
-
-def _range_meta(sl, first: int, n: int) -> tuple:
-    """``(rel, sizes, kinds, sums)`` of pages ``[first, first + n)`` of slice ``sl``."""
-    if first == 0 and n == sl.n:
-        return sl.rel, sl.sizes, sl.kinds, sl.sums
-    end = first + n
-    return (sl.rel[first:end], sl.sizes[first:end], sl.kinds[first:end],
-            None if sl.sums is None else sl.sums[first:end])
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def restore_group(store, group: StoredGroup, out) -> None:
@@ -168,41 +152,29 @@ def restore_group(store, group: StoredGroup, out) -> None:
 
     # the stored tensors not cached yet (placement unknown): their own staging space
     rest, staged, pages = [], group.staged, group.pages
-    fetched: dict[int, int] = {}  # id of a slice still packing -> its staging offset
     for stored in group.storeds[group.known:]:
-        for part in stored.slices:
-            sl = part.sl
+        for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
-                raise _paged.SliceNotStored(part.n)
-            if sl.base is not None:
-                rest.append((part, staged))
-                staged += part.total
-            elif id(sl) not in fetched:  # the whole slice is fetched once for its parts
-                fetched[id(sl)] = staged
-                rest.append((part, staged))
-                staged += sl.n * p
-            else:
-                rest.append((part, fetched[id(sl)]))
+                raise _paged.SliceNotStored(sl.n)
+            rest.append((sl, staged))
+            staged += sl.total if sl.base is not None else sl.n * p
         pages += stored.nbytes // p
     staging = torch.empty(staged, dtype=torch.uint8, device=dev)
     for run in group.runs:
         if run[4] is None:
             run[4] = arena.backed[run[0]].tensor[run[1]:run[1] + run[2]]
         staging[run[3]:run[3] + run[2]].copy_(run[4], non_blocking=True)
-    extra, done = [], set()
-    for part, at in rest:
-        sl = part.sl
-        rel, sizes, kinds, sums = part.meta()
+    extra = []
+    for sl, at in rest:
         if sl.base is not None:  # placed since the last absorb: the copy engine
-            off = sl.base % arena.chunk + part.start
-            host = arena.backed[sl.base // arena.chunk].tensor[off:off + part.total]
-            staging[at:at + part.total].copy_(host, non_blocking=True)
-            at -= part.start
-        elif id(sl) not in done:  # still packing: kernels read it once the pack is done
-            done.add(id(sl))
+            off = sl.base % arena.chunk
+            host = arena.backed[sl.base // arena.chunk].tensor[off:off + sl.total]
+            staging[at:at + sl.total].copy_(host, non_blocking=True)
+        else:  # still packing: kernels read it once the pack is done
             _paged._wait(stream, sl.stored)
             fetch_from_host(staging[at:at + sl.n * p], sl.desc, arena.table, arena.chunk)
-        extra.append((rel + at, sizes, kinds) + ((sums,) if store.checksum else ()))
+        extra.append((sl.rel + at, sl.sizes, sl.kinds)
+                     + ((sl.sums,) if store.checksum else ()))
 
     if pages:
         meta = group.meta
