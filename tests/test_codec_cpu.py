@@ -258,6 +258,38 @@ def test_threads_give_the_same_bytes(gen):
         cpu_codec.set_cpu_threads(None)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_threads_give_the_same_statuses_on_hostile_metadata(gen, packed):
+    """The metadata checks run in each thread's own ranges: bad kinds and sizes spread over
+    every range (and, packed, a first offset that is not 0) give the same statuses and zeroed
+    rows with 1 and 3 threads as the checks of the whole batch."""
+    pages = mixed_pages(300, 4096, gen)
+    c = pc.compress(pages, backend="cpu")
+    payload, offsets = c.payload.reshape(-1), torch.arange(300, dtype=torch.int64) * 4096
+    sizes, kinds = c.sizes.clone(), c.kinds.clone()
+    if packed:
+        payload, offsets = cpu_codec.pack_cpu(c.payload, c.sizes)
+        offsets = offsets.clone()
+    bad = torch.randperm(300, generator=gen)[:30]
+    kinds[bad[:10]] = 0x0F
+    sizes[bad[10:20]] = 0
+    sizes[bad[20:]] = 4097
+    if packed:
+        offsets[0] = 3  # page 0 only: its offset and its size no longer agree
+    want = cpu_codec._page_checks(offsets.numpy(), sizes.numpy(), kinds.numpy(), 4096,
+                                  payload.numel(), 300)
+    assert (want != 0).sum() >= 30
+    try:
+        for threads in (1, 3):
+            cpu_codec.set_cpu_threads(threads)
+            out, status = cpu_codec.decompress_cpu(payload, offsets, sizes, kinds, 4096)
+            assert np.array_equal(status.numpy(), want), threads
+            failed = torch.from_numpy(want != 0)
+            assert not out[failed].any() and torch.equal(out[~failed], pages[~failed])
+    finally:
+        cpu_codec.set_cpu_threads(None)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("n", [40, 1000, 5000])
 def test_threads_take_ranges_as_they_finish(monkeypatch, threads, n):
