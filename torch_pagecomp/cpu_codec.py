@@ -329,14 +329,10 @@ def decode_block(block: bytes, page_size: int) -> tuple[bytes | None, int]:
 _LZ4_ZEROES_OFFSET_0 = lz4.library_version_number() >= 10900
 
 
-def _page_checks(offsets, sizes, kinds, page_size: int, total: int, n: int,
-                 first: bool = True) -> np.ndarray:
-    """``int32 [N]`` statuses that the metadata alone decides (BAD_KIND, BAD_SIZE), else 0.
-    ``offsets``: ``[N]``, or ``[N + 1]`` for packed pages; ``first``: the range starts at the
-    batch's first page (a packed batch's first offset must be 0)."""
+def _page_checks(offsets, sizes, kinds, page_size: int, total: int, n: int) -> np.ndarray:
+    """``int32 [N]`` statuses that the metadata alone decides (BAD_KIND, BAD_SIZE), else 0."""
     off = offsets[:n].astype(np.int64)
     size = sizes.astype(np.int64)
-    kinds = kinds.astype(np.int64)
     codec, shift = kinds & 15, kinds >> 4
     bad_kind = (codec > 2) | (shift > 2) | ((shift != 0) & (codec != fmt.KIND_LZ4))
     bad_size = (off < 0) | (size < 1) | (size > total - off)
@@ -345,7 +341,7 @@ def _page_checks(offsets, sizes, kinds, page_size: int, total: int, n: int,
     bad_size |= (codec == fmt.KIND_LZ4) & (size > fmt.lz4_keep_limit(page_size))
     if offsets.shape[0] == n + 1:  # packed: page i is offsets[i]:offsets[i + 1]
         bad_size |= offsets[1:].astype(np.int64) - off != size
-        if n and first:
+        if n:
             bad_size[0] |= off[0] != 0
     status = np.where(bad_kind, fmt.STATUS_BAD_KIND, np.where(bad_size, fmt.STATUS_BAD_SIZE, 0))
     return status.astype(np.int32)
@@ -398,37 +394,31 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     if n == 0:
         return pages, status
     buf = np.ascontiguousarray(payload.detach().numpy()).reshape(-1)
-    # the checks and casts run in each range, on the threads (serial here, they were ~10% of
-    # a threaded decode); offsets are int64 already (the ops' argument checks)
-    off_np = np.asarray(offsets.numpy(), dtype=np.int64)
-    sizes_np, kinds_np = sizes.numpy(), kinds.numpy()
-    packed = off_np.shape[0] == n + 1
+    off_np, size_np = offsets.numpy().astype(np.int64), sizes.numpy().astype(np.int64)
+    kind_np = kinds.numpy().astype(np.int64)
     out, st = pages.numpy(), status.numpy()
+    st[:] = _page_checks(off_np, size_np, kind_np, page_size, buf.shape[0], n)
     out_flat = out.reshape(-1)
-    kinds_u8 = np.ascontiguousarray(kinds_np, dtype=np.uint8)
-    size64 = sizes_np.astype(np.int64) if _native is None else None  # the Python fallback's
+    kinds_u8 = np.ascontiguousarray(kinds.numpy(), dtype=np.uint8)
 
     def work(start: int, stop: int) -> None:
         rng = slice(start, stop)
-        st[rng] = _page_checks(off_np[start:stop + packed], sizes_np[rng], kinds_np[rng],
-                               page_size, buf.shape[0], stop - start, start == 0)
         if _native is not None:  # every page of the range without the GIL: decoded, failed
             # rows zeroed and, with the C bit-shuffle, bit-shuffled pages unshuffled
-            _native.decode_pages(buf, off_np[rng], sizes_np[rng].astype(np.int64),
-                                 kinds_u8[rng], out[rng].reshape(-1), st[rng], page_size)
+            _native.decode_pages(buf, off_np[rng], size_np[rng], kinds_u8[rng],
+                                 out[rng].reshape(-1), st[rng], page_size)
             if C_SHUFFLE:
                 return
         else:
             ok = st[rng] == 0
-            codec = kinds_np[rng] & 15
+            codec = kind_np[rng] & 15
             fill = np.flatnonzero(ok & (codec == fmt.KIND_FILL)) + start
             out[fill] = buf[off_np[fill]][:, None]
             for i in (np.flatnonzero(ok & (codec == fmt.KIND_RAW)) + start).tolist():
                 out[i] = buf[off_np[i] : off_np[i] + page_size]
             lz = (np.flatnonzero(ok & (codec == fmt.KIND_LZ4)) + start).astype(np.int64)
-            _decode_lz4_python(buf, off_np, size64, lz, out_flat, st, page_size)
-        kind_r = kinds_np[rng].astype(np.int64)
-        codec, shift = kind_r & 15, kind_r >> 4
+            _decode_lz4_python(buf, off_np, size_np, lz, out_flat, st, page_size)
+        codec, shift = kind_np[rng] & 15, kind_np[rng] >> 4
         for sh in (1, 2):
             rows = np.flatnonzero((st[rng] == 0) & (codec == fmt.KIND_LZ4) & (shift == sh)) + start
             if rows.shape[0] == stop - start:  # a typed batch: whole range, in place
