@@ -25,7 +25,10 @@ finished the prefill and the first token then); ``decode_tokens_per_s`` is
 ``(new - 1) * batch / (total_s - prefill_s)``. ``peak_gpu_gib``: ``max_memory_allocated`` over
 the timed run (model weights included: ``model_gib``), ``peak_prefill_gib`` the same up to the
 first token (where the peak falls); for ``compressed``, ``device_metadata_bytes``: the device
-memory its stored blocks keep for their restore (page metadata) at the end. ``host_gib``: host
+memory its stored blocks keep for their restore (page metadata) at the end,
+``device_metadata_split`` the same as the blocks' own metadata and the layers' concatenated
+copies, and ``device_metadata_first_token`` that split at the first token (the end of the
+prefill, where the GPU peak falls). ``host_gib``: host
 memory the cache holds
 at the end: 0 for ``dynamic``; for ``dynamic_offloaded`` the bytes of its layer tensors then on
 the CPU; for ``compressed`` the stored bytes of its compressed blocks (``cache.stats()``;
@@ -142,9 +145,11 @@ class _FirstToken:
     ``put`` is the prompt). ``generate`` copies the tokens to the host before handing them
     over, so the device has finished the prefill and the first token by then."""
 
-    def __init__(self, sync):
+    def __init__(self, sync, cache=None):
         self.sync, self.puts, self.t = sync, 0, None
+        self.cache = cache  # the compressed cache, whose device metadata is read then too
         self.peak = None  # GPU bytes: the peak up to the first token (the prefill's)
+        self.metadata = None  # ``_metadata_split`` of the cache at the first token
 
     def put(self, value):
         self.puts += 1
@@ -155,6 +160,8 @@ class _FirstToken:
 
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 self.peak = torch.cuda.max_memory_allocated()
+            if self.cache is not None:
+                self.metadata = _metadata_split(self.cache)
 
     def end(self):
         pass
@@ -164,18 +171,28 @@ def _metadata_bytes(cache) -> int:
     """Bytes of device memory the compressed cache's stored blocks keep for their restore (each
     slice's page metadata, and each layer's concatenated copy of it), counted once per
     allocation: what the cache holds on the device besides its tails."""
-    seen: dict[int, int] = {}
+    return sum(_metadata_split(cache).values())
+
+
+def _metadata_split(cache) -> dict[str, int]:
+    """:func:`_metadata_bytes` in its two parts: ``slices`` (the blocks' own page metadata, made
+    when they are stored) and ``group_copies`` (each layer's concatenated copy, made at its
+    first restore), each allocation counted once."""
+    seen: dict[int, tuple[str, int]] = {}
     for layer in cache.layers:
         group = getattr(layer, "_group", None)
-        tensors = [t for stored in getattr(group, "storeds", ())
-                   for sl in getattr(stored, "slices", ())
-                   for t in (sl.rel, sl.sizes, sl.kinds)]
-        tensors += list(getattr(group, "meta", None) or ())
-        for t in tensors:
+        parts = [("slices", t) for stored in getattr(group, "storeds", ())
+                 for sl in getattr(stored, "slices", ())
+                 for t in (sl.rel, sl.sizes, sl.kinds)]
+        parts += [("group_copies", t) for t in (getattr(group, "meta", None) or ())]
+        for part, t in parts:
             if t is not None and t.is_cuda:
                 st = t.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+                seen.setdefault(st.data_ptr(), (part, st.nbytes()))
+    out = {"slices": 0, "group_copies": 0}
+    for part, nbytes in seen.values():
+        out[part] += nbytes
+    return out
 
 
 def _held(cache, on_cpu: bool) -> int:
@@ -228,7 +245,7 @@ def run(variant: str, s: dict, device: str) -> dict:
 
     # the timed run
     cache = make_cache(variant, model, s["block_tokens"])
-    first = _FirstToken(sync)
+    first = _FirstToken(sync, cache if variant == "compressed" else None)
     sync()
     t0 = time.perf_counter()
     out = generate(ids, new, cache, first)
@@ -264,6 +281,9 @@ def run(variant: str, s: dict, device: str) -> dict:
         row["host_pool_peak_gib"] = st["host_peak_held_bytes"] / GIB
         row["stores"] = {str(d): store.stats() for d, store in cache.stores.items()}
         row["device_metadata_bytes"] = _metadata_bytes(cache)
+        row["device_metadata_split"] = _metadata_split(cache)
+        if first.metadata is not None:  # at the first token: the prefill's, where the peak is
+            row["device_metadata_first_token"] = first.metadata
     else:
         on_cpu = _held(cache, on_cpu=True)
         row["host_gib"] = (on_cpu if variant == "dynamic_offloaded" else 0) / GIB

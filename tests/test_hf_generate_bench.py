@@ -62,6 +62,8 @@ def test_tiny_cpu_generation_bench(tmp_path):
     assert st["sealed"] == st["blocks"]  # each block once
     assert st["restored_on_use"] > 0 and comp["host_pool_gib"] > 0
     assert comp["device_metadata_bytes"] == 0  # counted on a GPU only (on the CPU: none)
+    assert comp["device_metadata_split"] == {"slices": 0, "group_copies": 0}
+    assert comp["device_metadata_first_token"] == {"slices": 0, "group_copies": 0}
 
     md = (tmp_path / "g.md").read_text()
     assert "| compressed |" in md and "| dynamic |" in md
@@ -88,3 +90,39 @@ def test_divergence_report():
     assert "first token diff" in hf_generate.table(
         {"rows": [dict(r, layers=1, batch=2, prompt=3, new=4, prefill_s=0.1, total_s=0.2)
                   for r in doc["rows"]]})
+
+
+def test_metadata_split_counts_each_allocation_once():
+    """``_metadata_split``: the blocks' own metadata (views of one allocation per slice) and
+    the layers' concatenated copies, each device allocation counted once, in its part."""
+    from types import SimpleNamespace as NS
+
+    class Storage:
+        def __init__(self, ptr, nbytes):
+            self.ptr, self.n = ptr, nbytes
+
+        def data_ptr(self):
+            return self.ptr
+
+        def nbytes(self):
+            return self.n
+
+    class T:  # a device tensor's view of an allocation
+        is_cuda = True
+
+        def __init__(self, storage):
+            self.storage = storage
+
+        def untyped_storage(self):
+            return self.storage
+
+    a, b, c, d = Storage(1, 100), Storage(2, 60), Storage(3, 40), Storage(4, 8)
+    sl1 = NS(rel=T(a), sizes=T(a), kinds=T(a))  # one block: rel | desc | sizes | kinds
+    sl2 = NS(rel=T(b), sizes=T(b), kinds=T(b))
+    host = NS(rel=NS(is_cuda=False), sizes=None, kinds=None)
+    groups = [NS(storeds=[NS(slices=[sl1, sl2]), NS(slices=[sl1, host])],
+                 meta=(T(c), T(d), T(d))),
+              NS(storeds=[], meta=None)]
+    cache = NS(layers=[NS(_group=g) for g in groups] + [NS()])
+    assert hf_generate._metadata_split(cache) == {"slices": 160, "group_copies": 48}
+    assert hf_generate._metadata_bytes(cache) == 208
