@@ -191,7 +191,7 @@ class VirtualArena:
             self.bound = self.frontier
             for _, upper in self.pending:
                 self.bound = self._advance(self.bound, upper)
-            self.placed_since_shrink = True
+        self.placed_since_shrink = True
 
     def release(self, sl: _Slice, reader) -> None:
         """``sl`` is no longer needed; chunks behind the frontier with nothing live go back to
