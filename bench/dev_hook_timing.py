@@ -1,7 +1,8 @@
 """Dev probe: the activation-offload hooks' host time per call, without cProfile's inflation.
 
 ``python3 -m bench.dev_hook_timing --models encoder-1024,resnet-64 --variants uncompressed,memory``
-(GPU): for each model and variant, a few warm steps, then ``--steps`` steps with the package's
+(GPU; ``speed`` too, timed once its tuner has chosen): for each model and variant, a few warm
+steps, then ``--steps`` steps with the package's
 hot functions wrapped in ``perf_counter_ns`` timers (inclusive time: a wrapped function's time
 includes the wrapped functions it calls). Prints, per function, calls per step, host ms per
 step and host us per call, beside the step's host issue time with and without the timers (their
@@ -105,7 +106,8 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> str:
 
     model, x, blocks = build(name, "cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory")}[variant]
+    kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
+          "speed": dict(prefer="speed")}[variant]
     off = offload_module(model, blocks=blocks, **kw)
 
     def step():
@@ -125,7 +127,15 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> str:
 
     for _ in range(warmup):
         step()
+    for _ in range(20):  # prefer="speed": timed once its tuner has chosen (as the stock bench)
+        if off.tuner is None or off.tuner.choice is not None:
+            break
+        step()
+    before = dict(off.counters)
     plain = issue_ms(steps)
+    per_step = {k: round((v - before.get(k, 0)) / steps, 1) for k, v in off.counters.items()
+                if k in ("offloaded_raw", "offloaded_compressed", "served_from_stash",
+                         "restored_prefetch", "in_flight_waits")}
     stats = collections.defaultdict(lambda: [0, 0])
     undo = instrument(stats)
     try:
@@ -134,8 +144,10 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> str:
         for owner, attr, fn in undo:
             setattr(owner, attr, fn)
     off.remove()
+    choice = off.tuner.choice if off.tuner is not None else None
     lines = [f"## {name} {variant}: host issue {plain:.1f} ms per step "
-             f"({timed:.1f} ms with timers)",
+             f"({timed:.1f} ms with timers); per step {per_step}"
+             + (f"; tuner chose {choice}" if off.tuner is not None else ""),
              "| function | calls / step | ms / step | us / call |", "|---|---|---|---|"]
     for fn_name, (calls, ns) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| {fn_name} | {calls / steps:.0f} | {ns / steps / 1e6:.2f} | "
