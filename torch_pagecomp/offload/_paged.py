@@ -229,9 +229,12 @@ class VirtualArena:
 
     def shrink(self) -> None:
         """Keep as many chunks as the busiest moment since the last call needed; unpin the
-        rest (after a step whose offloads were smaller, or a first step that was larger). A
-        step that placed nothing here (it copied: ``prefer="speed"``'s trials) says nothing
-        about the next compressing one: the chunks stay."""
+        rest (after a step whose offloads were smaller, or a first step that was larger).
+        Without a placement or a confirmation since the last call the chunks stay. The hooks
+        poll (confirm) at every saved tensor, so under them a step that only copied
+        (``prefer="speed"``) keeps the compressing step's chunks at its end and gives the free
+        ones back at the next: an offloader that settles on copying does not keep pinned
+        chunks it no longer uses, and one still in its trials may pin them again."""
         if not self.placed_since_shrink:
             return
         self.trim(keep=max(0, self.peak_backed - len(self.backed)))
