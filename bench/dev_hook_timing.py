@@ -144,10 +144,9 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> str:
         for owner, attr, fn in undo:
             setattr(owner, attr, fn)
     off.remove()
-    choice = off.tuner.choice if off.tuner is not None else None
     lines = [f"## {name} {variant}: host issue {plain:.1f} ms per step "
              f"({timed:.1f} ms with timers); per step {per_step}"
-             + (f"; tuner chose {choice}" if off.tuner is not None else ""),
+             + (f"; tuner chose {off.tuner.choice}" if off.tuner is not None else ""),
              "| function | calls / step | ms / step | us / call |", "|---|---|---|---|"]
     for fn_name, (calls, ns) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| {fn_name} | {calls / steps:.0f} | {ns / steps / 1e6:.2f} | "

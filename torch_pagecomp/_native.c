@@ -226,7 +226,7 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *result = NULL;
     const Py_ssize_t n = status.len / 4;
-    uint8_t *tmp = NULL; /* a page, for the in-place unshuffle */
+    uint8_t *tmp = NULL; /* a page: a bit-shuffled page is decoded here, then unshuffled */
     if (page <= 0 || page > (1 << 24)) {
         PyErr_SetString(PyExc_ValueError, "page_size must be in 1..2**24");
     } else if (!check(&offsets, 8, n, "offsets") || !check(&sizes, 8, n, "sizes") ||
@@ -257,14 +257,14 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
             } else if (codec == 2) { /* FILL */
                 memset(to, src[off[i]], (size_t)page);
             } else {
-                st[i] = decode_block(src + off[i], size[i], to, page);
 #if defined(HAVE_SHUFFLE)
                 const int e = 1 << shift; /* 1, 2 or 4 */
-                if (st[i] == STATUS_OK && e > 1 && page % (64 * e) == 0) {
-                    memcpy(tmp, to, (size_t)page);
-                    unshuffle_page(tmp, to, page, e);
-                }
+                if (e > 1 && page % (64 * e) == 0) { /* decoded aside, unshuffled into the row */
+                    st[i] = decode_block(src + off[i], size[i], tmp, page);
+                    if (st[i] == STATUS_OK) unshuffle_page(tmp, to, page, e);
+                } else
 #endif
+                    st[i] = decode_block(src + off[i], size[i], to, page);
             }
             if (st[i] != STATUS_OK) memset(to, 0, (size_t)page);
         }
@@ -420,9 +420,13 @@ static PyObject *bitshuffle(PyObject *self, PyObject *args) {
             uint8_t *to = dst.buf;
             Py_BEGIN_ALLOW_THREADS
             for (Py_ssize_t at = 0; at < src.len; at += page) {
-                memcpy(tmp, from + at, (size_t)page); /* dst may be src */
-                if (inverse) unshuffle_page(tmp, to + at, page, e);
-                else shuffle_page(tmp, to + at, page, e);
+                const uint8_t *in = from + at;
+                if (to == from) { /* in place (dst may be src): the page read from a copy */
+                    memcpy(tmp, in, (size_t)page);
+                    in = tmp;
+                }
+                if (inverse) unshuffle_page(in, to + at, page, e);
+                else shuffle_page(in, to + at, page, e);
             }
             Py_END_ALLOW_THREADS
             PyMem_RawFree(tmp);

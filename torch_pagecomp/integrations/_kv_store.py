@@ -66,6 +66,9 @@ class _CpuBlockStore:
     def wait_placed(self) -> None:
         pass
 
+    def release_scratch(self) -> None:
+        pass  # the lz4 CPU codec keeps no scratch
+
     def failed_restores(self) -> int:
         return 0  # a CPU restore raises at once
 
@@ -114,9 +117,7 @@ class DeviceStore:
         """Free the compress kernel's scratch (made again by the next seal): a cache seals a
         few blocks a layer every ``block_tokens`` tokens, so keeping it would hold GPU memory
         for the life of the cache, beside every layer's tail."""
-        release = getattr(self.store, "release_scratch", None)
-        if release is not None:
-            release()
+        self.store.release_scratch()
 
     def restore(self, group: StoredGroup) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """``(out, event)``: ``group`` restored into a new ``uint8 [group.nbytes]`` buffer on
