@@ -47,6 +47,13 @@ teacher-forced comparison with a ``DynamicCache`` in the same process over the p
 ``N`` steps (``bench/hf_kvcheck.py``): whether the keys and values handed to attention, the
 attention outputs and the logits were bit-identical, and where they first were not.
 
+``--peak-origins`` (CUDA): the timed run records the allocator's history; ``peak_origins`` then
+lists the device memory allocated at the moment of the run's peak by where it was allocated
+(the innermost frame in ``torch_pagecomp``, else in ``transformers``, else the innermost Python
+frame), largest first, from a replay of the allocations and frees of the timed run (what was
+allocated before it, the weights, is ``base``). Recording slows the run: its times are not
+comparable with other rows.
+
     python -m bench.hf_generate --layers 16 --prompt 16384 --new 64 --out bench/out/hf.json
 
 ``--tiny`` (CPU, CI): 2 layers, hidden 64, prompt 40, 6 new tokens, 16-token blocks. On the CPU
@@ -57,6 +64,7 @@ attention outputs and the logits were bit-identical, and where they first were n
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import hashlib
 import inspect
@@ -86,6 +94,7 @@ def _sizes(args) -> dict:
             s["block_tokens"] = args.block_tokens
     s["batch"] = args.batch
     s["check_kv"] = args.check_kv
+    s["peak_origins"] = args.peak_origins
     return s
 
 
@@ -195,6 +204,58 @@ def _metadata_split(cache) -> dict[str, int]:
     return out
 
 
+def peak_origins(trace: list[dict], base: int = 0, top: int = 12) -> dict:
+    """Device memory allocated at the peak of an allocator trace (``torch.cuda.memory.
+    _snapshot()["device_traces"][i]``: ``alloc`` adds a block, ``free_requested`` removes it, as
+    ``memory_allocated`` counts them), grouped by origin (:func:`_origin`): ``{"peak_bytes",
+    "base", "origins": [[origin, bytes], ...]}``, the ``top`` largest and the rest as "(rest)"."""
+    live, total, peak, at = {}, base, base, -1
+    for i, e in enumerate(trace):  # pass 1: where the peak is
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+            if total > peak:
+                peak, at = total, i
+        elif e["action"] == "free_requested":
+            total -= live.pop(e["addr"], 0)
+    live = {}
+    for e in trace[:at + 1]:  # pass 2: what is allocated then
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_requested":
+            live.pop(e["addr"], None)
+    by = collections.Counter()
+    for e in live.values():
+        by[_origin(e.get("frames", ()))] += e["size"]
+    ranked = by.most_common()
+    out = [[k, v] for k, v in ranked[:top]]
+    rest = sum(v for _, v in ranked[top:])
+    if rest:
+        out.append(["(rest)", rest])
+    return {"peak_bytes": peak, "base": base, "origins": out}
+
+
+def _origin(frames) -> str:
+    """Where an allocation was made: the innermost frame in this package, else in
+    transformers, else the innermost frame with a file name (``path:line function``)."""
+    def name(f):
+        path = f.get("filename", "")
+        for marker in ("torch_pagecomp/", "transformers/"):
+            if marker in path:
+                path = marker + path.split(marker, 1)[1]
+        return f"{path}:{f.get('line')} {f.get('name')}"
+
+    frames = list(frames)
+    for marker in ("torch_pagecomp/", "transformers/"):
+        for f in frames:
+            if marker in f.get("filename", ""):
+                return name(f)
+    for f in frames:
+        if f.get("filename", "").endswith(".py"):
+            return name(f)
+    return "(no Python frame)"
+
+
 def _held(cache, on_cpu: bool) -> int:
     """Bytes of the cache's layer tensors on the CPU (``on_cpu``) or elsewhere."""
     n = 0
@@ -246,11 +307,21 @@ def run(variant: str, s: dict, device: str) -> dict:
     # the timed run
     cache = make_cache(variant, model, s["block_tokens"])
     first = _FirstToken(sync, cache if variant == "compressed" else None)
+    record = cuda and s.get("peak_origins")
+    if record:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
     sync()
     t0 = time.perf_counter()
     out = generate(ids, new, cache, first)
     sync()
     total = time.perf_counter() - t0
+    if record:
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        trace = snap["device_traces"][torch.cuda.current_device()]
+        row["peak_origins"] = peak_origins(trace, base)
+        row["peak_origins"]["trace_events"] = len(trace)
     if cuda:
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
         if first.peak is not None:  # where the peak falls: the prefill's, or later (decoding)
@@ -341,6 +412,8 @@ def _child(args, variant: str, s: dict) -> dict:
         argv.append("--deterministic")
     if args.tiny:
         argv.append("--tiny")
+    if args.peak_origins:
+        argv.append("--peak-origins")
     base = {"variant": variant, "layers": s["layers"], "prompt": s["prompt"], "new": s["new"],
             "batch": s["batch"]}
     return run_child("bench.hf_generate", argv, base, args.timeout,
@@ -460,6 +533,9 @@ def main(argv=None) -> int:
     ap.add_argument("--deterministic", action="store_true",
                     help="every child with torch.use_deterministic_algorithms (warn only), "
                     "cuDNN deterministic and CUBLAS_WORKSPACE_CONFIG=:4096:8")
+    ap.add_argument("--peak-origins", action="store_true",
+                    help="CUDA: record the allocator's history in the timed run and report "
+                    "what is allocated at its peak, by origin (slows the run)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None, choices=VARIANTS)
     args = ap.parse_args(argv)

@@ -126,3 +126,37 @@ def test_metadata_split_counts_each_allocation_once():
     cache = NS(layers=[NS(_group=g) for g in groups] + [NS()])
     assert hf_generate._metadata_split(cache) == {"slices": 160, "group_copies": 48}
     assert hf_generate._metadata_bytes(cache) == 208
+
+
+def test_peak_origins_replays_the_trace_to_its_peak():
+    """``peak_origins``: what is allocated at the trace's highest point, by origin (the package's
+    innermost frame first, then transformers', then any Python frame), freed blocks excluded,
+    and the peak counted from ``base``."""
+    import random
+
+    pkg = [{"filename": "/x/site-packages/torch_pagecomp/offload/_paged.py", "line": 7,
+            "name": "_store_slice"}, {"filename": "/x/transformers/cache_utils.py", "line": 3,
+                                      "name": "update"}]
+    hf = [{"filename": "/x/transformers/models/llama.py", "line": 9, "name": "forward"},
+          {"filename": "/y/run.py", "line": 1, "name": "main"}]
+    other = [{"filename": "<string>", "line": 0, "name": "?"}, {"filename": "/y/run.py",
+                                                                "line": 2, "name": "main"}]
+    a, b, c = random.sample([64, 128, 512, 2048], 3)
+    trace = [
+        {"action": "alloc", "addr": 1, "size": a, "frames": pkg},
+        {"action": "alloc", "addr": 2, "size": 1000, "frames": hf},
+        {"action": "free_requested", "addr": 2, "size": 1000},
+        {"action": "free_completed", "addr": 2, "size": 1000},
+        {"action": "alloc", "addr": 3, "size": b, "frames": hf},
+        {"action": "alloc", "addr": 4, "size": 5000, "frames": other},  # the peak
+        {"action": "free_requested", "addr": 4, "size": 5000},
+        {"action": "alloc", "addr": 5, "size": c, "frames": pkg},  # after the peak
+    ]
+    got = hf_generate.peak_origins(trace, base=10)
+    assert got["peak_bytes"] == 10 + a + b + 5000 and got["base"] == 10
+    assert dict(got["origins"]) == {
+        "torch_pagecomp/offload/_paged.py:7 _store_slice": a,
+        "transformers/models/llama.py:9 forward": b,
+        "/y/run.py:2 main": 5000,
+    }
+    assert got["origins"][0] == ["/y/run.py:2 main", 5000]  # largest first

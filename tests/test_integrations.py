@@ -590,3 +590,39 @@ def test_ctx_manager_disabled_no_head_tied_and_noop(seed):
             y = lin(torch.tanh(x))
     assert off.stats().get("packed", 0) == 0
     y.sum().backward()
+
+
+def test_no_wrapping_prefetch_after_a_prefill(seed):
+    """The last layer restores the first one ahead only while decoding: after an update of a
+    block's worth of tokens or more (a prefill) the first layer is restored when the next
+    forward uses it, so a prefill's peak never holds a restored layer."""
+    DynamicCache = _transformers().DynamicCache
+
+    from torch_pagecomp.integrations.transformers import CompressedLayer, CompressedOffloadedCache
+
+    model, config = tiny_llama()
+    n = config.num_hidden_layers
+    calls = []
+    real = CompressedLayer.prefetch
+
+    def spy(layer):
+        calls.append(layer.layer_index)
+        return real(layer)
+
+    ids = torch.randint(0, config.vocab_size, (1, 40))
+    ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=3)
+    cache = CompressedOffloadedCache(config=config, block_tokens=16, prefetch=True)
+    for i, layer in enumerate(cache.layers):
+        layer.layer_index = i
+    CompressedLayer.prefetch = spy
+    try:
+        out = generate(model, ids, cache, max_new_tokens=3)
+    finally:
+        CompressedLayer.prefetch = real
+    assert torch.equal(ref, out)
+    # the prefill initialises the layers in order (none is ahead of the one updating) and the
+    # last one does not restore the first; each of the two decode steps prefetches every
+    # layer, the first one from the last layer of the step (for the next step)
+    assert calls == [*range(1, n), 0] * 2
+    st = cache.stats()
+    assert st["restored_on_use"] == 1  # layer 0, at the first decode step

@@ -385,7 +385,10 @@ class CompressedOffloadedCache(Cache):
         prefetch: restore the next compressed layer ahead, while the current one computes (on
             CUDA, on a side stream). ``None`` (default): on CUDA only (on the CPU a restore
             ahead overlaps with nothing); True: on the CPU too (the same bookkeeping as on
-            CUDA, restored synchronously); False: each layer is restored when it is used.
+            CUDA, restored synchronously); False: each layer is restored when it is used. The
+            last layer restores the first one for the next forward only after an update of
+            fewer than ``block_tokens`` tokens (decoding): during a prefill that layer would
+            sit on the GPU through the forward's largest activations.
 
     Host memory: page-locked chunks of 64 MiB, backed as the blocks need them (the compressed
     bytes, plus up to the uncompressed size of the blocks still being compressed); unpinned by
@@ -439,8 +442,13 @@ class CompressedOffloadedCache(Cache):
             ds.check()
         if self.prefetch_layers or (self.prefetch_layers is None
                                     and key_states.device.type == "cuda"):
-            nxt = self._next_compressed(layer_idx)
-            if nxt is not None and nxt is not layer and nxt.is_initialized:
+            nxt, wraps = self._next_compressed(layer_idx)
+            # The last layer would restore the first one for the next forward. After a bulk
+            # update (a prefill: a block's worth of tokens or more) that restore would be held
+            # through the rest of this forward, whose activations set the GPU peak, to hide
+            # one layer's restore once per prefill; the next forward restores it on use.
+            bulk = wraps and key_states.shape[-2] >= self.block_tokens
+            if nxt is not None and nxt is not layer and nxt.is_initialized and not bulk:
                 nxt.prefetch()  # overlaps with this layer's attention
         keys, values = layer.update(key_states, value_states, *args, **kwargs)
         layer.offload()
@@ -525,13 +533,15 @@ class CompressedOffloadedCache(Cache):
         self._finalizer = weakref.finalize(self, stores.release)
         self._finalizer.atexit = False  # at exit the process's memory goes anyway
 
-    def _next_compressed(self, layer_idx: int) -> CompressedLayer | None:
+    def _next_compressed(self, layer_idx: int) -> tuple[CompressedLayer | None, bool]:
+        """The next compressed layer after ``layer_idx`` (wrapping around to the first), and
+        whether it wraps (it is used by the next forward, not this one)."""
         n = len(self.layers)
         for step in range(1, n + 1):
             layer = self.layers[(layer_idx + step) % n]
             if isinstance(layer, CompressedLayer):
-                return layer
-        return None
+                return layer, layer_idx + step >= n
+        return None, False
 
 
 def _layer_types(config) -> tuple[list[str], list[dict]]:
