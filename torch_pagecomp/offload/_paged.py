@@ -75,20 +75,61 @@ class _Slice:
     the placement the pack kernel chose (``base``/``total`` on the host once confirmed)."""
 
     __slots__ = ("first", "n", "sizes", "kinds", "rel", "desc", "host_desc", "stored",
-                 "base", "total", "freed", "sums")
+                 "base", "total", "freed", "sums", "host_meta")
 
     def __init__(self, first: int, n: int, sizes, kinds, rel, desc, host_desc, stored,
-                 sums=None):
+                 sums=None, host_meta=None):
         self.first, self.n = first, n
         self.sizes, self.kinds, self.rel, self.desc = sizes, kinds, rel, desc
         self.sums = sums  # int32 [n] page checksums (the store's ``checksum``), or None
         self.host_desc, self.stored = host_desc, stored
+        self.host_meta = host_meta  # (rel, sizes, kinds, sums) copied to the host, or None
         self.base: int | None = None
         self.total = 0
         self.freed = False
 
     def done(self) -> bool:
         return self.stored is None or self.stored.query()
+
+    def meta_to_host(self) -> None:
+        """Once placed (its pack, and the copy of its metadata queued after it, are done):
+        keep the host copy of the metadata and drop the device one (``PagedStore``'s
+        ``host_meta``). A restore queued before still reads the device copy: it recorded its
+        stream on it (:func:`slice_meta`)."""
+        if self.host_meta is not None:
+            self.rel, self.sizes, self.kinds, self.sums = self.host_meta
+            self.host_meta = self.desc = None
+
+
+def slice_meta(sl: _Slice, device: torch.device, stream) -> tuple:
+    """``(rel, sizes, kinds, sums)`` of ``sl`` on ``device`` for a restore queued on ``stream``:
+    the slice's own device tensors (its allocation then also waits for ``stream`` before
+    reuse), or uploads of its host copy (non-blocking: from page-locked memory)."""
+    meta = (sl.rel, sl.sizes, sl.kinds, sl.sums)
+    if sl.rel.device == device:
+        if stream is not None and sl.host_meta is not None:  # dropped when placed
+            sl.rel.record_stream(stream)  # one allocation holds the four
+        return meta
+    return tuple(None if t is None else t.to(device, non_blocking=True) for t in meta)
+
+
+def _meta_views(buf: torch.Tensor, n: int, checksum: bool) -> tuple:
+    """``(rel int64 [n], desc int64 [2], sizes int32 [n], kinds uint8 [n], sums int32 [n] or
+    None)``: the parts of a slice's metadata buffer (:func:`_meta_bytes`)."""
+    a = _align16(8 * n)
+    b = a + 16 + _align16(4 * n)
+    c = b + _align16(n)
+    return (buf[:8 * n].view(torch.int64), buf[a:a + 16].view(torch.int64),
+            buf[a + 16:a + 16 + 4 * n].view(torch.int32), buf[b:b + n],
+            buf[c:c + 4 * n].view(torch.int32) if checksum else None)
+
+
+def _meta_bytes(n: int, checksum: bool) -> int:
+    """Bytes of a slice's metadata buffer: ``rel | desc | sizes | kinds (| sums)``, each part
+    16-byte aligned (Triton compiles a kernel per pointer alignment: parts placed by ``n``
+    alone would compile new variants mid-training)."""
+    c = _align16(8 * n) + 16 + _align16(4 * n) + _align16(n)
+    return c + 4 * n if checksum else c - _align16(n) + n
 
 
 class VirtualArena:
@@ -180,6 +221,7 @@ class VirtualArena:
             confirmed = True
             base, total = (int(v) for v in sl.host_desc.tolist())
             sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None
+            sl.meta_to_host()
             if base >= 0:
                 self.frontier = base + total
                 if not sl.freed:
@@ -300,16 +342,21 @@ class PagedStore:
     for it). ``checksum``: keep each page's checksum (format) on the device beside its
     metadata and check every restored page against it (``STATUS_CHECKSUM``, counted as decode
     failures are); one more read of the pages each way. A partial last page travels as plain
-    bytes, checked as one zero-padded page (:func:`tail_checksum`).
+    bytes, checked as one zero-padded page (:func:`tail_checksum`). ``host_meta``: a placed
+    slice keeps its page metadata (13 bytes a page) in page-locked host memory instead of on
+    the device, and each restore uploads what it decodes: for stored tensors that live long
+    (a KV cache's blocks, whose metadata would otherwise grow on the GPU with the context); the
+    activation hooks keep it on the device (restored within a step; an upload per restore
+    would cost host time per saved tensor).
     """
 
     kind = "compressed"
 
     def __init__(self, device: torch.device, page_size: int, streams=(None, None, None),
                  chunk_bytes: int = CHUNK_BYTES, slice_bytes: int = SLICE_BYTES,
-                 checksum: bool = False):
+                 checksum: bool = False, host_meta: bool = False):
         self.device, self.page_size = device, page_size
-        self.checksum = checksum
+        self.checksum, self.host_meta = checksum, host_meta
         self.compress_stream, self.pack_stream, self.restore_stream = streams
         with on_stream(self.pack_stream):  # the pack kernel reads the arena's state there
             self.arena = VirtualArena(device, chunk_bytes)
@@ -356,22 +403,13 @@ class PagedStore:
             _wait(cs, self._packed.popleft())
         pages = src[first * p:(first + n) * p].view(n, p)
         # two allocations per slice: the fixed-stride payload (freed once packed) and the
-        # metadata the restore needs, ``rel int64 [n] | desc int64 [2] | sizes int32 [n] |
-        # kinds uint8 [n] (| sums int32 [n])``, each part 16-byte aligned (Triton compiles a
-        # kernel per pointer alignment: parts placed by ``n`` alone would compile new variants
-        # mid-training)
+        # metadata the restore needs (:func:`_meta_bytes`; with ``host_meta``, copied to the
+        # host after the pack and dropped from the device once the slice is placed)
         payload = torch.empty((n, p), dtype=torch.uint8, device=src.device)
-        a = _align16(8 * n)
-        b = a + 16 + _align16(4 * n)
-        c = b + _align16(n)
-        meta = torch.empty(c + 4 * n if self.checksum else b + n, dtype=torch.uint8,
-                           device=src.device)
-        rel, desc = meta[:8 * n].view(torch.int64), meta[a:a + 16].view(torch.int64)
-        sizes, kinds = meta[a + 16:a + 16 + 4 * n].view(torch.int32), meta[b:b + n]
+        meta = torch.empty(_meta_bytes(n, self.checksum), dtype=torch.uint8, device=src.device)
+        rel, desc, sizes, kinds, sums = _meta_views(meta, n, self.checksum)
         _compress(pages, element_size, (payload, sizes, kinds), self._scratch(src, element_size))
-        sums = None
         if self.checksum:
-            sums = meta[c:c + 4 * n].view(torch.int32)
             _checksums(pages, sums)
         compressed = _record(cs)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
@@ -383,12 +421,18 @@ class PagedStore:
             pack_slice(payload, sizes, rel, arena.state, arena.parity, arena.limit, desc,
                        host_desc, arena.table, arena.chunk)
             arena.parity ^= 1
+            host_meta = None
+            if self.host_meta:  # complete once the slice is placed: the event follows it
+                host = torch.empty(meta.numel(), dtype=torch.uint8, pin_memory=arena.pin)
+                host.copy_(meta, non_blocking=True)
+                rel_h, _, sizes_h, kinds_h, sums_h = _meta_views(host, n, self.checksum)
+                host_meta = (rel_h, sizes_h, kinds_h, sums_h)
             stored = _record(ps)
             if ps is not None:
                 payload.record_stream(ps)  # made on the compress stream, read here
                 meta.record_stream(ps)
             self._packed.append(stored)
-        sl = _Slice(first, n, sizes, kinds, rel, desc, host_desc, stored, sums)
+        sl = _Slice(first, n, sizes, kinds, rel, desc, host_desc, stored, sums, host_meta)
         self.arena.add(sl, n * p)
         return sl
 
@@ -443,7 +487,8 @@ class PagedStore:
                 fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
             st = status[sl.first:sl.first + sl.n]
-            _decompress_into(staging, sl.rel, sl.sizes, sl.kinds, pages, st, sl.sums)
+            rel, sizes, kinds, sums = slice_meta(sl, out.device, stream)
+            _decompress_into(staging, rel, sizes, kinds, pages, st, sums)
         if stored.tail is not None:  # its status (if checked) follows the pages'
             restore_tail(stored, out[stored.nbytes - stored.tail.numel():], stream,
                          status[full:])

@@ -14,9 +14,10 @@ constant number of launches, however many the group holds:
   tensor counted as ``restore`` counts it.
 
 The group keeps, for its leading stored tensors whose slices are all placed, the concatenated
-metadata on the device and the host ranges to copy, and extends them as later ones are
-placed: a restore of an unchanged group costs the host a few tensor allocations, a copy per
-run and the decode launch.
+metadata and the host ranges to copy, and extends them as later ones are placed: a restore of
+an unchanged group costs the host a few tensor allocations, a copy per run and the decode
+launch. The metadata stays where the store keeps placed slices' (on the device, or with the
+store's ``host_meta`` in page-locked host memory, uploaded by each restore: 13 bytes a page).
 """
 
 from __future__ import annotations
@@ -110,12 +111,16 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     # one add for all the new slices: offsets relative to each slice's base -> into staging
     shift = torch.repeat_interleave(torch.tensor(shifts, dtype=torch.int64),
                                     torch.tensor(counts, dtype=torch.int64))
-    offsets = torch.cat(rels) + _paged.to_device(shift, device)
+    on_host = store.host_meta  # placed slices' metadata is on the host: the group's too
+    offsets = torch.cat(rels) + (shift if on_host else _paged.to_device(shift, device))
     new = (offsets, torch.cat(sizes), torch.cat(kinds)) + ((torch.cat(sums),) if sums else ())
     if group.meta is not None:
         new = tuple(torch.cat([old, t]) for old, t in zip(group.meta, new))
+    if on_host and store.arena.pin:  # each restore uploads it without waiting
+        new = tuple(t.pin_memory() for t in new)
     group.meta = new
-    group.meta_stream = current_stream(device) if device.type == "cuda" else None
+    group.meta_stream = (current_stream(device) if device.type == "cuda" and not on_host
+                         else None)
 
 
 def restore_group(store, group: StoredGroup, out) -> None:
@@ -173,12 +178,14 @@ def restore_group(store, group: StoredGroup, out) -> None:
         else:  # still packing: kernels read it once the pack is done
             _paged._wait(stream, sl.stored)
             fetch_from_host(staging[at:at + sl.n * p], sl.desc, arena.table, arena.chunk)
-        extra.append((sl.rel + at, sl.sizes, sl.kinds)
-                     + ((sl.sums,) if store.checksum else ()))
+        rel, sizes, kinds, sums = _paged.slice_meta(sl, dev, stream)
+        extra.append((rel + at, sizes, kinds) + ((sums,) if store.checksum else ()))
 
     if pages:
         meta = group.meta
-        if meta is not None and stream is not None and group.meta_stream is not stream:
+        if meta is not None and store.host_meta:  # kept on the host: uploaded
+            meta = tuple(t.to(dev, non_blocking=True) for t in meta)
+        elif meta is not None and stream is not None and group.meta_stream is not stream:
             for t in meta:  # made on another stream, read on this one
                 t.record_stream(stream)
         if extra:
