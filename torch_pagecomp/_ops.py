@@ -15,6 +15,12 @@ synchronises with the host:
   ``int64 [N + 1]``.
 * ``pagecomp::checksum(Tensor pages) -> Tensor``: ``pages`` ``uint8 [N, P]`` -> the format's page
   checksums, ``int32 [N]``.
+* ``pagecomp::compress_exp(Tensor pages, str float_format) -> (Tensor payload, Tensor sizes,
+  Tensor kinds)``: the exponent codec (``float_format`` ``"bf16"`` or ``"fp16"``: what the pages
+  hold) -> fixed-stride outputs as ``compress``'s, with EXP pages instead of LZ4 ones.
+* ``pagecomp::decompress_exp(Tensor payload, Tensor offsets, Tensor sizes, Tensor kinds,
+  int page_size) -> (Tensor pages, Tensor status)``: as ``decompress``, for RAW, FILL and EXP
+  pages (an LZ4 page is ``STATUS_BAD_KIND``, as an EXP page is to ``decompress``).
 
 Each dispatches to the Triton launchers for CUDA tensors when the GPU path is usable, and
 otherwise to an opaque reference op (``pagecomp::*_reference``) built on the ``lz4`` package:
@@ -33,7 +39,7 @@ import importlib.util
 import torch
 from torch.library import custom_op, triton_op
 
-from . import cpu_codec
+from . import cpu_codec, exp_codec
 from . import format as fmt
 from .backend import KERNELS, route
 
@@ -119,6 +125,41 @@ def _(pages):
     return pages.new_empty((pages.shape[0],), dtype=torch.int32)
 
 
+@custom_op("pagecomp::compress_exp_reference", mutates_args=())
+def compress_exp_reference(pages: Tensor, float_format: str) -> tuple[Tensor, Tensor, Tensor]:
+    fmt.check_compress_exp_args(pages, float_format)
+    out = exp_codec.compress_exp_cpu(pages.cpu(), exp_codec.layout_code(float_format))
+    return tuple(t.to(pages.device) for t in out)
+
+
+@compress_exp_reference.register_fake
+def _(pages, float_format):
+    fmt.check_compress_exp_args(pages, float_format)
+    n, p = pages.shape
+    return (
+        pages.new_empty((n, p)),
+        pages.new_empty((n,), dtype=torch.int32),
+        pages.new_empty((n,), dtype=torch.uint8),
+    )
+
+
+@custom_op("pagecomp::decompress_exp_reference", mutates_args=())
+def decompress_exp_reference(
+    payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
+) -> tuple[Tensor, Tensor]:
+    fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size, op="decompress_exp")
+    args = (payload.cpu(), offsets.cpu(), sizes.cpu(), kinds.cpu())
+    pages, status = exp_codec.decompress_exp_cpu(*args, page_size)
+    return pages.to(payload.device), status.to(payload.device)
+
+
+@decompress_exp_reference.register_fake
+def _(payload, offsets, sizes, kinds, page_size):
+    fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size, op="decompress_exp")
+    n = sizes.shape[0]
+    return payload.new_empty((n, page_size)), payload.new_empty((n,), dtype=torch.int32)
+
+
 # ------------------------------------------------------------------------ public ops
 @_op("pagecomp::compress", mutates_args=())
 def compress(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
@@ -160,6 +201,28 @@ def checksum(pages: Tensor) -> Tensor:
     from .kernels.checksum import page_checksums
 
     return page_checksums(pages)
+
+
+@_op("pagecomp::compress_exp", mutates_args=())
+def compress_exp(pages: Tensor, float_format: str) -> tuple[Tensor, Tensor, Tensor]:
+    fmt.check_compress_exp_args(pages, float_format)
+    if not _use_triton(pages):
+        return compress_exp_reference(pages, float_format)
+    from .kernels.exp_codec import compress_exp_pages
+
+    return compress_exp_pages(pages, float_format == "fp16")
+
+
+@_op("pagecomp::decompress_exp", mutates_args=())
+def decompress_exp(
+    payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
+) -> tuple[Tensor, Tensor]:
+    fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size, op="decompress_exp")
+    if not _use_triton(payload):
+        return decompress_exp_reference(payload, offsets, sizes, kinds, page_size)
+    from .kernels.exp_codec import decompress_exp_pages
+
+    return decompress_exp_pages(payload, offsets, sizes, kinds, page_size)
 
 
 # ------------------------------------------------------------------- eager entry points
@@ -235,3 +298,25 @@ def decompress_into_eager(
     from .kernels.lz4_decompress import decompress_into
 
     decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)
+
+
+def compress_exp_eager(pages: Tensor, float_format: str) -> tuple[Tensor, Tensor, Tensor]:
+    """As ``torch.ops.pagecomp.compress_exp``."""
+    fmt.check_compress_exp_args(pages, float_format)
+    if not _use_triton(pages):
+        return torch.ops.pagecomp.compress_exp(pages, float_format)
+    from .kernels.exp_codec import compress_exp_pages
+
+    return compress_exp_pages(pages, float_format == "fp16", traced=False)
+
+
+def decompress_exp_eager(
+    payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
+) -> tuple[Tensor, Tensor]:
+    """As ``torch.ops.pagecomp.decompress_exp``."""
+    fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size, op="decompress_exp")
+    if not _use_triton(payload):
+        return torch.ops.pagecomp.decompress_exp(payload, offsets, sizes, kinds, page_size)
+    from .kernels.exp_codec import decompress_exp_pages
+
+    return decompress_exp_pages(payload, offsets, sizes, kinds, page_size, traced=False)

@@ -1,23 +1,27 @@
 """The compressed page format: constants, the container, and input validation.
 
 A batch of ``N`` pages is a contiguous ``uint8`` tensor of shape ``[N, P]``; ``P`` (the page
-size) is a power of two from 4096 to 65536. Each page is stored on its own as one of three kinds:
+size) is a power of two from 4096 to 65536. Each page is stored on its own as one of four kinds:
 
 * ``RAW``  (0): the page's ``P`` bytes as they are (LZ4 would not save enough).
 * ``LZ4``  (1): one standard LZ4 *block* (no frame, no size prefix) that decodes to exactly ``P``
   bytes; ``lz4.block.decompress(block, uncompressed_size=P)`` reads it. The block may encode the
   page after a bit-shuffle (see below).
 * ``FILL`` (2): every byte of the page is equal; the one byte value is stored (size 1).
+* ``EXP``  (3): an exponent-coded page of 16-bit floats (bf16 or fp16; see below), written only
+  by ``compress(..., codec="exp-bf16" | "exp-fp16")`` and read only by the exponent decoder.
 
 Metadata, on the same device as the payload:
 
 * ``sizes``: ``int32 [N]``, stored bytes of each page (``P`` for RAW, ``1`` for FILL,
-  ``1..P-P/32`` for LZ4: see ``lz4_keep_limit``). A decoder gives any other size
-  ``STATUS_BAD_SIZE``, as it does a page whose ``[offset, offset + size)`` is not inside the
-  payload.
-* ``kinds``: ``uint8 [N]``. Low nibble: the kind above. High nibble: ``log2(element_size)`` of
-  the bit-shuffle applied before LZ4 (0: none, 1: 2-byte elements, 2: 4-byte elements); it is
-  non-zero only for LZ4 pages (RAW pages hold the original, unshuffled bytes).
+  ``1..P-P/32`` for LZ4: see ``lz4_keep_limit``; for EXP exactly its fixed part plus its
+  escapes, at most ``P-P/32``). A decoder gives any other size ``STATUS_BAD_SIZE``, as it does
+  a page whose ``[offset, offset + size)`` is not inside the payload.
+* ``kinds``: ``uint8 [N]``. Low nibble: the kind above. High nibble: for LZ4 pages
+  ``log2(element_size)`` of the bit-shuffle applied before LZ4 (0: none, 1: 2-byte elements,
+  2: 4-byte elements); for EXP pages the layout (1: bf16, 2: fp16; kinds ``0x13`` / ``0x23``);
+  0 for RAW and FILL pages (RAW pages hold the original, unshuffled bytes). Any other
+  combination is ``STATUS_BAD_KIND``.
 
 Two containers hold the payload:
 
@@ -38,6 +42,40 @@ holds ``Y``; decompression inverts it.
 An LZ4 page is kept only when its block saves at least ``P / 32`` bytes (``size <= P - P/32``);
 otherwise the page is stored RAW, so a stored page never exceeds ``P`` bytes.
 
+EXP pages (``torch_pagecomp.exp_codec`` is the reference). The page is ``n = P / 2``
+little-endian 16-bit values ``v[0..n)``, each split into an exponent ``e``, a rest byte ``r``
+and (fp16 only) three high bits ``h``:
+
+* bf16 (layout 1): ``e = (v >> 7) & 255``; ``r = ((v >> 8) & 0x80) | (v & 0x7F)`` (sign, then
+  the 7 mantissa bits); ``v = ((r & 0x80) << 8) | (e << 7) | (r & 0x7F)``.
+* fp16 (layout 2): ``e = (v >> 10) & 31``; ``r = v & 0xFF`` (the mantissa's low 8 bits);
+  ``h = ((v >> 13) & 4) | ((v >> 8) & 3)`` (sign, mantissa bits 9 and 8);
+  ``v = ((h & 4) << 13) | (e << 10) | ((h & 3) << 8) | r``.
+
+The stored bytes, in order (a "3-bit stream" packs ``n`` fields of 3 bits, 8 to a 3-byte
+group: group ``g`` is the little-endian 24-bit word ``sum_{t<8} x[8g + t] << 3t``):
+
+1. ``table``, 7 bytes: the page's exponent values ordered by how many values have them
+   (descending), ties by value (ascending); when fewer than 7 occur, absent values (count 0)
+   fill the table in the same order. A decoder does not check the order.
+2. ``codes``, ``3n/8`` bytes: a 3-bit stream of ``c[i] = k`` where ``e[i] == table[k]``
+   (``k < 7``), ``c[i] = 7`` (escape) where ``e[i]`` is not in the table.
+3. fp16 only: ``3n/8`` bytes, the 3-bit stream of ``h[i]``.
+4. ``n`` bytes: ``r[i]``.
+5. ``escapes``: one byte per escaped value (``c[i] == 7``), in increasing ``i``: ``e[i]``.
+
+The fixed part (1-4) is ``F = 7 + 3n/8 + n`` bytes (bf16) or ``F = 7 + 6n/8 + n`` (fp16)
+(``exp_fixed_bytes``); the stored size is ``F`` plus the number of escapes, and must equal it.
+fp16 table and escape bytes hold values below 32 (a decoder reads their low 5 bits). An
+all-equal page is stored FILL; a page whose EXP size would exceed ``P - P/32`` is stored RAW.
+The exponent decoder decodes RAW, FILL and EXP pages and gives LZ4 pages ``STATUS_BAD_KIND``;
+the LZ4 decoder gives EXP pages ``STATUS_BAD_KIND`` (``api.decompress`` picks the decoder by
+the container's ``codec``, or runs both with ``codec="any"``). Per EXP page, in order:
+``STATUS_BAD_KIND`` for a layout other than 1 or 2; ``STATUS_BAD_SIZE`` for
+``[offset, offset + size)`` outside the payload, ``size < F`` or ``size > P - P/32`` (checked
+before any byte of the page is read), then for a size other than ``F`` plus the escapes that
+its codes count.
+
 Checksums (optional: ``compress(..., checksum=True)``): ``checksums`` is ``int32 [N]``, the
 checksum of each *uncompressed* page, so a decoder can tell a page that decoded to other bytes
 (a flipped bit in a stored payload, host memory or a transfer) from a correct one: the page's
@@ -56,6 +94,12 @@ import torch
 
 from .kernels.constants import (  # noqa: F401 - re-exported: the format's constants
     ELEMENT_SIZES,
+    EXP_BF16,
+    EXP_FP16,
+    EXP_TABLE,
+    KIND_EXP,
+    KIND_EXP_BF16,
+    KIND_EXP_FP16,
     KIND_FILL,
     KIND_LZ4,
     KIND_LZ4_SHUFFLED_2,
@@ -75,11 +119,14 @@ from .kernels.constants import (  # noqa: F401 - re-exported: the format's const
     XXH_PRIME2,
     XXH_PRIME3,
     element_shift,
+    exp_fixed_bytes,
     valid_page_size,
 )
 
 DEFAULT_PAGE_SIZE = 4096
-KIND_NAMES = {KIND_RAW: "raw", KIND_LZ4: "lz4", KIND_FILL: "fill"}
+# What ``CompressedPages.codec`` may say: the decoder that reads its pages.
+CONTAINER_CODECS = ("lz4", "exp")
+KIND_NAMES = {KIND_RAW: "raw", KIND_LZ4: "lz4", KIND_FILL: "fill", KIND_EXP: "exp"}
 
 STATUS_NAMES = {
     STATUS_OK: "ok",
@@ -132,6 +179,8 @@ class CompressedPages:
         offsets: ``None`` (fixed-stride) or ``int64 [N + 1]`` (packed).
         checksums: ``None`` or ``int32 [N]``, the checksum of each uncompressed page (see the
             module docstring); decompression checks them when present.
+        codec: which decoder reads the pages: ``"lz4"`` (RAW, FILL, LZ4 pages) or ``"exp"``
+            (RAW, FILL, EXP pages: ``compress(..., codec="exp-bf16" | "exp-fp16")``).
     """
 
     payload: torch.Tensor
@@ -140,6 +189,7 @@ class CompressedPages:
     page_size: int
     offsets: torch.Tensor | None = None
     checksums: torch.Tensor | None = None
+    codec: str = "lz4"
 
     @property
     def num_pages(self) -> int:
@@ -257,6 +307,8 @@ def check_compressed(c: CompressedPages) -> None:
     check_page_size(c.page_size)
     n = c.sizes.shape[0] if c.sizes.dim() == 1 else -1
     problems = []
+    if c.codec not in CONTAINER_CODECS:
+        problems.append(f"codec must be one of {CONTAINER_CODECS}, got {c.codec!r}")
     if c.payload.dtype != torch.uint8:
         problems.append(f"payload dtype must be uint8, got {c.payload.dtype}")
     if c.sizes.dtype != torch.int32 or c.sizes.dim() != 1:
@@ -372,6 +424,19 @@ def check_compress_args(pages: torch.Tensor, element_size: object) -> None:
     _raise("compress", problems)
 
 
+FLOAT_FORMATS = ("bf16", "fp16")  # the exponent codec's layouts, by name
+
+
+def check_compress_exp_args(pages: torch.Tensor, float_format: object) -> None:
+    """Arguments of ``pagecomp::compress_exp``: ``pages`` as for ``pagecomp::compress``,
+    ``float_format`` ``"bf16"`` or ``"fp16"`` (the layout of the values in the pages)."""
+    problems: list[str] = []
+    _check_pages(problems, pages)
+    if float_format not in FLOAT_FORMATS:
+        problems.append(f"float_format must be one of {FLOAT_FORMATS}, got {float_format!r}")
+    _raise("compress_exp", problems)
+
+
 def check_checksum_args(pages: torch.Tensor) -> None:
     """Arguments of ``pagecomp::checksum``: ``pages`` as for ``pagecomp::compress``."""
     problems: list[str] = []
@@ -382,14 +447,15 @@ def check_checksum_args(pages: torch.Tensor) -> None:
 def check_decompress_args(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
                           kinds: torch.Tensor, page_size: object,
                           pages: torch.Tensor | None = None,
-                          status: torch.Tensor | None = None) -> None:
-    """Arguments of ``pagecomp::decompress``: ``payload`` contiguous ``uint8 [T]``, ``offsets``
-    ``int64 [N]`` (start of each page), ``sizes`` ``int32 [N]``, ``kinds`` ``uint8 [N]``, all
-    contiguous and on one device, ``page_size`` a power of two from 4096 to 65536. With
-    ``pages`` / ``status`` (the outputs of ``decompress_into``): contiguous ``uint8 [N, P]``
-    and ``int32 [N]`` on the same device."""
+                          status: torch.Tensor | None = None, op: str | None = None) -> None:
+    """Arguments of ``pagecomp::decompress`` (and ``decompress_exp``: ``op`` names the op in
+    the error): ``payload`` contiguous ``uint8 [T]``, ``offsets`` ``int64 [N]`` (start of each
+    page), ``sizes`` ``int32 [N]``, ``kinds`` ``uint8 [N]``, all contiguous and on one device,
+    ``page_size`` a power of two from 4096 to 65536. With ``pages`` / ``status`` (the outputs
+    of ``decompress_into``): contiguous ``uint8 [N, P]`` and ``int32 [N]`` on the same
+    device."""
     problems: list[str] = []
-    op = "decompress" if pages is None and status is None else "decompress_into"
+    op = op or ("decompress" if pages is None and status is None else "decompress_into")
     named: dict[str, torch.Tensor] = {}
     if _check_tensor(problems, "sizes", sizes, torch.int32, (None,)):
         named["sizes"] = sizes

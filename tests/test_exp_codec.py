@@ -1,0 +1,389 @@
+"""The exponent codec (EXP pages of bf16 / fp16 values, issue #23): the numpy reference
+(``torch_pagecomp.exp_codec``) against a literal model of the format's text, the Triton kernels
+(``torch_pagecomp.kernels.exp_codec``, under the interpreter here) bit-identical to the
+reference, hostile pages, the ops and the API's ``codec=`` arguments.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import POISON
+from pages import kernel_device, mixed_pages
+
+import torch_pagecomp as pc
+from torch_pagecomp import exp_codec as ec
+from torch_pagecomp import format as fmt
+
+CUDA = torch.cuda.is_available()
+PAGE_SIZES = [4096, 8192, 16384, 32768, 65536]
+LAYOUTS = {"bf16": (fmt.EXP_BF16, torch.bfloat16), "fp16": (fmt.EXP_FP16, torch.float16)}
+STATUS_GUARD = -0x5A5A5A5B
+
+
+def float_pages(gen: torch.Generator, page_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``uint8 [8, page_size]`` pages of ``dtype`` values of every exponent shape: normal,
+    one value (one exponent), random bits (every exponent), NaN / Inf / denormals / -0, zeros
+    (FILL), exponents spread far wider than 7 values, three exponents (a table with absent
+    entries), and a normal page whose last value's exponent occurs once (one escape)."""
+    n = page_size // 2
+    bits = torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int32).to(torch.int16)
+    tiny = 1e-40 if dtype == torch.bfloat16 else 1e-7  # a denormal of each
+    few = torch.tensor([0.5, 1.0, 2.0])[torch.randint(0, 3, (n,), generator=gen)]
+    mantissa = 1 + torch.rand(n, generator=gen) / 2  # [1, 1.5): never rounds up to 2
+    escape = 2.0 ** torch.randint(-3, 4, (n,), generator=gen) * mantissa
+    escape[-1] = 1e4  # 7 exponents, then one more
+    rows = [
+        torch.randn(n, generator=gen) * 0.02,
+        torch.full((n,), 1.5),
+        bits.view(dtype),
+        torch.tensor([float("nan"), float("inf"), -float("inf"), tiny, -0.0] * (n // 5)
+                     + [0.0] * (n % 5)),
+        torch.zeros(n),
+        torch.randn(n, generator=gen) * torch.logspace(-4, 4, n),
+        few * torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0),
+        escape,
+    ]
+    return torch.stack([r.to(dtype).view(torch.uint8) for r in rows])
+
+
+# ------------------------------------------------------------------------ the format
+def model_encode_page(page: bytes, layout: int) -> bytes:
+    """One page, written value by value from the words of ``format``'s docstring (an
+    independent model of the reference; EXP bytes only, no RAW / FILL decision)."""
+    v = np.frombuffer(page, dtype="<u2").astype(int).tolist()
+    if layout == fmt.EXP_BF16:
+        e = [(x >> 7) & 255 for x in v]
+        r = [((x >> 8) & 0x80) | (x & 0x7F) for x in v]
+        h = None
+    else:
+        e = [(x >> 10) & 31 for x in v]
+        r = [x & 0xFF for x in v]
+        h = [((x >> 13) & 4) | ((x >> 8) & 3) for x in v]
+    bins = 256 if layout == fmt.EXP_BF16 else 32
+    table = sorted(range(bins), key=lambda x: (-e.count(x), x))[:7]
+    c = [table.index(x) if x in table else 7 for x in e]
+
+    def stream3(fields):
+        out = bytearray()
+        for g in range(0, len(fields), 8):
+            w = sum(f << (3 * t) for t, f in enumerate(fields[g:g + 8]))
+            out += w.to_bytes(3, "little")
+        return bytes(out)
+
+    out = bytes(table) + stream3(c) + (stream3(h) if h is not None else b"") + bytes(r)
+    return out + bytes(x for x, k in zip(e, c) if k == 7)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_reference_writes_the_documented_bytes(name, gen):
+    layout, dtype = LAYOUTS[name]
+    pages = float_pages(gen, 4096, dtype)
+    payload, sizes, kinds = ec.compress_exp_cpu(pages, layout)
+    for i in range(pages.shape[0]):
+        want = model_encode_page(bytes(pages[i].numpy()), layout)
+        assert len(want) >= fmt.exp_fixed_bytes(4096, layout)
+        if int(kinds[i]) == fmt.KIND_FILL:
+            assert i == 4 and int(sizes[i]) == 1 and not payload[i].any()
+        elif len(want) > fmt.lz4_keep_limit(4096):
+            assert int(kinds[i]) == fmt.KIND_RAW and int(sizes[i]) == 4096
+            assert torch.equal(payload[i], pages[i])
+        else:
+            assert int(kinds[i]) == fmt.KIND_EXP | layout << 4
+            assert int(sizes[i]) == len(want)
+            assert bytes(payload[i, :len(want)].numpy()) == want, i
+            assert not payload[i, len(want):].any()  # the rest of the row is zero
+    assert int(kinds[2]) == fmt.KIND_RAW  # random bits: more escapes than the limit allows
+    f = fmt.exp_fixed_bytes(4096, layout)
+    assert int(sizes[1]) == f and int(sizes[6]) == f and int(sizes[7]) == f + 1
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_reference_round_trip(name, page_size, gen):
+    layout, dtype = LAYOUTS[name]
+    pages = float_pages(gen, page_size, dtype)
+    payload, sizes, kinds = ec.compress_exp_cpu(pages, layout)
+    assert (sizes <= page_size).all()
+    n = pages.shape[0]
+    offsets = torch.arange(n, dtype=torch.int64) * page_size
+    out, status = ec.decompress_exp_cpu(payload.view(-1), offsets, sizes, kinds, page_size)
+    assert not status.any() and torch.equal(out, pages)
+    packed = pc.pack(pc.CompressedPages(payload, sizes, kinds, page_size, codec="exp"))
+    assert torch.equal(pc.decompress(packed, backend="cpu"), pages)
+
+
+# ------------------------------------------------------------------------- kernels
+def kernel_round_trip(pages: torch.Tensor, fp16: bool, shift: int = 0) -> None:
+    """Kernel encode and decode of ``pages`` against the reference: payload, sizes and kinds
+    bit-identical (outputs poisoned first, nothing written around them), then the decode of
+    the kernel's payload bit-identical to the reference's, in rows ``shift`` bytes off
+    alignment (an odd ``shift`` takes the byte-pair path)."""
+    from torch_pagecomp.kernels import exp_codec as kx
+
+    dev = kernel_device()
+    n, p = pages.shape
+    layout = fmt.EXP_FP16 if fp16 else fmt.EXP_BF16
+    want = ec.compress_exp_cpu(pages, layout)
+    src = torch.full((n * p + shift,), POISON, dtype=torch.uint8, device=dev)
+    src[shift:].copy_(pages.view(-1))
+    got = kx.compress_exp_pages(src[shift:].view(n, p), fp16)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b.cpu())
+    buf = torch.full((2 * 64 + shift + n * p,), POISON, dtype=torch.uint8, device=dev)
+    sbuf = torch.full((n + 2,), STATUS_GUARD, dtype=torch.int32, device=dev)
+    out, status = buf[64 + shift:64 + shift + n * p].view(n, p), sbuf[1:n + 1]
+    offsets = torch.arange(n, dtype=torch.int64, device=dev) * p
+    kx.decompress_exp_into(got[0].view(-1), offsets, got[1], got[2], out, status)
+    assert not status.any() and torch.equal(out.cpu(), pages)
+    assert (buf[:64 + shift] == POISON).all() and (buf[64 + shift + n * p:] == POISON).all()
+    assert int(sbuf[0]) == STATUS_GUARD and int(sbuf[-1]) == STATUS_GUARD
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_kernels_equal_reference(name, gen):
+    _, dtype = LAYOUTS[name]
+    kernel_round_trip(float_pages(gen, 4096, dtype), name == "fp16")
+
+
+@pytest.mark.parametrize("shift", [1, 2])
+def test_kernels_misaligned_rows(shift, gen):
+    """Rows at odd addresses (views of ``uint8`` tensors) go through byte pairs."""
+    kernel_round_trip(float_pages(gen, 4096, torch.bfloat16)[[0, 2, 4, 7]], False, shift)
+
+
+@pytest.mark.parametrize("page_size", [8192, 16384])
+def test_kernels_larger_pages(page_size, gen):
+    """Pages of several steps (the interpreter's step is 8192 values, a 16 KiB page)."""
+    pages = torch.cat([float_pages(gen, page_size, torch.bfloat16)[[0, 5, 7]],
+                       float_pages(gen, page_size, torch.float16)[[0, 3]]])
+    kernel_round_trip(pages[:3], False)
+    kernel_round_trip(pages[3:], True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [32768, 65536])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_kernels_largest_pages(name, page_size, gen):
+    _, dtype = LAYOUTS[name]
+    kernel_round_trip(float_pages(gen, page_size, dtype), name == "fp16")
+
+
+# -------------------------------------------------------------------- hostile pages
+def hostile_batch(gen: torch.Generator, page_size: int = 4096):
+    """A packed payload of valid pages of both layouts (and RAW, FILL) and mutated copies:
+    sizes off by one, under the fixed part, over the limit, 0 and negative; offsets outside
+    the payload; every kind byte that is not this decoder's; random code bytes; fp16 tables
+    and escapes with high bits set; LZ4 pages. Returns ``(payload, offsets, sizes, kinds)``
+    on the CPU."""
+    p = page_size
+    bf = float_pages(gen, p, torch.bfloat16)[[0, 2, 4, 7]]
+    hf = float_pages(gen, p, torch.float16)[[0, 7]]
+    a = ec.compress_exp_cpu(bf, fmt.EXP_BF16)
+    b = ec.compress_exp_cpu(hf, fmt.EXP_FP16)
+    lz = pc.compress(mixed_pages(3, p, gen), element_size=2, backend="cpu")
+    payload = torch.cat([a[0], b[0], lz.payload])
+    sizes = torch.cat([a[1], b[1], lz.sizes])
+    kinds = torch.cat([a[2], b[2], lz.kinds])
+    rows = list(range(payload.shape[0]))
+    exp_rows = [i for i in rows if int(kinds[i]) & 15 == fmt.KIND_EXP]
+    f = {r: fmt.exp_fixed_bytes(p, int(kinds[r]) >> 4) for r in exp_rows}
+    entries = [(r, int(sizes[r]), int(kinds[r])) for r in rows]  # valid pages first
+    for r in exp_rows:
+        s, k = int(sizes[r]), int(kinds[r])
+        entries += [(r, s + 1, k), (r, s - 1, k), (r, f[r] - 1, k), (r, p - p // 32 + 1, k),
+                    (r, 0, k), (r, -7, k), (r, p, k)]
+        entries += [(r, s, kk) for kk in (0x03, 0x33, 0xF3, 0x13 ^ 0x30, 0x01, 0x11, 0x04,
+                                          0x10, 0x12)]
+    rng = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    extra = []
+    for r in exp_rows:  # random code bytes: the escapes they count disagree with the size
+        row = payload[r].clone()
+        row[7:7 + 64] = torch.randint(0, 256, (64,), generator=rng, dtype=torch.uint8)
+        extra.append((row, int(sizes[r]), int(kinds[r])))
+    r = next(r for r in exp_rows if int(kinds[r]) == fmt.KIND_EXP_FP16 and
+             int(sizes[r]) > f[r])
+    row = payload[r].clone()  # fp16: table and escape bytes with their high bits set
+    row[:7] |= 0xE0
+    row[f[r]:int(sizes[r])] |= 0x60
+    extra.append((row, int(sizes[r]), int(kinds[r])))
+    parts, offs, szs, kds, at = [], [], [], [], 0
+    for r, s, k in entries:
+        keep = max(0, min(s, p))
+        parts.append(payload[r, :keep])
+        offs.append(at)
+        szs.append(s)
+        kds.append(k)
+        at += keep
+    for row, s, k in extra:
+        parts.append(row[:s])
+        offs.append(at)
+        szs.append(s)
+        kds.append(k)
+        at += s
+    flat = torch.cat(parts)
+    offs += [at - 10, at + 5, -3, 1 << 40]  # pages ending past, starting past, before, far
+    szs += [int(sizes[exp_rows[0]])] * 4
+    kds += [int(kinds[exp_rows[0]])] * 4
+    return (flat, torch.tensor(offs, dtype=torch.int64), torch.tensor(szs, dtype=torch.int32),
+            torch.tensor(kds, dtype=torch.uint8))
+
+
+def test_hostile_pages_reference_statuses(gen):
+    payload, offsets, sizes, kinds = hostile_batch(gen)
+    out, status = ec.decompress_exp_cpu(payload, offsets, sizes, kinds, 4096)
+    st = status.tolist()
+    assert set(st) == {fmt.STATUS_OK, fmt.STATUS_BAD_KIND, fmt.STATUS_BAD_SIZE}
+    assert not out[status != 0].any()  # failed pages zero-filled
+    lz4 = ((kinds & 15) == fmt.KIND_LZ4)
+    assert (status[lz4] == fmt.STATUS_BAD_KIND).all()
+    assert (status[-4:] == fmt.STATUS_BAD_SIZE).all()
+    # the LZ4 decoder: EXP pages are not its kind
+    _, lz_status = pc.decompress(pc.CompressedPages(payload, sizes, kinds, 4096,
+                                                    torch.cat([offsets, offsets[-1:]])),
+                                 return_status=True, backend="cpu", codec="lz4")
+    exp = (kinds & 15) == fmt.KIND_EXP
+    assert (lz_status[exp] == fmt.STATUS_BAD_KIND).all()
+
+
+def test_hostile_pages_kernel_equals_reference(gen):
+    """Statuses and bytes of the kernel equal the reference's; outputs sit between poisoned
+    guards (nothing written outside them; misaligned rows)."""
+    from torch_pagecomp.kernels import exp_codec as kx
+
+    dev = kernel_device()
+    payload, offsets, sizes, kinds = hostile_batch(gen)
+    want, want_status = ec.decompress_exp_cpu(payload, offsets, sizes, kinds, 4096)
+    n = sizes.shape[0]
+    guard = 33
+    buf = torch.full((2 * guard + n * 4096,), POISON, dtype=torch.uint8, device=dev)
+    sbuf = torch.full((n + 2,), STATUS_GUARD, dtype=torch.int32, device=dev)
+    out, status = buf[guard:guard + n * 4096].view(n, 4096), sbuf[1:n + 1]
+    kx.decompress_exp_into(*(t.to(dev) for t in (payload, offsets, sizes, kinds)), out, status)
+    assert status.cpu().tolist() == want_status.tolist()
+    assert torch.equal(out.cpu(), want)
+    assert (buf[:guard] == POISON).all() and (buf[guard + n * 4096:] == POISON).all()
+    assert int(sbuf[0]) == STATUS_GUARD and int(sbuf[-1]) == STATUS_GUARD
+
+
+# ------------------------------------------------------------------------- ops, API
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_api_round_trip_every_backend_and_container(name, gen):
+    _, dtype = LAYOUTS[name]
+    pages = float_pages(gen, 4096, dtype)
+    backends = ["cpu"] + (["triton"] if CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+                          else [])
+    results = []
+    for be in backends:
+        c = pc.compress(pages.view(-1), codec=f"exp-{name}", backend=be, checksum=True)
+        assert c.codec == "exp"
+        results.append(c)
+        assert torch.equal(pc.decompress(c, backend=be), pages)
+        assert torch.equal(pc.decompress(pc.pack(c), backend=be), pages)
+        _, status = pc.decompress(c, backend=be, codec="lz4", return_status=True)
+        assert (status[c.kinds == (fmt.KIND_EXP | LAYOUTS[name][0] << 4)] ==
+                fmt.STATUS_BAD_KIND).all()
+    for a, b in zip(results, results[1:]):
+        for t, u in ((a.payload, b.payload), (a.sizes, b.sizes), (a.kinds, b.kinds)):
+            assert torch.equal(t.cpu(), u.cpu())
+
+
+def test_any_decodes_a_mix_of_both_codecs(gen):
+    """A container that mixes LZ4 and EXP pages (packed from both codecs' outputs)."""
+    lz_pages = mixed_pages(4, 4096, gen)
+    fl_pages = float_pages(gen, 4096, torch.bfloat16)
+    a = pc.pack(pc.compress(lz_pages, backend="cpu"))
+    b = pc.pack(pc.compress(fl_pages, codec="exp-bf16", backend="cpu"))
+    mixed = pc.CompressedPages(torch.cat([a.payload, b.payload]), torch.cat([a.sizes, b.sizes]),
+                               torch.cat([a.kinds, b.kinds]), 4096,
+                               torch.cat([a.offsets, b.offsets[1:] + a.offsets[-1]]))
+    assert torch.equal(pc.decompress(mixed, codec="any"), torch.cat([lz_pages, fl_pages]))
+    with pytest.raises(pc.CorruptPageError):
+        pc.decompress(mixed)  # the container says lz4: the EXP pages are not its kind
+
+
+def test_default_calls_unchanged(gen):
+    pages = mixed_pages(7, 4096, gen)
+    c = pc.compress(pages)
+    ref = torch.ops.pagecomp.compress(pages, 1)
+    assert c.codec == "lz4"
+    assert all(torch.equal(x, y) for x, y in zip((c.payload, c.sizes, c.kinds), ref))
+    c2 = pc.compress(pages, element_size=2, codec="lz4")
+    ref2 = torch.ops.pagecomp.compress(pages, 2)
+    assert all(torch.equal(x, y) for x, y in zip((c2.payload, c2.sizes, c2.kinds), ref2))
+    assert not (c.kinds & 15 == fmt.KIND_EXP).any()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(codec="exp-bf16", element_size=4), "element_size must be 2"),
+    (dict(codec="exp-fp16", element_size=1), "element_size must be 2"),
+    (dict(codec="exp"), "codec must be one of"),
+    (dict(codec="zstd"), "codec must be one of"),
+    (dict(codec="lz4", element_size=3), "element_size must be one of"),
+])
+def test_bad_codec_arguments(kwargs, match):
+    pages = torch.zeros((2, 4096), dtype=torch.uint8)
+    with pytest.raises(pc.PageCompError, match=match):
+        pc.compress(pages, **kwargs)
+
+
+def test_bad_decoder_and_container_codec():
+    c = pc.compress(torch.zeros((2, 4096), dtype=torch.uint8), codec="exp-bf16")
+    with pytest.raises(pc.PageCompError, match="codec must be None or one of"):
+        pc.decompress(c, codec="exp-bf16")
+    with pytest.raises(pc.PageCompError, match="codec must be one of"):
+        pc.decompress(pc.CompressedPages(c.payload, c.sizes, c.kinds, 4096, codec="zstd"))
+    with pytest.raises(pc.PageCompError, match="float_format must be one of"):
+        torch.ops.pagecomp.compress_exp(torch.zeros((2, 4096), dtype=torch.uint8), "fp32")
+    with pytest.raises(pc.PageCompError, match="pagecomp.decompress_exp: .*kinds"):
+        torch.ops.pagecomp.decompress_exp(c.payload.view(-1), torch.zeros(2, dtype=torch.int64),
+                                          c.sizes, c.kinds.int(), 4096)
+
+
+def test_fake_shapes_and_opcheck(gen):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.library import opcheck
+
+    with FakeTensorMode():
+        pages = torch.empty((10, 8192), dtype=torch.uint8)
+        payload, sizes, kinds = torch.ops.pagecomp.compress_exp(pages, "fp16")
+        assert payload.shape == (10, 8192) and sizes.dtype == torch.int32
+        out, status = torch.ops.pagecomp.decompress_exp(
+            payload.view(-1), torch.empty(10, dtype=torch.int64), sizes, kinds, 8192)
+        assert out.shape == (10, 8192) and status.dtype == torch.int32
+    pages = float_pages(gen, 4096, torch.bfloat16)[:3]
+    c = pc.compress(pages, codec="exp-bf16", backend="cpu")
+    opcheck(torch.ops.pagecomp.compress_exp.default, (pages, "bf16"))
+    opcheck(torch.ops.pagecomp.decompress_exp.default,
+            (c.payload.view(-1), c.page_offsets(), c.sizes, c.kinds, 4096))
+
+
+# ------------------------------------------------------------------------ GPU only
+@pytest.mark.skipif(not CUDA or os.environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA")
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_gpu_round_trip_equals_reference(page_size, gen):
+    """Every page size and layout on the GPU, 64 pages of each shape: bytes, sizes, kinds and
+    pages equal the reference's; CUDA graphs and ``torch.compile`` give the same."""
+    for name, (layout, dtype) in LAYOUTS.items():
+        pages = torch.cat([float_pages(gen, page_size, dtype)] * 8)
+        want = ec.compress_exp_cpu(pages, layout)
+        gpu = pages.cuda()
+        c = pc.compress(gpu, codec=f"exp-{name}")
+        for a, b in zip(want, (c.payload, c.sizes, c.kinds)):
+            assert torch.equal(a, b.cpu())
+        assert torch.equal(pc.decompress(c), gpu)
+        assert torch.equal(pc.decompress(pc.pack(c)), gpu)
+        compiled = torch.compile(lambda x, f=name: torch.ops.pagecomp.compress_exp(x, f),
+                                 fullgraph=True)(gpu)
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(want, compiled))
+        graph = torch.cuda.CUDAGraph()
+        args = (c.payload.view(-1), c.page_offsets(), c.sizes, c.kinds, page_size)
+        torch.ops.pagecomp.decompress_exp(*args)  # compiled before capture
+        with torch.cuda.graph(graph):
+            out, status = torch.ops.pagecomp.decompress_exp(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gpu) and not status.any()

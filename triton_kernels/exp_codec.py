@@ -1,0 +1,438 @@
+"""Triton kernels of the exponent codec for bf16 / fp16 pages: :func:`compress_exp_pages` and
+:func:`decompress_exp_pages` / :func:`decompress_exp_into`, the launchers behind
+``torch.ops.pagecomp.compress_exp`` / ``decompress_exp``. The format (``EXP`` pages, layouts
+bf16 and fp16) is in ``torch_pagecomp.format``; the reference, bit for bit the same bytes,
+sizes, kinds and statuses, is ``torch_pagecomp.exp_codec``; the tests
+``tests/test_exp_codec.py``.
+
+One program per page each way, ``CHUNK`` values a step (a 64 KiB page's 32768 values would not
+fit in registers at once):
+
+* encode, two passes over the page: the first counts the exponents (``tl.histogram``) and
+  checks for an all-equal page; the 7 most frequent exponents follow from the counts, so the
+  page's size, and with it its kind (FILL, RAW or EXP), is known before anything is stored;
+  the second writes the codes, the rest bytes and the escapes (placed by a running
+  ``tl.cumsum``), then zeroes the row past the size. No match search, no branch per value.
+* decode, two passes when the page is EXP: the first counts the escapes in the codes (the
+  size must equal the fixed part plus them: checked before an escape is read), the second
+  rebuilds the values (the table entries and the escapes are gathered from the page's bytes).
+
+Decoding dispatch: this decoder handles RAW, FILL and EXP pages and gives LZ4 pages
+``STATUS_BAD_KIND``; the LZ4 decoder (``lz4_decompress``) does the same to EXP pages. The
+caller picks the decoder (``CompressedPages.codec``, or both with ``api.decompress(...,
+codec="any")``). Handling EXP pages inside the LZ4 kernels would add a branch and registers to
+their measured loops, or a third launch to every LZ4 decode (the activation hooks decode
+thousands of small batches a step, host time per launch counts there): the LZ4 path stays as
+it was, and only callers of the exponent codec pay for it.
+
+Safety as the LZ4 decoder's: a page's metadata is checked first (``_exp_page_meta``: its
+``[offset, offset + size)`` inside the payload, the size allowed for its kind, ``F <= size <=
+P - P/32`` for EXP pages); an EXP page's codes lie inside its fixed part ``F``, and its escapes
+are read only once their count matched the size, so every load stays inside the page's bytes;
+every store stays in its output row. A failed page's row is zeroed.
+
+Values are read and written as 16-bit words where a row is 2-byte aligned (checked on the
+device), else as byte pairs: ``uint8`` tensors may be views at odd addresses.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import constants as fmt
+from .launch import config_meta, interpreting, launch
+
+_OK = tl.constexpr(fmt.STATUS_OK)
+_BAD_KIND = tl.constexpr(fmt.STATUS_BAD_KIND)
+_BAD_SIZE = tl.constexpr(fmt.STATUS_BAD_SIZE)
+_RAW = tl.constexpr(fmt.KIND_RAW)
+_FILL = tl.constexpr(fmt.KIND_FILL)
+_EXP = tl.constexpr(fmt.KIND_EXP)
+_BF16 = tl.constexpr(fmt.EXP_BF16)
+_FP16 = tl.constexpr(fmt.EXP_FP16)
+_TABLE = tl.constexpr(fmt.EXP_TABLE)  # table entries; code _TABLE escapes
+
+
+@dataclass(frozen=True)
+class ExpEncodeConfig:
+    """Compile-time settings of ``_exp_encode_kernel``: each field is one of its constexprs, or
+    the launch option ``num_warps``."""
+
+    PAGE: int  # bytes per page
+    FP16: bool  # layout: fp16 (5-bit exponent, 3 high bits a value) or bf16
+    CHUNK: int  # values per step (divides PAGE / 2)
+    num_warps: int
+
+    def meta(self) -> dict:
+        """The keyword arguments of the launch."""
+        return config_meta(self)
+
+
+@dataclass(frozen=True)
+class ExpDecodeConfig:
+    """Compile-time settings of ``_exp_decode_kernel`` (fields as in :class:`ExpEncodeConfig`;
+    the layout is read from each page's kind)."""
+
+    PAGE: int
+    CHUNK: int
+    RAW_BYTES: int  # bytes per step of a RAW or FILL page, or of zeroing a failed row
+    num_warps: int
+
+    def meta(self) -> dict:
+        """The keyword arguments of the launch."""
+        return config_meta(self)
+
+
+def _chunk(page_size: int, interpret: bool) -> int:
+    # The interpreter pays per operation, not per byte: up to 8192 values a step. On the GPU
+    # 2048 values a step are 16 a thread at 4 warps (a 4 KiB page in one step, as the probe
+    # measured it: bench/dev_float_codec.py).
+    return min(page_size // 2, 8192 if interpret else 2048)
+
+
+@functools.cache
+def _encode_config(page_size: int, fp16: bool, interpret: bool) -> ExpEncodeConfig:
+    return ExpEncodeConfig(PAGE=page_size, FP16=fp16, CHUNK=_chunk(page_size, interpret),
+                           num_warps=4)
+
+
+@functools.cache
+def _decode_config(page_size: int, interpret: bool) -> ExpDecodeConfig:
+    return ExpDecodeConfig(PAGE=page_size, CHUNK=_chunk(page_size, interpret), RAW_BYTES=1024,
+                           num_warps=4)
+
+
+def encode_config(page_size: int, fp16: bool) -> ExpEncodeConfig:
+    """The settings of ``_exp_encode_kernel`` for ``page_size`` and the layout (on the GPU, or
+    the interpreter's when ``TRITON_INTERPRET=1``)."""
+    return _encode_config(page_size, fp16, interpreting())
+
+
+def decode_config(page_size: int) -> ExpDecodeConfig:
+    """The settings of ``_exp_decode_kernel`` for ``page_size``."""
+    return _decode_config(page_size, interpreting())
+
+
+# ------------------------------------------------------------------------------ helpers
+@triton.jit
+def _load_values(row, i, aligned):
+    """Values ``i`` (``int32``, 0..65535) of the 16-bit little-endian row at ``row``."""
+    if aligned:
+        v = tl.load(row.to(tl.pointer_type(tl.uint16)) + i).to(tl.int32)
+    else:
+        v = tl.load(row + 2 * i).to(tl.int32) | (tl.load(row + 2 * i + 1).to(tl.int32) << 8)
+    return v
+
+
+@triton.jit
+def _store_values(row, i, v, aligned):
+    """Store the 16-bit values ``v`` (``int32``) at positions ``i`` of the row at ``row``."""
+    if aligned:
+        tl.store(row.to(tl.pointer_type(tl.uint16)) + i, v.to(tl.uint16))
+    else:
+        tl.store(row + 2 * i, (v & 255).to(tl.uint8))
+        tl.store(row + 2 * i + 1, (v >> 8).to(tl.uint8))
+
+
+@triton.jit
+def _split(v, FP16: tl.constexpr):
+    """``(exponent, rest byte, high 3 bits)`` of values ``v`` (``exp_codec.split_values``; the
+    high bits are 0 for bf16, which has none)."""
+    if FP16:
+        return (v >> 10) & 31, v & 255, ((v >> 13) & 4) | ((v >> 8) & 3)
+    else:
+        return (v >> 7) & 255, ((v >> 8) & 0x80) | (v & 0x7F), v * 0
+
+
+@triton.jit
+def _join(e, rest, high, FP16: tl.constexpr):
+    """Inverse of :func:`_split`."""
+    if FP16:
+        return ((high & 4) << 13) | (e << 10) | ((high & 3) << 8) | rest
+    else:
+        return ((rest & 0x80) << 8) | (e << 7) | (rest & 0x7F)
+
+
+@triton.jit
+def _store3(dst, c, x, CHUNK: tl.constexpr):
+    """Store the 3-bit fields ``x`` (``int32 [CHUNK]``) of values ``c .. c + CHUNK`` into the
+    3-bit stream at ``dst``: 8 fields a little-endian 3-byte group."""
+    word = tl.sum(tl.reshape(x, (CHUNK // 8, 8)) << (3 * tl.arange(0, 8))[None, :], axis=1)
+    at = dst + 3 * (c // 8 + tl.arange(0, CHUNK // 8))
+    tl.store(at, (word & 255).to(tl.uint8))
+    tl.store(at + 1, ((word >> 8) & 255).to(tl.uint8))
+    tl.store(at + 2, (word >> 16).to(tl.uint8))
+
+
+@triton.jit
+def _load3(src, c, CHUNK: tl.constexpr):
+    """The 3-bit fields of values ``c .. c + CHUNK`` of the 3-bit stream at ``src``
+    (``int32 [CHUNK]``)."""
+    at = src + 3 * (c // 8 + tl.arange(0, CHUNK // 8))
+    word = (tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8)
+            | (tl.load(at + 2).to(tl.int32) << 16))
+    return tl.reshape((word[:, None] >> (3 * tl.arange(0, 8))[None, :]) & 7, (CHUNK,))
+
+
+# ------------------------------------------------------------------------------- encode
+@triton.jit
+def _exponent_table(src, aligned, PAGE: tl.constexpr, FP16: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """Pass 1 over a page: ``(table int32 [8], covered, fill)``: the page's 7 most frequent
+    exponents by count descending, then value ascending (entry 7 unused, -1); how many values
+    they cover; whether every byte of the page is equal."""
+    N: tl.constexpr = PAGE // 2
+    BINS: tl.constexpr = 32 if FP16 else 256
+    first = tl.load(src).to(tl.int32) * 257  # the value of a page of equal bytes
+    counts = tl.zeros([BINS], tl.int32)
+    same = tl.zeros([CHUNK], tl.int32)
+    i = tl.arange(0, CHUNK)
+    for c in range(0, N, CHUNK):
+        v = _load_values(src, c + i, aligned)
+        e, _, _ = _split(v, FP16)
+        counts += tl.histogram(e, BINS)
+        same += (v != first).to(tl.int32)
+    # one argmax per entry over unique keys: count descending, then exponent ascending
+    bins = tl.arange(0, BINS)
+    key = counts * BINS + (BINS - 1 - bins)
+    slots = tl.arange(0, 8)
+    table = tl.full([8], -1, tl.int32)
+    covered = tl.zeros([], tl.int32)
+    for k in tl.static_range(7):
+        best = tl.argmax(key, axis=0)
+        covered += tl.max(key, axis=0) // BINS
+        table = tl.where(slots == k, best, table)
+        key = tl.where(bins == best, -1, key)
+    return table, covered, tl.sum(same, axis=0) == 0
+
+
+@triton.jit
+def _codes(e, table):
+    """Each exponent's code: its index in ``table`` (``int32 [8]``, 7 entries), 7 if absent."""
+    slots = tl.arange(0, 8)
+    code = tl.full(e.shape, 7, tl.int32)
+    for k in tl.static_range(7):
+        code = tl.where(e == tl.sum(tl.where(slots == k, table, 0), axis=0), k, code)
+    return code
+
+
+@triton.jit
+def _write_exp_page(src, dst, aligned, table, size, PAGE: tl.constexpr, FP16: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """Pass 2 of an EXP page: its table, codes, (fp16) high bits, rest bytes and escapes from
+    the page at ``src`` into the row at ``dst``, zeros from ``size`` to the row's end."""
+    N: tl.constexpr = PAGE // 2
+    F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
+    REST: tl.constexpr = F - N  # where the rest bytes start
+    slots = tl.arange(0, 8)
+    tl.store(dst + slots, table.to(tl.uint8), mask=slots < 7)
+    i = tl.arange(0, CHUNK)
+    escapes = tl.zeros([], tl.int32)  # escapes stored so far
+    for c in range(0, N, CHUNK):
+        v = _load_values(src, c + i, aligned)
+        e, rest, high = _split(v, FP16)
+        code = _codes(e, table)
+        _store3(dst + 7, c, code, CHUNK)
+        if FP16:
+            _store3(dst + 7 + 3 * N // 8, c, high, CHUNK)
+        tl.store(dst + REST + c + i, rest.to(tl.uint8))
+        escaped = (code == 7).to(tl.int32)
+        at = escapes + tl.cumsum(escaped, axis=0) - escaped
+        tl.store(dst + F + at, e.to(tl.uint8), mask=escaped != 0)
+        escapes += tl.sum(escaped, axis=0)
+    for k in range(F, PAGE, CHUNK):  # the row past the page's bytes is zero
+        j = k + i
+        tl.store(dst + j, tl.zeros([CHUNK], tl.uint8), mask=(j >= size) & (j < PAGE))
+
+
+@triton.jit
+def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.constexpr,
+                       FP16: tl.constexpr, CHUNK: tl.constexpr):
+    """Program ``i`` stores page ``i`` (``pages[i]``, ``PAGE / 2`` values) into
+    ``payload[i]`` (the whole row: the bytes past its size zeroed) and sets ``sizes[i]`` and
+    ``kinds[i]``: FILL for a page of equal bytes, RAW where the EXP page would pass
+    ``PAGE - PAGE/32`` bytes, else EXP."""
+    pid = tl.program_id(0).to(tl.int64)
+    N: tl.constexpr = PAGE // 2
+    F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
+    src = pages_ptr + pid * PAGE
+    dst = payload_ptr + pid * PAGE
+    # rows are PAGE apart, so aligned as the first (folded for 16-aligned tensors)
+    src_aligned = (pages_ptr.to(tl.int64, bitcast=True) & 1) == 0
+    dst_aligned = (payload_ptr.to(tl.int64, bitcast=True) & 1) == 0
+    table, covered, fill = _exponent_table(src, src_aligned, PAGE, FP16, CHUNK)
+    exp_size = F + N - covered  # the fixed part and one byte per escape
+    raw = exp_size > PAGE - PAGE // 32
+    EXP_KIND: tl.constexpr = _EXP | ((1 + FP16) << 4)  # layouts: bf16 1, fp16 2
+    size = tl.where(fill, 1, tl.where(raw, PAGE, exp_size))
+    kind = tl.where(fill, _FILL, tl.where(raw, _RAW, EXP_KIND))
+    i = tl.arange(0, CHUNK)
+    if fill:
+        b = tl.load(src).to(tl.int32)  # value b at byte 0 (little-endian), zeros after
+        for c in range(0, N, CHUNK):
+            _store_values(dst, c + i, tl.where(c + i == 0, b, 0), dst_aligned)
+    elif raw:
+        for c in range(0, N, CHUNK):
+            _store_values(dst, c + i, _load_values(src, c + i, src_aligned), dst_aligned)
+    else:
+        _write_exp_page(src, dst, src_aligned, table, exp_size, PAGE, FP16, CHUNK)
+    tl.store(sizes_ptr + pid, size)
+    tl.store(kinds_ptr + pid, kind.to(tl.uint8))
+
+
+def compress_exp_pages(pages: torch.Tensor, fp16: bool, traced: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exponent-code pages of 16-bit floats on ``pages``' device (no host synchronisation).
+
+    Args:
+        pages: ``uint8 [N, P]``, contiguous, each row ``P / 2`` little-endian bf16 (``fp16``
+            False) or fp16 values; ``P`` a power of two from 4096 to 65536.
+        fp16: the layout: fp16 (True) or bf16 (False).
+        traced: ``False`` launches directly (eager callers outside the ops; see
+            ``torch_pagecomp.kernels.launch``).
+    Returns:
+        Fixed-stride ``(payload uint8 [N, P], sizes int32 [N], kinds uint8 [N])``, bytes past
+        each page's size zero.
+    """
+    n, page_size = pages.shape
+    if not fmt.valid_page_size(page_size):
+        raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
+    payload = torch.empty_like(pages)
+    sizes = torch.empty(n, dtype=torch.int32, device=pages.device)
+    kinds = torch.empty(n, dtype=torch.uint8, device=pages.device)
+    if n:
+        launch(_exp_encode_kernel, (n,), pages.device, (pages, payload, sizes, kinds),
+               encode_config(page_size, fp16).meta(), traced)
+    return payload, sizes, kinds
+
+
+# ------------------------------------------------------------------------------- decode
+@triton.jit
+def _exp_page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE: tl.constexpr):
+    """``(off int64, size int32, kind int32, status)`` of page ``pid`` for this decoder:
+    BAD_KIND unless RAW / FILL (high nibble 0) or EXP of layout bf16 / fp16; BAD_SIZE where
+    ``[off, off + size)`` leaves the payload (``total`` bytes) or the size is not one the kind
+    allows (RAW ``PAGE``, FILL 1, EXP ``F .. PAGE - PAGE/32``); else OK."""
+    off = tl.load(offsets_ptr + pid).to(tl.int64)
+    size = tl.load(sizes_ptr + pid).to(tl.int32)
+    kind = tl.load(kinds_ptr + pid).to(tl.int32)
+    codec = kind & 15
+    layout = kind >> 4
+    plain = ((codec == _RAW) | (codec == _FILL)) & (layout == 0)
+    exp = (codec == _EXP) & ((layout == _BF16) | (layout == _FP16))
+    N: tl.constexpr = PAGE // 2
+    least = tl.where(layout == _FP16, 7 + 6 * N // 8 + N, 7 + 3 * N // 8 + N)  # F
+    bad_size = (off < 0) | (size < 1) | (size.to(tl.int64) > total - off)
+    bad_size |= ((codec == _RAW) & (size != PAGE)) | ((codec == _FILL) & (size != 1))
+    bad_size |= exp & ((size < least) | (size > PAGE - PAGE // 32))
+    st = tl.where(~(plain | exp), _BAD_KIND, tl.where(bad_size, _BAD_SIZE, _OK))
+    return off, size, kind, st
+
+
+@triton.jit
+def _decode_exp_page(src, size, row, aligned, PAGE: tl.constexpr, FP16: tl.constexpr,
+                     CHUNK: tl.constexpr):
+    """Decode the EXP page at ``src`` (``size`` bytes, ``F <= size <= PAGE - PAGE/32``, all
+    inside the payload) into the row at ``row``; returns its status: BAD_SIZE (nothing
+    stored) unless ``size`` is ``F`` plus the escapes its codes count."""
+    N: tl.constexpr = PAGE // 2
+    F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
+    REST: tl.constexpr = F - N
+    i = tl.arange(0, CHUNK)
+    escapes = tl.zeros([], tl.int32)
+    for c in range(0, N, CHUNK):  # the codes lie in the fixed part: inside the page
+        escapes += tl.sum((_load3(src + 7, c, CHUNK) == 7).to(tl.int32), axis=0)
+    st = tl.where(size == F + escapes, _OK, _BAD_SIZE)
+    if st == 0:  # the escapes end at the page's size: every load below is inside the page
+        done = tl.zeros([], tl.int32)  # escapes read so far
+        for c in range(0, N, CHUNK):
+            code = _load3(src + 7, c, CHUNK)
+            escaped = (code == 7).to(tl.int32)
+            at = done + tl.cumsum(escaped, axis=0) - escaped
+            e = tl.where(escaped != 0, tl.load(src + F + at, mask=escaped != 0, other=0),
+                         tl.load(src + code, mask=escaped == 0, other=0)).to(tl.int32)
+            done += tl.sum(escaped, axis=0)
+            rest = tl.load(src + REST + c + i).to(tl.int32)
+            if FP16:  # exponents are 5 bits: the low 5 of a table or escape byte
+                high = _load3(src + 7 + 3 * N // 8, c, CHUNK)
+                v = _join(e & 31, rest, high, FP16)
+            else:
+                v = _join(e, rest, rest, FP16)
+            _store_values(row, c + i, v, aligned)
+    return st
+
+
+@triton.jit
+def _exp_decode_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr, status_ptr,
+                       total, PAGE: tl.constexpr, CHUNK: tl.constexpr,
+                       RAW_BYTES: tl.constexpr):
+    """Program ``i`` decodes page ``i`` (RAW, FILL or EXP; anything else BAD_KIND) into
+    ``pages[i]`` (``uint8 [PAGE]``) and sets ``status[i]``; a failed page's row is zeroed."""
+    pid = tl.program_id(0)
+    off, size, kind, st = _exp_page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE)
+    codec = kind & 15
+    src = payload_ptr + tl.where(st == 0, off, 0)
+    row = pages_ptr + pid.to(tl.int64) * PAGE
+    # rows are PAGE apart, so aligned as the first (folded for 16-aligned outputs)
+    aligned = (pages_ptr.to(tl.int64, bitcast=True) & 1) == 0
+    ar = tl.arange(0, RAW_BYTES)
+    if st == 0:
+        if codec == _EXP:
+            if (kind >> 4) == _FP16:
+                st = _decode_exp_page(src, size, row, aligned, PAGE, True, CHUNK)
+            else:
+                st = _decode_exp_page(src, size, row, aligned, PAGE, False, CHUNK)
+        elif codec == _RAW:
+            for k in range(0, PAGE, RAW_BYTES):
+                tl.store(row + k + ar, tl.load(src + k + ar))
+        else:
+            b = tl.load(src)
+            for k in range(0, PAGE, RAW_BYTES):
+                tl.store(row + k + ar, tl.zeros([RAW_BYTES], tl.uint8) + b)
+    if st != 0:
+        tl.debug_barrier()  # after any partial store of the page
+        for k in range(0, PAGE, RAW_BYTES):
+            tl.store(row + k + ar, tl.zeros([RAW_BYTES], tl.uint8))
+    tl.store(status_ptr + pid, st)
+
+
+def decompress_exp_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+                        kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor, *,
+                        traced: bool = True) -> None:
+    """Decode ``N`` stored RAW, FILL and EXP pages into caller-provided outputs, on
+    ``payload``'s device and current stream (no host synchronisation).
+
+    Args:
+        payload: ``uint8 [T]``, a fixed-stride payload viewed flat or a packed one.
+        offsets: ``int64 [N]``, start of page ``i`` in ``payload``.
+        sizes: ``int32 [N]``, stored bytes of page ``i``.
+        kinds: ``uint8 [N]``, page kinds (``torch_pagecomp.format``; LZ4 pages are BAD_KIND).
+        pages: ``uint8 [N, P]`` output, rows contiguous; ``P`` a power of two from 4096 to
+            65536. A failed page's row is zeroed.
+        status: ``int32 [N]`` output, ``STATUS_OK`` (0) or the failure of page ``i``.
+        traced: ``False`` launches directly (see ``torch_pagecomp.kernels.launch``).
+    """
+    n, page_size = pages.shape
+    if not fmt.valid_page_size(page_size):
+        raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
+    if n:
+        launch(_exp_decode_kernel, (n,), payload.device,
+               (payload, offsets, sizes, kinds, pages, status, payload.numel()),
+               decode_config(page_size).meta(), traced)
+
+
+def decompress_exp_pages(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+                         kinds: torch.Tensor, page_size: int, traced: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decompress_exp_into` into new outputs: ``(pages uint8 [N, P], status int32
+    [N])``; a failed page (status != 0) is all zeros."""
+    n = sizes.shape[0]
+    pages = torch.empty((n, page_size), dtype=torch.uint8, device=payload.device)
+    status = torch.empty((n,), dtype=torch.int32, device=payload.device)
+    decompress_exp_into(payload, offsets, sizes, kinds, pages, status, traced=traced)
+    return pages, status
