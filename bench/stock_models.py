@@ -381,14 +381,16 @@ def _child(args, name: str, variant: str) -> dict:
 
 
 def _finish(rows: list[dict], meta: dict) -> dict:
-    """Ratios, link-boundness and the gradient identity, per model, against ``none``."""
+    """Ratios, link-boundness and the gradient identity, per model, against ``none`` (a
+    variant run more than once, to see the spread, is compared through its last row)."""
     by = {}
     for r in rows:
-        by.setdefault(r["model"], {})[r["variant"]] = r
-    for vs in by.values():
-        none, unc = vs.get("none", {}), vs.get("uncompressed", {})
+        by.setdefault(r["model"], []).append(r)
+    for rs in by.values():
+        last = {r["variant"]: r for r in rs}
+        none, unc = last.get("none", {}), last.get("uncompressed", {})
         bound = bool(none.get("step_ms")) and unc.get("step_ms", 0) >= 1.5 * none["step_ms"]
-        for r in vs.values():
+        for r in rs:
             r["gpus"] = meta["gpus"]
             r["link_bound"] = bound
             host, unc_host = r.get("host_gib"), unc.get("host_gib")

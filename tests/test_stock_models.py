@@ -49,3 +49,18 @@ def test_fsdp2_two_ranks_on_gloo(tmp_path):
     assert doc["gpus"] == 2 and mem["gpus"] == 2
     assert mem["grads_identical"], mem
     assert mem["offloaded_gib"] > 0
+
+
+def test_repeated_variants_all_get_the_comparisons():
+    """A variant run twice (to see its spread) keeps both rows, each with the model's
+    link-boundness and its ratio against uncompressed, and the table prints every row."""
+    from bench import stock_models
+
+    rows = [{"model": "m", "variant": v, "step_ms": ms, "host_gib": h}
+            for v, ms, h in (("none", 10.0, 0.0), ("uncompressed", 20.0, 2.0),
+                             ("memory", 30.0, 1.5), ("uncompressed", 21.0, 2.0),
+                             ("memory", 29.0, 1.6))]
+    doc = stock_models._finish(rows, {"gpus": 1})
+    assert all(r["link_bound"] is True and r["gpus"] == 1 for r in doc["rows"])
+    assert [round(r["ratio"], 3) for r in doc["rows"] if r["variant"] == "memory"] == [1.333, 1.25]
+    assert len(stock_models.table(doc).splitlines()) == 2 + len(rows)
