@@ -8,7 +8,8 @@ installed (its ``ptxas`` ships with the wheel):
 1. a child process runs the package's entry points on small CPU inputs under the interpreter
    (compress of every element size with checksums, decompress of fixed-stride and packed
    pages, the activation store's pack / restore, row-address decode and checksums, the
-   float-codec probe) and records each distinct launch: kernel, argument types, constexprs and
+   exponent codec of both layouts at 4 and 64 KiB pages, the float-codec probes) and records
+   each distinct launch: kernel, argument types, constexprs and
    launch options;
 2. this process compiles each of them ahead of time for ``--arch`` (``triton.compile`` with
    ``GPUTarget("cuda", arch, 32)``) down to a cubin, and prints one line a kernel with its
@@ -87,6 +88,11 @@ def record(path: str) -> None:
         c = pc.compress(x, element_size=e, backend="triton", checksum=True)
         pc.decompress(c, backend="triton")
         pc.decompress(pc.pack(c), backend="triton")
+    for codec in ("exp-bf16", "exp-fp16"):  # one step a page, and many (64 KiB)
+        for page in (4096, 65536):
+            c = pc.compress(x.repeat(6)[:page], page_size=page, codec=codec, backend="triton")
+            pc.decompress(c, backend="triton")
+            pc.decompress(pc.pack(c), backend="triton")
     _record_store(torch, gen)
     from bench import dev_float_codec as fc
 
@@ -121,7 +127,7 @@ def _gpu_settings(entries: list[dict]) -> list[dict]:
     each recorded launch again with the settings a GPU launch would use."""
     import dataclasses
 
-    from torch_pagecomp.kernels import checksum, lz4_decompress
+    from torch_pagecomp.kernels import checksum, exp_codec, lz4_decompress
     from torch_pagecomp.kernels.launch import config_meta
 
     out = []
@@ -131,6 +137,10 @@ def _gpu_settings(entries: list[dict]) -> list[dict]:
             cfg = lz4_decompress._configs(page, False)[0]
         elif e["name"] == "_decompress_shuffled_kernel" and not e["const"].get("ROWS"):
             cfg = lz4_decompress._configs(page, False)[1]
+        elif e["name"] == "_exp_encode_kernel":
+            cfg = exp_codec._encode_config(page, e["const"]["FP16"], False)
+        elif e["name"] == "_exp_decode_kernel":
+            cfg = exp_codec._decode_config(page, False)
         elif e["name"] == "page_checksum_kernel":
             cfg = dataclasses.replace(checksum.checksum_config(page, e["const"]["ROWS"]),
                                       BLOCK=16)

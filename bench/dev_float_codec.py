@@ -1,5 +1,12 @@
 """Dev probe (issue #23): how fast can the fixed-code exponent page codec run on a GPU?
 
+The codec is now in the package (EXP pages, layout bf16: the same bytes as this probe's;
+``torch_pagecomp/exp_codec.py``, ``triton_kernels/exp_codec.py``, ``compress(...,
+codec="exp-bf16")``; ``python -m bench`` measures it as the ``pagecomp exp-bf16`` rows). This
+probe stays as the measured baseline of its first GPU run (whole 4 KiB page a program, a
+``--warps`` sweep) and as the base of ``bench/dev_float_window.py``; its numpy 3-bit packing
+is the package's.
+
 ``bench/dev_exponent_probe.py`` measured the ratios of candidate bf16 page formats on the CPU
 (``bench/results/cpu_exponent_probe.md``): a table of the page's 7 most frequent exponents
 with 3-bit codes and an escape stores 1.42-1.44x on every corpus, about 8-11% more than LZ4 +
@@ -37,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_pagecomp.exp_codec import pack3, unpack3
+
 K = 7  # table entries; code K escapes
 ESC = K
 STATUS_OK, STATUS_BAD_SIZE = 0, 2
@@ -63,20 +72,12 @@ def layout(page_size: int, header: int = K) -> tuple[int, int, int]:
 
 
 # ---------------------------------------------------------------------------- reference
-def pack_codes_np(code: np.ndarray) -> np.ndarray:
-    """``int [N, n]`` 3-bit codes -> ``uint8 [N, 3n / 8]``: 8 values to a 3-byte
-    little-endian group, value ``i`` at bits ``3i .. 3i + 2``."""
-    n_pages, n = code.shape
-    word = (code.reshape(n_pages, n // 8, 8) << (3 * np.arange(8))).sum(axis=2)
-    codes = np.stack([word & 255, (word >> 8) & 255, (word >> 16) & 255], axis=2)
-    return codes.reshape(n_pages, -1).astype(np.uint8)
+pack_codes_np = pack3  # int [N, n] 3-bit codes -> uint8 [N, 3n / 8] (the package's packing)
 
 
 def unpack_codes_np(packed: np.ndarray) -> np.ndarray:
     """One page's ``3n / 8`` code bytes (any integer dtype) -> ``int64 [n]`` codes."""
-    b = packed.astype(np.int64).reshape(-1, 3)
-    word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-    return ((word[:, None] >> (3 * np.arange(8))) & 7).reshape(-1)
+    return unpack3(np.asarray(packed).reshape(1, -1))[0]
 
 
 def encode_ref(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,8 +1,10 @@
 """The benchmark run: every selected corpus through every selected codec, checked and timed.
 
 :func:`run` returns the report dictionary that ``bench.report`` prints, saves and charts. One
-row per (corpus, codec, element size); a codec that cannot run here still gets its rows, with
-``"skipped"`` saying why, so a report is always complete.
+row per (corpus, codec, element size), and on the 2-byte (bf16) corpora one more ``pagecomp``
+row with ``"variant": "float"``: the exponent codec (``compress(..., codec="exp-bf16")``). A
+codec that cannot run here still gets its rows, with ``"skipped"`` saying why, so a report is
+always complete.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 import torch_pagecomp as pc
 from torch_pagecomp import format as fmt
+from torch_pagecomp.exp_codec import decompress_exp_cpu
 from torch_pagecomp.shuffle import bitshuffle
 
 from . import baselines, corpora
@@ -29,6 +32,9 @@ from . import nvcomp as nvc
 from .timing import MAX_CALLS, WINDOW_S, gbps, host_seconds, measure, median, progress
 
 CODECS = ("pagecomp", "nvcomp", "lz4-cpu", "lz4-cpu-mt", "copies")
+# The exponent codec's row ("variant": "float") on corpora of this element size: every 2-byte
+# corpus of bench.corpora holds bf16 values.
+FLOAT_CODECS = {2: "exp-bf16"}
 _VERIFY_CHUNK = 1024  # pages decoded with python-lz4 per step (bounds host memory)
 
 
@@ -181,6 +187,22 @@ def check_pagecomp_blocks(c: pc.CompressedPages, pages: torch.Tensor, sample: li
     return bool(ok), len(sample)
 
 
+def check_exp_pages(c: pc.CompressedPages, pages: torch.Tensor, sample: list[int]):
+    """Read an exponent-codec container's ``sample`` pages with the numpy reference decoder
+    (``torch_pagecomp.exp_codec``), whatever decoded them in the run: ``(all_ok, checked)``."""
+    p = c.page_size
+    ok = True
+    for lo in range(0, len(sample), _VERIFY_CHUNK):
+        idx = torch.tensor(sample[lo : lo + _VERIFY_CHUNK], dtype=torch.int64)
+        dev_idx = idx.to(c.device)
+        payload = c.payload[dev_idx].cpu()
+        offsets = torch.arange(idx.numel(), dtype=torch.int64) * p
+        got, status = decompress_exp_cpu(payload.view(-1), offsets, c.sizes[dev_idx].cpu(),
+                                         c.kinds[dev_idx].cpu(), p)
+        ok &= not status.any() and torch.equal(got, pages[idx.to(pages.device)].cpu())
+    return bool(ok), len(sample)
+
+
 def nvcomp_interop(plan: nvc.LZ4Plan, pages: torch.Tensor, sample: list[int],
                    backend: str = "auto") -> dict:
     """Decode nvCOMP's RAW LZ4 blocks with python-lz4 and with our decoder (``backend``).
@@ -250,13 +272,18 @@ def _times(ctimes: list[float], dtimes: list[float], nbytes: int, comp, decomp, 
     }
 
 
-def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample) -> dict:
+def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample,
+                   codec: str = "lz4") -> dict:
+    """Our row: ``codec`` ``"lz4"`` (LZ4, bit-shuffled by ``element_size``) or an exponent
+    codec (``"exp-bf16"``: the pages checked with the numpy reference decoder instead of
+    python-lz4)."""
     dev = pages.device
     n, p = pages.shape
     be = cfg.pagecomp_backend
     backend = pc.select_backend(n, dev) if be == "auto" else be
-    c = pc.compress(pages, element_size=element_size, backend=be)
-    comp = lambda: pc.compress(pages, element_size=element_size, backend=be)  # noqa: E731
+    c = pc.compress(pages, element_size=element_size, backend=be, codec=codec)
+    comp = lambda: pc.compress(pages, element_size=element_size, backend=be,  # noqa: E731
+                               codec=codec)
     decomp = lambda: pc.decompress(c, return_status=True, backend=be)  # noqa: E731
     ctimes = measure(comp, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
     dtimes = measure(decomp, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
@@ -266,9 +293,15 @@ def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample) 
     stimes = measure(sums, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
     out, status = pc.decompress(c, return_status=True, backend=be)
     roundtrip = bool((status == 0).all()) and torch.equal(out, pages)
-    blocks_ok, checked = check_pagecomp_blocks(c, pages, sample)
+    if codec == "lz4":
+        blocks_ok, checked = check_pagecomp_blocks(c, pages, sample)
+        check, kinds = {"lz4_block_check": {"ok": blocks_ok, "pages_checked": checked}}, 3
+    else:
+        blocks_ok, checked = check_exp_pages(c, pages, sample)
+        check, kinds = {"reference_check": {"ok": blocks_ok, "pages_checked": checked},
+                        "float_codec": codec}, 4
     low = (c.kinds & 15).long()
-    counts = torch.bincount(low, minlength=3).tolist()
+    counts = torch.bincount(low, minlength=kinds).tolist()
     return {
         "ratio": c.ratio(),
         "stored_bytes": c.compressed_nbytes(),
@@ -278,8 +311,8 @@ def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample) 
                           "decompress": median(stimes) / median(dtimes)},
         "roundtrip_ok": roundtrip and blocks_ok,
         "roundtrip_all_pages": roundtrip,
-        "lz4_block_check": {"ok": blocks_ok, "pages_checked": checked},
-        "page_kinds": {fmt.KIND_NAMES[k]: counts[k] for k in range(3)},
+        **check,
+        "page_kinds": {fmt.KIND_NAMES[k]: counts[k] for k in range(kinds)},
         "backend": backend,
         "backend_requested": be,
         "container": "fixed-stride",
@@ -330,6 +363,8 @@ def _skipped(corpus: str, codec: str, element_size: int, reason: str) -> dict:
 
 def label(row: dict) -> str:
     codec, e = row["codec"], row.get("element_size", 1)
+    if codec == "pagecomp" and row.get("variant") == "float":
+        return f"pagecomp {FLOAT_CODECS[e]}"
     if codec == "pagecomp":
         return "pagecomp" if e == 1 else f"pagecomp e={e}"
     if codec == "nvcomp":
@@ -366,19 +401,22 @@ def corpus_rows(name: str, pages: torch.Tensor, cfg: Config, nv, nv_reason: str,
     """Every selected codec on one corpus's pages: a list of rows."""
     e_corpus = corpora.element_size(name)
     widths = [1] if e_corpus == 1 else [1, e_corpus]
-    jobs = []
+    jobs = []  # (codec, element size, variant or None, the job or why it is skipped)
     if "pagecomp" in cfg.codecs:
-        jobs += [("pagecomp", e, lambda e=e: bench_pagecomp(pages, e, cfg, sample))
+        jobs += [("pagecomp", e, None, lambda e=e: bench_pagecomp(pages, e, cfg, sample))
                  for e in widths]
+        if e_corpus in FLOAT_CODECS:
+            jobs.append(("pagecomp", e_corpus, "float", lambda: bench_pagecomp(
+                pages, e_corpus, cfg, sample, codec=FLOAT_CODECS[e_corpus])))
     if "nvcomp" in cfg.codecs:
-        jobs += [("nvcomp", e, (lambda e=e: bench_nvcomp(nv, pages, e, cfg, sample))
+        jobs += [("nvcomp", e, None, (lambda e=e: bench_nvcomp(nv, pages, e, cfg, sample))
                   if nv else nv_reason) for e in widths]
     for codec, threads in (("lz4-cpu", 1), ("lz4-cpu-mt", cfg.threads)):
         if codec in cfg.codecs:
-            jobs.append((codec, 1, lambda t=threads: baselines.lz4_cpu(
+            jobs.append((codec, 1, None, lambda t=threads: baselines.lz4_cpu(
                 pages, t, cfg.repeats, cfg.warmup, cfg.budget_s)))
     rows = []
-    for codec, e, job in jobs:
+    for codec, e, variant, job in jobs:
         if isinstance(job, str):
             row = _skipped(name, codec, e, job)
         else:
@@ -390,6 +428,8 @@ def corpus_rows(name: str, pages: torch.Tensor, cfg: Config, nv, nv_reason: str,
                 del row["skipped"]
                 row.update(error=_describe(exc), roundtrip_ok=False)
                 progress(f"  {name:12s} {codec} element_size={e} FAILED: {row['error'][:200]}")
+        if variant is not None:
+            row["variant"] = variant
         row["corpus_element_size"] = e_corpus
         row["pages"] = pages.shape[0]
         row["label"] = label(row)

@@ -10,7 +10,8 @@ JSON shape: header fields (``device``, ``driver``, ``torch``, ``triton``, ``comm
 codec was told: pagecomp's ``element_size``, nvCOMP's bit-shuffle width; 1 = plain bytes),
 ``corpus_element_size``, ``ratio``, ``compress_gbps``, ``decompress_gbps``, ``roundtrip_ok``,
 ``compress_host_us`` / ``decompress_host_us`` (GPU codecs: host time to enqueue one call),
-``skipped`` when the codec could not run) and ``copies`` (copy ceilings, ``gbps`` one-way).
+``skipped`` when the codec could not run; ``"variant": "float"`` on the pagecomp row of the
+exponent codec, ``float_codec`` naming it) and ``copies`` (copy ceilings, ``gbps`` one-way).
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def format_table(report: dict) -> str:
             note = "ERROR: " + " ".join(r["error"].split())[:120]
         if r["codec"] == "pagecomp" and "backend" in r:
             k = r.get("page_kinds", {})
+            coded = "exp" if r.get("variant") == "float" else "lz4"
             note = (f"backend={r['backend']} "
-                    f"raw/lz4/fill={k.get('raw')}/{k.get('lz4')}/{k.get('fill')}")
+                    f"raw/{coded}/fill={k.get('raw')}/{k.get(coded)}/{k.get('fill')}")
             if r.get("checksum_gbps"):
                 cost = r["checksum_cost"]
                 note += (f" checksum {r['checksum_gbps']:.0f} GB/s (+{cost['compress']:.0%} c,"
@@ -105,6 +107,8 @@ def _series(row: dict) -> str:
     """Chart series: one colour per codec, typed variants (E > 1) apart from plain."""
     name = {"nvcomp": "nvcomp lz4", "lz4-cpu-mt": "lz4-cpu threads"}.get(row["codec"],
                                                                         row["codec"])
+    if row.get("variant") == "float":
+        return name + " exponent codec"
     if row.get("element_size", 1) > 1:
         name += " + bitshuffle" if row["codec"] == "nvcomp" else " element_size=E"
     return name

@@ -7,6 +7,7 @@ from .backend import GpuStatus, gpu_status, select_backend
 from .cpu_codec import cpu_threads, empty_cpu_cache, set_cpu_threads
 from .format import (
     DEFAULT_PAGE_SIZE,
+    KIND_EXP,
     KIND_FILL,
     KIND_LZ4,
     KIND_RAW,
@@ -26,6 +27,7 @@ from .offload import (
 __all__ = [
     "__version__",
     "DEFAULT_PAGE_SIZE",
+    "KIND_EXP",
     "KIND_FILL",
     "KIND_LZ4",
     "KIND_RAW",
