@@ -155,3 +155,30 @@ def test_compress_pack_and_decode_stay_in_bounds(bounds, gen, e, wide):
         assert not status.any()
         if e == 1:
             assert torch.equal(out, pages)
+
+
+def test_exp_codec_stays_in_bounds(bounds, gen, monkeypatch):
+    """The exponent codec (``kernels/exp_codec.py``): the encoder on pages of every exponent
+    shape in aligned and odd rows, the decoder on valid and hostile pages (offsets and sizes
+    outside the payload, escapes disagreeing with the size) into aligned and odd rows."""
+    from test_exp_codec import float_pages, hostile_batch
+
+    from torch_pagecomp.kernels import exp_codec as X
+
+    empty_like = torch.empty_like  # the launcher's outputs count as the call's tensors too
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: bounds(empty_like(*a, **k)))
+
+    for dtype in (torch.bfloat16, torch.float16):
+        pages = float_pages(gen, P, dtype)
+        n = pages.shape[0]
+        for shift in (0, 1):
+            src = bounds(torch.zeros(n * P + shift, dtype=torch.uint8))[shift:].view(n, P)
+            src.copy_(pages)
+            X.compress_exp_pages(src, dtype == torch.float16)
+    payload, offsets, sizes, kinds = (bounds(t.clone()) for t in hostile_batch(gen))
+    n = sizes.shape[0]
+    status = bounds(torch.full((n,), -1, dtype=torch.int32))
+    for misalign in (0, 1):
+        buf = bounds(torch.full((n * P + misalign,), 0xA5, dtype=torch.uint8))
+        X.decompress_exp_into(payload, offsets, sizes, kinds, buf[misalign:].view(n, P), status)
+        assert (status == 0).any() and (status != 0).any()
