@@ -126,34 +126,40 @@ def test_generate_identical_to_dynamic_cache(seed, with_config, bt):
     assert not paged or (store.arena.used == 0 and not store.arena.backed)  # unpinned
 
 
-def test_generate_bf16_typed_path_and_beams(seed, monkeypatch):
+@pytest.mark.parametrize("codec", ["auto", "lz4"])
+def test_generate_bf16_typed_path_and_beams(seed, monkeypatch, codec):
+    """bf16 blocks: the exponent codec by default (EXP pages of the bf16 layout, 0x13), LZ4
+    bit-shuffled by 2-byte elements with ``codec="lz4"`` (0x11); RAW / FILL pages either way;
+    greedy and beam tokens identical to ``DynamicCache``."""
     DynamicCache = _transformers().DynamicCache
 
     from torch_pagecomp.integrations._kv_store import DeviceStore
     from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
 
-    element_sizes = []
+    seals = []
     seal = DeviceStore.seal
 
-    def spy(self, src, element_size):
-        element_sizes.append(element_size)
-        return seal(self, src, element_size)
+    def spy(self, src, element_size, float_format=None):
+        seals.append((element_size, float_format))
+        return seal(self, src, element_size, float_format)
 
     monkeypatch.setattr(DeviceStore, "seal", spy)
     model, config = tiny_llama(torch.bfloat16)
     ids = torch.randint(0, config.vocab_size, (2, 36))  # bf16: 16-token blocks are a page
     ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=12)
-    cache = CompressedOffloadedCache(config=config, block_tokens=16)
+    cache = CompressedOffloadedCache(config=config, block_tokens=16, codec=codec)
     assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=12))
-    assert element_sizes and set(element_sizes) == {2}  # bit-shuffled as 2-byte elements
-    assert _store_kinds(cache) <= {0x00, 0x02, 0x11}
+    assert seals and set(seals) == {(2, "bf16" if codec == "auto" else None)}
+    coded = 0x13 if codec == "auto" else 0x11
+    assert coded in _store_kinds(cache) <= {0x00, 0x02, coded}
 
     # beam search reorders the cache every step (sealed blocks through their row maps, one
     # gather for all of them); the prefetch bookkeeping (CUDA's, run synchronously here)
     # keeps a prefetch across reorders (it holds the blocks as stored)
     ref = generate(model, ids, DynamicCache(config=config), max_new_tokens=8, num_beams=3)
     for prefetch in (False, True):
-        cache = CompressedOffloadedCache(config=config, block_tokens=16, prefetch=prefetch)
+        cache = CompressedOffloadedCache(config=config, block_tokens=16, prefetch=prefetch,
+                                         codec=codec)
         assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=8, num_beams=3))
         st = cache.stats()
         assert st["blocks"] > 0 and (st["prefetched"] > 0) == prefetch
@@ -285,9 +291,9 @@ def test_decode_step_restores_each_layer_with_one_decode(gen, monkeypatch, devic
     calls = []
     decode = paged._decompress_into
 
-    def counting(payload, offsets, sizes, kinds, pages, status, sums=None):
+    def counting(payload, offsets, sizes, kinds, pages, status, *rest):
         calls.append(pages.shape[0])
-        decode(payload, offsets, sizes, kinds, pages, status, sums)
+        decode(payload, offsets, sizes, kinds, pages, status, *rest)
 
     monkeypatch.setattr(paged, "_decompress_into", counting)
     b, h, d, bt, layers = 1, 2, 32, 8, 3  # 512 bytes a token: one page a block

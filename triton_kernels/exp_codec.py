@@ -285,7 +285,8 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
     tl.store(kinds_ptr + pid, kind.to(tl.uint8))
 
 
-def compress_exp_pages(pages: torch.Tensor, fp16: bool, traced: bool = True
+def compress_exp_pages(pages: torch.Tensor, fp16: bool, traced: bool = True,
+                       out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exponent-code pages of 16-bit floats on ``pages``' device (no host synchronisation).
 
@@ -295,6 +296,8 @@ def compress_exp_pages(pages: torch.Tensor, fp16: bool, traced: bool = True
         fp16: the layout: fp16 (True) or bf16 (False).
         traced: ``False`` launches directly (eager callers outside the ops; see
             ``torch_pagecomp.kernels.launch``).
+        out: the three outputs to write (contiguous, shaped as returned), e.g. views of a
+            caller's buffers; new tensors by default.
     Returns:
         Fixed-stride ``(payload uint8 [N, P], sizes int32 [N], kinds uint8 [N])``, bytes past
         each page's size zero.
@@ -302,9 +305,10 @@ def compress_exp_pages(pages: torch.Tensor, fp16: bool, traced: bool = True
     n, page_size = pages.shape
     if not fmt.valid_page_size(page_size):
         raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
-    payload = torch.empty_like(pages)
-    sizes = torch.empty(n, dtype=torch.int32, device=pages.device)
-    kinds = torch.empty(n, dtype=torch.uint8, device=pages.device)
+    if out is None:
+        out = (torch.empty_like(pages), torch.empty(n, dtype=torch.int32, device=pages.device),
+               torch.empty(n, dtype=torch.uint8, device=pages.device))
+    payload, sizes, kinds = out
     if n:
         launch(_exp_encode_kernel, (n,), pages.device, (pages, payload, sizes, kinds),
                encode_config(page_size, fp16).meta(), traced)

@@ -46,7 +46,10 @@ class _CpuBlockStore:
         self._cpu = CpuStore(compress=True, page_size=page_size)
         self.used = 0
 
-    def offload(self, src: torch.Tensor, element_size: int, producer=None):
+    def offload(self, src: torch.Tensor, element_size: int, producer=None,
+                float_format: str | None = None):
+        # LZ4 pages (bit-shuffled) whatever ``float_format``: the exponent codec's CPU path is
+        # its numpy reference, slower than the C loops of lz4
         stored = self._cpu.offload(src, element_size)
         self.used += stored.host_nbytes()
         return stored
@@ -103,12 +106,15 @@ class DeviceStore:
             self.store = _CpuBlockStore(page_size)
         self.closed = False
 
-    def seal(self, src: torch.Tensor, element_size: int) -> Held:
+    def seal(self, src: torch.Tensor, element_size: int, float_format: str | None = None
+             ) -> Held:
         """Store ``src`` (``uint8 [n]`` on this device, contiguous) after the current stream's
-        work; the caller keeps ``src`` unchanged until the store has read it (see
+        work, with the exponent codec where ``float_format`` (``"bf16"`` / ``"fp16"``) says
+        what it holds; the caller keeps ``src`` unchanged until the store has read it (see
         :meth:`keep_until_read`)."""
         producer = current_stream(src.device) if src.is_cuda else None
-        return Held(self.store.offload(src, element_size, producer=producer), self.sink)
+        return Held(self.store.offload(src, element_size, producer=producer,
+                                       float_format=float_format), self.sink)
 
     def keep_until_read(self, src: torch.Tensor) -> None:
         """``src``'s memory is not reused before the compress stream has read it."""

@@ -47,6 +47,9 @@ from ..format import dtype_element_size, valid_page_size
 from ..offload._paged_group import StoredGroup
 from ._kv_store import DeviceStore, Held, Stores
 
+CODECS = ("auto", "lz4")  # what CompressedOffloadedCache(codec=...) takes
+_FLOAT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the exponent codec's
+
 try:  # transformers >= 5: layer types and their kwargs from a config
     from transformers.cache_utils import get_layer_types_and_kwargs
 except ImportError:  # pragma: no cover - older releases
@@ -268,8 +271,10 @@ class CompressedLayer(DynamicLayer):
         v.copy_(values[..., lo : lo + n * bt, :].unflatten(2, (n, bt)).permute(2, 0, 1, 3, 4))
         raw = flat.view(torch.uint8)
         element_size = dtype_element_size(self.dtype)
+        float_format = (_FLOAT_FORMATS.get(self.dtype) if self._cache().codec == "auto"
+                        else None)
         for i in range(n):
-            held = ds.seal(raw[i], element_size)
+            held = ds.seal(raw[i], element_size, float_format)
             self._blocks.append(_Block(held, batch))
             self._group.append(held.stored)
         ds.keep_until_read(flat)  # read on the compress stream; nothing writes it again
@@ -389,6 +394,11 @@ class CompressedOffloadedCache(Cache):
             last layer restores the first one for the next forward only after an update of
             fewer than ``block_tokens`` tokens (decoding): during a prefill that layer would
             sit on the GPU through the forward's largest activations.
+        codec: ``"auto"`` (default): bf16 / fp16 keys and values through the exponent codec
+            (``compress(codec="exp-bf16")``: the exponent of each value entropy-coded per page,
+            sign and mantissa as they are), other dtypes through LZ4 with a bit-shuffle by
+            their element size; ``"lz4"``: LZ4 for every dtype. On a CPU without the Triton
+            interpreter the blocks are LZ4 either way.
 
     Host memory: page-locked chunks of 64 MiB, backed as the blocks need them (the compressed
     bytes, plus up to the uncompressed size of the blocks still being compressed); unpinned by
@@ -401,11 +411,15 @@ class CompressedOffloadedCache(Cache):
         block_tokens: int = 256,
         page_size: int = 4096,
         prefetch: bool | None = None,
+        codec: str = "auto",
     ):
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
         if prefetch not in (None, True, False):
             raise ValueError(f"prefetch must be None, True or False, got {prefetch!r}")
+        if codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+        self.codec = codec
         if not isinstance(page_size, int) or not valid_page_size(page_size):
             raise ValueError(f"page_size must be a power of two from 4096 to 65536, got "
                              f"{page_size!r}")
@@ -505,7 +519,7 @@ class CompressedOffloadedCache(Cache):
         the stored blocks (never changed once stored) and the stores, and has its own
         uncompressed tails. The stores close when the last cache sharing them does."""
         new = type(self)(block_tokens=self.block_tokens, page_size=self.page_size,
-                         prefetch=self.prefetch_layers)
+                         prefetch=self.prefetch_layers, codec=self.codec)
         new._finalizer()
         new._share_stores(self._stores)
         new._lazy_layers = self._lazy_layers

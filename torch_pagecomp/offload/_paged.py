@@ -26,7 +26,7 @@ import collections
 
 import torch
 
-from .. import _ops, cpu_codec
+from .. import _ops, cpu_codec, exp_codec
 from ..api import checksum_status
 from ..format import CorruptPageError
 from ..module import RestoreFailures
@@ -290,8 +290,9 @@ class PagedStored:
     kind = "compressed"
 
     def __init__(self, nbytes: int, page_size: int, slices: list[_Slice], tail, consumed,
-                 tail_sum=None):
+                 tail_sum=None, exp: bool = False):
         self.nbytes, self.page_size, self.slices = nbytes, page_size, slices
+        self.exp = exp  # exponent-codec pages (else LZ4): which decoder reads them
         self.tail = tail  # pinned uint8 [nbytes % P] or None
         self.tail_sum = tail_sum  # its checksum (int32 [1], on the device), or None
         self.consumed = consumed  # the source has been read (device event, None on the CPU)
@@ -374,8 +375,11 @@ class PagedStore:
         self._scratch_held = 0
 
     # ------------------------------------------------------------------ offload
-    def offload(self, src: torch.Tensor, element_size: int, producer=None) -> PagedStored:
-        """Start storing ``src`` (``uint8 [nbytes]``, contiguous) after ``producer``'s work."""
+    def offload(self, src: torch.Tensor, element_size: int, producer=None,
+                float_format: str | None = None) -> PagedStored:
+        """Start storing ``src`` (``uint8 [nbytes]``, contiguous) after ``producer``'s work:
+        LZ4 pages (bit-shuffled by ``element_size``), or with ``float_format`` (``"bf16"`` /
+        ``"fp16"``: what ``src`` holds) the exponent codec's (``torch_pagecomp.exp_codec``)."""
         p, nbytes = self.page_size, src.numel()
         full = nbytes // p
         cs = self.compress_stream
@@ -385,7 +389,7 @@ class PagedStore:
         with on_stream(cs):
             for first in range(0, full, self.slice_pages):
                 n = min(self.slice_pages, full - first)
-                slices.append(self._store_slice(src, first, n, element_size))
+                slices.append(self._store_slice(src, first, n, element_size, float_format))
             tail = tail_sum = None
             if nbytes % p:
                 tail = torch.empty(nbytes % p, dtype=torch.uint8, pin_memory=self.arena.pin)
@@ -393,9 +397,11 @@ class PagedStore:
                 if self.checksum:
                     tail_sum = tail_checksum(src[full * p:], p)
             consumed = _record(cs)
-        return PagedStored(nbytes, p, slices, tail, consumed, tail_sum)
+        return PagedStored(nbytes, p, slices, tail, consumed, tail_sum,
+                           exp=float_format is not None)
 
-    def _store_slice(self, src, first: int, n: int, element_size: int) -> _Slice:
+    def _store_slice(self, src, first: int, n: int, element_size: int,
+                     float_format: str | None) -> _Slice:
         from ..kernels.host_pack import pack_slice  # Triton: imported on use
 
         p, cs, ps = self.page_size, self.compress_stream, self.pack_stream
@@ -408,7 +414,8 @@ class PagedStore:
         payload = torch.empty((n, p), dtype=torch.uint8, device=src.device)
         meta = torch.empty(_meta_bytes(n, self.checksum), dtype=torch.uint8, device=src.device)
         rel, desc, sizes, kinds, sums = _meta_views(meta, n, self.checksum)
-        _compress(pages, element_size, (payload, sizes, kinds), self._scratch(src, element_size))
+        scratch = None if float_format else self._scratch(src, element_size)
+        _compress(pages, element_size, (payload, sizes, kinds), scratch, float_format)
         if self.checksum:
             _checksums(pages, sums)
         compressed = _record(cs)
@@ -488,7 +495,7 @@ class PagedStore:
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
             st = status[sl.first:sl.first + sl.n]
             rel, sizes, kinds, sums = slice_meta(sl, out.device, stream)
-            _decompress_into(staging, rel, sizes, kinds, pages, st, sums)
+            _decompress_into(staging, rel, sizes, kinds, pages, st, sums, stored.exp)
         if stored.tail is not None:  # its status (if checked) follows the pages'
             restore_tail(stored, out[stored.nbytes - stored.tail.numel():], stream,
                          status[full:])
@@ -569,17 +576,25 @@ class PagedStore:
         }
 
 
-def _compress(pages: torch.Tensor, element_size: int, out: tuple, scratch) -> None:
-    """``pagecomp.compress`` of pages the store cut itself into ``out`` (``payload, sizes,
-    kinds``): on the GPU the kernel's launcher is called directly (the op's argument checks
-    cost host time per slice and cannot fail here); on the CPU (tests, under the
-    interpreter) the op's lz4 path."""
+def _compress(pages: torch.Tensor, element_size: int, out: tuple, scratch,
+              float_format: str | None = None) -> None:
+    """``pagecomp.compress`` (or with ``float_format``, ``pagecomp.compress_exp``) of pages the
+    store cut itself into ``out`` (``payload, sizes, kinds``): on the GPU the kernel's launcher
+    is called directly (the op's argument checks cost host time per slice and cannot fail
+    here); on the CPU (tests, under the interpreter) the op's reference path."""
     if pages.is_cuda:
+        if float_format:
+            from ..kernels.exp_codec import compress_exp_pages
+
+            compress_exp_pages(pages, float_format == "fp16", traced=False, out=out)
+            return
         from ..kernels.lz4_compress import compress_pages
 
         compress_pages(pages, element_size, traced=False, out=out, scratch=scratch)
         return
-    for dst, res in zip(out, _ops.compress_eager(pages, element_size)):
+    got = (_ops.compress_exp_eager(pages, float_format) if float_format
+           else _ops.compress_eager(pages, element_size))
+    for dst, res in zip(out, got):
         dst.copy_(res)
 
 
@@ -634,11 +649,22 @@ def _row_table(outs: list, page_size: int) -> torch.Tensor:
 
 
 def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
-                     status, sums=None) -> None:
+                     status, sums=None, exp: bool = False) -> None:
     """Decode the pages of several outputs (``uint8 [n_i * P]`` each, back to back in the
     metadata's order) with one launch pair, each page into its own output: on the GPU the
     decoder takes a table of row addresses; on the CPU the pages are decoded aside and copied.
-    ``sums`` (``int32 [pages]``): check the decoded pages against them (:func:`verify`)."""
+    ``sums`` (``int32 [pages]``): check the decoded pages against them (:func:`verify`).
+    ``exp``: exponent-codec pages, whose decoder has no row table: a launch per output."""
+    if exp and outs[0].is_cuda:
+        at = 0
+        for o in outs:
+            n = o.numel() // page_size
+            part = slice(at, at + n)
+            _decompress_into(payload, offsets[part], sizes[part], kinds[part],
+                             o.view(n, page_size), status[part],
+                             None if sums is None else sums[part], exp)
+            at += n
+        return
     if outs[0].is_cuda:
         from ..kernels.lz4_decompress import decompress_rows
 
@@ -656,7 +682,7 @@ def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
             verify(status, got, sums)
         return
     pages = torch.empty((status.numel(), page_size), dtype=torch.uint8)
-    _decompress_into(payload, offsets, sizes, kinds, pages, status, sums)
+    _decompress_into(payload, offsets, sizes, kinds, pages, status, sums, exp)
     at = 0
     for o in outs:
         n = o.numel() // page_size
@@ -664,13 +690,24 @@ def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
         at += n
 
 
-def _decompress_into(payload, offsets, sizes, kinds, pages, status, sums=None) -> None:
-    """``pagecomp.decompress_into`` of a slice's own metadata (see :func:`_compress`);
-    ``sums`` (``int32 [n]``): then check the decoded pages against them (:func:`verify`)."""
+def _decompress_into(payload, offsets, sizes, kinds, pages, status, sums=None,
+                     exp: bool = False) -> None:
+    """``pagecomp.decompress_into`` (``exp``: the exponent codec's decoder) of a slice's own
+    metadata (see :func:`_compress`); ``sums`` (``int32 [n]``): then check the decoded pages
+    against them (:func:`verify`)."""
     if pages.is_cuda:
-        from ..kernels.lz4_decompress import decompress_into
+        if exp:
+            from ..kernels.exp_codec import decompress_exp_into
 
-        decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)
+            decompress_exp_into(payload, offsets, sizes, kinds, pages, status, traced=False)
+        else:
+            from ..kernels.lz4_decompress import decompress_into
+
+            decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)
+    elif exp:
+        got, st = exp_codec.decompress_exp_cpu(payload, offsets, sizes, kinds, pages.shape[1])
+        pages.copy_(got)
+        status.copy_(st)
     else:
         _ops.decompress_into_eager(payload, offsets, sizes, kinds, pages, status)
     if sums is not None:

@@ -46,7 +46,11 @@ class StoredGroup:
         return len(self.storeds)
 
     def append(self, stored) -> None:
-        """Add ``stored`` after the others (its bytes follow theirs in the output)."""
+        """Add ``stored`` after the others (its bytes follow theirs in the output); one
+        decoder reads a group: its stored tensors share one codec."""
+        if self.storeds and getattr(stored, "exp", False) != getattr(self.storeds[0], "exp",
+                                                                      False):
+            raise ValueError("a group's stored tensors must share one codec (LZ4 or exponent)")
         self.storeds.append(stored)
         self.starts.append(self.nbytes)
         self.nbytes += stored.nbytes
@@ -194,11 +198,12 @@ def restore_group(store, group: StoredGroup, out) -> None:
         offsets, sizes, kinds = meta[:3]
         sums = meta[3] if store.checksum else None
         status = torch.empty(pages, dtype=torch.int32, device=dev)
+        exp = group.storeds[0].exp
         if outs is not None:  # each tensor's pages into its own output (or part of out)
-            _paged._decompress_rows(staging, offsets, sizes, kinds, outs, p, status, sums)
+            _paged._decompress_rows(staging, offsets, sizes, kinds, outs, p, status, sums, exp)
         else:
             _paged._decompress_into(staging, offsets, sizes, kinds, out.view(pages, p), status,
-                                    sums)
+                                    sums, exp)
         store._count_failures(status, stream)
     if group.ragged:  # partial last pages travel as plain bytes
         tails = [(s, start) for s, start in zip(group.storeds, group.starts)
