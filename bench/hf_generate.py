@@ -13,7 +13,9 @@ Caches (each variant in a fresh child process: a fresh CUDA context, clean peaks
 * ``dynamic_offloaded``: ``DynamicCache(config=model.config, offloading=True)``, transformers'
   own offload (whole layers to the CPU and back, every step);
 * ``compressed``: ``torch_pagecomp.integrations.transformers.CompressedOffloadedCache`` (sealed
-  ``--block-tokens`` blocks LZ4-compressed in host memory, the tail on the GPU).
+  ``--block-tokens`` blocks compressed in host memory, the tail on the GPU; bf16 blocks
+  through the exponent codec, its default);
+* ``compressed_lz4``: the same with ``codec="lz4"`` (LZ4 on bit-shuffled 2-byte elements).
 
 Per child: one warm-up generate (a short prompt, long enough to seal blocks of the compressed
 cache, 4 new tokens; its own cache, closed), then one timed generate with a new cache
@@ -76,7 +78,8 @@ import time
 
 from bench.children import cell, run_child, write_results
 
-VARIANTS = ("dynamic", "dynamic_repeat", "dynamic_offloaded", "compressed")
+VARIANTS = ("dynamic", "dynamic_repeat", "dynamic_offloaded", "compressed", "compressed_lz4")
+COMPRESSED = ("compressed", "compressed_lz4")
 GIB = 1 << 30
 
 # hidden, intermediate, heads, kv heads, vocab
@@ -140,7 +143,8 @@ def make_cache(variant: str, model, block_tokens: int):
         return tr.DynamicCache(config=model.config, offloading=True)
     from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
 
-    return CompressedOffloadedCache(config=model.config, block_tokens=block_tokens)
+    codec = "lz4" if variant == "compressed_lz4" else "auto"
+    return CompressedOffloadedCache(config=model.config, block_tokens=block_tokens, codec=codec)
 
 
 def _close(cache) -> None:
@@ -276,7 +280,7 @@ def run(variant: str, s: dict, device: str) -> dict:
     kw = cache_kwarg(model)
     prompt, new, batch = s["prompt"], s["new"], s["batch"]
     row = {"variant": variant, "layers": s["layers"], "prompt": prompt, "new": new,
-           "batch": batch, "block_tokens": s["block_tokens"] if variant == "compressed" else None,
+           "batch": batch, "block_tokens": s["block_tokens"] if variant in COMPRESSED else None,
            "cache_kwarg": kw}
 
     def generate(inp, max_new, cache, streamer=None):
@@ -306,7 +310,7 @@ def run(variant: str, s: dict, device: str) -> dict:
 
     # the timed run
     cache = make_cache(variant, model, s["block_tokens"])
-    first = _FirstToken(sync, cache if variant == "compressed" else None)
+    first = _FirstToken(sync, cache if variant in COMPRESSED else None)
     record = cuda and s.get("peak_origins")
     if record:
         base = torch.cuda.memory_allocated()
@@ -342,7 +346,7 @@ def run(variant: str, s: dict, device: str) -> dict:
     itemsize = next(model.parameters()).element_size()
     row["kv_gib"] = (s["layers"] * 2 * batch * s["kv_heads"] * head_dim * (prompt + new)
                      * itemsize / GIB)
-    if variant == "compressed":
+    if variant in COMPRESSED:
         st = cache.stats()
         row["host_gib"] = st["host_bytes"] / GIB
         row["cache_on_device_gib"] = st["device_tail_bytes"] / GIB

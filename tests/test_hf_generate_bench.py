@@ -29,7 +29,7 @@ def test_tiny_cpu_generation_bench(tmp_path):
     assert not [r for r in doc["rows"] if "error" in r], doc["rows"]
 
     off = rows["dynamic_offloaded"]
-    ran = [rows["dynamic"], rows["dynamic_repeat"], rows["compressed"]]
+    ran = [rows["dynamic"], rows["dynamic_repeat"], rows["compressed"], rows["compressed_lz4"]]
     if "skipped" in off:  # transformers' offloading is CUDA-only; the row says why
         assert "offloading=True" in off["skipped"] and "cpu" in off["skipped"]
     else:
