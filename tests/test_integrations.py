@@ -151,7 +151,8 @@ def test_generate_bf16_typed_path_and_beams(seed, monkeypatch, codec):
     assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=12))
     assert seals and set(seals) == {(2, "bf16" if codec == "auto" else None)}
     coded = 0x13 if codec == "auto" else 0x11
-    assert coded in _store_kinds(cache) <= {0x00, 0x02, coded}
+    kinds = _store_kinds(cache)  # none where the CPU's lz4 block store holds the blocks
+    assert kinds <= {0x00, 0x02, coded} and (coded in kinds or not kinds)
 
     # beam search reorders the cache every step (sealed blocks through their row maps, one
     # gather for all of them); the prefetch bookkeeping (CUDA's, run synchronously here)
@@ -333,14 +334,16 @@ def _small_store(device: str, page_size: int, host_meta: bool = False):
                       slice_bytes=1 << 14, host_meta=host_meta)
 
 
-@pytest.mark.parametrize("host_meta", [False, True])
+@pytest.mark.parametrize("host_meta, float_format", [(False, None), (True, None),
+                                                     (True, "bf16")])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_restore_group_round_trip(gen, device, host_meta):
+def test_restore_group_round_trip(gen, device, host_meta, float_format):
     """Stored tensors of odd sizes (partial last pages, less than a page, several slices)
     restored back to back, bit-exact, into poisoned outputs: through the cached metadata,
     through the kernel fetch of slices not yet confirmed, and a group extended later. With
     ``host_meta`` (the KV cache's store) the same, with placed slices' metadata on the host
-    (its device copy dropped) and a single tensor's restore too."""
+    (its device copy dropped) and a single tensor's restore too; with ``float_format`` the
+    same through the exponent codec (EXP pages), and a group cannot mix the two codecs."""
     from conftest import POISON
 
     from torch_pagecomp.offload._paged_group import StoredGroup
@@ -355,9 +358,9 @@ def test_restore_group_round_trip(gen, device, host_meta):
     def poisoned(n):
         return torch.full((n,), POISON, dtype=torch.uint8, device=device)
 
-    def offload(src):
+    def offload(src, float_format=float_format):
         producer = torch.cuda.current_stream() if device == "cuda" else None
-        return store.offload(src, 2, producer=producer)
+        return store.offload(src, 2, producer=producer, float_format=float_format)
 
     sizes = [3 * P, 5 * P + 123, 77, 9 * P, 2 * P + 1]  # 9 pages: three slices of 4 pages
     srcs = [data(n) for n in sizes]
@@ -400,6 +403,12 @@ def test_restore_group_round_trip(gen, device, host_meta):
             out = poisoned(src.numel())
             store.restore(st, out)
             assert torch.equal(out, src)
+    kinds = {int(k) for st in stored for sl in st.slices for k in sl.kinds.cpu()}
+    assert (0x13 in kinds) == (float_format == "bf16") and (0x11 in kinds) != (0x13 in kinds)
+    other = offload(srcs[0], None if float_format else "bf16")
+    with pytest.raises(ValueError, match="one codec"):
+        StoredGroup(P, [stored[0], other])
+    store.free(other)
     group.truncate(1)
     out = poisoned(group.nbytes)
     store.restore_group(group, out)

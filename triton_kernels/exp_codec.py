@@ -303,6 +303,7 @@ def compress_exp_pages(pages: torch.Tensor, fp16: bool, traced: bool = True,
         each page's size zero.
     """
     n, page_size = pages.shape
+    page_size = int(page_size)  # traced with dynamic shapes: specialised (compiled in anyway)
     if not fmt.valid_page_size(page_size):
         raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
     if out is None:
@@ -422,6 +423,7 @@ def decompress_exp_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: tor
         traced: ``False`` launches directly (see ``torch_pagecomp.kernels.launch``).
     """
     n, page_size = pages.shape
+    page_size = int(page_size)  # traced with dynamic shapes: specialised (compiled in anyway)
     if not fmt.valid_page_size(page_size):
         raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
     if n:
