@@ -388,3 +388,79 @@ def test_gpu_round_trip_equals_reference(page_size, gen):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, gpu) and not status.any()
+
+
+# --------------------------------------------------------------------- mutation fuzz (GPU)
+def _exp_fuzz_chunk(base, base_sizes, base_kinds, n, g):
+    """``n`` mutated copies of rows of ``base`` (EXP, RAW and FILL pages, ``uint8 [B, P]`` on
+    the GPU) as a fixed-stride payload: bit flips anywhere in the stored bytes (codes, table,
+    escapes, sign and mantissa), byte overwrites, sizes cut or grown, kind bytes changed (the
+    other layout, any byte), offsets moved; ``pure`` marks unmutated rows, ``pick`` bases."""
+    dev, (b, p) = base.device, base.shape
+    pick = torch.randint(0, b, (n,), device=dev, generator=g)
+    rows, sizes, kinds = base[pick], base_sizes[pick].clone(), base_kinds[pick].clone()
+    what = torch.randint(0, 16, (n,), device=dev, generator=g)
+    idx = torch.arange(n, device=dev)
+    u = lambda hi: (torch.rand(n, device=dev, generator=g) * hi).long()  # noqa: E731
+    for _ in range(3):  # flips
+        sel = what < 5
+        pos = u(1 << 20) % sizes.long()
+        rows[idx[sel], pos[sel]] ^= (2 ** u(8)).to(torch.uint8)[sel]
+    sel = what == 5  # overwrite a byte of the codes (escapes counted anew)
+    pos = 7 + u(1 << 20) % (p // 4)
+    rows[idx[sel], pos[sel]] = u(256).to(torch.uint8)[sel]
+    sel = (what >= 6) & (what < 8)  # cut or grow the size
+    sizes = torch.where(sel, (sizes.long() + u(65) - 32).clamp(-3, p + 3), sizes.long())
+    sizes = sizes.to(torch.int32)
+    sel = what == 8  # the other layout, or any kind byte
+    kinds = torch.where(sel & (u(2) == 0), kinds ^ 0x30, kinds)
+    kinds = torch.where(sel & (u(2) == 1), u(256).to(torch.uint8), kinds)
+    offsets = idx * p
+    sel = what == 9  # offsets moved (outside the payload at the ends)
+    offsets = torch.where(sel, offsets + u(1 << 13) - (1 << 12), offsets)
+    return rows, sizes, kinds, offsets, what >= 10, pick
+
+
+@pytest.mark.fuzz
+@pytest.mark.skipif(not CUDA or os.environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA")
+def test_gpu_million_page_mutation_fuzz(gen):
+    """A million mutated pages through the GPU decoder: every status is OK, BAD_KIND or
+    BAD_SIZE; failed rows are zero; unmutated pages decode to their source; nothing is written
+    outside the output (poisoned guard rows); a sample of every chunk equals the reference
+    decoder's statuses and bytes."""
+    from torch_pagecomp.kernels import exp_codec as kx
+
+    p = 4096
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    srcs = torch.cat([float_pages(gen, p, dtype) for dtype in (torch.bfloat16, torch.float16)
+                      for _ in range(16)]).cuda()
+    fp16 = torch.arange(srcs.shape[0], device="cuda") >= srcs.shape[0] // 2
+    parts = [kx.compress_exp_pages(srcs[~fp16], False), kx.compress_exp_pages(srcs[fp16], True)]
+    base, base_sizes, base_kinds = (torch.cat(t) for t in zip(*parts))
+    srcs = torch.cat([srcs[~fp16], srcs[fp16]])
+    assert {int(k) & 15 for k in base_kinds} >= {fmt.KIND_EXP, fmt.KIND_FILL}
+    chunk, total, checked, guard = 1 << 16, 0, 0, 2
+    buf = torch.empty((chunk + 2 * guard, p), dtype=torch.uint8, device="cuda")
+    out, status = buf[guard:guard + chunk], torch.empty(chunk, dtype=torch.int32, device="cuda")
+    while total < 1_000_000:
+        rows, sizes, kinds, offsets, pure, pick = _exp_fuzz_chunk(base, base_sizes, base_kinds,
+                                                                  chunk, g)
+        buf.fill_(POISON)
+        flat = rows.view(-1)
+        kx.decompress_exp_into(flat, offsets, sizes, kinds, out, status)
+        msg = f"seed {seed}"
+        assert (buf[:guard] == POISON).all() and (buf[guard + chunk:] == POISON).all(), msg
+        assert set(status.unique().tolist()) <= {fmt.STATUS_OK, fmt.STATUS_BAD_KIND,
+                                                 fmt.STATUS_BAD_SIZE}, msg
+        assert not out[status != 0].any(), f"{msg}: a failed row is not zero"
+        assert not status[pure].any(), f"{msg}: an unmutated page failed"
+        assert torch.equal(out[pure], srcs[pick[pure]]), f"{msg}: unmutated, wrong bytes"
+        sub = torch.randperm(chunk, generator=gen)[:64].cuda()
+        want, want_st = ec.decompress_exp_cpu(flat.cpu(), offsets[sub].cpu(), sizes[sub].cpu(),
+                                              kinds[sub].cpu(), p)
+        assert status[sub].cpu().tolist() == want_st.tolist(), msg
+        assert torch.equal(out[sub].cpu(), want), msg
+        checked += 64
+        total += chunk
+    assert checked > 900
