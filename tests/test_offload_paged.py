@@ -113,9 +113,9 @@ def test_shrink_keeps_chunks_after_a_step_that_placed_nothing(gen):
 def test_placement_descriptors_are_reused_in_order(gen, monkeypatch):
     """More slices in flight than pinned descriptors: a slot is reused only after the slice
     before it is confirmed, and every storage still comes back exact."""
-    import torch_pagecomp.offload._paged as paged
+    import torch_pagecomp.offload._arena as arena
 
-    monkeypatch.setattr(paged, "DESC_SLOTS", 2)
+    monkeypatch.setattr(arena, "DESC_SLOTS", 2)
     store = _store(slice_bytes=P)
     store.arena.descs = torch.empty((2, 2), dtype=torch.int64)
     srcs = [_data(gen, 4 * P + 7, "bf16") for _ in range(3)]  # 12 slices of one page

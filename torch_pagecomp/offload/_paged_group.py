@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _paged
+from . import _arena, _paged
 from ._streams import current_stream
 
 
@@ -180,9 +180,9 @@ def restore_group(store, group: StoredGroup, out) -> None:
             host = arena.backed[sl.base // arena.chunk].tensor[off:off + sl.total]
             staging[at:at + sl.total].copy_(host, non_blocking=True)
         else:  # still packing: kernels read it once the pack is done
-            _paged._wait(stream, sl.stored)
+            _arena._wait(stream, sl.stored)
             fetch_from_host(staging[at:at + sl.n * p], sl.desc, arena.table, arena.chunk)
-        rel, sizes, kinds, sums = _paged.slice_meta(sl, dev, stream)
+        rel, sizes, kinds, sums = _arena.slice_meta(sl, dev, stream)
         extra.append((rel + at, sizes, kinds) + ((sums,) if store.checksum else ()))
 
     if pages:

@@ -1,0 +1,251 @@
+"""The host side of compressed activation storage: a *virtual arena* of page-locked host chunks
+behind a device-side bump allocator, and the slices placed in it (``_paged.PagedStore``).
+
+The host backs the arena ahead of use: before each slice it adds chunks so that the arena's
+end, advanced by the slice's worst case (``N * P``), stays backed; the device refuses (and
+marks failed) a slice that would pass the backed limit, so no store ever leaves the chunks.
+Chunks behind every live slice go back to a free list and back later parts of the arena.
+
+Placements are read back in stream order, without waiting (:meth:`VirtualArena.confirm`): a
+slice's pack publishes its ``(base, total)`` to a pinned descriptor, and the host reads it once
+the pack's event has completed.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from ..pools import HostMemory, can_pin
+
+CHUNK_BYTES = 64 << 20
+TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
+DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
+
+
+def _align16(nbytes: int) -> int:
+    return (nbytes + 15) & ~15
+
+
+def _record(stream) -> torch.cuda.Event | None:
+    return stream.record_event() if stream is not None else None
+
+
+def _wait(stream, event) -> None:
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+class _Slice:
+    """Pages ``[first, first + n)`` of one stored storage: device metadata for the decoder and
+    the placement the pack kernel chose (``base``/``total`` on the host once confirmed)."""
+
+    __slots__ = ("first", "n", "sizes", "kinds", "rel", "desc", "host_desc", "stored",
+                 "base", "total", "freed", "sums", "host_meta")
+
+    def __init__(self, first: int, n: int, sizes, kinds, rel, desc, host_desc, stored,
+                 sums=None, host_meta=None):
+        self.first, self.n = first, n
+        self.sizes, self.kinds, self.rel, self.desc = sizes, kinds, rel, desc
+        self.sums = sums  # int32 [n] page checksums (the store's ``checksum``), or None
+        self.host_desc, self.stored = host_desc, stored
+        self.host_meta = host_meta  # (rel, sizes, kinds, sums) copied to the host, or None
+        self.base: int | None = None
+        self.total = 0
+        self.freed = False
+
+    def done(self) -> bool:
+        return self.stored is None or self.stored.query()
+
+    def meta_to_host(self) -> None:
+        """Once placed (its pack, and the copy of its metadata queued after it, are done):
+        keep the host copy of the metadata and drop the device one (``PagedStore``'s
+        ``host_meta``). A restore queued before still reads the device copy: it recorded its
+        stream on it (:func:`slice_meta`)."""
+        if self.host_meta is not None:
+            self.rel, self.sizes, self.kinds, self.sums = self.host_meta
+            self.host_meta = self.desc = None
+
+
+def slice_meta(sl: _Slice, device: torch.device, stream) -> tuple:
+    """``(rel, sizes, kinds, sums)`` of ``sl`` on ``device`` for a restore queued on ``stream``:
+    the slice's own device tensors (its allocation then also waits for ``stream`` before
+    reuse), or uploads of its host copy (non-blocking: from page-locked memory)."""
+    meta = (sl.rel, sl.sizes, sl.kinds, sl.sums)
+    if sl.rel.device == device:
+        if stream is not None and sl.host_meta is not None:  # dropped when placed
+            sl.rel.record_stream(stream)  # one allocation holds the four
+        return meta
+    return tuple(None if t is None else t.to(device, non_blocking=True) for t in meta)
+
+
+def _meta_views(buf: torch.Tensor, n: int, checksum: bool) -> tuple:
+    """``(rel int64 [n], desc int64 [2], sizes int32 [n], kinds uint8 [n], sums int32 [n] or
+    None)``: the parts of a slice's metadata buffer (:func:`_meta_bytes`)."""
+    a = _align16(8 * n)
+    b = a + 16 + _align16(4 * n)
+    c = b + _align16(n)
+    return (buf[:8 * n].view(torch.int64), buf[a:a + 16].view(torch.int64),
+            buf[a + 16:a + 16 + 4 * n].view(torch.int32), buf[b:b + n],
+            buf[c:c + 4 * n].view(torch.int32) if checksum else None)
+
+
+def _meta_bytes(n: int, checksum: bool) -> int:
+    """Bytes of a slice's metadata buffer: ``rel | desc | sizes | kinds (| sums)``, each part
+    16-byte aligned (Triton compiles a kernel per pointer alignment: parts placed by ``n``
+    alone would compile new variants mid-training)."""
+    c = _align16(8 * n) + 16 + _align16(4 * n) + _align16(n)
+    return c + 4 * n if checksum else c - _align16(n) + n
+
+
+class VirtualArena:
+    """Page-locked host chunks behind a device-side bump allocator (see the module docstring).
+
+    ``state`` (device ``int64 [2]``): the arena's end, in slot ``parity`` for the next slice
+    (``kernels.host_pack.pack_slice``: the slots take turns); ``limit``: the backed limit,
+    passed with each slice; ``table`` (device
+    ``int64 [TABLE_SIZE]``): the host address of each backed chunk. Host-side, ``bound`` is
+    never below the device's end once every planned slice has run; ``frontier`` is the end as
+    of the last confirmed slice (slices are confirmed in stream order).
+    """
+
+    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES):
+        self.device, self.chunk = device, chunk_bytes
+        self.pin = device.type == "cuda" and can_pin()
+        self.state = torch.zeros(2, dtype=torch.int64, device=device)
+        self.table = torch.zeros(TABLE_SIZE, dtype=torch.int64, device=device)
+        self.backed: dict[int, HostMemory] = {}
+        self.free: list[tuple[HostMemory, torch.cuda.Event | None]] = []
+        self.live: collections.Counter[int] = collections.Counter()
+        self.pending: collections.deque[tuple[_Slice, int]] = collections.deque()
+        self.limit = self.bound = self.frontier = 0
+        self.used = 0  # host bytes of live, confirmed slices
+        self.peak_held = 0
+        self.peak_backed = 0  # chunks backed at once since the last shrink
+        self.placed_since_shrink = False
+        # where the pack kernel publishes each slice's (base, total): one pinned ring, not a
+        # pinned allocation per slice
+        self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
+        self._next_desc = 0
+        self.parity = 0  # the slot of ``state`` that holds the end for the next slice
+
+    # ---------------------------------------------------------------- placement
+    def _advance(self, pos: int, size: int) -> int:
+        if pos % self.chunk + size > self.chunk:
+            pos = (pos // self.chunk + 1) * self.chunk
+        return pos + size
+
+    def back(self, upper: int, stream) -> None:
+        """Before planning a slice of at most ``upper`` bytes (on ``stream``): back every chunk
+        the arena's end can reach and raise the limit (passed with the slice) to match."""
+        self.bound = self._advance(self.bound, upper)
+        self.placed_since_shrink = True
+        last = (self.bound - 1) // self.chunk
+        first = max(self.limit // self.chunk, self.frontier // self.chunk)
+        for k in range(first, last + 1):
+            if k not in self.backed:
+                self._back_chunk(k, stream)
+        self.limit = max(self.limit, (last + 1) * self.chunk)  # passed with the slice
+        self.peak_held = max(self.peak_held, self.held_bytes)
+        self.peak_backed = max(self.peak_backed, len(self.backed))
+
+    def _back_chunk(self, k: int, stream) -> None:
+        if self.free:
+            mem, last_read = self.free.pop()
+            _wait(stream, last_read)  # restores of its previous slices read it first
+        else:
+            mem = HostMemory(self.chunk, pin=self.pin)
+        if (k - TABLE_SIZE) in self.backed:
+            raise RuntimeError("activation offload: host arena window exceeded")
+        self.backed[k] = mem
+        self.table[k % TABLE_SIZE : k % TABLE_SIZE + 1].fill_(mem.tensor.data_ptr())
+
+    def host_desc(self) -> torch.Tensor:
+        """The pinned ``int64 [2]`` the next slice's placement is published to. Slot ``k`` is
+        reused ``DESC_SLOTS`` slices later, once the slice before has been confirmed."""
+        if len(self.pending) >= DESC_SLOTS:
+            self.confirm(through=self.pending[len(self.pending) - DESC_SLOTS][0])
+        k = self._next_desc
+        self._next_desc = (k + 1) % DESC_SLOTS
+        return self.descs[k]
+
+    def add(self, sl: _Slice, upper: int) -> None:
+        self.pending.append((sl, upper))
+
+    # -------------------------------------------------------------- confirmation
+    def confirm(self, through: _Slice | None = None) -> None:
+        """Read the placement of finished slices in stream order (all up to ``through``,
+        waiting for it if needed; else only those already finished, without waiting)."""
+        confirmed = False
+        while self.pending:
+            sl, _ = self.pending[0]
+            if not sl.done():
+                if through is None or through.base is not None:
+                    break
+                sl.stored.synchronize()
+            self.pending.popleft()
+            confirmed = True
+            base, total = (int(v) for v in sl.host_desc.tolist())
+            sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None
+            sl.meta_to_host()
+            if base >= 0:
+                self.frontier = base + total
+                if not sl.freed:
+                    self.live[base // self.chunk] += 1
+                    self.used += total
+            if sl is through:
+                break
+        if confirmed:  # the bound from the confirmed end, tighter
+            self.bound = self.frontier
+            for _, upper in self.pending:
+                self.bound = self._advance(self.bound, upper)
+        self.placed_since_shrink = True
+
+    def release(self, sl: _Slice, reader) -> None:
+        """``sl`` is no longer needed; chunks behind the frontier with nothing live go back to
+        the free list (reused after the restores queued on ``reader`` so far)."""
+        if sl.base is None:
+            sl.freed = True  # its placement is still unknown: dropped when confirmed
+            return
+        if sl.base < 0 or sl.freed:
+            return
+        sl.freed = True
+        k = sl.base // self.chunk
+        self.live[k] -= 1
+        if self.live[k] <= 0:
+            del self.live[k]
+        self.used -= sl.total
+        event = None
+        for k in sorted(self.backed):
+            if k >= self.frontier // self.chunk:
+                break
+            if k not in self.live:
+                event = event or _record(reader)
+                self.free.append((self.backed.pop(k), event))
+
+    @property
+    def held_bytes(self) -> int:
+        return (len(self.backed) + len(self.free)) * self.chunk
+
+    def trim(self, keep: int = 0) -> None:
+        """Unpin free chunks beyond ``keep`` (the oldest first)."""
+        while len(self.free) > keep:
+            mem, event = self.free.pop(0)
+            if event is not None:
+                event.synchronize()  # a restore may still read it
+            mem.release()
+
+    def shrink(self) -> None:
+        """Keep as many chunks as the busiest moment since the last call needed; unpin the
+        rest (after a step whose offloads were smaller, or a first step that was larger).
+        Without a placement or a confirmation since the last call the chunks stay. The hooks
+        poll (confirm) at every saved tensor, so under them a step that only copied
+        (``prefer="speed"``) keeps the compressing step's chunks at its end and gives the free
+        ones back at the next: an offloader that settles on copying does not keep pinned
+        chunks it no longer uses, and one still in its trials may pin them again."""
+        if not self.placed_since_shrink:
+            return
+        self.trim(keep=max(0, self.peak_backed - len(self.backed)))
+        self.peak_backed = len(self.backed)
+        self.placed_since_shrink = False
