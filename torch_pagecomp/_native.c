@@ -439,9 +439,391 @@ static PyObject *bitshuffle(PyObject *self, PyObject *args) {
 }
 #endif
 
+/* ---------------------------------------------------------------------- exponent codec
+ * EXP pages (torch_pagecomp.format; torch_pagecomp.exp_codec is the numpy reference, and these
+ * loops write and read the same bytes, sizes, kinds and statuses). A page is n = P / 2
+ * little-endian 16-bit values; layout 1 (bf16): e = (v >> 7) & 255, rest byte
+ * (v >> 8 & 0x80) | (v & 0x7F); layout 2 (fp16): e = (v >> 10) & 31, rest v & 0xFF, high bits
+ * (v >> 13 & 4) | (v >> 8 & 3). Stored: the 7-byte table, the 3-bit codes (8 to a 3-byte
+ * little-endian group), fp16's high bits in the same packing, the n rest bytes, one byte per
+ * escaped value (code 7). Values are read and written as host integers: little-endian hosts
+ * with GCC or Clang only (x86-64, arm64); elsewhere the module has no exp_* functions and
+ * exp_codec runs the numpy reference. */
+#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define HAVE_EXP_CODEC 1
+enum { KIND_RAW = 0, KIND_FILL = 2, KIND_EXP = 3, EXP_BF16 = 1, EXP_FP16 = 2, EXP_TABLE = 7 };
+
+static int64_t exp_fixed(int64_t page, int layout) {
+    const int64_t n = page / 2;
+    return EXP_TABLE + 3 * n / 8 + (layout == EXP_FP16 ? 3 * n / 8 : 0) + n;
+}
+
+/* A buffer argument of `itemsize`-byte elements of kind `kind` ('u' unsigned, 'i' signed),
+ * C-contiguous; a clear TypeError otherwise. */
+static int get_buffer(PyObject *obj, Py_buffer *b, int writable, Py_ssize_t itemsize, char kind,
+                      const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, b, flags) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer (a numpy array) of "
+                     "%s%zd", name, writable ? " writable" : "", kind == 'u' ? "uint" : "int",
+                     8 * itemsize);
+        return 0;
+    }
+    const char *f = b->format ? b->format : "B";
+    while (*f == '@' || *f == '=' || *f == '<' || *f == '|') f++;
+    int ok = b->itemsize == itemsize && f[0] && !f[1];
+    if (ok) {
+        if (kind == 'u') ok = strchr("BHILQN", f[0]) != NULL;
+        else ok = strchr("bhilqn", f[0]) != NULL;
+    }
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "%s must hold %s%zd, got format '%s' of %zd-byte items",
+                     name, kind == 'u' ? "uint" : "int", 8 * itemsize,
+                     b->format ? b->format : "B", b->itemsize);
+        PyBuffer_Release(b);
+        return 0;
+    }
+    return 1;
+}
+
+static int valid_exp_page(Py_ssize_t page) {
+    return page >= 4096 && page <= 65536 && (page & (page - 1)) == 0;
+}
+
+/* Encode one page that is not all-equal: its kind and size, its row of `page` bytes written
+ * (zero past the size; the page itself when RAW). `layout` is a constant where it is inlined. */
+static inline __attribute__((always_inline)) void
+exp_encode_layout(const uint8_t *src, uint8_t *to, int64_t page, const int layout, int64_t limit,
+                  int32_t *size, uint8_t *kind) {
+    const int64_t n = page / 2;
+    const int bins = layout == EXP_BF16 ? 256 : 32;
+    const int shift = layout == EXP_BF16 ? 7 : 10;
+    uint32_t hist[4][256];
+    memset(hist, 0, sizeof hist);
+    for (int64_t i = 0; i < n; i += 4) { /* four histograms: no chain through one counter */
+        uint64_t w;
+        memcpy(&w, src + 2 * i, 8);
+        hist[0][(w >> shift) & (bins - 1)]++;
+        hist[1][(w >> (16 + shift)) & (bins - 1)]++;
+        hist[2][(w >> (32 + shift)) & (bins - 1)]++;
+        hist[3][(w >> (48 + shift)) & (bins - 1)]++;
+    }
+    /* the 7 most frequent: count descending, then value ascending (bins visited in value
+     * order, each placed after every entry of at least its count: a stable sort's order) */
+    uint32_t top_count[EXP_TABLE];
+    uint8_t table[EXP_TABLE];
+    int have = 0;
+    for (int b = 0; b < bins; b++) {
+        const uint32_t c = hist[0][b] + hist[1][b] + hist[2][b] + hist[3][b];
+        if (have == EXP_TABLE && c <= top_count[EXP_TABLE - 1]) continue;
+        int k = have < EXP_TABLE ? have++ : EXP_TABLE - 1;
+        while (k > 0 && top_count[k - 1] < c) {
+            top_count[k] = top_count[k - 1];
+            table[k] = table[k - 1];
+            k--;
+        }
+        top_count[k] = c;
+        table[k] = (uint8_t)b;
+    }
+    int64_t kept = 0;
+    uint8_t code[256];
+    memset(code, EXP_TABLE, sizeof code);
+    for (int k = 0; k < EXP_TABLE; k++) {
+        kept += top_count[k];
+        code[table[k]] = (uint8_t)k;
+    }
+    const int64_t fixed = exp_fixed(page, layout), escapes = n - kept;
+    if (fixed + escapes > limit) { /* RAW: the page as it is */
+        memcpy(to, src, (size_t)page);
+        *size = (int32_t)page;
+        *kind = KIND_RAW;
+        return;
+    }
+    memcpy(to, table, EXP_TABLE);
+    uint8_t *codes = to + EXP_TABLE;
+    uint8_t *high = codes + 3 * n / 8; /* fp16 only */
+    uint8_t *rest = layout == EXP_FP16 ? high + 3 * n / 8 : high;
+    uint8_t *esc = to + fixed;
+    for (int64_t g = 0; g < n / 8; g++) {
+        uint64_t w[2];
+        memcpy(w, src + 16 * g, 16);
+        uint32_t cw = 0, hw = 0;
+        for (int t = 0; t < 8; t++) {
+            const unsigned x = (unsigned)(w[t / 4] >> (16 * (t % 4))) & 0xFFFF;
+            const unsigned e = (x >> shift) & (unsigned)(bins - 1), c = code[e];
+            cw |= (uint32_t)c << (3 * t);
+            if (layout == EXP_FP16) hw |= (uint32_t)(((x >> 13) & 4) | ((x >> 8) & 3)) << (3 * t);
+        }
+        for (int k = 0; k < 2; k++) { /* the rest bytes of 4 values at a time (16-bit lanes) */
+            uint64_t r = w[k];
+            if (layout == EXP_BF16)
+                r = ((r >> 8) & 0x0080008000800080ull) | (r & 0x007F007F007F007Full);
+            else
+                r &= 0x00FF00FF00FF00FFull;
+            r = (r | (r >> 8)) & 0x0000FFFF0000FFFFull; /* lanes' low bytes side by side */
+            const uint32_t four = (uint32_t)(r | (r >> 16));
+            memcpy(rest + 8 * g + 4 * k, &four, 4);
+        }
+        if (cw & (cw >> 1) & (cw >> 2) & 0x249249u) { /* escapes in this group (rare) */
+            for (int t = 0; t < 8; t++)
+                if (((cw >> (3 * t)) & 7) == EXP_TABLE)
+                    *esc++ = (uint8_t)((w[t / 4] >> (16 * (t % 4) + shift)) & (unsigned)(bins - 1));
+        }
+        codes[3 * g] = (uint8_t)cw;
+        codes[3 * g + 1] = (uint8_t)(cw >> 8);
+        codes[3 * g + 2] = (uint8_t)(cw >> 16);
+        if (layout == EXP_FP16) {
+            high[3 * g] = (uint8_t)hw;
+            high[3 * g + 1] = (uint8_t)(hw >> 8);
+            high[3 * g + 2] = (uint8_t)(hw >> 16);
+        }
+    }
+    memset(esc, 0, (size_t)(page - (fixed + escapes)));
+    *size = (int32_t)(fixed + escapes);
+    *kind = (uint8_t)(KIND_EXP | layout << 4);
+}
+
+static void exp_encode_page(const uint8_t *src, uint8_t *to, int64_t page, int layout,
+                            int64_t limit, int32_t *size, uint8_t *kind) {
+    if (layout == EXP_BF16) exp_encode_layout(src, to, page, EXP_BF16, limit, size, kind);
+    else exp_encode_layout(src, to, page, EXP_FP16, limit, size, kind);
+}
+
+PyDoc_STRVAR(exp_encode_pages_doc,
+"exp_encode_pages(raw, out, sizes, kinds, page_size, layout)\n\n"
+"Exponent-code the N pages of raw (uint8 [N * page_size], C-contiguous; N = len(sizes))\n"
+"with the GIL released, as torch_pagecomp.exp_codec's numpy reference does: an all-equal\n"
+"page is FILL (size 1, its byte then zeros), a page whose EXP size would exceed\n"
+"page_size - page_size / 32 is RAW (the page, size page_size), else kind 3 | layout << 4\n"
+"with the rest of the row zeroed. Writes out (uint8 [N * page_size]), sizes (int32 [N]) and\n"
+"kinds (uint8 [N]). layout 1 (bf16) or 2 (fp16); page_size a power of two, 4096..65536.");
+
+static PyObject *exp_encode_pages(PyObject *self, PyObject *args) {
+    PyObject *o_raw, *o_out, *o_sizes, *o_kinds;
+    Py_ssize_t page;
+    int layout;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOni", &o_raw, &o_out, &o_sizes, &o_kinds, &page, &layout))
+        return NULL;
+    if (!valid_exp_page(page) || (layout != EXP_BF16 && layout != EXP_FP16)) {
+        PyErr_Format(PyExc_ValueError, "exp_encode_pages: page_size must be a power of two in "
+                     "4096..65536 and layout 1 (bf16) or 2 (fp16), got %zd and %d", page, layout);
+        return NULL;
+    }
+    Py_buffer raw, out, sizes, kinds;
+    PyObject *result = NULL;
+    if (!get_buffer(o_raw, &raw, 0, 1, 'u', "raw")) return NULL;
+    if (!get_buffer(o_out, &out, 1, 1, 'u', "out")) goto release_raw;
+    if (!get_buffer(o_sizes, &sizes, 1, 4, 'i', "sizes")) goto release_out;
+    if (!get_buffer(o_kinds, &kinds, 1, 1, 'u', "kinds")) goto release_sizes;
+    const Py_ssize_t n = sizes.len / 4;
+    if (raw.len != n * page || out.len != n * page || kinds.len != n) {
+        PyErr_Format(PyExc_ValueError, "exp_encode_pages: %zd pages (sizes) of %zd bytes need raw "
+                     "and out of %zd bytes and kinds of %zd, got %zd, %zd and %zd", n, page,
+                     n * page, n, raw.len, out.len, kinds.len);
+    } else {
+        const uint8_t *from = raw.buf;
+        uint8_t *dst = out.buf, *kind = kinds.buf;
+        int32_t *size = sizes.buf;
+        const int64_t limit = page - page / 32;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint8_t *r = from + i * (int64_t)page;
+            uint8_t *to = dst + i * (int64_t)page;
+            uint64_t first, word = 0;
+            memset(&first, r[0], 8);
+            for (Py_ssize_t k = 0; k < page && word == 0; k += 8) {
+                uint64_t w;
+                memcpy(&w, r + k, 8);
+                word = w ^ first;
+            }
+            if (word == 0) { /* every byte equal: FILL */
+                memset(to, 0, (size_t)page);
+                to[0] = r[0];
+                size[i] = 1;
+                kind[i] = KIND_FILL;
+            } else {
+                exp_encode_page(r, to, page, layout, limit, size + i, kind + i);
+            }
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&kinds);
+release_sizes:
+    PyBuffer_Release(&sizes);
+release_out:
+    PyBuffer_Release(&out);
+release_raw:
+    PyBuffer_Release(&raw);
+    return result;
+}
+
+/* Escaped values (code 7) among the 3-bit codes of `groups` 3-byte groups. */
+static int64_t count_escapes(const uint8_t *codes, int64_t groups) {
+    int64_t count = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint32_t w = (uint32_t)codes[3 * g] | (uint32_t)codes[3 * g + 1] << 8 |
+                           (uint32_t)codes[3 * g + 2] << 16;
+        /* a bit at 3t per escape; the multiply sums those of t = 0..6 at bits 18..20 (at most
+         * 7; the lower sums, at most 6, never carry into them); t = 7's bit is bit 21 */
+        const uint32_t x = w & (w >> 1) & (w >> 2) & 0x249249u;
+        count += (int64_t)(((((x & 0x49249u) * 0x49249u) >> 18) & 7) + (x >> 21));
+    }
+    return count;
+}
+
+/* Decode one EXP page whose [src, src + size) lies in the payload and size >= its fixed part:
+ * the status (BAD_SIZE unless size is the fixed part plus the escapes its codes count; then
+ * nothing is written). Reads only src[0 .. size), writes only to[0 .. page). `layout` is a
+ * constant where it is inlined (one loop per layout). */
+static inline __attribute__((always_inline)) int32_t
+exp_decode_layout(const uint8_t *src, int64_t size, uint8_t *to, int64_t page, const int layout) {
+    const int64_t n = page / 2, fixed = exp_fixed(page, layout);
+    const uint8_t *codes = src + EXP_TABLE;
+    const uint8_t *high = codes + 3 * n / 8; /* fp16 only */
+    const uint8_t *rest = layout == EXP_FP16 ? high + 3 * n / 8 : high;
+    if (size != fixed + count_escapes(codes, n / 8)) return STATUS_BAD_SIZE;
+    const uint8_t *esc = src + fixed; /* exactly size - fixed of them: every read inside */
+    const unsigned mask = layout == EXP_FP16 ? 31 : 255, shift = layout == EXP_FP16 ? 10 : 7;
+    /* bf16: lut[c] the exponent of code c in place (code 7, an escape: 0); fp16: lut[c | h << 3]
+     * that with the high bits h in place too. rl[r]: the rest byte r in place. */
+    uint16_t lut[64], rl[256];
+    for (int k = 0; k < 64; k++) {
+        const int c = k & 7, h = k >> 3;
+        lut[k] = (uint16_t)(c == EXP_TABLE ? 0 : (src[c] & mask) << shift);
+        if (layout == EXP_FP16) lut[k] |= (uint16_t)(((h & 4) << 13) | ((h & 3) << 8));
+    }
+    for (int r = 0; r < 256; r++)
+        rl[r] = (uint16_t)(layout == EXP_BF16 ? ((r & 0x80) << 8) | (r & 0x7F) : r);
+    for (int64_t g = 0; g < n / 8; g++) {
+        const uint32_t cw = (uint32_t)codes[3 * g] | (uint32_t)codes[3 * g + 1] << 8 |
+                            (uint32_t)codes[3 * g + 2] << 16;
+        uint32_t hw = 0;
+        if (layout == EXP_FP16)
+            hw = (uint32_t)high[3 * g] | (uint32_t)high[3 * g + 1] << 8 |
+                 (uint32_t)high[3 * g + 2] << 16;
+        const uint8_t *r = rest + 8 * g;
+        uint64_t w[2] = {0, 0};
+#define EXP_VALUE(t) \
+        (uint64_t)(lut[((cw >> (3 * (t))) & 7) | (layout == EXP_FP16 ? ((hw >> (3 * (t))) & 7) << 3 : 0)] | \
+                   rl[r[t]])
+        w[0] = EXP_VALUE(0) | EXP_VALUE(1) << 16 | EXP_VALUE(2) << 32 | EXP_VALUE(3) << 48;
+        w[1] = EXP_VALUE(4) | EXP_VALUE(5) << 16 | EXP_VALUE(6) << 32 | EXP_VALUE(7) << 48;
+#undef EXP_VALUE
+        if (cw & (cw >> 1) & (cw >> 2) & 0x249249u) { /* escapes in this group (rare) */
+            for (int t = 0; t < 8; t++)
+                if (((cw >> (3 * t)) & 7) == EXP_TABLE)
+                    w[t / 4] |= (uint64_t)((*esc++ & mask) << shift) << (16 * (t % 4));
+        }
+        memcpy(to + 16 * g, w, 16); /* little-endian: value 4k + t at bits 16t of w[k] */
+    }
+    return STATUS_OK;
+}
+
+static int32_t exp_decode_page(const uint8_t *src, int64_t size, uint8_t *to, int64_t page,
+                               int layout) {
+    return layout == EXP_BF16 ? exp_decode_layout(src, size, to, page, EXP_BF16)
+                              : exp_decode_layout(src, size, to, page, EXP_FP16);
+}
+
+PyDoc_STRVAR(exp_decode_pages_doc,
+"exp_decode_pages(payload, offsets, sizes, kinds, out, status, page_size)\n\n"
+"Decode the N = len(sizes) pages of a batch of the exponent codec with the GIL released, as\n"
+"torch_pagecomp.exp_codec.decompress_exp_cpu does: page i's stored bytes are\n"
+"payload[offsets[i]:offsets[i] + sizes[i]] (payload uint8 [T]; offsets int64 [>= N]; sizes\n"
+"int32 [N]; kinds uint8 [N]); its bytes go to out[i * page_size:(i + 1) * page_size] (uint8\n"
+"[N * page_size]) and its status to status[i] (int32 [N]). RAW (0x00), FILL (0x02) and EXP\n"
+"(0x13 bf16, 0x23 fp16) pages decode; any other kind is BAD_KIND; bytes outside the payload,\n"
+"RAW not page_size, FILL not 1, EXP under its fixed part or over page_size - page_size / 32,\n"
+"or EXP not its fixed part plus the escapes its codes count, BAD_SIZE. A failed page's row\n"
+"is zeroed; nothing is read outside a page's stored bytes. page_size a power of two,\n"
+"4096..65536.");
+
+static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
+    PyObject *o_payload, *o_offsets, *o_sizes, *o_kinds, *o_out, *o_status;
+    Py_ssize_t page;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOOOn", &o_payload, &o_offsets, &o_sizes, &o_kinds, &o_out,
+                          &o_status, &page))
+        return NULL;
+    if (!valid_exp_page(page)) {
+        PyErr_Format(PyExc_ValueError, "exp_decode_pages: page_size must be a power of two in "
+                     "4096..65536, got %zd", page);
+        return NULL;
+    }
+    Py_buffer payload, offsets, sizes, kinds, out, status;
+    PyObject *result = NULL;
+    if (!get_buffer(o_payload, &payload, 0, 1, 'u', "payload")) return NULL;
+    if (!get_buffer(o_offsets, &offsets, 0, 8, 'i', "offsets")) goto r_payload;
+    if (!get_buffer(o_sizes, &sizes, 0, 4, 'i', "sizes")) goto r_offsets;
+    if (!get_buffer(o_kinds, &kinds, 0, 1, 'u', "kinds")) goto r_sizes;
+    if (!get_buffer(o_out, &out, 1, 1, 'u', "out")) goto r_kinds;
+    if (!get_buffer(o_status, &status, 1, 4, 'i', "status")) goto r_out;
+    const Py_ssize_t n = sizes.len / 4;
+    if (offsets.len < 8 * n || kinds.len != n || out.len != n * page || status.len != 4 * n) {
+        PyErr_Format(PyExc_ValueError, "exp_decode_pages: %zd pages (sizes) of %zd bytes need at "
+                     "least %zd offsets, %zd kinds, out of %zd bytes and %zd statuses, got %zd, "
+                     "%zd, %zd and %zd", n, page, n, n, n * page, n, offsets.len / 8, kinds.len,
+                     out.len, status.len / 4);
+    } else {
+        const uint8_t *src = payload.buf, *kind = kinds.buf;
+        const int64_t *off = offsets.buf;
+        const int32_t *size = sizes.buf;
+        uint8_t *dst = out.buf;
+        int32_t *st = status.buf;
+        const int64_t total = payload.len, limit = page - page / 32;
+        const int64_t least_bf16 = exp_fixed(page, EXP_BF16), least_fp16 = exp_fixed(page, EXP_FP16);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const int codec = kind[i] & 15, high = kind[i] >> 4;
+            const int64_t o = off[i], s = size[i];
+            uint8_t *to = dst + i * (int64_t)page;
+            const int plain = (codec == KIND_RAW || codec == KIND_FILL) && high == 0;
+            const int exp = codec == KIND_EXP && (high == EXP_BF16 || high == EXP_FP16);
+            int32_t r = STATUS_OK;
+            if (!plain && !exp) {
+                r = STATUS_BAD_KIND;
+            } else if (o < 0 || s < 1 || s > total - o || (codec == KIND_RAW && s != page) ||
+                       (codec == KIND_FILL && s != 1) ||
+                       (exp && (s < (high == EXP_FP16 ? least_fp16 : least_bf16) || s > limit))) {
+                r = STATUS_BAD_SIZE;
+            } else if (codec == KIND_RAW) {
+                memcpy(to, src + o, (size_t)page);
+            } else if (codec == KIND_FILL) {
+                memset(to, src[o], (size_t)page);
+            } else {
+                r = exp_decode_page(src + o, s, to, page, high);
+            }
+            st[i] = r;
+            if (r != STATUS_OK) memset(to, 0, (size_t)page);
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&status);
+r_out:
+    PyBuffer_Release(&out);
+r_kinds:
+    PyBuffer_Release(&kinds);
+r_sizes:
+    PyBuffer_Release(&sizes);
+r_offsets:
+    PyBuffer_Release(&offsets);
+r_payload:
+    PyBuffer_Release(&payload);
+    return result;
+}
+#endif /* HAVE_EXP_CODEC */
+
 static PyMethodDef methods[] = {
     {"decode_pages", decode_pages, METH_VARARGS, decode_pages_doc},
     {"compress_pages", compress_pages, METH_VARARGS, compress_pages_doc},
+#if defined(HAVE_EXP_CODEC)
+    {"exp_encode_pages", exp_encode_pages, METH_VARARGS, exp_encode_pages_doc},
+    {"exp_decode_pages", exp_decode_pages, METH_VARARGS, exp_decode_pages_doc},
+#endif
 #if defined(HAVE_SHUFFLE)
     {"bitshuffle", bitshuffle, METH_VARARGS, bitshuffle_doc},
 #endif
@@ -450,7 +832,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_native",
-    "The CPU path's LZ4 page loops in C (see torch_pagecomp.cpu_codec).", -1, methods,
+    "The CPU path's LZ4 and exponent-codec page loops in C (see torch_pagecomp.cpu_codec, "
+    "torch_pagecomp.exp_codec).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -10,7 +10,11 @@ stores 1.22-1.38x, and needs no match search (``triton_kernels/exp_codec.py``: o
 
 The Triton kernels (``torch_pagecomp.kernels.exp_codec``) write the same bytes, sizes, kinds
 and statuses (``tests/test_exp_codec.py``). This module is the readable definition: whole
-batches as numpy arrays, a few MiB of pages a step.
+batches as numpy arrays, a few MiB of pages a step. Where the C extension is built
+(``torch_pagecomp._native``: ``exp_encode_pages`` / ``exp_decode_pages``), :func:`compress_exp_cpu`
+and :func:`decompress_exp_cpu` run its page loops instead (the GIL released, ranges of pages on
+``cpu_codec``'s threads), bit for bit the numpy code's output (``tests/test_exp_codec_native.py``);
+``native=False`` runs the numpy reference, which stays the fallback without a compiler.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ import numpy as np
 import torch
 
 from . import format as fmt
-from .cpu_codec import fill_rows
+from .cpu_codec import _outputs, _run_ranges, fill_rows
+
+try:  # the C page loops (setup.py builds them where a C compiler is found)
+    from . import _native
+except ImportError:  # the numpy reference instead: the same bytes and statuses, 13-35x slower
+    _native = None
+# an extension built before the exponent loops were added has only the LZ4 ones
+NATIVE = _native is not None and hasattr(_native, "exp_encode_pages")
 
 # Where each layout's fields sit in a value ``v`` (``uint16``); see ``format``.
 LAYOUTS = {"bf16": fmt.EXP_BF16, "fp16": fmt.EXP_FP16}
@@ -84,19 +95,23 @@ def _table_and_codes(e: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
     return table, code
 
 
-def compress_exp_cpu(pages: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                 torch.Tensor]:
+def compress_exp_cpu(pages: torch.Tensor, layout: int, native: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exponent-code pages of 16-bit floats.
 
     Args:
         pages: ``uint8 [N, P]`` on the CPU, each row ``P / 2`` little-endian values.
         layout: ``format.EXP_BF16`` or ``format.EXP_FP16``.
+        native: use the C loops (``_native.exp_encode_pages``) where built and ``P`` is a
+            valid page size; ``False``: the numpy reference (the same output).
     Returns:
         Fixed-stride ``(payload uint8 [N, P], sizes int32 [N], kinds uint8 [N])``: FILL for an
         all-equal page, RAW where the exponent page would exceed ``P - P/32`` bytes, else
         ``KIND_EXP | layout << 4``; bytes past a page's size are zero.
     """
     n_pages, page_size = pages.shape
+    if native and NATIVE and pages.dtype == torch.uint8 and fmt.valid_page_size(page_size):
+        return _compress_exp_native(pages, layout)
     n = page_size // 2
     fixed = fmt.exp_fixed_bytes(page_size, layout)
     limit = fmt.lz4_keep_limit(page_size)
@@ -183,18 +198,26 @@ def _decode_exp_rows(buf: np.ndarray, off: np.ndarray, size: np.ndarray, page_si
 
 
 def decompress_exp_cpu(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
-                       kinds: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       kinds: torch.Tensor, page_size: int, native: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode RAW, FILL and exponent pages (any other kind is ``STATUS_BAD_KIND``).
 
     Args:
         payload: ``uint8 [T]`` on the CPU (a fixed-stride payload viewed flat, or a packed one).
-        offsets: ``int64 [N]``, start of page ``i``; sizes: ``int32 [N]``; kinds: ``uint8 [N]``.
+        offsets: ``int64 [N]`` or ``[N + 1]`` (the first ``N`` used), start of page ``i``;
+            sizes: ``int32 [N]``; kinds: ``uint8 [N]``.
         page_size: ``P``.
+        native: use the C loops (``_native.exp_decode_pages``) where built and ``P`` is a
+            valid page size; ``False``: the numpy reference (the same pages and statuses).
     Returns:
         ``(pages uint8 [N, P], status int32 [N])``; a failed page's row is zero. Reads nothing
         outside ``payload[offsets[i]:offsets[i] + sizes[i]]`` for page ``i``.
     """
     n_pages = sizes.shape[0]
+    if (native and NATIVE and fmt.valid_page_size(page_size) and payload.dtype == torch.uint8
+            and sizes.dtype == torch.int32 and kinds.dtype == torch.uint8
+            and not offsets.is_floating_point() and offsets.shape[0] >= n_pages):
+        return _decompress_exp_native(payload, offsets, sizes, kinds, page_size)
     buf = np.ascontiguousarray(payload.detach().numpy()).reshape(-1)
     off = offsets.numpy().astype(np.int64)[:n_pages]
     size = sizes.numpy().astype(np.int64)
@@ -215,3 +238,46 @@ def decompress_exp_cpu(payload: torch.Tensor, offsets: torch.Tensor, sizes: torc
             out[r], good = _decode_exp_rows(buf, off[r], size[r], page_size, layout)
             status[r[~good]] = fmt.STATUS_BAD_SIZE
     return torch.from_numpy(out), torch.from_numpy(status)
+
+
+def _compress_exp_native(pages: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+    """:func:`compress_exp_cpu` through ``_native.exp_encode_pages``, ranges of pages on the
+    CPU codec's threads (``cpu_codec.set_cpu_threads``); every byte of the outputs written."""
+    n_pages, page_size = pages.shape
+    raw = np.ascontiguousarray(pages.detach().numpy())
+    payload = _outputs.empty((n_pages, page_size))  # reused memory: the C loop writes every byte
+    sizes = torch.empty(n_pages, dtype=torch.int32)
+    kinds = torch.empty(n_pages, dtype=torch.uint8)
+    out, size_np, kind_np = payload.numpy(), sizes.numpy(), kinds.numpy()
+
+    def work(start: int, stop: int) -> None:
+        _native.exp_encode_pages(raw[start:stop].reshape(-1), out[start:stop].reshape(-1),
+                                 size_np[start:stop], kind_np[start:stop], page_size, layout)
+
+    if n_pages:
+        _run_ranges(work, n_pages, page_size)
+    return payload, sizes, kinds
+
+
+def _decompress_exp_native(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+                           kinds: torch.Tensor, page_size: int) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+    """:func:`decompress_exp_cpu` through ``_native.exp_decode_pages`` (every row and status
+    written there: failed rows zeroed), ranges of pages on the CPU codec's threads."""
+    n_pages = sizes.shape[0]
+    buf = np.ascontiguousarray(payload.detach().numpy()).reshape(-1)
+    off = np.ascontiguousarray(offsets.detach().numpy()[:n_pages], dtype=np.int64)
+    size = np.ascontiguousarray(sizes.detach().numpy())
+    kind = np.ascontiguousarray(kinds.detach().numpy())
+    pages = _outputs.empty((n_pages, page_size))  # every row written there, failed ones zero
+    status = torch.empty(n_pages, dtype=torch.int32)
+    out, st = pages.numpy(), status.numpy()
+
+    def work(start: int, stop: int) -> None:
+        _native.exp_decode_pages(buf, off[start:stop], size[start:stop], kind[start:stop],
+                                 out[start:stop].reshape(-1), st[start:stop], page_size)
+
+    if n_pages:
+        _run_ranges(work, n_pages, page_size)
+    return pages, status
