@@ -289,6 +289,25 @@ typedef int (*lz4_continue_fn)(void *stream, const char *src, char *dst, int src
                                int dst_capacity, int acceleration);
 typedef int (*lz4_sizeof_fn)(void);
 
+/* Whether every byte of the page r[0 .. page) is equal; if so it is stored FILL into `to` (the
+ * byte, then zeros), with its size and kind. Both compressors take all-equal pages this way. */
+static int store_if_fill(const uint8_t *r, uint8_t *to, int64_t page, int32_t *size,
+                         uint8_t *kind) {
+    uint64_t first, word = 0;
+    memset(&first, r[0], 8);
+    for (int64_t k = 0; k < page && word == 0; k += 8) {
+        uint64_t w;
+        memcpy(&w, r + k, 8);
+        word = w ^ first;
+    }
+    if (word != 0) return 0;
+    memset(to, 0, (size_t)page);
+    to[0] = r[0];
+    *size = 1;
+    *kind = 2; /* FILL */
+    return 1;
+}
+
 PyDoc_STRVAR(compress_pages_doc,
 "compress_pages(raw, src, out, sizes, kinds, page_size, limit, lz4_kind, shuffle, liblz4)\n\n"
 "Compress the N pages of a range (raw: uint8 [N * page_size]; src: the same pages as the LZ4\n"
@@ -345,20 +364,7 @@ static PyObject *compress_pages(PyObject *self, PyObject *args) {
             for (Py_ssize_t i = 0; i < n; i++) {
                 const uint8_t *r = from + i * (int64_t)page;
                 uint8_t *to = dst + i * (int64_t)page;
-                uint64_t first, word = 0;
-                memset(&first, r[0], 8);
-                for (Py_ssize_t k = 0; k < page && word == 0; k += 8) {
-                    uint64_t w;
-                    memcpy(&w, r + k, 8);
-                    word = w ^ first;
-                }
-                if (word == 0) { /* every byte equal: FILL */
-                    memset(to, 0, (size_t)page);
-                    to[0] = r[0];
-                    size[i] = 1;
-                    kind[i] = 2;
-                    continue;
-                }
+                if (store_if_fill(r, to, page, size + i, kind + i)) continue;
                 const char *from_page = src + i * (int64_t)page;
 #if defined(HAVE_SHUFFLE)
                 if (shuffle) {
@@ -631,21 +637,8 @@ static PyObject *exp_encode_pages(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < n; i++) {
             const uint8_t *r = from + i * (int64_t)page;
             uint8_t *to = dst + i * (int64_t)page;
-            uint64_t first, word = 0;
-            memset(&first, r[0], 8);
-            for (Py_ssize_t k = 0; k < page && word == 0; k += 8) {
-                uint64_t w;
-                memcpy(&w, r + k, 8);
-                word = w ^ first;
-            }
-            if (word == 0) { /* every byte equal: FILL */
-                memset(to, 0, (size_t)page);
-                to[0] = r[0];
-                size[i] = 1;
-                kind[i] = KIND_FILL;
-            } else {
+            if (!store_if_fill(r, to, page, size + i, kind + i))
                 exp_encode_page(r, to, page, layout, limit, size + i, kind + i);
-            }
         }
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
