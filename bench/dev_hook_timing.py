@@ -1,12 +1,13 @@
 """Dev probe: the activation-offload hooks' host time per call, without cProfile's inflation.
 
 ``python3 -m bench.dev_hook_timing --models encoder-1024,resnet-64 --variants uncompressed,memory``
-(GPU; ``speed`` too, timed once its tuner has chosen): for each model and variant, a few warm
-steps, then ``--steps`` steps with the package's
-hot functions wrapped in ``perf_counter_ns`` timers (inclusive time: a wrapped function's time
-includes the wrapped functions it calls). Prints, per function, calls per step, host ms per
-step and host us per call, beside the step's host issue time with and without the timers (their
-own cost is one call to ``perf_counter_ns`` on entry and exit).
+(GPU; ``speed`` too, timed once its tuner has chosen, and ``speed_copy_only``, its code path
+with every pass copied from the first: :class:`CopyOnlyTuner`): for each model and variant, a
+few warm steps, then ``--steps`` steps with the package's hot functions wrapped in
+``perf_counter_ns`` timers (inclusive time: a wrapped function's time includes the wrapped
+functions it calls). Prints, per function, calls per step, host ms per step and host us per
+call, beside the step's host issue time with and without the timers (their own cost is one call
+to ``perf_counter_ns`` on entry and exit).
 """
 
 from __future__ import annotations
@@ -98,6 +99,27 @@ def instrument(stats) -> list:
     return undo
 
 
+class CopyOnlyTuner:
+    """``prefer="speed"``'s tuner made to copy every pass from the first: the speed variant's
+    code path without a compressed pass ever run (variant ``speed_copy_only``). Beside
+    ``uncompressed`` and ``speed`` (copying after its compressed trials) it tells whether the
+    speed arm's extra host time comes from its own code path or from what the trials leave
+    behind (pools, arena, allocator state)."""
+
+    def __init__(self):
+        self.choice = self.arm = "copy"
+        self.history: list = []
+
+    def start_pass(self) -> str:
+        return "copy"
+
+    def add_bytes(self, nbytes: int) -> None:
+        pass
+
+    def summary(self) -> dict:
+        return {"phase": "forced", "arm": "copy", "choice": "copy"}
+
+
 def measure(name: str, variant: str, steps: int, warmup: int) -> str:
     import torch
 
@@ -107,7 +129,8 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> str:
     model, x, blocks = build(name, "cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-          "speed": dict(prefer="speed")}[variant]
+          "speed": dict(prefer="speed"), "speed_copy_only": dict(prefer="speed",
+                                                                 tuner=CopyOnlyTuner())}[variant]
     off = offload_module(model, blocks=blocks, **kw)
 
     def step():

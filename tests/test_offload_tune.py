@@ -239,3 +239,33 @@ def test_paged_store_release_scratch_resets_its_bound():
     store._scratches[2] = (torch.empty(4), torch.empty(4))
     store.release_scratch()
     assert (store.scratch_bytes, store._scratch_held, store._scratches) == (0, 0, {})
+
+
+def test_copy_only_tuner_of_the_hook_timing_probe(seed):
+    """``bench.dev_hook_timing``'s ``speed_copy_only`` variant: ``prefer="speed"`` with every
+    pass copied from the first (no compressed store is ever made), gradients unchanged."""
+    from bench.dev_hook_timing import CopyOnlyTuner
+    from torch_pagecomp import offload_activations
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+
+    def grads(ctx):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            loss = model(x).square().mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    import contextlib
+
+    want = grads(contextlib.nullcontext())
+    off = offload_activations(prefer="speed", tuner=CopyOnlyTuner(), offload_cpu=True,
+                              min_offload_bytes=0)
+    for _ in range(3):
+        got = grads(off)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    st = off.stats()
+    assert st["offloaded_cpu"] > 0 and "offloaded_compressed" not in st
+    assert st["tuner"]["choice"] == "copy" and not off._paged
