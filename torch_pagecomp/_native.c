@@ -26,6 +26,7 @@ enum {
     STATUS_OVERFLOW = 5,
     STATUS_SHORT = 6,
 };
+enum { KIND_RAW = 0, KIND_LZ4 = 1, KIND_FILL = 2, KIND_EXP = 3 }; /* a kind byte's low nibble */
 
 /* A length's extension bytes (255 means more follow) added to *len; 0 if the block ends first. */
 static int add_length(const uint8_t *src, int64_t *ip, int64_t end, int64_t *len) {
@@ -246,15 +247,16 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
             uint8_t *to = dst + i * (int64_t)page;
             if (st[i] != STATUS_OK) {
                 /* failed the caller's checks */
-            } else if (codec > 2 || shift > 2 || (shift && codec != 1)) {
+            } else if (codec > KIND_FILL || shift > 2 || (shift && codec != KIND_LZ4)) {
                 /* as the caller checks too: no other kind reaches the unshuffle */
                 st[i] = STATUS_BAD_KIND;
             } else if (off[i] < 0 || size[i] < 1 || size[i] > total - off[i] ||
-                       (codec == 0 && size[i] != page) || (codec == 2 && size[i] != 1)) {
+                       (codec == KIND_RAW && size[i] != page) ||
+                       (codec == KIND_FILL && size[i] != 1)) {
                 st[i] = STATUS_BAD_SIZE;
-            } else if (codec == 0) { /* RAW */
+            } else if (codec == KIND_RAW) {
                 memcpy(to, src + off[i], (size_t)page);
-            } else if (codec == 2) { /* FILL */
+            } else if (codec == KIND_FILL) {
                 memset(to, src[off[i]], (size_t)page);
             } else {
 #if defined(HAVE_SHUFFLE)
@@ -304,7 +306,7 @@ static int store_if_fill(const uint8_t *r, uint8_t *to, int64_t page, int32_t *s
     memset(to, 0, (size_t)page);
     to[0] = r[0];
     *size = 1;
-    *kind = 2; /* FILL */
+    *kind = KIND_FILL;
     return 1;
 }
 
@@ -383,7 +385,7 @@ static PyObject *compress_pages(PyObject *self, PyObject *args) {
                 } else { /* RAW: the page as it is */
                     memcpy(to, r, (size_t)page);
                     size[i] = (int32_t)page;
-                    kind[i] = 0;
+                    kind[i] = KIND_RAW;
                 }
             }
             Py_END_ALLOW_THREADS
@@ -457,7 +459,7 @@ static PyObject *bitshuffle(PyObject *self, PyObject *args) {
  * exp_codec runs the numpy reference. */
 #if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define HAVE_EXP_CODEC 1
-enum { KIND_RAW = 0, KIND_FILL = 2, KIND_EXP = 3, EXP_BF16 = 1, EXP_FP16 = 2, EXP_TABLE = 7 };
+enum { EXP_BF16 = 1, EXP_FP16 = 2, EXP_TABLE = 7 };
 
 static int64_t exp_fixed(int64_t page, int layout) {
     const int64_t n = page / 2;

@@ -71,15 +71,27 @@ def compress_reference(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Te
     return tuple(t.to(pages.device) for t in out)
 
 
-@compress_reference.register_fake
-def _(pages, element_size=1):
-    fmt.check_compress_args(pages, element_size)
+def _compressed_like(pages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A compress op's outputs' shapes (fake tensors): ``(payload [N, P], sizes int32 [N],
+    kinds uint8 [N])``."""
     n, p = pages.shape
     return (
         pages.new_empty((n, p)),
         pages.new_empty((n,), dtype=torch.int32),
         pages.new_empty((n,), dtype=torch.uint8),
     )
+
+
+def _decompressed_like(payload: Tensor, sizes: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
+    """A decompress op's outputs' shapes (fake tensors): ``(pages [N, P], status int32 [N])``."""
+    n = sizes.shape[0]
+    return payload.new_empty((n, page_size)), payload.new_empty((n,), dtype=torch.int32)
+
+
+@compress_reference.register_fake
+def _(pages, element_size=1):
+    fmt.check_compress_args(pages, element_size)
+    return _compressed_like(pages)
 
 
 @custom_op("pagecomp::decompress_reference", mutates_args=())
@@ -95,8 +107,7 @@ def decompress_reference(
 @decompress_reference.register_fake
 def _(payload, offsets, sizes, kinds, page_size):
     fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size)
-    n = sizes.shape[0]
-    return payload.new_empty((n, page_size)), payload.new_empty((n,), dtype=torch.int32)
+    return _decompressed_like(payload, sizes, page_size)
 
 
 @custom_op("pagecomp::pack_reference", mutates_args=())
@@ -135,12 +146,7 @@ def compress_exp_reference(pages: Tensor, float_format: str) -> tuple[Tensor, Te
 @compress_exp_reference.register_fake
 def _(pages, float_format):
     fmt.check_compress_exp_args(pages, float_format)
-    n, p = pages.shape
-    return (
-        pages.new_empty((n, p)),
-        pages.new_empty((n,), dtype=torch.int32),
-        pages.new_empty((n,), dtype=torch.uint8),
-    )
+    return _compressed_like(pages)
 
 
 @custom_op("pagecomp::decompress_exp_reference", mutates_args=())
@@ -156,8 +162,7 @@ def decompress_exp_reference(
 @decompress_exp_reference.register_fake
 def _(payload, offsets, sizes, kinds, page_size):
     fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size, op="decompress_exp")
-    n = sizes.shape[0]
-    return payload.new_empty((n, page_size)), payload.new_empty((n,), dtype=torch.int32)
+    return _decompressed_like(payload, sizes, page_size)
 
 
 # ------------------------------------------------------------------------ public ops

@@ -14,6 +14,8 @@ pages: ``torch_pagecomp.format``). A container records which decoder reads it
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from . import format as fmt
@@ -78,50 +80,61 @@ def compress(
     """
     pages = fmt.as_pages(data, page_size)
     float_format = _exp_format(codec, element_size)
-    if float_format is not None:
-        return _compress_exp(pages, float_format, backend, checksum)
-    element_size = 1 if element_size is None else element_size
-    fmt.check_element_size(element_size)
-    page_size = pages.shape[1]
+    if float_format is None:
+        element_size = 1 if element_size is None else element_size
+        fmt.check_element_size(element_size)
+        run = (torch.ops.pagecomp.compress, compress_eager,
+               _launcher("lz4_compress", "compress_pages"), element_size)
+    else:
+        run = (torch.ops.pagecomp.compress_exp, compress_exp_eager, _compress_exp_kernel,
+               float_format)
     where = route(backend, pages.shape[0], pages.device, (pages,))
-    if where == CPU:
-        payload, sizes, kinds = torch.ops.pagecomp.compress(pages.cpu(), element_size)
-        payload, sizes, kinds = (t.to(pages.device) for t in (payload, sizes, kinds))
-    elif where == KERNELS:
-        payload, sizes, kinds = compress_eager(pages, element_size)
-    elif pages.device.type == "cuda":  # OP, or CPU_SERVED: the op serves it on the host
-        payload, sizes, kinds = torch.ops.pagecomp.compress(pages, element_size)
-    elif where == INTERPRET:
-        from .kernels.lz4_compress import compress_pages
-
-        payload, sizes, kinds = compress_pages(pages, element_size)
-    else:  # UPLOAD: a host batch sent through the GPU
-        gpu = pages.to("cuda", non_blocking=pages.is_pinned())
-        payload, sizes, kinds = (t.cpu() for t in torch.ops.pagecomp.compress(gpu, element_size))
+    out = _routed(where, pages.device, *run[:3], (pages,), run[3:])
     sums = page_checksums(pages, backend) if checksum else None
-    return CompressedPages(payload, sizes, kinds, page_size, checksums=sums)
+    return CompressedPages(*out, pages.shape[1], checksums=sums,
+                           codec="lz4" if float_format is None else "exp")
 
 
-def _compress_exp(pages: torch.Tensor, float_format: str, backend: str,
-                  checksum: bool) -> CompressedPages:
-    """:func:`compress` with the exponent codec (``pages`` validated ``uint8 [N, P]``)."""
-    where = route(backend, pages.shape[0], pages.device, (pages,))
+def _routed(where: str, device: torch.device, op, eager, kernel, tensors: tuple,
+            consts: tuple = ()):
+    """``op`` (a ``torch.ops.pagecomp`` operator) of ``tensors`` then ``consts``, run where
+    ``route`` sent the call, its outputs on ``device``: ``CPU`` the op on host copies;
+    ``KERNELS`` ``eager``, the op's direct launch; otherwise on a CUDA device (``OP``, or
+    ``CPU_SERVED``: the op serves it on the host) the op; ``INTERPRET`` ``kernel``, the Triton
+    launcher; ``UPLOAD`` the op on GPU copies of host tensors, brought back."""
     if where == CPU:
-        out = torch.ops.pagecomp.compress_exp(pages.cpu(), float_format)
-        out = tuple(t.to(pages.device) for t in out)
-    elif where == KERNELS:
-        out = compress_exp_eager(pages, float_format)
-    elif pages.device.type == "cuda":  # OP, or CPU_SERVED: the op serves it on the host
-        out = torch.ops.pagecomp.compress_exp(pages, float_format)
-    elif where == INTERPRET:
-        from .kernels.exp_codec import compress_exp_pages
+        return _to(op(*(t.cpu() for t in tensors), *consts), device)
+    if where == KERNELS:
+        return eager(*tensors, *consts)
+    if device.type == "cuda":
+        return op(*tensors, *consts)
+    if where == INTERPRET:
+        return kernel(*tensors, *consts)
+    gpu = [t.to("cuda", non_blocking=t.is_pinned()) for t in tensors]
+    return _to(op(*gpu, *consts), device)
 
-        out = compress_exp_pages(pages, float_format == "fp16")
-    else:  # UPLOAD: a host batch sent through the GPU
-        gpu = pages.to("cuda", non_blocking=pages.is_pinned())
-        out = tuple(t.cpu() for t in torch.ops.pagecomp.compress_exp(gpu, float_format))
-    sums = page_checksums(pages, backend) if checksum else None
-    return CompressedPages(*out, pages.shape[1], checksums=sums, codec="exp")
+
+def _to(out, device: torch.device):
+    """An op's output (a tensor or a tuple of them) on ``device``."""
+    if isinstance(out, torch.Tensor):
+        return out.to(device)
+    return tuple(t.to(device) for t in out)
+
+
+def _launcher(module: str, name: str):
+    """``torch_pagecomp.kernels.<module>.<name>``, imported when called (Triton loads on use)."""
+    def call(*args):
+        kernels = importlib.import_module(f"{__package__}.kernels.{module}")
+        return getattr(kernels, name)(*args)
+
+    return call
+
+
+def _compress_exp_kernel(pages: torch.Tensor, float_format: str):
+    """The exponent encoder's launcher with the op's arguments."""
+    from .kernels.exp_codec import compress_exp_pages
+
+    return compress_exp_pages(pages, float_format == "fp16")
 
 
 def page_checksums(data: torch.Tensor, backend: str = "auto",
@@ -137,17 +150,8 @@ def page_checksums(data: torch.Tensor, backend: str = "auto",
     """
     pages = fmt.as_pages(data, page_size)
     where = route(backend, pages.shape[0], pages.device, (pages,))
-    if where == CPU:
-        return torch.ops.pagecomp.checksum(pages.cpu()).to(pages.device)
-    if where == KERNELS:
-        return checksum_eager(pages)
-    if pages.device.type == "cuda":  # OP, or CPU_SERVED
-        return torch.ops.pagecomp.checksum(pages)
-    if where == INTERPRET:
-        from .kernels.checksum import page_checksums as kernel
-
-        return kernel(pages)
-    return torch.ops.pagecomp.checksum(pages.to("cuda")).cpu()  # UPLOAD
+    return _routed(where, pages.device, torch.ops.pagecomp.checksum, checksum_eager,
+                   _launcher("checksum", "page_checksums"), (pages,))
 
 
 def decompress(
@@ -187,13 +191,11 @@ def decompress(
     sizes = c.sizes if mismatch is None else torch.where(mismatch, 0, c.sizes)  # 0: BAD_SIZE
     args = (c.payload.view(-1), c.page_offsets(), sizes, c.kinds, c.page_size)
     where = route(backend, c.num_pages, c.device, args[:4])
-    if codec == "lz4":
-        pages, status = _decode_lz4(c, where, args)
-    elif codec == "exp":
-        pages, status = _decode_exp(c, where, args)
+    if codec != "any":
+        pages, status = _decode(codec, c, where, args)
     else:  # each page from the decoder of its kind (the other one gave it BAD_KIND)
-        lz4_pages, lz4_status = _decode_lz4(c, where, args)
-        exp_pages, exp_status = _decode_exp(c, where, args)
+        lz4_pages, lz4_status = _decode("lz4", c, where, args)
+        exp_pages, exp_status = _decode("exp", c, where, args)
         exp = ((c.kinds & 15) == fmt.KIND_EXP).to(lz4_status.device)
         pages = torch.where(exp[:, None], exp_pages, lz4_pages)
         status = torch.where(exp, exp_status, lz4_status)
@@ -205,42 +207,18 @@ def decompress(
     return pages
 
 
-def _decode_lz4(c: CompressedPages, where: str, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LZ4 decoder's ``(pages, status)`` of ``args`` (``pagecomp::decompress``'s) where
-    ``route`` sent the call."""
-    if where == CPU:
-        pages, status = torch.ops.pagecomp.decompress(*(a.cpu() for a in args[:4]), c.page_size)
-        pages, status = pages.to(c.device), status.to(c.device)
-    elif where == KERNELS:
-        pages, status = decompress_eager(*args)
-    elif c.device.type == "cuda":  # OP, or CPU_SERVED: the op serves it on the host
-        pages, status = torch.ops.pagecomp.decompress(*args)
-    elif where == INTERPRET:
-        from .kernels.lz4_decompress import decompress_pages
-
-        pages, status = decompress_pages(*args)
-    else:  # UPLOAD
-        gpu = [a.to("cuda") for a in args[:4]]
-        pages, status = (t.cpu() for t in torch.ops.pagecomp.decompress(*gpu, c.page_size))
-    return pages, status
-
-
-def _decode_exp(c: CompressedPages, where: str, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exponent decoder's ``(pages, status)`` (``pagecomp::decompress_exp``), as
-    :func:`_decode_lz4`."""
-    if where == CPU:
-        out = torch.ops.pagecomp.decompress_exp(*(a.cpu() for a in args[:4]), c.page_size)
-        return tuple(t.to(c.device) for t in out)
-    if where == KERNELS:
-        return decompress_exp_eager(*args)
-    if c.device.type == "cuda":  # OP, or CPU_SERVED
-        return torch.ops.pagecomp.decompress_exp(*args)
-    if where == INTERPRET:
-        from .kernels.exp_codec import decompress_exp_pages
-
-        return decompress_exp_pages(*args)
-    gpu = [a.to("cuda") for a in args[:4]]  # UPLOAD
-    return tuple(t.cpu() for t in torch.ops.pagecomp.decompress_exp(*gpu, c.page_size))
+def _decode(decoder: str, c: CompressedPages, where: str, args: tuple
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pages, status)`` of ``args`` (``pagecomp::decompress``'s) by ``decoder`` (``"lz4"``:
+    ``pagecomp::decompress``; ``"exp"``: ``pagecomp::decompress_exp``) where ``route`` sent
+    the call."""
+    if decoder == "lz4":
+        run = (torch.ops.pagecomp.decompress, decompress_eager,
+               _launcher("lz4_decompress", "decompress_pages"))
+    else:
+        run = (torch.ops.pagecomp.decompress_exp, decompress_exp_eager,
+               _launcher("exp_codec", "decompress_exp_pages"))
+    return _routed(where, c.device, *run, args[:4], args[4:])
 
 
 def checksum_status(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

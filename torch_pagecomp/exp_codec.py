@@ -23,13 +23,10 @@ import numpy as np
 import torch
 
 from . import format as fmt
-from .cpu_codec import _outputs, _run_ranges, fill_rows
+from .cpu_codec import _native, _outputs, _run_ranges, fill_rows
 
-try:  # the C page loops (setup.py builds them where a C compiler is found)
-    from . import _native
-except ImportError:  # the numpy reference instead: the same bytes and statuses, 13-35x slower
-    _native = None
-# an extension built before the exponent loops were added has only the LZ4 ones
+# The C page loops where the extension is built (else the numpy reference: the same bytes and
+# statuses, 13-35x slower); an extension built before the exponent loops has only LZ4's.
 NATIVE = _native is not None and hasattr(_native, "exp_encode_pages")
 
 # Where each layout's fields sit in a value ``v`` (``uint16``); see ``format``.

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from . import constants as fmt
 from .launch import config_meta, interpreting, launch
+from .lz4_decompress import _zero_row
 
 _OK = tl.constexpr(fmt.STATUS_OK)
 _BAD_KIND = tl.constexpr(fmt.STATUS_BAD_KIND)
@@ -400,9 +401,7 @@ def _exp_decode_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
             for k in range(0, PAGE, RAW_BYTES):
                 tl.store(row + k + ar, tl.zeros([RAW_BYTES], tl.uint8) + b)
     if st != 0:
-        tl.debug_barrier()  # after any partial store of the page
-        for k in range(0, PAGE, RAW_BYTES):
-            tl.store(row + k + ar, tl.zeros([RAW_BYTES], tl.uint8))
+        _zero_row(row, PAGE, RAW_BYTES)  # the LZ4 decoder's: after any partial store
     tl.store(status_ptr + pid, st)
 
 

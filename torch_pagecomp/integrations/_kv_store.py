@@ -48,8 +48,8 @@ class _CpuBlockStore:
 
     def offload(self, src: torch.Tensor, element_size: int, producer=None,
                 float_format: str | None = None):
-        # LZ4 pages (bit-shuffled) whatever ``float_format``: the exponent codec's CPU path is
-        # its numpy reference, slower than the C loops of lz4
+        # LZ4 pages (bit-shuffled) whatever ``float_format``: the exponent codec's CPU decoder
+        # (C, exp_codec) runs at about half the lz4 one's speed on one core
         stored = self._cpu.offload(src, element_size)
         self.used += stored.host_nbytes()
         return stored

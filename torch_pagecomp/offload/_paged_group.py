@@ -48,8 +48,7 @@ class StoredGroup:
     def append(self, stored) -> None:
         """Add ``stored`` after the others (its bytes follow theirs in the output); one
         decoder reads a group: its stored tensors share one codec."""
-        if self.storeds and getattr(stored, "exp", False) != getattr(self.storeds[0], "exp",
-                                                                      False):
+        if self.storeds and stored.exp != self.storeds[0].exp:
             raise ValueError("a group's stored tensors must share one codec (LZ4 or exponent)")
         self.storeds.append(stored)
         self.starts.append(self.nbytes)
@@ -71,8 +70,10 @@ class StoredGroup:
         self.known = 0  # leading stored tensors whose metadata is cached
         self.pages = 0  # their full pages
         self.staged = 0  # their staging bytes (exact compressed sizes)
-        # (offsets, sizes, kinds[, checksums]) of the cached pages, concatenated
+        # (offsets, sizes, kinds[, checksums]) of the cached pages, concatenated; on the host
+        # (the store's ``host_meta``) views of one page-locked buffer, ``meta_buf``
         self.meta: tuple[torch.Tensor, ...] | None = None
+        self.meta_buf: torch.Tensor | None = None
         self.meta_stream = None
         self.runs: list[list] = []  # [chunk, offset in chunk, bytes, staging offset, view]
 
@@ -120,11 +121,35 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     new = (offsets, torch.cat(sizes), torch.cat(kinds)) + ((torch.cat(sums),) if sums else ())
     if group.meta is not None:
         new = tuple(torch.cat([old, t]) for old, t in zip(group.meta, new))
-    if on_host and store.arena.pin:  # each restore uploads it without waiting
-        new = tuple(t.pin_memory() for t in new)
+    if on_host:  # one buffer: each restore uploads it with one copy, without waiting
+        group.meta_buf, new = _joined(new, store.arena.pin)
     group.meta = new
     group.meta_stream = (current_stream(device) if device.type == "cuda" and not on_host
                          else None)
+
+
+def _joined(tensors: tuple, pin: bool) -> tuple[torch.Tensor, tuple]:
+    """``tensors`` (1-D host tensors) copied into one ``uint8`` buffer (page-locked with
+    ``pin``), each at a 16-byte aligned offset: ``(buffer, their views in it)``."""
+    at, spans = 0, []
+    for t in tensors:
+        spans.append((at, t.numel() * t.element_size()))
+        at += (spans[-1][1] + 15) & ~15
+    buf = torch.empty(at, dtype=torch.uint8, pin_memory=pin)
+    views = _views(buf, tensors, spans)
+    for v, t in zip(views, tensors):
+        v.copy_(t)
+    return buf, views
+
+
+def _views(buf: torch.Tensor, like: tuple, spans: list | None = None) -> tuple:
+    """Views of ``buf`` with the dtypes of ``like`` at the byte ranges ``spans``; without
+    ``spans``, ``like`` are views of one :func:`_joined` buffer and ``buf`` a copy of it (the
+    upload of a group's metadata): the same ranges in the copy."""
+    if spans is None:
+        base = like[0].untyped_storage().data_ptr()
+        spans = [(t.data_ptr() - base, t.numel() * t.element_size()) for t in like]
+    return tuple(buf[a:a + n].view(t.dtype) for (a, n), t in zip(spans, like))
 
 
 def restore_group(store, group: StoredGroup, out) -> None:
@@ -188,7 +213,7 @@ def restore_group(store, group: StoredGroup, out) -> None:
     if pages:
         meta = group.meta
         if meta is not None and store.host_meta:  # kept on the host: uploaded
-            meta = tuple(t.to(dev, non_blocking=True) for t in meta)
+            meta = _views(group.meta_buf.to(dev, non_blocking=True), meta)
         elif meta is not None and stream is not None and group.meta_stream is not stream:
             for t in meta:  # made on another stream, read on this one
                 t.record_stream(stream)

@@ -72,6 +72,8 @@ class PinnedStore:
 
 
 class CpuStored:
+    exp = False  # lz4 pages or a copy, never the exponent codec's (``PagedStored.exp``)
+
     def __init__(self, kind: str, data, nbytes: int, host: int):
         self.kind, self.data, self.nbytes, self._host = kind, data, nbytes, host
         self.freed = False
