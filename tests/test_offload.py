@@ -726,6 +726,7 @@ def test_a_failing_batched_restore_falls_back_one_by_one_and_stays_off():
 
     class Stored:
         page_size = nbytes = 4096
+        exp = False  # LZ4 pages (what a group's stored tensors say)
 
     class Entry:
         def __init__(self, store):
