@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gc
 import importlib
 import statistics
 import sys
@@ -120,12 +121,38 @@ class CopyOnlyTuner:
         return {"phase": "forced", "arm": "copy", "choice": "copy"}
 
 
+class _GcPauses:
+    """Collections of Python's cyclic GC while timing, and their pauses (``gc.callbacks``):
+    a variant whose host time rises in every function alike may be paying for the collector."""
+
+    def __init__(self):
+        self.runs = collections.Counter()
+        self.ns = 0
+        self._t0 = 0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        else:
+            self.runs[info["generation"]] += 1
+            self.ns += time.perf_counter_ns() - self._t0
+
+    def stop(self, steps: int) -> str:
+        gc.callbacks.remove(self._callback)
+        runs = ", ".join(f"gen{g} {n / steps:.1f}" for g, n in sorted(self.runs.items()))
+        return (f"gc per step: {runs or 'none'}, {self.ns / steps / 1e6:.2f} ms; "
+                f"tracked objects {len(gc.get_objects())}")
+
+
 def measure(name: str, variant: str, steps: int, warmup: int) -> str:
     import torch
 
     from bench.stock_models import build
     from torch_pagecomp import offload_module
 
+    gc.collect()  # the previous variant's model and offloader go before this one starts
+    torch.cuda.empty_cache()
     model, x, blocks = build(name, "cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
@@ -155,7 +182,9 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> str:
             break
         step()
     before = dict(off.counters)
+    pauses = _GcPauses()
     plain = issue_ms(steps)
+    gc_note = pauses.stop(steps)
     per_step = {k: round((v - before.get(k, 0)) / steps, 1) for k, v in off.counters.items()
                 if k in ("offloaded_raw", "offloaded_compressed", "served_from_stash",
                          "restored_prefetch", "in_flight_waits")}
@@ -169,7 +198,8 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> str:
     off.remove()
     lines = [f"## {name} {variant}: host issue {plain:.1f} ms per step "
              f"({timed:.1f} ms with timers); per step {per_step}"
-             + (f"; tuner chose {off.tuner.choice}" if off.tuner is not None else ""),
+             + (f"; tuner chose {off.tuner.choice}" if off.tuner is not None else "")
+             + f"; {gc_note}",
              "| function | calls / step | ms / step | us / call |", "|---|---|---|---|"]
     for fn_name, (calls, ns) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| {fn_name} | {calls / steps:.0f} | {ns / steps / 1e6:.2f} | "

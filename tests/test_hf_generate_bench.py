@@ -12,7 +12,7 @@ import pytest
 
 from bench import hf_generate  # imports transformers only inside its functions
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5.24")  # the integration's floor
 
 
 @pytest.mark.slow  # three child processes (~35 s); the cache itself is tested in test_integrations

@@ -43,7 +43,21 @@ def test_imports_stay_lazy():
 
 # ------------------------------------------------------------------------ transformers
 def _transformers():
-    return pytest.importorskip("transformers")
+    # the integration needs a recent Cache API (it raises ImportError on older releases)
+    return pytest.importorskip("transformers", minversion="5.24")
+
+
+def test_transformers_version_check():
+    """An older transformers gets an ImportError naming both versions, not an IndexError
+    deep inside generate; the versions the integration supports pass."""
+    _transformers()
+    from torch_pagecomp.integrations.transformers import check_transformers_version
+
+    for old in ("5.17.0", "4.57.1", "5.23.9", "5.9"):
+        with pytest.raises(ImportError, match=rf"transformers>=5\.24, found {old}"):
+            check_transformers_version(old)
+    for ok in ("5.24.0", "5.24.0.dev0", "5.30.1", "6.0.0rc1", "10.0"):
+        check_transformers_version(ok)
 
 
 def tiny_llama(dtype=torch.float32):

@@ -41,11 +41,38 @@ import math
 import weakref
 
 import torch
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer
+import transformers
 
 from ..format import dtype_element_size, valid_page_size
 from ..offload._paged_group import StoredGroup
 from ._kv_store import DeviceStore, Held, Stores
+
+MIN_TRANSFORMERS = (5, 24)  # the Cache API this module is written and tested against
+
+
+def check_transformers_version(version: str) -> None:
+    """Raise ``ImportError`` naming both versions if ``version`` (a transformers release) is
+    older than :data:`MIN_TRANSFORMERS`: older releases keep the cache's layers otherwise (a
+    layer added on first use is not found, ``reset`` zeroes keys never allocated), which
+    failed with an ``IndexError`` deep inside ``generate`` on transformers 5.17."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        raise ImportError(
+            f"torch_pagecomp.integrations.transformers needs transformers>={need}, found "
+            f"{version}: pip install 'transformers>={need}' (or torch-pagecomp[transformers])")
+
+
+check_transformers_version(transformers.__version__)
+
+from transformers.cache_utils import (  # noqa: E402 - after the version check
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    DynamicLayer,
+)
 
 CODECS = ("auto", "lz4")  # what CompressedOffloadedCache(codec=...) takes
 _FLOAT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the exponent codec's
