@@ -7,9 +7,9 @@ installed (its ``ptxas`` ships with the wheel):
 
 1. a child process runs the package's entry points on small CPU inputs under the interpreter
    (compress of every element size with checksums, decompress of fixed-stride and packed
-   pages, the activation store's pack / restore, row-address decode and checksums, the
-   exponent codec of both layouts at 4 and 64 KiB pages, the float-codec probes) and records
-   each distinct launch: kernel, argument types, constexprs and
+   pages, the activation store's pack / restore, row-address decode of both codecs and
+   checksums, the exponent codec of both layouts at 4 and 64 KiB pages, the float-codec
+   probes) and records each distinct launch: kernel, argument types, constexprs and
    launch options;
 2. this process compiles each of them ahead of time for ``--arch`` (``triton.compile`` with
    ``GPUTarget("cuda", arch, 32)``) down to a cubin, and prints one line a kernel with its
@@ -139,8 +139,9 @@ def _gpu_settings(entries: list[dict]) -> list[dict]:
             cfg = lz4_decompress._configs(page, False)[1]
         elif e["name"] == "_exp_encode_kernel":
             cfg = exp_codec._encode_config(page, e["const"]["FP16"], False)
-        elif e["name"] == "_exp_decode_kernel":
-            cfg = exp_codec._decode_config(page, False)
+        elif e["name"] == "_exp_decode_kernel":  # both variants: rows PAGE apart, or a table
+            cfg = dataclasses.replace(exp_codec._decode_config(page, False),
+                                      ROWS=e["const"].get("ROWS", False))
         elif e["name"] == "page_checksum_kernel":
             cfg = dataclasses.replace(checksum.checksum_config(page, e["const"]["ROWS"]),
                                       BLOCK=16)
@@ -167,6 +168,19 @@ def _record_store(torch, gen) -> None:
     store.poll()
     store.restore(stored[0], torch.empty_like(srcs[0]))
     store.restore_group(StoredGroup(4096, stored), [torch.empty_like(s) for s in srcs])
+    # the row-address decoders, called as the GPU store calls them (its CPU path decodes aside)
+    import torch_pagecomp as pc
+    from torch_pagecomp.kernels.exp_codec import decompress_exp_rows
+    from torch_pagecomp.kernels.lz4_decompress import decompress_rows
+
+    x = torch.randint(0, 4, (2 * 4096,), dtype=torch.uint8, generator=gen)
+    out = torch.empty(2 * 4096 + 1, dtype=torch.uint8)
+    rows = torch.tensor([out.data_ptr() + 1, out.data_ptr() + 4097], dtype=torch.int64)
+    status = torch.empty(2, dtype=torch.int32)
+    for codec, decode in (("lz4", decompress_rows), ("exp-bf16", decompress_exp_rows)):
+        c = pc.compress(x, codec=codec, backend="triton")
+        offsets = torch.arange(2, dtype=torch.int64) * 4096
+        decode(c.payload.view(-1), offsets, c.sizes, c.kinds, rows, 4096, status)
 
 
 def _resources(compiled, arch: int) -> str:

@@ -269,6 +269,49 @@ def test_hostile_pages_kernel_equals_reference(gen):
     assert int(sbuf[0]) == STATUS_GUARD and int(sbuf[-1]) == STATUS_GUARD
 
 
+def test_rows_by_address_equal_reference(gen):
+    """``decompress_exp_rows``: the hostile batch (valid pages of both layouts, RAW, FILL,
+    and every failure) each into its own row of a poisoned buffer, in a random order of rows,
+    at addresses of every residue mod 4 (odd ones take the byte-pair path): bytes and statuses
+    are the reference's and ``decompress_exp_into``'s, and no byte between rows is written."""
+    from torch_pagecomp.kernels import exp_codec as kx
+
+    dev = kernel_device()
+    p = 4096
+    payload, offsets, sizes, kinds = hostile_batch(gen)
+    want, want_status = ec.decompress_exp_cpu(payload, offsets, sizes, kinds, p)
+    assert set(want_status.tolist()) == {fmt.STATUS_OK, fmt.STATUS_BAD_KIND, fmt.STATUS_BAD_SIZE}
+    n = sizes.shape[0]
+    meta = [t.to(dev) for t in (payload, offsets, sizes, kinds)]
+    gap = 64 + 7
+    buf = torch.full((n * (p + gap) + gap,), POISON, dtype=torch.uint8, device=dev)
+    order = torch.randperm(n, generator=gen)
+    shift = torch.randint(0, 8, (n,), generator=gen)
+    shift[:4] = torch.tensor([0, 1, 2, 3])  # every residue mod 4, whatever the draw
+    starts = [gap + int(order[i]) * (p + gap) + int(shift[i]) for i in range(n)]
+    rows = torch.tensor([buf.data_ptr() + a for a in starts], dtype=torch.int64, device=dev)
+    sbuf = torch.full((n + 2,), STATUS_GUARD, dtype=torch.int32, device=dev)
+    kx.decompress_exp_rows(*meta, rows, p, sbuf[1:n + 1])
+    assert sbuf[1:n + 1].cpu().tolist() == want_status.tolist()
+    assert int(sbuf[0]) == STATUS_GUARD and int(sbuf[-1]) == STATUS_GUARD
+    mask = torch.ones(buf.numel(), dtype=torch.bool, device=dev)
+    for i, a in enumerate(starts):
+        assert torch.equal(buf[a:a + p].cpu(), want[i]), f"page {i} (row at +{a})"
+        mask[a:a + p] = False
+    assert (buf[mask] == POISON).all(), "wrote between rows"
+    into = torch.full((n, p), POISON, dtype=torch.uint8, device=dev)
+    into_status = torch.full((n,), STATUS_GUARD, dtype=torch.int32, device=dev)
+    kx.decompress_exp_into(*meta, into, into_status)  # the contiguous launcher agrees
+    assert into_status.cpu().tolist() == want_status.tolist()
+    with pytest.raises(ValueError, match="int64"):
+        kx.decompress_exp_rows(*meta, rows.to(torch.int32), p, sbuf[1:n + 1])
+    with pytest.raises(ValueError, match="page size"):
+        kx.decompress_exp_rows(*meta, rows, 3000, sbuf[1:n + 1])
+    sbuf.fill_(STATUS_GUARD)
+    kx.decompress_exp_rows(*meta, rows[:0], p, sbuf[1:1])  # no pages: nothing launched
+    assert (sbuf == STATUS_GUARD).all()
+
+
 # ------------------------------------------------------------------------- ops, API
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_api_round_trip_every_backend_and_container(name, gen):

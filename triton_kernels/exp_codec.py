@@ -1,8 +1,9 @@
 """Triton kernels of the exponent codec for bf16 / fp16 pages: :func:`compress_exp_pages` and
 :func:`decompress_exp_pages` / :func:`decompress_exp_into`, the launchers behind
-``torch.ops.pagecomp.compress_exp`` / ``decompress_exp``. The format (``EXP`` pages, layouts
-bf16 and fp16) is in ``torch_pagecomp.format``; the reference, bit for bit the same bytes,
-sizes, kinds and statuses, is ``torch_pagecomp.exp_codec``; the tests
+``torch.ops.pagecomp.compress_exp`` / ``decompress_exp``, and :func:`decompress_exp_rows`
+(output rows by address, for the activation store's batched restores). The format (``EXP``
+pages, layouts bf16 and fp16) is in ``torch_pagecomp.format``; the reference, bit for bit the
+same bytes, sizes, kinds and statuses, is ``torch_pagecomp.exp_codec``; the tests
 ``tests/test_exp_codec.py``.
 
 One program per page each way, ``CHUNK`` values a step (a 64 KiB page's 32768 values would not
@@ -32,11 +33,13 @@ are read only once their count matched the size, so every load stays inside the 
 every store stays in its output row. A failed page's row is zeroed.
 
 Values are read and written as 16-bit words where a row is 2-byte aligned (checked on the
-device), else as byte pairs: ``uint8`` tensors may be views at odd addresses.
+device: per row with a table of row addresses), else as byte pairs: ``uint8`` tensors may be
+views at odd addresses, and a ragged group's later tensors start anywhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -46,7 +49,7 @@ import triton.language as tl
 
 from . import constants as fmt
 from .launch import config_meta, interpreting, launch
-from .lz4_decompress import _zero_row
+from .lz4_decompress import _row, _zero_row
 
 _OK = tl.constexpr(fmt.STATUS_OK)
 _BAD_KIND = tl.constexpr(fmt.STATUS_BAD_KIND)
@@ -83,6 +86,7 @@ class ExpDecodeConfig:
     CHUNK: int
     RAW_BYTES: int  # bytes per step of a RAW or FILL page, or of zeroing a failed row
     num_warps: int
+    ROWS: bool = False  # ``pages`` is an ``int64 [N]`` table of row addresses (not ``[N, P]``)
 
     def meta(self) -> dict:
         """The keyword arguments of the launch."""
@@ -117,6 +121,11 @@ def encode_config(page_size: int, fp16: bool) -> ExpEncodeConfig:
 def decode_config(page_size: int) -> ExpDecodeConfig:
     """The settings of ``_exp_decode_kernel`` for ``page_size``."""
     return _decode_config(page_size, interpreting())
+
+
+@functools.cache
+def _row_config(page_size: int, interpret: bool) -> ExpDecodeConfig:
+    return dataclasses.replace(_decode_config(page_size, interpret), ROWS=True)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -376,16 +385,19 @@ def _decode_exp_page(src, size, row, aligned, PAGE: tl.constexpr, FP16: tl.const
 @triton.jit
 def _exp_decode_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr, status_ptr,
                        total, PAGE: tl.constexpr, CHUNK: tl.constexpr,
-                       RAW_BYTES: tl.constexpr):
+                       RAW_BYTES: tl.constexpr, ROWS: tl.constexpr = False):
     """Program ``i`` decodes page ``i`` (RAW, FILL or EXP; anything else BAD_KIND) into
-    ``pages[i]`` (``uint8 [PAGE]``) and sets ``status[i]``; a failed page's row is zeroed."""
+    ``pages[i]`` (``uint8 [PAGE]``; with ``ROWS``, the ``PAGE`` bytes at address ``pages[i]``,
+    as the LZ4 decoder's ``_row``) and sets ``status[i]``; a failed page's row is zeroed."""
     pid = tl.program_id(0)
     off, size, kind, st = _exp_page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE)
     codec = kind & 15
     src = payload_ptr + tl.where(st == 0, off, 0)
-    row = pages_ptr + pid.to(tl.int64) * PAGE
-    # rows are PAGE apart, so aligned as the first (folded for 16-aligned outputs)
-    aligned = (pages_ptr.to(tl.int64, bitcast=True) & 1) == 0
+    row = _row(pages_ptr, pid, PAGE, ROWS)
+    if ROWS:  # each row where its table entry says: 16-bit words only at an even address
+        aligned = (row.to(tl.int64, bitcast=True) & 1) == 0
+    else:  # rows are PAGE apart, so aligned as the first (folded for 16-aligned outputs)
+        aligned = (pages_ptr.to(tl.int64, bitcast=True) & 1) == 0
     ar = tl.arange(0, RAW_BYTES)
     if st == 0:
         if codec == _EXP:
@@ -429,6 +441,34 @@ def decompress_exp_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: tor
         launch(_exp_decode_kernel, (n,), payload.device,
                (payload, offsets, sizes, kinds, pages, status, payload.numel()),
                decode_config(page_size).meta(), traced)
+
+
+def decompress_exp_rows(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+                        kinds: torch.Tensor, rows: torch.Tensor, page_size: int,
+                        status: torch.Tensor) -> None:
+    """:func:`decompress_exp_into` with each page's output row given by address (as the LZ4
+    decoder's ``decompress_rows``): many tensors' pages decoded by one launch, each into its
+    own allocation. A row may start at any address (an odd one takes the byte-pair path).
+    Launches directly (callers outside the ops only: the addresses are not traceable).
+
+    Args:
+        payload, offsets, sizes, kinds, status: as for :func:`decompress_exp_into`.
+        rows: ``int64 [N]`` on the payload's device: the address of page ``i``'s ``page_size``
+            bytes of output, each inside a live ``uint8`` tensor of that device that the caller
+            keeps alive until the decode has run; rows must not overlap.
+        page_size: ``P``, a power of two from 4096 to 65536.
+    """
+    n = rows.numel()
+    if not fmt.valid_page_size(page_size):
+        raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
+    if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous int64 [N] tensor, got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    if n == 0:
+        return
+    launch(_exp_decode_kernel, (n,), payload.device,
+           (payload, offsets, sizes, kinds, rows, status, payload.numel()),
+           _row_config(page_size, interpreting()).meta(), traced=False)
 
 
 def decompress_exp_pages(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
