@@ -357,7 +357,7 @@ def test_restore_group_round_trip(gen, device, host_meta, float_format):
     through the kernel fetch of slices not yet confirmed, and a group extended later. With
     ``host_meta`` (the KV cache's store) the same, with placed slices' metadata on the host
     (its device copy dropped) and a single tensor's restore too; with ``float_format`` the
-    same through the exponent codec (EXP pages), and a group cannot mix the two codecs."""
+    same through the exponent codec (EXP pages), and a group that mixes the two codecs."""
     from conftest import POISON
 
     from torch_pagecomp.offload._paged_group import StoredGroup
@@ -419,9 +419,11 @@ def test_restore_group_round_trip(gen, device, host_meta, float_format):
             assert torch.equal(out, src)
     kinds = {int(k) for st in stored for sl in st.slices for k in sl.kinds.cpu()}
     assert (0x13 in kinds) == (float_format == "bf16") and (0x11 in kinds) != (0x13 in kinds)
-    other = offload(srcs[0], None if float_format else "bf16")
-    with pytest.raises(ValueError, match="one codec"):
-        StoredGroup(P, [stored[0], other])
+    other = offload(srcs[1], None if float_format else "bf16")  # a partial last page
+    mixed = StoredGroup(P, [stored[0], other, stored[3]])  # both codecs: a decode per run
+    out = poisoned(mixed.nbytes)
+    store.restore_group(mixed, out)
+    assert torch.equal(out, torch.cat([srcs[0], srcs[1], srcs[3]]))
     store.free(other)
     group.truncate(1)
     out = poisoned(group.nbytes)

@@ -300,3 +300,59 @@ def test_checksums_cover_the_partial_last_page(gen, device, checksum):
     out = torch.empty_like(srcs[1])
     store.restore(stored[1], out)  # the other tensor's tail is intact
     assert torch.equal(out, srcs[1])
+
+
+@interpreter
+@pytest.mark.parametrize("checksum", [False, True])
+def test_group_of_both_codecs(gen, checksum, monkeypatch):
+    """A group mixing LZ4 and exponent-codec stored tensors (the hooks store a bf16 model's
+    fp32 and bf16 activations side by side), interleaved: restored exact into one output per
+    tensor, into one output, and with partial last pages (rows at any address), each run of
+    one codec decoded by its own decoder over its slice of the metadata; a group extended
+    after a restore reuses what it cached."""
+    from torch_pagecomp import format as fmt
+    from torch_pagecomp.offload import _paged
+    from torch_pagecomp.offload._paged_group import StoredGroup, codec_runs
+
+    calls = []
+    for name in ("_decompress_rows", "_decompress_into"):
+        real = getattr(_paged, name)
+        monkeypatch.setattr(_paged, name, lambda *a, _real=real, _name=name, **k: (
+            calls.append((_name, int(a[3].numel()), a[-1])), _real(*a, **k))[1])
+    store = _store(checksum=checksum)
+    spec = [(3, "bf16"), (2, "small"), (1, "bf16"), (2, "bf16"), (1, "noise"), (2, "bf16")]
+    srcs = [_data(gen, n * P, kind) for n, kind in spec]
+    stored = [store.offload(s, 2 if kind == "bf16" else 1,
+                            float_format="bf16" if kind == "bf16" else None)
+              for s, (_, kind) in zip(srcs, spec)]
+    store.poll()
+    assert [s.exp for s in stored] == [kind == "bf16" for _, kind in spec]
+    exp_kinds = torch.cat([sl.kinds for s in stored if s.exp for sl in s.slices])
+    assert ((exp_kinds & 15) == fmt.KIND_EXP).any()  # real EXP pages, not only RAW / FILL
+    group = StoredGroup(P, stored[:4])
+    assert codec_runs(group) == [(0, 1, 0, 3, True), (1, 2, 3, 5, False), (2, 4, 5, 8, True)]
+    outs = [torch.full_like(s, POISON) for s in srcs[:4]]
+    store.restore_group(group, outs)
+    assert all(torch.equal(o, s) for o, s in zip(outs, srcs))
+    rows = [c[1:] for c in calls if c[0] == "_decompress_rows"]  # (it decodes aside, here)
+    assert rows == [(3, True), (2, False), (3, True)]
+    for s in stored[4:]:
+        group.append(s)  # after a restore: the first four's metadata is cached
+    assert group.known == 4
+    calls.clear()
+    one = torch.full((group.nbytes,), POISON, dtype=torch.uint8)
+    store.restore_group(group, one)
+    assert torch.equal(one, torch.cat(srcs))
+    assert calls == [("_decompress_into", n, exp) for n, exp in
+                     ((3, True), (2, False), (3, True), (1, False), (2, True))]
+    # partial last pages: later tensors' rows start anywhere in the one output
+    tails = [int(torch.randint(1, P, (), generator=gen)) for _ in range(3)]
+    ragged = [_data(gen, 2 * P + tails[0], "bf16"), _data(gen, P + tails[1], "small"),
+              _data(gen, 2 * P + tails[2], "bf16")]
+    rstored = [store.offload(s, 2, float_format=f) for s, f in zip(ragged, ("bf16", None, "bf16"))]
+    out = torch.full((sum(s.numel() for s in ragged),), POISON, dtype=torch.uint8)
+    store.restore_group(StoredGroup(P, rstored), out)
+    assert torch.equal(out, torch.cat(ragged))
+    for s in stored + rstored:
+        store.free(s)
+    assert store.arena.used == 0

@@ -112,11 +112,12 @@ class Backward:
 
         Compressed ones of one store and stream whose sizes are whole pages are restored in
         batches of up to ``RESTORE_BATCH_BYTES`` (``PagedStore.restore_group``: one staging
-        buffer, one copy per run of adjacent host bytes, one decode over all their pages, each
-        page into its own tensor's buffer): per tensor that saves two decode launches, two
-        allocations and a host-to-device copy of host time, and each tensor still lives only
-        as long as autograd keeps it (a buffer shared by a group would live until the group's
-        last tensor is used: the end of its block's backward, raising the peak)."""
+        buffer, one copy per run of adjacent host bytes, one decode over all their pages per
+        codec, each page into its own tensor's buffer): per tensor that saves two decode
+        launches, two allocations and a host-to-device copy of host time, and each tensor
+        still lives only as long as autograd keeps it (a buffer shared by a group would live
+        until the group's last tensor is used: the end of its block's backward, raising the
+        peak)."""
         batches: dict[tuple, list[_Entry]] = {}
         for e in entries:
             e.restore_event = None
@@ -144,12 +145,15 @@ class Backward:
 
     def restore_batch(self, part: list[_Entry], side) -> None:
         """Restore ``part`` (compressed, one store and stream) with one group restore; if the
-        batched decode cannot run, turn batching off and restore them one by one."""
+        batched decode cannot run, turn batching off and restore them one by one. Its LZ4 and
+        exponent-codec tensors (a bf16 model's fp32 and bf16 activations) are put together, so
+        the group decodes once per codec (``_paged_group.codec_runs``)."""
         first = part[0]
+        group = sorted(part, key=lambda e: e.stored.exp)  # stable: order kept within a codec
         try:
             first.store.restore_group(StoredGroup(first.stored.page_size,
-                                                  [e.stored for e in part]),
-                                      [e.restored for e in part])
+                                                  [e.stored for e in group]),
+                                      [e.restored for e in group])
         except Exception as exc:  # noqa: BLE001 - one by one: only a failing tensor raises
             if not isinstance(exc, SliceNotStored):  # the batched decode itself failed
                 self.batch_restores = False

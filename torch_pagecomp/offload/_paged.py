@@ -428,25 +428,20 @@ def _row_table(outs: list, page_size: int) -> torch.Tensor:
 def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
                      status, sums=None, exp: bool = False) -> None:
     """Decode the pages of several outputs (``uint8 [n_i * P]`` each, back to back in the
-    metadata's order) with one launch pair, each page into its own output: on the GPU the
-    decoder takes a table of row addresses; on the CPU the pages are decoded aside and copied.
-    ``sums`` (``int32 [pages]``): check the decoded pages against them (:func:`verify`).
-    ``exp``: exponent-codec pages, whose decoder has no row table: a launch per output."""
-    if exp and outs[0].is_cuda:
-        at = 0
-        for o in outs:
-            n = o.numel() // page_size
-            part = slice(at, at + n)
-            _decompress_into(payload, offsets[part], sizes[part], kinds[part],
-                             o.view(n, page_size), status[part],
-                             None if sums is None else sums[part], exp)
-            at += n
-        return
+    metadata's order) with one decoder call, each page into its own output: on the GPU the
+    decoder takes a table of row addresses (LZ4: one launch pair; ``exp``, exponent-codec
+    pages: one launch); on the CPU the pages are decoded aside and copied. ``sums``
+    (``int32 [pages]``): check the decoded pages against them (:func:`verify`)."""
     if outs[0].is_cuda:
-        from ..kernels.lz4_decompress import decompress_rows
-
         table = _row_table(outs, page_size)
-        decompress_rows(payload, offsets, sizes, kinds, table, page_size, status)
+        if exp:
+            from ..kernels.exp_codec import decompress_exp_rows
+
+            decompress_exp_rows(payload, offsets, sizes, kinds, table, page_size, status)
+        else:
+            from ..kernels.lz4_decompress import decompress_rows
+
+            decompress_rows(payload, offsets, sizes, kinds, table, page_size, status)
         if sums is not None:
             from ..kernels.checksum import row_checksums
 

@@ -7,11 +7,14 @@ constant number of launches, however many the group holds:
 * one staging buffer on the device; one copy-engine copy per run of placed slices that lie
   next to each other in one arena chunk (slices stored one after another are), and a kernel
   fetch per slice whose placement the host does not know yet (as ``PagedStore.restore``);
-* one decode launch over every page (offsets into the staging buffer, sizes and kinds
+* one decode over every page (offsets into the staging buffer, sizes and kinds
   concatenated), into one output, or by a table of row addresses where pages are not ``P``
   apart: into one output per stored tensor (the activation hooks: each tensor keeps its own
   allocation) or into the parts of one output whose tensors end in a partial page; one status
-  tensor counted as ``restore`` counts it.
+  tensor counted as ``restore`` counts it. A group may mix LZ4 and exponent-codec tensors
+  (the hooks store a bf16 model's fp32 and bf16 activations side by side): each run of
+  consecutive tensors of one codec is one decode by its decoder, over its slice of the
+  metadata (:func:`codec_runs`); the staging, copies and metadata stay shared.
 
 The group keeps, for its leading stored tensors whose slices are all placed, the concatenated
 metadata and the host ranges to copy, and extends them as later ones are placed: a restore of
@@ -46,10 +49,9 @@ class StoredGroup:
         return len(self.storeds)
 
     def append(self, stored) -> None:
-        """Add ``stored`` after the others (its bytes follow theirs in the output); one
-        decoder reads a group: its stored tensors share one codec."""
-        if self.storeds and stored.exp != self.storeds[0].exp:
-            raise ValueError("a group's stored tensors must share one codec (LZ4 or exponent)")
+        """Add ``stored`` after the others (its bytes follow theirs in the output). Stored
+        tensors of both codecs may mix: each run of consecutive ones of one codec is decoded
+        by its decoder (:func:`codec_runs`), so a group costs one decode per run."""
         self.storeds.append(stored)
         self.starts.append(self.nbytes)
         self.nbytes += stored.nbytes
@@ -76,6 +78,23 @@ class StoredGroup:
         self.meta_buf: torch.Tensor | None = None
         self.meta_stream = None
         self.runs: list[list] = []  # [chunk, offset in chunk, bytes, staging offset, view]
+
+
+def codec_runs(group: StoredGroup) -> list[tuple[int, int, int, int, bool]]:
+    """``(lo, hi, a, b, exp)`` per run of consecutive stored tensors ``lo .. hi`` of one codec
+    (``exp``: the exponent codec's pages, else LZ4), whose full pages are ``a .. b`` of the
+    group's (the order of its concatenated metadata). A caller that puts each codec's tensors
+    together (``_backward``) gets one run per codec."""
+    runs: list = []
+    page = 0
+    for i, stored in enumerate(group.storeds):
+        n = stored.nbytes // group.page_size
+        if runs and runs[-1][4] == stored.exp:
+            runs[-1][1], runs[-1][3] = i + 1, page + n
+        else:
+            runs.append([i, i + 1, page, page + n, stored.exp])
+        page += n
+    return [tuple(r) for r in runs]
 
 
 def _absorb(store, group: StoredGroup, device: torch.device) -> None:
@@ -223,12 +242,17 @@ def restore_group(store, group: StoredGroup, out) -> None:
         offsets, sizes, kinds = meta[:3]
         sums = meta[3] if store.checksum else None
         status = torch.empty(pages, dtype=torch.int32, device=dev)
-        exp = group.storeds[0].exp
-        if outs is not None:  # each tensor's pages into its own output (or part of out)
-            _paged._decompress_rows(staging, offsets, sizes, kinds, outs, p, status, sums, exp)
-        else:
-            _paged._decompress_into(staging, offsets, sizes, kinds, out.view(pages, p), status,
-                                    sums, exp)
+        for lo, hi, a, b, exp in codec_runs(group):  # its pages are a..b of the metadata
+            if a == b:
+                continue
+            part = slice(a, b)
+            args = (staging, offsets[part], sizes[part], kinds[part])
+            run_sums = None if sums is None else sums[part]
+            if outs is not None:  # each tensor's pages into its own output (or part of out)
+                _paged._decompress_rows(*args, outs[lo:hi], p, status[part], run_sums, exp)
+            else:
+                _paged._decompress_into(*args, out.view(pages, p)[part], status[part],
+                                        run_sums, exp)
         store._count_failures(status, stream)
     if group.ragged:  # partial last pages travel as plain bytes
         tails = [(s, start) for s, start in zip(group.storeds, group.starts)
