@@ -307,6 +307,99 @@ def test_policy_falls_back_when_ratio_low(seed):
     assert_clean(off)
 
 
+@pytest.mark.parametrize("codec", ["auto", "lz4"])
+def test_codec_per_dtype_bf16_autocast_cpu(seed, codec):
+    """``codec="auto"``: under bf16 autocast a model saves bf16 and fp32 tensors side by
+    side; the bf16 storages go through the exponent codec, the others through LZ4, gradients
+    bit-identical to no offload (served from the stash, and restored from host memory);
+    ``codec="lz4"`` stores everything as LZ4, as before."""
+    model = GPT(d=40, heads=5, layers=2)
+    x = torch.randn(2, 29, 40)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16)
+    ref = grads_of(model, x, autocast=amp)
+    assert_identical(ref, grads_of(model, x, autocast=amp))  # the model is deterministic
+    off = cpu_offloader("compressed", codec=codec, prefer="memory", min_ratio=0.0)
+    assert_identical(ref, grads_of(model, x, off, autocast=amp))
+    model.zero_grad(set_to_none=True)
+    with off, amp:
+        loss = model(x)
+    stored = [e.stored for e in off._live if e.stored is not None]
+    assert {s.exp for s in stored} == ({False, True} if codec == "auto" else {False})
+    for s in stored:  # each container says which codec wrote it
+        assert s.data.codec == ("exp" if s.exp else "lz4")
+    off.synchronize()
+    loss.backward()
+    assert_identical(ref, [p.grad.clone() for p in model.parameters()])
+    st = off.stats()
+    assert st["compressed_lz4"] > 0 and st["compressed_lz4_bytes"] > 0
+    if codec == "auto":
+        assert st["compressed_exp"] > 0 and st["compressed_exp_bytes"] > 0
+    else:
+        assert "compressed_exp" not in st
+    assert st.get("compressed_exp", 0) + st["compressed_lz4"] == st["offloaded_compressed"]
+    assert_clean(off)
+
+
+def test_codec_choice_by_dtype_and_invalid_codec():
+    """``"auto"``: bf16 and fp16 storages take the exponent codec, fp32 / int LZ4; ``"lz4"``:
+    LZ4 for all; the policy's ratio sampling reads the exponent codec's stored sizes too."""
+    for codec, want in (("auto", [True, True, False, False]), ("lz4", [False] * 4)):
+        off = cpu_offloader("compressed", codec=codec, prefer="memory", min_ratio=0.0)
+        ts = [(torch.randn(4096) * 0.02).to(torch.bfloat16), torch.randn(4096).half(),
+              torch.randn(4096), torch.randint(0, 9, (4096,))]
+        with off:
+            packed = [off._pack(t) for t in ts]
+        assert [p.entry.stored.exp for p in packed] == want
+        for p, t in zip(packed, ts):
+            out = torch.empty(p.entry.nbytes, dtype=torch.uint8)
+            p.entry.store.restore(p.entry.stored, out)
+            assert torch.equal(out, t.view(-1).view(torch.uint8))
+        off.policy.poll()
+        ratio = off.policy._measured[(torch.bfloat16, (4096,))][0]
+        assert ratio[0] == 8192 and ratio[1] < ratio[0]  # pages, and fewer stored bytes
+        del packed
+        off._poll()
+    with pytest.raises(ValueError, match="'zstd'"):
+        ActivationOffloader(codec="zstd")
+    with pytest.raises(ValueError, match="codec"):
+        offload_activations(codec="exp-bf16")
+
+
+def test_batched_restore_puts_each_codec_together():
+    """A batch of LZ4 and exponent-codec tensors (interleaved, as a bf16 autocast forward
+    saves them) goes to one group restore with each codec's tensors together, in their order,
+    each output beside its stored tensor: one decode per codec."""
+    off = ActivationOffloader()
+    seen = []
+
+    class Store:
+        def restore_group(self, group, outs):
+            seen.append(([s.exp for s in group.storeds], [s.i for s in group.storeds],
+                         [o[0] for o in outs]))
+
+    class Stored:
+        page_size = nbytes = 4096
+
+        def __init__(self, i, exp):
+            self.i, self.exp = i, exp
+
+    class Entry:
+        def __init__(self, i, exp):
+            self.store, self.stored, self.restored = store, Stored(i, exp), [i]
+            self.restore_event = self.error = None
+
+    class Side:
+        def record_event(self):
+            return "restored"
+
+    store = Store()
+    exps = [True, False, True, True, False, False, True]
+    part = [Entry(i, e) for i, e in enumerate(exps)]
+    off._backward.restore_batch(part, Side())
+    assert seen == [([False] * 3 + [True] * 4, [1, 4, 5, 0, 2, 3, 6], [1, 4, 5, 0, 2, 3, 6])]
+    assert off._backward.batch_restores and all(e.restore_event == "restored" for e in part)
+
+
 class _Sample:
     """A finished compressed offload as the class policy sees it."""
 

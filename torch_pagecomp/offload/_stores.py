@@ -72,10 +72,9 @@ class PinnedStore:
 
 
 class CpuStored:
-    exp = False  # lz4 pages or a copy, never the exponent codec's (``PagedStored.exp``)
-
-    def __init__(self, kind: str, data, nbytes: int, host: int):
+    def __init__(self, kind: str, data, nbytes: int, host: int, exp: bool = False):
         self.kind, self.data, self.nbytes, self._host = kind, data, nbytes, host
+        self.exp = exp  # the exponent codec's pages (else lz4 pages or a copy), as ``PagedStored``
         self.freed = False
 
     def ready(self) -> bool:
@@ -93,7 +92,8 @@ class CpuStored:
 
 
 class CpuStore:
-    """CPU tensors (no GPU): lz4 pages packed exactly (``compress=True``) or a plain copy."""
+    """CPU tensors (no GPU): lz4 pages packed exactly (``compress=True``; or with
+    ``float_format``, the exponent codec's) or a plain copy."""
 
     def __init__(self, compress: bool, page_size: int = 4096, checksum: bool = False):
         self.compress = compress
@@ -101,7 +101,10 @@ class CpuStore:
         self.checksum = checksum  # page checksums kept and checked (compressed only)
         self.kind = "compressed" if compress else "cpu"
 
-    def offload(self, src: torch.Tensor, element_size: int) -> CpuStored:
+    def offload(self, src: torch.Tensor, element_size: int,
+                float_format: str | None = None) -> CpuStored:
+        """Store ``src`` (``uint8 [n]``): lz4 pages bit-shuffled by ``element_size``, or with
+        ``float_format`` (``"bf16"`` / ``"fp16"``) the exponent codec's pages."""
         from .. import api
 
         n = src.numel()
@@ -110,11 +113,16 @@ class CpuStore:
         pages = -(-n // self.page_size)
         padded = torch.zeros(pages * self.page_size, dtype=torch.uint8)
         padded[:n] = src
-        packed = api.pack(api.compress(padded, self.page_size, element_size, backend="cpu",
-                                       checksum=self.checksum))
+        if float_format:
+            c = api.compress(padded, self.page_size, backend="cpu", checksum=self.checksum,
+                             codec=f"exp-{float_format}")
+        else:
+            c = api.compress(padded, self.page_size, element_size, backend="cpu",
+                             checksum=self.checksum)
+        packed = api.pack(c)
         per_page = 13 + 4 * (packed.checksums is not None)  # offset, size, kind (, checksum)
         host = packed.payload.numel() + packed.sizes.numel() * per_page
-        return CpuStored("compressed", packed, n, host)
+        return CpuStored("compressed", packed, n, host, exp=bool(float_format))
 
     def restore(self, stored: CpuStored, out: torch.Tensor) -> None:
         from .. import api
