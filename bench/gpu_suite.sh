@@ -9,6 +9,7 @@
 #   bash bench/gpu_suite.sh pipeline   # pipeline bench alone: default, and split (raw share 1)
 #   bash bench/gpu_suite.sh offload    # host-write probe + offload GPU tests + stock models
 #   bash bench/gpu_suite.sh stock      # the stock-model activation offload benchmark alone
+#                                      # (STOCK_CODEC=auto,lz4: memory/speed once per codec, #23)
 #   bash bench/gpu_suite.sh fsdp       # the same under FSDP2 on every GPU (torchrun)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
@@ -92,6 +93,7 @@ offload)
         | tail -n 15
     timeout 400 python3 -m bench.stock_models --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
         --variants "${STOCK_VARIANTS:-none,save_on_cpu,uncompressed,memory,speed}" \
+        --codec "${STOCK_CODEC:-auto}" \
         --profile "${STOCK_PROFILE_RUN:-encoder-1024:memory}:$OUT/profile.txt" \
         --out "$OUT/stock_models.json" 2>&1 | tail -n 14
     ;;
@@ -99,6 +101,7 @@ stock)
     header stock
     timeout 560 python3 -m bench.stock_models --models "${STOCK_MODELS:-encoder-1024,encoder-2048,llama-2048,resnet-64}" \
         --variants "${STOCK_VARIANTS:-none,save_on_cpu,uncompressed,memory,speed}" \
+        --codec "${STOCK_CODEC:-auto}" \
         ${STOCK_PROFILE_RUN:+--profile "$STOCK_PROFILE_RUN:$OUT/profile.txt"} \
         --out "$OUT/stock_models.json" 2>&1 | tail -n 24
     ;;
@@ -116,7 +119,7 @@ fsdp)
     # FSDP2 (fully_shard per block) on every GPU of the machine, one process per GPU
     timeout 540 torchrun --standalone --nproc_per_node "$(nvidia-smi -L | wc -l)" \
         -m bench.stock_models --fsdp --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
-        --variants "${STOCK_VARIANTS:-none,uncompressed,memory,speed}" \
+        --variants "${STOCK_VARIANTS:-none,uncompressed,memory,speed}" --codec "${STOCK_CODEC:-auto}" \
         --out "$OUT/stock_models_fsdp.json" 2>&1 | tail -n 24
     ;;
 training)

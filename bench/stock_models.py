@@ -9,8 +9,13 @@ Models, built from stock PyTorch modules or public definitions written from torc
 
 Variants: ``none``; ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``);
 ``uncompressed``, ``memory``, ``speed`` (``offload_module`` with ``mode="uncompressed"``,
-``prefer="memory"``, ``prefer="speed"``). Each (model, variant) runs in a child process (a
-fresh CUDA context: clean peaks): warm-up steps, then timed steps of forward + backward + SGD.
+``prefer="memory"``, ``prefer="speed"``). ``--codec`` picks the hooks' page codec
+(``ActivationOffloader(codec=...)``: ``auto``, the default, stores bf16 / fp16 activations with
+the exponent codec and the rest with LZ4; ``lz4``: LZ4 for all); ``--codec auto,lz4`` runs each
+compressing variant (``memory``, ``speed``, ``torchtune``) once per codec, for an A/B in one
+run; each row records its ``codec`` (None for the variants that never compress). Each (model,
+variant) runs in a child process (a fresh CUDA context: clean peaks): warm-up steps, then timed
+steps of forward + backward + SGD.
 One row per run: step time (median of per-step CUDA-event times), peak GPU memory
 (``max_memory_allocated``, and in the JSON where it falls: ``phase_gib``, per timed step the
 forward's peak, what the forward leaves allocated, the backward's peak, the backward's and the
@@ -38,6 +43,8 @@ import time
 from bench.children import cell, md_table, run_child, write_results
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed", "torchtune")
+CODECS = ("auto", "lz4")  # the hooks' codec= values (--codec)
+COMPRESSING = ("memory", "speed", "torchtune")  # the variants whose pages a codec writes
 GIB = 1 << 30
 
 # name: (family, width, layers, batch, seq or image size)
@@ -222,8 +229,11 @@ def _profile(train_step, path: str) -> None:
 
 def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: bool,
         profile: str | None = None, min_offload_bytes: int | None = None,
-        record_phases: bool = True) -> dict:
+        record_phases: bool = True, codec: str = "auto") -> dict:
     import torch
+
+    if codec not in CODECS:
+        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
 
     from torch_pagecomp import offload_module
 
@@ -244,10 +254,12 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         from torch_pagecomp.integrations.torchtune import get_act_offloading_ctx_manager
 
         kw = dict(offload_cpu=True, min_offload_size=1 << 12) if device == "cpu" else {}
-        off = ctx = get_act_offloading_ctx_manager(model, True, warn_if_no_head=False, **kw)
+        off = ctx = get_act_offloading_ctx_manager(model, True, warn_if_no_head=False,
+                                                   codec=codec, **kw)
     elif variant != "none":
         kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
               "speed": dict(prefer="speed")}[variant]
+        kw["codec"] = codec
         if device == "cpu":  # CI: the hooks' CPU path on toy sizes
             kw.update(offload_cpu=True, min_offload_bytes=1 << 12)
         if min_offload_bytes is not None:
@@ -334,7 +346,9 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
             times.append(e0.elapsed_time(e1))
         else:
             times.append((time.perf_counter() - t0) * 1e3)
-    row = {"model": name, "variant": variant, "step_ms": statistics.median(times),
+    row = {"model": name, "variant": variant,
+           "codec": codec if variant in COMPRESSING else None,
+           "step_ms": statistics.median(times),
            "step_ms_all": [round(t, 2) for t in times], "grads": grads,
            "warmup_steps": warmup}
     if cuda:  # the peak over every phase of every timed step (optimizer steps included)
@@ -366,7 +380,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
 
 
 # ------------------------------------------------------------------------------ driver
-def _child(args, name: str, variant: str) -> dict:
+def _child(args, name: str, variant: str, codec: str = "auto") -> dict:
     env = dict(os.environ)
     env.pop("STOCK_PROFILE", None)
     if args.profile and args.profile.split(":")[:2] == [name, variant]:
@@ -376,8 +390,17 @@ def _child(args, name: str, variant: str) -> dict:
     extra += ["--no-phases"] if args.no_phases else []
     return run_child("bench.stock_models",
                      ["--child", name, variant, "--steps", str(args.steps),
-                      "--warmup", str(args.warmup), "--device", args.device, *extra],
-                     {"model": name, "variant": variant}, args.timeout, env=env)
+                      "--warmup", str(args.warmup), "--device", args.device,
+                      "--codec", codec, *extra],
+                     {"model": name, "variant": variant,
+                      "codec": codec if variant in COMPRESSING else None},
+                     args.timeout, env=env)
+
+
+def _codecs_of(variant: str, codecs: list[str]) -> list[str]:
+    """The codecs ``variant`` runs with: each of ``codecs`` where it compresses, else one run
+    (its first: the hooks take the setting, nothing is coded with it)."""
+    return codecs if variant in COMPRESSING else codecs[:1]
 
 
 def _finish(rows: list[dict], meta: dict) -> dict:
@@ -401,12 +424,12 @@ def _finish(rows: list[dict], meta: dict) -> dict:
 
 
 def table(doc: dict) -> str:
-    head = ["model", "gpus", "variant", "step ms", "host issue ms", "vs uncompressed",
+    head = ["model", "gpus", "variant", "codec", "step ms", "host issue ms", "vs uncompressed",
             "peak GPU GiB", "host GiB", "ratio", "link-bound", "grads identical"]
     unc = {r["model"]: r.get("step_ms") for r in doc["rows"] if r["variant"] == "uncompressed"}
     rows = []
     for r in doc["rows"]:
-        first = [r["model"], str(r.get("gpus")), r["variant"]]
+        first = [r["model"], str(r.get("gpus")), r["variant"], r.get("codec") or ""]
         if "error" in r:
             rows.append(first + [f"error: {r['error']}"])
             continue
@@ -438,8 +461,16 @@ def main(argv=None) -> int:
                     help="time the steps without recording where their peaks fall (the runs "
                          "before phase_gib existed did not; peak_gpu_gib is then the "
                          "allocator's peak over the timed steps)")
+    ap.add_argument("--codec", default="auto",
+                    help="the hooks' page codec: auto (bf16 / fp16 activations with the "
+                         "exponent codec, the rest LZ4) or lz4; a list (auto,lz4) runs each "
+                         "compressing variant once per codec")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"))
     args = ap.parse_args(argv)
+    codecs = [c for c in args.codec.split(",") if c]
+    bad = [c for c in codecs if c not in CODECS]
+    if bad or not codecs:
+        ap.error(f"--codec: each must be one of {CODECS}, got {args.codec!r}")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     import torch
 
@@ -451,25 +482,26 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(run(*args.child, args.steps, args.warmup, args.device, False,
                              os.environ.get("STOCK_PROFILE"), args.min_offload_bytes,
-                             not args.no_phases)))
+                             not args.no_phases, codecs[0])))
         return 0
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "command": " ".join(sys.argv), "gpus": 1}
     if args.fsdp:
-        rows = _fsdp_rows(args, models, variants, meta)
+        rows = _fsdp_rows(args, models, variants, meta, codecs)
         if rows is None:
             return 0  # not rank 0
     else:
         rows = []
         for m in models:
             for v in variants:
-                rows.append(_child(args, m, v))
-                # after every row: a run cut off by its time limit keeps what it measured
-                partial = _finish([dict(r) for r in rows], meta)
-                write_results(partial, args.out, table(partial))
-                print(table(partial).splitlines()[-1], file=sys.stderr, flush=True)
+                for c in _codecs_of(v, codecs):
+                    rows.append(_child(args, m, v, c))
+                    # after every row: a run cut off by its time limit keeps what it measured
+                    partial = _finish([dict(r) for r in rows], meta)
+                    write_results(partial, args.out, table(partial))
+                    print(table(partial).splitlines()[-1], file=sys.stderr, flush=True)
     doc = _finish(rows, meta)
     text = table(doc)
     print(text)
@@ -478,7 +510,7 @@ def main(argv=None) -> int:
     return 1 if bad else 0
 
 
-def _fsdp_rows(args, models, variants, meta):
+def _fsdp_rows(args, models, variants, meta, codecs=("auto",)):
     """Every (model, variant) in this process group, one after another (torchrun).
 
     FSDP2 is imported before the group exists: imported first while one exists (from run()),
@@ -504,18 +536,19 @@ def _fsdp_rows(args, models, variants, meta):
         for v in variants:
             if v == "save_on_cpu":
                 continue
-            row = run(m, v, args.steps, args.warmup, args.device, True,
-                      min_offload_bytes=args.min_offload_bytes)
-            gathered = [None] * world
-            dist.all_gather_object(gathered, row)
-            if rank == 0:
-                worst = max(gathered, key=lambda r: r["step_ms"])
-                worst["peak_gpu_gib"] = max(r.get("peak_gpu_gib", 0) for r in gathered)
-                hashes = [r["grads"] for r in gathered]
-                worst["grads"] = None if None in hashes else hashes
-                rows.append(worst)
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
+            for c in _codecs_of(v, list(codecs)):
+                row = run(m, v, args.steps, args.warmup, args.device, True,
+                          min_offload_bytes=args.min_offload_bytes, codec=c)
+                gathered = [None] * world
+                dist.all_gather_object(gathered, row)
+                if rank == 0:
+                    worst = max(gathered, key=lambda r: r["step_ms"])
+                    worst["peak_gpu_gib"] = max(r.get("peak_gpu_gib", 0) for r in gathered)
+                    hashes = [r["grads"] for r in gathered]
+                    worst["grads"] = None if None in hashes else hashes
+                    rows.append(worst)
+                if args.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
     # tear down together: no rank leaves while another still talks (on NCCL with its device
     # named, else the barrier warns that it guesses it)
     dist.barrier(**({"device_ids": [torch.cuda.current_device()]}

@@ -64,3 +64,26 @@ def test_repeated_variants_all_get_the_comparisons():
     assert all(r["link_bound"] is True and r["gpus"] == 1 for r in doc["rows"])
     assert [round(r["ratio"], 3) for r in doc["rows"] if r["variant"] == "memory"] == [1.333, 1.25]
     assert len(stock_models.table(doc).splitlines()) == 2 + len(rows)
+
+
+def test_codec_option_runs_and_records_each_codec(capsys):
+    """``--codec``: the compressing variants run with the codec asked for, each row records
+    it (None for variants that never compress), gradients stay identical, and ``auto`` stores
+    the bf16 encoder's activations with the exponent codec where ``lz4`` does not."""
+    rows = [stock_models.run("encoder-tiny", v, steps=1, warmup=1, device="cpu", fsdp=False,
+                             codec=c)
+            for v, c in (("none", "auto"), ("memory", "auto"), ("memory", "lz4"))]
+    doc = stock_models._finish(rows, {"gpus": 1})
+    none, auto, lz4 = doc["rows"]
+    assert [r["codec"] for r in doc["rows"]] == [None, "auto", "lz4"]
+    assert auto["grads_identical"] and lz4["grads_identical"]
+    assert auto["stats"]["compressed_exp"] > 0 and "compressed_exp" not in lz4["stats"]
+    assert lz4["stats"]["compressed_lz4"] > 0
+    assert "| memory | lz4 |" in stock_models.table(doc)
+    assert stock_models._codecs_of("memory", ["auto", "lz4"]) == ["auto", "lz4"]
+    assert stock_models._codecs_of("uncompressed", ["lz4", "auto"]) == ["lz4"]
+    with pytest.raises(SystemExit):
+        stock_models.main(["--codec", "zstd", "--models", "encoder-tiny"])
+    assert "zstd" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="'zstd'"):
+        stock_models.run("encoder-tiny", "memory", 1, 1, "cpu", False, codec="zstd")
