@@ -2,14 +2,20 @@
 
 :func:`run` returns the report dictionary that ``bench.report`` prints, saves and charts. One
 row per (corpus, codec, element size), and on the 2-byte (bf16) corpora one more ``pagecomp``
-row with ``"variant": "float"``: the exponent codec (``compress(..., codec="exp-bf16")``). A
-codec that cannot run here still gets its rows, with ``"skipped"`` saying why, so a report is
-always complete.
+row with ``"variant": "float"``: the exponent codec (``compress(..., codec="exp-bf16")``), and
+beside it the typed codecs it is measured against (issue #23): nvCOMP ANS and Bitcomp rows
+(``"codec": "nvcomp"``, ``"variant"`` a name of :func:`bench.nvcomp.typed_variants`, e.g.
+``ans-fp16-4k``, ``ans-fp16-64k``, ``bitcomp-4k``), timed and checked like the nvCOMP LZ4 rows,
+and ZipNN on the host CPU (``"codec": "zipnn"``) where ``import zipnn`` works. A codec that
+cannot run here still gets its rows, with ``"skipped"`` saying why, so a report is always
+complete; DFloat11 is named under ``"not_measured"`` with the reason.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
+import inspect
 import os
 import platform
 import random
@@ -29,13 +35,23 @@ from torch_pagecomp.shuffle import bitshuffle
 
 from . import baselines, corpora
 from . import nvcomp as nvc
+from .report import is_typed_row
 from .timing import MAX_CALLS, WINDOW_S, gbps, host_seconds, measure, median, progress
 
-CODECS = ("pagecomp", "nvcomp", "lz4-cpu", "lz4-cpu-mt", "copies")
+CODECS = ("pagecomp", "nvcomp", "lz4-cpu", "lz4-cpu-mt", "zipnn", "copies")
 # The exponent codec's row ("variant": "float") on corpora of this element size: every 2-byte
 # corpus of bench.corpora holds bf16 values.
 FLOAT_CODECS = {2: "exp-bf16"}
 _VERIFY_CHUNK = 1024  # pages decoded with python-lz4 per step (bounds host memory)
+# ZipNN (CPU, optional): bytearray_dtype per element size, and its chunk sizes measured: its
+# default (256 KiB) and one page (the granularity of every other row)
+ZIPNN_DTYPES = {2: "bfloat16"}
+ZIPNN_CHUNKS = (256 * 1024, None)  # None: the page size
+NOT_MEASURED = {
+    "dfloat11": "its GPU decoder needs cupy and its own CUDA kernels, "
+    "which are not carried to the GPU machine, and it compresses whole weight matrices "
+    "offline (on the CPU) rather than pages",
+}
 
 
 @dataclass
@@ -319,22 +335,33 @@ def bench_pagecomp(pages: torch.Tensor, element_size: int, cfg: Config, sample,
     }
 
 
-def bench_nvcomp(nv, pages: torch.Tensor, width: int, cfg: Config, sample) -> dict:
+def _bench_plan(nv, plan, pages: torch.Tensor, cfg: Config) -> dict:
+    """One nvCOMP plan timed and checked: compress, then decompress of what it wrote, on the
+    current stream; the ratio counts the bytes of every chunk nvCOMP wrote (its sizes)."""
     dev = pages.device
     n, p = pages.shape
-    plan = nvc.LZ4Plan(nv, pages, width)
     ctimes = measure(plan.compress, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
     compress_ok = plan.compress_ok()
     dtimes = measure(plan.decompress, dev, cfg.repeats, cfg.warmup, cfg.budget_s)
-    torch.cuda.synchronize(dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     stored = plan.stored_bytes()
-    row = {
+    return {
         "ratio": n * p / max(1, stored),
         "stored_bytes": stored,
         **_times(ctimes, dtimes, n * p, plan.compress, plan.decompress, dev),
         "roundtrip_ok": compress_ok and plan.roundtrip_ok(),
+        "compress_status_ok": compress_ok,
         "nvcomp_version": nv.version,
-        "chunk_bytes": p,
+    }
+
+
+def bench_nvcomp(nv, pages: torch.Tensor, width: int, cfg: Config, sample) -> dict:
+    """nvCOMP LZ4 one chunk per page, bit-shuffled by ``width`` when it is above 1."""
+    plan = nvc.LZ4Plan(nv, pages, width)
+    row = {
+        **_bench_plan(nv, plan, pages, cfg),
+        "chunk_bytes": pages.shape[1],
         "bitshuffle": "none" if width == 1 else f"LSB-first, {8 * width}-bit unsigned",
         "interop": nvcomp_interop(plan, pages, sample, cfg.pagecomp_backend),
     }
@@ -342,6 +369,72 @@ def bench_nvcomp(nv, pages: torch.Tensor, width: int, cfg: Config, sample) -> di
     row["interop_ok"] = all(v for k, v in inter.items() if isinstance(v, bool))
     del plan
     return row
+
+
+def bench_nvcomp_typed(nv, pages: torch.Tensor, variant: nvc.Variant, cfg: Config) -> dict:
+    """A typed nvCOMP codec (ANS, Bitcomp) on the same pages, timed exactly as the LZ4 rows;
+    round trip bit-exact. :class:`bench.nvcomp.Unavailable` if this nvCOMP cannot run it."""
+    plan = nvc.make_plan(nv, pages, variant)
+    row = {**_bench_plan(nv, plan, pages, cfg), **plan.describe(), "about": variant.about}
+    del plan
+    return row
+
+
+def zipnn_status() -> tuple[object | None, str]:
+    """``(zipnn module, its version)`` when a ZipNN with typed byte grouping imports, else
+    ``(None, why not)``."""
+    try:
+        import zipnn
+    except Exception as exc:  # noqa: BLE001 - any import failure is "not installed" here
+        return None, (f"zipnn is not installed ({type(exc).__name__}: {exc}); the current "
+                      "zipnn has no binary wheel: build its sdist (C compiler, setuptools), "
+                      "e.g. pip install --no-index --no-deps --no-build-isolation --target "
+                      "/tmp/site .whl/optional/zipnn-0.5.4.tar.gz")
+    try:
+        version = importlib.metadata.version("zipnn")
+    except importlib.metadata.PackageNotFoundError:
+        version = getattr(zipnn, "__version__", "unknown")
+    params = inspect.signature(zipnn.ZipNN).parameters
+    if not {"bytearray_dtype", "compression_chunk"} <= set(params):
+        return None, (f"zipnn {version} has no bytearray_dtype / compression_chunk (no 2-byte "
+                      "grouping before 0.2): not the ZipNN the literature measures")
+    return zipnn, version
+
+
+def bench_zipnn(zipnn, version: str, pages: torch.Tensor, element_size: int, chunk: int,
+                cfg: Config) -> dict:
+    """ZipNN on the host CPU over the same pages as one byte buffer, ``compression_chunk``
+    ``chunk``, typed as its docs say for bf16 (``bytearray_dtype="bfloat16"``: byte grouping
+    and its automatic method, Huffman for 16-bit types); threads: ZipNN's default.
+
+    ZipNN's compress reorders its input buffer in place, so every timed call gets its own
+    copy, made before the timing; the round trip is checked against an untouched copy.
+    """
+    cpu = torch.device("cpu")
+    data = pages.cpu().contiguous().numpy().tobytes()
+    z = zipnn.ZipNN(input_format="byte", bytearray_dtype=ZIPNN_DTYPES[element_size],
+                    compression_chunk=chunk)
+    calls = cfg.warmup + max(1, cfg.repeats)
+    bufs = [bytearray(data) for _ in range(calls)]
+    comp = lambda: z.compress(bufs.pop())  # noqa: E731
+    ctimes = measure(comp, cpu, cfg.repeats, cfg.warmup, cfg.budget_s)
+    bufs.clear()
+    c = bytes(z.compress(bytearray(data)))
+    decomp = lambda: z.decompress(c)  # noqa: E731
+    dtimes = measure(decomp, cpu, cfg.repeats, cfg.warmup, cfg.budget_s)
+    out = z.decompress(c)
+    return {
+        "ratio": len(data) / max(1, len(c)),
+        "stored_bytes": len(c),
+        **_times(ctimes, dtimes, len(data), comp, decomp, cpu),
+        "roundtrip_ok": bytes(out) == data,
+        "zipnn_version": version,
+        "threads": getattr(z, "threads", None),
+        "chunk_bytes": chunk,
+        "bytearray_dtype": ZIPNN_DTYPES[element_size],
+        "method": "auto (its default)",
+        "device_used": "host CPU",
+    }
 
 
 def _describe(exc: BaseException) -> str:
@@ -367,8 +460,12 @@ def label(row: dict) -> str:
         return f"pagecomp {FLOAT_CODECS[e]}"
     if codec == "pagecomp":
         return "pagecomp" if e == 1 else f"pagecomp e={e}"
+    if codec == "nvcomp" and row.get("variant"):
+        return f"nvcomp {row['variant']}"
     if codec == "nvcomp":
         return "nvcomp lz4" if e == 1 else f"nvcomp lz4+bitshuffle{8 * e}"
+    if codec == "zipnn":
+        return f"zipnn {row['variant']} cpu" if row.get("variant") else "zipnn"
     if codec == "lz4-cpu-mt":
         return f"lz4-cpu x{row.get('threads', '?')}"
     return codec
@@ -376,23 +473,36 @@ def label(row: dict) -> str:
 
 def _nvcomp_match(rows: list[dict], corpus: str, e: int) -> dict | None:
     for row in rows:
-        if (row["corpus"], row["codec"], row["element_size"]) == (corpus, "nvcomp", e):
+        if (row["corpus"], row["codec"], row["element_size"]) == (corpus, "nvcomp", e) \
+                and not row.get("variant"):
             return row if row.get("ratio") else None
     return None
 
 
+def _versus(ours: dict, other: dict) -> dict:
+    return {
+        "against": label(other),
+        "compress": ours["compress_gbps"] / other["compress_gbps"],
+        "decompress": ours["decompress_gbps"] / other["decompress_gbps"],
+        "ratio": ours["ratio"] / other["ratio"],
+    }
+
+
 def add_comparisons(results: list[dict]) -> None:
-    """``vs_nvcomp`` on our rows: ours / nvCOMP (same shuffle width) for speeds and ratio."""
+    """``vs_nvcomp`` on our rows: ours / nvCOMP LZ4 (same shuffle width) for speeds and ratio;
+    on the exponent codec's rows also ``vs_typed``: ours / each measured typed codec (nvCOMP
+    LZ4 + bit-shuffle, ANS, Bitcomp; ZipNN), keyed by its label."""
     for row in results:
         if row["codec"] != "pagecomp" or not row.get("ratio"):
             continue
         nv = _nvcomp_match(results, row["corpus"], row["element_size"])
         if nv is not None:
-            row["vs_nvcomp"] = {
-                "against": label(nv),
-                "compress": row["compress_gbps"] / nv["compress_gbps"],
-                "decompress": row["decompress_gbps"] / nv["decompress_gbps"],
-                "ratio": row["ratio"] / nv["ratio"],
+            row["vs_nvcomp"] = _versus(row, nv)
+        if row.get("variant") == "float":
+            row["vs_typed"] = {
+                label(o): _versus(row, o) for o in results
+                if o["corpus"] == row["corpus"] and o is not row and o.get("ratio")
+                and o.get("compress_gbps") and is_typed_row(o)
             }
 
 
@@ -411,6 +521,18 @@ def corpus_rows(name: str, pages: torch.Tensor, cfg: Config, nv, nv_reason: str,
     if "nvcomp" in cfg.codecs:
         jobs += [("nvcomp", e, None, (lambda e=e: bench_nvcomp(nv, pages, e, cfg, sample))
                   if nv else nv_reason) for e in widths]
+        jobs += [("nvcomp", e_corpus, v.name,
+                  (lambda v=v: bench_nvcomp_typed(nv, pages, v, cfg)) if nv else nv_reason)
+                 for v in nvc.typed_variants(e_corpus, cfg.page_size)]
+    if "zipnn" in cfg.codecs and e_corpus in ZIPNN_DTYPES:
+        zn, info = zipnn_status()
+        if zn is None:
+            jobs.append(("zipnn", e_corpus, None, info))
+        short = {"bfloat16": "bf16"}.get(ZIPNN_DTYPES[e_corpus], ZIPNN_DTYPES[e_corpus])
+        for chunk in ZIPNN_CHUNKS if zn is not None else ():
+            chunk = chunk or cfg.page_size
+            jobs.append(("zipnn", e_corpus, f"{short}-{nvc.kib(chunk)}",
+                         lambda c=chunk: bench_zipnn(zn, info, pages, e_corpus, c, cfg)))
     for codec, threads in (("lz4-cpu", 1), ("lz4-cpu-mt", cfg.threads)):
         if codec in cfg.codecs:
             jobs.append((codec, 1, None, lambda t=threads: baselines.lz4_cpu(
@@ -422,12 +544,16 @@ def corpus_rows(name: str, pages: torch.Tensor, cfg: Config, nv, nv_reason: str,
         else:
             try:
                 row = {"corpus": name, "codec": codec, "element_size": e, **job()}
+            except nvc.Unavailable as exc:  # this nvCOMP cannot run it: say why, go on
+                row = _skipped(name, codec, e, str(exc))
+                progress(f"  {name:12s} {codec} {variant or ''} unavailable: {exc}")
             except Exception as exc:  # noqa: BLE001 - report the failure, go on with the rest
                 traceback.print_exc()
                 row = _skipped(name, codec, e, "")
                 del row["skipped"]
                 row.update(error=_describe(exc), roundtrip_ok=False)
-                progress(f"  {name:12s} {codec} element_size={e} FAILED: {row['error'][:200]}")
+                progress(f"  {name:12s} {codec} {variant or ''} element_size={e} FAILED: "
+                         f"{row['error'][:200]}")
         if variant is not None:
             row["variant"] = variant
         row["corpus_element_size"] = e_corpus
@@ -464,6 +590,8 @@ def run(cfg: Config, checkpoint=None) -> dict:
     report = environment(device, cfg, nv.version if nv else None)
     if nv_reason:
         report["nvcomp_absent"] = nv_reason
+    if any(corpora.element_size(c) in FLOAT_CODECS for c in cfg.corpora):
+        report["not_measured"] = dict(NOT_MEASURED)
     nbytes = max(cfg.page_size, int(cfg.mib * (1 << 20)) // cfg.page_size * cfg.page_size)
     results: list[dict] = []
     rng = random.Random(cfg.seed)

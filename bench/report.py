@@ -6,12 +6,17 @@ Run on its own to chart (and print) a saved run anywhere matplotlib is installed
 
 JSON shape: header fields (``device``, ``driver``, ``torch``, ``triton``, ``commit``, ``date``,
 ``page_size``, ...), ``results`` (one row per corpus, codec and element size: ``corpus``,
-``codec`` in ``pagecomp | nvcomp | lz4-cpu | lz4-cpu-mt``, ``element_size`` (the width the
-codec was told: pagecomp's ``element_size``, nvCOMP's bit-shuffle width; 1 = plain bytes),
-``corpus_element_size``, ``ratio``, ``compress_gbps``, ``decompress_gbps``, ``roundtrip_ok``,
-``compress_host_us`` / ``decompress_host_us`` (GPU codecs: host time to enqueue one call),
-``skipped`` when the codec could not run; ``"variant": "float"`` on the pagecomp row of the
-exponent codec, ``float_codec`` naming it) and ``copies`` (copy ceilings, ``gbps`` one-way).
+``codec`` in ``pagecomp | nvcomp | lz4-cpu | lz4-cpu-mt | zipnn``, ``element_size`` (the
+width the codec was told: pagecomp's ``element_size``, nvCOMP's bit-shuffle width or data type
+width; 1 = plain bytes), ``corpus_element_size``, ``ratio``, ``compress_gbps``,
+``decompress_gbps``, ``roundtrip_ok``, ``compress_host_us`` / ``decompress_host_us`` (GPU
+codecs: host time to enqueue one call), ``skipped`` when the codec could not run (and why);
+``"variant": "float"`` on the pagecomp row of the exponent codec, ``float_codec`` naming it,
+``vs_typed`` on it (ours / each typed codec of that corpus); on bf16 corpora the typed nvCOMP
+rows ``"variant": "ans-fp16-4k" | "ans-fp16-64k" | "bitcomp-4k"`` (``algorithm``,
+``data_type``, ``chunk_bytes``, ``chunks``, ``options``) and the ZipNN rows ``"codec":
+"zipnn"``, ``"variant": "bf16-256k" | "bf16-4k"`` (host CPU, ``threads``)), ``not_measured``
+(codecs named but not run, with the reason) and ``copies`` (copy ceilings, ``gbps`` one-way).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ def format_table(report: dict) -> str:
         lines.append("INCOMPLETE RUN: only the corpora below finished")
     if report.get("nvcomp_absent"):
         lines.append(f"{'nvcomp':15s} ABSENT: {report['nvcomp_absent']}")
+    for name, why in (report.get("not_measured") or {}).items():
+        lines.append(f"{name:15s} NOT MEASURED: {why}")
     head = (f"{'corpus':12s} {'codec':27s} {'ratio':>7s} {'comp GB/s':>10s} {'decomp GB/s':>11s}"
             f" {'vs nvCOMP c / d / ratio':>24s} {'host us c/d':>11s}  {'ok':4s} note")
     lines += ["", head, "-" * len(head)]
@@ -69,6 +76,12 @@ def format_table(report: dict) -> str:
         if r["codec"] == "nvcomp" and "interop" in r:
             note = "interop " + ",".join(f"{k}={v}" for k, v in r["interop"].items()
                                          if isinstance(v, bool))
+        elif r["codec"] == "nvcomp" and r.get("algorithm") and not r.get("error"):
+            note = f"{r['algorithm']} {r.get('data_type')} {r['chunks']} chunks of " \
+                   f"{r['chunk_bytes']} B"
+        elif r["codec"] == "zipnn" and r.get("zipnn_version"):
+            note = (f"zipnn {r['zipnn_version']} on the host CPU, {r.get('threads')} threads, "
+                    f"{r['chunk_bytes']} B chunks")
         ok = "-" if r.get("roundtrip_ok") is None else ("yes" if r["roundtrip_ok"] else "NO")
         host = (f"{r['compress_host_us']:.0f}/{r['decompress_host_us']:.0f}"
                 if r.get("compress_host_us") is not None else "")
@@ -77,6 +90,7 @@ def format_table(report: dict) -> str:
             f" {_num(r['compress_gbps']):>10s} {_num(r['decompress_gbps']):>11s} {vs_s:>24s}"
             f" {host:>11s}  {ok:4s} {note}"
         )
+    lines += typed_summary(report)
     copies = report.get("copies") or []
     if copies:
         lines += ["", "copy ceilings (one-way GB/s):"]
@@ -86,6 +100,49 @@ def format_table(report: dict) -> str:
                 val += f" ({c['gbps_read_plus_write']:.1f} GB/s read+write)"
             lines.append(f"  {c['name']:12s} {val}")
     return "\n".join(lines)
+
+
+def is_typed_row(r: dict) -> bool:
+    """A row of the typed comparison on a float corpus (issue #23): our exponent codec and the
+    codecs told the same element width (nvCOMP LZ4 + bit-shuffle, ANS, Bitcomp; ZipNN)."""
+    e = r.get("corpus_element_size", 1)
+    if e == 1 or r.get("element_size") != e:
+        return False
+    return (r["codec"] == "pagecomp" and r.get("variant") == "float") \
+        or r["codec"] in ("nvcomp", "zipnn")
+
+
+def typed_summary(report: dict) -> list[str]:
+    """Issue #23's question in one block: per float corpus (columns), ratio and compress /
+    decompress GB/s of our exponent codec and of each typed codec measured beside it (rows)."""
+    rows = [r for r in report.get("results", []) if is_typed_row(r)]
+    corpora = list(dict.fromkeys(r["corpus"] for r in rows if r["codec"] == "pagecomp"))
+    if not corpora:
+        return []
+    rows = [r for r in rows if r["corpus"] in corpora]
+    labels = list(dict.fromkeys(r.get("label", r["codec"]) for r in rows))
+    cell = {(r["corpus"], r.get("label", r["codec"])): r for r in rows}
+    width = 19
+
+    def show(r: dict | None) -> str:
+        if r is None:
+            return ""
+        if r.get("error"):
+            return "ERROR"
+        if r.get("ratio") is None:
+            return "skipped"
+        bad = "" if r.get("roundtrip_ok") else " NO"
+        return (f"{r['ratio']:.3f} {_num(r['compress_gbps'])}/{_num(r['decompress_gbps'])}"
+                + bad)
+
+    out = ["", "typed codecs on the float corpora, side by side: ratio compress/decompress GB/s"
+           " (the host CPU for zipnn)",
+           f"{'codec':27s} " + " ".join(f"{c:>{width}s}" for c in corpora)]
+    out.append("-" * len(out[-1]))
+    for lab in labels:
+        out.append(f"{lab:27s} " + " ".join(f"{show(cell.get((c, lab))):>{width}s}"
+                                            for c in corpora))
+    return out
 
 
 def save_json(report: dict, path: str) -> None:
@@ -105,6 +162,8 @@ def save_json(report: dict, path: str) -> None:
 
 def _series(row: dict) -> str:
     """Chart series: one colour per codec, typed variants (E > 1) apart from plain."""
+    if row["codec"] in ("nvcomp", "zipnn") and row.get("variant"):
+        return f"{row['codec']} {row['variant']}"
     name = {"nvcomp": "nvcomp lz4", "lz4-cpu-mt": "lz4-cpu threads"}.get(row["codec"],
                                                                         row["codec"])
     if row.get("variant") == "float":

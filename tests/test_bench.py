@@ -73,6 +73,31 @@ def test_every_corpus_codec_row(smoke):
         assert r["skipped"] and r["ratio"] is None
 
 
+def test_typed_rows_in_smoke(smoke):
+    """Issue #23: on every bf16 corpus the typed nvCOMP rows (skipped without CUDA, with the
+    reason) and ZipNN (measured or saying why not) sit beside our exponent codec; DFloat11 is
+    named as not measured; the table's side-by-side block lists them."""
+    _, rep, out = smoke
+    seed = rep["seed"]
+    table = (out / "table.txt").read_text()
+    summary = table[table.index("typed codecs on the float corpora"):]
+    assert "cupy" in rep["not_measured"]["dfloat11"]
+    for name, corpus in corpora.CORPORA.items():
+        typed = [r.get("variant") for r in _rows(rep, name, "nvcomp") if r.get("variant")]
+        zipnn = _rows(rep, name, "zipnn")
+        if corpus.element_size != 2:
+            assert typed == [] and zipnn == [], (name, seed)
+            continue
+        assert typed == ["ans-fp16-4k", "ans-fp16-64k", "bitcomp-4k"], (name, seed)
+        for r in _rows(rep, name, "nvcomp"):
+            assert r["skipped"] and r["element_size"] == 2 or "variant" not in r, r
+        assert zipnn and all(r.get("skipped") or r["roundtrip_ok"] for r in zipnn), seed
+        assert name in summary.splitlines()[1]
+    for lab in ("pagecomp exp-bf16", "nvcomp ans-fp16-4k", "nvcomp ans-fp16-64k",
+                "nvcomp bitcomp-4k", "nvcomp lz4+bitshuffle16", "zipnn"):
+        assert lab in summary, lab
+
+
 def test_rows_correct_and_plausible(smoke):
     _, rep, _ = smoke
     seed = rep["seed"]
