@@ -1,8 +1,9 @@
 """Dev probe: the activation-offload hooks' host time per call, without cProfile's inflation.
 
 ``python3 -m bench.dev_hook_timing --models encoder-1024,resnet-64 --variants uncompressed,memory``
-(GPU; ``speed`` too, timed once its tuner has chosen, and ``speed_copy_only``, its code path
-with every pass copied from the first: :class:`CopyOnlyTuner`): for each model and variant, a
+(GPU; ``memory_lz4``: ``memory`` with ``codec="lz4"``; ``speed`` too, timed once its tuner
+has chosen, and ``speed_copy_only``, its code path with every pass copied from the first:
+:class:`CopyOnlyTuner`): for each model and variant, a
 few warm steps, then ``--steps`` steps with the package's hot functions wrapped in
 ``perf_counter_ns`` timers (inclusive time: a wrapped function's time includes the wrapped
 functions it calls). Prints, per function, calls per step, host ms per step and host us per
@@ -159,6 +160,7 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> str:
     model, x, blocks = build(name, "cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
+          "memory_lz4": dict(prefer="memory", codec="lz4"),
           "speed": dict(prefer="speed"), "speed_copy_only": dict(prefer="speed",
                                                                  tuner=CopyOnlyTuner())}[variant]
     off = offload_module(model, blocks=blocks, **kw)
