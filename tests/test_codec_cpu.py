@@ -259,10 +259,10 @@ def test_threads_give_the_same_bytes(gen):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_threads_give_the_same_statuses_on_hostile_metadata(gen, packed):
-    """The metadata checks run in each thread's own ranges: bad kinds and sizes spread over
-    every range (and, packed, a first offset that is not 0) give the same statuses and zeroed
-    rows with 1 and 3 threads as the checks of the whole batch."""
+def test_threads_give_the_same_statuses_on_hostile_metadata(gen, packed, cpu_loops):
+    """Bad kinds and sizes spread over every range (and, packed, a first offset that is not 0)
+    give the same statuses and zeroed rows with 1 and 3 threads as the checks of the whole
+    batch (the C loops check each range's pages in its thread; python-lz4: the batch's, first)."""
     pages = mixed_pages(300, 4096, gen)
     c = pc.compress(pages, backend="cpu")
     payload, offsets = c.payload.reshape(-1), torch.arange(300, dtype=torch.int64) * 4096
@@ -286,6 +286,105 @@ def test_threads_give_the_same_statuses_on_hostile_metadata(gen, packed):
             assert np.array_equal(status.numpy(), want), threads
             failed = torch.from_numpy(want != 0)
             assert not out[failed].any() and torch.equal(out[~failed], pages[~failed])
+    finally:
+        cpu_codec.set_cpu_threads(None)
+
+
+def hostile_metadata(gen, packed: bool):
+    """A valid batch (bytes pages and bit-shuffled bf16 ones, fixed-stride or packed) whose
+    metadata is then broken on about a third of its pages, each page one way: ``(payload,
+    offsets int64 [N] or [N + 1], sizes int32 [N], kinds uint8 [N])``."""
+    x = torch.relu(torch.randn(100 * 2048, generator=gen)).to(torch.bfloat16)
+    typed = pc.compress(x.view(torch.uint8).view(-1, 4096), element_size=2, backend="cpu")
+    plain = pc.compress(mixed_pages(200, 4096, gen), backend="cpu")
+    payload = torch.cat([plain.payload, typed.payload])
+    sizes = torch.cat([plain.sizes, typed.sizes])
+    kinds = torch.cat([plain.kinds, typed.kinds])
+    n = sizes.shape[0]
+    if packed:
+        payload, offsets = cpu_codec.pack_cpu(payload, sizes)
+    else:
+        payload, offsets = payload.reshape(-1), torch.arange(n, dtype=torch.int64) * 4096
+    rand = np.random.default_rng(int(torch.randint(0, 2**62, (1,), generator=gen)))
+    if packed and rand.integers(0, 2):  # every page where its offsets say, but offsets[0] != 0
+        d = int(rand.integers(1, 9))
+        payload, offsets = torch.cat([torch.zeros(d, dtype=torch.uint8), payload]), offsets + d
+    total, limit = payload.numel(), fmt.lz4_keep_limit(4096)
+    off, size, kind = offsets.numpy(), sizes.numpy(), kinds.numpy()
+    for i in rand.choice(n, n // 3, replace=False).tolist():
+        way = int(rand.integers(0, 13))
+        if way == 0:  # a negative offset
+            off[i] = -int(rand.integers(1, 1 << 62))
+        elif way == 1:  # an offset at or past the end, up to the int64 edge
+            off[i] = total + int(rand.integers(0, 1 << 62)) * int(rand.integers(0, 2))
+        elif way == 2:  # size 0, or negative down to the int32 edge
+            size[i] = -int(rand.integers(0, 1 << 31))
+        elif way == 3:  # one byte more than the payload holds after the offset
+            size[i] = min(total - max(int(off[i]), 0) + 1, 2**31 - 1)
+        elif way == 4:  # RAW of another size
+            kind[i], size[i] = fmt.KIND_RAW, 4096 + int(rand.choice([-1, 1, -4095, 2**30]))
+        elif way == 5:  # FILL of another size
+            kind[i], size[i] = fmt.KIND_FILL, int(rand.choice([0, 2, 4096]))
+        elif way == 6:  # LZ4 over the keep limit (and inside the payload where it fits)
+            kind[i] = fmt.KIND_LZ4 | kind[i] & 0xF0
+            size[i] = int(rand.integers(limit + 1, 4097))
+        elif way == 7:  # an unknown codec, any shift nibble
+            kind[i] = int(rand.integers(3, 16)) | int(rand.integers(0, 16)) << 4
+        elif way == 8:  # a shift on RAW or FILL
+            codec = int(rand.choice([fmt.KIND_RAW, fmt.KIND_FILL]))
+            kind[i] = codec | int(rand.integers(1, 16)) << 4
+        elif way == 9:  # LZ4 with a shift nibble above 2
+            kind[i] = fmt.KIND_LZ4 | int(rand.integers(3, 16)) << 4
+        elif way == 10:  # the offset moved by a little (packed: it disagrees with a size)
+            off[i] += int(rand.choice([-2, -1, 1, 2]))
+        elif way == 11 and packed:  # the end offset (i + 1) moved: page i disagrees
+            off[i + 1] += int(rand.choice([-1, 1, 4096]))
+        elif way == 12:  # the size moved by one
+            size[i] += int(rand.choice([-1, 1]))
+    if packed and rand.integers(0, 2):
+        off[0] = int(rand.choice([1, -1, 4096]))
+    return payload, offsets, sizes, kinds
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_c_metadata_checks_are_page_checks(gen, packed, monkeypatch):
+    """The C decoder's own metadata checks give, on fresh random hostile metadata, exactly
+    ``_page_checks``' BAD_KIND and BAD_SIZE (every other page: OK or its block's status): on
+    ranges cut anywhere (a packed page's check reads the offset one past its range), and through
+    ``decompress_cpu`` at several thread counts, with the same statuses and pages as the
+    python-lz4 path."""
+    if cpu_codec._native is None:
+        pytest.skip("torch_pagecomp._native is not built here")
+    payload, offsets, sizes, kinds = hostile_metadata(gen, packed)
+    n = sizes.shape[0]
+    want = cpu_codec._page_checks(offsets.numpy(), sizes.numpy(), kinds.numpy(), 4096,
+                                  payload.numel(), n)
+    assert (want == fmt.STATUS_BAD_KIND).any() and (want == fmt.STATUS_BAD_SIZE).any()
+
+    def metadata_part(status: np.ndarray) -> np.ndarray:
+        bad = (status == fmt.STATUS_BAD_KIND) | (status == fmt.STATUS_BAD_SIZE)
+        return np.where(bad, status, 0)
+
+    cuts = torch.randperm(n - 1, generator=gen)[: int(torch.randint(1, 40, (1,), generator=gen))]
+    bounds = [0, *sorted((cuts + 1).tolist()), n]
+    out = np.full(n * 4096, 0xA5, np.uint8)
+    st = np.full(n, -1, np.int32)
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        cpu_codec._native.decode_pages(payload.numpy(), offsets.numpy(), sizes.numpy(),
+                                       kinds.numpy(), out, st, 4096, start, stop)
+    assert np.array_equal(metadata_part(st), want), bounds
+    assert not out.reshape(n, 4096)[st != 0].any()
+    with monkeypatch.context() as m:
+        m.setattr(cpu_codec, "_native", None)
+        ref_out, ref_status = cpu_codec.decompress_cpu(payload, offsets, sizes, kinds, 4096)
+    assert np.array_equal(ref_status.numpy(), st)
+    assert np.array_equal(ref_out.numpy().reshape(-1), out)
+    try:
+        for threads in (1, 2, 3, 8):
+            cpu_codec.set_cpu_threads(threads)
+            got_out, got_status = cpu_codec.decompress_cpu(payload, offsets, sizes, kinds, 4096)
+            assert torch.equal(got_status, ref_status), threads
+            assert torch.equal(got_out, ref_out), threads
     finally:
         cpu_codec.set_cpu_threads(None)
 
@@ -493,7 +592,7 @@ def test_offset_zero_is_bad_offset(gen):
     assert out[0].numpy().tobytes() == decode_block(ok, 4096)[0]
 
 
-def test_overlong_lz4_raw_and_fill_sizes_are_bad_size(gen):
+def test_overlong_lz4_raw_and_fill_sizes_are_bad_size(gen, cpu_loops):
     page = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen).numpy().tobytes()
     overlong = lz4.block.compress(page, store_size=False)  # valid, ~4114 bytes
     assert len(overlong) > fmt.lz4_keep_limit(4096)
@@ -517,7 +616,7 @@ def test_overlong_lz4_raw_and_fill_sizes_are_bad_size(gen):
     assert decode([edge], page_size=4096)[1].tolist() == [fmt.STATUS_SHORT]
 
 
-def test_packed_offsets_must_agree_with_sizes(gen):
+def test_packed_offsets_must_agree_with_sizes(gen, cpu_loops):
     pages = torch.cat([file_pages("text", 4, 4096, gen), mixed_pages(7, 4096, gen)])
     c = pc.pack(pc.compress(pages, backend="cpu"))
     n = c.num_pages
@@ -613,50 +712,71 @@ def test_the_c_decoder_is_built_where_a_compiler_is():
 
 
 def test_c_loops_check_their_arguments(gen):
-    """Buffers shorter than the range they describe are a ValueError (before any page is
-    written), a block outside the payload BAD_SIZE and its row zeroed, a page whose status is
-    already set is not decoded; the compress loop refuses missing liblz4 calls and writes
-    FILL, LZ4 and RAW pages with their kinds."""
+    """Buffers that do not describe one batch, or a range outside it, are a ValueError and
+    buffers of another type a TypeError (before any page is written); only the range's rows and
+    statuses are written, every one of them; a block outside the payload is BAD_SIZE and its row
+    zeroed; a packed container's checks read the offset one past the range and know page 0;
+    the compress loop refuses missing liblz4 calls and writes FILL, LZ4 and RAW pages with
+    their kinds."""
     if cpu_codec._native is None:
         pytest.skip("torch_pagecomp._native is not built here")
     page = bytes(range(256)) * 16
     block = lz4.block.compress(page, store_size=False)
     payload = np.frombuffer(block, dtype=np.uint8)
-    off, size = np.zeros(2, np.int64), np.full(2, len(block), np.int64)
+    off, size = np.zeros(2, np.int64), np.full(2, len(block), np.int32)
     kinds = np.full(2, fmt.KIND_LZ4, np.uint8)
-    out, st = np.full(2 * 4096, 0xA5, np.uint8), np.zeros(2, np.int32)
+    out, st = np.full(2 * 4096, 0xA5, np.uint8), np.full(2, -1, np.int32)
 
-    def dec(off=off, size=size, kinds=kinds, out=out):
-        cpu_codec._native.decode_pages(payload, off, size, kinds, out, st, 4096)
+    def dec(payload=payload, off=off, size=size, kinds=kinds, out=out, st=st, start=0, stop=2):
+        cpu_codec._native.decode_pages(payload, off, size, kinds, out, st, 4096, start, stop)
 
-    with pytest.raises(ValueError, match="out holds"):
-        dec(out=out[:4096])
-    with pytest.raises(ValueError, match="offsets holds"):
-        dec(off=off[:1])
-    with pytest.raises(ValueError, match="kinds holds"):
-        dec(kinds=kinds[:1])
-    assert (out == 0xA5).all()  # nothing written before the checks
+    for bad in ({"out": out[:4096]}, {"off": off[:1]}, {"off": np.zeros(4, np.int64)},
+                {"kinds": kinds[:1]}, {"st": st[:1]}, {"stop": 3}, {"start": 2, "stop": 1},
+                {"start": -1}):
+        with pytest.raises(ValueError, match="decode_pages: 2 pages"):
+            dec(**bad)
+    for bad in ({"size": size.astype(np.int64)}, {"off": off.astype(np.int32)},
+                {"kinds": kinds.view(np.int8)}, {"out": out[::2]}, {"st": st.view(np.uint32)}):
+        with pytest.raises(TypeError):
+            dec(**bad)
+    assert (out == 0xA5).all() and (st == -1).all()  # nothing written before the checks
+    dec(start=1, stop=2)
+    assert st.tolist() == [-1, fmt.STATUS_OK] and (out[:4096] == 0xA5).all()
+    assert out[4096:].tobytes() == page
     size[1] = len(block) + 1  # one byte past the payload
     dec()
     assert st.tolist() == [fmt.STATUS_OK, fmt.STATUS_BAD_SIZE]
     assert out[:4096].tobytes() == page and not out[4096:].any()
     size[1] = len(block)
     kinds[1] = fmt.KIND_FILL  # a FILL page's size must be 1, a RAW page's the page size
-    st[:] = 0
     dec()
     assert st.tolist() == [fmt.STATUS_OK, fmt.STATUS_BAD_SIZE]
     kinds[1] = fmt.KIND_LZ4
-    st[:] = [fmt.STATUS_BAD_KIND, 0]  # set by the caller's checks: left alone, row zeroed
-    out[:] = 0xA5
+    st[:] = [fmt.STATUS_BAD_KIND, fmt.STATUS_TRUNCATED]  # whatever was there is overwritten
     dec()
-    assert st.tolist() == [fmt.STATUS_BAD_KIND, fmt.STATUS_OK] and not out[:4096].any()
-    # kinds the caller's checks refuse are refused here too (never unshuffled as other sizes)
+    assert st.tolist() == [fmt.STATUS_OK, fmt.STATUS_OK]
+    # kinds the C checks refuse (never unshuffled as other sizes)
     for bad in (fmt.KIND_LZ4 | 3 << 4, 3, fmt.KIND_RAW | 1 << 4, fmt.KIND_FILL | 2 << 4):
         kinds[:] = [fmt.KIND_LZ4, bad]
-        st[:] = 0
         out[:] = 0xA5
         dec()
         assert st.tolist() == [fmt.STATUS_OK, fmt.STATUS_BAD_KIND] and not out[4096:].any()
+    kinds[:] = fmt.KIND_LZ4
+    # packed (N + 1 offsets): page 0 is checked against offsets[1], past a range [0, 1)
+    two = np.frombuffer(block * 2, dtype=np.uint8)
+    packed = np.array([0, len(block), 2 * len(block)], np.int64)
+    dec(payload=two, off=packed, start=0, stop=1)
+    assert st[0] == fmt.STATUS_OK and out[:4096].tobytes() == page
+    packed[1] += 1
+    dec(payload=two, off=packed, start=0, stop=1)
+    assert st[0] == fmt.STATUS_BAD_SIZE and not out[:4096].any()
+    # every page agrees with the next offset, but offsets[0] != 0: page 0 only
+    shifted = np.frombuffer(b"\0" + block * 2, dtype=np.uint8)
+    packed = np.array([1, 1 + len(block), 1 + 2 * len(block)], np.int64)
+    dec(payload=shifted, off=packed, start=1, stop=2)
+    assert st[1] == fmt.STATUS_OK and out[4096:].tobytes() == page
+    dec(payload=shifted, off=packed)
+    assert st.tolist() == [fmt.STATUS_BAD_SIZE, fmt.STATUS_OK]
     comp, calls = cpu_codec._native.compress_pages, cpu_codec._liblz4_calls()
     raw = np.frombuffer(page + bytes([9]) * 4096 + bytes(gen_bytes(gen, 4096)), dtype=np.uint8)
     sizes, kinds3 = np.zeros(3, np.int32), np.zeros(3, np.uint8)

@@ -196,6 +196,35 @@ static void unshuffle_page(const uint8_t *src, uint8_t *dst, int64_t page, int e
 }
 #endif
 
+/* A buffer argument of `itemsize`-byte elements of kind `kind` ('u' unsigned, 'i' signed),
+ * C-contiguous; a clear TypeError otherwise. */
+static int get_buffer(PyObject *obj, Py_buffer *b, int writable, Py_ssize_t itemsize, char kind,
+                      const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, b, flags) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer (a numpy array) of "
+                     "%s%zd", name, writable ? " writable" : "", kind == 'u' ? "uint" : "int",
+                     8 * itemsize);
+        return 0;
+    }
+    const char *f = b->format ? b->format : "B";
+    while (*f == '@' || *f == '=' || *f == '<' || *f == '|') f++;
+    int ok = b->itemsize == itemsize && f[0] && !f[1];
+    if (ok) {
+        if (kind == 'u') ok = strchr("BHILQN", f[0]) != NULL;
+        else ok = strchr("bhilqn", f[0]) != NULL;
+    }
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "%s must hold %s%zd, got format '%s' of %zd-byte items",
+                     name, kind == 'u' ? "uint" : "int", 8 * itemsize,
+                     b->format ? b->format : "B", b->itemsize);
+        PyBuffer_Release(b);
+        return 0;
+    }
+    return 1;
+}
+
 static int check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count, const char *name) {
     if (b->len < itemsize * count) {
         PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", name, b->len,
@@ -205,81 +234,117 @@ static int check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count, const char
     return 1;
 }
 
+/* The status that page i's metadata alone gives it (BAD_KIND, BAD_SIZE), else OK: the rules of
+ * cpu_codec._page_checks (the python-lz4 path runs those on the whole batch), page by page here
+ * so that a threaded decode does no serial pass over the batch before its threads start. `off`
+ * holds N offsets, or N + 1 when `packed` (page i is then off[i] .. off[i + 1], and off[0] is
+ * 0). */
+static int32_t check_page(const int64_t *off, const int32_t *size, const uint8_t *kind,
+                          Py_ssize_t i, int packed, int64_t total, int64_t page) {
+    const int codec = kind[i] & 15, shift = kind[i] >> 4;
+    if (codec > KIND_FILL || shift > 2 || (shift && codec != KIND_LZ4))
+        return STATUS_BAD_KIND; /* no other kind reaches the unshuffle */
+    const int64_t o = off[i], s = size[i];
+    /* o >= 0 and s <= total - o first: o + s below cannot overflow */
+    if (o < 0 || s < 1 || s > total - o) return STATUS_BAD_SIZE;
+    if ((codec == KIND_RAW && s != page) || (codec == KIND_FILL && s != 1) ||
+        (codec == KIND_LZ4 && s > page - page / 32)) /* format.lz4_keep_limit */
+        return STATUS_BAD_SIZE;
+    if (packed && (off[i + 1] != o + s || (i == 0 && o != 0))) return STATUS_BAD_SIZE;
+    return STATUS_OK;
+}
+
 PyDoc_STRVAR(decode_pages_doc,
-"decode_pages(payload, offsets, sizes, kinds, out, status, page_size)\n\n"
-"Decode the N pages of a range of a batch, with the GIL released: page i's stored bytes are\n"
-"payload[offsets[i]:offsets[i] + sizes[i]] (uint8; int64 [N] offsets and sizes), its kind\n"
-"kinds[i] (uint8 [N]: codec kinds[i] & 15, RAW 0, LZ4 1, FILL 2; bit-shuffle shift\n"
-"kinds[i] >> 4), its bytes go to out[i * page_size:(i + 1) * page_size] (uint8 [N * page_size])\n"
-"and its status to status[i] (int32 [N]). A page whose status is already set (the caller's\n"
-"checks of kinds and sizes: cpu_codec._page_checks) is not decoded. An unknown kind, or a\n"
-"shift other than 0..2 or on a page that is not LZ4, is BAD_KIND; a page whose bytes lie\n"
-"outside the payload, or a RAW / FILL page of another size, BAD_SIZE. A failed page's row\n"
-"is zeroed. Bit-shuffled LZ4 pages are unshuffled where the module has bitshuffle (SSE2), else\n"
-"they come out shuffled.");
+"decode_pages(payload, offsets, sizes, kinds, out, status, page_size, start, stop)\n\n"
+"Decode pages start .. stop - 1 of a batch of N = len(sizes) pages, with the GIL released.\n"
+"The arguments are the whole batch's (C-contiguous): payload uint8 [T]; offsets int64 [N], or\n"
+"[N + 1] for a packed container (page i is then payload[offsets[i]:offsets[i + 1]], which\n"
+"must be sizes[i] bytes, and offsets[0] must be 0); sizes int32 [N]; kinds uint8 [N] (codec\n"
+"kinds[i] & 15, RAW 0, LZ4 1, FILL 2; bit-shuffle shift kinds[i] >> 4); out uint8\n"
+"[N * page_size], page i's bytes at out[i * page_size:(i + 1) * page_size]; status int32 [N].\n"
+"Only the range's rows of out and status are written. Each page's status is decided here, as\n"
+"cpu_codec._page_checks decides it, then by its block: an unknown kind, or a shift other than\n"
+"0..2 or on a page that is not LZ4, is BAD_KIND; bytes outside the payload, a RAW page not of\n"
+"page_size bytes, a FILL page not of 1, an LZ4 page over format.lz4_keep_limit(page_size) or\n"
+"packed offsets that disagree with the sizes, BAD_SIZE. A failed page's row is zeroed.\n"
+"Bit-shuffled LZ4 pages are unshuffled where the module has bitshuffle (SSE2), else they come\n"
+"out shuffled.");
 
 static PyObject *decode_pages(PyObject *self, PyObject *args) {
-    Py_buffer payload, offsets, sizes, kinds, out, status;
-    Py_ssize_t page;
+    PyObject *o_payload, *o_offsets, *o_sizes, *o_kinds, *o_out, *o_status;
+    Py_ssize_t page, start, stop;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*n", &payload, &offsets, &sizes, &kinds, &out,
-                          &status, &page))
+    if (!PyArg_ParseTuple(args, "OOOOOOnnn", &o_payload, &o_offsets, &o_sizes, &o_kinds, &o_out,
+                          &o_status, &page, &start, &stop))
         return NULL;
-    PyObject *result = NULL;
-    const Py_ssize_t n = status.len / 4;
-    uint8_t *tmp = NULL; /* a page: a bit-shuffled page is decoded here, then unshuffled */
     if (page <= 0 || page > (1 << 24)) {
-        PyErr_SetString(PyExc_ValueError, "page_size must be in 1..2**24");
-    } else if (!check(&offsets, 8, n, "offsets") || !check(&sizes, 8, n, "sizes") ||
-               !check(&kinds, 1, n, "kinds") || !check(&out, page, n, "out")) {
-        /* the error is set */
+        PyErr_SetString(PyExc_ValueError, "decode_pages: page_size must be in 1..2**24");
+        return NULL;
+    }
+    Py_buffer payload, offsets, sizes, kinds, out, status;
+    PyObject *result = NULL;
+    uint8_t *tmp = NULL; /* a page: a bit-shuffled page is decoded here, then unshuffled */
+    if (!get_buffer(o_payload, &payload, 0, 1, 'u', "payload")) return NULL;
+    if (!get_buffer(o_offsets, &offsets, 0, 8, 'i', "offsets")) goto r_payload;
+    if (!get_buffer(o_sizes, &sizes, 0, 4, 'i', "sizes")) goto r_offsets;
+    if (!get_buffer(o_kinds, &kinds, 0, 1, 'u', "kinds")) goto r_sizes;
+    if (!get_buffer(o_out, &out, 1, 1, 'u', "out")) goto r_kinds;
+    if (!get_buffer(o_status, &status, 1, 4, 'i', "status")) goto r_out;
+    const Py_ssize_t n = sizes.len / 4, n_off = offsets.len / 8;
+    if ((n_off != n && n_off != n + 1) || kinds.len != n || out.len != n * page ||
+        status.len != 4 * n || start < 0 || start > stop || stop > n) {
+        PyErr_Format(PyExc_ValueError, "decode_pages: %zd pages (sizes) of %zd bytes need %zd or "
+                     "%zd offsets, %zd kinds, out of %zd bytes, %zd statuses and 0 <= start <= "
+                     "stop <= %zd, got %zd, %zd, %zd, %zd and %zd .. %zd", n, page, n, n + 1, n,
+                     n * page, n, n, n_off, kinds.len, out.len, status.len / 4, start, stop);
     } else if ((tmp = PyMem_RawMalloc((size_t)page)) == NULL) {
         PyErr_NoMemory();
     } else {
         const uint8_t *src = payload.buf, *kind = kinds.buf;
-        const int64_t *off = offsets.buf, *size = sizes.buf;
+        const int64_t *off = offsets.buf;
+        const int32_t *size = sizes.buf;
         uint8_t *dst = out.buf;
         int32_t *st = status.buf;
         const int64_t total = payload.len;
+        const int packed = n_off == n + 1;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const int codec = kind[i] & 15, shift = kind[i] >> 4;
+        for (Py_ssize_t i = start; i < stop; i++) {
             uint8_t *to = dst + i * (int64_t)page;
-            if (st[i] != STATUS_OK) {
-                /* failed the caller's checks */
-            } else if (codec > KIND_FILL || shift > 2 || (shift && codec != KIND_LZ4)) {
-                /* as the caller checks too: no other kind reaches the unshuffle */
-                st[i] = STATUS_BAD_KIND;
-            } else if (off[i] < 0 || size[i] < 1 || size[i] > total - off[i] ||
-                       (codec == KIND_RAW && size[i] != page) ||
-                       (codec == KIND_FILL && size[i] != 1)) {
-                st[i] = STATUS_BAD_SIZE;
-            } else if (codec == KIND_RAW) {
+            int32_t r = check_page(off, size, kind, i, packed, total, page);
+            if (r != STATUS_OK) {
+                /* decided by the metadata */
+            } else if ((kind[i] & 15) == KIND_RAW) {
                 memcpy(to, src + off[i], (size_t)page);
-            } else if (codec == KIND_FILL) {
+            } else if ((kind[i] & 15) == KIND_FILL) {
                 memset(to, src[off[i]], (size_t)page);
             } else {
 #if defined(HAVE_SHUFFLE)
-                const int e = 1 << shift; /* 1, 2 or 4 */
+                const int e = 1 << (kind[i] >> 4); /* 1, 2 or 4 */
                 if (e > 1 && page % (64 * e) == 0) { /* decoded aside, unshuffled into the row */
-                    st[i] = decode_block(src + off[i], size[i], tmp, page);
-                    if (st[i] == STATUS_OK) unshuffle_page(tmp, to, page, e);
+                    r = decode_block(src + off[i], size[i], tmp, page);
+                    if (r == STATUS_OK) unshuffle_page(tmp, to, page, e);
                 } else
 #endif
-                    st[i] = decode_block(src + off[i], size[i], to, page);
+                    r = decode_block(src + off[i], size[i], to, page);
             }
-            if (st[i] != STATUS_OK) memset(to, 0, (size_t)page);
+            st[i] = r;
+            if (r != STATUS_OK) memset(to, 0, (size_t)page);
         }
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }
     PyMem_RawFree(tmp);
-    PyBuffer_Release(&payload);
-    PyBuffer_Release(&offsets);
-    PyBuffer_Release(&sizes);
-    PyBuffer_Release(&kinds);
-    PyBuffer_Release(&out);
     PyBuffer_Release(&status);
+r_out:
+    PyBuffer_Release(&out);
+r_kinds:
+    PyBuffer_Release(&kinds);
+r_sizes:
+    PyBuffer_Release(&sizes);
+r_offsets:
+    PyBuffer_Release(&offsets);
+r_payload:
+    PyBuffer_Release(&payload);
     return result;
 }
 
@@ -464,35 +529,6 @@ enum { EXP_BF16 = 1, EXP_FP16 = 2, EXP_TABLE = 7 };
 static int64_t exp_fixed(int64_t page, int layout) {
     const int64_t n = page / 2;
     return EXP_TABLE + 3 * n / 8 + (layout == EXP_FP16 ? 3 * n / 8 : 0) + n;
-}
-
-/* A buffer argument of `itemsize`-byte elements of kind `kind` ('u' unsigned, 'i' signed),
- * C-contiguous; a clear TypeError otherwise. */
-static int get_buffer(PyObject *obj, Py_buffer *b, int writable, Py_ssize_t itemsize, char kind,
-                      const char *name) {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, b, flags) < 0) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer (a numpy array) of "
-                     "%s%zd", name, writable ? " writable" : "", kind == 'u' ? "uint" : "int",
-                     8 * itemsize);
-        return 0;
-    }
-    const char *f = b->format ? b->format : "B";
-    while (*f == '@' || *f == '=' || *f == '<' || *f == '|') f++;
-    int ok = b->itemsize == itemsize && f[0] && !f[1];
-    if (ok) {
-        if (kind == 'u') ok = strchr("BHILQN", f[0]) != NULL;
-        else ok = strchr("bhilqn", f[0]) != NULL;
-    }
-    if (!ok) {
-        PyErr_Format(PyExc_TypeError, "%s must hold %s%zd, got format '%s' of %zd-byte items",
-                     name, kind == 'u' ? "uint" : "int", 8 * itemsize,
-                     b->format ? b->format : "B", b->itemsize);
-        PyBuffer_Release(b);
-        return 0;
-    }
-    return 1;
 }
 
 static int valid_exp_page(Py_ssize_t page) {

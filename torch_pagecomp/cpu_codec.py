@@ -24,12 +24,13 @@ this order, ``STATUS_BAD_KIND`` for an unknown kind or a shuffle on a non-LZ4 pa
 ``offsets[i + 1] - offsets[i] != sizes[i]`` or ``offsets[0] != 0``; then the LZ4 block's own
 status (``decode_block``). A failed page's row is zero-filled.
 
-Pages are decoded by the C decoder ``_native.decode_pages`` (those rules, a range of pages per
-call with the GIL released, so the pool's threads decode in parallel), built by ``setup.py``
-where a C compiler is found. Without it python-lz4 decodes: one call per page
-(holding the GIL between calls), and since liblz4 lets a match offset of 0 through (copying
-zeros), the pages it decodes with four zero bytes in a row are checked for one
-(``zero_offsets.zero_offset_blocks``). Both give the same pages and statuses.
+Pages are decoded by the C decoder ``_native.decode_pages`` (those rules, the metadata's
+included, a range of pages per call with the GIL released, so the pool's threads decode in
+parallel and nothing walks the batch before they start), built by ``setup.py`` where a C
+compiler is found. Without it the metadata rules run in numpy (``_page_checks``) and
+python-lz4 decodes: one call per page (holding the GIL between calls), and since liblz4 lets a
+match offset of 0 through (copying zeros), the pages it decodes with four zero bytes in a row
+are checked for one (``zero_offsets.zero_offset_blocks``). Both give the same pages and statuses.
 """
 
 from __future__ import annotations
@@ -330,7 +331,8 @@ _LZ4_ZEROES_OFFSET_0 = lz4.library_version_number() >= 10900
 
 
 def _page_checks(offsets, sizes, kinds, page_size: int, total: int, n: int) -> np.ndarray:
-    """``int32 [N]`` statuses that the metadata alone decides (BAD_KIND, BAD_SIZE), else 0."""
+    """``int32 [N]`` statuses that the metadata alone decides (BAD_KIND, BAD_SIZE), else 0: the
+    python-lz4 path's checks, and the reference for the C decoder's own (``check_page``)."""
     off = offsets[:n].astype(np.int64)
     size = sizes.astype(np.int64)
     codec, shift = kinds & 15, kinds >> 4
@@ -388,25 +390,29 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
         ``(pages uint8 [N, P], status int32 [N])``; a failed page's row is zero-filled.
     """
     n = sizes.shape[0]
-    # every row is written below (a failed one with zeros): no zero-fill of the whole batch
+    # every row and status is written below (a failed row with zeros): no zero-fill of the batch
     pages = _outputs.empty((n, page_size))
-    status = torch.zeros(n, dtype=torch.int32)
+    status = torch.empty(n, dtype=torch.int32)
     if n == 0:
         return pages, status
+    # views of the metadata as it comes (copies only of a non-contiguous or other-typed tensor):
+    # nothing here walks the batch before the threads start, which would be serial (#25)
     buf = np.ascontiguousarray(payload.detach().numpy()).reshape(-1)
-    off_np, size_np = offsets.numpy().astype(np.int64), sizes.numpy().astype(np.int64)
-    kind_np = kinds.numpy().astype(np.int64)
+    off_np = np.ascontiguousarray(offsets.numpy(), dtype=np.int64)
+    size_np = np.ascontiguousarray(sizes.numpy(), dtype=np.int32)
+    kind_np = np.ascontiguousarray(kinds.numpy(), dtype=np.uint8)
     out, st = pages.numpy(), status.numpy()
-    st[:] = _page_checks(off_np, size_np, kind_np, page_size, buf.shape[0], n)
     out_flat = out.reshape(-1)
-    kinds_u8 = np.ascontiguousarray(kinds.numpy(), dtype=np.uint8)
+    if _native is None:  # python-lz4: the metadata checks of the whole batch in numpy, first
+        st[:] = _page_checks(off_np, size_np, kind_np, page_size, buf.shape[0], n)
 
     def work(start: int, stop: int) -> None:
         rng = slice(start, stop)
-        if _native is not None:  # every page of the range without the GIL: decoded, failed
-            # rows zeroed and, with the C bit-shuffle, bit-shuffled pages unshuffled
-            _native.decode_pages(buf, off_np[rng], size_np[rng], kinds_u8[rng],
-                                 out[rng].reshape(-1), st[rng], page_size)
+        if _native is not None:  # every page of the range without the GIL: its metadata
+            # checked (page by page, as _page_checks), decoded, failed rows zeroed and, with
+            # the C bit-shuffle, bit-shuffled pages unshuffled
+            _native.decode_pages(buf, off_np, size_np, kind_np, out_flat, st, page_size, start,
+                                 stop)
             if C_SHUFFLE:
                 return
         else:
