@@ -355,7 +355,7 @@ def test_codec_choice_by_dtype_and_invalid_codec():
             p.entry.store.restore(p.entry.stored, out)
             assert torch.equal(out, t.view(-1).view(torch.uint8))
         off.policy.poll()
-        ratio = off.policy._measured[(torch.bfloat16, (4096,))][0]
+        ratio = off.policy._measured[(torch.bfloat16, (4096,))]["exp" if want[0] else "lz4"][0]
         assert ratio[0] == 8192 and ratio[1] < ratio[0]  # pages, and fewer stored bytes
         del packed
         off._poll()
@@ -411,6 +411,44 @@ class _Sample:
 
     def kernel_bytes(self) -> tuple[int, int]:
         return self._kernel
+
+
+def test_auto_codec_per_class_by_sampled_ratio(seed):
+    """``codec="auto"``: a bf16 class samples the exponent codec, then LZ4, and keeps the one
+    that stored its samples smaller: LZ4 for mostly-zero values (its bit planes are nearly
+    empty), the exponent codec for dense normal ones; fp32 classes sample LZ4 alone."""
+    off = cpu_offloader("compressed", prefer="memory", min_ratio=0.0, sample_tensors=1)
+    # whole pages (a zero-padded partial page favours LZ4, which codes zeros to nothing)
+    n = 2048 * int(torch.randint(6, 12, ()).item())
+    dense = lambda: (torch.randn(n) * 0.02).to(torch.bfloat16)  # noqa: E731
+    sparse = lambda: torch.where(torch.rand(n) < 0.8, 0.0,  # noqa: E731
+                                 torch.randn(n)).to(torch.bfloat16)[: n - 1]
+    fp32 = lambda: torch.randn(n // 2)  # noqa: E731
+    made = {name: [f() for f in (dense, sparse, fp32)] for name in ("first", "second", "third")}
+    with off:
+        first = [off._pack(t) for t in made["first"]]
+        second = [off._pack(t) for t in made["second"]]
+    assert [p.entry.stored.exp for p in first] == [True, True, False]  # the first candidate
+    assert [p.entry.stored.exp for p in second] == [False, False, False]  # then LZ4
+    off.policy.poll()
+    with off:
+        third = [off._pack(t) for t in made["third"]]
+    pol = off.policy
+    keys = [(torch.bfloat16, (n,)), (torch.bfloat16, (n - 1,)), (torch.float32, (n // 2,))]
+    assert [pol.codecs[k] for k in keys] == ["exp", "lz4", "lz4"]
+    assert pol.codec_ratios[keys[0]]["exp"] > pol.codec_ratios[keys[0]]["lz4"]
+    assert pol.codec_ratios[keys[1]]["lz4"] > pol.codec_ratios[keys[1]]["exp"]
+    assert set(pol.codec_ratios[keys[2]]) == {"lz4"}
+    assert [p.entry.stored.exp for p in third] == [True, False, False]  # the kept codecs
+    assert off.stats()["policy"][f"torch.bfloat16[{n - 1}]"]["codec"] == "lz4"
+    for packed, tensors in zip((first, second, third), made.values()):
+        for p, t in zip(packed, tensors):  # every codec's pages give the bytes back
+            out = torch.full((p.entry.nbytes,), 0xA5, dtype=torch.uint8)
+            p.entry.store.restore(p.entry.stored, out)
+            storage = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+            assert torch.equal(out, storage)  # the whole storage (a slice's too)
+    del first, second, third
+    off._poll()
 
 
 def test_policy_ratio_ignores_batches_stored_raw_for_speed():

@@ -66,11 +66,13 @@ class ActivationOffloader:
     Args:
         mode: ``"compressed"`` (compressed pages in host memory, per-class fallback to a pinned
             copy) or ``"uncompressed"`` (stream-overlapped pinned copies only).
-        codec: the compressed pages' codec. ``"auto"`` (default): storages of bfloat16 /
-            float16 tensors go through the exponent codec (``torch_pagecomp.exp_codec``:
-            1.42x on typical bf16 activations where LZ4 + bit-shuffle stores 1.2-1.4x), every
-            other dtype through LZ4 bit-shuffled by its element size; ``"lz4"``: LZ4 for every
-            dtype. Both are lossless for any bytes; a batched restore of a group that holds
+        codec: the compressed pages' codec. ``"auto"`` (default): each ``(dtype, shape)``
+            class of bfloat16 / float16 tensors samples the exponent codec
+            (``torch_pagecomp.exp_codec``: 1.42x on typical bf16 activations) and LZ4 +
+            bit-shuffle (which stores some models' activations smaller: a Llama-style
+            decoder's on the stock-model bench) and keeps the one that stores it smaller (``ClassPolicy``; ``stats()["policy"]``); every
+            other dtype goes through LZ4 bit-shuffled by its element size; ``"lz4"``: LZ4 for
+            every dtype. Both are lossless for any bytes; a batched restore of a group that holds
             both (a bf16 model under autocast saves fp32 and bf16 tensors side by side)
             decodes once per codec. ``stats()`` counts the storages each codec stored
             (``compressed_exp`` / ``compressed_lz4`` and their ``_bytes``). With
@@ -329,9 +331,13 @@ class ActivationOffloader:
         esize = dtype_element_size(t.dtype)
         entry = _Entry(self._sink, nbytes, dev, ps, len(ps.groups) - 1)
         cls = (t.dtype, tuple(t.shape))
-        compress = self.mode == "compressed" and ps.compress and self.policy.compress(cls)
-        # the exponent codec for 16-bit floats (``codec="auto"``), else LZ4 + bit-shuffle
-        ff = FLOAT_FORMATS.get(t.dtype) if compress and self.codec == "auto" else None
+        # 16-bit floats under ``codec="auto"``: the exponent codec or LZ4 + bit-shuffle, the
+        # class's samples decide which (``ClassPolicy``); else LZ4 + bit-shuffle
+        codecs = ("exp", "lz4") if self.codec == "auto" and t.dtype in FLOAT_FORMATS else ("lz4",)
+        codec = (self.policy.choose(cls, codecs) if self.mode == "compressed" and ps.compress
+                 else None)
+        compress = codec is not None
+        ff = FLOAT_FORMATS[t.dtype] if codec == "exp" else None
         if dev.type == "cpu":
             entry.store = self._cpu_compressed if compress else self._cpu
             entry.stored = (entry.store.offload(src, esize, ff) if ff
@@ -349,7 +355,7 @@ class ActivationOffloader:
                 return None
             entry.store = self._pinned
         if compress:
-            self.policy.sample(cls, entry.stored)
+            self.policy.sample(cls, entry.stored, codec)
             name = "compressed_exp" if ff else "compressed_lz4"
             self.counters[name] += 1
             self.counters[name + "_bytes"] += nbytes

@@ -139,9 +139,17 @@ class CpuStore:
 
 # --------------------------------------------------------------------------------- policy
 class ClassPolicy:
-    """Per ``(dtype, shape)`` class: compress the first ``samples`` tensors, measure the ratio
+    """Per ``(dtype, shape)`` class: compress the first tensors, measure the ratio
     (uncompressed / stored bytes) once they are done, then keep compressing only when the
     ratio reaches ``min_ratio``; otherwise the class takes the uncompressed pinned path.
+
+    A class may have several candidate codecs (the hooks' ``codec="auto"`` for 16-bit floats:
+    the exponent codec, then LZ4 + bit-shuffle). Its samples then alternate between them,
+    ``samples`` each, and the class keeps the one that stored its samples smallest: neither
+    wins on every model (stock models on an H200, ``bench/results/h200_9637eac_codecs/``:
+    with every bf16 class on one codec, the exponent codec stored TransformerEncoder and
+    ResNet activations at 1.42-1.46x where LZ4 stored 1.32-1.40x, and a Llama-style
+    decoder's at 1.39x where LZ4 stored 1.42x).
 
     A stored sample reports ``kernel_bytes()``: ``(page bytes, stored bytes)`` of what went
     through the compressor, ``None`` until known; a sample with no compressed pages says
@@ -150,42 +158,74 @@ class ClassPolicy:
     def __init__(self, samples: int = 2, min_ratio: float = 1.1):
         self.samples = samples
         self.min_ratio = min_ratio
-        self.decided: dict[tuple, bool] = {}
-        self.ratios: dict[tuple, float] = {}
-        self._pending: dict[tuple, list] = {}
-        self._measured: dict[tuple, list[tuple[int, int]]] = {}
+        self.decided: dict[tuple, bool] = {}  # whether the class compresses
+        self.codecs: dict[tuple, str] = {}  # the codec a compressing class keeps
+        self.ratios: dict[tuple, float] = {}  # the class's ratio with its best candidate
+        self.codec_ratios: dict[tuple, dict[str, float]] = {}  # every candidate's
+        self._candidates: dict[tuple, tuple[str, ...]] = {}
+        self._pending: dict[tuple, list[tuple[str, object]]] = {}  # (codec, stored) samples
+        self._measured: dict[tuple, dict[str, list[tuple[int, int]]]] = {}
+
+    def choose(self, key: tuple, candidates: tuple[str, ...] = ("lz4",)) -> str | None:
+        """The codec for the next tensor of ``key`` (one of ``candidates``, in order of
+        preference on a tie), or ``None``: copy it uncompressed."""
+        if key not in self.decided:
+            self._candidates.setdefault(key, candidates)
+            self.poll(key)
+        if key in self.decided:
+            return self.codecs[key] if self.decided[key] else None
+        taken = self._taken(key)
+        return min(self._candidates[key], key=lambda c: taken.get(c, 0))  # the first on a tie
 
     def compress(self, key: tuple) -> bool:
-        if key in self.decided:
-            return self.decided[key]
-        self.poll(key)
-        return self.decided.get(key, True)
+        """Whether the next tensor of ``key`` (one candidate codec) is compressed."""
+        return self.choose(key) is not None
 
-    def sample(self, key: tuple, stored) -> None:
-        if key not in self.decided:
-            pending = self._pending.setdefault(key, [])
-            if len(pending) + len(self._measured.get(key, ())) < self.samples:
-                pending.append(stored)
+    def sample(self, key: tuple, stored, codec: str = "lz4") -> None:
+        """``stored``, a tensor of ``key`` that ``codec`` compressed, is measured if the class
+        still needs a sample of that codec."""
+        if key not in self.decided and self._taken(key).get(codec, 0) < self.samples:
+            self._pending.setdefault(key, []).append((codec, stored))
+
+    def _taken(self, key: tuple) -> dict[str, int]:
+        taken = {c: len(m) for c, m in self._measured.get(key, {}).items()}
+        for codec, _ in self._pending.get(key, ()):
+            taken[codec] = taken.get(codec, 0) + 1
+        return taken
 
     def poll(self, key: tuple | None = None) -> None:
         for k in [key] if key is not None else list(self._pending):
             pending = self._pending.get(k, [])
-            for s in list(pending):
+            for item in list(pending):
+                codec, s = item
                 measured = s.kernel_bytes()
                 if measured is None and not s.freed:
                     continue  # not placed yet: its stored size is still on the device
                 if measured is not None and measured[0] > 0:
-                    self._measured.setdefault(k, []).append(measured)
-                pending.remove(s)
-            done = self._measured.get(k, [])
-            if len(done) >= self.samples and k not in self.decided:
-                ratio = sum(a for a, _ in done) / max(1, sum(b for _, b in done))
-                self.ratios[k] = ratio
-                self.decided[k] = ratio >= self.min_ratio
-                self._pending.pop(k, None)
+                    self._measured.setdefault(k, {}).setdefault(codec, []).append(measured)
+                pending.remove(item)
+            self._decide(k)
+
+    def _decide(self, k: tuple) -> None:
+        done = self._measured.get(k, {})
+        candidates = self._candidates.get(k) or tuple(done) or ("lz4",)
+        if k in self.decided or any(len(done.get(c, ())) < self.samples for c in candidates):
+            return
+        ratios = {c: sum(a for a, _ in done[c]) / max(1, sum(b for _, b in done[c]))
+                  for c in candidates}
+        best = max(candidates, key=lambda c: ratios[c])  # the first on a tie
+        self.codec_ratios[k] = ratios
+        self.codecs[k], self.ratios[k] = best, ratios[best]
+        self.decided[k] = ratios[best] >= self.min_ratio
+        self._pending.pop(k, None)
 
     def summary(self) -> dict:
+        """Per decided class: its ratio, whether it compresses, its codec and every
+        candidate's ratio."""
         return {
-            f"{k[0]}{list(k[1])}": {"ratio": round(r, 4), "compress": self.decided[k]}
+            f"{k[0]}{list(k[1])}": {"ratio": round(r, 4), "compress": self.decided[k],
+                                   "codec": self.codecs[k],
+                                   "ratios": {c: round(x, 4)
+                                              for c, x in self.codec_ratios[k].items()}}
             for k, r in self.ratios.items()
         }
