@@ -368,7 +368,8 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
                     off.counters else v for k, v in st.items() if not isinstance(v, dict)}
         row.update(host_gib=st["peak_host_bytes"] / GIB, offloaded_gib=offloaded / GIB,
                    stats=per_step,
-                   compressor=st.get("compressor", {}), tuner=st.get("tuner"))
+                   compressor=st.get("compressor", {}), tuner=st.get("tuner"),
+                   policy=st.get("policy"))  # per class: ratio, codec, every candidate's
         comp = [c for c in st.get("compressor", {}).values()]
         row["host_held_gib"] = (st["pinned_held_bytes"]
                                 + sum(c["host_peak_held_bytes"] for c in comp)) / GIB
