@@ -69,8 +69,8 @@ class ActivationOffloader:
         codec: the compressed pages' codec. ``"auto"`` (default): each ``(dtype, shape)``
             class of bfloat16 / float16 tensors samples the exponent codec
             (``torch_pagecomp.exp_codec``: 1.42x on typical bf16 activations) and LZ4 +
-            bit-shuffle (which stores some models' activations smaller: a Llama-style
-            decoder's on the stock-model bench) and keeps the one that stores it smaller (``ClassPolicy``; ``stats()["policy"]``); every
+            bit-shuffle (smaller where most values are zero) and keeps the one that stores it
+            smaller (``ClassPolicy``; ``stats()["policy"]``); every
             other dtype goes through LZ4 bit-shuffled by its element size; ``"lz4"``: LZ4 for
             every dtype. Both are lossless for any bytes; a batched restore of a group that holds
             both (a bf16 model under autocast saves fp32 and bf16 tensors side by side)

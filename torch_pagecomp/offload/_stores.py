@@ -145,11 +145,11 @@ class ClassPolicy:
 
     A class may have several candidate codecs (the hooks' ``codec="auto"`` for 16-bit floats:
     the exponent codec, then LZ4 + bit-shuffle). Its samples then alternate between them,
-    ``samples`` each, and the class keeps the one that stored its samples smallest: neither
-    wins on every model (stock models on an H200, ``bench/results/h200_9637eac_codecs/``:
-    with every bf16 class on one codec, the exponent codec stored TransformerEncoder and
-    ResNet activations at 1.42-1.46x where LZ4 stored 1.32-1.40x, and a Llama-style
-    decoder's at 1.39x where LZ4 stored 1.42x).
+    ``samples`` each, and the class keeps the one that stored its samples smaller. On the
+    stock models' activations the exponent codec won every bf16 class (1.35-1.43x against
+    LZ4's 1.22-1.42x, ``bench/results/h200_971123c_percls/``); LZ4 wins where most values
+    are zero (its bit planes are then nearly empty, while the exponent codec stores every
+    value's sign and mantissa byte), so neither codec is right for every class.
 
     A stored sample reports ``kernel_bytes()``: ``(page bytes, stored bytes)`` of what went
     through the compressor, ``None`` until known; a sample with no compressed pages says
