@@ -49,7 +49,7 @@ import triton.language as tl
 
 from . import constants as fmt
 from .launch import config_meta, interpreting, launch
-from .lz4_decompress import _row, _zero_row
+from .lz4_decompress import _row, _zero_row, check_rows
 
 _OK = tl.constexpr(fmt.STATUS_OK)
 _BAD_KIND = tl.constexpr(fmt.STATUS_BAD_KIND)
@@ -446,24 +446,13 @@ def decompress_exp_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: tor
 def decompress_exp_rows(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
                         kinds: torch.Tensor, rows: torch.Tensor, page_size: int,
                         status: torch.Tensor) -> None:
-    """:func:`decompress_exp_into` with each page's output row given by address (as the LZ4
-    decoder's ``decompress_rows``): many tensors' pages decoded by one launch, each into its
-    own allocation. A row may start at any address (an odd one takes the byte-pair path).
-    Launches directly (callers outside the ops only: the addresses are not traceable).
-
-    Args:
-        payload, offsets, sizes, kinds, status: as for :func:`decompress_exp_into`.
-        rows: ``int64 [N]`` on the payload's device: the address of page ``i``'s ``page_size``
-            bytes of output, each inside a live ``uint8`` tensor of that device that the caller
-            keeps alive until the decode has run; rows must not overlap.
-        page_size: ``P``, a power of two from 4096 to 65536.
-    """
-    n = rows.numel()
-    if not fmt.valid_page_size(page_size):
-        raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
-    if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
-        raise ValueError(f"rows must be a contiguous int64 [N] tensor, got {rows.dtype} "
-                         f"{tuple(rows.shape)}")
+    """:func:`decompress_exp_into` with each page's output row given by address: many
+    tensors' pages decoded by one launch, each into its own allocation. Arguments as for the
+    LZ4 decoder's ``decompress_rows`` (``rows``: ``int64 [N]``, the address of page ``i``'s
+    output row inside a live ``uint8`` tensor the caller keeps until the decode has run; rows
+    must not overlap). A row may start at any address (an odd one takes the byte-pair path).
+    Launches directly (callers outside the ops only: the addresses are not traceable)."""
+    n = check_rows(rows, page_size)
     if n == 0:
         return
     launch(_exp_decode_kernel, (n,), payload.device,

@@ -571,12 +571,7 @@ def decompress_rows(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
             keeps alive until the decode has run; rows must not overlap.
         page_size: ``P``, a power of two from 4096 to 65536.
     """
-    n = rows.numel()
-    if not fmt.valid_page_size(page_size):
-        raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
-    if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
-        raise ValueError(f"rows must be a contiguous int64 [N] tensor, got {rows.dtype} "
-                         f"{tuple(rows.shape)}")
+    n = check_rows(rows, page_size)
     if n == 0:
         return
     plain, shuffled = _row_configs(page_size, interpreting())
@@ -584,6 +579,18 @@ def decompress_rows(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
     launch(_decompress_kernel, (n,), payload.device, args, plain.meta(), traced=False)
     launch(_decompress_shuffled_kernel, (n,), payload.device, args, shuffled.meta(),
            traced=False)
+
+
+def check_rows(rows: torch.Tensor, page_size: int) -> int:
+    """The number of pages of a row table for ``page_size``-byte rows (the row-table
+    launchers' shared checks); raises ``ValueError`` unless ``page_size`` is a power of two
+    from 4096 to 65536 and ``rows`` a contiguous ``int64 [N]`` tensor."""
+    if not fmt.valid_page_size(page_size):
+        raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
+    if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous int64 [N] tensor, got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    return rows.numel()
 
 
 @functools.cache
