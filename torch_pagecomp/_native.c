@@ -234,6 +234,65 @@ static int check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count, const char
     return 1;
 }
 
+/* The ranges of pages one call works through. Without a counter: [start, stop), once. With one
+ * (an int64 buffer that every thread's call for one batch shares, from 0 up): [start, stop) is
+ * cut into `parts` ranges, r-th = start + span * r / parts .. start + span * (r + 1) / parts
+ * (cpu_codec._run_ranges' bounds), and the call takes r after r from the counter (an atomic
+ * fetch-and-add, with the GIL released) until r reaches `parts`: each thread makes one call per
+ * batch and takes ranges as it finishes one, instead of one call, and one return to the GIL,
+ * per range (#25). Each range is taken exactly once, by whichever call gets its number. */
+typedef struct {
+    int64_t *counter; /* NULL: the one range [start, stop) */
+    Py_ssize_t start, stop, parts;
+    int done;
+} ranges_t;
+
+/* Parse the optional (counter, parts) arguments (counter None: no counter). `b` holds the
+ * counter's buffer (released by release_ranges) when one is given. */
+static int get_ranges(PyObject *o_counter, Py_ssize_t parts, Py_ssize_t start, Py_ssize_t stop,
+                      Py_buffer *b, ranges_t *g, const char *fn) {
+    g->counter = NULL;
+    g->start = start;
+    g->stop = stop;
+    g->parts = 1;
+    g->done = 0;
+    b->obj = NULL;
+    if (o_counter == NULL || o_counter == Py_None) return 1;
+    if (!get_buffer(o_counter, b, 1, 8, 'i', "counter")) return 0;
+    if (b->len < 8 || ((uintptr_t)b->buf & 7) || parts < 1 || parts > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: counter must be an aligned int64 [>= 1] and parts "
+                     "in 1..2**31 - 1, got %zd bytes and %zd parts", fn, b->len, parts);
+        PyBuffer_Release(b);
+        b->obj = NULL;
+        return 0;
+    }
+    g->counter = b->buf;
+    g->parts = parts;
+    return 1;
+}
+
+static void release_ranges(Py_buffer *b) {
+    if (b->obj != NULL) PyBuffer_Release(b);
+}
+
+/* The next range [*lo, *hi) of this call, or 0 when none is left. */
+static int next_range(ranges_t *g, Py_ssize_t *lo, Py_ssize_t *hi) {
+    if (g->counter == NULL) {
+        if (g->done) return 0;
+        g->done = 1;
+        *lo = g->start;
+        *hi = g->stop;
+        return 1;
+    }
+    const int64_t r = __atomic_fetch_add(g->counter, 1, __ATOMIC_RELAXED);
+    if (r < 0 || r >= g->parts) return 0;
+    /* span * r / parts without the product: r * rem < parts**2 < 2**62 */
+    const int64_t span = g->stop - g->start, q = span / g->parts, rem = span % g->parts;
+    *lo = g->start + (Py_ssize_t)(r * q + r * rem / g->parts);
+    *hi = g->start + (Py_ssize_t)((r + 1) * q + (r + 1) * rem / g->parts);
+    return 1;
+}
+
 /* The status that page i's metadata alone gives it (BAD_KIND, BAD_SIZE), else OK: the rules of
  * cpu_codec._page_checks (the python-lz4 path runs those on the whole batch), page by page here
  * so that a threaded decode does no serial pass over the batch before its threads start. `off`
@@ -255,8 +314,12 @@ static int32_t check_page(const int64_t *off, const int32_t *size, const uint8_t
 }
 
 PyDoc_STRVAR(decode_pages_doc,
-"decode_pages(payload, offsets, sizes, kinds, out, status, page_size, start, stop)\n\n"
-"Decode pages start .. stop - 1 of a batch of N = len(sizes) pages, with the GIL released.\n"
+"decode_pages(payload, offsets, sizes, kinds, out, status, page_size, start, stop,\n"
+"             counter=None, parts=1)\n\n"
+"Decode pages start .. stop - 1 of a batch of N = len(sizes) pages, with the GIL released;\n"
+"with a counter (int64 [>= 1], shared by every thread's call for the batch, 0 at first),\n"
+"start .. stop - 1 cut into `parts` ranges, each taken by the call that draws its number from\n"
+"the counter (an atomic fetch-and-add), until none is left (see next_range).\n"
 "The arguments are the whole batch's (C-contiguous): payload uint8 [T]; offsets int64 [N], or\n"
 "[N + 1] for a packed container (page i is then payload[offsets[i]:offsets[i + 1]], which\n"
 "must be sizes[i] bytes, and offsets[0] must be 0); sizes int32 [N]; kinds uint8 [N] (codec\n"
@@ -271,20 +334,23 @@ PyDoc_STRVAR(decode_pages_doc,
 "out shuffled.");
 
 static PyObject *decode_pages(PyObject *self, PyObject *args) {
-    PyObject *o_payload, *o_offsets, *o_sizes, *o_kinds, *o_out, *o_status;
-    Py_ssize_t page, start, stop;
+    PyObject *o_payload, *o_offsets, *o_sizes, *o_kinds, *o_out, *o_status, *o_counter = NULL;
+    Py_ssize_t page, start, stop, parts = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnn", &o_payload, &o_offsets, &o_sizes, &o_kinds, &o_out,
-                          &o_status, &page, &start, &stop))
+    if (!PyArg_ParseTuple(args, "OOOOOOnnn|On", &o_payload, &o_offsets, &o_sizes, &o_kinds,
+                          &o_out, &o_status, &page, &start, &stop, &o_counter, &parts))
         return NULL;
     if (page <= 0 || page > (1 << 24)) {
         PyErr_SetString(PyExc_ValueError, "decode_pages: page_size must be in 1..2**24");
         return NULL;
     }
-    Py_buffer payload, offsets, sizes, kinds, out, status;
+    Py_buffer payload, offsets, sizes, kinds, out, status, counter;
+    ranges_t ranges;
     PyObject *result = NULL;
     uint8_t *tmp = NULL; /* a page: a bit-shuffled page is decoded here, then unshuffled */
-    if (!get_buffer(o_payload, &payload, 0, 1, 'u', "payload")) return NULL;
+    if (!get_ranges(o_counter, parts, start, stop, &counter, &ranges, "decode_pages"))
+        return NULL;
+    if (!get_buffer(o_payload, &payload, 0, 1, 'u', "payload")) goto r_counter;
     if (!get_buffer(o_offsets, &offsets, 0, 8, 'i', "offsets")) goto r_payload;
     if (!get_buffer(o_sizes, &sizes, 0, 4, 'i', "sizes")) goto r_offsets;
     if (!get_buffer(o_kinds, &kinds, 0, 1, 'u', "kinds")) goto r_sizes;
@@ -307,8 +373,10 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
         int32_t *st = status.buf;
         const int64_t total = payload.len;
         const int packed = n_off == n + 1;
+        Py_ssize_t lo, hi;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = start; i < stop; i++) {
+        while (next_range(&ranges, &lo, &hi)) /* every page of each range taken */
+        for (Py_ssize_t i = lo; i < hi; i++) {
             uint8_t *to = dst + i * (int64_t)page;
             int32_t r = check_page(off, size, kind, i, packed, total, page);
             if (r != STATUS_OK) {
@@ -345,6 +413,8 @@ r_offsets:
     PyBuffer_Release(&offsets);
 r_payload:
     PyBuffer_Release(&payload);
+r_counter:
+    release_ranges(&counter);
     return result;
 }
 
@@ -376,7 +446,8 @@ static int store_if_fill(const uint8_t *r, uint8_t *to, int64_t page, int32_t *s
 }
 
 PyDoc_STRVAR(compress_pages_doc,
-"compress_pages(raw, src, out, sizes, kinds, page_size, limit, lz4_kind, shuffle, liblz4)\n\n"
+"compress_pages(raw, src, out, sizes, kinds, page_size, limit, lz4_kind, shuffle, liblz4,\n"
+"               counter=None, parts=1)\n\n"
 "Compress the N pages of a range (raw: uint8 [N * page_size]; src: the same pages as the LZ4\n"
 "compressor reads them, bit-shuffled or raw itself) with the GIL released: a page whose bytes\n"
 "are all equal is FILL (size 1, its byte then zeros); else src's page is compressed through\n"
@@ -386,19 +457,24 @@ PyDoc_STRVAR(compress_pages_doc,
 "LZ4_compress_fast_continue and LZ4_sizeofState, called as lz4.block.compress calls them, so\n"
 "the blocks are its blocks) and kept as kind lz4_kind if at most ``limit`` bytes (the rest of\n"
 "the row zeroed), else the raw page is stored RAW (size page_size). Writes out (uint8\n"
-"[N * page_size]), sizes (int32 [N]) and kinds (uint8 [N]).");
+"[N * page_size]), sizes (int32 [N]) and kinds (uint8 [N]). With a counter, as decode_pages:\n"
+"the N pages cut into `parts` ranges that the calls sharing the counter take one by one.");
 
 static PyObject *compress_pages(PyObject *self, PyObject *args) {
-    Py_buffer raw, pages, out, sizes, kinds;
-    Py_ssize_t page, limit;
+    Py_buffer raw, pages, out, sizes, kinds, counter;
+    Py_ssize_t page, limit, parts = 1;
     int lz4_kind, shuffle;
     unsigned long long reset_addr, continue_addr, sizeof_addr;
+    PyObject *o_counter = NULL;
+    ranges_t ranges;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*w*nnii(KKK)", &raw, &pages, &out, &sizes, &kinds, &page,
-                          &limit, &lz4_kind, &shuffle, &reset_addr, &continue_addr, &sizeof_addr))
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*nnii(KKK)|On", &raw, &pages, &out, &sizes, &kinds,
+                          &page, &limit, &lz4_kind, &shuffle, &reset_addr, &continue_addr,
+                          &sizeof_addr, &o_counter, &parts))
         return NULL;
     PyObject *result = NULL;
     const Py_ssize_t n = sizes.len / 4;
+    if (!get_ranges(o_counter, parts, 0, n, &counter, &ranges, "compress_pages")) goto done;
 #if defined(HAVE_SHUFFLE)
     const int shuffle_ok = shuffle == 0 || ((shuffle == 2 || shuffle == 4) &&
                                             page % (64 * shuffle) == 0);
@@ -427,8 +503,10 @@ static PyObject *compress_pages(PyObject *self, PyObject *args) {
         if (tmp == NULL) {
             PyErr_NoMemory();
         } else {
+            Py_ssize_t lo, hi;
             Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < n; i++) {
+            while (next_range(&ranges, &lo, &hi)) /* every page of each range taken */
+            for (Py_ssize_t i = lo; i < hi; i++) {
                 const uint8_t *r = from + i * (int64_t)page;
                 uint8_t *to = dst + i * (int64_t)page;
                 if (store_if_fill(r, to, page, size + i, kind + i)) continue;
@@ -458,6 +536,8 @@ static PyObject *compress_pages(PyObject *self, PyObject *args) {
             result = Py_NewRef(Py_None);
         }
     }
+    release_ranges(&counter);
+done:
     PyBuffer_Release(&raw);
     PyBuffer_Release(&pages);
     PyBuffer_Release(&out);
@@ -635,32 +715,40 @@ static void exp_encode_page(const uint8_t *src, uint8_t *to, int64_t page, int l
 }
 
 PyDoc_STRVAR(exp_encode_pages_doc,
-"exp_encode_pages(raw, out, sizes, kinds, page_size, layout)\n\n"
+"exp_encode_pages(raw, out, sizes, kinds, page_size, layout, counter=None, parts=1)\n\n"
 "Exponent-code the N pages of raw (uint8 [N * page_size], C-contiguous; N = len(sizes))\n"
 "with the GIL released, as torch_pagecomp.exp_codec's numpy reference does: an all-equal\n"
 "page is FILL (size 1, its byte then zeros), a page whose EXP size would exceed\n"
 "page_size - page_size / 32 is RAW (the page, size page_size), else kind 3 | layout << 4\n"
 "with the rest of the row zeroed. Writes out (uint8 [N * page_size]), sizes (int32 [N]) and\n"
-"kinds (uint8 [N]). layout 1 (bf16) or 2 (fp16); page_size a power of two, 4096..65536.");
+"kinds (uint8 [N]). layout 1 (bf16) or 2 (fp16); page_size a power of two, 4096..65536.\n"
+"With a counter, as decode_pages: the N pages cut into `parts` ranges that the calls sharing\n"
+"the counter take one by one.");
 
 static PyObject *exp_encode_pages(PyObject *self, PyObject *args) {
-    PyObject *o_raw, *o_out, *o_sizes, *o_kinds;
-    Py_ssize_t page;
+    PyObject *o_raw, *o_out, *o_sizes, *o_kinds, *o_counter = NULL;
+    Py_ssize_t page, parts = 1;
     int layout;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOni", &o_raw, &o_out, &o_sizes, &o_kinds, &page, &layout))
+    if (!PyArg_ParseTuple(args, "OOOOni|On", &o_raw, &o_out, &o_sizes, &o_kinds, &page, &layout,
+                          &o_counter, &parts))
         return NULL;
     if (!valid_exp_page(page) || (layout != EXP_BF16 && layout != EXP_FP16)) {
         PyErr_Format(PyExc_ValueError, "exp_encode_pages: page_size must be a power of two in "
                      "4096..65536 and layout 1 (bf16) or 2 (fp16), got %zd and %d", page, layout);
         return NULL;
     }
-    Py_buffer raw, out, sizes, kinds;
+    Py_buffer raw, out, sizes, kinds, counter;
+    ranges_t ranges;
     PyObject *result = NULL;
     if (!get_buffer(o_raw, &raw, 0, 1, 'u', "raw")) return NULL;
     if (!get_buffer(o_out, &out, 1, 1, 'u', "out")) goto release_raw;
     if (!get_buffer(o_sizes, &sizes, 1, 4, 'i', "sizes")) goto release_out;
-    if (!get_buffer(o_kinds, &kinds, 1, 1, 'u', "kinds")) goto release_sizes;
+    if (!get_ranges(o_counter, parts, 0, sizes.len / 4, &counter, &ranges, "exp_encode_pages")) {
+        PyBuffer_Release(&sizes);
+        goto release_out;
+    }
+    if (!get_buffer(o_kinds, &kinds, 1, 1, 'u', "kinds")) goto release_counter;
     const Py_ssize_t n = sizes.len / 4;
     if (raw.len != n * page || out.len != n * page || kinds.len != n) {
         PyErr_Format(PyExc_ValueError, "exp_encode_pages: %zd pages (sizes) of %zd bytes need raw "
@@ -671,8 +759,10 @@ static PyObject *exp_encode_pages(PyObject *self, PyObject *args) {
         uint8_t *dst = out.buf, *kind = kinds.buf;
         int32_t *size = sizes.buf;
         const int64_t limit = page - page / 32;
+        Py_ssize_t lo, hi;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
+        while (next_range(&ranges, &lo, &hi)) /* every page of each range taken */
+        for (Py_ssize_t i = lo; i < hi; i++) {
             const uint8_t *r = from + i * (int64_t)page;
             uint8_t *to = dst + i * (int64_t)page;
             if (!store_if_fill(r, to, page, size + i, kind + i))
@@ -682,7 +772,8 @@ static PyObject *exp_encode_pages(PyObject *self, PyObject *args) {
         result = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&kinds);
-release_sizes:
+release_counter:
+    release_ranges(&counter);
     PyBuffer_Release(&sizes);
 release_out:
     PyBuffer_Release(&out);
@@ -760,7 +851,8 @@ static int32_t exp_decode_page(const uint8_t *src, int64_t size, uint8_t *to, in
 }
 
 PyDoc_STRVAR(exp_decode_pages_doc,
-"exp_decode_pages(payload, offsets, sizes, kinds, out, status, page_size)\n\n"
+"exp_decode_pages(payload, offsets, sizes, kinds, out, status, page_size, counter=None,\n"
+"                 parts=1)\n\n"
 "Decode the N = len(sizes) pages of a batch of the exponent codec with the GIL released, as\n"
 "torch_pagecomp.exp_codec.decompress_exp_cpu does: page i's stored bytes are\n"
 "payload[offsets[i]:offsets[i] + sizes[i]] (payload uint8 [T]; offsets int64 [>= N]; sizes\n"
@@ -770,25 +862,31 @@ PyDoc_STRVAR(exp_decode_pages_doc,
 "RAW not page_size, FILL not 1, EXP under its fixed part or over page_size - page_size / 32,\n"
 "or EXP not its fixed part plus the escapes its codes count, BAD_SIZE. A failed page's row\n"
 "is zeroed; nothing is read outside a page's stored bytes. page_size a power of two,\n"
-"4096..65536.");
+"4096..65536. With a counter, as decode_pages: the N pages cut into `parts` ranges that the\n"
+"calls sharing the counter take one by one.");
 
 static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
-    PyObject *o_payload, *o_offsets, *o_sizes, *o_kinds, *o_out, *o_status;
-    Py_ssize_t page;
+    PyObject *o_payload, *o_offsets, *o_sizes, *o_kinds, *o_out, *o_status, *o_counter = NULL;
+    Py_ssize_t page, parts = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOOOn", &o_payload, &o_offsets, &o_sizes, &o_kinds, &o_out,
-                          &o_status, &page))
+    if (!PyArg_ParseTuple(args, "OOOOOOn|On", &o_payload, &o_offsets, &o_sizes, &o_kinds, &o_out,
+                          &o_status, &page, &o_counter, &parts))
         return NULL;
     if (!valid_exp_page(page)) {
         PyErr_Format(PyExc_ValueError, "exp_decode_pages: page_size must be a power of two in "
                      "4096..65536, got %zd", page);
         return NULL;
     }
-    Py_buffer payload, offsets, sizes, kinds, out, status;
+    Py_buffer payload, offsets, sizes, kinds, out, status, counter;
+    ranges_t ranges;
     PyObject *result = NULL;
     if (!get_buffer(o_payload, &payload, 0, 1, 'u', "payload")) return NULL;
     if (!get_buffer(o_offsets, &offsets, 0, 8, 'i', "offsets")) goto r_payload;
     if (!get_buffer(o_sizes, &sizes, 0, 4, 'i', "sizes")) goto r_offsets;
+    if (!get_ranges(o_counter, parts, 0, sizes.len / 4, &counter, &ranges, "exp_decode_pages")) {
+        PyBuffer_Release(&sizes);
+        goto r_offsets;
+    }
     if (!get_buffer(o_kinds, &kinds, 0, 1, 'u', "kinds")) goto r_sizes;
     if (!get_buffer(o_out, &out, 1, 1, 'u', "out")) goto r_kinds;
     if (!get_buffer(o_status, &status, 1, 4, 'i', "status")) goto r_out;
@@ -806,8 +904,10 @@ static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
         int32_t *st = status.buf;
         const int64_t total = payload.len, limit = page - page / 32;
         const int64_t least_bf16 = exp_fixed(page, EXP_BF16), least_fp16 = exp_fixed(page, EXP_FP16);
+        Py_ssize_t lo, hi;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
+        while (next_range(&ranges, &lo, &hi)) /* every page of each range taken */
+        for (Py_ssize_t i = lo; i < hi; i++) {
             const int codec = kind[i] & 15, high = kind[i] >> 4;
             const int64_t o = off[i], s = size[i];
             uint8_t *to = dst + i * (int64_t)page;
@@ -839,6 +939,7 @@ r_out:
 r_kinds:
     PyBuffer_Release(&kinds);
 r_sizes:
+    release_ranges(&counter);
     PyBuffer_Release(&sizes);
 r_offsets:
     PyBuffer_Release(&offsets);
@@ -867,4 +968,10 @@ static struct PyModuleDef module = {
     "torch_pagecomp.exp_codec).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+/* SHARED_RANGES: the page loops take (counter, parts), ranges drawn from a shared counter
+ * (cpu_codec uses them only where the module says so: an older build takes one range a call). */
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "SHARED_RANGES", 1) < 0) Py_CLEAR(m);
+    return m;
+}

@@ -4,8 +4,9 @@ It serves CPU tensors, and CUDA tensors when no GPU path is usable (copy to host
 copy back). ``decode_block`` is a readable pure-Python LZ4 block decoder that classifies
 errors with the same status codes as the GPU decoder.
 
-Speed: a batch is cut into ranges of at most ``MAX_RANGE_BYTES``, and each range is one
-call of the C loops of ``_native`` each way, with the GIL released: compression finds FILL
+Speed: a batch is cut into ranges of at most ``MAX_RANGE_BYTES``, and each thread makes one
+call of the C loops of ``_native`` per batch each way, which takes range after range from a
+counter the threads share, with the GIL released throughout (#25): compression finds FILL
 pages, compresses through the liblz4 that python-lz4 carries (as ``lz4.block.compress`` does:
 the same blocks), stores RAW pages and writes the kinds; decoding decodes, unshuffles and
 zeroes failed rows (the bit-shuffle in C on x86-64, ``shuffle.bitshuffle_np``, else numpy). A
@@ -25,8 +26,8 @@ this order, ``STATUS_BAD_KIND`` for an unknown kind or a shuffle on a non-LZ4 pa
 status (``decode_block``). A failed page's row is zero-filled.
 
 Pages are decoded by the C decoder ``_native.decode_pages`` (those rules, the metadata's
-included, a range of pages per call with the GIL released, so the pool's threads decode in
-parallel and nothing walks the batch before they start), built by ``setup.py`` where a C
+included, range after range with the GIL released, so the pool's threads decode in parallel
+and nothing walks the batch before they start), built by ``setup.py`` where a C
 compiler is found. Without it the metadata rules run in numpy (``_page_checks``) and
 python-lz4 decodes: one call per page (holding the GIL between calls), and since liblz4 lets a
 match offset of 0 through (copying zeros), the pages it decodes with four zero bytes in a row
@@ -55,6 +56,9 @@ try:  # the C page loops (setup.py builds them where a C compiler is found)
     from . import _native
 except ImportError:  # python-lz4, a call per page, instead: slower, the same bytes and statuses
     _native = None
+# The C loops take ranges themselves from a counter shared by the batch's threads (#25); an
+# older build of _native takes one range a call.
+_SHARED_RANGES = bool(getattr(_native, "SHARED_RANGES", 0))
 
 
 @functools.cache
@@ -155,7 +159,7 @@ def shutdown_pool() -> None:
         pool.shutdown(wait=True)
 
 
-def _run_ranges(fn, n: int, page_size: int) -> None:
+def _run_ranges(fn, n: int, page_size: int, c_loop=None) -> None:
     """``fn(start, stop)`` over contiguous ranges covering ``0..n`` in order of ``start``, on up
     to :func:`cpu_threads` threads (the caller is one of them; small batches: the caller
     alone). A batch of ``page_size``-byte pages is cut into ranges of at most
@@ -163,17 +167,31 @@ def _run_ranges(fn, n: int, page_size: int) -> None:
     a few per thread, each thread taking the next range as it finishes one: pages differ in
     cost (a page of zeros against one of text), so equal shares fixed up front would leave
     threads idle behind the slowest, and a bounded range keeps its temporaries (the
-    bit-shuffled pages) in one reused buffer per thread (:func:`_scratch`)."""
+    bit-shuffled pages) in one reused buffer per thread (:func:`_scratch`).
+
+    ``c_loop(counter, parts)``, where given, replaces ``fn``: a C loop of ``_native`` that takes
+    the same ranges itself, ``k`` after ``k`` from ``counter`` (``int64 [1]``, shared by every
+    thread's call, drawn with an atomic add) until ``parts``, range ``k`` being
+    ``n * k // parts .. n * (k + 1) // parts``: one call per thread and batch, the GIL released
+    throughout, where ``fn`` returns to the GIL between ranges (which bounded decoding to
+    0.65-0.77x linear at 8 threads, #25). An exception a call raises comes out here as one from
+    ``fn`` does (page failures are statuses, not exceptions)."""
     least = MIN_THREADED_PAGES // 2  # pages in a range, at least
     threads = min(cpu_threads(), n // least) if n >= MIN_THREADED_PAGES else 1
     most = max(least, MAX_RANGE_BYTES // page_size)
     parts = max(-(-n // most), min(RANGES_PER_THREAD * threads, n // least), 1)
-    bounds = [n * k // parts for k in range(parts + 1)]
-    taken = itertools.count()  # next() of a count is atomic under the GIL
+    if c_loop is not None:
+        counter = np.zeros(1, dtype=np.int64)
 
-    def worker() -> None:
-        while (k := next(taken)) < parts:
-            fn(bounds[k], bounds[k + 1])
+        def worker() -> None:
+            c_loop(counter, parts)
+    else:
+        bounds = [n * k // parts for k in range(parts + 1)]
+        taken = itertools.count()  # next() of a count is atomic under the GIL
+
+        def worker() -> None:
+            while (k := next(taken)) < parts:
+                fn(bounds[k], bounds[k + 1])
 
     if threads <= 1:
         worker()
@@ -224,6 +242,14 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
 
     native = _native is not None and _liblz4_calls() is not None
     c_shuffle = native and C_SHUFFLE and element_size > 1 and page_size % (64 * element_size) == 0
+    c_loop = None
+    if native and _SHARED_RANGES and (element_size == 1 or c_shuffle):
+        flat = raw.reshape(-1)
+
+        def c_loop(counter: np.ndarray, parts: int) -> None:  # every range in C, no GIL
+            _native.compress_pages(flat, flat, out.reshape(-1), size_np, kind_np, page_size,
+                                   limit, lz4_kind, element_size if c_shuffle else 0,
+                                   _liblz4_calls(), counter, parts)
 
     def work(start: int, stop: int) -> None:
         rows = raw[start:stop]
@@ -263,7 +289,7 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
         stored_raw = np.flatnonzero(got == p) + start
         out[stored_raw] = raw[stored_raw]
 
-    _run_ranges(work, n, page_size)
+    _run_ranges(work, n, page_size, c_loop)
     return payload, sizes, kinds
 
 
@@ -405,6 +431,12 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     out_flat = out.reshape(-1)
     if _native is None:  # python-lz4: the metadata checks of the whole batch in numpy, first
         st[:] = _page_checks(off_np, size_np, kind_np, page_size, buf.shape[0], n)
+    c_loop = None
+    if _native is not None and _SHARED_RANGES and C_SHUFFLE:
+
+        def c_loop(counter: np.ndarray, parts: int) -> None:  # every range in C, no GIL
+            _native.decode_pages(buf, off_np, size_np, kind_np, out_flat, st, page_size, 0, n,
+                                 counter, parts)
 
     def work(start: int, stop: int) -> None:
         rng = slice(start, stop)
@@ -434,7 +466,7 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
         failed = np.flatnonzero(st[rng] != 0) + start
         out[failed] = 0
 
-    _run_ranges(work, n, page_size)
+    _run_ranges(work, n, page_size, c_loop)
     return pages, status
 
 
