@@ -1,5 +1,5 @@
 """The C page loops that take their ranges themselves (#25): each thread of a CPU batch makes
-one call of ``_native.decode_pages`` / ``compress_pages`` (and, where its caller passes one,
+one call of ``_native.decode_pages`` / ``compress_pages`` (and of the exponent codec's
 ``exp_encode_pages`` / ``exp_decode_pages``) with a counter every call shares, and the call
 takes range after range from it with the GIL released. Split over 1, 2, 3 and 8 threads, with
 ranges far smaller than the batch, the pages, sizes, kinds and statuses are those of one
@@ -272,3 +272,44 @@ def test_counter_arguments_are_checked():
     assert (out == 0xA5).all() and (st == -1).all()
     dec(None)  # no counter: start .. stop, as before
     assert st[0] == 0 and not out.any()
+
+
+def test_exp_codec_over_threads_with_small_ranges(gen, small_ranges, monkeypatch):
+    """The exponent codec's CPU path (``exp_codec``) the same way: 1, 2, 3 and 8 threads give
+    the same payload, sizes, kinds, pages and statuses (hostile pages among them), one call of
+    each C loop per thread, and the batch decodes back."""
+    from torch_pagecomp import exp_codec
+
+    monkeypatch.setattr(exp_codec, "_native", small_ranges)  # imported by name there
+    x = (torch.randn(289 * 2048, generator=gen) * 0.02).to(torch.bfloat16)
+    pages = x.view(torch.uint8).view(-1, 4096).clone()
+    pages[::13] = 0  # FILL pages here and there
+    n = pages.shape[0]
+    encoded, decoded = [], []
+    for threads in THREADS:
+        cpu_codec.set_cpu_threads(threads)
+        small_ranges.calls.clear()
+        payload, sizes, kinds = (t.clone() for t in exp_codec.compress_exp_cpu(pages,
+                                                                               fmt.EXP_BF16))
+        offsets = torch.arange(n, dtype=torch.int64) * 4096
+        hostile = sizes.clone()  # hostile sizes in several ranges (the same each round)
+        g = torch.Generator().manual_seed(n)
+        hostile[torch.randint(0, n, (9,), generator=g)] = torch.randint(
+            -5, 9000, (9,), generator=g, dtype=torch.int32)
+        got = exp_codec.decompress_exp_cpu(payload.view(-1), offsets, hostile, kinds, 4096)
+        names = [c[0] for c in small_ranges.calls]
+        want = expected_calls(n, threads)
+        assert names.count("exp_encode_pages") == want == names.count("exp_decode_pages")
+        encoded.append((payload, sizes, kinds))
+        decoded.append(tuple(t.clone() for t in got))
+        assert decoded[-1][1].any()  # some of the hostile pages failed
+    ref = exp_codec.compress_exp_cpu(pages, fmt.EXP_BF16, native=False)
+    assert all(torch.equal(u, v) for u, v in zip(encoded[0], ref))
+    ref_pages, ref_status = exp_codec.decompress_exp_cpu(
+        encoded[0][0].view(-1), offsets, hostile, encoded[0][2], 4096, native=False)
+    assert torch.equal(decoded[0][1], ref_status) and torch.equal(decoded[0][0], ref_pages)
+    ok = ref_status == 0
+    assert torch.equal(decoded[0][0][ok], pages[ok])
+    for threads, enc, dec in zip(THREADS, encoded, decoded):
+        assert all(torch.equal(u, v) for u, v in zip(enc, encoded[0])), threads
+        assert all(torch.equal(u, v) for u, v in zip(dec, decoded[0])), threads

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import format as fmt
-from .cpu_codec import _native, _outputs, _run_ranges, fill_rows
+from .cpu_codec import _SHARED_RANGES, _native, _outputs, _run_ranges, fill_rows
 
 # The C page loops where the extension is built (else the numpy reference: the same bytes and
 # statuses, 13-35x slower); an extension built before the exponent loops has only LZ4's.
@@ -252,8 +252,12 @@ def _compress_exp_native(pages: torch.Tensor, layout: int) -> tuple[torch.Tensor
         _native.exp_encode_pages(raw[start:stop].reshape(-1), out[start:stop].reshape(-1),
                                  size_np[start:stop], kind_np[start:stop], page_size, layout)
 
+    def c_loop(counter: np.ndarray, parts: int) -> None:  # every range in C, no GIL
+        _native.exp_encode_pages(raw.reshape(-1), out.reshape(-1), size_np, kind_np, page_size,
+                                 layout, counter, parts)
+
     if n_pages:
-        _run_ranges(work, n_pages, page_size)
+        _run_ranges(work, n_pages, page_size, c_loop if _SHARED_RANGES else None)
     return payload, sizes, kinds
 
 
@@ -275,6 +279,10 @@ def _decompress_exp_native(payload: torch.Tensor, offsets: torch.Tensor, sizes: 
         _native.exp_decode_pages(buf, off[start:stop], size[start:stop], kind[start:stop],
                                  out[start:stop].reshape(-1), st[start:stop], page_size)
 
+    def c_loop(counter: np.ndarray, parts: int) -> None:  # every range in C, no GIL
+        _native.exp_decode_pages(buf, off, size, kind, out.reshape(-1), st, page_size, counter,
+                                 parts)
+
     if n_pages:
-        _run_ranges(work, n_pages, page_size)
+        _run_ranges(work, n_pages, page_size, c_loop if _SHARED_RANGES else None)
     return pages, status
