@@ -298,15 +298,20 @@ static int next_range(ranges_t *g, Py_ssize_t *lo, Py_ssize_t *hi) {
  * so that a threaded decode does no serial pass over the batch before its threads start. `off`
  * holds N offsets, or N + 1 when `packed` (page i is then off[i] .. off[i + 1], and off[0] is
  * 0). */
+/* The size rules both decoders share: [o, o + s) non-empty and inside the payload (o >= 0 and
+ * s <= total - o first: o + s cannot overflow), a RAW page `page` bytes, a FILL page 1. */
+static int plain_size_bad(int codec, int64_t o, int64_t s, int64_t total, int64_t page) {
+    return o < 0 || s < 1 || s > total - o || (codec == KIND_RAW && s != page) ||
+           (codec == KIND_FILL && s != 1);
+}
+
 static int32_t check_page(const int64_t *off, const int32_t *size, const uint8_t *kind,
                           Py_ssize_t i, int packed, int64_t total, int64_t page) {
     const int codec = kind[i] & 15, shift = kind[i] >> 4;
     if (codec > KIND_FILL || shift > 2 || (shift && codec != KIND_LZ4))
         return STATUS_BAD_KIND; /* no other kind reaches the unshuffle */
     const int64_t o = off[i], s = size[i];
-    /* o >= 0 and s <= total - o first: o + s below cannot overflow */
-    if (o < 0 || s < 1 || s > total - o) return STATUS_BAD_SIZE;
-    if ((codec == KIND_RAW && s != page) || (codec == KIND_FILL && s != 1) ||
+    if (plain_size_bad(codec, o, s, total, page) ||
         (codec == KIND_LZ4 && s > page - page / 32)) /* format.lz4_keep_limit */
         return STATUS_BAD_SIZE;
     if (packed && (off[i + 1] != o + s || (i == 0 && o != 0))) return STATUS_BAD_SIZE;
@@ -916,8 +921,7 @@ static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
             int32_t r = STATUS_OK;
             if (!plain && !exp) {
                 r = STATUS_BAD_KIND;
-            } else if (o < 0 || s < 1 || s > total - o || (codec == KIND_RAW && s != page) ||
-                       (codec == KIND_FILL && s != 1) ||
+            } else if (plain_size_bad(codec, o, s, total, page) ||
                        (exp && (s < (high == EXP_FP16 ? least_fp16 : least_bf16) || s > limit))) {
                 r = STATUS_BAD_SIZE;
             } else if (codec == KIND_RAW) {

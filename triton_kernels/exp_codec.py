@@ -49,7 +49,7 @@ import triton.language as tl
 
 from . import constants as fmt
 from .launch import config_meta, interpreting, launch
-from .lz4_decompress import _row, _zero_row, check_rows
+from .lz4_decompress import _plain_meta, _row, _store_plain_page, _zero_row, check_rows
 
 _OK = tl.constexpr(fmt.STATUS_OK)
 _BAD_KIND = tl.constexpr(fmt.STATUS_BAD_KIND)
@@ -333,17 +333,13 @@ def _exp_page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE: tl.const
     BAD_KIND unless RAW / FILL (high nibble 0) or EXP of layout bf16 / fp16; BAD_SIZE where
     ``[off, off + size)`` leaves the payload (``total`` bytes) or the size is not one the kind
     allows (RAW ``PAGE``, FILL 1, EXP ``F .. PAGE - PAGE/32``); else OK."""
-    off = tl.load(offsets_ptr + pid).to(tl.int64)
-    size = tl.load(sizes_ptr + pid).to(tl.int32)
-    kind = tl.load(kinds_ptr + pid).to(tl.int32)
+    off, size, kind, bad_size = _plain_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE)
     codec = kind & 15
     layout = kind >> 4
     plain = ((codec == _RAW) | (codec == _FILL)) & (layout == 0)
     exp = (codec == _EXP) & ((layout == _BF16) | (layout == _FP16))
     N: tl.constexpr = PAGE // 2
     least = tl.where(layout == _FP16, 7 + 6 * N // 8 + N, 7 + 3 * N // 8 + N)  # F
-    bad_size = (off < 0) | (size < 1) | (size.to(tl.int64) > total - off)
-    bad_size |= ((codec == _RAW) & (size != PAGE)) | ((codec == _FILL) & (size != 1))
     bad_size |= exp & ((size < least) | (size > PAGE - PAGE // 32))
     st = tl.where(~(plain | exp), _BAD_KIND, tl.where(bad_size, _BAD_SIZE, _OK))
     return off, size, kind, st
@@ -398,20 +394,14 @@ def _exp_decode_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
         aligned = (row.to(tl.int64, bitcast=True) & 1) == 0
     else:  # rows are PAGE apart, so aligned as the first (folded for 16-aligned outputs)
         aligned = (pages_ptr.to(tl.int64, bitcast=True) & 1) == 0
-    ar = tl.arange(0, RAW_BYTES)
     if st == 0:
         if codec == _EXP:
             if (kind >> 4) == _FP16:
                 st = _decode_exp_page(src, size, row, aligned, PAGE, True, CHUNK)
             else:
                 st = _decode_exp_page(src, size, row, aligned, PAGE, False, CHUNK)
-        elif codec == _RAW:
-            for k in range(0, PAGE, RAW_BYTES):
-                tl.store(row + k + ar, tl.load(src + k + ar))
         else:
-            b = tl.load(src)
-            for k in range(0, PAGE, RAW_BYTES):
-                tl.store(row + k + ar, tl.zeros([RAW_BYTES], tl.uint8) + b)
+            _store_plain_page(payload_ptr, off, codec == _RAW, row, PAGE, RAW_BYTES)
     if st != 0:
         _zero_row(row, PAGE, RAW_BYTES)  # the LZ4 decoder's: after any partial store
     tl.store(status_ptr + pid, st)

@@ -404,17 +404,48 @@ def _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE: tl.constexpr
     every walk runs over at most ``PAGE - PAGE/32 < 2**16`` bytes: positions relative to the
     block fit int32 with room to spare, and the block's base is the int64 ``off``. Scalar work
     per page."""
+    off, size, kind, bad_size = _plain_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE)
+    codec = kind & 15
+    shift = kind >> 4
+    bad_kind = (codec > 2) | (shift > 2) | ((shift != 0) & (codec != 1))
+    bad_size |= (codec == 1) & (size > PAGE - PAGE // 32)
+    st = tl.where(bad_kind, _BAD_KIND, tl.where(bad_size, _BAD_SIZE, _OK))
+    return off, size, kind, st
+
+
+@triton.jit
+def _plain_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE: tl.constexpr):
+    """``(off int64, size int32, kind int32, bad_size)`` of page ``pid``, with the size rules
+    every decoder shares: ``[off, off + size)`` non-empty and inside the payload (``total``
+    bytes), a RAW page ``PAGE`` bytes, a FILL page 1 (each decoder adds its own kinds')."""
     off = tl.load(offsets_ptr + pid).to(tl.int64)
     size = tl.load(sizes_ptr + pid).to(tl.int32)
     kind = tl.load(kinds_ptr + pid).to(tl.int32)
     codec = kind & 15
-    shift = kind >> 4
-    bad_kind = (codec > 2) | (shift > 2) | ((shift != 0) & (codec != 1))
     bad_size = (off < 0) | (size < 1) | (size.to(tl.int64) > total - off)
     bad_size |= ((codec == 0) & (size != PAGE)) | ((codec == 2) & (size != 1))
-    bad_size |= (codec == 1) & (size > PAGE - PAGE // 32)
-    st = tl.where(bad_kind, _BAD_KIND, tl.where(bad_size, _BAD_SIZE, _OK))
-    return off, size, kind, st
+    return off, size, kind, bad_size
+
+
+@triton.jit
+def _store_plain_page(payload_ptr, off, raw, row, PAGE: tl.constexpr, RAW_BYTES: tl.constexpr):
+    """A checked RAW page (``raw``) copied from ``payload[off:off + PAGE]`` into its row (16-byte
+    loads where ``off`` allows: a fixed-stride payload's pages all do), else a FILL page: its
+    byte at ``off`` repeated. Shared by the decoders."""
+    ar = tl.arange(0, RAW_BYTES)
+    if raw:
+        if (off & 15) == 0:
+            a16 = payload_ptr + tl.multiple_of(off, 16)
+            for k in range(0, PAGE, RAW_BYTES):
+                tl.store(row + k + ar, tl.load(a16 + k + ar))
+        else:
+            src = payload_ptr + off
+            for k in range(0, PAGE, RAW_BYTES):
+                tl.store(row + k + ar, tl.load(src + k + ar))
+    else:
+        b = tl.load(payload_ptr + off)
+        for k in range(0, PAGE, RAW_BYTES):
+            tl.store(row + k + ar, tl.zeros([RAW_BYTES], tl.uint8) + b)
 
 
 @triton.jit
@@ -462,25 +493,14 @@ def _decompress_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
     if (kind != _SHUFFLED_2) & (kind != _SHUFFLED_4):
         src = payload_ptr + tl.where(st == 0, off, 0)
         row = _row(pages_ptr, pid, PAGE, ROWS)
-        ar = tl.arange(0, RAW_BYTES)
         if st == 0:
             if codec == 1:
                 if PREFETCH_L1:
                     _prefetch_block(src, size, PAGE)
                 if shift == 0:
                     st = _decode_lz4(src, size, row, PAGE, VEC_BYTES, RUN_BYTES, EXT_BYTES)
-            elif codec == 0:
-                if (off & 15) == 0:  # 16-byte loads (a fixed-stride payload's pages all are)
-                    a16 = payload_ptr + tl.multiple_of(off, 16)
-                    for k in range(0, PAGE, RAW_BYTES):
-                        tl.store(row + k + ar, tl.load(a16 + k + ar))
-                else:
-                    for k in range(0, PAGE, RAW_BYTES):
-                        tl.store(row + k + ar, tl.load(src + k + ar))
             else:
-                b = tl.load(src)
-                for k in range(0, PAGE, RAW_BYTES):
-                    tl.store(row + k + ar, tl.zeros([RAW_BYTES], tl.uint8) + b)
+                _store_plain_page(payload_ptr, off, codec == 0, row, PAGE, RAW_BYTES)
         if st != 0:
             _zero_row(row, PAGE, RAW_BYTES)
         tl.store(status_ptr + pid, st)

@@ -42,6 +42,7 @@ import weakref
 
 import torch
 import transformers
+from packaging.version import Version  # a dependency of transformers
 
 from ..format import dtype_element_size, valid_page_size
 from ..offload._paged_group import StoredGroup
@@ -55,11 +56,7 @@ def check_transformers_version(version: str) -> None:
     older than :data:`MIN_TRANSFORMERS`: older releases keep the cache's layers otherwise (a
     layer added on first use is not found, ``reset`` zeroes keys never allocated), which
     failed with an ``IndexError`` deep inside ``generate`` on transformers 5.17."""
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
-        parts.append(int(digits) if digits else 0)
-    if tuple(parts) < MIN_TRANSFORMERS:
+    if Version(version).release[:2] < MIN_TRANSFORMERS:
         need = ".".join(map(str, MIN_TRANSFORMERS))
         raise ImportError(
             f"torch_pagecomp.integrations.transformers needs transformers>={need}, found "
