@@ -41,7 +41,7 @@ def paged_rows(sizes: list[int], repeats: int) -> list[str]:
     lines = ["| size | codec | restore | host us offload + restore | e2e us | pinned copy e2e us |",
              "|---|---|---|---|---|---|"]
     for size in sizes:
-        x = build_corpus("bf16-relu", size, 4096, dev, seed=1)
+        x = build_corpus("bf16-relu", size, 4096, dev, seed=1).reshape(-1)
         out = torch.empty_like(x)
         pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
