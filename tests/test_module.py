@@ -194,6 +194,49 @@ def test_element_size_and_compressed_container(pc, gen):
         pc.offload(x, element_size=3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_exp_codec_for_16_bit_floats(dtype, gen):
+    """``codec="exp"``: 16-bit float tensors take the exponent codec through the same ring
+    (several batches, a partial last page), restore bit-exactly, and store less than LZ4 +
+    bit-shuffle on Gaussian values; other dtypes and an explicit element size keep LZ4."""
+    exp = PageCompressor(device="cpu", batch_pages=3, codec="exp")
+    lz4 = PageCompressor(device="cpu", batch_pages=3, codec="lz4")
+    n = 7 * 2048 + int(torch.randint(1, 2047, (1,), generator=gen))  # 7 pages + a partial one
+    x = (torch.randn(n, generator=gen) * 3).to(dtype)
+    h, h_lz4 = exp.offload(x), lz4.offload(x)
+    assert (h.codec, h_lz4.codec) == ("exp", "lz4")
+    out = torch.full_like(x, 7.0)
+    assert exp.restore(h, out=out) is out and same_bits(x, out)
+    assert same_bits(x, lz4.restore(h_lz4))
+    c = h.compressed()
+    assert c.codec == "exp" and c.num_pages == 8
+    exp_kind = (c.kinds & 15) == 3
+    assert bool(exp_kind[:7].all()), c.kinds  # Gaussian pages: none stored raw
+    assert torch.equal(decompress(c).view(-1)[: h.nbytes], x.view(torch.uint8))
+    assert h.stored_nbytes < h_lz4.stored_nbytes, (h.stored_nbytes, h_lz4.stored_nbytes)
+    assert exp.offload(x.float()).codec == "lz4"
+    assert exp.offload(x, element_size=1).codec == "lz4"
+    # a corrupt exponent-codec page is named by its index in the tensor
+    sb = h._storage.batches[1]
+    sb.layout.views(sb.block.tensor)[3][1] = 0x0F
+    with pytest.raises(CorruptPageError) as err:
+        exp.restore(h)
+    assert err.value.pages == [sb.first_page + 1]
+    exp.close()
+    lz4.close()
+
+
+def test_codec_setting(gen):
+    """``"auto"`` (the default) keeps LZ4 on a CPU compressor; a bad codec is named."""
+    cpu = PageCompressor(device="cpu", batch_pages=3)
+    assert cpu.codec == "auto" and "codec='auto'" in repr(cpu) and cpu.stats()["codec"] == "auto"
+    assert cpu.offload(torch.randn(3000, generator=gen).to(torch.bfloat16)).codec == "lz4"
+    assert type(cpu).__reduce_ex__(cpu, 2)[1][0]["codec"] == "auto"
+    cpu.close()
+    with pytest.raises(PageCompError, match="codec must be one of"):
+        PageCompressor(device="cpu", codec="zstd")
+
+
 def test_compress_host_flow(pc, gen):
     pages = file_pages("binary", 10, 4096, gen)
     h = pc.compress_host(pages)
@@ -334,6 +377,27 @@ def test_gpu_roundtrip_dtypes_shapes(dtype, gen):
         y = pc.restore(h, check=True)
         assert y.is_cuda and same_bits(x, y)
         assert same_bits(x, pc.restore(h, device="cpu"))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_auto_codec_is_the_exponent_codec(dtype, gen):
+    """On a GPU ``codec="auto"`` stores 16-bit floats with the exponent codec: bit-exact back
+    on the GPU and on the CPU, in a container the API decodes, smaller than LZ4's."""
+    auto, lz4 = PageCompressor(batch_pages=4), PageCompressor(batch_pages=4, codec="lz4")
+    x = (torch.randn(9 * 2048 + 5, generator=gen) * 2).to(dtype).cuda()
+    h, h_lz4 = auto.offload(x), lz4.offload(x)
+    assert (h.codec, h_lz4.codec) == ("exp", "lz4")
+    assert same_bits(x, auto.restore(h, check=True))
+    assert same_bits(x, auto.restore(h, device="cpu"))
+    c = h.compressed()
+    assert c.codec == "exp"
+    assert torch.equal(decompress(c).view(-1)[: h.nbytes], x.view(torch.uint8).cpu())
+    h_lz4.wait()
+    assert h.stored_nbytes < h_lz4.stored_nbytes
+    auto.close()
+    lz4.close()
 
 
 @gpu

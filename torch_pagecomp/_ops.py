@@ -287,22 +287,29 @@ def publish_total_eager(src: Tensor, dst: Tensor) -> None:
 
 
 def decompress_into_eager(
-    payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, pages: Tensor, status: Tensor
+    payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, pages: Tensor, status: Tensor,
+    exp: bool = False,
 ) -> None:
-    """As ``torch.ops.pagecomp.decompress``, written into ``pages`` ``uint8 [N, P]`` (contiguous)
-    and ``status`` ``int32 [N]`` on the current stream."""
+    """As ``torch.ops.pagecomp.decompress`` (``exp``: ``decompress_exp``, the exponent codec's
+    decoder), written into ``pages`` ``uint8 [N, P]`` (contiguous) and ``status`` ``int32
+    [N]`` on the current stream."""
+    op = "decompress_exp" if exp else "decompress"
     if not isinstance(pages, Tensor) or pages.dim() != 2:
         desc = f"{pages.dtype} {list(pages.shape)}" if isinstance(pages, Tensor) else type(pages)
-        raise fmt.PageCompError(f"pagecomp.decompress_into: pages must be uint8 [N, P], got {desc}")
-    fmt.check_decompress_args(payload, offsets, sizes, kinds, pages.shape[1], pages, status)
+        raise fmt.PageCompError(f"pagecomp.{op}_into: pages must be uint8 [N, P], got {desc}")
+    fmt.check_decompress_args(payload, offsets, sizes, kinds, pages.shape[1], pages, status,
+                              op=op if exp else None)
     if not _use_triton(payload):
-        got, st = torch.ops.pagecomp.decompress(payload, offsets, sizes, kinds, pages.shape[1])
+        got, st = getattr(torch.ops.pagecomp, op)(payload, offsets, sizes, kinds, pages.shape[1])
         pages.copy_(got)
         status.copy_(st)
         return
-    from .kernels.lz4_decompress import decompress_into
+    if exp:
+        from .kernels.exp_codec import decompress_exp_into as launch_into
+    else:
+        from .kernels.lz4_decompress import decompress_into as launch_into
 
-    decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)
+    launch_into(payload, offsets, sizes, kinds, pages, status, traced=False)
 
 
 def compress_exp_eager(pages: Tensor, float_format: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -325,3 +332,4 @@ def decompress_exp_eager(
     from .kernels.exp_codec import decompress_exp_pages
 
     return decompress_exp_pages(payload, offsets, sizes, kinds, page_size, traced=False)
+

@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ._ops import compress_eager, decompress_into_eager, pack_eager, publish_total_eager
+from ._ops import (
+    compress_eager,
+    compress_exp_eager,
+    decompress_into_eager,
+    pack_eager,
+    publish_total_eager,
+)
 from .pools import DeviceBufferPool, HostArena, PinnedBufferPool
 from .storage import BlobLayout, StoredBatch, meta_capacity
 
@@ -218,7 +224,9 @@ class CudaStages:
                 slot.record("up_e", self.compute)
             pages = src[lo:hi].view(n, p) if dev is None else dev[: n * p].view(n, p)
             slot.record("k_s", self.compute)
-            payload, sizes, kinds = compress_eager(pages, element_size)
+            ff = job.storage.float_format
+            payload, sizes, kinds = (compress_exp_eager(pages, ff) if ff
+                                     else compress_eager(pages, element_size))
             packed, offsets = pack_eager(payload, sizes, zero_tail=False)  # T bytes go down
             slot.record("k_c", self.compute)
             if self.publish:  # T to the host by a kernel: the copy engine is the link's
@@ -343,7 +351,8 @@ class CudaStages:
             whole = hi - lo == n * p  # decoded in place; a partial last page goes via a buffer
             pages = out[lo:hi].view(n, p) if whole else torch.empty(
                 (n, p), dtype=torch.uint8, device=out.device)
-            decompress_into_eager(payload, offsets[:-1], sizes, kinds, pages, status)
+            decompress_into_eager(payload, offsets[:-1], sizes, kinds, pages, status,
+                                  exp=job.storage.float_format is not None)
             if not whole:
                 out[lo:hi].copy_(pages.view(-1)[: hi - lo])
             slot.record("k_e", self.compute)

@@ -425,6 +425,8 @@ def check_compress_args(pages: torch.Tensor, element_size: object) -> None:
 
 
 FLOAT_FORMATS = ("bf16", "fp16")  # the exponent codec's layouts, by name
+# the exponent codec's layout of each dtype it codes (what ``codec="auto"`` sends to it)
+DTYPE_FLOAT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def check_compress_exp_args(pages: torch.Tensor, float_format: object) -> None:

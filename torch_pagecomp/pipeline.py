@@ -406,7 +406,9 @@ class Pipeline:
             pages = pages.view(n, p)
         slot.cpu_stage = SlotState.COMPRESSING
         t1 = time.perf_counter()
-        payload, sizes, kinds = torch.ops.pagecomp.compress(pages, element_size)
+        ff = job.storage.float_format
+        payload, sizes, kinds = (torch.ops.pagecomp.compress_exp(pages, ff) if ff
+                                 else torch.ops.pagecomp.compress(pages, element_size))
         packed, offsets = torch.ops.pagecomp.pack(payload, sizes)
         lay = BlobLayout.of(n, int(offsets[n]))
         slot.cpu_stage = SlotState.DOWNLOADING
@@ -495,9 +497,9 @@ class Pipeline:
                 if slot is not None:
                     slot.cpu_stage = SlotState.COMPRESSING
                 payload, offsets, sizes, kinds = lay.views(sb.block.tensor)
-                pages, status = torch.ops.pagecomp.decompress(
-                    payload, offsets[:-1], sizes, kinds, p
-                )
+                decode = (torch.ops.pagecomp.decompress if storage.float_format is None
+                          else torch.ops.pagecomp.decompress_exp)
+                pages, status = decode(payload, offsets[:-1], sizes, kinds, p)
                 lo = sb.first_page * p
                 hi = min(out.numel(), lo + n * p)
                 out[lo:hi].copy_(pages.view(-1)[: hi - lo])

@@ -96,8 +96,12 @@ class Storage:
     the last of them finishes (so a blob being read is never recycled). Thread-safe.
     """
 
-    def __init__(self, arena: HostArena, check: Callable[[], None] | None = None):
+    def __init__(self, arena: HostArena, check: Callable[[], None] | None = None,
+                 float_format: str | None = None):
         self.arena = arena
+        # "bf16" / "fp16": the pages are the exponent codec's (``torch_pagecomp.exp_codec``),
+        # which every batch's compress and decode use; None: LZ4 (bit-shuffled or not)
+        self.float_format = float_format
         self._check = check  # raises when the pipeline writing this storage cannot finish it
         self._pid = os.getpid()
         self.batches: list[StoredBatch | None] = []
@@ -202,4 +206,5 @@ class Storage:
         kinds_t = torch.cat(kinds) if kinds else torch.empty(0, dtype=torch.uint8)
         offsets = torch.zeros(sizes_t.numel() + 1, dtype=torch.int64)
         torch.cumsum(sizes_t.to(torch.int64), 0, out=offsets[1:])
-        return CompressedPages(payload, sizes_t, kinds_t, page_size, offsets)
+        return CompressedPages(payload, sizes_t, kinds_t, page_size, offsets,
+                               codec="lz4" if self.float_format is None else "exp")

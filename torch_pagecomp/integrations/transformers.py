@@ -44,7 +44,7 @@ import torch
 import transformers
 from packaging.version import Version  # a dependency of transformers
 
-from ..format import dtype_element_size, valid_page_size
+from ..format import DTYPE_FLOAT_FORMATS, dtype_element_size, valid_page_size
 from ..offload._paged_group import StoredGroup
 from ._kv_store import DeviceStore, Held, Stores
 
@@ -72,7 +72,6 @@ from transformers.cache_utils import (  # noqa: E402 - after the version check
 )
 
 CODECS = ("auto", "lz4")  # what CompressedOffloadedCache(codec=...) takes
-_FLOAT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the exponent codec's
 
 try:  # transformers >= 5: layer types and their kwargs from a config
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -295,7 +294,7 @@ class CompressedLayer(DynamicLayer):
         v.copy_(values[..., lo : lo + n * bt, :].unflatten(2, (n, bt)).permute(2, 0, 1, 3, 4))
         raw = flat.view(torch.uint8)
         element_size = dtype_element_size(self.dtype)
-        float_format = (_FLOAT_FORMATS.get(self.dtype) if self._cache().codec == "auto"
+        float_format = (DTYPE_FLOAT_FORMATS.get(self.dtype) if self._cache().codec == "auto"
                         else None)
         for i in range(n):
             held = ds.seal(raw[i], element_size, float_format)

@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from ..format import dtype_element_size
+from ..format import DTYPE_FLOAT_FORMATS, dtype_element_size
 from ..pools import PinnedBufferPool, can_pin
 from ._backward import Backward
 from ._entry import (
@@ -57,7 +57,6 @@ from ._tune import StepTuner
 
 MODES = ("compressed", "uncompressed")
 CODECS = ("auto", "lz4")  # what ActivationOffloader(codec=...) takes
-FLOAT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the exponent codec's dtypes
 
 
 class ActivationOffloader:
@@ -333,11 +332,12 @@ class ActivationOffloader:
         cls = (t.dtype, tuple(t.shape))
         # 16-bit floats under ``codec="auto"``: the exponent codec or LZ4 + bit-shuffle, the
         # class's samples decide which (``ClassPolicy``); else LZ4 + bit-shuffle
-        codecs = ("exp", "lz4") if self.codec == "auto" and t.dtype in FLOAT_FORMATS else ("lz4",)
+        exp_ok = self.codec == "auto" and t.dtype in DTYPE_FLOAT_FORMATS
+        codecs = ("exp", "lz4") if exp_ok else ("lz4",)
         codec = (self.policy.choose(cls, codecs) if self.mode == "compressed" and ps.compress
                  else None)
         compress = codec is not None
-        ff = FLOAT_FORMATS[t.dtype] if codec == "exp" else None
+        ff = DTYPE_FLOAT_FORMATS[t.dtype] if codec == "exp" else None
         if dev.type == "cpu":
             entry.store = self._cpu_compressed if compress else self._cpu
             entry.stored = (entry.store.offload(src, esize, ff) if ff

@@ -148,6 +148,10 @@ class PagedStore:
             self.pack_stream.synchronize()  # both made before any kernel may use them
             self.restore_stream.synchronize()
         self.scratch_bytes = 0  # bound on the scratch held at once (reported in stats)
+        # one event per hand-off between two streams, recorded again for each: a stream's wait
+        # takes the event as it was recorded when the wait was queued, so reusing it is safe and
+        # spares the host an event's creation and destruction per wait
+        self._handoffs: dict[tuple[int, int], torch.cuda.Event] = {}
         self._scratches: dict[int, tuple] = {}  # element size -> the compress kernel's scratch
         self._scratch_held = 0
 
@@ -161,7 +165,7 @@ class PagedStore:
         full = nbytes // p
         cs = self.compress_stream
         if cs is not None:
-            cs.wait_stream(producer)
+            self._handoff(producer, cs)
         slices = []
         with on_stream(cs):
             for first in range(0, full, self.slice_pages):
@@ -176,6 +180,16 @@ class PagedStore:
             consumed = _record(cs)
         return PagedStored(nbytes, p, slices, tail, consumed, tail_sum,
                            exp=float_format is not None)
+
+    def _handoff(self, before, after) -> None:
+        """``after`` waits for the work queued on ``before`` so far (``Stream.wait_stream``
+        with a kept event)."""
+        key = (before.stream_id, after.stream_id)
+        event = self._handoffs.get(key)
+        if event is None:
+            event = self._handoffs[key] = torch.cuda.Event()
+        event.record(before)
+        after.wait_event(event)
 
     def _store_slice(self, src, first: int, n: int, element_size: int,
                      float_format: str | None) -> _Slice:
@@ -195,10 +209,10 @@ class PagedStore:
         _compress(pages, element_size, (payload, sizes, kinds), scratch, float_format)
         if self.checksum:
             _checksums(pages, sums)
-        compressed = _record(cs)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
+        if ps is not None:
+            self._handoff(cs, ps)
         with on_stream(ps):
-            _wait(ps, compressed)
             host_desc = self.arena.host_desc()
             self.arena.back(n * p, ps)
             arena = self.arena
