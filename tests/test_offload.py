@@ -365,11 +365,14 @@ def test_codec_choice_by_dtype_and_invalid_codec():
         offload_activations(codec="exp-bf16")
 
 
-def test_batched_restore_puts_each_codec_together():
+def test_batched_restore_puts_each_codec_together(monkeypatch):
     """A batch of LZ4 and exponent-codec tensors (interleaved, as a bf16 autocast forward
     saves them) goes to one group restore with each codec's tensors together, in their order,
     each output beside its stored tensor: one decode per codec."""
+    from torch_pagecomp.offload import _backward
+
     off = ActivationOffloader()
+    monkeypatch.setattr(_backward, "mark", lambda stream: stream.record_event())
     seen = []
 
     class Store:

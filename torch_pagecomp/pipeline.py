@@ -694,6 +694,9 @@ class Pipeline:
                     self._finish(item, error)
                 elif isinstance(item, tuple):  # ("reader_done", storage)
                     item[1].reader_done()
+        # blocks that handles still hold go back later: their chunks are then released at once
+        # rather than kept for work a closed pipeline will never take
+        self.arena.keep_free_chunks = 0
         self.arena.trim()
         self.staging.clear()
         self.device_pool.clear()

@@ -23,7 +23,7 @@ from ..kernels.launch import interpreting
 from ..offload._paged import PagedStore
 from ..offload._paged_group import StoredGroup
 from ..offload._stores import CpuStore
-from ..offload._streams import current_stream, on_stream
+from ..offload._streams import current_stream, handoff, mark, on_stream
 
 
 class Held:
@@ -139,7 +139,7 @@ class DeviceStore:
         with on_stream(self.side):  # out is the restore stream's: nothing else wrote it
             out = torch.empty(group.nbytes, dtype=torch.uint8, device=self.device)
             self.store.restore_group(group, out)
-            return out, self.side.record_event()
+            return out, mark(self.side)
 
     @staticmethod
     def use(out: torch.Tensor, event: torch.cuda.Event | None) -> None:
@@ -157,8 +157,8 @@ class DeviceStore:
         if self.side is not None:
             # their metadata was allocated on the compress and pack streams: reused there only
             # after the restores already queued have read it
-            self.store.compress_stream.wait_stream(self.side)
-            self.store.pack_stream.wait_stream(self.side)
+            handoff(self.side, self.store.compress_stream)
+            handoff(self.side, self.store.pack_stream)
         while self.sink:
             self.store.free(self.sink.pop())
 

@@ -18,6 +18,7 @@ import collections
 import torch
 
 from ..pools import HostMemory, can_pin
+from ._streams import mark
 
 CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
@@ -26,10 +27,6 @@ DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slic
 
 def _align16(nbytes: int) -> int:
     return (nbytes + 15) & ~15
-
-
-def _record(stream) -> torch.cuda.Event | None:
-    return stream.record_event() if stream is not None else None
 
 
 def _wait(stream, event) -> None:
@@ -221,7 +218,7 @@ class VirtualArena:
             if k >= self.frontier // self.chunk:
                 break
             if k not in self.live:
-                event = event or _record(reader)
+                event = event or mark(reader)
                 self.free.append((self.backed.pop(k), event))
 
     @property

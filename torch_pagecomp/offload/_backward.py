@@ -17,7 +17,7 @@ from ..format import CorruptPageError
 from ._entry import _capturing, _Entry
 from ._paged import PagedStored, SliceNotStored
 from ._paged_group import StoredGroup
-from ._streams import current_stream, on_stream
+from ._streams import current_stream, handoff, mark, on_stream
 
 
 class Backward:
@@ -135,7 +135,7 @@ class Backward:
         side = self.off._stream(entries[0].device, "h2d") if gpu_streams else None
         with on_stream(side):
             for s in gpu_streams:  # the buffers were allocated there
-                side.wait_stream(s)
+                handoff(s, side)
             for e in entries:  # in the order given (the order backward needs them)
                 part = part_of.get(id(e))
                 if part is None:
@@ -162,7 +162,7 @@ class Backward:
             for e in part:
                 self._restore_one(e, side)
             return
-        event = side.record_event()
+        event = mark(side)
         for e in part:
             e.restore_event = event
 
@@ -170,7 +170,7 @@ class Backward:
         try:
             e.store.restore(e.stored, e.restored)
             if side is not None:
-                e.restore_event = side.record_event()
+                e.restore_event = mark(side)
         except Exception as exc:  # noqa: BLE001 - raised at this entry's unpack
             e.error = exc.with_traceback(None)
 

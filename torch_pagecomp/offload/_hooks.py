@@ -52,7 +52,7 @@ from ._entry import (
 from ._ledger import HostLedger
 from ._paged import PagedStore
 from ._stores import ClassPolicy, CpuStore, PinnedStore
-from ._streams import current_stream, on_stream
+from ._streams import current_stream, handoff, on_stream
 from ._tune import StepTuner
 
 MODES = ("compressed", "uncompressed")
@@ -349,7 +349,7 @@ class ActivationOffloader:
         else:
             side, entry.stream = self._stream(dev, "d2h"), current_stream(dev)
             with on_stream(side):
-                side.wait_stream(entry.stream)
+                handoff(entry.stream, side)
                 entry.stored = self._pinned.offload(src, esize)
             if entry.stored is None:
                 return None

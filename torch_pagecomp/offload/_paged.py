@@ -33,12 +33,11 @@ from ._arena import (
     VirtualArena,
     _meta_bytes,
     _meta_views,
-    _record,
     _Slice,
     _wait,
     slice_meta,
 )
-from ._streams import current_stream, on_stream
+from ._streams import current_stream, handoff, mark, on_stream
 
 SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
 # slice costs the host ~5 kernel launches both ways, so most saved tensors are one slice
@@ -80,8 +79,9 @@ class PagedStored:
         """The copy is done: every page is in host memory. Until then the offloader keeps the
         source, as it does for a plain copy, so a backward that comes first reads it in place
         rather than over the link."""
-        return (self.consumed is None or self.consumed.query()) and all(
-            sl.done() for sl in self.slices)
+        if self.consumed is not None and self.consumed.query():
+            self.consumed = None  # done: the kept event (``_streams.mark``) is not held any more
+        return self.consumed is None and all(sl.done() for sl in self.slices)
 
     def wait_on(self, stream) -> None:
         """``stream`` waits until the source may be dropped: its pages are compressed (the
@@ -148,10 +148,6 @@ class PagedStore:
             self.pack_stream.synchronize()  # both made before any kernel may use them
             self.restore_stream.synchronize()
         self.scratch_bytes = 0  # bound on the scratch held at once (reported in stats)
-        # one event per hand-off between two streams, recorded again for each: a stream's wait
-        # takes the event as it was recorded when the wait was queued, so reusing it is safe and
-        # spares the host an event's creation and destruction per wait
-        self._handoffs: dict[tuple[int, int], torch.cuda.Event] = {}
         self._scratches: dict[int, tuple] = {}  # element size -> the compress kernel's scratch
         self._scratch_held = 0
 
@@ -165,7 +161,7 @@ class PagedStore:
         full = nbytes // p
         cs = self.compress_stream
         if cs is not None:
-            self._handoff(producer, cs)
+            handoff(producer, cs)
         slices = []
         with on_stream(cs):
             for first in range(0, full, self.slice_pages):
@@ -177,19 +173,9 @@ class PagedStore:
                 tail.copy_(src[full * p:], non_blocking=True)
                 if self.checksum:
                     tail_sum = tail_checksum(src[full * p:], p)
-            consumed = _record(cs)
+            consumed = mark(cs)
         return PagedStored(nbytes, p, slices, tail, consumed, tail_sum,
                            exp=float_format is not None)
-
-    def _handoff(self, before, after) -> None:
-        """``after`` waits for the work queued on ``before`` so far (``Stream.wait_stream``
-        with a kept event)."""
-        key = (before.stream_id, after.stream_id)
-        event = self._handoffs.get(key)
-        if event is None:
-            event = self._handoffs[key] = torch.cuda.Event()
-        event.record(before)
-        after.wait_event(event)
 
     def _store_slice(self, src, first: int, n: int, element_size: int,
                      float_format: str | None) -> _Slice:
@@ -211,7 +197,7 @@ class PagedStore:
             _checksums(pages, sums)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
         if ps is not None:
-            self._handoff(cs, ps)
+            handoff(cs, ps)
         with on_stream(ps):
             host_desc = self.arena.host_desc()
             self.arena.back(n * p, ps)
@@ -225,7 +211,7 @@ class PagedStore:
                 host.copy_(meta, non_blocking=True)
                 rel_h, _, sizes_h, kinds_h, sums_h = _meta_views(host, n, self.checksum)
                 host_meta = (rel_h, sizes_h, kinds_h, sums_h)
-            stored = _record(ps)
+            stored = mark(ps)
             if ps is not None:
                 payload.record_stream(ps)  # made on the compress stream, read here
                 meta.record_stream(ps)

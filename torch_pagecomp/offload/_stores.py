@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..pools import HostMemory, PinnedBufferPool
-from ._streams import current_stream
+from ._streams import current_stream, mark
 
 
 # --------------------------------------------------------------------------------- stores
@@ -31,7 +31,9 @@ class RawStored:
         self.event = event
 
     def ready(self) -> bool:
-        return self.event is None or self.event.query()
+        if self.event is not None and self.event.query():
+            self.event = None  # done: the kept event (``_streams.mark``) is not held any more
+        return self.event is None
 
     def wait_on(self, stream: torch.cuda.Stream | None) -> None:
         if self.event is not None and stream is not None:
@@ -57,7 +59,7 @@ class PinnedStore:
         if buf.last_use is not None:
             stream.wait_event(buf.last_use)
         buf.tensor.copy_(src, non_blocking=True)
-        ev = stream.record_event()
+        ev = mark(stream)
         buf.last_use = ev
         return RawStored(buf, ev)
 
@@ -65,7 +67,7 @@ class PinnedStore:
         stream = current_stream(out.device)
         stored.wait_on(stream)
         out.copy_(stored.buf.tensor, non_blocking=True)
-        stored.buf.last_use = stream.record_event()
+        stored.buf.last_use = mark(stream)
 
     def free(self, stored: RawStored) -> None:
         self.pool.put(stored.buf)
