@@ -1,4 +1,5 @@
-"""The hooks' cheap stream helpers (``torch_pagecomp.offload._streams``) against torch's own."""
+"""The hooks' cheap stream helpers (``torch_pagecomp.offload._streams``) against torch's own,
+and the kept events (``torch_pagecomp._events``)."""
 
 import torch
 
@@ -42,29 +43,29 @@ def test_kept_events_order_work_and_stay_strict(cuda, monkeypatch):
     """``handoff`` orders a second stream after the first (its event recorded again for each
     hand-off); ``mark`` reuses a ring of events per stream, and a holder of an event recorded
     again still sees it complete only after the point it was first recorded at."""
-    from torch_pagecomp.offload import _streams
+    from torch_pagecomp import _events
 
-    monkeypatch.setattr(_streams, "EVENTS_PER_STREAM", 4)
+    monkeypatch.setattr(_events, "EVENTS_PER_STREAM", 4)
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
-    _streams._RINGS.pop(_streams._key(a), None)  # torch reuses stream ids: a fresh ring
+    _events._RINGS.pop(_events._key(a), None)  # torch reuses stream ids: a fresh ring
     x = torch.randn(1 << 22, device=cuda)
     torch.cuda.synchronize()
     for _ in range(3):  # the same kept event orders every hand-off
         with on_stream(a):
             torch.cuda._sleep(20_000_000)
             y = x * 3
-        _streams.handoff(a, b)
+        _events.handoff(a, b)
         with on_stream(b):
             z = y + 1
         torch.cuda.synchronize()
         assert torch.equal(z, x * 3 + 1)
-    held = [_streams.mark(a) for _ in range(4)]
+    held = [_events.mark(a) for _ in range(4)]
     assert len({id(e) for e in held}) == 4
     with on_stream(a):
         torch.cuda._sleep(50_000_000)  # ~25 ms
-    again = _streams.mark(a)  # the ring's first event, recorded again after the sleep
+    again = _events.mark(a)  # the ring's first event, recorded again after the sleep
     assert again is held[0]
     assert not held[0].query()  # a holder now waits for the later point: never earlier
     again.synchronize()
     assert all(e.query() for e in held)
-    assert _streams.mark(None) is None
+    assert _events.mark(None) is None

@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from . import format as fmt
+from ._events import mark
 from .api import checksum_status, page_checksums, raise_for_status
 from .format import PageCompError, dtype_element_size
 from .pipeline import Pipeline, PipelineStopped, SlotState  # noqa: F401 (re-exported)
@@ -420,8 +421,7 @@ class PageCompressor(torch.nn.Module):
             _not_capturing("offload")
             with torch.cuda.device(self.device):
                 producer = torch.cuda.current_stream(self.device)  # the caller's, read here
-                ready = torch.cuda.Event()
-                ready.record(producer)
+                ready = mark(producer)
                 if flat.is_cuda:  # read by the kernels, or by raw downloads
                     flat.record_stream(self.pipeline.compute)
                     flat.record_stream(self.pipeline.d2h)

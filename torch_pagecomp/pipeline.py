@@ -47,6 +47,7 @@ from enum import Enum
 
 import torch
 
+from ._events import handoff, mark
 from .cuda_stages import CudaStages, CudaStreams, RawBypass
 from .pools import ALIGN, DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
 from .storage import BlobLayout, Storage, StoredBatch, detached_error
@@ -436,8 +437,7 @@ class Pipeline:
         statuses = []
         storage.add_reader()
         with torch.cuda.device(self.device):
-            start = torch.cuda.Event()
-            start.record(consumer)
+            start = mark(consumer)
             self.compute.wait_event(start)
             count, last = 0, len(storage.batches) - 1
             try:
@@ -461,9 +461,7 @@ class Pipeline:
                         raise
                     count += 1
             finally:
-                end = torch.cuda.Event()
-                end.record(self.compute)
-                consumer.wait_event(end)
+                handoff(self.compute, consumer)
                 for status in statuses:  # read later on the caller's stream
                     status.record_stream(consumer)
                 if count == 0:

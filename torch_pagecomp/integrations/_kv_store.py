@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from .._events import handoff, mark
 from ..format import CorruptPageError
 from ..kernels.launch import interpreting
 from ..offload._paged import PagedStore
 from ..offload._paged_group import StoredGroup
 from ..offload._stores import CpuStore
-from ..offload._streams import current_stream, handoff, mark, on_stream
+from ..offload._streams import current_stream, on_stream
 
 
 class Held:

@@ -17,8 +17,8 @@ import collections
 
 import torch
 
+from .._events import mark
 from ..pools import HostMemory, can_pin
-from ._streams import mark
 
 CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)

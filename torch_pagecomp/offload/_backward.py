@@ -13,11 +13,12 @@ import weakref
 
 import torch
 
+from .._events import handoff, mark
 from ..format import CorruptPageError
 from ._entry import _capturing, _Entry
 from ._paged import PagedStored, SliceNotStored
 from ._paged_group import StoredGroup
-from ._streams import current_stream, handoff, mark, on_stream
+from ._streams import current_stream, on_stream
 
 
 class Backward:

@@ -36,6 +36,7 @@ import weakref
 
 import torch
 
+from .._events import handoff
 from ..format import DTYPE_FLOAT_FORMATS, dtype_element_size
 from ..pools import PinnedBufferPool, can_pin
 from ._backward import Backward
@@ -52,7 +53,7 @@ from ._entry import (
 from ._ledger import HostLedger
 from ._paged import PagedStore
 from ._stores import ClassPolicy, CpuStore, PinnedStore
-from ._streams import current_stream, handoff, on_stream
+from ._streams import current_stream, on_stream
 from ._tune import StepTuner
 
 MODES = ("compressed", "uncompressed")

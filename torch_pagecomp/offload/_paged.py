@@ -24,6 +24,7 @@ import collections
 import torch
 
 from .. import _ops, cpu_codec, exp_codec
+from .._events import handoff, mark
 from ..api import checksum_status
 from ..format import CorruptPageError
 from ..module import RestoreFailures
@@ -37,7 +38,7 @@ from ._arena import (
     _wait,
     slice_meta,
 )
-from ._streams import current_stream, handoff, mark, on_stream
+from ._streams import current_stream, on_stream
 
 SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
 # slice costs the host ~5 kernel launches both ways, so most saved tensors are one slice

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from .._events import mark
 from ..pools import HostMemory, PinnedBufferPool
-from ._streams import current_stream, mark
+from ._streams import current_stream
 
 
 # --------------------------------------------------------------------------------- stores
