@@ -703,6 +703,10 @@ def _drop_barrier(monkeypatch, barrier: str) -> None:
     from torch_pagecomp.offload._stores import RawStored
 
     if barrier == "producer":  # side streams do not wait for the compute stream
+        from torch_pagecomp.offload import _hooks, _paged
+
+        for mod in (_hooks, _paged):  # their hand-offs (torch_pagecomp._events)
+            monkeypatch.setattr(mod, "handoff", lambda before, after: None)
         monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, other: None)
     elif barrier == "release":  # the stash drops a storage before it was read
         for cls in (PagedStored, RawStored):

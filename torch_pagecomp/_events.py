@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-# Creating a CUDA event for each mark or wait cost the hooks' hot path more host time than
-# the launches around it (on an H200 host, 2 fewer events per stored tensor took ~170 us off an
-# offload + restore: ``bench/results/h200_84085be_events``). So events are kept and recorded
-# again. For a wait (``handoff``), one event per pair of streams: ``wait_event`` takes the
+# A CUDA event made for each mark or wait is created, recorded and destroyed on the host for
+# every stored tensor, several times over (the store's offload + restore of one tensor took
+# 3-45% less host time with kept events, same host: ``bench/results/h200_5144f51_events``).
+# So events are kept and recorded again. For a wait (``handoff``), one event per pair of streams: ``wait_event`` takes the
 # event as last recorded when the wait is queued, so recording it again later changes nothing
 # that is already queued. For a mark that others keep and query (``mark``), a ring of events
 # per stream, reused round-robin: a holder of an event that was recorded again on the same
