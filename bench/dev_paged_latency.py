@@ -16,15 +16,13 @@
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import statistics
 import time
 
 import torch
 
 from bench.corpora import build_corpus
+from bench.dev_host_profile import profile_calls
 from bench.latency import human, parse_sizes
 
 
@@ -101,21 +99,11 @@ def profile_hooks(steps: int, model: str = "encoder-1024") -> str:
     for _ in range(4):
         step()
     torch.cuda.synchronize()
-    prof = cProfile.Profile()
     t0 = time.perf_counter()
-    prof.enable()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    prof.disable()
+    report = profile_calls(step, steps, top=45, cumulative="torch_pagecomp")
     wall = (time.perf_counter() - t0) / steps * 1e3
-    s = io.StringIO()
-    st = pstats.Stats(prof, stream=s)
-    s.write(f"{model} memory: {wall:.1f} ms per step under cProfile, {steps} steps\n")
-    st.sort_stats("tottime").print_stats(45)
-    st.sort_stats("cumulative").print_stats("torch_pagecomp", 40)
     off.remove()
-    return s.getvalue()
+    return f"{model} memory: {wall:.1f} ms per step under cProfile, {steps} steps\n" + report
 
 
 def main() -> None:
