@@ -9,13 +9,14 @@ import torch
 # A CUDA event made for each mark or wait is created, recorded and destroyed on the host for
 # every stored tensor, several times over (the store's offload + restore of one tensor took
 # 3-45% less host time with kept events, same host: ``bench/results/h200_5144f51_events``).
-# So events are kept and recorded again. For a wait (``handoff``), one event per pair of streams: ``wait_event`` takes the
-# event as last recorded when the wait is queued, so recording it again later changes nothing
-# that is already queued. For a mark that others keep and query (``mark``), a ring of events
-# per stream, reused round-robin: a holder of an event that was recorded again on the same
-# stream sees a later point of that stream, which completes only after the point it holds
-# (stream order), so every query, wait and synchronize stays at least as strict as before;
-# with ``EVENTS_PER_STREAM`` marks between two uses of one event, holders rarely see that.
+# So events are kept and recorded again. For a wait (``handoff``), one event per pair of
+# streams: ``wait_event`` takes the event as last recorded when the wait is queued, so
+# recording it again later changes nothing that is already queued. For a mark that others
+# keep and query (``mark``), a ring of events per stream, reused round-robin: a holder of an
+# event that was recorded again on the same stream sees a later point of that stream, which
+# completes only after the point it holds (stream order), so every query, wait and
+# synchronize stays at least as strict as before; with ``EVENTS_PER_STREAM`` marks between
+# two uses of one event, holders rarely see that.
 EVENTS_PER_STREAM = 1024
 _RINGS: dict[tuple, list] = {}  # stream key -> [next index, events]
 _HANDOFFS: dict[tuple, torch.cuda.Event] = {}
