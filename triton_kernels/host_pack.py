@@ -31,6 +31,8 @@ device descriptor, and the decoder reads them with the per-page offsets (relativ
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -144,9 +146,15 @@ def pack_slice(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
     grid = (min(n, programs or link_programs(payload.device)),)
     launch(_pack_slice_kernel, grid, payload.device,
            (payload, sizes, rel, ends, desc, host_desc, table, n, parity, limit),
-           frozen_meta((("P", page_size), ("CHUNK", chunk_bytes), ("TABLE", table.numel()),
+           _pack_meta(page_size, chunk_bytes, table.numel()), traced=False)
+
+
+@functools.cache
+def _pack_meta(page_size: int, chunk_bytes: int, table: int):
+    # built once per setting: a launch per stored slice would otherwise hash it anew
+    return frozen_meta((("P", page_size), ("CHUNK", chunk_bytes), ("TABLE", table),
                         ("ALIGN", ALIGN), ("WORDS", PACK_WORDS), ("BLOCK", PLAN_BLOCK),
-                        ("num_warps", PACK_WARPS))), traced=False)
+                        ("num_warps", PACK_WARPS)))
 
 
 def fetch_from_host(dst: torch.Tensor, desc: torch.Tensor, table: torch.Tensor,

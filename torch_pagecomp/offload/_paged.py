@@ -185,7 +185,8 @@ class PagedStore:
         p, cs, ps = self.page_size, self.compress_stream, self.pack_stream
         if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight
             _wait(cs, self._packed.popleft())
-        pages = src[first * p:(first + n) * p].view(n, p)
+        pages = (src.view(n, p) if first == 0 and src.numel() == n * p  # one op, not two
+                 else src[first * p:(first + n) * p].view(n, p))
         # two allocations per slice: the fixed-stride payload (freed once packed) and the
         # metadata the restore needs (:func:`_meta_bytes`; with ``host_meta``, copied to the
         # host after the pack and dropped from the device once the slice is placed)
