@@ -651,6 +651,10 @@ def test_gpu_backward_reads_unfinished_offloads_in_place(seed, mode, monkeypatch
     nothing is left after it."""
     x = torch.randn(1 << 22, device="cuda", requires_grad=True)
     ref = _race_step(None, x)
+    # the kernels compiled first: a first compile inside the forward (seconds of host time)
+    # would outlast the delay below, and the copies would be done before backward starts
+    _race_step(gpu_offloader(mode, min_offload_bytes=0, prefer="memory", min_ratio=0.0), x)
+    torch.cuda.synchronize()
     off = gpu_offloader(mode, min_offload_bytes=0, prefer="memory", min_ratio=0.0)
     _delay_side_streams(monkeypatch, off, 400_000_000)  # the copies outlast the forward
     x.grad = None
