@@ -35,7 +35,8 @@ def _timed_store_slice(store_mod, marks):
         if len(self._packed) >= store_mod.SCRATCH_SLICES:
             _wait(cs, self._packed.popleft())
         t.append(clock())
-        pages = src[first * p:(first + n) * p].view(n, p)
+        pages = (src.view(n, p) if first == 0 and src.numel() == n * p
+                 else src[first * p:(first + n) * p].view(n, p))
         t.append(clock())
         payload = torch.empty((n, p), dtype=torch.uint8, device=src.device)
         t.append(clock())
