@@ -31,9 +31,10 @@ def mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     of kept events (see above); ``None`` for no stream (the CPU)."""
     if stream is None:
         return None
-    ring = _RINGS.get(_key(stream))
+    key = _key(stream)
+    ring = _RINGS.get(key)
     if ring is None:
-        ring = _RINGS[_key(stream)] = [0, []]
+        ring = _RINGS[key] = [0, []]
     at, events = ring
     if len(events) < EVENTS_PER_STREAM:
         event = torch.cuda.Event()

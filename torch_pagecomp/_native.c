@@ -225,6 +225,31 @@ static int get_buffer(PyObject *obj, Py_buffer *b, int writable, Py_ssize_t item
     return 1;
 }
 
+/* One buffer argument: get_buffer's parameters and where the buffer goes. */
+typedef struct {
+    PyObject *obj;
+    Py_buffer *b;
+    int writable;
+    Py_ssize_t itemsize;
+    char kind;
+    const char *name;
+} buffer_arg;
+
+static void release_buffers(const buffer_arg *a, int count) {
+    while (count-- > 0) PyBuffer_Release(a[count].b);
+}
+
+/* get_buffer of every argument of `a` in order; on the first failure the ones already got are
+ * released (the error is that argument's). */
+static int get_buffers(const buffer_arg *a, int count) {
+    for (int i = 0; i < count; i++)
+        if (!get_buffer(a[i].obj, a[i].b, a[i].writable, a[i].itemsize, a[i].kind, a[i].name)) {
+            release_buffers(a, i);
+            return 0;
+        }
+    return 1;
+}
+
 static int check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count, const char *name) {
     if (b->len < itemsize * count) {
         PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", name, b->len,
@@ -353,14 +378,17 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
     ranges_t ranges;
     PyObject *result = NULL;
     uint8_t *tmp = NULL; /* a page: a bit-shuffled page is decoded here, then unshuffled */
+    const buffer_arg bufs[] = {
+        {o_payload, &payload, 0, 1, 'u', "payload"}, {o_offsets, &offsets, 0, 8, 'i', "offsets"},
+        {o_sizes, &sizes, 0, 4, 'i', "sizes"}, {o_kinds, &kinds, 0, 1, 'u', "kinds"},
+        {o_out, &out, 1, 1, 'u', "out"}, {o_status, &status, 1, 4, 'i', "status"}};
+    const int nbufs = (int)(sizeof bufs / sizeof bufs[0]);
     if (!get_ranges(o_counter, parts, start, stop, &counter, &ranges, "decode_pages"))
         return NULL;
-    if (!get_buffer(o_payload, &payload, 0, 1, 'u', "payload")) goto r_counter;
-    if (!get_buffer(o_offsets, &offsets, 0, 8, 'i', "offsets")) goto r_payload;
-    if (!get_buffer(o_sizes, &sizes, 0, 4, 'i', "sizes")) goto r_offsets;
-    if (!get_buffer(o_kinds, &kinds, 0, 1, 'u', "kinds")) goto r_sizes;
-    if (!get_buffer(o_out, &out, 1, 1, 'u', "out")) goto r_kinds;
-    if (!get_buffer(o_status, &status, 1, 4, 'i', "status")) goto r_out;
+    if (!get_buffers(bufs, nbufs)) {
+        release_ranges(&counter);
+        return NULL;
+    }
     const Py_ssize_t n = sizes.len / 4, n_off = offsets.len / 8;
     if ((n_off != n && n_off != n + 1) || kinds.len != n || out.len != n * page ||
         status.len != 4 * n || start < 0 || start > stop || stop > n) {
@@ -407,18 +435,7 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
         result = Py_NewRef(Py_None);
     }
     PyMem_RawFree(tmp);
-    PyBuffer_Release(&status);
-r_out:
-    PyBuffer_Release(&out);
-r_kinds:
-    PyBuffer_Release(&kinds);
-r_sizes:
-    PyBuffer_Release(&sizes);
-r_offsets:
-    PyBuffer_Release(&offsets);
-r_payload:
-    PyBuffer_Release(&payload);
-r_counter:
+    release_buffers(bufs, nbufs);
     release_ranges(&counter);
     return result;
 }
@@ -746,14 +763,15 @@ static PyObject *exp_encode_pages(PyObject *self, PyObject *args) {
     Py_buffer raw, out, sizes, kinds, counter;
     ranges_t ranges;
     PyObject *result = NULL;
-    if (!get_buffer(o_raw, &raw, 0, 1, 'u', "raw")) return NULL;
-    if (!get_buffer(o_out, &out, 1, 1, 'u', "out")) goto release_raw;
-    if (!get_buffer(o_sizes, &sizes, 1, 4, 'i', "sizes")) goto release_out;
+    const buffer_arg bufs[] = {
+        {o_raw, &raw, 0, 1, 'u', "raw"}, {o_out, &out, 1, 1, 'u', "out"},
+        {o_sizes, &sizes, 1, 4, 'i', "sizes"}, {o_kinds, &kinds, 1, 1, 'u', "kinds"}};
+    const int nbufs = (int)(sizeof bufs / sizeof bufs[0]);
+    if (!get_buffers(bufs, nbufs)) return NULL;
     if (!get_ranges(o_counter, parts, 0, sizes.len / 4, &counter, &ranges, "exp_encode_pages")) {
-        PyBuffer_Release(&sizes);
-        goto release_out;
+        release_buffers(bufs, nbufs);
+        return NULL;
     }
-    if (!get_buffer(o_kinds, &kinds, 1, 1, 'u', "kinds")) goto release_counter;
     const Py_ssize_t n = sizes.len / 4;
     if (raw.len != n * page || out.len != n * page || kinds.len != n) {
         PyErr_Format(PyExc_ValueError, "exp_encode_pages: %zd pages (sizes) of %zd bytes need raw "
@@ -776,14 +794,8 @@ static PyObject *exp_encode_pages(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }
-    PyBuffer_Release(&kinds);
-release_counter:
     release_ranges(&counter);
-    PyBuffer_Release(&sizes);
-release_out:
-    PyBuffer_Release(&out);
-release_raw:
-    PyBuffer_Release(&raw);
+    release_buffers(bufs, nbufs);
     return result;
 }
 
@@ -885,16 +897,16 @@ static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
     Py_buffer payload, offsets, sizes, kinds, out, status, counter;
     ranges_t ranges;
     PyObject *result = NULL;
-    if (!get_buffer(o_payload, &payload, 0, 1, 'u', "payload")) return NULL;
-    if (!get_buffer(o_offsets, &offsets, 0, 8, 'i', "offsets")) goto r_payload;
-    if (!get_buffer(o_sizes, &sizes, 0, 4, 'i', "sizes")) goto r_offsets;
+    const buffer_arg bufs[] = {
+        {o_payload, &payload, 0, 1, 'u', "payload"}, {o_offsets, &offsets, 0, 8, 'i', "offsets"},
+        {o_sizes, &sizes, 0, 4, 'i', "sizes"}, {o_kinds, &kinds, 0, 1, 'u', "kinds"},
+        {o_out, &out, 1, 1, 'u', "out"}, {o_status, &status, 1, 4, 'i', "status"}};
+    const int nbufs = (int)(sizeof bufs / sizeof bufs[0]);
+    if (!get_buffers(bufs, nbufs)) return NULL;
     if (!get_ranges(o_counter, parts, 0, sizes.len / 4, &counter, &ranges, "exp_decode_pages")) {
-        PyBuffer_Release(&sizes);
-        goto r_offsets;
+        release_buffers(bufs, nbufs);
+        return NULL;
     }
-    if (!get_buffer(o_kinds, &kinds, 0, 1, 'u', "kinds")) goto r_sizes;
-    if (!get_buffer(o_out, &out, 1, 1, 'u', "out")) goto r_kinds;
-    if (!get_buffer(o_status, &status, 1, 4, 'i', "status")) goto r_out;
     const Py_ssize_t n = sizes.len / 4;
     if (offsets.len < 8 * n || kinds.len != n || out.len != n * page || status.len != 4 * n) {
         PyErr_Format(PyExc_ValueError, "exp_decode_pages: %zd pages (sizes) of %zd bytes need at "
@@ -937,18 +949,8 @@ static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }
-    PyBuffer_Release(&status);
-r_out:
-    PyBuffer_Release(&out);
-r_kinds:
-    PyBuffer_Release(&kinds);
-r_sizes:
     release_ranges(&counter);
-    PyBuffer_Release(&sizes);
-r_offsets:
-    PyBuffer_Release(&offsets);
-r_payload:
-    PyBuffer_Release(&payload);
+    release_buffers(bufs, nbufs);
     return result;
 }
 #endif /* HAVE_EXP_CODEC */

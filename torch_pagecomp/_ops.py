@@ -298,7 +298,7 @@ def decompress_into_eager(
         desc = f"{pages.dtype} {list(pages.shape)}" if isinstance(pages, Tensor) else type(pages)
         raise fmt.PageCompError(f"pagecomp.{op}_into: pages must be uint8 [N, P], got {desc}")
     fmt.check_decompress_args(payload, offsets, sizes, kinds, pages.shape[1], pages, status,
-                              op=op if exp else None)
+                              op=f"{op}_into")
     if not _use_triton(payload):
         got, st = getattr(torch.ops.pagecomp, op)(payload, offsets, sizes, kinds, pages.shape[1])
         pages.copy_(got)
@@ -332,4 +332,3 @@ def decompress_exp_eager(
     from .kernels.exp_codec import decompress_exp_pages
 
     return decompress_exp_pages(payload, offsets, sizes, kinds, page_size, traced=False)
-

@@ -169,13 +169,13 @@ def _run_ranges(fn, n: int, page_size: int, c_loop=None) -> None:
     threads idle behind the slowest, and a bounded range keeps its temporaries (the
     bit-shuffled pages) in one reused buffer per thread (:func:`_scratch`).
 
-    ``c_loop(counter, parts)``, where given, replaces ``fn``: a C loop of ``_native`` that takes
-    the same ranges itself, ``k`` after ``k`` from ``counter`` (``int64 [1]``, shared by every
-    thread's call, drawn with an atomic add) until ``parts``, range ``k`` being
-    ``n * k // parts .. n * (k + 1) // parts``: one call per thread and batch, the GIL released
-    throughout, where ``fn`` returns to the GIL between ranges (which bounded decoding to
-    0.65-0.77x linear at 8 threads, #25). An exception a call raises comes out here as one from
-    ``fn`` does (page failures are statuses, not exceptions)."""
+    ``c_loop(counter, parts)``, where given, replaces ``fn`` (which may then be None): a C
+    loop of ``_native`` that takes the same ranges itself, ``k`` after ``k`` from ``counter``
+    (``int64 [1]``, shared by every thread's call, drawn with an atomic add) until ``parts``,
+    range ``k`` being ``n * k // parts .. n * (k + 1) // parts``: one call per thread and
+    batch, the GIL released throughout, where ``fn`` returns to the GIL between ranges (which
+    bounded decoding to 0.65-0.77x linear at 8 threads, #25). An exception a call raises comes
+    out here as one from ``fn`` does (page failures are statuses, not exceptions)."""
     least = MIN_THREADED_PAGES // 2  # pages in a range, at least
     threads = min(cpu_threads(), n // least) if n >= MIN_THREADED_PAGES else 1
     most = max(least, MAX_RANGE_BYTES // page_size)

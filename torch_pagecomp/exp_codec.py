@@ -26,8 +26,9 @@ from . import format as fmt
 from .cpu_codec import _SHARED_RANGES, _native, _outputs, _run_ranges, fill_rows
 
 # The C page loops where the extension is built (else the numpy reference: the same bytes and
-# statuses, 13-35x slower); an extension built before the exponent loops has only LZ4's.
-NATIVE = _native is not None and hasattr(_native, "exp_encode_pages")
+# statuses, 13-35x slower); an extension built before the exponent loops took their ranges from
+# a shared counter is not used for them.
+NATIVE = _native is not None and hasattr(_native, "exp_encode_pages") and _SHARED_RANGES
 
 # Where each layout's fields sit in a value ``v`` (``uint16``); see ``format``.
 LAYOUTS = {"bf16": fmt.EXP_BF16, "fp16": fmt.EXP_FP16}
@@ -248,16 +249,12 @@ def _compress_exp_native(pages: torch.Tensor, layout: int) -> tuple[torch.Tensor
     kinds = torch.empty(n_pages, dtype=torch.uint8)
     out, size_np, kind_np = payload.numpy(), sizes.numpy(), kinds.numpy()
 
-    def work(start: int, stop: int) -> None:
-        _native.exp_encode_pages(raw[start:stop].reshape(-1), out[start:stop].reshape(-1),
-                                 size_np[start:stop], kind_np[start:stop], page_size, layout)
-
     def c_loop(counter: np.ndarray, parts: int) -> None:  # every range in C, no GIL
         _native.exp_encode_pages(raw.reshape(-1), out.reshape(-1), size_np, kind_np, page_size,
                                  layout, counter, parts)
 
     if n_pages:
-        _run_ranges(work, n_pages, page_size, c_loop if _SHARED_RANGES else None)
+        _run_ranges(None, n_pages, page_size, c_loop)
     return payload, sizes, kinds
 
 
@@ -275,14 +272,10 @@ def _decompress_exp_native(payload: torch.Tensor, offsets: torch.Tensor, sizes: 
     status = torch.empty(n_pages, dtype=torch.int32)
     out, st = pages.numpy(), status.numpy()
 
-    def work(start: int, stop: int) -> None:
-        _native.exp_decode_pages(buf, off[start:stop], size[start:stop], kind[start:stop],
-                                 out[start:stop].reshape(-1), st[start:stop], page_size)
-
     def c_loop(counter: np.ndarray, parts: int) -> None:  # every range in C, no GIL
         _native.exp_decode_pages(buf, off, size, kind, out.reshape(-1), st, page_size, counter,
                                  parts)
 
     if n_pages:
-        _run_ranges(work, n_pages, page_size, c_loop if _SHARED_RANGES else None)
+        _run_ranges(None, n_pages, page_size, c_loop)
     return pages, status

@@ -203,7 +203,7 @@ class OffloadHandle:
     @property
     def codec(self) -> str:
         """``"exp"`` (the exponent codec's pages) or ``"lz4"``: which decoder reads them."""
-        return "lz4" if self._storage.float_format is None else "exp"
+        return self._storage.codec
 
     def kernel_bytes(self) -> tuple[int, int]:
         """``(page bytes, stored bytes)`` of the batches stored so far that went through the

@@ -181,6 +181,11 @@ class Storage:
             self.released = True
 
     @property
+    def codec(self) -> str:
+        """``"exp"`` (the exponent codec's pages) or ``"lz4"``: which decoder reads them."""
+        return "lz4" if self.float_format is None else "exp"
+
+    @property
     def stored_nbytes(self) -> int:
         with self._lock:
             return sum(b.layout.total for b in self.batches if b is not None)
@@ -206,5 +211,4 @@ class Storage:
         kinds_t = torch.cat(kinds) if kinds else torch.empty(0, dtype=torch.uint8)
         offsets = torch.zeros(sizes_t.numel() + 1, dtype=torch.int64)
         torch.cumsum(sizes_t.to(torch.int64), 0, out=offsets[1:])
-        return CompressedPages(payload, sizes_t, kinds_t, page_size, offsets,
-                               codec="lz4" if self.float_format is None else "exp")
+        return CompressedPages(payload, sizes_t, kinds_t, page_size, offsets, codec=self.codec)

@@ -23,7 +23,7 @@ import collections
 
 import torch
 
-from .. import _ops, cpu_codec, exp_codec
+from .. import _ops, cpu_codec
 from .._events import handoff, mark
 from ..api import checksum_status
 from ..format import CorruptPageError
@@ -81,7 +81,7 @@ class PagedStored:
         source, as it does for a plain copy, so a backward that comes first reads it in place
         rather than over the link."""
         if self.consumed is not None and self.consumed.query():
-            self.consumed = None  # done: the kept event (``_streams.mark``) is not held any more
+            self.consumed = None  # done: the kept event (``_events.mark``) is not held any more
         return self.consumed is None and all(sl.done() for sl in self.slices)
 
     def wait_on(self, stream) -> None:
@@ -478,11 +478,7 @@ def _decompress_into(payload, offsets, sizes, kinds, pages, status, sums=None,
             from ..kernels.lz4_decompress import decompress_into
 
             decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)
-    elif exp:
-        got, st = exp_codec.decompress_exp_cpu(payload, offsets, sizes, kinds, pages.shape[1])
-        pages.copy_(got)
-        status.copy_(st)
     else:
-        _ops.decompress_into_eager(payload, offsets, sizes, kinds, pages, status)
+        _ops.decompress_into_eager(payload, offsets, sizes, kinds, pages, status, exp=exp)
     if sums is not None:
         verify(status, _checksums(pages), sums)

@@ -33,7 +33,7 @@ class RawStored:
 
     def ready(self) -> bool:
         if self.event is not None and self.event.query():
-            self.event = None  # done: the kept event (``_streams.mark``) is not held any more
+            self.event = None  # done: the kept event (``_events.mark``) is not held any more
         return self.event is None
 
     def wait_on(self, stream: torch.cuda.Stream | None) -> None:
