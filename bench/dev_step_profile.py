@@ -1,0 +1,137 @@
+"""Dev probe: where one training step's host time goes under the activation-offload hooks.
+
+``python3 -m bench.dev_step_profile --models encoder-1024,resnet-64 --variants uncompressed,memory``
+(GPU): per model and variant, warm steps, the host issue time of plain steps (median), then
+two steps under ``torch.profiler`` (CPU + CUDA): the host's blocking CUDA runtime calls
+(synchronizations, allocations, pinning: count and ms per step), the top host ops by own
+time, and the GPU's busy time per kind of work (the package's kernels, copies each way,
+the model's kernels). ``--trace DIR`` also writes each profile as a Chrome trace (gzip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import os
+import shutil
+import statistics
+import time
+
+PACKAGE_KERNELS = ("compress", "decompress", "pack", "fetch", "exp_", "checksum", "shuffle",
+                   "lz4")
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    if "memcpy" in low and "dtoh" in low or "device -> pageable" in low:
+        return "copy D2H"
+    if "memcpy" in low and "htod" in low:
+        return "copy H2D"
+    if "memcpy" in low or "memset" in low:
+        return "copy/set other"
+    if any(k in low for k in PACKAGE_KERNELS):
+        return "pagecomp kernels"
+    return "model kernels"
+
+
+def measure(name: str, variant: str, steps: int, warmup: int, trace: str | None) -> str:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.stock_models import build
+    from torch_pagecomp import offload_module
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    model, x, blocks = build(name, "cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
+          "memory_lz4": dict(prefer="memory", codec="lz4"),
+          "speed": dict(prefer="speed")}.get(variant)
+    off = offload_module(model, blocks=blocks, **kw) if kw is not None else None
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    issue, total = [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        issue.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        total.append((time.perf_counter() - t0) * 1e3)
+    prof_steps = 2
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(prof_steps):
+            step()
+        torch.cuda.synchronize()
+    lines = [f"## {name} {variant}: host issue {statistics.median(issue):.1f} ms, step to sync "
+             f"{statistics.median(total):.1f} ms (medians of {steps})"]
+    events = prof.key_averages()
+    lines += ["| CUDA runtime call | calls / step | host ms / step |", "|---|---|---|"]
+    api = [ev for ev in events if ev.key.startswith(("cuda", "cu"))]
+    for ev in sorted(api, key=lambda e: -e.self_cpu_time_total)[:16]:
+        lines.append(f"| {ev.key} | {ev.count / prof_steps:.0f} | "
+                     f"{ev.self_cpu_time_total / prof_steps / 1e3:.2f} |")
+    lines += ["| top host ops (own time) | calls / step | host ms / step |", "|---|---|---|"]
+    shown = 0
+    for ev in sorted(events, key=lambda e: -e.self_cpu_time_total):
+        if ev.key.startswith(("cuda", "cu")):
+            continue
+        lines.append(f"| {ev.key[:60]} | {ev.count / prof_steps:.0f} | "
+                     f"{ev.self_cpu_time_total / prof_steps / 1e3:.2f} |")
+        shown += 1
+        if shown == 15:
+            break
+    busy: dict[str, list] = {}
+    for ev in events:
+        dev_us = getattr(ev, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(ev, "self_cuda_time_total", 0)
+        if dev_us and ev.device_type == torch.autograd.DeviceType.CUDA:
+            rec = busy.setdefault(_kind(ev.key), [0, 0.0])
+            rec[0] += ev.count
+            rec[1] += dev_us
+    lines += ["| GPU work | launches / step | GPU ms / step |", "|---|---|---|"]
+    for kind, (count, us) in sorted(busy.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| {kind} | {count / prof_steps:.0f} | {us / prof_steps / 1e3:.2f} |")
+    top = sorted((ev for ev in events if ev.device_type == torch.autograd.DeviceType.CUDA
+                  and _kind(ev.key) == "pagecomp kernels"),
+                 key=lambda e: -getattr(e, "self_device_time_total", 0))
+    for ev in top[:6]:
+        lines.append(f"|   {ev.key[:50]} | {ev.count / prof_steps:.0f} | "
+                     f"{getattr(ev, 'self_device_time_total', 0) / prof_steps / 1e3:.2f} |")
+    if trace:
+        os.makedirs(trace, exist_ok=True)
+        raw = os.path.join(trace, f"{name}_{variant}.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(raw)
+    if off is not None:
+        off.remove()
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="encoder-1024,resnet-64")
+    ap.add_argument("--variants", default="none,uncompressed,memory")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--trace", default=None)
+    a = ap.parse_args()
+    for name in a.models.split(","):
+        for variant in a.variants.split(","):
+            print(measure(name, variant, a.steps, a.warmup, a.trace), flush=True)
+
+
+if __name__ == "__main__":
+    main()
