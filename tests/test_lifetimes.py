@@ -203,9 +203,10 @@ def start_thread(fn) -> tuple[threading.Thread, list]:
 
 
 def test_close_wakes_a_thread_waiting_to_offload():
-    # one 4 KiB batch in flight at a time: a 4 MiB offload spends its time waiting for room
+    # one 4 KiB batch in flight at a time: a 64 MiB offload spends its time waiting for room
+    # (~5 s on a 2-core runner; 4 MiB took 0.35 s there, too close to the 0.3 s below)
     pc = PageCompressor(device="cpu", batch_pages=1, slots=1, max_pinned_bytes=4096)
-    th, result = start_thread(lambda: pc.offload(torch.randn(1 << 20)))
+    th, result = start_thread(lambda: pc.offload(torch.randn(1 << 24)))
     time.sleep(0.3)
     assert th.is_alive(), "the offload should still be waiting for back-pressure"
     closer, closed = start_thread(pc.close)

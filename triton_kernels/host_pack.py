@@ -2,9 +2,9 @@
 
 The activation offload stores each slice of compressed pages in a *virtual arena*: a byte
 range ``[0, 2**63)`` cut into chunks of ``CHUNK`` bytes, each backed (by the host, ahead of
-use) by a buffer of page-locked host memory whose address sits in a device table. The device
-keeps the arena's end; the host never needs a slice's size to place or copy it, so nothing
-waits for the host between a compress kernel and the bytes landing in host memory.
+use) by a buffer of page-locked host memory whose address sits in a table the kernels read.
+The device keeps the arena's end; the host never needs a slice's size to place or copy it,
+so nothing waits for the host between a compress kernel and the bytes landing in host memory.
 
 One kernel per slice, :func:`pack_slice`, a few persistent programs on one stream:
 
@@ -136,8 +136,9 @@ def pack_slice(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
         desc: ``int64 [2]`` out, on the device: ``(base, total)``; ``base = -1`` when the
             slice does not fit under ``limit`` (nothing is reserved or written then).
         host_desc: ``int64 [2]`` out, in page-locked host memory: the same two values.
-        table: ``int64 [TABLE]`` on the device: entry ``k % TABLE`` is the address of the
-            page-locked host buffer that backs chunk ``k`` (``CHUNK`` bytes, 16-byte aligned).
+        table: ``int64 [TABLE]`` the device can read (page-locked host memory, or device
+            memory): entry ``k % TABLE`` is the address of the page-locked host buffer that
+            backs chunk ``k`` (``CHUNK`` bytes, 16-byte aligned).
         chunk_bytes: the arena's chunk size (a multiple of 16 bytes, at least ``N * P``).
     """
     n, page_size = payload.shape

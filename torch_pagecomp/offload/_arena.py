@@ -104,8 +104,8 @@ class VirtualArena:
 
     ``state`` (device ``int64 [2]``): the arena's end, in slot ``parity`` for the next slice
     (``kernels.host_pack.pack_slice``: the slots take turns); ``limit``: the backed limit,
-    passed with each slice; ``table`` (device
-    ``int64 [TABLE_SIZE]``): the host address of each backed chunk. Host-side, ``bound`` is
+    passed with each slice; ``table`` (``int64 [TABLE_SIZE]``, page-locked host memory the
+    kernels read): the host address of each backed chunk. Host-side, ``bound`` is
     never below the device's end once every planned slice has run; ``frontier`` is the end as
     of the last confirmed slice (slices are confirmed in stream order).
     """
@@ -114,7 +114,14 @@ class VirtualArena:
         self.device, self.chunk = device, chunk_bytes
         self.pin = device.type == "cuda" and can_pin()
         self.state = torch.zeros(2, dtype=torch.int64, device=device)
-        self.table = torch.zeros(TABLE_SIZE, dtype=torch.int64, device=device)
+        # chunk addresses: in page-locked host memory where the kernels can read it (one read
+        # per program and slice), so backing a chunk is a host store, not a launch per chunk
+        # (``fill_`` of a device table cost the hooks 20-90 us a slice); on the CPU, and on a
+        # GPU that cannot pin, an ordinary tensor on ``device`` written in stream order
+        self._host_table = device.type == "cpu" or self.pin
+        self.table = torch.zeros(TABLE_SIZE, dtype=torch.int64, pin_memory=self.pin,
+                                 device="cpu" if self._host_table else device)
+        self._table_np = self.table.numpy() if self._host_table else None
         self.backed: dict[int, HostMemory] = {}
         self.free: list[tuple[HostMemory, torch.cuda.Event | None]] = []
         self.live: collections.Counter[int] = collections.Counter()
@@ -159,7 +166,10 @@ class VirtualArena:
         if (k - TABLE_SIZE) in self.backed:
             raise RuntimeError("activation offload: host arena window exceeded")
         self.backed[k] = mem
-        self.table[k % TABLE_SIZE : k % TABLE_SIZE + 1].fill_(mem.tensor.data_ptr())
+        if self._table_np is not None:  # read by kernels launched after this store
+            self._table_np[k % TABLE_SIZE] = mem.tensor.data_ptr()
+        else:
+            self.table[k % TABLE_SIZE : k % TABLE_SIZE + 1].fill_(mem.tensor.data_ptr())
 
     def host_desc(self) -> torch.Tensor:
         """The pinned ``int64 [2]`` the next slice's placement is published to. Slot ``k`` is

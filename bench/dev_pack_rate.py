@@ -1,0 +1,82 @@
+"""Dev probe: how fast the pack kernel moves a slice's pages into page-locked host memory, by
+number of programs, beside a copy-engine copy of the same bytes.
+
+``python3 -m bench.dev_pack_rate`` (GPU): a 32 MiB slice of pages of a given stored size
+(full pages, and 70% pages: what bf16 activations compress to), packed by
+``kernels.host_pack.pack_slice`` with 8..128 programs, alone and beside a busy compute stream;
+GB/s of the bytes written to host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def _rate(fn, nbytes: int, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        fn()
+    e1.record()
+    e1.synchronize()
+    return nbytes * reps / (e0.elapsed_time(e1) / 1e3) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    from torch_pagecomp.kernels.host_pack import pack_slice
+    from torch_pagecomp.pools import HostMemory
+
+    P = 4096
+    n = (a.mib << 20) // P
+    chunk = 1 << 30
+    mem = HostMemory(chunk, pin=True)
+    table = torch.tensor([mem.tensor.data_ptr()], dtype=torch.int64, device="cuda")
+    payload = torch.randint(0, 256, (n, P), dtype=torch.uint8, device="cuda")
+    rel = torch.empty(n, dtype=torch.int64, device="cuda")
+    desc = torch.empty(2, dtype=torch.int64, device="cuda")
+    host_desc = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    ends = torch.zeros(2, dtype=torch.int64, device="cuda")
+    busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    print(f"card {torch.cuda.get_device_name()}, slice {a.mib} MiB, {n} pages")
+    print("| stored share | programs | GB/s alone | GB/s beside matmuls |")
+    print("|---|---|---|---|")
+    for share in (1.0, 0.7):
+        sizes = torch.full((n,), int(P * share) // 16 * 16, dtype=torch.int32, device="cuda")
+        nbytes = int(sizes.sum())
+        for programs in (8, 16, 32, 48, 64, 96, 128):
+            def pack(sizes=sizes, programs=programs):
+                ends.zero_()  # every rep places the slice at the start of the chunk
+                pack_slice(payload, sizes, rel, ends, 0, chunk, desc, host_desc, table, chunk,
+                           programs=programs)
+
+            alone = _rate(pack, nbytes, a.reps)
+            with torch.cuda.stream(side):
+                busy_mm = [busy @ busy for _ in range(1)]  # noqa: F841 - warm
+            torch.cuda.synchronize()
+
+            def beside(pack=pack):
+                with torch.cuda.stream(side):
+                    for _ in range(4):
+                        busy @ busy
+                pack()
+
+            shared = _rate(beside, nbytes, a.reps)
+            print(f"| {share:.1f} | {programs} | {alone:.1f} | {shared:.1f} |", flush=True)
+    host = torch.empty(n * P, dtype=torch.uint8, pin_memory=True)
+    flat = payload.view(-1)
+    ce = _rate(lambda: host.copy_(flat, non_blocking=True), n * P, a.reps)
+    print(f"copy engine, {a.mib} MiB device -> pinned: {ce:.1f} GB/s")
+    mem.release()
+
+
+if __name__ == "__main__":
+    main()
