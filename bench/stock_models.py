@@ -27,6 +27,7 @@ gradients of the first step are bit-identical to ``none`` (deterministic setting
     torchrun --nproc_per_node 2 -m bench.stock_models --fsdp --models encoder-1024 ...
 
 On the CPU (CI) ``--tiny`` runs every model and variant at toy sizes, FSDP2 on gloo.
+``STOCK_STREAM_PRIORITY=-5`` (a probe) passes ``stream_priority`` to the hooks.
 """
 
 from __future__ import annotations
@@ -264,6 +265,8 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
             kw.update(offload_cpu=True, min_offload_bytes=1 << 12)
         if min_offload_bytes is not None:
             kw["min_offload_bytes"] = min_offload_bytes
+        if os.environ.get("STOCK_STREAM_PRIORITY"):  # probe: the hooks' side-stream priority
+            kw["stream_priority"] = int(os.environ["STOCK_STREAM_PRIORITY"])
         off = offload_module(model, blocks=blocks, **kw)
 
     phases: list[list[float]] = []  # per timed step, GiB: see ``row["phase_gib"]``
