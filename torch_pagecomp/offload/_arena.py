@@ -23,6 +23,7 @@ from ..pools import HostMemory, can_pin
 CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
+PEAK_PASSES = 8  # shrink keeps the chunks the busiest of this many recent steps needed
 
 
 def _align16(nbytes: int) -> int:
@@ -130,6 +131,7 @@ class VirtualArena:
         self.used = 0  # host bytes of live, confirmed slices
         self.peak_held = 0
         self.peak_backed = 0  # chunks backed at once since the last shrink
+        self._peaks: collections.deque[int] = collections.deque(maxlen=PEAK_PASSES)
         self.placed_since_shrink = False
         # where the pack kernel publishes each slice's (base, total): one pinned ring, not a
         # pinned allocation per slice
@@ -247,15 +249,20 @@ class VirtualArena:
             mem.release()
 
     def shrink(self) -> None:
-        """Keep as many chunks as the busiest moment since the last call needed; unpin the
-        rest (after a step whose offloads were smaller, or a first step that was larger).
+        """Keep as many chunks as the busiest moment of the last ``PEAK_PASSES`` calls needed;
+        unpin the rest (after steps whose offloads were smaller, or a first step that was
+        larger). Pinning is what costs: ``cudaHostRegister`` of one 64 MiB chunk took 25-33 ms
+        on an H200 host, so a step that needs a chunk or two more than the one before (the
+        worst-case reservations of the slices in flight vary with timing) must not pin them
+        again each time (it did, at every step of a Llama-style model: 43 ms of its 177 ms of
+        host time, ``bench/results/h200_7d64cf1_pinning``).
         Without a placement or a confirmation since the last call the chunks stay. The hooks
-        poll (confirm) at every saved tensor, so under them a step that only copied
-        (``prefer="speed"``) keeps the compressing step's chunks at its end and gives the free
-        ones back at the next: an offloader that settles on copying does not keep pinned
-        chunks it no longer uses, and one still in its trials may pin them again."""
+        poll (confirm) at every saved tensor, so under them steps that only copy
+        (``prefer="speed"``) let the free chunks go once ``PEAK_PASSES`` of them have passed;
+        the tuner unpins them at once when it settles on copying."""
         if not self.placed_since_shrink:
             return
-        self.trim(keep=max(0, self.peak_backed - len(self.backed)))
+        self._peaks.append(self.peak_backed)
+        self.trim(keep=max(0, max(self._peaks) - len(self.backed)))
         self.peak_backed = len(self.backed)
         self.placed_since_shrink = False
