@@ -23,7 +23,6 @@ from ..pools import HostMemory, can_pin
 CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
-PEAK_PASSES = 8  # shrink keeps the chunks the busiest of this many recent steps needed
 
 
 def _align16(nbytes: int) -> int:
@@ -131,7 +130,6 @@ class VirtualArena:
         self.used = 0  # host bytes of live, confirmed slices
         self.peak_held = 0
         self.peak_backed = 0  # chunks backed at once since the last shrink
-        self._peaks: collections.deque[int] = collections.deque(maxlen=PEAK_PASSES)
         self.placed_since_shrink = False
         # where the pack kernel publishes each slice's (base, total): one pinned ring, not a
         # pinned allocation per slice
@@ -249,20 +247,23 @@ class VirtualArena:
             mem.release()
 
     def shrink(self) -> None:
-        """Keep as many chunks as the busiest moment of the last ``PEAK_PASSES`` calls needed;
-        unpin the rest (after steps whose offloads were smaller, or a first step that was
-        larger). Pinning is what costs: ``cudaHostRegister`` of one 64 MiB chunk took 25-33 ms
-        on an H200 host, so a step that needs a chunk or two more than the one before (the
-        worst-case reservations of the slices in flight vary with timing) must not pin them
-        again each time (it did, at every step of a Llama-style model: 43 ms of its 177 ms of
-        host time, ``bench/results/h200_7d64cf1_pinning``).
+        """Keep the chunks the busiest moment since the last call needed, plus a headroom
+        (1/16 of them, at least 2); unpin the rest (after a step whose offloads were
+        smaller, or a first step that was larger). Pinning is what costs: ``cudaHostRegister``
+        of one 64 MiB chunk took 25-33 ms on an H200 host, and the chunks a step needs vary by
+        one or two with timing (the worst-case reservations of the slices in flight), so
+        without the headroom a Llama-style model pinned two chunks again at every step (43 ms
+        of its 177 ms of host time, ``bench/results/h200_172dd08_pinning``). Keeping the
+        peaks of several steps instead kept a larger first step's chunks pinned and then
+        unpinned them all at once, a 0.4-1.6 s stall.
         Without a placement or a confirmation since the last call the chunks stay. The hooks
-        poll (confirm) at every saved tensor, so under them steps that only copy
-        (``prefer="speed"``) let the free chunks go once ``PEAK_PASSES`` of them have passed;
-        the tuner unpins them at once when it settles on copying."""
+        poll (confirm) at every saved tensor, so under them a step that only copied
+        (``prefer="speed"``) keeps the compressing step's chunks at its end and gives the free
+        ones back at the next: an offloader that settles on copying does not keep pinned
+        chunks it no longer uses, and one still in its trials may pin them again."""
         if not self.placed_since_shrink:
             return
-        self._peaks.append(self.peak_backed)
-        self.trim(keep=max(0, max(self._peaks) - len(self.backed)))
+        need = self.peak_backed + max(2, self.peak_backed // 16)
+        self.trim(keep=max(0, need - len(self.backed)))
         self.peak_backed = len(self.backed)
         self.placed_since_shrink = False
