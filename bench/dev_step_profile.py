@@ -30,8 +30,8 @@ def _kind(name: str) -> str:
         return "copy H2D"
     if "memcpy" in low or "memset" in low:
         return "copy/set other"
-    if any(k in low for k in PACKAGE_KERNELS):
-        return "pagecomp kernels"
+    if low.startswith("_") and low.endswith("_kernel") and any(k in low for k in PACKAGE_KERNELS):
+        return "pagecomp kernels"  # the package's Triton kernels (not PackedTensorAccessor)
     return "model kernels"
 
 

@@ -115,9 +115,9 @@ class VirtualArena:
         self.pin = device.type == "cuda" and can_pin()
         self.state = torch.zeros(2, dtype=torch.int64, device=device)
         # chunk addresses: in page-locked host memory where the kernels can read it (one read
-        # per program and slice), so backing a chunk is a host store, not a launch per chunk
-        # (``fill_`` of a device table cost the hooks 20-90 us a slice); on the CPU, and on a
-        # GPU that cannot pin, an ordinary tensor on ``device`` written in stream order
+        # per program and slice), so backing a chunk is a host store, not a ``fill_`` launch
+        # on the hooks' hot path; on the CPU, and on a GPU that cannot pin, an ordinary tensor
+        # on ``device`` written in stream order
         self._host_table = device.type == "cpu" or self.pin
         self.table = torch.zeros(TABLE_SIZE, dtype=torch.int64, pin_memory=self.pin,
                                  device="cpu" if self._host_table else device)
@@ -249,13 +249,12 @@ class VirtualArena:
     def shrink(self) -> None:
         """Keep the chunks the busiest moment since the last call needed, plus a headroom
         (1/16 of them, at least 2); unpin the rest (after a step whose offloads were
-        smaller, or a first step that was larger). Pinning is what costs: ``cudaHostRegister``
-        of one 64 MiB chunk took 25-33 ms on an H200 host, and the chunks a step needs vary by
-        one or two with timing (the worst-case reservations of the slices in flight), so
-        without the headroom a Llama-style model pinned two chunks again at every step (43 ms
-        of its 177 ms of host time, ``bench/results/h200_172dd08_pinning``). Keeping the
-        peaks of several steps instead kept a larger first step's chunks pinned and then
-        unpinned them all at once, a 0.4-1.6 s stall.
+        smaller, or a first step that was larger). Pinning is what costs (tens of ms per
+        chunk), and the chunks a step needs vary by one or two with timing (the worst-case
+        reservations of the slices in flight): without the headroom a Llama-style model
+        pinned two chunks again at every step; keeping the peaks of several steps instead
+        kept a larger first step's chunks and then unpinned them all at once, a stall of
+        about a second (``bench/results/h200_7d64cf1_hostpath``, ``h100_1a48801_pinning``).
         Without a placement or a confirmation since the last call the chunks stay. The hooks
         poll (confirm) at every saved tensor, so under them a step that only copied
         (``prefer="speed"``) keeps the compressing step's chunks at its end and gives the free
