@@ -14,6 +14,7 @@
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
+#                                      # (AB_ROUNDS=3: three rounds, the order alternating)
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
 #   bash bench/gpu_suite.sh cputhreads # the CPU path's thread scaling, C loops and python-lz4 (#25;
 #                                      # PYTHON_LZ4=0: the C loops only)
@@ -145,15 +146,20 @@ ab)
     mkdir -p "$OUT/ab_parts" && OUT=$(cd "$OUT" && pwd)  # the runs cd into each tree
     # NEW_ARGS: extra stock-bench arguments for this tree only (e.g. --no-phases, to time it
     # the way a tree from before phase_gib does)
+    # AB_ROUNDS=n: n rounds, the order alternating (old new, new old, ...): one host's speed
+    # drifts by 20-30% within a call (h200_7d64cf1_hostpath), so one pair proves little
+    for r in $(seq 1 "${AB_ROUNDS:-1}"); do
+    sides="old new"; [ $((r % 2)) = 0 ] && sides="new old"
     for m in $(echo "${STOCK_MODELS:-encoder-1024,resnet-64,llama-2048,encoder-2048}" | tr , ' '); do
-        for side in old new; do
+        for side in $sides; do
             dir=$here; args=${NEW_ARGS:-}; [ $side = old ] && { dir=$OLD; args=; }
             (cd "$dir" && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
                 >/dev/null 2>&1 && PYTHONPATH=/tmp/site:$dir PAGECOMP_COMMIT=$(cat .commit 2>/dev/null \
                 || echo $side) timeout 240 python3 -m bench.stock_models --models "$m" \
                 --variants "${STOCK_VARIANTS:-uncompressed,memory}" $args \
-                --out "$OUT/ab_parts/${side}_$m.json" 2>/dev/null | tail -n +3)
+                --out "$OUT/ab_parts/${side}_${m}_r$r.json" 2>/dev/null | tail -n +3)
         done
+    done
     done
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
     python3 - "$OUT" <<'PY'
@@ -163,13 +169,14 @@ rows = []
 for path in sorted(glob.glob(f"{out}/ab_parts/*.json")):
     doc = json.load(open(path))
     for r in doc["rows"]:
-        rows.append({**r, "side": os.path.basename(path).split("_")[0], "commit": doc["commit"],
-                     "device": doc["device"], "date": doc["date"]})
+        name = os.path.basename(path)[:-len(".json")]
+        rows.append({**r, "side": name.split("_")[0], "round": int(name.rsplit("_r", 1)[1]),
+                     "commit": doc["commit"], "device": doc["device"], "date": doc["date"]})
 json.dump({"rows": rows}, open(f"{out}/ab.json", "w"), indent=1)
-lines = ["| model | variant | side | commit | step ms | host issue ms | peak GPU GiB | host GiB |",
-         "|---|---|---|---|---|---|---|---|"]
-for r in sorted(rows, key=lambda r: (r["model"], r["variant"], r["side"] != "old")):
-    lines.append(f"| {r['model']} | {r['variant']} | {r['side']} | {r['commit']} | "
+lines = ["| model | variant | round | side | commit | step ms | host issue ms | peak GPU GiB | host GiB |",
+         "|---|---|---|---|---|---|---|---|---|"]
+for r in sorted(rows, key=lambda r: (r["model"], r["variant"], r["round"], r["side"] != "old")):
+    lines.append(f"| {r['model']} | {r['variant']} | {r['round']} | {r['side']} | {r['commit']} | "
                  f"{r.get('step_ms', 0):.1f} | {r.get('host_issue_ms', 0):.1f} | "
                  f"{r.get('peak_gpu_gib', 0):.2f} | {r.get('host_gib') or 0:.2f} |")
 open(f"{out}/ab.md", "w").write("\n".join(lines) + "\n")
