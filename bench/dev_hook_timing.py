@@ -149,7 +149,9 @@ class _GcPauses:
                 f"tracked objects {len(gc.get_objects())}")
 
 
-def measure(name: str, variant: str, steps: int, warmup: int) -> str:
+def training_step(name: str, variant: str):
+    """``(step, offloader)``: one SGD step of stock model ``name`` on the GPU under
+    ``variant``'s hooks (``none``: no hooks, offloader None)."""
     import torch
 
     from bench.stock_models import build
@@ -159,16 +161,24 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> str:
     torch.cuda.empty_cache()
     model, x, blocks = build(name, "cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-          "memory_lz4": dict(prefer="memory", codec="lz4"),
+    kw = {"none": None, "uncompressed": dict(mode="uncompressed"),
+          "memory": dict(prefer="memory"), "memory_lz4": dict(prefer="memory", codec="lz4"),
           "speed": dict(prefer="speed"), "speed_copy_only": dict(prefer="speed",
                                                                  tuner=CopyOnlyTuner())}[variant]
-    off = offload_module(model, blocks=blocks, **kw)
+    off = offload_module(model, blocks=blocks, **kw) if kw is not None else None
 
     def step():
         opt.zero_grad(set_to_none=True)
         model(x).float().square().mean().backward()
         opt.step()
+
+    return step, off
+
+
+def measure(name: str, variant: str, steps: int, warmup: int) -> str:
+    import torch
+
+    step, off = training_step(name, variant)
 
     def issue_ms(n):
         out = []

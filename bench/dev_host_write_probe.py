@@ -23,6 +23,19 @@ from torch_pagecomp.kernels.host_pack import pack_slice
 from torch_pagecomp.pools import HostMemory
 
 
+def ms_per_call(fn, reps: int = 5) -> float:
+    """GPU milliseconds per call of ``fn`` on the current stream (one warm call first)."""
+    fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        fn()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) / reps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=256)
@@ -51,26 +64,15 @@ def main() -> None:
     print(f"pages {n}, compressed {total / 2**20:.1f} MiB of {n * P / 2**20:.0f} MiB "
           f"(ratio {n * P / total:.3f}), host memory pinned={mem.pinned}")
 
-    def timed(fn, reps=5) -> float:
-        fn()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(reps):
-            fn()
-        e1.record()
-        e1.synchronize()
-        return e0.elapsed_time(e1) / reps
-
     dst = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     src = torch.empty(total, dtype=torch.uint8, device="cuda")
-    ms = timed(lambda: dst.copy_(src, non_blocking=True))
+    ms = ms_per_call(lambda: dst.copy_(src, non_blocking=True))
     print(f"copy D2H {total / ms / 1e6:7.1f} GB/s (compressed bytes)")
-    up = timed(lambda: src.copy_(dst, non_blocking=True))
+    up = ms_per_call(lambda: src.copy_(dst, non_blocking=True))
     print(f"copy H2D {total / up / 1e6:7.1f} GB/s (compressed bytes)")
     for g in [int(v) for v in args.programs.split(",")]:
         mem.tensor[:total].fill_(0)
-        ms = timed(lambda g=g: pack(g))
+        ms = ms_per_call(lambda g=g: pack(g))
         got = mem.tensor[:total].cuda()
         ok = all(
             torch.equal(got[int(rel[i]):int(rel[i]) + int(sizes[i])], payload[i, :int(sizes[i])])
@@ -79,13 +81,13 @@ def main() -> None:
         print(f"plan + pack to host, {g:3d} programs: {total / ms / 1e6:7.1f} GB/s  bytes ok={ok}")
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
-    mm = timed(lambda: a @ a, reps=10)
+    mm = ms_per_call(lambda: a @ a, reps=10)
     for g in (8, 16, 32):
         def both(g=g):
             with torch.cuda.stream(side):
                 pack(g)
             return a @ a
-        t = timed(both, reps=10)
+        t = ms_per_call(both, reps=10)
         print(f"8192^3 bf16 matmul {mm:.2f} ms alone, {t:.2f} ms beside the pack ({g} programs)")
 
 

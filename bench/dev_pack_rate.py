@@ -14,17 +14,12 @@ import argparse
 
 import torch
 
+from bench.dev_host_write_probe import ms_per_call
+
 
 def _rate(fn, nbytes: int, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        fn()
-    e1.record()
-    e1.synchronize()
-    return nbytes * reps / (e0.elapsed_time(e1) / 1e3) / 1e9
+    """GB/s of ``nbytes`` per call of ``fn``."""
+    return nbytes / (ms_per_call(fn, reps) / 1e3) / 1e9
 
 
 def main() -> None:

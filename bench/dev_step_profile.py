@@ -11,7 +11,6 @@ the model's kernels). ``--trace DIR`` also writes each profile as a Chrome trace
 from __future__ import annotations
 
 import argparse
-import gc
 import gzip
 import os
 import shutil
@@ -39,22 +38,9 @@ def measure(name: str, variant: str, steps: int, warmup: int, trace: str | None)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.stock_models import build
-    from torch_pagecomp import offload_module
+    from bench.dev_hook_timing import training_step
 
-    gc.collect()
-    torch.cuda.empty_cache()
-    model, x, blocks = build(name, "cuda")
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-          "memory_lz4": dict(prefer="memory", codec="lz4"),
-          "speed": dict(prefer="speed")}.get(variant)
-    off = offload_module(model, blocks=blocks, **kw) if kw is not None else None
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        model(x).float().square().mean().backward()
-        opt.step()
+    step, off = training_step(name, variant)
 
     for _ in range(warmup):
         step()

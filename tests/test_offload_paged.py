@@ -85,6 +85,14 @@ def test_chunks_are_reused_and_host_memory_stays_bounded(gen):
     assert max(held[4:]) <= max(held[:4]), held
 
 
+def _offload_and_free(store: PagedStore, gen, n: int) -> None:
+    """One step of a store's life: ``n`` small tensors stored, placed, then freed."""
+    stored = [store.offload(_data(gen, 5 * P, "small"), 1) for _ in range(n)]
+    store.poll()
+    for st in stored:
+        store.free(st)
+
+
 @interpreter
 def test_shrink_keeps_chunks_after_a_step_that_placed_nothing(gen):
     """A step that placed nothing here (it copied: ``prefer="speed"``'s trials) leaves the
@@ -93,10 +101,7 @@ def test_shrink_keeps_chunks_after_a_step_that_placed_nothing(gen):
     arena = store.arena
 
     def step(n: int) -> None:
-        stored = [store.offload(_data(gen, 5 * P, "small"), 1) for _ in range(n)]
-        store.poll()
-        for st in stored:
-            store.free(st)
+        _offload_and_free(store, gen, n)
 
     step(14)
     arena.shrink()
@@ -127,10 +132,7 @@ def test_shrink_keeps_headroom_so_a_slightly_busier_step_pins_nothing(gen, monke
     monkeypatch.setattr(_arena, "HostMemory", counting)
 
     def step(n: int) -> None:
-        stored = [store.offload(_data(gen, 5 * P, "small"), 1) for _ in range(n)]
-        store.poll()
-        for st in stored:
-            store.free(st)
+        _offload_and_free(store, gen, n)
 
     step(14)
     arena.shrink()
