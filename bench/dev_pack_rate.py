@@ -4,8 +4,9 @@ number of programs, beside a copy-engine copy of the same bytes.
 ``python3 -m bench.dev_pack_rate`` (GPU): a 32 MiB slice of pages of a given stored size
 (full pages, and 70% pages: what bf16 activations compress to), packed by
 ``kernels.host_pack.pack_slice`` with 16..128 programs, alone and beside a busy compute stream
-(the pack stream at the default priority, and at the highest); GB/s of the bytes written to
-host memory.
+(the pack stream at the default priority, and at the highest); then the same kernel packing
+into device memory followed by a copy-engine copy of the packed bytes, and a plain copy, alone
+and beside the matmuls. GB/s of the bytes written to host memory.
 """
 
 from __future__ import annotations
@@ -78,6 +79,40 @@ def main() -> None:
     flat = payload.view(-1)
     ce = _rate(lambda: host.copy_(flat, non_blocking=True), n * P, a.reps)
     print(f"copy engine, {a.mib} MiB device -> pinned: {ce:.1f} GB/s")
+
+    # the alternative: the same kernel packs into device memory (a compaction, brief on the
+    # SMs), then the copy engine moves the packed bytes, which do not contend for SMs (a store
+    # would queue that copy once the host has read the slice's placement, without waiting)
+    staging = torch.empty(n * P, dtype=torch.uint8, device="cuda")
+    dev_table = torch.tensor([staging.data_ptr()], dtype=torch.int64, device="cuda")
+    print("| stored share | compaction + copy engine GB/s alone | beside matmuls | "
+          "copy engine alone, uncompacted | beside matmuls |")
+    print("|---|---|---|---|---|")
+    for share in (1.0, 0.7):
+        sizes = torch.full((n,), int(P * share) // 16 * 16, dtype=torch.int32, device="cuda")
+        nbytes = int(sizes.sum())
+        out = host[:nbytes]
+
+        def compact_copy(sizes=sizes, out=out, nbytes=nbytes):
+            ends.zero_()
+            pack_slice(payload, sizes, rel, ends, 0, n * P, desc, host_desc, dev_table, n * P,
+                       programs=32)
+            out.copy_(staging[:nbytes], non_blocking=True)
+
+        def copy_only(out=out, nbytes=nbytes):
+            out.copy_(flat[:nbytes], non_blocking=True)
+
+        def busy_then(fn):
+            def run():
+                with torch.cuda.stream(side):
+                    for _ in range(4):
+                        busy @ busy
+                fn()
+            return run
+
+        row = [_rate(f, nbytes, a.reps) for f in (compact_copy, busy_then(compact_copy),
+                                                  copy_only, busy_then(copy_only))]
+        print(f"| {share:.1f} | " + " | ".join(f"{r:.1f}" for r in row) + " |", flush=True)
     mem.release()
 
 
