@@ -232,14 +232,34 @@ def test_detached_batch_leaves_the_ring_and_bounds_downloads():
         p.close()
 
 
-def test_slot_states_and_ring_order(gen):
+def test_slot_states_and_ring_order(gen, monkeypatch):
+    from torch_pagecomp import pipeline as pipeline_module
+
     pc = PageCompressor(device="cpu", batch_pages=2, slots=3)
     seen = set()
     stop = threading.Event()
+    busy_seen = threading.Event()  # the watcher saw a slot at work
+    real = pipeline_module.BlobLayout
+
+    class GatedLayout(real):
+        """The CPU compress stage lays out its batch while its slot is COMPRESSING: it waits
+        there until the watcher has seen a slot at work (on a fast runner the 20 batches
+        otherwise finished between two of the watcher's looks)."""
+
+        @classmethod
+        def of(cls, *args, **kwargs):
+            if not busy_seen.wait(5):
+                busy_seen.set()  # never seen: the assertion below says so, once
+            return real.of(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_module, "BlobLayout", GatedLayout)
 
     def watch():
         while not stop.is_set():
-            seen.update(pc.slot_states())
+            states = pc.slot_states()
+            seen.update(states)
+            if SlotState.COMPRESSING in states or SlotState.UPLOADING in states:
+                busy_seen.set()
 
     th = threading.Thread(target=watch)
     th.start()
