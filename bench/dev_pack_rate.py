@@ -43,6 +43,16 @@ def main() -> None:
     ends = torch.zeros(2, dtype=torch.int64, device="cuda")
     busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
+
+    def busy_then(fn):
+        """``fn`` queued beside four 8192^2 matmuls on another stream."""
+        def run():
+            with torch.cuda.stream(side):
+                for _ in range(4):
+                    busy @ busy
+            fn()
+        return run
+
     low, high = torch.cuda.Stream.priority_range()
     urgent = torch.cuda.Stream(priority=high)
     print(f"card {torch.cuda.get_device_name()}, slice {a.mib} MiB, {n} pages; stream "
@@ -60,16 +70,7 @@ def main() -> None:
                            programs=programs)
 
             alone = _rate(pack, nbytes, a.reps)
-            with torch.cuda.stream(side):
-                busy_mm = [busy @ busy for _ in range(1)]  # noqa: F841 - warm
-            torch.cuda.synchronize()
-
-            def beside(pack=pack):
-                with torch.cuda.stream(side):
-                    for _ in range(4):
-                        busy @ busy
-                pack()
-
+            beside = busy_then(pack)
             shared = _rate(beside, nbytes, a.reps)
             with torch.cuda.stream(urgent):
                 first = _rate(beside, nbytes, a.reps)
@@ -101,14 +102,6 @@ def main() -> None:
 
         def copy_only(out=out, nbytes=nbytes):
             out.copy_(flat[:nbytes], non_blocking=True)
-
-        def busy_then(fn):
-            def run():
-                with torch.cuda.stream(side):
-                    for _ in range(4):
-                        busy @ busy
-                fn()
-            return run
 
         row = [_rate(f, nbytes, a.reps) for f in (compact_copy, busy_then(compact_copy),
                                                   copy_only, busy_then(copy_only))]

@@ -300,6 +300,20 @@ static void release_ranges(Py_buffer *b) {
     if (b->obj != NULL) PyBuffer_Release(b);
 }
 
+/* get_buffers of `a`, then get_ranges over [start, stop), or over every page `sizes` (an
+ * int32 buffer among `a`, got first) holds where `sizes` is given; on a failure nothing stays
+ * held. */
+static int get_args(const buffer_arg *a, int count, PyObject *o_counter, Py_ssize_t parts,
+                    Py_ssize_t start, Py_ssize_t stop, const Py_buffer *sizes, Py_buffer *b,
+                    ranges_t *g, const char *fn) {
+    if (!get_buffers(a, count)) return 0;
+    if (!get_ranges(o_counter, parts, start, sizes != NULL ? sizes->len / 4 : stop, b, g, fn)) {
+        release_buffers(a, count);
+        return 0;
+    }
+    return 1;
+}
+
 /* The next range [*lo, *hi) of this call, or 0 when none is left. */
 static int next_range(ranges_t *g, Py_ssize_t *lo, Py_ssize_t *hi) {
     if (g->counter == NULL) {
@@ -318,11 +332,6 @@ static int next_range(ranges_t *g, Py_ssize_t *lo, Py_ssize_t *hi) {
     return 1;
 }
 
-/* The status that page i's metadata alone gives it (BAD_KIND, BAD_SIZE), else OK: the rules of
- * cpu_codec._page_checks (the python-lz4 path runs those on the whole batch), page by page here
- * so that a threaded decode does no serial pass over the batch before its threads start. `off`
- * holds N offsets, or N + 1 when `packed` (page i is then off[i] .. off[i + 1], and off[0] is
- * 0). */
 /* The size rules both decoders share: [o, o + s) non-empty and inside the payload (o >= 0 and
  * s <= total - o first: o + s cannot overflow), a RAW page `page` bytes, a FILL page 1. */
 static int plain_size_bad(int codec, int64_t o, int64_t s, int64_t total, int64_t page) {
@@ -330,6 +339,11 @@ static int plain_size_bad(int codec, int64_t o, int64_t s, int64_t total, int64_
            (codec == KIND_FILL && s != 1);
 }
 
+/* The status that page i's metadata alone gives it (BAD_KIND, BAD_SIZE), else OK: the rules of
+ * cpu_codec._page_checks (the python-lz4 path runs those on the whole batch), page by page here
+ * so that a threaded decode does no serial pass over the batch before its threads start. `off`
+ * holds N offsets, or N + 1 when `packed` (page i is then off[i] .. off[i + 1], and off[0] is
+ * 0). */
 static int32_t check_page(const int64_t *off, const int32_t *size, const uint8_t *kind,
                           Py_ssize_t i, int packed, int64_t total, int64_t page) {
     const int codec = kind[i] & 15, shift = kind[i] >> 4;
@@ -383,12 +397,9 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
         {o_sizes, &sizes, 0, 4, 'i', "sizes"}, {o_kinds, &kinds, 0, 1, 'u', "kinds"},
         {o_out, &out, 1, 1, 'u', "out"}, {o_status, &status, 1, 4, 'i', "status"}};
     const int nbufs = (int)(sizeof bufs / sizeof bufs[0]);
-    if (!get_ranges(o_counter, parts, start, stop, &counter, &ranges, "decode_pages"))
+    if (!get_args(bufs, nbufs, o_counter, parts, start, stop, NULL, &counter, &ranges,
+                  "decode_pages"))
         return NULL;
-    if (!get_buffers(bufs, nbufs)) {
-        release_ranges(&counter);
-        return NULL;
-    }
     const Py_ssize_t n = sizes.len / 4, n_off = offsets.len / 8;
     if ((n_off != n && n_off != n + 1) || kinds.len != n || out.len != n * page ||
         status.len != 4 * n || start < 0 || start > stop || stop > n) {
@@ -767,11 +778,9 @@ static PyObject *exp_encode_pages(PyObject *self, PyObject *args) {
         {o_raw, &raw, 0, 1, 'u', "raw"}, {o_out, &out, 1, 1, 'u', "out"},
         {o_sizes, &sizes, 1, 4, 'i', "sizes"}, {o_kinds, &kinds, 1, 1, 'u', "kinds"}};
     const int nbufs = (int)(sizeof bufs / sizeof bufs[0]);
-    if (!get_buffers(bufs, nbufs)) return NULL;
-    if (!get_ranges(o_counter, parts, 0, sizes.len / 4, &counter, &ranges, "exp_encode_pages")) {
-        release_buffers(bufs, nbufs);
+    if (!get_args(bufs, nbufs, o_counter, parts, 0, 0, &sizes, &counter, &ranges,
+                  "exp_encode_pages"))
         return NULL;
-    }
     const Py_ssize_t n = sizes.len / 4;
     if (raw.len != n * page || out.len != n * page || kinds.len != n) {
         PyErr_Format(PyExc_ValueError, "exp_encode_pages: %zd pages (sizes) of %zd bytes need raw "
@@ -902,11 +911,9 @@ static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
         {o_sizes, &sizes, 0, 4, 'i', "sizes"}, {o_kinds, &kinds, 0, 1, 'u', "kinds"},
         {o_out, &out, 1, 1, 'u', "out"}, {o_status, &status, 1, 4, 'i', "status"}};
     const int nbufs = (int)(sizeof bufs / sizeof bufs[0]);
-    if (!get_buffers(bufs, nbufs)) return NULL;
-    if (!get_ranges(o_counter, parts, 0, sizes.len / 4, &counter, &ranges, "exp_decode_pages")) {
-        release_buffers(bufs, nbufs);
+    if (!get_args(bufs, nbufs, o_counter, parts, 0, 0, &sizes, &counter, &ranges,
+                  "exp_decode_pages"))
         return NULL;
-    }
     const Py_ssize_t n = sizes.len / 4;
     if (offsets.len < 8 * n || kinds.len != n || out.len != n * page || status.len != 4 * n) {
         PyErr_Format(PyExc_ValueError, "exp_decode_pages: %zd pages (sizes) of %zd bytes need at "

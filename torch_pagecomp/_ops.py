@@ -332,3 +332,20 @@ def decompress_exp_eager(
     from .kernels.exp_codec import decompress_exp_pages
 
     return decompress_exp_pages(payload, offsets, sizes, kinds, page_size, traced=False)
+
+
+def compress_codec_eager(pages: Tensor, element_size: int,
+                         float_format: str | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`compress_exp_eager` with ``float_format`` (``"bf16"`` / ``"fp16"``), else
+    :func:`compress_eager` by ``element_size``: the codec a stored tensor's
+    ``float_format`` names (``storage.Storage``, the activation store)."""
+    if float_format is not None:
+        return compress_exp_eager(pages, float_format)
+    return compress_eager(pages, element_size)
+
+
+def decompress_codec_eager(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor,
+                           page_size: int, float_format: str | None) -> tuple[Tensor, Tensor]:
+    """The decoder of the pages :func:`compress_codec_eager` wrote with ``float_format``."""
+    decode = decompress_eager if float_format is None else decompress_exp_eager
+    return decode(payload, offsets, sizes, kinds, page_size)

@@ -29,13 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ._ops import (
-    compress_eager,
-    compress_exp_eager,
-    decompress_into_eager,
-    pack_eager,
-    publish_total_eager,
-)
+from ._ops import compress_codec_eager, decompress_into_eager, pack_eager, publish_total_eager
 from .pools import DeviceBufferPool, HostArena, PinnedBufferPool
 from .storage import BlobLayout, StoredBatch, meta_capacity
 
@@ -224,9 +218,8 @@ class CudaStages:
                 slot.record("up_e", self.compute)
             pages = src[lo:hi].view(n, p) if dev is None else dev[: n * p].view(n, p)
             slot.record("k_s", self.compute)
-            ff = job.storage.float_format
-            payload, sizes, kinds = (compress_exp_eager(pages, ff) if ff
-                                     else compress_eager(pages, element_size))
+            payload, sizes, kinds = compress_codec_eager(pages, element_size,
+                                                         job.storage.float_format)
             packed, offsets = pack_eager(payload, sizes, zero_tail=False)  # T bytes go down
             slot.record("k_c", self.compute)
             if self.publish:  # T to the host by a kernel: the copy engine is the link's

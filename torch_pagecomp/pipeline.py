@@ -48,6 +48,7 @@ from enum import Enum
 import torch
 
 from ._events import handoff, mark
+from ._ops import compress_codec_eager, decompress_codec_eager
 from .cuda_stages import CudaStages, CudaStreams, RawBypass
 from .pools import ALIGN, DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
 from .storage import BlobLayout, Storage, StoredBatch, detached_error
@@ -407,9 +408,8 @@ class Pipeline:
             pages = pages.view(n, p)
         slot.cpu_stage = SlotState.COMPRESSING
         t1 = time.perf_counter()
-        ff = job.storage.float_format
-        payload, sizes, kinds = (torch.ops.pagecomp.compress_exp(pages, ff) if ff
-                                 else torch.ops.pagecomp.compress(pages, element_size))
+        payload, sizes, kinds = compress_codec_eager(pages, element_size,
+                                                     job.storage.float_format)
         packed, offsets = torch.ops.pagecomp.pack(payload, sizes)
         lay = BlobLayout.of(n, int(offsets[n]))
         slot.cpu_stage = SlotState.DOWNLOADING
@@ -495,9 +495,8 @@ class Pipeline:
                 if slot is not None:
                     slot.cpu_stage = SlotState.COMPRESSING
                 payload, offsets, sizes, kinds = lay.views(sb.block.tensor)
-                decode = (torch.ops.pagecomp.decompress if storage.float_format is None
-                          else torch.ops.pagecomp.decompress_exp)
-                pages, status = decode(payload, offsets[:-1], sizes, kinds, p)
+                pages, status = decompress_codec_eager(payload, offsets[:-1], sizes, kinds, p,
+                                                       storage.float_format)
                 lo = sb.first_page * p
                 hi = min(out.numel(), lo + n * p)
                 out[lo:hi].copy_(pages.view(-1)[: hi - lo])

@@ -118,10 +118,10 @@ class VirtualArena:
         # per program and slice), so backing a chunk is a host store, not a ``fill_`` launch
         # on the hooks' hot path; on the CPU, and on a GPU that cannot pin, an ordinary tensor
         # on ``device`` written in stream order
-        self._host_table = device.type == "cpu" or self.pin
+        host_table = device.type == "cpu" or self.pin
         self.table = torch.zeros(TABLE_SIZE, dtype=torch.int64, pin_memory=self.pin,
-                                 device="cpu" if self._host_table else device)
-        self._table_np = self.table.numpy() if self._host_table else None
+                                 device="cpu" if host_table else device)
+        self._table_np = self.table.numpy() if host_table else None
         self.backed: dict[int, HostMemory] = {}
         self.free: list[tuple[HostMemory, torch.cuda.Event | None]] = []
         self.live: collections.Counter[int] = collections.Counter()

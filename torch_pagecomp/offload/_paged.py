@@ -371,8 +371,7 @@ def _compress(pages: torch.Tensor, element_size: int, out: tuple, scratch,
 
         compress_pages(pages, element_size, traced=False, out=out, scratch=scratch)
         return
-    got = (_ops.compress_exp_eager(pages, float_format) if float_format
-           else _ops.compress_eager(pages, element_size))
+    got = _ops.compress_codec_eager(pages, element_size, float_format)
     for dst, res in zip(out, got):
         dst.copy_(res)
 

@@ -53,4 +53,3 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     if s is None:
         s = _STREAMS[key] = torch.cuda.current_stream(index)
     return s
-
