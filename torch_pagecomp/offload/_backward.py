@@ -55,7 +55,6 @@ class Backward:
         with off._lock:
             entry = packed.entry
             self._watch_backward()
-            off._poll()
             if entry.src is not None:
                 off.counters["served_from_stash"] += 1
                 entry.served = True
@@ -66,6 +65,7 @@ class Backward:
                 return packed.view(storage)
             self._prefetch_from(entry.pass_, entry.group, entry)
             if entry.restored is None:
+                off._poll()
                 off.counters["restored_on_demand"] += 1
                 self.restore([entry])
         entry.check_restored()
@@ -94,10 +94,14 @@ class Backward:
         off = self.off
         if off.prefetch == 0:
             return
+        polled = False
         for k in range(group, max(-1, group - off.prefetch - 1), -1):
             if ps.issued[k]:
                 continue
             ps.issued[k] = True
+            if not polled:  # once per group issued, not at every unpack: host memory that
+                off._poll()  # autograd released goes back, placements are confirmed
+                polled = True
             todo = []
             for ref in reversed(ps.groups[k]):
                 e = ref()
