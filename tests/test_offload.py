@@ -969,3 +969,33 @@ def test_gpu_checksums_grads_identical_and_corruption_raises(seed):
     torch.cuda.synchronize()
     with pytest.raises(CorruptPageError):
         grads_of(model, x, off)
+
+
+@needs_cuda
+@pytest.mark.parametrize("prefetch", [1, 0])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_latest_group_stays_on_the_gpu_for_the_backward(seed, mode, prefetch):
+    """With prefetching, the latest group's finished offloads stay in the stash: the backward
+    would bring that group back first, all at once, so it is served in place instead; an
+    earlier group is released once its offload finishes and comes back by prefetch. Without
+    prefetching nothing finished is kept."""
+    x = torch.randn(1 << 20, device="cuda", requires_grad=True)
+    want = torch.autograd.grad(torch.sin(torch.sin(x * 3.0) * 5.0).sum(), x)[0]
+    off = gpu_offloader(mode, min_offload_bytes=0, prefer="memory", min_ratio=0.0,
+                        prefetch=prefetch)
+    with off:
+        a = torch.sin(x * 3.0)  # group 0 saves x * 3
+        off.next_group()
+        y = torch.sin(a * 5.0).sum()  # group 1 saves a * 5
+    torch.cuda.synchronize()  # both offloads are done
+    assert off.pending()["stash"] == (1 if prefetch else 0)
+    got = torch.autograd.grad(y, x)[0]
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    st = off.stats()
+    if prefetch:
+        assert st["served_from_stash"] == 1 and st["restored_prefetch"] == 1, st
+    else:
+        assert "served_from_stash" not in st and st["restored_on_demand"] == 2, st
+    del a, y
+    assert_clean(off)

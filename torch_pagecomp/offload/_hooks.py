@@ -416,7 +416,11 @@ class ActivationOffloader:
         # backward a stashed storage is kept until served in place (released when its copy
         # finished, it would be read back over the link instead); served ones go at once.
         backward = _in_backward()
+        tail = None if backward else self._tail_group()
         while self._stash and self._stash[0].ready() and (self._stash[0].served or not backward):
+            head = self._stash[0]
+            if tail is not None and head.pass_ is tail[0] and head.group == tail[1]:
+                break  # the latest group's: kept for the coming backward (see _tail_group)
             self._release(self._stash.popleft(), wait=False, keep_served=backward)
         for store in self._paged.values():
             store.poll()
@@ -429,6 +433,20 @@ class ActivationOffloader:
                 store.free(stored)
         self._ledger.settle()  # sizes the kernels placed since
 
+
+    def _tail_group(self) -> tuple[_Pass, int] | None:
+        """``(pass, group)``: the latest pass's latest group that holds tensors, whose
+        finished offloads stay in the stash (on the GPU) until a later group starts; None
+        without prefetching. A backward that follows brings that group back first, all at
+        once (``Backward._prefetch_tail``): its storages would only cross the link twice and
+        stall the backward's start, for no lower peak (the restored copies take the same
+        memory when the backward starts). Under ``max_in_flight_bytes`` like any unfinished
+        offload."""
+        ps = self._last_pass() if self._last_pass is not None and self.prefetch else None
+        if ps is None:
+            return None
+        last = len(ps.groups) - 1
+        return ps, (last if ps.groups[last] or last == 0 else last - 1)
 
     # ------------------------------------------------------------------------ helpers
     def _stream(self, dev: torch.device, name: str) -> torch.cuda.Stream:
