@@ -221,7 +221,7 @@ class Backward:
 
 RESTORE_BATCH_BYTES = 128 << 20  # each batch costs the host ~0.5 ms (allocations, metadata,
 # row tables, launches): at 64 MiB a transformer block of 16 MiB activations took 5-6 of them
-# (h200_66258a2_restore); its staging holds the batch's compressed bytes, about what one
+# (h200_66258a2_hostpath); its staging holds the batch's compressed bytes, about what one
 # large tensor's restore stages alone
 
 
