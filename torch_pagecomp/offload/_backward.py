@@ -219,10 +219,10 @@ class Backward:
             )
 
 
-RESTORE_BATCH_BYTES = 128 << 20  # each batch costs the host ~0.5 ms (allocations, metadata,
-# row tables, launches): at 64 MiB a transformer block of 16 MiB activations took 5-6 of them
-# (h200_66258a2_hostpath); its staging holds the batch's compressed bytes, about what one
-# large tensor's restore stages alone
+RESTORE_BATCH_BYTES = 64 << 20  # a batch's staging (its compressed bytes) is at most about
+# what one large tensor's restore stages alone; 128 MiB (fewer batches, less host time) ran
+# encoder-1024 slower in one A/B round (h200_66258a2_hostpath): a tensor's decode waits for
+# all the copies of its batch
 
 
 def _split(batch: list[_Entry]) -> list[list[_Entry]]:
