@@ -210,7 +210,6 @@ class VirtualArena:
             self.bound = self.frontier
             for _, upper in self.pending:
                 self.bound = self._advance(self.bound, upper)
-        self.placed_since_shrink = True
 
     def release(self, sl: _Slice, reader) -> None:
         """``sl`` is no longer needed; chunks behind the frontier with nothing live go back to
@@ -255,11 +254,12 @@ class VirtualArena:
         pinned two chunks again at every step; keeping the peaks of several steps instead
         kept a larger first step's chunks and then unpinned them all at once, a stall of
         about a second (``bench/results/h200_7d64cf1_hostpath``, ``h100_1a48801_pinning``).
-        Without a placement or a confirmation since the last call the chunks stay. The hooks
-        poll (confirm) at every saved tensor, so under them a step that only copied
-        (``prefer="speed"``) keeps the compressing step's chunks at its end and gives the free
-        ones back at the next: an offloader that settles on copying does not keep pinned
-        chunks it no longer uses, and one still in its trials may pin them again."""
+        Without a placement since the last call the chunks stay: a step that only copied
+        (``prefer="speed"``'s trials alternate copied and compressed steps) keeps them for
+        the next compressing step. Giving them back there made every compressed trial pin
+        them again (~0.7 s a step on encoder-1024, ``h200_668a96c_stock``), so the tuner
+        chose copying where compressing was faster. An offloader that settles on copying
+        unpins its free chunks then (``ActivationOffloader._tuned_arm``)."""
         if not self.placed_since_shrink:
             return
         need = self.peak_backed + max(2, self.peak_backed // 16)
