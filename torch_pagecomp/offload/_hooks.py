@@ -13,7 +13,8 @@ offsets, so gradients are bit-identical):
   sampled ratio is below ``min_ratio``, or a pass where ``prefer="speed"``'s step tuner found
   copying faster: ``_tune``) a copy into exact-size pooled pinned memory on a side
   stream. The GPU storage stays in a stash until its bytes are in host memory (a backward
-  that comes first reads it in place, with no round trip over the link); past
+  that comes first reads it in place, with no round trip over the link), and with prefetching
+  the latest group's until a later group starts (``_tail_group``); past
   ``max_in_flight_bytes`` the compute stream waits until the oldest has been read (copied, or
   compressed: a GPU-side wait) and it is dropped.
 * groups: a pass (one outermost ``with``) is cut into groups at every :meth:`next_group` (each
@@ -82,8 +83,9 @@ class ActivationOffloader:
             forward (0: each tensor on demand when unpacked).
         min_offload_bytes: storages smaller than this stay where they are.
         max_in_flight_bytes: GPU bytes kept alive by unfinished offloads (with the compressors'
-            scratch); past it the compute stream waits until the oldest has been read (copied,
-            or compressed), a GPU-side wait.
+            scratch, and the latest group's finished ones while prefetching); past it the
+            compute stream waits until the oldest has been read (copied, or compressed), a
+            GPU-side wait.
         max_in_flight_tensors: the same bound as a count of unfinished offloads (None: none).
         group_bytes: a new prefetch group starts once a group holds this many bytes (None: only
             at :meth:`next_group`).
