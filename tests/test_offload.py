@@ -999,3 +999,22 @@ def test_gpu_latest_group_stays_on_the_gpu_for_the_backward(seed, mode, prefetch
         assert "served_from_stash" not in st and st["restored_on_demand"] == 2, st
     del a, y
     assert_clean(off)
+
+
+@needs_cuda
+def test_gpu_pinned_copies_of_a_size_no_longer_saved_are_let_go(seed):
+    """Uncompressed copies live in exact-size pinned buffers: a step that saves other sizes
+    (a new sequence length) lets the old ones go at the end of its backward instead of
+    holding them for the offloader's life."""
+    from torch_pagecomp.pools import HOST_PAGE, round_up
+
+    off = gpu_offloader("uncompressed", min_offload_bytes=0)
+    for n in (1 << 20, 1 << 20, 3 << 19):  # the last step saves another size
+        x = torch.randn(n, device="cuda", requires_grad=True)
+        with off:
+            y = torch.sin(x * 3.0).sum()  # saves x * 3 (n floats)
+        torch.cuda.synchronize()  # the copies are done: their buffers may go
+        y.backward()
+    torch.cuda.synchronize()
+    assert off.pool.held_bytes == round_up(4 * (3 << 19), HOST_PAGE), off.pool.stats()
+    assert_clean(off)

@@ -83,6 +83,31 @@ def test_staging_and_device_pools_hit_after_warmup():
     assert pool.held_bytes == 0 and dev.held_bytes == 0
 
 
+def test_pool_shrink_lets_go_of_sizes_no_longer_asked_for():
+    """Once per step, ``shrink`` keeps what each size needed at its busiest since the last
+    call: a stable step keeps every buffer; a size the step stopped asking for (a new sequence
+    length) is let go, where exact-size buckets would hold it for the life of the pool."""
+    pool = PinnedBufferPool(pin=False)
+
+    def step(sizes):
+        bufs = [pool.acquire(n) for n in sizes]
+        for b in bufs:
+            pool.release(b)
+        return pool.shrink()
+
+    a, b = 5 * HOST_PAGE, 7 * HOST_PAGE
+    assert step([a, a, a, b]) == 0 and pool.held_bytes == 3 * a + b
+    misses = pool.misses
+    assert step([a, a, a, b]) == 0 and pool.misses == misses  # stable: all reused, all kept
+    assert step([a, b, b]) == 2 * a and pool.held_bytes == a + 2 * b  # fewer a, more b
+    assert step([b]) == a + b and pool.held_bytes == b
+    assert pool.shrink() == 0 and pool.held_bytes == b  # nothing taken since: nothing dropped
+    held = pool.acquire(b)  # still out at the shrink: not idle, kept
+    assert pool.shrink() == 0
+    pool.release(held)
+    assert pool.held_bytes == b
+
+
 def test_limiter_blocks_until_release():
     lim = InflightLimiter(100)
     lim.acquire(60)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import mmap
 import threading
@@ -208,14 +209,18 @@ class HostArena:
 
 class SizePool:
     """Buffers reused by exact size: ``acquire(n)`` pops an idle one of ``n`` bytes or makes one
-    (outside the lock); ``release`` returns it; ``clear`` drops the idle ones. Subclasses say
-    how a buffer is made, measured and dropped."""
+    (outside the lock); ``release`` returns it; ``clear`` drops the idle ones; ``shrink`` the
+    idle ones beyond what each size needed at its busiest since the last ``shrink``.
+    Subclasses say how a buffer is made, measured and dropped."""
 
     def __init__(self):
         self._free: dict[int, list] = {}
         self._lock = threading.Lock()
         self.hits = self.misses = 0
         self.held_bytes = 0
+        self._out: collections.Counter[int] = collections.Counter()  # acquired, per size
+        self._peak: collections.Counter[int] = collections.Counter()  # most out at once
+        self._taken = False  # anything acquired since the last shrink
 
     def _make(self, nbytes: int):
         raise NotImplementedError
@@ -229,21 +234,65 @@ class SizePool:
     def _drop(self, buf) -> None:
         pass
 
+    def _idle_done(self, buf) -> bool:
+        """Whether nothing queued still uses ``buf`` (``shrink`` drops only those)."""
+        return True
+
     def acquire(self, nbytes: int):
         with self._lock:
+            self._taken = True
+            self._out[nbytes] += 1
+            self._peak[nbytes] = max(self._peak[nbytes], self._out[nbytes])
             bucket = self._free.get(nbytes)
             if bucket:
                 self.hits += 1
                 return bucket.pop()
             self.misses += 1
-        buf = self._make(nbytes)
+        try:
+            buf = self._make(nbytes)
+        except BaseException:
+            with self._lock:
+                self._out[nbytes] -= 1
+            raise
         with self._lock:
             self.held_bytes += self._held(buf)
         return buf
 
     def release(self, buf) -> None:
         with self._lock:
-            self._free.setdefault(self._size(buf), []).append(buf)
+            size = self._size(buf)
+            self._out[size] -= 1
+            self._free.setdefault(size, []).append(buf)
+
+    def shrink(self) -> int:
+        """Drop the idle buffers of each size beyond the most that were out at once since the
+        last call, less those still out; returns the bytes dropped. Called once per step
+        (the activation hooks: at the end of each backward), a pool of stable shapes keeps
+        every buffer, and sizes a step no longer asks for (a new sequence length, a first
+        step that saved other tensors) are let go instead of held for the life of the pool:
+        exact-size buckets would otherwise grow with every new shape. Without an ``acquire``
+        since the last call nothing is dropped: a step that took nothing from the pool (a
+        compressed step of ``prefer="speed"``'s trials) leaves it for the next copied one."""
+        dropped = []
+        with self._lock:
+            if not self._taken:
+                return 0
+            self._taken = False
+            for size, bucket in list(self._free.items()):
+                extra = len(bucket) - max(0, self._peak[size] - self._out[size])
+                # the longest idle first, and none the GPU may still read or write (kept
+                # for the next call rather than waited for)
+                for buf in [b for b in bucket if self._idle_done(b)][:max(0, extra)]:
+                    bucket.remove(buf)
+                    dropped.append(buf)
+                if not bucket:
+                    del self._free[size]
+            self._peak = collections.Counter({k: v for k, v in self._out.items() if v > 0})
+            freed = sum(self._held(buf) for buf in dropped)
+            self.held_bytes -= freed
+        for buf in dropped:
+            self._drop(buf)
+        return freed
 
     def clear(self) -> None:
         """Drop every idle buffer (buffers still acquired stay counted until released)."""
@@ -298,7 +347,12 @@ class PinnedBufferPool(SizePool):
         return mem.held_bytes
 
     def _drop(self, mem: HostMemory) -> None:
+        if mem.last_use is not None:  # a copy still queued on it: unpinned after it
+            mem.last_use.synchronize()
         mem.release()
+
+    def _idle_done(self, mem: HostMemory) -> bool:
+        return mem.last_use is None or mem.last_use.query()
 
     def stats(self) -> dict:
         out = super().stats()

@@ -204,6 +204,7 @@ class Backward:
                 e.src = None
             off._failed.clear()
             off._poll()
+            off.pool.shrink()  # pinned copies of sizes this step no longer saved
             for store in off._paged.values():
                 store.arena.shrink()
         self._check_restores()
