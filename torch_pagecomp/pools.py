@@ -280,9 +280,11 @@ class SizePool:
             self._taken = False
             for size, bucket in list(self._free.items()):
                 extra = len(bucket) - max(0, self._peak[size] - self._out[size])
+                if extra <= 0:
+                    continue
                 # the longest idle first, and none the GPU may still read or write (kept
                 # for the next call rather than waited for)
-                for buf in [b for b in bucket if self._idle_done(b)][:max(0, extra)]:
+                for buf in [b for b in bucket if self._idle_done(b)][:extra]:
                     bucket.remove(buf)
                     dropped.append(buf)
                 if not bucket:
