@@ -222,13 +222,20 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def stock_parser(variants: str) -> argparse.ArgumentParser:
+    """The options of the probes that time stock models' steps (this one and
+    ``dev_step_profile``): ``--models``, ``--variants`` (default ``variants``), ``--steps``,
+    ``--warmup``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="encoder-1024,resnet-64")
-    ap.add_argument("--variants", default="uncompressed,memory")
+    ap.add_argument("--variants", default=variants)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=4)
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = stock_parser("uncompressed,memory").parse_args()
     for name in a.models.split(","):
         for variant in a.variants.split(","):
             print(measure(name, variant, a.steps, a.warmup), flush=True)

@@ -10,7 +10,6 @@ the model's kernels). ``--trace DIR`` also writes each profile as a Chrome trace
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import os
 import shutil
@@ -107,11 +106,9 @@ def measure(name: str, variant: str, steps: int, warmup: int, trace: str | None)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="encoder-1024,resnet-64")
-    ap.add_argument("--variants", default="none,uncompressed,memory")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=4)
+    from bench.dev_hook_timing import stock_parser
+
+    ap = stock_parser("none,uncompressed,memory")
     ap.add_argument("--trace", default=None)
     a = ap.parse_args()
     for name in a.models.split(","):

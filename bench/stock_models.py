@@ -554,7 +554,6 @@ def _fsdp_rows(args, models, variants, meta, codecs=("auto",)):
                 # the run's model, optimizer and offloader hold each other (module hooks):
                 # collected now, or their GPU memory counts in the next variant's peak (it
                 # raised later variants' peaks by up to 1.3 GiB, h200x2_abdfb70_fsdp)
-                del row
                 gc.collect()
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()

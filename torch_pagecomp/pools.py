@@ -289,7 +289,8 @@ class SizePool:
                     dropped.append(buf)
                 if not bucket:
                     del self._free[size]
-            self._peak = collections.Counter({k: v for k, v in self._out.items() if v > 0})
+            self._out = +self._out  # sizes with none out go (a new shape each step adds one)
+            self._peak = self._out.copy()
             freed = sum(self._held(buf) for buf in dropped)
             self.held_bytes -= freed
         for buf in dropped:
