@@ -117,9 +117,11 @@ final)
     ;;
 fsdp)
     header fsdp
-    # FSDP2 (fully_shard per block) on every GPU of the machine, one process per GPU
-    timeout 540 torchrun --standalone --nproc_per_node "$(nvidia-smi -L | wc -l)" \
-        -m bench.stock_models --fsdp --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
+    # FSDP2 (fully_shard per block) on every GPU of the machine, one process per GPU; each
+    # (model, variant) in its own torchrun (run one after another in one process group, the
+    # later variants ran slower: h200x2_abdfb70_fsdp)
+    timeout ${FSDP_TIMEOUT:-540} python3 -m bench.stock_models --fsdp --nproc "$(nvidia-smi -L | wc -l)" \
+        --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
         --variants "${STOCK_VARIANTS:-none,uncompressed,memory,speed}" --codec "${STOCK_CODEC:-auto}" \
         --out "$OUT/stock_models_fsdp.json" 2>&1 | tail -n 24
     ;;

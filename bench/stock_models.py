@@ -24,7 +24,8 @@ gradients of the first step are bit-identical to ``none`` (deterministic setting
 ``torch.use_deterministic_algorithms``).
 
     python -m bench.stock_models --models encoder-1024,llama-2048 --out bench/out/stock.json
-    torchrun --nproc_per_node 2 -m bench.stock_models --fsdp --models encoder-1024 ...
+    python -m bench.stock_models --fsdp --nproc 2 --models encoder-1024 ...   # a torchrun each
+    torchrun --nproc_per_node 2 -m bench.stock_models --fsdp ...   # every variant in one group
 
 On the CPU (CI) ``--tiny`` runs every model and variant at toy sizes, FSDP2 on gloo.
 ``STOCK_STREAM_PRIORITY=-5`` (a probe) passes ``stream_priority`` to the hooks.
@@ -38,6 +39,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -454,7 +456,11 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--device", default=None)
     ap.add_argument("--tiny", action="store_true", help="toy sizes of every model (CPU CI)")
-    ap.add_argument("--fsdp", action="store_true", help="FSDP2 under torchrun, in-process")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="FSDP2: each (model, variant) in its own torchrun of --nproc ranks; "
+                         "started by torchrun itself, every variant in its ranks' processes")
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="ranks per FSDP2 run (default: every GPU, 2 on the CPU)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, metavar="MODEL:VARIANT:PATH",
                     help="profile one more step of that run; the table goes to PATH")
@@ -492,10 +498,20 @@ def main(argv=None) -> int:
             "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "command": " ".join(sys.argv), "gpus": 1}
-    if args.fsdp:
+    if args.fsdp and _under_torchrun():
         rows = _fsdp_rows(args, models, variants, meta, codecs)
         if rows is None:
             return 0  # not rank 0
+    elif args.fsdp:
+        meta["gpus"] = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
+        rows = []
+        for m in models:
+            for v in variants:
+                for c in _codecs_of(v, codecs):
+                    rows.extend(_torchrun_rows(args, m, v, c, meta["gpus"]))
+                    partial = _finish([dict(r) for r in rows], meta)
+                    write_results(partial, args.out, table(partial))
+                    print(table(partial).splitlines()[-1], file=sys.stderr, flush=True)
     else:
         rows = []
         for m in models:
@@ -512,6 +528,44 @@ def main(argv=None) -> int:
     write_results(doc, args.out, text)
     bad = [r for r in rows if "error" in r or r.get("exit_code", 0)]
     return 1 if bad else 0
+
+
+def _under_torchrun() -> bool:
+    """Whether this process is a rank that torchrun started (it sets these for every rank)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _torchrun_rows(args, name: str, variant: str, codec: str, nproc: int) -> list[dict]:
+    """One (model, variant, codec) under FSDP2 in its own ``torchrun`` of ``nproc`` ranks: a
+    fresh process group and CUDA context per run, as a user's job has. Run one after another
+    in one process, the later variants ran slower: ``speed`` on the copy arm took 1.55x
+    ``uncompressed``'s step (h200x2_abdfb70_fsdp), which its own trials did not show. A run
+    that fails or times out gives its row with ``"error"``."""
+    import tempfile
+
+    base = {"model": name, "variant": variant,
+            "codec": codec if variant in COMPRESSING else None}
+    if variant == "save_on_cpu":
+        return []  # not run under FSDP2 (as in-process)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        extra = ([] if args.min_offload_bytes is None
+                 else ["--min-offload-bytes", str(args.min_offload_bytes)])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", str(nproc), "-m", "bench.stock_models", "--fsdp",
+               "--models", name, "--variants", variant, "--codec", codec,
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--device", args.device, "--out", out, *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                               env=env)
+        except subprocess.TimeoutExpired:
+            return [{**base, "error": f"timeout after {args.timeout} s"}]
+        if r.returncode != 0 or not os.path.exists(out):
+            return [{**base, "error": f"exit {r.returncode}", "stderr": r.stderr[-2000:]}]
+        with open(out) as fh:
+            return json.load(fh)["rows"]
 
 
 def _fsdp_rows(args, models, variants, meta, codecs=("auto",)):

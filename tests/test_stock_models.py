@@ -87,3 +87,26 @@ def test_codec_option_runs_and_records_each_codec(capsys):
     assert "zstd" in capsys.readouterr().err
     with pytest.raises(ValueError, match="'zstd'"):
         stock_models.run("encoder-tiny", "memory", 1, 1, "cpu", False, codec="zstd")
+
+
+@pytest.mark.slow
+def test_fsdp2_driver_runs_each_variant_in_its_own_torchrun(tmp_path, monkeypatch):
+    """``--fsdp`` started without torchrun launches one torchrun per (model, variant) and
+    collects their rows into one table, with the comparisons across runs (gradients against
+    ``none``'s run, ratio against ``uncompressed``'s). Marked slow: two torchruns on the CPU."""
+    out = tmp_path / "stock.json"
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "bench.stock_models", "--fsdp", "--device", "cpu", "--nproc", "2",
+           "--models", "encoder-tiny", "--variants", "none,uncompressed,memory", "--steps", "1",
+           "--warmup", "1", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [row["variant"] for row in doc["rows"]] == ["none", "uncompressed", "memory"]
+    none, unc, mem = doc["rows"]
+    assert doc["gpus"] == 2 and all(row["gpus"] == 2 for row in doc["rows"])
+    assert unc["grads_identical"] and mem["grads_identical"], doc["rows"]
+    assert mem["offloaded_gib"] > 0 and mem["ratio"] > 1.0
