@@ -537,9 +537,9 @@ def _under_torchrun() -> bool:
 
 def _torchrun_rows(args, name: str, variant: str, codec: str, nproc: int) -> list[dict]:
     """One (model, variant, codec) under FSDP2 in its own ``torchrun`` of ``nproc`` ranks: a
-    fresh process group and CUDA context per run, as a user's job has. Run one after another
-    in one process, the later variants ran slower: ``speed`` on the copy arm took 1.55x
-    ``uncompressed``'s step (h200x2_abdfb70_fsdp), which its own trials did not show. A run
+    fresh process group and CUDA context per run, as a user's job has. Run after ``memory`` in
+    one process, ``speed`` on the copy arm took 1.55x ``uncompressed``'s step
+    (h200x2_abdfb70_fsdp); in processes of their own, 0.99-1.13x (h200x2_643dbbc_fsdp). A run
     that fails or times out gives its row with ``"error"``."""
     import tempfile
 
