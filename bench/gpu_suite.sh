@@ -127,13 +127,13 @@ fsdp)
     ;;
 training)
     header training
-    # warm-up 10: prefer="speed" (compressed) times compressed against copied steps in the first 8.
+    # warm-up 8: prefer="speed" (compressed) times compressed against copied steps in the first 6.
     # 120 s per variant: on a fresh machine the first compressing child compiles every kernel
     # (65 s at b798a19, bench/results/h200_1e001b6/)
-    timeout 330 python3 -m bench.training_bench --steps 5 --warmup 10 --timeout 120 \
+    timeout 330 python3 -m bench.training_bench --steps 5 --warmup 8 --timeout 120 \
         --out "$OUT/training_bench.json" 2>&1 | tee "$OUT/training_bench.txt" | tail -n 15
     # partial offload: the last 8 of 12 blocks keep their activations, so copies can hide
-    timeout 200 python3 -m bench.training_bench --steps 5 --warmup 10 --timeout 120 \
+    timeout 200 python3 -m bench.training_bench --steps 5 --warmup 8 --timeout 120 \
         --gpu-blocks 8 --prefetch 4 --max-in-flight-mb 4096 \
         --variants none,uncompressed,compressed,compressed_mem \
         --out "$OUT/training_partial.json" 2>&1 | tee "$OUT/training_partial.txt" | tail -n 10

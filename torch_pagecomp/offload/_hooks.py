@@ -97,7 +97,7 @@ class ActivationOffloader:
         page_size: bytes per compressed page; max_pinned_bytes: bound on the pinned pool of
             uncompressed copies (past it a tensor stays on the GPU).
         prefer: ``"speed"``: compress only where it shortens the step. Passes are timed
-            (``_tune.StepTuner``: after two warm-up passes, three passes each compressed
+            (``_tune.StepTuner``: after two warm-up passes, two passes each compressed
             and copied, again every ``tuner.retune`` passes) and the faster way is kept.
             ``"memory"``: every tensor of a class that compresses goes through the kernels.
         tuner: the ``StepTuner`` of ``prefer="speed"`` (default ``StepTuner()``).

@@ -16,11 +16,8 @@ read once completed, never waited for), or the host clock without CUDA:
 
 1. ``warmup`` passes compress (kernels compile, pools grow, the class policy samples ratios);
 2. ``trials`` passes per arm, alternating ``"copy"`` (every offload a plain pinned copy) and
-   ``"compress"``; an arm's time is the lower median of its passes (the middle one of three).
-   A pass that grew a pool or compiled a kernel is slower once and does not count. A lucky
-   fast pass does not count either: where the host is busy, compressed passes spread far
-   more than copied ones, and the shortest of them chose compressing for steps slower than
-   copied ones (two FSDP2 ranks on one host, ``bench/results/h200x2_643dbbc_fsdp``);
+   ``"compress"``; an arm's time is the shortest of its passes (a pass that grew a pool or
+   compiled a kernel is slower once, never faster);
 3. once they are measured, the faster arm is kept for ``retune`` passes; ``"copy"`` only if
    it is faster by more than ``margin`` (on a tie compression still saves host memory). Then
    the trials run again, and at once when a pass offloads a different amount (by more than a
@@ -32,7 +29,6 @@ Passes that offload nothing (evaluation) are not timed and change nothing.
 from __future__ import annotations
 
 import collections
-import statistics
 import time
 from collections.abc import Callable
 
@@ -66,7 +62,7 @@ class StepTuner:
     ``clock`` returns a mark, ``elapsed`` the milliseconds between two (None: not yet known);
     tests pass a fake clock of floats (seconds)."""
 
-    def __init__(self, warmup: int = 2, trials: int = 3, retune: int = 200,
+    def __init__(self, warmup: int = 2, trials: int = 2, retune: int = 200,
                  margin: float = 0.03, clock: Callable[[], object] = pass_mark,
                  elapsed: Callable[[object, object], float | None] = elapsed_ms):
         if warmup < 0 or trials < 1 or retune < 1 or margin < 0:
@@ -147,7 +143,7 @@ class StepTuner:
         self._trial_bytes = None
 
     def _decide(self) -> None:
-        best = {a: statistics.median_low(v) for a, v in self.times.items()}
+        best = {a: min(v) for a, v in self.times.items()}
         faster = best["copy"] < best["compress"] * (1.0 - self.margin)
         self.choice = "copy" if faster else "compress"
         self._phase, self._settled = "settled", 0
