@@ -64,11 +64,56 @@ def _use_triton(t: Tensor) -> bool:
 
 
 # ------------------------------------------------------------------- reference (lz4) ops
+def _direct_ok(tensors: tuple) -> bool:
+    """Whether an eager call may run the reference path itself instead of through its op: the
+    same code and results without two layers of operator dispatch (~150 us of host time per
+    call on a 2-core VM, several times the lz4 work of a 16-page batch). Never under
+    ``torch.compile``, a dispatch mode (``make_fx``, fake tensors) or a tensor subclass: those
+    see the ops."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(type(t) is Tensor for t in tensors)
+
+
+# The reference paths (lz4 and numpy / C on the host), arguments already checked: each
+# ``*_reference`` op runs one, and so does each eager entry point where ``_direct_ok``.
+def _compress_ref(pages: Tensor, element_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    out = cpu_codec.compress_cpu(pages.cpu(), element_size)
+    return tuple(t.to(pages.device) for t in out)
+
+
+def _decompress_ref(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor,
+                    page_size: int) -> tuple[Tensor, Tensor]:
+    args = (payload.cpu(), offsets.cpu(), sizes.cpu(), kinds.cpu())
+    pages, status = cpu_codec.decompress_cpu(*args, page_size)
+    return pages.to(payload.device), status.to(payload.device)
+
+
+def _pack_ref(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
+    packed, offsets = cpu_codec.pack_cpu(payload.cpu(), sizes.cpu())
+    return packed.to(payload.device), offsets.to(payload.device)
+
+
+def _checksum_ref(pages: Tensor) -> Tensor:
+    return cpu_codec.page_checksums_cpu(pages.cpu()).to(pages.device)
+
+
+def _compress_exp_ref(pages: Tensor, float_format: str) -> tuple[Tensor, Tensor, Tensor]:
+    out = exp_codec.compress_exp_cpu(pages.cpu(), exp_codec.layout_code(float_format))
+    return tuple(t.to(pages.device) for t in out)
+
+
+def _decompress_exp_ref(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor,
+                        page_size: int) -> tuple[Tensor, Tensor]:
+    args = (payload.cpu(), offsets.cpu(), sizes.cpu(), kinds.cpu())
+    pages, status = exp_codec.decompress_exp_cpu(*args, page_size)
+    return pages.to(payload.device), status.to(payload.device)
+
+
 @custom_op("pagecomp::compress_reference", mutates_args=())
 def compress_reference(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     fmt.check_compress_args(pages, element_size)
-    out = cpu_codec.compress_cpu(pages.cpu(), element_size)
-    return tuple(t.to(pages.device) for t in out)
+    return _compress_ref(pages, element_size)
 
 
 def _compressed_like(pages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -99,9 +144,7 @@ def decompress_reference(
     payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
 ) -> tuple[Tensor, Tensor]:
     fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size)
-    args = (payload.cpu(), offsets.cpu(), sizes.cpu(), kinds.cpu())
-    pages, status = cpu_codec.decompress_cpu(*args, page_size)
-    return pages.to(payload.device), status.to(payload.device)
+    return _decompress_ref(payload, offsets, sizes, kinds, page_size)
 
 
 @decompress_reference.register_fake
@@ -113,8 +156,7 @@ def _(payload, offsets, sizes, kinds, page_size):
 @custom_op("pagecomp::pack_reference", mutates_args=())
 def pack_reference(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
     fmt.check_pack_args(payload, sizes)
-    packed, offsets = cpu_codec.pack_cpu(payload.cpu(), sizes.cpu())
-    return packed.to(payload.device), offsets.to(payload.device)
+    return _pack_ref(payload, sizes)
 
 
 @pack_reference.register_fake
@@ -127,7 +169,7 @@ def _(payload, sizes):
 @custom_op("pagecomp::checksum_reference", mutates_args=())
 def checksum_reference(pages: Tensor) -> Tensor:
     fmt.check_checksum_args(pages)
-    return cpu_codec.page_checksums_cpu(pages.cpu()).to(pages.device)
+    return _checksum_ref(pages)
 
 
 @checksum_reference.register_fake
@@ -139,8 +181,7 @@ def _(pages):
 @custom_op("pagecomp::compress_exp_reference", mutates_args=())
 def compress_exp_reference(pages: Tensor, float_format: str) -> tuple[Tensor, Tensor, Tensor]:
     fmt.check_compress_exp_args(pages, float_format)
-    out = exp_codec.compress_exp_cpu(pages.cpu(), exp_codec.layout_code(float_format))
-    return tuple(t.to(pages.device) for t in out)
+    return _compress_exp_ref(pages, float_format)
 
 
 @compress_exp_reference.register_fake
@@ -154,9 +195,7 @@ def decompress_exp_reference(
     payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
 ) -> tuple[Tensor, Tensor]:
     fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size, op="decompress_exp")
-    args = (payload.cpu(), offsets.cpu(), sizes.cpu(), kinds.cpu())
-    pages, status = exp_codec.decompress_exp_cpu(*args, page_size)
-    return pages.to(payload.device), status.to(payload.device)
+    return _decompress_exp_ref(payload, offsets, sizes, kinds, page_size)
 
 
 @decompress_exp_reference.register_fake
@@ -239,6 +278,8 @@ def compress_eager(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor
     """As ``torch.ops.pagecomp.compress``."""
     fmt.check_compress_args(pages, element_size)
     if not _use_triton(pages):
+        if _direct_ok((pages,)):
+            return _compress_ref(pages, element_size)
         return torch.ops.pagecomp.compress(pages, element_size)
     from .kernels.lz4_compress import compress_pages
 
@@ -251,6 +292,8 @@ def decompress_eager(
     """As ``torch.ops.pagecomp.decompress``."""
     fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size)
     if not _use_triton(payload):
+        if _direct_ok((payload, offsets, sizes, kinds)):
+            return _decompress_ref(payload, offsets, sizes, kinds, page_size)
         return torch.ops.pagecomp.decompress(payload, offsets, sizes, kinds, page_size)
     from .kernels.lz4_decompress import decompress_pages
 
@@ -262,6 +305,8 @@ def pack_eager(payload: Tensor, sizes: Tensor, zero_tail: bool = True) -> tuple[
     left unwritten on the GPU (see ``torch_pagecomp.kernels.pack.pack_pages``)."""
     fmt.check_pack_args(payload, sizes)
     if not _use_triton(payload):
+        if _direct_ok((payload, sizes)):
+            return _pack_ref(payload, sizes)
         return torch.ops.pagecomp.pack(payload, sizes)
     from .kernels.pack import pack_pages
 
@@ -272,6 +317,8 @@ def checksum_eager(pages: Tensor) -> Tensor:
     """As ``torch.ops.pagecomp.checksum``."""
     fmt.check_checksum_args(pages)
     if not _use_triton(pages):
+        if _direct_ok((pages,)):
+            return _checksum_ref(pages)
         return torch.ops.pagecomp.checksum(pages)
     from .kernels.checksum import page_checksums
 
@@ -300,7 +347,11 @@ def decompress_into_eager(
     fmt.check_decompress_args(payload, offsets, sizes, kinds, pages.shape[1], pages, status,
                               op=f"{op}_into")
     if not _use_triton(payload):
-        got, st = getattr(torch.ops.pagecomp, op)(payload, offsets, sizes, kinds, pages.shape[1])
+        args = (payload, offsets, sizes, kinds)
+        if _direct_ok(args):
+            got, st = (_decompress_exp_ref if exp else _decompress_ref)(*args, pages.shape[1])
+        else:
+            got, st = getattr(torch.ops.pagecomp, op)(*args, pages.shape[1])
         pages.copy_(got)
         status.copy_(st)
         return
@@ -316,6 +367,8 @@ def compress_exp_eager(pages: Tensor, float_format: str) -> tuple[Tensor, Tensor
     """As ``torch.ops.pagecomp.compress_exp``."""
     fmt.check_compress_exp_args(pages, float_format)
     if not _use_triton(pages):
+        if _direct_ok((pages,)):
+            return _compress_exp_ref(pages, float_format)
         return torch.ops.pagecomp.compress_exp(pages, float_format)
     from .kernels.exp_codec import compress_exp_pages
 
@@ -328,6 +381,8 @@ def decompress_exp_eager(
     """As ``torch.ops.pagecomp.decompress_exp``."""
     fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size, op="decompress_exp")
     if not _use_triton(payload):
+        if _direct_ok((payload, offsets, sizes, kinds)):
+            return _decompress_exp_ref(payload, offsets, sizes, kinds, page_size)
         return torch.ops.pagecomp.decompress_exp(payload, offsets, sizes, kinds, page_size)
     from .kernels.exp_codec import decompress_exp_pages
 

@@ -20,6 +20,7 @@ import torch
 
 from . import format as fmt
 from ._ops import (
+    _direct_ok,
     checksum_eager,
     compress_eager,
     compress_exp_eager,
@@ -98,12 +99,14 @@ def compress(
 def _routed(where: str, device: torch.device, op, eager, kernel, tensors: tuple,
             consts: tuple = ()):
     """``op`` (a ``torch.ops.pagecomp`` operator) of ``tensors`` then ``consts``, run where
-    ``route`` sent the call, its outputs on ``device``: ``CPU`` the op on host copies;
+    ``route`` sent the call, its outputs on ``device``: ``CPU`` the op on host copies (eager
+    calls: ``eager``, which runs the op's reference path without the dispatch);
     ``KERNELS`` ``eager``, the op's direct launch; otherwise on a CUDA device (``OP``, or
     ``CPU_SERVED``: the op serves it on the host) the op; ``INTERPRET`` ``kernel``, the Triton
     launcher; ``UPLOAD`` the op on GPU copies of host tensors, brought back."""
     if where == CPU:
-        return _to(op(*(t.cpu() for t in tensors), *consts), device)
+        host = tuple(t.cpu() for t in tensors)
+        return _to((eager if _direct_ok(host) else op)(*host, *consts), device)
     if where == KERNELS:
         return eager(*tensors, *consts)
     if device.type == "cuda":
