@@ -83,9 +83,10 @@ def _compress_ref(pages: Tensor, element_size: int) -> tuple[Tensor, Tensor, Ten
 
 
 def _decompress_ref(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor,
-                    page_size: int) -> tuple[Tensor, Tensor]:
-    args = (payload.cpu(), offsets.cpu(), sizes.cpu(), kinds.cpu())
-    pages, status = cpu_codec.decompress_cpu(*args, page_size)
+                    page_size: int, exp: bool = False) -> tuple[Tensor, Tensor]:
+    """``exp``: the exponent codec's decoder, else LZ4's."""
+    decode = exp_codec.decompress_exp_cpu if exp else cpu_codec.decompress_cpu
+    pages, status = decode(payload.cpu(), offsets.cpu(), sizes.cpu(), kinds.cpu(), page_size)
     return pages.to(payload.device), status.to(payload.device)
 
 
@@ -101,13 +102,6 @@ def _checksum_ref(pages: Tensor) -> Tensor:
 def _compress_exp_ref(pages: Tensor, float_format: str) -> tuple[Tensor, Tensor, Tensor]:
     out = exp_codec.compress_exp_cpu(pages.cpu(), exp_codec.layout_code(float_format))
     return tuple(t.to(pages.device) for t in out)
-
-
-def _decompress_exp_ref(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor,
-                        page_size: int) -> tuple[Tensor, Tensor]:
-    args = (payload.cpu(), offsets.cpu(), sizes.cpu(), kinds.cpu())
-    pages, status = exp_codec.decompress_exp_cpu(*args, page_size)
-    return pages.to(payload.device), status.to(payload.device)
 
 
 @custom_op("pagecomp::compress_reference", mutates_args=())
@@ -195,7 +189,7 @@ def decompress_exp_reference(
     payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
 ) -> tuple[Tensor, Tensor]:
     fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size, op="decompress_exp")
-    return _decompress_exp_ref(payload, offsets, sizes, kinds, page_size)
+    return _decompress_ref(payload, offsets, sizes, kinds, page_size, exp=True)
 
 
 @decompress_exp_reference.register_fake
@@ -349,7 +343,7 @@ def decompress_into_eager(
     if not _use_triton(payload):
         args = (payload, offsets, sizes, kinds)
         if _direct_ok(args):
-            got, st = (_decompress_exp_ref if exp else _decompress_ref)(*args, pages.shape[1])
+            got, st = _decompress_ref(*args, pages.shape[1], exp=exp)
         else:
             got, st = getattr(torch.ops.pagecomp, op)(*args, pages.shape[1])
         pages.copy_(got)
@@ -382,7 +376,7 @@ def decompress_exp_eager(
     fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size, op="decompress_exp")
     if not _use_triton(payload):
         if _direct_ok((payload, offsets, sizes, kinds)):
-            return _decompress_exp_ref(payload, offsets, sizes, kinds, page_size)
+            return _decompress_ref(payload, offsets, sizes, kinds, page_size, exp=True)
         return torch.ops.pagecomp.decompress_exp(payload, offsets, sizes, kinds, page_size)
     from .kernels.exp_codec import decompress_exp_pages
 
