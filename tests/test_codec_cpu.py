@@ -824,3 +824,37 @@ def test_c_compress_loop_writes_lz4_block_bytes(gen, monkeypatch):
     for i in torch.nonzero((kinds & 15) == fmt.KIND_LZ4).flatten().tolist():
         want = lz4.block.compress(src[i].numpy().tobytes(), store_size=False)
         assert payload[i, :int(sizes[i])].numpy().tobytes() == want
+
+
+@pytest.mark.parametrize("page_size", [4096, 65536])
+def test_the_c_pack_equals_the_python_loop_and_refuses_bad_offsets(page_size, gen, monkeypatch):
+    """``pack_cpu`` through the C loop gives the Python loop's bytes (sizes 0, P, past P and
+    negative clamped as before; the tail zeroed, though the output starts unwritten) and the
+    loop itself refuses offsets that would copy outside its buffers."""
+    if getattr(cpu_codec._native, "pack_pages", None) is None:
+        pytest.skip("torch_pagecomp._native (with pack_pages) is not built here")
+    n = int(torch.randint(1, 50, (1,), generator=gen))
+    payload = torch.randint(0, 256, (n, page_size), dtype=torch.uint8, generator=gen)
+    sizes = torch.randint(-5, page_size + 6, (n,), dtype=torch.int32, generator=gen)
+    sizes[0], sizes[-1] = 0, page_size
+    empty = cpu_codec._outputs.empty
+    with monkeypatch.context() as m:  # outputs poisoned: what the loop leaves unwritten shows
+        m.setattr(cpu_codec._outputs, "empty", lambda shape: empty(shape).fill_(0xAB))
+        got = cpu_codec.pack_cpu(payload, sizes)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_codec, "_native", None)
+        want = cpu_codec.pack_cpu(payload, sizes)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    flat, out = payload.reshape(-1).numpy(), np.empty(n * page_size, dtype=np.uint8)
+    good = want[1].numpy()
+    for bad in (good[:-1] - 1, np.r_[good[:-1], good[-2] + page_size + 1],
+                np.r_[1, good[1:]], np.r_[good[:1], good[2:], good[-1]][: n + 1]):
+        bad = np.ascontiguousarray(bad, dtype=np.int64)
+        if np.array_equal(bad, good):
+            continue
+        if (bad[0] == 0 and (np.diff(bad) >= 0).all() and (np.diff(bad) <= page_size).all()):
+            continue  # a valid packing after all
+        with pytest.raises(ValueError, match="offsets are invalid"):
+            cpu_codec._native.pack_pages(flat, bad, out, page_size)
+    with pytest.raises(ValueError):
+        cpu_codec._native.pack_pages(flat, good, out[:-1], page_size)  # packed too small

@@ -962,7 +962,47 @@ static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
 }
 #endif /* HAVE_EXP_CODEC */
 
+PyDoc_STRVAR(pack_pages_doc,
+"pack_pages(payload, offsets, packed, page_size)\n\n"
+"Fixed-stride payload (uint8 [N * page_size]) -> packed (uint8 [N * page_size]): page i's\n"
+"first offsets[i + 1] - offsets[i] bytes at offsets[i] (offsets: int64 [N + 1], from 0, each\n"
+"step 0..page_size), the bytes past offsets[N] zeroed; with the GIL released. Raises\n"
+"ValueError (nothing written) for offsets that break those rules.");
+
+static PyObject *pack_pages(PyObject *self, PyObject *args) {
+    Py_buffer payload, offsets, packed;
+    Py_ssize_t page;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*n", &payload, &offsets, &packed, &page)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = offsets.len / 8 - 1;
+    const int64_t *off = offsets.buf;
+    int ok = page > 0 && n >= 0 && check(&payload, page, n, "payload") &&
+             check(&packed, page, n, "packed");
+    for (Py_ssize_t i = 0; ok && i < n; i++) /* every copy inside both buffers */
+        ok = off[i + 1] - off[i] >= 0 && off[i + 1] - off[i] <= page;
+    if (ok && (n < 0 || off[0] != 0)) ok = 0;
+    if (!ok) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "pack_pages: page_size or offsets are invalid");
+    } else {
+        const uint8_t *src = payload.buf;
+        uint8_t *dst = packed.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++)
+            memcpy(dst + off[i], src + i * (int64_t)page, (size_t)(off[i + 1] - off[i]));
+        memset(dst + off[n], 0, (size_t)(n * (int64_t)page - off[n]));
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&payload);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&packed);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"pack_pages", pack_pages, METH_VARARGS, pack_pages_doc},
     {"decode_pages", decode_pages, METH_VARARGS, decode_pages_doc},
     {"compress_pages", compress_pages, METH_VARARGS, compress_pages_doc},
 #if defined(HAVE_EXP_CODEC)

@@ -26,8 +26,9 @@ from ._ops import (
     compress_exp_eager,
     decompress_eager,
     decompress_exp_eager,
+    pack_eager,
 )
-from .backend import BACKENDS, CPU, INTERPRET, KERNELS, route  # noqa: F401 (BACKENDS)
+from .backend import BACKENDS, CPU, CPU_SERVED, INTERPRET, KERNELS, route  # noqa: F401
 from .format import CompressedPages, PageCompError
 
 CODECS = ("lz4", "exp-bf16", "exp-fp16")  # what compress(codec=...) takes
@@ -271,7 +272,9 @@ def pack(c: CompressedPages, exact: bool = True) -> CompressedPages:
     fmt.check_compressed(c)
     if c.is_packed:
         return c
-    packed, offsets = torch.ops.pagecomp.pack(c.payload, c.sizes)
+    args = (c.payload, c.sizes)
+    host = route("auto", None, c.device) in (CPU, CPU_SERVED)  # the reference path
+    packed, offsets = (pack_eager if host and _direct_ok(args) else torch.ops.pagecomp.pack)(*args)
     if exact:
         packed = packed[: int(offsets[-1])].clone()
     return CompressedPages(packed, c.sizes, c.kinds, c.page_size, offsets, c.checksums,

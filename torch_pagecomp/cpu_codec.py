@@ -506,6 +506,12 @@ def pack_cpu(payload: torch.Tensor, sizes: torch.Tensor):
     clamped = sizes.clamp(0, page_size).to(torch.int64)
     offsets = torch.zeros(n + 1, dtype=torch.int64)
     torch.cumsum(clamped, dim=0, out=offsets[1:])
+    if getattr(_native, "pack_pages", None) is not None:  # one C loop, the GIL released
+        packed = _outputs.empty((n * page_size,))
+        _native.pack_pages(payload.contiguous().reshape(-1).numpy(), offsets.numpy(),
+                           packed.numpy(), page_size)
+        return packed, offsets
+    # python: ~4 us a page (0.9 ms a MiB on the 2-core VM, a third of compressing it)
     packed = torch.zeros(n * page_size, dtype=torch.uint8)
     src, dst = payload.numpy(), packed.numpy()
     for i, (o, s) in enumerate(zip(offsets[:-1].tolist(), clamped.tolist())):

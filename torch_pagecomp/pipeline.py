@@ -48,7 +48,7 @@ from enum import Enum
 import torch
 
 from ._events import handoff, mark
-from ._ops import compress_codec_eager, decompress_codec_eager
+from ._ops import compress_codec_eager, decompress_codec_eager, pack_eager
 from .cuda_stages import CudaStages, CudaStreams, RawBypass
 from .pools import ALIGN, DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
 from .storage import BlobLayout, Storage, StoredBatch, detached_error
@@ -410,7 +410,7 @@ class Pipeline:
         t1 = time.perf_counter()
         payload, sizes, kinds = compress_codec_eager(pages, element_size,
                                                      job.storage.float_format)
-        packed, offsets = torch.ops.pagecomp.pack(payload, sizes)
+        packed, offsets = pack_eager(payload, sizes)
         lay = BlobLayout.of(n, int(offsets[n]))
         slot.cpu_stage = SlotState.DOWNLOADING
         t2 = time.perf_counter()
