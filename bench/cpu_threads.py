@@ -2,6 +2,7 @@
 
     python3 -m bench.cpu_threads [--mib 256] [--threads 1,2,4,8] [--out f.json]
                                  [--corpora mixed,text,bf16-relu] [--page-size 4096]
+                                 [--host] [--procs]
 
 Each corpus (``bench/corpora.py``; typed ones at their element size, so ``bf16-relu`` is
 bit-shuffled) is built once, ``--mib`` MiB of pages, then compressed and decompressed with
@@ -124,8 +125,58 @@ def host_reference(threads: list[int], repeats: int, mib: int = 32) -> list[dict
     return [{"corpus": "host", "element_size": 0, **r} for r in rows if r["threads"] in threads]
 
 
+def _one_process(name: str, nbytes: int, page_size: int, seed: int, repeats: int, barrier,
+                 results) -> None:
+    """One process of :func:`process_reference`: its own copy of the corpus, one codec thread,
+    both ops timed after every process is ready (``barrier``); puts ``(op, seconds)``."""
+    pc.set_cpu_threads(1)
+    e = corpora.element_size(name)
+    pages = corpora.build_corpus(name, nbytes, page_size, seed=seed)
+    c = pc.compress(pages, element_size=e, backend="cpu")
+    assert torch.equal(pc.decompress(c, backend="cpu"), pages), "round trip in a process"
+    barrier.wait()
+    for op, fn in (("compress", lambda: pc.compress(pages, element_size=e, backend="cpu")),
+                   ("decompress", lambda: pc.decompress(c, backend="cpu"))):
+        results.put((op, _median_s(fn, repeats)))
+        barrier.wait()  # the next op starts together too
+
+
+def process_reference(name: str, nbytes: int, page_size: int, counts: list[int], repeats: int,
+                      seed: int) -> list[dict]:
+    """The codec's work with no thread of ours shared: ``n`` processes at once, each compressing
+    and decompressing its own copy of corpus ``name`` on one thread, as rows ``compress-procs``
+    / ``decompress-procs`` (``threads``: processes; GB/s: all processes' bytes over each one's
+    median call). Where these scale no better than the threads do, the host is the limit (its
+    clock, caches, memory), not the codec's threading."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no thread pools inherited
+    rows = []
+    for n in sorted(set(counts) | {1}):
+        barrier, results = ctx.Barrier(n), ctx.Queue()
+        procs = [ctx.Process(target=_one_process, args=(name, nbytes, page_size, seed + k,
+                                                        repeats, barrier, results))
+                 for k in range(n)]
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=600) for _ in range(2 * n)]
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode != 0:
+                raise RuntimeError(f"a codec process exited with {p.exitcode}")
+        for op in ("compress", "decompress"):
+            gbps = sum(nbytes / sec for o, sec in got if o == op) / 1e9
+            rows.append({"op": f"{op}-procs", "threads": n, "seconds": None, "gbps": gbps,
+                         "ratio": None})
+    base = {r["op"]: r["gbps"] for r in rows if r["threads"] == 1}
+    for r in rows:
+        r["speedup"] = r["gbps"] / base[r["op"]]
+        r["efficiency"] = r["speedup"] / r["threads"]
+    return [r for r in rows if r["threads"] in counts]
+
+
 def run(mib: float, threads: list[int], names: list[str], page_size: int, repeats: int,
-        seed: int, host: bool = False) -> dict:
+        seed: int, host: bool = False, procs: bool = False) -> dict:
     """Measure every corpus; returns the JSON document (see the module docstring)."""
     cores = default_threads()
     doc = {
@@ -148,6 +199,10 @@ def run(mib: float, threads: list[int], names: list[str], page_size: int, repeat
         pages = corpora.build_corpus(name, int(mib * (1 << 20)), page_size, seed=seed + k)
         for row in measure(pages, e, threads, repeats):
             doc["rows"].append({"corpus": name, "element_size": e, **row})
+        if procs:
+            for row in process_reference(name, pages.numel(), page_size, threads, repeats,
+                                         seed + k):
+                doc["rows"].append({"corpus": name, "element_size": e, **row})
     if host:
         doc["rows"] += host_reference(threads, repeats)
     return doc
@@ -155,10 +210,10 @@ def run(mib: float, threads: list[int], names: list[str], page_size: int, repeat
 
 def table(doc: dict) -> str:
     lines = [f"{doc['device']}, commit {doc['commit']}, {doc['date']}, LZ4 loops: {doc['loops']}",
-             f"{'corpus':<11} {'e':>1} {'op':<10} {'threads':>7} {'GB/s':>8} {'speedup':>8} "
+             f"{'corpus':<11} {'e':>1} {'op':<16} {'threads':>7} {'GB/s':>8} {'speedup':>8} "
              f"{'efficiency':>10}"]
     for r in doc["rows"]:
-        lines.append(f"{r['corpus']:<11} {r['element_size']:>1} {r['op']:<10} {r['threads']:>7} "
+        lines.append(f"{r['corpus']:<11} {r['element_size']:>1} {r['op']:<16} {r['threads']:>7} "
                      f"{r['gbps']:>8.3f} {r['speedup']:>8.2f} {r['efficiency']:>10.2f}")
     return "\n".join(lines)
 
@@ -174,13 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the JSON here")
     parser.add_argument("--host", action="store_true",
                         help="also the host's own scaling: numpy copies and sorts per thread")
+    parser.add_argument("--procs", action="store_true",
+                        help="also each corpus in N processes at once, one thread each (the "
+                             "host's limit for this very work, without our threads)")
     parser.add_argument("--python-lz4", action="store_true",
                         help="page by page through python-lz4, as without a C compiler")
     args = parser.parse_args(argv)
     if args.python_lz4:
         cpu_codec._native = None
     doc = run(args.mib, args.threads, args.corpora, args.page_size, max(1, args.repeats),
-              args.seed, host=args.host)
+              args.seed, host=args.host, procs=args.procs)
     print(table(doc))
     if args.out:
         with open(args.out, "w") as f:

@@ -17,7 +17,8 @@
 #                                      # (AB_ROUNDS=3: three rounds, the order alternating)
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
 #   bash bench/gpu_suite.sh cputhreads # the CPU path's thread scaling, C loops and python-lz4 (#25;
-#                                      # PYTHON_LZ4=0: the C loops only)
+#                                      # PYTHON_LZ4=0: the C loops only; CPU_PROCS=1: beside
+#                                      # the same work in N processes)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
@@ -198,8 +199,9 @@ cputhreads)
     # the CPU path's thread scaling on this host's cores (#25): the C loops, then python-lz4
     # page by page; the table's first line says which loops ran (no compiler: python-lz4 twice)
     header cputhreads
-    timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" --threads 1,2,4,8,16 --host \
-        --out "$OUT/cpu_threads.json" 2>&1 | tee "$OUT/cpu_threads.txt"
+    # --procs: the same work in N processes at once (the host's own limit, without our threads)
+    timeout ${CPU_TIMEOUT:-200} python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" --threads 1,2,4,8,16 --host \
+        ${CPU_PROCS:+--procs} --out "$OUT/cpu_threads.json" 2>&1 | tee "$OUT/cpu_threads.txt"
     [ "${PYTHON_LZ4:-1}" = 0 ] || timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" \
         --threads 1,2,4,8,16 --python-lz4 --out "$OUT/cpu_threads_python_lz4.json" 2>&1 \
         | tee "$OUT/cpu_threads_python_lz4.txt"

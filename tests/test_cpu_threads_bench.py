@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from bench import cpu_threads
 
 
@@ -31,5 +33,17 @@ def test_host_reference_rows():
     rows = cpu_threads.host_reference([1, 2], repeats=1, mib=1)
     assert {(r["corpus"], r["op"], r["threads"]) for r in rows} == {
         ("host", op, t) for op in ("copy", "sort") for t in (1, 2)}
+    for r in rows:
+        assert r["gbps"] > 0 and abs(r["efficiency"] - r["speedup"] / r["threads"]) < 1e-9
+
+
+@pytest.mark.slow
+def test_process_reference_rows():
+    """``--procs``: the corpus in 1 and 2 processes at once (spawned, each checks its own round
+    trip), rows of both ops with the speedup over one process. Slow: three fresh interpreters
+    import torch (~15 s on the 2-core VM)."""
+    rows = cpu_threads.process_reference("bf16-relu", 64 * 4096, 4096, [1, 2], repeats=1, seed=3)
+    assert {(r["op"], r["threads"]) for r in rows} == {
+        (op, t) for op in ("compress-procs", "decompress-procs") for t in (1, 2)}
     for r in rows:
         assert r["gbps"] > 0 and abs(r["efficiency"] - r["speedup"] / r["threads"]) < 1e-9
