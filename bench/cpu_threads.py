@@ -61,6 +61,15 @@ def _median_s(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _scale(rows: list[dict]) -> None:
+    """Each row's ``speedup`` over the 1-thread row of its op, and ``efficiency`` (``speedup /
+    threads``; 1.0 is linear)."""
+    base = {r["op"]: r["gbps"] for r in rows if r["threads"] == 1}
+    for r in rows:
+        r["speedup"] = r["gbps"] / base[r["op"]]
+        r["efficiency"] = r["speedup"] / r["threads"]
+
+
 def measure(pages: torch.Tensor, element_size: int, threads: list[int], repeats: int) -> list[dict]:
     """Rows for one corpus: ``pages`` ``uint8 [N, P]`` (CPU) compressed and decompressed at each
     thread count. Raises ``AssertionError`` if a round trip is not bit-exact."""
@@ -82,10 +91,7 @@ def measure(pages: torch.Tensor, element_size: int, threads: list[int], repeats:
                              "ratio": c.ratio()})
     finally:
         pc.set_cpu_threads(None)
-    base = {r["op"]: r["gbps"] for r in rows if r["threads"] == 1}
-    for r in rows:
-        r["speedup"] = r["gbps"] / base[r["op"]]
-        r["efficiency"] = r["speedup"] / r["threads"]
+    _scale(rows)
     return [r for r in rows if r["threads"] in threads]
 
 
@@ -118,10 +124,7 @@ def host_reference(threads: list[int], repeats: int, mib: int = 32) -> list[dict
                 s = _median_s(lambda fn=fn, t=t: list(pool.map(fn, range(t))), repeats)
                 rows.append({"op": op, "threads": t, "seconds": s,
                              "gbps": t * per_call / s / 1e9, "ratio": None})
-    base = {r["op"]: r["gbps"] for r in rows if r["threads"] == 1}
-    for r in rows:
-        r["speedup"] = r["gbps"] / base[r["op"]]
-        r["efficiency"] = r["speedup"] / r["threads"]
+    _scale(rows)
     return [{"corpus": "host", "element_size": 0, **r} for r in rows if r["threads"] in threads]
 
 
@@ -168,10 +171,7 @@ def process_reference(name: str, nbytes: int, page_size: int, counts: list[int],
             gbps = sum(nbytes / sec for o, sec in got if o == op) / 1e9
             rows.append({"op": f"{op}-procs", "threads": n, "seconds": None, "gbps": gbps,
                          "ratio": None})
-    base = {r["op"]: r["gbps"] for r in rows if r["threads"] == 1}
-    for r in rows:
-        r["speedup"] = r["gbps"] / base[r["op"]]
-        r["efficiency"] = r["speedup"] / r["threads"]
+    _scale(rows)
     return [r for r in rows if r["threads"] in counts]
 
 

@@ -119,8 +119,8 @@ final)
 fsdp)
     header fsdp
     # FSDP2 (fully_shard per block) on every GPU of the machine, one process per GPU; each
-    # (model, variant) in its own torchrun, as a user runs one configuration (after `memory`
-    # in one process group, `speed` ran 1.55x uncompressed; alone 0.99-1.13x: h200x2_643dbbc_fsdp)
+    # (model, variant) in its own torchrun, as a user runs one configuration (variants run one
+    # after another in one process group ran slower than alone: h200x2_643dbbc_fsdp)
     timeout ${FSDP_TIMEOUT:-540} python3 -m bench.stock_models --fsdp --nproc "$(nvidia-smi -L | wc -l)" \
         --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
         --variants "${STOCK_VARIANTS:-none,uncompressed,memory,speed}" --codec "${STOCK_CODEC:-auto}" \

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -386,21 +387,29 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
 
 
 # ------------------------------------------------------------------------------ driver
+def _row_key(name: str, variant: str, codec: str) -> dict:
+    """What names a run's row (all a row holds when the run fails)."""
+    return {"model": name, "variant": variant,
+            "codec": codec if variant in COMPRESSING else None}
+
+
+def _run_args(args, codec: str) -> list[str]:
+    """The options a run in another process takes from this one's."""
+    extra = ([] if args.min_offload_bytes is None
+             else ["--min-offload-bytes", str(args.min_offload_bytes)])
+    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+            "--codec", codec, *extra]
+
+
 def _child(args, name: str, variant: str, codec: str = "auto") -> dict:
     env = dict(os.environ)
     env.pop("STOCK_PROFILE", None)
     if args.profile and args.profile.split(":")[:2] == [name, variant]:
         env["STOCK_PROFILE"] = args.profile.split(":", 2)[2]
-    extra = ([] if args.min_offload_bytes is None
-             else ["--min-offload-bytes", str(args.min_offload_bytes)])
-    extra += ["--no-phases"] if args.no_phases else []
+    extra = ["--no-phases"] if args.no_phases else []
     return run_child("bench.stock_models",
-                     ["--child", name, variant, "--steps", str(args.steps),
-                      "--warmup", str(args.warmup), "--device", args.device,
-                      "--codec", codec, *extra],
-                     {"model": name, "variant": variant,
-                      "codec": codec if variant in COMPRESSING else None},
-                     args.timeout, env=env)
+                     ["--child", name, variant, *_run_args(args, codec), *extra],
+                     _row_key(name, variant, codec), args.timeout, env=env)
 
 
 def _codecs_of(variant: str, codecs: list[str]) -> list[str]:
@@ -502,22 +511,20 @@ def main(argv=None) -> int:
         rows = _fsdp_rows(args, models, variants, meta, codecs)
         if rows is None:
             return 0  # not rank 0
-    elif args.fsdp:
-        meta["gpus"] = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
-        rows = []
-        for m in models:
-            for v in variants:
-                for c in _codecs_of(v, codecs):
-                    rows.extend(_torchrun_rows(args, m, v, c, meta["gpus"]))
-                    partial = _finish([dict(r) for r in rows], meta)
-                    write_results(partial, args.out, table(partial))
-                    print(table(partial).splitlines()[-1], file=sys.stderr, flush=True)
     else:
+        if args.fsdp:  # each (model, variant) in its own torchrun
+            meta["gpus"] = args.nproc or (torch.cuda.device_count() if args.device == "cuda"
+                                          else 2)
+            run_one = functools.partial(_torchrun_rows, args, nproc=meta["gpus"])
+        else:  # each in a child process
+
+            def run_one(m: str, v: str, c: str) -> list[dict]:
+                return [_child(args, m, v, c)]
         rows = []
         for m in models:
             for v in variants:
                 for c in _codecs_of(v, codecs):
-                    rows.append(_child(args, m, v, c))
+                    rows.extend(run_one(m, v, c))
                     # after every row: a run cut off by its time limit keeps what it measured
                     partial = _finish([dict(r) for r in rows], meta)
                     write_results(partial, args.out, table(partial))
@@ -537,25 +544,19 @@ def _under_torchrun() -> bool:
 
 def _torchrun_rows(args, name: str, variant: str, codec: str, nproc: int) -> list[dict]:
     """One (model, variant, codec) under FSDP2 in its own ``torchrun`` of ``nproc`` ranks: a
-    fresh process group and CUDA context per run, as a user's job has. Run after ``memory`` in
-    one process, ``speed`` on the copy arm took 1.55x ``uncompressed``'s step
-    (h200x2_abdfb70_fsdp); in processes of their own, 0.99-1.13x (h200x2_643dbbc_fsdp). A run
-    that fails or times out gives its row with ``"error"``."""
+    fresh process group and CUDA context per run, as a user's job has: a variant run after
+    another in one process measured slower than alone (bench/results/h200x2_643dbbc_fsdp). A
+    run that fails or times out gives its row with ``"error"``."""
     import tempfile
 
-    base = {"model": name, "variant": variant,
-            "codec": codec if variant in COMPRESSING else None}
+    base = _row_key(name, variant, codec)
     if variant == "save_on_cpu":
         return []  # not run under FSDP2 (as in-process)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        extra = ([] if args.min_offload_bytes is None
-                 else ["--min-offload-bytes", str(args.min_offload_bytes)])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", str(nproc), "-m", "bench.stock_models", "--fsdp",
-               "--models", name, "--variants", variant, "--codec", codec,
-               "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--device", args.device, "--out", out, *extra]
+               "--models", name, "--variants", variant, *_run_args(args, codec), "--out", out]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,

@@ -977,11 +977,10 @@ static PyObject *pack_pages(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     const Py_ssize_t n = offsets.len / 8 - 1;
     const int64_t *off = offsets.buf;
-    int ok = page > 0 && n >= 0 && check(&payload, page, n, "payload") &&
+    int ok = page > 0 && n >= 0 && off[0] == 0 && check(&payload, page, n, "payload") &&
              check(&packed, page, n, "packed");
     for (Py_ssize_t i = 0; ok && i < n; i++) /* every copy inside both buffers */
         ok = off[i + 1] - off[i] >= 0 && off[i + 1] - off[i] <= page;
-    if (ok && (n < 0 || off[0] != 0)) ok = 0;
     if (!ok) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "pack_pages: page_size or offsets are invalid");

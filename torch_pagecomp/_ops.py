@@ -41,7 +41,7 @@ from torch.library import custom_op, triton_op
 
 from . import cpu_codec, exp_codec
 from . import format as fmt
-from .backend import KERNELS, route
+from .backend import KERNELS, eager_call_ok, route
 
 Tensor = torch.Tensor
 
@@ -64,19 +64,18 @@ def _use_triton(t: Tensor) -> bool:
 
 
 # ------------------------------------------------------------------- reference (lz4) ops
-def _direct_ok(tensors: tuple) -> bool:
-    """Whether an eager call may run the reference path itself instead of through its op: the
-    same code and results without two layers of operator dispatch (~150 us of host time per
-    call on a 2-core VM, several times the lz4 work of a 16-page batch). Never under
-    ``torch.compile``, a dispatch mode (``make_fx``, fake tensors) or a tensor subclass: those
-    see the ops."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    return all(type(t) is Tensor for t in tensors)
+def _reference(ref, op, *args):
+    """``op`` (a public op) of ``args`` on its reference path: ``ref`` (its code, arguments
+    already checked) called directly where :func:`backend.eager_call_ok` allows, which spares
+    two layers of operator dispatch (~150 us of host time per call on a 2-core VM, several
+    times the lz4 work of a 16-page batch); otherwise the op, so that ``torch.compile`` and
+    dispatch modes see it."""
+    tensors = tuple(a for a in args if isinstance(a, Tensor))
+    return ref(*args) if eager_call_ok(tensors) else op(*args)
 
 
 # The reference paths (lz4 and numpy / C on the host), arguments already checked: each
-# ``*_reference`` op runs one, and so does each eager entry point where ``_direct_ok``.
+# ``*_reference`` op runs one, and so does each eager entry point through :func:`_reference`.
 def _compress_ref(pages: Tensor, element_size: int) -> tuple[Tensor, Tensor, Tensor]:
     out = cpu_codec.compress_cpu(pages.cpu(), element_size)
     return tuple(t.to(pages.device) for t in out)
@@ -88,6 +87,11 @@ def _decompress_ref(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tens
     decode = exp_codec.decompress_exp_cpu if exp else cpu_codec.decompress_cpu
     pages, status = decode(payload.cpu(), offsets.cpu(), sizes.cpu(), kinds.cpu(), page_size)
     return pages.to(payload.device), status.to(payload.device)
+
+
+def _decompress_exp_ref(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor,
+                        page_size: int) -> tuple[Tensor, Tensor]:
+    return _decompress_ref(payload, offsets, sizes, kinds, page_size, exp=True)
 
 
 def _pack_ref(payload: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
@@ -189,7 +193,7 @@ def decompress_exp_reference(
     payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor, page_size: int
 ) -> tuple[Tensor, Tensor]:
     fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size, op="decompress_exp")
-    return _decompress_ref(payload, offsets, sizes, kinds, page_size, exp=True)
+    return _decompress_exp_ref(payload, offsets, sizes, kinds, page_size)
 
 
 @decompress_exp_reference.register_fake
@@ -272,9 +276,7 @@ def compress_eager(pages: Tensor, element_size: int = 1) -> tuple[Tensor, Tensor
     """As ``torch.ops.pagecomp.compress``."""
     fmt.check_compress_args(pages, element_size)
     if not _use_triton(pages):
-        if _direct_ok((pages,)):
-            return _compress_ref(pages, element_size)
-        return torch.ops.pagecomp.compress(pages, element_size)
+        return _reference(_compress_ref, torch.ops.pagecomp.compress, pages, element_size)
     from .kernels.lz4_compress import compress_pages
 
     return compress_pages(pages, element_size, traced=False)
@@ -286,9 +288,8 @@ def decompress_eager(
     """As ``torch.ops.pagecomp.decompress``."""
     fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size)
     if not _use_triton(payload):
-        if _direct_ok((payload, offsets, sizes, kinds)):
-            return _decompress_ref(payload, offsets, sizes, kinds, page_size)
-        return torch.ops.pagecomp.decompress(payload, offsets, sizes, kinds, page_size)
+        return _reference(_decompress_ref, torch.ops.pagecomp.decompress, payload, offsets,
+                          sizes, kinds, page_size)
     from .kernels.lz4_decompress import decompress_pages
 
     return decompress_pages(payload, offsets, sizes, kinds, page_size, traced=False)
@@ -299,9 +300,7 @@ def pack_eager(payload: Tensor, sizes: Tensor, zero_tail: bool = True) -> tuple[
     left unwritten on the GPU (see ``torch_pagecomp.kernels.pack.pack_pages``)."""
     fmt.check_pack_args(payload, sizes)
     if not _use_triton(payload):
-        if _direct_ok((payload, sizes)):
-            return _pack_ref(payload, sizes)
-        return torch.ops.pagecomp.pack(payload, sizes)
+        return _reference(_pack_ref, torch.ops.pagecomp.pack, payload, sizes)
     from .kernels.pack import pack_pages
 
     return pack_pages(payload, sizes, traced=False, zero_tail=zero_tail)
@@ -311,9 +310,7 @@ def checksum_eager(pages: Tensor) -> Tensor:
     """As ``torch.ops.pagecomp.checksum``."""
     fmt.check_checksum_args(pages)
     if not _use_triton(pages):
-        if _direct_ok((pages,)):
-            return _checksum_ref(pages)
-        return torch.ops.pagecomp.checksum(pages)
+        return _reference(_checksum_ref, torch.ops.pagecomp.checksum, pages)
     from .kernels.checksum import page_checksums
 
     return page_checksums(pages, traced=False)
@@ -341,11 +338,9 @@ def decompress_into_eager(
     fmt.check_decompress_args(payload, offsets, sizes, kinds, pages.shape[1], pages, status,
                               op=f"{op}_into")
     if not _use_triton(payload):
-        args = (payload, offsets, sizes, kinds)
-        if _direct_ok(args):
-            got, st = _decompress_ref(*args, pages.shape[1], exp=exp)
-        else:
-            got, st = getattr(torch.ops.pagecomp, op)(*args, pages.shape[1])
+        got, st = _reference(_decompress_exp_ref if exp else _decompress_ref,
+                             getattr(torch.ops.pagecomp, op), payload, offsets, sizes, kinds,
+                             pages.shape[1])
         pages.copy_(got)
         status.copy_(st)
         return
@@ -361,9 +356,8 @@ def compress_exp_eager(pages: Tensor, float_format: str) -> tuple[Tensor, Tensor
     """As ``torch.ops.pagecomp.compress_exp``."""
     fmt.check_compress_exp_args(pages, float_format)
     if not _use_triton(pages):
-        if _direct_ok((pages,)):
-            return _compress_exp_ref(pages, float_format)
-        return torch.ops.pagecomp.compress_exp(pages, float_format)
+        return _reference(_compress_exp_ref, torch.ops.pagecomp.compress_exp, pages,
+                          float_format)
     from .kernels.exp_codec import compress_exp_pages
 
     return compress_exp_pages(pages, float_format == "fp16", traced=False)
@@ -375,9 +369,8 @@ def decompress_exp_eager(
     """As ``torch.ops.pagecomp.decompress_exp``."""
     fmt.check_decompress_args(payload, offsets, sizes, kinds, page_size, op="decompress_exp")
     if not _use_triton(payload):
-        if _direct_ok((payload, offsets, sizes, kinds)):
-            return _decompress_ref(payload, offsets, sizes, kinds, page_size, exp=True)
-        return torch.ops.pagecomp.decompress_exp(payload, offsets, sizes, kinds, page_size)
+        return _reference(_decompress_exp_ref, torch.ops.pagecomp.decompress_exp, payload,
+                          offsets, sizes, kinds, page_size)
     from .kernels.exp_codec import decompress_exp_pages
 
     return decompress_exp_pages(payload, offsets, sizes, kinds, page_size, traced=False)

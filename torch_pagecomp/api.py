@@ -20,7 +20,6 @@ import torch
 
 from . import format as fmt
 from ._ops import (
-    _direct_ok,
     checksum_eager,
     compress_eager,
     compress_exp_eager,
@@ -100,14 +99,13 @@ def compress(
 def _routed(where: str, device: torch.device, op, eager, kernel, tensors: tuple,
             consts: tuple = ()):
     """``op`` (a ``torch.ops.pagecomp`` operator) of ``tensors`` then ``consts``, run where
-    ``route`` sent the call, its outputs on ``device``: ``CPU`` the op on host copies (eager
-    calls: ``eager``, which runs the op's reference path without the dispatch);
+    ``route`` sent the call, its outputs on ``device``: ``CPU`` ``eager`` on host copies
+    (the op's reference path; without the dispatch where the call is eager);
     ``KERNELS`` ``eager``, the op's direct launch; otherwise on a CUDA device (``OP``, or
     ``CPU_SERVED``: the op serves it on the host) the op; ``INTERPRET`` ``kernel``, the Triton
     launcher; ``UPLOAD`` the op on GPU copies of host tensors, brought back."""
     if where == CPU:
-        host = tuple(t.cpu() for t in tensors)
-        return _to((eager if _direct_ok(host) else op)(*host, *consts), device)
+        return _to(eager(*(t.cpu() for t in tensors), *consts), device)
     if where == KERNELS:
         return eager(*tensors, *consts)
     if device.type == "cuda":
@@ -272,9 +270,8 @@ def pack(c: CompressedPages, exact: bool = True) -> CompressedPages:
     fmt.check_compressed(c)
     if c.is_packed:
         return c
-    args = (c.payload, c.sizes)
     host = route("auto", None, c.device) in (CPU, CPU_SERVED)  # the reference path
-    packed, offsets = (pack_eager if host and _direct_ok(args) else torch.ops.pagecomp.pack)(*args)
+    packed, offsets = (pack_eager if host else torch.ops.pagecomp.pack)(c.payload, c.sizes)
     if exact:
         packed = packed[: int(offsets[-1])].clone()
     return CompressedPages(packed, c.sizes, c.kinds, c.page_size, offsets, c.checksums,

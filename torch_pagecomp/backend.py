@@ -66,17 +66,21 @@ def gpu_status() -> GpuStatus:
     return GpuStatus(True, "ok", name, triton_version=version)
 
 
+def eager_call_ok(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether an eager call may run an op's implementation itself instead of going through the
+    ``torch.ops.pagecomp`` dispatch (same code, same results; the dispatch's host time per
+    call can exceed the work's own). Never under ``torch.compile``, a dispatch mode
+    (``make_fx``, fake tensors) or a tensor subclass: those see the ops."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(type(t) is torch.Tensor for t in tensors)
+
+
 def direct_launch_ok(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether an eager call on the GPU may launch the kernels itself instead of going through
-    the ``torch.ops.pagecomp`` dispatch (same kernels, same results; the dispatch's host time
-    per call can exceed the decode's own GPU time). Never under
-    ``torch.compile``, a dispatch mode (``make_fx``, fake tensors) or a tensor subclass: those
-    see the ops."""
-    if torch.compiler.is_compiling() or interpreting():
-        return False
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    return all(type(t) is torch.Tensor and t.is_cuda for t in tensors)
+    """Whether an eager call on the GPU may launch the kernels itself (:func:`eager_call_ok`,
+    CUDA inputs, not under the interpreter)."""
+    return (not interpreting() and eager_call_ok(tensors)
+            and all(t.is_cuda for t in tensors))
 
 
 def route(

@@ -511,7 +511,7 @@ def pack_cpu(payload: torch.Tensor, sizes: torch.Tensor):
         _native.pack_pages(payload.contiguous().reshape(-1).numpy(), offsets.numpy(),
                            packed.numpy(), page_size)
         return packed, offsets
-    # python: ~4 us a page (0.9 ms a MiB on the 2-core VM, a third of compressing it)
+    # without the C loops: numpy page by page, holding the GIL (bench/results/cpu2_3bd8150_dispatch)
     packed = torch.zeros(n * page_size, dtype=torch.uint8)
     src, dst = payload.numpy(), packed.numpy()
     for i, (o, s) in enumerate(zip(offsets[:-1].tolist(), clamped.tolist())):
