@@ -70,7 +70,7 @@ def test_round_trip_across_slices_and_chunks(gen, element_size, kind):
 def test_chunks_are_reused_and_host_memory_stays_bounded(gen):
     """Offload and free many times: the arena's end moves on, chunks behind it come back."""
     store = _store(chunk=1 << 15, slice_bytes=1 << 13)
-    held = []
+    held, placed = [], 0
     for _ in range(12):
         srcs = [_data(gen, 5 * P + 123, "small") for _ in range(3)]
         stored = [store.offload(s, 1) for s in srcs]
@@ -79,10 +79,50 @@ def test_chunks_are_reused_and_host_memory_stays_bounded(gen):
             out = torch.empty_like(s)
             store.restore(st, out)
             assert torch.equal(out, s)
+            placed += sum(sl.total for sl in st.slices)
             store.free(st)
         held.append(store.arena.held_bytes)
-    assert int(store.arena.state[store.arena.parity]) > 10 * (1 << 15)  # many chunks on
+    end = int(store.arena.state[store.arena.parity])
+    assert end == placed and end > 5 * (1 << 15)  # end to end, many chunks on
     assert max(held[4:]) <= max(held[:4]), held
+
+
+@interpreter
+def test_slices_fill_the_arena_end_to_end_across_chunks(gen):
+    """Slices follow each other without gaps, across chunk boundaries: the arena backs the
+    compressed bytes, not a chunk per slice's worst case. A chunk shared by two tensors stays
+    backed until both are freed; the bytes of each come back exactly."""
+    chunk = 1 << 15  # 8 pages
+    store = _store(chunk=chunk, slice_bytes=chunk)
+    arena = store.arena
+    kinds = ["noise", "small", "bf16", "noise", "small"]
+    srcs = [_data(gen, int(torch.randint(3 * P, 8 * P, (), generator=gen)) // P * P, k)
+            for k in kinds]
+    stored = [store.offload(s, 2) for s in srcs]
+    store.wait_placed()
+    slices = [sl for st in stored for sl in st.slices]
+    ends = [sl.base + sl.total for sl in slices]
+    assert [sl.base for sl in slices] == [0] + ends[:-1]  # end to end
+    assert arena.used == ends[-1] and arena.frontier == ends[-1]
+    assert set(arena.chunks_of(0, ends[-1])) <= set(arena.backed)
+    crossing = [sl for sl in slices if len(arena.chunks_of(sl.base, sl.total)) > 1]
+    assert crossing  # noise pages are stored raw: the first slices pass a boundary
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
+    # free the first tensor: only chunks no other slice touches go back
+    shared = arena.chunks_of(stored[1].slices[0].base, 1)[0]
+    store.free(stored[0])
+    assert shared in arena.backed
+    assert not set(range(shared)) & set(arena.backed)  # the first tensor's other chunks
+    out = torch.full_like(srcs[1], POISON)
+    store.restore(stored[1], out)  # its first chunk was shared: still there
+    assert torch.equal(out, srcs[1])
+    for st in stored[1:]:
+        store.free(st)
+    assert arena.used == 0 and not arena.live
+    assert min(arena.backed) == arena.frontier // chunk  # none behind the end's chunk
 
 
 def _offload_and_free(store: PagedStore, gen, n: int) -> None:
@@ -137,8 +177,9 @@ def test_shrink_keeps_headroom_so_a_slightly_busier_step_pins_nothing(gen, monke
     def step(n: int) -> None:
         _offload_and_free(store, gen, n)
 
-    step(14)
-    arena.shrink()
+    for _ in range(2):  # the first step starts at a chunk's start; later ones anywhere in one
+        step(14)
+        arena.shrink()
     step(12)  # a quieter step: needs fewer chunks at once
     arena.shrink()
     before = len(made)
@@ -216,30 +257,39 @@ def test_plan_refuses_past_the_backed_limit_and_pack_writes_nothing(gen, parity)
 
 @interpreter
 @pytest.mark.parametrize("parity", [0, 1])
-def test_plan_moves_to_the_next_chunk_and_pack_stays_inside_the_slice(gen, parity):
-    """A slice that would straddle a chunk starts the next one; the pack writes exactly the
-    slice's padded pages and nothing around them; the new end goes to the other slot."""
+@pytest.mark.parametrize("start", ["inside", "straddle", "boundary"])
+def test_plan_places_at_the_end_and_pack_stays_inside_the_slice(gen, parity, start):
+    """A slice goes at the arena's end, across a chunk boundary if it reaches one (a page may
+    cross it: its two parts land in two chunks); the pack writes exactly the slice's padded
+    pages and nothing around them; the new end goes to the other slot; the fetch kernel reads
+    the same bytes back."""
     chunk = 1 << 16
     n = 5
+    # noise pages are stored raw (P + header bytes): an odd number of words before the
+    # boundary puts it inside a page
+    end = {"inside": 16, "straddle": chunk - 3 * P + 48, "boundary": chunk}[start]
     bufs = [torch.full((chunk,), POISON, dtype=torch.uint8) for _ in range(3)]
     pages, payload, sizes, rel, desc, host_desc, ends, table = _packed(
-        gen, n, chunk - 3 * P, 3 * chunk, chunk, bufs, parity)
+        gen, n, end, 3 * chunk, chunk, bufs, parity)
     base, total = desc.tolist()
     assert host_desc.tolist() == [base, total]
     padded = (sizes.to(torch.int64) + ALIGN - 1) // ALIGN * ALIGN
-    assert total == int(padded.sum()) and base == chunk  # moved to chunk 1
-    assert int(ends[1 - parity]) == base + total and int(ends[parity]) == chunk - 3 * P
+    assert total == int(padded.sum()) and base == end  # placed at the end, wherever it is
+    assert int(ends[1 - parity]) == base + total and int(ends[parity]) == end
     assert torch.equal(rel, torch.cumsum(padded, 0) - padded)
-    assert bool((bufs[0] == POISON).all()) and bool((bufs[2] == POISON).all())
-    got = bufs[1]
-    assert bool((got[total:] == POISON).all())
+    arena = torch.cat(bufs)  # the three chunks as one byte range
+    assert bool((arena[:base] == POISON).all()) and bool((arena[base + total:] == POISON).all())
+    if start == "straddle":  # the boundary falls inside a page
+        assert any(base + int(rel[i]) < chunk < base + int(rel[i]) + int(sizes[i])
+                   for i in range(n))
     for i in range(n):
-        at, size = int(rel[i]), int(sizes[i])
-        assert torch.equal(got[at:at + size], payload[i, :size])
+        at, size = base + int(rel[i]), int(sizes[i])
+        assert torch.equal(arena[at:at + size], payload[i, :size])
     # and back: the fetch kernel reads exactly the slice, placed by the device descriptor
     back = torch.full((n * P + 64,), POISON, dtype=torch.uint8)
     fetch_from_host(back, desc, table, chunk)
-    assert torch.equal(back[:total], got[:total]) and bool((back[total:] == POISON).all())
+    assert torch.equal(back[:total], arena[base:base + total])
+    assert bool((back[total:] == POISON).all())
     desc_failed = torch.tensor([-1, total], dtype=torch.int64)
     fetch_from_host(back[total:], desc_failed, table, chunk)  # a failed slice reads nothing
     assert bool((back[total:] == POISON).all())
@@ -277,9 +327,9 @@ def test_checksums_catch_a_flipped_host_byte(gen, checksum):
     stored = [store.offload(s, 1) for s in srcs]
     store.wait_placed()
     sl = stored[0].slices[0]
-    host = store.arena.backed[sl.base // store.arena.chunk].tensor
-    at = sl.base % store.arena.chunk + int(torch.randint(0, P, (), generator=gen))
-    host[at] ^= 1 << int(torch.randint(0, 8, (), generator=gen))
+    at = sl.base + int(torch.randint(0, P, (), generator=gen))
+    host = store.arena.views(at, 1)[0]
+    host[0] ^= 1 << int(torch.randint(0, 8, (), generator=gen))
     first = torch.empty_like(srcs[0])
     restores = [
         lambda: store.restore(stored[0], first),

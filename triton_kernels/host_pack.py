@@ -9,16 +9,22 @@ so nothing waits for the host between a compress kernel and the bytes landing in
 One kernel per slice, :func:`pack_slice`, a few persistent programs on one stream:
 
 * plan (every program alike, so none waits for another): pads each page's size to ``ALIGN``
-  bytes, scans them to per-page offsets, and reserves the slice's bytes at the arena's end
-  (moving to the next chunk if the slice would straddle one, so a slice is one contiguous
-  host range). If the reservation would pass the backed limit it reserves nothing and marks
-  the slice failed. Program 0 writes ``desc = (base, total)`` to the device and to a host
+  bytes, scans them to per-page offsets, and reserves the slice's bytes at the arena's end.
+  If the reservation would pass the backed limit it reserves nothing and marks the slice
+  failed. Program 0 writes ``desc = (base, total)`` to the device and to a host
   descriptor, and the new end. The end lives in two slots used in turn (slice ``k`` reads
   slot ``k % 2``, writes the other), so no program reads a slot that its own launch writes;
   the launch before, on the same stream, finished writing it.
-* pack: copies each page's stored bytes from the fixed-stride payload to
-  ``chunk + base % CHUNK + offset``, 16-byte aligned words; stores from a handful of SMs keep
-  the link busy while the rest of the GPU computes.
+* pack: copies each page's stored bytes from the fixed-stride payload to arena byte
+  ``base + offset``, 16-byte aligned words; stores from a handful of SMs keep the link busy
+  while the rest of the GPU computes.
+
+A slice may straddle two chunks (it is at most one chunk long): the arena is filled end to
+end. When slices had to fit inside one chunk, a slice whose compressed bytes did not fit the
+rest of a chunk moved to the next one and left the rest empty; with slices of up to a chunk
+that emptied about a third of every chunk, and the arena held as much page-locked memory as
+an uncompressed copy (``bench/results/h200x2_643dbbc_fsdp``). Each program reads the two
+chunk addresses once per slice; a page that crosses the boundary is copied in two parts.
 
 (Planning in the same launch spares the host a second launch per slice, a cost the activation
 hooks would pay for every saved tensor.)
@@ -46,6 +52,30 @@ PACK_WARPS = 4
 
 
 @triton.jit
+def _copy_words(dst, src, words, WORDS: tl.constexpr):
+    """``words`` 8-byte words from ``src`` to ``dst`` (both ``int64`` pointers)."""
+    w = tl.arange(0, WORDS)
+    for w0 in range(0, words, WORDS):
+        idx = w0 + w
+        m = idx < words
+        tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
+
+
+@triton.jit
+def _slice_chunks(table_ptr, base, total, CHUNK: tl.constexpr, TABLE: tl.constexpr):
+    """``(first, second, split)``: word pointers to the slice's bytes in the chunk its
+    ``base`` lies in and in the next one (read from the table only if the slice reaches it),
+    and the slice's word at which the second chunk starts. Word ``i`` of the slice is
+    ``first + i`` below ``split``, ``second + (i - split)`` from it."""
+    k = base // CHUNK
+    at = base % CHUNK
+    first = tl.load(table_ptr + k % TABLE).to(tl.pointer_type(tl.int64)) + at // 8
+    crosses = at + total > CHUNK
+    second = tl.load(table_ptr + (k + 1) % TABLE, mask=crosses, other=0)
+    return first, second.to(tl.pointer_type(tl.int64)), (CHUNK - at) // 8
+
+
+@triton.jit
 def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host_desc_ptr,
                        table_ptr, n, parity, limit, P: tl.constexpr, CHUNK: tl.constexpr,
                        TABLE: tl.constexpr, ALIGN: tl.constexpr, WORDS: tl.constexpr,
@@ -63,13 +93,10 @@ def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host
         incl = tl.cumsum(padded, 0)
         tl.store(rel_ptr + idx, carry + incl - padded, mask=m & (idx % programs == pid))
         carry += tl.sum(padded, 0)
-    end = tl.load(ends_ptr + parity)
-    base = end
-    if (end % CHUNK) + carry > CHUNK:  # a slice never straddles two chunks
-        base = (end // CHUNK + 1) * CHUNK
+    base = tl.load(ends_ptr + parity)
     ok = base + carry <= limit
     if pid == 0:
-        tl.store(ends_ptr + (1 - parity), tl.where(ok, base + carry, end))
+        tl.store(ends_ptr + (1 - parity), tl.where(ok, base + carry, base))
         placed = tl.where(ok, base, -1)
         tl.store(desc_ptr, placed)
         tl.store(desc_ptr + 1, carry)
@@ -77,20 +104,17 @@ def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host
         tl.store(host_desc_ptr + 1, carry)
     tl.debug_barrier()  # this program's offsets, stored by its threads, read back below
     if ok:
-        chunk = tl.load(table_ptr + (base // CHUNK) % TABLE)
-        dst = chunk.to(tl.pointer_type(tl.int64)) + (base % CHUNK) // 8
+        first, second, split = _slice_chunks(table_ptr, base, carry, CHUNK, TABLE)
         src = payload_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-        w = tl.arange(0, WORDS)
         for page in range(pid, n, programs):
             size = tl.load(sizes_ptr + page)
             size = tl.minimum(tl.maximum(size, 0), P)
             words = (size + (ALIGN - 1)) // ALIGN * (ALIGN // 8)
             at = tl.multiple_of(tl.load(rel_ptr + page) // 8, ALIGN // 8)
-            row = page * (P // 8)  # a slice is at most one chunk: no int32 overflow
-            for w0 in range(0, words, WORDS):
-                idx = w0 + w
-                m = idx < words
-                tl.store(dst + at + idx, tl.load(src + row + idx, mask=m), mask=m)
+            row = src + page * (P // 8)  # a slice is at most one chunk: no int32 overflow
+            head = tl.minimum(tl.maximum(split - at, 0), words)  # words before the boundary
+            _copy_words(first + at, row, head, WORDS)
+            _copy_words(second + (at + head - split), row + head, words - head, WORDS)
 
 
 @triton.jit
@@ -98,16 +122,18 @@ def _fetch_from_host_kernel(dst_ptr, desc_ptr, table_ptr, CHUNK: tl.constexpr,
                             TABLE: tl.constexpr, WORDS: tl.constexpr):
     base = tl.load(desc_ptr)
     if base >= 0:
-        total_words = tl.load(desc_ptr + 1) // 8
-        chunk = tl.load(table_ptr + (base // CHUNK) % TABLE)
-        src = chunk.to(tl.pointer_type(tl.int64)) + (base % CHUNK) // 8
+        total = tl.load(desc_ptr + 1)
+        total_words = total // 8
+        first, second, split = _slice_chunks(table_ptr, base, total, CHUNK, TABLE)
         dst = dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
         w = tl.arange(0, WORDS)
         step = tl.num_programs(0) * WORDS
         for w0 in range(tl.program_id(0) * WORDS, total_words, step):
             idx = w0 + w
             m = idx < total_words
-            tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
+            lo = tl.load(first + idx, mask=m & (idx < split))
+            hi = tl.load(second + (idx - split), mask=m & (idx >= split))
+            tl.store(dst + idx, tl.where(idx < split, lo, hi), mask=m)
 
 
 def link_programs(device: torch.device) -> int:
@@ -139,7 +165,8 @@ def pack_slice(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
         table: ``int64 [TABLE]`` the device can read (page-locked host memory, or device
             memory): entry ``k % TABLE`` is the address of the page-locked host buffer that
             backs chunk ``k`` (``CHUNK`` bytes, 16-byte aligned).
-        chunk_bytes: the arena's chunk size (a multiple of 16 bytes, at least ``N * P``).
+        chunk_bytes: the arena's chunk size (a multiple of 16 bytes, at least ``N * P``): a
+            slice lies in at most two consecutive chunks, both backed up to ``limit``.
     """
     n, page_size = payload.shape
     if n == 0:

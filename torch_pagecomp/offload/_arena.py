@@ -4,7 +4,10 @@ behind a device-side bump allocator, and the slices placed in it (``_paged.Paged
 The host backs the arena ahead of use: before each slice it adds chunks so that the arena's
 end, advanced by the slice's worst case (``N * P``), stays backed; the device refuses (and
 marks failed) a slice that would pass the backed limit, so no store ever leaves the chunks.
-Chunks behind every live slice go back to a free list and back later parts of the arena.
+Slices are placed end to end, across chunk boundaries (a slice is at most a chunk long, so it
+lies in one or two chunks): the arena holds the compressed bytes and little more. Chunks
+behind the frontier that no live slice touches go back to a free list and back later parts of
+the arena.
 
 Placements are read back in stream order, without waiting (:meth:`VirtualArena.confirm`): a
 slice's pack publishes its ``(base, total)`` to a pinned descriptor, and the host reads it once
@@ -138,15 +141,25 @@ class VirtualArena:
         self.parity = 0  # the slot of ``state`` that holds the end for the next slice
 
     # ---------------------------------------------------------------- placement
-    def _advance(self, pos: int, size: int) -> int:
-        if pos % self.chunk + size > self.chunk:
-            pos = (pos // self.chunk + 1) * self.chunk
-        return pos + size
+    def chunks_of(self, base: int, total: int) -> range:
+        """The chunks that arena bytes ``[base, base + total)`` lie in (one for an empty
+        range)."""
+        return range(base // self.chunk, (base + max(total, 1) - 1) // self.chunk + 1)
+
+    def views(self, base: int, total: int) -> list[torch.Tensor]:
+        """The page-locked host bytes ``[base, base + total)`` of the arena (backed), as one
+        ``uint8`` view per chunk they lie in, in order."""
+        out = []
+        for k in self.chunks_of(base, total):
+            lo = max(base, k * self.chunk) - k * self.chunk
+            hi = min(base + total, (k + 1) * self.chunk) - k * self.chunk
+            out.append(self.backed[k].tensor[lo:hi])
+        return out
 
     def back(self, upper: int, stream) -> None:
         """Before planning a slice of at most ``upper`` bytes (on ``stream``): back every chunk
         the arena's end can reach and raise the limit (passed with the slice) to match."""
-        self.bound = self._advance(self.bound, upper)
+        self.bound += upper
         self.placed_since_shrink = True
         last = (self.bound - 1) // self.chunk
         first = max(self.limit // self.chunk, self.frontier // self.chunk)
@@ -202,14 +215,12 @@ class VirtualArena:
             if base >= 0:
                 self.frontier = base + total
                 if not sl.freed:
-                    self.live[base // self.chunk] += 1
+                    self.live.update(self.chunks_of(base, total))
                     self.used += total
             if sl is through:
                 break
         if confirmed:  # the bound from the confirmed end, tighter
-            self.bound = self.frontier
-            for _, upper in self.pending:
-                self.bound = self._advance(self.bound, upper)
+            self.bound = self.frontier + sum(upper for _, upper in self.pending)
 
     def release(self, sl: _Slice, reader) -> None:
         """``sl`` is no longer needed; chunks behind the frontier with nothing live go back to
@@ -220,10 +231,10 @@ class VirtualArena:
         if sl.base < 0 or sl.freed:
             return
         sl.freed = True
-        k = sl.base // self.chunk
-        self.live[k] -= 1
-        if self.live[k] <= 0:
-            del self.live[k]
+        self.live.subtract(self.chunks_of(sl.base, sl.total))
+        for k in self.chunks_of(sl.base, sl.total):
+            if self.live[k] <= 0:
+                del self.live[k]
         self.used -= sl.total
         event = None
         for k in sorted(self.backed):

@@ -264,9 +264,7 @@ class PagedStore:
                 raise SliceNotStored(sl.n)
             if sl.base is not None:  # placed: the copy engine
                 staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
-                at = sl.base % arena.chunk
-                host = arena.backed[sl.base // arena.chunk].tensor[at:at + sl.total]
-                staging.copy_(host, non_blocking=True)
+                copy_pieces(staging, arena_pieces(arena, sl.base, sl.total))
             else:  # still packing: kernels read it once the pack is done
                 _wait(stream, sl.stored)
                 staging = torch.empty(sl.n * p, dtype=torch.uint8, device=out.device)
@@ -353,6 +351,23 @@ class PagedStore:
             "scratch_bytes": self.scratch_bytes,
             "pending_slices": len(a.pending),
         }
+
+
+def arena_pieces(arena: VirtualArena, base: int, total: int, at: int = 0) -> list[tuple]:
+    """``(offset, host view)`` per chunk that arena bytes ``[base, base + total)`` (placed) lie
+    in: where each part goes in a staging buffer whose byte ``at`` takes byte ``base``."""
+    pieces = []
+    for view in arena.views(base, total):
+        pieces.append((at, view))
+        at += view.numel()
+    return pieces
+
+
+def copy_pieces(dst: torch.Tensor, pieces: list[tuple]) -> None:
+    """Copy :func:`arena_pieces` into ``dst`` on the current stream (non-blocking: page-locked
+    memory), one copy per piece."""
+    for at, view in pieces:
+        dst[at:at + view.numel()].copy_(view, non_blocking=True)
 
 
 def _compress(pages: torch.Tensor, element_size: int, out: tuple, scratch,

@@ -78,7 +78,8 @@ class StoredGroup:
         self.meta: tuple[torch.Tensor, ...] | None = None
         self.meta_buf: torch.Tensor | None = None
         self.meta_stream = None
-        self.runs: list[list] = []  # [chunk, offset in chunk, bytes, staging offset, view]
+        # [arena offset, bytes, staging offset, its arena_pieces (None until the next restore)]
+        self.runs: list[list] = []
 
 
 def codec_runs(group: StoredGroup) -> list[tuple[int, int, int, int, bool]]:
@@ -101,7 +102,6 @@ def codec_runs(group: StoredGroup) -> list[tuple[int, int, int, int, bool]]:
 def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     """Cache the metadata of the stored tensors after ``group.known`` whose slices are all
     placed, in order, stopping at the first that is not."""
-    chunk = store.arena.chunk
     rels, shifts, counts, sizes, kinds, sums = [], [], [], [], [], []
     at = group.known
     while at < len(group.storeds):
@@ -113,13 +113,12 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
         for sl in stored.slices:
             if sl.base < 0:
                 raise _paged.SliceNotStored(sl.n)
-            k, off = divmod(sl.base, chunk)
             last = group.runs[-1] if group.runs else None
-            if last is not None and last[0] == k and last[1] + last[2] == off:
-                last[2] += sl.total  # the next bytes of the same chunk: one copy for both
-                last[4] = None
+            if last is not None and last[0] + last[1] == sl.base:
+                last[1] += sl.total  # the next bytes of the arena: copied together
+                last[3] = None
             else:
-                group.runs.append([k, off, sl.total, group.staged, None])
+                group.runs.append([sl.base, sl.total, group.staged, None])
             rels.append(sl.rel)
             sizes.append(sl.sizes)
             kinds.append(sl.kinds)
@@ -215,15 +214,13 @@ def restore_group(store, group: StoredGroup, out) -> None:
         pages += stored.nbytes // p
     staging = torch.empty(staged, dtype=torch.uint8, device=dev)
     for run in group.runs:
-        if run[4] is None:
-            run[4] = arena.backed[run[0]].tensor[run[1]:run[1] + run[2]]
-        staging[run[3]:run[3] + run[2]].copy_(run[4], non_blocking=True)
+        if run[3] is None:
+            run[3] = _paged.arena_pieces(arena, *run[:3])
+        _paged.copy_pieces(staging, run[3])
     extra = []
     for sl, at in rest:
         if sl.base is not None:  # placed since the last absorb: the copy engine
-            off = sl.base % arena.chunk
-            host = arena.backed[sl.base // arena.chunk].tensor[off:off + sl.total]
-            staging[at:at + sl.total].copy_(host, non_blocking=True)
+            _paged.copy_pieces(staging, _paged.arena_pieces(arena, sl.base, sl.total, at))
         else:  # still packing: kernels read it once the pack is done
             _arena._wait(stream, sl.stored)
             fetch_from_host(staging[at:at + sl.n * p], sl.desc, arena.table, arena.chunk)
