@@ -4,6 +4,8 @@ behind a device-side bump allocator, and the slices placed in it (``_paged.Paged
 The host backs the arena ahead of use: before each slice it adds chunks so that the arena's
 end, advanced by the slice's worst case (``N * P``), stays backed; the device refuses (and
 marks failed) a slice that would pass the backed limit, so no store ever leaves the chunks.
+Before it pins a new chunk for slices still in flight it waits for them
+(:meth:`VirtualArena.back`), so the chunks held follow the compressed bytes.
 Slices are placed end to end, across chunk boundaries (a slice is at most a chunk long, so it
 lies in one or two chunks): the arena holds the compressed bytes and little more. Chunks
 behind the frontier that no live slice touches go back to a free list and back later parts of
@@ -158,17 +160,33 @@ class VirtualArena:
 
     def back(self, upper: int, stream) -> None:
         """Before planning a slice of at most ``upper`` bytes (on ``stream``): back every chunk
-        the arena's end can reach and raise the limit (passed with the slice) to match."""
+        the arena's end can reach and raise the limit (passed with the slice) to match.
+
+        The end can reach as far as the worst case of every slice not yet confirmed. Where
+        that would pin a new chunk (none free), the host first waits for the oldest of those
+        slices, whose placement tightens the bound, and pins only what the confirmed end and
+        the slices left still need. Without the wait, a host running ahead of the pack stream
+        pinned chunks for its whole lead at full size: on GPU-bound steps the arena held
+        about what an uncompressed copy holds (``bench/results/h200_2dfbc6f_arena``). A pinned
+        chunk costs tens of milliseconds and stays held; the wait costs the host some of its
+        lead, on steps that pin."""
         self.bound += upper
         self.placed_since_shrink = True
+        while self.pending and len(self._unbacked()) > len(self.free):
+            self.confirm(through=self.pending[0][0])
+            self.bound += upper  # confirmed: the bound of the slices in flight, not this one
+        for k in self._unbacked():
+            self._back_chunk(k, stream)
         last = (self.bound - 1) // self.chunk
-        first = max(self.limit // self.chunk, self.frontier // self.chunk)
-        for k in range(first, last + 1):
-            if k not in self.backed:
-                self._back_chunk(k, stream)
         self.limit = max(self.limit, (last + 1) * self.chunk)  # passed with the slice
         self.peak_held = max(self.peak_held, self.held_bytes)
         self.peak_backed = max(self.peak_backed, len(self.backed))
+
+    def _unbacked(self) -> list[int]:
+        """The chunks between the confirmed end and the bound that are not backed yet."""
+        first = max(self.limit // self.chunk, self.frontier // self.chunk)
+        return [k for k in range(first, (self.bound - 1) // self.chunk + 1)
+                if k not in self.backed]
 
     def _back_chunk(self, k: int, stream) -> None:
         if self.free:
