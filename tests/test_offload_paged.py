@@ -66,6 +66,13 @@ def test_round_trip_across_slices_and_chunks(gen, element_size, kind):
     assert store.arena.used == 0 and not store.arena.live
 
 
+def test_chunks_must_hold_a_page():
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        PagedStore(torch.device("cpu"), P, chunk_bytes=P // 2)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        PagedStore(torch.device("cpu"), P, chunk_bytes=(1 << 16) + 8)
+
+
 @interpreter
 def test_chunks_are_reused_and_host_memory_stays_bounded(gen):
     """Offload and free many times: the arena's end moves on, chunks behind it come back."""

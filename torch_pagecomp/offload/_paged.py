@@ -134,11 +134,15 @@ class PagedStore:
     def __init__(self, device: torch.device, page_size: int, streams=(None, None, None),
                  chunk_bytes: int = CHUNK_BYTES, slice_bytes: int = SLICE_BYTES,
                  checksum: bool = False, host_meta: bool = False):
+        if chunk_bytes < page_size or chunk_bytes % 16:
+            raise ValueError(f"chunk_bytes must be a multiple of 16 bytes and hold a page of "
+                             f"{page_size} bytes, got {chunk_bytes}")
         self.device, self.page_size = device, page_size
         self.checksum, self.host_meta = checksum, host_meta
         self.compress_stream, self.pack_stream, self.restore_stream = streams
         with on_stream(self.pack_stream):  # the pack kernel reads the arena's state there
             self.arena = VirtualArena(device, chunk_bytes)
+        # a slice is at most a chunk long: it lies in one chunk or two (the pack kernel's rule)
         self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
         self._packed: collections.deque = collections.deque()  # pack events of recent slices
         self.failures = None  # pages that failed to decode, counted on the device
