@@ -283,6 +283,9 @@ class VirtualArena:
         pinned two chunks again at every step; keeping the peaks of several steps instead
         kept a larger first step's chunks and then unpinned them all at once, a stall of
         about a second (``bench/results/h200_7d64cf1_hostpath``, ``h100_1a48801_pinning``).
+        Since :meth:`back` waits for slices in flight rather than pin for them, a step pins
+        only when the bytes it places need more chunks than are held; the headroom still
+        covers where in a chunk a step's end falls, and steps of slightly more bytes.
         Without a placement since the last call the chunks stay: a step that only copied
         (``prefer="speed"``'s trials alternate copied and compressed steps) keeps them for
         the next compressing step. Giving them back there made every compressed trial pin
