@@ -229,6 +229,35 @@ def test_steps_of_varying_size_pin_their_chunks_once(gen, monkeypatch):
 
 
 @interpreter
+def test_release_idle_unpins_every_chunk_and_the_store_still_works(gen):
+    """An offloader that settled on copying gives back every chunk once nothing is live or in
+    flight, the ones backed ahead of the end included; the next tensor backs its chunks
+    anew (the limit dropped with them) and comes back exactly."""
+    chunk = 1 << 14
+    store = _store(chunk=chunk, slice_bytes=1 << 13)
+    arena = store.arena
+    live = store.offload(_data(gen, 9 * P, "noise"), 1)
+    gone = [store.offload(_data(gen, 5 * P, "small"), 1) for _ in range(3)]
+    store.poll()
+    for st in gone:
+        store.free(st)
+    arena.release_idle()  # one tensor still live: only the free chunks go
+    assert arena.backed and not arena.free
+    store.free(live)
+    arena.release_idle()
+    assert arena.held_bytes == 0 and arena.limit <= arena.frontier
+    start = arena.frontier // chunk
+    src = _data(gen, 7 * P + 5, "bf16")
+    st = store.offload(src, 2)
+    store.poll()
+    assert min(arena.backed) == start  # backed again from the end's chunk
+    assert all(k in arena.backed for sl in st.slices for k in arena.chunks_of(sl.base, sl.total))
+    out = torch.full_like(src, POISON)
+    store.restore(st, out)
+    assert torch.equal(out, src)
+
+
+@interpreter
 def test_placement_descriptors_are_reused_in_order(gen, monkeypatch):
     """More slices in flight than pinned descriptors: a slot is reused only after the slice
     before it is confirmed, and every storage still comes back exact."""

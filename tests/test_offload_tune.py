@@ -198,9 +198,6 @@ def test_settling_on_copies_frees_the_compressors_scratch(seed):
     calls = []
 
     class Arena:
-        def trim(self):
-            calls.append("trim")
-
         def shrink(self):
             pass
 
@@ -208,8 +205,8 @@ def test_settling_on_copies_frees_the_compressors_scratch(seed):
         scratch_bytes = 1 << 20
         arena = Arena()
 
-        def release_scratch(self):
-            calls.append("scratch")
+        def release_idle(self):
+            calls.append("idle")
             self.scratch_bytes = 0
 
         def poll(self):
@@ -228,7 +225,18 @@ def test_settling_on_copies_frees_the_compressors_scratch(seed):
         grads_of(model, x, off)
         clock.advance(50.0 if tuner.summary()["arm"] == "copy" else 80.0)
     assert tuner.choice == "copy", tuner.summary()
-    assert calls.count("scratch") == 1 and "trim" in calls and store.scratch_bytes == 0
+    assert calls == ["idle"] and store.scratch_bytes == 0
+
+
+def test_paged_store_release_idle_gives_back_chunks_and_scratch(gen):
+    from torch_pagecomp.offload._paged import PagedStore
+
+    store = PagedStore(torch.device("cpu"), 4096, chunk_bytes=1 << 16)
+    store.arena.back(3 << 16, None)  # chunks backed ahead, as for slices in flight
+    store.scratch_bytes, store._scratch_held = 3 << 20, 1 << 20
+    assert store.arena.held_bytes == 3 << 16
+    store.release_idle()
+    assert store.arena.held_bytes == 0 and store.scratch_bytes == 0
 
 
 def test_paged_store_release_scratch_resets_its_bound():

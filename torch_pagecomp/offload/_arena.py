@@ -274,6 +274,23 @@ class VirtualArena:
                 event.synchronize()  # a restore may still read it
             mem.release()
 
+    def release_idle(self, reader=None) -> None:
+        """Unpin every chunk no slice needs: the free ones, and, once no slice is in flight or
+        live, the backed ones too (the chunk at the end, and those backed ahead of it for
+        slices in flight then). For an offloader that settled on copying: ``trim`` alone left
+        the backed ones pinned (0.38 GiB on encoder-1024, ``bench/results/h200_2dfbc6f_arena``).
+        Restores queued on ``reader`` so far may still read them: unpinned after those. The
+        next slice backs its chunks anew (the limit drops to the end's chunk)."""
+        self.confirm()
+        if not self.pending and not self.live and self.backed:
+            event = mark(reader)
+            self.free.extend((mem, event) for mem in self.backed.values())
+            self.backed.clear()
+            self.limit = self.frontier // self.chunk * self.chunk
+            self.bound = self.frontier
+        self.trim()
+        self.peak_backed = len(self.backed)
+
     def shrink(self) -> None:
         """Keep the chunks the busiest moment since the last call needed, plus a headroom
         (1/16 of them, at least 2); unpin the rest (after a step whose offloads were

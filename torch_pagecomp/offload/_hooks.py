@@ -258,8 +258,7 @@ class ActivationOffloader:
                 self.pool.clear()
             else:
                 for store in self._paged.values():
-                    store.arena.trim()
-                    store.release_scratch()
+                    store.release_idle()
         return arm
 
     def next_group(self) -> None:

@@ -251,6 +251,13 @@ class PagedStore:
         self._scratch_held = 0
         self.scratch_bytes = 0
 
+    def release_idle(self) -> None:
+        """Give back what an idle store holds: its GPU scratch (:meth:`release_scratch`) and
+        every host chunk no stored tensor needs (``VirtualArena.release_idle``). For an
+        offloader that settled on copying; the next compressed slice makes them again."""
+        self.arena.release_idle(self.restore_stream)
+        self.release_scratch()
+
     # ------------------------------------------------------------------ restore
     def restore(self, stored: PagedStored, out: torch.Tensor) -> None:
         """Decode ``stored`` into ``out`` (``uint8 [nbytes]``) on the current stream, after
