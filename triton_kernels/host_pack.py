@@ -23,7 +23,7 @@ A slice may straddle two chunks (it is at most one chunk long): the arena is fil
 end. When slices had to fit inside one chunk, a slice whose compressed bytes did not fit the
 rest of a chunk moved to the next one and left the rest empty; with slices of up to a chunk
 that emptied about a third of every chunk, and the arena held as much page-locked memory as
-an uncompressed copy (``bench/results/h200x2_643dbbc_fsdp``). Each program reads the two
+an uncompressed copy (``bench/results/h200_2dfbc6f_arena``). Each program reads the two
 chunk addresses once per slice; a page that crosses the boundary is copied in two parts.
 
 (Planning in the same launch spares the host a second launch per slice, a cost the activation
