@@ -380,6 +380,10 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         row["host_held_gib"] = (st["pinned_held_bytes"]
                                 + sum(c["host_peak_held_bytes"] for c in comp)) / GIB
         row["scratch_gib"] = sum(c["scratch_bytes"] for c in comp) / GIB
+        # the compressed stores' peak of placed bytes (exact sizes; ``host_gib`` is the hooks'
+        # ledger, which counts a storage at full size until its placement is read)
+        if comp:
+            row["stored_gib"] = sum(c["host_peak_used_bytes"] for c in comp) / GIB
         off.remove()
     elif ctx is not None:
         row.update(host_gib=ctx.bytes / GIB, offloaded_gib=ctx.bytes / GIB)

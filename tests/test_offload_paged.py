@@ -64,6 +64,7 @@ def test_round_trip_across_slices_and_chunks(gen, element_size, kind):
     for st in stored:
         store.free(st)
     assert store.arena.used == 0 and not store.arena.live
+    assert store.stats()["host_peak_used_bytes"] == used  # exact: placed sizes, all live at once
 
 
 def test_chunks_must_hold_a_page():

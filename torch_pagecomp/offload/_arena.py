@@ -133,6 +133,7 @@ class VirtualArena:
         self.pending: collections.deque[tuple[_Slice, int]] = collections.deque()
         self.limit = self.bound = self.frontier = 0
         self.used = 0  # host bytes of live, confirmed slices
+        self.peak_used = 0  # the most of them at once (exact: placed sizes)
         self.peak_held = 0
         self.peak_backed = 0  # chunks backed at once since the last shrink
         self.placed_since_shrink = False
@@ -235,6 +236,7 @@ class VirtualArena:
                 if not sl.freed:
                     self.live.update(self.chunks_of(base, total))
                     self.used += total
+                    self.peak_used = max(self.peak_used, self.used)
             if sl is through:
                 break
         if confirmed:  # the bound from the confirmed end, tighter

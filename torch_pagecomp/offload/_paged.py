@@ -359,6 +359,7 @@ class PagedStore:
             "host_used_bytes": a.used,
             "host_held_bytes": a.held_bytes,
             "host_peak_held_bytes": a.peak_held,
+            "host_peak_used_bytes": a.peak_used,
             "scratch_bytes": self.scratch_bytes,
             "pending_slices": len(a.pending),
         }
