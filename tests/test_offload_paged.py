@@ -363,12 +363,17 @@ def test_plan_places_at_the_end_and_pack_stays_inside_the_slice(gen, parity, sta
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_round_trip_on_streams(gen):
-    store = _store("cuda", chunk=64 << 20, slice_bytes=16 << 20)
-    srcs = [_data(gen, n, "bf16").cuda() for n in (40 << 20, (3 << 20) + 77, 5 * P)]
+@pytest.mark.parametrize("chunk, slice_bytes, mib",
+                         [(64 << 20, 16 << 20, 40), (1 << 16, 1 << 14, 3)])
+def test_gpu_round_trip_on_streams(gen, chunk, slice_bytes, mib):
+    """Restored right after the offload (the placements mostly unknown: the fetch kernel reads
+    the chunks); with 64 KiB chunks, slices and pages cross chunk boundaries on the GPU."""
+    store = _store("cuda", chunk=chunk, slice_bytes=slice_bytes)
+    srcs = [_data(gen, n, "bf16").cuda() for n in (mib << 20, (3 << 20) + 77, 5 * P)]
     stored = [store.offload(s, 2, producer=torch.cuda.current_stream()) for s in srcs]
     for s, st in zip(srcs, stored):
         out = torch.full_like(s, POISON)
+        store.restore_stream.wait_stream(torch.cuda.current_stream())  # after the poison
         with torch.cuda.stream(store.restore_stream):
             store.restore(st, out)
         torch.cuda.current_stream().wait_stream(store.restore_stream)
