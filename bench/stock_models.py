@@ -443,8 +443,12 @@ def _finish(rows: list[dict], meta: dict) -> dict:
 
 
 def table(doc: dict) -> str:
+    # host GiB: the hooks' ledger peak (a storage at full size until its placement is read);
+    # stored GiB: the compressed stores' placed bytes at their peak; held GiB: page-locked
+    # memory held at the peak (the copy pool and the compressed arena)
     head = ["model", "gpus", "variant", "codec", "step ms", "host issue ms", "vs uncompressed",
-            "peak GPU GiB", "host GiB", "ratio", "link-bound", "grads identical"]
+            "peak GPU GiB", "host GiB", "stored GiB", "held GiB", "ratio", "link-bound",
+            "grads identical"]
     unc = {r["model"]: r.get("step_ms") for r in doc["rows"] if r["variant"] == "uncompressed"}
     rows = []
     for r in doc["rows"]:
@@ -455,6 +459,7 @@ def table(doc: dict) -> str:
         rel = (f"{r['step_ms'] / unc[r['model']]:.2f}x" if unc.get(r["model"]) else "")
         rows.append(first + [f"{r['step_ms']:.1f}", cell(r.get("host_issue_ms"), 1), rel,
                              cell(r.get("peak_gpu_gib")), cell(r.get("host_gib")),
+                             cell(r.get("stored_gib")), cell(r.get("host_held_gib")),
                              cell(r.get("ratio"), 3), str(r["link_bound"]),
                              str(r.get("grads_identical", ""))])
     return md_table(head, rows)

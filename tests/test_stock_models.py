@@ -27,7 +27,11 @@ def test_models_offload_with_identical_grads(model):
     assert unc["grads_identical"] and mem["grads_identical"] and tune["grads_identical"]
     assert unc["offloaded_gib"] > 0 and mem["offloaded_gib"] > 0 and tune["offloaded_gib"] > 0
     assert mem["ratio"] > 1.0  # bf16 activations compress
-    assert "| memory |" in stock_models.table(doc)
+    table = stock_models.table(doc)
+    assert "| memory |" in table and "| stored GiB | held GiB |" in table
+    held = table.splitlines()[0].split(" | ").index("held GiB")
+    unc_line = next(line for line in table.splitlines() if "| uncompressed |" in line)
+    assert float(unc_line.split(" | ")[held]) == pytest.approx(unc["host_held_gib"], abs=0.01)
 
 
 @pytest.mark.slow
