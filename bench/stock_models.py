@@ -19,7 +19,10 @@ steps of forward + backward + SGD.
 One row per run: step time (median of per-step CUDA-event times), peak GPU memory
 (``max_memory_allocated``, and in the JSON where it falls: ``phase_gib``, per timed step the
 forward's peak, what the forward leaves allocated, the backward's peak, the backward's and the
-optimizer's), host memory held at peak, bytes offloaded per step, ratio, and whether the
+optimizer's), host memory at peak (``host_gib``: the hooks' ledger of bytes stored, a storage
+counted at full size until its placement is read; ``stored_gib``: the compressed stores' placed
+bytes; ``host_held_gib``: the page-locked memory held, copy pool and compressed arena), bytes
+offloaded per step, ratio (of the ledgers: uncompressed over this row), and whether the
 gradients of the first step are bit-identical to ``none`` (deterministic settings: math SDPA,
 ``torch.use_deterministic_algorithms``).
 
