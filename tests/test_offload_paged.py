@@ -230,6 +230,34 @@ def test_steps_of_varying_size_pin_their_chunks_once(gen, monkeypatch):
 
 
 @interpreter
+def test_slices_across_the_table_window_wrap(gen, monkeypatch):
+    """The chunk table is a window (chunk ``k`` at entry ``k % TABLE_SIZE``): with a table of 8
+    entries the arena's end runs past it many times, and slices that cross a chunk boundary
+    at the wrap (entry 7, then entry 0) come back exactly."""
+    from torch_pagecomp.offload import _arena
+
+    monkeypatch.setattr(_arena, "TABLE_SIZE", 8)
+    chunk = 1 << 14
+    store = _store(chunk=chunk, slice_bytes=1 << 13)
+    assert store.arena.table.numel() == 8
+    wrapped = 0
+    for _ in range(14):
+        srcs = [_data(gen, int(torch.randint(2 * P, 6 * P, (), generator=gen)), "bf16")
+                for _ in range(4)]
+        stored = [store.offload(s, 2) for s in srcs]
+        store.poll()
+        for s, st in zip(srcs, stored):
+            wrapped += any(k % 8 == 7 and len(store.arena.chunks_of(sl.base, sl.total)) > 1
+                           for sl in st.slices for k in [sl.base // chunk])
+            out = torch.full_like(s, POISON)
+            store.restore(st, out)
+            assert torch.equal(out, s)
+            store.free(st)
+    assert store.arena.frontier > 2 * 8 * chunk  # around the window more than twice
+    assert wrapped  # slices of odd compressed sizes cross chunk 7 -> 8 (entry 0) at a wrap
+
+
+@interpreter
 def test_release_idle_unpins_every_chunk_and_the_store_still_works(gen):
     """An offloader that settled on copying gives back every chunk once nothing is live or in
     flight, the ones backed ahead of the end included; the next tensor backs its chunks
