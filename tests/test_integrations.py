@@ -283,6 +283,7 @@ def test_layer_ops_match_dynamic_cache(gen, monkeypatch, bt, store):
         assert torch.equal(k, ref.layers[i].keys) and torch.equal(v, ref.layers[i].values)
     twin.close()
     assert st.stats()["host_used_bytes"] == 0
+    assert st.stats()["host_peak_held_bytes"] > 0  # a peak: what the blocks held at most
     assert ours.get_seq_length() == 0 and ours.stats()["blocks"] == 0
     with pytest.raises(ValueError, match="block_tokens"):
         CompressedOffloadedCache(block_tokens=0)

@@ -45,7 +45,7 @@ class _CpuBlockStore:
     def __init__(self, page_size: int):
         self.page_size = page_size
         self._cpu = CpuStore(compress=True, page_size=page_size)
-        self.used = 0
+        self.used = self.peak = 0  # host bytes of the live blocks (exact), and their most
 
     def offload(self, src: torch.Tensor, element_size: int, producer=None,
                 float_format: str | None = None):
@@ -53,6 +53,7 @@ class _CpuBlockStore:
         # (C, exp_codec) runs at about half the lz4 one's speed on one core
         stored = self._cpu.offload(src, element_size)
         self.used += stored.host_nbytes()
+        self.peak = max(self.peak, self.used)
         return stored
 
     def restore_group(self, group: StoredGroup, out: torch.Tensor) -> None:
@@ -81,7 +82,7 @@ class _CpuBlockStore:
 
     def stats(self) -> dict:
         return {"host_used_bytes": self.used, "host_held_bytes": self.used,
-                "host_peak_held_bytes": self.used}
+                "host_peak_held_bytes": self.peak, "host_peak_used_bytes": self.peak}
 
 
 class DeviceStore:
