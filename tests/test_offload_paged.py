@@ -152,6 +152,7 @@ def test_slices_in_flight_are_waited_for_before_a_new_chunk_is_pinned(gen, monke
     srcs = [_data(gen, 5 * P, "small") for _ in range(14)]  # 70 pages: 8.75 chunks raw
     stored = [store.offload(s, 1) for s in srcs]
     assert any(waited)  # the host waited for slices in flight instead of pinning for them
+    assert arena.pending_upper == sum(upper for _, upper in arena.pending) > 0
     store.wait_placed()
     worst = (1 << 13)  # one slice's worst case
     assert len(arena.backed) <= (arena.used + worst) // chunk + 2, (len(arena.backed), arena.used)

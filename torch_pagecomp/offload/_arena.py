@@ -131,6 +131,9 @@ class VirtualArena:
         self.free: list[tuple[HostMemory, torch.cuda.Event | None]] = []
         self.live: collections.Counter[int] = collections.Counter()
         self.pending: collections.deque[tuple[_Slice, int]] = collections.deque()
+        # the sum of the pending slices' worst cases, kept as they come and go: the hooks
+        # confirm before every saved tensor, which would otherwise add up every slice in flight
+        self.pending_upper = 0
         self.limit = self.bound = self.frontier = 0
         self.used = 0  # host bytes of live, confirmed slices
         self.peak_used = 0  # the most of them at once (exact: placed sizes)
@@ -214,6 +217,7 @@ class VirtualArena:
 
     def add(self, sl: _Slice, upper: int) -> None:
         self.pending.append((sl, upper))
+        self.pending_upper += upper
 
     # -------------------------------------------------------------- confirmation
     def confirm(self, through: _Slice | None = None) -> None:
@@ -226,7 +230,7 @@ class VirtualArena:
                 if through is None or through.base is not None:
                     break
                 sl.stored.synchronize()
-            self.pending.popleft()
+            self.pending_upper -= self.pending.popleft()[1]
             confirmed = True
             base, total = (int(v) for v in sl.host_desc.tolist())
             sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None
@@ -240,7 +244,7 @@ class VirtualArena:
             if sl is through:
                 break
         if confirmed:  # the bound from the confirmed end, tighter
-            self.bound = self.frontier + sum(upper for _, upper in self.pending)
+            self.bound = self.frontier + self.pending_upper
 
     def release(self, sl: _Slice, reader) -> None:
         """``sl`` is no longer needed; chunks behind the frontier with nothing live go back to
