@@ -22,18 +22,8 @@ GIB = 1 << 30
 def saved_sizes(name: str) -> list[int]:
     """Bytes of each storage ``name`` saves for backward (``stock_models.MODELS``), in order,
     each once, parameters left out."""
-    family, width, layers, batch, seq = stock_models.MODELS[name]
     with torch.device("meta"):
-        if family == "encoder":
-            layer = torch.nn.TransformerEncoderLayer(
-                width, max(1, width // 128), 4 * width, dropout=0.0, activation="gelu",
-                batch_first=True, norm_first=True)
-            model = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-            shape = (batch, seq, width)
-        elif family == "llama":
-            model, shape = stock_models._llama(width, layers), (batch, seq, width)
-        else:
-            model, shape = stock_models._resnet(width, layers), (batch, 3, seq, seq)
+        model, shape = stock_models.model_and_shape(name)
         model = model.to(torch.bfloat16)
         x = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
     sizes: list[int] = []

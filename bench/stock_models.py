@@ -174,13 +174,12 @@ def _resnet(width: int, stages: int):
     return ResNet()
 
 
-def build(name: str, device):
-    """``(model, input, blocks)`` of ``name`` in bf16 on ``device``, seeded."""
-    import torch
+def model_and_shape(name: str):
+    """``(model, input shape)`` of ``name``, the model in fp32 on the current default device
+    (``bench.dev_arena_model`` builds them on the meta device)."""
     import torch.nn as nn
 
     family, width, layers, batch, seq = MODELS[name]
-    torch.manual_seed(0)
     if family == "encoder":
         layer = nn.TransformerEncoderLayer(width, max(1, width // 128), 4 * width, dropout=0.0,
                                            activation="gelu", batch_first=True,
@@ -193,6 +192,15 @@ def build(name: str, device):
     else:
         model = _resnet(width, layers)
         shape = (batch, 3, seq, seq)
+    return model, shape
+
+
+def build(name: str, device):
+    """``(model, input, blocks)`` of ``name`` in bf16 on ``device``, seeded."""
+    import torch
+
+    torch.manual_seed(0)
+    model, shape = model_and_shape(name)
     model = model.to(device).to(torch.bfloat16)
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)

@@ -429,7 +429,7 @@ def test_checksums_catch_a_flipped_host_byte(gen, checksum):
     store.wait_placed()
     sl = stored[0].slices[0]
     at = sl.base + int(torch.randint(0, P, (), generator=gen))
-    host = store.arena.views(at, 1)[0]
+    host = store.arena.pieces(at, 1)[0][1]
     host[0] ^= 1 << int(torch.randint(0, 8, (), generator=gen))
     first = torch.empty_like(srcs[0])
     restores = [

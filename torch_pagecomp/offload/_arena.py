@@ -110,9 +110,9 @@ class VirtualArena:
     ``state`` (device ``int64 [2]``): the arena's end, in slot ``parity`` for the next slice
     (``kernels.host_pack.pack_slice``: the slots take turns); ``limit``: the backed limit,
     passed with each slice; ``table`` (``int64 [TABLE_SIZE]``, page-locked host memory the
-    kernels read): the host address of each backed chunk. Host-side, ``bound`` is
-    never below the device's end once every planned slice has run; ``frontier`` is the end as
-    of the last confirmed slice (slices are confirmed in stream order).
+    kernels read): the host address of each backed chunk. Host-side, ``frontier`` is the end
+    as of the last confirmed slice (slices are confirmed in stream order), and ``frontier +
+    pending_upper`` is never below the device's end once every planned slice has run.
     """
 
     def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES):
@@ -134,7 +134,7 @@ class VirtualArena:
         # the sum of the pending slices' worst cases, kept as they come and go: the hooks
         # confirm before every saved tensor, which would otherwise add up every slice in flight
         self.pending_upper = 0
-        self.limit = self.bound = self.frontier = 0
+        self.limit = self.frontier = 0
         self.used = 0  # host bytes of live, confirmed slices
         self.peak_used = 0  # the most of them at once (exact: placed sizes)
         self.peak_held = 0
@@ -152,14 +152,15 @@ class VirtualArena:
         range)."""
         return range(base // self.chunk, (base + max(total, 1) - 1) // self.chunk + 1)
 
-    def views(self, base: int, total: int) -> list[torch.Tensor]:
-        """The page-locked host bytes ``[base, base + total)`` of the arena (backed), as one
-        ``uint8`` view per chunk they lie in, in order."""
+    def pieces(self, base: int, total: int, at: int = 0) -> list[tuple[int, torch.Tensor]]:
+        """The page-locked host bytes ``[base, base + total)`` of the arena (backed), one
+        ``(offset, uint8 view)`` per chunk they lie in, in order: ``offset`` is where the piece
+        goes in a buffer whose byte ``at`` takes byte ``base``."""
         out = []
         for k in self.chunks_of(base, total):
-            lo = max(base, k * self.chunk) - k * self.chunk
-            hi = min(base + total, (k + 1) * self.chunk) - k * self.chunk
-            out.append(self.backed[k].tensor[lo:hi])
+            start = k * self.chunk
+            lo, hi = max(base, start), min(base + total, start + self.chunk)
+            out.append((at + lo - base, self.backed[k].tensor[lo - start:hi - start]))
         return out
 
     def back(self, upper: int, stream) -> None:
@@ -174,23 +175,25 @@ class VirtualArena:
         about what an uncompressed copy holds (``bench/results/h200_2dfbc6f_arena``). A pinned
         chunk costs tens of milliseconds and stays held; the wait costs the host some of its
         lead, on steps that pin."""
-        self.bound += upper
         self.placed_since_shrink = True
-        while self.pending and len(self._unbacked()) > len(self.free):
+        new = self._unbacked(upper)
+        while self.pending and len(new) > len(self.free):
             self.confirm(through=self.pending[0][0])
-            self.bound += upper  # confirmed: the bound of the slices in flight, not this one
-        for k in self._unbacked():
+            new = self._unbacked(upper)
+        for k in new:
             self._back_chunk(k, stream)
-        last = (self.bound - 1) // self.chunk
+        last = (self.frontier + self.pending_upper + upper - 1) // self.chunk
         self.limit = max(self.limit, (last + 1) * self.chunk)  # passed with the slice
         self.peak_held = max(self.peak_held, self.held_bytes)
         self.peak_backed = max(self.peak_backed, len(self.backed))
 
-    def _unbacked(self) -> list[int]:
-        """The chunks between the confirmed end and the bound that are not backed yet."""
+    def _unbacked(self, upper: int) -> list[int]:
+        """The chunks not backed yet that the arena's end can reach with one more slice of
+        ``upper`` bytes: from the confirmed end through the worst case of every slice in
+        flight and that one."""
         first = max(self.limit // self.chunk, self.frontier // self.chunk)
-        return [k for k in range(first, (self.bound - 1) // self.chunk + 1)
-                if k not in self.backed]
+        last = (self.frontier + self.pending_upper + upper - 1) // self.chunk
+        return [k for k in range(first, last + 1) if k not in self.backed]
 
     def _back_chunk(self, k: int, stream) -> None:
         if self.free:
@@ -223,7 +226,6 @@ class VirtualArena:
     def confirm(self, through: _Slice | None = None) -> None:
         """Read the placement of finished slices in stream order (all up to ``through``,
         waiting for it if needed; else only those already finished, without waiting)."""
-        confirmed = False
         while self.pending:
             sl, _ = self.pending[0]
             if not sl.done():
@@ -231,7 +233,6 @@ class VirtualArena:
                     break
                 sl.stored.synchronize()
             self.pending_upper -= self.pending.popleft()[1]
-            confirmed = True
             base, total = (int(v) for v in sl.host_desc.tolist())
             sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None
             sl.meta_to_host()
@@ -243,8 +244,6 @@ class VirtualArena:
                     self.peak_used = max(self.peak_used, self.used)
             if sl is through:
                 break
-        if confirmed:  # the bound from the confirmed end, tighter
-            self.bound = self.frontier + self.pending_upper
 
     def release(self, sl: _Slice, reader) -> None:
         """``sl`` is no longer needed; chunks behind the frontier with nothing live go back to
@@ -255,8 +254,9 @@ class VirtualArena:
         if sl.base < 0 or sl.freed:
             return
         sl.freed = True
-        self.live.subtract(self.chunks_of(sl.base, sl.total))
-        for k in self.chunks_of(sl.base, sl.total):
+        span = self.chunks_of(sl.base, sl.total)
+        self.live.subtract(span)
+        for k in span:
             if self.live[k] <= 0:
                 del self.live[k]
         self.used -= sl.total
@@ -267,6 +267,10 @@ class VirtualArena:
             if k not in self.live:
                 event = event or mark(reader)
                 self.free.append((self.backed.pop(k), event))
+
+    def reset_peaks(self) -> None:
+        """Start ``peak_held`` and ``peak_used`` (reported in the store's stats) from now."""
+        self.peak_held, self.peak_used = self.held_bytes, self.used
 
     @property
     def held_bytes(self) -> int:
@@ -293,7 +297,6 @@ class VirtualArena:
             self.free.extend((mem, event) for mem in self.backed.values())
             self.backed.clear()
             self.limit = self.frontier // self.chunk * self.chunk
-            self.bound = self.frontier
         self.trim()
         self.peak_backed = len(self.backed)
 

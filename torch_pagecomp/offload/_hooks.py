@@ -478,8 +478,7 @@ class ActivationOffloader:
             self._poll()
             self._ledger.reset_peak()
             for store in self._paged.values():
-                store.arena.peak_held = store.arena.held_bytes
-                store.arena.peak_used = store.arena.used
+                store.arena.reset_peaks()
 
     def host_bytes(self) -> int:
         """Host bytes held now by live offloaded storages (compressed sizes once known)."""

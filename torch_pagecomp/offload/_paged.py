@@ -275,7 +275,7 @@ class PagedStore:
                 raise SliceNotStored(sl.n)
             if sl.base is not None:  # placed: the copy engine
                 staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
-                copy_pieces(staging, arena_pieces(arena, sl.base, sl.total))
+                copy_pieces(staging, arena.pieces(sl.base, sl.total))
             else:  # still packing: kernels read it once the pack is done
                 _wait(stream, sl.stored)
                 staging = torch.empty(sl.n * p, dtype=torch.uint8, device=out.device)
@@ -365,19 +365,9 @@ class PagedStore:
         }
 
 
-def arena_pieces(arena: VirtualArena, base: int, total: int, at: int = 0) -> list[tuple]:
-    """``(offset, host view)`` per chunk that arena bytes ``[base, base + total)`` (placed) lie
-    in: where each part goes in a staging buffer whose byte ``at`` takes byte ``base``."""
-    pieces = []
-    for view in arena.views(base, total):
-        pieces.append((at, view))
-        at += view.numel()
-    return pieces
-
-
 def copy_pieces(dst: torch.Tensor, pieces: list[tuple]) -> None:
-    """Copy :func:`arena_pieces` into ``dst`` on the current stream (non-blocking: page-locked
-    memory), one copy per piece."""
+    """Copy ``VirtualArena.pieces`` into ``dst`` on the current stream (non-blocking:
+    page-locked memory), one copy per piece."""
     for at, view in pieces:
         dst[at:at + view.numel()].copy_(view, non_blocking=True)
 

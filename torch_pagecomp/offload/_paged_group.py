@@ -78,7 +78,7 @@ class StoredGroup:
         self.meta: tuple[torch.Tensor, ...] | None = None
         self.meta_buf: torch.Tensor | None = None
         self.meta_stream = None
-        # [arena offset, bytes, staging offset, its arena_pieces (None until the next restore)]
+        # [arena offset, bytes, staging offset, its arena pieces (None until the next restore)]
         self.runs: list[list] = []
 
 
@@ -215,12 +215,12 @@ def restore_group(store, group: StoredGroup, out) -> None:
     staging = torch.empty(staged, dtype=torch.uint8, device=dev)
     for run in group.runs:
         if run[3] is None:
-            run[3] = _paged.arena_pieces(arena, *run[:3])
+            run[3] = arena.pieces(*run[:3])
         _paged.copy_pieces(staging, run[3])
     extra = []
     for sl, at in rest:
         if sl.base is not None:  # placed since the last absorb: the copy engine
-            _paged.copy_pieces(staging, _paged.arena_pieces(arena, sl.base, sl.total, at))
+            _paged.copy_pieces(staging, arena.pieces(sl.base, sl.total, at))
         else:  # still packing: kernels read it once the pack is done
             _arena._wait(stream, sl.stored)
             fetch_from_host(staging[at:at + sl.n * p], sl.desc, arena.table, arena.chunk)
