@@ -189,9 +189,11 @@ def test_gpu_tuner_times_passes_with_events(seed):
     assert_clean(off)
 
 
-def test_settling_on_copies_frees_the_compressors_scratch(seed):
-    """Once the tuner keeps copying, each compressed store gives back its idle host chunks and
-    its GPU scratch, so copied passes are bounded (and hold memory) as plain copies are."""
+def test_copied_passes_run_without_the_compressors_scratch(seed):
+    """Every copied pass, a trial too, starts with each compressed store's GPU scratch given
+    back, so copied trials are bounded as the copied passes they measure (the scratch counts
+    against ``max_in_flight_bytes``); once the tuner keeps copying, each store also gives back
+    its idle host chunks."""
     clock = FakeClock()
     tuner = StepTuner(warmup=1, trials=1, retune=100, clock=clock)
     off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
@@ -206,7 +208,11 @@ def test_settling_on_copies_frees_the_compressors_scratch(seed):
         arena = Arena()
 
         def release_idle(self):
-            calls.append("idle")
+            calls.append(("idle", tuner.choice))
+            self.release_scratch()
+
+        def release_scratch(self):
+            calls.append(("scratch", tuner.choice))
             self.scratch_bytes = 0
 
         def poll(self):
@@ -221,11 +227,21 @@ def test_settling_on_copies_frees_the_compressors_scratch(seed):
     store = off._paged[0] = Store()
     model = GPT(d=32, heads=4, layers=2)
     x = torch.randn(2, 23, 32)
+    arms = []
     for _ in range(5):
         grads_of(model, x, off)
-        clock.advance(50.0 if tuner.summary()["arm"] == "copy" else 80.0)
+        arms.append(tuner.summary()["arm"])
+        if arms[-1] == "compress":
+            store.scratch_bytes = 1 << 20  # a compressed pass makes its scratch again
+        clock.advance(50.0 if arms[-1] == "copy" else 80.0)
+    # warm-up, the copied trial, the compressed trial, then copying kept
+    assert arms == ["compress", "copy", "compress", "copy", "copy"], tuner.summary()
     assert tuner.choice == "copy", tuner.summary()
-    assert calls == ["idle"] and store.scratch_bytes == 0
+    assert calls == [("scratch", None),  # the copied trial, before any choice
+                     ("idle", "copy"), ("scratch", "copy"),  # the choice: chunks and scratch
+                     ("scratch", "copy"),  # the scratch of the copied pass
+                     ("scratch", "copy")]
+    assert store.scratch_bytes == 0
 
 
 def test_paged_store_release_idle_gives_back_chunks_and_scratch(gen):

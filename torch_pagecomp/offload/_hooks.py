@@ -248,7 +248,13 @@ class ActivationOffloader:
         other way is released: plain copies' pooled buffers when compressing wins (classes
         that do not compress regrow what they use); when copying wins, the compressors' idle
         host chunks and their GPU scratch, which would otherwise stay allocated and shrink the
-        in-flight bound of every copied pass (more waits, fewer storages served in place)."""
+        in-flight bound of every copied pass (more waits, fewer storages served in place).
+        Every copied pass, a trial too, runs without the compressors' GPU scratch (made again
+        by the next compressed pass): a copied trial is timed under the bound it would have once
+        chosen. With the scratch subtracted, the copied trials of encoder-2048 and llama-2048
+        (steps at the bound) ran 7-8% slower than the `uncompressed` variant's steps
+        (bench/results/h200x2_055904c_stock), and the tuner kept compressing where copying
+        was faster."""
         if self.tuner is None or _capturing() or torch.compiler.is_compiling():
             return "compress"  # no events recorded into a graph capture or a trace
         decided = len(self.tuner.history)
@@ -259,6 +265,9 @@ class ActivationOffloader:
             else:
                 for store in self._paged.values():
                     store.release_idle()
+        if arm == "copy":
+            for store in self._paged.values():
+                store.release_scratch()
         return arm
 
     def next_group(self) -> None:
