@@ -20,11 +20,12 @@ One row per run: step time (median of per-step CUDA-event times), peak GPU memor
 (``max_memory_allocated``, and in the JSON where it falls: ``phase_gib``, per timed step the
 forward's peak, what the forward leaves allocated, the backward's peak, the backward's and the
 optimizer's), host memory at peak (``host_gib``: the hooks' ledger of bytes stored, a storage
-counted at full size until its placement is read; ``stored_gib``: the compressed stores' placed
-bytes; ``host_held_gib``: the page-locked memory held, copy pool and compressed arena), bytes
-offloaded per step, ratio (of the ledgers: uncompressed over this row), and whether the
-gradients of the first step are bit-identical to ``none`` (deterministic settings: math SDPA,
-``torch.use_deterministic_algorithms``).
+counted at full size until its placement is read; ``stored_gib``: the compressed stores' most
+bytes stored at once, at their placed sizes, exact from the commit after 055904c, which left
+out slices placed but not yet confirmed; ``host_held_gib``: the page-locked memory held, copy
+pool and compressed arena), bytes offloaded per step, ratio (of the ledgers: uncompressed over
+this row), and whether the gradients of the first step are bit-identical to ``none``
+(deterministic settings: math SDPA, ``torch.use_deterministic_algorithms``).
 
     python -m bench.stock_models --models encoder-1024,llama-2048 --out bench/out/stock.json
     python -m bench.stock_models --fsdp --nproc 2 --models encoder-1024 ...   # a torchrun each

@@ -67,6 +67,35 @@ def test_round_trip_across_slices_and_chunks(gen, element_size, kind):
     assert store.stats()["host_peak_used_bytes"] == used  # exact: placed sizes, all live at once
 
 
+@interpreter
+def test_peak_of_stored_bytes_counts_slices_freed_before_their_placement_is_read(gen):
+    """The stats' ``host_peak_used_bytes`` is the most bytes stored at once, in the order the
+    host stored and freed them, at their placed sizes: a slice freed before the host read its
+    placement (the hooks free a storage whose backward came first) still counts while it was
+    stored, as do slices placed but not yet confirmed when others are freed."""
+    store = _store(chunk=1 << 20)
+    srcs = [_data(gen, int(torch.randint(2 * P, 6 * P, (), generator=gen)), "small")
+            for _ in range(3)]
+    stored = [store.offload(s, 1) for s in srcs]
+    slices = [list(st.slices) for st in stored]  # ``free`` drops a stored tensor's slices
+    assert all(sl.base is None for sls in slices for sl in sls)  # nothing confirmed yet
+    store.free(stored[0])  # before its placement is read
+    store.poll()
+    sizes = [sum(sl.total for sl in sls) for sls in slices]
+    assert all(sizes)
+    assert store.arena.used == sizes[1] + sizes[2]
+    assert store.stats()["host_peak_used_bytes"] == sum(sizes)
+    store.free(stored[1])
+    store.arena.reset_peaks()
+    assert store.stats()["host_peak_used_bytes"] == sizes[2]
+    extra = store.offload(srcs[0], 1)
+    store.poll()
+    assert store.stats()["host_peak_used_bytes"] == sizes[2] + sum(sl.total for sl in extra.slices)
+    for st in (stored[2], extra):
+        store.free(st)
+    assert store.arena.used == 0 and not store.arena._log
+
+
 def test_chunks_must_hold_a_page():
     with pytest.raises(ValueError, match="chunk_bytes"):
         PagedStore(torch.device("cpu"), P, chunk_bytes=P // 2)
