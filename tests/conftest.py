@@ -1,19 +1,22 @@
 """Shared test set-up.
 
-Without CUDA, Triton kernels run on the CPU interpreter (TRITON_INTERPRET=1), set here before
-anything imports triton. With CUDA, the same kernels run on the GPU and interpreter-only tests
-skip themselves.
+Without CUDA, Triton kernels run on the CPU interpreter (TRITON_INTERPRET=1), set here (in
+``pytest_configure``) before anything imports triton. With CUDA, the same kernels run on the GPU
+and interpreter-only tests skip themselves. The process that hands tests out to xdist workers
+runs none and imports no torch (the workers start 3 s sooner).
 """
+
+from __future__ import annotations
 
 import os
 import shlex
 import threading
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if TYPE_CHECKING:
+    import torch
 
 POISON = 0xA5
 
@@ -59,13 +62,73 @@ def _patch_language_once_per_launch() -> None:
     ti._patch_lang = patch_lang
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_language_once_per_launch()
+def _drop_dead_overflow_checks() -> None:
+    """The interpreter builds Triton's int32 overflow check (``sanitize_overflow``) around every
+    integer add, sub and mul: the operands again in int64, the operation, two compares and an
+    ``and`` (two fifths of the time of the compressor's interpreter tests), all for a
+    ``device_assert`` that asserts nothing unless ``options.debug``, which the interpreter never
+    sets (as the GPU backends compile it: no check without debug). Off where it is dead; where a
+    Triton has debug on, or no such options, it stays as it is.
+    ``test_bounds.py::test_interpreter_overflow_check_is_dead`` fails if it ever comes alive."""
+    import dataclasses
+
+    try:
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    builder = getattr(ti, "interpreter_builder", None)
+    opts = getattr(builder, "options", None)
+    if not dataclasses.is_dataclass(opts) or getattr(opts, "debug", True):
+        return
+    if getattr(opts, "sanitize_overflow", False):
+        builder.options = dataclasses.replace(opts, sanitize_overflow=False)
+
+
+def _cache_numpy_dtypes() -> None:
+    """The interpreter's ``_get_np_dtype`` (the numpy dtype of a Triton type, at every load,
+    store, cast and constant) builds a table of eighteen numpy dtypes at each call (a tenth of
+    the time of the kernels' interpreter tests). Its answer depends only on the type's scalar
+    type (pointers: uint64), so each scalar type's answer is kept from its first call."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    real = getattr(ti, "_get_np_dtype", None)
+    if real is None or getattr(real, "_pagecomp_cached", False):
+        return
+    known: dict = {}
+    u64 = np.dtype(np.uint64)
+
+    def get_np_dtype(tt_dtype):
+        scalar = getattr(tt_dtype, "scalar", None)
+        if scalar is None:
+            return real(tt_dtype)
+        if isinstance(scalar, tl.pointer_type):
+            return u64
+        got = known.get(scalar)
+        if got is None:
+            got = known[scalar] = real(scalar)
+        return got
+
+    get_np_dtype._pagecomp_cached = True
+    ti._get_np_dtype = get_np_dtype
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
     config.addinivalue_line("markers", "fuzz: long mutation fuzz (GPU)")
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # the xdist controller: it runs no test
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _patch_language_once_per_launch()
+        _drop_dead_overflow_checks()
+        _cache_numpy_dtypes()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # `make test` runs one xdist worker per core: a torch pool per worker would put several
         # threads on each core (tests that measure threads set the CPU codec's own count).
@@ -84,6 +147,8 @@ def _seed(request) -> int:
 @pytest.fixture
 def gen(request) -> torch.Generator:
     """A generator with a fresh seed every run (or ``PAGECOMP_SEED``), printed for replay."""
+    import torch
+
     return torch.Generator().manual_seed(_seed(request))
 
 
@@ -91,6 +156,8 @@ def gen(request) -> torch.Generator:
 def seed(request) -> int:
     """Seeds torch's global generator afresh every run (or from ``PAGECOMP_SEED``, printed);
     for tests of whole models."""
+    import torch
+
     s = _seed(request)
     torch.manual_seed(s)
     return s
@@ -98,6 +165,8 @@ def seed(request) -> int:
 
 @pytest.fixture
 def cuda() -> torch.device:
+    import torch
+
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     return torch.device("cuda")
