@@ -190,8 +190,8 @@ class VirtualArena:
             new = self._unbacked(upper)
         for k in new:
             self._back_chunk(k, stream)
-        last = (self.frontier + self.pending_upper + upper - 1) // self.chunk
-        self.limit = max(self.limit, (last + 1) * self.chunk)  # passed with the slice
+        # the limit passed with the slice
+        self.limit = max(self.limit, (self._last_chunk(upper) + 1) * self.chunk)
         self.peak_held = max(self.peak_held, self.held_bytes)
         self.peak_backed = max(self.peak_backed, len(self.backed))
 
@@ -200,8 +200,12 @@ class VirtualArena:
         ``upper`` bytes: from the confirmed end through the worst case of every slice in
         flight and that one."""
         first = max(self.limit // self.chunk, self.frontier // self.chunk)
-        last = (self.frontier + self.pending_upper + upper - 1) // self.chunk
-        return [k for k in range(first, last + 1) if k not in self.backed]
+        return [k for k in range(first, self._last_chunk(upper) + 1) if k not in self.backed]
+
+    def _last_chunk(self, upper: int) -> int:
+        """The last chunk the arena's end can reach with one more slice of ``upper`` bytes:
+        the confirmed end plus the worst case of every slice in flight and of that one."""
+        return (self.frontier + self.pending_upper + upper - 1) // self.chunk
 
     def _back_chunk(self, k: int, stream) -> None:
         if self.free:
