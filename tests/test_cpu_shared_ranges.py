@@ -47,7 +47,8 @@ class Recording:
 
 @pytest.fixture
 def small_ranges(monkeypatch):
-    """Ranges of ``MIN_THREADED_PAGES // 2`` pages (32 of 4 KiB), the calls recorded."""
+    """Ranges of at most ``MIN_THREADED_PAGES // 2`` pages (32 of 4 KiB; the C loops cut
+    ``C_RANGE_BYTES`` ranges, 16 pages), the calls recorded."""
     monkeypatch.setattr(cpu_codec, "MAX_RANGE_BYTES", 4096)
     rec = Recording(cpu_codec._native)
     monkeypatch.setattr(cpu_codec, "_native", rec)
@@ -115,6 +116,18 @@ def test_compress_over_threads_with_small_ranges(gen, element_size, small_ranges
     out, st = cpu_codec.decompress_cpu(payload.view(-1), torch.arange(n) * 4096, sizes, kinds,
                                        4096)
     assert torch.equal(out, pages) and not st.any()
+
+
+@pytest.mark.parametrize("n, page_size", [(64, 4096), (5000, 4096), (300, 1 << 17)])
+def test_c_loops_take_small_ranges(monkeypatch, n, page_size):
+    """A C loop is handed ranges of at most ``C_RANGE_BYTES`` (one page where a page is larger):
+    with a few megabyte ranges per thread the threads idled behind the last one (#25)."""
+    monkeypatch.setattr(cpu_codec, "cpu_threads", lambda: 8)
+    got = []
+    cpu_codec._run_ranges(None, n, page_size, lambda counter, parts: got.append(parts))
+    parts = got[0]
+    assert len(got) == expected_calls(n, 8) and set(got) == {parts}
+    assert parts <= n and -(-n // parts) * page_size <= max(cpu_codec.C_RANGE_BYTES, page_size)
 
 
 def test_c_errors_come_out_as_before(gen, small_ranges):

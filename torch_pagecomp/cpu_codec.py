@@ -86,6 +86,10 @@ MAX_DEFAULT_THREADS = 8
 MIN_THREADED_PAGES = 64
 RANGES_PER_THREAD = 4
 MAX_RANGE_BYTES = 2 << 20  # a range's pages (and its scratch, without the C bit-shuffle)
+# The C loops draw a range with one atomic add and no GIL, so their ranges can be small: the
+# last range a thread takes ends the batch for all, and with a few 1-2 MiB ranges per thread
+# the threads idled behind the slowest one for up to a range's time (#25).
+C_RANGE_BYTES = 64 << 10
 # Large outputs come from a pool that reuses their memory (see ``pools.CpuOutputPool``).
 _outputs = CpuOutputPool()
 
@@ -170,7 +174,8 @@ def _run_ranges(fn, n: int, page_size: int, c_loop=None) -> None:
     bit-shuffled pages) in one reused buffer per thread (:func:`_scratch`).
 
     ``c_loop(counter, parts)``, where given, replaces ``fn`` (which may then be None): a C
-    loop of ``_native`` that takes the same ranges itself, ``k`` after ``k`` from ``counter``
+    loop of ``_native`` that takes ranges itself, smaller ones (at most ``C_RANGE_BYTES``, a page
+    at least), ``k`` after ``k`` from ``counter``
     (``int64 [1]``, shared by every thread's call, drawn with an atomic add) until ``parts``,
     range ``k`` being ``n * k // parts .. n * (k + 1) // parts``: one call per thread and
     batch, the GIL released throughout, where ``fn`` returns to the GIL between ranges (which
@@ -181,6 +186,7 @@ def _run_ranges(fn, n: int, page_size: int, c_loop=None) -> None:
     most = max(least, MAX_RANGE_BYTES // page_size)
     parts = max(-(-n // most), min(RANGES_PER_THREAD * threads, n // least), 1)
     if c_loop is not None:
+        parts = max(parts, min(n, -(-n * page_size // C_RANGE_BYTES)))
         counter = np.zeros(1, dtype=np.int64)
 
         def worker() -> None:
