@@ -233,7 +233,7 @@ def test_compressor_checksum_setting_is_copied_and_checked():
 def test_gpu_compressor_checksums_flag_a_corrupted_page(gen):
     # incompressible bytes: every page is stored RAW, so a flipped byte still decodes with status 0
     x = torch.randint(0, 256, (8 * 4096,), dtype=torch.uint8, device="cuda")
-    with pc.PageCompressor(checksum=True) as comp:
+    with pc.PageCompressor(checksum=True, batch_pages=4) as comp:  # the ring: > one batch
         h = comp.offload(x)
         assert torch.equal(comp.restore(h, check=True), x)
         b = next(b for b in h._storage.batches if b is not None)

@@ -19,6 +19,7 @@ input plus ~13 bytes of metadata per page).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import threading
@@ -48,6 +49,11 @@ def default_batch_pages(device: torch.device, page_size: int) -> int:
     target = min(max(props.multi_processor_count * (512 << 10), 8 << 20), 64 << 20)
     target = min(target, props.total_memory // 256)
     return max(1, target // page_size)
+
+
+def _on_device(device: torch.device):
+    """``torch.cuda.device(device)`` for a CUDA device; nothing for the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _not_capturing(what: str) -> None:
@@ -173,13 +179,13 @@ class OffloadHandle:
     def state(self) -> str:
         if not self._free.alive:
             return "freed"
-        if not self._storage.done.is_set():
+        if not self._storage.ready():
             return "pending"
         return "failed" if self._storage.error is not None else "ready"
 
     def ready(self) -> bool:
         """True once every batch is stored on the host (never blocks)."""
-        return self._storage.done.is_set()
+        return self._storage.ready()
 
     def wait(self) -> None:
         """Block until stored; raise if a batch failed, or if the compressor stopped (closed,
@@ -355,6 +361,9 @@ class PageCompressor(torch.nn.Module):
         if max_pinned_bytes is not None and max_pinned_bytes < page_size:
             raise PageCompError(f"max_pinned_bytes must be >= page_size, got {max_pinned_bytes}")
         self._init_kwargs = init_kwargs
+        self._stream_priority = stream_priority
+        self._direct = None  # the kernel-only store of small GPU tensors (made on first use)
+        self._direct_lock = threading.Lock()
         self.device = device
         self.page_size = page_size
         self.element_size = element_size
@@ -408,8 +417,16 @@ class PageCompressor(torch.nn.Module):
         flat = tensor.contiguous()
         src = _bytes_of(flat)
         nbytes = src.numel()
+        float_format = self._float_format(tensor.dtype, es)
+        if self._takes_direct(flat, nbytes):
+            if flat.is_cuda:
+                _not_capturing("offload")
+            with _on_device(self.device):
+                storage = self._direct_path().offload(src, es, float_format)
+            self._count(offloads=1, bytes_in=nbytes)
+            return OffloadHandle(storage, tensor.shape, tensor.dtype, nbytes, self.page_size, es)
         storage = Storage(self.pipeline.arena, check=self.pipeline.check_alive,
-                          float_format=self._float_format(tensor.dtype, es))
+                          float_format=float_format)
         handle = OffloadHandle(storage, tensor.shape, tensor.dtype, nbytes, self.page_size, es)
         self._count(offloads=1, bytes_in=nbytes)
         if nbytes == 0:
@@ -433,6 +450,25 @@ class PageCompressor(torch.nn.Module):
         else:
             self.pipeline.submit_compress(storage, src, nbytes, es, keep=(flat,))
         return handle
+
+    def _takes_direct(self, flat: torch.Tensor, nbytes: int) -> bool:
+        """Whether a tensor goes to the kernel-only store (``torch_pagecomp._direct``) rather
+        than the ring: a tensor on this GPU of one batch or less, which gains nothing from the
+        ring's overlap of batches and would pay its threads' hand-offs (~1.5 ms a call)."""
+        return (self.pipeline.cuda and flat.is_cuda
+                and 0 < nbytes <= self.batch_pages * self.page_size)
+
+    def _direct_path(self):
+        if self._direct is None:
+            from ._direct import DirectPath
+
+            with self._direct_lock:
+                if self._direct is None:
+                    slots = len(self.pipeline.slots)
+                    self._direct = DirectPath(
+                        self.device, self.page_size, self._stream_priority, self.checksum,
+                        max_in_flight=slots * self.batch_pages * self.page_size)
+        return self._direct
 
     def _float_format(self, dtype: torch.dtype, element_size: int) -> str | None:
         """The exponent codec's layout for a tensor of ``dtype`` offloaded with
@@ -470,9 +506,10 @@ class PageCompressor(torch.nn.Module):
         """Decompress ``handle`` bit-exactly into a new tensor (or ``out``) on ``device``.
 
         On this GPU the writes are ordered on the caller's current stream (usable at once in
-        stream order, no host sync); waits on the host only until the offload is stored.
-        ``check=True`` verifies every page's decode status (a host sync on a GPU; always done
-        on the CPU).
+        stream order, no host sync); a tensor of more than one batch waits on the host until
+        its offload is stored (one of one batch or less never waits: its decode waits on the
+        device). ``check=True`` verifies every page's decode status (a host sync on a GPU;
+        always done on the CPU).
         """
         if not isinstance(handle, OffloadHandle):
             raise PageCompError(f"restore takes an OffloadHandle, got {type(handle).__name__}")
@@ -485,7 +522,9 @@ class PageCompressor(torch.nn.Module):
                 f"page_size={handle.page_size}"
             )
         self.pipeline.check_usable(closed_ok=True)
-        handle.wait()
+        direct = handle._storage.direct  # stored by the kernel-only store (see offload)
+        if not direct:
+            handle.wait()
         if out is not None:
             target = out.device if device is None else torch.device(device)
             if (out.shape, out.dtype, out.device) != (handle.shape, handle.dtype, target):
@@ -508,7 +547,10 @@ class PageCompressor(torch.nn.Module):
             _not_capturing("restore")
             with torch.cuda.device(self.device):
                 consumer = torch.cuda.current_stream(self.device)
-                statuses = self.pipeline.submit_decompress(handle._storage, dst, consumer)
+                if direct:
+                    statuses = [self._direct.restore_into(handle._storage, dst)]
+                else:
+                    statuses = self.pipeline.submit_decompress(handle._storage, dst, consumer)
                 if handle.checksums is not None and statuses:
                     for s in statuses:
                         s.record_stream(consumer)  # made on the kernel stream, read here
@@ -517,6 +559,12 @@ class PageCompressor(torch.nn.Module):
                 raise_for_status(torch.cat(statuses))
             elif statuses:  # counted on the device: see failed_restores()
                 self.restore_failures.add(statuses, consumer)
+        elif target.type == "cpu" and direct:  # decoded on this GPU, then copied down
+            with _on_device(self.device):
+                on_device = torch.empty(handle.nbytes, dtype=torch.uint8, device=self.device)
+                status = self._direct.restore_into(handle._storage, on_device)
+                dst.copy_(on_device)
+            raise_for_status(status.cpu())
         elif target.type == "cpu":
             statuses = self.pipeline.cpu_decompress(handle._storage, dst)
             if statuses:  # one status per page, in page order: errors name global pages
@@ -572,6 +620,8 @@ class PageCompressor(torch.nn.Module):
     def synchronize(self) -> None:
         """Wait until every batch queued so far completed."""
         self.pipeline.drain()
+        if self._direct is not None:
+            self._direct.synchronize()
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the queued work, stop and join the worker threads, release idle pooled memory
@@ -580,7 +630,11 @@ class PageCompressor(torch.nn.Module):
         Offloads waiting in other threads raise :class:`PipelineStopped` at once, and so does
         every later offload; stored handles stay readable (restore to the CPU). Also done on
         leaving a ``with`` block and, for compressors still open, at interpreter exit."""
-        return self.pipeline.close(timeout=timeout)
+        stopped = self.pipeline.close(timeout=timeout)
+        if self._direct is not None:  # no thread: its streams finish, idle chunks unpinned
+            self._direct.synchronize()
+            self._direct.release_idle()
+        return stopped
 
     def _count(self, **inc: int) -> None:
         with self._counts_lock:  # offload/restore may be called from several threads
@@ -600,6 +654,8 @@ class PageCompressor(torch.nn.Module):
         freed = p.arena.trim()
         p.staging.clear()
         p.device_pool.clear()
+        if self._direct is not None:
+            freed += self._direct.release_idle()
         return freed
 
     def failed_restores(self, wait: bool = False) -> int:
@@ -653,6 +709,15 @@ class PageCompressor(torch.nn.Module):
             slot_states=[s.value for s in p.states()],
             overlapping_stage_pairs=overlapping_slots(p.timing.timeline(last=32), window=8),
         )
+        if self._direct is not None:  # tensors of one batch or less (see offload)
+            d = stats["direct"] = self._direct.stats()
+            stats["bytes_held_host"] += d["host_used_bytes"]
+            stats["pinned_bytes_held"] += d["host_held_bytes"]
+            stats["host_pool_bytes"] += d["host_held_bytes"]
+            stats["inflight_bytes"] += d["inflight_bytes"]
+            stats["backpressure_waits"] += d["backpressure_waits"]
+            kernel_in, kernel_out = off["bytes"] + d["bytes_in"], off["stored"] + d["bytes_stored"]
+            stats["ratio"] = kernel_in / kernel_out if kernel_out else 1.0
         return stats
 
     def extra_repr(self) -> str:

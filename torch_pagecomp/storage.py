@@ -96,6 +96,8 @@ class Storage:
     the last of them finishes (so a blob being read is never recycled). Thread-safe.
     """
 
+    direct = False  # written by the ring (``torch_pagecomp._direct``'s storages: True)
+
     def __init__(self, arena: HostArena, check: Callable[[], None] | None = None,
                  float_format: str | None = None):
         self.arena = arena
@@ -142,6 +144,10 @@ class Storage:
             if self.pending == 0:
                 self.done.set()
                 self._maybe_release()
+
+    def ready(self) -> bool:
+        """Every batch finished (never blocks)."""
+        return self.done.is_set()
 
     def wait(self, poll: float = 0.05) -> None:
         """Block until every batch finished; raise (from ``check``) instead of waiting for ever

@@ -259,9 +259,13 @@ class PagedStore:
         self.release_scratch()
 
     # ------------------------------------------------------------------ restore
-    def restore(self, stored: PagedStored, out: torch.Tensor) -> None:
+    def restore(self, stored: PagedStored, out: torch.Tensor, count: bool = True
+                ) -> torch.Tensor:
         """Decode ``stored`` into ``out`` (``uint8 [nbytes]``) on the current stream, after
-        its pack (a device-side wait: the host learns nothing and waits for nothing)."""
+        its pack (a device-side wait: the host learns nothing and waits for nothing). Returns
+        the pages' statuses (``int32``, one per full page, then the partial last page's with
+        ``checksum``), which ``count`` adds to :meth:`failed_restores` (else the caller reads
+        them)."""
         from ..kernels.host_pack import fetch_from_host
 
         p, arena = self.page_size, self.arena
@@ -287,10 +291,11 @@ class PagedStore:
         if stored.tail is not None:  # its status (if checked) follows the pages'
             restore_tail(stored, out[stored.nbytes - stored.tail.numel():], stream,
                          status[full:])
-        if status.numel():
+        if status.numel() and count:
             self._count_failures(status, stream)
         if stream is None:
             arena.confirm()
+        return status
 
     def restore_group(self, group, out) -> None:
         """Decode the stored tensors of ``group`` (a ``_paged_group.StoredGroup``, which keeps

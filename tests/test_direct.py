@@ -1,0 +1,278 @@
+"""``PageCompressor``'s kernel-only path (``torch_pagecomp._direct``): GPU tensors of one batch
+or less go to the store the hooks and the KV cache use instead of the threaded ring (#26).
+
+On the CPU the path runs with the Triton interpreter (the store's pack kernel), the routing
+forced on for a CPU compressor; the GPU tests at the end check the routing itself, the bound
+on bytes in flight and the latency path on a real card. Outputs are poisoned before every
+restore.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from pages import file_pages
+
+from torch_pagecomp import KIND_RAW
+from torch_pagecomp.api import decompress
+from torch_pagecomp.format import CorruptPageError
+from torch_pagecomp.kernels.launch import interpreting
+from torch_pagecomp.module import PageCompressor
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    """A CPU compressor whose tensors of one batch or less take the kernel-only path."""
+    if not interpreting():
+        pytest.skip("the store's pack kernel needs the Triton interpreter on the CPU")
+
+    def takes_direct(self, flat, nbytes):
+        return 0 < nbytes <= self.batch_pages * self.page_size
+
+    monkeypatch.setattr(PageCompressor, "_takes_direct", takes_direct)
+    made = []
+
+    def make(**kwargs):
+        pc = PageCompressor(device="cpu", batch_pages=4, **kwargs)
+        made.append(pc)
+        return pc
+
+    yield make
+    for pc in made:
+        pc.close()
+
+
+def poisoned_restore(pc, h, like):
+    out = torch.full_like(like, 0x5A) if like.dtype == torch.uint8 else torch.full_like(like, 7)
+    return pc.restore(h, out=out, check=True)
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 3 * 4096 + 17, 4 * 4096])
+def test_round_trip_odd_sizes_and_state(direct, gen, nbytes):
+    """Full pages and a partial last page (a plain copy) come back exact; the handle reports
+    the path's sizes, codec and state; the packed container decodes to the same bytes."""
+    pc = direct()
+    x = file_pages("text", 4, 4096, gen).reshape(-1)[:nbytes].clone()
+    h = pc.offload(x)
+    assert h._storage.direct and h.state == "ready" and h.ready()
+    assert torch.equal(poisoned_restore(pc, h, x), x)
+    assert torch.equal(pc.restore(h, device="cpu"), x)
+    full = nbytes // 4096
+    assert h.stored_nbytes >= nbytes % 4096 + 13 * full
+    if full:
+        kin, kout = h.kernel_bytes()
+        assert kin == full * 4096 and 0 < kout < kin  # text compresses
+    c = h.compressed()
+    assert c.num_pages == -(-nbytes // 4096)
+    assert torch.equal(decompress(c).reshape(-1)[:nbytes], x)
+    if nbytes % 4096:
+        assert int(c.kinds[-1]) == KIND_RAW
+    s = pc.stats()
+    assert s["direct"]["offloads"] == 1 and s["offloads"] == 1 and s["batches"] == 0
+
+
+def test_exp_codec_and_dtypes(direct, gen):
+    """bf16 through the exponent codec (codec="exp"), fp32 through LZ4 bit-shuffled by 4."""
+    pc = direct(codec="exp")
+    a = torch.randn(2 * 2048 + 3, generator=gen).to(torch.bfloat16)
+    b = torch.randn(3, 341, generator=gen)
+    ha, hb = pc.offload(a), pc.offload(b)
+    assert ha.codec == "exp" and hb.codec == "lz4"
+    assert torch.equal(poisoned_restore(pc, ha, a).view(torch.int16), a.view(torch.int16))
+    assert torch.equal(poisoned_restore(pc, hb, b).view(torch.int32), b.view(torch.int32))
+    assert torch.equal(decompress(ha.compressed()).reshape(-1)[:a.numel() * 2],
+                       a.view(torch.uint8))
+
+
+def test_larger_tensors_take_the_ring(direct, gen):
+    """A tensor of more than one batch goes through the ring, as before."""
+    pc = direct()
+    x = file_pages("text", 9, 4096, gen).reshape(-1)
+    h = pc.offload(x)
+    assert not h._storage.direct
+    assert torch.equal(poisoned_restore(pc, h, x), x)
+    assert "direct" not in pc.stats() and pc.stats()["batches"] == 3
+
+
+def test_free_returns_the_host_bytes(direct, gen):
+    pc = direct()
+    x = file_pages("text", 3, 4096, gen).reshape(-1)
+    h = pc.offload(x)
+    assert pc.stats()["bytes_held_host"] > 0
+    h.free()
+    assert h.state == "freed" and pc.stats()["bytes_held_host"] == 0
+    h2 = pc.offload(x)
+    del h2
+    gc.collect()
+    assert pc.stats()["bytes_held_host"] == 0
+    assert pc.empty_cache() >= 0 and pc.stats()["pinned_bytes_held"] == 0
+
+
+def test_ratio_counts_both_paths(direct, gen):
+    pc = direct()
+    zeros = torch.zeros(4 * 4096, dtype=torch.uint8)  # FILL pages: ~1 byte each
+    noise = torch.randint(0, 256, (4 * 4096,), dtype=torch.uint8, generator=gen)
+    pc.offload(zeros), pc.offload(noise)
+    ratio = pc.stats()["ratio"]
+    assert 1.9 < ratio < 2.1  # 8 pages in, ~4 pages stored
+
+
+def _stored_pages(pc, h):
+    """The host bytes of ``h``'s pages, as views into the arena (to corrupt them)."""
+    h.wait()  # placed: the host knows where
+    store = pc._direct.store
+    (sl,) = h._storage.stored.slices
+    return [v for _, v in store.arena.pieces(sl.base, sl.total)], sl
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_corrupt_page_is_named(direct, gen, checksum):
+    """A page whose host bytes are damaged fails restore(check=True) with its index; with
+    checksums a RAW page decoded 'fine' to the wrong bytes is caught too; nothing is written
+    outside the output."""
+    pc = direct(checksum=checksum)
+    x = torch.cat([file_pages("text", 2, 4096, gen).reshape(-1),
+                   torch.randint(0, 256, (2 * 4096,), dtype=torch.uint8, generator=gen)])
+    h = pc.offload(x)
+    views, sl = _stored_pages(pc, h)
+    blob = views[0]
+    rel, sizes = sl.rel.tolist(), sl.sizes.tolist()
+    raw_page = 3  # random bytes: stored RAW, at rel[3]
+    assert sizes[raw_page] == 4096
+    blob[rel[raw_page] + 100] ^= 0xFF
+    if checksum:
+        with pytest.raises(CorruptPageError, match="checksum mismatch") as exc:
+            poisoned_restore(pc, h, x)
+        assert exc.value.pages == [3]
+    else:
+        got = pc.restore(h, check=True)  # RAW pages carry no check of their own
+        assert not torch.equal(got, x) and torch.equal(got[:3 * 4096], x[:3 * 4096])
+    blob[rel[0]] = 0xFF  # the first token of an LZ4 page: a literal run past the block
+    blob[rel[0] + 1: rel[0] + sizes[0]] = 0xFF
+    with pytest.raises(CorruptPageError) as exc:
+        poisoned_restore(pc, h, x)
+    assert exc.value.pages == ([0, 3] if checksum else [0])
+
+
+def test_offload_after_close_is_refused_and_handles_stay_readable(direct, gen):
+    from torch_pagecomp.pipeline import PipelineStopped
+
+    pc = direct()
+    x = file_pages("text", 2, 4096, gen).reshape(-1)
+    h = pc.offload(x)
+    pc.close()
+    assert torch.equal(pc.restore(h, device="cpu"), x)
+    with pytest.raises(PipelineStopped):
+        pc.offload(x)
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_small_tensors_take_the_direct_path(gen):
+    """On the GPU a tensor of one batch or less takes the kernel-only store, a larger one the
+    ring; both restore exact, to the GPU and to the CPU, with odd sizes and dtypes."""
+    with PageCompressor(batch_pages=8) as pc:
+        xs = [file_pages("text", 8, 4096, gen).reshape(-1).cuda(),
+              torch.randn(5 * 2048 + 7, generator=gen).to(torch.bfloat16).cuda(),
+              torch.randn(3, 1001, generator=gen).cuda(),
+              file_pages("text", 9, 4096, gen).reshape(-1).cuda()]
+        hs = [pc.offload(x) for x in xs]
+        assert [h._storage.direct for h in hs] == [True, True, True, False]
+        assert hs[1].codec == "exp"
+        for x, h in zip(xs, hs):
+            out = torch.full_like(x, 3)
+            assert torch.equal(pc.restore(h, out=out, check=True).view(torch.uint8),
+                               x.view(torch.uint8))
+            assert torch.equal(pc.restore(h, device="cpu").view(torch.uint8),
+                               x.cpu().view(torch.uint8))
+            h.wait()
+            assert h.state == "ready" and h.stored_nbytes > 0
+        assert pc.stats()["direct"]["offloads"] == 3
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_restore_behind_a_busy_producer_and_consumer(gen):
+    """The offload reads the tensor after the caller's queued work, and the restore writes
+    after the consumer's queued work into memory the consumer used (no host sync)."""
+    with PageCompressor(batch_pages=64) as pc:
+        for _ in range(3):
+            x = torch.zeros(16 * 4096, dtype=torch.uint8, device="cuda")
+            torch.cuda._sleep(20_000_000)
+            x.copy_(file_pages("text", 16, 4096, gen).reshape(-1).cuda(non_blocking=True))
+            want = x.clone()
+            h = pc.offload(x)
+            del x  # its memory may go to the next allocation once the store read it
+            torch.cuda._sleep(20_000_000)
+            out = torch.full_like(want, 0xA5)
+            got = pc.restore(h, out=out)
+            assert torch.equal(got, want)
+        assert pc.failed_restores(wait=True) == 0
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_in_flight_bound_waits_and_stays_exact(gen):
+    """Offloads queued behind a busy stream beyond the bound make the host wait (counted);
+    every tensor still comes back exact."""
+    with PageCompressor(batch_pages=8, slots=1) as pc:  # bound: 8 pages in flight
+        xs = [file_pages("text", 8, 4096, gen).reshape(-1).cuda() for _ in range(6)]
+        torch.cuda._sleep(50_000_000)
+        hs = [pc.offload(x) for x in xs]
+        assert pc.stats()["backpressure_waits"] >= 1
+        for x, h in zip(xs, hs):
+            assert torch.equal(pc.restore(h, check=True), x)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_checksums_catch_a_corrupted_raw_page(gen):
+    with PageCompressor(batch_pages=8, checksum=True) as pc:
+        x = torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8, device="cuda")
+        h = pc.offload(x)
+        h.wait()
+        (sl,) = h._storage.stored.slices
+        (_, blob), = pc._direct.store.arena.pieces(sl.base, sl.total)
+        blob[int(sl.rel[1]) + 7] ^= 1
+        with pytest.raises(CorruptPageError, match="checksum mismatch") as exc:
+            pc.restore(h, check=True)
+        assert exc.value.pages == [1]
+        pc.restore(h)
+        assert pc.failed_restores(wait=True) == 1
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_cycles_no_growth(gen):
+    """2,000 offload / restore / free cycles of a 256 KiB tensor (512 MiB in all): no GPU
+    memory, pinned memory or host bytes left behind."""
+    from torch_pagecomp.offload._arena import CHUNK_BYTES
+
+    pc = PageCompressor(batch_pages=64)
+    x = torch.randint(0, 256, (64 * 4096,), dtype=torch.uint8, generator=gen).cuda()
+    for _ in range(50):
+        pc.restore(pc.offload(x)).sum()
+    pc.synchronize()
+    dev0 = torch.cuda.memory_allocated()
+    s0 = pc.stats()
+    for i in range(2000):
+        h = pc.offload(x)
+        y = pc.restore(h)
+        h.free()
+        if i % 500 == 0:
+            assert torch.equal(y, x)
+    del y, h
+    pc.synchronize()
+    s = pc.stats()
+    assert torch.cuda.memory_allocated() <= dev0
+    assert s["bytes_held_host"] == 0 and s["direct"]["host_used_bytes"] == 0
+    assert s["pinned_bytes_held"] <= s0["pinned_bytes_held"] + CHUNK_BYTES  # chunks reused
+    assert s["direct"]["offloads"] == 2050
+    pc.close()

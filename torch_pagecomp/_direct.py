@@ -1,0 +1,312 @@
+"""``PageCompressor``'s path for GPU tensors of at most one batch: no thread, no host wait.
+
+The ring (``pipeline.Pipeline``) hands every offload and restore to worker threads and waits
+on the host for each batch's compressed size: 1.3-1.9 ms per call, whatever the size (#26,
+``bench/results/h200_5144f51_events/``). A tensor of one batch or less gains nothing from the
+ring's overlap of several batches, so it goes to the kernel-only store the activation hooks
+and the KV cache use (``offload._paged.PagedStore``): the compress kernel and a pack kernel
+that writes the pages straight into page-locked host memory, on side streams, and a restore
+queued on a stream of its own that the caller's stream waits for.
+
+:class:`DirectPath` owns the store of one compressor (made on its first such offload), its
+three streams, and a bound on the bytes it has in flight on the GPU (the pack frees each
+slice's device payload; beyond the bound the host waits for the oldest, as the ring's slots
+make it wait). :class:`DirectStorage` is one handle's stored tensor, with the interface the
+handle reads (``ready``, ``wait``, ``release``, ``stored_nbytes``, ``compressed`` ...).
+
+Handles are freed from finalizers, which may run in the middle of the store's bookkeeping:
+a freed tensor goes to a sink (a list append) and is freed under the path's lock at its next
+call. The store's pinned chunks are unregistered by :meth:`DirectPath.close` (``final``), at
+interpreter exit for every live path, while CUDA is still up.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from . import format as fmt
+from ._events import handoff
+from .offload._paged import PagedStore, PagedStored, SliceNotStored
+from .offload._streams import current_stream, on_stream
+
+META_BYTES_PER_PAGE = 13  # a placed page's metadata on the host: offset 8, size 4, kind 1
+
+
+class DirectStorage:
+    """One tensor stored by a :class:`DirectPath` (what an ``OffloadHandle`` holds)."""
+
+    direct = True
+
+    def __init__(self, path: DirectPath, stored: PagedStored):
+        self.path, self.stored = path, stored
+
+    @property
+    def error(self) -> BaseException | None:
+        """The reason the tensor was not stored (a slice did not fit the host arena), once its
+        placement is known; else None."""
+        if self.path.placed(self.stored) and self.stored.failed():
+            bad = next(sl for sl in self.stored.slices if sl.base is not None and sl.base < 0)
+            return SliceNotStored(bad.n)
+        return None
+
+    def ready(self) -> bool:
+        """Every page is in host memory (never blocks)."""
+        return self.path.placed(self.stored)
+
+    def wait(self) -> None:
+        """Block until every page is in host memory."""
+        self.path.wait_placed(self.stored)
+
+    def release(self) -> None:
+        """Free the host bytes (at the path's next call: see the module docstring)."""
+        self.path.free(self.stored)
+
+    @property
+    def codec(self) -> str:
+        return "exp" if self.stored.exp else "lz4"
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Host bytes: the packed pages, the partial last page, 13 bytes of metadata a page;
+        0 until placed."""
+        if not self.path.placed(self.stored):
+            return 0
+        held = self.stored.host_nbytes() or 0
+        return held + META_BYTES_PER_PAGE * sum(sl.n for sl in self.stored.slices)
+
+    def kernel_bytes(self, page_size: int) -> tuple[int, int]:
+        """``(page bytes, stored bytes)`` of the pages the kernel compressed (every full page;
+        the partial last page is copied as it is)."""
+        if not self.path.placed(self.stored):
+            return 0, 0
+        return self.stored.kernel_bytes() or (0, 0)
+
+    def compressed(self, page_size: int) -> fmt.CompressedPages:
+        """The pages as one packed CPU ``CompressedPages`` (copied out of the arena; a partial
+        last page becomes a RAW page, zero-padded)."""
+        return self.path.compressed(self.stored)
+
+
+class DirectPath:
+    """The kernel-only store of one ``PageCompressor`` (see the module docstring).
+
+    ``max_in_flight``: bytes of offloads whose pages may be on the GPU at once (device
+    payload not packed yet); an offload beyond it waits on the host for the oldest. On the
+    CPU (tests, with the Triton interpreter) there are no streams and every call completes
+    before it returns.
+    """
+
+    def __init__(self, device: torch.device, page_size: int, stream_priority: int,
+                 checksum: bool, max_in_flight: int):
+        self.device, self.page_size, self.max_in_flight = device, page_size, max_in_flight
+        streams = (None, None, None)
+        if device.type == "cuda":
+            streams = tuple(torch.cuda.Stream(device=device, priority=stream_priority)
+                            for _ in range(3))
+        self.compress_stream, self.pack_stream, self.restore_stream = streams
+        # host_meta: a handle may live long; its metadata (13 bytes a page) waits on the host
+        self.store = PagedStore(device, page_size, streams, checksum=checksum, host_meta=True)
+        self._lock = threading.RLock()
+        self._sink: list[PagedStored] = []
+        self._in_flight: collections.deque = collections.deque()  # (event, nbytes)
+        self._in_flight_bytes = 0
+        self._unsettled: collections.deque[PagedStored] = collections.deque()  # not counted
+        self.offloads = self.waits = 0
+        self.bytes_in = self.bytes_stored = 0  # pages through the kernel, and their bytes held
+        self.closed = False
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ offload
+    def offload(self, src: torch.Tensor, element_size: int,
+                float_format: str | None) -> DirectStorage:
+        """Store ``src`` (``uint8 [nbytes]``, contiguous, on this device) after the current
+        stream's work; ``src``'s memory is not reused before the compress stream read it."""
+        producer = self._current()
+        with self._lock:
+            self._drain()
+            self._bound(src.numel())
+            stored = self.store.offload(src, element_size, producer=producer,
+                                        float_format=float_format)
+            if producer is not None:
+                src.record_stream(self.compress_stream)
+            last = stored.slices[-1].stored if stored.slices else stored.consumed
+            self._in_flight.append((last, src.numel()))
+            self._in_flight_bytes += src.numel()
+            self._unsettled.append(stored)
+            if len(self._unsettled) > 64:
+                self._settle()
+            self.offloads += 1
+        return DirectStorage(self, stored)
+
+    def _bound(self, nbytes: int) -> None:
+        """Forget finished offloads; wait for the oldest while ``nbytes`` more would pass
+        ``max_in_flight``."""
+        while self._in_flight:
+            event, n = self._in_flight[0]
+            if event is not None and not event.query():
+                if self._in_flight_bytes + nbytes <= self.max_in_flight:
+                    return
+                self.waits += 1
+                event.synchronize()
+            self._in_flight.popleft()
+            self._in_flight_bytes -= n
+
+    def _settle(self) -> None:
+        """Count the placed sizes of the stored tensors placed since the last call (in stream
+        order: the first one not placed ends it)."""
+        self.store.poll()
+        while self._unsettled and self._unsettled[0].stored():
+            kb = self._unsettled.popleft().kernel_bytes()
+            if kb is not None:  # (None: freed before it was placed)
+                self.bytes_in += kb[0]
+                self.bytes_stored += kb[1]
+
+    # ------------------------------------------------------------------ restore
+    def restore_into(self, storage: DirectStorage, out: torch.Tensor) -> torch.Tensor:
+        """Decode ``storage`` into ``out`` (``uint8 [nbytes]`` on this device) in the current
+        stream's order: the restore stream waits for the caller's work (``out`` may be memory
+        it used), decodes, and the caller's stream waits for it. Returns the statuses
+        (``int32``, on the device, usable on the caller's stream)."""
+        consumer = self._current()
+        if consumer is None:
+            with self._lock:
+                self._drain()
+                return self.store.restore(storage.stored, out, count=False)
+        with self._lock:
+            self._drain()
+            handoff(consumer, self.restore_stream)
+            with on_stream(self.restore_stream):
+                status = self.store.restore(storage.stored, out, count=False)
+            handoff(self.restore_stream, consumer)
+        status.record_stream(consumer)  # made on the restore stream, read on the caller's
+        return status
+
+    def _current(self):
+        """The caller's stream on this device (None on the CPU)."""
+        return current_stream(self.device) if self.device.type == "cuda" else None
+
+    # ------------------------------------------------------------------ placement
+    def placed(self, stored: PagedStored) -> bool:
+        """Whether every page of ``stored`` is in host memory at a known place (no waiting)."""
+        if not stored.ready():
+            return False
+        with self._lock:
+            self.store.poll()
+        return stored.stored()
+
+    def wait_placed(self, stored: PagedStored) -> None:
+        consumed = stored.consumed  # (set to None once seen done, from any thread)
+        if consumed is not None:
+            consumed.synchronize()
+        with self._lock:
+            if stored.slices:
+                self.store.arena.confirm(through=stored.slices[-1])
+
+    def compressed(self, stored: PagedStored) -> fmt.CompressedPages:
+        """``stored`` as one packed CPU ``CompressedPages`` (see ``DirectStorage``)."""
+        self.wait_placed(stored)
+        p = self.page_size
+        payloads, sizes, kinds = [], [], []
+        with self._lock:
+            for sl in stored.slices:
+                if sl.base < 0:
+                    raise SliceNotStored(sl.n)
+                blob = torch.cat([v for _, v in self.store.arena.pieces(sl.base, sl.total)])
+                blob = blob.numpy()
+                rel, size = sl.rel.cpu().numpy(), sl.sizes.cpu().numpy()
+                payloads += [blob[r:r + s] for r, s in zip(rel.tolist(), size.tolist())]
+                sizes.append(sl.sizes.cpu())
+                kinds.append(sl.kinds.cpu())
+            if stored.tail is not None:
+                page = np.zeros(p, dtype=np.uint8)
+                page[:stored.tail.numel()] = stored.tail.numpy()
+                payloads.append(page)
+                sizes.append(torch.tensor([p], dtype=torch.int32))
+                kinds.append(torch.tensor([fmt.KIND_RAW], dtype=torch.uint8))
+        payload = torch.from_numpy(np.concatenate(payloads)) if payloads else torch.empty(
+            0, dtype=torch.uint8)
+        sizes_t = torch.cat(sizes) if sizes else torch.empty(0, dtype=torch.int32)
+        kinds_t = torch.cat(kinds) if kinds else torch.empty(0, dtype=torch.uint8)
+        offsets = torch.zeros(sizes_t.numel() + 1, dtype=torch.int64)
+        torch.cumsum(sizes_t.to(torch.int64), 0, out=offsets[1:])
+        return fmt.CompressedPages(payload, sizes_t, kinds_t, p, offsets,
+                                   codec="exp" if stored.exp else "lz4")
+
+    # ------------------------------------------------------------------ lifetime
+    def free(self, stored: PagedStored) -> None:
+        self._sink.append(stored)  # a list append: safe from any finalizer
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """Free what the sink holds (the lock held). Their metadata was allocated on the
+        compress and pack streams: reused there only after the restores queued so far."""
+        if not self._sink or self.closed:
+            return
+        self._settle()  # count what is placed before it goes
+        if self.restore_stream is not None:
+            handoff(self.restore_stream, self.compress_stream)
+            handoff(self.restore_stream, self.pack_stream)
+        while self._sink:
+            self.store.free(self._sink.pop())
+
+    def synchronize(self) -> None:
+        """Wait for every offload and restore queued so far."""
+        for s in (self.compress_stream, self.pack_stream, self.restore_stream):
+            if s is not None:
+                s.synchronize()
+        with self._lock:
+            self.store.poll()
+
+    def release_idle(self) -> int:
+        """Unpin the chunks no stored tensor needs and free the compress scratch; returns the
+        host bytes given back."""
+        with self._lock:
+            self._drain()
+            before = self.store.arena.held_bytes
+            self.store.release_idle()
+            return before - self.store.arena.held_bytes
+
+    def stats(self) -> dict:
+        with self._lock:
+            self._drain()
+            self._settle()
+            st = self.store.stats()
+            st.update(offloads=self.offloads, backpressure_waits=self.waits,
+                      inflight_bytes=self._in_flight_bytes, bytes_in=self.bytes_in,
+                      bytes_stored=self.bytes_stored)
+        return st
+
+    def close(self, final: bool = False) -> None:
+        """Wait for the streams. ``final`` (interpreter exit): also unpin every chunk while
+        CUDA is still up (stored tensors are not restorable afterwards)."""
+        try:
+            self.synchronize()
+        except RuntimeError:  # a CUDA context already torn down: nothing to wait for
+            return
+        if final and not self.closed:
+            with self._lock:
+                self._drain()
+                self.store.close()
+                self.closed = True
+
+
+_LIVE: weakref.WeakSet[DirectPath] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for path in list(_LIVE):
+        try:
+            path.close(final=True)
+        except Exception:  # noqa: BLE001 - nothing to report to at exit; keep closing
+            pass
