@@ -224,7 +224,9 @@ def test_gpu_in_flight_bound_waits_and_stays_exact(gen):
     every tensor still comes back exact."""
     with PageCompressor(batch_pages=8, slots=1) as pc:  # bound: 8 pages in flight
         xs = [file_pages("text", 8, 4096, gen).reshape(-1).cuda() for _ in range(6)]
-        torch.cuda._sleep(50_000_000)
+        pc.restore(pc.offload(xs[0]))  # warm: the store, its pinned chunk, the kernels
+        pc.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: longer than the host takes to queue all six
         hs = [pc.offload(x) for x in xs]
         assert pc.stats()["backpressure_waits"] >= 1
         for x, h in zip(xs, hs):
