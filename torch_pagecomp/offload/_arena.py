@@ -79,7 +79,12 @@ def slice_meta(sl: _Slice, device: torch.device, stream) -> tuple:
         if stream is not None and sl.host_meta is not None:  # dropped when placed
             sl.rel.record_stream(stream)  # one allocation holds the four
         return meta
-    return tuple(None if t is None else t.to(device, non_blocking=True) for t in meta)
+    # the host copy: one page-locked buffer holds the four, uploaded in one copy
+    checksum = sl.sums is not None
+    host = torch.empty(0, dtype=torch.uint8).set_(sl.rel.untyped_storage(), 0,
+                                                  (_meta_bytes(sl.n, checksum),))
+    rel, _, sizes, kinds, sums = _meta_views(host.to(device, non_blocking=True), sl.n, checksum)
+    return rel, sizes, kinds, sums
 
 
 def _meta_views(buf: torch.Tensor, n: int, checksum: bool) -> tuple:
