@@ -8,9 +8,9 @@
 
 Use it as a context manager (``with PageCompressor() as pc:``) or call :meth:`close`: either
 finishes the queued work and joins the worker threads; at interpreter exit every live one is
-closed anyway (``pipeline._close_all_at_exit``). A copy (``copy.deepcopy``, pickling, e.g. by
-``torch.save`` of a model holding one) is a fresh ``PageCompressor`` with the same settings
-and nothing offloaded.
+closed anyway (``pipeline._close_all_at_exit``, and ``_direct``'s for the kernel-only store).
+A copy (``copy.deepcopy``, pickling, e.g. by ``torch.save`` of a model holding one) is a fresh
+``PageCompressor`` with the same settings and nothing offloaded.
 
 The host keeps only the packed compressed pages (exact sizes, in a pinned arena on a GPU), so
 host memory shrinks with the ratio; incompressible pages are kept raw (never larger than the
@@ -298,7 +298,15 @@ class RestoreFailures:
 
 
 class PageCompressor(torch.nn.Module):
-    """Compressed offload of GPU tensors to host memory through a ring of ``slots`` slots.
+    """Compressed offload of GPU tensors to host memory.
+
+    A tensor on this GPU of at most one batch (``batch_pages`` pages) goes to a kernel-only
+    store (``torch_pagecomp._direct``: compress and pack kernels on side streams write the
+    pages straight into page-locked host memory; no thread, no host wait: a small call costs
+    a quarter of the ring's, ``bench/results/h200_336d109_direct/``). Larger tensors and host
+    tensors go through a ring of ``slots`` slots whose worker threads overlap upload, kernel
+    and download of successive batches; ``max_pinned_bytes``, ``raw_bypass`` and
+    ``max_raw_share`` are the ring's.
 
     Args:
         device: the GPU that compresses (``None``: the current CUDA device if any, else CPU).
@@ -306,7 +314,8 @@ class PageCompressor(torch.nn.Module):
         batch_pages: pages per batch (``None``: :func:`default_batch_pages`).
         slots: batches in the ring at once (3: upload, kernel and download overlap); up to
             as many more offload batches may be downloading outside it (their device buffers
-            held), so the kernels need not wait for the link.
+            held), so the kernels need not wait for the link. The kernel-only store holds at
+            most ``slots`` batches' bytes of offloads not yet packed (the host waits beyond).
         max_pinned_bytes: bound on the uncompressed bytes of offload batches in flight
             (pinned landing space); producers wait beyond it. ``None``: slots bound it alone.
         element_size: bit-shuffle width (1, 2, 4) for every tensor (``None``: per dtype).
