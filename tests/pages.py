@@ -119,3 +119,24 @@ def assert_probe_kernels_equal_reference(codec, pages: torch.Tensor, poison: int
     assert torch.equal(status[ok], torch.zeros_like(status[ok]))
     assert torch.equal(out[ok], pages[ok])
     assert bool((status[~ok] == codec.STATUS_BAD_SIZE).all()) and bool((out[~ok] == 0).all())
+
+
+def offload_cycles(pc, x: torch.Tensor, cycles: int, warm: int = 50) -> tuple[int, dict, dict]:
+    """``warm`` then ``cycles`` rounds of ``pc.offload(x)``, ``restore``, ``free`` (checked
+    every 500th) on a GPU; returns ``(GPU bytes allocated, stats)`` after the warm-up and the
+    stats after the cycles, everything synchronised: for tests that nothing grows."""
+    for _ in range(warm):
+        pc.restore(pc.offload(x)).sum()
+    torch.cuda.synchronize()
+    pc.synchronize()
+    dev0, s0 = torch.cuda.memory_allocated(), pc.stats()
+    for i in range(cycles):
+        h = pc.offload(x)
+        y = pc.restore(h)
+        h.free()
+        if i % 500 == 0:
+            assert torch.equal(y, x)
+    del y, h
+    torch.cuda.synchronize()
+    pc.synchronize()
+    return dev0, s0, pc.stats()

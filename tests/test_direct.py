@@ -13,7 +13,7 @@ import gc
 
 import pytest
 import torch
-from pages import file_pages
+from pages import file_pages, offload_cycles
 
 from torch_pagecomp import KIND_RAW
 from torch_pagecomp.api import decompress
@@ -259,20 +259,7 @@ def test_gpu_cycles_no_growth(gen):
 
     pc = PageCompressor(batch_pages=64)
     x = torch.randint(0, 256, (64 * 4096,), dtype=torch.uint8, generator=gen).cuda()
-    for _ in range(50):
-        pc.restore(pc.offload(x)).sum()
-    pc.synchronize()
-    dev0 = torch.cuda.memory_allocated()
-    s0 = pc.stats()
-    for i in range(2000):
-        h = pc.offload(x)
-        y = pc.restore(h)
-        h.free()
-        if i % 500 == 0:
-            assert torch.equal(y, x)
-    del y, h
-    pc.synchronize()
-    s = pc.stats()
+    dev0, s0, s = offload_cycles(pc, x, 2000)
     assert torch.cuda.memory_allocated() <= dev0
     assert s["bytes_held_host"] == 0 and s["direct"]["host_used_bytes"] == 0
     assert s["pinned_bytes_held"] <= s0["pinned_bytes_held"] + CHUNK_BYTES  # chunks reused

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from pages import offload_cycles
 
 import torch_pagecomp  # noqa: F401
 from torch_pagecomp.cuda_stages import RawBypass
@@ -511,22 +512,7 @@ def test_gpu_control_missing_waits_corrupt(gen, monkeypatch):
 def test_gpu_10k_cycles_no_growth(gen):
     pc = PageCompressor(batch_pages=4)
     x = torch.randint(0, 8, (5 * 4096 + 11,), dtype=torch.uint8, generator=gen).cuda()
-    for _ in range(50):
-        pc.restore(pc.offload(x)).sum()
-    torch.cuda.synchronize()
-    pc.synchronize()
-    dev0 = torch.cuda.memory_allocated()
-    s0 = pc.stats()
-    for i in range(10_000):
-        h = pc.offload(x)
-        y = pc.restore(h)
-        h.free()
-        if i % 1000 == 0:
-            assert torch.equal(y, x)
-    del y, h
-    torch.cuda.synchronize()
-    pc.synchronize()
-    s = pc.stats()
+    dev0, s0, s = offload_cycles(pc, x, 10_000)
     assert torch.cuda.memory_allocated() <= dev0
     assert s["pinned_bytes_held"] == s0["pinned_bytes_held"]
     assert s["host_pool_bytes"] == s0["host_pool_bytes"]
