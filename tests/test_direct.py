@@ -112,6 +112,20 @@ def test_free_returns_the_host_bytes(direct, gen):
     assert pc.empty_cache() >= 0 and pc.stats()["pinned_bytes_held"] == 0
 
 
+def test_free_while_the_store_is_busy_waits_in_the_sink(direct, gen):
+    """A handle freed while the path's lock is held (a finalizer running inside the store's
+    bookkeeping) is not freed there: it waits in the sink for the next call."""
+    pc = direct()
+    x = file_pages("text", 2, 4096, gen).reshape(-1)
+    h = pc.offload(x)
+    h.wait()  # placed: its bytes count as used
+    path = pc._direct
+    with path._lock:
+        h.free()
+        assert len(path._sink) == 1 and pc._direct.store.arena.used > 0
+    assert pc.stats()["bytes_held_host"] == 0 and not path._sink
+
+
 def test_ratio_counts_both_paths(direct, gen):
     pc = direct()
     zeros = torch.zeros(4 * 4096, dtype=torch.uint8)  # FILL pages: ~1 byte each
@@ -194,7 +208,9 @@ def test_gpu_small_tensors_take_the_direct_path(gen):
                                x.cpu().view(torch.uint8))
             h.wait()
             assert h.state == "ready" and h.stored_nbytes > 0
-        assert pc.stats()["direct"]["offloads"] == 3
+        s = pc.stats()
+        assert s["direct"]["offloads"] == 3
+        assert s["device_pool_bytes"] >= s["direct"]["scratch_bytes"] > 0
 
 
 @gpu

@@ -112,7 +112,9 @@ class DirectPath:
         self.compress_stream, self.pack_stream, self.restore_stream = streams
         # host_meta: a handle may live long; its metadata (13 bytes a page) waits on the host
         self.store = PagedStore(device, page_size, streams, checksum=checksum, host_meta=True)
-        self._lock = threading.RLock()
+        # not reentrant: a finalizer that runs while this thread holds it (in the store's
+        # bookkeeping) must leave its tensor in the sink, not free it there
+        self._lock = threading.Lock()
         self._sink: list[PagedStored] = []
         self._in_flight: collections.deque = collections.deque()  # (event, nbytes)
         self._in_flight_bytes = 0

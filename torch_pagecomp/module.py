@@ -754,6 +754,7 @@ class PageCompressor(torch.nn.Module):
             stats["bytes_held_host"] += d["host_used_bytes"]
             stats["pinned_bytes_held"] += d["host_held_bytes"]
             stats["host_pool_bytes"] += d["host_held_bytes"]
+            stats["device_pool_bytes"] += d["scratch_bytes"]  # the compress kernel's, bound
             stats["inflight_bytes"] += d["inflight_bytes"]
             stats["backpressure_waits"] += d["backpressure_waits"]
             kernel_in, kernel_out = off["bytes"] + d["bytes_in"], off["stored"] + d["bytes_stored"]
