@@ -569,7 +569,9 @@ def test_gpu_batch_size_reaches_host_by_kernel_or_copy(publish, gen, monkeypatch
             raise ValueError("Pointer argument cannot be accessed from Triton (test)")
         monkeypatch.setattr(cuda_stages, "publish_total_eager", refuse)
     pc = PageCompressor(batch_pages=32)
-    srcs = [torch.randint(0, 1 + 255 * (i % 2), (random.randrange(1, 600_000),),
+    # every tensor through the ring (more than a batch), the first one random: a batch whose
+    # kernel store failed once read a T never written (hidden while the first was all zeros)
+    srcs = [torch.randint(0, 1 + 255 * ((i + 1) % 2), (random.randrange(32 * 4096 + 1, 600_000),),
                           dtype=torch.uint8, generator=gen).cuda() for i in range(6)]
     handles = [pc.offload(s) for s in srcs]
     for s, h in zip(srcs, handles):

@@ -222,8 +222,9 @@ class CudaStages:
                                                          job.storage.float_format)
             packed, offsets = pack_eager(payload, sizes, zero_tail=False)  # T bytes go down
             slot.record("k_c", self.compute)
-            if self.publish:  # T to the host by a kernel: the copy engine is the link's
-                self._publish_total(offsets[n:], slot.total)
+            # T to the host by a kernel (the copy engine is the link's); where that fails,
+            # k_e stays unrecorded and T is copied below
+            if self.publish and self._publish_total(offsets[n:], slot.total):
                 slot.record("k_e", self.compute)
         if "k_e" not in slot.recorded:  # no kernel stores to host memory here: copy T
             s = self.d2h_meta
@@ -236,16 +237,19 @@ class CudaStages:
             t.record_stream(self.d2h)
         job.packed, job.meta = packed, (offsets, sizes, kinds)
 
-    def _publish_total(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """``dst`` (pinned) = ``src`` by a kernel; the first failure (a host allocator whose
-        memory kernels cannot reach) turns it off for this pipeline: a copy does it instead."""
+    def _publish_total(self, src: torch.Tensor, dst: torch.Tensor) -> bool:
+        """``dst`` (pinned) = ``src`` by a kernel; returns whether it was queued. The first
+        failure (a host allocator whose memory kernels cannot reach) turns it off for this
+        pipeline: a copy does it instead, for that batch too."""
         try:
             publish_total_eager(src, dst)
+            return True
         except Exception as exc:  # noqa: BLE001 - the copy path is always there
             self.publish = False
             warnings.warn(f"pagecomp: kernel stores to pinned memory failed ({exc}); the "
                           "batch sizes go to the host by copy (downloads then queue behind "
                           "each other's size)", stacklevel=3)
+            return False
 
     def _device_buffer(self, writer: torch.cuda.Stream) -> torch.Tensor:
         """A pooled device buffer for a batch whose first write is on stream ``writer``.
