@@ -112,6 +112,45 @@ def test_free_returns_the_host_bytes(direct, gen):
     assert pc.empty_cache() >= 0 and pc.stats()["pinned_bytes_held"] == 0
 
 
+@pytest.mark.parametrize("pages", [2, 9])  # the kernel-only store, the ring
+def test_a_freed_handle_refuses_restore_and_compressed(direct, gen, pages):
+    from torch_pagecomp import PageCompError
+
+    pc = direct()
+    h = pc.offload(file_pages("text", pages, 4096, gen).reshape(-1))
+    h.free()
+    for call in (pc.restore, lambda h: h.compressed()):
+        with pytest.raises(PageCompError, match="freed"):
+            call(h)
+
+
+def test_threads_offload_and_restore_at_once(direct, gen):
+    """Two threads offload and restore through one compressor at once: every tensor exact."""
+    import threading
+
+    pc = direct()
+    xs = [file_pages("text", 1 + k % 4, 4096, gen).reshape(-1)[: 4096 * (1 + k % 4) - k]
+          for k in range(8)]
+    errors = []
+
+    def work(part):
+        try:
+            for x in part:
+                h = pc.offload(x)
+                assert torch.equal(pc.restore(h), x)
+                h.free()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(xs[k::2],)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert pc.stats()["direct"]["offloads"] == 8 and pc.stats()["bytes_held_host"] == 0
+
+
 def test_free_while_the_store_is_busy_waits_in_the_sink(direct, gen):
     """A handle freed while the path's lock is held (a finalizer running inside the store's
     bookkeeping) is not freed there: it waits in the sink for the next call."""

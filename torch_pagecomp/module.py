@@ -222,6 +222,8 @@ class OffloadHandle:
 
     def compressed(self) -> fmt.CompressedPages:
         """The stored pages as one packed CPU ``CompressedPages`` (a copy; waits if pending)."""
+        if not self._free.alive:  # its bytes are gone: an empty container would be a lie
+            raise PageCompError("this handle was freed")
         self.wait()
         return self._storage.compressed(self.page_size)
 
