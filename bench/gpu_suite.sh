@@ -20,6 +20,8 @@
 #                                      # PYTHON_LZ4=0: the C loops only; CPU_PROCS=1: beside
 #                                      # the same work in N processes)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
+#   bash bench/gpu_suite.sh small      # one small call's latency (#26) and the tests of the paths
+#                                      # it takes (PageCompressor's kernel-only store, the ring)
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -206,6 +208,14 @@ cputhreads)
     [ "${PYTHON_LZ4:-1}" = 0 ] || timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" \
         --threads 1,2,4,8,16 --python-lz4 --out "$OUT/cpu_threads_python_lz4.json" 2>&1 \
         | tee "$OUT/cpu_threads_python_lz4.txt"
+    ;;
+small)
+    header small | tee "$OUT/tests_small.txt"
+    timeout ${SMALL_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_direct.py \
+        tests/test_pipeline.py -m "not slow" -rfE --durations=4 2>&1 \
+        | tee -a "$OUT/tests_small.txt" | tail -n 12
+    timeout 120 python3 -m bench.latency --sizes 64K,1M,16M --repeats 100 \
+        --out "$OUT/latency.json" 2>&1 | tail -n 45
     ;;
 policy)
     header policy
