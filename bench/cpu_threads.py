@@ -2,7 +2,7 @@
 
     python3 -m bench.cpu_threads [--mib 256] [--threads 1,2,4,8] [--out f.json]
                                  [--corpora mixed,text,bf16-relu] [--page-size 4096]
-                                 [--host] [--procs]
+                                 [--host] [--procs] [--spans]
 
 Each corpus (``bench/corpora.py``; typed ones at their element size, so ``bf16-relu`` is
 bit-shuffled) is built once, ``--mib`` MiB of pages, then compressed and decompressed with
@@ -175,8 +175,62 @@ def process_reference(name: str, nbytes: int, page_size: int, counts: list[int],
     return [r for r in rows if r["threads"] in counts]
 
 
+def thread_spans(pages: torch.Tensor, element_size: int, threads: list[int],
+                 repeats: int) -> list[dict]:
+    """Where a threaded call's time goes (#25): each thread's C call timed from the call's
+    start, medians over ``repeats`` calls per op and thread count: ``start_us``, when the last
+    thread entered its C loop (the hand-off); ``tail_us``, from the first thread's end to the
+    last's (what the threads wait for each other); ``inflation``, the threads' mean time in the
+    loop times their number over the one-thread call (above 1: each thread's work got slower,
+    contention for the host's caches, memory or clock)."""
+    c = pc.compress(pages, element_size=element_size, backend="cpu")
+    calls = {"compress": lambda: pc.compress(pages, element_size=element_size, backend="cpu"),
+             "decompress": lambda: pc.decompress(c, backend="cpu")}
+    orig = cpu_codec._run_ranges
+    spans: list[tuple] = []
+
+    def timed(fn, n, page_size, c_loop=None):
+        t0, got = time.perf_counter(), []
+
+        def loop(counter, parts):
+            a = time.perf_counter() - t0
+            c_loop(counter, parts)
+            got.append((a, time.perf_counter() - t0))
+
+        orig(fn, n, page_size, loop if c_loop is not None else None)
+        spans.append(got)
+
+    rows = []
+    try:
+        cpu_codec._run_ranges = timed
+        for op, call in calls.items():
+            pc.set_cpu_threads(1)
+            one = _median_s(call, repeats)
+            for t in (t for t in threads if t > 1):
+                pc.set_cpu_threads(t)
+                call()  # warm-up
+                spans.clear()
+                for _ in range(repeats):
+                    call()
+                got = [g for g in spans if g]
+                if not got:
+                    continue  # no C loops here (python-lz4): nothing to time
+                rows.append({
+                    "op": op, "threads": t, "calls": len(got),
+                    "start_us": statistics.median(max(a for a, _ in g) for g in got) * 1e6,
+                    "tail_us": statistics.median(max(b for _, b in g) - min(b for _, b in g)
+                                                 for g in got) * 1e6,
+                    "inflation": statistics.median(
+                        sum(b - a for a, b in g) / one for g in got),
+                })
+    finally:
+        cpu_codec._run_ranges = orig
+        pc.set_cpu_threads(None)
+    return rows
+
+
 def run(mib: float, threads: list[int], names: list[str], page_size: int, repeats: int,
-        seed: int, host: bool = False, procs: bool = False) -> dict:
+        seed: int, host: bool = False, procs: bool = False, spans: bool = False) -> dict:
     """Measure every corpus; returns the JSON document (see the module docstring)."""
     cores = default_threads()
     doc = {
@@ -199,6 +253,9 @@ def run(mib: float, threads: list[int], names: list[str], page_size: int, repeat
         pages = corpora.build_corpus(name, int(mib * (1 << 20)), page_size, seed=seed + k)
         for row in measure(pages, e, threads, repeats):
             doc["rows"].append({"corpus": name, "element_size": e, **row})
+        if spans:
+            doc.setdefault("spans", []).extend(
+                {"corpus": name, **r} for r in thread_spans(pages, e, threads, repeats))
         if procs:
             for row in process_reference(name, pages.numel(), page_size, threads, repeats,
                                          seed + k):
@@ -215,6 +272,12 @@ def table(doc: dict) -> str:
     for r in doc["rows"]:
         lines.append(f"{r['corpus']:<11} {r['element_size']:>1} {r['op']:<16} {r['threads']:>7} "
                      f"{r['gbps']:>8.3f} {r['speedup']:>8.2f} {r['efficiency']:>10.2f}")
+    if doc.get("spans"):
+        lines.append(f"{'corpus':<11} {'op':<12} {'threads':>7} {'start us':>9} {'tail us':>8} "
+                     f"{'inflation':>9}")
+        for r in doc["spans"]:
+            lines.append(f"{r['corpus']:<11} {r['op']:<12} {r['threads']:>7} "
+                         f"{r['start_us']:>9.0f} {r['tail_us']:>8.0f} {r['inflation']:>9.2f}")
     return "\n".join(lines)
 
 
@@ -232,13 +295,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", action="store_true",
                         help="also each corpus in N processes at once, one thread each (the "
                              "host's limit for this very work, without our threads)")
+    parser.add_argument("--spans", action="store_true",
+                        help="also where a threaded call's time goes: hand-off, threads "
+                             "waiting for each other, each thread's work slowing down")
     parser.add_argument("--python-lz4", action="store_true",
                         help="page by page through python-lz4, as without a C compiler")
     args = parser.parse_args(argv)
     if args.python_lz4:
         cpu_codec._native = None
     doc = run(args.mib, args.threads, args.corpora, args.page_size, max(1, args.repeats),
-              args.seed, host=args.host, procs=args.procs)
+              args.seed, host=args.host, procs=args.procs, spans=args.spans)
     print(table(doc))
     if args.out:
         with open(args.out, "w") as f:

@@ -18,7 +18,8 @@
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
 #   bash bench/gpu_suite.sh cputhreads # the CPU path's thread scaling, C loops and python-lz4 (#25;
 #                                      # PYTHON_LZ4=0: the C loops only; CPU_PROCS=1: beside
-#                                      # the same work in N processes)
+#                                      # the same work in N processes; CPU_SPANS=1: where a
+#                                      # threaded call's time goes; CPU_MIB, CPU_THREADS)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
 #   bash bench/gpu_suite.sh small      # one small call's latency (#26) and the tests of the paths
 #                                      # it takes (PageCompressor's kernel-only store, the ring)
@@ -203,8 +204,10 @@ cputhreads)
     # page by page; the table's first line says which loops ran (no compiler: python-lz4 twice)
     header cputhreads
     # --procs: the same work in N processes at once (the host's own limit, without our threads)
-    timeout ${CPU_TIMEOUT:-200} python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" --threads 1,2,4,8,16 --host \
-        ${CPU_PROCS:+--procs} --out "$OUT/cpu_threads.json" 2>&1 | tee "$OUT/cpu_threads.txt"
+    # CPU_SPANS=1: also each thread's loop timed (hand-off, waiting, slowing down)
+    timeout ${CPU_TIMEOUT:-200} python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" \
+        --threads "${CPU_THREADS:-1,2,4,8,16}" --host ${CPU_PROCS:+--procs} ${CPU_SPANS:+--spans} \
+        --out "$OUT/cpu_threads.json" 2>&1 | tee "$OUT/cpu_threads.txt"
     [ "${PYTHON_LZ4:-1}" = 0 ] || timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" \
         --threads 1,2,4,8,16 --python-lz4 --out "$OUT/cpu_threads_python_lz4.json" 2>&1 \
         | tee "$OUT/cpu_threads_python_lz4.txt"

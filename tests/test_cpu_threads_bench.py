@@ -47,3 +47,26 @@ def test_process_reference_rows():
         (op, t) for op in ("compress-procs", "decompress-procs") for t in (1, 2)}
     for r in rows:
         assert r["gbps"] > 0 and abs(r["efficiency"] - r["speedup"] / r["threads"]) < 1e-9
+
+
+def test_thread_spans_time_each_threads_loop():
+    """``--spans``: for each op at 2 and 3 threads, when the last thread entered its C loop, how
+    long the threads waited for each other, and their summed loop time over the one-thread
+    call; the C loops restored afterwards."""
+    from bench import corpora
+    from torch_pagecomp import cpu_codec
+
+    if not cpu_codec._SHARED_RANGES:
+        pytest.skip("torch_pagecomp._native is not built here")
+    orig = cpu_codec._run_ranges
+    pages = corpora.build_corpus("text", 256 * 4096, 4096, seed=1)
+    rows = cpu_threads.thread_spans(pages, 1, [1, 2, 3], repeats=2)
+    assert cpu_codec._run_ranges is orig
+    assert {(r["op"], r["threads"]) for r in rows} == {
+        (op, t) for op in ("compress", "decompress") for t in (2, 3)}
+    for r in rows:
+        assert r["calls"] == 2 and r["start_us"] >= 0 and r["tail_us"] >= 0
+        assert 0.2 < r["inflation"] < 20
+    doc = {"device": "CPU", "commit": "x", "date": "d", "loops": "C", "rows": [],
+           "spans": [{"corpus": "text", **r} for r in rows]}
+    assert "inflation" in cpu_threads.table(doc)
