@@ -27,7 +27,6 @@ import collections
 import threading
 import weakref
 
-import numpy as np
 import torch
 
 from . import format as fmt
@@ -176,12 +175,10 @@ class DirectPath:
         it used), decodes, and the caller's stream waits for it. Returns the statuses
         (``int32``, on the device, usable on the caller's stream)."""
         consumer = self._current()
-        if consumer is None:
-            with self._lock:
-                self._drain()
-                return self.store.restore(storage.stored, out, count=False)
         with self._lock:
             self._drain()
+            if consumer is None:  # the CPU: done on return
+                return self.store.restore(storage.stored, out, count=False)
             handoff(consumer, self.restore_stream)
             with on_stream(self.restore_stream):
                 status = self.store.restore(storage.stored, out, count=False)
@@ -219,26 +216,22 @@ class DirectPath:
             for sl in stored.slices:
                 if sl.base < 0:
                     raise SliceNotStored(sl.n)
+                # the slice's pages lie 16-byte aligned in the arena: gather them back to back
                 blob = torch.cat([v for _, v in self.store.arena.pieces(sl.base, sl.total)])
-                blob = blob.numpy()
-                rel, size = sl.rel.cpu().numpy(), sl.sizes.cpu().numpy()
-                payloads += [blob[r:r + s] for r, s in zip(rel.tolist(), size.tolist())]
-                sizes.append(sl.sizes.cpu())
+                size = sl.sizes.cpu()
+                lens = size.to(torch.int64)
+                ends = torch.cumsum(lens, 0)
+                shift = torch.repeat_interleave(sl.rel.cpu() - (ends - lens), lens)
+                payloads.append(blob[torch.arange(int(ends[-1])) + shift])
+                sizes.append(size)
                 kinds.append(sl.kinds.cpu())
-            if stored.tail is not None:
-                page = np.zeros(p, dtype=np.uint8)
-                page[:stored.tail.numel()] = stored.tail.numpy()
+            if stored.tail is not None:  # a RAW page, zero-padded
+                page = torch.zeros(p, dtype=torch.uint8)
+                page[:stored.tail.numel()] = stored.tail
                 payloads.append(page)
                 sizes.append(torch.tensor([p], dtype=torch.int32))
                 kinds.append(torch.tensor([fmt.KIND_RAW], dtype=torch.uint8))
-        payload = torch.from_numpy(np.concatenate(payloads)) if payloads else torch.empty(
-            0, dtype=torch.uint8)
-        sizes_t = torch.cat(sizes) if sizes else torch.empty(0, dtype=torch.int32)
-        kinds_t = torch.cat(kinds) if kinds else torch.empty(0, dtype=torch.uint8)
-        offsets = torch.zeros(sizes_t.numel() + 1, dtype=torch.int64)
-        torch.cumsum(sizes_t.to(torch.int64), 0, out=offsets[1:])
-        return fmt.CompressedPages(payload, sizes_t, kinds_t, p, offsets,
-                                   codec="exp" if stored.exp else "lz4")
+        return fmt.packed_pages(payloads, sizes, kinds, p, "exp" if stored.exp else "lz4")
 
     # ------------------------------------------------------------------ lifetime
     def free(self, stored: PagedStored) -> None:
@@ -250,16 +243,11 @@ class DirectPath:
                 self._lock.release()
 
     def _drain(self) -> None:
-        """Free what the sink holds (the lock held). Their metadata was allocated on the
-        compress and pack streams: reused there only after the restores queued so far."""
+        """Free what the sink holds (the lock held)."""
         if not self._sink or self.closed:
             return
         self._settle()  # count what is placed before it goes
-        if self.restore_stream is not None:
-            handoff(self.restore_stream, self.compress_stream)
-            handoff(self.restore_stream, self.pack_stream)
-        while self._sink:
-            self.store.free(self._sink.pop())
+        self.store.free_after_restores(self._sink)
 
     def synchronize(self) -> None:
         """Wait for every offload and restore queued so far."""

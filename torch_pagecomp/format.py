@@ -240,6 +240,19 @@ class CompressedPages:
         )
 
 
+def packed_pages(payloads: list[torch.Tensor], sizes: list[torch.Tensor],
+                 kinds: list[torch.Tensor], page_size: int, codec: str) -> CompressedPages:
+    """One packed CPU :class:`CompressedPages` of parts given in page order: ``payloads``
+    (``uint8``, each part's stored bytes back to back), ``sizes`` (``int32``) and ``kinds``
+    (``uint8``); the offsets follow from the sizes."""
+    payload = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8)
+    sizes_t = torch.cat(sizes) if sizes else torch.empty(0, dtype=torch.int32)
+    kinds_t = torch.cat(kinds) if kinds else torch.empty(0, dtype=torch.uint8)
+    offsets = torch.zeros(sizes_t.numel() + 1, dtype=torch.int64)
+    torch.cumsum(sizes_t.to(torch.int64), 0, out=offsets[1:])
+    return CompressedPages(payload, sizes_t, kinds_t, page_size, offsets, codec=codec)
+
+
 def dtype_element_size(dtype: torch.dtype) -> int:
     """Bit-shuffle width for ``dtype``, the one rule every path uses: its element width for
     2- and 4-byte types (bf16/fp16 -> 2, fp32/int32 -> 4), 4 for 8-byte types (each element as

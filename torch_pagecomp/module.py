@@ -463,12 +463,13 @@ class PageCompressor(torch.nn.Module):
                 _not_capturing("offload")
             with _on_device(self.device):
                 storage = self._direct_path().offload(src, es, float_format)
-            self._count(offloads=1, bytes_in=nbytes)
-            return OffloadHandle(storage, tensor.shape, tensor.dtype, nbytes, self.page_size, es)
-        storage = Storage(self.pipeline.arena, check=self.pipeline.check_alive,
-                          float_format=float_format)
+        else:
+            storage = Storage(self.pipeline.arena, check=self.pipeline.check_alive,
+                              float_format=float_format)
         handle = OffloadHandle(storage, tensor.shape, tensor.dtype, nbytes, self.page_size, es)
         self._count(offloads=1, bytes_in=nbytes)
+        if storage.direct:  # queued already
+            return handle
         if nbytes == 0:
             storage.close()
             return handle

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import CompressedPages
+from .format import CompressedPages, packed_pages
 from .pools import HostArena, HostBlock
 
 
@@ -212,9 +212,4 @@ class Storage:
             payloads.append(payload.clone())
             sizes.append(s.clone())
             kinds.append(k.clone())
-        payload = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8)
-        sizes_t = torch.cat(sizes) if sizes else torch.empty(0, dtype=torch.int32)
-        kinds_t = torch.cat(kinds) if kinds else torch.empty(0, dtype=torch.uint8)
-        offsets = torch.zeros(sizes_t.numel() + 1, dtype=torch.int64)
-        torch.cumsum(sizes_t.to(torch.int64), 0, out=offsets[1:])
-        return CompressedPages(payload, sizes_t, kinds_t, page_size, offsets, codec=self.codec)
+        return packed_pages(payloads, sizes, kinds, page_size, self.codec)

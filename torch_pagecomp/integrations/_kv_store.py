@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .._events import handoff, mark
+from .._events import mark
 from ..format import CorruptPageError
 from ..kernels.launch import interpreting
 from ..offload._paged import PagedStore
@@ -64,6 +64,10 @@ class _CpuBlockStore:
         if not stored.freed:
             self.used -= stored.host_nbytes()
             self._cpu.free(stored)
+
+    def free_after_restores(self, storeds: list) -> None:
+        while storeds:  # restores here are done on return
+            self.free(storeds.pop())
 
     def poll(self) -> None:
         pass
@@ -156,13 +160,7 @@ class DeviceStore:
         """Free the blocks no cache holds any more."""
         if not self.sink or self.closed:
             return
-        if self.side is not None:
-            # their metadata was allocated on the compress and pack streams: reused there only
-            # after the restores already queued have read it
-            handoff(self.side, self.store.compress_stream)
-            handoff(self.side, self.store.pack_stream)
-        while self.sink:
-            self.store.free(self.sink.pop())
+        self.store.free_after_restores(self.sink)
 
     def check(self) -> None:
         """Raise if restores so far decoded pages that failed (as far as the host knows: the

@@ -358,6 +358,16 @@ class PagedStore:
         stored.tail = stored.tail_sum = None
         stored.freed = True
 
+    def free_after_restores(self, storeds: list[PagedStored]) -> None:
+        """Free (and empty) ``storeds`` once the restores queued on the restore stream so far
+        have read them: their metadata was allocated on the compress and pack streams, which
+        reuse it only after those restores."""
+        if self.restore_stream is not None:
+            handoff(self.restore_stream, self.compress_stream)
+            handoff(self.restore_stream, self.pack_stream)
+        while storeds:
+            self.free(storeds.pop())
+
     def stats(self) -> dict:
         a = self.arena
         return {
