@@ -40,8 +40,7 @@ from ._streams import on_stream
 CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
-DEV_CHUNKS = 4  # device chunks a staged arena holds at most (the worst cases of the slices in
-# flight: the host waits beyond; with 3 it could run about two tensors ahead of the packs)
+DEV_CHUNKS = 3  # device chunks a staged arena holds at most: two slices in flight and the end's
 
 
 def _align16(nbytes: int) -> int:
@@ -68,19 +67,6 @@ def _synchronize(event) -> None:
         event.synchronize()
 
 
-class _NotCopied:
-    """A staged slice's ``copied`` until the host reads its placement and queues the copy."""
-
-    __slots__ = ()
-
-    @staticmethod
-    def query() -> bool:
-        return False
-
-
-NOT_COPIED = _NotCopied()
-
-
 class _Slice:
     """Pages ``[first, first + n)`` of one stored storage: device metadata for the decoder and
     the placement the pack kernel chose (``base``/``total`` on the host once confirmed)."""
@@ -98,18 +84,11 @@ class _Slice:
         self.base: int | None = None
         self.total = 0
         self.freed = False
-        # staged arenas: the copy down to its host chunks (``NOT_COPIED`` until queued, then
-        # its event, None once done); None where the pack writes host memory
-        self.copied = None
+        self.copied = None  # the copy down to its host chunks (staged arenas), once issued
 
     def done(self) -> bool:
         """Packed: the slice's bytes are in the arena (on a staged arena, its device chunks)."""
         return self.stored is None or self.stored.query()
-
-    def landed(self) -> bool:
-        """Its bytes are in host memory, placed or not (never waits): packed, and on a staged
-        arena copied down. Until then the offloader keeps the source."""
-        return self.done() if self.copied is None else self.in_host()
 
     def in_host(self) -> bool:
         """Placed, and its bytes are in host memory (never waits)."""
@@ -377,8 +356,6 @@ class VirtualArena:
         return self.descs[k]
 
     def add(self, sl: _Slice, upper: int) -> None:
-        if self.staged:
-            sl.copied = NOT_COPIED
         self.pending.append((sl, upper))
         self.pending_upper += upper
         self._log.append((1, sl))
@@ -407,7 +384,6 @@ class VirtualArena:
             base, total = (int(v) for v in sl.host_desc.tolist())
             sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None
             sl.meta_to_host()
-            sl.copied = None
             if base >= 0:
                 self.frontier = base + total
                 if self.staged and total:

@@ -82,7 +82,7 @@ class PagedStored:
         rather than over the link."""
         if self.consumed is not None and self.consumed.query():
             self.consumed = None  # done: the kept event (``_events.mark``) is not held any more
-        return self.consumed is None and all(sl.landed() for sl in self.slices)
+        return self.consumed is None and all(sl.done() for sl in self.slices)
 
     def wait_on(self, stream) -> None:
         """``stream`` waits until the source may be dropped: its pages are compressed (the
