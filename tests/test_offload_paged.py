@@ -36,23 +36,20 @@ def _data(gen: torch.Generator, nbytes: int, kind: str) -> torch.Tensor:
     return out
 
 
-def _store(device="cpu", chunk=1 << 16, slice_bytes=1 << 14, checksum=False,
-           staged=False) -> PagedStore:
+def _store(device="cpu", chunk=1 << 16, slice_bytes=1 << 14, checksum=False) -> PagedStore:
     streams = (None, None, None)
     if device != "cpu":
         streams = tuple(torch.cuda.Stream() for _ in range(3))
     return PagedStore(torch.device(device), P, streams, chunk_bytes=chunk,
-                      slice_bytes=slice_bytes, checksum=checksum, staged=staged)
+                      slice_bytes=slice_bytes, checksum=checksum)
 
 
 @interpreter
-@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("element_size", [1, 2, 4])
 @pytest.mark.parametrize("kind", ["small", "bf16", "noise"])
-def test_round_trip_across_slices_and_chunks(gen, element_size, kind, staged):
-    """Storages of odd sizes (a raw tail), several slices each, over chunk boundaries; packed
-    into host chunks, or staged through device chunks (the hooks' store)."""
-    store = _store(staged=staged)
+def test_round_trip_across_slices_and_chunks(gen, element_size, kind):
+    """Storages of odd sizes (a raw tail), several slices each, over chunk boundaries."""
+    store = _store()
     sizes = [int(torch.randint(1, 9 * P, (), generator=gen)) for _ in range(5)] + [3 * P]
     srcs = [_data(gen, n, kind) for n in sizes]
     stored = [store.offload(s, element_size) for s in srcs]
@@ -99,51 +96,6 @@ def test_peak_of_stored_bytes_counts_slices_freed_before_their_placement_is_read
     assert store.arena.used == 0 and not store.arena._log
 
 
-@interpreter
-def test_staged_arena_holds_few_device_chunks_and_copies_down_on_confirm(gen):
-    """The hooks' staged store: the pack writes device chunks; a slice's bytes reach its host
-    chunks only once the host reads its placement (poisoned host chunks show any other write);
-    at most ``DEV_CHUNKS`` device chunks are held, however far the host runs ahead (it
-    confirms the oldest slices instead), those behind the end are given back, and
-    ``release_idle`` gives back all of them."""
-    from torch_pagecomp.offload._arena import DEV_CHUNKS
-
-    chunk = 1 << 15
-    store = _store(chunk=chunk, slice_bytes=1 << 13, staged=True)
-    arena = store.arena
-    srcs = [_data(gen, int(torch.randint(P, 4 * P, (), generator=gen)) + 77, "small")
-            for _ in range(40)]  # ~3.5 chunks of worst cases, ~1 chunk compressed
-    stored = []
-    for s in srcs:
-        stored.append(store.offload(s, 1))
-        assert len(arena.dev) <= DEV_CHUNKS
-    assert arena.dev_peak <= DEV_CHUNKS
-    assert store.stats()["staging_peak_bytes"] <= DEV_CHUNKS * chunk
-    assert store.scratch_bytes >= DEV_CHUNKS * chunk  # counted against the in-flight bound
-    # the slices not confirmed yet: their host bytes are not written before the confirm
-    late = [sl for st in stored for sl in st.slices if sl.base is None]
-    assert late, "the host confirmed every slice: nothing left to check"
-    for k, mem in arena.backed.items():  # everything past the confirmed end
-        if (k + 1) * chunk > arena.frontier:
-            mem.tensor[max(arena.frontier - k * chunk, 0):] = POISON
-    store.poll()
-    assert all(sl.base is not None for sl in late)
-    assert all(k >= arena.frontier // chunk for k in arena.dev)  # behind the end: given back
-    for s, st in zip(srcs, stored):
-        out = torch.full_like(s, POISON)
-        store.restore(st, out)
-        assert torch.equal(out, s)
-    for st in stored:
-        store.free(st)
-    store.release_idle()
-    assert not arena.dev and store.stats()["staging_bytes"] == 0
-    again = store.offload(srcs[0], 1)
-    store.poll()
-    out = torch.empty_like(srcs[0])
-    store.restore(again, out)
-    assert torch.equal(out, srcs[0])
-
-
 def test_chunks_must_hold_a_page():
     with pytest.raises(ValueError, match="chunk_bytes"):
         PagedStore(torch.device("cpu"), P, chunk_bytes=P // 2)
@@ -152,10 +104,9 @@ def test_chunks_must_hold_a_page():
 
 
 @interpreter
-@pytest.mark.parametrize("staged", [False, True])
-def test_chunks_are_reused_and_host_memory_stays_bounded(gen, staged):
+def test_chunks_are_reused_and_host_memory_stays_bounded(gen):
     """Offload and free many times: the arena's end moves on, chunks behind it come back."""
-    store = _store(chunk=1 << 15, slice_bytes=1 << 13, staged=staged)
+    store = _store(chunk=1 << 15, slice_bytes=1 << 13)
     held, placed = [], 0
     for _ in range(12):
         srcs = [_data(gen, 5 * P + 123, "small") for _ in range(3)]
@@ -470,13 +421,12 @@ def test_plan_places_at_the_end_and_pack_stays_inside_the_slice(gen, parity, sta
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("chunk, slice_bytes, mib",
                          [(64 << 20, 16 << 20, 40), (1 << 16, 1 << 14, 3)])
-def test_gpu_round_trip_on_streams(gen, chunk, slice_bytes, mib, staged):
+def test_gpu_round_trip_on_streams(gen, chunk, slice_bytes, mib):
     """Restored right after the offload (the placements mostly unknown: the fetch kernel reads
     the chunks); with 64 KiB chunks, slices and pages cross chunk boundaries on the GPU."""
-    store = _store("cuda", chunk=chunk, slice_bytes=slice_bytes, staged=staged)
+    store = _store("cuda", chunk=chunk, slice_bytes=slice_bytes)
     srcs = [_data(gen, n, "bf16").cuda() for n in (mib << 20, (3 << 20) + 77, 5 * P)]
     stored = [store.offload(s, 2, producer=torch.cuda.current_stream()) for s in srcs]
     for s, st in zip(srcs, stored):

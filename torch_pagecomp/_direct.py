@@ -31,7 +31,6 @@ import torch
 
 from . import format as fmt
 from ._events import handoff
-from .offload._arena import _synchronize
 from .offload._paged import PagedStore, PagedStored, SliceNotStored
 from .offload._streams import current_stream, on_stream
 
@@ -198,7 +197,7 @@ class DirectPath:
             return False
         with self._lock:
             self.store.poll()
-        return stored.stored() and stored.in_host()
+        return stored.stored()
 
     def wait_placed(self, stored: PagedStored) -> None:
         consumed = stored.consumed  # (set to None once seen done, from any thread)
@@ -207,8 +206,6 @@ class DirectPath:
         with self._lock:
             if stored.slices:
                 self.store.arena.confirm(through=stored.slices[-1])
-            for sl in stored.slices:  # a staged arena's copies down (``offload._arena``)
-                _synchronize(sl.copied)
 
     def compressed(self, stored: PagedStored) -> fmt.CompressedPages:
         """``stored`` as one packed CPU ``CompressedPages`` (see ``DirectStorage``)."""

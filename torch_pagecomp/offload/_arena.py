@@ -14,17 +14,6 @@ the arena.
 Placements are read back in stream order, without waiting (:meth:`VirtualArena.confirm`): a
 slice's pack publishes its ``(base, total)`` to a pinned descriptor, and the host reads it once
 the pack's event has completed.
-
-A *staged* arena (the activation hooks'): the pack kernel writes device chunks that mirror
-the host ones (byte ``b`` of the arena lies at the same offset of device chunk ``b // CHUNK``
-as of host chunk ``b // CHUNK``), and once the host has read a slice's placement the copy
-engine moves its exact bytes down (:meth:`VirtualArena.confirm`). Stores from the SMs to host
-memory ran at 13-22 GB/s beside a model's matmuls (46-50 alone), and each compressed step of
-the four stock models took about its stored bytes over 18-23 GB/s, where plain copies moved
-30-38 GB/s on the same steps (``bench/results/h200x2_055904c_stock``): the link carried fewer
-bytes, more slowly. The device chunks are few (``DEV_CHUNKS``, counted in the store's
-``scratch_bytes``): the host waits for the oldest slice in flight rather than stage more,
-and gives them back as the end passes them.
 """
 
 from __future__ import annotations
@@ -35,12 +24,10 @@ import torch
 
 from .._events import mark
 from ..pools import HostMemory, can_pin
-from ._streams import on_stream
 
 CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
-DEV_CHUNKS = 3  # device chunks a staged arena holds at most: two slices in flight and the end's
 
 
 def _align16(nbytes: int) -> int:
@@ -48,23 +35,8 @@ def _align16(nbytes: int) -> int:
 
 
 def _wait(stream, event) -> None:
-    """``stream`` waits for ``event`` (None: nothing; a tuple: each of its events)."""
-    if stream is None or event is None:
-        return
-    if type(event) is tuple:
-        for e in event:
-            _wait(stream, e)
-    else:
+    if stream is not None and event is not None:
         stream.wait_event(event)
-
-
-def _synchronize(event) -> None:
-    """The host waits for ``event`` (None, an event, or a tuple of them)."""
-    if type(event) is tuple:
-        for e in event:
-            _synchronize(e)
-    elif event is not None:
-        event.synchronize()
 
 
 class _Slice:
@@ -72,7 +44,7 @@ class _Slice:
     the placement the pack kernel chose (``base``/``total`` on the host once confirmed)."""
 
     __slots__ = ("first", "n", "sizes", "kinds", "rel", "desc", "host_desc", "stored",
-                 "base", "total", "freed", "sums", "host_meta", "copied")
+                 "base", "total", "freed", "sums", "host_meta")
 
     def __init__(self, first: int, n: int, sizes, kinds, rel, desc, host_desc, stored,
                  sums=None, host_meta=None):
@@ -84,19 +56,9 @@ class _Slice:
         self.base: int | None = None
         self.total = 0
         self.freed = False
-        self.copied = None  # the copy down to its host chunks (staged arenas), once issued
 
     def done(self) -> bool:
-        """Packed: the slice's bytes are in the arena (on a staged arena, its device chunks)."""
         return self.stored is None or self.stored.query()
-
-    def in_host(self) -> bool:
-        """Placed, and its bytes are in host memory (never waits)."""
-        if self.base is None:
-            return False
-        if self.copied is not None and self.copied.query():
-            self.copied = None
-        return self.copied is None
 
     def meta_to_host(self) -> None:
         """Once placed (its pack, and the copy of its metadata queued after it, are done):
@@ -158,13 +120,9 @@ class VirtualArena:
     pending_upper`` is never below the device's end once every planned slice has run.
     """
 
-    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES,
-                 staged: bool = False):
+    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES):
         self.device, self.chunk = device, chunk_bytes
         self.pin = device.type == "cuda" and can_pin()
-        # staged (see the module docstring); on the CPU the same steps run in order (the
-        # tests' model of the GPU's path)
-        self.staged = staged
         self.state = torch.zeros(2, dtype=torch.int64, device=device)
         # chunk addresses: in page-locked host memory where the kernels can read it (one read
         # per program and slice), so backing a chunk is a host store, not a ``fill_`` launch
@@ -200,18 +158,6 @@ class VirtualArena:
         self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
         self._next_desc = 0
         self.parity = 0  # the slot of ``state`` that holds the end for the next slice
-        # staged: the device chunk of each arena chunk the end can reach, and the table the
-        # pack kernel writes through (the host table where the arena is not staged)
-        self.dev: dict[int, torch.Tensor] = {}  # in the order made: the oldest chunk first
-        self.dev_peak = 0
-        self.reader = None  # the stream restores are queued on (set by the store)
-        self.copy_stream = (torch.cuda.Stream(device) if self.staged and device.type == "cuda"
-                            else None)
-        if self.staged:
-            self.dev_table = torch.zeros(TABLE_SIZE, dtype=torch.int64, pin_memory=self.pin)
-            self._dev_table_np = self.dev_table.numpy()
-        else:
-            self.dev_table = self.table
 
     # ---------------------------------------------------------------- placement
     def chunks_of(self, base: int, total: int) -> range:
@@ -249,76 +195,10 @@ class VirtualArena:
             new = self._unbacked(upper)
         for k in new:
             self._back_chunk(k, stream)
-        if self.staged:
-            self._stage(upper)
         # the limit passed with the slice
         self.limit = max(self.limit, (self._last_chunk(upper) + 1) * self.chunk)
         self.peak_held = max(self.peak_held, self.held_bytes)
         self.peak_backed = max(self.peak_backed, len(self.backed))
-
-    def _stage(self, upper: int) -> None:
-        """Give every chunk the end can reach with one more slice of ``upper`` bytes a device
-        chunk (made on the current stream: the pack stream), first waiting for the oldest
-        slices in flight while that would hold more than ``DEV_CHUNKS``."""
-        while True:
-            need = [k for k in range(self.frontier // self.chunk, self._last_chunk(upper) + 1)
-                    if k not in self.dev]
-            if not need or not self.pending or len(self.dev) + len(need) <= DEV_CHUNKS:
-                break
-            self.confirm(through=self.pending[0][0])  # gives back the chunks it passes
-        for k in need:
-            t = torch.empty(self.chunk, dtype=torch.uint8, device=self.device)
-            self.dev[k] = t
-            self._dev_table_np[k % TABLE_SIZE] = t.data_ptr()
-        self.dev_peak = max(self.dev_peak, len(self.dev))
-
-    def _unstage(self, everything: bool = False) -> None:
-        """Give back the device chunks behind the end: every slice in them is confirmed and
-        its copy down queued. ``everything``: the end's too (the store is idle; the host
-        first waits for the restores queued on ``reader``, which may read the chunks'
-        addresses from the table when they run). Each is freed after the copies and reads
-        queued on it (``record_stream``)."""
-        edge = self.frontier // self.chunk
-        if everything and self.dev:
-            _synchronize(mark(self.reader))
-        for k in [k for k in self.dev if everything or k < edge]:
-            t = self.dev.pop(k)
-            if self.copy_stream is not None:
-                t.record_stream(self.copy_stream)
-
-    def reading_staged(self, stream) -> None:
-        """The device chunks are read on ``stream`` (a restore of slices not yet copied down):
-        none is reused before those reads."""
-        if stream is not None:
-            for t in self.dev.values():
-                t.record_stream(stream)
-
-    def _copy_down(self, base: int, total: int):
-        """Queue the copy of arena bytes ``[base, base + total)`` from their device chunks to
-        their host chunks (the slice's pack has completed); returns its event."""
-        with on_stream(self.copy_stream):
-            for at, view in self.pieces(base, total):
-                k, lo = divmod(base + at, self.chunk)
-                view.copy_(self.dev[k][lo:lo + view.numel()], non_blocking=True)
-            return mark(self.copy_stream)
-
-    @property
-    def staging_bound(self) -> int:
-        """The most device bytes the staging holds at once (0 where not staged)."""
-        return DEV_CHUNKS * self.chunk if self.staged else 0
-
-    def close_staging(self) -> None:
-        """Wait for the copies down and give back every device chunk (the store closes)."""
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
-        self.dev.clear()
-
-    def read_marks(self, reader):
-        """What a host chunk's reuse waits for: the restores queued on ``reader`` so far, and
-        on a staged arena the copies down queued so far."""
-        if self.copy_stream is None:
-            return mark(reader)
-        return (mark(reader), mark(self.copy_stream))
 
     def _unbacked(self, upper: int) -> list[int]:
         """The chunks not backed yet that the arena's end can reach with one more slice of
@@ -386,15 +266,11 @@ class VirtualArena:
             sl.meta_to_host()
             if base >= 0:
                 self.frontier = base + total
-                if self.staged and total:
-                    sl.copied = self._copy_down(base, total)
                 if not sl.freed:
                     self.live.update(self.chunks_of(base, total))
                     self.used += total
             if sl is through:
                 break
-        if self.dev and next(iter(self.dev)) < self.frontier // self.chunk:
-            self._unstage()
         self._fold()
 
     def release(self, sl: _Slice, reader) -> None:
@@ -418,7 +294,7 @@ class VirtualArena:
             if k >= self.frontier // self.chunk:
                 break
             if k not in self.live:
-                event = event or self.read_marks(reader)
+                event = event or mark(reader)
                 self.free.append((self.backed.pop(k), event))
 
     def reset_peaks(self) -> None:
@@ -433,7 +309,8 @@ class VirtualArena:
         """Unpin free chunks beyond ``keep`` (the oldest first)."""
         while len(self.free) > keep:
             mem, event = self.free.pop(0)
-            _synchronize(event)  # a restore may still read it, a copy still write it
+            if event is not None:
+                event.synchronize()  # a restore may still read it
             mem.release()
 
     def release_idle(self, reader=None) -> None:
@@ -444,10 +321,8 @@ class VirtualArena:
         Restores queued on ``reader`` so far may still read them: unpinned after those. The
         next slice backs its chunks anew (the limit drops to the end's chunk)."""
         self.confirm()
-        if not self.pending and self.dev:
-            self._unstage(everything=True)
         if not self.pending and not self.live and self.backed:
-            event = self.read_marks(reader)
+            event = mark(reader)
             self.free.extend((mem, event) for mem in self.backed.values())
             self.backed.clear()
             self.limit = self.frontier // self.chunk * self.chunk

@@ -470,11 +470,8 @@ class ActivationOffloader:
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index not in self._paged:
             streams = tuple(self._stream(dev, name) for name in ("d2h", "pack", "h2d"))
-            # staged: the pack writes device chunks and the copy engine moves them down
-            # (``_arena``); the hooks confirm placements at every saved tensor and unpack, so
-            # the copies are queued soon after each pack
             self._paged[index] = PagedStore(torch.device("cuda", index), self.page_size, streams,
-                                            checksum=self.checksum, staged=True)
+                                            checksum=self.checksum)
         return self._paged[index]
 
     def synchronize(self) -> None:

@@ -92,10 +92,6 @@ class PagedStored:
     def stored(self) -> bool:
         return all(sl.base is not None for sl in self.slices)
 
-    def in_host(self) -> bool:
-        """Every page is placed and in host memory (never waits)."""
-        return all(sl.in_host() for sl in self.slices)
-
     def failed(self) -> bool:
         return any(sl.base is not None and sl.base < 0 for sl in self.slices)
 
@@ -130,18 +126,14 @@ class PagedStore:
     the device, and each restore uploads what it decodes: for stored tensors that live long
     (a KV cache's blocks, whose metadata would otherwise grow on the GPU with the context); the
     activation hooks keep it on the device (restored within a step; an upload per restore
-    would cost host time per saved tensor). ``staged``: the pack kernel writes device chunks and
-    the copy engine moves each slice down once the host has read its placement (``_arena``):
-    for the activation hooks, which read placements at every saved tensor; a store whose
-    owner may not call it again for a while (``PageCompressor``'s small tensors, the KV cache)
-    packs straight into host memory, so its bytes reach the host without the host.
+    would cost host time per saved tensor).
     """
 
     kind = "compressed"
 
     def __init__(self, device: torch.device, page_size: int, streams=(None, None, None),
                  chunk_bytes: int = CHUNK_BYTES, slice_bytes: int = SLICE_BYTES,
-                 checksum: bool = False, host_meta: bool = False, staged: bool = False):
+                 checksum: bool = False, host_meta: bool = False):
         if chunk_bytes < page_size or chunk_bytes % 16:
             raise ValueError(f"chunk_bytes must be a multiple of 16 bytes and hold a page of "
                              f"{page_size} bytes, got {chunk_bytes}")
@@ -149,8 +141,7 @@ class PagedStore:
         self.checksum, self.host_meta = checksum, host_meta
         self.compress_stream, self.pack_stream, self.restore_stream = streams
         with on_stream(self.pack_stream):  # the pack kernel reads the arena's state there
-            self.arena = VirtualArena(device, chunk_bytes, staged)
-        self.arena.reader = self.restore_stream
+            self.arena = VirtualArena(device, chunk_bytes)
         # a slice is at most a chunk long: it lies in one chunk or two (the pack kernel's rule)
         self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
         self._packed: collections.deque = collections.deque()  # pack events of recent slices
@@ -210,8 +201,7 @@ class PagedStore:
         _compress(pages, element_size, (payload, sizes, kinds), scratch, float_format)
         if self.checksum:
             _checksums(pages, sums)
-        self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held
-                                 + self.arena.staging_bound)
+        self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
         if ps is not None:
             handoff(cs, ps)
         with on_stream(ps):
@@ -219,7 +209,7 @@ class PagedStore:
             self.arena.back(n * p, ps)
             arena = self.arena
             pack_slice(payload, sizes, rel, arena.state, arena.parity, arena.limit, desc,
-                       host_desc, arena.dev_table, arena.chunk)
+                       host_desc, arena.table, arena.chunk)
             arena.parity ^= 1
             host_meta = None
             if self.host_meta:  # complete once the slice is placed: the event follows it
@@ -287,16 +277,13 @@ class PagedStore:
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
                 raise SliceNotStored(sl.n)
-            if sl.base is not None:  # placed: the copy engine, once in host memory
+            if sl.base is not None:  # placed: the copy engine
                 staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
-                if not sl.in_host():
-                    _wait(stream, sl.copied)
                 copy_pieces(staging, arena.pieces(sl.base, sl.total))
-            else:  # still packing: kernels read it (from its device chunks) once packed
+            else:  # still packing: kernels read it once the pack is done
                 _wait(stream, sl.stored)
                 staging = torch.empty(sl.n * p, dtype=torch.uint8, device=out.device)
-                arena.reading_staged(stream)
-                fetch_from_host(staging, sl.desc, arena.dev_table, arena.chunk)
+                fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
             st = status[sl.first:sl.first + sl.n]
             rel, sizes, kinds, sums = slice_meta(sl, out.device, stream)
@@ -331,7 +318,6 @@ class PagedStore:
             if s is not None:
                 s.synchronize()
         self.arena.confirm()
-        self.arena.close_staging()
         for mem in self.arena.backed.values():
             mem.release()
         self.arena.backed.clear()
@@ -390,8 +376,6 @@ class PagedStore:
             "host_peak_held_bytes": a.peak_held,
             "host_peak_used_bytes": a.peak_used,
             "scratch_bytes": self.scratch_bytes,
-            "staging_bytes": len(a.dev) * a.chunk,
-            "staging_peak_bytes": a.dev_peak * a.chunk,
             "pending_slices": len(a.pending),
         }
 

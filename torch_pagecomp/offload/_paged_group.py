@@ -99,10 +99,9 @@ def codec_runs(group: StoredGroup) -> list[tuple[int, int, int, int, bool]]:
     return [tuple(r) for r in runs]
 
 
-def _absorb(store, group: StoredGroup, device: torch.device, stream=None) -> None:
+def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     """Cache the metadata of the stored tensors after ``group.known`` whose slices are all
-    placed, in order, stopping at the first that is not; ``stream`` (the restore's) waits
-    for the copies down of the slices cached (a staged arena: ``_arena``)."""
+    placed, in order, stopping at the first that is not."""
     rels, shifts, counts, sizes, kinds, sums = [], [], [], [], [], []
     at = group.known
     while at < len(group.storeds):
@@ -114,8 +113,6 @@ def _absorb(store, group: StoredGroup, device: torch.device, stream=None) -> Non
         for sl in stored.slices:
             if sl.base < 0:
                 raise _paged.SliceNotStored(sl.n)
-            if not sl.in_host():
-                _arena._wait(stream, sl.copied)
             last = group.runs[-1] if group.runs else None
             if last is not None and last[0] + last[1] == sl.base:
                 last[1] += sl.total  # the next bytes of the arena: copied together
@@ -204,7 +201,7 @@ def restore_group(store, group: StoredGroup, out) -> None:
                 if group.ragged else None)
     stream = current_stream(dev) if dev.type == "cuda" else None
     arena.confirm()  # placements known by now (never waits)
-    _absorb(store, group, dev, stream)
+    _absorb(store, group, dev)
 
     # the stored tensors not cached yet (placement unknown): their own staging space
     rest, staged, pages = [], group.staged, group.pages
@@ -223,13 +220,10 @@ def restore_group(store, group: StoredGroup, out) -> None:
     extra = []
     for sl, at in rest:
         if sl.base is not None:  # placed since the last absorb: the copy engine
-            if not sl.in_host():
-                _arena._wait(stream, sl.copied)
             _paged.copy_pieces(staging, arena.pieces(sl.base, sl.total, at))
-        else:  # still packing: kernels read it (from its device chunks) once packed
+        else:  # still packing: kernels read it once the pack is done
             _arena._wait(stream, sl.stored)
-            arena.reading_staged(stream)
-            fetch_from_host(staging[at:at + sl.n * p], sl.desc, arena.dev_table, arena.chunk)
+            fetch_from_host(staging[at:at + sl.n * p], sl.desc, arena.table, arena.chunk)
         rel, sizes, kinds, sums = _arena.slice_meta(sl, dev, stream)
         extra.append((rel + at, sizes, kinds) + ((sums,) if store.checksum else ()))
 
