@@ -8,7 +8,7 @@ pin_memory=True)``), ``uncompressed`` (our stream-overlapped pinned offload), ``
 keeps the faster, see ``torch_pagecomp.offload._tune``), ``compressed_mem`` (``prefer="memory"``:
 every batch of a compressible class through the kernel, always) and, on request,
 ``compressed_all`` (also classes below the ratio floor). The warm-up must cover the tuner's
-trials (2 warm-up passes, 2 passes per arm): 8 steps by default.
+trials (2 warm-up passes, 2 pairs of passes per arm): 12 steps by default.
 Losses of every step are kept: ``loss dev`` is the largest relative difference from ``none``
 (flash attention's backward is not bit-deterministic, so tiny values are expected; corrupted
 activations show as large ones or NaN). Per variant: step time
@@ -275,8 +275,8 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per variant")
-    ap.add_argument("--warmup", type=int, default=8,
-                    help="untimed steps (prefer='speed' tunes in the first 6)")
+    ap.add_argument("--warmup", type=int, default=12,
+                    help="untimed steps (prefer='speed' tunes in the first 11)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--prefetch", type=int, default=1, help="groups (blocks) restored ahead")
     ap.add_argument("--gpu-blocks", type=int, default=0,

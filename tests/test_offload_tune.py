@@ -57,10 +57,11 @@ def test_tuner_keeps_the_faster_arm(faster):
     slow = random.uniform(150, 500)
     other = "compress" if faster == "copy" else "copy"
     ms = {faster: slow * random.uniform(0.5, 0.9), other: slow}
-    arms = run_passes(tuner, clock, ms, 2 + 4 + 30, jitter=0.01)
+    arms = run_passes(tuner, clock, ms, 2 + 8 + 30, jitter=0.01)
     assert arms[:2] == ["compress", "compress"]  # warm-up: compiles, pools, class policy
-    assert sorted(arms[2:6]) == ["compress", "compress", "copy", "copy"]  # alternating trials
-    assert set(arms[7:]) == {faster}, arms
+    # trials: pairs of passes of one arm, the arms alternating
+    assert arms[2:10] == ["copy", "copy", "compress", "compress"] * 2
+    assert set(arms[10:]) == {faster}, arms
     assert tuner.choice == faster
     dec = tuner.summary()["decisions"][-1]
     assert dec["choice"] == faster and dec["bytes_per_pass"] == 1 << 20
@@ -72,8 +73,31 @@ def test_tuner_tie_keeps_compression():
     clock = FakeClock()
     tuner = StepTuner(warmup=1, trials=2, retune=50, margin=0.05, clock=clock)
     base = random.uniform(100, 300)
-    arms = run_passes(tuner, clock, {"compress": base, "copy": base * 0.97}, 1 + 4 + 10)
-    assert set(arms[6:]) == {"compress"} and tuner.choice == "compress"
+    arms = run_passes(tuner, clock, {"compress": base, "copy": base * 0.97}, 1 + 8 + 10)
+    assert set(arms[9:]) == {"compress"} and tuner.choice == "compress"
+
+
+def test_tuner_times_each_arm_after_a_pass_of_its_own():
+    """A pass's offloads finish in the next pass's period (their side streams run on): timed
+    right after the other arm, a compressed pass would hand its packing to the copied pass
+    after it and win a trial it loses every step. The timed pass of each arm follows one of
+    its own, as settled passes do."""
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=2, retune=50, clock=clock)
+    own = {"compress": random.uniform(40, 60), "copy": random.uniform(60, 70)}
+    spill = {"compress": random.uniform(30, 50), "copy": 0.0}  # left to the next pass
+    arms, prev = [], "compress"
+    for _ in range(1 + 8 + 5):
+        arm = tuner.start_pass()
+        arms.append(arm)
+        tuner.add_bytes(1 << 20)
+        clock.advance(own[arm] + spill[prev])
+        prev = arm
+    # every step: compress own + spill > copy own; alternated, compress would look faster
+    assert own["compress"] + spill["compress"] > own["copy"] > own["compress"] + spill["copy"]
+    assert tuner.choice == "copy" and set(arms[9:]) == {"copy"}, tuner.summary()
+    assert tuner.history[-1]["compress_ms"] == pytest.approx(
+        own["compress"] + spill["compress"], abs=0.01)
 
 
 def test_tuner_shortest_pass_per_arm():
@@ -81,9 +105,9 @@ def test_tuner_shortest_pass_per_arm():
     clock = FakeClock()
     tuner = StepTuner(warmup=0, trials=3, retune=50, clock=clock)
     fast = random.uniform(80, 120)
-    periods = {"copy": iter([fast * 9, fast, fast]),  # the first copy pass grows the pool
-               "compress": iter([fast * 1.2] * 3)}
-    for _ in range(6):
+    periods = {"copy": iter([fast * 9, fast * 9, fast, fast, fast, fast]),  # a timed pass
+               "compress": iter([fast * 1.2] * 6)}  # grows the pool
+    for _ in range(12):  # three pairs per arm, the second of each timed
         arm = tuner.start_pass()
         tuner.add_bytes(4096)
         clock.advance(next(periods[arm]))
@@ -96,13 +120,13 @@ def test_tuner_retunes_after_retune_passes_and_on_new_workload():
     clock = FakeClock()
     tuner = StepTuner(warmup=0, trials=1, retune=6, clock=clock)
     ms = {"compress": 200.0, "copy": 100.0}
-    arms = run_passes(tuner, clock, ms, 2 + 6 + 2)
-    assert arms[2:8] == ["copy"] * 6  # settled on copy for 6 passes
-    assert sorted(arms[8:10]) == ["compress", "copy"]  # then measured again
+    arms = run_passes(tuner, clock, ms, 4 + 6 + 4)
+    assert arms[4:10] == ["copy"] * 6  # settled on copy for 6 passes
+    assert arms[10:14] == ["copy", "copy", "compress", "compress"]  # then measured again
     assert [d["choice"] for d in tuner.history] == ["copy"]  # the second: at the next start
     # now compression wins, and a pass offloads 4x the bytes: trials restart at once
     ms = {"compress": 100.0, "copy": 300.0}
-    run_passes(tuner, clock, ms, 3, nbytes=4 << 20)
+    run_passes(tuner, clock, ms, 5, nbytes=4 << 20)
     arms = run_passes(tuner, clock, ms, 5, nbytes=4 << 20)
     assert arms == ["compress"] * 5, tuner.summary()
     assert tuner.history[-1]["bytes_per_pass"] == 4 << 20
@@ -115,8 +139,9 @@ def test_tuner_waits_for_late_marks():
     done = {"t": 0.0}  # marks up to this time have happened on the "GPU"
     tuner = StepTuner(warmup=1, trials=1, retune=50, clock=clock,
                       elapsed=lambda a, b: (b - a) * 1e3 if b <= done["t"] else None)
-    arms = run_passes(tuner, clock, {"compress": 200.0, "copy": 100.0}, 8)
-    assert arms[:3] == ["compress", "copy", "compress"] and set(arms[3:]) == {"compress"}
+    arms = run_passes(tuner, clock, {"compress": 200.0, "copy": 100.0}, 10)
+    assert arms[:5] == ["compress", "copy", "copy", "compress", "compress"]
+    assert set(arms[5:]) == {"compress"}
     assert tuner.choice is None  # nothing measured yet
     done["t"] = clock.t
     arms = run_passes(tuner, clock, {"compress": 200.0, "copy": 100.0}, 3)
@@ -144,7 +169,7 @@ def test_speed_hooks_follow_the_tuner_with_identical_grads(seed):
     ref = grads_of(model, x)
     off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
     kinds = []
-    for step in range(6):
+    for step in range(7):  # warm-up, two copied, two compressed, then the choice
         before = dict(off.counters)
         got = grads_of(model, x, off, sync=off if step % 2 else None)
         assert_identical(ref, got)
@@ -155,7 +180,7 @@ def test_speed_hooks_follow_the_tuner_with_identical_grads(seed):
         clock.advance(50.0 if arm == "copy" else 80.0)  # copying is faster here
     assert tuner.choice == "copy", tuner.summary()
     assert set(kinds[0]) == {"compressed"}, kinds  # warm-up compresses
-    assert {"compressed"} in [set(k) for k in kinds[1:3]]
+    assert [set(k) for k in kinds[1:5]] == [{"cpu"}] * 2 + [{"compressed"}] * 2, kinds
     assert set(kinds[-1]) == {"cpu"}, kinds  # settled: plain copies
     assert off.stats()["tuner"]["choice"] == "copy"
     assert_clean(off)
@@ -228,16 +253,17 @@ def test_copied_passes_run_without_the_compressors_scratch(seed):
     model = GPT(d=32, heads=4, layers=2)
     x = torch.randn(2, 23, 32)
     arms = []
-    for _ in range(5):
+    for _ in range(7):
         grads_of(model, x, off)
         arms.append(tuner.summary()["arm"])
         if arms[-1] == "compress":
             store.scratch_bytes = 1 << 20  # a compressed pass makes its scratch again
         clock.advance(50.0 if arms[-1] == "copy" else 80.0)
-    # warm-up, the copied trial, the compressed trial, then copying kept
-    assert arms == ["compress", "copy", "compress", "copy", "copy"], tuner.summary()
+    # warm-up, the copied trial's two passes, the compressed trial's, then copying kept
+    assert arms == ["compress", "copy", "copy", "compress", "compress", "copy", "copy"], \
+        tuner.summary()
     assert tuner.choice == "copy", tuner.summary()
-    assert calls == [("scratch", None),  # the copied trial, before any choice
+    assert calls == [("scratch", None), ("scratch", None),  # the copied trial, before a choice
                      ("idle", "copy"), ("scratch", "copy"),  # the choice: chunks and scratch
                      ("scratch", "copy"),  # the scratch of the copied pass
                      ("scratch", "copy")]

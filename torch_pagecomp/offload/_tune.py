@@ -15,9 +15,16 @@ marks are CUDA events recorded on the current stream (GPU time, whatever the hos
 read once completed, never waited for), or the host clock without CUDA:
 
 1. ``warmup`` passes compress (kernels compile, pools grow, the class policy samples ratios);
-2. ``trials`` passes per arm, alternating ``"copy"`` (every offload a plain pinned copy) and
-   ``"compress"``; an arm's time is the shortest of its passes (a pass that grew a pool or
-   compiled a kernel is slower once, never faster);
+2. ``trials`` pairs of passes per arm, alternating ``"copy"`` (every offload a plain pinned
+   copy) and ``"compress"``, of which the second pass of each pair is timed; an arm's time is
+   the shortest of its timed passes (a pass that grew a pool or compiled a kernel is slower
+   once, never faster). A pass's offloads finish on side streams after its period ends, in
+   the next pass's: timed right after the other arm, a compressed pass left its packing to
+   the copied pass after it, which then looked slower and itself faster. On encoder-1024 the
+   tuner chose compressing on a 55.8 ms compressed pass against 59.7 copied, then ran 82-83
+   ms a step, 1.71x the copied steps; on encoder-2048 copied trials ran 4% above copied
+   steps (``bench/results/h200_cbb2caa_session28``). The second pass of a pair follows its
+   own arm, as every settled pass does;
 3. once they are measured, the faster arm is kept for ``retune`` passes; ``"copy"`` only if
    it is faster by more than ``margin`` (on a tie compression still saves host memory). Then
    the trials run again, and at once when a pass offloads a different amount (by more than a
@@ -78,7 +85,7 @@ class StepTuner:
         self.history: list[dict] = []  # one entry per decision
         self._warm = 0  # warm-up passes closed (with offloads)
         self._gen = 0  # trials generation: measurements of older ones are dropped
-        self._schedule: list[str] = []  # trial arms still to hand out
+        self._schedule: list[tuple[str, bool]] = []  # trial (arm, timed?) still to hand out
         self._settled = 0  # passes handed the choice since the decision
         self._open: tuple | None = None  # (mark, arm, generation, trial?) of the pass
         self._bytes = 0  # offloaded by the pass in progress
@@ -103,9 +110,9 @@ class StepTuner:
                 if self._warm >= self.warmup:
                     self._begin_trials()
         self._measure()
-        trial = bool(self._schedule)
-        if trial:
-            self.arm = self._schedule.pop(0)
+        trial = False
+        if self._schedule:
+            self.arm, trial = self._schedule.pop(0)
         elif self._phase == "settled":
             self._settled += 1
             self.arm = self.choice
@@ -138,7 +145,9 @@ class StepTuner:
 
     def _begin_trials(self) -> None:
         self._phase, self._gen, self._settled = "trial", self._gen + 1, 0
-        self._schedule = ["copy", "compress"] * self.trials
+        # each arm's timed pass follows one of its own (see the module docstring)
+        self._schedule = [(arm, timed) for _ in range(self.trials) for arm in ("copy", "compress")
+                          for timed in (False, True)]
         self.times = {a: [] for a in ARMS}
         self._trial_bytes = None
 
