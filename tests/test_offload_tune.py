@@ -225,6 +225,8 @@ def test_copied_passes_run_without_the_compressors_scratch(seed):
     calls = []
 
     class Arena:
+        held_bytes = 0
+
         def shrink(self):
             pass
 
@@ -268,6 +270,55 @@ def test_copied_passes_run_without_the_compressors_scratch(seed):
                      ("scratch", "copy"),  # the scratch of the copied pass
                      ("scratch", "copy")]
     assert store.scratch_bytes == 0
+
+
+def test_copied_passes_give_back_chunks_still_held_at_the_decision(seed):
+    """Settled on copying, each copied pass gives back the compressed store's idle chunks while
+    it holds any: at the decision the last compressed passes' tensors may still hold theirs
+    (freed by a later poll), which stayed pinned through every copied step."""
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=1, retune=100, clock=clock)
+    off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
+    idle = []
+
+    class Arena:
+        held_bytes = 1 << 26  # live slices at the decision: release_idle cannot give them back
+
+        def shrink(self):
+            pass
+
+    class Store:
+        scratch_bytes = 0
+        arena = Arena()
+
+        def release_idle(self):
+            idle.append(tuner.choice)
+            if len(idle) == 2:  # the tensors were freed since: now it can
+                self.arena.held_bytes = 0
+
+        def release_scratch(self):
+            pass
+
+        def poll(self):
+            pass
+
+        def failed_restores(self):
+            return 0
+
+        def stats(self):
+            return {}
+
+    off._paged[0] = Store()
+    model = GPT(d=32, heads=4, layers=2)
+    x = torch.randn(2, 23, 32)
+    for _ in range(9):
+        grads_of(model, x, off)
+        arm = tuner.summary()["arm"]
+        clock.advance(50.0 if arm == "copy" else 80.0)
+    assert tuner.choice == "copy", tuner.summary()
+    # the decision's release_idle, then one copied pass's; none once nothing is held
+    assert idle == ["copy", "copy"], idle
+    assert off._paged[0].arena.held_bytes == 0
 
 
 def test_paged_store_release_idle_gives_back_chunks_and_scratch(gen):
