@@ -8,6 +8,7 @@ gradients and the arm in force decides which store the offloads take.
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 import torch
@@ -214,6 +215,31 @@ def test_gpu_tuner_times_passes_with_events(seed):
     assert_clean(off)
 
 
+class FakeStore:
+    """What the offloader calls on a GPU's compressed store, doing nothing: tests override
+    the calls they watch."""
+
+    scratch_bytes = 0
+
+    def __init__(self):
+        self.arena = types.SimpleNamespace(held_bytes=0, shrink=lambda: None)
+
+    def release_idle(self):
+        pass
+
+    def release_scratch(self):
+        pass
+
+    def poll(self):
+        pass
+
+    def failed_restores(self):
+        return 0
+
+    def stats(self):
+        return {}
+
+
 def test_copied_passes_run_without_the_compressors_scratch(seed):
     """Every copied pass, a trial too, starts with each compressed store's GPU scratch given
     back, so copied trials are bounded as the copied passes they measure (the scratch counts
@@ -224,15 +250,8 @@ def test_copied_passes_run_without_the_compressors_scratch(seed):
     off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
     calls = []
 
-    class Arena:
-        held_bytes = 0
-
-        def shrink(self):
-            pass
-
-    class Store:  # what the offloader calls on a GPU's compressed store
+    class Store(FakeStore):
         scratch_bytes = 1 << 20
-        arena = Arena()
 
         def release_idle(self):
             calls.append(("idle", tuner.choice))
@@ -241,15 +260,6 @@ def test_copied_passes_run_without_the_compressors_scratch(seed):
         def release_scratch(self):
             calls.append(("scratch", tuner.choice))
             self.scratch_bytes = 0
-
-        def poll(self):
-            pass
-
-        def failed_restores(self):
-            return 0
-
-        def stats(self):
-            return {}
 
     store = off._paged[0] = Store()
     model = GPT(d=32, heads=4, layers=2)
@@ -281,34 +291,15 @@ def test_copied_passes_give_back_chunks_still_held_at_the_decision(seed):
     off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
     idle = []
 
-    class Arena:
-        held_bytes = 1 << 26  # live slices at the decision: release_idle cannot give them back
-
-        def shrink(self):
-            pass
-
-    class Store:
-        scratch_bytes = 0
-        arena = Arena()
-
+    class Store(FakeStore):
         def release_idle(self):
             idle.append(tuner.choice)
             if len(idle) == 2:  # the tensors were freed since: now it can
                 self.arena.held_bytes = 0
 
-        def release_scratch(self):
-            pass
-
-        def poll(self):
-            pass
-
-        def failed_restores(self):
-            return 0
-
-        def stats(self):
-            return {}
-
-    off._paged[0] = Store()
+    store = Store()
+    store.arena.held_bytes = 1 << 26  # live slices at the decision: release_idle cannot free
+    off._paged[0] = store
     model = GPT(d=32, heads=4, layers=2)
     x = torch.randn(2, 23, 32)
     for _ in range(9):
@@ -318,7 +309,7 @@ def test_copied_passes_give_back_chunks_still_held_at_the_decision(seed):
     assert tuner.choice == "copy", tuner.summary()
     # the decision's release_idle, then one copied pass's; none once nothing is held
     assert idle == ["copy", "copy"], idle
-    assert off._paged[0].arena.held_bytes == 0
+    assert store.arena.held_bytes == 0
 
 
 def test_paged_store_release_idle_gives_back_chunks_and_scratch(gen):
