@@ -179,11 +179,13 @@ for path in sorted(glob.glob(f"{out}/ab_parts/*.json")):
         rows.append({**r, "side": name.split("_")[0], "round": int(name.rsplit("_r", 1)[1]),
                      "commit": doc["commit"], "device": doc["device"], "date": doc["date"]})
 json.dump({"rows": rows}, open(f"{out}/ab.json", "w"), indent=1)
-lines = ["| model | variant | round | side | commit | step ms | host issue ms | peak GPU GiB | host GiB "
-         "| stored GiB | pinned held GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+lines = ["| model | variant | round | side | commit | step ms | host issue ms | host wait ms "
+         "| peak GPU GiB | host GiB | stored GiB | pinned held GiB |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in sorted(rows, key=lambda r: (r["model"], r["variant"], r["round"], r["side"] != "old")):
     lines.append(f"| {r['model']} | {r['variant']} | {r['round']} | {r['side']} | {r['commit']} | "
                  f"{r.get('step_ms', 0):.1f} | {r.get('host_issue_ms', 0):.1f} | "
+                 f"{r.get('host_wait_ms') or 0:.1f} | "
                  f"{r.get('peak_gpu_gib', 0):.2f} | {r.get('host_gib') or 0:.2f} | "
                  f"{r.get('stored_gib') or 0:.2f} | {r.get('host_held_gib') or 0:.2f} |")
 open(f"{out}/ab.md", "w").write("\n".join(lines) + "\n")

@@ -396,6 +396,10 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         # ledger, which counts a storage at full size until its placement is read)
         if comp:
             row["stored_gib"] = sum(c["host_peak_used_bytes"] for c in comp) / GIB
+            # the host's waits for packs per timed step (in ``host_issue_ms``, but not work)
+            waited = sum(c.get("host_wait_us", 0) for c in comp) - sum(
+                c.get("host_wait_us", 0) for c in before.get("compressor", {}).values())
+            row["host_wait_ms"] = waited / steps / 1e3
         off.remove()
     elif ctx is not None:
         row.update(host_gib=ctx.bytes / GIB, offloaded_gib=ctx.bytes / GIB)
@@ -458,7 +462,9 @@ def table(doc: dict) -> str:
     # host GiB: the hooks' ledger peak (a storage at full size until its placement is read);
     # stored GiB: the compressed stores' placed bytes at their peak; held GiB: page-locked
     # memory held at the peak (the copy pool and the compressed arena)
-    head = ["model", "gpus", "variant", "codec", "step ms", "host issue ms", "vs uncompressed",
+    # host issue ms: the host's time per step, of which host wait ms waiting for packs
+    head = ["model", "gpus", "variant", "codec", "step ms", "host issue ms", "host wait ms",
+            "vs uncompressed",
             "peak GPU GiB", "host GiB", "stored GiB", "held GiB", "ratio", "link-bound",
             "grads identical"]
     unc = {r["model"]: r.get("step_ms") for r in doc["rows"] if r["variant"] == "uncompressed"}
@@ -469,7 +475,8 @@ def table(doc: dict) -> str:
             rows.append(first + [f"error: {r['error']}"])
             continue
         rel = (f"{r['step_ms'] / unc[r['model']]:.2f}x" if unc.get(r["model"]) else "")
-        rows.append(first + [f"{r['step_ms']:.1f}", cell(r.get("host_issue_ms"), 1), rel,
+        rows.append(first + [f"{r['step_ms']:.1f}", cell(r.get("host_issue_ms"), 1),
+                             cell(r.get("host_wait_ms"), 1), rel,
                              cell(r.get("peak_gpu_gib")), cell(r.get("host_gib")),
                              cell(r.get("stored_gib")), cell(r.get("host_held_gib")),
                              cell(r.get("ratio"), 3), str(r["link_bound"]),

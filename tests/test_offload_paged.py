@@ -96,6 +96,41 @@ def test_peak_of_stored_bytes_counts_slices_freed_before_their_placement_is_read
     assert store.arena.used == 0 and not store.arena._log
 
 
+def test_host_waits_for_packs_are_counted():
+    """``stats()["host_wait_us"]``: the time the host spent waiting for a slice's pack (a
+    confirm that needs its placement), and only that: a confirm of finished slices adds
+    nothing."""
+    import time
+
+    from torch_pagecomp.offload._arena import _Slice
+
+    class SlowPack:  # a pack event that completes once waited for, 20 ms later
+        def __init__(self):
+            self.finished = False
+
+        def query(self):
+            return self.finished
+
+        def synchronize(self):
+            time.sleep(0.02)
+            self.finished = True
+
+    store = PagedStore(torch.device("cpu"), P, chunk_bytes=1 << 16)
+    arena = store.arena
+    slow = _Slice(0, 1, None, None, None, None, torch.tensor([0, 16]), SlowPack())
+    arena.add(slow, P)
+    arena.confirm()  # not finished: not waited for
+    assert slow.base is None and store.stats()["host_wait_us"] == 0
+    arena.confirm(through=slow)
+    assert slow.base == 0 and slow.total == 16
+    waited = store.stats()["host_wait_us"]
+    assert 20_000 <= waited < 2_000_000, waited
+    done = _Slice(1, 1, None, None, None, None, torch.tensor([16, 16]), None)
+    arena.add(done, P)
+    arena.confirm(through=done)
+    assert store.stats()["host_wait_us"] == waited
+
+
 def test_chunks_must_hold_a_page():
     with pytest.raises(ValueError, match="chunk_bytes"):
         PagedStore(torch.device("cpu"), P, chunk_bytes=P // 2)

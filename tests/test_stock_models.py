@@ -29,6 +29,7 @@ def test_models_offload_with_identical_grads(model):
     assert mem["ratio"] > 1.0  # bf16 activations compress
     table = stock_models.table(doc)
     assert "| memory |" in table and "| stored GiB | held GiB |" in table
+    assert "| host issue ms | host wait ms |" in table
     held = table.splitlines()[0].split(" | ").index("held GiB")
     unc_line = next(line for line in table.splitlines() if "| uncompressed |" in line)
     assert float(unc_line.split(" | ")[held]) == pytest.approx(unc["host_held_gib"], abs=0.01)

@@ -19,6 +19,7 @@ the pack's event has completed.
 from __future__ import annotations
 
 import collections
+import time
 
 import torch
 
@@ -158,6 +159,9 @@ class VirtualArena:
         self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
         self._next_desc = 0
         self.parity = 0  # the slot of ``state`` that holds the end for the next slice
+        # seconds the host spent waiting for packs (``back`` and ``host_desc`` before pinning
+        # or reusing, ``confirm(through=...)``): where a step's host time is waiting, not work
+        self.wait_s = 0.0
 
     # ---------------------------------------------------------------- placement
     def chunks_of(self, base: int, total: int) -> range:
@@ -259,7 +263,9 @@ class VirtualArena:
             if not sl.done():
                 if through is None or through.base is not None:
                     break
+                t0 = time.perf_counter()
                 sl.stored.synchronize()
+                self.wait_s += time.perf_counter() - t0
             self.pending_upper -= self.pending.popleft()[1]
             base, total = (int(v) for v in sl.host_desc.tolist())
             sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None

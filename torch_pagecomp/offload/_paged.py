@@ -377,6 +377,7 @@ class PagedStore:
             "host_peak_used_bytes": a.peak_used,
             "scratch_bytes": self.scratch_bytes,
             "pending_slices": len(a.pending),
+            "host_wait_us": round(a.wait_s * 1e6),
         }
 
 
