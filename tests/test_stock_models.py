@@ -115,3 +115,19 @@ def test_fsdp2_driver_runs_each_variant_in_its_own_torchrun(tmp_path, monkeypatc
     assert doc["gpus"] == 2 and all(row["gpus"] == 2 for row in doc["rows"])
     assert unc["grads_identical"] and mem["grads_identical"], doc["rows"]
     assert mem["offloaded_gib"] > 0 and mem["ratio"] > 1.0
+
+
+def test_ratio_over_stored_bytes_where_every_storage_was_compressed():
+    """A row's ratio: uncompressed's bytes over the row's stored bytes where all its storages
+    were compressed (the ledger counts some at full size until placed); the ledger where any
+    was copied raw (the stores' bytes leave those out)."""
+    rows = [
+        {"model": "m", "variant": "uncompressed", "host_gib": 4.0, "step_ms": 10.0,
+         "stats": {"offloaded_raw": 5}},
+        {"model": "m", "variant": "memory", "host_gib": 3.2, "stored_gib": 2.8, "step_ms": 11.0,
+         "stats": {"offloaded_raw": 0}},
+        {"model": "m", "variant": "speed", "host_gib": 3.5, "stored_gib": 2.0, "step_ms": 10.0,
+         "stats": {"offloaded_raw": 3}},
+    ]
+    got = {r["variant"]: r["ratio"] for r in stock_models._finish(rows, {"gpus": 1})["rows"]}
+    assert got == pytest.approx({"uncompressed": 1.0, "memory": 4.0 / 2.8, "speed": 4.0 / 3.5})
