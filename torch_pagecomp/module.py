@@ -261,10 +261,9 @@ class RestoreFailures:
             s.record_stream(stream)  # made on the kernel stream, read on this one
         with self._lock:
             self._held.append((statuses, stream))
-            if len(self._held) < self.HELD:
-                return
-            held, self._held = self._held, []
-        self._count(held)
+            full = len(self._held) >= self.HELD
+        if full:
+            self._flush()
 
     def _flush(self) -> None:
         with self._lock:

@@ -159,8 +159,8 @@ class VirtualArena:
         self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
         self._next_desc = 0
         self.parity = 0  # the slot of ``state`` that holds the end for the next slice
-        # seconds the host spent waiting for packs (``back`` and ``host_desc`` before pinning
-        # or reusing, ``confirm(through=...)``): where a step's host time is waiting, not work
+        # seconds the host spent waiting for packs in ``confirm(through=...)`` (which ``back``
+        # and ``host_desc`` call before pinning or reusing): a step's host time not spent working
         self.wait_s = 0.0
 
     # ---------------------------------------------------------------- placement

@@ -146,8 +146,8 @@ class StepTuner:
     def _begin_trials(self) -> None:
         self._phase, self._gen, self._settled = "trial", self._gen + 1, 0
         # each arm's timed pass follows one of its own (see the module docstring)
-        self._schedule = [(arm, timed) for _ in range(self.trials) for arm in ("copy", "compress")
-                          for timed in (False, True)]
+        pairs = [(arm, timed) for arm in ("copy", "compress") for timed in (False, True)]
+        self._schedule = pairs * self.trials
         self.times = {a: [] for a in ARMS}
         self._trial_bytes = None
 
