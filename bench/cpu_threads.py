@@ -177,29 +177,36 @@ def process_reference(name: str, nbytes: int, page_size: int, counts: list[int],
 
 def thread_spans(pages: torch.Tensor, element_size: int, threads: list[int],
                  repeats: int) -> list[dict]:
-    """Where a threaded call's time goes (#25): each thread's C call timed from the call's
-    start, medians over ``repeats`` calls per op and thread count: ``start_us``, when the last
-    thread entered its C loop (the hand-off); ``tail_us``, from the first thread's end to the
-    last's (what the threads wait for each other); ``inflation``, the threads' mean time in the
-    loop times their number over the one-thread call (above 1: each thread's work got slower,
-    contention for the host's caches, memory or clock)."""
+    """Where a threaded call's time goes (#25), medians over ``repeats`` calls per op and thread
+    count, times from the start of ``cpu_codec._run_ranges``:
+
+    - C loops that start their threads themselves (``_native.THREADS``; ``mode`` ``c``): one C
+      call per batch. ``start_us``, when it began; ``tail_us``, from its end to the batch's;
+      ``inflation``, the call's time times the threads over the one-thread call (above 1: the
+      threads' start and join, and each thread's work slowing down: contention for the host's
+      caches, memory or clock).
+    - Python threads each making a C call (``mode`` ``python``): ``start_us``, when the last
+      thread entered its C loop (the hand-off); ``tail_us``, from the first thread's end to the
+      last's (what the threads wait for each other); ``inflation``, the threads' mean time in
+      the loop times their number over the one-thread call."""
     c = pc.compress(pages, element_size=element_size, backend="cpu")
     calls = {"compress": lambda: pc.compress(pages, element_size=element_size, backend="cpu"),
              "decompress": lambda: pc.decompress(c, backend="cpu")}
     orig = cpu_codec._run_ranges
-    spans: list[tuple] = []
+    spans: list[tuple] = []  # per batch: ([(start, end) of each C call], end of the batch)
 
     def timed(fn, n, page_size, c_loop=None):
         t0, got = time.perf_counter(), []
 
-        def loop(counter, parts):
+        def loop(counter, parts, threads):
             a = time.perf_counter() - t0
-            c_loop(counter, parts)
+            c_loop(counter, parts, threads)
             got.append((a, time.perf_counter() - t0))
 
         orig(fn, n, page_size, loop if c_loop is not None else None)
-        spans.append(got)
+        spans.append((got, time.perf_counter() - t0))
 
+    mode = "c" if cpu_codec._C_THREADS else "python"
     rows = []
     try:
         cpu_codec._run_ranges = timed
@@ -212,17 +219,21 @@ def thread_spans(pages: torch.Tensor, element_size: int, threads: list[int],
                 spans.clear()
                 for _ in range(repeats):
                     call()
-                got = [g for g in spans if g]
+                got = [g for g in spans if g[0]]
                 if not got:
                     continue  # no C loops here (python-lz4): nothing to time
-                rows.append({
-                    "op": op, "threads": t, "calls": len(got),
-                    "start_us": statistics.median(max(a for a, _ in g) for g in got) * 1e6,
-                    "tail_us": statistics.median(max(b for _, b in g) - min(b for _, b in g)
-                                                 for g in got) * 1e6,
-                    "inflation": statistics.median(
-                        sum(b - a for a, b in g) / one for g in got),
-                })
+                if mode == "c":
+                    start = [g[0][0][0] for g in got]
+                    tail = [g[1] - g[0][0][1] for g in got]
+                    busy = [(g[0][0][1] - g[0][0][0]) * t / one for g in got]
+                else:
+                    start = [max(a for a, _ in g[0]) for g in got]
+                    tail = [max(b for _, b in g[0]) - min(b for _, b in g[0]) for g in got]
+                    busy = [sum(b - a for a, b in g[0]) / one for g in got]
+                rows.append({"op": op, "threads": t, "calls": len(got), "mode": mode,
+                             "start_us": statistics.median(start) * 1e6,
+                             "tail_us": statistics.median(tail) * 1e6,
+                             "inflation": statistics.median(busy)})
     finally:
         cpu_codec._run_ranges = orig
         pc.set_cpu_threads(None)
@@ -274,10 +285,11 @@ def table(doc: dict) -> str:
                      f"{r['gbps']:>8.3f} {r['speedup']:>8.2f} {r['efficiency']:>10.2f}")
     if doc.get("spans"):
         lines.append(f"{'corpus':<11} {'op':<12} {'threads':>7} {'start us':>9} {'tail us':>8} "
-                     f"{'inflation':>9}")
+                     f"{'inflation':>9} threads of")
         for r in doc["spans"]:
             lines.append(f"{r['corpus']:<11} {r['op']:<12} {r['threads']:>7} "
-                         f"{r['start_us']:>9.0f} {r['tail_us']:>8.0f} {r['inflation']:>9.2f}")
+                         f"{r['start_us']:>9.0f} {r['tail_us']:>8.0f} {r['inflation']:>9.2f} "
+                         f"{'the C call' if r['mode'] == 'c' else 'Python'}")
     return "\n".join(lines)
 
 

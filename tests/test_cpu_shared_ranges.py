@@ -1,11 +1,13 @@
-"""The C page loops that take their ranges themselves (#25): each thread of a CPU batch makes
-one call of ``_native.decode_pages`` / ``compress_pages`` (and of the exponent codec's
-``exp_encode_pages`` / ``exp_decode_pages``) with a counter every call shares, and the call
-takes range after range from it with the GIL released. Split over 1, 2, 3 and 8 threads, with
-ranges far smaller than the batch, the pages, sizes, kinds and statuses are those of one
-thread (and of the python-lz4 path); every range is taken exactly once, including when the
-counter starts past some ranges; errors come out as before. Skipped where ``_native`` is not
-built (the Python paths take ranges one ``fn`` call at a time, unchanged)."""
+"""The C page loops that take their ranges themselves (#25): ``_native.decode_pages`` /
+``compress_pages`` (and the exponent codec's ``exp_encode_pages`` / ``exp_decode_pages``) take
+range after range from a counter shared by every thread of a CPU batch, with the GIL released.
+The batch's threads are started by the C call itself (``threads``: one call per batch), or,
+where the module cannot (``THREADS`` 0), each thread of the CPU codec's pool makes one call.
+Split over 1, 2, 3 and 8 threads, with ranges far smaller than the batch, the pages, sizes,
+kinds and statuses are those of one thread (and of the python-lz4 path); every range is taken
+exactly once, by C threads and by Python threads sharing a counter, including when the counter
+starts past some ranges; errors come out as before. Skipped where ``_native`` is not built
+(the Python paths take ranges one ``fn`` call at a time, unchanged)."""
 
 from __future__ import annotations
 
@@ -38,8 +40,8 @@ class Recording:
             return fn
 
         def call(*args):
-            with self._lock:
-                self.calls.append((name, threading.get_ident(), len(args)))
+            with self._lock:  # (name, thread, arguments, the call's threads: its last one)
+                self.calls.append((name, threading.get_ident(), len(args), args[-1]))
             return fn(*args)
 
         return call
@@ -56,10 +58,24 @@ def small_ranges(monkeypatch):
     cpu_codec.set_cpu_threads(None)
 
 
-def expected_calls(n: int, threads: int) -> int:
-    """Calls of one C loop for a batch of ``n`` pages: one per thread ``_run_ranges`` uses."""
+def used_threads(n: int, threads: int) -> int:
+    """Threads ``_run_ranges`` uses for a batch of ``n`` pages with ``threads`` set."""
     least = cpu_codec.MIN_THREADED_PAGES // 2
     return min(threads, n // least) if n >= cpu_codec.MIN_THREADED_PAGES else 1
+
+
+def expected_calls(n: int, threads: int) -> int:
+    """Calls of one C loop for a batch of ``n`` pages: one that starts the batch's threads
+    itself, else one per thread of the pool."""
+    return 1 if cpu_codec._C_THREADS else used_threads(n, threads)
+
+
+def check_calls(calls: list, name: str, n: int, threads: int, nargs: int) -> None:
+    """``calls`` (recorded) are one batch's calls of C loop ``name`` with ``nargs`` arguments,
+    the last the threads that call runs on: the batch's threads in all."""
+    assert {c[0] for c in calls} == {name}, calls
+    assert len(calls) == expected_calls(n, threads) and all(c[2] == nargs for c in calls), calls
+    assert sum(c[3] for c in calls) == used_threads(n, threads), calls
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -74,9 +90,7 @@ def test_decode_over_threads_with_small_ranges(gen, packed, small_ranges, monkey
         cpu_codec.set_cpu_threads(threads)
         small_ranges.calls.clear()
         results.append(cpu_codec.decompress_cpu(payload, offsets, sizes, kinds, 4096))
-        calls = small_ranges.calls
-        assert len(calls) == expected_calls(n, threads), (threads, calls)
-        assert {c[0] for c in calls} == {"decode_pages"} and all(c[2] == 11 for c in calls)
+        check_calls(small_ranges.calls, "decode_pages", n, threads, 12)
     out1, st1 = results[0]
     bad = st1.numpy() != 0
     assert bad.sum() >= 50 and len(set((np.flatnonzero(bad) // 30).tolist())) == 10
@@ -106,9 +120,7 @@ def test_compress_over_threads_with_small_ranges(gen, element_size, small_ranges
         cpu_codec.set_cpu_threads(threads)
         small_ranges.calls.clear()
         results.append([t.clone() for t in cpu_codec.compress_cpu(pages, element_size)])
-        calls = small_ranges.calls
-        assert len(calls) == expected_calls(n, threads), (threads, calls)
-        assert {c[0] for c in calls} == {"compress_pages"} and all(c[2] == 12 for c in calls)
+        check_calls(small_ranges.calls, "compress_pages", n, threads, 13)
     for threads, r in zip(THREADS, results):
         assert all(torch.equal(u, v) for u, v in zip(r, results[0])), threads
     payload, sizes, kinds = results[0]
@@ -124,9 +136,11 @@ def test_c_loops_take_small_ranges(monkeypatch, n, page_size):
     with a few megabyte ranges per thread the threads idled behind the last one (#25)."""
     monkeypatch.setattr(cpu_codec, "cpu_threads", lambda: 8)
     got = []
-    cpu_codec._run_ranges(None, n, page_size, lambda counter, parts: got.append(parts))
-    parts = got[0]
-    assert len(got) == expected_calls(n, 8) and set(got) == {parts}
+    cpu_codec._run_ranges(None, n, page_size,
+                          lambda counter, parts, threads: got.append((parts, threads)))
+    parts = got[0][0]
+    assert len(got) == expected_calls(n, 8) and {g[0] for g in got} == {parts}
+    assert sum(g[1] for g in got) == used_threads(n, 8)
     assert parts <= n and -(-n // parts) * page_size <= max(cpu_codec.C_RANGE_BYTES, page_size)
 
 
@@ -144,11 +158,19 @@ def bounds(n: int, parts: int) -> list[int]:
     return [n * k // parts for k in range(parts + 1)]
 
 
-def run_shared(call, parts: int, first: int, threads: int) -> np.ndarray:
-    """``call(counter, parts)`` on ``threads`` Python threads sharing a counter at ``first``;
-    the counter afterwards."""
+# (threads, whether the C call starts them): Python threads each making a call, or one call
+SHARING = [(1, False), (3, False), (3, True), (8, True)]
+
+
+def run_shared(call, parts: int, first: int, threads: int, c_threads: bool) -> np.ndarray:
+    """``call(counter, parts, threads)`` once with ``c_threads`` (the call starts its threads),
+    else ``call(counter, parts, 1)`` on ``threads`` Python threads, sharing a counter at
+    ``first``; the counter afterwards."""
     counter = np.full(1, first, dtype=np.int64)
-    workers = [threading.Thread(target=call, args=(counter, parts)) for _ in range(threads)]
+    if c_threads:
+        call(counter, parts, threads)
+        return counter
+    workers = [threading.Thread(target=call, args=(counter, parts, 1)) for _ in range(threads)]
     for w in workers:
         w.start()
     for w in workers:
@@ -156,12 +178,13 @@ def run_shared(call, parts: int, first: int, threads: int) -> np.ndarray:
     return counter
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads, c_threads", SHARING)
 @pytest.mark.parametrize("packed", [False, True])
-def test_decode_takes_each_range_once(gen, packed, threads):
+def test_decode_takes_each_range_once(gen, packed, threads, c_threads):
     """A counter that starts at range 4 of 13 (uneven ranges of ``n * k // parts``): exactly
     the pages of ranges 4..12 are written, as separate calls write them, the rest untouched;
-    the counter ends at ``parts`` plus one draw past the end per call (each range drawn once)."""
+    the counter ends at ``parts`` plus one draw past the end per thread (each range drawn
+    once, and every thread the call started ran)."""
     native = cpu_codec._native
     payload, offsets, sizes, kinds = (t.numpy() for t in hostile_metadata(gen, packed))
     n, parts, first = sizes.shape[0], 13, 4
@@ -174,10 +197,11 @@ def test_decode_takes_each_range_once(gen, packed, threads):
     out = np.full(n * 4096, 0xA5, np.uint8)
     st = np.full(n, -1, np.int32)
 
-    def call(counter, parts):
-        native.decode_pages(payload, offsets, sizes, kinds, out, st, 4096, 0, n, counter, parts)
+    def call(counter, parts, t):
+        native.decode_pages(payload, offsets, sizes, kinds, out, st, 4096, 0, n, counter, parts,
+                            t)
 
-    counter = run_shared(call, parts, first, threads)
+    counter = run_shared(call, parts, first, threads, c_threads)
     assert counter[0] == parts + threads
     assert np.array_equal(st, want_st) and np.array_equal(out, want_out)
     assert (st[:b[first]] == -1).all() and (st[b[first]:] != -1).all()
@@ -193,8 +217,8 @@ def test_decode_takes_each_range_once(gen, packed, threads):
     assert (st == -1).all()
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_compress_takes_each_range_once(gen, threads):
+@pytest.mark.parametrize("threads, c_threads", SHARING)
+def test_compress_takes_each_range_once(gen, threads, c_threads):
     native = cpu_codec._native
     raw = mixed_pages(200, 4096, gen).numpy().reshape(-1)
     n, parts, first = 200, 9, 2
@@ -206,8 +230,8 @@ def test_compress_takes_each_range_once(gen, threads):
         native.compress_pages(raw[lo:hi], raw[lo:hi], want[0][lo:hi], want[1][b[k]:b[k + 1]],
                               want[2][b[k]:b[k + 1]], *args)
     got = [np.full(n * 4096, 0xA5, np.uint8), np.full(n, -1, np.int32), np.full(n, 0xA5, np.uint8)]
-    counter = run_shared(lambda c, p: native.compress_pages(raw, raw, *got, *args, c, p), parts,
-                         first, threads)
+    counter = run_shared(lambda c, p, t: native.compress_pages(raw, raw, *got, *args, c, p, t),
+                         parts, first, threads, c_threads)
     assert counter[0] == parts + threads
     assert all(np.array_equal(u, v) for u, v in zip(got, want))
     assert (got[1][:b[first]] == -1).all() and (got[1][b[first]:] > 0).all()
@@ -215,8 +239,8 @@ def test_compress_takes_each_range_once(gen, threads):
 
 @pytest.mark.skipif(not hasattr(cpu_codec._native, "exp_encode_pages"),
                     reason="built without the exponent loops")
-@pytest.mark.parametrize("threads", [1, 3])
-def test_exp_loops_take_each_range_once(gen, threads):
+@pytest.mark.parametrize("threads, c_threads", SHARING)
+def test_exp_loops_take_each_range_once(gen, threads, c_threads):
     """``exp_encode_pages`` / ``exp_decode_pages`` with a shared counter: the ranges from the
     counter on, each once, as separate calls on those ranges write them."""
     from test_exp_codec import hostile_batch
@@ -234,8 +258,9 @@ def test_exp_loops_take_each_range_once(gen, threads):
         native.exp_encode_pages(raw[lo:hi], want[0][lo:hi], want[1][b[k]:b[k + 1]],
                                 want[2][b[k]:b[k + 1]], 4096, fmt.EXP_BF16)
     got = [np.full(n * 4096, 0xA5, np.uint8), np.full(n, -1, np.int32), np.full(n, 0xA5, np.uint8)]
-    counter = run_shared(lambda c, p: native.exp_encode_pages(raw, *got, 4096, fmt.EXP_BF16, c, p),
-                         parts, first, threads)
+    counter = run_shared(
+        lambda c, p, t: native.exp_encode_pages(raw, *got, 4096, fmt.EXP_BF16, c, p, t),
+        parts, first, threads, c_threads)
     assert counter[0] == parts + threads
     assert all(np.array_equal(u, v) for u, v in zip(got, want))
     assert (got[1][:b[first]] == -1).all() and (got[1][b[first]:] > 0).all()
@@ -251,9 +276,9 @@ def test_exp_loops_take_each_range_once(gen, threads):
         native.exp_decode_pages(payload, offsets[s], sizes[s], kinds[s],
                                 want_out[b[k] * 4096:b[k + 1] * 4096], want_st[s], 4096)
     out, st = np.full(n * 4096, 0xA5, np.uint8), np.full(n, -1, np.int32)
-    counter = run_shared(lambda c, p: native.exp_decode_pages(payload, offsets, sizes, kinds, out,
-                                                              st, 4096, c, p),
-                         parts, first, threads)
+    counter = run_shared(lambda c, p, t: native.exp_decode_pages(payload, offsets, sizes, kinds,
+                                                                 out, st, 4096, c, p, t),
+                         parts, first, threads, c_threads)
     assert counter[0] == parts + threads
     assert np.array_equal(st, want_st) and np.array_equal(out, want_out)
     assert (st[b[first]:] != 0).any() and (st[b[first]:] == 0).any()
@@ -282,6 +307,12 @@ def test_counter_arguments_are_checked():
                            (np.zeros(1, np.int64), 0), (np.zeros(1, np.int64), 2**31)):
         with pytest.raises(ValueError, match="counter must be"):
             dec(counter, parts)
+    # threads: 1..256, more than one only with a counter (the start .. stop range is one)
+    for counter, threads in ((np.zeros(1, np.int64), 0), (np.zeros(1, np.int64), 257),
+                             (None, 2)):
+        with pytest.raises(ValueError, match="threads must be"):
+            native.decode_pages(payload, off, size, kinds, out, st, 4096, 0, 1, counter, 1,
+                                threads)
     assert (out == 0xA5).all() and (st == -1).all()
     dec(None)  # no counter: start .. stop, as before
     assert st[0] == 0 and not out.any()
@@ -310,9 +341,11 @@ def test_exp_codec_over_threads_with_small_ranges(gen, small_ranges, monkeypatch
         hostile[torch.randint(0, n, (9,), generator=g)] = torch.randint(
             -5, 9000, (9,), generator=g, dtype=torch.int32)
         got = exp_codec.decompress_exp_cpu(payload.view(-1), offsets, hostile, kinds, 4096)
-        names = [c[0] for c in small_ranges.calls]
-        want = expected_calls(n, threads)
-        assert names.count("exp_encode_pages") == want == names.count("exp_decode_pages")
+        calls = small_ranges.calls
+        check_calls([c for c in calls if c[0] == "exp_encode_pages"], "exp_encode_pages", n,
+                    threads, 9)
+        check_calls([c for c in calls if c[0] == "exp_decode_pages"], "exp_decode_pages", n,
+                    threads, 10)
         encoded.append((payload, sizes, kinds))
         decoded.append(tuple(t.clone() for t in got))
         assert decoded[-1][1].any()  # some of the hostile pages failed

@@ -16,6 +16,12 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#define HAVE_THREADS 1
+#else
+#define HAVE_THREADS 0
+#endif
 
 enum {
     STATUS_OK = 0,
@@ -332,6 +338,64 @@ static int next_range(ranges_t *g, Py_ssize_t *lo, Py_ssize_t *hi) {
     return 1;
 }
 
+/* ------------------------------------------------------------------ threads of one call
+ * A batch's page loop on `threads` threads: the caller's, and threads - 1 started here and
+ * joined before the call returns, all sharing the batch's range counter (next_range). The
+ * Python threads this replaces each had to take the GIL to enter their C call and again to
+ * leave it, one after the other: on a 16-core host the last of 8 threads entered its loop
+ * 440-470 us after the call began and the threads left it over another 370-430 us, 10-15% of a
+ * 64 MiB call (bench/results/h200_a1601c8_session29). No thread outlives the call, so nothing
+ * is left to stop at interpreter exit or to lose in a forked child. A thread that cannot start
+ * (or cannot get its working memory) leaves its ranges to the others; the call fails with
+ * MemoryError only when no thread could work (ranges_done). */
+enum { MAX_THREADS = 256 };
+
+typedef struct {
+    void (*body)(void *ctx);
+    void *ctx;
+} loop_t;
+
+#if HAVE_THREADS
+static void *loop_thread(void *arg) {
+    const loop_t *l = arg;
+    l->body(l->ctx);
+    return NULL;
+}
+#endif
+
+/* body(ctx) on the calling thread and on threads - 1 more (GIL released by the caller). */
+static void run_loop(void (*body)(void *), void *ctx, Py_ssize_t threads) {
+#if HAVE_THREADS
+    pthread_t ids[MAX_THREADS];
+    loop_t l = {body, ctx};
+    Py_ssize_t started = 0;
+    while (started + 1 < threads && pthread_create(&ids[started], NULL, loop_thread, &l) == 0)
+        started++;
+    body(ctx);
+    for (Py_ssize_t k = 0; k < started; k++) pthread_join(ids[k], NULL);
+#else
+    (void)threads;
+    body(ctx);
+#endif
+}
+
+/* Whether every range was taken: a thread leaves its loop only after drawing a number past the
+ * last range, so the counter is below `parts` only if no thread ran its loop. */
+static int ranges_done(const ranges_t *g) {
+    if (g->counter == NULL) return g->done;
+    return __atomic_load_n(g->counter, __ATOMIC_RELAXED) >= g->parts;
+}
+
+/* The optional `threads` argument: 1..MAX_THREADS, and more than 1 only with a counter. */
+static int check_threads(Py_ssize_t threads, const ranges_t *g, const char *fn) {
+    if (threads < 1 || threads > MAX_THREADS || (threads > 1 && g->counter == NULL)) {
+        PyErr_Format(PyExc_ValueError, "%s: threads must be in 1..%d (more than 1 only with a "
+                     "counter), got %zd", fn, MAX_THREADS, threads);
+        return 0;
+    }
+    return 1;
+}
+
 /* The size rules both decoders share: [o, o + s) non-empty and inside the payload (o >= 0 and
  * s <= total - o first: o + s cannot overflow), a RAW page `page` bytes, a FILL page 1. */
 static int plain_size_bad(int codec, int64_t o, int64_t s, int64_t total, int64_t page) {
@@ -359,11 +423,13 @@ static int32_t check_page(const int64_t *off, const int32_t *size, const uint8_t
 
 PyDoc_STRVAR(decode_pages_doc,
 "decode_pages(payload, offsets, sizes, kinds, out, status, page_size, start, stop,\n"
-"             counter=None, parts=1)\n\n"
+"             counter=None, parts=1, threads=1)\n\n"
 "Decode pages start .. stop - 1 of a batch of N = len(sizes) pages, with the GIL released;\n"
 "with a counter (int64 [>= 1], shared by every thread's call for the batch, 0 at first),\n"
 "start .. stop - 1 cut into `parts` ranges, each taken by the call that draws its number from\n"
-"the counter (an atomic fetch-and-add), until none is left (see next_range).\n"
+"the counter (an atomic fetch-and-add), until none is left (see next_range); with threads > 1\n"
+"(a counter needed), threads - 1 threads started for the call take ranges beside the caller\n"
+"and are joined before it returns (see run_loop).\n"
 "The arguments are the whole batch's (C-contiguous): payload uint8 [T]; offsets int64 [N], or\n"
 "[N + 1] for a packed container (page i is then payload[offsets[i]:offsets[i + 1]], which\n"
 "must be sizes[i] bytes, and offsets[0] must be 0); sizes int32 [N]; kinds uint8 [N] (codec\n"
@@ -377,12 +443,60 @@ PyDoc_STRVAR(decode_pages_doc,
 "Bit-shuffled LZ4 pages are unshuffled where the module has bitshuffle (SSE2), else they come\n"
 "out shuffled.");
 
+/* What each thread of a decode_pages call reads and writes (the whole batch's buffers). */
+typedef struct {
+    const uint8_t *src, *kind;
+    const int64_t *off;
+    const int32_t *size;
+    uint8_t *dst;
+    int32_t *st;
+    int64_t total, page;
+    int packed;
+    ranges_t *ranges;
+} decode_ctx;
+
+static void decode_body(void *arg) {
+    const decode_ctx *c = arg;
+    const uint8_t *src = c->src, *kind = c->kind;
+    const int64_t *off = c->off;
+    const int32_t *size = c->size;
+    const int64_t page = c->page;
+    /* a page: a bit-shuffled page is decoded here, then unshuffled into its row */
+    uint8_t *tmp = PyMem_RawMalloc((size_t)page);
+    if (tmp == NULL) return; /* the other threads take the ranges (ranges_done) */
+    Py_ssize_t lo, hi;
+    while (next_range(c->ranges, &lo, &hi)) /* every page of each range taken */
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        uint8_t *to = c->dst + i * page;
+        int32_t r = check_page(off, size, kind, i, c->packed, c->total, page);
+        if (r != STATUS_OK) {
+            /* decided by the metadata */
+        } else if ((kind[i] & 15) == KIND_RAW) {
+            memcpy(to, src + off[i], (size_t)page);
+        } else if ((kind[i] & 15) == KIND_FILL) {
+            memset(to, src[off[i]], (size_t)page);
+        } else {
+#if defined(HAVE_SHUFFLE)
+            const int e = 1 << (kind[i] >> 4); /* 1, 2 or 4 */
+            if (e > 1 && page % (64 * e) == 0) { /* decoded aside, unshuffled into the row */
+                r = decode_block(src + off[i], size[i], tmp, page);
+                if (r == STATUS_OK) unshuffle_page(tmp, to, page, e);
+            } else
+#endif
+                r = decode_block(src + off[i], size[i], to, page);
+        }
+        c->st[i] = r;
+        if (r != STATUS_OK) memset(to, 0, (size_t)page);
+    }
+    PyMem_RawFree(tmp);
+}
+
 static PyObject *decode_pages(PyObject *self, PyObject *args) {
     PyObject *o_payload, *o_offsets, *o_sizes, *o_kinds, *o_out, *o_status, *o_counter = NULL;
-    Py_ssize_t page, start, stop, parts = 1;
+    Py_ssize_t page, start, stop, parts = 1, threads = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnn|On", &o_payload, &o_offsets, &o_sizes, &o_kinds,
-                          &o_out, &o_status, &page, &start, &stop, &o_counter, &parts))
+    if (!PyArg_ParseTuple(args, "OOOOOOnnn|Onn", &o_payload, &o_offsets, &o_sizes, &o_kinds,
+                          &o_out, &o_status, &page, &start, &stop, &o_counter, &parts, &threads))
         return NULL;
     if (page <= 0 || page > (1 << 24)) {
         PyErr_SetString(PyExc_ValueError, "decode_pages: page_size must be in 1..2**24");
@@ -391,7 +505,6 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
     Py_buffer payload, offsets, sizes, kinds, out, status, counter;
     ranges_t ranges;
     PyObject *result = NULL;
-    uint8_t *tmp = NULL; /* a page: a bit-shuffled page is decoded here, then unshuffled */
     const buffer_arg bufs[] = {
         {o_payload, &payload, 0, 1, 'u', "payload"}, {o_offsets, &offsets, 0, 8, 'i', "offsets"},
         {o_sizes, &sizes, 0, 4, 'i', "sizes"}, {o_kinds, &kinds, 0, 1, 'u', "kinds"},
@@ -407,45 +520,14 @@ static PyObject *decode_pages(PyObject *self, PyObject *args) {
                      "%zd offsets, %zd kinds, out of %zd bytes, %zd statuses and 0 <= start <= "
                      "stop <= %zd, got %zd, %zd, %zd, %zd and %zd .. %zd", n, page, n, n + 1, n,
                      n * page, n, n, n_off, kinds.len, out.len, status.len / 4, start, stop);
-    } else if ((tmp = PyMem_RawMalloc((size_t)page)) == NULL) {
-        PyErr_NoMemory();
-    } else {
-        const uint8_t *src = payload.buf, *kind = kinds.buf;
-        const int64_t *off = offsets.buf;
-        const int32_t *size = sizes.buf;
-        uint8_t *dst = out.buf;
-        int32_t *st = status.buf;
-        const int64_t total = payload.len;
-        const int packed = n_off == n + 1;
-        Py_ssize_t lo, hi;
+    } else if (check_threads(threads, &ranges, "decode_pages")) {
+        decode_ctx c = {payload.buf, kinds.buf, offsets.buf, sizes.buf, out.buf, status.buf,
+                        payload.len, page, n_off == n + 1, &ranges};
         Py_BEGIN_ALLOW_THREADS
-        while (next_range(&ranges, &lo, &hi)) /* every page of each range taken */
-        for (Py_ssize_t i = lo; i < hi; i++) {
-            uint8_t *to = dst + i * (int64_t)page;
-            int32_t r = check_page(off, size, kind, i, packed, total, page);
-            if (r != STATUS_OK) {
-                /* decided by the metadata */
-            } else if ((kind[i] & 15) == KIND_RAW) {
-                memcpy(to, src + off[i], (size_t)page);
-            } else if ((kind[i] & 15) == KIND_FILL) {
-                memset(to, src[off[i]], (size_t)page);
-            } else {
-#if defined(HAVE_SHUFFLE)
-                const int e = 1 << (kind[i] >> 4); /* 1, 2 or 4 */
-                if (e > 1 && page % (64 * e) == 0) { /* decoded aside, unshuffled into the row */
-                    r = decode_block(src + off[i], size[i], tmp, page);
-                    if (r == STATUS_OK) unshuffle_page(tmp, to, page, e);
-                } else
-#endif
-                    r = decode_block(src + off[i], size[i], to, page);
-            }
-            st[i] = r;
-            if (r != STATUS_OK) memset(to, 0, (size_t)page);
-        }
+        run_loop(decode_body, &c, threads);
         Py_END_ALLOW_THREADS
-        result = Py_NewRef(Py_None);
+        result = ranges_done(&ranges) ? Py_NewRef(Py_None) : PyErr_NoMemory();
     }
-    PyMem_RawFree(tmp);
     release_buffers(bufs, nbufs);
     release_ranges(&counter);
     return result;
@@ -480,7 +562,7 @@ static int store_if_fill(const uint8_t *r, uint8_t *to, int64_t page, int32_t *s
 
 PyDoc_STRVAR(compress_pages_doc,
 "compress_pages(raw, src, out, sizes, kinds, page_size, limit, lz4_kind, shuffle, liblz4,\n"
-"               counter=None, parts=1)\n\n"
+"               counter=None, parts=1, threads=1)\n\n"
 "Compress the N pages of a range (raw: uint8 [N * page_size]; src: the same pages as the LZ4\n"
 "compressor reads them, bit-shuffled or raw itself) with the GIL released: a page whose bytes\n"
 "are all equal is FILL (size 1, its byte then zeros); else src's page is compressed through\n"
@@ -490,20 +572,74 @@ PyDoc_STRVAR(compress_pages_doc,
 "LZ4_compress_fast_continue and LZ4_sizeofState, called as lz4.block.compress calls them, so\n"
 "the blocks are its blocks) and kept as kind lz4_kind if at most ``limit`` bytes (the rest of\n"
 "the row zeroed), else the raw page is stored RAW (size page_size). Writes out (uint8\n"
-"[N * page_size]), sizes (int32 [N]) and kinds (uint8 [N]). With a counter, as decode_pages:\n"
-"the N pages cut into `parts` ranges that the calls sharing the counter take one by one.");
+"[N * page_size]), sizes (int32 [N]) and kinds (uint8 [N]). With a counter (and threads), as\n"
+"decode_pages: the N pages cut into `parts` ranges that the calls (and threads) sharing the\n"
+"counter take one by one.");
+
+/* What each thread of a compress_pages call reads and writes. */
+typedef struct {
+    const uint8_t *from;
+    const char *src;
+    uint8_t *dst, *kind;
+    int32_t *size;
+    int64_t page, limit;
+    int lz4_kind, shuffle;
+    lz4_reset_fn reset;
+    lz4_continue_fn compress;
+    int state_size;
+    ranges_t *ranges;
+} compress_ctx;
+
+static void compress_body(void *arg) {
+    const compress_ctx *c = arg;
+    const int64_t page = c->page;
+    const int bound = (int)page + (int)page / 255 + 16; /* LZ4_COMPRESSBOUND */
+    /* the block, then the stream state (8-byte aligned, as liblz4 needs), then a page */
+    const size_t at = ((size_t)bound + 15) & ~(size_t)15;
+    const size_t at_page = (at + (size_t)c->state_size + 15) & ~(size_t)15;
+    char *tmp = PyMem_RawMalloc(at_page + (size_t)page);
+    if (tmp == NULL) return; /* the other threads take the ranges (ranges_done) */
+    Py_ssize_t lo, hi;
+    while (next_range(c->ranges, &lo, &hi)) /* every page of each range taken */
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        const uint8_t *r = c->from + i * page;
+        uint8_t *to = c->dst + i * page;
+        if (store_if_fill(r, to, page, c->size + i, c->kind + i)) continue;
+        const char *from_page = c->src + i * page;
+#if defined(HAVE_SHUFFLE)
+        if (c->shuffle) {
+            shuffle_page(r, (uint8_t *)tmp + at_page, page, c->shuffle);
+            from_page = tmp + at_page;
+        }
+#endif
+        /* into a buffer of the bound, as lz4.block.compress does, then kept if it fits */
+        c->reset(tmp + at);
+        const int got = c->compress(tmp + at, from_page, tmp, (int)page, bound, 1);
+        if (got > 0 && got <= c->limit) {
+            memcpy(to, tmp, (size_t)got);
+            memset(to + got, 0, (size_t)(page - got));
+            c->size[i] = got;
+            c->kind[i] = (uint8_t)c->lz4_kind;
+        } else { /* RAW: the page as it is */
+            memcpy(to, r, (size_t)page);
+            c->size[i] = (int32_t)page;
+            c->kind[i] = KIND_RAW;
+        }
+    }
+    PyMem_RawFree(tmp);
+}
 
 static PyObject *compress_pages(PyObject *self, PyObject *args) {
     Py_buffer raw, pages, out, sizes, kinds, counter;
-    Py_ssize_t page, limit, parts = 1;
+    Py_ssize_t page, limit, parts = 1, threads = 1;
     int lz4_kind, shuffle;
     unsigned long long reset_addr, continue_addr, sizeof_addr;
     PyObject *o_counter = NULL;
     ranges_t ranges;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*w*nnii(KKK)|On", &raw, &pages, &out, &sizes, &kinds,
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*nnii(KKK)|Onn", &raw, &pages, &out, &sizes, &kinds,
                           &page, &limit, &lz4_kind, &shuffle, &reset_addr, &continue_addr,
-                          &sizeof_addr, &o_counter, &parts))
+                          &sizeof_addr, &o_counter, &parts, &threads))
         return NULL;
     PyObject *result = NULL;
     const Py_ssize_t n = sizes.len / 4;
@@ -520,54 +656,16 @@ static PyObject *compress_pages(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "page_size, limit, lz4_kind, shuffle or the liblz4 "
                         "calls are invalid");
     } else if (check(&raw, page, n, "raw") && check(&pages, page, n, "pages") &&
-               check(&out, page, n, "out") && check(&kinds, 1, n, "kinds")) {
-        const lz4_reset_fn reset = (lz4_reset_fn)(uintptr_t)reset_addr;
-        const lz4_continue_fn compress = (lz4_continue_fn)(uintptr_t)continue_addr;
-        const int state_size = ((lz4_sizeof_fn)(uintptr_t)sizeof_addr)();
-        const int bound = (int)page + (int)page / 255 + 16; /* LZ4_COMPRESSBOUND */
-        /* the block, then the stream state (8-byte aligned, as liblz4 needs), then a page */
-        const size_t at = ((size_t)bound + 15) & ~(size_t)15;
-        const size_t at_page = (at + (size_t)state_size + 15) & ~(size_t)15;
-        char *tmp = PyMem_RawMalloc(at_page + (size_t)page);
-        const uint8_t *from = raw.buf;
-        const char *src = pages.buf;
-        uint8_t *dst = out.buf, *kind = kinds.buf;
-        int32_t *size = sizes.buf;
-        if (tmp == NULL) {
-            PyErr_NoMemory();
-        } else {
-            Py_ssize_t lo, hi;
-            Py_BEGIN_ALLOW_THREADS
-            while (next_range(&ranges, &lo, &hi)) /* every page of each range taken */
-            for (Py_ssize_t i = lo; i < hi; i++) {
-                const uint8_t *r = from + i * (int64_t)page;
-                uint8_t *to = dst + i * (int64_t)page;
-                if (store_if_fill(r, to, page, size + i, kind + i)) continue;
-                const char *from_page = src + i * (int64_t)page;
-#if defined(HAVE_SHUFFLE)
-                if (shuffle) {
-                    shuffle_page(r, (uint8_t *)tmp + at_page, page, shuffle);
-                    from_page = tmp + at_page;
-                }
-#endif
-                /* into a buffer of the bound, as lz4.block.compress does, then kept if it fits */
-                reset(tmp + at);
-                const int got = compress(tmp + at, from_page, tmp, (int)page, bound, 1);
-                if (got > 0 && got <= limit) {
-                    memcpy(to, tmp, (size_t)got);
-                    memset(to + got, 0, (size_t)(page - got));
-                    size[i] = got;
-                    kind[i] = (uint8_t)lz4_kind;
-                } else { /* RAW: the page as it is */
-                    memcpy(to, r, (size_t)page);
-                    size[i] = (int32_t)page;
-                    kind[i] = KIND_RAW;
-                }
-            }
-            Py_END_ALLOW_THREADS
-            PyMem_RawFree(tmp);
-            result = Py_NewRef(Py_None);
-        }
+               check(&out, page, n, "out") && check(&kinds, 1, n, "kinds") &&
+               check_threads(threads, &ranges, "compress_pages")) {
+        compress_ctx c = {raw.buf, pages.buf, out.buf, kinds.buf, sizes.buf, page, limit,
+                          lz4_kind, shuffle, (lz4_reset_fn)(uintptr_t)reset_addr,
+                          (lz4_continue_fn)(uintptr_t)continue_addr,
+                          ((lz4_sizeof_fn)(uintptr_t)sizeof_addr)(), &ranges};
+        Py_BEGIN_ALLOW_THREADS
+        run_loop(compress_body, &c, threads);
+        Py_END_ALLOW_THREADS
+        result = ranges_done(&ranges) ? Py_NewRef(Py_None) : PyErr_NoMemory();
     }
     release_ranges(&counter);
 done:
@@ -748,23 +846,47 @@ static void exp_encode_page(const uint8_t *src, uint8_t *to, int64_t page, int l
 }
 
 PyDoc_STRVAR(exp_encode_pages_doc,
-"exp_encode_pages(raw, out, sizes, kinds, page_size, layout, counter=None, parts=1)\n\n"
+"exp_encode_pages(raw, out, sizes, kinds, page_size, layout, counter=None, parts=1,\n"
+"                 threads=1)\n\n"
 "Exponent-code the N pages of raw (uint8 [N * page_size], C-contiguous; N = len(sizes))\n"
 "with the GIL released, as torch_pagecomp.exp_codec's numpy reference does: an all-equal\n"
 "page is FILL (size 1, its byte then zeros), a page whose EXP size would exceed\n"
 "page_size - page_size / 32 is RAW (the page, size page_size), else kind 3 | layout << 4\n"
 "with the rest of the row zeroed. Writes out (uint8 [N * page_size]), sizes (int32 [N]) and\n"
 "kinds (uint8 [N]). layout 1 (bf16) or 2 (fp16); page_size a power of two, 4096..65536.\n"
-"With a counter, as decode_pages: the N pages cut into `parts` ranges that the calls sharing\n"
-"the counter take one by one.");
+"With a counter (and threads), as decode_pages: the N pages cut into `parts` ranges that the\n"
+"calls (and threads) sharing the counter take one by one.");
+
+/* What each thread of an exp_encode_pages call reads and writes. */
+typedef struct {
+    const uint8_t *from;
+    uint8_t *dst, *kind;
+    int32_t *size;
+    int64_t page;
+    int layout;
+    ranges_t *ranges;
+} exp_encode_ctx;
+
+static void exp_encode_body(void *arg) {
+    const exp_encode_ctx *c = arg;
+    const int64_t page = c->page, limit = page - page / 32;
+    Py_ssize_t lo, hi;
+    while (next_range(c->ranges, &lo, &hi)) /* every page of each range taken */
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        const uint8_t *r = c->from + i * page;
+        uint8_t *to = c->dst + i * page;
+        if (!store_if_fill(r, to, page, c->size + i, c->kind + i))
+            exp_encode_page(r, to, page, c->layout, limit, c->size + i, c->kind + i);
+    }
+}
 
 static PyObject *exp_encode_pages(PyObject *self, PyObject *args) {
     PyObject *o_raw, *o_out, *o_sizes, *o_kinds, *o_counter = NULL;
-    Py_ssize_t page, parts = 1;
+    Py_ssize_t page, parts = 1, threads = 1;
     int layout;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOni|On", &o_raw, &o_out, &o_sizes, &o_kinds, &page, &layout,
-                          &o_counter, &parts))
+    if (!PyArg_ParseTuple(args, "OOOOni|Onn", &o_raw, &o_out, &o_sizes, &o_kinds, &page, &layout,
+                          &o_counter, &parts, &threads))
         return NULL;
     if (!valid_exp_page(page) || (layout != EXP_BF16 && layout != EXP_FP16)) {
         PyErr_Format(PyExc_ValueError, "exp_encode_pages: page_size must be a power of two in "
@@ -786,22 +908,12 @@ static PyObject *exp_encode_pages(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "exp_encode_pages: %zd pages (sizes) of %zd bytes need raw "
                      "and out of %zd bytes and kinds of %zd, got %zd, %zd and %zd", n, page,
                      n * page, n, raw.len, out.len, kinds.len);
-    } else {
-        const uint8_t *from = raw.buf;
-        uint8_t *dst = out.buf, *kind = kinds.buf;
-        int32_t *size = sizes.buf;
-        const int64_t limit = page - page / 32;
-        Py_ssize_t lo, hi;
+    } else if (check_threads(threads, &ranges, "exp_encode_pages")) {
+        exp_encode_ctx c = {raw.buf, out.buf, kinds.buf, sizes.buf, page, layout, &ranges};
         Py_BEGIN_ALLOW_THREADS
-        while (next_range(&ranges, &lo, &hi)) /* every page of each range taken */
-        for (Py_ssize_t i = lo; i < hi; i++) {
-            const uint8_t *r = from + i * (int64_t)page;
-            uint8_t *to = dst + i * (int64_t)page;
-            if (!store_if_fill(r, to, page, size + i, kind + i))
-                exp_encode_page(r, to, page, layout, limit, size + i, kind + i);
-        }
+        run_loop(exp_encode_body, &c, threads);
         Py_END_ALLOW_THREADS
-        result = Py_NewRef(Py_None);
+        result = Py_NewRef(Py_None); /* nothing to allocate: every thread that started worked */
     }
     release_ranges(&counter);
     release_buffers(bufs, nbufs);
@@ -878,7 +990,7 @@ static int32_t exp_decode_page(const uint8_t *src, int64_t size, uint8_t *to, in
 
 PyDoc_STRVAR(exp_decode_pages_doc,
 "exp_decode_pages(payload, offsets, sizes, kinds, out, status, page_size, counter=None,\n"
-"                 parts=1)\n\n"
+"                 parts=1, threads=1)\n\n"
 "Decode the N = len(sizes) pages of a batch of the exponent codec with the GIL released, as\n"
 "torch_pagecomp.exp_codec.decompress_exp_cpu does: page i's stored bytes are\n"
 "payload[offsets[i]:offsets[i] + sizes[i]] (payload uint8 [T]; offsets int64 [>= N]; sizes\n"
@@ -888,15 +1000,57 @@ PyDoc_STRVAR(exp_decode_pages_doc,
 "RAW not page_size, FILL not 1, EXP under its fixed part or over page_size - page_size / 32,\n"
 "or EXP not its fixed part plus the escapes its codes count, BAD_SIZE. A failed page's row\n"
 "is zeroed; nothing is read outside a page's stored bytes. page_size a power of two,\n"
-"4096..65536. With a counter, as decode_pages: the N pages cut into `parts` ranges that the\n"
-"calls sharing the counter take one by one.");
+"4096..65536. With a counter (and threads), as decode_pages: the N pages cut into `parts`\n"
+"ranges that the calls (and threads) sharing the counter take one by one.");
+
+/* What each thread of an exp_decode_pages call reads and writes. */
+typedef struct {
+    const uint8_t *src, *kind;
+    const int64_t *off;
+    const int32_t *size;
+    uint8_t *dst;
+    int32_t *st;
+    int64_t total, page;
+    ranges_t *ranges;
+} exp_decode_ctx;
+
+static void exp_decode_body(void *arg) {
+    const exp_decode_ctx *c = arg;
+    const uint8_t *src = c->src, *kind = c->kind;
+    const int64_t page = c->page, total = c->total, limit = page - page / 32;
+    const int64_t least_bf16 = exp_fixed(page, EXP_BF16), least_fp16 = exp_fixed(page, EXP_FP16);
+    Py_ssize_t lo, hi;
+    while (next_range(c->ranges, &lo, &hi)) /* every page of each range taken */
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        const int codec = kind[i] & 15, high = kind[i] >> 4;
+        const int64_t o = c->off[i], s = c->size[i];
+        uint8_t *to = c->dst + i * page;
+        const int plain = (codec == KIND_RAW || codec == KIND_FILL) && high == 0;
+        const int exp = codec == KIND_EXP && (high == EXP_BF16 || high == EXP_FP16);
+        int32_t r = STATUS_OK;
+        if (!plain && !exp) {
+            r = STATUS_BAD_KIND;
+        } else if (plain_size_bad(codec, o, s, total, page) ||
+                   (exp && (s < (high == EXP_FP16 ? least_fp16 : least_bf16) || s > limit))) {
+            r = STATUS_BAD_SIZE;
+        } else if (codec == KIND_RAW) {
+            memcpy(to, src + o, (size_t)page);
+        } else if (codec == KIND_FILL) {
+            memset(to, src[o], (size_t)page);
+        } else {
+            r = exp_decode_page(src + o, s, to, page, high);
+        }
+        c->st[i] = r;
+        if (r != STATUS_OK) memset(to, 0, (size_t)page);
+    }
+}
 
 static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
     PyObject *o_payload, *o_offsets, *o_sizes, *o_kinds, *o_out, *o_status, *o_counter = NULL;
-    Py_ssize_t page, parts = 1;
+    Py_ssize_t page, parts = 1, threads = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOOOn|On", &o_payload, &o_offsets, &o_sizes, &o_kinds, &o_out,
-                          &o_status, &page, &o_counter, &parts))
+    if (!PyArg_ParseTuple(args, "OOOOOOn|Onn", &o_payload, &o_offsets, &o_sizes, &o_kinds, &o_out,
+                          &o_status, &page, &o_counter, &parts, &threads))
         return NULL;
     if (!valid_exp_page(page)) {
         PyErr_Format(PyExc_ValueError, "exp_decode_pages: page_size must be a power of two in "
@@ -920,41 +1074,13 @@ static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
                      "least %zd offsets, %zd kinds, out of %zd bytes and %zd statuses, got %zd, "
                      "%zd, %zd and %zd", n, page, n, n, n * page, n, offsets.len / 8, kinds.len,
                      out.len, status.len / 4);
-    } else {
-        const uint8_t *src = payload.buf, *kind = kinds.buf;
-        const int64_t *off = offsets.buf;
-        const int32_t *size = sizes.buf;
-        uint8_t *dst = out.buf;
-        int32_t *st = status.buf;
-        const int64_t total = payload.len, limit = page - page / 32;
-        const int64_t least_bf16 = exp_fixed(page, EXP_BF16), least_fp16 = exp_fixed(page, EXP_FP16);
-        Py_ssize_t lo, hi;
+    } else if (check_threads(threads, &ranges, "exp_decode_pages")) {
+        exp_decode_ctx c = {payload.buf, kinds.buf, offsets.buf, sizes.buf, out.buf, status.buf,
+                            payload.len, page, &ranges};
         Py_BEGIN_ALLOW_THREADS
-        while (next_range(&ranges, &lo, &hi)) /* every page of each range taken */
-        for (Py_ssize_t i = lo; i < hi; i++) {
-            const int codec = kind[i] & 15, high = kind[i] >> 4;
-            const int64_t o = off[i], s = size[i];
-            uint8_t *to = dst + i * (int64_t)page;
-            const int plain = (codec == KIND_RAW || codec == KIND_FILL) && high == 0;
-            const int exp = codec == KIND_EXP && (high == EXP_BF16 || high == EXP_FP16);
-            int32_t r = STATUS_OK;
-            if (!plain && !exp) {
-                r = STATUS_BAD_KIND;
-            } else if (plain_size_bad(codec, o, s, total, page) ||
-                       (exp && (s < (high == EXP_FP16 ? least_fp16 : least_bf16) || s > limit))) {
-                r = STATUS_BAD_SIZE;
-            } else if (codec == KIND_RAW) {
-                memcpy(to, src + o, (size_t)page);
-            } else if (codec == KIND_FILL) {
-                memset(to, src[o], (size_t)page);
-            } else {
-                r = exp_decode_page(src + o, s, to, page, high);
-            }
-            st[i] = r;
-            if (r != STATUS_OK) memset(to, 0, (size_t)page);
-        }
+        run_loop(exp_decode_body, &c, threads);
         Py_END_ALLOW_THREADS
-        result = Py_NewRef(Py_None);
+        result = Py_NewRef(Py_None); /* nothing to allocate: every thread that started worked */
     }
     release_ranges(&counter);
     release_buffers(bufs, nbufs);
@@ -1021,9 +1147,14 @@ static struct PyModuleDef module = {
 };
 
 /* SHARED_RANGES: the page loops take (counter, parts), ranges drawn from a shared counter
- * (cpu_codec uses them only where the module says so: an older build takes one range a call). */
+ * (cpu_codec uses them only where the module says so: an older build takes one range a call).
+ * THREADS: they also take `threads` and start that many less one threads of their own for the
+ * call (run_loop); 0 where the platform has no pthreads (cpu_codec then runs the loops on its
+ * Python threads, each call with threads=1). */
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "SHARED_RANGES", 1) < 0) Py_CLEAR(m);
+    if (m != NULL && (PyModule_AddIntConstant(m, "SHARED_RANGES", 1) < 0 ||
+                      PyModule_AddIntConstant(m, "THREADS", HAVE_THREADS) < 0))
+        Py_CLEAR(m);
     return m;
 }

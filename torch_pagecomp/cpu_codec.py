@@ -59,6 +59,9 @@ except ImportError:  # python-lz4, a call per page, instead: slower, the same by
 # The C loops take ranges themselves from a counter shared by the batch's threads (#25); an
 # older build of _native takes one range a call.
 _SHARED_RANGES = bool(getattr(_native, "SHARED_RANGES", 0))
+# ... and start the batch's other threads themselves, for the call (pthreads): Python threads
+# each took the GIL to enter their C call and to leave it, one after the other (#25)
+_C_THREADS = _SHARED_RANGES and bool(getattr(_native, "THREADS", 0))
 
 
 @functools.cache
@@ -173,14 +176,19 @@ def _run_ranges(fn, n: int, page_size: int, c_loop=None) -> None:
     threads idle behind the slowest, and a bounded range keeps its temporaries (the
     bit-shuffled pages) in one reused buffer per thread (:func:`_scratch`).
 
-    ``c_loop(counter, parts)``, where given, replaces ``fn`` (which may then be None): a C
-    loop of ``_native`` that takes ranges itself, smaller ones (at most ``C_RANGE_BYTES``, a page
-    at least), ``k`` after ``k`` from ``counter``
-    (``int64 [1]``, shared by every thread's call, drawn with an atomic add) until ``parts``,
-    range ``k`` being ``n * k // parts .. n * (k + 1) // parts``: one call per thread and
-    batch, the GIL released throughout, where ``fn`` returns to the GIL between ranges (which
-    bounded decoding to 0.65-0.77x linear at 8 threads, #25). An exception a call raises comes
-    out here as one from ``fn`` does (page failures are statuses, not exceptions)."""
+    ``c_loop(counter, parts, threads)``, where given, replaces ``fn`` (which may then be
+    None): a C loop of ``_native`` that takes ranges itself, smaller ones (at most
+    ``C_RANGE_BYTES``, a page at least), ``k`` after ``k`` from ``counter`` (``int64 [1]``,
+    shared by every thread, drawn with an atomic add) until ``parts``, range ``k`` being
+    ``n * k // parts .. n * (k + 1) // parts``, the GIL released throughout, where ``fn``
+    returns to the GIL between ranges (which bounded decoding to 0.65-0.77x linear at 8
+    threads, #25). The loop starts the batch's other ``threads - 1`` threads itself and joins
+    them before it returns: one call on the caller's thread, no pool. Python threads calling
+    it once each (an older build, or no pthreads) took the GIL in turn to enter and to leave
+    their calls: the last of 8 entered 440-470 us into a call and they left over another
+    370-430 us, on a 16-core host (bench/results/h200_a1601c8_session29). An exception a call
+    raises comes out here as one from ``fn`` does (page failures are statuses, not
+    exceptions)."""
     least = MIN_THREADED_PAGES // 2  # pages in a range, at least
     threads = min(cpu_threads(), n // least) if n >= MIN_THREADED_PAGES else 1
     most = max(least, MAX_RANGE_BYTES // page_size)
@@ -188,9 +196,12 @@ def _run_ranges(fn, n: int, page_size: int, c_loop=None) -> None:
     if c_loop is not None:
         parts = max(parts, min(n, -(-n * page_size // C_RANGE_BYTES)))
         counter = np.zeros(1, dtype=np.int64)
+        if _C_THREADS:
+            c_loop(counter, parts, threads)
+            return
 
         def worker() -> None:
-            c_loop(counter, parts)
+            c_loop(counter, parts, 1)
     else:
         bounds = [n * k // parts for k in range(parts + 1)]
         taken = itertools.count()  # next() of a count is atomic under the GIL
@@ -252,10 +263,10 @@ def compress_cpu(pages: torch.Tensor, element_size: int = 1):
     if native and _SHARED_RANGES and (element_size == 1 or c_shuffle):
         flat = raw.reshape(-1)
 
-        def c_loop(counter: np.ndarray, parts: int) -> None:  # every range in C, no GIL
+        def c_loop(counter: np.ndarray, parts: int, threads: int) -> None:  # in C, no GIL
             _native.compress_pages(flat, flat, out.reshape(-1), size_np, kind_np, page_size,
                                    limit, lz4_kind, element_size if c_shuffle else 0,
-                                   _liblz4_calls(), counter, parts)
+                                   _liblz4_calls(), counter, parts, threads)
 
     def work(start: int, stop: int) -> None:
         rows = raw[start:stop]
@@ -440,9 +451,9 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
     c_loop = None
     if _native is not None and _SHARED_RANGES and C_SHUFFLE:
 
-        def c_loop(counter: np.ndarray, parts: int) -> None:  # every range in C, no GIL
+        def c_loop(counter: np.ndarray, parts: int, threads: int) -> None:  # in C, no GIL
             _native.decode_pages(buf, off_np, size_np, kind_np, out_flat, st, page_size, 0, n,
-                                 counter, parts)
+                                 counter, parts, threads)
 
     def work(start: int, stop: int) -> None:
         rng = slice(start, stop)

@@ -249,9 +249,9 @@ def _compress_exp_native(pages: torch.Tensor, layout: int) -> tuple[torch.Tensor
     kinds = torch.empty(n_pages, dtype=torch.uint8)
     out, size_np, kind_np = payload.numpy(), sizes.numpy(), kinds.numpy()
 
-    def c_loop(counter: np.ndarray, parts: int) -> None:  # every range in C, no GIL
+    def c_loop(counter: np.ndarray, parts: int, threads: int) -> None:  # in C, no GIL
         _native.exp_encode_pages(raw.reshape(-1), out.reshape(-1), size_np, kind_np, page_size,
-                                 layout, counter, parts)
+                                 layout, counter, parts, threads)
 
     if n_pages:
         _run_ranges(None, n_pages, page_size, c_loop)
@@ -272,9 +272,9 @@ def _decompress_exp_native(payload: torch.Tensor, offsets: torch.Tensor, sizes: 
     status = torch.empty(n_pages, dtype=torch.int32)
     out, st = pages.numpy(), status.numpy()
 
-    def c_loop(counter: np.ndarray, parts: int) -> None:  # every range in C, no GIL
+    def c_loop(counter: np.ndarray, parts: int, threads: int) -> None:  # in C, no GIL
         _native.exp_decode_pages(buf, off, size, kind, out.reshape(-1), st, page_size, counter,
-                                 parts)
+                                 parts, threads)
 
     if n_pages:
         _run_ranges(None, n_pages, page_size, c_loop)
