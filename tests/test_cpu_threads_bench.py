@@ -50,9 +50,9 @@ def test_process_reference_rows():
 
 
 def test_thread_spans_time_each_threads_loop():
-    """``--spans``: for each op at 2 and 3 threads, when the last thread entered its C loop, how
-    long the threads waited for each other, and their summed loop time over the one-thread
-    call; the C loops restored afterwards."""
+    """``--spans``: for each op at 2 and 3 threads, when the C loop began (the last thread's,
+    with Python threads), what followed it, and its time times the threads over the one-thread
+    call; the mode says which threads ran the loops; the C loops restored afterwards."""
     from bench import corpora
     from torch_pagecomp import cpu_codec
 
@@ -66,6 +66,7 @@ def test_thread_spans_time_each_threads_loop():
         (op, t) for op in ("compress", "decompress") for t in (2, 3)}
     for r in rows:
         assert r["calls"] == 2 and r["start_us"] >= 0 and r["tail_us"] >= 0
+        assert r["mode"] == ("c" if cpu_codec._C_THREADS else "python")
         assert 0.2 < r["inflation"] < 20
     doc = {"device": "CPU", "commit": "x", "date": "d", "loops": "C", "rows": [],
            "spans": [{"corpus": "text", **r} for r in rows]}
