@@ -7,7 +7,8 @@
 Each corpus (``bench/corpora.py``; typed ones at their element size, so ``bf16-relu`` is
 bit-shuffled) is built once, ``--mib`` MiB of pages, then compressed and decompressed with
 ``torch_pagecomp.compress`` / ``decompress`` (``backend="cpu"``) at each thread count set with
-``torch_pagecomp.set_cpu_threads``: the median of ``--repeats`` timed calls after one warm-up.
+``torch_pagecomp.set_cpu_threads``: the median of ``--repeats`` timed calls after one warm-up,
+timed in rounds (each round one call at every thread count, so the host's drift is in every row).
 GB/s are decimal, of uncompressed bytes; ``speedup`` is against the 1-thread row of the same
 corpus and operation (1 is always measured), ``efficiency`` is ``speedup / threads`` (1.0 is
 linear). Every round trip is checked bit-exact. The table goes to stdout, the JSON (``device``,
@@ -72,25 +73,34 @@ def _scale(rows: list[dict]) -> None:
 
 def measure(pages: torch.Tensor, element_size: int, threads: list[int], repeats: int) -> list[dict]:
     """Rows for one corpus: ``pages`` ``uint8 [N, P]`` (CPU) compressed and decompressed at each
-    thread count. Raises ``AssertionError`` if a round trip is not bit-exact."""
+    thread count. The timed calls run in ``repeats`` rounds, each round one call per op at every
+    thread count, and each row is the median of its calls: a lent host's speed drifts by
+    20-30% within a minute (bench/results/h200_a1601c8_session29), and timed one thread count
+    after another, the drift went into the speedups. Raises ``AssertionError`` if a round trip
+    is not bit-exact."""
     counts = sorted(set(threads) | {1})
     nbytes = pages.numel()
-    rows = []
+    c = None
+    calls = {
+        "compress": lambda: pc.compress(pages, element_size=element_size, backend="cpu"),
+        "decompress": lambda: pc.decompress(c, backend="cpu"),
+    }
+    times: dict[tuple[str, int], list[float]] = {(op, t): [] for op in calls for t in counts}
     try:
-        for t in counts:
+        for t in counts:  # warm-up: each thread count's first call, and the round trip checked
             pc.set_cpu_threads(t)
-            c = pc.compress(pages, element_size=element_size, backend="cpu")  # warm-up
+            c = pc.compress(pages, element_size=element_size, backend="cpu")
             assert torch.equal(pc.decompress(c, backend="cpu"), pages), f"round trip, {t} threads"
-            times = {
-                "compress": _median_s(
-                    lambda: pc.compress(pages, element_size=element_size, backend="cpu"), repeats),
-                "decompress": _median_s(lambda c=c: pc.decompress(c, backend="cpu"), repeats),
-            }
-            for op, s in times.items():
-                rows.append({"op": op, "threads": t, "seconds": s, "gbps": nbytes / s / 1e9,
-                             "ratio": c.ratio()})
+        for _ in range(repeats):
+            for t in counts:
+                pc.set_cpu_threads(t)
+                for op, call in calls.items():
+                    times[op, t].append(_median_s(call, 1))
     finally:
         pc.set_cpu_threads(None)
+    rows = [{"op": op, "threads": t, "seconds": statistics.median(v),
+             "gbps": nbytes / statistics.median(v) / 1e9, "ratio": c.ratio()}
+            for (op, t), v in times.items()]
     _scale(rows)
     return [r for r in rows if r["threads"] in threads]
 
@@ -117,13 +127,18 @@ def host_reference(threads: list[int], repeats: int, mib: int = 32) -> list[dict
     def sort(k: int) -> None:
         np.sort(data[k])
 
-    rows = []
+    ops = (("copy", copy, 4 * 2 * n * 8), ("sort", sort, n * 8))
+    times: dict[tuple[str, int], list[float]] = {(op, t): [] for op, _, _ in ops for t in counts}
     with ThreadPoolExecutor(max(counts)) as pool:
-        for op, fn, per_call in (("copy", copy, 4 * 2 * n * 8), ("sort", sort, n * 8)):
-            for t in counts:
-                s = _median_s(lambda fn=fn, t=t: list(pool.map(fn, range(t))), repeats)
-                rows.append({"op": op, "threads": t, "seconds": s,
-                             "gbps": t * per_call / s / 1e9, "ratio": None})
+        for _ in range(repeats):  # in rounds, as ``measure``: the host's drift in every row
+            for op, fn, _ in ops:
+                for t in counts:
+                    times[op, t].append(
+                        _median_s(lambda fn=fn, t=t: list(pool.map(fn, range(t))), 1))
+    per_call = {op: b for op, _, b in ops}
+    rows = [{"op": op, "threads": t, "seconds": statistics.median(v),
+             "gbps": t * per_call[op] / statistics.median(v) / 1e9, "ratio": None}
+            for (op, t), v in times.items()]
     _scale(rows)
     return [{"corpus": "host", "element_size": 0, **r} for r in rows if r["threads"] in threads]
 
