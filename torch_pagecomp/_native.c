@@ -349,75 +349,33 @@ static int next_range(ranges_t *g, Py_ssize_t *lo, Py_ssize_t *hi) {
  * (or cannot get its working memory) leaves its ranges to the others; the call fails with
  * MemoryError only when no thread could work (ranges_done). */
 enum { MAX_THREADS = 256 };
-/* The started threads' stacks: the loops need a few KiB (the exponent encoder's histograms 4);
- * glibc keeps the stacks of joined threads for the next call's up to 40 MiB, so 512 KiB stacks
- * are reused call after call where its default 8 MiB ones beyond five are mapped and unmapped
- * again each call. */
-enum { STACK_BYTES = 512 << 10 };
 
-typedef struct loop_s loop_t;
 typedef struct {
-    const loop_t *loop;
-    Py_ssize_t id; /* 0: the caller */
-} node_t;
-
-struct loop_s {
     void (*body)(void *ctx);
     void *ctx;
-    Py_ssize_t threads; /* the call's, the caller's included */
-#if HAVE_THREADS
-    pthread_attr_t *attr; /* small stacks, or NULL (the default) */
-#endif
-    node_t *nodes;        /* [threads] */
-};
-
-static void run_node(const loop_t *l, Py_ssize_t id);
+} loop_t;
 
 #if HAVE_THREADS
-static void *node_thread(void *arg) {
-    const node_t *n = arg;
-    run_node(n->loop, n->id);
+static void *loop_thread(void *arg) {
+    const loop_t *l = arg;
+    l->body(l->ctx);
     return NULL;
 }
 #endif
 
-/* Thread `id` starts threads 2 id + 1 and 2 id + 2 (those below l->threads), runs the body,
- * then joins them: a tree, so the last of n threads starts after about log2(n) thread creations
- * (20-30 us each on a 2-core host) instead of n - 1. A thread that cannot start leaves its
- * subtree's share of the ranges to the others. */
-static void run_node(const loop_t *l, Py_ssize_t id) {
-#if HAVE_THREADS
-    pthread_t kids[2];
-    int started = 0;
-    for (Py_ssize_t k = 2 * id + 1; k <= 2 * id + 2 && k < l->threads; k++)
-        if (pthread_create(&kids[started], l->attr, node_thread, &l->nodes[k]) == 0) started++;
-    l->body(l->ctx);
-    for (int k = 0; k < started; k++) pthread_join(kids[k], NULL);
-#else
-    (void)id;
-    l->body(l->ctx);
-#endif
-}
-
 /* body(ctx) on the calling thread and on threads - 1 more (GIL released by the caller). */
 static void run_loop(void (*body)(void *), void *ctx, Py_ssize_t threads) {
-    node_t nodes[MAX_THREADS];
-    loop_t l = {.body = body, .ctx = ctx, .threads = threads, .nodes = nodes};
 #if HAVE_THREADS
-    pthread_attr_t attr;
-    int has_attr = threads > 1 && pthread_attr_init(&attr) == 0;
-    if (has_attr && pthread_attr_setstacksize(&attr, STACK_BYTES) != 0) {
-        pthread_attr_destroy(&attr);
-        has_attr = 0;
-    }
-    l.attr = has_attr ? &attr : NULL;
+    pthread_t ids[MAX_THREADS];
+    loop_t l = {body, ctx};
+    Py_ssize_t started = 0;
+    while (started + 1 < threads && pthread_create(&ids[started], NULL, loop_thread, &l) == 0)
+        started++;
+    body(ctx);
+    for (Py_ssize_t k = 0; k < started; k++) pthread_join(ids[k], NULL);
 #else
-    l.threads = 1;
-#endif
-    for (Py_ssize_t k = 0; k < l.threads; k++) nodes[k] = (node_t){&l, k};
-    run_node(&l, 0);
-#if HAVE_THREADS
-    if (has_attr) pthread_attr_destroy(&attr);
+    (void)threads;
+    body(ctx);
 #endif
 }
 
