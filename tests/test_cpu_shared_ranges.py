@@ -144,6 +144,20 @@ def test_c_loops_take_small_ranges(monkeypatch, n, page_size):
     assert parts <= n and -(-n // parts) * page_size <= max(cpu_codec.C_RANGE_BYTES, page_size)
 
 
+@pytest.mark.skipif(not cpu_codec._C_THREADS, reason="the C loops start no threads here")
+def test_more_threads_than_the_c_loops_start(gen, monkeypatch):
+    """``set_cpu_threads`` above the C loops' ``MAX_THREADS``: a batch runs on as many as they
+    start (a ValueError from the C call before), and round-trips."""
+    cap = cpu_codec._native.MAX_THREADS
+    got = []
+    monkeypatch.setattr(cpu_codec, "cpu_threads", lambda: cap + 44)
+    cpu_codec._run_ranges(None, 1 << 16, 4096, lambda c, parts, threads: got.append(threads))
+    assert got == [cap]
+    pages = mixed_pages((cap + 44) * cpu_codec.MIN_THREADED_PAGES // 2, 4096, gen)
+    c = pc.compress(pages, backend="cpu")
+    assert torch.equal(pc.decompress(c, backend="cpu"), pages)
+
+
 def test_c_errors_come_out_as_before(gen, small_ranges):
     """Buffers that do not describe one batch: the C loop's ValueError, with 1 and 3 threads."""
     c = pc.compress(mixed_pages(300, 4096, gen), backend="cpu")

@@ -1148,13 +1148,14 @@ static struct PyModuleDef module = {
 
 /* SHARED_RANGES: the page loops take (counter, parts), ranges drawn from a shared counter
  * (cpu_codec uses them only where the module says so: an older build takes one range a call).
- * THREADS: they also take `threads` and start that many less one threads of their own for the
- * call (run_loop); 0 where the platform has no pthreads (cpu_codec then runs the loops on its
- * Python threads, each call with threads=1). */
+ * THREADS: they also take `threads` (at most MAX_THREADS) and start that many less one threads
+ * of their own for the call (run_loop); 0 where the platform has no pthreads (cpu_codec then
+ * runs the loops on its Python threads, each call with threads=1). */
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "SHARED_RANGES", 1) < 0 ||
-                      PyModule_AddIntConstant(m, "THREADS", HAVE_THREADS) < 0))
+                      PyModule_AddIntConstant(m, "THREADS", HAVE_THREADS) < 0 ||
+                      PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) < 0))
         Py_CLEAR(m);
     return m;
 }

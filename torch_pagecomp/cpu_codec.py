@@ -196,8 +196,8 @@ def _run_ranges(fn, n: int, page_size: int, c_loop=None) -> None:
     if c_loop is not None:
         parts = max(parts, min(n, -(-n * page_size // C_RANGE_BYTES)))
         counter = np.zeros(1, dtype=np.int64)
-        if _C_THREADS:
-            c_loop(counter, parts, threads)
+        if _C_THREADS:  # (more threads than the C loops start: as many as they do)
+            c_loop(counter, parts, min(threads, _native.MAX_THREADS))
             return
 
         def worker() -> None:
