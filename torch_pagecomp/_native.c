@@ -443,7 +443,8 @@ PyDoc_STRVAR(decode_pages_doc,
 "Bit-shuffled LZ4 pages are unshuffled where the module has bitshuffle (SSE2), else they come\n"
 "out shuffled.");
 
-/* What each thread of a decode_pages call reads and writes (the whole batch's buffers). */
+/* What each thread of a decode_pages (or exp_decode_pages) call reads and writes: the whole
+ * batch's buffers. */
 typedef struct {
     const uint8_t *src, *kind;
     const int64_t *off;
@@ -1003,19 +1004,10 @@ PyDoc_STRVAR(exp_decode_pages_doc,
 "4096..65536. With a counter (and threads), as decode_pages: the N pages cut into `parts`\n"
 "ranges that the calls (and threads) sharing the counter take one by one.");
 
-/* What each thread of an exp_decode_pages call reads and writes. */
-typedef struct {
-    const uint8_t *src, *kind;
-    const int64_t *off;
-    const int32_t *size;
-    uint8_t *dst;
-    int32_t *st;
-    int64_t total, page;
-    ranges_t *ranges;
-} exp_decode_ctx;
-
+/* Each thread of an exp_decode_pages call reads and writes what decode_pages' do (decode_ctx;
+ * `packed` unused: offsets are page starts). */
 static void exp_decode_body(void *arg) {
-    const exp_decode_ctx *c = arg;
+    const decode_ctx *c = arg;
     const uint8_t *src = c->src, *kind = c->kind;
     const int64_t page = c->page, total = c->total, limit = page - page / 32;
     const int64_t least_bf16 = exp_fixed(page, EXP_BF16), least_fp16 = exp_fixed(page, EXP_FP16);
@@ -1075,8 +1067,8 @@ static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
                      "%zd, %zd and %zd", n, page, n, n, n * page, n, offsets.len / 8, kinds.len,
                      out.len, status.len / 4);
     } else if (check_threads(threads, &ranges, "exp_decode_pages")) {
-        exp_decode_ctx c = {payload.buf, kinds.buf, offsets.buf, sizes.buf, out.buf, status.buf,
-                            payload.len, page, &ranges};
+        decode_ctx c = {payload.buf, kinds.buf, offsets.buf, sizes.buf, out.buf, status.buf,
+                        payload.len, page, 0, &ranges};
         Py_BEGIN_ALLOW_THREADS
         run_loop(exp_decode_body, &c, threads);
         Py_END_ALLOW_THREADS
