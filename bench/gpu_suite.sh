@@ -19,7 +19,10 @@
 #   bash bench/gpu_suite.sh cputhreads # the CPU path's thread scaling, C loops and python-lz4 (#25;
 #                                      # PYTHON_LZ4=0: the C loops only; CPU_PROCS=1: beside
 #                                      # the same work in N processes; CPU_SPANS=1: where a
-#                                      # threaded call's time goes; CPU_MIB, CPU_THREADS)
+#                                      # threaded call's time goes; CPU_MIB, CPU_THREADS,
+#                                      # CPU_REPEATS: timed rounds)
+#   bash bench/gpu_suite.sh hooktiming # probe: the hooks' host time per call (HOOK_MODELS,
+#                                      # HOOK_VARIANTS; #21)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
 #   bash bench/gpu_suite.sh small      # one small call's latency (#26) and the tests of the paths
 #                                      # it takes (PageCompressor's kernel-only store, the ring)
@@ -193,6 +196,13 @@ print("\n".join(lines))
 PY
     rm -rf "$OUT/ab_parts"
     ;;
+hooktiming)
+    # the hooks' host time per call, function by function (bench/dev_hook_timing.py; #21, #26)
+    header hooktiming | tee "$OUT/hook_timing.txt"
+    timeout ${HOOK_TIMEOUT:-240} python3 -m bench.dev_hook_timing \
+        --models "${HOOK_MODELS:-encoder-1024,resnet-64}" \
+        --variants "${HOOK_VARIANTS:-uncompressed,memory}" 2>&1 | tee -a "$OUT/hook_timing.txt"
+    ;;
 float)
     header float
     timeout 300 python3 -m bench.dev_float_codec --mib "${FLOAT_MIB:-128}" 2>&1 | tee "$OUT/float_codec.txt"
@@ -209,6 +219,7 @@ cputhreads)
     # CPU_SPANS=1: also each thread's loop timed (hand-off, waiting, slowing down)
     timeout ${CPU_TIMEOUT:-200} python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" \
         --threads "${CPU_THREADS:-1,2,4,8,16}" --host ${CPU_PROCS:+--procs} ${CPU_SPANS:+--spans} \
+        ${CPU_REPEATS:+--repeats $CPU_REPEATS} \
         --out "$OUT/cpu_threads.json" 2>&1 | tee "$OUT/cpu_threads.txt"
     [ "${PYTHON_LZ4:-1}" = 0 ] || timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" \
         --threads 1,2,4,8,16 --python-lz4 --out "$OUT/cpu_threads_python_lz4.json" 2>&1 \
