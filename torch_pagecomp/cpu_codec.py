@@ -4,15 +4,17 @@ It serves CPU tensors, and CUDA tensors when no GPU path is usable (copy to host
 copy back). ``decode_block`` is a readable pure-Python LZ4 block decoder that classifies
 errors with the same status codes as the GPU decoder.
 
-Speed: a batch is cut into ranges of at most ``MAX_RANGE_BYTES``, and each thread makes one
-call of the C loops of ``_native`` per batch each way, which takes range after range from a
-counter the threads share, with the GIL released throughout (#25): compression finds FILL
-pages, compresses through the liblz4 that python-lz4 carries (as ``lz4.block.compress`` does:
-the same blocks), stores RAW pages and writes the kinds; decoding decodes, unshuffles and
-zeroes failed rows (the bit-shuffle in C on x86-64, ``shuffle.bitshuffle_np``, else numpy). A
-batch of at least ``MIN_THREADED_PAGES`` pages runs its ranges on a shared thread pool of
-:func:`cpu_threads` threads (set with :func:`set_cpu_threads` or the ``PAGECOMP_CPU_THREADS``
-environment variable, read at each call; default ``min(8, os.cpu_count())``), shut down at
+Speed: a batch is one call of the C loops of ``_native`` each way, whose threads take range
+after range from a counter they share, with the GIL released throughout (#25): compression
+finds FILL pages, compresses through the liblz4 that python-lz4 carries (as
+``lz4.block.compress`` does: the same blocks), stores RAW pages and writes the kinds; decoding
+decodes, unshuffles and zeroes failed rows (the bit-shuffle in C on x86-64,
+``shuffle.bitshuffle_np``, else numpy). A batch of at least ``MIN_THREADED_PAGES`` pages runs
+on :func:`cpu_threads` threads (set with :func:`set_cpu_threads` or the
+``PAGECOMP_CPU_THREADS`` environment variable, read at each call; default
+``min(8, os.cpu_count())``): the C call starts the others and joins them before it returns.
+Without the extension (python-lz4 page by page, ranges of at most ``MAX_RANGE_BYTES``), or
+where it cannot start threads, the ranges run on a shared pool of Python threads, shut down at
 interpreter exit. Large outputs come from a pool that reuses their memory
 (``pools.CpuOutputPool``): first writes to new memory fault page by page, and those faults
 do not run in parallel.
