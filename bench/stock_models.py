@@ -9,7 +9,8 @@ Models, built from stock PyTorch modules or public definitions written from torc
 
 Variants: ``none``; ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``);
 ``uncompressed``, ``memory``, ``speed`` (``offload_module`` with ``mode="uncompressed"``,
-``prefer="memory"``, ``prefer="speed"``). ``--codec`` picks the hooks' page codec
+``prefer="memory"``, ``prefer="speed"``; the probe ``speed_copy_only``, ``speed`` copying from
+its first pass: ``PROBE_VARIANTS``). ``--codec`` picks the hooks' page codec
 (``ActivationOffloader(codec=...)``: ``auto``, the default, stores bf16 / fp16 activations with
 the exponent codec and the rest with LZ4; ``lz4``: LZ4 for all); ``--codec auto,lz4`` runs each
 compressing variant (``memory``, ``speed``, ``torchtune``) once per codec, for an A/B in one
@@ -54,6 +55,11 @@ import time
 from bench.children import cell, md_table, run_child, write_results
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed", "torchtune")
+# probe, run only when asked: ``speed``'s code path copying from its first pass, never
+# compressing (``bench.dev_hook_timing.CopyOnlyTuner``). Settled on copying, ``speed`` held
+# more GPU memory than ``uncompressed`` in most one-GPU runs on encoder-1024, with the same
+# code: this row says whether its trials' compressed passes leave that behind
+PROBE_VARIANTS = ("speed_copy_only",)
 CODECS = ("auto", "lz4")  # the hooks' codec= values (--codec)
 COMPRESSING = ("memory", "speed", "torchtune")  # the variants whose pages a codec writes
 GIB = 1 << 30
@@ -276,8 +282,11 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         off = ctx = get_act_offloading_ctx_manager(model, True, warn_if_no_head=False,
                                                    codec=codec, **kw)
     elif variant != "none":
+        from bench.dev_hook_timing import CopyOnlyTuner
+
         kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-              "speed": dict(prefer="speed")}[variant]
+              "speed": dict(prefer="speed"),
+              "speed_copy_only": dict(prefer="speed", tuner=CopyOnlyTuner())}[variant]
         kw["codec"] = codec
         if device == "cpu":  # CI: the hooks' CPU path on toy sizes
             kw.update(offload_cpu=True, min_offload_bytes=1 << 12)

@@ -35,6 +35,19 @@ def test_models_offload_with_identical_grads(model):
     assert float(unc_line.split(" | ")[held]) == pytest.approx(unc["host_held_gib"], abs=0.01)
 
 
+def test_speed_copy_only_probe_copies_from_the_first_pass():
+    """The probe variant ``speed_copy_only``: ``prefer="speed"``'s code path with a tuner that
+    copies every pass: nothing compressed, gradients identical to ``none``."""
+    rows = [stock_models.run("encoder-tiny", v, steps=1, warmup=1, device="cpu", fsdp=False)
+            for v in ("none", "speed_copy_only")]
+    _, probe = stock_models._finish(rows, {"gpus": 1})["rows"]
+    assert probe["grads_identical"] and probe["offloaded_gib"] > 0
+    assert probe["tuner"]["phase"] == "forced" and probe["tuner"]["choice"] == "copy"
+    stats = probe["stats"]
+    assert not stats.get("compressed_exp") and not stats.get("compressed_lz4")
+    assert stats["offloaded_bytes"] > 0
+
+
 @pytest.mark.slow
 def test_fsdp2_two_ranks_on_gloo(tmp_path):
     """Marked slow (``make test-slow``): two ranks under torchrun take a while on the CPU. The
