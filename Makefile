@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat requirements-dev.txt setup.py pyproject.toml \
-	torch_pagecomp/_native.c | cksum | cut -d' ' -f1)
+# what the install reads (_native.c: the editable install builds the C loops in place, once)
+INSTALL_INPUTS := requirements-dev.txt setup.py pyproject.toml torch_pagecomp/_native.c
+STAMP  := $(VENV)/.installed-$(shell cat $(INSTALL_INPUTS) | cksum | cut -d' ' -f1)
 
 .PHONY: install demo test test-slow test-interpret test-gpu bench checkstyle clean
 
@@ -28,8 +29,7 @@ PRECOMPILE_SIDE := sympy, numpy, triton.language, jinja2, transformers, huggingf
 PIP_VERSION := 26.3
 HEAVY := ^(torch|triton)([=<>!~ ;[]|$$)
 
-# _native.c is in the stamp: the editable install builds the C loops in place, once
-$(STAMP): requirements-dev.txt setup.py pyproject.toml torch_pagecomp/_native.c
+$(STAMP): $(INSTALL_INPUTS)
 	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	$(PY) -m pip --version 2>/dev/null | grep -q "^pip $(PIP_VERSION) " || \
 		$(PYTHON) -m pip --python $(PY) install -q --no-compile pip==$(PIP_VERSION) || \

@@ -62,6 +62,22 @@ def _median_s(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _in_rounds(groups: list, repeats: int) -> dict:
+    """Median seconds of every call of ``groups`` (``(setup, {key: fn})``: ``setup()``, or
+    nothing for None, then each ``fn`` timed once), the groups run in order ``repeats`` times
+    over: a lent host's speed drifts by 20-30% within a minute
+    (bench/results/h200_a1601c8_session29), and timed one group after another, the drift went
+    into the comparison between groups."""
+    times: dict = {key: [] for _, fns in groups for key in fns}
+    for _ in range(repeats):
+        for setup, fns in groups:
+            if setup is not None:
+                setup()
+            for key, fn in fns.items():
+                times[key].append(_median_s(fn, 1))
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
 def _scale(rows: list[dict]) -> None:
     """Each row's ``speedup`` over the 1-thread row of its op, and ``efficiency`` (``speedup /
     threads``; 1.0 is linear)."""
@@ -73,11 +89,9 @@ def _scale(rows: list[dict]) -> None:
 
 def measure(pages: torch.Tensor, element_size: int, threads: list[int], repeats: int) -> list[dict]:
     """Rows for one corpus: ``pages`` ``uint8 [N, P]`` (CPU) compressed and decompressed at each
-    thread count. The timed calls run in ``repeats`` rounds, each round one call per op at every
-    thread count, and each row is the median of its calls: a lent host's speed drifts by
-    20-30% within a minute (bench/results/h200_a1601c8_session29), and timed one thread count
-    after another, the drift went into the speedups. Raises ``AssertionError`` if a round trip
-    is not bit-exact."""
+    thread count, in ``repeats`` rounds of one call per op at every thread count
+    (:func:`_in_rounds`), each row the median of its calls. Raises ``AssertionError`` if a
+    round trip is not bit-exact."""
     counts = sorted(set(threads) | {1})
     nbytes = pages.numel()
     c = None
@@ -85,22 +99,18 @@ def measure(pages: torch.Tensor, element_size: int, threads: list[int], repeats:
         "compress": lambda: pc.compress(pages, element_size=element_size, backend="cpu"),
         "decompress": lambda: pc.decompress(c, backend="cpu"),
     }
-    times: dict[tuple[str, int], list[float]] = {(op, t): [] for op in calls for t in counts}
     try:
         for t in counts:  # warm-up: each thread count's first call, and the round trip checked
             pc.set_cpu_threads(t)
             c = pc.compress(pages, element_size=element_size, backend="cpu")
             assert torch.equal(pc.decompress(c, backend="cpu"), pages), f"round trip, {t} threads"
-        for _ in range(repeats):
-            for t in counts:
-                pc.set_cpu_threads(t)
-                for op, call in calls.items():
-                    times[op, t].append(_median_s(call, 1))
+        seconds = _in_rounds([(lambda t=t: pc.set_cpu_threads(t),
+                               {(op, t): call for op, call in calls.items()}) for t in counts],
+                             repeats)
     finally:
         pc.set_cpu_threads(None)
-    rows = [{"op": op, "threads": t, "seconds": statistics.median(v),
-             "gbps": nbytes / statistics.median(v) / 1e9, "ratio": c.ratio()}
-            for (op, t), v in times.items()]
+    rows = [{"op": op, "threads": t, "seconds": s, "gbps": nbytes / s / 1e9, "ratio": c.ratio()}
+            for (op, t), s in seconds.items()]
     _scale(rows)
     return [r for r in rows if r["threads"] in threads]
 
@@ -128,17 +138,12 @@ def host_reference(threads: list[int], repeats: int, mib: int = 32) -> list[dict
         np.sort(data[k])
 
     ops = (("copy", copy, 4 * 2 * n * 8), ("sort", sort, n * 8))
-    times: dict[tuple[str, int], list[float]] = {(op, t): [] for op, _, _ in ops for t in counts}
-    with ThreadPoolExecutor(max(counts)) as pool:
-        for _ in range(repeats):  # in rounds, as ``measure``: the host's drift in every row
-            for op, fn, _ in ops:
-                for t in counts:
-                    times[op, t].append(
-                        _median_s(lambda fn=fn, t=t: list(pool.map(fn, range(t))), 1))
+    with ThreadPoolExecutor(max(counts)) as pool:  # in rounds, as ``measure``
+        seconds = _in_rounds([(None, {(op, t): lambda fn=fn, t=t: list(pool.map(fn, range(t)))
+                                      for op, fn, _ in ops for t in counts})], repeats)
     per_call = {op: b for op, _, b in ops}
-    rows = [{"op": op, "threads": t, "seconds": statistics.median(v),
-             "gbps": t * per_call[op] / statistics.median(v) / 1e9, "ratio": None}
-            for (op, t), v in times.items()]
+    rows = [{"op": op, "threads": t, "seconds": s, "gbps": t * per_call[op] / s / 1e9,
+             "ratio": None} for (op, t), s in seconds.items()]
     _scale(rows)
     return [{"corpus": "host", "element_size": 0, **r} for r in rows if r["threads"] in threads]
 

@@ -3,7 +3,7 @@
 ``python3 -m bench.dev_hook_timing --models encoder-1024,resnet-64 --variants uncompressed,memory``
 (GPU; ``memory_lz4``: ``memory`` with ``codec="lz4"``; ``speed`` too, timed once its tuner
 has chosen, and ``speed_copy_only``, its code path with every pass copied from the first:
-:class:`CopyOnlyTuner`): for each model and variant, a
+``bench.stock_models.CopyOnlyTuner``): for each model and variant, a
 few warm steps, then ``--steps`` steps with the package's hot functions wrapped in
 ``perf_counter_ns`` timers (inclusive time: a wrapped function's time includes the wrapped
 functions it calls). Prints, per function, calls per step, host ms per step and host us per
@@ -104,27 +104,6 @@ def instrument(stats) -> list:
     return undo
 
 
-class CopyOnlyTuner:
-    """``prefer="speed"``'s tuner made to copy every pass from the first: the speed variant's
-    code path without a compressed pass ever run (variant ``speed_copy_only``). Beside
-    ``uncompressed`` and ``speed`` (copying after its compressed trials) it tells whether the
-    speed arm's extra host time comes from its own code path or from what the trials leave
-    behind (pools, arena, allocator state)."""
-
-    def __init__(self):
-        self.choice = self.arm = "copy"
-        self.history: list = []
-
-    def start_pass(self) -> str:
-        return "copy"
-
-    def add_bytes(self, nbytes: int) -> None:
-        pass
-
-    def summary(self) -> dict:
-        return {"phase": "forced", "arm": "copy", "choice": "copy"}
-
-
 class _GcPauses:
     """Collections of Python's cyclic GC while timing, and their pauses (``gc.callbacks``):
     a variant whose host time rises in every function alike may be paying for the collector."""
@@ -154,7 +133,7 @@ def training_step(name: str, variant: str):
     ``variant``'s hooks (``none``: no hooks, offloader None)."""
     import torch
 
-    from bench.stock_models import build
+    from bench.stock_models import CopyOnlyTuner, build
     from torch_pagecomp import offload_module
 
     gc.collect()  # the previous variant's model and offloader go before this one starts

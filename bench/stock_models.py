@@ -56,7 +56,7 @@ from bench.children import cell, md_table, run_child, write_results
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed", "torchtune")
 # probe, run only when asked: ``speed``'s code path copying from its first pass, never
-# compressing (``bench.dev_hook_timing.CopyOnlyTuner``). Settled on copying, ``speed`` held
+# compressing (:class:`CopyOnlyTuner`). Settled on copying, ``speed`` held
 # more GPU memory than ``uncompressed`` in most one-GPU runs on encoder-1024, with the same
 # code: this row says whether its trials' compressed passes leave that behind
 PROBE_VARIANTS = ("speed_copy_only",)
@@ -252,6 +252,28 @@ def _profile(train_step, path: str) -> None:
                                cumulative="torch_pagecomp|triton_kernels|triton/runtime"))
 
 
+class CopyOnlyTuner:
+    """``prefer="speed"``'s tuner made to copy every pass from the first: the speed variant's
+    code path without a compressed pass ever run (variant ``speed_copy_only``, here and in
+    ``bench.dev_hook_timing``). Beside ``uncompressed`` and ``speed`` (copying after its
+    compressed trials) it tells whether the speed arm's extra host time or GPU memory comes
+    from its own code path or from what the trials leave behind (pools, arena, allocator
+    state)."""
+
+    def __init__(self):
+        self.choice = self.arm = "copy"
+        self.history: list = []
+
+    def start_pass(self) -> str:
+        return "copy"
+
+    def add_bytes(self, nbytes: int) -> None:
+        pass
+
+    def summary(self) -> dict:
+        return {"phase": "forced", "arm": "copy", "choice": "copy"}
+
+
 def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: bool,
         profile: str | None = None, min_offload_bytes: int | None = None,
         record_phases: bool = True, codec: str = "auto") -> dict:
@@ -282,8 +304,6 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         off = ctx = get_act_offloading_ctx_manager(model, True, warn_if_no_head=False,
                                                    codec=codec, **kw)
     elif variant != "none":
-        from bench.dev_hook_timing import CopyOnlyTuner
-
         kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
               "speed": dict(prefer="speed"),
               "speed_copy_only": dict(prefer="speed", tuner=CopyOnlyTuner())}[variant]

@@ -334,9 +334,10 @@ def test_paged_store_release_scratch_resets_its_bound():
 
 
 def test_copy_only_tuner_of_the_hook_timing_probe(seed):
-    """``bench.dev_hook_timing``'s ``speed_copy_only`` variant: ``prefer="speed"`` with every
-    pass copied from the first (no compressed store is ever made), gradients unchanged."""
-    from bench.dev_hook_timing import CopyOnlyTuner
+    """The probes' ``speed_copy_only`` variant (``bench.stock_models``, ``dev_hook_timing``):
+    ``prefer="speed"`` with every pass copied from the first (no compressed store is ever
+    made), gradients unchanged."""
+    from bench.stock_models import CopyOnlyTuner
     from torch_pagecomp import offload_activations
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),

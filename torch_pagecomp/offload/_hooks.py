@@ -268,11 +268,13 @@ class ActivationOffloader:
         if arm == "copy":
             settled = self.tuner.choice == "copy"
             for store in self._paged.values():
-                store.release_scratch()
-                # chunks the last compressed passes' tensors still held at the decision: given
-                # back once freed (encoder-2048 kept 0.81 GiB pinned on copied steps without)
+                # settled: also the chunks the last compressed passes' tensors still held at
+                # the decision, given back once freed (encoder-2048 kept 0.81 GiB pinned on
+                # copied steps without); release_idle frees the scratch too
                 if settled and store.arena.held_bytes:
                     store.release_idle()
+                else:
+                    store.release_scratch()
         return arm
 
     def next_group(self) -> None:
