@@ -1,0 +1,101 @@
+"""Dev probe: the host cost of the CUDA and PyTorch primitives one small call is made of (#26).
+
+``python3 -m bench.dev_host_floor [--calls 2000]`` (GPU): the median host time (``perf_counter_ns``
+over a loop of ``--calls``, the GPU busy with queued work so no call waits on it) of each
+primitive the compress / decompress calls and the offload store issue: a CUDA ``torch.empty``,
+a pinned one, a view, an event record, a stream switch, ``record_stream``, a direct Triton launch
+of the compress kernel, and the public calls themselves. Tells which of #26's 30 us a call can
+reach by trimming Python and which it cannot without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import torch_pagecomp as pc
+
+
+def per_call_us(fn, calls: int, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the mean host time of ``calls`` calls of ``fn``."""
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter_ns() - t0) / calls / 1e3)
+    return statistics.median(out)
+
+
+def _on(stream) -> None:
+    with torch.cuda.stream(stream):
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2000)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    from bench.corpora import build_corpus
+    from torch_pagecomp._ops import compress_eager, decompress_eager
+    from torch_pagecomp.kernels.lz4_compress import (
+        compress_config,
+        compress_pages,
+        compress_scratch,
+        max_programs,
+    )
+
+    x = build_corpus("bf16-relu", 1 << 20, 4096, dev, seed=1)
+    pages = x.view(-1, 4096)
+    n = pages.shape[0]
+    cfg = compress_config(4096, 2)
+    scratch = compress_scratch(dev, cfg, max_programs(dev, cfg))
+    out = (torch.empty((n, 4096), dtype=torch.uint8, device=dev),
+           torch.empty((n,), dtype=torch.int32, device=dev),
+           torch.empty((n,), dtype=torch.uint8, device=dev))
+    c = pc.compress(x, element_size=2)
+    side = torch.cuda.Stream()
+    ev = torch.cuda.Event()
+    small = torch.empty(64, dtype=torch.uint8, device=dev)
+    torch.cuda.synchronize()
+    cases = {
+        "torch.empty cuda 1 MiB": lambda: torch.empty((n, 4096), dtype=torch.uint8, device=dev),
+        "torch.empty cuda 256 B": lambda: torch.empty(256, dtype=torch.uint8, device=dev),
+        "torch.empty pinned 256 B": lambda: torch.empty(256, dtype=torch.uint8,
+                                                        pin_memory=True),
+        "view + slice": lambda: x[4096:8192].view(1, 4096),
+        "Event() + record": lambda: torch.cuda.Event().record(),
+        "event.record (reused)": lambda: ev.record(),
+        "stream.wait_event": lambda: side.wait_event(ev),
+        "with torch.cuda.stream(side)": lambda: _on(side),
+        "record_stream": lambda: small.record_stream(side),
+        "small.zero_() (one aten kernel)": lambda: small.zero_(),
+        "compress_pages(out, scratch, direct)": lambda: compress_pages(
+            pages, 2, traced=False, out=out, scratch=scratch),
+        "compress_pages(direct, allocating)": lambda: compress_pages(pages, 2, traced=False),
+        "compress_eager": lambda: compress_eager(pages, 2),
+        "pc.compress": lambda: pc.compress(x, element_size=2),
+        "decompress_eager": lambda: decompress_eager(c.payload, c.offsets, c.sizes, c.kinds,
+                                                     4096),
+        "pc.decompress(return_status)": lambda: pc.decompress(c, return_status=True),
+    }
+    # the GPU kept busy well past the loop: no call ever waits for a free queue slot either
+    # (1024 queued launches would block the host); each case is its own short loop
+    print("| primitive | host us / call |\n|---|---|")
+    for name, fn in cases.items():
+        calls = a.calls if "compress" not in name else a.calls // 4
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        us = per_call_us(fn, calls // 5)
+        torch.cuda.synchronize()
+        print(f"| {name} | {us:.1f} |", flush=True)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
