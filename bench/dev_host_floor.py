@@ -67,7 +67,7 @@ def main() -> None:
         "torch.empty cuda 256 B": lambda: torch.empty(256, dtype=torch.uint8, device=dev),
         "torch.empty pinned 256 B": lambda: torch.empty(256, dtype=torch.uint8,
                                                         pin_memory=True),
-        "view + slice": lambda: x[4096:8192].view(1, 4096),
+        "slice + view": lambda: pages[1:2].view(-1),
         "Event() + record": lambda: torch.cuda.Event().record(),
         "event.record (reused)": lambda: ev.record(),
         "stream.wait_event": lambda: side.wait_event(ev),

@@ -70,7 +70,7 @@ def test_direct_launches_match_and_skip_jit_run(cuda, gen, monkeypatch):
         torch.cuda.current_stream().wait_stream(stream)
         assert torch.equal(dst[:n], s[:n] * k + shift), (off, n, k, shift)
         assert (dst[n:] == -1).all(), "wrote past n"
-    entries = [v for key, v in L._COMPILED.items() if key[0] is _scaled_copy]
+    entries = [v for key, v in L._COMPILED.items() if key[0] == id(_scaled_copy)]
     assert entries and all(v is not None for v in entries), "this Triton cannot launch directly"
     # one JITFunction.run per specialisation (k=5 shares one with k=3), none after
     assert len(calls) == len(entries) < launches, (len(calls), len(entries), launches)
@@ -121,10 +121,46 @@ def test_direct_entry_takes_what_jit_run_passes_and_refuses_the_unexpected():
     entry = L._direct_entry(Kernel(binder), Compiled(), 0, ("x", "y", 5), dict(SHIFT=3,
                                                                                num_warps=4))
     assert entry is not None
-    run, function, packed, tail = entry
-    assert (function, packed) == (7, ("meta",))
+    kernel, run, head, tail = entry
+    assert run == Compiled.run  # not a CudaLauncher: called as JITFunction.run calls it
+    assert head == (7, ("meta",), None, None, None)  # function, metadata, no hooks
     assert tail == (64, 3)  # the parameters after args: defaults and meta, in order
     assert L._direct_entry(Kernel(binder), object(), 0, ("x", "y", 5), {}) is None
     assert L._direct_entry(object(), Compiled(), 0, ("x", "y", 5), {}) is None
     no_handle = type("NoHandle", (Compiled,), {"function": None})()
     assert L._direct_entry(Kernel(binder), no_handle, 0, ("x", "y", 5), {}) is None
+
+
+def _launcher_class(call):
+    return type("CudaLauncher", (), {"__call__": call, "launch": staticmethod(print),
+                                     "launch_cooperative_grid": False, "launch_pdl": True,
+                                     "global_scratch_size": 0, "profile_scratch_size": 0})
+
+
+def test_raw_launch_only_for_the_launcher_layout_it_knows():
+    def call_36(self, gridX, gridY, gridZ, stream, function, *args):
+        pass
+
+    def call_39(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                launch_enter_hook, launch_exit_hook, *args):
+        pass
+
+    launcher = _launcher_class(call_36)()
+    assert L._raw_launch(launcher) == (print, False, True)
+    assert L._raw_launch(_launcher_class(call_39)()) is None  # another release's layout
+    launcher.global_scratch_size = 64  # a kernel that needs scratch: through __call__
+    assert L._raw_launch(launcher) is None
+    other = type("HIPLauncher", (), {"__call__": call_36})()
+    assert L._raw_launch(other) is None
+
+    class Compiled:
+        function, packed_metadata = 7, ("meta",)
+        run = _launcher_class(call_36)()
+
+    class Kernel:
+        device_caches = {0: ({}, {}, None, None, lambda a, n, **o: (dict(a=a, n=n), [], o))}
+
+    kernel, fn, head, tail = L._direct_entry(Kernel(), Compiled(), 0, ("x", 5), {})
+    assert fn is print and tail == ()
+    # grid and stream, then: function, cooperative, pdl, two scratches, metadata, no hooks
+    assert head == (7, False, True, None, None, ("meta",), None, None, None)

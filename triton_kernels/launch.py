@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 
 import torch
@@ -98,8 +99,10 @@ def launch(kernel, grid: tuple[int, ...], device: torch.device, args: tuple, met
         fn(*args, **meta)  # which sets the device itself
 
 
-# (kernel, device index, meta items, per-argument specialisation) -> (compiled kernel, the
-# parameter values after ``args``) or None where the compiled kernel cannot be called directly
+# (id(kernel), device index, meta items, per-argument specialisation) -> (the kernel, kept so
+# that its id is not reused while cached; the compiled kernel's launch function; the
+# arguments it takes before the kernel's; the parameter values after ``args``), or None where
+# the compiled kernel cannot be called directly. Keyed by id: a JITFunction hashes in Python.
 _COMPILED: dict = {}
 _INT32 = (-(1 << 31), 1 << 31)
 
@@ -110,6 +113,10 @@ def _arg_class(a) -> tuple | None:
     divisibility by 16 and width. None: a kind of argument the direct path does not handle."""
     if isinstance(a, torch.Tensor):
         return (a.dtype, not a.data_ptr() & 15)
+    return _scalar_class(a)
+
+
+def _scalar_class(a) -> tuple | None:
     t = type(a)
     if t is int:
         return (a == 1, a & 15 == 0, _INT32[0] <= a < _INT32[1], a < 1 << 63)
@@ -131,14 +138,32 @@ def _meta_key(meta: dict) -> tuple | None:
 def _launch_compiled(kernel, grid: tuple[int, ...], index: int, args: tuple, meta: dict) -> None:
     """Launch on device ``index``'s current stream through the cached compiled kernel; the first
     launch of each specialisation (and any launch the cache cannot key, or while Triton's launch
-    hooks are set, e.g. under its profiler) goes through ``JITFunction.run``."""
+    hooks are set, e.g. under its profiler) goes through ``JITFunction.run``.
+
+    A CUDA tensor goes to the launcher as its address (an int): given the tensor, Triton's C
+    launcher calls its ``data_ptr`` and asks the driver whether the address is a device one
+    (``cuPointerGetAttribute``), per pointer argument and launch; the classes below read the
+    address anyway, and a CUDA tensor's is one. Other tensors (page-locked host memory) go as
+    they are, so the launcher still refuses a pageable host tensor with an error."""
     # a FrozenMeta keys by identity (equal settings built apart only cost a second entry)
     mkey = meta if type(meta) is FrozenMeta else _meta_key(meta)
-    classes = tuple(map(_arg_class, args))
-    if mkey is None or None in classes or _hooks_set():
+    if mkey is None or _hooks_set():
         kernel[grid](*args, **meta)
         return
-    key = (kernel, index, mkey, classes)
+    classes, flat = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            ptr = a.data_ptr()
+            classes.append((a.dtype, not ptr & 15))
+            flat.append(ptr if a.is_cuda else a)
+        else:
+            c = _scalar_class(a)
+            if c is None:
+                kernel[grid](*args, **meta)
+                return
+            classes.append(c)
+            flat.append(a)
+    key = (id(kernel), index, mkey, tuple(classes))
     entry = _COMPILED.get(key, False)
     if entry is False:
         compiled = kernel[grid](*args, **meta)
@@ -147,18 +172,20 @@ def _launch_compiled(kernel, grid: tuple[int, ...], index: int, args: tuple, met
     if entry is None:
         kernel[grid](*args, **meta)
         return
-    run, function, packed, tail = entry
+    _, fn, head, tail = entry
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(index), function, packed, None, None,
-        None, *args, *tail)
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    fn(grid[0], g1, g2, stream, *head, *flat, *tail)
 
 
 def _direct_entry(kernel, compiled, index: int, args: tuple, meta: dict):
-    """What ``JITFunction.run`` passes to the compiled kernel's launcher besides the grid, the
-    stream and ``args``: (launcher, function handle, packed metadata, values of the parameters
-    after ``args``), or None if this Triton's objects do not look as expected (then every
-    launch keeps going through ``JITFunction.run``)."""
+    """``(kernel, launch function, its arguments between the stream and ``args``, values of the
+    parameters after ``args``)``: what ``JITFunction.run`` passes to the compiled kernel's
+    launcher besides the grid, the stream and ``args``, or None if this Triton's objects do not
+    look as expected (then every launch keeps going through ``JITFunction.run``). Where the
+    launcher is Triton 3.6's ``CudaLauncher`` with no scratch to allocate, its C launch
+    function itself (:func:`_raw_launch`)."""
     try:
         binder = kernel.device_caches[index][-1]
         bound = binder(*args, **meta)[0]
@@ -166,9 +193,44 @@ def _direct_entry(kernel, compiled, index: int, args: tuple, meta: dict):
         run, function = compiled.run, compiled.function
         if not callable(run) or function is None or len(values) < len(args):
             return None
-        return run, function, compiled.packed_metadata, tuple(values[len(args):])
+        tail = tuple(values[len(args):])
+        head = (function, compiled.packed_metadata, None, None, None)
+        raw = _raw_launch(run)
+        if raw is not None:
+            launch_fn, cooperative, pdl = raw
+            return kernel, launch_fn, (function, cooperative, pdl, None, None) + head[1:], tail
+        return kernel, run, head, tail
     except (AttributeError, IndexError, KeyError, TypeError):
         return None
+
+
+# Triton 3.6's CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args) allocates
+# the scratch a kernel asks for (none of ours does) and calls its C launch function with
+# (grid, stream, function, cooperative, pdl, global scratch, profile scratch, *args), args
+# being (packed metadata, launch metadata, enter hook, exit hook, kernel arguments...)
+_CUDA_LAUNCHER_36 = ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+
+
+def _raw_launch(launcher) -> tuple | None:
+    """``(C launch function, cooperative grid, PDL)`` of a Triton 3.6 ``CudaLauncher`` that
+    needs no scratch, so the direct path skips its Python ``__call__``; None for any other
+    launcher (other Triton releases lay the call out differently)."""
+    cls = type(launcher)
+    if cls.__name__ != "CudaLauncher":
+        return None
+    try:
+        names = list(inspect.signature(cls.__call__).parameters)
+    except (TypeError, ValueError):
+        return None
+    if names != _CUDA_LAUNCHER_36:
+        return None
+    if (getattr(launcher, "global_scratch_size", 1) != 0
+            or getattr(launcher, "profile_scratch_size", 1) != 0):
+        return None
+    fn = getattr(launcher, "launch", None)
+    if not callable(fn):
+        return None
+    return fn, launcher.launch_cooperative_grid, launcher.launch_pdl
 
 
 def _hooks_set() -> bool:
