@@ -368,8 +368,13 @@ def _desc(t: torch.Tensor) -> str:
 
 
 def _check_devices(problems: list[str], named: dict[str, torch.Tensor]) -> None:
-    devices = {t.device for t in named.values()}
-    if len(devices) > 1:
+    tensors = iter(named.values())
+    first = next(tensors, None)
+    if first is None:
+        return
+    device = first.device
+    if any(t.device != device for t in tensors):
+        devices = {t.device for t in named.values()}
         where = ", ".join(f"{k} on {t.device}" for k, t in named.items())
         problems.append(f"tensors are on different devices: {sorted(map(str, devices))} ({where})")
 
@@ -390,10 +395,15 @@ def _check_tensor(problems: list[str], name: str, t: object, dtype: torch.dtype,
     if not isinstance(t, torch.Tensor):
         problems.append(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         return False
-    want = "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
-    if t.dtype != dtype or t.dim() != len(shape) or any(
-        d is not None and t.shape[i] != d for i, d in enumerate(shape)
-    ):
+    # (on every call of every op: the message is built only when something is wrong)
+    got = t.shape
+    bad = t.dtype != dtype or len(got) != len(shape)
+    for g, d in zip(got, shape):  # (a loop: a generator costs more than these checks)
+        if bad or (d is not None and g != d):
+            bad = True
+            break
+    if bad:
+        want = "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
         problems.append(f"{name} must be {dtype} {want}, got {_desc(t)}")
     return True
 
