@@ -33,6 +33,9 @@ def test_compress_accepts_flat_bytes(gen):
         (torch.zeros(8192, dtype=torch.uint8), {"page_size": 5000}, "power of two"),
         (torch.zeros((4096, 2), dtype=torch.uint8).t(), {}, "contiguous"),
         (torch.zeros((2, 4096), dtype=torch.uint8), {"element_size": 3}, "element_size"),
+        # True == 1 in Python; the ops refuse it, so the public call (their only check on the
+        # direct launch path) does too
+        (torch.zeros((2, 4096), dtype=torch.uint8), {"element_size": True}, "element_size"),
         (torch.zeros((2, 4096), dtype=torch.uint8), {"backend": "gpu"}, "backend"),
         ([1, 2, 3], {}, "torch.Tensor"),
     ],

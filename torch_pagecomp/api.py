@@ -101,13 +101,14 @@ def _routed(where: str, device: torch.device, op, eager, kernel, tensors: tuple,
     """``op`` (a ``torch.ops.pagecomp`` operator) of ``tensors`` then ``consts``, run where
     ``route`` sent the call, its outputs on ``device``: ``CPU`` ``eager`` on host copies
     (the op's reference path; without the dispatch where the call is eager);
-    ``KERNELS`` ``eager``, the op's direct launch; otherwise on a CUDA device (``OP``, or
+    ``KERNELS`` ``kernel`` launching directly (the public functions checked the arguments
+    already, so the eager entry's second check is skipped); otherwise on a CUDA device (``OP``, or
     ``CPU_SERVED``: the op serves it on the host) the op; ``INTERPRET`` ``kernel``, the Triton
     launcher; ``UPLOAD`` the op on GPU copies of host tensors, brought back."""
     if where == CPU:
         return _to(eager(*(t.cpu() for t in tensors), *consts), device)
-    if where == KERNELS:
-        return eager(*tensors, *consts)
+    if where == KERNELS:  # checked by the caller (as_pages, check_compressed): the launcher
+        return kernel(*tensors, *consts, traced=False)  # (the eager entry checks again)
     if device.type == "cuda":
         return op(*tensors, *consts)
     if where == INTERPRET:
@@ -125,18 +126,18 @@ def _to(out, device: torch.device):
 
 def _launcher(module: str, name: str):
     """``torch_pagecomp.kernels.<module>.<name>``, imported when called (Triton loads on use)."""
-    def call(*args):
+    def call(*args, **kwargs):
         kernels = importlib.import_module(f"{__package__}.kernels.{module}")
-        return getattr(kernels, name)(*args)
+        return getattr(kernels, name)(*args, **kwargs)
 
     return call
 
 
-def _compress_exp_kernel(pages: torch.Tensor, float_format: str):
+def _compress_exp_kernel(pages: torch.Tensor, float_format: str, traced: bool = True):
     """The exponent encoder's launcher with the op's arguments."""
     from .kernels.exp_codec import compress_exp_pages
 
-    return compress_exp_pages(pages, float_format == "fp16")
+    return compress_exp_pages(pages, float_format == "fp16", traced=traced)
 
 
 def page_checksums(data: torch.Tensor, backend: str = "auto",

@@ -270,7 +270,7 @@ def check_page_size(page_size: int) -> None:
 
 
 def check_element_size(element_size: int) -> None:
-    if element_size not in ELEMENT_SIZES:
+    if isinstance(element_size, bool) or element_size not in ELEMENT_SIZES:
         raise PageCompError(f"element_size must be one of {ELEMENT_SIZES}, got {element_size!r}")
 
 
@@ -310,6 +310,8 @@ def as_pages(data: torch.Tensor, page_size: int | None = None) -> torch.Tensor:
                 f"{data.numel()} bytes is not a whole number of {page_size}-byte pages"
             )
         data = data.view(-1, page_size)
+    if data.shape[0] > MAX_PAGES:
+        raise PageCompError(f"at most {MAX_PAGES} pages per call, got {data.shape[0]}")
     return data
 
 
