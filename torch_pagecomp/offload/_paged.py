@@ -55,9 +55,15 @@ class SliceNotStored(RuntimeError):
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on ``device`` without making the host wait: on CUDA it goes up
-    from page-locked memory (a copy from pageable memory waits for the stream)."""
+    from page-locked memory (a copy from pageable memory waits for the stream), staged by a
+    host copy into a new page-locked tensor. ``Tensor.pin_memory()`` would first ask the
+    driver whether the tensor is page-locked already: ~100 us a call on the hooks' restores,
+    beside the arena's registered chunks (``bench/results/h200_5b2a6fe_session30``), against
+    a few for the page-locked allocator's cached blocks."""
     if device.type == "cuda" and can_pin():
-        host = host.pin_memory()
+        staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        staged.copy_(host)
+        host = staged
     return host.to(device, non_blocking=True)
 
 
@@ -451,12 +457,20 @@ def verify(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> None:
 
 def _row_table(outs: list, page_size: int) -> torch.Tensor:
     """``int64 [pages]`` on the outputs' device: the address of every page of ``outs`` in
-    order (uploaded from pinned memory, no host wait)."""
-    import numpy as np
+    order, written by a kernel from three numbers per output (uploaded from page-locked
+    memory, no host wait; ``kernels.row_table``)."""
+    from ..kernels.row_table import fill_row_table
 
-    rows = np.concatenate([np.arange(o.numel() // page_size, dtype=np.int64) * page_size
-                           + o.data_ptr() for o in outs])
-    return to_device(torch.from_numpy(rows), outs[0].device)
+    counts = [o.numel() // page_size for o in outs]
+    firsts, total = [], 0
+    for n in counts:
+        firsts.append(total)
+        total += n
+    desc = torch.tensor([[o.data_ptr() for o in outs], firsts, counts], dtype=torch.int64)
+    dev = outs[0].device
+    rows = torch.empty(total, dtype=torch.int64, device=dev)
+    fill_row_table(to_device(desc, dev), rows, page_size, max(counts), traced=False)
+    return rows
 
 
 def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,

@@ -1,0 +1,70 @@
+"""The row-table kernel (``torch_pagecomp.kernels.row_table``) and the offload store's row table
+built with it: every page's address, from three numbers per output, and nothing written past
+the table. Without CUDA the kernel runs on the interpreter (the table is only numbers)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import pytest  # noqa: E402
+
+from torch_pagecomp.kernels.row_table import ROW_BLOCK, fill_row_table  # noqa: E402
+from torch_pagecomp.offload import _paged  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+POISON = -0x5A5A5A5A5A
+
+
+def _expected(bases, counts, page_size):
+    return [b + i * page_size for b, n in zip(bases, counts) for i in range(n)]
+
+
+@pytest.mark.parametrize("page_size", [4096, 65536])
+def test_rows_are_each_outputs_pages_in_order_and_nothing_past_them(page_size, gen):
+    k = int(torch.randint(1, 7, (1,), generator=gen))
+    # counts across the block size (an output's last program is partly masked), and empty ones
+    counts = [int(c) for c in torch.randint(0, 2 * ROW_BLOCK + 300, (k,), generator=gen)]
+    counts[int(torch.randint(0, k, (1,), generator=gen))] = 0
+    counts[0] = max(counts[0], 1)
+    bases = [int(b) * 4096 for b in torch.randint(1, 1 << 40, (k,), generator=gen)]
+    firsts = [sum(counts[:j]) for j in range(k)]
+    total, spare = sum(counts), 37
+    rows = torch.full((total + spare,), POISON, dtype=torch.int64, device=DEV)
+    desc = torch.tensor([bases, firsts, counts], dtype=torch.int64, device=DEV)
+    fill_row_table(desc, rows[:total], page_size, max(counts))
+    got = rows.cpu().tolist()
+    assert got[:total] == _expected(bases, counts, page_size)
+    assert got[total:] == [POISON] * spare, "wrote past the table"
+
+
+def test_bad_arguments_are_named():
+    rows = torch.empty(4, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="desc must be int64"):
+        fill_row_table(torch.zeros(2, 1, dtype=torch.int64, device=DEV), rows, 4096, 1)
+    with pytest.raises(ValueError, match="rows must be a contiguous int64"):
+        fill_row_table(torch.zeros(3, 1, dtype=torch.int64, device=DEV), rows.int(), 4096, 1)
+    fill_row_table(torch.zeros(3, 0, dtype=torch.int64, device=DEV), rows[:0], 4096, 0)
+
+
+def test_store_row_table_of_live_outputs(cuda, gen):
+    """The hooks' batched restore: one row per page of each output, at that output's memory."""
+    p = 4096
+    outs = [torch.empty(int(n) * p, dtype=torch.uint8, device=cuda)
+            for n in torch.randint(1, 3000, (5,), generator=gen)]
+    rows = _paged._row_table(outs, p)
+    want = _expected([o.data_ptr() for o in outs], [o.numel() // p for o in outs], p)
+    assert rows.device.type == "cuda" and rows.cpu().tolist() == want
+
+
+def test_to_device_stages_through_page_locked_memory(gen):
+    host = torch.randint(-(1 << 40), 1 << 40, (1000,), dtype=torch.int64, generator=gen)
+    want = host.clone()
+    dev = torch.device(DEV)
+    up = _paged.to_device(host, dev)
+    if dev.type == "cuda":
+        host.zero_()  # staged by a host copy: the upload never reads the caller's tensor later
+        torch.cuda.synchronize()
+    assert up.device.type == dev.type and torch.equal(up.cpu(), want)
