@@ -22,7 +22,7 @@ def _expected(bases, counts, page_size):
     return [b + i * page_size for b, n in zip(bases, counts) for i in range(n)]
 
 
-@pytest.mark.parametrize("page_size", [4096, 65536])
+@pytest.mark.parametrize("page_size", [4096, 65536, 0])  # 0: each base repeated
 def test_rows_are_each_outputs_pages_in_order_and_nothing_past_them(page_size, gen):
     k = int(torch.randint(1, 7, (1,), generator=gen))
     # counts across the block size (an output's last program is partly masked), and empty ones
@@ -57,6 +57,15 @@ def test_store_row_table_of_live_outputs(cuda, gen):
     rows = _paged._row_table(outs, p)
     want = _expected([o.data_ptr() for o in outs], [o.numel() // p for o in outs], p)
     assert rows.device.type == "cuda" and rows.cpu().tolist() == want
+
+
+def test_ramps_of_stride_zero_repeat_each_value(cuda, gen):
+    """A group restore's per-slice shift of the page offsets: ``np.repeat`` on the GPU."""
+    counts = [int(n) for n in torch.randint(0, 5000, (6,), generator=gen)]
+    values = [int(v) for v in torch.randint(0, 1 << 40, (6,), generator=gen)]
+    got = _paged.ramps(values, counts, 0, cuda)
+    assert got.cpu().tolist() == [v for v, n in zip(values, counts) for _ in range(n)]
+    assert _paged.ramps([], [], 0, cuda).numel() == 0
 
 
 def test_to_device_stages_through_page_locked_memory(gen):

@@ -456,21 +456,28 @@ def verify(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def _row_table(outs: list, page_size: int) -> torch.Tensor:
-    """``int64 [pages]`` on the outputs' device: the address of every page of ``outs`` in
-    order, written by a kernel from three numbers per output (uploaded from page-locked
-    memory, no host wait; ``kernels.row_table``)."""
+    """``int64 [pages]`` on the outputs' (CUDA) device: the address of every page of ``outs``
+    in order (:func:`ramps`)."""
+    return ramps([o.data_ptr() for o in outs], [o.numel() // page_size for o in outs],
+                 page_size, outs[0].device)
+
+
+def ramps(bases: list[int], counts: list[int], stride: int, device: torch.device
+          ) -> torch.Tensor:
+    """``int64 [sum(counts)]`` on CUDA ``device``: ``bases[j] + i * stride`` for ``i <
+    counts[j]``, segment after segment, written by a kernel from three numbers a segment
+    uploaded from page-locked memory (``kernels.row_table``; no host wait), not built per
+    element on the host and uploaded."""
     from ..kernels.row_table import fill_row_table
 
-    counts = [o.numel() // page_size for o in outs]
     firsts, total = [], 0
     for n in counts:
         firsts.append(total)
         total += n
-    desc = torch.tensor([[o.data_ptr() for o in outs], firsts, counts], dtype=torch.int64)
-    dev = outs[0].device
-    rows = torch.empty(total, dtype=torch.int64, device=dev)
-    fill_row_table(to_device(desc, dev), rows, page_size, max(counts), traced=False)
-    return rows
+    desc = torch.tensor([bases, firsts, counts], dtype=torch.int64)
+    out = torch.empty(total, dtype=torch.int64, device=device)
+    fill_row_table(to_device(desc, device), out, stride, max(counts, default=0), traced=False)
+    return out
 
 
 def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,

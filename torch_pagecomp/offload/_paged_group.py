@@ -132,11 +132,16 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     group.known = at
     if not rels:
         return
-    # one add for all the new slices: offsets relative to each slice's base -> into staging
-    # (numpy's repeat: torch's on the CPU took ~100 us a group on the hooks' hot path)
-    shift = torch.from_numpy(np.repeat(np.asarray(shifts, dtype=np.int64), counts))
+    # one add for all the new slices: offsets relative to each slice's base -> into staging;
+    # each slice's shift repeated over its pages by numpy on the host (torch's repeat took
+    # ~100 us a group on the hooks' hot path), or by a kernel on the GPU (three numbers a
+    # slice go up, not eight bytes a page)
     on_host = store.host_meta  # placed slices' metadata is on the host: the group's too
-    offsets = torch.cat(rels) + (shift if on_host else _paged.to_device(shift, device))
+    if on_host or device.type != "cuda":
+        shift = torch.from_numpy(np.repeat(np.asarray(shifts, dtype=np.int64), counts))
+    else:
+        shift = _paged.ramps(shifts, counts, 0, device)
+    offsets = torch.cat(rels) + shift
     new = (offsets, torch.cat(sizes), torch.cat(kinds)) + ((torch.cat(sums),) if sums else ())
     if group.meta is not None:
         new = tuple(torch.cat([old, t]) for old, t in zip(group.meta, new))
