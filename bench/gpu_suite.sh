@@ -24,8 +24,9 @@
 #   bash bench/gpu_suite.sh hooktiming # probe: the hooks' host time per call (HOOK_MODELS,
 #                                      # HOOK_VARIANTS; #21)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
-#   bash bench/gpu_suite.sh small      # one small call's latency (#26) and the tests of the paths
-#                                      # it takes (PageCompressor's kernel-only store, the ring)
+#   bash bench/gpu_suite.sh small      # one small call's latency (#26), its primitives' host cost
+#                                      # and the tests of the paths it takes (PageCompressor's
+#                                      # kernel-only store, the ring)
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -232,6 +233,8 @@ small)
         | tee -a "$OUT/tests_small.txt" | tail -n 12
     timeout 120 python3 -m bench.latency --sizes 64K,1M,16M --repeats 100 \
         --out "$OUT/latency.json" 2>&1 | tail -n 45
+    # where a call's host time goes: each primitive's cost on this host, now (it drifts)
+    timeout 60 python3 -m bench.dev_host_floor 2>&1 | tee "$OUT/host_floor.txt"
     ;;
 policy)
     header policy

@@ -82,13 +82,25 @@ def _run(cmd: list[str]) -> str | None:
         return None
 
 
-def commit_id(explicit: str | None) -> str:
-    """``--commit``, else ``$PAGECOMP_COMMIT``, else ``git rev-parse`` (+ ``-dirty``)."""
+def commit_id(explicit: str | None, root: str | None = None) -> str:
+    """``--commit``, else ``$PAGECOMP_COMMIT``, else the tree's ``.commit`` file (a tree
+    exported with ``git archive`` for the GPU machine names its commit there), else ``git
+    rev-parse`` (+ ``-dirty``) where the tree is a checkout's top level; else ``"unknown"``.
+    ``root``: the tree (default: the one this file is in). An exported tree inside another
+    checkout once recorded that checkout's HEAD (``bench/results/h200_5b2a6fe_session30``)."""
     if explicit:
         return explicit
     if os.environ.get("PAGECOMP_COMMIT"):
         return os.environ["PAGECOMP_COMMIT"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        with open(os.path.join(root, ".commit")) as f:
+            return f.read().strip() or "unknown"
+    except OSError:
+        pass
+    top = _run(["git", "-C", root, "rev-parse", "--show-toplevel"])
+    if top is None or os.path.realpath(top) != os.path.realpath(root):
+        return "unknown"
     head = _run(["git", "-C", root, "rev-parse", "HEAD"])
     if head is None:
         return "unknown"

@@ -264,3 +264,23 @@ def test_offload_floor_with_raw_share():
     gbps, kind = offload_floor(k, b, r, 0.2)  # 80% compressed: the kernel still bounds
     assert kind == "split" and abs(gbps - k / 0.8) < 1e-9
     assert offload_floor(200.0, b, r, 1.0) == (b * r, "copy")  # the kernel outruns the link
+
+
+def test_commit_id_of_an_exported_tree_is_its_own(tmp_path, monkeypatch):
+    """A tree exported for the GPU machine (``git archive`` + ``.commit``) records the commit it
+    names, even inside another checkout; without one, a folder that is not a checkout's top
+    level records "unknown", never an enclosing checkout's HEAD."""
+    import subprocess
+
+    monkeypatch.delenv("PAGECOMP_COMMIT", raising=False)
+    outer = tmp_path / "checkout"
+    tree = outer / ".snap"
+    tree.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    (tree / ".commit").write_text("5c232b0\n")
+    assert harness.commit_id(None, str(tree)) == "5c232b0"
+    (tree / ".commit").unlink()
+    assert harness.commit_id(None, str(tree)) == "unknown"
+    assert harness.commit_id("abc1234", str(tree)) == "abc1234"
+    monkeypatch.setenv("PAGECOMP_COMMIT", "def5678")
+    assert harness.commit_id(None, str(tree)) == "def5678"
