@@ -370,15 +370,11 @@ def _desc(t: torch.Tensor) -> str:
 
 
 def _check_devices(problems: list[str], named: dict[str, torch.Tensor]) -> None:
-    tensors = iter(named.values())
-    first = next(tensors, None)
-    if first is None:
-        return
-    device = first.device
-    if any(t.device != device for t in tensors):
-        devices = {t.device for t in named.values()}
+    devices = [t.device for t in named.values()]
+    if devices and devices.count(devices[0]) != len(devices):  # (no set: devices hash slowly)
         where = ", ".join(f"{k} on {t.device}" for k, t in named.items())
-        problems.append(f"tensors are on different devices: {sorted(map(str, devices))} ({where})")
+        names = sorted(set(map(str, devices)))
+        problems.append(f"tensors are on different devices: {names} ({where})")
 
 
 def _check_contiguous(problems: list[str], named: dict[str, torch.Tensor]) -> None:
@@ -400,10 +396,11 @@ def _check_tensor(problems: list[str], name: str, t: object, dtype: torch.dtype,
     # (on every call of every op: the message is built only when something is wrong)
     got = t.shape
     bad = t.dtype != dtype or len(got) != len(shape)
-    for g, d in zip(got, shape):  # (a loop: a generator costs more than these checks)
-        if bad or (d is not None and g != d):
-            bad = True
-            break
+    if not bad:  # (a loop: a generator costs more than these checks)
+        for g, d in zip(got, shape):
+            if d is not None and g != d:
+                bad = True
+                break
     if bad:
         want = "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
         problems.append(f"{name} must be {dtype} {want}, got {_desc(t)}")

@@ -111,17 +111,22 @@ def _arg_class(a) -> tuple | None:
     """What of an argument can change the kernel Triton compiles for it, at least as finely as
     Triton's own specialisation: a tensor's dtype and 16-byte alignment; an int's equality to 1,
     divisibility by 16 and width. None: a kind of argument the direct path does not handle."""
+    entry = _arg_entry(a)
+    return None if entry is None else entry[0]
+
+
+def _arg_entry(a) -> tuple | None:
+    """``(`` :func:`_arg_class` ``, what the direct path hands the launcher)``: a CUDA tensor
+    goes as its address (read for the class anyway), anything else as it is; None: a kind of
+    argument the direct path does not handle."""
     if isinstance(a, torch.Tensor):
-        return (a.dtype, not a.data_ptr() & 15)
-    return _scalar_class(a)
-
-
-def _scalar_class(a) -> tuple | None:
+        ptr = a.data_ptr()
+        return (a.dtype, not ptr & 15), (ptr if a.is_cuda else a)
     t = type(a)
     if t is int:
-        return (a == 1, a & 15 == 0, _INT32[0] <= a < _INT32[1], a < 1 << 63)
+        return (a == 1, a & 15 == 0, _INT32[0] <= a < _INT32[1], a < 1 << 63), a
     if t is bool or t is float or a is None:
-        return (t, a) if t is bool else (t,)
+        return ((t, a) if t is bool else (t,)), a
     return None
 
 
@@ -150,20 +155,11 @@ def _launch_compiled(kernel, grid: tuple[int, ...], index: int, args: tuple, met
     if mkey is None or _hooks_set():
         kernel[grid](*args, **meta)
         return
-    classes, flat = [], []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            ptr = a.data_ptr()
-            classes.append((a.dtype, not ptr & 15))
-            flat.append(ptr if a.is_cuda else a)
-        else:
-            c = _scalar_class(a)
-            if c is None:
-                kernel[grid](*args, **meta)
-                return
-            classes.append(c)
-            flat.append(a)
-    key = (id(kernel), index, mkey, tuple(classes))
+    entries = [_arg_entry(a) for a in args]
+    if None in entries:
+        kernel[grid](*args, **meta)
+        return
+    key = (id(kernel), index, mkey, tuple(e[0] for e in entries))
     entry = _COMPILED.get(key, False)
     if entry is False:
         compiled = kernel[grid](*args, **meta)
@@ -176,7 +172,7 @@ def _launch_compiled(kernel, grid: tuple[int, ...], index: int, args: tuple, met
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(index)
-    fn(grid[0], g1, g2, stream, *head, *flat, *tail)
+    fn(grid[0], g1, g2, stream, *head, *(e[1] for e in entries), *tail)
 
 
 def _direct_entry(kernel, compiled, index: int, args: tuple, meta: dict):
@@ -193,13 +189,14 @@ def _direct_entry(kernel, compiled, index: int, args: tuple, meta: dict):
         run, function = compiled.run, compiled.function
         if not callable(run) or function is None or len(values) < len(args):
             return None
-        tail = tuple(values[len(args):])
-        head = (function, compiled.packed_metadata, None, None, None)
+        tail, packed = tuple(values[len(args):]), compiled.packed_metadata
         raw = _raw_launch(run)
-        if raw is not None:
-            launch_fn, cooperative, pdl = raw
-            return kernel, launch_fn, (function, cooperative, pdl, None, None) + head[1:], tail
-        return kernel, run, head, tail
+        if raw is None:  # function, metadata, no launch metadata, no hooks
+            return kernel, run, (function, packed, None, None, None), tail
+        launch_fn, cooperative, pdl = raw
+        # function, cooperative grid, PDL, no scratch (global, profile), then as above
+        return (kernel, launch_fn, (function, cooperative, pdl, None, None, packed, None, None,
+                                    None), tail)
     except (AttributeError, IndexError, KeyError, TypeError):
         return None
 
