@@ -55,6 +55,7 @@ def compress(
     backend: str = "auto",
     checksum: bool = False,
     codec: str = "lz4",
+    out: CompressedPages | None = None,
 ) -> CompressedPages:
     """Compress a batch of pages, each on its own.
 
@@ -73,11 +74,18 @@ def compress(
             coded against a table of its 7 most frequent ones (``torch_pagecomp.format``);
             1.42x on typical bf16 tensors where LZ4 stores 1.2-1.4x. Lossless for any bytes
             (the codec only stores worse when they are not such floats).
+        out: a fixed-stride container of ``N`` pages of ``P`` bytes on ``data``'s device, of
+            this codec (an earlier result, or one made by the caller), whose ``payload``,
+            ``sizes`` and ``kinds`` (and ``checksums``, if it has them and ``checksum``) are
+            overwritten: a caller that compresses batches of one shape again and again
+            allocates nothing per call (on the GPU the kernel writes them in place). None of
+            its tensors may overlap ``data``.
 
     Returns:
         A fixed-stride :class:`CompressedPages` on ``data``'s device: ``payload uint8 [N, P]``,
         ``sizes int32 [N]``, ``kinds uint8 [N]`` (and ``checksums``); its ``codec`` is
-        ``"lz4"`` or ``"exp"``. No host synchronisation on the GPU path.
+        ``"lz4"`` or ``"exp"``. With ``out``, a container of ``out``'s tensors. No host
+        synchronisation on the GPU path.
     """
     pages = fmt.as_pages(data, page_size)
     float_format = _exp_format(codec, element_size)
@@ -89,11 +97,64 @@ def compress(
     else:
         run = (torch.ops.pagecomp.compress_exp, compress_exp_eager, _compress_exp_kernel,
                float_format)
+    name = "lz4" if float_format is None else "exp"
+    if out is not None:
+        _check_compress_out(out, pages, name)
     where = route(backend, pages.shape[0], pages.device, (pages,))
-    out = _routed(where, pages.device, *run[:3], (pages,), run[3:])
-    sums = page_checksums(pages, backend) if checksum else None
-    return CompressedPages(*out, pages.shape[1], checksums=sums,
-                           codec="lz4" if float_format is None else "exp")
+    if out is None:
+        parts = _routed(where, pages.device, *run[:3], (pages,), run[3:])
+    elif where in (KERNELS, INTERPRET):  # the kernel writes the caller's tensors
+        parts = (out.payload, out.sizes, out.kinds)
+        run[2](pages, *run[3:], traced=False, out=parts)
+    else:
+        parts = _routed(where, pages.device, *run[:3], (pages,), run[3:])
+        parts = tuple(o.copy_(t) for o, t in zip((out.payload, out.sizes, out.kinds), parts))
+    sums = None
+    if checksum:
+        sums = page_checksums(pages, backend)
+        if out is not None and out.checksums is not None:
+            sums = out.checksums.copy_(sums)
+    return CompressedPages(*parts, pages.shape[1], checksums=sums, codec=name)
+
+
+def _check_compress_out(out: object, pages: torch.Tensor, codec: str) -> None:
+    """Raise ``PageCompError`` unless ``out`` can take the compression of ``pages``
+    (``uint8 [N, P]``) by ``codec`` (``"lz4"`` or ``"exp"``): see :func:`compress`."""
+    if not isinstance(out, CompressedPages):
+        raise PageCompError(f"out must be CompressedPages, got {type(out).__name__}")
+    fmt.check_compressed(out)
+    n, p = pages.shape
+    problems = []
+    if out.is_packed:
+        problems.append("it is packed (out must be fixed-stride)")
+    if (out.num_pages, out.page_size) != (n, p):
+        problems.append(f"it holds {out.num_pages} pages of {out.page_size} bytes, the input "
+                        f"{n} pages of {p}")
+    if out.codec != codec:
+        problems.append(f"its codec is {out.codec!r}, this call's {codec!r}")
+    if out.device != pages.device:
+        problems.append(f"it is on {out.device}, the input on {pages.device}")
+    named = {"payload": out.payload, "sizes": out.sizes, "kinds": out.kinds,
+             "checksums": out.checksums}
+    problems += _overlaps({"data": pages}, named)
+    if problems:
+        raise PageCompError("compress: out cannot take this call: " + "; ".join(problems))
+
+
+def _overlaps(inputs: dict, outputs: dict) -> list[str]:
+    """The pairs of named tensors whose bytes overlap, one an output and the other an input
+    or another output (``None`` entries skipped; none under ``torch.compile``, whose tensors
+    have no addresses: its copy into the outputs is functional there)."""
+    if torch.compiler.is_compiling():
+        return []
+    spans = [(k, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k in outputs)
+             for k, t in {**inputs, **outputs}.items() if t is not None and t.numel()]
+    found = []
+    for i, (a, lo, hi, a_out) in enumerate(spans):
+        for b, lo2, hi2, b_out in spans[i + 1:]:
+            if (a_out or b_out) and lo < hi2 and lo2 < hi:
+                found.append(f"{a} and {b} overlap")
+    return found
 
 
 def _routed(where: str, device: torch.device, op, eager, kernel, tensors: tuple,
@@ -133,11 +194,12 @@ def _launcher(module: str, name: str):
     return call
 
 
-def _compress_exp_kernel(pages: torch.Tensor, float_format: str, traced: bool = True):
+def _compress_exp_kernel(pages: torch.Tensor, float_format: str, traced: bool = True,
+                         out: tuple | None = None):
     """The exponent encoder's launcher with the op's arguments."""
     from .kernels.exp_codec import compress_exp_pages
 
-    return compress_exp_pages(pages, float_format == "fp16", traced=traced)
+    return compress_exp_pages(pages, float_format == "fp16", traced=traced, out=out)
 
 
 def page_checksums(data: torch.Tensor, backend: str = "auto",
@@ -162,6 +224,7 @@ def decompress(
     return_status: bool = False,
     backend: str = "auto",
     codec: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decompress every page of ``c`` (fixed-stride or packed) bit-exactly.
 
@@ -183,6 +246,11 @@ def decompress(
     A packed container's page ``i`` whose offsets disagree with its size
     (``offsets[i + 1] - offsets[i] != sizes[i]``, or ``offsets[0] != 0`` for page 0) fails with
     ``STATUS_BAD_SIZE`` (worked out on the device, no synchronisation); the error names it.
+
+    ``out``: ``uint8 [N, P]`` (contiguous, on ``c``'s device, overlapping none of ``c``'s
+    tensors) to decode into and return, instead of a new tensor: a caller that restores
+    batches of one shape again and again allocates no pages per call (on the GPU the
+    decoder writes them in place).
     """
     if not isinstance(c, CompressedPages):
         raise PageCompError(f"decompress takes CompressedPages, got {type(c).__name__}")
@@ -190,11 +258,19 @@ def decompress(
     codec = c.codec if codec is None else codec
     if codec not in DECODERS:
         raise PageCompError(f"decompress: codec must be None or one of {DECODERS}, got {codec!r}")
+    if out is not None:
+        _check_decompress_out(out, c)
     mismatch = offsets_mismatch(c)
     sizes = c.sizes if mismatch is None else torch.where(mismatch, 0, c.sizes)  # 0: BAD_SIZE
     args = (c.payload.view(-1), c.page_offsets(), sizes, c.kinds, c.page_size)
     where = route(backend, c.num_pages, c.device, args[:4])
-    if codec != "any":
+    if out is not None and codec != "any" and where in (KERNELS, INTERPRET):
+        pages = out  # the decoder writes the caller's tensor
+        status = torch.empty((c.num_pages,), dtype=torch.int32, device=c.device)
+        into = (_launcher("lz4_decompress", "decompress_into") if codec == "lz4"
+                else _launcher("exp_codec", "decompress_exp_into"))
+        into(*args[:4], pages, status, traced=False)
+    elif codec != "any":
         pages, status = _decode(codec, c, where, args)
     else:  # each page from the decoder of its kind (the other one gave it BAD_KIND)
         lz4_pages, lz4_status = _decode("lz4", c, where, args)
@@ -202,12 +278,32 @@ def decompress(
         exp = ((c.kinds & 15) == fmt.KIND_EXP).to(lz4_status.device)
         pages = torch.where(exp[:, None], exp_pages, lz4_pages)
         status = torch.where(exp, exp_status, lz4_status)
+    if out is not None and pages is not out:
+        pages = out.copy_(pages)
     if c.checksums is not None:  # decoded, but to the bytes that were compressed?
         status = checksum_status(status, page_checksums(pages, backend), c.checksums)
     if return_status:
         return pages, status
     raise_for_status(status, mismatch)
     return pages
+
+
+def _check_decompress_out(out: object, c: CompressedPages) -> None:
+    """Raise ``PageCompError`` unless ``out`` can take ``c``'s pages: see :func:`decompress`."""
+    if not isinstance(out, torch.Tensor):
+        raise PageCompError(f"decompress: out must be a torch.Tensor, got {type(out).__name__}")
+    problems = []
+    want = (c.num_pages, c.page_size)
+    if out.dtype != torch.uint8 or tuple(out.shape) != want:
+        problems.append(f"it must be uint8 {list(want)}, got {out.dtype} {list(out.shape)}")
+    if out.device != c.device:
+        problems.append(f"it is on {out.device}, the pages on {c.device}")
+    if not out.is_contiguous():
+        problems.append(f"it must be contiguous, got strides {list(out.stride())}")
+    problems += _overlaps({"payload": c.payload, "sizes": c.sizes, "kinds": c.kinds,
+                           "offsets": c.offsets, "checksums": c.checksums}, {"out": out})
+    if problems:
+        raise PageCompError("decompress: out cannot take the pages: " + "; ".join(problems))
 
 
 def _decode(decoder: str, c: CompressedPages, where: str, args: tuple
