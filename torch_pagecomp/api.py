@@ -119,11 +119,20 @@ def compress(
 
 def _check_compress_out(out: object, pages: torch.Tensor, codec: str) -> None:
     """Raise ``PageCompError`` unless ``out`` can take the compression of ``pages``
-    (``uint8 [N, P]``) by ``codec`` (``"lz4"`` or ``"exp"``): see :func:`compress`."""
+    (``uint8 [N, P]``) by ``codec`` (``"lz4"`` or ``"exp"``): see :func:`compress`. The
+    usual case (it can) is a few comparisons; the message is built only when it cannot."""
+    n, p = pages.shape
+    dev = pages.device
+    if (type(out) is CompressedPages and out.offsets is None and out.page_size == p
+            and out.codec == codec and _fits(out.payload, torch.uint8, (n, p), dev)
+            and _fits(out.sizes, torch.int32, (n,), dev)
+            and _fits(out.kinds, torch.uint8, (n,), dev)
+            and (out.checksums is None or _fits(out.checksums, torch.int32, (n,), dev))
+            and not _overlaps((pages,), (out.payload, out.sizes, out.kinds, out.checksums))):
+        return
     if not isinstance(out, CompressedPages):
         raise PageCompError(f"out must be CompressedPages, got {type(out).__name__}")
     fmt.check_compressed(out)
-    n, p = pages.shape
     problems = []
     if out.is_packed:
         problems.append("it is packed (out must be fixed-stride)")
@@ -132,28 +141,40 @@ def _check_compress_out(out: object, pages: torch.Tensor, codec: str) -> None:
                         f"{n} pages of {p}")
     if out.codec != codec:
         problems.append(f"its codec is {out.codec!r}, this call's {codec!r}")
-    if out.device != pages.device:
-        problems.append(f"it is on {out.device}, the input on {pages.device}")
-    named = {"payload": out.payload, "sizes": out.sizes, "kinds": out.kinds,
-             "checksums": out.checksums}
-    problems += _overlaps({"data": pages}, named)
+    if out.device != dev:
+        problems.append(f"it is on {out.device}, the input on {dev}")
+    problems += _overlaps((pages,), (out.payload, out.sizes, out.kinds, out.checksums),
+                          ("data", "payload", "sizes", "kinds", "checksums"))
     if problems:
         raise PageCompError("compress: out cannot take this call: " + "; ".join(problems))
 
 
-def _overlaps(inputs: dict, outputs: dict) -> list[str]:
-    """The pairs of named tensors whose bytes overlap, one an output and the other an input
-    or another output (``None`` entries skipped; none under ``torch.compile``, whose tensors
-    have no addresses: its copy into the outputs is functional there)."""
+def _fits(t: object, dtype: torch.dtype, shape: tuple, device: torch.device) -> bool:
+    """``t`` is a plain contiguous tensor of ``dtype`` and ``shape`` on ``device``."""
+    return (type(t) is torch.Tensor and t.dtype == dtype and t.shape == shape
+            and t.device == device and t.is_contiguous())
+
+
+def _overlaps(inputs: tuple, outputs: tuple, names: tuple | None = None) -> list:
+    """The pairs of tensors whose bytes overlap, one of ``outputs`` and the other an input
+    or another output (``None`` entries skipped): ``"a and b overlap"`` by ``names`` (the
+    inputs' then the outputs'), or just ``True`` per pair without them. None under
+    ``torch.compile``, whose tensors have no addresses (its copy into the outputs is
+    functional there)."""
     if torch.compiler.is_compiling():
         return []
-    spans = [(k, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k in outputs)
-             for k, t in {**inputs, **outputs}.items() if t is not None and t.numel()]
+    spans = []
+    for i, t in enumerate(inputs + outputs):
+        if t is not None:
+            lo = t.data_ptr()
+            hi = lo + t.numel() * t.element_size()
+            if hi > lo:
+                spans.append((lo, hi, i, i >= len(inputs)))
     found = []
-    for i, (a, lo, hi, a_out) in enumerate(spans):
-        for b, lo2, hi2, b_out in spans[i + 1:]:
+    for j, (lo, hi, a, a_out) in enumerate(spans):
+        for lo2, hi2, b, b_out in spans[j + 1:]:
             if (a_out or b_out) and lo < hi2 and lo2 < hi:
-                found.append(f"{a} and {b} overlap")
+                found.append(f"{names[a]} and {names[b]} overlap" if names else True)
     return found
 
 
@@ -289,19 +310,23 @@ def decompress(
 
 
 def _check_decompress_out(out: object, c: CompressedPages) -> None:
-    """Raise ``PageCompError`` unless ``out`` can take ``c``'s pages: see :func:`decompress`."""
+    """Raise ``PageCompError`` unless ``out`` can take ``c``'s pages: see :func:`decompress`
+    (a few comparisons when it can; the message is built only when it cannot)."""
+    want = (c.num_pages, c.page_size)
+    named = (c.payload, c.sizes, c.kinds, c.offsets, c.checksums)
+    if _fits(out, torch.uint8, want, c.device) and not _overlaps(named, (out,)):
+        return
     if not isinstance(out, torch.Tensor):
         raise PageCompError(f"decompress: out must be a torch.Tensor, got {type(out).__name__}")
     problems = []
-    want = (c.num_pages, c.page_size)
     if out.dtype != torch.uint8 or tuple(out.shape) != want:
         problems.append(f"it must be uint8 {list(want)}, got {out.dtype} {list(out.shape)}")
     if out.device != c.device:
         problems.append(f"it is on {out.device}, the pages on {c.device}")
     if not out.is_contiguous():
         problems.append(f"it must be contiguous, got strides {list(out.stride())}")
-    problems += _overlaps({"payload": c.payload, "sizes": c.sizes, "kinds": c.kinds,
-                           "offsets": c.offsets, "checksums": c.checksums}, {"out": out})
+    problems += _overlaps(named, (out,), ("payload", "sizes", "kinds", "offsets", "checksums",
+                                          "out"))
     if problems:
         raise PageCompError("decompress: out cannot take the pages: " + "; ".join(problems))
 
