@@ -655,3 +655,36 @@ def test_gpu_graph_capture_compile_and_side_stream(gen):
     out, status = decompress_pages(late, offsets, sizes, kinds, P)  # default stream, no wait
     torch.cuda.synchronize()
     assert status.any()
+
+
+@pytest.mark.parametrize("decoder", ["lz4", "exp"])
+def test_fixed_stride_without_offsets_decodes_as_with_them(decoder, gen):
+    """``offsets=None`` (page ``i`` at ``i * P``) gives the statuses and bytes that the same
+    offsets given as a tensor give, hostile sizes and kinds included."""
+    import torch_pagecomp as pc
+    from torch_pagecomp.kernels.exp_codec import decompress_exp_into
+
+    into = decompress_into if decoder == "lz4" else decompress_exp_into
+    pages = mixed_pages(6, P, gen)[:6]
+    c = (pc.compress(pages, element_size=2, backend="cpu") if decoder == "lz4"
+         else pc.compress(pages, codec="exp-bf16", backend="cpu"))
+    sizes, kinds = c.sizes.clone(), c.kinds.clone()
+    hostile = torch.tensor([0, -1, P + 1, 2**31 - 1, 1, P], dtype=torch.int32)
+    damaged = torch.randperm(6, generator=gen)[:3]
+    for i in damaged.tolist():  # half the pages
+        if torch.rand(1, generator=gen) < 0.5:
+            sizes[i] = hostile[torch.randint(6, (1,), generator=gen)]
+        else:
+            kinds[i] = int(torch.randint(256, (1,), generator=gen))
+    payload, sizes, kinds = (t.to(DEV) for t in (c.payload.view(-1), sizes, kinds))
+    got = []
+    for offsets in (None, torch.arange(0, 6 * P, P, dtype=torch.int64, device=DEV)):
+        out = torch.full((6, P), POISON, dtype=torch.uint8, device=DEV)
+        status = torch.full((6,), -7, dtype=torch.int32, device=DEV)
+        into(payload, offsets, sizes, kinds, out, status, traced=False)
+        got.append((out.cpu(), status.cpu()))
+    assert torch.equal(got[0][1], got[1][1]) and torch.equal(got[0][0], got[1][0])
+    assert not (got[0][1] == -7).any()  # every page got a status
+    intact = torch.ones(6, dtype=torch.bool)
+    intact[damaged] = False
+    assert not got[0][1][intact].any() and torch.equal(got[0][0][intact], pages[intact])

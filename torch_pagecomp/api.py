@@ -283,22 +283,29 @@ def decompress(
         _check_decompress_out(out, c)
     mismatch = offsets_mismatch(c)
     sizes = c.sizes if mismatch is None else torch.where(mismatch, 0, c.sizes)  # 0: BAD_SIZE
-    args = (c.payload.view(-1), c.page_offsets(), sizes, c.kinds, c.page_size)
-    where = route(backend, c.num_pages, c.device, args[:4])
-    if out is not None and codec != "any" and where in (KERNELS, INTERPRET):
-        pages = out  # the decoder writes the caller's tensor
+    payload = c.payload.view(-1)
+    inputs = (payload, sizes, c.kinds) + ((c.offsets,) if c.offsets is not None else ())
+    where = route(backend, c.num_pages, c.device, inputs)
+    if codec != "any" and where in (KERNELS, INTERPRET):
+        # the decoder's launcher itself, into ``out`` or new pages; a fixed-stride container
+        # passes no offsets (the kernel takes page i at i * P: no offsets tensor built per call)
+        pages = out if out is not None else torch.empty(
+            (c.num_pages, c.page_size), dtype=torch.uint8, device=c.device)
         status = torch.empty((c.num_pages,), dtype=torch.int32, device=c.device)
         into = (_launcher("lz4_decompress", "decompress_into") if codec == "lz4"
                 else _launcher("exp_codec", "decompress_exp_into"))
-        into(*args[:4], pages, status, traced=False)
-    elif codec != "any":
-        pages, status = _decode(codec, c, where, args)
-    else:  # each page from the decoder of its kind (the other one gave it BAD_KIND)
-        lz4_pages, lz4_status = _decode("lz4", c, where, args)
-        exp_pages, exp_status = _decode("exp", c, where, args)
-        exp = ((c.kinds & 15) == fmt.KIND_EXP).to(lz4_status.device)
-        pages = torch.where(exp[:, None], exp_pages, lz4_pages)
-        status = torch.where(exp, exp_status, lz4_status)
+        offsets = c.offsets[:-1] if c.offsets is not None else None
+        into(payload, offsets, sizes, c.kinds, pages, status, traced=False)
+    else:
+        args = (payload, c.page_offsets(), sizes, c.kinds, c.page_size)
+        if codec != "any":
+            pages, status = _decode(codec, c, where, args)
+        else:  # each page from the decoder of its kind (the other one gave it BAD_KIND)
+            lz4_pages, lz4_status = _decode("lz4", c, where, args)
+            exp_pages, exp_status = _decode("exp", c, where, args)
+            exp = ((c.kinds & 15) == fmt.KIND_EXP).to(lz4_status.device)
+            pages = torch.where(exp[:, None], exp_pages, lz4_pages)
+            status = torch.where(exp, exp_status, lz4_status)
     if out is not None and pages is not out:
         pages = out.copy_(pages)
     if c.checksums is not None:  # decoded, but to the bytes that were compressed?

@@ -415,7 +415,8 @@ def decompress_exp_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: tor
 
     Args:
         payload: ``uint8 [T]``, a fixed-stride payload viewed flat or a packed one.
-        offsets: ``int64 [N]``, start of page ``i`` in ``payload``.
+        offsets: ``int64 [N]``, start of page ``i`` in ``payload``; ``None`` for a
+            fixed-stride payload (page ``i`` at ``i * P``).
         sizes: ``int32 [N]``, stored bytes of page ``i``.
         kinds: ``uint8 [N]``, page kinds (``torch_pagecomp.format``; LZ4 pages are BAD_KIND).
         pages: ``uint8 [N, P]`` output, rows contiguous; ``P`` a power of two from 4096 to

@@ -417,8 +417,12 @@ def _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE: tl.constexpr
 def _plain_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE: tl.constexpr):
     """``(off int64, size int32, kind int32, bad_size)`` of page ``pid``, with the size rules
     every decoder shares: ``[off, off + size)`` non-empty and inside the payload (``total``
-    bytes), a RAW page ``PAGE`` bytes, a FILL page 1 (each decoder adds its own kinds')."""
-    off = tl.load(offsets_ptr + pid).to(tl.int64)
+    bytes), a RAW page ``PAGE`` bytes, a FILL page 1 (each decoder adds its own kinds').
+    ``offsets_ptr`` None: a fixed-stride payload, page ``pid`` at ``pid * PAGE``."""
+    if offsets_ptr is None:
+        off = pid.to(tl.int64) * PAGE
+    else:
+        off = tl.load(offsets_ptr + pid).to(tl.int64)
     size = tl.load(sizes_ptr + pid).to(tl.int32)
     kind = tl.load(kinds_ptr + pid).to(tl.int32)
     codec = kind & 15
@@ -556,7 +560,8 @@ def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
 
     Args:
         payload: ``uint8 [T]``, a fixed-stride payload viewed flat or a packed one.
-        offsets: ``int64 [N]``, start of page ``i`` in ``payload``.
+        offsets: ``int64 [N]``, start of page ``i`` in ``payload``; ``None`` for a
+            fixed-stride payload (page ``i`` at ``i * P``: no offsets tensor to build).
         sizes: ``int32 [N]``, stored bytes of page ``i``.
         kinds: ``uint8 [N]``, page kinds (``torch_pagecomp.format``).
         pages: ``uint8 [N, P]`` output, rows contiguous; ``P`` a power of two from 4096 to
