@@ -59,8 +59,8 @@ def test_compress_into_out_writes_its_tensors(gen, backend, codec, element_size,
     assert torch.equal(got.sizes, want.sizes) and torch.equal(got.kinds, want.kinds)
     if checksum:
         assert torch.equal(got.checksums, want.checksums)
-    for i, size in enumerate(want.sizes.tolist()):  # the stored bytes; the rest is unspecified
-        assert torch.equal(got.payload[i, :size], want.payload[i, :size]), f"page {i}"
+    # whole rows: past its stored bytes a fixed-stride row is zero (the format), poison gone
+    assert torch.equal(got.payload, want.payload)
     assert torch.equal(pc.decompress(got, backend=backend), pages)
     # a second batch of the same shape into the same tensors
     again = _pages(make, gen, page_size, dev)[:pages.shape[0]]
