@@ -123,12 +123,14 @@ def _check_compress_out(out: object, pages: torch.Tensor, codec: str) -> None:
     usual case (it can) is a few comparisons; the message is built only when it cannot."""
     n, p = pages.shape
     dev = pages.device
+    names = ("data", "payload", "sizes", "kinds", "checksums")
     if (type(out) is CompressedPages and out.offsets is None and out.page_size == p
             and out.codec == codec and _fits(out.payload, torch.uint8, (n, p), dev)
             and _fits(out.sizes, torch.int32, (n,), dev)
             and _fits(out.kinds, torch.uint8, (n,), dev)
             and (out.checksums is None or _fits(out.checksums, torch.int32, (n,), dev))
-            and not _overlaps((pages,), (out.payload, out.sizes, out.kinds, out.checksums))):
+            and not _overlaps((pages,), (out.payload, out.sizes, out.kinds, out.checksums),
+                              names)):
         return
     if not isinstance(out, CompressedPages):
         raise PageCompError(f"out must be CompressedPages, got {type(out).__name__}")
@@ -143,8 +145,7 @@ def _check_compress_out(out: object, pages: torch.Tensor, codec: str) -> None:
         problems.append(f"its codec is {out.codec!r}, this call's {codec!r}")
     if out.device != dev:
         problems.append(f"it is on {out.device}, the input on {dev}")
-    problems += _overlaps((pages,), (out.payload, out.sizes, out.kinds, out.checksums),
-                          ("data", "payload", "sizes", "kinds", "checksums"))
+    problems += _overlaps((pages,), (out.payload, out.sizes, out.kinds, out.checksums), names)
     if problems:
         raise PageCompError("compress: out cannot take this call: " + "; ".join(problems))
 
@@ -155,12 +156,11 @@ def _fits(t: object, dtype: torch.dtype, shape: tuple, device: torch.device) -> 
             and t.device == device and t.is_contiguous())
 
 
-def _overlaps(inputs: tuple, outputs: tuple, names: tuple | None = None) -> list:
-    """The pairs of tensors whose bytes overlap, one of ``outputs`` and the other an input
-    or another output (``None`` entries skipped): ``"a and b overlap"`` by ``names`` (the
-    inputs' then the outputs'), or just ``True`` per pair without them. None under
-    ``torch.compile``, whose tensors have no addresses (its copy into the outputs is
-    functional there)."""
+def _overlaps(inputs: tuple, outputs: tuple, names: tuple) -> list[str]:
+    """``"a and b overlap"`` for each pair of tensors whose bytes overlap, one of ``outputs``
+    and the other an input or another output (``None`` entries skipped; ``names``: the
+    inputs' then the outputs'). None under ``torch.compile``, whose tensors have no addresses
+    (its copy into the outputs is functional there)."""
     if torch.compiler.is_compiling():
         return []
     spans = []
@@ -174,7 +174,7 @@ def _overlaps(inputs: tuple, outputs: tuple, names: tuple | None = None) -> list
     for j, (lo, hi, a, a_out) in enumerate(spans):
         for lo2, hi2, b, b_out in spans[j + 1:]:
             if (a_out or b_out) and lo < hi2 and lo2 < hi:
-                found.append(f"{names[a]} and {names[b]} overlap" if names else True)
+                found.append(f"{names[a]} and {names[b]} overlap")
     return found
 
 
@@ -286,27 +286,21 @@ def decompress(
     payload = c.payload.view(-1)
     inputs = (payload, sizes, c.kinds) + ((c.offsets,) if c.offsets is not None else ())
     where = route(backend, c.num_pages, c.device, inputs)
-    if codec != "any" and where in (KERNELS, INTERPRET):
-        # the decoder's launcher itself, into ``out`` or new pages; a fixed-stride container
-        # passes no offsets (the kernel takes page i at i * P: no offsets tensor built per call)
-        pages = out if out is not None else torch.empty(
-            (c.num_pages, c.page_size), dtype=torch.uint8, device=c.device)
-        status = torch.empty((c.num_pages,), dtype=torch.int32, device=c.device)
-        into = (_launcher("lz4_decompress", "decompress_into") if codec == "lz4"
-                else _launcher("exp_codec", "decompress_exp_into"))
-        offsets = c.offsets[:-1] if c.offsets is not None else None
-        into(payload, offsets, sizes, c.kinds, pages, status, traced=False)
+    if where in (KERNELS, INTERPRET):  # the decoders' launchers, into ``out`` or new pages;
+        # a fixed-stride container passes no offsets (page i at i * P: none built per call)
+        args = (payload, c.offsets[:-1] if c.offsets is not None else None, sizes, c.kinds)
+        decode = _decode_direct
     else:
-        args = (payload, c.page_offsets(), sizes, c.kinds, c.page_size)
-        if codec != "any":
-            pages, status = _decode(codec, c, where, args)
-        else:  # each page from the decoder of its kind (the other one gave it BAD_KIND)
-            lz4_pages, lz4_status = _decode("lz4", c, where, args)
-            exp_pages, exp_status = _decode("exp", c, where, args)
-            exp = ((c.kinds & 15) == fmt.KIND_EXP).to(lz4_status.device)
-            pages = torch.where(exp[:, None], exp_pages, lz4_pages)
-            status = torch.where(exp, exp_status, lz4_status)
-    if out is not None and pages is not out:
+        args, decode = (payload, c.page_offsets(), sizes, c.kinds), _decode
+    if codec != "any":
+        pages, status = decode(codec, c, where, args, out)
+    else:  # each page from the decoder of its kind (the other one gave it BAD_KIND)
+        lz4_pages, lz4_status = decode("lz4", c, where, args)
+        exp_pages, exp_status = decode("exp", c, where, args)
+        exp = ((c.kinds & 15) == fmt.KIND_EXP).to(lz4_status.device)
+        pages = torch.where(exp[:, None], exp_pages, lz4_pages)
+        status = torch.where(exp, exp_status, lz4_status)
+    if out is not None and pages is not out:  # "any": picked from the two decoders' pages
         pages = out.copy_(pages)
     if c.checksums is not None:  # decoded, but to the bytes that were compressed?
         status = checksum_status(status, page_checksums(pages, backend), c.checksums)
@@ -321,7 +315,8 @@ def _check_decompress_out(out: object, c: CompressedPages) -> None:
     (a few comparisons when it can; the message is built only when it cannot)."""
     want = (c.num_pages, c.page_size)
     named = (c.payload, c.sizes, c.kinds, c.offsets, c.checksums)
-    if _fits(out, torch.uint8, want, c.device) and not _overlaps(named, (out,)):
+    names = ("payload", "sizes", "kinds", "offsets", "checksums", "out")
+    if _fits(out, torch.uint8, want, c.device) and not _overlaps(named, (out,), names):
         return
     if not isinstance(out, torch.Tensor):
         raise PageCompError(f"decompress: out must be a torch.Tensor, got {type(out).__name__}")
@@ -332,24 +327,37 @@ def _check_decompress_out(out: object, c: CompressedPages) -> None:
         problems.append(f"it is on {out.device}, the pages on {c.device}")
     if not out.is_contiguous():
         problems.append(f"it must be contiguous, got strides {list(out.stride())}")
-    problems += _overlaps(named, (out,), ("payload", "sizes", "kinds", "offsets", "checksums",
-                                          "out"))
+    problems += _overlaps(named, (out,), names)
     if problems:
         raise PageCompError("decompress: out cannot take the pages: " + "; ".join(problems))
 
 
-def _decode(decoder: str, c: CompressedPages, where: str, args: tuple
+def _decode(decoder: str, c: CompressedPages, where: str, args: tuple, out=None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(pages, status)`` of ``args`` (``pagecomp::decompress``'s) by ``decoder`` (``"lz4"``:
-    ``pagecomp::decompress``; ``"exp"``: ``pagecomp::decompress_exp``) where ``route`` sent
-    the call."""
+    """``(pages, status)`` of ``args`` (``pagecomp::decompress``'s, less the page size) by
+    ``decoder`` (``"lz4"``: ``pagecomp::decompress``; ``"exp"``: ``pagecomp::decompress_exp``)
+    where ``route`` sent the call, copied into ``out`` when given."""
     if decoder == "lz4":
         run = (torch.ops.pagecomp.decompress, decompress_eager,
                _launcher("lz4_decompress", "decompress_pages"))
     else:
         run = (torch.ops.pagecomp.decompress_exp, decompress_exp_eager,
                _launcher("exp_codec", "decompress_exp_pages"))
-    return _routed(where, c.device, *run, args[:4], args[4:])
+    pages, status = _routed(where, c.device, *run, args, (c.page_size,))
+    return (pages if out is None else out.copy_(pages)), status
+
+
+def _decode_direct(decoder: str, c: CompressedPages, where: str, args: tuple, out=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_decode` by the decoder's launcher itself (routes ``KERNELS`` and
+    ``INTERPRET``), into ``out`` when given; ``args``' offsets may be None (fixed stride)."""
+    pages = out if out is not None else torch.empty(
+        (c.num_pages, c.page_size), dtype=torch.uint8, device=c.device)
+    status = torch.empty((c.num_pages,), dtype=torch.int32, device=c.device)
+    into = (_launcher("lz4_decompress", "decompress_into") if decoder == "lz4"
+            else _launcher("exp_codec", "decompress_exp_into"))
+    into(*args, pages, status, traced=False)
+    return pages, status
 
 
 def checksum_status(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
