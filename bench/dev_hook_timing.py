@@ -69,6 +69,32 @@ TARGETS = (
     "torch_pagecomp.offload._streams:current_stream",
 )
 
+# ``--fine``: the steps of one compressed offload (``PagedStore.offload`` / ``_store_slice``
+# and the hook around them), to see what a saved tensor's ~300 us of host time is made of
+FINE_TARGETS = (
+    "torch_pagecomp._events:handoff",
+    "torch_pagecomp._events:mark",
+    "torch_pagecomp.offload._streams:on_stream.__enter__",
+    "torch_pagecomp.offload._streams:on_stream.__exit__",
+    "torch_pagecomp.offload._arena:_meta_views",
+    "torch_pagecomp.offload._arena:VirtualArena.host_desc",
+    "torch_pagecomp.offload._arena:VirtualArena.add",
+    "torch_pagecomp.offload._arena:VirtualArena._unbacked",
+    "torch_pagecomp.offload._arena:VirtualArena._fold",
+    "torch_pagecomp.offload._arena:VirtualArena.release",
+    "torch_pagecomp.offload._arena:_Slice.__init__",
+    "torch_pagecomp.offload._paged:_compress",
+    "torch_pagecomp.offload._paged:PagedStore._scratch",
+    "torch_pagecomp.offload._paged:PagedStored.__init__",
+    "torch_pagecomp.offload._entry:_Entry.__init__",
+    "torch_pagecomp.offload._stores:ClassPolicy.choose",
+    "torch_pagecomp.offload._stores:ClassPolicy.sample",
+    "torch_pagecomp.offload._hooks:ActivationOffloader._paged_store",
+    "torch_pagecomp.offload._hooks:ActivationOffloader._stash_victim",
+    "torch_pagecomp.offload._ledger:HostLedger.remove",
+    "torch_pagecomp.kernels.launch:launch",
+)
+
 
 def _wrap(stats, name, fn):
     @functools.wraps(fn)
@@ -83,12 +109,12 @@ def _wrap(stats, name, fn):
     return timed
 
 
-def instrument(stats) -> list:
+def instrument(stats, targets=TARGETS) -> list:
     """Wrap every target (module attribute or class attribute); return the undo list. A
     function imported by name into another module before this runs keeps its unwrapped
     binding there: such bindings in the package's modules are wrapped too."""
     undo = []
-    for target in TARGETS:
+    for target in targets:
         mod_name, qual = target.split(":")
         try:
             mod = importlib.import_module(mod_name)
@@ -163,7 +189,7 @@ def training_step(name: str, variant: str):
     return step, off
 
 
-def measure(name: str, variant: str, steps: int, warmup: int) -> str:
+def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS) -> str:
     import torch
 
     step, off = training_step(name, variant)
@@ -192,7 +218,7 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> str:
                 if k in ("offloaded_raw", "offloaded_compressed", "served_from_stash",
                          "restored_prefetch", "in_flight_waits")}
     stats = collections.defaultdict(lambda: [0, 0])
-    undo = instrument(stats)
+    undo = instrument(stats, targets)
     try:
         timed = issue_ms(steps)
     finally:
@@ -223,10 +249,14 @@ def stock_parser(variants: str) -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    a = stock_parser("uncompressed,memory").parse_args()
+    ap = stock_parser("uncompressed,memory")
+    ap.add_argument("--fine", action="store_true",
+                    help="also time the steps of one compressed offload (FINE_TARGETS)")
+    a = ap.parse_args()
+    targets = TARGETS + FINE_TARGETS if a.fine else TARGETS
     for name in a.models.split(","):
         for variant in a.variants.split(","):
-            print(measure(name, variant, a.steps, a.warmup), flush=True)
+            print(measure(name, variant, a.steps, a.warmup, targets), flush=True)
 
 
 if __name__ == "__main__":

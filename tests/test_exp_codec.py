@@ -499,6 +499,12 @@ def test_gpu_million_page_mutation_fuzz(gen):
         assert not out[status != 0].any(), f"{msg}: a failed row is not zero"
         assert not status[pure].any(), f"{msg}: an unmutated page failed"
         assert torch.equal(out[pure], srcs[pick[pure]]), f"{msg}: unmutated, wrong bytes"
+        # the fixed-stride specialisation (no offsets: page i at i * P) on the same pages:
+        # equal wherever the offsets were not mutated
+        out0, status0 = kx.decompress_exp_pages(flat, None, sizes, kinds, p, traced=False)
+        same = offsets == torch.arange(chunk, device="cuda") * p
+        assert torch.equal(status0[same], status[same]), f"{msg}: offsets=None statuses"
+        assert torch.equal(out0[same], out[same]), f"{msg}: offsets=None bytes"
         sub = torch.randperm(chunk, generator=gen)[:64].cuda()
         want, want_st = ec.decompress_exp_cpu(flat.cpu(), offsets[sub].cpu(), sizes[sub].cpu(),
                                               kinds[sub].cpu(), p)

@@ -595,6 +595,12 @@ def test_gpu_million_page_mutation_fuzz(gen):
         flat = rows.view(-1)
         out, status = decompress_pages(flat, offsets, sizes, kinds, P)
         assert int(((status < 0) | (status > 6)).sum()) == 0, f"seed {seed}"
+        # the fixed-stride specialisation (no offsets: page i at i * P) on the same pages:
+        # equal wherever the offsets were not mutated
+        out0, status0 = decompress_pages(flat, None, sizes, kinds, P, traced=False)
+        same = offsets == torch.arange(chunk, device="cuda") * P
+        assert torch.equal(status0[same], status[same]), f"seed {seed}: offsets=None statuses"
+        assert torch.equal(out0[same], out[same]), f"seed {seed}: offsets=None bytes"
         assert not out[status != 0].any(), f"seed {seed}: a failed row is not zero"
         assert not status[pure].any(), f"seed {seed}: an unmutated block failed"
         assert torch.equal(out[pure], decoded[pick[pure]]), f"seed {seed}: unmutated, wrong"

@@ -407,7 +407,7 @@ def _exp_decode_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, pages_ptr
     tl.store(status_ptr + pid, st)
 
 
-def decompress_exp_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+def decompress_exp_into(payload: torch.Tensor, offsets: torch.Tensor | None, sizes: torch.Tensor,
                         kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor, *,
                         traced: bool = True) -> None:
     """Decode ``N`` stored RAW, FILL and EXP pages into caller-provided outputs, on
@@ -451,7 +451,7 @@ def decompress_exp_rows(payload: torch.Tensor, offsets: torch.Tensor, sizes: tor
            _row_config(page_size, interpreting()).meta(), traced=False)
 
 
-def decompress_exp_pages(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+def decompress_exp_pages(payload: torch.Tensor, offsets: torch.Tensor | None, sizes: torch.Tensor,
                          kinds: torch.Tensor, page_size: int, traced: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decompress_exp_into` into new outputs: ``(pages uint8 [N, P], status int32

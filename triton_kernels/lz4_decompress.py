@@ -552,7 +552,7 @@ def _decompress_shuffled_kernel(payload_ptr, offsets_ptr, sizes_ptr, kinds_ptr, 
         tl.store(status_ptr + pid, st)
 
 
-def decompress_into(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+def decompress_into(payload: torch.Tensor, offsets: torch.Tensor | None, sizes: torch.Tensor,
                     kinds: torch.Tensor, pages: torch.Tensor, status: torch.Tensor, *,
                     traced: bool = True) -> None:
     """Decode ``N`` stored pages into caller-provided outputs, on ``payload``'s device and
@@ -624,14 +624,15 @@ def _row_configs(page_size: int, interpret: bool):
     return dataclasses.replace(plain, ROWS=True), dataclasses.replace(shuffled, ROWS=True)
 
 
-def decompress_pages(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+def decompress_pages(payload: torch.Tensor, offsets: torch.Tensor | None, sizes: torch.Tensor,
                      kinds: torch.Tensor, page_size: int,
                      traced: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``N`` stored pages into new outputs.
 
     Args:
         payload: ``uint8 [T]``, a fixed-stride payload viewed flat or a packed one.
-        offsets: ``int64 [N]``, start of page ``i`` in ``payload``.
+        offsets: ``int64 [N]``, start of page ``i`` in ``payload``; ``None`` for a
+            fixed-stride payload (page ``i`` at ``i * P``).
         sizes: ``int32 [N]``, stored bytes; kinds: ``uint8 [N]`` (see ``torch_pagecomp.format``).
         page_size: ``P``, a power of two from 4096 to 65536.
         traced: ``False`` launches directly (see ``torch_pagecomp.kernels.launch``).
