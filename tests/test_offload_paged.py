@@ -612,3 +612,37 @@ def test_group_of_both_codecs(gen, checksum, monkeypatch):
     for s in stored + rstored:
         store.free(s)
     assert store.arena.used == 0
+
+
+def test_upload_ring_reuses_a_half_only_after_its_readers(monkeypatch):
+    """The ring of small tables kernels read from page-locked memory (``UploadRing``): each
+    table lands intact and 16-byte aligned; moving into a half first waits for the events taken
+    after that half's readers when the writer left it, and for nothing else."""
+    from torch_pagecomp.offload import _arena
+
+    class Event:
+        def __init__(self, stream):
+            self.stream, self.waited = stream, False
+
+        def synchronize(self):
+            self.waited = True
+
+    events = []
+    monkeypatch.setattr(_arena, "mark", lambda s: events.append(Event(s)) or events[-1])
+    ring = _arena.UploadRing(slots=32, pin=False)
+    assert ring.put([[1, 2, 3]], "s0") is None  # not page-locked: callers upload instead
+    ring.pin, ring.buf = True, torch.zeros(32, dtype=torch.int64)  # as page-locked, on the CPU
+    ring.np = ring.buf.numpy()
+    tables = []
+    for k in range(40):
+        rows = [[k, k + 1, k + 2], [7 * k, 0, -k], [1, 1, 1]][: 1 + k % 3]
+        t = ring.put(rows, f"s{k % 2}")
+        assert t.data_ptr() % 16 == 0 and t.shape == (len(rows), 3)
+        tables.append((t, rows))
+    for t, rows in tables[-3:]:  # the latest ones are still there (older ones reused)
+        assert t.tolist() == rows
+    assert events and all(e.stream in ("s0", "s1") for e in events)
+    # every event but the latest lap's was waited for before its half was written again
+    waited = [e.waited for e in events]
+    assert any(waited) and not all(waited)
+    assert ring.put([[0] * 17], "s0") is None  # more than half a ring

@@ -48,8 +48,15 @@ import triton
 import triton.language as tl
 
 from . import constants as fmt
-from .launch import config_meta, interpreting, launch
-from .lz4_decompress import _plain_meta, _row, _store_plain_page, _zero_row, check_rows
+from .launch import config_meta, interpreting, launch, launch_known, pointer_class
+from .lz4_decompress import (
+    _plain_meta,
+    _row,
+    _store_plain_page,
+    _zero_row,
+    check_rows,
+    decode_known,
+)
 
 _OK = tl.constexpr(fmt.STATUS_OK)
 _BAD_KIND = tl.constexpr(fmt.STATUS_BAD_KIND)
@@ -326,6 +333,28 @@ def compress_exp_pages(pages: torch.Tensor, fp16: bool, traced: bool = True,
     return payload, sizes, kinds
 
 
+def compress_exp_known(pages: torch.Tensor, out: tuple, fp16: bool) -> None:
+    """:func:`compress_exp_pages` (``traced=False``) for the activation store's hot path:
+    ``pages`` ``uint8 [N, P]`` (``N >= 1``, rows contiguous, on the current CUDA device) into
+    ``out`` (``payload uint8 [N, P]``, ``sizes int32 [N]``, ``kinds uint8 [N]``), without the
+    launcher's checks, which the store's own arguments always pass
+    (``launch.launch_known``)."""
+    payload, sizes, kinds = out
+    n, page_size = pages.shape
+    values = (pages.data_ptr(), payload.data_ptr(), sizes.data_ptr(), kinds.data_ptr())
+    u8 = torch.uint8
+    classes = (pointer_class(u8, values[0]), pointer_class(u8, values[1]),
+               pointer_class(torch.int32, values[2]), pointer_class(u8, values[3]))
+    launch_known(_exp_encode_kernel, (n,), pages.device.index,
+                 _frozen_encode_meta(page_size, fp16), classes, values,
+                 (pages, payload, sizes, kinds))
+
+
+@functools.cache
+def _frozen_encode_meta(page_size: int, fp16: bool):
+    return _encode_config(page_size, fp16, False).meta()
+
+
 # ------------------------------------------------------------------------------- decode
 @triton.jit
 def _exp_page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE: tl.constexpr):
@@ -449,6 +478,30 @@ def decompress_exp_rows(payload: torch.Tensor, offsets: torch.Tensor, sizes: tor
     launch(_exp_decode_kernel, (n,), payload.device,
            (payload, offsets, sizes, kinds, rows, status, payload.numel()),
            _row_config(page_size, interpreting()).meta(), traced=False)
+
+
+def decompress_exp_into_known(payload: torch.Tensor, offsets: torch.Tensor | None,
+                              sizes: torch.Tensor, kinds: torch.Tensor, pages: torch.Tensor,
+                              status: torch.Tensor) -> None:
+    """:func:`decompress_exp_into` (``traced=False``) for the activation store's hot path
+    (``N >= 1``, CUDA tensors on the current device), without its checks
+    (``launch.launch_known``)."""
+    decode_known(_exp_decode_kernel, _known_meta(pages.shape[1], False), payload, offsets,
+                 sizes, kinds, pages, status)
+
+
+def decompress_exp_rows_known(payload: torch.Tensor, offsets: torch.Tensor | None,
+                              sizes: torch.Tensor, kinds: torch.Tensor, rows: torch.Tensor,
+                              page_size: int, status: torch.Tensor) -> None:
+    """:func:`decompress_exp_rows` for the activation store's hot path (``N >= 1``), without
+    its checks (``launch.launch_known``)."""
+    decode_known(_exp_decode_kernel, _known_meta(page_size, True), payload, offsets, sizes,
+                 kinds, rows, status)
+
+
+@functools.cache
+def _known_meta(page_size: int, rows: bool):
+    return (_row_config if rows else _decode_config)(page_size, False).meta()
 
 
 def decompress_exp_pages(payload: torch.Tensor, offsets: torch.Tensor | None, sizes: torch.Tensor,

@@ -121,13 +121,45 @@ def _arg_entry(a) -> tuple | None:
     argument the direct path does not handle."""
     if isinstance(a, torch.Tensor):
         ptr = a.data_ptr()
-        return (a.dtype, not ptr & 15), (ptr if a.is_cuda else a)
+        return pointer_class(a.dtype, ptr), (ptr if a.is_cuda else a)
     t = type(a)
     if t is int:
-        return (a == 1, a & 15 == 0, _INT32[0] <= a < _INT32[1], a < 1 << 63), a
+        return int_class(a), a
     if t is bool or t is float or a is None:
         return ((t, a) if t is bool else (t,)), a
     return None
+
+
+def pointer_class(dtype: torch.dtype, address: int) -> tuple:
+    """The class of a tensor argument of ``dtype`` at ``address`` (:func:`_arg_class`)."""
+    return dtype, not address & 15
+
+
+def int_class(value: int) -> tuple:
+    """The class of an int argument (:func:`_arg_class`)."""
+    return (value == 1, value & 15 == 0, _INT32[0] <= value < _INT32[1], value < 1 << 63)
+
+
+def launch_known(kernel, grid: tuple[int, ...], index: int, meta: FrozenMeta, classes: tuple,
+                 values: tuple, args: tuple) -> None:
+    """Launch ``kernel[grid](*args, **meta)`` (a 1-D or 2-D grid) directly on CUDA device
+    ``index`` (the current device) and its current stream, for a hot path that knows its
+    arguments' classes without inspecting each argument: ``classes`` as :func:`_arg_class`
+    gives them (:func:`pointer_class`, :func:`int_class`), ``values`` what the direct path
+    hands the launcher (a CUDA tensor's address, a page-locked host tensor itself, ints as
+    they are), ``meta`` the :class:`FrozenMeta` the kernel's own launcher uses. The first
+    launch of these classes, one while Triton's launch hooks are set, and one on another
+    device go the usual way with ``args`` (the same arguments as tensors). This skips the
+    checks of :func:`launch`, the kernel's launcher and the per-argument inspection of
+    :func:`_launch_compiled`: most of a launch's host time, which the activation store pays
+    for every kernel of every saved tensor (``bench/results/h200_651df2a_session32``)."""
+    entry = _COMPILED.get((id(kernel), index, meta, classes))
+    if not entry or _hooks_set() or torch._C._cuda_getDevice() != index:
+        launch(kernel, grid, torch.device("cuda", index), args, meta, traced=False)
+        return
+    _, fn, head, tail = entry
+    g1 = grid[1] if len(grid) > 1 else 1
+    fn(grid[0], g1, 1, torch._C._cuda_getCurrentRawStream(index), *head, *values, *tail)
 
 
 def _meta_key(meta: dict) -> tuple | None:

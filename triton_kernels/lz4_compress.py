@@ -65,7 +65,7 @@ import triton.language as tl
 
 from . import constants as fmt
 from .bitshuffle import bitshuffle_page, bitshuffle_page_wide
-from .launch import config_meta, interpreting, launch
+from .launch import config_meta, int_class, interpreting, launch, launch_known, pointer_class
 
 _NOKEY = tl.constexpr(0x7FFFFFFF)  # no match (a parse key larger than every real one)
 
@@ -688,6 +688,34 @@ def _sm_programs(device: torch.device, programs_per_sm: int) -> int:
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def compress_known(pages: torch.Tensor, element_size: int, out: tuple,
+                   scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """:func:`compress_pages` (``traced=False``) for the activation store's hot path: ``pages``
+    ``uint8 [N, P]`` (``N >= 1``, rows contiguous, on the current CUDA device) into ``out``
+    with ``scratch`` (:func:`compress_scratch` for :func:`max_programs` programs), without
+    the launcher's checks, which the store's own arguments always pass (a view that is not
+    4-byte aligned goes through :func:`compress_pages`, which copies it)."""
+    offset = pages.storage_offset()
+    if offset % 4:
+        compress_pages(pages, element_size, traced=False, out=out, scratch=scratch)
+        return
+    n, page_size = pages.shape
+    cfg = compress_config(page_size, element_size)
+    index = pages.device.index
+    payload, sizes, kinds = out
+    tabs, shuf = scratch
+    values = (pages.data_ptr(), payload.data_ptr(), sizes.data_ptr(), kinds.data_ptr(),
+              tabs.data_ptr(), shuf.data_ptr(), n)
+    u8 = torch.uint8
+    classes = (pointer_class(u8, values[0]), pointer_class(u8, values[1]),
+               pointer_class(torch.int32, values[2]), pointer_class(u8, values[3]),
+               pointer_class(torch.int32, values[4]), pointer_class(u8, values[5]),
+               int_class(n))
+    launch_known(_lz4_compress_kernel, (min(n, _sm_count(index) * cfg.programs_per_sm),), index,
+                 cfg.meta(offset % 8 == 0), classes, values,
+                 (pages, payload, sizes, kinds, tabs, shuf, n))
 
 
 def compress_scratch(device: torch.device, cfg: CompressConfig,

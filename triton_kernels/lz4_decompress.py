@@ -42,7 +42,7 @@ import triton.language as tl
 
 from . import constants as fmt
 from .bitunshuffle import unshuffle_groups64, unshuffle_page_words
-from .launch import config_meta, interpreting, launch
+from .launch import config_meta, int_class, interpreting, launch, launch_known, pointer_class
 
 WORD_TILE_MAX_PAGE = 4096  # largest page whose whole-page unshuffle tile fits in registers
 
@@ -604,6 +604,52 @@ def decompress_rows(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
     launch(_decompress_kernel, (n,), payload.device, args, plain.meta(), traced=False)
     launch(_decompress_shuffled_kernel, (n,), payload.device, args, shuffled.meta(),
            traced=False)
+
+
+def decompress_into_known(payload: torch.Tensor, offsets: torch.Tensor | None,
+                          sizes: torch.Tensor, kinds: torch.Tensor, pages: torch.Tensor,
+                          status: torch.Tensor) -> None:
+    """:func:`decompress_into` (``traced=False``) for the activation store's hot path (``N >=
+    1``, CUDA tensors on the current device), without its checks (``launch.launch_known``)."""
+    plain, shuffled = _known_metas(pages.shape[1], False)
+    decode_known(_decompress_kernel, plain, payload, offsets, sizes, kinds, pages, status)
+    decode_known(_decompress_shuffled_kernel, shuffled, payload, offsets, sizes, kinds, pages,
+                 status)
+
+
+def decompress_rows_known(payload: torch.Tensor, offsets: torch.Tensor | None,
+                          sizes: torch.Tensor, kinds: torch.Tensor, rows: torch.Tensor,
+                          page_size: int, status: torch.Tensor) -> None:
+    """:func:`decompress_rows` for the activation store's hot path (``N >= 1``), without its
+    checks (``launch.launch_known``)."""
+    plain, shuffled = _known_metas(page_size, True)
+    decode_known(_decompress_kernel, plain, payload, offsets, sizes, kinds, rows, status)
+    decode_known(_decompress_shuffled_kernel, shuffled, payload, offsets, sizes, kinds, rows,
+                 status)
+
+
+@functools.cache
+def _known_metas(page_size: int, rows: bool) -> tuple:
+    configs = _row_configs(page_size, False) if rows else _configs(page_size, False)
+    return tuple(c.meta() for c in configs)
+
+
+def decode_known(kernel, meta, payload: torch.Tensor, offsets: torch.Tensor | None,
+                 sizes: torch.Tensor, kinds: torch.Tensor, out: torch.Tensor,
+                 status: torch.Tensor) -> None:
+    """One launch of a decoder (this module's or the exponent codec's: they share the
+    arguments ``payload, offsets, sizes, kinds, pages or rows, status, total``) over
+    ``sizes.numel()`` pages through ``launch.launch_known``."""
+    total = payload.numel()
+    ptrs = (payload.data_ptr(), None if offsets is None else offsets.data_ptr(),
+            sizes.data_ptr(), kinds.data_ptr(), out.data_ptr(), status.data_ptr())
+    classes = (pointer_class(torch.uint8, ptrs[0]),
+               (type(None),) if offsets is None else pointer_class(torch.int64, ptrs[1]),
+               pointer_class(torch.int32, ptrs[2]), pointer_class(torch.uint8, ptrs[3]),
+               pointer_class(out.dtype, ptrs[4]), pointer_class(torch.int32, ptrs[5]),
+               int_class(total))
+    launch_known(kernel, (sizes.numel(),), payload.device.index, meta, classes, (*ptrs, total),
+                 (payload, offsets, sizes, kinds, out, status, total))
 
 
 def check_rows(rows: torch.Tensor, page_size: int) -> int:

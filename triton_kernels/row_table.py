@@ -11,11 +11,13 @@ repeats each base over its rows (a group restore's per-slice shift of the page o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .launch import frozen_meta, launch
+from .launch import frozen_meta, int_class, launch, launch_known, pointer_class
 
 ROW_BLOCK = 1024  # rows per program
 
@@ -53,5 +55,19 @@ def fill_row_table(desc: torch.Tensor, rows: torch.Tensor, stride: int, most_row
            _meta(stride), traced)
 
 
+def fill_row_table_known(desc: torch.Tensor, rows: torch.Tensor, stride: int,
+                         most_rows: int) -> None:
+    """:func:`fill_row_table` (``traced=False``) for the activation store's hot path: ``desc``
+    ``int64 [3, K]`` (``K >= 1``) contiguous, on ``rows``' CUDA device (the current one) or in
+    page-locked host memory, ``most_rows >= 1``; without the checks (``launch.launch_known``)."""
+    outputs = desc.shape[1]
+    d, r = desc.data_ptr(), rows.data_ptr()
+    classes = (pointer_class(torch.int64, d), pointer_class(torch.int64, r), int_class(outputs))
+    values = (d if desc.is_cuda else desc, r, outputs)
+    launch_known(row_table_kernel, (outputs, triton.cdiv(most_rows, ROW_BLOCK)),
+                 rows.device.index, _meta(stride), classes, values, (desc, rows, outputs))
+
+
+@functools.cache
 def _meta(stride: int):
     return frozen_meta((("STRIDE", stride), ("BLOCK", ROW_BLOCK), ("num_warps", 4)))

@@ -31,6 +31,61 @@ TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHU
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
 
 
+UPLOAD_SLOTS = 1 << 16  # int64 slots of the ring of small tables kernels read (UploadRing)
+
+
+class UploadRing:
+    """Small ``int64`` tables that kernels read straight from page-locked host memory (a
+    batched restore's row table and offset shifts: three numbers per tensor or slice), written
+    by the host into a ring of slots: no allocation and no host-to-device copy per table
+    (``_paged.to_device`` cost a restore ~80 us a table, ``bench/results/h200_651df2a_session32``).
+
+    The ring is two halves. When the writer moves into a half, it first waits for the kernels
+    that read it the last time round: an event per stream that read it, recorded when the
+    writer left it, half a ring of tables ago (long complete: the wait costs nothing). ``pin``
+    False (no CUDA here): :meth:`put` gives None and callers upload as before."""
+
+    def __init__(self, slots: int = UPLOAD_SLOTS, pin: bool = True):
+        self.pin = pin
+        self.buf = torch.zeros(slots if pin else 0, dtype=torch.int64, pin_memory=pin)
+        self.np = self.buf.numpy()
+        self.half = slots // 2
+        self.at = self.cur = 0  # the next free slot, in half ``cur``
+        self.readers: list[set] = [set(), set()]  # streams that read each half this time round
+        self.after: list[list] = [[], []]  # events after a half's reads, taken when left
+
+    def put(self, rows: list[list[int]], stream) -> torch.Tensor | None:
+        """``rows`` (equal-length lists of ints) as an ``int64 [len(rows), k]`` tensor in the
+        ring (16-byte aligned), for kernels queued on ``stream`` after this call; None if the
+        ring cannot hold them (not page-locked, or more than half a ring)."""
+        k = len(rows[0])
+        need = len(rows) * k
+        if not self.pin or need > self.half:
+            return None
+        half = self.cur
+        if self.at + need > (half + 1) * self.half:  # into the other half
+            self.after[half] = [mark(s) for s in self.readers[half]]
+            half = self.cur = half ^ 1
+            for event in self.after[half]:
+                event.synchronize()  # its kernels of half a ring ago
+            self.after[half], self.readers[half] = [], set()
+            self.at = half * self.half
+        at = self.at
+        self.np[at:at + need].reshape(len(rows), k)[...] = rows
+        self.at = at + need + (need & 1)  # the next table 16-byte aligned too
+        self.readers[half].add(stream)
+        return self.buf[at:at + need].view(len(rows), k)
+
+    def release(self) -> None:
+        """Wait for the kernels that may still read the ring, then let it go."""
+        for half in (0, 1):
+            for event in self.after[half] + [mark(s) for s in self.readers[half]]:
+                event.synchronize()
+        self.buf = torch.zeros(0, dtype=torch.int64)
+        self.np = self.buf.numpy()
+        self.pin = False
+
+
 def _align16(nbytes: int) -> int:
     return (nbytes + 15) & ~15
 

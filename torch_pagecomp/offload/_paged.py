@@ -31,6 +31,7 @@ from ..module import RestoreFailures
 from ..pools import can_pin
 from ._arena import (
     CHUNK_BYTES,
+    UploadRing,
     VirtualArena,
     _meta_bytes,
     _meta_views,
@@ -158,9 +159,12 @@ class PagedStore:
                 self.failures = RestoreFailures(device)
             self.pack_stream.synchronize()  # both made before any kernel may use them
             self.restore_stream.synchronize()
+        # small tables that restores' kernels read from page-locked memory (row tables)
+        self.uploads = UploadRing(pin=self.arena.pin) if device.type == "cuda" else None
         self.scratch_bytes = 0  # bound on the scratch held at once (reported in stats)
         self._scratches: dict[int, tuple] = {}  # element size -> the compress kernel's scratch
         self._scratch_held = 0
+        self._handed = None  # the event the latest slice's pack waits for (compress stream)
 
     # ------------------------------------------------------------------ offload
     def offload(self, src: torch.Tensor, element_size: int, producer=None,
@@ -184,13 +188,15 @@ class PagedStore:
                 tail.copy_(src[full * p:], non_blocking=True)
                 if self.checksum:
                     tail_sum = tail_checksum(src[full * p:], p)
-            consumed = mark(cs)
+            # the last slice's hand-off to the pack stream marks the end of the source's reads
+            # when nothing followed it on this stream: one event recorded, not two
+            consumed = self._handed if tail is None and slices else mark(cs)
         return PagedStored(nbytes, p, slices, tail, consumed, tail_sum,
                            exp=float_format is not None)
 
     def _store_slice(self, src, first: int, n: int, element_size: int,
                      float_format: str | None) -> _Slice:
-        from ..kernels.host_pack import pack_slice  # Triton: imported on use
+        from ..kernels.host_pack import pack_slice, pack_slice_known  # Triton: imported on use
 
         p, cs, ps = self.page_size, self.compress_stream, self.pack_stream
         if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight
@@ -208,14 +214,16 @@ class PagedStore:
         if self.checksum:
             _checksums(pages, sums)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
-        if ps is not None:
-            handoff(cs, ps)
+        if ps is not None:  # the pack stream waits for the compress kernel
+            self._handed = mark(cs)
+            ps.wait_event(self._handed)
         with on_stream(ps):
             host_desc = self.arena.host_desc()
             self.arena.back(n * p, ps)
             arena = self.arena
-            pack_slice(payload, sizes, rel, arena.state, arena.parity, arena.limit, desc,
-                       host_desc, arena.table, arena.chunk)
+            pack = pack_slice_known if payload.is_cuda else pack_slice
+            pack(payload, sizes, rel, arena.state, arena.parity, arena.limit, desc, host_desc,
+                 arena.table, arena.chunk)
             arena.parity ^= 1
             host_meta = None
             if self.host_meta:  # complete once the slice is placed: the event follows it
@@ -324,6 +332,8 @@ class PagedStore:
             if s is not None:
                 s.synchronize()
         self.arena.confirm()
+        if self.uploads is not None:
+            self.uploads.release()
         for mem in self.arena.backed.values():
             mem.release()
         self.arena.backed.clear()
@@ -397,18 +407,19 @@ def copy_pieces(dst: torch.Tensor, pieces: list[tuple]) -> None:
 def _compress(pages: torch.Tensor, element_size: int, out: tuple, scratch,
               float_format: str | None = None) -> None:
     """``pagecomp.compress`` (or with ``float_format``, ``pagecomp.compress_exp``) of pages the
-    store cut itself into ``out`` (``payload, sizes, kinds``): on the GPU the kernel's launcher
-    is called directly (the op's argument checks cost host time per slice and cannot fail
-    here); on the CPU (tests, under the interpreter) the op's reference path."""
+    store cut itself into ``out`` (``payload, sizes, kinds``): on the GPU the kernel is
+    launched by its known-classes launcher (the op's and the launcher's argument checks cost
+    host time per slice and cannot fail here); on the CPU (tests, under the interpreter) the
+    op's reference path."""
     if pages.is_cuda:
         if float_format:
-            from ..kernels.exp_codec import compress_exp_pages
+            from ..kernels.exp_codec import compress_exp_known
 
-            compress_exp_pages(pages, float_format == "fp16", traced=False, out=out)
+            compress_exp_known(pages, out, float_format == "fp16")
             return
-        from ..kernels.lz4_compress import compress_pages
+        from ..kernels.lz4_compress import compress_known
 
-        compress_pages(pages, element_size, traced=False, out=out, scratch=scratch)
+        compress_known(pages, element_size, out, scratch)
         return
     got = _ops.compress_codec_eager(pages, element_size, float_format)
     for dst, res in zip(out, got):
@@ -455,48 +466,55 @@ def verify(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> None:
     status.copy_(checksum_status(status, got, want))
 
 
-def _row_table(outs: list, page_size: int) -> torch.Tensor:
+def _row_table(outs: list, page_size: int, ring: UploadRing | None = None) -> torch.Tensor:
     """``int64 [pages]`` on the outputs' (CUDA) device: the address of every page of ``outs``
     in order (:func:`ramps`)."""
     return ramps([o.data_ptr() for o in outs], [o.numel() // page_size for o in outs],
-                 page_size, outs[0].device)
+                 page_size, outs[0].device, ring)
 
 
-def ramps(bases: list[int], counts: list[int], stride: int, device: torch.device
-          ) -> torch.Tensor:
+def ramps(bases: list[int], counts: list[int], stride: int, device: torch.device,
+          ring: UploadRing | None = None) -> torch.Tensor:
     """``int64 [sum(counts)]`` on CUDA ``device``: ``bases[j] + i * stride`` for ``i <
-    counts[j]``, segment after segment, written by a kernel from three numbers a segment
-    uploaded from page-locked memory (``kernels.row_table``; no host wait), not built per
-    element on the host and uploaded."""
-    from ..kernels.row_table import fill_row_table
+    counts[j]``, segment after segment, written by a kernel from three numbers a segment (no
+    host wait), not built per element on the host and uploaded. The kernel reads the numbers
+    from ``ring`` (the store's :class:`~._arena.UploadRing`, page-locked) where given, else
+    from an upload of them."""
+    from ..kernels.row_table import fill_row_table_known
 
     firsts, total = [], 0
     for n in counts:
         firsts.append(total)
         total += n
-    desc = torch.tensor([bases, firsts, counts], dtype=torch.int64)
     out = torch.empty(total, dtype=torch.int64, device=device)
-    fill_row_table(to_device(desc, device), out, stride, max(counts, default=0), traced=False)
+    if total == 0:
+        return out
+    rows = [bases, firsts, counts]
+    desc = ring.put(rows, current_stream(device)) if ring is not None else None
+    if desc is None:
+        desc = to_device(torch.tensor(rows, dtype=torch.int64), device)
+    fill_row_table_known(desc, out, stride, max(counts))
     return out
 
 
 def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
-                     status, sums=None, exp: bool = False) -> None:
+                     status, sums=None, exp: bool = False, ring: UploadRing | None = None
+                     ) -> None:
     """Decode the pages of several outputs (``uint8 [n_i * P]`` each, back to back in the
     metadata's order) with one decoder call, each page into its own output: on the GPU the
     decoder takes a table of row addresses (LZ4: one launch pair; ``exp``, exponent-codec
     pages: one launch); on the CPU the pages are decoded aside and copied. ``sums``
     (``int32 [pages]``): check the decoded pages against them (:func:`verify`)."""
     if outs[0].is_cuda:
-        table = _row_table(outs, page_size)
+        table = _row_table(outs, page_size, ring)
         if exp:
-            from ..kernels.exp_codec import decompress_exp_rows
+            from ..kernels.exp_codec import decompress_exp_rows_known
 
-            decompress_exp_rows(payload, offsets, sizes, kinds, table, page_size, status)
+            decompress_exp_rows_known(payload, offsets, sizes, kinds, table, page_size, status)
         else:
-            from ..kernels.lz4_decompress import decompress_rows
+            from ..kernels.lz4_decompress import decompress_rows_known
 
-            decompress_rows(payload, offsets, sizes, kinds, table, page_size, status)
+            decompress_rows_known(payload, offsets, sizes, kinds, table, page_size, status)
         if sums is not None:
             from ..kernels.checksum import row_checksums
 
@@ -524,13 +542,13 @@ def _decompress_into(payload, offsets, sizes, kinds, pages, status, sums=None,
     against them (:func:`verify`)."""
     if pages.is_cuda:
         if exp:
-            from ..kernels.exp_codec import decompress_exp_into
+            from ..kernels.exp_codec import decompress_exp_into_known
 
-            decompress_exp_into(payload, offsets, sizes, kinds, pages, status, traced=False)
+            decompress_exp_into_known(payload, offsets, sizes, kinds, pages, status)
         else:
-            from ..kernels.lz4_decompress import decompress_into
+            from ..kernels.lz4_decompress import decompress_into_known
 
-            decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)
+            decompress_into_known(payload, offsets, sizes, kinds, pages, status)
     else:
         _ops.decompress_into_eager(payload, offsets, sizes, kinds, pages, status, exp=exp)
     if sums is not None:

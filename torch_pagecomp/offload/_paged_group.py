@@ -140,7 +140,7 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     if on_host or device.type != "cuda":
         shift = torch.from_numpy(np.repeat(np.asarray(shifts, dtype=np.int64), counts))
     else:
-        shift = _paged.ramps(shifts, counts, 0, device)
+        shift = _paged.ramps(shifts, counts, 0, device, store.uploads)
     offsets = torch.cat(rels) + shift
     new = (offsets, torch.cat(sizes), torch.cat(kinds)) + ((torch.cat(sums),) if sums else ())
     if group.meta is not None:
@@ -252,7 +252,8 @@ def restore_group(store, group: StoredGroup, out) -> None:
             args = (staging, offsets[part], sizes[part], kinds[part])
             run_sums = None if sums is None else sums[part]
             if outs is not None:  # each tensor's pages into its own output (or part of out)
-                _paged._decompress_rows(*args, outs[lo:hi], p, status[part], run_sums, exp)
+                _paged._decompress_rows(*args, outs[lo:hi], p, status[part], run_sums, exp,
+                                        ring=store.uploads)
             else:
                 _paged._decompress_into(*args, out.view(pages, p)[part], status[part],
                                         run_sums, exp)

@@ -1,0 +1,133 @@
+"""The activation store's known-classes launchers (``*_known``) launch exactly what the kernels'
+own launchers launch: the same kernel, grid, settings object and arguments, with the argument
+classes the direct path would compute (``launch._arg_class``), so a cached compiled kernel is
+only ever reused for the arguments it was compiled for. On the CPU both sides are captured
+instead of launched; the GPU tests run them for real."""
+
+import pytest
+import torch
+
+from torch_pagecomp.kernels import exp_codec as X
+from torch_pagecomp.kernels import host_pack as H
+from torch_pagecomp.kernels import launch as L
+from torch_pagecomp.kernels import lz4_compress as C
+from torch_pagecomp.kernels import lz4_decompress as D
+from torch_pagecomp.kernels import row_table as R
+
+P = 4096
+
+
+def _capture(monkeypatch, modules):
+    """Record each module's ``launch`` (the usual path) and ``launch_known`` calls."""
+    usual, known = [], []
+    for mod in modules:  # the GPU's settings on both sides (the known launchers use them)
+        if hasattr(mod, "interpreting"):
+            monkeypatch.setattr(mod, "interpreting", lambda: False)
+        monkeypatch.setattr(mod, "launch", lambda kernel, grid, device, args, meta, traced=True:
+                            usual.append((kernel, tuple(grid), args, meta)))
+        if hasattr(mod, "launch_known"):
+            monkeypatch.setattr(mod, "launch_known",
+                                lambda kernel, grid, index, meta, classes, values, args:
+                                known.append((kernel, tuple(grid), args, meta, classes, values)))
+    return usual, known
+
+
+def _same(usual, known):
+    assert len(usual) == len(known) >= 1
+    for (k1, g1, a1, m1), (k2, g2, a2, m2, classes, values) in zip(usual, known):
+        assert k1 is k2 and g1 == g2 and m1 is m2
+        assert len(a1) == len(a2) and all(
+            x is y if isinstance(x, torch.Tensor) else x == y for x, y in zip(a1, a2))
+        assert classes == tuple(L._arg_class(a) for a in a1)
+        for a, v in zip(a1, values):  # a tensor goes as its address (or itself: host memory)
+            assert (v is a or v == a.data_ptr()) if isinstance(a, torch.Tensor) else v == a
+
+
+def _tensors(gen, n, offset=0):
+    pages = torch.randint(0, 256, (n * P + offset,), dtype=torch.uint8, generator=gen)
+    pages = pages[offset:].view(n, P)
+    out = (torch.empty((n, P), dtype=torch.uint8), torch.empty(n, dtype=torch.int32),
+           torch.empty(n, dtype=torch.uint8))
+    return pages, out
+
+
+@pytest.mark.parametrize("offset", [0, 16, 8])  # aligned, and views the class tells apart
+@pytest.mark.parametrize("fp16", [False, True])
+def test_compress_exp_known(monkeypatch, gen, fp16, offset):
+    pages, out = _tensors(gen, 5, offset)
+    usual, known = _capture(monkeypatch, [X])
+    X.compress_exp_pages(pages, fp16, traced=False, out=out)
+    X.compress_exp_known(pages, out, fp16)
+    _same(usual, known)
+
+
+@pytest.mark.parametrize("n", [1, 16, 37])
+@pytest.mark.parametrize("element_size", [1, 2, 4])
+def test_compress_known(monkeypatch, gen, n, element_size):
+    monkeypatch.setattr(C, "_sm_programs", lambda device, k: 7 * k)
+    monkeypatch.setattr(C, "_sm_count", lambda index: 7)
+    pages, out = _tensors(gen, n, 8)  # 8-aligned: the narrow shuffle setting
+    cfg = C.compress_config(P, element_size)
+    scratch = C.compress_scratch(torch.device("cpu"), cfg, 7 * cfg.programs_per_sm)
+    usual, known = _capture(monkeypatch, [C])
+    C.compress_pages(pages, element_size, traced=False, out=out, scratch=scratch)
+    C.compress_known(pages, element_size, out, scratch)
+    _same(usual, known)
+
+
+@pytest.mark.parametrize("parity, limit", [(0, 64 << 20), (1, 5 << 30)])
+def test_pack_slice_known(monkeypatch, gen, parity, limit):
+    payload, (_, sizes, _) = _tensors(gen, 3)
+    rel, ends, desc = (torch.empty(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                       torch.empty(2, dtype=torch.int64))
+    host_desc, table = torch.empty(2, dtype=torch.int64), torch.zeros(64, dtype=torch.int64)
+    usual, known = _capture(monkeypatch, [H])
+    args = (payload, sizes, rel, ends, parity, limit, desc, host_desc, table, 64 << 20)
+    H.pack_slice(*args)
+    H.pack_slice_known(*args)
+    _same(usual, known)
+
+
+@pytest.mark.parametrize("stride", [0, P])
+def test_fill_row_table_known(monkeypatch, stride):
+    desc = torch.tensor([[1 << 20, 2 << 20], [0, 3], [3, 2000]], dtype=torch.int64)
+    rows = torch.empty(2003, dtype=torch.int64)
+    usual, known = _capture(monkeypatch, [R])
+    R.fill_row_table(desc, rows, stride, 2000, traced=False)
+    R.fill_row_table_known(desc, rows, stride, 2000)
+    _same(usual, known)
+
+
+@pytest.mark.parametrize("with_offsets", [True, False])
+def test_decoders_known(monkeypatch, gen, with_offsets):
+    n = 6
+    payload = torch.randint(0, 256, (n * P,), dtype=torch.uint8, generator=gen)
+    offsets = torch.arange(n, dtype=torch.int64) * P if with_offsets else None
+    sizes, kinds = torch.full((n,), P, dtype=torch.int32), torch.zeros(n, dtype=torch.uint8)
+    pages, status = torch.empty((n, P), dtype=torch.uint8), torch.empty(n, dtype=torch.int32)
+    rows = torch.arange(n, dtype=torch.int64) * P + (1 << 30)
+    usual, known = _capture(monkeypatch, [D, X])
+    D.decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)
+    D.decompress_rows(payload, offsets, sizes, kinds, rows, P, status)
+    X.decompress_exp_into(payload, offsets, sizes, kinds, pages, status, traced=False)
+    X.decompress_exp_rows(payload, offsets, sizes, kinds, rows, P, status)
+    # the LZ4 decoders' known launches go through ``lz4_decompress.launch_known`` whichever
+    # module calls ``decode_known``
+    D.decompress_into_known(payload, offsets, sizes, kinds, pages, status)
+    D.decompress_rows_known(payload, offsets, sizes, kinds, rows, P, status)
+    X.decompress_exp_into_known(payload, offsets, sizes, kinds, pages, status)
+    X.decompress_exp_rows_known(payload, offsets, sizes, kinds, rows, P, status)
+    _same(usual, known)
+
+
+def test_launch_known_falls_back_until_the_classes_are_compiled(monkeypatch):
+    """Before a launch of these classes compiled and cached the kernel (and on another device,
+    or with Triton's launch hooks set) ``launch_known`` takes the usual path with the tensors."""
+    calls = []
+    monkeypatch.setattr(L, "launch", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(L.torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    meta = L.frozen_meta((("BLOCK", 64),))
+    args = (torch.zeros(4), 3)
+    L.launch_known(object(), (2,), 0, meta, ("c",), (1, 3), args)
+    assert len(calls) == 1 and calls[0][0][1] == (2,) and calls[0][0][3] is args
+    assert calls[0][1] == {"traced": False}
