@@ -23,8 +23,8 @@ from bench.corpora import build_corpus
 
 def _timed_store_slice(store_mod, marks):
     """A copy of ``PagedStore._store_slice`` with a mark after each step."""
-    from torch_pagecomp._events import handoff, mark
-    from torch_pagecomp.kernels.host_pack import pack_slice
+    from torch_pagecomp._events import mark
+    from torch_pagecomp.kernels.host_pack import pack_slice_known
     from torch_pagecomp.offload._arena import _meta_bytes, _meta_views, _Slice, _wait
     from torch_pagecomp.offload._streams import on_stream
 
@@ -49,7 +49,8 @@ def _timed_store_slice(store_mod, marks):
         t.append(clock())
         self.scratch_bytes = max(self.scratch_bytes,
                                  store_mod.SCRATCH_SLICES * n * p + self._scratch_held)
-        handoff(cs, ps)
+        self._handed = mark(cs)
+        ps.wait_event(self._handed)
         t.append(clock())
         with on_stream(ps):
             host_desc = self.arena.host_desc()
@@ -57,8 +58,8 @@ def _timed_store_slice(store_mod, marks):
             self.arena.back(n * p, ps)
             t.append(clock())
             arena = self.arena
-            pack_slice(payload, sizes, rel, arena.state, arena.parity, arena.limit, desc,
-                       host_desc, arena.table, arena.chunk)
+            pack_slice_known(payload, sizes, rel, arena.state, arena.parity, arena.limit, desc,
+                             host_desc, arena.table, arena.chunk)
             t.append(clock())
             arena.parity ^= 1
             stored = mark(ps)
