@@ -5,15 +5,19 @@
 two steps under ``torch.profiler`` (CPU + CUDA): the host's blocking CUDA runtime calls
 (synchronizations, allocations, pinning: count and ms per step), the top host ops by own
 time, and the GPU's busy time per kind of work (the package's kernels, copies each way,
-the model's kernels). ``--trace DIR`` also writes each profile as a Chrome trace (gzip).
+the model's kernels), and the first step's timeline (:func:`timeline`: when the host reaches
+the backward, when the first restore copy is issued and runs, when the forward's bytes are all
+on the host). ``--trace DIR`` also writes each profile as a Chrome trace (gzip).
 """
 
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import shutil
 import statistics
+import tempfile
 import time
 
 PACKAGE_KERNELS = ("compress", "decompress", "pack", "fetch", "exp_", "checksum", "shuffle",
@@ -31,6 +35,47 @@ def _kind(name: str) -> str:
     if low.startswith("_") and low.endswith("_kernel") and any(k in low for k in PACKAGE_KERNELS):
         return "pagecomp kernels"  # the package's Triton kernels (not PackedTensorAccessor)
     return "model kernels"
+
+
+def timeline(events: list[dict]) -> list[str]:
+    """The first profiled step's timeline from a Chrome trace's events (ms from the step's
+    first host op): when the host reaches the backward (its first autograd function); the
+    first host-to-device copy (when the host issued it, when the GPU ran it: a gap means it
+    waited on the device, none that the link waited for the host); when the bytes the forward
+    sent to the host were all there (the end of the last pack kernel or device-to-host copy
+    issued before the backward)."""
+    ops = [e for e in events if e.get("ph") == "X"]
+    host = [e for e in ops if e.get("cat") == "cpu_op"]
+    if not host:
+        return []
+    t0 = min(e["ts"] for e in host)
+    calls = {e.get("args", {}).get("correlation"): e for e in ops
+             if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+    backward = min((e["ts"] for e in host
+                    if e["name"].startswith("autograd::engine::evaluate_function")), default=None)
+    if backward is None:
+        return []
+
+    def issued(e):
+        call = calls.get(e.get("args", {}).get("correlation"))
+        return call["ts"] if call is not None else e["ts"]
+
+    ms = lambda t: f"{(t - t0) / 1e3:.1f}"  # noqa: E731
+    gpu = [e for e in ops if e.get("cat") in ("kernel", "gpu_memcpy")]
+    h2d = sorted((e for e in gpu if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]
+                  and e["ts"] >= backward), key=lambda e: e["ts"])
+    out = [e for e in gpu if issued(e) < backward
+           and (("DtoH" in e["name"] or "Device -> P" in e["name"]) if e["cat"] == "gpu_memcpy"
+                else "pack_slice" in e["name"])]
+    lines = ["| first step's timeline | ms |", "|---|---|",
+             f"| host reaches the backward | {ms(backward)} |"]
+    if h2d:
+        first = h2d[0]
+        lines += [f"| first restore copy issued / run | {ms(issued(first))} / {ms(first['ts'])} |"]
+    if out:
+        lines += [f"| the forward's bytes all on the host | "
+                  f"{ms(max(e['ts'] + e['dur'] for e in out))} |"]
+    return lines
 
 
 def measure(name: str, variant: str, steps: int, warmup: int, trace: str | None) -> str:
@@ -93,13 +138,16 @@ def measure(name: str, variant: str, steps: int, warmup: int, trace: str | None)
     for ev in top[:6]:
         lines.append(f"|   {ev.key[:50]} | {ev.count / prof_steps:.0f} | "
                      f"{getattr(ev, 'self_device_time_total', 0) / prof_steps / 1e3:.2f} |")
-    if trace:
-        os.makedirs(trace, exist_ok=True)
-        raw = os.path.join(trace, f"{name}_{variant}.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, f"{name}_{variant}.json")
         prof.export_chrome_trace(raw)
-        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(raw)
+        with open(raw) as f:
+            lines += timeline(json.load(f).get("traceEvents", []))
+        if trace:
+            os.makedirs(trace, exist_ok=True)
+            with open(raw, "rb") as src, gzip.open(os.path.join(
+                    trace, f"{name}_{variant}.json.gz"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
     if off is not None:
         off.remove()
     return "\n".join(lines)
