@@ -17,12 +17,18 @@ from torch_pagecomp.kernels import row_table as R
 P = 4096
 
 
-def _capture(monkeypatch, modules):
+@pytest.fixture(params=[False, True], ids=["gpu-settings", "interpreter-settings"])
+def interpret(request):
+    """Both sides pick the settings of the GPU, then of the interpreter (the same ones)."""
+    return request.param
+
+
+def _capture(monkeypatch, modules, interpret):
     """Record each module's ``launch`` (the usual path) and ``launch_known`` calls."""
     usual, known = [], []
-    for mod in modules:  # the GPU's settings on both sides (the known launchers use them)
+    for mod in modules:
         if hasattr(mod, "interpreting"):
-            monkeypatch.setattr(mod, "interpreting", lambda: False)
+            monkeypatch.setattr(mod, "interpreting", lambda: interpret)
         monkeypatch.setattr(mod, "launch", lambda kernel, grid, device, args, meta, traced=True:
                             usual.append((kernel, tuple(grid), args, meta)))
         if hasattr(mod, "launch_known"):
@@ -53,9 +59,9 @@ def _tensors(gen, n, offset=0):
 
 @pytest.mark.parametrize("offset", [0, 16, 8])  # aligned, and views the class tells apart
 @pytest.mark.parametrize("fp16", [False, True])
-def test_compress_exp_known(monkeypatch, gen, fp16, offset):
+def test_compress_exp_known(monkeypatch, gen, fp16, offset, interpret):
     pages, out = _tensors(gen, 5, offset)
-    usual, known = _capture(monkeypatch, [X])
+    usual, known = _capture(monkeypatch, [X], interpret)
     X.compress_exp_pages(pages, fp16, traced=False, out=out)
     X.compress_exp_known(pages, out, fp16)
     _same(usual, known)
@@ -63,25 +69,25 @@ def test_compress_exp_known(monkeypatch, gen, fp16, offset):
 
 @pytest.mark.parametrize("n", [1, 16, 37])
 @pytest.mark.parametrize("element_size", [1, 2, 4])
-def test_compress_known(monkeypatch, gen, n, element_size):
-    monkeypatch.setattr(C, "_sm_programs", lambda device, k: 7 * k)
-    monkeypatch.setattr(C, "_sm_count", lambda index: 7)
+def test_compress_known(monkeypatch, gen, n, element_size, interpret):
+    monkeypatch.setattr(C, "_sm_count", lambda index: 7)  # as if on a 7-SM GPU
+    monkeypatch.setattr(C, "_sm_programs", lambda device, k: 3 if interpret else 7 * k)
     pages, out = _tensors(gen, n, 8)  # 8-aligned: the narrow shuffle setting
     cfg = C.compress_config(P, element_size)
-    scratch = C.compress_scratch(torch.device("cpu"), cfg, 7 * cfg.programs_per_sm)
-    usual, known = _capture(monkeypatch, [C])
+    scratch = C.compress_scratch(torch.device("cpu"), cfg, C.max_programs(None, cfg))
+    usual, known = _capture(monkeypatch, [C], interpret)
     C.compress_pages(pages, element_size, traced=False, out=out, scratch=scratch)
     C.compress_known(pages, element_size, out, scratch)
     _same(usual, known)
 
 
 @pytest.mark.parametrize("parity, limit", [(0, 64 << 20), (1, 5 << 30)])
-def test_pack_slice_known(monkeypatch, gen, parity, limit):
+def test_pack_slice_known(monkeypatch, gen, parity, limit, interpret):
     payload, (_, sizes, _) = _tensors(gen, 3)
     rel, ends, desc = (torch.empty(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
                        torch.empty(2, dtype=torch.int64))
     host_desc, table = torch.empty(2, dtype=torch.int64), torch.zeros(64, dtype=torch.int64)
-    usual, known = _capture(monkeypatch, [H])
+    usual, known = _capture(monkeypatch, [H], interpret)
     args = (payload, sizes, rel, ends, parity, limit, desc, host_desc, table, 64 << 20)
     H.pack_slice(*args)
     H.pack_slice_known(*args)
@@ -89,24 +95,24 @@ def test_pack_slice_known(monkeypatch, gen, parity, limit):
 
 
 @pytest.mark.parametrize("stride", [0, P])
-def test_fill_row_table_known(monkeypatch, stride):
+def test_fill_row_table_known(monkeypatch, stride, interpret):
     desc = torch.tensor([[1 << 20, 2 << 20], [0, 3], [3, 2000]], dtype=torch.int64)
     rows = torch.empty(2003, dtype=torch.int64)
-    usual, known = _capture(monkeypatch, [R])
+    usual, known = _capture(monkeypatch, [R], interpret)
     R.fill_row_table(desc, rows, stride, 2000, traced=False)
     R.fill_row_table_known(desc, rows, stride, 2000)
     _same(usual, known)
 
 
 @pytest.mark.parametrize("with_offsets", [True, False])
-def test_decoders_known(monkeypatch, gen, with_offsets):
+def test_decoders_known(monkeypatch, gen, with_offsets, interpret):
     n = 6
     payload = torch.randint(0, 256, (n * P,), dtype=torch.uint8, generator=gen)
     offsets = torch.arange(n, dtype=torch.int64) * P if with_offsets else None
     sizes, kinds = torch.full((n,), P, dtype=torch.int32), torch.zeros(n, dtype=torch.uint8)
     pages, status = torch.empty((n, P), dtype=torch.uint8), torch.empty(n, dtype=torch.int32)
     rows = torch.arange(n, dtype=torch.int64) * P + (1 << 30)
-    usual, known = _capture(monkeypatch, [D, X])
+    usual, known = _capture(monkeypatch, [D, X], interpret)
     D.decompress_into(payload, offsets, sizes, kinds, pages, status, traced=False)
     D.decompress_rows(payload, offsets, sizes, kinds, rows, P, status)
     X.decompress_exp_into(payload, offsets, sizes, kinds, pages, status, traced=False)

@@ -346,13 +346,13 @@ def compress_exp_known(pages: torch.Tensor, out: tuple, fp16: bool) -> None:
     classes = (pointer_class(u8, values[0]), pointer_class(u8, values[1]),
                pointer_class(torch.int32, values[2]), pointer_class(u8, values[3]))
     launch_known(_exp_encode_kernel, (n,), pages.device.index,
-                 _frozen_encode_meta(page_size, fp16), classes, values,
+                 _frozen_encode_meta(page_size, fp16, interpreting()), classes, values,
                  (pages, payload, sizes, kinds))
 
 
 @functools.cache
-def _frozen_encode_meta(page_size: int, fp16: bool):
-    return _encode_config(page_size, fp16, False).meta()
+def _frozen_encode_meta(page_size: int, fp16: bool, interpret: bool):
+    return _encode_config(page_size, fp16, interpret).meta()
 
 
 # ------------------------------------------------------------------------------- decode
@@ -486,8 +486,8 @@ def decompress_exp_into_known(payload: torch.Tensor, offsets: torch.Tensor | Non
     """:func:`decompress_exp_into` (``traced=False``) for the activation store's hot path
     (``N >= 1``, CUDA tensors on the current device), without its checks
     (``launch.launch_known``)."""
-    decode_known(_exp_decode_kernel, _known_meta(pages.shape[1], False), payload, offsets,
-                 sizes, kinds, pages, status)
+    decode_known(_exp_decode_kernel, _known_meta(pages.shape[1], False, interpreting()),
+                 payload, offsets, sizes, kinds, pages, status)
 
 
 def decompress_exp_rows_known(payload: torch.Tensor, offsets: torch.Tensor | None,
@@ -495,13 +495,14 @@ def decompress_exp_rows_known(payload: torch.Tensor, offsets: torch.Tensor | Non
                               page_size: int, status: torch.Tensor) -> None:
     """:func:`decompress_exp_rows` for the activation store's hot path (``N >= 1``), without
     its checks (``launch.launch_known``)."""
-    decode_known(_exp_decode_kernel, _known_meta(page_size, True), payload, offsets, sizes,
-                 kinds, rows, status)
+    decode_known(_exp_decode_kernel, _known_meta(page_size, True, interpreting()), payload,
+                 offsets, sizes, kinds, rows, status)
 
 
 @functools.cache
-def _known_meta(page_size: int, rows: bool):
-    return (_row_config if rows else _decode_config)(page_size, False).meta()
+def _known_meta(page_size: int, rows: bool, interpret: bool):
+    # the settings the usual launchers pick (the interpreter's under TRITON_INTERPRET=1)
+    return (_row_config if rows else _decode_config)(page_size, interpret).meta()
 
 
 def decompress_exp_pages(payload: torch.Tensor, offsets: torch.Tensor | None, sizes: torch.Tensor,

@@ -713,8 +713,8 @@ def compress_known(pages: torch.Tensor, element_size: int, out: tuple,
                pointer_class(torch.int32, values[2]), pointer_class(u8, values[3]),
                pointer_class(torch.int32, values[4]), pointer_class(u8, values[5]),
                int_class(n))
-    launch_known(_lz4_compress_kernel, (min(n, _sm_count(index) * cfg.programs_per_sm),), index,
-                 cfg.meta(offset % 8 == 0), classes, values,
+    grid = (min(n, _sm_programs(pages.device, cfg.programs_per_sm)),)  # as compress_pages
+    launch_known(_lz4_compress_kernel, grid, index, cfg.meta(offset % 8 == 0), classes, values,
                  (pages, payload, sizes, kinds, tabs, shuf, n))
 
 

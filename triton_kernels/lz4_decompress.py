@@ -611,7 +611,7 @@ def decompress_into_known(payload: torch.Tensor, offsets: torch.Tensor | None,
                           status: torch.Tensor) -> None:
     """:func:`decompress_into` (``traced=False``) for the activation store's hot path (``N >=
     1``, CUDA tensors on the current device), without its checks (``launch.launch_known``)."""
-    plain, shuffled = _known_metas(pages.shape[1], False)
+    plain, shuffled = _known_metas(pages.shape[1], False, interpreting())
     decode_known(_decompress_kernel, plain, payload, offsets, sizes, kinds, pages, status)
     decode_known(_decompress_shuffled_kernel, shuffled, payload, offsets, sizes, kinds, pages,
                  status)
@@ -622,15 +622,16 @@ def decompress_rows_known(payload: torch.Tensor, offsets: torch.Tensor | None,
                           page_size: int, status: torch.Tensor) -> None:
     """:func:`decompress_rows` for the activation store's hot path (``N >= 1``), without its
     checks (``launch.launch_known``)."""
-    plain, shuffled = _known_metas(page_size, True)
+    plain, shuffled = _known_metas(page_size, True, interpreting())
     decode_known(_decompress_kernel, plain, payload, offsets, sizes, kinds, rows, status)
     decode_known(_decompress_shuffled_kernel, shuffled, payload, offsets, sizes, kinds, rows,
                  status)
 
 
 @functools.cache
-def _known_metas(page_size: int, rows: bool) -> tuple:
-    configs = _row_configs(page_size, False) if rows else _configs(page_size, False)
+def _known_metas(page_size: int, rows: bool, interpret: bool) -> tuple:
+    # the settings the usual launchers pick (the interpreter's under TRITON_INTERPRET=1)
+    configs = _row_configs(page_size, interpret) if rows else _configs(page_size, interpret)
     return tuple(c.meta() for c in configs)
 
 
