@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from . import constants as fmt
-from .launch import config_meta, interpreting, launch, launch_known, pointer_class
+from .launch import config_meta, interpreting, known_args, launch, launch_known
 from .lz4_decompress import (
     _plain_meta,
     _row,
@@ -339,15 +339,10 @@ def compress_exp_known(pages: torch.Tensor, out: tuple, fp16: bool) -> None:
     ``out`` (``payload uint8 [N, P]``, ``sizes int32 [N]``, ``kinds uint8 [N]``), without the
     launcher's checks, which the store's own arguments always pass
     (``launch.launch_known``)."""
-    payload, sizes, kinds = out
     n, page_size = pages.shape
-    values = (pages.data_ptr(), payload.data_ptr(), sizes.data_ptr(), kinds.data_ptr())
-    u8 = torch.uint8
-    classes = (pointer_class(u8, values[0]), pointer_class(u8, values[1]),
-               pointer_class(torch.int32, values[2]), pointer_class(u8, values[3]))
+    args = (pages, *out)
     launch_known(_exp_encode_kernel, (n,), pages.device.index,
-                 _frozen_encode_meta(page_size, fp16, interpreting()), classes, values,
-                 (pages, payload, sizes, kinds))
+                 _frozen_encode_meta(page_size, fp16, interpreting()), *known_args(args), args)
 
 
 @functools.cache

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import frozen_meta, int_class, interpreting, launch, launch_known, pointer_class
+from .launch import frozen_meta, interpreting, known_args, launch, launch_known
 
 ALIGN = 16  # bytes: every page starts 16-byte aligned in host memory (vector stores)
 PLAN_BLOCK = 1024  # pages scanned per step of the plan
@@ -184,22 +184,10 @@ def pack_slice_known(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tens
     current device, ``table`` and ``host_desc`` as the arena keeps them), without its checks
     (``launch.launch_known``)."""
     n, page_size = payload.shape
-    index = payload.device.index
-    ptrs = (payload.data_ptr(), sizes.data_ptr(), rel.data_ptr(), ends.data_ptr(),
-            desc.data_ptr(), host_desc.data_ptr(), table.data_ptr())
-    i64 = torch.int64
-    classes = (pointer_class(torch.uint8, ptrs[0]), pointer_class(torch.int32, ptrs[1]),
-               pointer_class(i64, ptrs[2]), pointer_class(i64, ptrs[3]),
-               pointer_class(i64, ptrs[4]), pointer_class(i64, ptrs[5]),
-               pointer_class(table.dtype, ptrs[6]), int_class(n), int_class(parity),
-               int_class(limit))
-    # host tensors go to the launcher as they are (it checks they are page-locked), as in
-    # the usual path (``launch._arg_entry``)
-    values = (*ptrs[:5], ptrs[5] if host_desc.is_cuda else host_desc,
-              ptrs[6] if table.is_cuda else table, n, parity, limit)
-    launch_known(_pack_slice_kernel, (min(n, link_programs(payload.device)),), index,
-                 _pack_meta(page_size, chunk_bytes, table.numel()), classes, values,
-                 (payload, sizes, rel, ends, desc, host_desc, table, n, parity, limit))
+    args = (payload, sizes, rel, ends, desc, host_desc, table, n, parity, limit)
+    launch_known(_pack_slice_kernel, (min(n, link_programs(payload.device)),),
+                 payload.device.index, _pack_meta(page_size, chunk_bytes, table.numel()),
+                 *known_args(args), args)
 
 
 @functools.cache

@@ -121,45 +121,45 @@ def _arg_entry(a) -> tuple | None:
     argument the direct path does not handle."""
     if isinstance(a, torch.Tensor):
         ptr = a.data_ptr()
-        return pointer_class(a.dtype, ptr), (ptr if a.is_cuda else a)
+        return (a.dtype, not ptr & 15), (ptr if a.is_cuda else a)
     t = type(a)
     if t is int:
-        return int_class(a), a
+        return (a == 1, a & 15 == 0, _INT32[0] <= a < _INT32[1], a < 1 << 63), a
     if t is bool or t is float or a is None:
         return ((t, a) if t is bool else (t,)), a
     return None
 
 
-def pointer_class(dtype: torch.dtype, address: int) -> tuple:
-    """The class of a tensor argument of ``dtype`` at ``address`` (:func:`_arg_class`)."""
-    return dtype, not address & 15
-
-
-def int_class(value: int) -> tuple:
-    """The class of an int argument (:func:`_arg_class`)."""
-    return (value == 1, value & 15 == 0, _INT32[0] <= value < _INT32[1], value < 1 << 63)
+def known_args(args: tuple) -> tuple[tuple, tuple]:
+    """``(classes, values)`` of a launch's ``args`` for :func:`launch_known`, by the direct
+    path's one rule (:func:`_arg_entry`): each argument's class, and what the launcher is
+    handed for it. The arguments must be of the kinds the direct path takes."""
+    entries = [_arg_entry(a) for a in args]
+    return tuple(e[0] for e in entries), tuple(e[1] for e in entries)
 
 
 def launch_known(kernel, grid: tuple[int, ...], index: int, meta: FrozenMeta, classes: tuple,
                  values: tuple, args: tuple) -> None:
-    """Launch ``kernel[grid](*args, **meta)`` (a 1-D or 2-D grid) directly on CUDA device
-    ``index`` (the current device) and its current stream, for a hot path that knows its
-    arguments' classes without inspecting each argument: ``classes`` as :func:`_arg_class`
-    gives them (:func:`pointer_class`, :func:`int_class`), ``values`` what the direct path
-    hands the launcher (a CUDA tensor's address, a page-locked host tensor itself, ints as
-    they are), ``meta`` the :class:`FrozenMeta` the kernel's own launcher uses. The first
-    launch of these classes, one while Triton's launch hooks are set, and one on another
-    device go the usual way with ``args`` (the same arguments as tensors). This skips the
-    checks of :func:`launch`, the kernel's launcher and the per-argument inspection of
-    :func:`_launch_compiled`: most of a launch's host time, which the activation store pays
-    for every kernel of every saved tensor (``bench/results/h200_651df2a_session32``)."""
+    """Launch ``kernel[grid](*args, **meta)`` directly on CUDA device ``index`` (the current
+    device) and its current stream, for the activation store's hot path: ``classes`` and
+    ``values`` are :func:`known_args` of ``args``, ``meta`` the :class:`FrozenMeta` the
+    kernel's own launcher uses. The first launch of these classes, one while Triton's launch
+    hooks are set, and one on another device go the usual way. This skips the checks of
+    :func:`launch` and of the kernel's launcher, which the store's arguments always pass."""
     entry = _COMPILED.get((id(kernel), index, meta, classes))
     if not entry or _hooks_set() or torch._C._cuda_getDevice() != index:
         launch(kernel, grid, torch.device("cuda", index), args, meta, traced=False)
         return
+    _call(entry, grid, index, values)
+
+
+def _call(entry: tuple, grid: tuple[int, ...], index: int, values) -> None:
+    """Launch a cached compiled kernel (:func:`_direct_entry`) on device ``index``'s current
+    stream with the launcher's ``values`` (:func:`_arg_entry`)."""
     _, fn, head, tail = entry
     g1 = grid[1] if len(grid) > 1 else 1
-    fn(grid[0], g1, 1, torch._C._cuda_getCurrentRawStream(index), *head, *values, *tail)
+    g2 = grid[2] if len(grid) > 2 else 1
+    fn(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(index), *head, *values, *tail)
 
 
 def _meta_key(meta: dict) -> tuple | None:
@@ -200,11 +200,7 @@ def _launch_compiled(kernel, grid: tuple[int, ...], index: int, args: tuple, met
     if entry is None:
         kernel[grid](*args, **meta)
         return
-    _, fn, head, tail = entry
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    stream = torch._C._cuda_getCurrentRawStream(index)
-    fn(grid[0], g1, g2, stream, *head, *(e[1] for e in entries), *tail)
+    _call(entry, grid, index, [e[1] for e in entries])
 
 
 def _direct_entry(kernel, compiled, index: int, args: tuple, meta: dict):

@@ -65,7 +65,7 @@ import triton.language as tl
 
 from . import constants as fmt
 from .bitshuffle import bitshuffle_page, bitshuffle_page_wide
-from .launch import config_meta, int_class, interpreting, launch, launch_known, pointer_class
+from .launch import config_meta, interpreting, known_args, launch, launch_known
 
 _NOKEY = tl.constexpr(0x7FFFFFFF)  # no match (a parse key larger than every real one)
 
@@ -703,19 +703,10 @@ def compress_known(pages: torch.Tensor, element_size: int, out: tuple,
         return
     n, page_size = pages.shape
     cfg = compress_config(page_size, element_size)
-    index = pages.device.index
-    payload, sizes, kinds = out
-    tabs, shuf = scratch
-    values = (pages.data_ptr(), payload.data_ptr(), sizes.data_ptr(), kinds.data_ptr(),
-              tabs.data_ptr(), shuf.data_ptr(), n)
-    u8 = torch.uint8
-    classes = (pointer_class(u8, values[0]), pointer_class(u8, values[1]),
-               pointer_class(torch.int32, values[2]), pointer_class(u8, values[3]),
-               pointer_class(torch.int32, values[4]), pointer_class(u8, values[5]),
-               int_class(n))
+    args = (pages, *out, *scratch, n)
     grid = (min(n, _sm_programs(pages.device, cfg.programs_per_sm)),)  # as compress_pages
-    launch_known(_lz4_compress_kernel, grid, index, cfg.meta(offset % 8 == 0), classes, values,
-                 (pages, payload, sizes, kinds, tabs, shuf, n))
+    launch_known(_lz4_compress_kernel, grid, pages.device.index, cfg.meta(offset % 8 == 0),
+                 *known_args(args), args)
 
 
 def compress_scratch(device: torch.device, cfg: CompressConfig,

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from . import constants as fmt
 from .bitunshuffle import unshuffle_groups64, unshuffle_page_words
-from .launch import config_meta, int_class, interpreting, launch, launch_known, pointer_class
+from .launch import config_meta, interpreting, known_args, launch, launch_known
 
 WORD_TILE_MAX_PAGE = 4096  # largest page whose whole-page unshuffle tile fits in registers
 
@@ -611,10 +611,7 @@ def decompress_into_known(payload: torch.Tensor, offsets: torch.Tensor | None,
                           status: torch.Tensor) -> None:
     """:func:`decompress_into` (``traced=False``) for the activation store's hot path (``N >=
     1``, CUDA tensors on the current device), without its checks (``launch.launch_known``)."""
-    plain, shuffled = _known_metas(pages.shape[1], False, interpreting())
-    decode_known(_decompress_kernel, plain, payload, offsets, sizes, kinds, pages, status)
-    decode_known(_decompress_shuffled_kernel, shuffled, payload, offsets, sizes, kinds, pages,
-                 status)
+    _decode_pair_known(False, pages.shape[1], payload, offsets, sizes, kinds, pages, status)
 
 
 def decompress_rows_known(payload: torch.Tensor, offsets: torch.Tensor | None,
@@ -622,10 +619,15 @@ def decompress_rows_known(payload: torch.Tensor, offsets: torch.Tensor | None,
                           page_size: int, status: torch.Tensor) -> None:
     """:func:`decompress_rows` for the activation store's hot path (``N >= 1``), without its
     checks (``launch.launch_known``)."""
-    plain, shuffled = _known_metas(page_size, True, interpreting())
-    decode_known(_decompress_kernel, plain, payload, offsets, sizes, kinds, rows, status)
-    decode_known(_decompress_shuffled_kernel, shuffled, payload, offsets, sizes, kinds, rows,
-                 status)
+    _decode_pair_known(True, page_size, payload, offsets, sizes, kinds, rows, status)
+
+
+def _decode_pair_known(rows: bool, page_size: int, *args) -> None:
+    """The plain then the shuffled decoder over ``args`` (:func:`decode_known`'s), output
+    rows by address with ``rows``."""
+    plain, shuffled = _known_metas(page_size, rows, interpreting())
+    decode_known(_decompress_kernel, plain, *args)
+    decode_known(_decompress_shuffled_kernel, shuffled, *args)
 
 
 @functools.cache
@@ -641,16 +643,8 @@ def decode_known(kernel, meta, payload: torch.Tensor, offsets: torch.Tensor | No
     """One launch of a decoder (this module's or the exponent codec's: they share the
     arguments ``payload, offsets, sizes, kinds, pages or rows, status, total``) over
     ``sizes.numel()`` pages through ``launch.launch_known``."""
-    total = payload.numel()
-    ptrs = (payload.data_ptr(), None if offsets is None else offsets.data_ptr(),
-            sizes.data_ptr(), kinds.data_ptr(), out.data_ptr(), status.data_ptr())
-    classes = (pointer_class(torch.uint8, ptrs[0]),
-               (type(None),) if offsets is None else pointer_class(torch.int64, ptrs[1]),
-               pointer_class(torch.int32, ptrs[2]), pointer_class(torch.uint8, ptrs[3]),
-               pointer_class(out.dtype, ptrs[4]), pointer_class(torch.int32, ptrs[5]),
-               int_class(total))
-    launch_known(kernel, (sizes.numel(),), payload.device.index, meta, classes, (*ptrs, total),
-                 (payload, offsets, sizes, kinds, out, status, total))
+    args = (payload, offsets, sizes, kinds, out, status, payload.numel())
+    launch_known(kernel, (sizes.numel(),), payload.device.index, meta, *known_args(args), args)
 
 
 def check_rows(rows: torch.Tensor, page_size: int) -> int:

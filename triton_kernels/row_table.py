@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import frozen_meta, int_class, launch, launch_known, pointer_class
+from .launch import frozen_meta, known_args, launch, launch_known
 
 ROW_BLOCK = 1024  # rows per program
 
@@ -60,12 +60,9 @@ def fill_row_table_known(desc: torch.Tensor, rows: torch.Tensor, stride: int,
     """:func:`fill_row_table` (``traced=False``) for the activation store's hot path: ``desc``
     ``int64 [3, K]`` (``K >= 1``) contiguous, on ``rows``' CUDA device (the current one) or in
     page-locked host memory, ``most_rows >= 1``; without the checks (``launch.launch_known``)."""
-    outputs = desc.shape[1]
-    d, r = desc.data_ptr(), rows.data_ptr()
-    classes = (pointer_class(torch.int64, d), pointer_class(torch.int64, r), int_class(outputs))
-    values = (d if desc.is_cuda else desc, r, outputs)
-    launch_known(row_table_kernel, (outputs, triton.cdiv(most_rows, ROW_BLOCK)),
-                 rows.device.index, _meta(stride), classes, values, (desc, rows, outputs))
+    args = (desc, rows, desc.shape[1])
+    launch_known(row_table_kernel, (args[2], triton.cdiv(most_rows, ROW_BLOCK)),
+                 rows.device.index, _meta(stride), *known_args(args), args)
 
 
 @functools.cache
