@@ -184,6 +184,29 @@ def test_length_extensions_at_the_fast_loop_edges(gen):
     assert not status.any()
 
 
+def test_long_overlapping_matches_of_every_period(gen):
+    """Long matches whose offset is shorter than their length (a repeated pattern), at periods
+    around every copy step's width (32, 64, 256 bytes: each side of the path that stores the
+    pattern from registers and of the path that reloads it), at odd positions and with a
+    length that is no multiple of the period: the decoder gives the reference's bytes."""
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    periods = [1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300]
+    blocks = []
+    for d in periods:
+        lead = rng.randrange(0, 40)  # the pattern's first byte lands at any position
+        room = P - lead - d - 12  # the block stays under the LZ4 size limit: at most
+        ml = rng.randrange(max(d + 5, room - 300), room)  # 300 random bytes after the match
+        seqs = [(rng.randbytes(lead + d), d, ml)]
+        op = lead + d + ml
+        if op + 30 < P - 12:  # a short overlapping match after it: the fast loop
+            seqs.append((rng.randbytes(3), rng.randrange(1, 4), 9))
+            op += 12
+        blocks.append(encode(seqs, rng.randbytes(P - op)))
+    out, status = run_blocks(blocks)
+    check_against_reference(blocks, out, status)
+    assert not status.any()
+
+
 # --------------------------------------------------------------- valid pages, every kind
 @pytest.mark.parametrize("mode", ["default", "fast", "high_compression"])
 def test_lz4_modes_decode_bit_exact(mode, gen):
