@@ -362,9 +362,9 @@ def _decode_lz4(src, end, row, PAGE: tl.constexpr, VEC_BYTES: tl.constexpr, RUN_
                 # once (the d bytes before op), then stored from registers, with no load (an
                 # L2 round trip: global stores leave L1) left in the loop
                 span = RUN_BYTES - RUN_BYTES % d
-                v = tl.load(row + (start + (VEC_BYTES + arb) % d))
+                pat = tl.load(row + (start + (VEC_BYTES + arb) % d))
                 for k in range(VEC_BYTES, ml, span):
-                    tl.store(row + (op + k + arb), v, mask=arb < tl.minimum(span, ml - k))
+                    tl.store(row + (op + k + arb), pat, mask=arb < tl.minimum(span, ml - k))
             else:  # overlapping: r = (k + arb) % d, kept up to date with one compare per step
                 r = (VEC_BYTES + arb) % d
                 step = RUN_BYTES % d
