@@ -190,7 +190,8 @@ def test_long_overlapping_matches_of_every_period(gen):
     pattern from registers and of the path that reloads it), at odd positions and with a
     length that is no multiple of the period: the decoder gives the reference's bytes."""
     rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    periods = [1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300]
+    periods = [1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300,
+               rng.randrange(1, 257), rng.randrange(1, 257)]
     blocks = []
     for d in periods:
         lead = rng.randrange(0, 40)  # the pattern's first byte lands at any position

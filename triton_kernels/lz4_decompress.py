@@ -116,6 +116,7 @@ def shuffled_decode_config(page_size: int) -> ShuffledDecodeConfig:
 
 
 _RUN = tl.constexpr(255)  # a page still being decoded (never stored)
+_PATTERN_BYTES = tl.constexpr(256)  # bytes per step of a long match repeating a short period
 _INT32_MAX = tl.constexpr(2**31 - 1)
 _OK = tl.constexpr(fmt.STATUS_OK)
 _BAD_KIND = tl.constexpr(fmt.STATUS_BAD_KIND)
@@ -357,14 +358,15 @@ def _decode_lz4(src, end, row, PAGE: tl.constexpr, VEC_BYTES: tl.constexpr, RUN_
                     mb = arb < ml - k
                     tl.store(row + (op + k + arb), tl.load(row + (start + k + arb), mask=mb),
                              mask=mb)
-            elif d <= RUN_BYTES:  # overlapping, a short period: out repeats every d bytes, so
-                # steps of `span` bytes (a multiple of d) all store the same values: loaded
-                # once (the d bytes before op), then stored from registers, with no load (an
-                # L2 round trip: global stores leave L1) left in the loop
-                span = RUN_BYTES - RUN_BYTES % d
-                pat = tl.load(row + (start + (VEC_BYTES + arb) % d))
+            elif d <= _PATTERN_BYTES:  # overlapping, a short period: out repeats every d
+                # bytes, so steps of `span` bytes (a multiple of d) all store the same values:
+                # loaded once (the d bytes before op), then stored from registers, with no load
+                # (an L2 round trip: global stores leave L1) left in the loop
+                arp = tl.arange(0, _PATTERN_BYTES)
+                span = _PATTERN_BYTES - _PATTERN_BYTES % d
+                pat = tl.load(row + (start + (VEC_BYTES + arp) % d))
                 for k in range(VEC_BYTES, ml, span):
-                    tl.store(row + (op + k + arb), pat, mask=arb < tl.minimum(span, ml - k))
+                    tl.store(row + (op + k + arp), pat, mask=arp < tl.minimum(span, ml - k))
             else:  # overlapping: r = (k + arb) % d, kept up to date with one compare per step
                 r = (VEC_BYTES + arb) % d
                 step = RUN_BYTES % d
