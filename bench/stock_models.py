@@ -473,14 +473,17 @@ def _codecs_of(variant: str, codecs: list[str]) -> list[str]:
 
 def _finish(rows: list[dict], meta: dict) -> dict:
     """Ratios, link-boundness and the gradient identity, per model, against ``none`` (a
-    variant run more than once, to see the spread, is compared through its last row)."""
+    variant run more than once, to see the spread, is compared through its last row).
+    ``link_bound`` is None where this run has no ``none`` or no ``uncompressed`` row."""
     by = {}
     for r in rows:
         by.setdefault(r["model"], []).append(r)
     for rs in by.values():
         last = {r["variant"]: r for r in rs}
         none, unc = last.get("none", {}), last.get("uncompressed", {})
-        bound = bool(none.get("step_ms")) and unc.get("step_ms", 0) >= 1.5 * none["step_ms"]
+        # unknown (None) without both rows in this run: not claimed either way
+        bound = (unc["step_ms"] >= 1.5 * none["step_ms"]
+                 if none.get("step_ms") and unc.get("step_ms") else None)
         for r in rs:
             r["gpus"] = meta["gpus"]
             r["link_bound"] = bound

@@ -84,6 +84,22 @@ def test_repeated_variants_all_get_the_comparisons():
     assert len(stock_models.table(doc).splitlines()) == 2 + len(rows)
 
 
+def test_link_bound_is_unknown_without_both_baselines():
+    """A run without ``none`` (or without ``uncompressed``) cannot tell whether the step is
+    link-bound: ``link_bound`` is None there, not False; with both, a step of 1.5x ``none``
+    is link-bound and one below is not."""
+    from bench import stock_models
+
+    def bound(pairs):
+        rows = [{"model": "m", "variant": v, "step_ms": ms} for v, ms in pairs]
+        return {r["link_bound"] for r in stock_models._finish(rows, {"gpus": 2})["rows"]}
+
+    assert bound([("uncompressed", 20.0), ("memory", 21.0)]) == {None}
+    assert bound([("none", 10.0), ("memory", 21.0)]) == {None}
+    assert bound([("none", 10.0), ("uncompressed", 15.0)]) == {True}
+    assert bound([("none", 10.0), ("uncompressed", 14.9)]) == {False}
+
+
 def test_codec_option_runs_and_records_each_codec(capsys):
     """``--codec``: the compressing variants run with the codec asked for, each row records
     it (None for variants that never compress), gradients stay identical, and ``auto`` stores
