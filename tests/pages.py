@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import sysconfig
 from pathlib import Path
 
@@ -140,3 +141,49 @@ def offload_cycles(pc, x: torch.Tensor, cycles: int, warm: int = 50) -> tuple[in
     torch.cuda.synchronize()
     pc.synchronize()
     return dev0, s0, pc.stats()
+
+
+# ------------------------------------------------------------------ hand-made LZ4 blocks
+def _ext(v: int) -> bytes:
+    return bytes([255] * (v // 255) + [v % 255])
+
+
+def encode(seqs, final: bytes) -> bytes:
+    """LZ4 block of sequences ``(literals, offset, match_length)`` then ``final`` literals."""
+    out = bytearray()
+    for lits, d, ml in seqs:
+        lit, m = len(lits), ml - 4
+        out.append((min(lit, 15) << 4) | min(m, 15))
+        out += _ext(lit - 15) if lit >= 15 else b""
+        out += lits + d.to_bytes(2, "little")
+        out += _ext(m - 15) if m >= 15 else b""
+    out.append(min(len(final), 15) << 4)
+    out += (_ext(len(final) - 15) if len(final) >= 15 else b"") + final
+    return bytes(out)
+
+
+# periods of long overlapping matches: each side of the decoders' copy widths (16 bytes on the
+# CPU; 32, 64 and 256 on the GPU), where they switch between storing a repeated pattern and
+# reloading it
+OVERLAP_PERIODS = (1, 2, 3, 5, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255,
+                   256, 257, 300)
+
+
+def long_overlap_blocks(page_size: int, rng: random.Random) -> list[bytes]:
+    """Compliant blocks of ``page_size`` bytes, one per period of :data:`OVERLAP_PERIODS` and
+    two random ones: random literals, then a match longer than its offset (a repeated pattern)
+    at a random position and of a length no multiple of the period, ending anywhere in the
+    last 300 bytes (so the block stays under the LZ4 size limit), then maybe a short
+    overlapping match and the last literals."""
+    blocks = []
+    for d in OVERLAP_PERIODS + (rng.randrange(1, 257), rng.randrange(1, 257)):
+        lead = rng.randrange(0, 40)  # the pattern's first byte lands at any position
+        room = page_size - lead - d - 12
+        ml = rng.randrange(max(d + 5, room - 300), room)
+        seqs = [(rng.randbytes(lead + d), d, ml)]
+        op = lead + d + ml
+        if op + 30 < page_size - 12:  # a short overlapping match after it
+            seqs.append((rng.randbytes(3), rng.randrange(1, 4), 9))
+            op += 12
+        blocks.append(encode(seqs, rng.randbytes(page_size - op)))
+    return blocks

@@ -1,10 +1,12 @@
 """The CPU reference path: bit-exact round trips, lz4 interop, kinds and the packed form."""
 
+import random
+
 import lz4.block
 import numpy as np
 import pytest
 import torch
-from pages import file_pages, mixed_pages, periodic_pages, run_pages
+from pages import file_pages, long_overlap_blocks, mixed_pages, periodic_pages, run_pages
 
 import torch_pagecomp as pc
 from torch_pagecomp import cpu_codec
@@ -575,6 +577,20 @@ def decode(blocks, sizes=None, kinds=None, page_size=4096, packed=True):
     kinds = torch.tensor(kinds, dtype=torch.uint8)
     payload = torch.frombuffer(bytearray(b"".join(blocks) or b"\0"), dtype=torch.uint8)
     return decompress_cpu(payload, offsets if packed else offsets[:-1], sizes, kinds, page_size)
+
+
+@pytest.mark.parametrize("page_size", [4096, 8192])
+def test_long_overlapping_matches_decode_as_the_reference(page_size, gen, cpu_loops):
+    """Matches longer than their offset at every period around the C decoder's 16-byte copies
+    (it stores a short period's pattern in copies a multiple of the period back), ending
+    anywhere near the page's end: the bytes are the reference's. Both decoders."""
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    blocks = long_overlap_blocks(page_size, rng)
+    out, status = decode(blocks, page_size=page_size)
+    for k, b in enumerate(blocks):
+        data, want = decode_block(b, page_size)
+        assert want == 0 and status[k] == 0, (k, status[k])
+        assert out[k].numpy().tobytes() == data, f"block {k} decoded wrong"
 
 
 def test_offset_zero_is_bad_offset(gen):

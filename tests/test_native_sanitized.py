@@ -1,8 +1,9 @@
 """The C page loops (``torch_pagecomp/_native.c``) built with AddressSanitizer and
 UndefinedBehaviorSanitizer, under the tests that drive them hardest: hostile metadata, every
 range taken by C threads and by Python threads sharing a counter, the exponent codec's mutation
-fuzz. A read or write outside a buffer, a use after free or undefined behaviour in any thread
-aborts the run, where the plain build could pass over it unseen. Marked slow (``make
+fuzz, the LZ4 decoder's hand-made blocks (long overlapping matches at every period) and mutated
+blocks. A read or write outside a buffer, a use after free or undefined behaviour in any
+thread aborts the run, where the plain build could pass over it unseen. Marked slow (``make
 test-slow``). Skipped where there is no C compiler with the sanitizers' runtimes (or the
 extension is not built)."""
 
@@ -21,7 +22,7 @@ import pytest
 from torch_pagecomp import cpu_codec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FILES = ("test_cpu_shared_ranges.py", "test_exp_codec_native.py")
+FILES = ("test_cpu_shared_ranges.py", "test_exp_codec_native.py", "test_codec_cpu.py")
 
 
 def _runtime(name: str) -> str | None:

@@ -16,7 +16,14 @@ import random  # noqa: E402
 
 import lz4.block  # noqa: E402
 import pytest  # noqa: E402
-from pages import file_pages, mixed_pages, periodic_pages, run_pages  # noqa: E402
+from pages import (  # noqa: E402
+    encode,
+    file_pages,
+    long_overlap_blocks,
+    mixed_pages,
+    periodic_pages,
+    run_pages,
+)
 
 from torch_pagecomp import format as fmt  # noqa: E402
 from torch_pagecomp.cpu_codec import (  # noqa: E402
@@ -49,24 +56,6 @@ def device_for_kernels() -> str:
 
 
 # ------------------------------------------------------------------ building blocks
-def _ext(v: int) -> bytes:
-    return bytes([255] * (v // 255) + [v % 255])
-
-
-def encode(seqs, final: bytes) -> bytes:
-    """LZ4 block of sequences ``(literals, offset, match_length)`` then ``final`` literals."""
-    out = bytearray()
-    for lits, d, ml in seqs:
-        lit, m = len(lits), ml - 4
-        out.append((min(lit, 15) << 4) | min(m, 15))
-        out += _ext(lit - 15) if lit >= 15 else b""
-        out += lits + d.to_bytes(2, "little")
-        out += _ext(m - 15) if m >= 15 else b""
-    out.append(min(len(final), 15) << 4)
-    out += (_ext(len(final) - 15) if len(final) >= 15 else b"") + final
-    return bytes(out)
-
-
 def random_block(page_size: int, nseq: int, rng: random.Random, few: bool = False) -> bytes:
     """A compliant block of roughly ``nseq`` sequences (exactly few of them, long ones, with
     ``few``) that a greedy encoder would not write: overlapping matches (offset < length),
@@ -190,19 +179,7 @@ def test_long_overlapping_matches_of_every_period(gen):
     pattern from registers and of the path that reloads it), at odd positions and with a
     length that is no multiple of the period: the decoder gives the reference's bytes."""
     rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    periods = [1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300,
-               rng.randrange(1, 257), rng.randrange(1, 257)]
-    blocks = []
-    for d in periods:
-        lead = rng.randrange(0, 40)  # the pattern's first byte lands at any position
-        room = P - lead - d - 12  # the block stays under the LZ4 size limit: at most
-        ml = rng.randrange(max(d + 5, room - 300), room)  # 300 random bytes after the match
-        seqs = [(rng.randbytes(lead + d), d, ml)]
-        op = lead + d + ml
-        if op + 30 < P - 12:  # a short overlapping match after it: the fast loop
-            seqs.append((rng.randbytes(3), rng.randrange(1, 4), 9))
-            op += 12
-        blocks.append(encode(seqs, rng.randbytes(P - op)))
+    blocks = long_overlap_blocks(P, rng)
     out, status = run_blocks(blocks)
     check_against_reference(blocks, out, status)
     assert not status.any()
