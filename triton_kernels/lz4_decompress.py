@@ -11,7 +11,9 @@ length-extension byte are scalar loads (broadcast, L1-resident); longer extensio
 ``EXT_BYTES`` at a time. Literals and matches are copied ``VEC_BYTES`` per step (one byte per
 lane), long runs ``RUN_BYTES`` per step. A match reads only bytes written before it: an
 overlapping match (offset ``d`` < length) copies ``out[o] = out[start + (o - op) % d]``, so one
-barrier per sequence (between the stores so far and the match's loads) orders everything. On
+barrier per sequence (between the stores so far and the match's loads) orders everything; a long
+one of period ``d <= 256`` (a repeated pattern, a bit plane's run) loads its pattern once and
+stores it from registers, ``256 - 256 % d`` bytes a step. On
 the GPU each LZ4 block's lines are prefetched into L1 before its walk.
 
 A bit-shuffled page up to ``WORD_TILE_MAX_PAGE`` bytes whose output rows are 4-byte aligned is
