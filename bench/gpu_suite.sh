@@ -5,6 +5,8 @@
 #   bash bench/gpu_suite.sh hooks      # the offload and integration GPU tests alone
 #   TEST_FILES="tests/a.py tests/b.py" bash bench/gpu_suite.sh files   # those test files (not slow)
 #   bash bench/gpu_suite.sh bench      # python -m bench (128 MiB corpora) + pipeline bench
+#   bash bench/gpu_suite.sh harness    # the harness beside nvCOMP on HARNESS_CORPORA alone
+#                                      # (OLD=dir: that tree too, alternated; HARNESS_ROUNDS)
 #   bash bench/gpu_suite.sh training   # activation-offload training step bench
 #   bash bench/gpu_suite.sh pipeline   # pipeline bench alone: default, and split (raw share 1)
 #   bash bench/gpu_suite.sh offload    # host-write probe + offload GPU tests + stock models
@@ -235,6 +237,30 @@ small)
         --out "$OUT/latency.json" 2>&1 | tail -n 45
     # where a call's host time goes: each primitive's cost on this host, now (it drifts)
     timeout 60 python3 -m bench.dev_host_floor 2>&1 | tee "$OUT/host_floor.txt"
+    ;;
+harness)
+    # the harness beside nvCOMP on a few corpora (a kernel A/B in minutes, not the whole bench);
+    # with OLD=<another commit's tree>: both trees, alternated (HARNESS_ROUNDS rounds), one seed
+    header harness
+    here=$PWD
+    mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # the runs cd into each tree
+    for r in $(seq 1 "${HARNESS_ROUNDS:-1}"); do
+    sides="new"; [ -d "${OLD:-}" ] && { sides="new old"; [ $((r % 2)) = 0 ] && sides="old new"; }
+    for side in $sides; do
+        dir=$here; [ $side = old ] && dir=$OLD
+        (cd "$dir" && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+            >/dev/null 2>&1 && PYTHONPATH=/tmp/site:$dir PAGECOMP_COMMIT=$(cat .commit 2>/dev/null \
+            || echo $side) timeout ${HARNESS_TIMEOUT:-200} python3 -m bench --codecs pagecomp,nvcomp \
+            --corpora "${HARNESS_CORPORA:-periodic,mixed,text,bf16-relu,encoder-act}" --mib 128 \
+            --seed "${HARNESS_SEED:-7}" --no-png --out "/tmp/harness_${side}_r$r" >/dev/null 2>&1
+        cp "/tmp/harness_${side}_r$r/results.json" "$OUT/harness_${side}_r$r.json"
+        echo "== $side, round $r ($(cat .commit 2>/dev/null))"
+        grep -E "^[a-z0-9-]+ +(pagecomp|nvcomp lz4)" "/tmp/harness_${side}_r$r/table.txt" | cut -c1-100)
+    done
+    done
+    if [ -d "${OLD:-}" ]; then  # this tree installed again, as the other stages expect
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    fi
     ;;
 policy)
     header policy
