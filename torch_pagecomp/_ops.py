@@ -54,7 +54,35 @@ def _have_triton() -> bool:
         return False
 
 
-_op = triton_op if _have_triton() else custom_op
+def _triton_op(name: str, **kwargs):
+    """``torch.library.triton_op`` without its scan of the op's source for Triton kernels.
+
+    Where torch has it (2.13), ``triton_op`` parses each op's source for the kernels it launches
+    (best effort, for the AOTAutograd cache's keys), importing ``torch._inductor.utils`` and with
+    it Dynamo to do so: ~2.7 s of every ``import torch_pagecomp`` on a 2-core VM, of 6.7. Our ops
+    reach their kernels through launchers imported inside the function bodies, which the scan
+    does not follow: it found no kernel in any of them. So the scan is replaced, while our ops
+    register, by its result; everything else ``triton_op`` does is kept."""
+    register = triton_op(name, **kwargs)
+
+    def decorate(fn):
+        try:
+            import torch._library.triton as library
+        except ImportError:  # a torch that lays triton_op out otherwise: no scan to skip
+            return register(fn)
+        scan = getattr(library, "get_inner_triton_kernels", None)
+        if scan is None:
+            return register(fn)
+        library.get_inner_triton_kernels = lambda fn: []
+        try:
+            return register(fn)
+        finally:
+            library.get_inner_triton_kernels = scan
+
+    return decorate
+
+
+_op = _triton_op if _have_triton() else custom_op
 
 
 def _use_triton(t: Tensor) -> bool:
