@@ -11,6 +11,7 @@
 #   bash bench/gpu_suite.sh pipeline   # pipeline bench alone: default, and split (raw share 1)
 #   bash bench/gpu_suite.sh offload    # host-write probe + offload GPU tests + stock models
 #   bash bench/gpu_suite.sh stock      # the stock-model activation offload benchmark alone
+#                                      # (STOCK_ROUNDS=n: each variant n times, alternated)
 #                                      # (STOCK_CODEC=auto,lz4: memory/speed once per codec, #23)
 #   bash bench/gpu_suite.sh fsdp       # the same under FSDP2 on every GPU (torchrun)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
@@ -112,7 +113,7 @@ stock)
     header stock
     timeout 560 python3 -m bench.stock_models --models "${STOCK_MODELS:-encoder-1024,encoder-2048,llama-2048,resnet-64}" \
         --variants "${STOCK_VARIANTS:-none,save_on_cpu,uncompressed,memory,speed}" \
-        --codec "${STOCK_CODEC:-auto}" \
+        --codec "${STOCK_CODEC:-auto}" ${STOCK_ROUNDS:+--rounds $STOCK_ROUNDS} \
         ${STOCK_PROFILE_RUN:+--profile "$STOCK_PROFILE_RUN:$OUT/profile.txt"} \
         --out "$OUT/stock_models.json" 2>&1 | tail -n 24
     ;;
@@ -133,6 +134,7 @@ fsdp)
     timeout ${FSDP_TIMEOUT:-540} python3 -m bench.stock_models --fsdp --nproc "$(nvidia-smi -L | wc -l)" \
         --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
         --variants "${STOCK_VARIANTS:-none,uncompressed,memory,speed}" --codec "${STOCK_CODEC:-auto}" \
+        ${STOCK_ROUNDS:+--rounds $STOCK_ROUNDS} \
         --out "$OUT/stock_models_fsdp.json" 2>&1 | tail -n 24
     ;;
 training)

@@ -32,6 +32,7 @@ of the first step are bit-identical to ``none`` (deterministic settings: math SD
 ``torch.use_deterministic_algorithms``).
 
     python -m bench.stock_models --models encoder-1024,llama-2048 --out bench/out/stock.json
+    python -m bench.stock_models --rounds 3 --variants none,uncompressed,speed ...   # spread
     python -m bench.stock_models --fsdp --nproc 2 --models encoder-1024 ...   # a torchrun each
     torchrun --nproc_per_node 2 -m bench.stock_models --fsdp ...   # every variant in one group
 
@@ -493,7 +494,28 @@ def _finish(rows: list[dict], meta: dict) -> dict:
             r["ratio"] = unc_host / host if host and unc_host else None
             if none.get("grads") is not None and "grads" in r:  # None: model not deterministic
                 r["grads_identical"] = r["grads"] == none["grads"]
-    return {**meta, "rows": rows}
+    doc = {**meta, "rows": rows}
+    if any("round" in r for r in rows):
+        doc["summary"] = summary(rows)
+    return doc
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (model, variant, codec) over its rounds: the median, least and greatest step and
+    the median against uncompressed's median (rows without a step, failed runs, left out)."""
+    steps: dict = {}
+    for r in rows:
+        if r.get("step_ms") is not None and "error" not in r:
+            steps.setdefault((r["model"], r["variant"], r.get("codec")), []).append(r["step_ms"])
+    out = []
+    for (model, variant, codec), ms in steps.items():
+        unc = [v for (m, var, _), v in steps.items() if m == model and var == "uncompressed"]
+        base = statistics.median(unc[0]) if unc else None
+        med = statistics.median(ms)
+        out.append({"model": model, "variant": variant, "codec": codec, "rounds": len(ms),
+                    "step_ms_median": med, "step_ms_min": min(ms), "step_ms_max": max(ms),
+                    "vs_uncompressed": med / base if base else None})
+    return out
 
 
 def table(doc: dict) -> str:
@@ -505,21 +527,38 @@ def table(doc: dict) -> str:
             "vs uncompressed",
             "peak GPU GiB", "host GiB", "stored GiB", "held GiB", "ratio", "link-bound",
             "grads identical"]
-    unc = {r["model"]: r.get("step_ms") for r in doc["rows"] if r["variant"] == "uncompressed"}
+    # against uncompressed of the same round where rounds were run (else the model's last)
+    unc = {(r["model"], r.get("round")): r.get("step_ms") for r in doc["rows"]
+           if r["variant"] == "uncompressed" and "error" not in r}
+    rounds = any("round" in r for r in doc["rows"])
+    if rounds:
+        head.insert(3, "round")
     rows = []
     for r in doc["rows"]:
-        first = [r["model"], str(r.get("gpus")), r["variant"], r.get("codec") or ""]
+        first = [r["model"], str(r.get("gpus")), r["variant"]]
+        first += [str(r.get("round", ""))] if rounds else []
+        first += [r.get("codec") or ""]
         if "error" in r:
             rows.append(first + [f"error: {r['error']}"])
             continue
-        rel = (f"{r['step_ms'] / unc[r['model']]:.2f}x" if unc.get(r["model"]) else "")
+        base = unc.get((r["model"], r.get("round")))
+        rel = f"{r['step_ms'] / base:.2f}x" if base else ""
         rows.append(first + [f"{r['step_ms']:.1f}", cell(r.get("host_issue_ms"), 1),
                              cell(r.get("host_wait_ms"), 1), rel,
                              cell(r.get("peak_gpu_gib")), cell(r.get("host_gib")),
                              cell(r.get("stored_gib")), cell(r.get("host_held_gib")),
                              cell(r.get("ratio"), 3), str(r["link_bound"]),
                              str(r.get("grads_identical", ""))])
-    return md_table(head, rows)
+    text = md_table(head, rows)
+    if doc.get("summary"):
+        text += "\n\n" + md_table(
+            ["model", "variant", "codec", "rounds", "median step ms", "least - greatest",
+             "median vs uncompressed's"],
+            [[x["model"], x["variant"], x["codec"] or "", str(x["rounds"]),
+              f"{x['step_ms_median']:.1f}", f"{x['step_ms_min']:.1f} - {x['step_ms_max']:.1f}",
+              f"{x['vs_uncompressed']:.2f}x" if x["vs_uncompressed"] else ""]
+             for x in doc["summary"]])
+    return text
 
 
 def main(argv=None) -> int:
@@ -550,8 +589,15 @@ def main(argv=None) -> int:
                     help="the hooks' page codec: auto (bf16 / fp16 activations with the "
                          "exponent codec, the rest LZ4) or lz4; a list (auto,lz4) runs each "
                          "compressing variant once per codec")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every variant this many times per model, the order reversed "
+                         "each round (a process's host speed drifts by 15-30%% on host-bound "
+                         "models): rows carry their round, and a summary gives each variant's "
+                         "median step against uncompressed's median")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"))
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     codecs = [c for c in args.codec.split(",") if c]
     bad = [c for c in codecs if c not in CODECS]
     if bad or not codecs:
@@ -588,13 +634,20 @@ def main(argv=None) -> int:
                 return [_child(args, m, v, c)]
         rows = []
         for m in models:
-            for v in variants:
-                for c in _codecs_of(v, codecs):
-                    rows.extend(run_one(m, v, c))
-                    # after every row: a run cut off by its time limit keeps what it measured
-                    partial = _finish([dict(r) for r in rows], meta)
-                    write_results(partial, args.out, table(partial))
-                    print(table(partial).splitlines()[-1], file=sys.stderr, flush=True)
+            for r in range(args.rounds):
+                for v in (variants if r % 2 == 0 else variants[::-1]):
+                    for c in _codecs_of(v, codecs):
+                        got = run_one(m, v, c)
+                        if args.rounds > 1:
+                            for row in got:
+                                row["round"] = r + 1
+                        rows.extend(got)
+                        # after every row: a run cut off by its time limit keeps what it
+                        # measured
+                        partial = _finish([dict(row) for row in rows], meta)
+                        write_results(partial, args.out, table(partial))
+                        print(table({**partial, "summary": None}).splitlines()[-1],
+                              file=sys.stderr, flush=True)
     doc = _finish(rows, meta)
     text = table(doc)
     print(text)

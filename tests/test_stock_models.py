@@ -100,6 +100,28 @@ def test_link_bound_is_unknown_without_both_baselines():
     assert bound([("none", 10.0), ("uncompressed", 14.9)]) == {False}
 
 
+def test_rounds_compare_within_their_round_and_summarise():
+    """Rows of several rounds: each row's "vs uncompressed" is against uncompressed of its own
+    round, and the summary gives each variant's median step over its rounds against
+    uncompressed's median (a failed run left out)."""
+    from bench import stock_models
+
+    rows = [{"model": "m", "variant": v, "step_ms": ms, "round": r}
+            for r, v, ms in ((1, "none", 10.0), (1, "uncompressed", 20.0), (1, "speed", 22.0),
+                             (2, "speed", 30.0), (2, "uncompressed", 28.0), (2, "none", 11.0),
+                             (3, "none", 12.0), (3, "uncompressed", 24.0), (3, "speed", 23.0))]
+    rows.append({"model": "m", "variant": "speed", "round": 4, "error": "timed out"})
+    doc = stock_models._finish(rows, {"gpus": 1})
+    by = {(x["variant"]): x for x in doc["summary"]}
+    assert by["speed"]["rounds"] == 3 and by["speed"]["step_ms_median"] == 23.0
+    assert (by["speed"]["step_ms_min"], by["speed"]["step_ms_max"]) == (22.0, 30.0)
+    assert by["speed"]["vs_uncompressed"] == 23.0 / 24.0
+    assert by["uncompressed"]["vs_uncompressed"] == 1.0
+    text = stock_models.table(doc)
+    assert "| m | 1 | speed | 2 |  | 30.0 |" in text and "1.07x" in text  # 30 / 28, round 2
+    assert "| m | speed |  | 3 | 23.0 | 22.0 - 30.0 | 0.96x |" in text
+
+
 def test_codec_option_runs_and_records_each_codec(capsys):
     """``--codec``: the compressing variants run with the codec asked for, each row records
     it (None for variants that never compress), gradients stay identical, and ``auto`` stores
