@@ -6,12 +6,16 @@ the GPU (``WRONG`` in the table otherwise), also decodes nvCOMP's own RAW LZ4 bl
 pages, and times (``triton.testing.do_bench``, median) the decoder beside nvCOMP's batched LZ4
 decompression and a device copy. ``--sanitize`` decodes a small hostile batch (for
 ``compute-sanitizer --tool memcheck``). (The variants of the decoder's former knobs were
-removed with the knobs; see git history.)
+removed with the knobs; see git history.) ``--run-bytes 64,128,256`` also times the plain
+kernel alone with each copy step (``DecodeConfig.RUN_BYTES``: literal runs and matches longer
+than ``VEC_BYTES``; the package's is 64) on the untyped corpora, each checked bit-exact: does
+a wider step pay on byte pages (#26's 1.4x over nvCOMP)?
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -64,7 +68,27 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median")
 
 
-def run_bench(corpora: list[str], page_size: int, mib: float) -> None:
+def plain_step_rows(args, out, status, gpu_pages, page_size: int, run_bytes: list[int]) -> dict:
+    """The plain kernel alone (every page of an untyped corpus is plain) with each copy step
+    of ``run_bytes``: ``{"plain RUN=r": (GB/s, bit-exact)}``."""
+    n, rows = status.shape[0], {}
+    for rb in run_bytes:
+        meta = dataclasses.replace(D.decode_config(page_size), RUN_BYTES=rb).meta()
+
+        def launch(meta=meta):
+            D._decompress_kernel[(n,)](*args, out, status, args[0].numel(), **meta)
+
+        out.fill_(0xA5)
+        status.fill_(-1)
+        launch()
+        sync()
+        ok = bool((status == 0).all()) and torch.equal(out, gpu_pages)
+        rows[f"plain RUN={rb}"] = (n * page_size / bench_ms(launch) / 1e6, ok)
+    return rows
+
+
+def run_bench(corpora: list[str], page_size: int, mib: float,
+              run_bytes: list[int] | None = None) -> None:
     nv, why = nvcomp.load() if DEV == "cuda" else (None, "no CUDA")
     if nv is None:
         log(f"nvCOMP unavailable: {why}")
@@ -88,6 +112,8 @@ def run_bench(corpora: list[str], page_size: int, mib: float) -> None:
         ok = bool((status == 0).all()) and torch.equal(out, gpu_pages)
         ms = bench_ms(partial(D.decompress_into, *args, out, status, traced=False))
         row["ours"] = (n * page_size / ms / 1e6, ok)
+        if run_bytes and es == 1:
+            row.update(plain_step_rows(args, out, status, gpu_pages, page_size, run_bytes))
         if DEV == "cuda" and name == corpora[0]:
             log(f"kernels: {kernel_resources(args, out, status, page_size)}")
         if nv is not None:
@@ -117,7 +143,8 @@ def run_bench(corpora: list[str], page_size: int, mib: float) -> None:
         rows.append(row)
         del gpu_pages, out, args
         torch.cuda.empty_cache()
-    cols = ["ours", "ours_on_nv_blocks", "nvcomp", "d2d_copy"]
+    cols = (["ours"] + [f"plain RUN={rb}" for rb in run_bytes or ()]
+            + ["ours_on_nv_blocks", "nvcomp", "d2d_copy"])
     print("\n| corpus | P | ratio (lz4 CPU) | ratio nvCOMP | " + " | ".join(cols) + " |")
     print("|---" * (4 + len(cols)) + "|")
     for r in rows:
@@ -192,13 +219,16 @@ def main() -> None:
     ap.add_argument("--corpora", default="text,binary,mixed,bf16-relu")
     ap.add_argument("--big-pages", action="store_true", help="also mixed at 64 KiB pages")
     ap.add_argument("--mib", type=float, default=128, help="MiB of pages per corpus")
+    ap.add_argument("--run-bytes", default="",
+                    help="comma-separated copy steps for the plain kernel alone (e.g. 64,128,256)")
     a = ap.parse_args()
+    run_bytes = [int(x) for x in a.run_bytes.split(",") if x]
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)"
     log(f"{name} torch {torch.__version__} triton {triton.__version__}")
     if a.sanitize:
         run_sanitize()
     if a.bench:
-        run_bench(a.corpora.split(","), 4096, a.mib)
+        run_bench(a.corpora.split(","), 4096, a.mib, run_bytes)
         if a.big_pages:
             run_bench(["mixed"], 65536, a.mib)
 
