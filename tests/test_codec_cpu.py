@@ -582,7 +582,7 @@ def decode(blocks, sizes=None, kinds=None, page_size=4096, packed=True):
 @pytest.mark.parametrize("page_size", [4096, 8192])
 def test_long_overlapping_matches_decode_as_the_reference(page_size, gen, cpu_loops):
     """Matches longer than their offset at every period around the C decoder's 16-byte copies
-    (it stores a short period's pattern in copies a multiple of the period back), ending
+    (it copies a repeated pattern 16 bytes at a time from inside the match's first bytes), ending
     anywhere near the page's end: the bytes are the reference's. Both decoders."""
     rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
     blocks = long_overlap_blocks(page_size, rng)

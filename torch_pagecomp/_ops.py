@@ -69,7 +69,7 @@ def _triton_op(name: str, **kwargs):
         try:
             import torch._library.triton as library
         except ImportError:  # a torch that lays triton_op out otherwise: no scan to skip
-            return register(fn)
+            library = None
         scan = getattr(library, "get_inner_triton_kernels", None)
         if scan is None:
             return register(fn)
