@@ -144,8 +144,13 @@ def offload_cycles(pc, x: torch.Tensor, cycles: int, warm: int = 50) -> tuple[in
 
 
 # ------------------------------------------------------------------ hand-made LZ4 blocks
-def _ext(v: int) -> bytes:
-    return bytes([255] * (v // 255) + [v % 255])
+def length_extension(n: int) -> bytes:
+    """The extension bytes of an LZ4 length field holding ``n`` (none below 15: the token's
+    nibble holds it)."""
+    if n < 15:
+        return b""
+    n -= 15
+    return b"\xff" * (n // 255) + bytes([n % 255])
 
 
 def encode(seqs, final: bytes) -> bytes:
@@ -154,11 +159,9 @@ def encode(seqs, final: bytes) -> bytes:
     for lits, d, ml in seqs:
         lit, m = len(lits), ml - 4
         out.append((min(lit, 15) << 4) | min(m, 15))
-        out += _ext(lit - 15) if lit >= 15 else b""
-        out += lits + d.to_bytes(2, "little")
-        out += _ext(m - 15) if m >= 15 else b""
+        out += length_extension(lit) + lits + d.to_bytes(2, "little") + length_extension(m)
     out.append(min(len(final), 15) << 4)
-    out += (_ext(len(final) - 15) if len(final) >= 15 else b"") + final
+    out += length_extension(len(final)) + final
     return bytes(out)
 
 

@@ -22,6 +22,7 @@ from dataclasses import replace  # noqa: E402
 import lz4.block  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from pages import length_extension  # noqa: E402
 
 from torch_pagecomp import cpu_codec  # noqa: E402
 from torch_pagecomp import format as fmt  # noqa: E402
@@ -36,13 +37,6 @@ interpret_only = pytest.mark.skipif(not INTERPRET, reason="CPU interpreter tests
 
 
 # ------------------------------------------------------------------------------ helpers
-def _ext(n: int) -> bytes:
-    if n < 15:
-        return b""
-    n -= 15
-    return b"\xff" * (n // 255) + bytes([n % 255])
-
-
 def _table_cands(span, words, h, last, near):
     """Plain bytes: per 32 positions, the table entries before the sub-chunk, then the entries
     of the sub-chunk (the latest position wins); a position whose entry fails takes the
@@ -144,8 +138,9 @@ def _model_block(page: bytes, cfg: lc.CompressConfig) -> bytes:
                 k += 1
             p, c, n = p - k, c - k, n + k
             lit, ml = p - anchor, n - 4
-            out += bytes([(min(lit, 15) << 4) | min(ml, 15)]) + _ext(lit) + page[anchor:p]
-            out += (p - c).to_bytes(2, "little") + _ext(ml)
+            out += bytes([(min(lit, 15) << 4) | min(ml, 15)]) + length_extension(lit)
+            out += page[anchor:p]
+            out += (p - c).to_bytes(2, "little") + length_extension(ml)
             pos = anchor = p + n
             emitted = True
         if len(out) > limit:
@@ -163,7 +158,7 @@ def _model_block(page: bytes, cfg: lc.CompressConfig) -> bytes:
             if w0 // plane != w_prev // plane:  # a new plane starts afresh
                 misses = 0
     lit = size - anchor
-    return bytes(out) + bytes([min(lit, 15) << 4]) + _ext(lit) + page[anchor:]
+    return bytes(out) + bytes([min(lit, 15) << 4]) + length_extension(lit) + page[anchor:]
 
 
 def _config(size: int = P4K, element_size: int = 1, **changes) -> lc.CompressConfig:
