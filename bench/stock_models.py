@@ -6,6 +6,9 @@ Models, built from stock PyTorch modules or public definitions written from torc
   default SDPA), bf16.
 * ``llama-*``: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention).
 * ``resnet-*``: a ResNet-style convolutional network (bottleneck blocks, BatchNorm, ReLU).
+* ``gpt2-*``, ``bert-*``, ``hf-llama-*``, ``tv-*``: public definitions used as their libraries
+  ship them (``transformers``' GPT-2, BERT and Llama, torchvision's ResNet-50 and ViT-B/16:
+  ``bench.public_models``).
 
 Variants: ``none``; ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``);
 ``uncompressed``, ``memory``, ``speed`` (``offload_module`` with ``mode="uncompressed"``,
@@ -72,9 +75,19 @@ MODELS = {
     "encoder-2048": ("encoder", 2048, 8, 4, 2048),
     "llama-2048": ("llama", 2048, 8, 4, 2048),
     "resnet-64": ("resnet", 64, 3, 64, 224),
+    # public definitions (bench.public_models): transformers' GPT-2 small and BERT-large
+    # geometry, a TinyLlama-shaped LlamaModel, torchvision's ResNet-50 and ViT-B/16
+    "gpt2-768": ("hf-gpt2", 768, 12, 8, 1024),
+    "bert-1024": ("hf-bert", 1024, 24, 8, 512),
+    "hf-llama-2048": ("hf-llama", 2048, 8, 4, 2048),
+    "tv-resnet50": ("tv-resnet", 0, 0, 64, 224),
+    "tv-vit-b16": ("tv-vit", 0, 0, 64, 224),
     "encoder-tiny": ("encoder", 64, 2, 2, 32),
     "llama-tiny": ("llama", 64, 2, 2, 32),
     "resnet-tiny": ("resnet", 8, 1, 2, 32),
+    "gpt2-tiny": ("hf-gpt2", 64, 2, 2, 32),
+    "bert-tiny": ("hf-bert", 64, 2, 2, 32),
+    "hf-llama-tiny": ("hf-llama", 128, 2, 2, 32),
 }
 
 
@@ -192,6 +205,10 @@ def model_and_shape(name: str):
     import torch.nn as nn
 
     family, width, layers, batch, seq = MODELS[name]
+    if family.startswith(("hf-", "tv-")):
+        from bench.public_models import build_public
+
+        return build_public(family, width, layers, batch, seq)
     if family == "encoder":
         layer = nn.TransformerEncoderLayer(width, max(1, width // 128), 4 * width, dropout=0.0,
                                            activation="gelu", batch_first=True,
@@ -609,6 +626,15 @@ def main(argv=None) -> int:
     models = [m for m in args.models.split(",") if m]
     if args.tiny:
         models = [m for m in MODELS if m.endswith("-tiny")]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        ap.error(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
+    from bench.public_models import available
+
+    missing = [m for m in models if not available(MODELS[m][0])]
+    if missing:
+        ap.error(f"--models: {missing} need a library that is not installed "
+                 "(transformers for gpt2/bert/hf-llama, torchvision for tv-*)")
     variants = args.variants.split(",")
     if args.child:
         print(json.dumps(run(*args.child, args.steps, args.warmup, args.device, False,

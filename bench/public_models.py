@@ -1,0 +1,107 @@
+"""Public model definitions for ``bench.stock_models``, used as their libraries ship them.
+
+``bench.stock_models`` also has models written here from torch primitives; these come from
+other people's code, with nothing of ours in their forward:
+
+* ``gpt2-*``, ``bert-*``, ``hf-llama-*``: Hugging Face ``transformers``' ``GPT2Model``,
+  ``BertModel`` (no pooler) and ``LlamaModel``, built from a config (random weights, dropout
+  off, the library's default attention: SDPA), fed embeddings (``inputs_embeds``) so that the
+  input is the same ``[batch, seq, width]`` bf16 tensor as the other sequence models'.
+* ``tv-resnet50``, ``tv-vit-b16``: ``torchvision.models.resnet50`` and ``vit_b_16``
+  (random weights), fed ``[batch, 3, size, size]`` images.
+
+Each builder returns ``(model, input shape)``, the model in fp32 on the default device with a
+``layers`` attribute: the blocks the hooks group by (``offload_module(blocks=...)``) and FSDP2
+shards one by one.
+"""
+
+from __future__ import annotations
+
+# family -> the attribute path of its blocks inside the library's model
+_BLOCKS = {"hf-gpt2": "h", "hf-bert": "encoder.layer", "hf-llama": "layers",
+           "tv-vit": "encoder.layers"}
+
+
+def _stack(body, blocks: list, forward):
+    """``body`` wrapped as a module whose ``layers`` are ``blocks`` and whose ``forward(x)`` is
+    ``forward(body, x)``."""
+    import torch.nn as nn
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = body
+            self.layers = blocks  # a plain list: parameters() stays the library model's
+
+        def forward(self, x):
+            return forward(self.body, x)
+
+    return Stack()
+
+
+def _attr(obj, path: str):
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _hf(family: str, width: int, layers: int, seq: int):
+    import transformers as tf
+
+    heads = max(1, width // 64)
+    common = dict(vocab_size=1024, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if family == "hf-gpt2":
+        cfg = tf.GPT2Config(n_embd=width, n_layer=layers, n_head=heads, n_positions=seq,
+                            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **common)
+        body = tf.GPT2Model(cfg)
+    elif family == "hf-bert":
+        cfg = tf.BertConfig(hidden_size=width, num_hidden_layers=layers,
+                            num_attention_heads=heads, intermediate_size=4 * width,
+                            max_position_embeddings=seq, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, **common)
+        body = tf.BertModel(cfg, add_pooling_layer=False)
+    else:  # TinyLlama's proportions: 64-wide heads, 8 query heads per key/value head
+        cfg = tf.LlamaConfig(hidden_size=width, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=max(1, heads // 8),
+                             intermediate_size=int(2.75 * width) // 64 * 64,
+                             max_position_embeddings=seq, **common)
+        body = tf.LlamaModel(cfg)
+
+    def forward(m, x):
+        kw = {} if family == "hf-bert" else {"use_cache": False}
+        return m(inputs_embeds=x, **kw).last_hidden_state
+
+    return _stack(body, list(_attr(body, _BLOCKS[family])), forward)
+
+
+def _torchvision(family: str, size: int):
+    import torchvision
+
+    if family == "tv-resnet":
+        body = torchvision.models.resnet50()
+        blocks = [b for stage in (body.layer1, body.layer2, body.layer3, body.layer4)
+                  for b in stage]
+    else:
+        body = torchvision.models.vit_b_16(image_size=size)
+        blocks = list(_attr(body, _BLOCKS[family]))
+    return _stack(body, blocks, lambda m, x: m(x))
+
+
+def build_public(family: str, width: int, layers: int, batch: int, seq: int):
+    """``(model, input shape)`` of a public model of ``family`` (``hf-gpt2``, ``hf-bert``,
+    ``hf-llama``: ``width`` wide, ``layers`` blocks, ``[batch, seq, width]`` embeddings in;
+    ``tv-resnet``, ``tv-vit``: ``[batch, 3, seq, seq]`` images in, ``width`` and ``layers``
+    fixed by the library's definition)."""
+    if family.startswith("hf-"):
+        return _hf(family, width, layers, seq), (batch, seq, width)
+    return _torchvision(family, seq), (batch, 3, seq, seq)
+
+
+def available(family: str) -> bool:
+    """Whether the library a model of ``family`` comes from is installed (torchvision is not
+    in CI); the models written from torch primitives always are."""
+    import importlib.util
+
+    if family.startswith("hf-"):
+        return importlib.util.find_spec("transformers") is not None
+    return not family.startswith("tv-") or importlib.util.find_spec("torchvision") is not None
