@@ -376,12 +376,13 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     times, issue = [], []
     for _ in range(warmup):
         train_step()
-    # prefer="speed" is measured once its tuner has chosen (its trial passes time both ways
-    # and grow both pools once): the warm-up goes on until then, at most 16 steps more
+    # prefer="speed" is measured once its tuner has chosen and checked the choice against
+    # the steps it gives (its trial passes time both ways and grow both pools once): the
+    # warm-up goes on until then, at most 24 steps more
     tuner = off.tuner if off is not None else None
 
     def undecided() -> bool:
-        flag = tuner is not None and tuner.choice is None
+        flag = tuner is not None and (tuner.choice is None or getattr(tuner, "checking", False))
         if fsdp:  # every rank steps until every rank's tuner chose: the same collectives
             import torch.distributed as dist
 
@@ -390,7 +391,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
             flag = bool(t.item())
         return flag
 
-    while warmup < 20 and undecided():
+    while warmup < 28 and undecided():
         warmup += 1
         train_step()
         if cuda:

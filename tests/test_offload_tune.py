@@ -78,6 +78,52 @@ def test_tuner_tie_keeps_compression():
     assert set(arms[9:]) == {"compress"} and tuner.choice == "compress"
 
 
+@pytest.mark.parametrize("chosen", ["compress", "copy"])
+def test_tuner_checks_its_choice_against_the_settled_passes(chosen):
+    """Trials that tie (or pick the wrong arm) are caught by the passes they lead to: once
+    ``check`` settled passes (after the first) are timed, their median stands in for the
+    chosen arm's trial time, and the other arm is taken if it wins there; once per decision."""
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=2, retune=100, check=4, clock=clock)
+    base = random.uniform(100, 300)
+    other = "copy" if chosen == "compress" else "compress"
+    trial = {chosen: base, other: base} if chosen == "compress" else {"copy": base,
+                                                                      "compress": base * 1.5}
+    run_passes(tuner, clock, trial, 1 + 8)
+    assert tuner.checking and tuner.choice is None  # decided at the next pass's start
+    slow = {chosen: trial[other] * random.uniform(1.3, 2.0), other: trial[other]}
+    arms = run_passes(tuner, clock, slow, 5 + 10)
+    # five settled passes (the first left out of the check), each timed at the next's start
+    assert arms[:5] == [chosen] * 5
+    assert set(arms[5:]) == {other} and tuner.choice == other, tuner.summary()
+    assert not tuner.checking
+    first, switch = tuner.history
+    assert first["choice"] == chosen and switch["choice"] == other and switch["checked"]
+    assert switch[f"{chosen}_ms"] == pytest.approx(slow[chosen], abs=0.01)
+    # the other arm now slows down too: no switching back before the next trials
+    arms = run_passes(tuner, clock, {chosen: slow[chosen], other: slow[chosen] * 2}, 10)
+    assert arms == [other] * 10 and len(tuner.history) == 2
+
+
+def test_tuner_keeps_a_choice_its_settled_passes_confirm():
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=2, retune=100, check=3, clock=clock)
+    ms = {"compress": random.uniform(100, 300), "copy": random.uniform(350, 400)}
+    arms = run_passes(tuner, clock, ms, 1 + 8 + 20, jitter=0.01)
+    assert set(arms[9:]) == {"compress"} and len(tuner.history) == 1
+    assert not tuner.checking and len(tuner.summary()["settled_ms"]) == 4
+
+
+def test_tuner_without_a_check_trusts_its_trials():
+    clock = FakeClock()
+    tuner = StepTuner(warmup=0, trials=1, retune=100, check=0, clock=clock)
+    run_passes(tuner, clock, {"compress": 100.0, "copy": 100.0}, 4)
+    tuner.start_pass()
+    assert tuner.choice == "compress" and not tuner.checking
+    arms = run_passes(tuner, clock, {"compress": 500.0, "copy": 100.0}, 10)
+    assert set(arms) == {"compress"} and len(tuner.history) == 1
+
+
 def test_tuner_times_each_arm_after_a_pass_of_its_own():
     """A pass's offloads finish in the next pass's period (their side streams run on): timed
     right after the other arm, a compressed pass would hand its packing to the copied pass
@@ -158,6 +204,8 @@ def test_tuner_ignores_passes_without_offloads():
     assert tuner.summary()["phase"] == "warmup" and tuner.choice is None
     with pytest.raises(ValueError, match="trials"):
         StepTuner(trials=0)
+    with pytest.raises(ValueError, match="check"):
+        StepTuner(check=-1)
 
 
 # ------------------------------------------------------------------ the hooks, CPU path

@@ -98,7 +98,9 @@ class ActivationOffloader:
             uncompressed copies (past it a tensor stays on the GPU).
         prefer: ``"speed"``: compress only where it shortens the step. Passes are timed
             (``_tune.StepTuner``: after two warm-up passes, two passes each compressed
-            and copied, again every ``tuner.retune`` passes) and the faster way is kept.
+            and copied, again every ``tuner.retune`` passes) and the faster way is kept
+            (checked once against the steps it gives: a choice whose own steps lose to the
+            other way's trials is switched).
             ``"memory"``: every tensor of a class that compresses goes through the kernels.
         tuner: the ``StepTuner`` of ``prefer="speed"`` (default ``StepTuner()``).
         stream_priority: CUDA priority of the side streams (lower is higher).
