@@ -1,11 +1,14 @@
 """Dev probe: our GPU LZ4 decoder on nvCOMP's own LZ4 blocks, page by page (needs a GPU and
 nvCOMP).
 
-``bench.dev_decompress_probe`` found our decoder's output of nvCOMP's blocks wrong on the
-``binary`` and ``mixed`` corpora at 14c2459 (right on ``text``), where earlier trees decoded
-them right. This probe says which pages fail, with which status, whether the CPU ``lz4``
-library decodes the same blocks to the same pages (are they valid LZ4?), and writes the first
-failing blocks with their pages to ``--save`` (``.npz``) to reproduce them without a GPU.
+``bench.dev_decompress_probe`` marked our decoder's output of nvCOMP's blocks wrong on the
+``binary`` and ``mixed`` corpora at 14c2459 (right on ``text``). This probe says which pages
+fail, with which status, whether the CPU ``lz4`` library decodes the same blocks to the same
+pages (are they valid LZ4?), and writes the first failing blocks with their pages to
+``--save`` (``.npz``) to reproduce them without a GPU. Its answer (f2db0f7 and 622b0b3 alike,
+``bench/results/h200_d04bdbf_session34``): every failing block is one of over ``P - P/32``
+bytes (3976-4114), which the format does not take as an LZ4 page (``STATUS_BAD_SIZE``, as the
+README says), and the probe now checks exactly that.
 
     python3 -m bench.dev_nv_blocks --corpora binary,mixed --mib 32 --save $OUT/nv_fail.npz
 """
