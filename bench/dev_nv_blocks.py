@@ -6,9 +6,9 @@ nvCOMP).
 fail, with which status, whether the CPU ``lz4`` library decodes the same blocks to the same
 pages (are they valid LZ4?), and writes the first failing blocks with their pages to
 ``--save`` (``.npz``) to reproduce them without a GPU. Its answer (f2db0f7 and 622b0b3 alike,
-``bench/results/h200_d04bdbf_session34``): every failing block is one of over ``P - P/32``
-bytes (3976-4114), which the format does not take as an LZ4 page (``STATUS_BAD_SIZE``, as the
-README says), and the probe now checks exactly that.
+``bench/results/h200_d04bdbf_session34``): every failing block was one of over ``P - P/32``
+bytes (3976-4114), which the format then refused as an LZ4 page (``STATUS_BAD_SIZE``); the
+decoders now read any block up to ``LZ4_compressBound(P)``, and this probe finds none failing.
 
     python3 -m bench.dev_nv_blocks --corpora binary,mixed --mib 32 --save $OUT/nv_fail.npz
 """

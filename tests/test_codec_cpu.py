@@ -125,11 +125,10 @@ def test_reads_lz4_library_blocks(mode, page_size, gen):
     kinds = torch.full((len(blocks),), fmt.KIND_LZ4, dtype=torch.uint8)
     c = pc.CompressedPages(payload, sizes, kinds, page_size, offsets)
     out, status = pc.decompress(c, return_status=True, backend="cpu")
-    # a block that saves less than P/32 is not an LZ4 page of the format (random pages)
-    overlong = sizes > fmt.lz4_keep_limit(page_size)
-    assert (status[overlong] == fmt.STATUS_BAD_SIZE).all() and not out[overlong].any()
-    assert (status[~overlong] == fmt.STATUS_OK).all()
-    assert torch.equal(out[~overlong], pages[~overlong])
+    # blocks that save less than P/32 (random pages: longer than P) decode too: any LZ4 block
+    # of a page, up to LZ4_compressBound(P), is read
+    assert (sizes > fmt.lz4_keep_limit(page_size)).any()
+    assert (status == fmt.STATUS_OK).all() and torch.equal(out, pages)
     for block, page in zip(blocks, pages):
         data, status = decode_block(block, page_size)
         assert status == fmt.STATUS_OK and data == page.numpy().tobytes()
@@ -275,7 +274,7 @@ def test_threads_give_the_same_statuses_on_hostile_metadata(gen, packed, cpu_loo
     bad = torch.randperm(300, generator=gen)[:30]
     kinds[bad[:10]] = 0x0F
     sizes[bad[10:20]] = 0
-    sizes[bad[20:]] = 4097
+    sizes[bad[20:]] = fmt.lz4_bound(4096) + 1  # BAD_SIZE whatever the kind
     if packed:
         offsets[0] = 3  # page 0 only: its offset and its size no longer agree
     want = cpu_codec._page_checks(offsets.numpy(), sizes.numpy(), kinds.numpy(), 4096,
@@ -311,7 +310,7 @@ def hostile_metadata(gen, packed: bool):
     if packed and rand.integers(0, 2):  # every page where its offsets say, but offsets[0] != 0
         d = int(rand.integers(1, 9))
         payload, offsets = torch.cat([torch.zeros(d, dtype=torch.uint8), payload]), offsets + d
-    total, limit = payload.numel(), fmt.lz4_keep_limit(4096)
+    total, bound = payload.numel(), fmt.lz4_bound(4096)
     off, size, kind = offsets.numpy(), sizes.numpy(), kinds.numpy()
     for i in rand.choice(n, n // 3, replace=False).tolist():
         way = int(rand.integers(0, 13))
@@ -327,9 +326,9 @@ def hostile_metadata(gen, packed: bool):
             kind[i], size[i] = fmt.KIND_RAW, 4096 + int(rand.choice([-1, 1, -4095, 2**30]))
         elif way == 5:  # FILL of another size
             kind[i], size[i] = fmt.KIND_FILL, int(rand.choice([0, 2, 4096]))
-        elif way == 6:  # LZ4 over the keep limit (and inside the payload where it fits)
+        elif way == 6:  # LZ4 over LZ4_compressBound(P) (inside the payload where it fits)
             kind[i] = fmt.KIND_LZ4 | kind[i] & 0xF0
-            size[i] = int(rand.integers(limit + 1, 4097))
+            size[i] = int(rand.integers(bound + 1, 8193))
         elif way == 7:  # an unknown codec, any shift nibble
             kind[i] = int(rand.integers(3, 16)) | int(rand.integers(0, 16)) << 4
         elif way == 8:  # a shift on RAW or FILL
@@ -614,27 +613,30 @@ def test_offset_zero_is_bad_offset(gen):
 
 
 def test_overlong_lz4_raw_and_fill_sizes_are_bad_size(gen, cpu_loops):
+    """An LZ4 block of any length up to ``LZ4_compressBound(P)`` is read (``lz4.block`` writes
+    ~4114 bytes for a random 4 KiB page); one byte more is BAD_SIZE, as are RAW pages not of
+    ``P`` bytes, FILL pages not of 1 and empty LZ4 pages."""
     page = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen).numpy().tobytes()
     overlong = lz4.block.compress(page, store_size=False)  # valid, ~4114 bytes
-    assert len(overlong) > fmt.lz4_keep_limit(4096)
+    bound = fmt.lz4_bound(4096)
+    assert fmt.lz4_keep_limit(4096) < len(overlong) <= bound
+    past = overlong + bytes(bound + 1 - len(overlong))  # the block, then zeros past the bound
     text = file_pages("text", 1, 4096, gen)[0].numpy().tobytes()
     good = lz4.block.compress(text, store_size=False)
     raw, fill = text, b"\x07"
-    blocks = [overlong, good, raw[:4095], raw + b"x", raw, fill + b"\x07", fill, b""]
+    blocks = [overlong, good, raw[:4095], raw + b"x", raw, fill + b"\x07", fill, b"", past]
     sizes = [len(b) for b in blocks]
-    sizes[-1] = 0  # an LZ4 page of size 0
-    kinds = [1, 1, 0, 0, 0, 2, 2, 1]
+    sizes[-2] = 0  # an LZ4 page of size 0
+    kinds = [1, 1, 0, 0, 0, 2, 2, 1, 1]
     for packed in (True, False):
         out, status = decode(blocks, sizes, kinds, packed=packed)
-        assert status.tolist() == [2, 0, 2, 2, 0, 2, 0, 2], packed
-        assert not out[[0, 2, 3, 5, 7]].any()
-        assert out[1].numpy().tobytes() == text and out[4].numpy().tobytes() == raw
-        assert (out[6] == 7).all()
-    # the limit itself is allowed: a block of exactly P - P/32 bytes that decodes
-    limit = fmt.lz4_keep_limit(4096)
-    edge = next(b for b in (lz4_block([], page[:k]) for k in range(limit - 30, limit))
-                if len(b) == limit)
-    assert decode([edge], page_size=4096)[1].tolist() == [fmt.STATUS_SHORT]
+        assert status.tolist() == [0, 0, 2, 2, 0, 2, 0, 2, 2], packed
+        assert not out[[2, 3, 5, 7, 8]].any()
+        assert out[0].numpy().tobytes() == page and out[1].numpy().tobytes() == text
+        assert out[4].numpy().tobytes() == raw and (out[6] == 7).all()
+    # the bound itself is read: the block with zeros after it is decoded to its end, the zeros
+    # being a token past the page's end (a block that does not end where it should)
+    assert decode([past[:bound]], page_size=4096)[1].tolist() != [fmt.STATUS_BAD_SIZE]
 
 
 def test_packed_offsets_must_agree_with_sizes(gen, cpu_loops):
@@ -703,9 +705,9 @@ def test_cpu_statuses_are_the_reference_rules(gen, cpu_loops):
                 b[pos:pos] = b[int(torch.randint(0, len(b), (1,), generator=gen)):][:8]
             blocks.append(bytes(b))
     out, status = decode(blocks)
-    limit = fmt.lz4_keep_limit(4096)
+    bound = fmt.lz4_bound(4096)
     for k, b in enumerate(blocks):
-        data, want = decode_block(b, 4096) if 1 <= len(b) <= limit else (None, 2)
+        data, want = decode_block(b, 4096) if 1 <= len(b) <= bound else (None, 2)
         assert status[k] == want, (k, status[k], want)
         if want == 0:
             assert out[k].numpy().tobytes() == data

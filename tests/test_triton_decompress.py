@@ -85,13 +85,13 @@ def ref(block: bytes, page_size: int = P) -> tuple[bytes | None, int]:
 def ref_page(read, total: int, off: int, size: int, kind: int, page_size: int = P):
     """``(page or None, status)`` of one page by the rules of ``torch_pagecomp.format`` with
     ``decode_block`` deciding LZ4 blocks; ``read(off, size)`` returns payload bytes. An LZ4
-    size past ``lz4_keep_limit`` is ``STATUS_BAD_SIZE`` even when the block would decode."""
+    size past ``lz4_bound`` (``LZ4_compressBound(P)``) is ``STATUS_BAD_SIZE``."""
     codec, shift = kind & 15, kind >> 4
     if codec > 2 or shift > 2 or (shift and codec != fmt.KIND_LZ4):
         return None, fmt.STATUS_BAD_KIND
     if off < 0 or size < 1 or off + size > total:
         return None, fmt.STATUS_BAD_SIZE
-    if codec == fmt.KIND_LZ4 and size > fmt.lz4_keep_limit(page_size):
+    if codec == fmt.KIND_LZ4 and size > fmt.lz4_bound(page_size):
         return None, fmt.STATUS_BAD_SIZE
     if codec == fmt.KIND_FILL:
         return (read(off, 1) * page_size, 0) if size == 1 else (None, fmt.STATUS_BAD_SIZE)
@@ -197,10 +197,9 @@ def test_lz4_modes_decode_bit_exact(mode, gen):
           "high_compression": dict(mode="high_compression", compression=12)}.get(mode, {})
     blocks = [lz4.block.compress(bytes(p.numpy()), store_size=False, **kw) for p in pages]
     out, status = run_blocks(blocks)
-    check_against_reference(blocks, out, status)  # blocks past P - P/32: STATUS_BAD_SIZE
-    fits = torch.tensor([len(b) <= fmt.lz4_keep_limit(P) for b in blocks])
-    assert fits[:3].all() and not status[fits].any()
-    assert torch.equal(out[fits], pages[fits])
+    check_against_reference(blocks, out, status)
+    # binaries' incompressible pages give blocks past P - P/32 (up to 4114 bytes): read too
+    assert not status.any() and torch.equal(out, pages)
 
 
 def test_text_page_and_long_literal_run(gen):
@@ -214,30 +213,32 @@ def test_text_page_and_long_literal_run(gen):
     assert status.tolist() == [0, 0] and torch.equal(out, pages)
 
 
-def test_lz4_blocks_past_the_keep_limit_are_bad_size(gen):
-    """A valid block of more than ``P - P/32`` bytes (incompressible data: 4114 bytes for
-    ``P = 4096``) is ``STATUS_BAD_SIZE``, packed or in a fixed-stride row, where it would
-    read into the next row; exactly ``P - P/32`` bytes still decode."""
-    limit = fmt.lz4_keep_limit(P)
+def test_lz4_blocks_up_to_the_bound_decode(gen):
+    """Any LZ4 block of a page is read, up to ``LZ4_compressBound(P)`` bytes: what ``lz4.block``
+    (and nvCOMP) write for incompressible data, 4114 bytes for ``P = 4096``, which the format's
+    compressors would store RAW; one byte past the bound is ``STATUS_BAD_SIZE``, packed or
+    where it runs into the next fixed-stride row."""
+    bound, limit = fmt.lz4_bound(P), fmt.lz4_keep_limit(P)
     noise = torch.randint(0, 256, (3, P), dtype=torch.uint8, generator=gen)
     lit = limit - 33  # a block of exactly `limit` bytes: literals, one match, 12 literals
     noise[1, lit - 1:] = 0
     blocks = [lz4.block.compress(bytes(p.numpy()), store_size=False) for p in noise]
     blocks[1] = encode([(bytes(noise[1, :lit].numpy()), 1, P - 12 - lit)], bytes(12))
     assert len(blocks[0]) == P + 18 and len(blocks[1]) == limit
-    assert lz4.block.decompress(blocks[0], uncompressed_size=P) == bytes(noise[0].numpy())
-    out, status = run_blocks(blocks[:2])
-    assert status.tolist() == [fmt.STATUS_BAD_SIZE, 0]
-    assert not out[0].any() and torch.equal(out[1], noise[1])
-    # fixed-stride rows: page 0 claims the 4114 bytes that run into row 1
+    # one literal run of the whole page (its length extension), then zeros up to the bound
+    past = blocks[2] + bytes(bound + 1 - len(blocks[2]))
+    out, status = run_blocks([blocks[0], blocks[1], past])
+    assert status.tolist() == [0, 0, fmt.STATUS_BAD_SIZE]
+    assert torch.equal(out[:2], noise[:2]) and not out[2].any()
+    # fixed-stride rows: page 0's block runs into row 1, up to the bound and one byte past it
     rows = torch.zeros((2, P), dtype=torch.uint8)
     rows.view(-1)[: len(blocks[2])] = torch.frombuffer(bytearray(blocks[2]), dtype=torch.uint8)
-    sizes = torch.tensor([len(blocks[2]), 1], dtype=torch.int32)
-    offsets = torch.tensor([0, 2 * P - 1], dtype=torch.int64)  # a zero byte
-    kinds = [fmt.KIND_LZ4, fmt.KIND_FILL]
-    out, status = run_blocks([b""] * 2, kinds, sizes=sizes, offsets=offsets,
+    sizes = torch.tensor([len(blocks[2]), bound + 1], dtype=torch.int32)
+    offsets = torch.tensor([0, 0], dtype=torch.int64)
+    out, status = run_blocks([b""] * 2, [fmt.KIND_LZ4] * 2, sizes=sizes, offsets=offsets,
                              payload=rows.view(-1))
-    assert status.tolist() == [fmt.STATUS_BAD_SIZE, 0] and not out.any()
+    assert status.tolist() == [0, fmt.STATUS_BAD_SIZE]
+    assert torch.equal(out[0], noise[2]) and not out[1].any()
 
 
 def test_any_compliant_parse(gen):
@@ -364,7 +365,8 @@ def _blocks_and_status():
         "zero offset": (encode([(b"a", 0, 4)], lit), 4),
         "offset before page start": (encode([(b"ab", 3, 4)], lit), 4),
         "literal overflow": (encode([(b"a", 1, P - 20)], bytes(30)), 5),
-        "larger than P - P/32": (encode([], bytes(P)), 2),  # valid, but stored RAW
+        "larger than P - P/32": (encode([], bytes(P)), 0),  # valid: read (ours store RAW)
+        "larger than LZ4_compressBound(P)": (encode([], bytes(P)) + bytes(P // 255 + 3), 2),
         "match overflow": (encode([(b"a", 1, P)], lit), 5),
         "match overflow by one": (encode([(b"a", 1, P - 12)], lit), 5),
         "short output": (encode([(b"a", 1, 100)], lit), 6),
@@ -417,10 +419,11 @@ def test_bad_kind_and_bad_size():
         (-1, 4, fmt.KIND_LZ4 | 2 << 4, 2),
         (t - 3, 4, fmt.KIND_LZ4 | 1 << 4, 2),
         (0, 2**31 - 1, fmt.KIND_LZ4 | 2 << 4, 2),
-        (0, P - P // 32 + 1, fmt.KIND_LZ4, 2),  # inside the payload, past the LZ4 size limit
-        (0, P - P // 32 + 1, fmt.KIND_LZ4 | 1 << 4, 2),
-        (0, P, fmt.KIND_LZ4, 2),
+        (0, fmt.lz4_bound(P) + 1, fmt.KIND_LZ4, 2),  # inside the payload, past the LZ4 bound
+        (0, fmt.lz4_bound(P) + 1, fmt.KIND_LZ4 | 1 << 4, 2),
+        (0, fmt.lz4_bound(P) + 1, fmt.KIND_LZ4 | 2 << 4, 2),
     ]
+    assert fmt.lz4_bound(P) + 1 <= t
     offsets = torch.tensor([r[0] for r in rows], dtype=torch.int64)
     sizes = torch.tensor([r[1] for r in rows], dtype=torch.int32)
     kinds = torch.tensor([r[2] for r in rows], dtype=torch.uint8)
@@ -581,8 +584,9 @@ def test_gpu_million_page_mutation_fuzz(gen):
     srcs += [bytes(p.numpy()) for p in file_pages("text", 512, P, gen)]
     bases = [lz4.block.compress(s, store_size=False) for s in srcs]
     bases += [random_block(P, rng.choice([3, 20, 200]), rng) for _ in range(512)]
-    # the format's LZ4 pages are 1..P-P/32 bytes; larger blocks are status 2 (a mutation case)
-    bases = [b for b in bases if len(b) <= fmt.lz4_keep_limit(P)]
+    # each block in a row of P bytes (blocks up to LZ4_compressBound(P) are read too:
+    # test_lz4_blocks_up_to_the_bound_decode)
+    bases = [b for b in bases if len(b) <= P]
     base = torch.zeros((len(bases), P), dtype=torch.uint8)
     for i, blk in enumerate(bases):
         base[i, : len(blk)] = torch.frombuffer(bytearray(blk), dtype=torch.uint8)

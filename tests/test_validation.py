@@ -297,8 +297,8 @@ def test_pages_past_2gib_of_payload_stay_in_bounds(bounds, gen):  # noqa: F811
     """Blocks at offsets past ``2**31`` (the base is int64), walks over a block of the
     largest LZ4 size with the reproducer's pattern at both ends of the payload (positions
     relative to the block stay small), RAW pages across the 2 GiB mark, a FILL at the last
-    byte, and sizes one past the payload or the LZ4 limit."""
-    limit = fmt.lz4_keep_limit(P)
+    byte, and sizes one past the payload or the LZ4 limit (``LZ4_compressBound(P)``)."""
+    limit = fmt.lz4_bound(P)
     total = 2**31 + 3 * P
     pl = torch.zeros(total, dtype=torch.uint8)
     walk = torch.tensor([0xF0] + [0xFF] * (limit - 2) + [0], dtype=torch.uint8)
@@ -348,7 +348,7 @@ def _rules(buf: bytes, off: int, size: int, kind: int, page_size: int):
         return (buf[off:off + 1] * page_size, 0) if size == 1 else (None, fmt.STATUS_BAD_SIZE)
     if codec == fmt.KIND_RAW:
         return (buf[off:off + size], 0) if size == page_size else (None, fmt.STATUS_BAD_SIZE)
-    if size > fmt.lz4_keep_limit(page_size):
+    if size > fmt.lz4_bound(page_size):
         return None, fmt.STATUS_BAD_SIZE
     data, st = cpu_codec.decode_block(buf[off:off + size], page_size)
     if data is not None and shift:
@@ -411,7 +411,7 @@ def _mutate(rng: random.Random, block: bytes, off: int, kind: int, page_size: in
     laid at ``off`` of the payload, followed by random bytes)."""
     b, size = bytearray(block), len(block)
     what = rng.choice(MUTATIONS)
-    limit = fmt.lz4_keep_limit(page_size)
+    limit = fmt.lz4_bound(page_size)
     if what == "flip":
         for _ in range(rng.randrange(1, 4)):
             b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
@@ -422,8 +422,9 @@ def _mutate(rng: random.Random, block: bytes, off: int, kind: int, page_size: in
     elif what == "extend":
         size += rng.randrange(1, 48)
     elif what == "size":
-        size = rng.choice([0, -1, -(2**31), 1, 2, limit, limit + 1, page_size - 1, page_size,
-                           page_size + 1, 2**31 - 1, rng.randrange(-(2**31), 2**31)])
+        size = rng.choice([0, -1, -(2**31), 1, 2, fmt.lz4_keep_limit(page_size), limit,
+                           limit + 1, page_size - 1, page_size, page_size + 1, 2**31 - 1,
+                           rng.randrange(-(2**31), 2**31)])
     elif what == "offset0" and kind & 15 == fmt.KIND_LZ4 and _match_offsets(block):
         at = rng.choice(_match_offsets(block))
         b[at:at + 2] = b"\x00\x00"
@@ -468,7 +469,7 @@ def test_differential_fuzz_triton_vs_cpu(page_size, element_size, bounds, gen): 
         buf += blk + rng.randbytes(rng.randrange(8, 64))  # real bytes after every block
         meta.append((off, size, kind))
         whats.append(what)
-    meta.append((0, fmt.lz4_keep_limit(page_size) + 1, 1))  # always one bad page (status 2)
+    meta.append((0, fmt.lz4_bound(page_size) + 1, 1))  # always one bad page (status 2)
     whats.append("overlong")
     buf = bytes(buf)
     flat = bounds(torch.frombuffer(bytearray(buf), dtype=torch.uint8))

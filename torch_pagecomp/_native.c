@@ -436,7 +436,7 @@ static int32_t check_page(const int64_t *off, const int32_t *size, const uint8_t
         return STATUS_BAD_KIND; /* no other kind reaches the unshuffle */
     const int64_t o = off[i], s = size[i];
     if (plain_size_bad(codec, o, s, total, page) ||
-        (codec == KIND_LZ4 && s > page - page / 32)) /* format.lz4_keep_limit */
+        (codec == KIND_LZ4 && s > page + page / 255 + 16)) /* format.lz4_bound */
         return STATUS_BAD_SIZE;
     if (packed && (off[i + 1] != o + s || (i == 0 && o != 0))) return STATUS_BAD_SIZE;
     return STATUS_OK;
@@ -459,7 +459,7 @@ PyDoc_STRVAR(decode_pages_doc,
 "Only the range's rows of out and status are written. Each page's status is decided here, as\n"
 "cpu_codec._page_checks decides it, then by its block: an unknown kind, or a shift other than\n"
 "0..2 or on a page that is not LZ4, is BAD_KIND; bytes outside the payload, a RAW page not of\n"
-"page_size bytes, a FILL page not of 1, an LZ4 page over format.lz4_keep_limit(page_size) or\n"
+"page_size bytes, a FILL page not of 1, an LZ4 page over format.lz4_bound(page_size) or\n"
 "packed offsets that disagree with the sizes, BAD_SIZE. A failed page's row is zeroed.\n"
 "Bit-shuffled LZ4 pages are unshuffled where the module has bitshuffle (SSE2), else they come\n"
 "out shuffled.");

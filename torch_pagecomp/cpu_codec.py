@@ -23,7 +23,7 @@ Decode rules (the same on every backend; ``triton_kernels/lz4_decompress.py``): 
 this order, ``STATUS_BAD_KIND`` for an unknown kind or a shuffle on a non-LZ4 page;
 ``STATUS_BAD_SIZE`` for an offset or size outside the payload, a RAW page whose size is not
 ``P``, a FILL page whose size is not 1, an LZ4 page whose size is outside
-``1..format.lz4_keep_limit(P)``, or (packed containers, when ``offsets`` has ``N + 1`` entries)
+``1..format.lz4_bound(P)``, or (packed containers, when ``offsets`` has ``N + 1`` entries)
 ``offsets[i + 1] - offsets[i] != sizes[i]`` or ``offsets[0] != 0``; then the LZ4 block's own
 status (``decode_block``). A failed page's row is zero-filled.
 
@@ -385,7 +385,7 @@ def _page_checks(offsets, sizes, kinds, page_size: int, total: int, n: int) -> n
     bad_size = (off < 0) | (size < 1) | (size > total - off)
     bad_size |= (codec == fmt.KIND_RAW) & (size != page_size)
     bad_size |= (codec == fmt.KIND_FILL) & (size != 1)
-    bad_size |= (codec == fmt.KIND_LZ4) & (size > fmt.lz4_keep_limit(page_size))
+    bad_size |= (codec == fmt.KIND_LZ4) & (size > fmt.lz4_bound(page_size))
     if offsets.shape[0] == n + 1:  # packed: page i is offsets[i]:offsets[i + 1]
         bad_size |= offsets[1:].astype(np.int64) - off != size
         if n:

@@ -14,9 +14,11 @@ size) is a power of two from 4096 to 65536. Each page is stored on its own as on
 Metadata, on the same device as the payload:
 
 * ``sizes``: ``int32 [N]``, stored bytes of each page (``P`` for RAW, ``1`` for FILL,
-  ``1..P-P/32`` for LZ4: see ``lz4_keep_limit``; for EXP exactly its fixed part plus its
-  escapes, at most ``P-P/32``). A decoder gives any other size ``STATUS_BAD_SIZE``, as it does
-  a page whose ``[offset, offset + size)`` is not inside the payload.
+  ``1..lz4_bound(P)`` for LZ4, ``LZ4_compressBound(P)``: any LZ4 block of a page, though the
+  compressors here write at most ``P-P/32``, see ``lz4_keep_limit``; for EXP exactly its fixed
+  part plus its escapes, at most ``P-P/32``). A decoder gives any other size
+  ``STATUS_BAD_SIZE``, as it does a page whose ``[offset, offset + size)`` is not inside the
+  payload.
 * ``kinds``: ``uint8 [N]``. Low nibble: the kind above. High nibble: for LZ4 pages
   ``log2(element_size)`` of the bit-shuffle applied before LZ4 (0: none, 1: 2-byte elements,
   2: 4-byte elements); for EXP pages the layout (1: bf16, 2: fp16; kinds ``0x13`` / ``0x23``);
@@ -40,7 +42,10 @@ first for ``b = 0``: ``Y[b * (n/8) + g] = sum_{t<8} ((x[8g + t] >> b) & 1) << t`
 holds ``Y``; decompression inverts it.
 
 An LZ4 page is kept only when its block saves at least ``P / 32`` bytes (``size <= P - P/32``);
-otherwise the page is stored RAW, so a stored page never exceeds ``P`` bytes.
+otherwise the page is stored RAW, so a page these compressors store never exceeds ``P`` bytes.
+The decoders read any LZ4 block of a page, up to ``lz4_bound(P)`` bytes (what ``lz4.block`` or
+nvCOMP write for a page they cannot compress): blocks from other LZ4 encoders need no
+re-encoding.
 
 EXP pages (``torch_pagecomp.exp_codec`` is the reference). The page is ``n = P / 2``
 little-endian 16-bit values ``v[0..n)``, each split into an exponent ``e``, a rest byte ``r``

@@ -26,10 +26,10 @@ Safety like ``LZ4_decompress_safe``: every load is masked to the page's ``[offse
 (after checking that range lies in the payload), every store to its output row, and every loop
 consumes input. Statuses are those of ``torch_pagecomp.cpu_codec.decode_block``; a failed page's
 row is zeroed. All positions inside a page are int32, relative to its block, whose size is at
-most ``PAGE - PAGE/32`` (``_page_meta``: a larger LZ4 size is ``STATUS_BAD_SIZE`` before any
-walk), so a position never passes ``end + VEC_BYTES`` and cannot wrap (comparisons are also
-written as ``length > end - position``); the page base addresses (``off``, ``pid * PAGE``) are
-int64.
+most ``LZ4_compressBound(PAGE)`` (``_page_meta``: a larger LZ4 size is ``STATUS_BAD_SIZE``
+before any walk), so a position never passes ``end + VEC_BYTES`` and cannot wrap (comparisons
+are also written as ``length > end - position``); the page base addresses (``off``,
+``pid * PAGE``) are int64.
 """
 
 from __future__ import annotations
@@ -412,15 +412,16 @@ def _page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE: tl.constexpr
 
     OK means: ``[off, off + size)`` lies inside the payload (``total`` bytes; ``total - off``
     is int64 as ``off`` is, so no offset or size wraps) and ``size`` is what the kind allows:
-    ``PAGE`` (RAW), ``1`` (FILL), ``1..PAGE - PAGE/32`` (LZ4, ``format.lz4_keep_limit``). So
-    every walk runs over at most ``PAGE - PAGE/32 < 2**16`` bytes: positions relative to the
+    ``PAGE`` (RAW), ``1`` (FILL), ``1..PAGE + PAGE/255 + 16`` (LZ4, ``format.lz4_bound``: any
+    block of a page, as other LZ4 encoders write them). So every walk runs over at most
+    ``PAGE + PAGE/255 + 16 < 2**17`` bytes: positions relative to the
     block fit int32 with room to spare, and the block's base is the int64 ``off``. Scalar work
     per page."""
     off, size, kind, bad_size = _plain_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE)
     codec = kind & 15
     shift = kind >> 4
     bad_kind = (codec > 2) | (shift > 2) | ((shift != 0) & (codec != 1))
-    bad_size |= (codec == 1) & (size > PAGE - PAGE // 32)
+    bad_size |= (codec == 1) & (size > PAGE + PAGE // 255 + 16)
     st = tl.where(bad_kind, _BAD_KIND, tl.where(bad_size, _BAD_SIZE, _OK))
     return off, size, kind, st
 
