@@ -279,6 +279,8 @@ class CopyOnlyTuner:
     from its own code path or from what the trials leave behind (pools, arena, allocator
     state)."""
 
+    checking = False  # nothing to check: the choice never changes
+
     def __init__(self):
         self.choice = self.arm = "copy"
         self.history: list = []
@@ -382,7 +384,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     tuner = off.tuner if off is not None else None
 
     def undecided() -> bool:
-        flag = tuner is not None and (tuner.choice is None or getattr(tuner, "checking", False))
+        flag = tuner is not None and (tuner.choice is None or tuner.checking)
         if fsdp:  # every rank steps until every rank's tuner chose: the same collectives
             import torch.distributed as dist
 

@@ -175,12 +175,16 @@ class StepTuner:
         self._trial_bytes = None
         self._settled_ms, self._checked = [], True
 
+    def _trial_best(self) -> dict:
+        """Each arm's shortest timed trial pass (ms)."""
+        return {a: min(v) for a, v in self.times.items()}
+
     def _choose(self, best: dict) -> str:
         faster = best["copy"] < best["compress"] * (1.0 - self.margin)
         return "copy" if faster else "compress"
 
     def _decide(self) -> None:
-        best = {a: min(v) for a, v in self.times.items()}
+        best = self._trial_best()
         self.choice = self._choose(best)
         self._phase, self._settled = "settled", 0
         self._settled_ms, self._checked = [], self.check == 0
@@ -191,7 +195,7 @@ class StepTuner:
         """The chosen arm's settled passes (the first left out) in place of its trial time:
         switch to the other arm if it wins there (once per decision)."""
         self._checked = True
-        best = {a: min(v) for a, v in self.times.items()}
+        best = self._trial_best()
         best[self.choice] = statistics.median(self._settled_ms[1:])
         choice = self._choose(best)
         if choice != self.choice:
