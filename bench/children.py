@@ -8,8 +8,6 @@ import os
 import subprocess
 import sys
 
-from .cores import pinned
-
 
 def cell(value: float | None, places: int = 2) -> str:
     """A table cell: ``value`` to ``places`` decimals, empty when absent."""
@@ -25,17 +23,14 @@ def md_table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def run_child(module: str, args: list[str], row: dict, timeout: float,
-              env: dict | None = None, cwd: str | None = None,
-              cores: list[int] | None = None) -> dict:
+              env: dict | None = None, cwd: str | None = None) -> dict:
     """``python -m module *args``; its last stdout line is its row (JSON), returned with the
     exit code and the stderr tail. A child that times out, fails or prints no row gives
-    ``row`` with ``"error"`` (and the stderr tail). ``cores``: the child runs on those only
-    (``bench.cores.pinned``)."""
+    ``row`` with ``"error"`` (and the stderr tail)."""
     cmd = [sys.executable, "-m", module, *args]
     try:
-        with pinned(cores):
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                               cwd=cwd)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                           cwd=cwd)
     except subprocess.TimeoutExpired:
         return {**row, "error": f"timeout after {timeout} s"}
     last = r.stdout.strip().splitlines()[-1:] or [""]

@@ -40,10 +40,6 @@ of the first step are bit-identical to ``none`` (deterministic settings: math SD
     torchrun --nproc_per_node 2 -m bench.stock_models --fsdp ...   # every variant in one group
 
 On the CPU (CI) ``--tiny`` runs every model and variant at toy sizes, FSDP2 on gloo.
-``--pin fast`` (the default on a GPU) starts every child (every ``torchrun``) on the host's fast
-cores, timed again before each (``bench.cores``): the lent hosts' cores differ by up to 1.9x in
-Python speed, and an unpinned child's core set its host-bound rows apart by 15-30%. Rows
-record the cores they ran on (``cores``) and how many of the host's were slow (``slow_cores``).
 ``STOCK_STREAM_PRIORITY=-5`` (a probe) passes ``stream_priority`` to the hooks.
 """
 
@@ -61,7 +57,6 @@ import sys
 import time
 
 from bench.children import cell, md_table, run_child, write_results
-from bench.cores import pinned
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed", "torchtune")
 # probe, run only when asked: ``speed``'s code path copying from its first pass, never
@@ -486,22 +481,9 @@ def _child(args, name: str, variant: str, codec: str = "auto") -> dict:
     if args.profile and args.profile.split(":")[:2] == [name, variant]:
         env["STOCK_PROFILE"] = args.profile.split(":", 2)[2]
     extra = ["--no-phases"] if args.no_phases else []
-    cores, slow = _cores(args)
-    row = run_child("bench.stock_models",
-                    ["--child", name, variant, *_run_args(args, codec), *extra],
-                    _row_key(name, variant, codec), args.timeout, env=env, cores=cores)
-    return {**row, "cores": cores, "slow_cores": slow}
-
-
-def _cores(args) -> tuple[list[int] | None, int | None]:
-    """``(the cores the next child runs on, how many of the host's were slow)``; ``(None,
-    None)`` unpinned (``--pin none``)."""
-    if args.pin != "fast":
-        return None, None
-    from bench.cores import fast_cores
-
-    fast, speeds = fast_cores()
-    return (fast or None), len(speeds) - len(fast)
+    return run_child("bench.stock_models",
+                     ["--child", name, variant, *_run_args(args, codec), *extra],
+                     _row_key(name, variant, codec), args.timeout, env=env)
 
 
 def _codecs_of(variant: str, codecs: list[str]) -> list[str]:
@@ -613,9 +595,6 @@ def main(argv=None) -> int:
                          "started by torchrun itself, every variant in its ranks' processes")
     ap.add_argument("--nproc", type=int, default=None,
                     help="ranks per FSDP2 run (default: every GPU, 2 on the CPU)")
-    ap.add_argument("--pin", choices=("fast", "none"), default=None,
-                    help="fast: each child on the cores timed fastest just before it (default "
-                         "on a GPU); none: where the scheduler puts it (default on the CPU)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, metavar="MODEL:VARIANT:PATH",
                     help="profile one more step of that run; the table goes to PATH")
@@ -647,8 +626,6 @@ def main(argv=None) -> int:
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.pin is None:
-        args.pin = "none" if args.device == "cpu" else "fast"
     models = [m for m in args.models.split(",") if m]
     if args.tiny:
         models = [m for m in MODELS if m.endswith("-tiny")]
@@ -670,8 +647,7 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "command": " ".join(sys.argv), "gpus": 1,
-            "pin": args.pin}
+            "torch": torch.__version__, "command": " ".join(sys.argv), "gpus": 1}
     if args.fsdp and _under_torchrun():
         rows = _fsdp_rows(args, models, variants, meta, codecs)
         if rows is None:
@@ -730,17 +706,15 @@ def _torchrun_rows(args, name: str, variant: str, codec: str, nproc: int) -> lis
                "--nproc_per_node", str(nproc), "-m", "bench.stock_models", "--fsdp",
                "--models", name, "--variants", variant, *_run_args(args, codec), "--out", out]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        cores, slow = _cores(args)
         try:
-            with pinned(cores):  # torchrun and its ranks: on the fast cores
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                                   env=env)
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                               env=env)
         except subprocess.TimeoutExpired:
             return [{**base, "error": f"timeout after {args.timeout} s"}]
         if r.returncode != 0 or not os.path.exists(out):
             return [{**base, "error": f"exit {r.returncode}", "stderr": r.stderr[-2000:]}]
         with open(out) as fh:
-            return [{**row, "cores": cores, "slow_cores": slow} for row in json.load(fh)["rows"]]
+            return json.load(fh)["rows"]
 
 
 def _fsdp_rows(args, models, variants, meta, codecs=("auto",)):

@@ -183,23 +183,3 @@ def test_ratio_over_stored_bytes_where_every_storage_was_compressed():
     ]
     got = {r["variant"]: r["ratio"] for r in stock_models._finish(rows, {"gpus": 1})["rows"]}
     assert got == pytest.approx({"uncompressed": 1.0, "memory": 4.0 / 2.8, "speed": 4.0 / 3.5})
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
-def test_children_start_on_the_fast_cores_and_the_parent_gets_its_cores_back():
-    """``--pin fast``: the cores are this process's, the fastest among them, and a child
-    started inside ``pinned`` runs on them alone while the parent's affinity comes back."""
-    from bench import cores
-
-    allowed = os.sched_getaffinity(0)
-    fast, speeds = cores.fast_cores()
-    assert set(speeds) == allowed and fast and set(fast) <= allowed
-    assert min(speeds, key=speeds.get) in fast
-    with cores.pinned([fast[-1]]):
-        got = subprocess.run([sys.executable, "-c",
-                              "import os; print(sorted(os.sched_getaffinity(0)))"],
-                             capture_output=True, text=True, check=True).stdout
-    assert got.strip() == str([fast[-1]])
-    assert os.sched_getaffinity(0) == allowed
-    with cores.pinned(None):  # unpinned: nothing changes
-        assert os.sched_getaffinity(0) == allowed
