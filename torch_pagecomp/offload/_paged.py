@@ -27,7 +27,7 @@ from .. import _ops, cpu_codec
 from .._events import handoff, mark
 from ..api import checksum_status
 from ..format import CorruptPageError
-from ..module import RestoreFailures
+from ..handles import RestoreFailures
 from ..pools import can_pin
 from ._arena import (
     CHUNK_BYTES,
