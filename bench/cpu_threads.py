@@ -151,7 +151,9 @@ def host_reference(threads: list[int], repeats: int, mib: int = 32) -> list[dict
 def _one_process(name: str, nbytes: int, page_size: int, seed: int, repeats: int, barrier,
                  results) -> None:
     """One process of :func:`process_reference`: its own copy of the corpus, one codec thread,
-    both ops timed after every process is ready (``barrier``); puts ``(op, seconds)``."""
+    both ops timed after every process is ready (``barrier``); puts ``(op, median seconds of
+    a call, start, end)``, start and end on the host's monotonic clock (one clock for every
+    process of the host)."""
     pc.set_cpu_threads(1)
     e = corpora.element_size(name)
     pages = corpora.build_corpus(name, nbytes, page_size, seed=seed)
@@ -160,7 +162,9 @@ def _one_process(name: str, nbytes: int, page_size: int, seed: int, repeats: int
     barrier.wait()
     for op, fn in (("compress", lambda: pc.compress(pages, element_size=e, backend="cpu")),
                    ("decompress", lambda: pc.decompress(c, backend="cpu"))):
-        results.put((op, _median_s(fn, repeats)))
+        start = time.monotonic()
+        median = _median_s(fn, repeats)
+        results.put((op, median, start, time.monotonic()))
         barrier.wait()  # the next op starts together too
 
 
@@ -168,9 +172,15 @@ def process_reference(name: str, nbytes: int, page_size: int, counts: list[int],
                       seed: int) -> list[dict]:
     """The codec's work with no thread of ours shared: ``n`` processes at once, each compressing
     and decompressing its own copy of corpus ``name`` on one thread, as rows ``compress-procs``
-    / ``decompress-procs`` (``threads``: processes; GB/s: all processes' bytes over each one's
-    median call). Where these scale no better than the threads do, the host is the limit (its
-    clock, caches, memory), not the codec's threading."""
+    / ``decompress-procs`` (``threads``: processes). Where these scale no better than the
+    threads do, the host is the limit (its clock, caches, memory), not the codec's threading.
+
+    ``gbps``: every process's bytes over the span from the first process's start to the last
+    one's end, as a threaded call is timed to its last range. ``gbps_sum_of_medians`` (what
+    ``gbps`` was until the thirty-fifth session): the sum of each process's bytes over its own
+    median call, which overstates the host: a process on a fast core finishes its calls
+    early, and the slow ones then run their later calls with the machine less shared (a lent
+    host's cores differ by up to 1.9x, bench/results/h200_eb9f4b0_session35)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # a fresh interpreter: no thread pools inherited
@@ -188,9 +198,11 @@ def process_reference(name: str, nbytes: int, page_size: int, counts: list[int],
             if p.exitcode != 0:
                 raise RuntimeError(f"a codec process exited with {p.exitcode}")
         for op in ("compress", "decompress"):
-            gbps = sum(nbytes / sec for o, sec in got if o == op) / 1e9
-            rows.append({"op": f"{op}-procs", "threads": n, "seconds": None, "gbps": gbps,
-                         "ratio": None})
+            mine = [g for g in got if g[0] == op]
+            span = max(g[3] for g in mine) - min(g[2] for g in mine)
+            rows.append({"op": f"{op}-procs", "threads": n, "seconds": span / repeats,
+                         "gbps": n * repeats * nbytes / span / 1e9, "ratio": None,
+                         "gbps_sum_of_medians": sum(nbytes / g[1] for g in mine) / 1e9})
     _scale(rows)
     return [r for r in rows if r["threads"] in counts]
 

@@ -47,6 +47,9 @@ def test_process_reference_rows():
         (op, t) for op in ("compress-procs", "decompress-procs") for t in (1, 2)}
     for r in rows:
         assert r["gbps"] > 0 and abs(r["efficiency"] - r["speedup"] / r["threads"]) < 1e-9
+        # over the span from the first start to the last end: the seconds a call of it took
+        assert r["gbps"] == pytest.approx(r["threads"] * 64 * 4096 / r["seconds"] / 1e9)
+        assert r["gbps_sum_of_medians"] > 0
 
 
 def test_thread_spans_time_each_threads_loop():
