@@ -438,6 +438,9 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         # counters per timed step (what the warm-up did is not in them), other values as read
         per_step = {k: (v - before.get(k, 0)) / steps if isinstance(v, int) and k in
                     off.counters else v for k, v in st.items() if not isinstance(v, dict)}
+        # the hooks' own host time per timed step (``stats()["host_s"]``), against host_issue_ms
+        row["hook_host_ms"] = {k: (v - before.get("host_s", {}).get(k, 0.0)) * 1e3 / steps
+                               for k, v in st.get("host_s", {}).items()}
         row.update(host_gib=st["peak_host_bytes"] / GIB, offloaded_gib=offloaded / GIB,
                    stats=per_step,
                    compressor=st.get("compressor", {}), tuner=st.get("tuner"),
@@ -542,9 +545,10 @@ def table(doc: dict) -> str:
     # host GiB: the hooks' ledger peak (a storage at full size until its placement is read);
     # stored GiB: the compressed stores' placed bytes at their peak; held GiB: page-locked
     # memory held at the peak (the copy pool and the compressed arena)
-    # host issue ms: the host's time per step, of which host wait ms waiting for packs
+    # host issue ms: the host's time per step, of which host wait ms waiting for packs and
+    # hooks ms inside the pack and unpack hooks (``stats()["host_s"]``)
     head = ["model", "gpus", "variant", "codec", "step ms", "host issue ms", "host wait ms",
-            "vs uncompressed",
+            "hooks ms", "vs uncompressed",
             "peak GPU GiB", "host GiB", "stored GiB", "held GiB", "ratio", "link-bound",
             "grads identical"]
     # against uncompressed of the same round where rounds were run (else the model's last)
@@ -564,7 +568,9 @@ def table(doc: dict) -> str:
         base = unc.get((r["model"], r.get("round")))
         rel = f"{r['step_ms'] / base:.2f}x" if base else ""
         rows.append(first + [f"{r['step_ms']:.1f}", cell(r.get("host_issue_ms"), 1),
-                             cell(r.get("host_wait_ms"), 1), rel,
+                             cell(r.get("host_wait_ms"), 1),
+                             cell(sum(r["hook_host_ms"].values()) if r.get("hook_host_ms")
+                                  else None, 1), rel,
                              cell(r.get("peak_gpu_gib")), cell(r.get("host_gib")),
                              cell(r.get("stored_gib")), cell(r.get("host_held_gib")),
                              cell(r.get("ratio"), 3), str(r["link_bound"]),

@@ -7,6 +7,8 @@ weights and inputs (the seed is printed).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -121,6 +123,28 @@ def test_offload_module_groups_and_prefetch(seed, mode):
     model.zero_grad()
     model(x).backward()
     assert off.stats()["packed"] == st["packed"]  # hooks are gone
+
+
+def test_stats_count_the_host_time_inside_the_hooks(seed):
+    """``stats()["host_s"]``: the host seconds spent in the pack and unpack hooks grow with
+    every step that packs and unpacks, and never pass the wall time of the steps."""
+    model = GPT(d=32, heads=4, layers=3)
+    x = torch.randn(2, 15, 32)
+    off = offload_module(model, offload_cpu=True, min_offload_bytes=0, group_bytes=None)
+    assert off.stats()["host_s"] == {"pack": 0.0, "unpack": 0.0}
+    seen = []
+    t0 = time.perf_counter()
+    for _ in range(2):
+        grads_of(model, x, sync=off)
+        seen.append(off.stats()["host_s"])
+    wall = time.perf_counter() - t0
+    assert 0 < seen[0]["pack"] < seen[1]["pack"] and 0 < seen[0]["unpack"] < seen[1]["unpack"]
+    assert seen[1]["pack"] + seen[1]["unpack"] < wall
+    off.remove()
+    model.zero_grad()
+    model(x).backward()  # hooks gone: nothing more counted
+    assert off.stats()["host_s"] == seen[1]
+    assert_clean(off)
 
 
 def test_offload_module_keep_blocks(seed):

@@ -30,7 +30,10 @@ def test_models_offload_with_identical_grads(model):
     assert mem["ratio"] > 1.0  # bf16 activations compress
     table = stock_models.table(doc)
     assert "| memory |" in table and "| stored GiB | held GiB |" in table
-    assert "| host issue ms | host wait ms |" in table
+    assert "| host issue ms | host wait ms | hooks ms |" in table
+    # the hooks' host time per step: packs and unpacks happened in the timed step
+    assert mem["hook_host_ms"]["pack"] > 0 and mem["hook_host_ms"]["unpack"] > 0
+    assert "hook_host_ms" not in none
     held = table.splitlines()[0].split(" | ").index("held GiB")
     unc_line = next(line for line in table.splitlines() if "| uncompressed |" in line)
     assert float(unc_line.split(" | ")[held]) == pytest.approx(unc["host_held_gib"], abs=0.01)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 import warnings
 import weakref
 
@@ -181,6 +182,9 @@ class ActivationOffloader:
         self._handles: list = []
         self._ledger = HostLedger()  # stored bytes of live entries, and their peak
         self.counters = collections.Counter()
+        # host seconds spent inside the hooks (stats()["host_s"]): set against a step's time,
+        # they say whether the hooks' host work is what the step waits for
+        self._host_s = {"pack": 0.0, "unpack": 0.0}
         self._pass_start = collections.Counter()
         self._warned_idle = False
         self._backward = Backward(self)  # unpack, prefetch and restores
@@ -202,7 +206,7 @@ class ActivationOffloader:
                 # every saved tensor keeps both hooks until it is freed: the bound ``_pack``
                 # keeps the offloader alive for its backward (a user need not hold it)
                 self._hooks = torch.autograd.graph.saved_tensors_hooks(
-                    self._pack, self._backward.unpack)
+                    self._timed_pack, self._timed_unpack)
                 self._hooks.__enter__()
                 self._pass_start = self.counters.copy()
             self._depth += 1
@@ -310,6 +314,24 @@ class ActivationOffloader:
         if storage.nbytes() < max(1, self.min_offload_bytes):
             return "small"
         return None
+
+    def _timed_pack(self, t: torch.Tensor):
+        t0 = time.perf_counter()
+        try:
+            return self._pack(t)
+        finally:
+            dt = time.perf_counter() - t0
+            with self._lock:
+                self._host_s["pack"] += dt
+
+    def _timed_unpack(self, packed):
+        t0 = time.perf_counter()
+        try:
+            return self._backward.unpack(packed)
+        finally:
+            dt = time.perf_counter() - t0
+            with self._lock:
+                self._host_s["unpack"] += dt
 
     def _pack(self, t: torch.Tensor):
         with self._lock:
@@ -523,8 +545,16 @@ class ActivationOffloader:
             }
 
     def stats(self) -> dict:
-        """Counters (packed / kept by reason / offloaded / restores), bytes and policy."""
+        """Counters (packed / kept by reason / offloaded / restores), bytes and policy.
+
+        ``host_s``: ``{"pack": s, "unpack": s}``, the host seconds spent inside the pack and
+        unpack hooks so far (prefetching restores included). Their growth over a training
+        step, set against the step's time, says how much of the step is the hooks' host work:
+        near all of it, the host is what the step waits for (fewer, larger saved tensors, or
+        ``prefer="speed"``, help there; a faster link or codec does not)."""
         out = dict(self.counters)
+        with self._lock:
+            out["host_s"] = dict(self._host_s)
         out.update(self.pending())
         out["peak_host_bytes"] = self._ledger.peak
         if self._last_error is not None:
