@@ -147,6 +147,37 @@ def test_stats_count_the_host_time_inside_the_hooks(seed):
     assert_clean(off)
 
 
+@pytest.mark.parametrize("keep_casts", [True, False])
+def test_why_each_kind_of_saved_tensor_stays(keep_casts):
+    """The pack hook's rule, tensor kind by kind: parameters (frozen ones too) and their views
+    stay, and so do dtype casts of them with ``keep_param_casts``; casts of activations,
+    activations and plain data move; small storages, tensor subclasses, conjugate / negative
+    views and other devices stay, each for its reason; inside ``keep_on_gpu`` everything
+    stays."""
+    off = ActivationOffloader(offload_cpu=True, min_offload_bytes=4096,
+                              keep_param_casts=keep_casts)
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    frozen = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    act = torch.randn(64, 64, requires_grad=True) * 2
+    cplx = torch.randn(32, 32, dtype=torch.complex64)
+    cast = "param" if keep_casts else None
+    want = {
+        "param": (w, "param"), "param view": (w.t()[1:], "param"),
+        "frozen param": (frozen, "param"), "frozen view": (frozen[2:], "param"),
+        "param cast": (w.to(torch.bfloat16), cast), "cast view": (w.to(torch.bfloat16)[1:], cast),
+        "activation": (act, None), "activation view": (act[3:], None),
+        "activation cast": (act.to(torch.bfloat16), None), "data": (torch.randn(64, 64), None),
+        "small": (torch.randn(8), "small"), "meta": (torch.empty(4096, device="meta"), "device"),
+        "sparse": (torch.randn(64, 64).to_sparse(), "subclass"),
+        "conj": (cplx.conj(), "subclass"), "neg": (torch._neg_view(cplx), "subclass"),
+    }
+    got = {k: off._keep_reason(t) for k, (t, _) in want.items()}
+    assert got == {k: r for k, (_, r) in want.items()}
+    with keep_on_gpu():
+        assert {off._keep_reason(t) for t, _ in want.values()} == {"region"}
+    assert ActivationOffloader(min_offload_bytes=0)._keep_reason(torch.randn(64)) == "cpu"
+
+
 def test_offload_module_keep_blocks(seed):
     model = GPT(d=32, heads=4, layers=3)
     x = torch.randn(2, 15, 32)

@@ -8,13 +8,19 @@ import weakref
 
 import torch
 
-_tls = threading.local()
+
+class _Local(threading.local):
+    keep = 0  # keep_on_gpu depth of this thread (a class default: read on every saved tensor,
+    # where getattr with a default on a thread-local costs a caught AttributeError)
+
+
+_tls = _Local()
 
 
 @contextlib.contextmanager
 def keep_on_gpu():
     """Inside this context no offloader moves saved tensors: they stay where they are."""
-    _tls.keep = getattr(_tls, "keep", 0) + 1
+    _tls.keep += 1
     try:
         yield
     finally:
@@ -38,11 +44,15 @@ def _capturing() -> bool:
 def _is_param_like(t: torch.Tensor, keep_casts: bool) -> bool:
     """A parameter, a leaf requiring grad, a view of one, or (``keep_casts``) a dtype cast of
     one (what autocast saves for a linear layer)."""
-    base = t._base if t._base is not None else t
-    if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
-        return True
+    base = t._base
+    if base is None:
+        base = t
+    if base.is_leaf:  # a parameter is a leaf: most saved tensors (not leaves) skip the
+        # isinstance, which goes through Parameter's metaclass
+        return base.requires_grad or isinstance(base, torch.nn.Parameter)
     fn = base.grad_fn
-    if keep_casts and fn is not None and fn.name().startswith("ToCopyBackward"):
+    # the node's class name is its name (ToCopyBackward0), without building a string
+    if keep_casts and fn is not None and type(fn).__name__.startswith("ToCopyBackward"):
         nxt = fn.next_functions
         return bool(nxt) and nxt[0][0] is not None and "AccumulateGrad" in nxt[0][0].name()
     return False

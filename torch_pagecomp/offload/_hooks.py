@@ -294,18 +294,20 @@ class ActivationOffloader:
 
     # --------------------------------------------------------------------------- pack
     def _keep_reason(self, t: torch.Tensor) -> str | None:
-        if getattr(_tls, "keep", 0):
+        # runs for every saved tensor (hundreds a step): cheap checks first, no device object
+        if _tls.keep:
             return "region"
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
             return "subclass"
         if t.is_conj() or t.is_neg():
             return "subclass"
-        kind = t.device.type
-        if kind == "cuda":
+        if t.is_cuda:
             if torch.compiler.is_compiling() or _capturing():
                 return "capture"
-        elif kind != "cpu" or not self.offload_cpu:
-            return "cpu" if kind == "cpu" else "device"
+        elif not t.is_cpu:
+            return "device"
+        elif not self.offload_cpu:
+            return "cpu"
         if _is_param_like(t, self.keep_param_casts):
             return "param"
         storage = t.untyped_storage()

@@ -49,7 +49,7 @@ def offload_module(
         off._handles.append(b.register_forward_pre_hook(lambda m, a: off.next_group()))
 
     def keep_enter(mod, args):
-        _tls.keep = getattr(_tls, "keep", 0) + 1
+        _tls.keep += 1
         mod._pagecomp_kept = getattr(mod, "_pagecomp_kept", 0) + 1
 
     def keep_leave(mod, args, out):
