@@ -54,8 +54,10 @@ def test_decompress_errors_name_the_problem(gen):
         (fmt.CompressedPages(c.payload, c.sizes, c.kinds, 8192), "fixed-stride payload"),
         (fmt.CompressedPages(c.payload, c.sizes, c.kinds, 1000), "power of two"),
         (
+            # (the one other device a CPU-only run has: named as such before the devices
+            # are compared; test_validation covers tensors on different real devices)
             fmt.CompressedPages(c.payload, c.sizes.to("meta"), c.kinds, 4096),
-            "different devices",
+            "sizes is on the meta device",
         ),
         (
             fmt.CompressedPages(c.payload.view(-1), c.sizes, c.kinds, 4096, c.sizes.long()),

@@ -88,6 +88,8 @@ def compress(
         synchronisation on the GPU path.
     """
     pages = fmt.as_pages(data, page_size)
+    if not isinstance(checksum, bool):
+        raise PageCompError(f"checksum must be True or False, got {checksum!r}")
     float_format = _exp_format(codec, element_size)
     if float_format is None:
         element_size = 1 if element_size is None else element_size
@@ -258,7 +260,7 @@ def decompress(
         ``pages uint8 [N, P]`` on ``c``'s device. Corrupt pages raise :class:`CorruptPageError`
         naming them (this reads the statuses: a synchronisation). With ``return_status=True``
         returns ``(pages, status int32 [N])`` instead and never synchronises; failed pages have a
-        non-zero status (``format.STATUS_*``) and unspecified bytes; every other page is correct.
+        non-zero status (``format.STATUS_*``) and zero bytes; every other page is correct.
 
     With ``c.checksums`` (``compress(..., checksum=True)``) each decoded page's checksum is
     compared on the device (one more read of the pages): a page that decoded without error to
@@ -304,6 +306,9 @@ def decompress(
         pages = out.copy_(pages)
     if c.checksums is not None:  # decoded, but to the bytes that were compressed?
         status = checksum_status(status, page_checksums(pages, backend), c.checksums)
+        # a page that decoded to other bytes is zeroed, as the decoders zero the pages they
+        # fail: no caller reads bytes known to be wrong (on the device, no synchronisation)
+        pages.masked_fill_((status == fmt.STATUS_CHECKSUM).view(-1, 1), 0)
     if return_status:
         return pages, status
     raise_for_status(status, mismatch)

@@ -93,6 +93,7 @@ but whose checksum differs gets ``STATUS_CHECKSUM``.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
@@ -275,7 +276,9 @@ def check_page_size(page_size: int) -> None:
 
 
 def check_element_size(element_size: int) -> None:
-    if isinstance(element_size, bool) or element_size not in ELEMENT_SIZES:
+    # an int, not a float that equals one (2.0 failed later, deep in the CPU loops)
+    if (isinstance(element_size, bool) or not isinstance(element_size, numbers.Integral)
+            or element_size not in ELEMENT_SIZES):
         raise PageCompError(f"element_size must be one of {ELEMENT_SIZES}, got {element_size!r}")
 
 
@@ -287,6 +290,8 @@ def as_pages(data: torch.Tensor, page_size: int | None = None) -> torch.Tensor:
     """
     if not isinstance(data, torch.Tensor):
         raise PageCompError(f"pages must be a torch.Tensor, got {type(data).__name__}")
+    if data.device.type == "meta":
+        raise PageCompError("pages are on the meta device: a meta tensor holds no bytes")
     if data.dtype != torch.uint8:
         raise PageCompError(
             f"pages must have dtype torch.uint8, got {data.dtype} "
@@ -324,6 +329,18 @@ def check_compressed(c: CompressedPages) -> None:
     """Validate the container's tensors (dtype, shape, device, contiguity); not the bytes
     inside (the offsets of a packed container are checked against the sizes by
     ``api.decompress``, on the device)."""
+    if not isinstance(c, CompressedPages):
+        raise PageCompError(f"expected CompressedPages, got {type(c).__name__}")
+    fields = {"payload": c.payload, "sizes": c.sizes, "kinds": c.kinds, "offsets": c.offsets,
+              "checksums": c.checksums}
+    for name, t in fields.items():
+        if not isinstance(t, torch.Tensor) and not (t is None and name in ("offsets",
+                                                                           "checksums")):
+            raise PageCompError(f"CompressedPages.{name} must be a torch.Tensor, got "
+                                f"{type(t).__name__}")
+        if t is not None and t.device.type == "meta":
+            raise PageCompError(f"CompressedPages.{name} is on the meta device: it holds no "
+                                "bytes")
     check_page_size(c.page_size)
     n = c.sizes.shape[0] if c.sizes.dim() == 1 else -1
     problems = []

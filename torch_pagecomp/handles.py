@@ -53,15 +53,40 @@ class OffloadHandle:
     storage.
     """
 
+    __slots__ = ("_storage", "_shape", "_dtype", "_nbytes", "_page_size", "_element_size",
+                 "checksums", "_free", "__weakref__")
+
     def __init__(self, storage: Storage, shape, dtype, nbytes, page_size, element_size):
         self._storage = storage
-        self.shape = torch.Size(shape)
-        self.dtype = dtype
-        self.nbytes = nbytes
-        self.page_size = page_size
-        self.element_size = element_size
+        self._shape = torch.Size(shape)
+        self._dtype = dtype
+        self._nbytes = nbytes
+        self._page_size = page_size
+        self._element_size = element_size
         self.checksums: torch.Tensor | None = None  # int32 [pages] with ``checksum=True``
         self._free = weakref.finalize(self, storage.release)
+
+    # read-only: a restore allocates and decodes by them, so a handle told another shape or
+    # dtype would hand back memory that no page was decoded into
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def element_size(self) -> int:
+        return self._element_size
 
     @property
     def state(self) -> str:

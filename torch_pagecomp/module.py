@@ -80,6 +80,29 @@ def _int_arg(name: str, value) -> int:
         ) from None
 
 
+def _device_arg(value, name: str = "device") -> torch.device:
+    """``value`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device`` or an index) as a
+    cpu or cuda device, with ``cuda`` resolved to the current one; anything else, or cuda
+    where this torch has none, is an error naming it."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise PageCompError(
+            f"{name} must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {value!r}"
+        ) from None
+    if device.type not in ("cuda", "cpu"):
+        raise PageCompError(f"{name} must be a cuda or cpu device, got {device}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PageCompError(
+                f"{name} is {device}, but CUDA is not available here "
+                "(torch.cuda.is_available() is False): use device='cpu'"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _element_size_arg(value) -> int:
     es = _int_arg("element_size", value)
     fmt.check_element_size(es)
@@ -125,6 +148,21 @@ def _check_block_range(ids: torch.Tensor, num_blocks: int) -> None:
         f"block id {bad} is out of range for a cache of {num_blocks} blocks along its block dim "
         f"(valid ids: 0..{num_blocks - 1})"
     )
+
+
+def _check_distinct(ids: torch.Tensor) -> None:
+    """A restore writes each block once: ``index_copy_`` with a repeated id keeps one of the
+    rows meant for it (which one is undefined) and drops the other, so repeats raise, naming
+    the block. One more host sync for ids on a GPU, beside the range check's."""
+    if ids.numel() < 2:
+        return
+    s = ids.sort().values
+    same = s[1:] == s[:-1]
+    if bool(same.any()):
+        raise PageCompError(
+            f"block_ids repeat block {int(s[1:][same][0])}: restore_blocks writes each block "
+            "once (a repeated id would keep one of the rows meant for it and drop the other)"
+        )
 
 
 def _rebuild_compressor(init_kwargs: dict, training: bool) -> PageCompressor:
@@ -217,14 +255,8 @@ class PageCompressor(torch.nn.Module):
         page_size = _int_arg("page_size", page_size)
         slots = _int_arg("slots", slots)
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if (
-                torch.cuda.is_available()
-            ) else torch.device("cpu")
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device.type not in ("cuda", "cpu"):
-            raise PageCompError(f"device must be cuda or cpu, got {device}")
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = _device_arg(device)
         fmt.check_page_size(page_size)
         if element_size is not None:
             element_size = _element_size_arg(element_size)
@@ -233,8 +265,17 @@ class PageCompressor(torch.nn.Module):
         batch_pages = _int_arg("batch_pages", batch_pages)
         if batch_pages < 1:
             raise PageCompError(f"batch_pages must be >= 1, got {batch_pages}")
-        if max_pinned_bytes is not None and max_pinned_bytes < page_size:
-            raise PageCompError(f"max_pinned_bytes must be >= page_size, got {max_pinned_bytes}")
+        if max_pinned_bytes is not None:
+            max_pinned_bytes = _int_arg("max_pinned_bytes", max_pinned_bytes)
+            if max_pinned_bytes < page_size:
+                raise PageCompError(
+                    f"max_pinned_bytes must be >= page_size, got {max_pinned_bytes}")
+        if not isinstance(raw_bypass, bool):
+            raise PageCompError(f"raw_bypass must be True or False, got {raw_bypass!r}")
+        if (isinstance(max_raw_share, bool) or not isinstance(max_raw_share, (int, float))
+                or not 0.0 <= max_raw_share <= 1.0):  # (nan fails the range)
+            raise PageCompError(f"max_raw_share must be a number in [0, 1], got {max_raw_share!r}")
+        stream_priority = _int_arg("stream_priority", stream_priority)
         self._init_kwargs = init_kwargs
         self._stream_priority = stream_priority
         self._direct = None  # the kernel-only store of small GPU tensors (made on first use)
@@ -358,6 +399,7 @@ class PageCompressor(torch.nn.Module):
         """Compress host memory on this module's device and keep it packed on the host: the
         host batch flow (upload, kernel, download). ``handle.compressed()`` gives the pages
         as a packed ``CompressedPages``; ``restore(handle, device="cpu")`` the bytes back."""
+        _check_offloadable(pages)
         if pages.device.type != "cpu":
             raise PageCompError(f"compress_host takes a host tensor, got {pages.device}")
         return self.offload(pages, element_size)
@@ -401,8 +443,14 @@ class PageCompressor(torch.nn.Module):
         direct = handle._storage.direct  # stored by the kernel-only store (see offload)
         if not direct:
             handle.wait()
+        if device is not None:
+            device = _device_arg(device)
         if out is not None:
-            target = out.device if device is None else torch.device(device)
+            if not isinstance(out, torch.Tensor):
+                raise PageCompError(f"out must be a torch.Tensor, got {type(out).__name__}")
+            if out.device.type not in ("cpu", "cuda"):
+                raise PageCompError(f"out must be on a cpu or cuda device, got {out.device}")
+            target = out.device if device is None else device
             if (out.shape, out.dtype, out.device) != (handle.shape, handle.dtype, target):
                 raise PageCompError(
                     f"out must be {tuple(handle.shape)} {handle.dtype} on {target}, got "
@@ -411,9 +459,7 @@ class PageCompressor(torch.nn.Module):
             if not out.is_contiguous():
                 raise PageCompError("out must be contiguous")
         else:
-            target = self.device if device is None else torch.device(device)
-            if target.type == "cuda" and target.index is None:
-                target = torch.device("cuda", torch.cuda.current_device())
+            target = self.device if device is None else device
             out = torch.empty(handle.shape, dtype=handle.dtype, device=target)
         self._count(restores=1, bytes_restored=handle.nbytes)
         if handle.nbytes == 0:
@@ -469,10 +515,12 @@ class PageCompressor(torch.nn.Module):
                 f"handle holds {tuple(handle.shape)} {handle.dtype}, the blocks of cache along "
                 f"dim {dim} are {tuple(want)} {cache.dtype}"
             )
+        _check_distinct(ids)
         cache.index_copy_(dim, ids, self.restore(handle, device=cache.device))
 
     @staticmethod
     def _block_dim(cache: torch.Tensor, dim: int) -> int:
+        _check_offloadable(cache)
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise PageCompError(f"dim must be an int, got {dim!r}")
         if not -cache.dim() <= dim < cache.dim():
@@ -483,7 +531,14 @@ class PageCompressor(torch.nn.Module):
     def _block_ids(cache: torch.Tensor, block_ids: torch.Tensor, dim: int = 0) -> torch.Tensor:
         if cache.dim() < 1:
             raise PageCompError("cache must have a block dimension")
-        ids = torch.as_tensor(block_ids)
+        try:
+            ids = torch.as_tensor(block_ids)
+        except (RuntimeError, TypeError, ValueError):
+            raise PageCompError(
+                f"block_ids must be a 1-D int tensor or a sequence of ints, got "
+                f"{type(block_ids).__name__}") from None
+        if ids.device.type not in ("cpu", "cuda"):
+            raise PageCompError(f"block_ids must be on a cpu or cuda device, got {ids.device}")
         if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
             raise PageCompError(f"block_ids must be 1-D int32/int64, got {ids.dtype} {ids.shape}")
         if ids.is_cuda:

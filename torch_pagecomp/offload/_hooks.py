@@ -39,7 +39,7 @@ import weakref
 import torch
 
 from .._events import handoff
-from ..format import DTYPE_FLOAT_FORMATS, dtype_element_size
+from ..format import DTYPE_FLOAT_FORMATS, check_page_size, dtype_element_size
 from ..pools import PinnedBufferPool, can_pin
 from ._backward import Backward
 from ._entry import (
@@ -144,12 +144,25 @@ class ActivationOffloader:
         if prefer == "speed" and mode == "compressed":
             self.tuner = tuner if tuner is not None else StepTuner()
         self.stream_priority = stream_priority
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        # every setting checked here, by name: a bad one left to the hooks failed each offload
+        # (kept in place, said only in a warning), so a step ran with nothing offloaded
+        _check_int("prefetch", prefetch, 0)
+        _check_int("min_offload_bytes", min_offload_bytes, 0)
+        _check_int("max_in_flight_bytes", max_in_flight_bytes, 0)
+        _check_int("max_in_flight_tensors", max_in_flight_tensors, 1, none_ok=True)
+        _check_int("group_bytes", group_bytes, 1, none_ok=True)
+        _check_int("sample_tensors", sample_tensors, 1)
+        _check_int("max_pinned_bytes", max_pinned_bytes, 0, none_ok=True)
+        _check_int("stream_priority", stream_priority, None)
+        if (isinstance(min_ratio, bool) or not isinstance(min_ratio, (int, float))
+                or not 0 <= min_ratio < float("inf")):  # (0: every class compressed)
+            raise ValueError(f"min_ratio must be a finite number >= 0, got {min_ratio!r}")
+        for name, flag in (("offload_cpu", offload_cpu), ("keep_param_casts", keep_param_casts)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        check_page_size(page_size)
         self.mode, self.prefetch = mode, prefetch
         self.min_offload_bytes, self.max_in_flight_bytes = min_offload_bytes, max_in_flight_bytes
-        if max_in_flight_tensors is not None and max_in_flight_tensors < 1:
-            raise ValueError(f"max_in_flight_tensors must be >= 1, got {max_in_flight_tensors}")
         self.max_in_flight_tensors = max_in_flight_tensors
         self.group_bytes, self.offload_cpu = group_bytes, offload_cpu
         self.keep_param_casts, self.page_size = keep_param_casts, page_size
@@ -579,6 +592,17 @@ class ActivationOffloader:
             h.remove()
         self._handles.clear()
         self._keep_modules.clear()
+
+
+def _check_int(name: str, value, least: int | None, none_ok: bool = False) -> None:
+    """``value`` is an int (not a bool) of at least ``least`` (None: any), or None where
+    ``none_ok``; else ``ValueError`` naming the setting."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or (
+            least is not None and value < least):
+        want = "an int" + (f" >= {least}" if least is not None else "")
+        raise ValueError(f"{name} must be {want}{' or None' if none_ok else ''}, got {value!r}")
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:

@@ -26,12 +26,26 @@ def offload_module(
     activations backward needs first) stay on the GPU. ``offloader.remove()`` takes the
     hooks off.
     """
-    off = offloader if offloader is not None else ActivationOffloader(**settings)
-    off.keep_tensors_of(module)
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"offload_module takes a torch.nn.Module, got {type(module).__name__}")
+    if offloader is not None:
+        if not isinstance(offloader, ActivationOffloader):
+            raise ValueError(
+                f"offloader must be an ActivationOffloader, got {type(offloader).__name__}")
+        if settings:  # they would be dropped: the offloader given has its own
+            raise ValueError(f"settings {sorted(settings)} go to the ActivationOffloader "
+                             "given as offloader, not here")
     if blocks is None:
         blocks = [
             b for m in module.modules() if isinstance(m, torch.nn.ModuleList) for b in m
         ]
+    blocks, keep = list(blocks), list(keep)
+    for name, mods in (("blocks", blocks), ("keep", keep)):
+        bad = [m for m in mods if not isinstance(m, torch.nn.Module)]
+        if bad:
+            raise ValueError(f"{name} must hold torch.nn.Modules, got {type(bad[0]).__name__}")
+    off = offloader if offloader is not None else ActivationOffloader(**settings)
+    off.keep_tensors_of(module)
 
     def enter(mod, args):
         if not _in_backward():
