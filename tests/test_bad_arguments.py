@@ -190,3 +190,20 @@ def test_offload_module_checks_what_it_is_given():
     m(torch.randn(2, 4)).sum().backward()
     assert off.stats()["packed"] > 0
     off.remove()
+
+
+def test_the_helpers_name_their_arguments():
+    with pytest.raises(PageCompError, match="dtype must be a torch.dtype, got str"):
+        pc.dtype_element_size("float32")
+    with pytest.raises(PageCompError, match="status must be a 1-D tensor"):
+        pc.raise_for_status([0, 1])
+    status = torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(PageCompError, match=r"mismatch must be a tensor shaped as status \(2,\)"):
+        pc.raise_for_status(status, torch.tensor([True]))
+    with pytest.raises(pc.CorruptPageError):  # and the right arguments still work
+        pc.raise_for_status(status, torch.tensor([False, True]))
+    with pytest.raises(PageCompError, match="device must be a torch.device or its name"):
+        pc.select_backend(4, None)
+    with pytest.raises(PageCompError, match="num_pages must be an int >= 0"):
+        pc.select_backend(-1, "cpu")
+    assert pc.select_backend(4, "cpu") == "cpu"

@@ -392,6 +392,12 @@ def offsets_mismatch(c: CompressedPages) -> torch.Tensor | None:
 def raise_for_status(status: torch.Tensor, mismatch: torch.Tensor | None = None) -> None:
     """Raise :class:`CorruptPageError` naming every page whose status is not OK (synchronises).
     ``mismatch`` (from :func:`offsets_mismatch`) marks pages failed for their offsets."""
+    if not isinstance(status, torch.Tensor) or status.dim() != 1:
+        raise PageCompError(f"status must be a 1-D tensor (one per page), got {fmt._desc(status)}")
+    if mismatch is not None and (not isinstance(mismatch, torch.Tensor)
+                                 or tuple(mismatch.shape) != tuple(status.shape)):
+        raise PageCompError(f"mismatch must be a tensor shaped as status {tuple(status.shape)}, "
+                            f"got {fmt._desc(mismatch)}")
     bad = torch.nonzero(status).flatten().tolist()
     if bad:
         codes = status[bad].tolist()

@@ -140,5 +140,11 @@ def select_backend(num_pages: int, device: torch.device | str) -> str:
     copied to the host, lz4 there, copied back) or ``"cpu"`` (lz4 on the CPU): the backend of
     :func:`route` for ``backend="auto"``.
     """
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+        raise PageCompError(f"num_pages must be an int >= 0, got {num_pages!r}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise PageCompError(f"device must be a torch.device or its name, got {device!r}") from None
     where = route("auto", num_pages, device)
     return where if where in (CPU, CPU_SERVED) else "triton"

@@ -263,6 +263,8 @@ def dtype_element_size(dtype: torch.dtype) -> int:
     """Bit-shuffle width for ``dtype``, the one rule every path uses: its element width for
     2- and 4-byte types (bf16/fp16 -> 2, fp32/int32 -> 4), 4 for 8-byte types (each element as
     two 32-bit halves), 1 (no shuffle) for 1-byte and other types."""
+    if not isinstance(dtype, torch.dtype):
+        raise PageCompError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
     return {2: 2, 4: 4, 8: 4}.get(dtype.itemsize, 1)
 
 
@@ -387,8 +389,11 @@ def check_compressed(c: CompressedPages) -> None:
 MAX_PAGES = 2**31 - 1
 
 
-def _desc(t: torch.Tensor) -> str:
-    return f"{t.dtype} {list(t.shape)}"
+def _desc(t: object) -> str:
+    """A tensor's dtype and shape for a message (anything else: its type and value)."""
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {list(t.shape)}"
+    return f"{type(t).__name__} {t!r:.60}"
 
 
 def _check_devices(problems: list[str], named: dict[str, torch.Tensor]) -> None:
