@@ -207,3 +207,99 @@ def test_the_helpers_name_their_arguments():
     with pytest.raises(PageCompError, match="num_pages must be an int >= 0"):
         pc.select_backend(-1, "cpu")
     assert pc.select_backend(4, "cpu") == "cpu"
+
+
+# ------------------------------------------------------------------ misuse of the hooks
+def test_one_offloader_is_used_by_one_forward_thread_at_a_time():
+    """torch keeps saved-tensor hooks per thread and the offloader one pass: a second thread
+    entering got no hooks, and the last to leave removed hooks it never installed (a torch
+    internal assert, and the first thread's hooks left on for good)."""
+    import threading
+
+    off = offload_activations(offload_cpu=True, min_offload_bytes=0)
+    inside, leave, errors = threading.Event(), threading.Event(), []
+
+    def other():
+        try:
+            with off:
+                pass
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        inside.set()
+
+    with off:
+        t = threading.Thread(target=other)
+        t.start()
+        inside.wait(10)
+    leave.set()
+    t.join(10)
+    assert errors and "another thread" in errors[0]
+    x = torch.randn(64, 64, requires_grad=True)
+    before = off.stats()["packed"]
+    (x * 2).sin().sum().backward()  # outside any ``with``: no hooks left on
+    assert off.stats()["packed"] == before
+    with off:  # and the offloader works again, from any thread
+        y = (x * 2).sin().sum()
+    y.backward()
+    assert off.stats()["packed"] > before
+
+
+def test_a_saved_tensor_changed_in_place_raises_as_without_offload():
+    """torch checks a saved tensor's version only without saved-tensor hooks: an offloaded
+    tensor changed in place after its save fed the backward its old bytes, silently."""
+    for change in (lambda b: b.add_(1), lambda b: b[0].zero_()):
+        a = torch.ones(64, 64, requires_grad=True)
+        with offload_activations(offload_cpu=True, min_offload_bytes=0):
+            b = a * 2
+            c = b.sin()
+        change(b)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            c.sum().backward()
+
+
+def test_quantized_saved_tensors_stay_where_they_are():
+    """A quantized tensor's scale and zero point live outside its bytes: offloaded and rebuilt
+    from them, it came back without a quantizer (torch asserted on its first use)."""
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, q):
+            ctx.save_for_backward(q)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (q,) = ctx.saved_tensors
+            return g * q.q_scale() * 20, None
+
+    q = torch._make_per_tensor_quantized_tensor(
+        torch.randint(0, 255, (5000,), dtype=torch.uint8), 0.1, 10)
+    x = torch.randn(10, requires_grad=True)
+    off = offload_activations(offload_cpu=True, min_offload_bytes=0)
+    with off:
+        y = Scale.apply(x, q)
+    y.sum().backward()
+    assert torch.allclose(x.grad, torch.full((10,), 2.0)) and off.stats()["kept_quantized"] == 1
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: offload_activations().keep_tensors_of(None), "keep_tensors_of takes a torch.nn"),
+    (lambda: offload_activations(prefer="memory", tuner=pc.StepTuner()),
+     "tuner is used only with prefer='speed'"),
+    (lambda: pc.StepTuner(trials=1.5), "trials must be an int >= 1"),
+    (lambda: pc.StepTuner(warmup="2"), "warmup must be an int >= 0"),
+    (lambda: pc.StepTuner(margin=math.nan), "margin must be a finite number >= 0"),
+    (lambda: pc.StepTuner(clock=None), "clock must be callable"),
+    (lambda: offload_module(torch.nn.Linear(2, 2), blocks=5),
+     "blocks must be an iterable of torch.nn.Modules"),
+    (lambda: offload_module(torch.nn.Linear(2, 2), keep=torch.nn.Linear(2, 2)),
+     "keep must be an iterable of torch.nn.Modules"),
+])
+def test_hook_settings_and_helpers_name_their_arguments(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_stats_have_the_byte_counts_from_the_start():
+    st = offload_activations().stats()
+    assert st["packed"] == 0 and st["offloaded_bytes"] == 0

@@ -673,3 +673,20 @@ def test_no_wrapping_prefetch_after_a_prefill(seed):
     assert calls == [*range(1, n), 0] * 2
     st = cache.stats()
     assert st["restored_on_use"] == 1  # layer 0, at the first decode step
+
+
+def test_the_kv_cache_says_it_does_not_carry_gradients():
+    """Sealed blocks live compressed in host memory, outside autograd: a grad-enabled forward
+    that seals one raises, naming the fix, where it failed inside with an in-place autograd
+    error (and gradients through the past keys would have been lost)."""
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    model, config = tiny_llama()
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    cache = CompressedOffloadedCache(config=config, block_tokens=4)
+    with pytest.raises(RuntimeError, match="gradients cannot flow through them"):
+        model(ids, past_key_values=cache, use_cache=True)
+    cache = CompressedOffloadedCache(config=config, block_tokens=4)
+    with torch.no_grad():  # as generate() runs it
+        model(ids, past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 8

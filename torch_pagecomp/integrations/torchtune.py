@@ -93,10 +93,16 @@ class OffloadActivations(ActivationOffloader):
             max_fwd_stash_size < 1
         ):
             raise ValueError(
-                f"max_fwd_stash_size should be at least 1 but is {max_fwd_stash_size}"
+                f"max_fwd_stash_size should be at least 1 but is {max_fwd_stash_size!r}"
             )
-        if "min_offload_bytes" in settings:
-            raise TypeError("pass min_offload_size (torchtune's name), not min_offload_bytes")
+        for ours, theirs in (("min_offload_bytes", "min_offload_size"),
+                             ("max_in_flight_tensors", "max_fwd_stash_size")):
+            if ours in settings:
+                raise TypeError(f"pass {theirs} (torchtune's name), not {ours}")
+        if isinstance(min_offload_size, bool) or not isinstance(min_offload_size, int) or (
+            min_offload_size < 0
+        ):
+            raise ValueError(f"min_offload_size must be an int >= 0, got {min_offload_size!r}")
         self.use_pin_memory = bool(use_pin_memory)
         self.use_streams = bool(use_streams)
         self.max_fwd_stash_size = max_fwd_stash_size
@@ -194,6 +200,8 @@ def get_act_offloading_ctx_manager(
     """
     if not enable_activation_offloading:
         return contextlib.nullcontext()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     ctx = OffloadActivations(
         use_pin_memory=use_pin_memory,
         use_streams=use_streams,

@@ -286,6 +286,14 @@ class CompressedLayer(DynamicLayer):
 
     def _seal(self, keys: torch.Tensor, values: torch.Tensor, lo: int, n: int) -> None:
         """Store the ``n`` blocks of ``keys``/``values`` from token ``lo`` (one tensor each)."""
+        if torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad):
+            # sealed blocks live compressed in host memory, outside autograd: a later forward
+            # would read them without their history, and gradients through them would be lost
+            raise RuntimeError(
+                "CompressedOffloadedCache stores past keys and values compressed outside "
+                "autograd, so gradients cannot flow through them: run the forward under "
+                "torch.no_grad() or torch.inference_mode() (generate() does), or use "
+                "DynamicCache where the cache must carry gradients")
         batch, bt, ds = keys.shape[0], self.block_tokens, self._store()
         ds.store.poll()  # placements known so far: the arena backs only what may still come
         flat = torch.empty((n, sum(self._numel(batch))), dtype=self.dtype, device=self.device)

@@ -45,6 +45,7 @@ class Backward:
                 with off._lock:
                     self._watch_backward()
             return packed
+        packed.check_version()
         if capturing:  # no side-stream work inside a CUDA graph capture
             if packed.entry.src is None:
                 raise RuntimeError(

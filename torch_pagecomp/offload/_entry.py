@@ -129,14 +129,30 @@ class _Entry:
 
 
 class _Packed:
-    """What autograd keeps for one offloaded saved tensor: its entry and how to view it."""
+    """What autograd keeps for one offloaded saved tensor: its entry and how to view it, and
+    the tensor's version when it was saved."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "source", "version")
 
     def __init__(self, entry: _Entry, t: torch.Tensor):
         self.entry = entry
         self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
         self.offset = t.storage_offset()
+        # torch checks a saved tensor's version at unpack only without saved-tensor hooks: an
+        # in-place change after the save would go unnoticed, and the backward would read the
+        # bytes offloaded before it. A weak reference: the offloaded tensor is not kept.
+        self.source, self.version = weakref.ref(t), t._version
+
+    def check_version(self) -> None:
+        """Raise as autograd does if the saved tensor was changed in place since its save
+        (known while the tensor itself is alive)."""
+        t = self.source()
+        if t is not None and t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: {self.dtype} {list(self.size)} is at version {t._version}; "
+                f"expected version {self.version} instead (it was offloaded by "
+                "torch_pagecomp's activation hooks at that version)")
 
     def view(self, storage: torch.UntypedStorage) -> torch.Tensor:
         out = torch.empty((0,), dtype=self.dtype, device=storage.device)

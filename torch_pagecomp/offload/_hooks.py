@@ -143,6 +143,9 @@ class ActivationOffloader:
         self.tuner = None
         if prefer == "speed" and mode == "compressed":
             self.tuner = tuner if tuner is not None else StepTuner()
+        elif tuner is not None:  # it would never be asked: say so rather than drop it
+            raise ValueError("tuner is used only with prefer='speed' and mode='compressed' "
+                             f"(got prefer={prefer!r}, mode={mode!r})")
         self.stream_priority = stream_priority
         # every setting checked here, by name: a bad one left to the hooks failed each offload
         # (kept in place, said only in a warning), so a step ran with nothing offloaded
@@ -189,6 +192,7 @@ class ActivationOffloader:
         self._pass: _Pass | None = None
         self._last_pass: weakref.ref | None = None
         self._depth = 0
+        self._owner: int | None = None  # the thread inside the outermost ``with``
         self._hooks = None
         self._keep_ptrs: set[int] = set()
         self._keep_modules: list[torch.nn.Module] = []
@@ -205,7 +209,16 @@ class ActivationOffloader:
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> ActivationOffloader:
         with self._lock:
+            me = threading.get_ident()
+            if self._depth and self._owner != me:
+                # torch keeps saved-tensor hooks per thread, this offloader one pass: a second
+                # thread's forward got no hooks, and the last to leave removed hooks it never
+                # installed (an internal assert in torch, and the other thread's hooks left on)
+                raise RuntimeError(
+                    "this ActivationOffloader is inside a forward on another thread: use one "
+                    "offloader per thread that runs forwards (backward may run anywhere)")
             if self._depth == 0:
+                self._owner = me
                 arm = self._tuned_arm()
                 self._pass = _Pass(compress=arm == "compress")
                 self._passes.add(self._pass)
@@ -230,7 +243,7 @@ class ActivationOffloader:
             self._depth -= 1
             if self._depth == 0:
                 self._hooks.__exit__(*exc)
-                self._hooks = self._pass = None
+                self._hooks = self._pass = self._owner = None
                 self._warn_if_nothing_offloaded()
 
     def _warn_if_nothing_offloaded(self) -> None:
@@ -314,6 +327,8 @@ class ActivationOffloader:
             return "subclass"
         if t.is_conj() or t.is_neg():
             return "subclass"
+        if t.is_quantized:  # its scale and zero point live outside its bytes
+            return "quantized"
         if t.is_cuda:
             if torch.compiler.is_compiling() or _capturing():
                 return "capture"
@@ -568,6 +583,8 @@ class ActivationOffloader:
         near all of it, the host is what the step waits for (fewer, larger saved tensors, or
         ``prefer="speed"``, help there; a faster link or codec does not)."""
         out = dict(self.counters)
+        for key in ("packed", "offloaded_bytes"):  # read by every user: there from the start
+            out.setdefault(key, 0)
         with self._lock:
             out["host_s"] = dict(self._host_s)
         out.update(self.pending())
@@ -584,6 +601,9 @@ class ActivationOffloader:
 
     def keep_tensors_of(self, module: torch.nn.Module) -> None:
         """Never offload ``module``'s parameters and buffers (or views of them)."""
+        if not isinstance(module, torch.nn.Module):
+            raise ValueError(f"keep_tensors_of takes a torch.nn.Module, got "
+                             f"{type(module).__name__}")
         self._keep_modules.append(module)
 
     def remove(self) -> None:

@@ -81,11 +81,16 @@ class StepTuner:
                  margin: float = 0.03, clock: Callable[[], object] = pass_mark,
                  elapsed: Callable[[object, object], float | None] = elapsed_ms,
                  check: int = 4):
-        if warmup < 0 or trials < 1 or retune < 1 or margin < 0 or check < 0:
-            raise ValueError(
-                f"tuner: need warmup >= 0, trials >= 1, retune >= 1, margin >= 0, check >= 0; "
-                f"got {warmup}, {trials}, {retune}, {margin}, {check}"
-            )
+        for name, v, least in (("warmup", warmup, 0), ("trials", trials, 1),
+                               ("retune", retune, 1), ("check", check, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"tuner: {name} must be an int >= {least}, got {v!r}")
+        if (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                or not 0 <= margin < float("inf")):  # (nan fails the range)
+            raise ValueError(f"tuner: margin must be a finite number >= 0, got {margin!r}")
+        for name, fn in (("clock", clock), ("elapsed", elapsed)):
+            if not callable(fn):
+                raise ValueError(f"tuner: {name} must be callable, got {fn!r}")
         self.warmup, self.trials, self.retune, self.margin = warmup, trials, retune, margin
         self.check = check  # settled passes (after the first) that check a decision; 0: none
         self.clock, self.elapsed = clock, elapsed

@@ -39,6 +39,13 @@ def offload_module(
         blocks = [
             b for m in module.modules() if isinstance(m, torch.nn.ModuleList) for b in m
         ]
+    for name, mods in (("blocks", blocks), ("keep", keep)):
+        # (a ModuleList or Sequential is a list of modules; a single module is not)
+        if not isinstance(mods, Iterable) or (
+                isinstance(mods, torch.nn.Module)
+                and not isinstance(mods, (torch.nn.ModuleList, torch.nn.Sequential))):
+            raise ValueError(f"{name} must be an iterable of torch.nn.Modules (a list), got "
+                             f"{type(mods).__name__}")
     blocks, keep = list(blocks), list(keep)
     for name, mods in (("blocks", blocks), ("keep", keep)):
         bad = [m for m in mods if not isinstance(m, torch.nn.Module)]
