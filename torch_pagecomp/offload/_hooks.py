@@ -65,6 +65,11 @@ CODECS = ("auto", "lz4")  # what ActivationOffloader(codec=...) takes
 class ActivationOffloader:
     """Saved-tensor hooks that offload activations; use as a (reusable) context manager.
 
+    One thread at a time runs forwards inside it (torch keeps saved-tensor hooks per thread:
+    a second thread entering while the first is inside raises; make one offloader per
+    thread); backward may run on any thread. A saved tensor changed in place after it was
+    offloaded raises at its unpack, as autograd does without hooks.
+
     Args:
         mode: ``"compressed"`` (compressed pages in host memory, per-class fallback to a pinned
             copy) or ``"uncompressed"`` (stream-overlapped pinned copies only).
