@@ -257,6 +257,7 @@ def test_a_saved_tensor_changed_in_place_raises_as_without_offload():
             c.sum().backward()
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # (deprecated)
 def test_quantized_saved_tensors_stay_where_they_are():
     """A quantized tensor's scale and zero point live outside its bytes: offloaded and rebuilt
     from them, it came back without a quantizer (torch asserted on its first use)."""
@@ -276,7 +277,7 @@ def test_quantized_saved_tensors_stay_where_they_are():
         torch.randint(0, 255, (5000,), dtype=torch.uint8), 0.1, 10)
     x = torch.randn(10, requires_grad=True)
     off = offload_activations(offload_cpu=True, min_offload_bytes=0)
-    with off:
+    with pytest.warns(UserWarning, match=r"none offloaded.*'quantized': 1"), off:
         y = Scale.apply(x, q)
     y.sum().backward()
     assert torch.allclose(x.grad, torch.full((10,), 2.0)) and off.stats()["kept_quantized"] == 1

@@ -684,9 +684,10 @@ def test_the_kv_cache_says_it_does_not_carry_gradients():
     model, config = tiny_llama()
     ids = torch.randint(0, config.vocab_size, (1, 8))
     cache = CompressedOffloadedCache(config=config, block_tokens=4)
+    kw = cache_kw(model)
     with pytest.raises(RuntimeError, match="gradients cannot flow through them"):
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, use_cache=True, **{kw: cache})
     cache = CompressedOffloadedCache(config=config, block_tokens=4)
     with torch.no_grad():  # as generate() runs it
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, use_cache=True, **{kw: cache})
     assert cache.get_seq_length() == 8
