@@ -19,6 +19,7 @@ import importlib
 import torch
 
 from . import format as fmt
+from ._args import check_flag
 from ._ops import (
     checksum_eager,
     compress_eager,
@@ -88,8 +89,7 @@ def compress(
         synchronisation on the GPU path.
     """
     pages = fmt.as_pages(data, page_size)
-    if not isinstance(checksum, bool):
-        raise PageCompError(f"checksum must be True or False, got {checksum!r}")
+    check_flag("checksum", checksum)
     float_format = _exp_format(codec, element_size)
     if float_format is None:
         element_size = 1 if element_size is None else element_size

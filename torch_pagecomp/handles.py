@@ -7,6 +7,7 @@ per-page checksums a checked restore compares.
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 
@@ -68,25 +69,12 @@ class OffloadHandle:
 
     # read-only: a restore allocates and decodes by them, so a handle told another shape or
     # dtype would hand back memory that no page was decoded into
-    @property
-    def shape(self) -> torch.Size:
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    @property
-    def page_size(self) -> int:
-        return self._page_size
-
-    @property
-    def element_size(self) -> int:
-        return self._element_size
+    shape = property(operator.attrgetter("_shape"), doc="torch.Size of the tensor offloaded")
+    dtype = property(operator.attrgetter("_dtype"), doc="its dtype")
+    nbytes = property(operator.attrgetter("_nbytes"), doc="its size in bytes, uncompressed")
+    page_size = property(operator.attrgetter("_page_size"), doc="bytes per page it was stored with")
+    element_size = property(operator.attrgetter("_element_size"),
+                            doc="the bit-shuffle width it was stored with")
 
     @property
     def state(self) -> str:

@@ -28,6 +28,7 @@ import weakref
 import torch
 
 from . import format as fmt
+from ._args import check_flag, check_number
 from ._events import mark
 from .api import raise_for_status
 from .format import PageCompError, dtype_element_size
@@ -133,32 +134,30 @@ def _check_offloadable(tensor) -> None:
         raise PageCompError(f"cannot offload a tensor on {tensor.device}: only cpu and cuda")
 
 
-def _check_block_range(ids: torch.Tensor, num_blocks: int) -> None:
+def _check_block_ids(ids: torch.Tensor, num_blocks: int, distinct: bool = False) -> None:
     """Out-of-range block ids raise here, naming the id: on a GPU, ``index_select`` would
-    report them by a device-side assert that ends the process's CUDA context. Ids on the host
-    are checked for free; ids on a GPU cost one host sync (their min and max), which
-    ``offload_blocks``/``restore_blocks`` accept: they wait on the host anyway."""
+    report them by a device-side assert that ends the process's CUDA context. With
+    ``distinct`` (a restore writes each block once: ``index_copy_`` with a repeated id keeps
+    one of the rows meant for it, which one is undefined, and drops the other) a repeated id
+    raises too, naming the block. Ids on the host are checked for free; ids on a GPU cost one
+    host sync (their min, max and whether any repeats), which ``offload_blocks`` /
+    ``restore_blocks`` accept: they wait on the host anyway."""
     if ids.numel() == 0:
         return
-    lo, hi = (int(v) for v in torch.stack([ids.min(), ids.max()]).tolist())
-    if lo >= 0 and hi < num_blocks:
-        return
-    bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
-    raise PageCompError(
-        f"block id {bad} is out of range for a cache of {num_blocks} blocks along its block dim "
-        f"(valid ids: 0..{num_blocks - 1})"
-    )
-
-
-def _check_distinct(ids: torch.Tensor) -> None:
-    """A restore writes each block once: ``index_copy_`` with a repeated id keeps one of the
-    rows meant for it (which one is undefined) and drops the other, so repeats raise, naming
-    the block. One more host sync for ids on a GPU, beside the range check's."""
-    if ids.numel() < 2:
-        return
-    s = ids.sort().values
-    same = s[1:] == s[:-1]
-    if bool(same.any()):
+    if distinct:  # sorted: the ends are the min and max, a repeat sits beside its twin
+        s = ids.sort().values
+        same = s[1:] == s[:-1]
+        read = [s[0], s[-1], same.any().to(s.dtype)]
+    else:
+        read = [ids.min(), ids.max()]
+    lo, hi, *repeats = torch.stack(read).tolist()  # the one host sync
+    if lo < 0 or hi >= num_blocks:
+        bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
+        raise PageCompError(
+            f"block id {bad} is out of range for a cache of {num_blocks} blocks along its "
+            f"block dim (valid ids: 0..{num_blocks - 1})"
+        )
+    if any(repeats):
         raise PageCompError(
             f"block_ids repeat block {int(s[1:][same][0])}: restore_blocks writes each block "
             "once (a repeated id would keep one of the rows meant for it and drop the other)"
@@ -246,8 +245,7 @@ class PageCompressor(torch.nn.Module):
             raw_bypass=raw_bypass, max_raw_share=max_raw_share, stream_priority=stream_priority,
             checksum=checksum, codec=codec,
         )
-        if not isinstance(checksum, bool):
-            raise PageCompError(f"checksum must be True or False, got {checksum!r}")
+        check_flag("checksum", checksum)
         if codec not in CODECS:
             raise PageCompError(f"codec must be one of {CODECS}, got {codec!r}")
         self.checksum = checksum
@@ -270,11 +268,8 @@ class PageCompressor(torch.nn.Module):
             if max_pinned_bytes < page_size:
                 raise PageCompError(
                     f"max_pinned_bytes must be >= page_size, got {max_pinned_bytes}")
-        if not isinstance(raw_bypass, bool):
-            raise PageCompError(f"raw_bypass must be True or False, got {raw_bypass!r}")
-        if (isinstance(max_raw_share, bool) or not isinstance(max_raw_share, (int, float))
-                or not 0.0 <= max_raw_share <= 1.0):  # (nan fails the range)
-            raise PageCompError(f"max_raw_share must be a number in [0, 1], got {max_raw_share!r}")
+        check_flag("raw_bypass", raw_bypass)
+        check_number("max_raw_share", max_raw_share, 0.0, 1.0)
         stream_priority = _int_arg("stream_priority", stream_priority)
         self._init_kwargs = init_kwargs
         self._stream_priority = stream_priority
@@ -507,7 +502,7 @@ class PageCompressor(torch.nn.Module):
         """Scatter a handle from :meth:`offload_blocks` into the blocks ``block_ids`` of
         ``cache`` along ``dim``, ordered on the caller's current stream."""
         dim = self._block_dim(cache, dim)
-        ids = self._block_ids(cache, block_ids, dim)
+        ids = self._block_ids(cache, block_ids, dim, distinct=True)
         want = list(cache.shape)
         want[dim] = ids.numel()
         if tuple(handle.shape) != tuple(want) or handle.dtype != cache.dtype:
@@ -515,7 +510,6 @@ class PageCompressor(torch.nn.Module):
                 f"handle holds {tuple(handle.shape)} {handle.dtype}, the blocks of cache along "
                 f"dim {dim} are {tuple(want)} {cache.dtype}"
             )
-        _check_distinct(ids)
         cache.index_copy_(dim, ids, self.restore(handle, device=cache.device))
 
     @staticmethod
@@ -528,7 +522,8 @@ class PageCompressor(torch.nn.Module):
         return dim % cache.dim()
 
     @staticmethod
-    def _block_ids(cache: torch.Tensor, block_ids: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    def _block_ids(cache: torch.Tensor, block_ids: torch.Tensor, dim: int = 0,
+                   distinct: bool = False) -> torch.Tensor:
         if cache.dim() < 1:
             raise PageCompError("cache must have a block dimension")
         try:
@@ -543,7 +538,7 @@ class PageCompressor(torch.nn.Module):
             raise PageCompError(f"block_ids must be 1-D int32/int64, got {ids.dtype} {ids.shape}")
         if ids.is_cuda:
             _not_capturing("a GPU tensor of block_ids")  # the range check reads them
-        _check_block_range(ids, cache.shape[dim])
+        _check_block_ids(ids, cache.shape[dim], distinct)
         return ids.to(device=cache.device, dtype=torch.int64)
 
     # ------------------------------------------------------------------ introspection

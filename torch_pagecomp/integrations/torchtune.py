@@ -51,6 +51,7 @@ import warnings
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from .._args import check_int
 from ..offload import ActivationOffloader, keep_on_gpu
 
 __all__ = ["NoOpManager", "OffloadActivations", "get_act_offloading_ctx_manager"]
@@ -99,10 +100,7 @@ class OffloadActivations(ActivationOffloader):
                              ("max_in_flight_tensors", "max_fwd_stash_size")):
             if ours in settings:
                 raise TypeError(f"pass {theirs} (torchtune's name), not {ours}")
-        if isinstance(min_offload_size, bool) or not isinstance(min_offload_size, int) or (
-            min_offload_size < 0
-        ):
-            raise ValueError(f"min_offload_size must be an int >= 0, got {min_offload_size!r}")
+        check_int("min_offload_size", min_offload_size, 0)  # torchtune's name in the message
         self.use_pin_memory = bool(use_pin_memory)
         self.use_streams = bool(use_streams)
         self.max_fwd_stash_size = max_fwd_stash_size

@@ -38,6 +38,7 @@ import weakref
 
 import torch
 
+from .._args import check_flag, check_int, check_number
 from .._events import handoff
 from ..format import DTYPE_FLOAT_FORMATS, check_page_size, dtype_element_size
 from ..pools import PinnedBufferPool, can_pin
@@ -154,20 +155,18 @@ class ActivationOffloader:
         self.stream_priority = stream_priority
         # every setting checked here, by name: a bad one left to the hooks failed each offload
         # (kept in place, said only in a warning), so a step ran with nothing offloaded
-        _check_int("prefetch", prefetch, 0)
-        _check_int("min_offload_bytes", min_offload_bytes, 0)
-        _check_int("max_in_flight_bytes", max_in_flight_bytes, 0)
-        _check_int("max_in_flight_tensors", max_in_flight_tensors, 1, none_ok=True)
-        _check_int("group_bytes", group_bytes, 1, none_ok=True)
-        _check_int("sample_tensors", sample_tensors, 1)
-        _check_int("max_pinned_bytes", max_pinned_bytes, 0, none_ok=True)
-        _check_int("stream_priority", stream_priority, None)
-        if (isinstance(min_ratio, bool) or not isinstance(min_ratio, (int, float))
-                or not 0 <= min_ratio < float("inf")):  # (0: every class compressed)
-            raise ValueError(f"min_ratio must be a finite number >= 0, got {min_ratio!r}")
-        for name, flag in (("offload_cpu", offload_cpu), ("keep_param_casts", keep_param_casts)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        check_int("prefetch", prefetch, 0)
+        check_int("min_offload_bytes", min_offload_bytes, 0)
+        check_int("max_in_flight_bytes", max_in_flight_bytes, 0)
+        check_int("max_in_flight_tensors", max_in_flight_tensors, 1, none_ok=True)
+        check_int("group_bytes", group_bytes, 1, none_ok=True)
+        check_int("sample_tensors", sample_tensors, 1)
+        check_int("max_pinned_bytes", max_pinned_bytes, 0, none_ok=True)
+        check_int("stream_priority", stream_priority)
+        check_number("min_ratio", min_ratio)  # (0: every class compressed)
+        check_flag("offload_cpu", offload_cpu)
+        check_flag("keep_param_casts", keep_param_casts)
+        check_flag("checksum", checksum)
         check_page_size(page_size)
         self.mode, self.prefetch = mode, prefetch
         self.min_offload_bytes, self.max_in_flight_bytes = min_offload_bytes, max_in_flight_bytes
@@ -179,8 +178,6 @@ class ActivationOffloader:
         self.pool = PinnedBufferPool(pin=can_pin(), max_bytes=max_pinned_bytes)
         self._pinned = PinnedStore(self.pool)
         self._cpu = CpuStore(compress=False)
-        if not isinstance(checksum, bool):
-            raise ValueError(f"checksum must be True or False, got {checksum!r}")
         self.checksum = checksum
         self._cpu_compressed = CpuStore(compress=True, page_size=page_size, checksum=checksum)
         self._paged: dict[int, PagedStore] = {}
@@ -354,16 +351,14 @@ class ActivationOffloader:
         t0 = time.perf_counter()
         try:
             return self._pack(t)
-        finally:
-            dt = time.perf_counter() - t0
-            with self._lock:
-                self._host_s["pack"] += dt
+        finally:  # no lock: packs run on the one thread inside the ``with`` (see __enter__)
+            self._host_s["pack"] += time.perf_counter() - t0
 
     def _timed_unpack(self, packed):
         t0 = time.perf_counter()
         try:
             return self._backward.unpack(packed)
-        finally:
+        finally:  # backwards may run on several threads at once
             dt = time.perf_counter() - t0
             with self._lock:
                 self._host_s["unpack"] += dt
@@ -617,17 +612,6 @@ class ActivationOffloader:
             h.remove()
         self._handles.clear()
         self._keep_modules.clear()
-
-
-def _check_int(name: str, value, least: int | None, none_ok: bool = False) -> None:
-    """``value`` is an int (not a bool) of at least ``least`` (None: any), or None where
-    ``none_ok``; else ``ValueError`` naming the setting."""
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or (
-            least is not None and value < least):
-        want = "an int" + (f" >= {least}" if least is not None else "")
-        raise ValueError(f"{name} must be {want}{' or None' if none_ok else ''}, got {value!r}")
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:

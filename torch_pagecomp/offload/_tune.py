@@ -49,6 +49,8 @@ from collections.abc import Callable
 
 import torch
 
+from .._args import check_int, check_number
+
 ARMS = ("compress", "copy")
 
 
@@ -83,11 +85,8 @@ class StepTuner:
                  check: int = 4):
         for name, v, least in (("warmup", warmup, 0), ("trials", trials, 1),
                                ("retune", retune, 1), ("check", check, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"tuner: {name} must be an int >= {least}, got {v!r}")
-        if (isinstance(margin, bool) or not isinstance(margin, (int, float))
-                or not 0 <= margin < float("inf")):  # (nan fails the range)
-            raise ValueError(f"tuner: margin must be a finite number >= 0, got {margin!r}")
+            check_int(f"tuner: {name}", v, least)
+        check_number("tuner: margin", margin)
         for name, fn in (("clock", clock), ("elapsed", elapsed)):
             if not callable(fn):
                 raise ValueError(f"tuner: {name} must be callable, got {fn!r}")

@@ -39,18 +39,7 @@ def offload_module(
         blocks = [
             b for m in module.modules() if isinstance(m, torch.nn.ModuleList) for b in m
         ]
-    for name, mods in (("blocks", blocks), ("keep", keep)):
-        # (a ModuleList or Sequential is a list of modules; a single module is not)
-        if not isinstance(mods, Iterable) or (
-                isinstance(mods, torch.nn.Module)
-                and not isinstance(mods, (torch.nn.ModuleList, torch.nn.Sequential))):
-            raise ValueError(f"{name} must be an iterable of torch.nn.Modules (a list), got "
-                             f"{type(mods).__name__}")
-    blocks, keep = list(blocks), list(keep)
-    for name, mods in (("blocks", blocks), ("keep", keep)):
-        bad = [m for m in mods if not isinstance(m, torch.nn.Module)]
-        if bad:
-            raise ValueError(f"{name} must hold torch.nn.Modules, got {type(bad[0]).__name__}")
+    blocks, keep = _modules("blocks", blocks), _modules("keep", keep)
     off = offloader if offloader is not None else ActivationOffloader(**settings)
     off.keep_tensors_of(module)
 
@@ -82,3 +71,18 @@ def offload_module(
         off._handles.append(k.register_forward_pre_hook(keep_enter))
         off._handles.append(k.register_forward_hook(keep_leave, always_call=True))
     return off
+
+
+def _modules(name: str, mods) -> list[torch.nn.Module]:
+    """``mods`` (an iterable of modules: a list, a ``ModuleList`` or ``Sequential``, not one
+    module) as a list; else ``ValueError`` naming ``name``."""
+    if not isinstance(mods, Iterable) or (
+            isinstance(mods, torch.nn.Module)
+            and not isinstance(mods, (torch.nn.ModuleList, torch.nn.Sequential))):
+        raise ValueError(f"{name} must be an iterable of torch.nn.Modules (a list), got "
+                         f"{type(mods).__name__}")
+    mods = list(mods)
+    bad = [m for m in mods if not isinstance(m, torch.nn.Module)]
+    if bad:
+        raise ValueError(f"{name} must hold torch.nn.Modules, got {type(bad[0]).__name__}")
+    return mods
