@@ -679,9 +679,9 @@ def test_the_kv_cache_says_it_does_not_carry_gradients():
     """Sealed blocks live compressed in host memory, outside autograd: a grad-enabled forward
     that seals one raises, naming the fix, where it failed inside with an in-place autograd
     error (and gradients through the past keys would have been lost)."""
+    model, config = tiny_llama()  # first: skips where transformers is older than the floor
     from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
 
-    model, config = tiny_llama()
     ids = torch.randint(0, config.vocab_size, (1, 8))
     cache = CompressedOffloadedCache(config=config, block_tokens=4)
     kw = cache_kw(model)
