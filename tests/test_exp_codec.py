@@ -187,6 +187,28 @@ def test_kernels_table_from_a_window_equals_all_exponents(gen):
     kernel_round_trip(torch.stack([exponent_page(gen, c) for c in pages]), False)
 
 
+@pytest.mark.parametrize("shift", [0, 1, 2, 4, 8])
+def test_kernels_write_every_byte_of_a_poisoned_payload(shift, gen):
+    """The encoder writes each payload row whole (its bytes past the page's size zero) into a
+    poisoned ``out=`` payload at any alignment (the 8-byte word path and the byte path), and
+    nothing around it."""
+    from torch_pagecomp.kernels import exp_codec as kx
+
+    dev = kernel_device()
+    pages = torch.cat([float_pages(gen, 4096, dtype) for dtype in (torch.bfloat16, torch.float16)])
+    p = pages.shape[1]
+    for fp16, rows in ((False, pages[:8]), (True, pages[8:])):
+        want = ec.compress_exp_cpu(rows, fmt.EXP_FP16 if fp16 else fmt.EXP_BF16)
+        buf = torch.full((64 + shift + 8 * p + 64,), POISON, dtype=torch.uint8, device=dev)
+        out = (buf[64 + shift:64 + shift + 8 * p].view(8, p),
+               torch.empty(8, dtype=torch.int32, device=dev),
+               torch.empty(8, dtype=torch.uint8, device=dev))
+        kx.compress_exp_pages(rows.to(dev), fp16, out=out)
+        for a, b in zip(want, out):
+            assert torch.equal(a, b.cpu())
+        assert (buf[:64 + shift] == POISON).all() and (buf[64 + shift + 8 * p:] == POISON).all()
+
+
 @pytest.mark.parametrize("shift", [1, 2])
 def test_kernels_misaligned_rows(shift, gen):
     """Rows at odd addresses (views of ``uint8`` tensors) go through byte pairs."""

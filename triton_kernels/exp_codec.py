@@ -18,9 +18,11 @@ fit in registers at once):
   group of codes and one count of escapes, inside one thread. A 4 KiB page is one step, read
   once and kept in registers; a bf16 page's table is counted in 32 bins (zero, the 30
   exponents up to the page's largest, the rest), exact unless the rest could reach the
-  table, where all 256 are counted (``_window_table``). 1.83x the speed of the 256-bin
-  selection on six bf16 corpora on an H200, the same bytes
-  (``bench/results/h200_be4e650_session36/``).
+  table, where all 256 are counted (``_window_table``); then each value's code is its bin's,
+  one lookup (``tl.gather``) in place of seven comparisons. 2.2x the speed of the 256-bin
+  selection and comparisons (490 against 223 GB/s on six bf16 corpora on an H200, the same
+  bytes; ``bench/results/h200_be4e650_session36/``). Integer operations bound it (ncu: the
+  ALU pipe 89% busy), not memory or occupancy.
 * decode, two passes when the page is EXP: the first counts the escapes in the codes (the
   size must equal the fixed part plus them: checked before an escape is read), the second
   rebuilds the values (the table entries and the escapes are gathered from the page's bytes).
@@ -260,30 +262,50 @@ def _full_table(src, aligned, PAGE: tl.constexpr, FP16: tl.constexpr, CHUNK: tl.
 
 
 @triton.jit
-def _window_table(e, src, aligned, PAGE: tl.constexpr, CHUNK: tl.constexpr):
-    """The table's keys for a bf16 page whose exponents ``e`` (all ``PAGE / 2``, any shape)
-    are in registers: counted over the 30 exponents up to the page's largest, zero, and one
-    bin for the rest (32 bins, where all 256 cost about 7x the work a value); exact whenever
-    no exponent of the rest can reach the table (the rest's total is below the 7th entry's
-    count), else from all 256 (:func:`_full_table`)."""
+def _window_bins(e):
+    """``(bins, lo)``: each bf16 exponent's bin of the 32 that :func:`_window_table` counts (0
+    for exponent 0, ``1 + x - lo`` for an exponent ``x`` of ``lo .. lo + 29``, where
+    ``lo + 29`` is the page's largest exponent or 30, and 31 for the rest)."""
     top = tl.max(tl.max(e, axis=1), axis=0)
-    lo = tl.maximum(top - 29, 1)  # bins 1..30: exponents lo .. lo + 29 (>= top)
-    b = tl.where(e == 0, 0, tl.where(e >= lo, e - lo + 1, 31))
+    lo = tl.maximum(top - 29, 1)
+    return tl.where(e == 0, 0, tl.where(e >= lo, e - lo + 1, 31)), lo
+
+
+@triton.jit
+def _window_table(b, lo, src, aligned, PAGE: tl.constexpr, CHUNK: tl.constexpr):
+    """``(keys of the table, codes by bin, windowed)`` for a bf16 page whose exponents' bins
+    ``b`` (:func:`_window_bins`, all ``PAGE / 2`` values) are in registers: counted in 32
+    bins (zero, the 30 exponents up to the page's largest, the rest), where all 256 cost
+    about 7x the work a value. Exact whenever no exponent of the rest can reach the table
+    (the rest's total is below the 7th entry's count): then ``windowed`` is true and each
+    bin's code (``int32 [32]``: its table index, 7 if none) gives every value's code with one
+    lookup (:func:`_write_codes`). Else the keys come from all 256 (:func:`_full_table`)."""
     counts = tl.histogram(tl.reshape(b, (CHUNK,)), 32)
     bins = tl.arange(0, 32)
     x = tl.where(bins == 0, 0, lo + bins - 1)
     key = tl.where(bins == 31, -1, counts * 256 + (255 - x))
     k0, k1, k2, k3, k4, k5, k6 = _top7(key)
+    by_bin = _codes(key, k0, k1, k2, k3, k4, k5, k6, True)
     rest = tl.sum(tl.where(bins == 31, counts, 0), axis=0)
     # lo == 1: every exponent has a bin (and absent ones fill the table from 0 up, as all 256)
-    if (lo > 1) & (rest >= (k6 >> 8)):
+    windowed = (lo == 1) | (rest < (k6 >> 8))
+    if not windowed:
         k0, k1, k2, k3, k4, k5, k6 = _full_table(src, aligned, PAGE, False, CHUNK)
-    return k0, k1, k2, k3, k4, k5, k6
+    return k0, k1, k2, k3, k4, k5, k6, by_bin, windowed
 
 
 @triton.jit
-def _codes(e, k0, k1, k2, k3, k4, k5, k6):
-    """Each exponent's code: the index of the table entry (key ``k*``) it equals, 7 if none."""
+def _codes(e, k0, k1, k2, k3, k4, k5, k6, KEYS: tl.constexpr = False):
+    """Each exponent's code: the index of the table entry (key ``k*``) it equals, 7 if none
+    (with ``KEYS``, ``e`` holds keys, compared whole)."""
+    if KEYS:
+        code = tl.where(e == k6, 6, 7)
+        code = tl.where(e == k5, 5, code)
+        code = tl.where(e == k4, 4, code)
+        code = tl.where(e == k3, 3, code)
+        code = tl.where(e == k2, 2, code)
+        code = tl.where(e == k1, 1, code)
+        return tl.where(e == k0, 0, code)
     code = tl.where(e == 255 - (k6 & 255), 6, 7)
     code = tl.where(e == 255 - (k5 & 255), 5, code)
     code = tl.where(e == 255 - (k4 & 255), 4, code)
@@ -295,16 +317,22 @@ def _codes(e, k0, k1, k2, k3, k4, k5, k6):
 
 @triton.jit
 def _write_codes(dst, c, v, escapes, k0, k1, k2, k3, k4, k5, k6, PAGE: tl.constexpr,
-                 FP16: tl.constexpr, CHUNK: tl.constexpr):
+                 FP16: tl.constexpr, CHUNK: tl.constexpr, b=None, by_bin=None, windowed=False):
     """Store values ``c .. c + CHUNK`` (``v``, rows of 8: :func:`_rows`) of an EXP page into
     the row at ``dst``: their codes, (fp16) high bits, rest bytes and escapes, the escapes
-    after the ``escapes`` stored before them; returns the escapes stored so far."""
+    after the ``escapes`` stored before them; returns the escapes stored so far. With
+    ``windowed`` each value's code is its bin's (``b``, ``by_bin``: :func:`_window_table`),
+    one lookup where the comparisons with the table take 14 integer operations a value, and
+    integer operations bound this kernel (ncu: its ALU pipe 92% busy)."""
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
     REST: tl.constexpr = F - N  # where the rest bytes start
     i = _rows(CHUNK)
     e, rest, high = _split(v, FP16)
-    code = _codes(e, k0, k1, k2, k3, k4, k5, k6)
+    if windowed:
+        code = tl.reshape(tl.gather(by_bin, tl.reshape(b, (CHUNK,)), 0), (CHUNK // 8, 8))
+    else:
+        code = _codes(e, k0, k1, k2, k3, k4, k5, k6)
     _store3(dst + 7, c, code, CHUNK)
     if FP16:
         _store3(dst + 7 + 3 * N // 8, c, high, CHUNK)
@@ -349,7 +377,9 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
             k0, k1, k2, k3, k4, k5, k6 = _top7(counts * 256 + (255 - tl.arange(0, 32)))
         else:
             e, _, _ = _split(v, FP16)
-            k0, k1, k2, k3, k4, k5, k6 = _window_table(e, src, src_aligned, PAGE, CHUNK)
+            bin_of, lo = _window_bins(e)
+            k0, k1, k2, k3, k4, k5, k6, by_bin, windowed = _window_table(bin_of, lo, src,
+                                                                         src_aligned, PAGE, CHUNK)
     else:
         differ = tl.zeros([CHUNK // 8, 8], tl.int32)
         for c in range(0, N, CHUNK):
@@ -375,7 +405,10 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
             slots == 2, k2, tl.where(slots == 3, k3, tl.where(slots == 4, k4, tl.where(
                 slots == 5, k5, k6))))))
         tl.store(dst + slots, (255 - (table & 255)).to(tl.uint8), mask=slots < 7)
-        if CHUNK == N:
+        if CHUNK == N and not FP16:
+            _write_codes(dst, 0, v, 0, k0, k1, k2, k3, k4, k5, k6, PAGE, FP16, CHUNK, bin_of,
+                         by_bin, windowed)
+        elif CHUNK == N:
             _write_codes(dst, 0, v, 0, k0, k1, k2, k3, k4, k5, k6, PAGE, FP16, CHUNK)
         else:
             escapes = tl.zeros([], tl.int32)
