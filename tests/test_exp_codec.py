@@ -187,6 +187,22 @@ def test_kernels_table_from_a_window_equals_all_exponents(gen):
     kernel_round_trip(torch.stack([exponent_page(gen, c) for c in pages]), False)
 
 
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_kernels_fill_pages_and_pages_one_byte_from_it(name, gen):
+    """A page of one repeated byte (any byte) is FILL; one differing byte anywhere makes it
+    EXP or RAW. The encoder compares values only on pages whose exponents are all one, so
+    both sides of that are checked against the reference."""
+    n = 4096
+    rows = []
+    for byte in (0x00, 0x41, 0x80, 0xFF, int(torch.randint(0, 256, (1,), generator=gen))):
+        page = torch.full((n,), byte, dtype=torch.uint8)
+        rows.append(page.clone())
+        at = int(torch.randint(0, n, (1,), generator=gen))
+        page[at] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
+        rows.append(page)
+    kernel_round_trip(torch.stack(rows), name == "fp16")
+
+
 @pytest.mark.parametrize("shift", [0, 1, 2, 4, 8])
 def test_kernels_write_every_byte_of_a_poisoned_payload(shift, gen):
     """The encoder writes each payload row whole (its bytes past the page's size zero) into a

@@ -19,10 +19,11 @@ fit in registers at once):
   once and kept in registers; a bf16 page's table is counted in 32 bins (zero, the 30
   exponents up to the page's largest, the rest), exact unless the rest could reach the
   table, where all 256 are counted (``_window_table``); then each value's code is its bin's,
-  one lookup (``tl.gather``) in place of seven comparisons. 2.2x the speed of the 256-bin
-  selection and comparisons (490 against 223 GB/s on six bf16 corpora on an H200, the same
-  bytes; ``bench/results/h200_be4e650_session36/``). Integer operations bound it (ncu: the
-  ALU pipe 89% busy), not memory or occupancy.
+  one lookup (``tl.gather``) in place of seven comparisons, and only a page whose exponents
+  are all one is compared value by value for FILL. 2.3x the speed of the 256-bin selection
+  and comparisons (519 against 223 GB/s on six bf16 corpora on an H200, the same bytes;
+  ``bench/results/h200_be4e650_session36/``). Integer operations bound it (ncu: the ALU pipe
+  89% busy), not memory or occupancy.
 * decode, two passes when the page is EXP: the first counts the escapes in the codes (the
   size must equal the fixed part plus them: checked before an escape is read), the second
   rebuilds the values (the table entries and the escapes are gathered from the page's bytes).
@@ -370,7 +371,6 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
     i = _rows(CHUNK)
     if CHUNK == N:
         v = _load_values(src, i, src_aligned)
-        fill = tl.max(tl.max((v != first).to(tl.int32), axis=1), axis=0) == 0
         if FP16:  # 32 exponents: all of them counted
             e, _, _ = _split(v, FP16)
             counts = tl.histogram(tl.reshape(e, (CHUNK,)), 32)
@@ -380,6 +380,12 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
             bin_of, lo = _window_bins(e)
             k0, k1, k2, k3, k4, k5, k6, by_bin, windowed = _window_table(bin_of, lo, src,
                                                                          src_aligned, PAGE, CHUNK)
+        # equal bytes share one exponent: only a page whose first entry covers it all is
+        # compared value by value (a compare a value on every page cost integer operations,
+        # which bound this kernel)
+        fill = False
+        if (k0 >> 8) == N:
+            fill = tl.max(tl.max((v != first).to(tl.int32), axis=1), axis=0) == 0
     else:
         differ = tl.zeros([CHUNK // 8, 8], tl.int32)
         for c in range(0, N, CHUNK):
