@@ -24,6 +24,7 @@ import sys
 import torch
 
 from bench.corpora import build_corpus
+from bench.timing import window_seconds
 
 BF16_CORPORA = "bf16-randn,bf16-relu,gpt-act,gpt-kv,gpt-weights,encoder-act"
 
@@ -40,14 +41,9 @@ def _tree_module(name: str, path: str):
 
 
 def _time(fn, reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """GPU seconds per call of ``fn`` over ``reps`` back-to-back calls, after one."""
     fn()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
+    return window_seconds(fn, reps)
 
 
 def main(argv=None) -> int:

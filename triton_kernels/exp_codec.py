@@ -234,11 +234,6 @@ def _top7(key):
 
 
 @triton.jit
-def _max_pair(a0, a1, b0, b1):
-    return tl.maximum(a0, b0), tl.maximum(a1, b1)
-
-
-@triton.jit
 def _rows(CHUNK: tl.constexpr):
     """Value indices ``int32 [CHUNK / 8, 8]`` of one step: rows of 8 consecutive values. The
     encoder works on these rows: a row's 16 bytes are one load, its 3-bit codes one 3-byte
