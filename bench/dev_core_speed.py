@@ -25,7 +25,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 
 def _read(path: str) -> str | None:
@@ -65,6 +64,8 @@ def child(core: int | None, iters: int, rounds: int) -> dict:
         os.sched_setaffinity(0, {core})
     import torch
 
+    from bench.timing import host_rounds_us
+
     dev = torch.device("cuda")
     side = torch.cuda.Stream()
     host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
@@ -90,13 +91,7 @@ def child(core: int | None, iters: int, rounds: int) -> dict:
         for _ in range(iters // 4):  # warm-up
             fn()
         torch.cuda.synchronize()
-        per = []
-        for _ in range(rounds):
-            t0 = time.perf_counter_ns()
-            for _ in range(iters):
-                fn()
-            per.append((time.perf_counter_ns() - t0) / iters / 1e3)
-            torch.cuda.synchronize()
+        per = host_rounds_us(fn, iters, rounds, after=torch.cuda.synchronize)
         out[f"{name}_us"] = statistics.median(per)
         out[f"{name}_spread"] = (max(per) - min(per)) / statistics.median(per)
     out["ran_on"] = sorted(os.sched_getaffinity(0)) if core is not None else None

@@ -18,22 +18,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import torch_pagecomp as pc
+from bench.timing import host_rounds_us
 
 
 def per_call_us(fn, calls: int, rounds: int = 5) -> float:
     """Median over ``rounds`` of the mean host time of ``calls`` calls of ``fn``."""
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter_ns() - t0) / calls / 1e3)
-    return statistics.median(out)
+    return statistics.median(host_rounds_us(fn, calls, rounds))
 
 
 def launch_compiled_1544c8c(kernel, grid, index, args, meta) -> None:

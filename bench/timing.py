@@ -81,6 +81,21 @@ def host_seconds(fn: Callable[[], object], device: torch.device, calls: int = 16
     return statistics.median(times)
 
 
+def host_rounds_us(fn: Callable[[], object], calls: int, rounds: int,
+                   after: Callable[[], object] | None = None) -> list[float]:
+    """Host microseconds per call of ``fn``: the mean over ``calls`` back-to-back calls, once
+    per round; ``after`` (e.g. a device sync) runs after each round, outside the timing."""
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter_ns() - t0) / calls / 1e3)
+        if after is not None:
+            after()
+    return out
+
+
 def median(times: list[float]) -> float:
     return statistics.median(times)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 
 from .format import PageCompError
 
@@ -20,6 +21,19 @@ def check_int(name: str, value, least: int | None = None, none_ok: bool = False)
         want = "an int" + (f" >= {least}" if least is not None else "")
         raise PageCompError(
             f"{name} must be {want}{' or None' if none_ok else ''}, got {value!r}")
+
+
+def as_int(name: str, value) -> int:
+    """``value`` as an ``int`` (anything with ``__index__``: numpy ints, 0-d int tensors); a
+    float (``2.0``) or a bool is an error, not silently taken."""
+    if isinstance(value, bool):
+        raise PageCompError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise PageCompError(
+            f"{name} must be an int, got {type(value).__name__} {value!r}"
+        ) from None
 
 
 def check_flag(name: str, value) -> None:

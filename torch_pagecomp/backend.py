@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._args import check_int
 from .format import PageCompError
 from .kernels.launch import interpreting
 
@@ -140,8 +141,7 @@ def select_backend(num_pages: int, device: torch.device | str) -> str:
     copied to the host, lz4 there, copied back) or ``"cpu"`` (lz4 on the CPU): the backend of
     :func:`route` for ``backend="auto"``.
     """
-    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-        raise PageCompError(f"num_pages must be an int >= 0, got {num_pages!r}")
+    check_int("num_pages", num_pages, 0)
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError, ValueError):

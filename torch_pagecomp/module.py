@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import threading
 import weakref
 
 import torch
 
 from . import format as fmt
-from ._args import check_flag, check_number
+from ._args import as_int, check_flag, check_number
 from ._events import mark
 from .api import raise_for_status
 from .format import PageCompError, dtype_element_size
@@ -69,18 +68,6 @@ def _not_capturing(what: str) -> None:
         )
 
 
-def _int_arg(name: str, value) -> int:
-    """``value`` as an ``int``; a float (``2.0``) or a bool is an error, not silently taken."""
-    if isinstance(value, bool):
-        raise PageCompError(f"{name} must be an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise PageCompError(
-            f"{name} must be an int, got {type(value).__name__} {value!r}"
-        ) from None
-
-
 def _device_arg(value, name: str = "device") -> torch.device:
     """``value`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device`` or an index) as a
     cpu or cuda device, with ``cuda`` resolved to the current one; anything else, or cuda
@@ -105,7 +92,7 @@ def _device_arg(value, name: str = "device") -> torch.device:
 
 
 def _element_size_arg(value) -> int:
-    es = _int_arg("element_size", value)
+    es = as_int("element_size", value)
     fmt.check_element_size(es)
     return es
 
@@ -250,8 +237,8 @@ class PageCompressor(torch.nn.Module):
             raise PageCompError(f"codec must be one of {CODECS}, got {codec!r}")
         self.checksum = checksum
         self.codec = codec
-        page_size = _int_arg("page_size", page_size)
-        slots = _int_arg("slots", slots)
+        page_size = as_int("page_size", page_size)
+        slots = as_int("slots", slots)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = _device_arg(device)
@@ -260,17 +247,17 @@ class PageCompressor(torch.nn.Module):
             element_size = _element_size_arg(element_size)
         if batch_pages is None:
             batch_pages = default_batch_pages(device, page_size)
-        batch_pages = _int_arg("batch_pages", batch_pages)
+        batch_pages = as_int("batch_pages", batch_pages)
         if batch_pages < 1:
             raise PageCompError(f"batch_pages must be >= 1, got {batch_pages}")
         if max_pinned_bytes is not None:
-            max_pinned_bytes = _int_arg("max_pinned_bytes", max_pinned_bytes)
+            max_pinned_bytes = as_int("max_pinned_bytes", max_pinned_bytes)
             if max_pinned_bytes < page_size:
                 raise PageCompError(
                     f"max_pinned_bytes must be >= page_size, got {max_pinned_bytes}")
         check_flag("raw_bypass", raw_bypass)
         check_number("max_raw_share", max_raw_share, 0.0, 1.0)
-        stream_priority = _int_arg("stream_priority", stream_priority)
+        stream_priority = as_int("stream_priority", stream_priority)
         self._init_kwargs = init_kwargs
         self._stream_priority = stream_priority
         self._direct = None  # the kernel-only store of small GPU tensors (made on first use)

@@ -214,23 +214,30 @@ def _load3(src, c, CHUNK: tl.constexpr):
 # entry and gives its count and exponent (an arg-max and a max, two reductions, took twice the
 # barriers).
 @triton.jit
+def _take_max(key):
+    """``(the largest key, key with it marked taken (-1))``."""
+    k = tl.max(key, axis=0)
+    return k, tl.where(key == k, -1, key)
+
+
+@triton.jit
 def _top7(key):
     """The 7 largest of the distinct keys ``key`` (``int32 [B]``, -1 for no candidate), as
     scalars, largest first."""
-    k0 = tl.max(key, axis=0)
-    key = tl.where(key == k0, -1, key)
-    k1 = tl.max(key, axis=0)
-    key = tl.where(key == k1, -1, key)
-    k2 = tl.max(key, axis=0)
-    key = tl.where(key == k2, -1, key)
-    k3 = tl.max(key, axis=0)
-    key = tl.where(key == k3, -1, key)
-    k4 = tl.max(key, axis=0)
-    key = tl.where(key == k4, -1, key)
-    k5 = tl.max(key, axis=0)
-    key = tl.where(key == k5, -1, key)
-    k6 = tl.max(key, axis=0)
+    k0, key = _take_max(key)
+    k1, key = _take_max(key)
+    k2, key = _take_max(key)
+    k3, key = _take_max(key)
+    k4, key = _take_max(key)
+    k5, key = _take_max(key)
+    k6, key = _take_max(key)
     return k0, k1, k2, k3, k4, k5, k6
+
+
+@triton.jit
+def _exponent(k):
+    """The exponent a table key (:func:`_top7`) stands for."""
+    return 255 - (k & 255)
 
 
 @triton.jit
@@ -281,7 +288,7 @@ def _window_table(b, lo, src, aligned, PAGE: tl.constexpr, CHUNK: tl.constexpr):
     x = tl.where(bins == 0, 0, lo + bins - 1)
     key = tl.where(bins == 31, -1, counts * 256 + (255 - x))
     k0, k1, k2, k3, k4, k5, k6 = _top7(key)
-    by_bin = _codes(key, k0, k1, k2, k3, k4, k5, k6, True)
+    by_bin = _codes(key, k0, k1, k2, k3, k4, k5, k6)
     rest = tl.sum(tl.where(bins == 31, counts, 0), axis=0)
     # lo == 1: every exponent has a bin (and absent ones fill the table from 0 up, as all 256)
     windowed = (lo == 1) | (rest < (k6 >> 8))
@@ -291,24 +298,16 @@ def _window_table(b, lo, src, aligned, PAGE: tl.constexpr, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _codes(e, k0, k1, k2, k3, k4, k5, k6, KEYS: tl.constexpr = False):
-    """Each exponent's code: the index of the table entry (key ``k*``) it equals, 7 if none
-    (with ``KEYS``, ``e`` holds keys, compared whole)."""
-    if KEYS:
-        code = tl.where(e == k6, 6, 7)
-        code = tl.where(e == k5, 5, code)
-        code = tl.where(e == k4, 4, code)
-        code = tl.where(e == k3, 3, code)
-        code = tl.where(e == k2, 2, code)
-        code = tl.where(e == k1, 1, code)
-        return tl.where(e == k0, 0, code)
-    code = tl.where(e == 255 - (k6 & 255), 6, 7)
-    code = tl.where(e == 255 - (k5 & 255), 5, code)
-    code = tl.where(e == 255 - (k4 & 255), 4, code)
-    code = tl.where(e == 255 - (k3 & 255), 3, code)
-    code = tl.where(e == 255 - (k2 & 255), 2, code)
-    code = tl.where(e == 255 - (k1 & 255), 1, code)
-    return tl.where(e == 255 - (k0 & 255), 0, code)
+def _codes(x, t0, t1, t2, t3, t4, t5, t6):
+    """Each ``x``'s code: the index of the table entry ``t*`` it equals, 7 if none (``x``
+    exponents and ``t*`` the entries' exponents, or both table keys)."""
+    code = tl.where(x == t6, 6, 7)
+    code = tl.where(x == t5, 5, code)
+    code = tl.where(x == t4, 4, code)
+    code = tl.where(x == t3, 3, code)
+    code = tl.where(x == t2, 2, code)
+    code = tl.where(x == t1, 1, code)
+    return tl.where(x == t0, 0, code)
 
 
 @triton.jit
@@ -328,7 +327,8 @@ def _write_codes(dst, c, v, escapes, k0, k1, k2, k3, k4, k5, k6, PAGE: tl.conste
     if windowed:
         code = tl.reshape(tl.gather(by_bin, tl.reshape(b, (CHUNK,)), 0), (CHUNK // 8, 8))
     else:
-        code = _codes(e, k0, k1, k2, k3, k4, k5, k6)
+        code = _codes(e, _exponent(k0), _exponent(k1), _exponent(k2), _exponent(k3),
+                      _exponent(k4), _exponent(k5), _exponent(k6))
     _store3(dst + 7, c, code, CHUNK)
     if FP16:
         _store3(dst + 7 + 3 * N // 8, c, high, CHUNK)
@@ -405,8 +405,8 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
         table = tl.where(slots == 0, k0, tl.where(slots == 1, k1, tl.where(
             slots == 2, k2, tl.where(slots == 3, k3, tl.where(slots == 4, k4, tl.where(
                 slots == 5, k5, k6))))))
-        tl.store(dst + slots, (255 - (table & 255)).to(tl.uint8), mask=slots < 7)
-        if CHUNK == N and not FP16:
+        tl.store(dst + slots, _exponent(table).to(tl.uint8), mask=slots < 7)
+        if CHUNK == N and not FP16:  # codes by window bin (the bins exist for bf16 only)
             _write_codes(dst, 0, v, 0, k0, k1, k2, k3, k4, k5, k6, PAGE, FP16, CHUNK, bin_of,
                          by_bin, windowed)
         elif CHUNK == N:
