@@ -104,6 +104,16 @@ def test_fill_row_table_known(monkeypatch, stride, interpret):
     _same(usual, known)
 
 
+def test_gather_slice_meta_known(monkeypatch, interpret):
+    desc = torch.zeros((R.SLICE_DESC_ROWS, 3), dtype=torch.int64)
+    outs = (torch.empty(40, dtype=torch.int64), torch.empty(40, dtype=torch.int32),
+            torch.empty(40, dtype=torch.uint8), torch.empty(40, dtype=torch.int64))
+    usual, known = _capture(monkeypatch, [R], interpret)
+    R.gather_slice_meta(desc, *outs, P, 2100, traced=False)
+    R.gather_slice_meta_known(desc, *outs, P, 2100)
+    _same(usual, known)
+
+
 @pytest.mark.parametrize("with_offsets", [True, False])
 def test_decoders_known(monkeypatch, gen, with_offsets, interpret):
     n = 6

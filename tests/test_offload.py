@@ -428,7 +428,10 @@ def test_batched_restore_puts_each_codec_together(monkeypatch):
 
     off = ActivationOffloader()
     monkeypatch.setattr(_backward, "mark", lambda stream: stream.record_event())
-    seen = []
+    seen, placed = [], []
+    # first offered to the placed-slices path (in the order given), which declines here
+    monkeypatch.setattr(_backward, "restore_placed", lambda store, storeds, outs: (
+        placed.append([s.i for s in storeds]), False)[1])
 
     class Store:
         def restore_group(self, group, outs):
@@ -454,6 +457,7 @@ def test_batched_restore_puts_each_codec_together(monkeypatch):
     exps = [True, False, True, True, False, False, True]
     part = [Entry(i, e) for i, e in enumerate(exps)]
     off._backward.restore_batch(part, Side())
+    assert placed == [list(range(7))]
     assert seen == [([False] * 3 + [True] * 4, [1, 4, 5, 0, 2, 3, 6], [1, 4, 5, 0, 2, 3, 6])]
     assert off._backward.batch_restores and all(e.restore_event == "restored" for e in part)
 
@@ -902,12 +906,21 @@ def test_batched_restores_are_cut_at_the_batch_bound():
     assert [e.nbytes for p in parts for e in p] == sizes  # order kept, nothing lost
 
 
-def test_a_failing_batched_restore_falls_back_one_by_one_and_stays_off():
+@pytest.mark.parametrize("path", ["group", "placed"])
+def test_a_failing_batched_restore_falls_back_one_by_one_and_stays_off(path, monkeypatch):
     """If the batched decode cannot run (a launch or compile failure), the batch is restored
     tensor by tensor, a warning says so once, and later restores are not batched; a tensor
-    that was never stored fails alone, without turning batching off."""
+    that was never stored fails alone, without turning batching off. The same whether the
+    placed-slices path or the group path raised."""
+    from torch_pagecomp.offload import _backward
     from torch_pagecomp.offload._paged import SliceNotStored
 
+    def placed(store, storeds, outs):
+        if path == "placed":
+            raise store.exc
+        return False
+
+    monkeypatch.setattr(_backward, "restore_placed", placed)
     off = ActivationOffloader()
     calls = []
 

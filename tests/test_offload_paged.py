@@ -614,6 +614,48 @@ def test_group_of_both_codecs(gen, checksum, monkeypatch):
     assert store.arena.used == 0
 
 
+@interpreter
+def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch):
+    """The hooks' batched restore of placed slices (``restore_placed``): tensors of both codecs,
+    several slices each over chunk boundaries, given in another order than stored, each decoded
+    exact into its own poisoned output; one copy per run of adjacent arena bytes (not one per
+    slice), one gather and one decode per codec."""
+    from torch_pagecomp.kernels import row_table
+    from torch_pagecomp.offload import _paged, _paged_group
+
+    copies, gathers, decodes = [], [], []
+    real_copy, real_gather, real_decode = (_paged.copy_pieces, row_table.gather_slice_meta,
+                                           _paged_group._decode_rows)
+    monkeypatch.setattr(_paged, "copy_pieces",
+                        lambda dst, pieces: (copies.append(len(pieces)), real_copy(dst, pieces)))
+    monkeypatch.setattr(row_table, "gather_slice_meta",
+                        lambda *a, **k: (gathers.append(a[0].shape[1]), real_gather(*a, **k)))
+    monkeypatch.setattr(_paged_group, "_decode_rows",
+                        lambda *a: (decodes.append((a[1].numel(), a[-1])), real_decode(*a)))
+    store = _store()  # 4-page slices, 16-page chunks
+    spec = [(9, "bf16"), (6, "small"), (1, "bf16"), (5, "noise"), (7, "bf16")]
+    srcs = [_data(gen, n * P, kind) for n, kind in spec]
+    stored = [store.offload(s, 2 if kind == "bf16" else 1,
+                            float_format="bf16" if kind == "bf16" else None)
+              for s, (_, kind) in zip(srcs, spec)]
+    store.poll()
+    order = [4, 0, 2, 3, 1]  # the order a backward needs them in
+    outs = [torch.full_like(srcs[i], POISON) for i in order]
+    assert _paged_group.restore_placed(store, [stored[i] for i in order], outs)
+    assert all(torch.equal(o, srcs[i]) for o, i in zip(outs, order))
+    n_slices = sum(len(s.slices) for s in stored)
+    assert gathers == [n_slices]
+    assert decodes == [(11, False), (17, True)]
+    # stored one after another: adjacent in the arena, one run (a piece per chunk it spans)
+    arena_bytes = sum(sl.total for s in stored for sl in s.slices)
+    assert len(copies) == 1 and copies[0] <= arena_bytes // store.arena.chunk + 2
+    # a slice that did not fit raises as a restore does; checksummed stores take the group path
+    stored[2].slices[0].base = -1
+    with pytest.raises(_paged.SliceNotStored):
+        _paged_group.restore_placed(store, [stored[2]], [torch.empty_like(srcs[2])])
+    assert not _paged_group.restore_placed(_store(checksum=True), stored[:1], outs[:1])
+
+
 def test_upload_ring_reuses_a_half_only_after_its_readers(monkeypatch):
     """The ring of small tables kernels read from page-locked memory (``UploadRing``): each
     table lands intact and 16-byte aligned; moving into a half first waits for the events taken

@@ -77,3 +77,72 @@ def test_to_device_stages_through_page_locked_memory(gen):
         host.zero_()  # staged by a host copy: the upload never reads the caller's tensor later
         torch.cuda.synchronize()
     assert up.device.type == dev.type and torch.equal(up.cpu(), want)
+
+
+def _slice_case(gen, k: int):
+    """``k`` slices' metadata (counts across the block size, one empty) as device tensors."""
+    counts = [int(c) for c in torch.randint(0, 2 * ROW_BLOCK + 300, (k,), generator=gen)]
+    counts[int(torch.randint(0, k, (1,), generator=gen))] = 0
+    counts[0] = max(counts[0], 1)
+    rels = [torch.randint(0, 1 << 40, (n,), generator=gen).to(DEV) for n in counts]
+    sizes = [torch.randint(-(1 << 31), 1 << 31, (n,), generator=gen, dtype=torch.int64)
+             .to(torch.int32).to(DEV) for n in counts]
+    kinds = [torch.randint(0, 256, (n,), generator=gen).to(torch.uint8).to(DEV)
+             for n in counts]
+    return counts, rels, sizes, kinds
+
+
+@pytest.mark.parametrize("page_size", [4096, 65536])
+def test_slice_meta_is_each_slices_own_pages_in_order_and_nothing_past_them(page_size, gen):
+    """One launch gathers every page's offset (its slice's plus the slice's shift), size, kind
+    and row, slice after slice at each slice's first page, from the slices' own tensors."""
+    from torch_pagecomp.kernels.row_table import gather_slice_meta
+
+    k = int(torch.randint(1, 7, (1,), generator=gen))
+    counts, rels, sizes, kinds = _slice_case(gen, k)
+    # slices written out of order in the outputs: first pages need not follow the table
+    perm = torch.randperm(k, generator=gen).tolist()
+    firsts, at = [0] * k, 0
+    for j in perm:
+        firsts[j], at = at, at + counts[j]
+    shifts = [int(s) for s in torch.randint(0, 1 << 30, (k,), generator=gen)]
+    rows0 = [int(b) * 4096 for b in torch.randint(1, 1 << 40, (k,), generator=gen)]
+    desc = torch.tensor([[r.data_ptr() for r in rels], [s.data_ptr() for s in sizes],
+                         [t.data_ptr() for t in kinds], shifts, firsts, counts, rows0],
+                        dtype=torch.int64, device=DEV)
+    total, spare = sum(counts), 29
+    offsets = torch.full((total + spare,), POISON, dtype=torch.int64, device=DEV)
+    out_sizes = torch.full((total + spare,), -7, dtype=torch.int32, device=DEV)
+    out_kinds = torch.full((total + spare,), 0xA5, dtype=torch.uint8, device=DEV)
+    rows = torch.full((total + spare,), POISON, dtype=torch.int64, device=DEV)
+    gather_slice_meta(desc, offsets[:total], out_sizes[:total], out_kinds[:total], rows[:total],
+                      page_size, max(counts))
+    want_off, want_sizes, want_kinds, want_rows = ([0] * total for _ in range(4))
+    for j in range(k):
+        for i in range(counts[j]):
+            want_off[firsts[j] + i] = int(rels[j][i]) + shifts[j]
+            want_sizes[firsts[j] + i] = int(sizes[j][i])
+            want_kinds[firsts[j] + i] = int(kinds[j][i])
+            want_rows[firsts[j] + i] = rows0[j] + i * page_size
+    assert offsets.cpu().tolist() == want_off + [POISON] * spare
+    assert out_sizes.cpu().tolist() == want_sizes + [-7] * spare
+    assert out_kinds.cpu().tolist() == want_kinds + [0xA5] * spare
+    assert rows.cpu().tolist() == want_rows + [POISON] * spare
+
+
+def test_slice_meta_bad_arguments_are_named():
+    from torch_pagecomp.kernels.row_table import gather_slice_meta
+
+    i64 = torch.empty(4, dtype=torch.int64, device=DEV)
+    i32 = torch.empty(4, dtype=torch.int32, device=DEV)
+    u8 = torch.empty(4, dtype=torch.uint8, device=DEV)
+    desc = torch.zeros(7, 1, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match=r"desc must be int64 \[7, K\]"):
+        gather_slice_meta(desc[:3], i64, i32, u8, i64, 4096, 1)
+    with pytest.raises(ValueError, match="sizes must be a contiguous torch.int32"):
+        gather_slice_meta(desc, i64, i64, u8, i64, 4096, 1)
+    with pytest.raises(ValueError, match="kinds must be a contiguous torch.uint8"):
+        gather_slice_meta(desc, i64, i32, i32, i64, 4096, 1)
+    with pytest.raises(ValueError, match="rows must be a contiguous torch.int64"):
+        gather_slice_meta(desc, i64, i32, u8, i64[::2], 4096, 1)
+    gather_slice_meta(desc[:, :0], i64[:0], i32[:0], u8[:0], i64[:0], 4096, 0)  # nothing

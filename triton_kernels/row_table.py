@@ -7,6 +7,10 @@ The by-address decoders (``decompress_rows``, ``decompress_exp_rows``, ``row_che
 building and uploading eight bytes per page (the activation hooks' batched restores did, about
 a quarter of their host time: ``bench/results/h200_5b2a6fe_session30``). With stride 0 it
 repeats each base over its rows (a group restore's per-slice shift of the page offsets).
+
+:func:`gather_slice_meta` does the same for a batch of stored slices in one launch: each page's
+row, and its offset, size and kind read from its own slice's metadata, so a restore of several
+tensors neither concatenates their metadata on the host side nor builds a row table apart.
 """
 
 from __future__ import annotations
@@ -63,6 +67,73 @@ def fill_row_table_known(desc: torch.Tensor, rows: torch.Tensor, stride: int,
     args = (desc, rows, desc.shape[1])
     launch_known(row_table_kernel, (args[2], triton.cdiv(most_rows, ROW_BLOCK)),
                  rows.device.index, _meta(stride), *known_args(args), args)
+
+
+# rows of gather_slice_meta's desc: addresses of each slice's page offsets (int64, from the
+# slice's first byte), sizes (int32) and kinds (uint8); where its bytes start in the payload;
+# its first page in the outputs; its page count; the address of its first page's output row
+SLICE_DESC_ROWS = 7
+
+
+@triton.jit
+def slice_meta_kernel(desc_ptr, offsets_ptr, sizes_ptr, kinds_ptr, rows_ptr, slices,
+                      PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``(j, b)``: pages ``b * BLOCK ..`` of slice ``j`` (``desc``: ``int64
+    [SLICE_DESC_ROWS, slices]``)."""
+    j = tl.program_id(0)
+    rel = tl.load(desc_ptr + j).to(tl.pointer_type(tl.int64))
+    size = tl.load(desc_ptr + slices + j).to(tl.pointer_type(tl.int32))
+    kind = tl.load(desc_ptr + 2 * slices + j).to(tl.pointer_type(tl.uint8))
+    shift = tl.load(desc_ptr + 3 * slices + j)
+    first = tl.load(desc_ptr + 4 * slices + j)
+    count = tl.load(desc_ptr + 5 * slices + j)
+    row = tl.load(desc_ptr + 6 * slices + j)
+    i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < count
+    tl.store(offsets_ptr + first + i, tl.load(rel + i, mask=m) + shift, mask=m)
+    tl.store(sizes_ptr + first + i, tl.load(size + i, mask=m), mask=m)
+    tl.store(kinds_ptr + first + i, tl.load(kind + i, mask=m), mask=m)
+    tl.store(rows_ptr + first + i, row + i * PAGE, mask=m)
+
+
+def gather_slice_meta(desc: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+                      kinds: torch.Tensor, rows: torch.Tensor, page_size: int, most_pages: int,
+                      traced: bool = True) -> None:
+    """For each slice ``j`` of ``desc`` (``int64 [SLICE_DESC_ROWS, K]``, see above) and page
+    ``i < count_j``, at ``k = first_j + i``: ``offsets[k] = rel_j[i] + shift_j`` (``int64``),
+    ``sizes[k] = sizes_j[i]`` (``int32``), ``kinds[k] = kinds_j[i]`` (``uint8``) and
+    ``rows[k] = row_j + i * page_size`` (``int64``), on the current stream. The addresses in
+    ``desc`` must hold ``count_j`` entries each, on the outputs' device; ``most_pages``: the
+    largest count. Slices must not overlap in the outputs."""
+    if desc.dtype != torch.int64 or desc.dim() != 2 or desc.shape[0] != SLICE_DESC_ROWS:
+        raise ValueError(f"desc must be int64 [{SLICE_DESC_ROWS}, K], got {desc.dtype} "
+                         f"{list(desc.shape)}")
+    for name, t, dtype in (("offsets", offsets, torch.int64), ("sizes", sizes, torch.int32),
+                           ("kinds", kinds, torch.uint8), ("rows", rows, torch.int64)):
+        if t.dtype != dtype or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} [N], got {t.dtype} "
+                             f"{list(t.shape)}")
+    if desc.shape[1] == 0 or most_pages <= 0:
+        return
+    args = (desc.contiguous(), offsets, sizes, kinds, rows, desc.shape[1])
+    launch(slice_meta_kernel, (args[5], triton.cdiv(most_pages, ROW_BLOCK)), rows.device,
+           args, _slice_meta(page_size), traced)
+
+
+def gather_slice_meta_known(desc: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
+                            kinds: torch.Tensor, rows: torch.Tensor, page_size: int,
+                            most_pages: int) -> None:
+    """:func:`gather_slice_meta` (``traced=False``) for the activation store's hot path:
+    ``desc`` contiguous with ``K >= 1`` slices, on ``rows``' CUDA device (the current one) or
+    in page-locked host memory, ``most_pages >= 1``; without the checks."""
+    args = (desc, offsets, sizes, kinds, rows, desc.shape[1])
+    launch_known(slice_meta_kernel, (args[5], triton.cdiv(most_pages, ROW_BLOCK)),
+                 rows.device.index, _slice_meta(page_size), *known_args(args), args)
+
+
+@functools.cache
+def _slice_meta(page_size: int):
+    return frozen_meta((("PAGE", page_size), ("BLOCK", ROW_BLOCK), ("num_warps", 4)))
 
 
 @functools.cache

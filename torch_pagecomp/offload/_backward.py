@@ -17,7 +17,7 @@ from .._events import handoff, mark
 from ..format import CorruptPageError
 from ._entry import _capturing, _Entry
 from ._paged import PagedStored, SliceNotStored
-from ._paged_group import StoredGroup
+from ._paged_group import StoredGroup, restore_placed
 from ._streams import current_stream, on_stream
 
 
@@ -157,9 +157,11 @@ class Backward:
         first = part[0]
         group = sorted(part, key=lambda e: e.stored.exp)  # stable: order kept within a codec
         try:
-            first.store.restore_group(StoredGroup(first.stored.page_size,
-                                                  [e.stored for e in group]),
-                                      [e.restored for e in group])
+            if not restore_placed(first.store, [e.stored for e in part],
+                                  [e.restored for e in part]):
+                first.store.restore_group(StoredGroup(first.stored.page_size,
+                                                      [e.stored for e in group]),
+                                          [e.restored for e in group])
         except Exception as exc:  # noqa: BLE001 - one by one: only a failing tensor raises
             if not isinstance(exc, SliceNotStored):  # the batched decode itself failed
                 self.batch_restores = False

@@ -16,6 +16,13 @@ constant number of launches, however many the group holds:
   consecutive tensors of one codec is one decode by its decoder, over its slice of the
   metadata (:func:`codec_runs`); the staging, copies and metadata stay shared.
 
+The activation hooks restore each batch once, into one output per tensor, and their slices are
+placed by then: :func:`restore_placed` serves them without the cache. One launch gathers every
+page's metadata and row address from the slices' own tensors (seven numbers a slice through
+the store's upload ring), where building the cache concatenated them on the host side and a
+second launch wrote the row table: ~0.6 ms of host time a batch, the largest part of
+``prefer="memory"``'s restores on transformers' BERT (``bench/results/h200_ee8e4de_session37``).
+
 The group keeps, for its leading stored tensors whose slices are all placed, the concatenated
 metadata and the host ranges to copy, and extends them as later ones are placed: a restore of
 an unchanged group costs the host a few tensor allocations, a copy per run and the decode
@@ -174,6 +181,103 @@ def _views(buf: torch.Tensor, like: tuple, spans: list | None = None) -> tuple:
         base = like[0].untyped_storage().data_ptr()
         spans = [(t.data_ptr() - base, t.numel() * t.element_size()) for t in like]
     return tuple(buf[a:a + n].view(t.dtype) for (a, n), t in zip(spans, like))
+
+
+def restore_placed(store, storeds: list, outs: list) -> bool:
+    """Decode ``storeds`` (``PagedStored`` of whole pages, any mix of codecs) each into its own
+    output (``outs``: ``uint8 [nbytes]`` each) on the current stream, when every slice is
+    placed: one staging buffer, one copy per run of adjacent arena bytes (slices taken in arena
+    order), one launch that gathers the pages' metadata and rows
+    (``kernels.row_table.gather_slice_meta``), one decode per codec. Returns False, having
+    queued nothing, where it does not apply (a slice not placed yet, checksums, metadata kept
+    on the host): :func:`restore_group` does. Failed pages are counted as
+    ``PagedStore.restore`` counts them (raised at once on the CPU)."""
+    from ..kernels.row_table import SLICE_DESC_ROWS, gather_slice_meta, gather_slice_meta_known
+
+    if store.checksum or store.host_meta or not storeds:
+        return False
+    p, arena = store.page_size, store.arena
+    arena.confirm()  # placements known by now (never waits)
+    order = []  # (slice, its first page's output row, exponent codec), LZ4 slices first
+    for exp in (False, True):
+        for stored, out in zip(storeds, outs):
+            if stored.exp is not exp:
+                continue
+            row = out.data_ptr()
+            for sl in stored.slices:
+                if sl.base is None:
+                    return False
+                if sl.base < 0:
+                    raise _paged.SliceNotStored(sl.n)
+                order.append((sl, row + sl.first * p, exp))
+    dev = outs[0].device
+    stream = current_stream(dev) if dev.type == "cuda" else None
+    # staging in arena order: slices stored one after another lie next to each other there
+    shifts, runs, staged = {}, [], 0
+    for sl, _, _ in sorted(order, key=lambda o: o[0].base):
+        shifts[id(sl)] = staged
+        if runs and runs[-1][0] + runs[-1][1] == sl.base:
+            runs[-1][1] += sl.total
+        else:
+            runs.append([sl.base, sl.total, staged])
+        staged += sl.total
+    staging = torch.empty(staged, dtype=torch.uint8, device=dev)
+    for base, total, at in runs:
+        _paged.copy_pieces(staging, arena.pieces(base, total, at))
+    cols: list[list[int]] = [[] for _ in range(SLICE_DESC_ROWS)]
+    pages = most = lz4_pages = 0
+    for sl, row, exp in order:
+        for col, v in zip(cols, (sl.rel.data_ptr(), sl.sizes.data_ptr(), sl.kinds.data_ptr(),
+                                 shifts[id(sl)], pages, sl.n, row)):
+            col.append(v)
+        pages += sl.n
+        most = max(most, sl.n)
+        lz4_pages += sl.n if not exp else 0
+    offsets = torch.empty(pages, dtype=torch.int64, device=dev)
+    sizes = torch.empty(pages, dtype=torch.int32, device=dev)
+    kinds = torch.empty(pages, dtype=torch.uint8, device=dev)
+    rows = torch.empty(pages, dtype=torch.int64, device=dev)
+    status = torch.empty(pages, dtype=torch.int32, device=dev)
+    desc = store.uploads.put(cols, stream) if store.uploads is not None else None
+    if desc is not None:
+        gather_slice_meta_known(desc, offsets, sizes, kinds, rows, p, most)
+    else:
+        desc = _paged.to_device(torch.tensor(cols, dtype=torch.int64), dev)
+        gather_slice_meta(desc, offsets, sizes, kinds, rows, p, most, traced=False)
+    for a, b, exp in ((0, lz4_pages, False), (lz4_pages, pages, True)):
+        if a < b:
+            _decode_rows(staging, offsets[a:b], sizes[a:b], kinds[a:b], rows[a:b], p,
+                         status[a:b], exp)
+    store._count_failures(status, stream)
+    if stream is None:
+        arena.confirm()
+    return True
+
+
+def _decode_rows(payload, offsets, sizes, kinds, rows, page_size: int, status, exp: bool
+                 ) -> None:
+    """Decode pages into the rows at the addresses ``rows`` (``int64``): the by-address kernel
+    on the GPU; on the CPU (the interpreter's tests) each page decoded aside, then copied to
+    its row."""
+    if payload.is_cuda:
+        if exp:
+            from ..kernels.exp_codec import decompress_exp_rows_known as decode
+        else:
+            from ..kernels.lz4_decompress import decompress_rows_known as decode
+        decode(payload, offsets, sizes, kinds, rows, page_size, status)
+        return
+    pages = torch.empty((status.numel(), page_size), dtype=torch.uint8)
+    _paged._decompress_into(payload, offsets, sizes, kinds, pages, status, exp=exp)
+    for page, addr in zip(pages, rows.tolist()):
+        _host_row(addr, page_size).copy_(page)
+
+
+def _host_row(addr: int, nbytes: int) -> torch.Tensor:
+    """The host memory at ``addr`` as ``uint8 [nbytes]`` (a CPU output's row)."""
+    import ctypes
+
+    buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def restore_group(store, group: StoredGroup, out) -> None:
