@@ -34,6 +34,7 @@ TARGETS = (
     "torch_pagecomp.offload._paged:PagedStore.restore",
     "torch_pagecomp.offload._backward:Backward.restore_batch",
     "torch_pagecomp.offload._paged_group:restore_group",
+    "torch_pagecomp.offload._paged_group:restore_placed",
     "torch_pagecomp.offload._paged_group:_absorb",
     "torch_pagecomp.offload._paged:_row_table",
     "torch_pagecomp.offload._paged:to_device",
