@@ -1,0 +1,120 @@
+"""Dev probe: offload variants compared step by step inside one process (#21).
+
+``python3 -m bench.dev_ab_steps --models bert-1024 --arms uncompressed,memory,memory_group``
+(GPU): one model, one offloader per arm, the arms' steps interleaved (a round is one step of
+each arm, the order rotating), so every arm sees the same host. Lent hosts differ by up to 1.9x
+in Python speed from one core to the next, and which cores are slow changes within seconds
+(``bench/results/h200_eb9f4b0_session35``): separate processes, as ``gpu_suite.sh ab`` runs,
+compare host-bound rows only as far as their cores happened to match. Prints per arm the median
+step (CUDA events) and host issue time, their spread over the rounds, and the step as a
+multiple of the first arm's.
+
+Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), and ``memory_group``:
+``memory`` with the hooks' batched restores through ``restore_group`` instead of
+``restore_placed`` (the path before 2026-11-29).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+ARMS = ("none", "uncompressed", "memory", "memory_group")
+
+
+@contextlib.contextmanager
+def _arm_patch(arm: str):
+    """What an arm changes in the package while its steps run."""
+    if arm != "memory_group":
+        yield
+        return
+    from torch_pagecomp.offload import _backward
+
+    real = _backward.restore_placed
+    _backward.restore_placed = lambda store, storeds, outs: False
+    try:
+        yield
+    finally:
+        _backward.restore_placed = real
+
+
+def measure(name: str, arms: list[str], rounds: int, warmup: int) -> list[str]:
+    import torch
+
+    from bench.stock_models import build
+    from torch_pagecomp import ActivationOffloader, offload_module
+
+    cuda = torch.cuda.is_available()  # the CPU: a smoke test on the tiny models
+    model, x, blocks = build(name, "cuda" if cuda else "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    settings = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
+                "memory_group": dict(prefer="memory")}
+    cpu = {} if cuda else dict(offload_cpu=True, min_offload_bytes=1 << 12)
+    offs = {a: ActivationOffloader(**settings[a], **cpu) for a in arms if a != "none"}
+
+    def step(arm: str) -> tuple[float, float]:
+        off = offs.get(arm)
+        if off is not None:
+            offload_module(model, blocks=blocks, offloader=off)
+        try:
+            with _arm_patch(arm):
+                if cuda:
+                    e0 = torch.cuda.Event(enable_timing=True)
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                model(x).float().square().mean().backward()
+                opt.step()
+                issue = (time.perf_counter() - t0) * 1e3
+                if cuda:
+                    e1.record()
+                    e1.synchronize()
+        finally:
+            if off is not None:
+                off.remove()
+        return (e0.elapsed_time(e1) if cuda else issue), issue
+
+    for _ in range(warmup):
+        for arm in arms:
+            step(arm)
+    res = {a: ([], []) for a in arms}
+    for r in range(rounds):
+        k = r % len(arms)
+        for arm in arms[k:] + arms[:k]:
+            ms, issue = step(arm)
+            res[arm][0].append(ms)
+            res[arm][1].append(issue)
+    base = statistics.median(res[arms[0]][0])
+    lines = [f"## {name}: {rounds} rounds of interleaved steps, after {warmup} warm-up rounds",
+             "| arm | step ms (median) | step ms min-max | host issue ms (median) | "
+             f"vs {arms[0]} |", "|---|---|---|---|---|"]
+    for arm in arms:
+        t, h = res[arm]
+        med = statistics.median(t)
+        lines.append(f"| {arm} | {med:.1f} | {min(t):.1f}-{max(t):.1f} | "
+                     f"{statistics.median(h):.1f} | {med / base:.2f}x |")
+    for off in offs.values():
+        off.synchronize()
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="bert-1024,tv-resnet50")
+    ap.add_argument("--arms", default="uncompressed,memory,memory_group")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    a = ap.parse_args()
+    arms = a.arms.split(",")
+    bad = [x for x in arms if x not in ARMS]
+    if bad:
+        ap.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
+    for name in a.models.split(","):
+        print("\n".join(measure(name, arms, a.rounds, a.warmup)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
