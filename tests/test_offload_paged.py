@@ -614,8 +614,10 @@ def test_group_of_both_codecs(gen, checksum, monkeypatch):
     assert store.arena.used == 0
 
 
-@interpreter
-def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch):
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=interpreter),
+    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))])
+def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch, device):
     """The hooks' batched restore of placed slices (``restore_placed``): tensors of both codecs,
     several slices each over chunk boundaries, given in another order than stored, each decoded
     exact into its own poisoned output; one copy per run of adjacent arena bytes (not one per
@@ -632,16 +634,19 @@ def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch):
                         lambda *a, **k: (gathers.append(a[0].shape[1]), real_gather(*a, **k)))
     monkeypatch.setattr(_paged_group, "_decode_rows",
                         lambda *a: (decodes.append((a[1].numel(), a[-1])), real_decode(*a)))
-    store = _store()  # 4-page slices, 16-page chunks
+    store = _store(device)  # 4-page slices, 16-page chunks
     spec = [(9, "bf16"), (6, "small"), (1, "bf16"), (5, "noise"), (7, "bf16")]
-    srcs = [_data(gen, n * P, kind) for n, kind in spec]
+    srcs = [_data(gen, n * P, kind).to(device) for n, kind in spec]
     stored = [store.offload(s, 2 if kind == "bf16" else 1,
                             float_format="bf16" if kind == "bf16" else None)
               for s, (_, kind) in zip(srcs, spec)]
-    store.poll()
+    store.wait_placed()  # on the GPU the packs run on; on the CPU they are done
     order = [4, 0, 2, 3, 1]  # the order a backward needs them in
     outs = [torch.full_like(srcs[i], POISON) for i in order]
     assert _paged_group.restore_placed(store, [stored[i] for i in order], outs)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        assert store.failed_restores() == 0
     assert all(torch.equal(o, srcs[i]) for o, i in zip(outs, order))
     n_slices = sum(len(s.slices) for s in stored)
     assert gathers == [n_slices]
@@ -653,7 +658,7 @@ def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch):
     stored[2].slices[0].base = -1
     with pytest.raises(_paged.SliceNotStored):
         _paged_group.restore_placed(store, [stored[2]], [torch.empty_like(srcs[2])])
-    assert not _paged_group.restore_placed(_store(checksum=True), stored[:1], outs[:1])
+    assert not _paged_group.restore_placed(_store(device, checksum=True), stored[:1], outs[:1])
 
 
 def test_upload_ring_reuses_a_half_only_after_its_readers(monkeypatch):
