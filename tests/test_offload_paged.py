@@ -637,7 +637,8 @@ def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch, device):
     store = _store(device)  # 4-page slices, 16-page chunks
     spec = [(9, "bf16"), (6, "small"), (1, "bf16"), (5, "noise"), (7, "bf16")]
     srcs = [_data(gen, n * P, kind).to(device) for n, kind in spec]
-    stored = [store.offload(s, 2 if kind == "bf16" else 1,
+    producer = torch.cuda.current_stream() if device == "cuda" else None
+    stored = [store.offload(s, 2 if kind == "bf16" else 1, producer=producer,
                             float_format="bf16" if kind == "bf16" else None)
               for s, (_, kind) in zip(srcs, spec)]
     store.wait_placed()  # on the GPU the packs run on; on the CPU they are done
