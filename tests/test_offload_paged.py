@@ -626,14 +626,14 @@ def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch, device):
     from torch_pagecomp.offload import _paged, _paged_group
 
     copies, gathers, decodes = [], [], []
-    real_copy, real_decode = _paged.copy_pieces, _paged_group._decode_rows
+    real_copy, real_decode = _paged.copy_pieces, _paged.decode_rows
     monkeypatch.setattr(_paged, "copy_pieces",
                         lambda dst, pieces: (copies.append(len(pieces)), real_copy(dst, pieces)))
     for name in ("gather_slice_meta", "gather_slice_meta_known"):  # (the GPU: the known one)
         real = getattr(row_table, name)
         monkeypatch.setattr(row_table, name, lambda *a, _real=real, **k: (
             gathers.append(a[0].shape[1]), _real(*a, **k)))
-    monkeypatch.setattr(_paged_group, "_decode_rows",
+    monkeypatch.setattr(_paged, "decode_rows",
                         lambda *a: (decodes.append((a[1].numel(), a[-1])), real_decode(*a)))
     store = _store(device)  # 4-page slices, 16-page chunks
     spec = [(9, "bf16"), (6, "small"), (1, "bf16"), (5, "noise"), (7, "bf16")]

@@ -150,15 +150,16 @@ class Backward:
                     self.restore_batch(part, side)
 
     def restore_batch(self, part: list[_Entry], side) -> None:
-        """Restore ``part`` (compressed, one store and stream) with one group restore; if the
+        """Restore ``part`` (compressed, one store and stream) with one batched restore (of
+        placed slices, ``_paged_group.restore_placed``, else a group restore); if the
         batched decode cannot run, turn batching off and restore them one by one. Its LZ4 and
         exponent-codec tensors (a bf16 model's fp32 and bf16 activations) are put together, so
         the group decodes once per codec (``_paged_group.codec_runs``)."""
         first = part[0]
-        group = sorted(part, key=lambda e: e.stored.exp)  # stable: order kept within a codec
         try:
             if not restore_placed(first.store, [e.stored for e in part],
                                   [e.restored for e in part]):
+                group = sorted(part, key=lambda e: e.stored.exp)  # stable: order kept per codec
                 first.store.restore_group(StoredGroup(first.stored.page_size,
                                                       [e.stored for e in group]),
                                           [e.restored for e in group])

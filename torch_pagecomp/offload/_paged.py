@@ -489,12 +489,20 @@ def ramps(bases: list[int], counts: list[int], stride: int, device: torch.device
     out = torch.empty(total, dtype=torch.int64, device=device)
     if total == 0:
         return out
-    rows = [bases, firsts, counts]
+    fill_row_table_known(upload_table([bases, firsts, counts], device, ring), out, stride,
+                         max(counts))
+    return out
+
+
+def upload_table(rows: list[list[int]], device: torch.device,
+                 ring: UploadRing | None = None) -> torch.Tensor:
+    """``rows`` (equal-length lists of ints) as the ``int64 [len(rows), k]`` table a kernel
+    queued next on ``device``'s current stream reads: in ``ring`` (page-locked, written by the
+    host, nothing uploaded) where it takes them, else uploaded to ``device``."""
     desc = ring.put(rows, current_stream(device)) if ring is not None else None
     if desc is None:
         desc = to_device(torch.tensor(rows, dtype=torch.int64), device)
-    fill_row_table_known(desc, out, stride, max(counts))
-    return out
+    return desc
 
 
 def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
@@ -507,14 +515,7 @@ def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
     (``int32 [pages]``): check the decoded pages against them (:func:`verify`)."""
     if outs[0].is_cuda:
         table = _row_table(outs, page_size, ring)
-        if exp:
-            from ..kernels.exp_codec import decompress_exp_rows_known
-
-            decompress_exp_rows_known(payload, offsets, sizes, kinds, table, page_size, status)
-        else:
-            from ..kernels.lz4_decompress import decompress_rows_known
-
-            decompress_rows_known(payload, offsets, sizes, kinds, table, page_size, status)
+        decode_rows(payload, offsets, sizes, kinds, table, page_size, status, exp)
         if sums is not None:
             from ..kernels.checksum import row_checksums
 
@@ -533,6 +534,31 @@ def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
         n = o.numel() // page_size
         o.view(n, page_size).copy_(pages[at:at + n])
         at += n
+
+
+def decode_rows(payload, offsets, sizes, kinds, rows, page_size: int, status, exp: bool
+                ) -> None:
+    """Decode pages into the rows at the addresses ``rows`` (``int64``), ``exp``: the exponent
+    codec's decoder: the by-address kernel on the GPU; on the CPU (the interpreter's tests)
+    each page decoded aside, then copied to its row."""
+    if payload.is_cuda:
+        if exp:
+            from ..kernels.exp_codec import decompress_exp_rows_known as decode
+        else:
+            from ..kernels.lz4_decompress import decompress_rows_known as decode
+        decode(payload, offsets, sizes, kinds, rows, page_size, status)
+        return
+    pages = torch.empty((status.numel(), page_size), dtype=torch.uint8)
+    _decompress_into(payload, offsets, sizes, kinds, pages, status, exp=exp)
+    for page, addr in zip(pages, rows.tolist()):
+        _host_row(addr, page_size).copy_(page)
+
+
+def _host_row(addr: int, nbytes: int) -> torch.Tensor:
+    """The host memory at ``addr`` as ``uint8 [nbytes]`` (a CPU output's row)."""
+    import ctypes
+
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
 
 
 def _decompress_into(payload, offsets, sizes, kinds, pages, status, sums=None,

@@ -238,46 +238,19 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     kinds = torch.empty(pages, dtype=torch.uint8, device=dev)
     rows = torch.empty(pages, dtype=torch.int64, device=dev)
     status = torch.empty(pages, dtype=torch.int32, device=dev)
-    desc = store.uploads.put(cols, stream) if store.uploads is not None else None
-    if desc is not None:
+    desc = _paged.upload_table(cols, dev, store.uploads)
+    if stream is not None:
         gather_slice_meta_known(desc, offsets, sizes, kinds, rows, p, most)
-    else:
-        desc = _paged.to_device(torch.tensor(cols, dtype=torch.int64), dev)
+    else:  # the CPU (the interpreter): the checked launcher
         gather_slice_meta(desc, offsets, sizes, kinds, rows, p, most, traced=False)
     for a, b, exp in ((0, lz4_pages, False), (lz4_pages, pages, True)):
         if a < b:
-            _decode_rows(staging, offsets[a:b], sizes[a:b], kinds[a:b], rows[a:b], p,
-                         status[a:b], exp)
+            _paged.decode_rows(staging, offsets[a:b], sizes[a:b], kinds[a:b], rows[a:b], p,
+                               status[a:b], exp)
     store._count_failures(status, stream)
     if stream is None:
         arena.confirm()
     return True
-
-
-def _decode_rows(payload, offsets, sizes, kinds, rows, page_size: int, status, exp: bool
-                 ) -> None:
-    """Decode pages into the rows at the addresses ``rows`` (``int64``): the by-address kernel
-    on the GPU; on the CPU (the interpreter's tests) each page decoded aside, then copied to
-    its row."""
-    if payload.is_cuda:
-        if exp:
-            from ..kernels.exp_codec import decompress_exp_rows_known as decode
-        else:
-            from ..kernels.lz4_decompress import decompress_rows_known as decode
-        decode(payload, offsets, sizes, kinds, rows, page_size, status)
-        return
-    pages = torch.empty((status.numel(), page_size), dtype=torch.uint8)
-    _paged._decompress_into(payload, offsets, sizes, kinds, pages, status, exp=exp)
-    for page, addr in zip(pages, rows.tolist()):
-        _host_row(addr, page_size).copy_(page)
-
-
-def _host_row(addr: int, nbytes: int) -> torch.Tensor:
-    """The host memory at ``addr`` as ``uint8 [nbytes]`` (a CPU output's row)."""
-    import ctypes
-
-    buf = (ctypes.c_uint8 * nbytes).from_address(addr)
-    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def restore_group(store, group: StoredGroup, out) -> None:
