@@ -7,7 +7,9 @@ in Python speed from one core to the next, and which cores are slow changes with
 (``bench/results/h200_eb9f4b0_session35``): separate processes, as ``gpu_suite.sh ab`` runs,
 compare host-bound rows only as far as their cores happened to match. Prints per arm the median
 step (CUDA events) and host issue time, their spread over the rounds, and the step as a
-multiple of the first arm's.
+multiple of the first arm's. ``--block N``: each arm runs N steps in a row per round, the first
+of each block reported apart (the steps after a switch of arms pay for the other arm's use of
+the host's caches and the allocator; a process that runs one variant never does).
 
 Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), and ``memory_group``:
 ``memory`` with the hooks' batched restores through ``restore_group`` instead of
@@ -40,7 +42,7 @@ def _arm_patch(arm: str):
         _backward.restore_placed = real
 
 
-def measure(name: str, arms: list[str], rounds: int, warmup: int) -> list[str]:
+def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1) -> list[str]:
     import torch
 
     from bench.stock_models import build
@@ -80,22 +82,29 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int) -> list[str]:
     for _ in range(warmup):
         for arm in arms:
             step(arm)
-    res = {a: ([], []) for a in arms}
+    res = {a: ([], [], []) for a in arms}  # steps ms, host issue ms, first steps of blocks
     for r in range(rounds):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
-            ms, issue = step(arm)
-            res[arm][0].append(ms)
-            res[arm][1].append(issue)
+            for i in range(block):
+                ms, issue = step(arm)
+                if i == 0 and block > 1:  # the step after a switch of arms: kept apart
+                    res[arm][2].append(ms)
+                    continue
+                res[arm][0].append(ms)
+                res[arm][1].append(issue)
     base = statistics.median(res[arms[0]][0])
-    lines = [f"## {name}: {rounds} rounds of interleaved steps, after {warmup} warm-up rounds",
+    how = (f"blocks of {block} steps per arm (the first of each block apart)" if block > 1
+           else "interleaved steps")
+    lines = [f"## {name}: {rounds} rounds of {how}, after {warmup} warm-up rounds",
              "| arm | step ms (median) | step ms min-max | host issue ms (median) | "
-             f"vs {arms[0]} |", "|---|---|---|---|---|"]
+             f"vs {arms[0]} | first step of a block ms (median) |", "|---|---|---|---|---|---|"]
     for arm in arms:
-        t, h = res[arm]
+        t, h, first = res[arm]
         med = statistics.median(t)
         lines.append(f"| {arm} | {med:.1f} | {min(t):.1f}-{max(t):.1f} | "
-                     f"{statistics.median(h):.1f} | {med / base:.2f}x |")
+                     f"{statistics.median(h):.1f} | {med / base:.2f}x | "
+                     f"{statistics.median(first) if first else float('nan'):.1f} |")
     for off in offs.values():
         off.synchronize()
     return lines
@@ -107,13 +116,16 @@ def main() -> None:
     ap.add_argument("--arms", default="uncompressed,memory,memory_group")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--block", type=int, default=1,
+                    help="steps of an arm in a row per round (>1: the first of each apart, so "
+                         "the others compare as one process per arm would, on one host)")
     a = ap.parse_args()
     arms = a.arms.split(",")
     bad = [x for x in arms if x not in ARMS]
     if bad:
         ap.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
     for name in a.models.split(","):
-        print("\n".join(measure(name, arms, a.rounds, a.warmup)), flush=True)
+        print("\n".join(measure(name, arms, a.rounds, a.warmup, a.block)), flush=True)
 
 
 if __name__ == "__main__":

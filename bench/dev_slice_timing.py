@@ -1,13 +1,13 @@
 """Dev probe (#21, #26): where the host time of one slice's offload goes, piece by piece.
 
-``python3 -m bench.dev_slice_timing [--kib 1024] [--calls 300]`` (GPU): ``PagedStore.offload``
-of one bf16 tensor, ``--calls`` times (each stored tensor freed after the next one is stored,
-the GPU synchronised every 16 calls), with ``perf_counter_ns`` marks between the steps of
-``PagedStore._store_slice`` (a copy of its body with marks: keep the two in step when the store
-changes); prints the median host us of each step and of the whole call, then the host us of a
-few primitives on their own (an empty CUDA tensor, a view, an event's record, a stream wait,
-``record_stream``, a direct Triton launch of the pack kernel's size).
-"""
+``python3 -m bench.dev_slice_timing [--kib 1024] [--calls 300] [--plain]`` (GPU):
+``PagedStore.offload`` of one bf16 tensor, ``--calls`` times (each stored tensor freed after
+the next one is stored, the GPU synchronised every 16 calls): the median host us of the call
+as it is, then with ``perf_counter_ns`` marks between the steps of ``PagedStore._store_slice``
+(a copy of its GPU path with marks: keep the two in step when the store changes) and each
+step's median, then the host us of a few primitives on their own (an empty CUDA tensor, a
+view, an event's record, a stream wait, ``record_stream``). ``--plain``: the unmarked call
+only, so the probe can time another tree's package (an A/B of the store's host path)."""
 
 from __future__ import annotations
 
@@ -22,58 +22,67 @@ from bench.corpora import build_corpus
 
 
 def _timed_store_slice(store_mod, marks):
-    """A copy of ``PagedStore._store_slice`` with a mark after each step."""
+    """A copy of ``PagedStore._store_slice``'s GPU path with a mark after each step."""
     from torch_pagecomp._events import mark
-    from torch_pagecomp.kernels.host_pack import pack_slice_known
-    from torch_pagecomp.offload._arena import _meta_bytes, _meta_views, _Slice, _wait
-    from torch_pagecomp.offload._streams import on_stream
+    from torch_pagecomp.kernels.exp_codec import compress_exp_at
+    from torch_pagecomp.kernels.host_pack import pack_slice_at
+    from torch_pagecomp.offload._arena import _meta_bytes, _meta_offsets, _Slice, _wait
 
     def store_slice(self, src, first, n, element_size, float_format):
         clock = time.perf_counter_ns
         t = [clock()]
-        p, cs, ps = self.page_size, self.compress_stream, self.pack_stream
+        p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
         if len(self._packed) >= store_mod.SCRATCH_SLICES:
             _wait(cs, self._packed.popleft())
-        t.append(clock())
-        pages = (src.view(n, p) if first == 0 and src.numel() == n * p
-                 else src[first * p:(first + n) * p].view(n, p))
         t.append(clock())
         payload = torch.empty((n, p), dtype=torch.uint8, device=src.device)
         t.append(clock())
         meta = torch.empty(_meta_bytes(n, self.checksum), dtype=torch.uint8, device=src.device)
+        sl = _Slice(first, n, meta, self.checksum)
         t.append(clock())
-        rel, desc, sizes, kinds, sums = _meta_views(meta, n, self.checksum)
+        m = meta.data_ptr()
+        rel, desc, sizes, kinds, _ = (m + o if o is not None else None
+                                      for o in _meta_offsets(n, self.checksum))
         t.append(clock())
-        scratch = None if float_format else self._scratch(src, element_size)
-        store_mod._compress(pages, element_size, (payload, sizes, kinds), scratch, float_format)
+        if float_format:
+            compress_exp_at(src.device.index, n, p, float_format == "fp16",
+                            src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
+                            lambda: (store_mod._pages(src, first, n, p), payload, sl.sizes,
+                                     sl.kinds))
+        else:
+            store_mod._compress(store_mod._pages(src, first, n, p), element_size,
+                                (payload, sl.sizes, sl.kinds),
+                                self._scratch(src, element_size), None)
         t.append(clock())
         self.scratch_bytes = max(self.scratch_bytes,
                                  store_mod.SCRATCH_SLICES * n * p + self._scratch_held)
         self._handed = mark(cs)
         ps.wait_event(self._handed)
         t.append(clock())
-        with on_stream(ps):
-            host_desc = self.arena.host_desc()
-            t.append(clock())
-            self.arena.back(n * p, ps)
-            t.append(clock())
-            arena = self.arena
-            pack_slice_known(payload, sizes, rel, arena.state, arena.parity, arena.limit, desc,
-                             host_desc, arena.table, arena.chunk)
-            t.append(clock())
-            arena.parity ^= 1
-            stored = mark(ps)
-            t.append(clock())
-            payload.record_stream(ps)
-            meta.record_stream(ps)
-            t.append(clock())
-            self._packed.append(stored)
-        sl = _Slice(first, n, sizes, kinds, rel, desc, host_desc, stored, sums, None)
-        self.arena.add(sl, n * p)
+        k = arena.host_desc()
         t.append(clock())
-        names = ("wait scratch", "pages view", "payload empty", "meta empty", "meta views",
-                 "compress launch", "hand-off", "on_stream + host_desc", "arena.back",
-                 "pack launch", "mark", "record_stream x2", "slice + add")
+        arena.back(n * p, ps)
+        parity, limit = arena.parity, arena.limit
+        arena.parity ^= 1
+        t.append(clock())
+        pack_slice_at(src.device.index, ps, min(n, self._link_programs), n, p, arena.chunk,
+                      (payload.data_ptr(), sizes, rel, arena.state.data_ptr(), desc,
+                       arena.desc_addr(k), arena.table.data_ptr()), arena.table.numel(),
+                      parity, limit, lambda: (payload, sl.sizes, sl.rel, arena.state, sl.desc,
+                                              arena.descs[k], arena.table, n, parity, limit))
+        t.append(clock())
+        stored = mark(ps)
+        t.append(clock())
+        payload.record_stream(ps)
+        meta.record_stream(ps)
+        t.append(clock())
+        self._packed.append(stored)
+        sl.host_desc, sl.stored = k, stored
+        arena.add(sl, n * p)
+        t.append(clock())
+        names = ("wait scratch", "payload empty", "meta empty + slice", "meta addresses",
+                 "compress launch", "hand-off", "host_desc", "arena.back", "pack launch",
+                 "mark", "record_stream x2", "add")
         for name, a, b in zip(names, t, t[1:]):
             marks[name].append((b - a) / 1e3)
         return sl
@@ -113,6 +122,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kib", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--plain", action="store_true",
+                    help="only the call without marks (the probe given another tree's package)")
     a = ap.parse_args()
     from torch_pagecomp.offload import _paged
     from torch_pagecomp.offload._paged import PagedStore
@@ -121,29 +132,38 @@ def main() -> None:
     marks: dict[str, list[float]] = collections.defaultdict(list)
     store = PagedStore(dev, 4096, tuple(torch.cuda.Stream(device=dev) for _ in range(3)))
     x = build_corpus("bf16-relu", a.kib << 10, 4096, dev, seed=1).reshape(-1)
+    def offload_us(fmt) -> float:
+        """The median host us of ``store.offload``, each stored tensor freed after the next."""
+        whole, prev = [], None
+        for i in range(a.calls + 10):
+            cur = torch.cuda.current_stream()
+            t0 = time.perf_counter_ns()
+            stored = store.offload(x, 2, cur, float_format=fmt)
+            if i >= 10:
+                whole.append((time.perf_counter_ns() - t0) / 1e3)
+            if prev is not None:
+                store.free(prev)
+            prev = stored
+            store.poll()
+            if i % 16 == 15:
+                torch.cuda.synchronize()
+        return statistics.median(whole)
+
     for fmt in ("bf16", None):
+        plain = offload_us(fmt)
+        if a.plain:
+            print(f"== PagedStore.offload of {a.kib} KiB, {fmt or 'lz4'}: {plain:.1f} us "
+                  "median host time per call")
+            continue
         marks.clear()
-        whole = []
         original = PagedStore._store_slice
         PagedStore._store_slice = _timed_store_slice(_paged, marks)
         try:
-            prev = None
-            for i in range(a.calls + 10):
-                cur = torch.cuda.current_stream()
-                t0 = time.perf_counter_ns()
-                stored = store.offload(x, 2, cur, float_format=fmt)
-                if i >= 10:
-                    whole.append((time.perf_counter_ns() - t0) / 1e3)
-                if prev is not None:
-                    store.free(prev)
-                prev = stored
-                store.poll()
-                if i % 16 == 15:
-                    torch.cuda.synchronize()
+            marked = offload_us(fmt)
         finally:
             PagedStore._store_slice = original
-        print(f"== PagedStore.offload of {a.kib} KiB, {fmt or 'lz4'}: "
-              f"{statistics.median(whole):.1f} us median host time per call")
+        print(f"== PagedStore.offload of {a.kib} KiB, {fmt or 'lz4'}: {plain:.1f} us median "
+              f"host time per call ({marked:.1f} with the marks)")
         print("| step of _store_slice | median us |\n|---|---|")
         for name, v in marks.items():
             print(f"| {name} | {statistics.median(v[10:]):.1f} |")

@@ -33,8 +33,10 @@ def _capture(monkeypatch, modules, interpret):
                             usual.append((kernel, tuple(grid), args, meta)))
         if hasattr(mod, "launch_known"):
             monkeypatch.setattr(mod, "launch_known",
-                                lambda kernel, grid, index, meta, classes, values, args:
-                                known.append((kernel, tuple(grid), args, meta, classes, values)))
+                                lambda kernel, grid, index, meta, classes, values, args,
+                                stream=None: known.append((kernel, tuple(grid),
+                                                           args() if callable(args) else args,
+                                                           meta, classes, values)))
     return usual, known
 
 

@@ -117,7 +117,12 @@ def test_host_waits_for_packs_are_counted():
 
     store = PagedStore(torch.device("cpu"), P, chunk_bytes=1 << 16)
     arena = store.arena
-    slow = _Slice(0, 1, None, None, None, None, torch.tensor([0, 16]), SlowPack())
+    def published(base: int, total: int) -> int:  # a descriptor slot the pack wrote
+        k = arena.host_desc()
+        arena.descs[k] = torch.tensor([base, total])
+        return k
+
+    slow = _Slice(0, 1, None, host_desc=published(0, 16), stored=SlowPack())
     arena.add(slow, P)
     arena.confirm()  # not finished: not waited for
     assert slow.base is None and store.stats()["host_wait_us"] == 0
@@ -125,10 +130,36 @@ def test_host_waits_for_packs_are_counted():
     assert slow.base == 0 and slow.total == 16
     waited = store.stats()["host_wait_us"]
     assert 20_000 <= waited < 2_000_000, waited
-    done = _Slice(1, 1, None, None, None, None, torch.tensor([16, 16]), None)
+    done = _Slice(1, 1, None, host_desc=published(16, 16))
     arena.add(done, P)
     arena.confirm(through=done)
     assert store.stats()["host_wait_us"] == waited
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+@pytest.mark.parametrize("n", [1, 3, 16, 37, 2048, 16384])
+def test_metadata_addresses_are_those_of_its_views(n, checksum):
+    """The GPU store launches its kernels with addresses into a slice's metadata buffer
+    (``_Slice.addr``) and makes the views only where a path needs them: each address is its
+    view's, each part 16-byte aligned (a kernel is compiled per pointer alignment), and the
+    parts tile the buffer without overlap."""
+    from torch_pagecomp.offload._arena import DESC, KINDS, REL, SIZES, SUMS, _meta_bytes, _Slice
+
+    meta = torch.empty(_meta_bytes(n, checksum), dtype=torch.uint8)
+    sl = _Slice(0, n, meta, checksum)
+    views = {REL: sl.rel, DESC: sl.desc, SIZES: sl.sizes, KINDS: sl.kinds, SUMS: sl.sums}
+    assert (views[SUMS] is None) == (not checksum)
+    spans = []
+    for part, view in views.items():
+        if view is None:
+            continue
+        assert sl.addr(part) == view.data_ptr() and view.data_ptr() % 16 == 0
+        spans.append((view.data_ptr() - meta.data_ptr(), view.numel() * view.element_size()))
+    assert spans[1][1] == 16 and [v.numel() for v in views.values() if v is not None][2:] == \
+        [n] * (3 if checksum else 2)
+    spans.sort()
+    assert all(a + na <= b for (a, na), (b, _) in zip(spans, spans[1:]))
+    assert spans[-1][0] + spans[-1][1] <= meta.numel()
 
 
 def test_chunks_must_hold_a_page():
@@ -360,6 +391,7 @@ def test_placement_descriptors_are_reused_in_order(gen, monkeypatch):
     monkeypatch.setattr(arena, "DESC_SLOTS", 2)
     store = _store(slice_bytes=P)
     store.arena.descs = torch.empty((2, 2), dtype=torch.int64)
+    store.arena._descs_np = store.arena.descs.numpy()  # what confirm reads
     srcs = [_data(gen, 4 * P + 7, "bf16") for _ in range(3)]  # 12 slices of one page
     stored = [store.offload(s, 2) for s in srcs]
     assert len(store.arena.pending) <= 2

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from . import constants as fmt
-from .launch import config_meta, interpreting, known_args, launch, launch_known
+from .launch import config_meta, interpreting, launch, launch_known, ptr_class
 from .lz4_decompress import (
     _plain_meta,
     _row,
@@ -462,9 +462,22 @@ def compress_exp_known(pages: torch.Tensor, out: tuple, fp16: bool) -> None:
     launcher's checks, which the store's own arguments always pass
     (``launch.launch_known``)."""
     n, page_size = pages.shape
-    args = (pages, *out)
-    launch_known(_exp_encode_kernel, (n,), pages.device.index,
-                 _frozen_encode_meta(page_size, fp16, interpreting()), *known_args(args), args)
+    payload, sizes, kinds = out
+    compress_exp_at(pages.device.index, n, page_size, fp16, pages.data_ptr(),
+                    payload.data_ptr(), sizes.data_ptr(), kinds.data_ptr(), (pages, *out))
+
+
+def compress_exp_at(index: int, n: int, page_size: int, fp16: bool, pages: int, payload: int,
+                    sizes: int, kinds: int, args) -> None:
+    """:func:`compress_exp_known` given the tensors' addresses on CUDA device ``index``
+    (``N = n`` pages of ``page_size`` bytes), for a caller that has them without the tensors
+    (the activation store cuts its metadata buffer by address); ``args``: the tensors (or a
+    function that makes them), used only when the launch goes the usual way."""
+    classes = (ptr_class(torch.uint8, pages), ptr_class(torch.uint8, payload),
+               ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds))
+    launch_known(_exp_encode_kernel, (n,), index,
+                 _frozen_encode_meta(page_size, fp16, interpreting()), classes,
+                 (pages, payload, sizes, kinds), args)
 
 
 @functools.cache

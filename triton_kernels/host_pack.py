@@ -43,7 +43,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import frozen_meta, interpreting, known_args, launch, launch_known
+from .launch import (
+    frozen_meta,
+    int_class,
+    interpreting,
+    launch,
+    launch_known,
+    ptr_class,
+)
 
 ALIGN = 16  # bytes: every page starts 16-byte aligned in host memory (vector stores)
 PLAN_BLOCK = 1024  # pages scanned per step of the plan
@@ -184,10 +191,29 @@ def pack_slice_known(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tens
     current device, ``table`` and ``host_desc`` as the arena keeps them), without its checks
     (``launch.launch_known``)."""
     n, page_size = payload.shape
-    args = (payload, sizes, rel, ends, desc, host_desc, table, n, parity, limit)
-    launch_known(_pack_slice_kernel, (min(n, link_programs(payload.device)),),
-                 payload.device.index, _pack_meta(page_size, chunk_bytes, table.numel()),
-                 *known_args(args), args)
+    args = (payload, sizes, rel, ends, desc, host_desc, table)
+    pack_slice_at(payload.device.index, None, min(n, link_programs(payload.device)), n,
+                  page_size, chunk_bytes, tuple(a.data_ptr() for a in args), table.numel(),
+                  parity, limit, args + (n, parity, limit))
+
+
+def pack_slice_at(index: int, stream, programs: int, n: int, page_size: int, chunk_bytes: int,
+                  addrs: tuple, table_len: int, parity: int, limit: int, args) -> None:
+    """:func:`pack_slice_known` given the addresses ``addrs`` of ``(payload, sizes, rel,
+    ends, desc, host_desc, table)`` on CUDA device ``index`` (``table`` of ``table_len``
+    entries; the device reads page-locked host memory at its host address), on ``stream`` (a
+    ``torch.cuda.Stream``, or None: the current one) with ``programs`` programs (at most
+    :func:`link_programs`, at most ``n``). For the activation store, which cuts a
+    slice's metadata by address; ``args`` (the tensors, or a function that makes them) as for
+    ``launch.launch_known``."""
+    payload, sizes, rel, ends, desc, host_desc, table = addrs
+    classes = (ptr_class(torch.uint8, payload), ptr_class(torch.int32, sizes),
+               ptr_class(torch.int64, rel), ptr_class(torch.int64, ends),
+               ptr_class(torch.int64, desc), ptr_class(torch.int64, host_desc),
+               ptr_class(torch.int64, table), int_class(n), int_class(parity), int_class(limit))
+    launch_known(_pack_slice_kernel, (programs,), index,
+                 _pack_meta(page_size, chunk_bytes, table_len), classes,
+                 (*addrs, n, parity, limit), args, stream)
 
 
 @functools.cache

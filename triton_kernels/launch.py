@@ -124,10 +124,22 @@ def _arg_entry(a) -> tuple | None:
         return (a.dtype, not ptr & 15), (ptr if a.is_cuda else a)
     t = type(a)
     if t is int:
-        return (a == 1, a & 15 == 0, _INT32[0] <= a < _INT32[1], a < 1 << 63), a
+        return int_class(a), a
     if t is bool or t is float or a is None:
         return ((t, a) if t is bool else (t,)), a
     return None
+
+
+def int_class(a: int) -> tuple:
+    """:func:`_arg_class` of an int argument: its equality to 1, divisibility by 16, width."""
+    return (a == 1, a & 15 == 0, _INT32[0] <= a < _INT32[1], a < 1 << 63)
+
+
+def ptr_class(dtype: torch.dtype, ptr: int) -> tuple:
+    """:func:`_arg_class` of a tensor argument of ``dtype`` at address ``ptr``, for launchers
+    that pass addresses (:func:`launch_known`) without making the tensor (a view costs the
+    host a few microseconds, several per stored slice)."""
+    return (dtype, not ptr & 15)
 
 
 def known_args(args: tuple) -> tuple[tuple, tuple]:
@@ -139,27 +151,39 @@ def known_args(args: tuple) -> tuple[tuple, tuple]:
 
 
 def launch_known(kernel, grid: tuple[int, ...], index: int, meta: FrozenMeta, classes: tuple,
-                 values: tuple, args: tuple) -> None:
+                 values: tuple, args, stream=None) -> None:
     """Launch ``kernel[grid](*args, **meta)`` directly on CUDA device ``index`` (the current
-    device) and its current stream, for the activation store's hot path: ``classes`` and
-    ``values`` are :func:`known_args` of ``args``, ``meta`` the :class:`FrozenMeta` the
-    kernel's own launcher uses. The first launch of these classes, one while Triton's launch
-    hooks are set, and one on another device go the usual way. This skips the checks of
-    :func:`launch` and of the kernel's launcher, which the store's arguments always pass."""
+    device) and its current stream (or ``stream``, a ``torch.cuda.Stream`` of that device),
+    for the activation store's hot path: ``classes`` and ``values`` are :func:`known_args`
+    of ``args``, ``meta`` the :class:`FrozenMeta` the kernel's own launcher uses. ``args``
+    may be a function that returns them: it is called only when the launch goes the usual
+    way, which the first launch of these classes, one while Triton's launch hooks are set,
+    and one on another device do. This skips the checks of :func:`launch` and of the
+    kernel's launcher, which the store's arguments always pass."""
     entry = _COMPILED.get((id(kernel), index, meta, classes))
     if not entry or _hooks_set() or torch._C._cuda_getDevice() != index:
-        launch(kernel, grid, torch.device("cuda", index), args, meta, traced=False)
+        if callable(args):
+            args = args()
+        if stream is None:
+            launch(kernel, grid, torch.device("cuda", index), args, meta, traced=False)
+        else:
+            with torch.cuda.stream(stream):
+                launch(kernel, grid, torch.device("cuda", index), args, meta, traced=False)
         return
-    _call(entry, grid, index, values)
+    _call(entry, grid, index, values,
+          None if stream is None else stream.cuda_stream)
 
 
-def _call(entry: tuple, grid: tuple[int, ...], index: int, values) -> None:
+def _call(entry: tuple, grid: tuple[int, ...], index: int, values, raw_stream=None) -> None:
     """Launch a cached compiled kernel (:func:`_direct_entry`) on device ``index``'s current
-    stream with the launcher's ``values`` (:func:`_arg_entry`)."""
+    stream (or the CUDA stream ``raw_stream``) with the launcher's ``values``
+    (:func:`_arg_entry`)."""
     _, fn, head, tail = entry
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    fn(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(index), *head, *values, *tail)
+    if raw_stream is None:
+        raw_stream = torch._C._cuda_getCurrentRawStream(index)
+    fn(grid[0], g1, g2, raw_stream, *head, *values, *tail)
 
 
 def _meta_key(meta: dict) -> tuple | None:

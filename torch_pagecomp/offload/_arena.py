@@ -19,6 +19,7 @@ the pack's event has completed.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 
 import torch
@@ -97,21 +98,64 @@ def _wait(stream, event) -> None:
 
 class _Slice:
     """Pages ``[first, first + n)`` of one stored storage: device metadata for the decoder and
-    the placement the pack kernel chose (``base``/``total`` on the host once confirmed)."""
+    the placement the pack kernel chose (``base``/``total`` on the host once confirmed).
 
-    __slots__ = ("first", "n", "sizes", "kinds", "rel", "desc", "host_desc", "stored",
-                 "base", "total", "freed", "sums", "host_meta")
+    The metadata is one buffer, ``meta`` (:func:`_meta_bytes`); its parts are views made when
+    first asked for (:attr:`rel`, :attr:`sizes`, ...): the store's launches take their
+    addresses (:meth:`addr`), and cutting the views for every stored slice cost the hooks
+    ~20 us a saved tensor. ``host_desc``: the arena's descriptor slot the pack publishes the
+    placement to (:meth:`VirtualArena.host_desc`), until confirmed."""
 
-    def __init__(self, first: int, n: int, sizes, kinds, rel, desc, host_desc, stored,
-                 sums=None, host_meta=None):
+    __slots__ = ("first", "n", "meta", "checksum", "_parts", "host_desc", "stored", "base",
+                 "total", "freed", "host_meta")
+
+    def __init__(self, first: int, n: int, meta, checksum: bool = False, host_desc=None,
+                 stored=None, host_meta=None):
         self.first, self.n = first, n
-        self.sizes, self.kinds, self.rel, self.desc = sizes, kinds, rel, desc
-        self.sums = sums  # int32 [n] page checksums (the store's ``checksum``), or None
+        self.meta, self.checksum = meta, checksum  # uint8 [_meta_bytes(n, checksum)]
+        self._parts = None  # _meta_views(meta), made on first use
         self.host_desc, self.stored = host_desc, stored
-        self.host_meta = host_meta  # (rel, sizes, kinds, sums) copied to the host, or None
+        self.host_meta = host_meta  # a page-locked copy of ``meta`` (kept once placed), or None
         self.base: int | None = None
         self.total = 0
         self.freed = False
+
+    def parts(self) -> tuple:
+        """:func:`_meta_views` of ``meta``: ``(rel, desc, sizes, kinds, sums)``; ``desc`` is
+        None once the metadata moved to the host (:meth:`meta_to_host`)."""
+        if self._parts is None:
+            self._parts = _meta_views(self.meta, self.n, self.checksum)
+        return self._parts
+
+    @property
+    def rel(self) -> torch.Tensor:
+        """``int64 [n]``: each page's offset from the slice's base."""
+        return self.parts()[0]
+
+    @property
+    def desc(self) -> torch.Tensor | None:
+        """``int64 [2]`` on the device: ``(base, total)`` as the pack wrote them."""
+        return self.parts()[1]
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        """``int32 [n]``: each page's stored bytes."""
+        return self.parts()[2]
+
+    @property
+    def kinds(self) -> torch.Tensor:
+        """``uint8 [n]``: each page's kind."""
+        return self.parts()[3]
+
+    @property
+    def sums(self) -> torch.Tensor | None:
+        """``int32 [n]`` page checksums (the store's ``checksum``), or None."""
+        return self.parts()[4]
+
+    def addr(self, part: int) -> int:
+        """The address of part ``part`` of ``meta`` (``REL``, ``DESC``, ``SIZES``, ``KINDS``,
+        ``SUMS``)."""
+        return self.meta.data_ptr() + _meta_offsets(self.n, self.checksum)[part]
 
     def done(self) -> bool:
         return self.stored is None or self.stored.query()
@@ -122,25 +166,35 @@ class _Slice:
         ``host_meta``). A restore queued before still reads the device copy: it recorded its
         stream on it (:func:`slice_meta`)."""
         if self.host_meta is not None:
-            self.rel, self.sizes, self.kinds, self.sums = self.host_meta
-            self.host_meta = self.desc = None
+            rel, _, sizes, kinds, sums = _meta_views(self.host_meta, self.n, self.checksum)
+            self._parts = (rel, None, sizes, kinds, sums)
+            self.meta, self.host_meta = self.host_meta, None
 
 
 def slice_meta(sl: _Slice, device: torch.device, stream) -> tuple:
     """``(rel, sizes, kinds, sums)`` of ``sl`` on ``device`` for a restore queued on ``stream``:
     the slice's own device tensors (its allocation then also waits for ``stream`` before
     reuse), or uploads of its host copy (non-blocking: from page-locked memory)."""
-    meta = (sl.rel, sl.sizes, sl.kinds, sl.sums)
-    if sl.rel.device == device:
+    if sl.meta.device == device:
         if stream is not None and sl.host_meta is not None:  # dropped when placed
-            sl.rel.record_stream(stream)  # one allocation holds the four
-        return meta
+            sl.meta.record_stream(stream)
+        return sl.rel, sl.sizes, sl.kinds, sl.sums
     # the host copy: one page-locked buffer holds the four, uploaded in one copy
-    checksum = sl.sums is not None
-    host = torch.empty(0, dtype=torch.uint8).set_(sl.rel.untyped_storage(), 0,
-                                                  (_meta_bytes(sl.n, checksum),))
-    rel, _, sizes, kinds, sums = _meta_views(host.to(device, non_blocking=True), sl.n, checksum)
+    rel, _, sizes, kinds, sums = _meta_views(sl.meta.to(device, non_blocking=True), sl.n,
+                                             sl.checksum)
     return rel, sizes, kinds, sums
+
+
+REL, DESC, SIZES, KINDS, SUMS = range(5)  # the parts of a slice's metadata buffer
+
+
+@functools.lru_cache(maxsize=4096)
+def _meta_offsets(n: int, checksum: bool) -> tuple:
+    """Byte offsets of ``(rel, desc, sizes, kinds, sums)`` in a slice's metadata buffer
+    (:func:`_meta_bytes`; ``sums`` None without ``checksum``)."""
+    a = _align16(8 * n)
+    b = a + 16 + _align16(4 * n)
+    return 0, a, a + 16, b, (b + _align16(n) if checksum else None)
 
 
 def _meta_views(buf: torch.Tensor, n: int, checksum: bool) -> tuple:
@@ -212,6 +266,7 @@ class VirtualArena:
         # where the pack kernel publishes each slice's (base, total): one pinned ring, not a
         # pinned allocation per slice
         self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
+        self._descs_np = self.descs.numpy()
         self._next_desc = 0
         self.parity = 0  # the slot of ``state`` that holds the end for the next slice
         # seconds the host spent waiting for packs in ``confirm(through=...)`` (which ``back``
@@ -285,14 +340,19 @@ class VirtualArena:
         else:
             self.table[k % TABLE_SIZE : k % TABLE_SIZE + 1].fill_(mem.tensor.data_ptr())
 
-    def host_desc(self) -> torch.Tensor:
-        """The pinned ``int64 [2]`` the next slice's placement is published to. Slot ``k`` is
-        reused ``DESC_SLOTS`` slices later, once the slice before has been confirmed."""
+    def host_desc(self) -> int:
+        """The slot ``k`` of ``descs`` (pinned ``int64 [2]`` rows) the next slice's placement is
+        published to. Slot ``k`` is reused ``DESC_SLOTS`` slices later, once the slice before
+        has been confirmed."""
         if len(self.pending) >= DESC_SLOTS:
             self.confirm(through=self.pending[len(self.pending) - DESC_SLOTS][0])
         k = self._next_desc
         self._next_desc = (k + 1) % DESC_SLOTS
-        return self.descs[k]
+        return k
+
+    def desc_addr(self, k: int) -> int:
+        """The address of descriptor slot ``k`` (:meth:`host_desc`)."""
+        return self.descs.data_ptr() + 16 * k
 
     def add(self, sl: _Slice, upper: int) -> None:
         self.pending.append((sl, upper))
@@ -322,7 +382,7 @@ class VirtualArena:
                 sl.stored.synchronize()
                 self.wait_s += time.perf_counter() - t0
             self.pending_upper -= self.pending.popleft()[1]
-            base, total = (int(v) for v in sl.host_desc.tolist())
+            base, total = self._descs_np[sl.host_desc].tolist()
             sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None
             sl.meta_to_host()
             if base >= 0:

@@ -34,7 +34,7 @@ from ._arena import (
     UploadRing,
     VirtualArena,
     _meta_bytes,
-    _meta_views,
+    _meta_offsets,
     _Slice,
     _wait,
     slice_meta,
@@ -165,6 +165,10 @@ class PagedStore:
         self._scratches: dict[int, tuple] = {}  # element size -> the compress kernel's scratch
         self._scratch_held = 0
         self._handed = None  # the event the latest slice's pack waits for (compress stream)
+        if device.type == "cuda":
+            from ..kernels.host_pack import link_programs
+
+            self._link_programs = link_programs(device)
 
     # ------------------------------------------------------------------ offload
     def offload(self, src: torch.Tensor, element_size: int, producer=None,
@@ -196,48 +200,69 @@ class PagedStore:
 
     def _store_slice(self, src, first: int, n: int, element_size: int,
                      float_format: str | None) -> _Slice:
-        from ..kernels.host_pack import pack_slice, pack_slice_known  # Triton: imported on use
-
-        p, cs, ps = self.page_size, self.compress_stream, self.pack_stream
+        p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
         if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight
             _wait(cs, self._packed.popleft())
-        pages = (src.view(n, p) if first == 0 and src.numel() == n * p  # one op, not two
-                 else src[first * p:(first + n) * p].view(n, p))
         # two allocations per slice: the fixed-stride payload (freed once packed) and the
         # metadata the restore needs (:func:`_meta_bytes`; with ``host_meta``, copied to the
         # host after the pack and dropped from the device once the slice is placed)
         payload = torch.empty((n, p), dtype=torch.uint8, device=src.device)
         meta = torch.empty(_meta_bytes(n, self.checksum), dtype=torch.uint8, device=src.device)
-        rel, desc, sizes, kinds, sums = _meta_views(meta, n, self.checksum)
-        scratch = None if float_format else self._scratch(src, element_size)
-        _compress(pages, element_size, (payload, sizes, kinds), scratch, float_format)
+        sl = _Slice(first, n, meta, self.checksum)
+        # on the GPU the kernels take addresses (views cost the host microseconds apiece, and
+        # this runs for every saved tensor); views are made only where a path needs them
+        m = meta.data_ptr()
+        rel, desc, sizes, kinds, _ = (m + o if o is not None else None
+                                      for o in _meta_offsets(n, self.checksum))
+        if src.is_cuda and float_format:
+            from ..kernels.exp_codec import compress_exp_at
+
+            compress_exp_at(src.device.index, n, p, float_format == "fp16",
+                            src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
+                            lambda: (_pages(src, first, n, p), payload, sl.sizes, sl.kinds))
+        else:
+            scratch = None if float_format else self._scratch(src, element_size)
+            _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds),
+                      scratch, float_format)
         if self.checksum:
-            _checksums(pages, sums)
+            _checksums(_pages(src, first, n, p), sl.sums)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
         if ps is not None:  # the pack stream waits for the compress kernel
             self._handed = mark(cs)
             ps.wait_event(self._handed)
-        with on_stream(ps):
-            host_desc = self.arena.host_desc()
-            self.arena.back(n * p, ps)
-            arena = self.arena
-            pack = pack_slice_known if payload.is_cuda else pack_slice
-            pack(payload, sizes, rel, arena.state, arena.parity, arena.limit, desc, host_desc,
-                 arena.table, arena.chunk)
-            arena.parity ^= 1
-            host_meta = None
-            if self.host_meta:  # complete once the slice is placed: the event follows it
-                host = torch.empty(meta.numel(), dtype=torch.uint8, pin_memory=arena.pin)
-                host.copy_(meta, non_blocking=True)
-                rel_h, _, sizes_h, kinds_h, sums_h = _meta_views(host, n, self.checksum)
-                host_meta = (rel_h, sizes_h, kinds_h, sums_h)
-            stored = mark(ps)
-            if ps is not None:
-                payload.record_stream(ps)  # made on the compress stream, read here
-                meta.record_stream(ps)
-            self._packed.append(stored)
-        sl = _Slice(first, n, sizes, kinds, rel, desc, host_desc, stored, sums, host_meta)
-        self.arena.add(sl, n * p)
+        k = arena.host_desc()
+        arena.back(n * p, ps)
+        parity, limit = arena.parity, arena.limit
+        arena.parity ^= 1
+        if ps is not None:
+            from ..kernels.host_pack import pack_slice_at
+
+            # page-locked host memory is read and written at its host address (unified
+            # addressing); the descriptors of an arena that cannot pin go as tensors, which
+            # the launcher refuses
+            host_desc = arena.desc_addr(k) if arena.pin else arena.descs[k]
+            pack_slice_at(src.device.index, ps, min(n, self._link_programs), n, p, arena.chunk,
+                          (payload.data_ptr(), sizes, rel, arena.state.data_ptr(), desc,
+                           host_desc, arena.table.data_ptr()), arena.table.numel(), parity,
+                          limit, lambda: (payload, sl.sizes, sl.rel, arena.state, sl.desc,
+                                          arena.descs[k], arena.table, n, parity, limit))
+        else:
+            from ..kernels.host_pack import pack_slice
+
+            pack_slice(payload, sl.sizes, sl.rel, arena.state, parity, limit, sl.desc,
+                       arena.descs[k], arena.table, arena.chunk)
+        host_meta = None
+        if self.host_meta:  # complete once the slice is placed: the event follows it
+            host_meta = torch.empty(meta.numel(), dtype=torch.uint8, pin_memory=arena.pin)
+            with on_stream(ps):
+                host_meta.copy_(meta, non_blocking=True)
+        stored = mark(ps)
+        if ps is not None:
+            payload.record_stream(ps)  # made on the compress stream, read here
+            meta.record_stream(ps)
+        self._packed.append(stored)
+        sl.host_desc, sl.stored, sl.host_meta = k, stored, host_meta
+        arena.add(sl, n * p)
         return sl
 
     def _scratch(self, src: torch.Tensor, element_size: int):
@@ -395,6 +420,13 @@ class PagedStore:
             "pending_slices": len(a.pending),
             "host_wait_us": round(a.wait_s * 1e6),
         }
+
+
+def _pages(src: torch.Tensor, first: int, n: int, p: int) -> torch.Tensor:
+    """Pages ``[first, first + n)`` of ``src`` (``uint8``) as ``uint8 [n, p]``."""
+    if first == 0 and src.numel() == n * p:
+        return src.view(n, p)  # one op, not two
+    return src[first * p:(first + n) * p].view(n, p)
 
 
 def copy_pieces(dst: torch.Tensor, pieces: list[tuple]) -> None:

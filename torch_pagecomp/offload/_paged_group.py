@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from . import _arena, _paged
+from ._arena import KINDS, REL, SIZES
 from ._streams import current_stream
 
 
@@ -227,7 +228,7 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     cols: list[list[int]] = [[] for _ in range(SLICE_DESC_ROWS)]
     pages = most = lz4_pages = 0
     for sl, row, exp in order:
-        for col, v in zip(cols, (sl.rel.data_ptr(), sl.sizes.data_ptr(), sl.kinds.data_ptr(),
+        for col, v in zip(cols, (sl.addr(REL), sl.addr(SIZES), sl.addr(KINDS),
                                  shifts[id(sl)], pages, sl.n, row)):
             col.append(v)
         pages += sl.n
