@@ -138,6 +138,24 @@ def test_decoders_known(monkeypatch, gen, with_offsets, interpret):
     _same(usual, known)
 
 
+def test_row_decoders_by_address(monkeypatch, gen, interpret):
+    """The batched restore's decoders given addresses launch what the usual launchers do."""
+    n = 5
+    payload = torch.randint(0, 256, (n * P + 8,), dtype=torch.uint8, generator=gen)[8:]
+    offsets = torch.arange(n, dtype=torch.int64) * P
+    sizes, kinds = torch.full((n,), P, dtype=torch.int32), torch.zeros(n, dtype=torch.uint8)
+    status = torch.empty(n, dtype=torch.int32)
+    rows = torch.arange(n, dtype=torch.int64) * P + (1 << 30)
+    usual, known = _capture(monkeypatch, [D, X], interpret)
+    D.decompress_rows(payload, offsets, sizes, kinds, rows, P, status)
+    X.decompress_exp_rows(payload, offsets, sizes, kinds, rows, P, status)
+    args = (payload, offsets, sizes, kinds, rows, status, payload.numel())
+    addrs = tuple(t.data_ptr() for t in args[:6])
+    D.decompress_rows_at(None, P, n, addrs, payload.numel(), lambda: args)
+    X.decompress_exp_rows_at(None, P, n, addrs, payload.numel(), args)
+    _same(usual, known)
+
+
 def test_launch_known_falls_back_until_the_classes_are_compiled(monkeypatch):
     """Before a launch of these classes compiled and cached the kernel (and on another device,
     or with Triton's launch hooks set) ``launch_known`` takes the usual path with the tensors."""

@@ -66,6 +66,7 @@ from .lz4_decompress import (
     _zero_row,
     check_rows,
     decode_known,
+    decode_rows_at,
 )
 
 _OK = tl.constexpr(fmt.STATUS_OK)
@@ -627,6 +628,13 @@ def decompress_exp_rows_known(payload: torch.Tensor, offsets: torch.Tensor | Non
     its checks (``launch.launch_known``)."""
     decode_known(_exp_decode_kernel, _known_meta(page_size, True, interpreting()), payload,
                  offsets, sizes, kinds, rows, status)
+
+
+def decompress_exp_rows_at(index: int, page_size: int, n: int, addrs: tuple, total: int,
+                           args) -> None:
+    """:func:`decompress_exp_rows_known` given addresses (``lz4_decompress.decode_rows_at``)."""
+    decode_rows_at(_exp_decode_kernel, _known_meta(page_size, True, interpreting()), index, n,
+                   addrs, total, args)
 
 
 @functools.cache

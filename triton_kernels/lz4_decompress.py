@@ -44,7 +44,15 @@ import triton.language as tl
 
 from . import constants as fmt
 from .bitunshuffle import unshuffle_groups64, unshuffle_page_words
-from .launch import config_meta, interpreting, known_args, launch, launch_known
+from .launch import (
+    config_meta,
+    int_class,
+    interpreting,
+    known_args,
+    launch,
+    launch_known,
+    ptr_class,
+)
 
 WORD_TILE_MAX_PAGE = 4096  # largest page whose whole-page unshuffle tile fits in registers
 
@@ -648,6 +656,27 @@ def _known_metas(page_size: int, rows: bool, interpret: bool) -> tuple:
     # the settings the usual launchers pick (the interpreter's under TRITON_INTERPRET=1)
     configs = _row_configs(page_size, interpret) if rows else _configs(page_size, interpret)
     return tuple(c.meta() for c in configs)
+
+
+def decompress_rows_at(index: int, page_size: int, n: int, addrs: tuple, total: int,
+                       args) -> None:
+    """:func:`decompress_rows_known` given addresses (:func:`decode_rows_at`)."""
+    plain, shuffled = _known_metas(page_size, True, interpreting())
+    decode_rows_at(_decompress_kernel, plain, index, n, addrs, total, args)
+    decode_rows_at(_decompress_shuffled_kernel, shuffled, index, n, addrs, total, args)
+
+
+def decode_rows_at(kernel, meta, index: int, n: int, addrs: tuple, total: int, args) -> None:
+    """:func:`decode_known` of ``n`` pages into rows by address, given the addresses
+    ``addrs`` of ``(payload, offsets, sizes, kinds, rows, status)`` on CUDA device ``index``
+    (``payload`` of ``total`` bytes), for a caller that has them without the tensors (the
+    activation store's batched restore cuts one buffer by address); ``args`` (the tensors
+    and ``total``, or a function that makes them) as for ``launch.launch_known``."""
+    payload, offsets, sizes, kinds, rows, status = addrs
+    classes = (ptr_class(torch.uint8, payload), ptr_class(torch.int64, offsets),
+               ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds),
+               ptr_class(torch.int64, rows), ptr_class(torch.int32, status), int_class(total))
+    launch_known(kernel, (n,), index, meta, classes, (*addrs, total), args)
 
 
 def decode_known(kernel, meta, payload: torch.Tensor, offsets: torch.Tensor | None,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import frozen_meta, known_args, launch, launch_known
+from .launch import frozen_meta, int_class, known_args, launch, launch_known, ptr_class
 
 ROW_BLOCK = 1024  # rows per program
 
@@ -127,8 +127,22 @@ def gather_slice_meta_known(desc: torch.Tensor, offsets: torch.Tensor, sizes: to
     ``desc`` contiguous with ``K >= 1`` slices, on ``rows``' CUDA device (the current one) or
     in page-locked host memory, ``most_pages >= 1``; without the checks."""
     args = (desc, offsets, sizes, kinds, rows, desc.shape[1])
-    launch_known(slice_meta_kernel, (args[5], triton.cdiv(most_pages, ROW_BLOCK)),
-                 rows.device.index, _slice_meta(page_size), *known_args(args), args)
+    gather_slice_meta_at(rows.device.index, desc.shape[1], most_pages, page_size,
+                         tuple(t.data_ptr() for t in args[:5]), args)
+
+
+def gather_slice_meta_at(index: int, slices: int, most_pages: int, page_size: int,
+                         addrs: tuple, args) -> None:
+    """:func:`gather_slice_meta_known` given the addresses ``addrs`` of ``(desc, offsets,
+    sizes, kinds, rows)`` on CUDA device ``index`` (``desc`` of ``slices`` columns, read at
+    its host address when in page-locked memory); ``args`` (the tensors and ``slices``, or a
+    function that makes them) as for ``launch.launch_known``."""
+    desc, offsets, sizes, kinds, rows = addrs
+    classes = (ptr_class(torch.int64, desc), ptr_class(torch.int64, offsets),
+               ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds),
+               ptr_class(torch.int64, rows), int_class(slices))
+    launch_known(slice_meta_kernel, (slices, triton.cdiv(most_pages, ROW_BLOCK)), index,
+                 _slice_meta(page_size), classes, (*addrs, slices), args)
 
 
 @functools.cache

@@ -59,6 +59,23 @@ class UploadRing:
         """``rows`` (equal-length lists of ints) as an ``int64 [len(rows), k]`` tensor in the
         ring (16-byte aligned), for kernels queued on ``stream`` after this call; None if the
         ring cannot hold them (not page-locked, or more than half a ring)."""
+        at = self._write(rows, stream)
+        if at is None:
+            return None
+        return self.buf[at:at + len(rows) * len(rows[0])].view(len(rows), len(rows[0]))
+
+    def put_addr(self, rows: list[list[int]], stream) -> int | None:
+        """:meth:`put`, as the table's address (for a launch by address: no tensor made)."""
+        at = self._write(rows, stream)
+        return None if at is None else self.buf.data_ptr() + 8 * at
+
+    def at(self, addr: int, rows: int, k: int) -> torch.Tensor:
+        """The ``int64 [rows, k]`` table at ``addr`` (from :meth:`put_addr`) as a tensor."""
+        at = (addr - self.buf.data_ptr()) // 8
+        return self.buf[at:at + rows * k].view(rows, k)
+
+    def _write(self, rows: list[list[int]], stream) -> int | None:
+        """Write ``rows`` into the ring (see :meth:`put`); the slot of its first entry."""
         k = len(rows[0])
         need = len(rows) * k
         if not self.pin or need > self.half:
@@ -75,7 +92,7 @@ class UploadRing:
         self.np[at:at + need].reshape(len(rows), k)[...] = rows
         self.at = at + need + (need & 1)  # the next table 16-byte aligned too
         self.readers[half].add(stream)
-        return self.buf[at:at + need].view(len(rows), k)
+        return at
 
     def release(self) -> None:
         """Wait for the kernels that may still read the ring, then let it go."""

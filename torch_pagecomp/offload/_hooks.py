@@ -486,6 +486,8 @@ class ActivationOffloader:
         # oldest stashed entries are looked at: O(released) per hook, not O(stash). During a
         # backward a stashed storage is kept until served in place (released when its copy
         # finished, it would be read back over the link instead); served ones go at once.
+        for store in self._paged.values():  # first: a confirmed slice needs no event query
+            store.poll()
         backward = _in_backward()
         tail = None if backward else self._tail_group()
         while self._stash and self._stash[0].ready() and (self._stash[0].served or not backward):
@@ -493,8 +495,6 @@ class ActivationOffloader:
             if tail is not None and head.pass_ is tail[0] and head.group == tail[1]:
                 break  # the latest group's: kept for the coming backward (see _tail_group)
             self._release(self._stash.popleft(), wait=False, keep_served=backward)
-        for store in self._paged.values():
-            store.poll()
         self.policy.poll()
         while self._sink:
             store, stored, rec = self._sink.pop()

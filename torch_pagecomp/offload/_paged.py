@@ -87,9 +87,14 @@ class PagedStored:
         """The copy is done: every page is in host memory. Until then the offloader keeps the
         source, as it does for a plain copy, so a backward that comes first reads it in place
         rather than over the link."""
-        if self.consumed is not None and self.consumed.query():
-            self.consumed = None  # done: the kept event (``_events.mark``) is not held any more
-        return self.consumed is None and all(sl.done() for sl in self.slices)
+        if self.consumed is not None:
+            if self.tail is None and self.slices and all(sl.stored is None for sl in self.slices):
+                self.consumed = None  # every pack is confirmed, and the last one waited for it
+            elif self.consumed.query():
+                self.consumed = None  # done: the kept event (``_events.mark``) is not held
+            else:
+                return False
+        return all(sl.done() for sl in self.slices)
 
     def wait_on(self, stream) -> None:
         """``stream`` waits until the source may be dropped: its pages are compressed (the
@@ -584,6 +589,18 @@ def decode_rows(payload, offsets, sizes, kinds, rows, page_size: int, status, ex
     _decompress_into(payload, offsets, sizes, kinds, pages, status, exp=exp)
     for page, addr in zip(pages, rows.tolist()):
         _host_row(addr, page_size).copy_(page)
+
+
+def decode_rows_at(exp: bool, index: int, page_size: int, n: int, addrs: tuple, total: int,
+                   args) -> None:
+    """:func:`decode_rows` on CUDA device ``index`` given the addresses of ``(payload,
+    offsets, sizes, kinds, rows, status)`` (``n`` pages, ``payload`` of ``total`` bytes);
+    ``args`` (a function that makes the tensors) as for ``kernels.launch.launch_known``."""
+    if exp:
+        from ..kernels.exp_codec import decompress_exp_rows_at as decode
+    else:
+        from ..kernels.lz4_decompress import decompress_rows_at as decode
+    decode(index, page_size, n, addrs, total, args)
 
 
 def _host_row(addr: int, nbytes: int) -> torch.Tensor:

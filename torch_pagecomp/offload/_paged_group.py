@@ -193,7 +193,7 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     queued nothing, where it does not apply (a slice not placed yet, checksums, metadata kept
     on the host): :func:`restore_group` does. Failed pages are counted as
     ``PagedStore.restore`` counts them (raised at once on the CPU)."""
-    from ..kernels.row_table import SLICE_DESC_ROWS, gather_slice_meta, gather_slice_meta_known
+    from ..kernels.row_table import SLICE_DESC_ROWS, gather_slice_meta
 
     if store.checksum or store.host_meta or not storeds:
         return False
@@ -234,26 +234,78 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
         pages += sl.n
         most = max(most, sl.n)
         lz4_pages += sl.n if not exp else 0
-    offsets = torch.empty(pages, dtype=torch.int64, device=dev)
-    sizes = torch.empty(pages, dtype=torch.int32, device=dev)
-    kinds = torch.empty(pages, dtype=torch.uint8, device=dev)
-    rows = torch.empty(pages, dtype=torch.int64, device=dev)
     status = torch.empty(pages, dtype=torch.int32, device=dev)
-    desc = _paged.upload_table(cols, dev, store.uploads)
-    if stream is not None:
-        gather_slice_meta_known(desc, offsets, sizes, kinds, rows, p, most)
-    else:  # the CPU (the interpreter): the checked launcher
+    # one buffer for the pages' offsets, rows, sizes and kinds: the GPU's launches take
+    # addresses into it (one allocation, no views: host time per batch, ~70 a step on BERT)
+    work = torch.empty(_work_bytes(pages), dtype=torch.uint8, device=dev)
+    if stream is None:  # the CPU (the interpreter): the checked launcher, on views
+        offsets, rows, sizes, kinds = _work_views(work, pages)
+        desc = _paged.upload_table(cols, dev, store.uploads)
         gather_slice_meta(desc, offsets, sizes, kinds, rows, p, most, traced=False)
-    if lz4_pages in (0, pages):  # one codec (a bf16 model's batches): no views to cut
-        _paged.decode_rows(staging, offsets, sizes, kinds, rows, p, status, lz4_pages == 0)
-    else:
         for a, b, exp in ((0, lz4_pages, False), (lz4_pages, pages, True)):
-            _paged.decode_rows(staging, offsets[a:b], sizes[a:b], kinds[a:b], rows[a:b], p,
-                               status[a:b], exp)
+            if a < b:
+                _paged.decode_rows(staging, offsets[a:b], sizes[a:b], kinds[a:b], rows[a:b],
+                                   p, status[a:b], exp)
+    else:
+        _gather_and_decode_at(store, cols, staging, work, status, (p, most, lz4_pages), stream)
     store._count_failures(status, stream)
     if stream is None:
         arena.confirm()
     return True
+
+
+def _work_bytes(pages: int) -> int:
+    """Bytes of a batched restore's work buffer: ``offsets int64 | rows int64 | sizes int32 |
+    kinds uint8`` of ``pages`` pages, each part 16-byte aligned."""
+    return 2 * _arena._align16(8 * pages) + _arena._align16(4 * pages) + pages
+
+
+def _work_views(work: torch.Tensor, pages: int) -> tuple:
+    """``(offsets, rows, sizes, kinds)``: the parts of a work buffer (:func:`_work_bytes`)."""
+    a8, a4 = _arena._align16(8 * pages), _arena._align16(4 * pages)
+    return (work[:8 * pages].view(torch.int64), work[a8:a8 + 8 * pages].view(torch.int64),
+            work[2 * a8:2 * a8 + 4 * pages].view(torch.int32),
+            work[2 * a8 + a4:2 * a8 + a4 + pages])
+
+
+def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, work: torch.Tensor,
+                          status: torch.Tensor, sizes: tuple, stream) -> None:
+    """:func:`restore_placed`'s launches on the GPU, by address: the slices' table ``cols``
+    into the upload ring, the metadata gathered into ``work`` (:func:`_work_bytes`), then one
+    decode per codec from ``staging`` into the rows, statuses into ``status``. ``sizes``:
+    ``(page size, most pages of a slice, LZ4 pages)``; the LZ4 slices' pages come first.
+    Tensors are made only for a launch that goes the usual way (its first, to compile)."""
+    from ..kernels.row_table import gather_slice_meta_at
+
+    p, most, lz4_pages = sizes
+    pages, index = status.numel(), status.device.index
+    table = store.uploads.put_addr(cols, stream) if store.uploads is not None else None
+    uploaded = None
+    if table is None:  # more slices than half the ring holds: uploaded instead
+        uploaded = _paged.upload_table(cols, status.device, None)
+        table = uploaded.data_ptr()
+    w = work.data_ptr()
+    a8, a4 = _arena._align16(8 * pages), _arena._align16(4 * pages)
+    offs, rows, szs, kds = w, w + a8, w + 2 * a8, w + 2 * a8 + a4
+
+    def gather_args():
+        desc = uploaded if uploaded is not None else store.uploads.at(table, len(cols),
+                                                                      len(cols[0]))
+        offsets, rws, sz, kd = _work_views(work, pages)
+        return desc, offsets, sz, kd, rws, len(cols[0])
+
+    gather_slice_meta_at(index, len(cols[0]), most, p, (table, offs, szs, kds, rows),
+                         gather_args)
+    st, payload, total = status.data_ptr(), staging.data_ptr(), staging.numel()
+    for a, b, exp in ((0, lz4_pages, False), (lz4_pages, pages, True)):
+        if a < b:
+            def decode_args(a=a, b=b):
+                offsets, rws, sz, kd = _work_views(work, pages)
+                return staging, offsets[a:b], sz[a:b], kd[a:b], rws[a:b], status[a:b], total
+
+            _paged.decode_rows_at(exp, index, p, b - a,
+                                  (payload, offs + 8 * a, szs + 4 * a, kds + a, rows + 8 * a,
+                                   st + 4 * a), total, decode_args)
 
 
 def restore_group(store, group: StoredGroup, out) -> None:
