@@ -69,7 +69,7 @@ class UploadRing:
         at = self._write(rows, stream)
         return None if at is None else self.buf.data_ptr() + 8 * at
 
-    def at(self, addr: int, rows: int, k: int) -> torch.Tensor:
+    def view_at(self, addr: int, rows: int, k: int) -> torch.Tensor:
         """The ``int64 [rows, k]`` table at ``addr`` (from :meth:`put_addr`) as a tensor."""
         at = (addr - self.buf.data_ptr()) // 8
         return self.buf[at:at + rows * k].view(rows, k)
