@@ -658,15 +658,19 @@ def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch, device):
     from torch_pagecomp.offload import _paged, _paged_group
 
     copies, gathers, decodes = [], [], []
-    real_copy, real_decode = _paged.copy_pieces, _paged.decode_rows
+    real_copy, real_decode, real_at = _paged.copy_pieces, _paged.decode_rows, _paged.decode_rows_at
     monkeypatch.setattr(_paged, "copy_pieces",
                         lambda dst, pieces: (copies.append(len(pieces)), real_copy(dst, pieces)))
-    for name in ("gather_slice_meta", "gather_slice_meta_known"):  # (the GPU: the known one)
-        real = getattr(row_table, name)
-        monkeypatch.setattr(row_table, name, lambda *a, _real=real, **k: (
-            gathers.append(a[0].shape[1]), _real(*a, **k)))
+    # the CPU's checked launchers take tensors; the GPU's launches take addresses
+    real_gather, real_gather_at = row_table.gather_slice_meta, row_table.gather_slice_meta_at
+    monkeypatch.setattr(row_table, "gather_slice_meta", lambda *a, **k: (
+        gathers.append(a[0].shape[1]), real_gather(*a, **k)))
+    monkeypatch.setattr(row_table, "gather_slice_meta_at", lambda *a: (
+        gathers.append(a[1]), real_gather_at(*a)))
     monkeypatch.setattr(_paged, "decode_rows",
                         lambda *a: (decodes.append((a[1].numel(), a[-1])), real_decode(*a)))
+    monkeypatch.setattr(_paged, "decode_rows_at",
+                        lambda *a: (decodes.append((a[3], a[0])), real_at(*a)))
     store = _store(device)  # 4-page slices, 16-page chunks
     spec = [(9, "bf16"), (6, "small"), (1, "bf16"), (5, "noise"), (7, "bf16")]
     srcs = [_data(gen, n * P, kind).to(device) for n, kind in spec]

@@ -289,8 +289,8 @@ def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, work: torch.
     offs, rows, szs, kds = w, w + a8, w + 2 * a8, w + 2 * a8 + a4
 
     def gather_args():
-        desc = uploaded if uploaded is not None else store.uploads.view_at(table, len(cols),
-                                                                      len(cols[0]))
+        desc = (uploaded if uploaded is not None
+                else store.uploads.view_at(table, len(cols), len(cols[0])))
         offsets, rws, sz, kd = _work_views(work, pages)
         return desc, offsets, sz, kd, rws, len(cols[0])
 
