@@ -26,6 +26,7 @@ def _timed_store_slice(store_mod, marks):
     from torch_pagecomp._events import mark
     from torch_pagecomp.kernels.exp_codec import compress_exp_at
     from torch_pagecomp.kernels.host_pack import pack_slice_at
+    from torch_pagecomp.kernels.lz4_compress import compress_at
     from torch_pagecomp.offload._arena import _meta_bytes, _meta_offsets, _Slice, _wait
 
     def store_slice(self, src, first, n, element_size, float_format):
@@ -50,9 +51,13 @@ def _timed_store_slice(store_mod, marks):
                             lambda: (store_mod._pages(src, first, n, p), payload, sl.sizes,
                                      sl.kinds))
         else:
-            store_mod._compress(store_mod._pages(src, first, n, p), element_size,
-                                (payload, sl.sizes, sl.kinds),
-                                self._scratch(src, element_size), None)
+            scratch = self._scratch(src, element_size)
+            programs, meta_of = self._lz4_launch[element_size]
+            compress_at(src.device.index, min(n, programs), n, meta_of[first * p % 8 == 0],
+                        (src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
+                         scratch[0].data_ptr(), scratch[1].data_ptr()),
+                        lambda: (store_mod._pages(src, first, n, p), payload, sl.sizes,
+                                 sl.kinds, *scratch, n))
         t.append(clock())
         self.scratch_bytes = max(self.scratch_bytes,
                                  store_mod.SCRATCH_SLICES * n * p + self._scratch_held)

@@ -65,7 +65,14 @@ import triton.language as tl
 
 from . import constants as fmt
 from .bitshuffle import bitshuffle_page, bitshuffle_page_wide
-from .launch import config_meta, interpreting, known_args, launch, launch_known
+from .launch import (
+    config_meta,
+    int_class,
+    interpreting,
+    launch,
+    launch_known,
+    ptr_class,
+)
 
 _NOKEY = tl.constexpr(0x7FFFFFFF)  # no match (a parse key larger than every real one)
 
@@ -704,9 +711,22 @@ def compress_known(pages: torch.Tensor, element_size: int, out: tuple,
     n, page_size = pages.shape
     cfg = compress_config(page_size, element_size)
     args = (pages, *out, *scratch, n)
-    grid = (min(n, _sm_programs(pages.device, cfg.programs_per_sm)),)  # as compress_pages
-    launch_known(_lz4_compress_kernel, grid, pages.device.index, cfg.meta(offset % 8 == 0),
-                 *known_args(args), args)
+    compress_at(pages.device.index, min(n, _sm_programs(pages.device, cfg.programs_per_sm)),
+                n, cfg.meta(offset % 8 == 0), tuple(t.data_ptr() for t in args[:6]), args)
+
+
+def compress_at(index: int, programs: int, n: int, meta, addrs: tuple, args) -> None:
+    """:func:`compress_known` given the addresses ``addrs`` of ``(pages, payload, sizes,
+    kinds, hash tables, shuffle rows)`` on CUDA device ``index``: ``programs`` programs (as
+    :func:`compress_pages` picks them) over ``n`` pages, ``meta`` the settings
+    (``CompressConfig.meta`` of the pages' 8-byte alignment), for the activation store, which
+    cuts a slice's metadata by address; ``args`` (the tensors and ``n``, or a function that
+    makes them) as for ``launch.launch_known``."""
+    pages, payload, sizes, kinds, tabs, shuf = addrs
+    classes = (ptr_class(torch.uint8, pages), ptr_class(torch.uint8, payload),
+               ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds),
+               ptr_class(torch.int32, tabs), ptr_class(torch.uint8, shuf), int_class(n))
+    launch_known(_lz4_compress_kernel, (programs,), index, meta, classes, (*addrs, n), args)
 
 
 def compress_scratch(device: torch.device, cfg: CompressConfig,

@@ -168,6 +168,7 @@ class PagedStore:
         self.uploads = UploadRing(pin=self.arena.pin) if device.type == "cuda" else None
         self.scratch_bytes = 0  # bound on the scratch held at once (reported in stats)
         self._scratches: dict[int, tuple] = {}  # element size -> the compress kernel's scratch
+        self._lz4_launch: dict[int, tuple] = {}  # element size -> (programs, settings)
         self._scratch_held = 0
         self._handed = None  # the event the latest slice's pack waits for (compress stream)
         if device.type == "cuda":
@@ -225,6 +226,18 @@ class PagedStore:
             compress_exp_at(src.device.index, n, p, float_format == "fp16",
                             src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
                             lambda: (_pages(src, first, n, p), payload, sl.sizes, sl.kinds))
+        elif src.is_cuda:
+            from ..kernels.lz4_compress import compress_at
+
+            scratch = self._scratch(src, element_size)
+            programs, meta_of = self._lz4_launch[element_size]
+            # the pages' offset in ``src``'s storage (at its start) decides the shuffle's
+            # load width, as ``compress_known`` reads it from the view
+            compress_at(src.device.index, min(n, programs), n, meta_of[first * p % 8 == 0],
+                        (src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
+                         scratch[0].data_ptr(), scratch[1].data_ptr()),
+                        lambda: (_pages(src, first, n, p), payload, sl.sizes, sl.kinds,
+                                 *scratch, n))
         else:
             scratch = None if float_format else self._scratch(src, element_size)
             _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds),
@@ -280,8 +293,11 @@ class PagedStore:
             from ..kernels.lz4_compress import compress_config, compress_scratch, max_programs
 
             cfg = compress_config(self.page_size, element_size)
-            scratch = compress_scratch(src.device, cfg, max_programs(src.device, cfg))
+            programs = max_programs(src.device, cfg)
+            scratch = compress_scratch(src.device, cfg, programs)
             self._scratches[element_size] = scratch
+            # its launch settings, by the pages' 8-byte alignment (see ``_store_slice``)
+            self._lz4_launch[element_size] = (programs, (cfg.meta(False), cfg.meta(True)))
             self._scratch_held += sum(t.numel() * t.element_size() for t in scratch)
         return scratch
 
