@@ -113,6 +113,14 @@ def _wait(stream, event) -> None:
         stream.wait_event(event)
 
 
+REL, DESC, SIZES, KINDS, SUMS = range(5)  # the parts of a slice's metadata buffer
+
+
+def _part(k: int, doc: str) -> property:
+    """A :class:`_Slice` attribute: part ``k`` of its metadata (:meth:`_Slice.parts`)."""
+    return property(lambda self: self.parts()[k], doc=doc)
+
+
 class _Slice:
     """Pages ``[first, first + n)`` of one stored storage: device metadata for the decoder and
     the placement the pack kernel chose (``base``/``total`` on the host once confirmed).
@@ -144,30 +152,11 @@ class _Slice:
             self._parts = _meta_views(self.meta, self.n, self.checksum)
         return self._parts
 
-    @property
-    def rel(self) -> torch.Tensor:
-        """``int64 [n]``: each page's offset from the slice's base."""
-        return self.parts()[0]
-
-    @property
-    def desc(self) -> torch.Tensor | None:
-        """``int64 [2]`` on the device: ``(base, total)`` as the pack wrote them."""
-        return self.parts()[1]
-
-    @property
-    def sizes(self) -> torch.Tensor:
-        """``int32 [n]``: each page's stored bytes."""
-        return self.parts()[2]
-
-    @property
-    def kinds(self) -> torch.Tensor:
-        """``uint8 [n]``: each page's kind."""
-        return self.parts()[3]
-
-    @property
-    def sums(self) -> torch.Tensor | None:
-        """``int32 [n]`` page checksums (the store's ``checksum``), or None."""
-        return self.parts()[4]
+    rel = _part(0, "``int64 [n]``: each page's offset from the slice's base.")
+    desc = _part(1, "``int64 [2]`` on the device: ``(base, total)`` as the pack wrote them.")
+    sizes = _part(2, "``int32 [n]``: each page's stored bytes.")
+    kinds = _part(3, "``uint8 [n]``: each page's kind.")
+    sums = _part(4, "``int32 [n]`` page checksums (the store's ``checksum``), or None.")
 
     def addr(self, part: int) -> int:
         """The address of part ``part`` of ``meta`` (``REL``, ``DESC``, ``SIZES``, ``KINDS``,
@@ -200,9 +189,6 @@ def slice_meta(sl: _Slice, device: torch.device, stream) -> tuple:
     rel, _, sizes, kinds, sums = _meta_views(sl.meta.to(device, non_blocking=True), sl.n,
                                              sl.checksum)
     return rel, sizes, kinds, sums
-
-
-REL, DESC, SIZES, KINDS, SUMS = range(5)  # the parts of a slice's metadata buffer
 
 
 @functools.lru_cache(maxsize=4096)
