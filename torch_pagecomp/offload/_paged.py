@@ -185,6 +185,10 @@ class PagedStore:
         p, nbytes = self.page_size, src.numel()
         full = nbytes // p
         cs = self.compress_stream
+        if cs is not None and not self.arena.pin:  # before any state changes
+            raise RuntimeError("compressed store: the GPU writes the pages into page-locked "
+                               "host memory, which this process cannot allocate "
+                               "(torch_pagecomp.pools.can_pin() is False)")
         if cs is not None:
             handoff(producer, cs)
         slices = []
@@ -256,12 +260,10 @@ class PagedStore:
             from ..kernels.host_pack import pack_slice_at
 
             # page-locked host memory is read and written at its host address (unified
-            # addressing); the descriptors of an arena that cannot pin go as tensors, which
-            # the launcher refuses
-            host_desc = arena.desc_addr(k) if arena.pin else arena.descs[k]
+            # addressing: the arena's chunk table holds host addresses too)
             pack_slice_at(src.device.index, ps, min(n, self._link_programs), n, p, arena.chunk,
                           (payload.data_ptr(), sizes, rel, arena.state.data_ptr(), desc,
-                           host_desc, arena.table.data_ptr()), arena.table.numel(), parity,
+                           arena.desc_addr(k), arena.table.data_ptr()), arena.table.numel(), parity,
                           limit, lambda: (payload, sl.sizes, sl.rel, arena.state, sl.desc,
                                           arena.descs[k], arena.table, n, parity, limit))
         else:
