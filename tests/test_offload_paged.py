@@ -646,6 +646,45 @@ def test_group_of_both_codecs(gen, checksum, monkeypatch):
     assert store.arena.used == 0
 
 
+@interpreter
+def test_placed_restore_by_address_launches_what_its_tensors_would(gen, monkeypatch):
+    """The GPU's by-address batched restore, run on the CPU: its gather and decoders are given
+    addresses into one work buffer and the upload ring (here: an uploaded table) and tensors
+    only to compile; each launch's classes and values are those of the tensors it would make,
+    and run with them (the interpreter), the restore is exact for both codecs."""
+    from torch_pagecomp.kernels import launch as L
+    from torch_pagecomp.kernels import lz4_decompress, row_table
+    from torch_pagecomp.offload import _paged_group
+
+    launches = []
+
+    def run(kernel, grid, index, meta, classes, values, args, stream=None):
+        args = args() if callable(args) else args
+        assert classes == tuple(L._arg_class(a) for a in args)
+        assert all(v == (a.data_ptr() if isinstance(a, torch.Tensor) else a)
+                   for v, a in zip(values, args))
+        launches.append(kernel)
+        L.launch(kernel, grid, torch.device("cpu"), args, meta, traced=False)
+
+    monkeypatch.setattr(row_table, "launch_known", run)
+    monkeypatch.setattr(lz4_decompress, "launch_known", run)
+    stream = object()  # any stream: the by-address path runs, its statuses are kept
+    monkeypatch.setattr(_paged_group, "_launch_stream", lambda dev: stream)
+    store = _store("cpu")
+    spec = [(5, "bf16"), (3, "small"), (2, "bf16"), (6, "noise")]
+    srcs = [_data(gen, n * P, kind) for n, kind in spec]
+    stored = [store.offload(s, 2 if kind == "bf16" else 1,
+                            float_format="bf16" if kind == "bf16" else None)
+              for s, (_, kind) in zip(srcs, spec)]
+    order = [3, 0, 2, 1]
+    outs = [torch.full_like(srcs[i], POISON) for i in order]
+    assert _paged_group.restore_placed(store, [stored[i] for i in order], outs)
+    assert all(torch.equal(o, srcs[i]) for o, i in zip(outs, order))
+    assert len(launches) == 4  # the gather, then LZ4's pair of decoders and the exponent one
+    statuses = store._statuses.pop(stream)
+    assert len(statuses) == 1 and not statuses[0].any()
+
+
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=interpreter),
     pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))])

@@ -212,7 +212,7 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
                     raise _paged.SliceNotStored(sl.n)
                 order.append((sl, row + sl.first * p, exp))
     dev = outs[0].device
-    stream = current_stream(dev) if dev.type == "cuda" else None
+    stream = _launch_stream(dev)
     # staging in arena order: slices stored one after another lie next to each other there
     shifts, runs, staged = {}, [], 0
     for sl, _, _ in sorted(order, key=lambda o: o[0].base):
@@ -252,6 +252,12 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     if stream is None:
         arena.confirm()
     return True
+
+
+def _launch_stream(device: torch.device):
+    """The stream :func:`restore_placed` launches on by address: the current one on CUDA;
+    None on the CPU, where it launches the checked launchers on views instead."""
+    return current_stream(device) if device.type == "cuda" else None
 
 
 def _work_bytes(pages: int) -> int:
