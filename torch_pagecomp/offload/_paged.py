@@ -224,28 +224,7 @@ class PagedStore:
         m = meta.data_ptr()
         rel, desc, sizes, kinds, _ = (m + o if o is not None else None
                                       for o in _meta_offsets(n, self.checksum))
-        if src.is_cuda and float_format:
-            from ..kernels.exp_codec import compress_exp_at
-
-            compress_exp_at(src.device.index, n, p, float_format == "fp16",
-                            src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
-                            lambda: (_pages(src, first, n, p), payload, sl.sizes, sl.kinds))
-        elif src.is_cuda:
-            from ..kernels.lz4_compress import compress_at
-
-            scratch = self._scratch(src, element_size)
-            programs, meta_of = self._lz4_launch[element_size]
-            # the pages' offset in ``src``'s storage (at its start) decides the shuffle's
-            # load width, as ``compress_known`` reads it from the view
-            compress_at(src.device.index, min(n, programs), n, meta_of[first * p % 8 == 0],
-                        (src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
-                         scratch[0].data_ptr(), scratch[1].data_ptr()),
-                        lambda: (_pages(src, first, n, p), payload, sl.sizes, sl.kinds,
-                                 *scratch, n))
-        else:
-            scratch = None if float_format else self._scratch(src, element_size)
-            _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds),
-                      scratch, float_format)
+        self._compress_slice(src, sl, payload, (sizes, kinds), element_size, float_format)
         if self.checksum:
             _checksums(_pages(src, first, n, p), sl.sums)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
@@ -284,6 +263,36 @@ class PagedStore:
         sl.host_desc, sl.stored, sl.host_meta = k, stored, host_meta
         arena.add(sl, n * p)
         return sl
+
+    def _compress_slice(self, src, sl: _Slice, payload, addrs: tuple, element_size: int,
+                        float_format: str | None) -> None:
+        """Compress ``sl``'s pages of ``src`` into ``payload`` and ``sl``'s sizes and kinds
+        (at ``addrs``) on the current stream: on the GPU the exponent codec's or LZ4's kernel
+        by address; on the CPU the ops' reference path."""
+        first, n, p = sl.first, sl.n, self.page_size
+        sizes, kinds = addrs
+        if src.is_cuda and float_format:
+            from ..kernels.exp_codec import compress_exp_at
+
+            compress_exp_at(src.device.index, n, p, float_format == "fp16",
+                            src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
+                            lambda: (_pages(src, first, n, p), payload, sl.sizes, sl.kinds))
+        elif src.is_cuda:
+            from ..kernels.lz4_compress import compress_at
+
+            scratch = self._scratch(src, element_size)
+            programs, meta_of = self._lz4_launch[element_size]
+            # the pages' offset in ``src``'s storage (at its start) decides the shuffle's
+            # load width, as ``compress_known`` reads it from the view
+            compress_at(src.device.index, min(n, programs), n, meta_of[first * p % 8 == 0],
+                        (src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
+                         scratch[0].data_ptr(), scratch[1].data_ptr()),
+                        lambda: (_pages(src, first, n, p), payload, sl.sizes, sl.kinds,
+                                 *scratch, n))
+        else:
+            scratch = None if float_format else self._scratch(src, element_size)
+            _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds),
+                      scratch, float_format)
 
     def _scratch(self, src: torch.Tensor, element_size: int):
         """The compress kernel's working memory for ``element_size`` (on the GPU: kept for the
