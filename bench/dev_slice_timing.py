@@ -6,8 +6,11 @@ the next one is stored, the GPU synchronised every 16 calls): the median host us
 as it is, then with ``perf_counter_ns`` marks between the steps of ``PagedStore._store_slice``
 (a copy of its GPU path with marks: keep the two in step when the store changes) and each
 step's median, then the host us of a few primitives on their own (an empty CUDA tensor, a
-view, an event's record, a stream wait, ``record_stream``). ``--plain``: the unmarked call
-only, so the probe can time another tree's package (an A/B of the store's host path)."""
+view, an event's record, a stream wait, ``record_stream``). The marked copy runs twice: as the
+store is, and with the payload held until the compress stream has waited for its pack instead
+of ``record_stream`` (an experiment for the payload's allocation cost). ``--plain``: the
+unmarked call only, so the probe can time another tree's package (an A/B of the store's host
+path)."""
 
 from __future__ import annotations
 
@@ -21,8 +24,11 @@ import torch
 from bench.corpora import build_corpus
 
 
-def _timed_store_slice(store_mod, marks):
-    """A copy of ``PagedStore._store_slice``'s GPU path with a mark after each step."""
+def _timed_store_slice(store_mod, marks, hold: bool = False):
+    """A copy of ``PagedStore._store_slice``'s GPU path with a mark after each step. ``hold``:
+    the experiment of not calling ``record_stream`` on the payload (the allocator then records
+    and polls an event per freed payload) and instead keeping it until the compress stream has
+    waited for its pack, in the store's bounded queue of packs."""
     from torch_pagecomp._events import mark
     from torch_pagecomp.kernels.exp_codec import compress_exp_at
     from torch_pagecomp.kernels.host_pack import pack_slice_at
@@ -34,7 +40,9 @@ def _timed_store_slice(store_mod, marks):
         t = [clock()]
         p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
         if len(self._packed) >= store_mod.SCRATCH_SLICES:
-            _wait(cs, self._packed.popleft())
+            done = self._packed.popleft()  # with ``hold``: (event, payload), freed after this
+            _wait(cs, done[0] if isinstance(done, tuple) else done)
+            del done
         t.append(clock())
         payload = torch.empty((n, p), dtype=torch.uint8, device=src.device)
         t.append(clock())
@@ -78,16 +86,17 @@ def _timed_store_slice(store_mod, marks):
         t.append(clock())
         stored = mark(ps)
         t.append(clock())
-        payload.record_stream(ps)
+        if not hold:
+            payload.record_stream(ps)
         meta.record_stream(ps)
         t.append(clock())
-        self._packed.append(stored)
+        self._packed.append((stored, payload) if hold else stored)
         sl.host_desc, sl.stored = k, stored
         arena.add(sl, n * p)
         t.append(clock())
         names = ("wait scratch", "payload empty", "meta empty + slice", "meta addresses",
                  "compress launch", "hand-off", "host_desc", "arena.back", "pack launch",
-                 "mark", "record_stream x2", "add")
+                 "mark", "record_stream x2 (x1 held)", "add")
         for name, a, b in zip(names, t, t[1:]):
             marks[name].append((b - a) / 1e3)
         return sl
@@ -134,7 +143,6 @@ def main() -> None:
     from torch_pagecomp.offload._paged import PagedStore
 
     dev = torch.device("cuda")
-    marks: dict[str, list[float]] = collections.defaultdict(list)
     store = PagedStore(dev, 4096, tuple(torch.cuda.Stream(device=dev) for _ in range(3)))
     x = build_corpus("bf16-relu", a.kib << 10, 4096, dev, seed=1).reshape(-1)
     def offload_us(fmt) -> float:
@@ -160,18 +168,25 @@ def main() -> None:
             print(f"== PagedStore.offload of {a.kib} KiB, {fmt or 'lz4'}: {plain:.1f} us "
                   "median host time per call")
             continue
-        marks.clear()
-        original = PagedStore._store_slice
-        PagedStore._store_slice = _timed_store_slice(_paged, marks)
-        try:
-            marked = offload_us(fmt)
-        finally:
-            PagedStore._store_slice = original
+        runs = {}  # hold -> (marked call us, marks)
+        for hold in (False, True):
+            marks = collections.defaultdict(list)
+            original = PagedStore._store_slice
+            PagedStore._store_slice = _timed_store_slice(_paged, marks, hold)
+            try:
+                runs[hold] = (offload_us(fmt), marks)
+            finally:
+                PagedStore._store_slice = original
+                # the held payloads go (the store's own queue holds events only)
+                store._packed = collections.deque(e[0] if isinstance(e, tuple) else e
+                                                  for e in store._packed)
         print(f"== PagedStore.offload of {a.kib} KiB, {fmt or 'lz4'}: {plain:.1f} us median "
-              f"host time per call ({marked:.1f} with the marks)")
-        print("| step of _store_slice | median us |\n|---|---|")
-        for name, v in marks.items():
-            print(f"| {name} | {statistics.median(v[10:]):.1f} |")
+              f"host time per call ({runs[False][0]:.1f} with the marks, {runs[True][0]:.1f} "
+              "with the payload held instead of record_stream)")
+        print("| step of _store_slice | median us | payload held |\n|---|---|---|")
+        for name, v in runs[False][1].items():
+            print(f"| {name} | {statistics.median(v[10:]):.1f} | "
+                  f"{statistics.median(runs[True][1][name][10:]):.1f} |")
     store.close()
     print("== primitives, median host us\n| call | us |\n|---|---|")
     print("\n".join(primitives(dev, a.calls)))
