@@ -1,5 +1,5 @@
-"""The activation store's known-classes launchers (``*_known``) launch exactly what the kernels'
-own launchers launch: the same kernel, grid, settings object and arguments, with the argument
+"""The activation store's known-classes launchers (``*_known``, and ``*_at``, which take
+addresses) launch exactly what the kernels' own launchers launch: the same kernel, grid, settings object and arguments, with the argument
 classes the direct path would compute (``launch._arg_class``), so a cached compiled kernel is
 only ever reused for the arguments it was compiled for. On the CPU both sides are captured
 instead of launched; the GPU tests run them for real."""
@@ -61,17 +61,18 @@ def _tensors(gen, n, offset=0):
 
 @pytest.mark.parametrize("offset", [0, 16, 8])  # aligned, and views the class tells apart
 @pytest.mark.parametrize("fp16", [False, True])
-def test_compress_exp_known(monkeypatch, gen, fp16, offset, interpret):
+def test_compress_exp_at(monkeypatch, gen, fp16, offset, interpret):
     pages, out = _tensors(gen, 5, offset)
     usual, known = _capture(monkeypatch, [X], interpret)
     X.compress_exp_pages(pages, fp16, traced=False, out=out)
-    X.compress_exp_known(pages, out, fp16)
+    X.compress_exp_at(pages.device.index, 5, P, fp16, pages.data_ptr(),
+                      *(t.data_ptr() for t in out), (pages, *out))
     _same(usual, known)
 
 
 @pytest.mark.parametrize("n", [1, 16, 37])
 @pytest.mark.parametrize("element_size", [1, 2, 4])
-def test_compress_known(monkeypatch, gen, n, element_size, interpret):
+def test_compress_at(monkeypatch, gen, n, element_size, interpret):
     monkeypatch.setattr(C, "_sm_count", lambda index: 7)  # as if on a 7-SM GPU
     monkeypatch.setattr(C, "_sm_programs", lambda device, k: 3 if interpret else 7 * k)
     pages, out = _tensors(gen, n, 8)  # 8-aligned: the narrow shuffle setting
@@ -79,12 +80,16 @@ def test_compress_known(monkeypatch, gen, n, element_size, interpret):
     scratch = C.compress_scratch(torch.device("cpu"), cfg, C.max_programs(None, cfg))
     usual, known = _capture(monkeypatch, [C], interpret)
     C.compress_pages(pages, element_size, traced=False, out=out, scratch=scratch)
-    C.compress_known(pages, element_size, out, scratch)
+    programs, metas = C.known_settings(pages.device, cfg)  # as the activation store keeps
+    args = (pages, *out, *scratch)
+    C.compress_at(pages.device.index, min(n, programs), n,
+                  metas[pages.storage_offset() % 8 == 0], tuple(t.data_ptr() for t in args),
+                  lambda: (*args, n))
     _same(usual, known)
 
 
 @pytest.mark.parametrize("parity, limit", [(0, 64 << 20), (1, 5 << 30)])
-def test_pack_slice_known(monkeypatch, gen, parity, limit, interpret):
+def test_pack_slice_at(monkeypatch, gen, parity, limit, interpret):
     payload, (_, sizes, _) = _tensors(gen, 3)
     rel, ends, desc = (torch.empty(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
                        torch.empty(2, dtype=torch.int64))
@@ -92,7 +97,10 @@ def test_pack_slice_known(monkeypatch, gen, parity, limit, interpret):
     usual, known = _capture(monkeypatch, [H], interpret)
     args = (payload, sizes, rel, ends, parity, limit, desc, host_desc, table, 64 << 20)
     H.pack_slice(*args)
-    H.pack_slice_known(*args)
+    tensors = (payload, sizes, rel, ends, desc, host_desc, table)
+    H.pack_slice_at(payload.device.index, None, min(3, H.link_programs(payload.device)), 3, P,
+                    64 << 20, tuple(t.data_ptr() for t in tensors), table.numel(), parity,
+                    limit, tensors + (3, parity, limit))
     _same(usual, known)
 
 
@@ -106,13 +114,14 @@ def test_fill_row_table_known(monkeypatch, stride, interpret):
     _same(usual, known)
 
 
-def test_gather_slice_meta_known(monkeypatch, interpret):
+def test_gather_slice_meta_at(monkeypatch, interpret):
     desc = torch.zeros((R.SLICE_DESC_ROWS, 3), dtype=torch.int64)
     outs = (torch.empty(40, dtype=torch.int64), torch.empty(40, dtype=torch.int32),
             torch.empty(40, dtype=torch.uint8), torch.empty(40, dtype=torch.int64))
     usual, known = _capture(monkeypatch, [R], interpret)
     R.gather_slice_meta(desc, *outs, P, 2100, traced=False)
-    R.gather_slice_meta_known(desc, *outs, P, 2100)
+    R.gather_slice_meta_at(None, 3, 2100, P, tuple(t.data_ptr() for t in (desc, *outs)),
+                           (desc, *outs, 3))
     _same(usual, known)
 
 

@@ -367,12 +367,11 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
     i = _rows(CHUNK)
     if CHUNK == N:
         v = _load_values(src, i, src_aligned)
+        e, _, _ = _split(v, FP16)
         if FP16:  # 32 exponents: all of them counted
-            e, _, _ = _split(v, FP16)
             counts = tl.histogram(tl.reshape(e, (CHUNK,)), 32)
             k0, k1, k2, k3, k4, k5, k6 = _top7(counts * 256 + (255 - tl.arange(0, 32)))
         else:
-            e, _, _ = _split(v, FP16)
             bin_of, lo = _window_bins(e)
             k0, k1, k2, k3, k4, k5, k6, by_bin, windowed = _window_table(bin_of, lo, src,
                                                                          src_aligned, PAGE, CHUNK)
@@ -456,24 +455,13 @@ def compress_exp_pages(pages: torch.Tensor, fp16: bool, traced: bool = True,
     return payload, sizes, kinds
 
 
-def compress_exp_known(pages: torch.Tensor, out: tuple, fp16: bool) -> None:
-    """:func:`compress_exp_pages` (``traced=False``) for the activation store's hot path:
-    ``pages`` ``uint8 [N, P]`` (``N >= 1``, rows contiguous, on the current CUDA device) into
-    ``out`` (``payload uint8 [N, P]``, ``sizes int32 [N]``, ``kinds uint8 [N]``), without the
-    launcher's checks, which the store's own arguments always pass
-    (``launch.launch_known``)."""
-    n, page_size = pages.shape
-    payload, sizes, kinds = out
-    compress_exp_at(pages.device.index, n, page_size, fp16, pages.data_ptr(),
-                    payload.data_ptr(), sizes.data_ptr(), kinds.data_ptr(), (pages, *out))
-
-
 def compress_exp_at(index: int, n: int, page_size: int, fp16: bool, pages: int, payload: int,
                     sizes: int, kinds: int, args) -> None:
-    """:func:`compress_exp_known` given the tensors' addresses on CUDA device ``index``
-    (``N = n`` pages of ``page_size`` bytes), for a caller that has them without the tensors
-    (the activation store cuts its metadata buffer by address); ``args``: the tensors (or a
-    function that makes them), used only when the launch goes the usual way."""
+    """:func:`compress_exp_pages` (``traced=False``) of ``n`` pages of ``page_size`` bytes
+    (rows contiguous) on CUDA device ``index``, given the addresses of ``pages`` and of the
+    outputs ``payload``, ``sizes``, ``kinds``, without its checks: for the activation store,
+    which cuts its metadata buffer by address; ``args``: the tensors (or a function that
+    makes them), used only when the launch goes the usual way (``launch.launch_known``)."""
     classes = (ptr_class(torch.uint8, pages), ptr_class(torch.uint8, payload),
                ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds))
     launch_known(_exp_encode_kernel, (n,), index,

@@ -184,28 +184,15 @@ def pack_slice(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
            _pack_meta(page_size, chunk_bytes, table.numel()), traced=False)
 
 
-def pack_slice_known(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
-                     ends: torch.Tensor, parity: int, limit: int, desc: torch.Tensor,
-                     host_desc: torch.Tensor, table: torch.Tensor, chunk_bytes: int) -> None:
-    """:func:`pack_slice` for the activation store's hot path (``N >= 1``, CUDA tensors on the
-    current device, ``table`` and ``host_desc`` as the arena keeps them), without its checks
-    (``launch.launch_known``)."""
-    n, page_size = payload.shape
-    args = (payload, sizes, rel, ends, desc, host_desc, table)
-    pack_slice_at(payload.device.index, None, min(n, link_programs(payload.device)), n,
-                  page_size, chunk_bytes, tuple(a.data_ptr() for a in args), table.numel(),
-                  parity, limit, args + (n, parity, limit))
-
-
 def pack_slice_at(index: int, stream, programs: int, n: int, page_size: int, chunk_bytes: int,
                   addrs: tuple, table_len: int, parity: int, limit: int, args) -> None:
-    """:func:`pack_slice_known` given the addresses ``addrs`` of ``(payload, sizes, rel,
-    ends, desc, host_desc, table)`` on CUDA device ``index`` (``table`` of ``table_len``
-    entries; the device reads page-locked host memory at its host address), on ``stream`` (a
-    ``torch.cuda.Stream``, or None: the current one) with ``programs`` programs (at most
-    :func:`link_programs`, at most ``n``). For the activation store, which cuts a
-    slice's metadata by address; ``args`` (the tensors, or a function that makes them) as for
-    ``launch.launch_known``."""
+    """:func:`pack_slice` without its checks (``launch.launch_known``), given the addresses
+    ``addrs`` of ``(payload, sizes, rel, ends, desc, host_desc, table)`` on CUDA device
+    ``index`` (``table`` of ``table_len`` entries; the device reads page-locked host memory at
+    its host address), on ``stream`` (a ``torch.cuda.Stream``, or None: the current one) with
+    ``programs`` programs (at most :func:`link_programs`, at most ``n``). For the activation
+    store, which cuts a slice's metadata by address; ``args`` (the tensors, or a function that
+    makes them) as for ``launch.launch_known``."""
     payload, sizes, rel, ends, desc, host_desc, table = addrs
     classes = (ptr_class(torch.uint8, payload), ptr_class(torch.int32, sizes),
                ptr_class(torch.int64, rel), ptr_class(torch.int64, ends),

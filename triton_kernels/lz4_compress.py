@@ -697,31 +697,21 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def compress_known(pages: torch.Tensor, element_size: int, out: tuple,
-                   scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """:func:`compress_pages` (``traced=False``) for the activation store's hot path: ``pages``
-    ``uint8 [N, P]`` (``N >= 1``, rows contiguous, on the current CUDA device) into ``out``
-    with ``scratch`` (:func:`compress_scratch` for :func:`max_programs` programs), without
-    the launcher's checks, which the store's own arguments always pass (a view that is not
-    4-byte aligned goes through :func:`compress_pages`, which copies it)."""
-    offset = pages.storage_offset()
-    if offset % 4:
-        compress_pages(pages, element_size, traced=False, out=out, scratch=scratch)
-        return
-    n, page_size = pages.shape
-    cfg = compress_config(page_size, element_size)
-    args = (pages, *out, *scratch, n)
-    compress_at(pages.device.index, min(n, _sm_programs(pages.device, cfg.programs_per_sm)),
-                n, cfg.meta(offset % 8 == 0), tuple(t.data_ptr() for t in args[:6]), args)
+def known_settings(device: torch.device, cfg: CompressConfig) -> tuple[int, tuple]:
+    """``(programs, (settings of narrow rows, of 8-byte aligned rows))``: the most programs
+    and the launch settings :func:`compress_pages` uses for ``cfg`` on ``device``, by the pages'
+    storage offset modulo 8, for :func:`compress_at` (the activation store keeps them beside
+    its scratch)."""
+    return _sm_programs(device, cfg.programs_per_sm), (cfg.meta(False), cfg.meta(True))
 
 
 def compress_at(index: int, programs: int, n: int, meta, addrs: tuple, args) -> None:
-    """:func:`compress_known` given the addresses ``addrs`` of ``(pages, payload, sizes,
-    kinds, hash tables, shuffle rows)`` on CUDA device ``index``: ``programs`` programs (as
-    :func:`compress_pages` picks them) over ``n`` pages, ``meta`` the settings
-    (``CompressConfig.meta`` of the pages' 8-byte alignment), for the activation store, which
-    cuts a slice's metadata by address; ``args`` (the tensors and ``n``, or a function that
-    makes them) as for ``launch.launch_known``."""
+    """:func:`compress_pages` (``traced=False``) of ``n`` pages (storage offset a multiple of
+    4) given the addresses ``addrs`` of ``(pages, payload, sizes, kinds, hash tables, shuffle
+    rows)`` on CUDA device ``index``, without its checks: ``programs`` programs and ``meta``
+    as :func:`known_settings` gives them, for the activation store, which cuts a slice's
+    metadata by address; ``args`` (the tensors and ``n``, or a function that makes them) as
+    for ``launch.launch_known``."""
     pages, payload, sizes, kinds, tabs, shuf = addrs
     classes = (ptr_class(torch.uint8, pages), ptr_class(torch.uint8, payload),
                ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds),

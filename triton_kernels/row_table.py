@@ -120,22 +120,12 @@ def gather_slice_meta(desc: torch.Tensor, offsets: torch.Tensor, sizes: torch.Te
            args, _slice_meta(page_size), traced)
 
 
-def gather_slice_meta_known(desc: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
-                            kinds: torch.Tensor, rows: torch.Tensor, page_size: int,
-                            most_pages: int) -> None:
-    """:func:`gather_slice_meta` (``traced=False``) for the activation store's hot path:
-    ``desc`` contiguous with ``K >= 1`` slices, on ``rows``' CUDA device (the current one) or
-    in page-locked host memory, ``most_pages >= 1``; without the checks."""
-    args = (desc, offsets, sizes, kinds, rows, desc.shape[1])
-    gather_slice_meta_at(rows.device.index, desc.shape[1], most_pages, page_size,
-                         tuple(t.data_ptr() for t in args[:5]), args)
-
-
 def gather_slice_meta_at(index: int, slices: int, most_pages: int, page_size: int,
                          addrs: tuple, args) -> None:
-    """:func:`gather_slice_meta_known` given the addresses ``addrs`` of ``(desc, offsets,
-    sizes, kinds, rows)`` on CUDA device ``index`` (``desc`` of ``slices`` columns, read at
-    its host address when in page-locked memory); ``args`` (the tensors and ``slices``, or a
+    """:func:`gather_slice_meta` (``traced=False``) without its checks (``K = slices >= 1``,
+    ``most_pages >= 1``; ``launch.launch_known``), given the addresses ``addrs`` of ``(desc,
+    offsets, sizes, kinds, rows)`` on CUDA device ``index`` (``desc`` read at its host address
+    when in page-locked memory); ``args`` (the tensors and ``slices``, or a
     function that makes them) as for ``launch.launch_known``."""
     desc, offsets, sizes, kinds, rows = addrs
     classes = (ptr_class(torch.int64, desc), ptr_class(torch.int64, offsets),

@@ -152,11 +152,11 @@ class _Slice:
             self._parts = _meta_views(self.meta, self.n, self.checksum)
         return self._parts
 
-    rel = _part(0, "``int64 [n]``: each page's offset from the slice's base.")
-    desc = _part(1, "``int64 [2]`` on the device: ``(base, total)`` as the pack wrote them.")
-    sizes = _part(2, "``int32 [n]``: each page's stored bytes.")
-    kinds = _part(3, "``uint8 [n]``: each page's kind.")
-    sums = _part(4, "``int32 [n]`` page checksums (the store's ``checksum``), or None.")
+    rel = _part(REL, "``int64 [n]``: each page's offset from the slice's base.")
+    desc = _part(DESC, "``int64 [2]`` on the device: ``(base, total)`` as the pack wrote them.")
+    sizes = _part(SIZES, "``int32 [n]``: each page's stored bytes.")
+    kinds = _part(KINDS, "``uint8 [n]``: each page's kind.")
+    sums = _part(SUMS, "``int32 [n]`` page checksums (the store's ``checksum``), or None.")
 
     def addr(self, part: int) -> int:
         """The address of part ``part`` of ``meta`` (``REL``, ``DESC``, ``SIZES``, ``KINDS``,
@@ -204,11 +204,10 @@ def _meta_views(buf: torch.Tensor, n: int, checksum: bool) -> tuple:
     """``(rel int64 [n], desc int64 [2], sizes int32 [n], kinds uint8 [n], sums int32 [n] or
     None)``: the parts of a slice's metadata buffer (:func:`_meta_bytes`), cut by one
     ``split_with_sizes`` (a slice per part cost the hooks ~20 us a stored tensor)."""
-    a = _align16(8 * n)
-    b = a + 16 + _align16(4 * n)
-    cuts = [8 * n, a - 8 * n, 16, 4 * n, b - a - 16 - 4 * n, n]
+    rel, desc, sizes, kinds, sums = _meta_offsets(n, checksum)
+    cuts = [8 * n, desc - 8 * n, 16, 4 * n, kinds - sizes - 4 * n, n]
     if checksum:
-        cuts += [_align16(n) - n, 4 * n]
+        cuts += [sums - kinds - n, 4 * n]
     parts = buf.split_with_sizes(cuts)
     return (parts[0].view(torch.int64), parts[2].view(torch.int64), parts[3].view(torch.int32),
             parts[5], parts[7].view(torch.int32) if checksum else None)

@@ -283,32 +283,28 @@ class PagedStore:
             scratch = self._scratch(src, element_size)
             programs, meta_of = self._lz4_launch[element_size]
             # the pages' offset in ``src``'s storage (at its start) decides the shuffle's
-            # load width, as ``compress_known`` reads it from the view
+            # load width, as ``compress_pages`` reads it from a view
             compress_at(src.device.index, min(n, programs), n, meta_of[first * p % 8 == 0],
                         (src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
                          scratch[0].data_ptr(), scratch[1].data_ptr()),
                         lambda: (_pages(src, first, n, p), payload, sl.sizes, sl.kinds,
                                  *scratch, n))
         else:
-            scratch = None if float_format else self._scratch(src, element_size)
             _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds),
-                      scratch, float_format)
+                      float_format)
 
     def _scratch(self, src: torch.Tensor, element_size: int):
-        """The compress kernel's working memory for ``element_size`` (on the GPU: kept for the
-        store's life, used on its compress stream only, so launches reuse it in order)."""
-        if not src.is_cuda:
-            return None
+        """The GPU compress kernel's working memory for ``element_size`` (kept for the store's
+        life, used on its compress stream only, so launches reuse it in order)."""
         scratch = self._scratches.get(element_size)
         if scratch is None:
-            from ..kernels.lz4_compress import compress_config, compress_scratch, max_programs
+            from ..kernels.lz4_compress import compress_config, compress_scratch, known_settings
 
             cfg = compress_config(self.page_size, element_size)
-            programs = max_programs(src.device, cfg)
-            scratch = compress_scratch(src.device, cfg, programs)
+            # its launch settings beside it: programs, and the settings by 8-byte alignment
+            self._lz4_launch[element_size] = known_settings(src.device, cfg)
+            scratch = compress_scratch(src.device, cfg, self._lz4_launch[element_size][0])
             self._scratches[element_size] = scratch
-            # its launch settings, by the pages' 8-byte alignment (see ``_store_slice``)
-            self._lz4_launch[element_size] = (programs, (cfg.meta(False), cfg.meta(True)))
             self._scratch_held += sum(t.numel() * t.element_size() for t in scratch)
         return scratch
 
@@ -468,23 +464,11 @@ def copy_pieces(dst: torch.Tensor, pieces: list[tuple]) -> None:
         dst[at:at + view.numel()].copy_(view, non_blocking=True)
 
 
-def _compress(pages: torch.Tensor, element_size: int, out: tuple, scratch,
+def _compress(pages: torch.Tensor, element_size: int, out: tuple,
               float_format: str | None = None) -> None:
-    """``pagecomp.compress`` (or with ``float_format``, ``pagecomp.compress_exp``) of pages the
-    store cut itself into ``out`` (``payload, sizes, kinds``): on the GPU the kernel is
-    launched by its known-classes launcher (the op's and the launcher's argument checks cost
-    host time per slice and cannot fail here); on the CPU (tests, under the interpreter) the
-    op's reference path."""
-    if pages.is_cuda:
-        if float_format:
-            from ..kernels.exp_codec import compress_exp_known
-
-            compress_exp_known(pages, out, float_format == "fp16")
-            return
-        from ..kernels.lz4_compress import compress_known
-
-        compress_known(pages, element_size, out, scratch)
-        return
+    """``pagecomp.compress`` (or with ``float_format``, ``pagecomp.compress_exp``) of CPU pages
+    the store cut itself into ``out`` (``payload, sizes, kinds``): the op's reference path (on
+    the GPU the store launches the kernels by address: ``PagedStore._compress_slice``)."""
     got = _ops.compress_codec_eager(pages, element_size, float_format)
     for dst, res in zip(out, got):
         dst.copy_(res)

@@ -260,30 +260,35 @@ def _launch_stream(device: torch.device):
     return current_stream(device) if device.type == "cuda" else None
 
 
+def _work_offsets(pages: int) -> tuple:
+    """Byte offsets of ``(offsets int64, rows int64, sizes int32, kinds uint8)`` of ``pages``
+    pages in a batched restore's work buffer, each part 16-byte aligned."""
+    a8 = _arena._align16(8 * pages)
+    return 0, a8, 2 * a8, 2 * a8 + _arena._align16(4 * pages)
+
+
 def _work_bytes(pages: int) -> int:
-    """Bytes of a batched restore's work buffer: ``offsets int64 | rows int64 | sizes int32 |
-    kinds uint8`` of ``pages`` pages, each part 16-byte aligned."""
-    return 2 * _arena._align16(8 * pages) + _arena._align16(4 * pages) + pages
+    """Bytes of a batched restore's work buffer (:func:`_work_offsets`)."""
+    return _work_offsets(pages)[3] + pages
 
 
 def _work_views(work: torch.Tensor, pages: int) -> tuple:
-    """``(offsets, rows, sizes, kinds)``: the parts of a work buffer (:func:`_work_bytes`)."""
-    a8, a4 = _arena._align16(8 * pages), _arena._align16(4 * pages)
-    return (work[:8 * pages].view(torch.int64), work[a8:a8 + 8 * pages].view(torch.int64),
-            work[2 * a8:2 * a8 + 4 * pages].view(torch.int32),
-            work[2 * a8 + a4:2 * a8 + a4 + pages])
+    """``(offsets, rows, sizes, kinds)``: the parts of a work buffer (:func:`_work_offsets`)."""
+    o, r, s, k = _work_offsets(pages)
+    return (work[o:o + 8 * pages].view(torch.int64), work[r:r + 8 * pages].view(torch.int64),
+            work[s:s + 4 * pages].view(torch.int32), work[k:k + pages])
 
 
 def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, work: torch.Tensor,
-                          status: torch.Tensor, sizes: tuple, stream) -> None:
+                          status: torch.Tensor, counts: tuple, stream) -> None:
     """:func:`restore_placed`'s launches on the GPU, by address: the slices' table ``cols``
     into the upload ring, the metadata gathered into ``work`` (:func:`_work_bytes`), then one
-    decode per codec from ``staging`` into the rows, statuses into ``status``. ``sizes``:
+    decode per codec from ``staging`` into the rows, statuses into ``status``. ``counts``:
     ``(page size, most pages of a slice, LZ4 pages)``; the LZ4 slices' pages come first.
     Tensors are made only for a launch that goes the usual way (its first, to compile)."""
     from ..kernels.row_table import gather_slice_meta_at
 
-    p, most, lz4_pages = sizes
+    p, most, lz4_pages = counts
     pages, index = status.numel(), status.device.index
     table = store.uploads.put_addr(cols, stream) if store.uploads is not None else None
     uploaded = None
@@ -291,8 +296,7 @@ def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, work: torch.
         uploaded = _paged.upload_table(cols, status.device, None)
         table = uploaded.data_ptr()
     w = work.data_ptr()
-    a8, a4 = _arena._align16(8 * pages), _arena._align16(4 * pages)
-    offs, rows, szs, kds = w, w + a8, w + 2 * a8, w + 2 * a8 + a4
+    offs, rows, szs, kds = (w + o for o in _work_offsets(pages))
 
     def gather_args():
         desc = (uploaded if uploaded is not None
