@@ -1,8 +1,9 @@
 """The activation store's known-classes launchers (``*_known``, and ``*_at``, which take
-addresses) launch exactly what the kernels' own launchers launch: the same kernel, grid, settings object and arguments, with the argument
-classes the direct path would compute (``launch._arg_class``), so a cached compiled kernel is
-only ever reused for the arguments it was compiled for. On the CPU both sides are captured
-instead of launched; the GPU tests run them for real."""
+addresses) launch exactly what the kernels' own launchers launch: the same kernel, grid,
+settings object and arguments, with the argument classes the direct path would compute
+(``launch._arg_class``), so a cached compiled kernel is only ever reused for the arguments it
+was compiled for. On the CPU both sides are captured instead of launched; the GPU tests run
+them for real."""
 
 import pytest
 import torch
