@@ -1,7 +1,7 @@
 """``compress(..., out=)`` and ``decompress(..., out=)``: the caller's tensors are written in
-place (the kernels' own launch path on the GPU and under the interpreter, a copy on the
-lz4 host path), with the same bytes as a call that allocates, and bad outputs refused with
-the problem named."""
+place (the kernels' own launch path on the GPU and under the interpreter, the C loops on the
+host path; a copy only where no C loop runs), with the same bytes as a call that allocates, and
+bad outputs refused with the problem named."""
 
 import pytest
 import torch
@@ -85,6 +85,49 @@ def test_decompress_into_out_writes_it(gen, backend, codec, element_size, make, 
         out.fill_(POISON)
         got, status = pc.decompress(cc, return_status=True, backend=backend, out=out)
         assert got is out and torch.equal(out, pages) and not status.any()
+
+
+@pytest.mark.parametrize("loops", ["native", "python"])
+@pytest.mark.parametrize("codec, element_size, make, checksum", CASES)
+def test_host_path_writes_out_in_place(gen, monkeypatch, loops, codec, element_size, make,
+                                       checksum):
+    """On the host, ``out`` is where the codec writes: with the C loops no pooled output is
+    taken (its pool refuses here) and nothing is copied over, on several threads too; without
+    them (python-lz4 / the numpy reference) the same bytes arrive. Both directions, both
+    codecs, fixed-stride and packed containers."""
+    from torch_pagecomp import cpu_codec, exp_codec
+
+    if loops == "native" and (cpu_codec._native is None or not exp_codec.NATIVE):
+        pytest.skip("torch_pagecomp._native is not built here")
+    pages = torch.cat([make(gen, 4096) for _ in range(12)])[:70]  # >= 64: threaded ranges
+    pages = pages[torch.randperm(pages.shape[0], generator=gen)].contiguous()
+    want = pc.compress(pages, element_size=element_size, backend="cpu", codec=codec,
+                       checksum=checksum)
+    packed = pc.pack(want)
+
+    class NoPool:
+        def empty(self, shape):
+            raise AssertionError(f"a pooled output of {shape} was taken")
+
+    if loops == "native":
+        monkeypatch.setattr(cpu_codec, "_outputs", NoPool())
+    else:
+        monkeypatch.setattr(cpu_codec, "_native", None)
+        monkeypatch.setattr(exp_codec, "NATIVE", False)
+    pc.set_cpu_threads(2)
+    try:
+        out = _poisoned_like(want, checksum)
+        got = pc.compress(pages, element_size=element_size, backend="cpu", codec=codec,
+                          checksum=checksum, out=out)
+        assert got.payload is out.payload and got.sizes is out.sizes and got.kinds is out.kinds
+        assert torch.equal(got.payload, want.payload) and torch.equal(got.sizes, want.sizes)
+        assert torch.equal(got.kinds, want.kinds)
+        for cc in (want, packed):
+            into = torch.full_like(pages, POISON)
+            assert pc.decompress(cc, backend="cpu", out=into) is into
+            assert torch.equal(into, pages)
+    finally:
+        pc.set_cpu_threads(None)
 
 
 def test_decompress_into_out_any_codec_and_corrupt_pages(gen):

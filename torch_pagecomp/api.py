@@ -22,8 +22,10 @@ from . import format as fmt
 from ._args import check_flag
 from ._ops import (
     checksum_eager,
+    compress_cpu_into,
     compress_eager,
     compress_exp_eager,
+    decompress_cpu_into,
     decompress_eager,
     decompress_exp_eager,
     pack_eager,
@@ -79,8 +81,8 @@ def compress(
             this codec (an earlier result, or one made by the caller), whose ``payload``,
             ``sizes`` and ``kinds`` (and ``checksums``, if it has them and ``checksum``) are
             overwritten: a caller that compresses batches of one shape again and again
-            allocates nothing per call (on the GPU the kernel writes them in place). None of
-            its tensors may overlap ``data``.
+            allocates nothing per call (the GPU kernel, or the CPU path's C loops, write them
+            in place). None of its tensors may overlap ``data``.
 
     Returns:
         A fixed-stride :class:`CompressedPages` on ``data``'s device: ``payload uint8 [N, P]``,
@@ -108,6 +110,9 @@ def compress(
     elif where in (KERNELS, INTERPRET):  # the kernel writes the caller's tensors
         parts = (out.payload, out.sizes, out.kinds)
         run[2](pages, *run[3:], traced=False, out=parts)
+    elif where == CPU and pages.device.type == "cpu":  # the C loops write the caller's tensors
+        parts = compress_cpu_into(pages, element_size, float_format,
+                                  (out.payload, out.sizes, out.kinds))
     else:
         parts = _routed(where, pages.device, *run[:3], (pages,), run[3:])
         parts = tuple(o.copy_(t) for o, t in zip((out.payload, out.sizes, out.kinds), parts))
@@ -272,8 +277,8 @@ def decompress(
 
     ``out``: ``uint8 [N, P]`` (contiguous, on ``c``'s device, overlapping none of ``c``'s
     tensors) to decode into and return, instead of a new tensor: a caller that restores
-    batches of one shape again and again allocates no pages per call (on the GPU the
-    decoder writes them in place).
+    batches of one shape again and again allocates no pages per call (the GPU's decoder, or
+    the CPU path's C loops, write them in place).
     """
     if not isinstance(c, CompressedPages):
         raise PageCompError(f"decompress takes CompressedPages, got {type(c).__name__}")
@@ -342,6 +347,8 @@ def _decode(decoder: str, c: CompressedPages, where: str, args: tuple, out=None
     """``(pages, status)`` of ``args`` (``pagecomp::decompress``'s, less the page size) by
     ``decoder`` (``"lz4"``: ``pagecomp::decompress``; ``"exp"``: ``pagecomp::decompress_exp``)
     where ``route`` sent the call, copied into ``out`` when given."""
+    if out is not None and where == CPU and c.device.type == "cpu":  # decoded in place
+        return decompress_cpu_into(*args, c.page_size, decoder == "exp", out)
     if decoder == "lz4":
         run = (torch.ops.pagecomp.decompress, decompress_eager,
                _launcher("lz4_decompress", "decompress_pages"))

@@ -237,20 +237,32 @@ def _scratch(shape: tuple[int, int]) -> np.ndarray:
     return buf[:need].reshape(shape)
 
 
+def compressed_empty(n: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """New fixed-stride outputs ``(payload uint8 [n, page_size], sizes int32 [n], kinds uint8
+    [n])`` on the CPU, the payload from the output pool (contents undefined)."""
+    return (_outputs.empty((n, page_size)), torch.empty(n, dtype=torch.int32),
+            torch.empty(n, dtype=torch.uint8))
+
+
+def pages_empty(n: int, page_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out`` if given, else a new ``uint8 [n, page_size]`` CPU tensor from the output pool
+    (contents undefined): where a decoder writes its pages."""
+    return out if out is not None else _outputs.empty((n, page_size))
+
+
 def fill_rows(pages: np.ndarray) -> np.ndarray:
     """``bool [N]``: which rows of ``uint8 [N, P]`` have every byte equal."""
     first = pages[:, 0].astype(np.uint64) * np.uint64(0x0101010101010101)
     return (pages.view(np.uint64) == first[:, None]).all(axis=1)
 
 
-def compress_cpu(pages: torch.Tensor, element_size: int = 1):
-    """``uint8 [N, P]`` (CPU) -> fixed-stride ``(payload [N, P], sizes int32 [N], kinds [N])``."""
+def compress_cpu(pages: torch.Tensor, element_size: int = 1, out: tuple | None = None):
+    """``uint8 [N, P]`` (CPU) -> fixed-stride ``(payload [N, P], sizes int32 [N], kinds [N])``,
+    written into ``out`` (those three tensors, contiguous CPU ones) when given."""
     fmt.check_element_size(element_size)
     n, page_size = pages.shape
     # every row is written in the (threaded) ranges below, the bytes past a block zeroed there
-    payload = _outputs.empty((n, page_size))
-    sizes = torch.empty(n, dtype=torch.int32)
-    kinds = torch.empty(n, dtype=torch.uint8)
+    payload, sizes, kinds = out if out is not None else compressed_empty(n, page_size)
     if n == 0:
         return payload, sizes, kinds
     raw = np.ascontiguousarray(pages.detach().numpy())
@@ -423,7 +435,8 @@ def _decode_lz4_python(buf, off_np, size_np, rows, out_flat, st, page_size: int)
             st[i] = decode_block(mv[off_np[i] : off_np[i] + size_np[i]].tobytes(), page_size)[1]
 
 
-def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
+def decompress_cpu(payload, offsets, sizes, kinds, page_size: int,
+                   out: torch.Tensor | None = None):
     """Decode pages on the CPU.
 
     Args:
@@ -431,12 +444,14 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int):
         offsets: ``int64 [N]`` start of each page in ``payload``; or ``int64 [N + 1]``, a packed
             container's offsets, which must then agree with ``sizes`` (else BAD_SIZE).
         sizes: ``int32 [N]``; kinds: ``uint8 [N]``.
+        out: ``uint8 [N, P]`` (contiguous, CPU, overlapping no input) to decode into, or None.
     Returns:
-        ``(pages uint8 [N, P], status int32 [N])``; a failed page's row is zero-filled.
+        ``(pages uint8 [N, P], status int32 [N])``, ``pages`` being ``out`` when given; a
+        failed page's row is zero-filled.
     """
     n = sizes.shape[0]
     # every row and status is written below (a failed row with zeros): no zero-fill of the batch
-    pages = _outputs.empty((n, page_size))
+    pages = pages_empty(n, page_size, out)
     status = torch.empty(n, dtype=torch.int32)
     if n == 0:
         return pages, status

@@ -23,7 +23,14 @@ import numpy as np
 import torch
 
 from . import format as fmt
-from .cpu_codec import _SHARED_RANGES, _native, _outputs, _run_ranges, fill_rows
+from .cpu_codec import (
+    _SHARED_RANGES,
+    _native,
+    _run_ranges,
+    compressed_empty,
+    fill_rows,
+    pages_empty,
+)
 
 # The C page loops where the extension is built (else the numpy reference: the same bytes and
 # statuses, 13-35x slower); an extension built before the exponent loops took their ranges from
@@ -93,8 +100,8 @@ def _table_and_codes(e: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
     return table, code
 
 
-def compress_exp_cpu(pages: torch.Tensor, layout: int, native: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compress_exp_cpu(pages: torch.Tensor, layout: int, native: bool = True,
+                     out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exponent-code pages of 16-bit floats.
 
     Args:
@@ -102,14 +109,19 @@ def compress_exp_cpu(pages: torch.Tensor, layout: int, native: bool = True
         layout: ``format.EXP_BF16`` or ``format.EXP_FP16``.
         native: use the C loops (``_native.exp_encode_pages``) where built and ``P`` is a
             valid page size; ``False``: the numpy reference (the same output).
+        out: ``(payload, sizes, kinds)``, contiguous CPU tensors of the shapes returned, to
+            write the outputs into (the C loops write them in place), or None.
     Returns:
-        Fixed-stride ``(payload uint8 [N, P], sizes int32 [N], kinds uint8 [N])``: FILL for an
-        all-equal page, RAW where the exponent page would exceed ``P - P/32`` bytes, else
-        ``KIND_EXP | layout << 4``; bytes past a page's size are zero.
+        Fixed-stride ``(payload uint8 [N, P], sizes int32 [N], kinds uint8 [N])`` (``out``'s
+        tensors when given): FILL for an all-equal page, RAW where the exponent page would
+        exceed ``P - P/32`` bytes, else ``KIND_EXP | layout << 4``; bytes past a page's size
+        are zero.
     """
     n_pages, page_size = pages.shape
     if native and NATIVE and pages.dtype == torch.uint8 and fmt.valid_page_size(page_size):
-        return _compress_exp_native(pages, layout)
+        return _compress_exp_native(pages, layout, out)
+    if out is not None:  # the numpy reference builds its own arrays
+        return tuple(o.copy_(t) for o, t in zip(out, compress_exp_cpu(pages, layout, False)))
     n = page_size // 2
     fixed = fmt.exp_fixed_bytes(page_size, layout)
     limit = fmt.lz4_keep_limit(page_size)
@@ -196,8 +208,8 @@ def _decode_exp_rows(buf: np.ndarray, off: np.ndarray, size: np.ndarray, page_si
 
 
 def decompress_exp_cpu(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
-                       kinds: torch.Tensor, page_size: int, native: bool = True
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       kinds: torch.Tensor, page_size: int, native: bool = True,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode RAW, FILL and exponent pages (any other kind is ``STATUS_BAD_KIND``).
 
     Args:
@@ -207,15 +219,20 @@ def decompress_exp_cpu(payload: torch.Tensor, offsets: torch.Tensor, sizes: torc
         page_size: ``P``.
         native: use the C loops (``_native.exp_decode_pages``) where built and ``P`` is a
             valid page size; ``False``: the numpy reference (the same pages and statuses).
+        out: ``uint8 [N, P]`` (contiguous, CPU, overlapping no input) to decode into, or None.
     Returns:
-        ``(pages uint8 [N, P], status int32 [N])``; a failed page's row is zero. Reads nothing
-        outside ``payload[offsets[i]:offsets[i] + sizes[i]]`` for page ``i``.
+        ``(pages uint8 [N, P], status int32 [N])``, ``pages`` being ``out`` when given; a
+        failed page's row is zero. Reads nothing outside
+        ``payload[offsets[i]:offsets[i] + sizes[i]]`` for page ``i``.
     """
     n_pages = sizes.shape[0]
     if (native and NATIVE and fmt.valid_page_size(page_size) and payload.dtype == torch.uint8
             and sizes.dtype == torch.int32 and kinds.dtype == torch.uint8
             and not offsets.is_floating_point() and offsets.shape[0] >= n_pages):
-        return _decompress_exp_native(payload, offsets, sizes, kinds, page_size)
+        return _decompress_exp_native(payload, offsets, sizes, kinds, page_size, out)
+    if out is not None:  # the numpy reference builds its own array
+        pages, status = decompress_exp_cpu(payload, offsets, sizes, kinds, page_size, False)
+        return out.copy_(pages), status
     buf = np.ascontiguousarray(payload.detach().numpy()).reshape(-1)
     off = offsets.numpy().astype(np.int64)[:n_pages]
     size = sizes.numpy().astype(np.int64)
@@ -238,15 +255,14 @@ def decompress_exp_cpu(payload: torch.Tensor, offsets: torch.Tensor, sizes: torc
     return torch.from_numpy(out), torch.from_numpy(status)
 
 
-def _compress_exp_native(pages: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                     torch.Tensor]:
+def _compress_exp_native(pages: torch.Tensor, layout: int, out: tuple | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`compress_exp_cpu` through ``_native.exp_encode_pages``, ranges of pages on the
-    CPU codec's threads (``cpu_codec.set_cpu_threads``); every byte of the outputs written."""
+    CPU codec's threads (``cpu_codec.set_cpu_threads``); every byte of the outputs (``out``'s
+    tensors, or new ones: pooled memory) written."""
     n_pages, page_size = pages.shape
     raw = np.ascontiguousarray(pages.detach().numpy())
-    payload = _outputs.empty((n_pages, page_size))  # reused memory: the C loop writes every byte
-    sizes = torch.empty(n_pages, dtype=torch.int32)
-    kinds = torch.empty(n_pages, dtype=torch.uint8)
+    payload, sizes, kinds = out if out is not None else compressed_empty(n_pages, page_size)
     out, size_np, kind_np = payload.numpy(), sizes.numpy(), kinds.numpy()
 
     def c_loop(counter: np.ndarray, parts: int, threads: int) -> None:  # in C, no GIL
@@ -259,8 +275,8 @@ def _compress_exp_native(pages: torch.Tensor, layout: int) -> tuple[torch.Tensor
 
 
 def _decompress_exp_native(payload: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
-                           kinds: torch.Tensor, page_size: int) -> tuple[torch.Tensor,
-                                                                         torch.Tensor]:
+                           kinds: torch.Tensor, page_size: int, out: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decompress_exp_cpu` through ``_native.exp_decode_pages`` (every row and status
     written there: failed rows zeroed), ranges of pages on the CPU codec's threads."""
     n_pages = sizes.shape[0]
@@ -268,7 +284,7 @@ def _decompress_exp_native(payload: torch.Tensor, offsets: torch.Tensor, sizes: 
     off = np.ascontiguousarray(offsets.detach().numpy()[:n_pages], dtype=np.int64)
     size = np.ascontiguousarray(sizes.detach().numpy())
     kind = np.ascontiguousarray(kinds.detach().numpy())
-    pages = _outputs.empty((n_pages, page_size))  # every row written there, failed ones zero
+    pages = pages_empty(n_pages, page_size, out)  # every row written there, failed ones zero
     status = torch.empty(n_pages, dtype=torch.int32)
     out, st = pages.numpy(), status.numpy()
 
