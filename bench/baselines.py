@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import lz4.block
@@ -77,10 +76,10 @@ def lz4_cpu(
 
 
 def default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    """The CPUs this process may run on (``cpu_codec.usable_cpus``)."""
+    from torch_pagecomp.cpu_codec import usable_cpus
+
+    return usable_cpus()
 
 
 def copies(nbytes: int, device: torch.device, repeats: int, warmup: int, budget_s: float):

@@ -494,6 +494,29 @@ def test_thread_setting(monkeypatch):
             cpu_codec.set_cpu_threads(bad)
 
 
+def test_default_threads_follow_the_cpus_the_process_may_use(monkeypatch):
+    """The default thread count is bounded by the process's affinity mask (a container's
+    cpuset, ``taskset``, a scheduler's allotment), not the host's core count, and falls back
+    to ``os.cpu_count()`` where the OS has no mask."""
+    import os
+
+    monkeypatch.delenv(cpu_codec.THREADS_ENV, raising=False)
+    cpu_codec.set_cpu_threads(None)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6}, raising=False)
+    assert cpu_codec.usable_cpus() == 3 and cpu_codec.cpu_threads() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(40)), raising=False)
+    assert cpu_codec.cpu_threads() == cpu_codec.MAX_DEFAULT_THREADS
+
+    def no_mask(pid):
+        raise OSError("no affinity here")
+
+    monkeypatch.setattr(os, "sched_getaffinity", no_mask, raising=False)
+    assert cpu_codec.usable_cpus() == 64
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    assert cpu_codec.usable_cpus() == 64
+
+
 def test_pool_exits_cleanly(tmp_path):
     """A script that compresses on several threads exits 0 with nothing on stderr; a child
     forked after they ran (a DataLoader worker, say) compresses on threads of its own: the

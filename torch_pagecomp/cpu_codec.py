@@ -11,8 +11,8 @@ finds FILL pages, compresses through the liblz4 that python-lz4 carries (as
 decodes, unshuffles and zeroes failed rows (the bit-shuffle in C on x86-64,
 ``shuffle.bitshuffle_np``, else numpy). A batch of at least ``MIN_THREADED_PAGES`` pages runs
 on :func:`cpu_threads` threads (set with :func:`set_cpu_threads` or the
-``PAGECOMP_CPU_THREADS`` environment variable, read at each call; default
-``min(8, os.cpu_count())``): the C call starts the others and joins them before it returns.
+``PAGECOMP_CPU_THREADS`` environment variable, read at each call; default ``min(8, the CPUs
+the process may run on)``): the C call starts the others and joins them before it returns.
 Without the extension (python-lz4 page by page, ranges of at most ``MAX_RANGE_BYTES``), or
 where it cannot start threads, the ranges run on a shared pool of Python threads, shut down at
 interpreter exit. Large outputs come from a pool that reuses their memory
@@ -112,7 +112,7 @@ _pool_lock = threading.Lock()
 
 def set_cpu_threads(n: int | None) -> None:
     """Use ``n`` threads (>= 1) for large CPU batches; ``None``: back to the environment
-    variable ``PAGECOMP_CPU_THREADS``, else ``min(8, os.cpu_count())``."""
+    variable ``PAGECOMP_CPU_THREADS``, else ``min(8, usable_cpus())``."""
     global _threads
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise fmt.PageCompError(f"CPU threads must be an int >= 1 or None, got {n!r}")
@@ -132,7 +132,18 @@ def cpu_threads() -> int:
         if n < 1:
             raise fmt.PageCompError(f"{THREADS_ENV} must be an integer >= 1, got {env!r}")
         return n
-    return max(1, min(MAX_DEFAULT_THREADS, os.cpu_count() or 1))
+    return max(1, min(MAX_DEFAULT_THREADS, usable_cpus()))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS has one (a container's
+    cpuset, ``taskset``, a scheduler's allotment: a job given 2 cores of a 64-core host gets 2
+    threads, not 8 that would share them), else ``os.cpu_count()``. Read at each call (0.5 us;
+    a process may change its mask)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this OS (macOS, Windows)
+        return os.cpu_count() or 1
 
 
 def _get_pool(workers: int) -> ThreadPoolExecutor:
