@@ -122,33 +122,36 @@ def _decompress_exp_ref(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: 
     return _decompress_ref(payload, offsets, sizes, kinds, page_size, exp=True)
 
 
-def compress_cpu_into(pages: Tensor, element_size: int, float_format: str | None,
-                      out: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """The reference compressor of CPU ``pages`` (``uint8 [N, P]``, arguments checked) by
-    ``float_format``'s exponent codec, else LZ4 at ``element_size``, writing the caller's
-    fixed-stride ``out`` (``payload uint8 [N, P]``, ``sizes int32 [N]``, ``kinds uint8 [N]``,
-    contiguous CPU tensors): in place where :func:`backend.eager_call_ok` allows (no
-    pooled output copied over), otherwise through the op, copied. Returns ``out``."""
-    if not eager_call_ok((pages, *out)):
+def compress_cpu_direct(pages: Tensor, element_size: int, float_format: str | None,
+                        out: tuple[Tensor, Tensor, Tensor] | None = None
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """The reference compressor of CPU ``pages`` (``uint8 [N, P]``, arguments checked by the
+    caller) by ``float_format``'s exponent codec, else LZ4 at ``element_size``: called directly
+    where :func:`backend.eager_call_ok` allows (no second check, no dispatch), otherwise
+    through the op. Returns fixed-stride ``(payload uint8 [N, P], sizes int32 [N], kinds uint8
+    [N])``: ``out``'s tensors (contiguous CPU ones, written in place by the C loops) when
+    given."""
+    if not eager_call_ok((pages, *(out or ()))):
         got = (compress_exp_eager(pages, float_format) if float_format is not None
                else compress_eager(pages, element_size))
-        return tuple(o.copy_(t) for o, t in zip(out, got))
+        return got if out is None else tuple(o.copy_(t) for o, t in zip(out, got))
     if float_format is not None:
         return exp_codec.compress_exp_cpu(pages, exp_codec.layout_code(float_format), out=out)
     return cpu_codec.compress_cpu(pages, element_size, out=out)
 
 
-def decompress_cpu_into(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor,
-                        page_size: int, exp: bool, out: Tensor) -> tuple[Tensor, Tensor]:
+def decompress_cpu_direct(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor,
+                          page_size: int, exp: bool, out: Tensor | None = None
+                          ) -> tuple[Tensor, Tensor]:
     """The reference decoder (``exp``: the exponent codec's, else LZ4's) of CPU tensors
-    (arguments checked, as ``pagecomp::decompress``'s) into the caller's ``out`` (``uint8
-    [N, P]``, contiguous, CPU, overlapping no input): in place where
-    :func:`backend.eager_call_ok` allows, otherwise through the op, copied. Returns
-    ``(out, status int32 [N])``."""
-    if not eager_call_ok((payload, offsets, sizes, kinds, out)):
+    (arguments checked by the caller, as ``pagecomp::decompress``'s): called directly where
+    :func:`backend.eager_call_ok` allows, otherwise through the op. Returns ``(pages uint8
+    [N, P], status int32 [N])``, ``pages`` being ``out`` (contiguous, CPU, overlapping no
+    input; written in place by the C loops) when given."""
+    if not eager_call_ok((payload, offsets, sizes, kinds) + ((out,) if out is not None else ())):
         decode = decompress_exp_eager if exp else decompress_eager
         pages, status = decode(payload, offsets, sizes, kinds, page_size)
-        return out.copy_(pages), status
+        return (pages if out is None else out.copy_(pages)), status
     decode = exp_codec.decompress_exp_cpu if exp else cpu_codec.decompress_cpu
     return decode(payload, offsets, sizes, kinds, page_size, out=out)
 

@@ -14,6 +14,7 @@ pages: ``torch_pagecomp.format``). A container records which decoder reads it
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -22,10 +23,10 @@ from . import format as fmt
 from ._args import check_flag
 from ._ops import (
     checksum_eager,
-    compress_cpu_into,
+    compress_cpu_direct,
     compress_eager,
     compress_exp_eager,
-    decompress_cpu_into,
+    decompress_cpu_direct,
     decompress_eager,
     decompress_exp_eager,
     pack_eager,
@@ -105,14 +106,14 @@ def compress(
     if out is not None:
         _check_compress_out(out, pages, name)
     where = route(backend, pages.shape[0], pages.device, (pages,))
-    if out is None:
+    if where == CPU and pages.device.type == "cpu":  # checked: the reference path itself
+        parts = compress_cpu_direct(pages, element_size, float_format,
+                                    None if out is None else (out.payload, out.sizes, out.kinds))
+    elif out is None:
         parts = _routed(where, pages.device, *run[:3], (pages,), run[3:])
     elif where in (KERNELS, INTERPRET):  # the kernel writes the caller's tensors
         parts = (out.payload, out.sizes, out.kinds)
         run[2](pages, *run[3:], traced=False, out=parts)
-    elif where == CPU and pages.device.type == "cpu":  # the C loops write the caller's tensors
-        parts = compress_cpu_into(pages, element_size, float_format,
-                                  (out.payload, out.sizes, out.kinds))
     else:
         parts = _routed(where, pages.device, *run[:3], (pages,), run[3:])
         parts = tuple(o.copy_(t) for o, t in zip((out.payload, out.sizes, out.kinds), parts))
@@ -297,6 +298,9 @@ def decompress(
         # a fixed-stride container passes no offsets (page i at i * P: none built per call)
         args = (payload, c.offsets[:-1] if c.offsets is not None else None, sizes, c.kinds)
         decode = _decode_direct
+    elif where == CPU and c.offsets is None and c.num_pages <= STRIDE_CACHE_PAGES:
+        args, decode = (payload, _stride_offsets(c.num_pages, c.page_size, c.device), sizes,
+                        c.kinds), _decode
     else:
         args, decode = (payload, c.page_offsets(), sizes, c.kinds), _decode
     if codec != "any":
@@ -318,6 +322,17 @@ def decompress(
         return pages, status
     raise_for_status(status, mismatch)
     return pages
+
+
+STRIDE_CACHE_PAGES = 1 << 16  # fixed-stride offsets kept for batches up to this many pages
+
+
+@functools.lru_cache(maxsize=8)
+def _stride_offsets(n: int, page_size: int, device: torch.device) -> torch.Tensor:
+    """``int64 [n]`` on ``device``, ``i * page_size``: a fixed-stride container's page starts
+    for the host decoders, which only read them; kept for the last few shapes of small
+    batches (a host call on 16 pages spent ~10% of its time building them)."""
+    return torch.arange(0, n * page_size, page_size, dtype=torch.int64, device=device)
 
 
 def _check_decompress_out(out: object, c: CompressedPages) -> None:
@@ -347,8 +362,8 @@ def _decode(decoder: str, c: CompressedPages, where: str, args: tuple, out=None
     """``(pages, status)`` of ``args`` (``pagecomp::decompress``'s, less the page size) by
     ``decoder`` (``"lz4"``: ``pagecomp::decompress``; ``"exp"``: ``pagecomp::decompress_exp``)
     where ``route`` sent the call, copied into ``out`` when given."""
-    if out is not None and where == CPU and c.device.type == "cpu":  # decoded in place
-        return decompress_cpu_into(*args, c.page_size, decoder == "exp", out)
+    if where == CPU and c.device.type == "cpu":  # checked: the reference path itself
+        return decompress_cpu_direct(*args, c.page_size, decoder == "exp", out)
     if decoder == "lz4":
         run = (torch.ops.pagecomp.decompress, decompress_eager,
                _launcher("lz4_decompress", "decompress_pages"))
@@ -405,6 +420,10 @@ def raise_for_status(status: torch.Tensor, mismatch: torch.Tensor | None = None)
                                  or tuple(mismatch.shape) != tuple(status.shape)):
         raise PageCompError(f"mismatch must be a tensor shaped as status {tuple(status.shape)}, "
                             f"got {fmt._desc(mismatch)}")
+    # the usual case, no failed page: one reduction, where nonzero builds an index
+    cpu = type(status) is torch.Tensor and status.device.type == "cpu"
+    if not (status.numpy().any() if cpu else status.any()):
+        return
     bad = torch.nonzero(status).flatten().tolist()
     if bad:
         codes = status[bad].tolist()
