@@ -298,8 +298,9 @@ def decompress(
         # a fixed-stride container passes no offsets (page i at i * P: none built per call)
         args = (payload, c.offsets[:-1] if c.offsets is not None else None, sizes, c.kinds)
         decode = _decode_direct
-    elif where == CPU and c.offsets is None and c.num_pages <= STRIDE_CACHE_PAGES:
-        args, decode = (payload, _stride_offsets(c.num_pages, c.page_size, c.device), sizes,
+    elif (where == CPU and c.offsets is None and c.device.type == "cpu"
+          and c.num_pages <= STRIDE_CACHE_PAGES):
+        args, decode = (payload, _stride_offsets(c.num_pages, c.page_size), sizes,
                         c.kinds), _decode
     else:
         args, decode = (payload, c.page_offsets(), sizes, c.kinds), _decode
@@ -328,11 +329,11 @@ STRIDE_CACHE_PAGES = 1 << 16  # fixed-stride offsets kept for batches up to this
 
 
 @functools.lru_cache(maxsize=8)
-def _stride_offsets(n: int, page_size: int, device: torch.device) -> torch.Tensor:
-    """``int64 [n]`` on ``device``, ``i * page_size``: a fixed-stride container's page starts
-    for the host decoders, which only read them; kept for the last few shapes of small
-    batches (a host call on 16 pages spent ~10% of its time building them)."""
-    return torch.arange(0, n * page_size, page_size, dtype=torch.int64, device=device)
+def _stride_offsets(n: int, page_size: int) -> torch.Tensor:
+    """``int64 [n]`` on the CPU, ``i * page_size``: a fixed-stride container's page starts for
+    the host decoders, which only read them; kept for the last few shapes of small batches (a
+    host call on 16 pages spent ~10% of its time building them)."""
+    return torch.arange(0, n * page_size, page_size, dtype=torch.int64)
 
 
 def _check_decompress_out(out: object, c: CompressedPages) -> None:
