@@ -154,9 +154,10 @@ def test_ratio_and_sizes(gen):
 
 
 def test_cpu_eager_calls_skip_the_dispatch_traced_calls_see_the_ops(gen, monkeypatch):
-    """Eager calls on the CPU path run the reference ops' code without their dispatch (the
-    op's argument checks would run again inside it: counted here) and give the ops' results,
-    for both codecs; under ``make_fx`` (a dispatch mode) the graph holds the ops."""
+    """Eager calls on the CPU path run the reference codec once the public API has checked
+    the arguments, without the ops' dispatch or their eager entries (whose argument checks
+    would run again: counted here), and give the ops' results, for both codecs; under
+    ``make_fx`` (a dispatch mode) the graph holds the ops."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from torch_pagecomp import _ops
@@ -166,18 +167,21 @@ def test_cpu_eager_calls_skip_the_dispatch_traced_calls_see_the_ops(gen, monkeyp
                        torch.randn(n * 2048, generator=gen).to(torch.bfloat16)
                        .view(torch.uint8).view(n, 4096)])
     calls = []
-    check = fmt.check_compress_args
-    monkeypatch.setattr(fmt, "check_compress_args",
-                        lambda *a, **k: calls.append(1) or check(*a, **k))
+
+    def counted(check):
+        return lambda *a, **k: calls.append(1) or check(*a, **k)
+
+    for name in ("check_compress_args", "check_decompress_args"):
+        monkeypatch.setattr(fmt, name, counted(getattr(fmt, name)))
     for e, codec in ((1, "lz4"), (2, "lz4"), (None, "exp-bf16")):
         calls.clear()
         c = pc.compress(pages, element_size=e, backend="cpu", codec=codec)
-        assert len(calls) <= 1, "the eager CPU call went through the operator dispatch"
+        back, status = pc.decompress(c, return_status=True, backend="cpu")
+        assert not calls, "an eager CPU call checked its arguments again (an op or its entry)"
         ref = (torch.ops.pagecomp.compress(pages, e) if codec == "lz4"
                else torch.ops.pagecomp.compress_exp(pages, "bf16"))
         for a, b in zip((c.payload, c.sizes, c.kinds), ref):
             assert torch.equal(a, b)
-        back, status = pc.decompress(c, return_status=True, backend="cpu")
         assert not status.any() and torch.equal(back, pages)
         packed = pc.pack(c)
         assert torch.equal(pc.decompress(packed, backend="cpu"), pages)
