@@ -22,6 +22,23 @@ pytestmark = pytest.mark.skipif(not ec.NATIVE, reason="torch_pagecomp._native is
 GUARD = 37  # poisoned bytes before and after each output
 
 
+@pytest.fixture(params=["sse2", "ssse3"])
+def lookup(request):
+    """Each way the C bf16 decoder looks its exponents up, in turn (``_native.exp_lookup``:
+    SSSE3's byte shuffle where the CPU has it, SSE2's compares): the same bytes and statuses.
+    Restored to the one the module chose after."""
+    from torch_pagecomp import _native
+
+    if not hasattr(_native, "exp_lookup"):
+        pytest.skip("no SSE2 bf16 decoder here (not x86-64): the scalar loop only")
+    chosen = _native.exp_lookup()
+    if request.param == "ssse3" and chosen != "ssse3":
+        pytest.skip("this CPU has no SSSE3")
+    _native.exp_lookup(request.param)
+    yield request.param
+    _native.exp_lookup(chosen)
+
+
 def tie_pages(gen: torch.Generator, page_size: int, dtype: torch.dtype) -> torch.Tensor:
     """``uint8 [4, P]``: 16, 8 and 7 exponents each held by exactly as many values (the table
     picks among equal counts by value), then 5 exponents in counts 2:2:2:2:1; shuffled."""
@@ -100,7 +117,7 @@ def assert_decodes_equal(payload, offsets, sizes, kinds, page_size) -> torch.Ten
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_native_equals_reference(name, page_size, gen):
+def test_native_equals_reference(name, page_size, gen, lookup):
     """float_pages (every exponent shape) and pages of tied exponent counts, both layouts,
     every page size: the C encode's bytes, sizes and kinds, then its decode of them."""
     layout, dtype = LAYOUTS[name]
@@ -115,7 +132,7 @@ def test_native_equals_reference(name, page_size, gen):
     assert torch.equal(got, pages)
 
 
-def test_native_random_bf16_batch(gen):
+def test_native_random_bf16_batch(gen, lookup):
     """A batch of random-normal bf16 pages of scales 1e-6..1e6 (most EXP, a few escapes)."""
     x = torch.randn(256, 2048, generator=gen) * torch.logspace(-6, 6, 256)[:, None]
     pages = x.to(torch.bfloat16).view(torch.uint8)
@@ -124,7 +141,7 @@ def test_native_random_bf16_batch(gen):
     assert not assert_decodes_equal(payload.view(-1), offsets, sizes, kinds, 4096).any()
 
 
-def test_native_hostile_pages(gen):
+def test_native_hostile_pages(gen, lookup):
     """The hostile batch of test_exp_codec: statuses and bytes equal, into poisoned outputs."""
     payload, offsets, sizes, kinds = hostile_batch(gen)
     status = assert_decodes_equal(payload, offsets, sizes, kinds, 4096)
@@ -148,7 +165,7 @@ def outside_scrambled(flat: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
 
 
 @pytest.mark.parametrize("page_size", [4096, 16384])
-def test_native_mutation_fuzz(page_size, gen):
+def test_native_mutation_fuzz(page_size, gen, lookup):
     """A few thousand mutated pages (test_exp_codec's GPU fuzz mutations, on the CPU: bit
     flips, overwritten code bytes, sizes cut or grown, kind bytes changed, offsets moved;
     then a payload cut short at a random place): the C decoder's statuses and bytes equal the

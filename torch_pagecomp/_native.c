@@ -119,6 +119,7 @@ static int32_t decode_block(const uint8_t *src, int64_t end, uint8_t *dst, int64
  * does it. */
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#include <tmmintrin.h> /* SSSE3, used only where the CPU has it (exp_lookup) */
 #define HAVE_SHUFFLE 1
 
 /* One butterfly step: in each 64-bit lane, the bits of `mask` and those `d` above them swap. */
@@ -842,10 +843,10 @@ exp_encode_layout(const uint8_t *src, uint8_t *to, int64_t page, const int layou
             const uint32_t four = (uint32_t)(r | (r >> 16));
             memcpy(rest + 8 * g + 4 * k, &four, 4);
         }
-        if (cw & (cw >> 1) & (cw >> 2) & 0x249249u) { /* escapes in this group (rare) */
-            for (int t = 0; t < 8; t++)
-                if (((cw >> (3 * t)) & 7) == EXP_TABLE)
-                    *esc++ = (uint8_t)((w[t / 4] >> (16 * (t % 4) + shift)) & (unsigned)(bins - 1));
+        /* the escapes (code 7: bit 3t set below) in value order */
+        for (uint32_t m = cw & (cw >> 1) & (cw >> 2) & 0x249249u; m; m &= m - 1) {
+            const int t = __builtin_ctz(m) / 3;
+            *esc++ = (uint8_t)((w[t / 4] >> (16 * (t % 4) + shift)) & (unsigned)(bins - 1));
         }
         codes[3 * g] = (uint8_t)cw;
         codes[3 * g + 1] = (uint8_t)(cw >> 8);
@@ -956,16 +957,106 @@ static int64_t count_escapes(const uint8_t *codes, int64_t groups) {
     return count;
 }
 
+#if defined(HAVE_SHUFFLE)
+/* The 3-bit codes of one 3-byte group (code t at bits 3t) -> byte t of the result. */
+static inline uint64_t spread_codes(const uint8_t *c) {
+    uint64_t x = (uint64_t)c[0] | (uint64_t)c[1] << 8 | (uint64_t)c[2] << 16;
+    x = (x | x << 20) & 0x00000FFF00000FFFull; /* codes 0-3 | codes 4-7 at bit 32 */
+    x = (x | x << 10) & 0x003F003F003F003Full; /* pairs at bits 0, 16, 32, 48 */
+    return (x | x << 5) & 0x0707070707070707ull; /* one code a byte */
+}
+
+/* The exponent bytes of 16 values: byte t of `c` (a code 0..7) -> byte c of `table` (byte 7
+ * is 0: an escape). SSSE3's byte shuffle does it in one step where the CPU has it (checked at
+ * the module's import), else SSE2 compares each code with 0..6. */
+__attribute__((target("ssse3"))) static inline __m128i exp_lookup_ssse3(__m128i c,
+                                                                         __m128i table) {
+    return _mm_shuffle_epi8(table, c);
+}
+
+static inline __m128i exp_lookup_sse2(__m128i c, __m128i table) {
+    uint8_t t[16];
+    _mm_storeu_si128((__m128i *)t, table);
+    __m128i e = _mm_setzero_si128();
+    for (int k = 0; k < EXP_TABLE; k++)
+        e = _mm_or_si128(e, _mm_and_si128(_mm_cmpeq_epi8(c, _mm_set1_epi8((char)k)),
+                                          _mm_set1_epi8((char)t[k])));
+    return e;
+}
+
+/* exp_decode_layout's bf16 page, 16 values a step: each value's exponent byte looked up from
+ * its code (an escape gets its byte from the escape bytes after), then its two bytes put
+ * together from the exponent e and its rest byte r (sign and 7 mantissa bits): low = (e & 1)
+ * << 7 | r & 0x7F, high = r & 0x80 | e >> 1. The escapes are counted on the way: the status is
+ * BAD_SIZE unless they are exactly the bytes from `esc` to `end` (none is read past `end`; the
+ * caller zeroes a failed row). One body, inlined into a function per lookup. */
+static inline __attribute__((always_inline)) int32_t
+exp_decode_bf16_body(const uint8_t *table, const uint8_t *codes, const uint8_t *rest,
+                     const uint8_t *esc, const uint8_t *end, uint8_t *to, int64_t n,
+                     const int ssse3) {
+    uint8_t t16[16] = {0};
+    memcpy(t16, table, EXP_TABLE);
+    const __m128i lut = _mm_loadu_si128((const __m128i *)t16);
+    const __m128i low7 = _mm_set1_epi8(0x7F), sign = _mm_set1_epi8((char)0x80);
+    const __m128i one = _mm_set1_epi8(1), seven = _mm_set1_epi8(EXP_TABLE);
+    for (int64_t g = 0; g < n / 8; g += 2) { /* n / 8 groups: even for every valid page */
+        const uint8_t *cg = codes + 3 * g;
+        const __m128i c = _mm_set_epi64x((long long)spread_codes(cg + 3),
+                                         (long long)spread_codes(cg));
+        const __m128i e = ssse3 ? exp_lookup_ssse3(c, lut) : exp_lookup_sse2(c, lut);
+        const __m128i r = _mm_loadu_si128((const __m128i *)(rest + 8 * g));
+        const __m128i lo = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(e, one), 7),
+                                        _mm_and_si128(r, low7));
+        const __m128i hi = _mm_or_si128(_mm_and_si128(r, sign),
+                                        _mm_and_si128(_mm_srli_epi16(e, 1), low7));
+        _mm_storeu_si128((__m128i *)(to + 16 * g), _mm_unpacklo_epi8(lo, hi));
+        _mm_storeu_si128((__m128i *)(to + 16 * g + 16), _mm_unpackhi_epi8(lo, hi));
+        /* the escapes (code 7) among the 16, lowest first: value order */
+        unsigned escapes = (unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(c, seven));
+        for (; escapes; escapes &= escapes - 1) {
+            if (esc == end) return STATUS_BAD_SIZE; /* more escapes than bytes */
+            uint8_t *v = to + 16 * g + 2 * __builtin_ctz(escapes);
+            const unsigned x = *esc++;
+            v[0] |= (uint8_t)((x & 1) << 7);
+            v[1] |= (uint8_t)(x >> 1);
+        }
+    }
+    return esc == end ? STATUS_OK : STATUS_BAD_SIZE; /* fewer escapes than bytes */
+}
+
+typedef int32_t (*exp_bf16_fn)(const uint8_t *, const uint8_t *, const uint8_t *,
+                               const uint8_t *, const uint8_t *, uint8_t *, int64_t);
+
+__attribute__((target("ssse3"))) static int32_t
+exp_decode_bf16_ssse3(const uint8_t *table, const uint8_t *codes, const uint8_t *rest,
+                      const uint8_t *esc, const uint8_t *end, uint8_t *to, int64_t n) {
+    return exp_decode_bf16_body(table, codes, rest, esc, end, to, n, 1);
+}
+
+static int32_t exp_decode_bf16_sse2(const uint8_t *table, const uint8_t *codes,
+                                    const uint8_t *rest, const uint8_t *esc, const uint8_t *end,
+                                    uint8_t *to, int64_t n) {
+    return exp_decode_bf16_body(table, codes, rest, esc, end, to, n, 0);
+}
+
+static exp_bf16_fn exp_decode_bf16 = exp_decode_bf16_sse2; /* ssse3 where the CPU has it */
+#endif
+
 /* Decode one EXP page whose [src, src + size) lies in the payload and size >= its fixed part:
- * the status (BAD_SIZE unless size is the fixed part plus the escapes its codes count; then
- * nothing is written). Reads only src[0 .. size), writes only to[0 .. page). `layout` is a
- * constant where it is inlined (one loop per layout). */
+ * the status (BAD_SIZE unless size is the fixed part plus the escapes its codes count; the row
+ * may then be partly written, and the caller zeroes it). Reads only src[0 .. size), writes
+ * only to[0 .. page). `layout` is a constant where it is inlined (one loop per layout; bf16 on
+ * x86-64: exp_decode_bf16, 16 values a step). */
 static inline __attribute__((always_inline)) int32_t
 exp_decode_layout(const uint8_t *src, int64_t size, uint8_t *to, int64_t page, const int layout) {
     const int64_t n = page / 2, fixed = exp_fixed(page, layout);
     const uint8_t *codes = src + EXP_TABLE;
     const uint8_t *high = codes + 3 * n / 8; /* fp16 only */
     const uint8_t *rest = layout == EXP_FP16 ? high + 3 * n / 8 : high;
+#if defined(HAVE_SHUFFLE)
+    if (layout == EXP_BF16) /* escapes counted as they are decoded */
+        return exp_decode_bf16(src, codes, rest, src + fixed, src + size, to, n);
+#endif
     if (size != fixed + count_escapes(codes, n / 8)) return STATUS_BAD_SIZE;
     const uint8_t *esc = src + fixed; /* exactly size - fixed of them: every read inside */
     const unsigned mask = layout == EXP_FP16 ? 31 : 255, shift = layout == EXP_FP16 ? 10 : 7;
@@ -994,10 +1085,10 @@ exp_decode_layout(const uint8_t *src, int64_t size, uint8_t *to, int64_t page, c
         w[0] = EXP_VALUE(0) | EXP_VALUE(1) << 16 | EXP_VALUE(2) << 32 | EXP_VALUE(3) << 48;
         w[1] = EXP_VALUE(4) | EXP_VALUE(5) << 16 | EXP_VALUE(6) << 32 | EXP_VALUE(7) << 48;
 #undef EXP_VALUE
-        if (cw & (cw >> 1) & (cw >> 2) & 0x249249u) { /* escapes in this group (rare) */
-            for (int t = 0; t < 8; t++)
-                if (((cw >> (3 * t)) & 7) == EXP_TABLE)
-                    w[t / 4] |= (uint64_t)((*esc++ & mask) << shift) << (16 * (t % 4));
+        /* the escapes (code 7: bit 3t set below) in value order */
+        for (uint32_t m = cw & (cw >> 1) & (cw >> 2) & 0x249249u; m; m &= m - 1) {
+            const int t = __builtin_ctz(m) / 3;
+            w[t / 4] |= (uint64_t)((*esc++ & mask) << shift) << (16 * (t % 4));
         }
         memcpy(to + 16 * g, w, 16); /* little-endian: value 4k + t at bits 16t of w[k] */
     }
@@ -1139,6 +1230,32 @@ static PyObject *pack_pages(PyObject *self, PyObject *args) {
     return result;
 }
 
+#if defined(HAVE_EXP_CODEC) && defined(HAVE_SHUFFLE)
+PyDoc_STRVAR(exp_lookup_doc,
+"exp_lookup(name=None) -> str\n\n"
+"The bf16 exponent decoder's table lookup in use: 'ssse3' (a byte shuffle, where the CPU has\n"
+"it) or 'sse2' (compares). With a name, use that one (for tests: both give the same bytes);\n"
+"'ssse3' where the CPU lacks it is a ValueError.");
+
+static PyObject *exp_lookup_arg(PyObject *self, PyObject *args) {
+    const char *name = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|z", &name)) return NULL;
+    if (name != NULL) {
+        if (strcmp(name, "sse2") == 0) {
+            exp_decode_bf16 = exp_decode_bf16_sse2;
+        } else if (strcmp(name, "ssse3") == 0 && __builtin_cpu_supports("ssse3")) {
+            exp_decode_bf16 = exp_decode_bf16_ssse3;
+        } else {
+            PyErr_Format(PyExc_ValueError, "exp_lookup: 'sse2', or 'ssse3' where the CPU has it; "
+                         "got %s", name);
+            return NULL;
+        }
+    }
+    return PyUnicode_FromString(exp_decode_bf16 == exp_decode_bf16_ssse3 ? "ssse3" : "sse2");
+}
+#endif
+
 static PyMethodDef methods[] = {
     {"pack_pages", pack_pages, METH_VARARGS, pack_pages_doc},
     {"decode_pages", decode_pages, METH_VARARGS, decode_pages_doc},
@@ -1149,6 +1266,9 @@ static PyMethodDef methods[] = {
 #endif
 #if defined(HAVE_SHUFFLE)
     {"bitshuffle", bitshuffle, METH_VARARGS, bitshuffle_doc},
+#endif
+#if defined(HAVE_EXP_CODEC) && defined(HAVE_SHUFFLE)
+    {"exp_lookup", exp_lookup_arg, METH_VARARGS, exp_lookup_doc},
 #endif
     {NULL, NULL, 0, NULL},
 };
@@ -1165,6 +1285,10 @@ static struct PyModuleDef module = {
  * of their own for the call (run_loop); 0 where the platform has no pthreads (cpu_codec then
  * runs the loops on its Python threads, each call with threads=1). */
 PyMODINIT_FUNC PyInit__native(void) {
+#if defined(HAVE_EXP_CODEC) && defined(HAVE_SHUFFLE)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("ssse3")) exp_decode_bf16 = exp_decode_bf16_ssse3;
+#endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "SHARED_RANGES", 1) < 0 ||
                       PyModule_AddIntConstant(m, "THREADS", HAVE_THREADS) < 0 ||
