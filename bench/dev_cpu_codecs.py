@@ -10,27 +10,17 @@ with TAG: run it once per build of ``_native`` to compare builds.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import torch
 
 import torch_pagecomp as pc
 
 from . import corpora
+from .cpu_threads import _median_s
 
 CORPORA = ("gpt-act", "gpt-kv", "gpt-weights", "bf16-randn", "bf16-relu")
 CODECS = (("lz4 e=2", {"element_size": 2}), ("exp-bf16", {"codec": "exp-bf16"}))
-
-
-def _median_s(fn, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -43,8 +33,8 @@ def main() -> None:
             c = pc.compress(pages, backend="cpu", **kw)
             pc.decompress(c, backend="cpu", out=out)
             assert torch.equal(out, pages), f"{name} {label}: round trip"
-            comp = _median_s(lambda p=pages, kw=kw: pc.compress(p, backend="cpu", **kw))
-            dec = _median_s(lambda c=c, o=out: pc.decompress(c, backend="cpu", out=o))
+            comp = _median_s(lambda p=pages, kw=kw: pc.compress(p, backend="cpu", **kw), 5)
+            dec = _median_s(lambda c=c, o=out: pc.decompress(c, backend="cpu", out=o), 5)
             nb = pages.numel()
             print(f"{tag} {name:12s} {label:9s} ratio {c.ratio():.3f} "
                   f"compress {nb / comp / 1e9:.2f} decompress {nb / dec / 1e9:.2f}", flush=True)
