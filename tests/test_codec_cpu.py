@@ -899,5 +899,9 @@ def test_the_c_pack_equals_the_python_loop_and_refuses_bad_offsets(page_size, ge
             continue  # a valid packing after all
         with pytest.raises(ValueError, match="offsets are invalid"):
             cpu_codec._native.pack_pages(flat, bad, out, page_size)
-    with pytest.raises(ValueError):
-        cpu_codec._native.pack_pages(flat, good, out[:-1], page_size)  # packed too small
+    with pytest.raises(ValueError, match="packed holds"):  # shorter than the pages packed
+        cpu_codec._native.pack_pages(flat, good, out[:int(good[-1]) - 1], page_size)
+    exact = np.full(int(good[-1]) + 3, 0xAB, dtype=np.uint8)  # packed to its exact size
+    cpu_codec._native.pack_pages(flat, good, exact[:-3], page_size)
+    assert np.array_equal(exact[:-3], got[0][:int(good[-1])].numpy())
+    assert (exact[-3:] == 0xAB).all()  # nothing written past the buffer given

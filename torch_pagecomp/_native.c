@@ -1194,10 +1194,11 @@ static PyObject *exp_decode_pages(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(pack_pages_doc,
 "pack_pages(payload, offsets, packed, page_size)\n\n"
-"Fixed-stride payload (uint8 [N * page_size]) -> packed (uint8 [N * page_size]): page i's\n"
-"first offsets[i + 1] - offsets[i] bytes at offsets[i] (offsets: int64 [N + 1], from 0, each\n"
-"step 0..page_size), the bytes past offsets[N] zeroed; with the GIL released. Raises\n"
-"ValueError (nothing written) for offsets that break those rules.");
+"Fixed-stride payload (uint8 [N * page_size]) -> packed (uint8, at least offsets[N] bytes:\n"
+"N * page_size for a bound known before, offsets[N] for the exact size): page i's first\n"
+"offsets[i + 1] - offsets[i] bytes at offsets[i] (offsets: int64 [N + 1], from 0, each step\n"
+"0..page_size), the bytes of packed past offsets[N] zeroed; with the GIL released. Raises\n"
+"ValueError (nothing written) for offsets that break those rules or a packed too small.");
 
 static PyObject *pack_pages(PyObject *self, PyObject *args) {
     Py_buffer payload, offsets, packed;
@@ -1207,10 +1208,10 @@ static PyObject *pack_pages(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     const Py_ssize_t n = offsets.len / 8 - 1;
     const int64_t *off = offsets.buf;
-    int ok = page > 0 && n >= 0 && off[0] == 0 && check(&payload, page, n, "payload") &&
-             check(&packed, page, n, "packed");
+    int ok = page > 0 && n >= 0 && off[0] == 0 && check(&payload, page, n, "payload");
     for (Py_ssize_t i = 0; ok && i < n; i++) /* every copy inside both buffers */
         ok = off[i + 1] - off[i] >= 0 && off[i + 1] - off[i] <= page;
+    ok = ok && check(&packed, 1, (Py_ssize_t)off[n], "packed");
     if (!ok) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "pack_pages: page_size or offsets are invalid");
@@ -1220,7 +1221,7 @@ static PyObject *pack_pages(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++)
             memcpy(dst + off[i], src + i * (int64_t)page, (size_t)(off[i + 1] - off[i]));
-        memset(dst + off[n], 0, (size_t)(n * (int64_t)page - off[n]));
+        memset(dst + off[n], 0, (size_t)(packed.len - off[n]));
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }

@@ -548,17 +548,33 @@ def pack_cpu(payload: torch.Tensor, sizes: torch.Tensor):
     needs no host synchronisation); bytes past ``offsets[N]`` are zero.
     """
     n, page_size = payload.shape
-    clamped = sizes.clamp(0, page_size).to(torch.int64)
-    offsets = torch.zeros(n + 1, dtype=torch.int64)
-    torch.cumsum(clamped, dim=0, out=offsets[1:])
+    offsets = packed_offsets(sizes, page_size)
+    packed = _outputs.empty((n * page_size,))
+    pack_into(payload, offsets, packed)
+    return packed, torch.from_numpy(offsets)
+
+
+def packed_offsets(sizes: torch.Tensor, page_size: int) -> np.ndarray:
+    """``int64 [N + 1]``: where each page of a fixed-stride container of ``sizes`` (``int32
+    [N]``, CPU; clamped to ``[0, page_size]``) starts once packed, then the packed length. In
+    numpy: a small batch's packing spent most of its time in a handful of torch calls."""
+    offsets = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.clip(sizes.numpy(), 0, page_size), out=offsets[1:])
+    return offsets
+
+
+def pack_into(payload: torch.Tensor, offsets: np.ndarray, packed: torch.Tensor) -> None:
+    """Page ``i`` of ``payload`` (``uint8 [N, P]``, CPU) written to ``packed`` (``uint8``, CPU,
+    contiguous, at least ``offsets[N]`` bytes: the bound ``N * P``, or the exact size) at
+    ``offsets[i]`` (:func:`packed_offsets`), its first ``offsets[i + 1] - offsets[i]`` bytes;
+    ``packed``'s bytes past ``offsets[N]`` zeroed."""
+    n, page_size = payload.shape
+    dst = packed.numpy().reshape(-1)
     if getattr(_native, "pack_pages", None) is not None:  # one C loop, the GIL released
-        packed = _outputs.empty((n * page_size,))
-        _native.pack_pages(payload.contiguous().reshape(-1).numpy(), offsets.numpy(),
-                           packed.numpy(), page_size)
-        return packed, offsets
+        _native.pack_pages(payload.contiguous().reshape(-1).numpy(), offsets, dst, page_size)
+        return
     # without the C loops: numpy page by page, holding the GIL (bench/results/cpu2_3bd8150_dispatch)
-    packed = torch.zeros(n * page_size, dtype=torch.uint8)
-    src, dst = payload.numpy(), packed.numpy()
-    for i, (o, s) in enumerate(zip(offsets[:-1].tolist(), clamped.tolist())):
-        dst[o : o + s] = src[i, :s]
-    return packed, offsets
+    src = payload.numpy()
+    for i, (o, e) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        dst[o:e] = src[i, :e - o]
+    dst[offsets[n]:] = 0

@@ -47,8 +47,9 @@ from enum import Enum
 
 import torch
 
+from . import cpu_codec
 from ._events import handoff, mark
-from ._ops import compress_codec_eager, decompress_codec_eager, pack_eager
+from ._ops import compress_cpu_direct, decompress_cpu_direct
 from .cuda_stages import CudaStages, CudaStreams, RawBypass
 from .pools import ALIGN, DeviceBufferPool, HostArena, InflightLimiter, PinnedBufferPool
 from .storage import BlobLayout, Storage, StoredBatch, detached_error
@@ -408,16 +409,17 @@ class Pipeline:
             pages = pages.view(n, p)
         slot.cpu_stage = SlotState.COMPRESSING
         t1 = time.perf_counter()
-        payload, sizes, kinds = compress_codec_eager(pages, element_size,
-                                                     job.storage.float_format)
-        packed, offsets = pack_eager(payload, sizes)
+        # the codec's host loops themselves: the arguments are the offload's, checked there
+        payload, sizes, kinds = compress_cpu_direct(pages, element_size,
+                                                    job.storage.float_format)
+        offsets = cpu_codec.packed_offsets(sizes, p)
         lay = BlobLayout.of(n, int(offsets[n]))
         slot.cpu_stage = SlotState.DOWNLOADING
         t2 = time.perf_counter()
         block = self.arena.alloc(lay.total)
         payload_v, off_v, size_v, kind_v = lay.views(block.tensor)
-        payload_v.copy_(packed[: lay.payload_bytes])
-        off_v.copy_(offsets)
+        cpu_codec.pack_into(payload, offsets, payload_v)  # packed in place, exact
+        off_v.numpy()[:] = offsets
         size_v.copy_(sizes)
         kind_v.copy_(kinds)
         job.stored, job.payload_bytes = lay.total, lay.payload_bytes
@@ -495,11 +497,16 @@ class Pipeline:
                 if slot is not None:
                     slot.cpu_stage = SlotState.COMPRESSING
                 payload, offsets, sizes, kinds = lay.views(sb.block.tensor)
-                pages, status = decompress_codec_eager(payload, offsets[:-1], sizes, kinds, p,
-                                                       storage.float_format)
                 lo = sb.first_page * p
                 hi = min(out.numel(), lo + n * p)
-                out[lo:hi].copy_(pages.view(-1)[: hi - lo])
+                exp = storage.float_format is not None
+                if hi - lo == n * p:  # whole pages: decoded where they go
+                    _, status = decompress_cpu_direct(payload, offsets[:-1], sizes, kinds, p,
+                                                      exp, out=out[lo:hi].view(n, p))
+                else:  # the tensor's last bytes end inside the batch's last page
+                    pages, status = decompress_cpu_direct(payload, offsets[:-1], sizes, kinds,
+                                                          p, exp)
+                    out[lo:hi].copy_(pages.view(-1)[: hi - lo])
                 statuses.append(status)
                 if slot is not None:
                     t1 = time.perf_counter()
