@@ -265,6 +265,55 @@ def test_stats_and_counts(gen):
     assert "batch_pages=2" in repr(pc)
 
 
+def test_small_host_tensors_are_stored_during_offload(gen, monkeypatch):
+    """Without a GPU a tensor of at most ``INLINE_HOST_BYTES`` is compressed on the calling
+    thread, batch by batch: its handle is ready when ``offload`` returns and no worker got it;
+    its bytes come back; its batches are in the stats and the timeline (slot -1). A larger one
+    goes through the workers, as before."""
+    from torch_pagecomp import module
+
+    pc = PageCompressor(device="cpu", batch_pages=2)
+    submitted = []
+    real = pc.pipeline.submit_compress
+    monkeypatch.setattr(pc.pipeline, "submit_compress",
+                        lambda *a, **k: submitted.append(1) or real(*a, **k))
+    x = make((5 * 4096 + 7,), torch.uint8, gen)  # three batches, the last one short
+    h = pc.offload(x)
+    assert h.ready() and not submitted
+    assert same_bits(x, pc.restore(h))
+    assert pc.stats()["batches"] == 3
+    assert [t["slot"] for t in pc.timeline() if t["kind"] == "offload"] == [-1, -1, -1]
+    monkeypatch.setattr(module, "INLINE_HOST_BYTES", x.numel() - 1)
+    h2 = pc.offload(x)
+    assert submitted
+    assert same_bits(x, pc.restore(h2))
+    pc.close()
+
+
+def test_a_failed_inline_offload_raises_and_the_compressor_goes_on(gen, monkeypatch):
+    """A batch that fails while stored on the calling thread (here the second: no host
+    memory) raises from ``offload`` itself, naming the cause, and leaves nothing held (the
+    first batch's blob given back); the next offload works."""
+    pc = PageCompressor(device="cpu", batch_pages=2)
+    x = make((3 * 4096,), torch.uint8, gen)
+    real, calls = pc.pipeline.arena.alloc, []
+
+    def second_fails(nbytes):
+        calls.append(nbytes)
+        if len(calls) == 2:
+            raise MemoryError(f"no host memory for {nbytes} bytes")
+        return real(nbytes)
+
+    with monkeypatch.context() as m:
+        m.setattr(pc.pipeline.arena, "alloc", second_fails)
+        with pytest.raises(MemoryError, match="no host memory"):
+            pc.offload(x)
+    gc.collect()
+    assert len(calls) == 2 and pc.stats()["bytes_held_host"] == 0
+    assert same_bits(x, pc.restore(pc.offload(x)))
+    pc.close()
+
+
 def test_close_stops_workers(gen):
     pc = PageCompressor(device="cpu", batch_pages=2)
     x = make((3 * 4096 + 1,), torch.uint8, gen)

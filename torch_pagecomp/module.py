@@ -37,6 +37,10 @@ from .storage import Storage
 from .timing import overlapping_slots
 
 CODECS = ("auto", "lz4", "exp")  # what PageCompressor(codec=...) takes
+# A compressor without a GPU stores host tensors up to this size during ``offload`` itself:
+# the hand-offs to its worker threads and back cost ~0.7 ms, more than the codec's work on
+# them (bench/results/cpu2_*_inline).
+INLINE_HOST_BYTES = 1 << 20
 
 
 def default_batch_pages(device: torch.device, page_size: int) -> int:
@@ -298,7 +302,9 @@ class PageCompressor(torch.nn.Module):
         Returns at once (unless back-pressure makes it wait for earlier batches). The reads of
         ``tensor`` are ordered after the work queued so far on the caller's current stream; the
         tensor is kept alive (and ``record_stream``-ed) until read. Do not modify it in place
-        before ``handle.ready()``; :meth:`offload_blocks` takes a snapshot instead.
+        before ``handle.ready()``; :meth:`offload_blocks` takes a snapshot instead. Without a
+        GPU, a tensor of at most ``INLINE_HOST_BYTES`` (1 MiB) is stored before this returns
+        (compressed on the calling thread, its handle ready).
         """
         _check_offloadable(tensor)
         self.pipeline.check_usable()
@@ -333,6 +339,9 @@ class PageCompressor(torch.nn.Module):
             return handle
         if self.checksum:  # on the caller's stream, before anything may change the source
             handle.checksums = _page_sums(src, self.page_size)
+        if not cuda and nbytes <= INLINE_HOST_BYTES:  # stored when this returns
+            self.pipeline.compress_now(storage, src, nbytes, es)
+            return handle
         if cuda:
             _not_capturing("offload")
             with torch.cuda.device(self.device):

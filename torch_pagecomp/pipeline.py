@@ -399,7 +399,19 @@ class Pipeline:
 
     def _cpu_compress(self, job: _Job) -> None:
         src, lo, hi, element_size = job.work
-        p, n, slot = self.page_size, job.n_pages, job.slot
+        job.t, lay = self._store_host_batch(job.storage, job.index, src, lo, hi, job.n_pages,
+                                            job.first_page, element_size, job.slot)
+        job.stored, job.payload_bytes = lay.total, lay.payload_bytes
+
+    def _store_host_batch(self, storage: Storage, index: int, src: torch.Tensor, lo: int,
+                          hi: int, n: int, first_page: int, element_size: int,
+                          slot: Slot | None = None) -> tuple[dict, BlobLayout]:
+        """Compress bytes ``lo .. hi`` of host ``src`` (``uint8``; ``n`` pages, the last one
+        zero-padded) into a blob of this pipeline's arena, batch ``index`` of ``storage``, on
+        the calling thread: ``(stage times, the blob's layout)``. The codec's host loops
+        themselves (the arguments are the offload's, checked there); the pages packed by the
+        C loop straight into the blob, at its exact size."""
+        p = self.page_size
         t0 = time.perf_counter()
         if hi - lo == n * p:
             pages = src[lo:hi].view(n, p)
@@ -407,24 +419,53 @@ class Pipeline:
             pages = torch.zeros(n * p, dtype=torch.uint8)
             pages[: hi - lo] = src[lo:hi]
             pages = pages.view(n, p)
-        slot.cpu_stage = SlotState.COMPRESSING
+        if slot is not None:
+            slot.cpu_stage = SlotState.COMPRESSING
         t1 = time.perf_counter()
-        # the codec's host loops themselves: the arguments are the offload's, checked there
-        payload, sizes, kinds = compress_cpu_direct(pages, element_size,
-                                                    job.storage.float_format)
+        payload, sizes, kinds = compress_cpu_direct(pages, element_size, storage.float_format)
         offsets = cpu_codec.packed_offsets(sizes, p)
         lay = BlobLayout.of(n, int(offsets[n]))
-        slot.cpu_stage = SlotState.DOWNLOADING
+        if slot is not None:
+            slot.cpu_stage = SlotState.DOWNLOADING
         t2 = time.perf_counter()
         block = self.arena.alloc(lay.total)
         payload_v, off_v, size_v, kind_v = lay.views(block.tensor)
-        cpu_codec.pack_into(payload, offsets, payload_v)  # packed in place, exact
+        cpu_codec.pack_into(payload, offsets, payload_v)
         off_v.numpy()[:] = offsets
         size_v.copy_(sizes)
         kind_v.copy_(kinds)
-        job.stored, job.payload_bytes = lay.total, lay.payload_bytes
-        job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page))
-        job.t = {"up": (t0, t1), "k": (t1, t2), "d": (t2, time.perf_counter())}
+        storage.batch_stored(index, StoredBatch(block, lay, first_page))
+        return {"up": (t0, t1), "k": (t1, t2), "d": (t2, time.perf_counter())}, lay
+
+    def compress_now(self, storage: Storage, src: torch.Tensor, nbytes: int,
+                     element_size: int) -> None:
+        """Compress host ``src`` (``uint8 [nbytes]``) into ``storage`` on the calling thread,
+        batch by batch as the workers would, and close it: a CPU-only pipeline's small
+        tensors, for which the hand-offs to and from the worker threads cost more than the
+        codec's work (``bench/results/cpu2_*_inline``). Recorded in the timeline as batches
+        of no slot (-1). Raises what a batch raised; the storage then holds that error."""
+        if self.cuda or src.is_cuda:
+            raise ValueError("compress_now is the CPU-only pipeline's, for host bytes")
+        p, bp = self.page_size, self.batch_pages
+        error, opened = None, False
+        try:
+            self.check_usable()
+            for p0 in range(0, -(-nbytes // p), bp):
+                lo, hi = p0 * p, min(nbytes, (p0 + bp) * p)
+                n = -(-(hi - lo) // p)
+                index, opened = storage.open_batch(), True
+                t, lay = self._store_host_batch(storage, index, src, lo, hi, n, p0,
+                                                element_size)
+                opened = False
+                storage.batch_finished()
+                self.timing.add_cpu("offload", -1, n * p, lay.total, *t["up"], *t["k"], *t["d"])
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if opened:  # the batch that failed: finished, so that no waiter waits for it
+                storage.batch_finished(error)
+            storage.close(error)
 
     # ------------------------------------------------------------------ restore
     def submit_decompress(self, storage: Storage, out: torch.Tensor, consumer=None) -> list:
