@@ -39,7 +39,7 @@ from .timing import overlapping_slots
 CODECS = ("auto", "lz4", "exp")  # what PageCompressor(codec=...) takes
 # A compressor without a GPU stores host tensors up to this size during ``offload`` itself:
 # the hand-offs to its worker threads and back cost ~0.7 ms, more than the codec's work on
-# them (bench/results/cpu2_*_inline).
+# them (bench/results/cpu2_77d03ac_inline).
 INLINE_HOST_BYTES = 1 << 20
 
 

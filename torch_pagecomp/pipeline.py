@@ -442,7 +442,7 @@ class Pipeline:
         """Compress host ``src`` (``uint8 [nbytes]``) into ``storage`` on the calling thread,
         batch by batch as the workers would, and close it: a CPU-only pipeline's small
         tensors, for which the hand-offs to and from the worker threads cost more than the
-        codec's work (``bench/results/cpu2_*_inline``). Recorded in the timeline as batches
+        codec's work (``bench/results/cpu2_77d03ac_inline``). Recorded in the timeline as batches
         of no slot (-1). Raises what a batch raised; the storage then holds that error."""
         if self.cuda or src.is_cuda:
             raise ValueError("compress_now is the CPU-only pipeline's, for host bytes")
