@@ -31,7 +31,15 @@ from ._ops import (
     decompress_exp_eager,
     pack_eager,
 )
-from .backend import BACKENDS, CPU, CPU_SERVED, INTERPRET, KERNELS, route  # noqa: F401
+from .backend import (  # noqa: F401
+    BACKENDS,
+    CPU,
+    CPU_SERVED,
+    INTERPRET,
+    KERNELS,
+    eager_call_ok,
+    route,
+)
 from .format import CompressedPages, PageCompError
 
 CODECS = ("lz4", "exp-bf16", "exp-fp16")  # what compress(codec=...) takes
@@ -299,7 +307,7 @@ def decompress(
         args = (payload, c.offsets[:-1] if c.offsets is not None else None, sizes, c.kinds)
         decode = _decode_direct
     elif (where == CPU and c.offsets is None and c.device.type == "cpu"
-          and c.num_pages <= STRIDE_CACHE_PAGES):
+          and c.num_pages <= STRIDE_CACHE_PAGES and eager_call_ok(inputs)):
         args, decode = (payload, _stride_offsets(c.num_pages, c.page_size), sizes,
                         c.kinds), _decode
     else:
@@ -332,7 +340,8 @@ STRIDE_CACHE_PAGES = 1 << 16  # fixed-stride offsets kept for batches up to this
 def _stride_offsets(n: int, page_size: int) -> torch.Tensor:
     """``int64 [n]`` on the CPU, ``i * page_size``: a fixed-stride container's page starts for
     the host decoders, which only read them; kept for the last few shapes of small batches (a
-    host call on 16 pages spent ~10% of its time building them)."""
+    host call on 16 pages spent ~10% of its time building them). Eager calls only (under
+    ``torch.compile`` or a dispatch mode the tensor would be a traced one)."""
     return torch.arange(0, n * page_size, page_size, dtype=torch.int64)
 
 
@@ -362,7 +371,8 @@ def _decode(decoder: str, c: CompressedPages, where: str, args: tuple, out=None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pages, status)`` of ``args`` (``pagecomp::decompress``'s, less the page size) by
     ``decoder`` (``"lz4"``: ``pagecomp::decompress``; ``"exp"``: ``pagecomp::decompress_exp``)
-    where ``route`` sent the call, copied into ``out`` when given."""
+    where ``route`` sent the call, into ``out`` when given (in place on the host, copied
+    there elsewhere)."""
     if where == CPU and c.device.type == "cpu":  # checked: the reference path itself
         return decompress_cpu_direct(*args, c.page_size, decoder == "exp", out)
     if decoder == "lz4":
