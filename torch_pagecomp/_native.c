@@ -769,6 +769,58 @@ static int valid_exp_page(Py_ssize_t page) {
     return page >= 4096 && page <= 65536 && (page & (page - 1)) == 0;
 }
 
+#if defined(HAVE_SHUFFLE)
+/* The 3-bit codes in bytes 0..7 of `x` (one a byte) -> bits 0..23, code t at bit 3t. */
+static inline uint32_t gather_codes(uint64_t x) {
+    x = (x | x >> 5) & 0x003F003F003F003Full;  /* pairs: 6 bits at bits 0, 16, 32, 48 */
+    x = (x | x >> 10) & 0x00000FFF00000FFFull; /* halves: 12 bits at bits 0, 32 */
+    return (uint32_t)((x | x >> 20) & 0xFFFFFFu);
+}
+
+/* exp_encode_layout's bf16 codes, rest bytes and escapes, 16 values a step in SSE2: each
+ * value's exponent byte e = bits 7..14, its code the index of e in `table` (7 distinct
+ * exponents; 7, an escape, for any other), found by comparing e with each entry (at most one
+ * matches, so `code ^= match & (7 ^ k)` leaves k there); its rest byte its sign and 7 mantissa
+ * bits. Returns the end of the escape bytes written. The same bytes as the scalar loop. */
+static uint8_t *exp_encode_bf16_sse2(const uint8_t *src, const uint8_t *table, uint8_t *codes,
+                                     uint8_t *rest, uint8_t *esc, int64_t n) {
+    __m128i t[EXP_TABLE];
+    for (int k = 0; k < EXP_TABLE; k++) t[k] = _mm_set1_epi8((char)table[k]);
+    const __m128i byte = _mm_set1_epi16(0xFF), low7 = _mm_set1_epi16(0x7F);
+    const __m128i sign = _mm_set1_epi16(0x80), seven = _mm_set1_epi8(EXP_TABLE);
+    for (int64_t g = 0; g < n / 8; g += 2) { /* n / 8 groups: even for every valid page */
+        const __m128i x0 = _mm_loadu_si128((const __m128i *)(src + 16 * g));
+        const __m128i x1 = _mm_loadu_si128((const __m128i *)(src + 16 * g + 16));
+        const __m128i e = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(x0, 7), byte),
+                                           _mm_and_si128(_mm_srli_epi16(x1, 7), byte));
+        __m128i c = seven;
+        for (int k = 0; k < EXP_TABLE; k++)
+            c = _mm_xor_si128(c, _mm_and_si128(_mm_cmpeq_epi8(e, t[k]),
+                                               _mm_set1_epi8((char)(EXP_TABLE ^ k))));
+        const __m128i r0 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(x0, 8), sign),
+                                        _mm_and_si128(x0, low7));
+        const __m128i r1 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(x1, 8), sign),
+                                        _mm_and_si128(x1, low7));
+        _mm_storeu_si128((__m128i *)(rest + 8 * g), _mm_packus_epi16(r0, r1));
+        uint64_t cl[2];
+        _mm_storeu_si128((__m128i *)cl, c);
+        for (int h = 0; h < 2; h++) {
+            const uint32_t cw = gather_codes(cl[h]);
+            codes[3 * (g + h)] = (uint8_t)cw;
+            codes[3 * (g + h) + 1] = (uint8_t)(cw >> 8);
+            codes[3 * (g + h) + 2] = (uint8_t)(cw >> 16);
+        }
+        unsigned escapes = (unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(c, seven));
+        if (escapes) { /* their exponent bytes, in value order */
+            uint8_t eb[16];
+            _mm_storeu_si128((__m128i *)eb, e);
+            for (; escapes; escapes &= escapes - 1) *esc++ = eb[__builtin_ctz(escapes)];
+        }
+    }
+    return esc;
+}
+#endif
+
 /* Encode one page that is not all-equal: its kind and size, its row of `page` bytes written
  * (zero past the size; the page itself when RAW). `layout` is a constant where it is inlined. */
 static inline __attribute__((always_inline)) void
@@ -823,6 +875,15 @@ exp_encode_layout(const uint8_t *src, uint8_t *to, int64_t page, const int layou
     uint8_t *high = codes + 3 * n / 8; /* fp16 only */
     uint8_t *rest = layout == EXP_FP16 ? high + 3 * n / 8 : high;
     uint8_t *esc = to + fixed;
+#if defined(HAVE_SHUFFLE)
+    if (layout == EXP_BF16) {
+        esc = exp_encode_bf16_sse2(src, table, codes, rest, esc, n);
+        memset(esc, 0, (size_t)(page - (fixed + escapes)));
+        *size = (int32_t)(fixed + escapes);
+        *kind = (uint8_t)(KIND_EXP | layout << 4);
+        return;
+    }
+#endif
     for (int64_t g = 0; g < n / 8; g++) {
         uint64_t w[2];
         memcpy(w, src + 16 * g, 16);
