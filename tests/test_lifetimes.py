@@ -165,6 +165,41 @@ def test_script_exits_cleanly_20_times(name, device):
     assert_clean_exits(EXIT_SCRIPTS[name], times=20, device=device)
 
 
+def test_exit_joins_the_threads_of_a_compressor_already_collected():
+    """A compressor collected before exit leaves its pipeline to the worker thread that ends
+    last, which frees it (its tensors too) as it ends; the exit handler joins that thread, so
+    no daemon thread is inside a torch call when the interpreter finalizes (it aborted, 4-6 in
+    60 pytest runs of the README's quickstart). Here the pipeline's freeing is held for a
+    second on that thread: the exit handler waits for it."""
+    body = """
+        import gc, time
+        from torch_pagecomp import module, pipeline
+        module.INLINE_HOST_BYTES = 0  # through the workers
+
+        class Held:
+            def __del__(self):  # freed with the pipeline, on the thread that drops it last
+                time.sleep(1.0)
+
+        def use():
+            comp = PageCompressor(device=dev, batch_pages=2)
+            x = torch.randn(3 * 4096)
+            assert torch.equal(comp.restore(comp.offload(x)), x)
+            comp.pipeline._held = Held()
+
+        use()
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while len(pipeline._LIVE) and time.monotonic() < deadline:  # being freed now
+            time.sleep(0.01)
+        assert not len(pipeline._LIVE)
+        pipeline._close_all_at_exit()
+        alive = [t.name for t in pipeline._WORKERS if t.is_alive()]
+        assert not alive, alive
+    """
+    r = run_script(body, timeout=120)
+    assert r.returncode == 0 and not r.stderr, r.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------- FSDP2, torchrun
 FSDP_BACKENDS = [
     "gloo",
