@@ -145,6 +145,16 @@ def _seed(request) -> int:
 
 
 @pytest.fixture
+def through_the_workers(monkeypatch):
+    """Every ``PageCompressor`` offload through the pipeline's worker threads: a compressor
+    without a GPU otherwise stores small tensors on the calling thread
+    (``module.INLINE_HOST_BYTES``, tested in test_module.py). For the tests of the workers."""
+    from torch_pagecomp import module
+
+    monkeypatch.setattr(module, "INLINE_HOST_BYTES", 0)
+
+
+@pytest.fixture
 def gen(request) -> torch.Generator:
     """A generator with a fresh seed every run (or ``PAGECOMP_SEED``), printed for replay."""
     import torch

@@ -9,7 +9,6 @@ import torch
 from pages import offload_cycles
 
 import torch_pagecomp  # noqa: F401
-from torch_pagecomp import module
 from torch_pagecomp.cuda_stages import RawBypass
 from torch_pagecomp.module import PageCompressor
 from torch_pagecomp.pipeline import SlotState
@@ -25,13 +24,8 @@ from torch_pagecomp.pools import (
 from torch_pagecomp.storage import BlobLayout, Storage, StoredBatch
 from torch_pagecomp.timing import STAGES, overlapping_slots
 
-
-@pytest.fixture(autouse=True)
-def through_the_workers(monkeypatch):
-    """Every offload through the pipeline's worker threads, which these tests are about: a
-    compressor without a GPU would otherwise store small tensors on the calling thread
-    (``module.INLINE_HOST_BYTES``, tested in test_module.py)."""
-    monkeypatch.setattr(module, "INLINE_HOST_BYTES", 0)
+# the workers themselves are tested here: every offload goes to them (conftest.py)
+pytestmark = pytest.mark.usefixtures("through_the_workers")
 
 
 # ----------------------------------------------------------------------------- pools

@@ -876,13 +876,9 @@ exp_encode_layout(const uint8_t *src, uint8_t *to, int64_t page, const int layou
     uint8_t *rest = layout == EXP_FP16 ? high + 3 * n / 8 : high;
     uint8_t *esc = to + fixed;
 #if defined(HAVE_SHUFFLE)
-    if (layout == EXP_BF16) {
+    if (layout == EXP_BF16)
         esc = exp_encode_bf16_sse2(src, table, codes, rest, esc, n);
-        memset(esc, 0, (size_t)(page - (fixed + escapes)));
-        *size = (int32_t)(fixed + escapes);
-        *kind = (uint8_t)(KIND_EXP | layout << 4);
-        return;
-    }
+    else
 #endif
     for (int64_t g = 0; g < n / 8; g++) {
         uint64_t w[2];

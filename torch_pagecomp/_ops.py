@@ -144,11 +144,15 @@ def decompress_cpu_direct(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds
                           page_size: int, exp: bool, out: Tensor | None = None
                           ) -> tuple[Tensor, Tensor]:
     """The reference decoder (``exp``: the exponent codec's, else LZ4's) of CPU tensors
-    (arguments checked by the caller, as ``pagecomp::decompress``'s): called directly where
-    :func:`backend.eager_call_ok` allows, otherwise through the op. Returns ``(pages uint8
-    [N, P], status int32 [N])``, ``pages`` being ``out`` (contiguous, CPU, overlapping no
-    input; written in place by the C loops) when given."""
-    if not eager_call_ok((payload, offsets, sizes, kinds) + ((out,) if out is not None else ())):
+    (arguments checked by the caller, as ``pagecomp::decompress``'s; ``offsets`` None: a
+    fixed-stride payload): called directly where :func:`backend.eager_call_ok` allows,
+    otherwise through the op. Returns ``(pages uint8 [N, P], status int32 [N])``, ``pages``
+    being ``out`` (contiguous, CPU, overlapping no input; written in place by the C loops)
+    when given."""
+    if not eager_call_ok((payload, sizes, kinds) + tuple(t for t in (offsets, out)
+                                                         if t is not None)):
+        if offsets is None:
+            offsets = cpu_codec.stride_offsets(sizes.shape[0], page_size)
         decode = decompress_exp_eager if exp else decompress_eager
         pages, status = decode(payload, offsets, sizes, kinds, page_size)
         return (pages if out is None else out.copy_(pages)), status
@@ -446,10 +450,3 @@ def compress_codec_eager(pages: Tensor, element_size: int,
     if float_format is not None:
         return compress_exp_eager(pages, float_format)
     return compress_eager(pages, element_size)
-
-
-def decompress_codec_eager(payload: Tensor, offsets: Tensor, sizes: Tensor, kinds: Tensor,
-                           page_size: int, float_format: str | None) -> tuple[Tensor, Tensor]:
-    """The decoder of the pages :func:`compress_codec_eager` wrote with ``float_format``."""
-    decode = decompress_eager if float_format is None else decompress_exp_eager
-    return decode(payload, offsets, sizes, kinds, page_size)

@@ -14,7 +14,6 @@ pages: ``torch_pagecomp.format``). A container records which decoder reads it
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 import torch
@@ -37,7 +36,6 @@ from .backend import (  # noqa: F401
     CPU_SERVED,
     INTERPRET,
     KERNELS,
-    eager_call_ok,
     route,
 )
 from .format import CompressedPages, PageCompError
@@ -302,14 +300,12 @@ def decompress(
     payload = c.payload.view(-1)
     inputs = (payload, sizes, c.kinds) + ((c.offsets,) if c.offsets is not None else ())
     where = route(backend, c.num_pages, c.device, inputs)
-    if where in (KERNELS, INTERPRET):  # the decoders' launchers, into ``out`` or new pages;
-        # a fixed-stride container passes no offsets (page i at i * P: none built per call)
+    host = where == CPU and c.device.type == "cpu"
+    if where in (KERNELS, INTERPRET) or host:  # the decoders' launchers or the host codec,
+        # into ``out`` or new pages; a fixed-stride container passes no offsets (page i at
+        # i * P: none built per call)
         args = (payload, c.offsets[:-1] if c.offsets is not None else None, sizes, c.kinds)
-        decode = _decode_direct
-    elif (where == CPU and c.offsets is None and c.device.type == "cpu"
-          and c.num_pages <= STRIDE_CACHE_PAGES and eager_call_ok(inputs)):
-        args, decode = (payload, _stride_offsets(c.num_pages, c.page_size), sizes,
-                        c.kinds), _decode
+        decode = _decode if host else _decode_direct
     else:
         args, decode = (payload, c.page_offsets(), sizes, c.kinds), _decode
     if codec != "any":
@@ -331,18 +327,6 @@ def decompress(
         return pages, status
     raise_for_status(status, mismatch)
     return pages
-
-
-STRIDE_CACHE_PAGES = 1 << 16  # fixed-stride offsets kept for batches up to this many pages
-
-
-@functools.lru_cache(maxsize=8)
-def _stride_offsets(n: int, page_size: int) -> torch.Tensor:
-    """``int64 [n]`` on the CPU, ``i * page_size``: a fixed-stride container's page starts for
-    the host decoders, which only read them; kept for the last few shapes of small batches (a
-    host call on 16 pages spent ~10% of its time building them). Eager calls only (under
-    ``torch.compile`` or a dispatch mode the tensor would be a traced one)."""
-    return torch.arange(0, n * page_size, page_size, dtype=torch.int64)
 
 
 def _check_decompress_out(out: object, c: CompressedPages) -> None:

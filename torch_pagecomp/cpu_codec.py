@@ -255,6 +255,12 @@ def compressed_empty(n: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor
             torch.empty(n, dtype=torch.uint8))
 
 
+def stride_offsets(n: int, page_size: int) -> torch.Tensor:
+    """``int64 [n]`` (CPU): page ``i`` of a fixed-stride payload starts at ``i * page_size``
+    (numpy's arange: a fifth of torch's host time, which was ~10% of a 16-page decode)."""
+    return torch.from_numpy(np.arange(0, n * page_size, page_size, dtype=np.int64))
+
+
 def pages_empty(n: int, page_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` if given, else a new ``uint8 [n, page_size]`` CPU tensor from the output pool
     (contents undefined): where a decoder writes its pages."""
@@ -453,7 +459,8 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int,
     Args:
         payload: ``uint8 [T]`` (a fixed-stride payload viewed 1-D, or a packed one).
         offsets: ``int64 [N]`` start of each page in ``payload``; or ``int64 [N + 1]``, a packed
-            container's offsets, which must then agree with ``sizes`` (else BAD_SIZE).
+            container's offsets, which must then agree with ``sizes`` (else BAD_SIZE); or
+            None, a fixed-stride payload (page ``i`` at ``i * P``).
         sizes: ``int32 [N]``; kinds: ``uint8 [N]``.
         out: ``uint8 [N, P]`` (contiguous, CPU, overlapping no input) to decode into, or None.
     Returns:
@@ -461,6 +468,8 @@ def decompress_cpu(payload, offsets, sizes, kinds, page_size: int,
         failed page's row is zero-filled.
     """
     n = sizes.shape[0]
+    if offsets is None:
+        offsets = stride_offsets(n, page_size)
     # every row and status is written below (a failed row with zeros): no zero-fill of the batch
     pages = pages_empty(n, page_size, out)
     status = torch.empty(n, dtype=torch.int32)

@@ -30,6 +30,7 @@ from .cpu_codec import (
     compressed_empty,
     fill_rows,
     pages_empty,
+    stride_offsets,
 )
 
 # The C page loops where the extension is built (else the numpy reference: the same bytes and
@@ -214,7 +215,8 @@ def decompress_exp_cpu(payload: torch.Tensor, offsets: torch.Tensor, sizes: torc
 
     Args:
         payload: ``uint8 [T]`` on the CPU (a fixed-stride payload viewed flat, or a packed one).
-        offsets: ``int64 [N]`` or ``[N + 1]`` (the first ``N`` used), start of page ``i``;
+        offsets: ``int64 [N]`` or ``[N + 1]`` (the first ``N`` used), start of page ``i``; or
+            None, a fixed-stride payload (page ``i`` at ``i * P``);
             sizes: ``int32 [N]``; kinds: ``uint8 [N]``.
         page_size: ``P``.
         native: use the C loops (``_native.exp_decode_pages``) where built and ``P`` is a
@@ -226,6 +228,8 @@ def decompress_exp_cpu(payload: torch.Tensor, offsets: torch.Tensor, sizes: torc
         ``payload[offsets[i]:offsets[i] + sizes[i]]`` for page ``i``.
     """
     n_pages = sizes.shape[0]
+    if offsets is None:
+        offsets = stride_offsets(n_pages, page_size)
     if (native and NATIVE and fmt.valid_page_size(page_size) and payload.dtype == torch.uint8
             and sizes.dtype == torch.int32 and kinds.dtype == torch.uint8
             and not offsets.is_floating_point() and offsets.shape[0] >= n_pages):

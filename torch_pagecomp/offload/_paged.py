@@ -467,11 +467,10 @@ def copy_pieces(dst: torch.Tensor, pieces: list[tuple]) -> None:
 def _compress(pages: torch.Tensor, element_size: int, out: tuple,
               float_format: str | None = None) -> None:
     """``pagecomp.compress`` (or with ``float_format``, ``pagecomp.compress_exp``) of CPU pages
-    the store cut itself into ``out`` (``payload, sizes, kinds``): the op's reference path (on
-    the GPU the store launches the kernels by address: ``PagedStore._compress_slice``)."""
-    got = _ops.compress_codec_eager(pages, element_size, float_format)
-    for dst, res in zip(out, got):
-        dst.copy_(res)
+    the store cut itself, written into ``out`` (``payload, sizes, kinds``): the op's reference
+    path (on the GPU the store launches the kernels by address:
+    ``PagedStore._compress_slice``)."""
+    _ops.compress_cpu_direct(pages, element_size, float_format, out)
 
 
 def _checksums(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
