@@ -664,6 +664,9 @@ def main(argv=None) -> int:
         if args.fsdp:  # each (model, variant) in its own torchrun
             meta["gpus"] = args.nproc or (torch.cuda.device_count() if args.device == "cuda"
                                           else 2)
+            if args.device == "cuda" and meta["gpus"] > torch.cuda.device_count():
+                ap.error(f"--fsdp --nproc {meta['gpus']} on CUDA needs a GPU per rank "
+                         f"({torch.cuda.device_count()} here); --device cpu runs gloo ranks")
             run_one = functools.partial(_torchrun_rows, args, nproc=meta["gpus"])
         else:  # each in a child process
 
@@ -736,7 +739,11 @@ def _fsdp_rows(args, models, variants, meta, codecs=("auto",)):
     import torch.distributed.fsdp  # noqa: F401  (before init_process_group: see above)
 
     if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        world, gpus = int(os.environ.get("WORLD_SIZE", 1)), torch.cuda.device_count()
+        if world > gpus:  # NCCL refuses two ranks on one GPU, deep inside the first collective
+            raise SystemExit(f"FSDP2 on CUDA needs a GPU per rank: {world} ranks, {gpus} "
+                             "GPU(s) here; pass --device cpu to run the ranks on gloo")
+        local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         args.device = f"cuda:{local}"
         dist.init_process_group("nccl")

@@ -71,7 +71,8 @@ def test_fsdp2_two_ranks_on_gloo(model, tmp_path):
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "bench.stock_models", "--fsdp", "--models", model,
-           "--variants", "none,memory", "--steps", "1", "--warmup", "1", "--out", str(out)]
+           "--variants", "none,memory", "--steps", "1", "--warmup", "1", "--device", "cpu",
+           "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -195,3 +196,19 @@ def test_ratio_over_stored_bytes_where_every_storage_was_compressed():
     ]
     got = {r["variant"]: r["ratio"] for r in stock_models._finish(rows, {"gpus": 1})["rows"]}
     assert got == pytest.approx({"uncompressed": 1.0, "memory": 4.0 / 2.8, "speed": 4.0 / 3.5})
+
+
+def test_fsdp2_on_cuda_with_fewer_gpus_than_ranks_is_refused_with_a_reason(monkeypatch, capsys):
+    """Two ranks on one GPU: NCCL would refuse it inside the first collective, after both ranks
+    built their model ('Duplicate GPU detected'); the driver says why before it starts."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        stock_models.main(["--fsdp", "--device", "cuda", "--nproc", "2", "--models",
+                           "encoder-tiny", "--variants", "none"])
+    assert exc.value.code == 2
+    assert "needs a GPU per rank (1 here)" in capsys.readouterr().err
