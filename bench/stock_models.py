@@ -307,11 +307,16 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
 
     model, x, blocks = build(name, device)
     if fsdp:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # the mesh on the model's device: fully_shard's default mesh takes the machine's
+        # accelerator, so CPU ranks on gloo failed on a host that has a GPU
+        mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
         for blk in blocks:
-            fully_shard(blk)
-        fully_shard(model)
+            fully_shard(blk, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     off = ctx = None
     if variant == "save_on_cpu":
