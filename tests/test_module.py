@@ -228,11 +228,22 @@ def test_exp_codec_for_16_bit_floats(dtype, gen):
     lz4.close()
 
 
-def test_codec_setting(gen):
-    """``"auto"`` (the default) keeps LZ4 on a CPU compressor; a bad codec is named."""
+def test_codec_setting(gen, monkeypatch):
+    """``"auto"`` (the default) on a CPU compressor: the exponent codec for bf16 where the C
+    loops are SIMD (``exp_codec.FAST_BF16``), else LZ4; fp16 and other dtypes LZ4; a bad
+    codec is named."""
+    from torch_pagecomp import exp_codec
+
     cpu = PageCompressor(device="cpu", batch_pages=3)
     assert cpu.codec == "auto" and "codec='auto'" in repr(cpu) and cpu.stats()["codec"] == "auto"
-    assert cpu.offload(torch.randn(3000, generator=gen).to(torch.bfloat16)).codec == "lz4"
+    bf16 = torch.randn(3000, generator=gen).to(torch.bfloat16)
+    for fast in (True, False):
+        monkeypatch.setattr(exp_codec, "FAST_BF16", fast)
+        h = cpu.offload(bf16)
+        assert h.codec == ("exp" if fast else "lz4")
+        assert same_bits(cpu.restore(h), bf16)
+    assert cpu.offload(bf16.to(torch.float16)).codec == "lz4"
+    assert cpu.offload(bf16.float()).codec == "lz4"
     assert type(cpu).__reduce_ex__(cpu, 2)[1][0]["codec"] == "auto"
     cpu.close()
     with pytest.raises(PageCompError, match="codec must be one of"):

@@ -26,6 +26,7 @@ import weakref
 
 import torch
 
+from . import exp_codec
 from . import format as fmt
 from ._args import as_int, check_flag, check_number
 from ._events import mark
@@ -204,10 +205,10 @@ class PageCompressor(torch.nn.Module):
         codec: how the pages of bf16 / fp16 tensors are coded (other dtypes always take LZ4,
             bit-shuffled by ``element_size``): ``"auto"`` (default) the exponent codec
             (``compress(..., codec="exp-bf16")``: ~1.42x on typical bf16 where LZ4 stores
-            1.2-1.4x) when the pages go through the GPU's kernels, LZ4 + bit-shuffle on a CPU
-            compressor (whose LZ4 decoder is the faster of the two there); ``"exp"`` the
-            exponent codec on either; ``"lz4"`` LZ4 + bit-shuffle always (what ``lz4.block``
-            reads). A tensor offloaded with an explicit ``element_size`` other than 2 takes
+            1.2-1.4x) when the pages go through the GPU's kernels, and for bf16 on a CPU
+            compressor whose C loops are SIMD (x86: as fast as LZ4 there); LZ4 + bit-shuffle
+            for the rest of a CPU compressor's (fp16; other CPUs); ``"exp"`` the exponent
+            codec always; ``"lz4"`` LZ4 + bit-shuffle always (what ``lz4.block`` reads). A tensor offloaded with an explicit ``element_size`` other than 2 takes
             LZ4 with that width.
 
     A copy or an unpickled one is a fresh ``PageCompressor`` built from these same arguments
@@ -381,9 +382,11 @@ class PageCompressor(torch.nn.Module):
     def _float_format(self, dtype: torch.dtype, element_size: int) -> str | None:
         """The exponent codec's layout for a tensor of ``dtype`` offloaded with
         ``element_size`` (see ``codec``), or None: LZ4."""
-        if element_size != 2 or self.codec == "lz4" or (
-                self.codec == "auto" and not self.pipeline.cuda):
+        if element_size != 2 or self.codec == "lz4":
             return None
+        if self.codec == "auto" and not self.pipeline.cuda and not (
+                dtype == torch.bfloat16 and exp_codec.FAST_BF16):
+            return None  # the host's loops: LZ4 is the faster there (see exp_codec.FAST_BF16)
         return fmt.DTYPE_FLOAT_FORMATS.get(dtype)
 
     def compress_host(self, pages: torch.Tensor, element_size: int = 1) -> OffloadHandle:
