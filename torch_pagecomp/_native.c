@@ -777,38 +777,66 @@ static inline uint32_t gather_codes(uint64_t x) {
     return (uint32_t)((x | x >> 20) & 0xFFFFFFu);
 }
 
-/* exp_encode_layout's bf16 codes, rest bytes and escapes, 16 values a step in SSE2: each
- * value's exponent byte e = bits 7..14, its code the index of e in `table` (7 distinct
- * exponents; 7, an escape, for any other), found by comparing e with each entry (at most one
- * matches, so `code ^= match & (7 ^ k)` leaves k there); its rest byte its sign and 7 mantissa
- * bits. Returns the end of the escape bytes written. The same bytes as the scalar loop. */
-static uint8_t *exp_encode_bf16_sse2(const uint8_t *src, const uint8_t *table, uint8_t *codes,
-                                     uint8_t *rest, uint8_t *esc, int64_t n) {
+/* Whether the exponent loops take 16 values a step (SSE2; the default) or the scalar loops
+ * that other CPUs run (exp_lookup('scalar'): for the tests, which check both). */
+static int exp_simd = 1;
+
+/* exp_encode_layout's codes, rest bytes, fp16's high bits and the escapes, 16 values a step
+ * in SSE2. Each value's exponent e (bf16: bits 7..14; fp16: bits 10..14); its code the index
+ * of e in `table` (7 distinct exponents; 7, an escape, for any other), found by comparing e
+ * with each entry (at most one matches, so `code ^= match & (7 ^ k)` leaves k there); its
+ * rest byte bf16's sign and 7 mantissa bits, fp16's low 8 mantissa bits; fp16's high bits
+ * h = sign << 2 | mantissa bits 8..9, gathered as 3-bit groups like the codes. Returns the
+ * end of the escape bytes written. The same bytes as the scalar loop. `layout` is a constant
+ * where it is inlined. */
+static inline __attribute__((always_inline)) uint8_t *
+exp_encode_sse2(const uint8_t *src, const uint8_t *table, uint8_t *codes, uint8_t *high,
+                uint8_t *rest, uint8_t *esc, int64_t n, const int layout) {
     __m128i t[EXP_TABLE];
     for (int k = 0; k < EXP_TABLE; k++) t[k] = _mm_set1_epi8((char)table[k]);
+    const int shift = layout == EXP_BF16 ? 7 : 10;
+    const __m128i emask = _mm_set1_epi16(layout == EXP_BF16 ? 0xFF : 0x1F);
     const __m128i byte = _mm_set1_epi16(0xFF), low7 = _mm_set1_epi16(0x7F);
     const __m128i sign = _mm_set1_epi16(0x80), seven = _mm_set1_epi8(EXP_TABLE);
+    const __m128i four = _mm_set1_epi16(4), three = _mm_set1_epi16(3);
     for (int64_t g = 0; g < n / 8; g += 2) { /* n / 8 groups: even for every valid page */
         const __m128i x0 = _mm_loadu_si128((const __m128i *)(src + 16 * g));
         const __m128i x1 = _mm_loadu_si128((const __m128i *)(src + 16 * g + 16));
-        const __m128i e = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(x0, 7), byte),
-                                           _mm_and_si128(_mm_srli_epi16(x1, 7), byte));
+        const __m128i e = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(x0, shift), emask),
+                                           _mm_and_si128(_mm_srli_epi16(x1, shift), emask));
         __m128i c = seven;
         for (int k = 0; k < EXP_TABLE; k++)
             c = _mm_xor_si128(c, _mm_and_si128(_mm_cmpeq_epi8(e, t[k]),
                                                _mm_set1_epi8((char)(EXP_TABLE ^ k))));
-        const __m128i r0 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(x0, 8), sign),
-                                        _mm_and_si128(x0, low7));
-        const __m128i r1 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(x1, 8), sign),
-                                        _mm_and_si128(x1, low7));
+        __m128i r0, r1;
+        if (layout == EXP_BF16) {
+            r0 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(x0, 8), sign), _mm_and_si128(x0, low7));
+            r1 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(x1, 8), sign), _mm_and_si128(x1, low7));
+        } else {
+            r0 = _mm_and_si128(x0, byte);
+            r1 = _mm_and_si128(x1, byte);
+        }
         _mm_storeu_si128((__m128i *)(rest + 8 * g), _mm_packus_epi16(r0, r1));
-        uint64_t cl[2];
+        uint64_t cl[2], hl[2];
         _mm_storeu_si128((__m128i *)cl, c);
-        for (int h = 0; h < 2; h++) {
-            const uint32_t cw = gather_codes(cl[h]);
-            codes[3 * (g + h)] = (uint8_t)cw;
-            codes[3 * (g + h) + 1] = (uint8_t)(cw >> 8);
-            codes[3 * (g + h) + 2] = (uint8_t)(cw >> 16);
+        if (layout == EXP_FP16) {
+            const __m128i h0 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(x0, 13), four),
+                                            _mm_and_si128(_mm_srli_epi16(x0, 8), three));
+            const __m128i h1 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(x1, 13), four),
+                                            _mm_and_si128(_mm_srli_epi16(x1, 8), three));
+            _mm_storeu_si128((__m128i *)hl, _mm_packus_epi16(h0, h1));
+        }
+        for (int k = 0; k < 2; k++) {
+            const uint32_t cw = gather_codes(cl[k]);
+            codes[3 * (g + k)] = (uint8_t)cw;
+            codes[3 * (g + k) + 1] = (uint8_t)(cw >> 8);
+            codes[3 * (g + k) + 2] = (uint8_t)(cw >> 16);
+            if (layout == EXP_FP16) {
+                const uint32_t hw = gather_codes(hl[k]);
+                high[3 * (g + k)] = (uint8_t)hw;
+                high[3 * (g + k) + 1] = (uint8_t)(hw >> 8);
+                high[3 * (g + k) + 2] = (uint8_t)(hw >> 16);
+            }
         }
         unsigned escapes = (unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(c, seven));
         if (escapes) { /* their exponent bytes, in value order */
@@ -876,11 +904,11 @@ exp_encode_layout(const uint8_t *src, uint8_t *to, int64_t page, const int layou
     uint8_t *rest = layout == EXP_FP16 ? high + 3 * n / 8 : high;
     uint8_t *esc = to + fixed;
 #if defined(HAVE_SHUFFLE)
-    if (layout == EXP_BF16)
-        esc = exp_encode_bf16_sse2(src, table, codes, rest, esc, n);
+    if (exp_simd)
+        esc = exp_encode_sse2(src, table, codes, high, rest, esc, n, layout);
     else
 #endif
-    for (int64_t g = 0; g < n / 8; g++) {
+    for (int64_t g = 0; g < n / 8; g++) { /* the scalar loop: 8 values a step */
         uint64_t w[2];
         memcpy(w, src + 16 * g, 16);
         uint32_t cw = 0, hw = 0;
@@ -1041,31 +1069,43 @@ static inline __m128i exp_lookup_sse2(__m128i c, __m128i table) {
     return e;
 }
 
-/* exp_decode_layout's bf16 page, 16 values a step: each value's exponent byte looked up from
- * its code (an escape gets its byte from the escape bytes after), then its two bytes put
- * together from the exponent e and its rest byte r (sign and 7 mantissa bits): low = (e & 1)
- * << 7 | r & 0x7F, high = r & 0x80 | e >> 1. The escapes are counted on the way: the status is
- * BAD_SIZE unless they are exactly the bytes from `esc` to `end` (none is read past `end`; the
- * caller zeroes a failed row). One body, inlined into a function per lookup. */
+/* exp_decode_layout's page, 16 values a step: each value's exponent e looked up from its
+ * code (an escape gets its byte from the escape bytes after), then its two bytes put
+ * together from e and its rest byte r. bf16 (r: sign and 7 mantissa bits): low = (e & 1) <<
+ * 7 | r & 0x7F, high = r & 0x80 | e >> 1. fp16 (r: the low 8 mantissa bits; h, from the high
+ * bits' 3-bit groups: sign << 2 | mantissa bits 8..9): low = r, high = (h & 4) << 5 | e << 2
+ * | h & 3 (the table's bytes taken mod 32, as the scalar loop does). The escapes are counted
+ * on the way: the status is BAD_SIZE unless they are exactly the bytes from `esc` to `end`
+ * (none is read past `end`; the caller zeroes a failed row). One body, inlined into a
+ * function per layout and lookup; `layout` and `ssse3` are constants there. */
 static inline __attribute__((always_inline)) int32_t
-exp_decode_bf16_body(const uint8_t *table, const uint8_t *codes, const uint8_t *rest,
-                     const uint8_t *esc, const uint8_t *end, uint8_t *to, int64_t n,
-                     const int ssse3) {
+exp_decode_sse_body(const uint8_t *table, const uint8_t *codes, const uint8_t *high,
+                    const uint8_t *rest, const uint8_t *esc, const uint8_t *end, uint8_t *to,
+                    int64_t n, const int layout, const int ssse3) {
     uint8_t t16[16] = {0};
-    memcpy(t16, table, EXP_TABLE);
+    for (int k = 0; k < EXP_TABLE; k++) t16[k] = layout == EXP_BF16 ? table[k] : table[k] & 31;
     const __m128i lut = _mm_loadu_si128((const __m128i *)t16);
     const __m128i low7 = _mm_set1_epi8(0x7F), sign = _mm_set1_epi8((char)0x80);
     const __m128i one = _mm_set1_epi8(1), seven = _mm_set1_epi8(EXP_TABLE);
+    const __m128i three = _mm_set1_epi8(3), four = _mm_set1_epi8(4);
     for (int64_t g = 0; g < n / 8; g += 2) { /* n / 8 groups: even for every valid page */
         const uint8_t *cg = codes + 3 * g;
         const __m128i c = _mm_set_epi64x((long long)spread_codes(cg + 3),
                                          (long long)spread_codes(cg));
         const __m128i e = ssse3 ? exp_lookup_ssse3(c, lut) : exp_lookup_sse2(c, lut);
         const __m128i r = _mm_loadu_si128((const __m128i *)(rest + 8 * g));
-        const __m128i lo = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(e, one), 7),
-                                        _mm_and_si128(r, low7));
-        const __m128i hi = _mm_or_si128(_mm_and_si128(r, sign),
-                                        _mm_and_si128(_mm_srli_epi16(e, 1), low7));
+        __m128i lo, hi;
+        if (layout == EXP_BF16) {
+            lo = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(e, one), 7), _mm_and_si128(r, low7));
+            hi = _mm_or_si128(_mm_and_si128(r, sign), _mm_and_si128(_mm_srli_epi16(e, 1), low7));
+        } else { /* the 16-bit shifts move bits within their bytes: h & 4 by 5, e < 32 by 2 */
+            const uint8_t *hg = high + 3 * g;
+            const __m128i h = _mm_set_epi64x((long long)spread_codes(hg + 3),
+                                             (long long)spread_codes(hg));
+            lo = r;
+            hi = _mm_or_si128(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, four), 5),
+                                           _mm_slli_epi16(e, 2)), _mm_and_si128(h, three));
+        }
         _mm_storeu_si128((__m128i *)(to + 16 * g), _mm_unpacklo_epi8(lo, hi));
         _mm_storeu_si128((__m128i *)(to + 16 * g + 16), _mm_unpackhi_epi8(lo, hi));
         /* the escapes (code 7) among the 16, lowest first: value order */
@@ -1074,45 +1114,51 @@ exp_decode_bf16_body(const uint8_t *table, const uint8_t *codes, const uint8_t *
             if (esc == end) return STATUS_BAD_SIZE; /* more escapes than bytes */
             uint8_t *v = to + 16 * g + 2 * __builtin_ctz(escapes);
             const unsigned x = *esc++;
-            v[0] |= (uint8_t)((x & 1) << 7);
-            v[1] |= (uint8_t)(x >> 1);
+            if (layout == EXP_BF16) {
+                v[0] |= (uint8_t)((x & 1) << 7);
+                v[1] |= (uint8_t)(x >> 1);
+            } else {
+                v[1] |= (uint8_t)((x & 31) << 2);
+            }
         }
     }
     return esc == end ? STATUS_OK : STATUS_BAD_SIZE; /* fewer escapes than bytes */
 }
 
-typedef int32_t (*exp_bf16_fn)(const uint8_t *, const uint8_t *, const uint8_t *,
-                               const uint8_t *, const uint8_t *, uint8_t *, int64_t);
+typedef int32_t (*exp_simd_fn)(const uint8_t *, const uint8_t *, const uint8_t *,
+                               const uint8_t *, const uint8_t *, const uint8_t *, uint8_t *,
+                               int64_t);
 
-__attribute__((target("ssse3"))) static int32_t
-exp_decode_bf16_ssse3(const uint8_t *table, const uint8_t *codes, const uint8_t *rest,
-                      const uint8_t *esc, const uint8_t *end, uint8_t *to, int64_t n) {
-    return exp_decode_bf16_body(table, codes, rest, esc, end, to, n, 1);
-}
+#define EXP_DECODER(name, layout, ssse3, target)                                               \
+    target static int32_t name(const uint8_t *table, const uint8_t *codes, const uint8_t *high, \
+                               const uint8_t *rest, const uint8_t *esc, const uint8_t *end,     \
+                               uint8_t *to, int64_t n) {                                       \
+        return exp_decode_sse_body(table, codes, high, rest, esc, end, to, n, layout, ssse3);  \
+    }
+EXP_DECODER(exp_decode_bf16_sse2, EXP_BF16, 0, )
+EXP_DECODER(exp_decode_fp16_sse2, EXP_FP16, 0, )
+EXP_DECODER(exp_decode_bf16_ssse3, EXP_BF16, 1, __attribute__((target("ssse3"))))
+EXP_DECODER(exp_decode_fp16_ssse3, EXP_FP16, 1, __attribute__((target("ssse3"))))
+#undef EXP_DECODER
 
-static int32_t exp_decode_bf16_sse2(const uint8_t *table, const uint8_t *codes,
-                                    const uint8_t *rest, const uint8_t *esc, const uint8_t *end,
-                                    uint8_t *to, int64_t n) {
-    return exp_decode_bf16_body(table, codes, rest, esc, end, to, n, 0);
-}
-
-static exp_bf16_fn exp_decode_bf16 = exp_decode_bf16_sse2; /* ssse3 where the CPU has it */
+/* [layout - 1]: the decoder in use per layout (the SSSE3 ones where the CPU has them) */
+static exp_simd_fn exp_decode_simd[2] = {exp_decode_bf16_sse2, exp_decode_fp16_sse2};
 #endif
 
 /* Decode one EXP page whose [src, src + size) lies in the payload and size >= its fixed part:
  * the status (BAD_SIZE unless size is the fixed part plus the escapes its codes count; the row
  * may then be partly written, and the caller zeroes it). Reads only src[0 .. size), writes
  * only to[0 .. page). `layout` is a constant where it is inlined (one loop per layout; bf16 on
- * x86-64: exp_decode_bf16, 16 values a step). */
+ * x86-64: exp_decode_simd, 16 values a step). */
 static inline __attribute__((always_inline)) int32_t
 exp_decode_layout(const uint8_t *src, int64_t size, uint8_t *to, int64_t page, const int layout) {
     const int64_t n = page / 2, fixed = exp_fixed(page, layout);
     const uint8_t *codes = src + EXP_TABLE;
     const uint8_t *high = codes + 3 * n / 8; /* fp16 only */
     const uint8_t *rest = layout == EXP_FP16 ? high + 3 * n / 8 : high;
-#if defined(HAVE_SHUFFLE)
-    if (layout == EXP_BF16) /* escapes counted as they are decoded */
-        return exp_decode_bf16(src, codes, rest, src + fixed, src + size, to, n);
+#if defined(HAVE_SHUFFLE) /* escapes counted as they are decoded */
+    if (exp_simd)
+        return exp_decode_simd[layout - 1](src, codes, high, rest, src + fixed, src + size, to, n);
 #endif
     if (size != fixed + count_escapes(codes, n / 8)) return STATUS_BAD_SIZE;
     const uint8_t *esc = src + fixed; /* exactly size - fixed of them: every read inside */
@@ -1291,26 +1337,34 @@ static PyObject *pack_pages(PyObject *self, PyObject *args) {
 #if defined(HAVE_EXP_CODEC) && defined(HAVE_SHUFFLE)
 PyDoc_STRVAR(exp_lookup_doc,
 "exp_lookup(name=None) -> str\n\n"
-"The bf16 exponent decoder's table lookup in use: 'ssse3' (a byte shuffle, where the CPU has\n"
-"it) or 'sse2' (compares). With a name, use that one (for tests: both give the same bytes);\n"
-"'ssse3' where the CPU lacks it is a ValueError.");
+"The exponent loops in use: 16 values a step with the decoder's table lookup 'ssse3' (a\n"
+"byte shuffle, where the CPU has it) or 'sse2' (compares), or 'scalar' (8 values a step, the\n"
+"loops of CPUs without SSE2). With a name, use those (for tests: all give the same bytes and\n"
+"statuses); 'ssse3' where the CPU lacks it is a ValueError.");
 
 static PyObject *exp_lookup_arg(PyObject *self, PyObject *args) {
     const char *name = NULL;
     (void)self;
     if (!PyArg_ParseTuple(args, "|z", &name)) return NULL;
     if (name != NULL) {
-        if (strcmp(name, "sse2") == 0) {
-            exp_decode_bf16 = exp_decode_bf16_sse2;
+        if (strcmp(name, "scalar") == 0) {
+            exp_simd = 0;
+        } else if (strcmp(name, "sse2") == 0) {
+            exp_simd = 1;
+            exp_decode_simd[0] = exp_decode_bf16_sse2;
+            exp_decode_simd[1] = exp_decode_fp16_sse2;
         } else if (strcmp(name, "ssse3") == 0 && __builtin_cpu_supports("ssse3")) {
-            exp_decode_bf16 = exp_decode_bf16_ssse3;
+            exp_simd = 1;
+            exp_decode_simd[0] = exp_decode_bf16_ssse3;
+            exp_decode_simd[1] = exp_decode_fp16_ssse3;
         } else {
-            PyErr_Format(PyExc_ValueError, "exp_lookup: 'sse2', or 'ssse3' where the CPU has it; "
+            PyErr_Format(PyExc_ValueError, "exp_lookup: 'scalar', 'sse2', or 'ssse3' where the CPU has it; "
                          "got %s", name);
             return NULL;
         }
     }
-    return PyUnicode_FromString(exp_decode_bf16 == exp_decode_bf16_ssse3 ? "ssse3" : "sse2");
+    return PyUnicode_FromString(!exp_simd ? "scalar"
+                                : exp_decode_simd[0] == exp_decode_bf16_ssse3 ? "ssse3" : "sse2");
 }
 #endif
 
@@ -1345,7 +1399,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void) {
 #if defined(HAVE_EXP_CODEC) && defined(HAVE_SHUFFLE)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("ssse3")) exp_decode_bf16 = exp_decode_bf16_ssse3;
+    if (__builtin_cpu_supports("ssse3")) {
+        exp_decode_simd[0] = exp_decode_bf16_ssse3;
+        exp_decode_simd[1] = exp_decode_fp16_ssse3;
+    }
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "SHARED_RANGES", 1) < 0 ||

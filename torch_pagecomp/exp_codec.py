@@ -37,10 +37,11 @@ from .cpu_codec import (
 # statuses, 13-35x slower); an extension built before the exponent loops took their ranges from
 # a shared counter is not used for them.
 NATIVE = _native is not None and hasattr(_native, "exp_encode_pages") and _SHARED_RANGES
-# ... whose bf16 loops take 16 values a step (SSE2, x86): there the codec codes and decodes bf16
-# as fast as LZ4 + bit-shuffle on the host while storing 3-9% less (bench/results/cpu2_*_auto),
-# so a CPU ``PageCompressor(codec="auto")`` takes it for bf16; its fp16 and other builds' loops
-# are scalar (decoding ~1.5x LZ4's time)
+# ... whose loops take 16 values a step (SSE2, x86; other CPUs' loops are scalar): there the
+# codec codes and decodes bf16 as fast as LZ4 + bit-shuffle on the host while storing 3-9%
+# less (bench/results/cpu2_7081f35_auto), so a CPU ``PageCompressor(codec="auto")`` takes it
+# for bf16. Not for fp16: on full fp16 mantissas it stores 1.13 where LZ4's near-raw pages
+# store 1.06 and decode 1.6x faster (bench/results/cpu2_*_fp16)
 FAST_BF16 = NATIVE and hasattr(_native, "exp_lookup")
 
 # Where each layout's fields sit in a value ``v`` (``uint16``); see ``format``.

@@ -207,8 +207,9 @@ class PageCompressor(torch.nn.Module):
             (``compress(..., codec="exp-bf16")``: ~1.42x on typical bf16 where LZ4 stores
             1.2-1.4x) when the pages go through the GPU's kernels, and for bf16 on a CPU
             compressor whose C loops are SIMD (x86: as fast as LZ4 there); LZ4 + bit-shuffle
-            for the rest of a CPU compressor's (fp16; other CPUs); ``"exp"`` the exponent
-            codec always; ``"lz4"`` LZ4 + bit-shuffle always (what ``lz4.block`` reads). A tensor offloaded with an explicit ``element_size`` other than 2 takes
+            for the rest of a CPU compressor's (fp16, where LZ4 decodes faster; other CPUs);
+            ``"exp"`` the exponent codec always; ``"lz4"`` LZ4 + bit-shuffle always (what
+            ``lz4.block`` reads). A tensor offloaded with an explicit ``element_size`` other than 2 takes
             LZ4 with that width.
 
     A copy or an unpickled one is a fresh ``PageCompressor`` built from these same arguments
