@@ -209,8 +209,8 @@ class PageCompressor(torch.nn.Module):
             compressor whose C loops are SIMD (x86: as fast as LZ4 there); LZ4 + bit-shuffle
             for the rest of a CPU compressor's (fp16, where LZ4 decodes faster; other CPUs);
             ``"exp"`` the exponent codec always; ``"lz4"`` LZ4 + bit-shuffle always (what
-            ``lz4.block`` reads). A tensor offloaded with an explicit ``element_size`` other than 2 takes
-            LZ4 with that width.
+            ``lz4.block`` reads). A tensor offloaded with an explicit ``element_size`` other
+            than 2 takes LZ4 with that width.
 
     A copy or an unpickled one is a fresh ``PageCompressor`` built from these same arguments
     (``device=None`` resolves again where it is built), with nothing offloaded. ``with
