@@ -11,9 +11,19 @@ multiple of the first arm's. ``--block N``: each arm runs N steps in a row per r
 of each block reported apart (the steps after a switch of arms pay for the other arm's use of
 the host's caches and the allocator; a process that runs one variant never does).
 
-Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), and ``memory_group``:
+Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memory_group``:
 ``memory`` with the hooks' batched restores through ``restore_group`` instead of
-``restore_placed`` (the path before 2026-11-29).
+``restore_placed`` (the path before 2026-11-29), and ``memory_tight``: ``memory`` with the host
+arena keeping, at each step's end, the chunks of the step's peak of *placed* bytes (plus the
+same headroom) instead of those its busiest moment had *backed*. On link-bound steps the host
+runs ahead of the pack stream; every slice in flight reserves its uncompressed size, and
+``VirtualArena.shrink`` keeps the chunks those reservations took. At dea0f75 the arena held
+1.16-1.32x its placed peak on the models the host leads (hf-llama-2048, encoder-2048,
+ViT-B/16), so `memory`'s page-locked memory was 1.12-1.15x below a plain copy's at a ratio of
+1.42-1.51 (``bench/results/h200_c070212_session40``). With the tight arm the host waits for
+the oldest slice in flight where reservations reach past the held chunks (``back``): whether
+that costs the step is what this arm measures. Each arm's page-locked host memory held at the
+end is printed too.
 """
 
 from __future__ import annotations
@@ -23,12 +33,43 @@ import contextlib
 import statistics
 import time
 
-ARMS = ("none", "uncompressed", "memory", "memory_group")
+ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_tight")
+
+
+def _tight_shrink(arena) -> None:
+    """``VirtualArena.shrink`` keeping the chunks of the step's peak of placed bytes (the
+    ``_stored`` peak since the last call, tracked by :func:`_tracked_fold`), one more for where
+    the end falls in a chunk, and the shipped headroom."""
+    if not arena.placed_since_shrink:
+        return
+    need = -(-getattr(arena, "step_peak", 0) // arena.chunk) + 1
+    need += max(2, need // 16)
+    arena.trim(keep=max(0, need - len(arena.backed)))
+    arena.peak_backed = len(arena.backed)
+    arena.placed_since_shrink = False
+    arena.step_peak = arena._stored
+
+
+def _tracked_fold(real):
+    def fold(arena) -> None:
+        real(arena)
+        arena.step_peak = max(getattr(arena, "step_peak", 0), arena._stored)
+    return fold
 
 
 @contextlib.contextmanager
 def _arm_patch(arm: str):
     """What an arm changes in the package while its steps run."""
+    if arm == "memory_tight":
+        from torch_pagecomp.offload._arena import VirtualArena
+
+        real_shrink, real_fold = VirtualArena.shrink, VirtualArena._fold
+        VirtualArena.shrink, VirtualArena._fold = _tight_shrink, _tracked_fold(real_fold)
+        try:
+            yield
+        finally:
+            VirtualArena.shrink, VirtualArena._fold = real_shrink, real_fold
+        return
     if arm != "memory_group":
         yield
         return
@@ -52,7 +93,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     model, x, blocks = build(name, "cuda" if cuda else "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     settings = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-                "memory_group": dict(prefer="memory")}
+                "memory_group": dict(prefer="memory"), "memory_tight": dict(prefer="memory")}
     cpu = {} if cuda else dict(offload_cpu=True, min_offload_bytes=1 << 12)
     offs = {a: ActivationOffloader(**settings[a], **cpu) for a in arms if a != "none"}
 
@@ -107,6 +148,17 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"{statistics.median(first) if first else float('nan'):.1f} |")
     for off in offs.values():
         off.synchronize()
+    lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
+              "packs s |", "|---|---|---|---|"]
+    for arm, off in offs.items():
+        st = off.stats()
+        arenas = list(st.get("compressor", {}).values())
+        held = st.get("pinned_held_bytes", 0) + sum(c["host_held_bytes"] for c in arenas)
+        peak = sum(c["host_peak_held_bytes"] for c in arenas)
+        wait = sum(c.get("host_wait_us", 0) for c in arenas) / 1e6
+        lines.append(f"| {arm} | {held / 2**30:.2f} | "
+                     f"{sum(c['host_held_bytes'] for c in arenas) / 2**30:.2f} "
+                     f"({peak / 2**30:.2f}) | {wait:.3f} |")
     return lines
 
 
