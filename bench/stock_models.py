@@ -744,10 +744,12 @@ def _fsdp_rows(args, models, variants, meta, codecs=("auto",)):
     import torch.distributed.fsdp  # noqa: F401  (before init_process_group: see above)
 
     if args.device == "cuda":
-        world, gpus = int(os.environ.get("WORLD_SIZE", 1)), torch.cuda.device_count()
-        if world > gpus:  # NCCL refuses two ranks on one GPU, deep inside the first collective
-            raise SystemExit(f"FSDP2 on CUDA needs a GPU per rank: {world} ranks, {gpus} "
-                             "GPU(s) here; pass --device cpu to run the ranks on gloo")
+        # ranks on this host (torchrun sets LOCAL_WORLD_SIZE) against its GPUs
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+        gpus = torch.cuda.device_count()
+        if here > gpus:  # NCCL refuses two ranks on one GPU, deep inside the first collective
+            raise SystemExit(f"FSDP2 on CUDA needs a GPU per rank: {here} ranks on this host, "
+                             f"{gpus} GPU(s); pass --device cpu to run the ranks on gloo")
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         args.device = f"cuda:{local}"

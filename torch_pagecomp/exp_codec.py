@@ -41,7 +41,7 @@ NATIVE = _native is not None and hasattr(_native, "exp_encode_pages") and _SHARE
 # codec codes and decodes bf16 as fast as LZ4 + bit-shuffle on the host while storing 3-9%
 # less (bench/results/cpu2_7081f35_auto), so a CPU ``PageCompressor(codec="auto")`` takes it
 # for bf16. Not for fp16: on full fp16 mantissas it stores 1.13 where LZ4's near-raw pages
-# store 1.06 and decode 1.6x faster (bench/results/cpu2_*_fp16)
+# store 1.06 and decode 1.6x faster (bench/results/cpu2_a0189a2_fp16)
 FAST_BF16 = NATIVE and hasattr(_native, "exp_lookup")
 
 # Where each layout's fields sit in a value ``v`` (``uint16``); see ``format``.
