@@ -93,8 +93,12 @@ def _store_kinds(cache) -> set[int]:
     kinds = set()
     for layer in cache.layers:
         for b in getattr(layer, "_blocks", []):
-            for sl in getattr(b.held.stored, "slices", []):  # PagedStore's (not the lz4 path)
+            stored = b.held.stored
+            for sl in getattr(stored, "slices", []):  # PagedStore's
                 kinds.update(int(k) for k in sl.kinds)
+            packed = getattr(stored, "data", None)  # the CPU codecs' (a packed container)
+            if packed is not None and hasattr(packed, "kinds"):
+                kinds.update(int(k) for k in packed.kinds)
     return kinds
 
 
@@ -140,15 +144,22 @@ def test_generate_identical_to_dynamic_cache(seed, with_config, bt):
     assert not paged or (store.arena.used == 0 and not store.arena.backed)  # unpinned
 
 
+@pytest.mark.parametrize("store", ["paged", "cpu_codecs"])
 @pytest.mark.parametrize("codec", ["auto", "lz4"])
-def test_generate_bf16_typed_path_and_beams(seed, monkeypatch, codec):
+def test_generate_bf16_typed_path_and_beams(seed, monkeypatch, codec, store):
     """bf16 blocks: the exponent codec by default (EXP pages of the bf16 layout, 0x13), LZ4
     bit-shuffled by 2-byte elements with ``codec="lz4"`` (0x11); RAW / FILL pages either way;
-    greedy and beam tokens identical to ``DynamicCache``."""
+    greedy and beam tokens identical to ``DynamicCache``. ``cpu_codecs``: a CPU without the
+    Triton interpreter, whose store takes the exponent codec for bf16 only where its C loops
+    are SIMD (``exp_codec.FAST_BF16``)."""
     DynamicCache = _transformers().DynamicCache
 
+    from torch_pagecomp.integrations import _kv_store
     from torch_pagecomp.integrations._kv_store import DeviceStore
     from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    if store == "cpu_codecs":
+        monkeypatch.setattr(_kv_store, "interpreting", lambda: False)
 
     seals = []
     seal = DeviceStore.seal
@@ -164,9 +175,13 @@ def test_generate_bf16_typed_path_and_beams(seed, monkeypatch, codec):
     cache = CompressedOffloadedCache(config=config, block_tokens=16, codec=codec)
     assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=12))
     assert seals and set(seals) == {(2, "bf16" if codec == "auto" else None)}
-    coded = 0x13 if codec == "auto" else 0x11
-    kinds = _store_kinds(cache)  # none where the CPU's lz4 block store holds the blocks
-    assert kinds <= {0x00, 0x02, coded} and (coded in kinds or not kinds)
+    from torch_pagecomp import exp_codec
+
+    assert all(hasattr(s, "arena") == (store == "paged") for s in cache.stores.values())
+    exp = codec == "auto" and (exp_codec.FAST_BF16 or store == "paged")
+    coded = 0x13 if exp else 0x11
+    kinds = _store_kinds(cache)
+    assert kinds <= {0x00, 0x02, coded} and coded in kinds, kinds
 
     # beam search reorders the cache every step (sealed blocks through their row maps, one
     # gather for all of them); the prefetch bookkeeping (CUDA's, run synchronously here)

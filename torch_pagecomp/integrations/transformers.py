@@ -429,7 +429,8 @@ class CompressedOffloadedCache(Cache):
             (``compress(codec="exp-bf16")``: the exponent of each value entropy-coded per page,
             sign and mantissa as they are), other dtypes through LZ4 with a bit-shuffle by
             their element size; ``"lz4"``: LZ4 for every dtype. On a CPU without the Triton
-            interpreter the blocks are LZ4 either way.
+            interpreter ``"auto"`` takes the exponent codec for bf16 where its C loops are SIMD
+            (x86: as fast as LZ4 there), LZ4 for the rest.
 
     Host memory: page-locked chunks of 64 MiB, backed as the blocks need them (the compressed
     bytes, plus up to the uncompressed size of the blocks still being compressed); unpinned by
