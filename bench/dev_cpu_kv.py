@@ -12,6 +12,7 @@ median wall time and, at the end of a run, the cache's sealed blocks' ratio and 
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 
@@ -31,17 +32,20 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = tr.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=a.layers,
-                            num_attention_heads=8, num_key_value_heads=4, vocab_size=1000)
+                            num_attention_heads=8, num_key_value_heads=4, vocab_size=1000,
+                            max_position_embeddings=a.prompt + a.new)
     model = tr.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     ids = torch.randint(0, config.vocab_size, (1, a.prompt), generator=torch.Generator()
                         .manual_seed(1))
+
+    # transformers 5.x names the cache argument ``cache``, earlier ones ``past_key_values``
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def run(cache):
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=a.new, min_new_tokens=a.new,
-                                 past_key_values=cache)
+                                 max_new_tokens=a.new, min_new_tokens=a.new, **{kw: cache})
         return out, time.perf_counter() - t0
 
     ref, _ = run(tr.DynamicCache(config=config))
