@@ -6,7 +6,7 @@ Every store turns the bytes of one storage (``uint8 [n]``) into a *stored* objec
   the caller's current stream (the offloader runs it on its side stream).
 * ``_paged.PagedStore``: compressed pages written by kernels into host memory (host
   bytes shrink with the ratio).
-* :class:`CpuStore`: CPU tensors when there is no GPU: compressed with the lz4 codec, or copied.
+* :class:`CpuStore`: CPU tensors when there is no GPU: compressed by the CPU codecs, or copied.
 
 :class:`ClassPolicy` samples the first tensors of each ``(dtype, shape)`` class and sends the
 class to the pinned store when compression does not pay.
@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import cpu_codec
 from .._events import mark
+from .._ops import compress_cpu_direct
+from ..format import CompressedPages
 from ..pools import HostMemory, PinnedBufferPool
 from ._streams import current_stream
 
@@ -107,33 +110,47 @@ class CpuStore:
     def offload(self, src: torch.Tensor, element_size: int,
                 float_format: str | None = None) -> CpuStored:
         """Store ``src`` (``uint8 [n]``): lz4 pages bit-shuffled by ``element_size``, or with
-        ``float_format`` (``"bf16"`` / ``"fp16"``) the exponent codec's pages."""
-        from .. import api
-
+        ``float_format`` (``"bf16"`` / ``"fp16"``) the exponent codec's pages. The codec's
+        host loops themselves (the hooks' and the KV cache's arguments are valid by
+        construction): whole pages compressed where they lie (only a partial last page is
+        padded, in a copy), packed by the C loop into a buffer of the exact size."""
         n = src.numel()
-        if not self.compress:
+        if not self.compress or n == 0:
             return CpuStored("raw", src.clone(), n, n)
-        pages = -(-n // self.page_size)
-        padded = torch.zeros(pages * self.page_size, dtype=torch.uint8)
-        padded[:n] = src
-        if float_format:
-            c = api.compress(padded, self.page_size, backend="cpu", checksum=self.checksum,
-                             codec=f"exp-{float_format}")
-        else:
-            c = api.compress(padded, self.page_size, element_size, backend="cpu",
-                             checksum=self.checksum)
-        packed = api.pack(c)
-        per_page = 13 + 4 * (packed.checksums is not None)  # offset, size, kind (, checksum)
-        host = packed.payload.numel() + packed.sizes.numel() * per_page
-        return CpuStored("compressed", packed, n, host, exp=bool(float_format))
+        p = self.page_size
+        count = -(-n // p)
+        if n == count * p:
+            pages = src.contiguous().view(count, p)
+        else:  # in reused memory: new memory faults on each of its pages (a 32 MiB tensor's
+            # copy took 1.6x its compression on the 2-core VM, bench/results/cpu2_*_cpustore)
+            pages = cpu_codec.pages_empty(count, p)
+            flat = pages.view(-1)
+            flat[:n] = src
+            flat[n:] = 0
+        payload, sizes, kinds = compress_cpu_direct(pages, element_size, float_format)
+        offsets = cpu_codec.packed_offsets(sizes, p)
+        packed = torch.empty(int(offsets[count]), dtype=torch.uint8)
+        cpu_codec.pack_into(payload, offsets, packed)
+        sums = cpu_codec.page_checksums_cpu(pages) if self.checksum else None
+        c = CompressedPages(packed, sizes, kinds, p, torch.from_numpy(offsets), sums,
+                            "exp" if float_format else "lz4")
+        per_page = 13 + 4 * (sums is not None)  # offset, size, kind (, checksum)
+        return CpuStored("compressed", c, n, c.payload.numel() + count * per_page,
+                         exp=bool(float_format))
 
     def restore(self, stored: CpuStored, out: torch.Tensor) -> None:
+        """``stored``'s bytes into ``out`` (``uint8 [n]``, CPU): whole pages decoded in place
+        where ``out`` holds whole pages and is contiguous, else through a decoded copy."""
         from .. import api
 
         if stored.kind == "raw":
             out.copy_(stored.data)
+            return
+        c, p = stored.data, self.page_size
+        if stored.nbytes % p == 0 and out.is_contiguous():
+            api.decompress(c, backend="cpu", out=out.view(-1, p))
         else:
-            out.copy_(api.decompress(stored.data, backend="cpu").view(-1)[: stored.nbytes])
+            out.copy_(api.decompress(c, backend="cpu").view(-1)[: stored.nbytes])
 
     def free(self, stored: CpuStored) -> None:
         stored.data = None
