@@ -122,7 +122,7 @@ class CpuStore:
         if n == count * p:
             pages = src.contiguous().view(count, p)
         else:  # in reused memory: new memory faults on each of its pages (a 32 MiB tensor's
-            # copy took 1.6x its compression on the 2-core VM, bench/results/cpu2_*_cpustore)
+            # copy took 1.6x its compression on the 2-core VM, bench/results/cpu2_d8fb22a_cpustore)
             pages = cpu_codec.pages_empty(count, p)
             flat = pages.view(-1)
             flat[:n] = src
