@@ -121,8 +121,9 @@ class CpuStore:
         count = -(-n // p)
         if n == count * p:
             pages = src.contiguous().view(count, p)
-        else:  # in reused memory: new memory faults on each of its pages (a 32 MiB tensor's
-            # copy took 1.6x its compression on the 2-core VM, bench/results/cpu2_d8fb22a_cpustore)
+        else:  # padded in reused memory: new memory faults on each of its pages (padding a
+            # 32 MiB tensor in new memory made its offload 26 ms against 12.6 on the 2-core
+            # VM, bench/results/cpu2_d8fb22a_cpustore)
             pages = cpu_codec.pages_empty(count, p)
             flat = pages.view(-1)
             flat[:n] = src
