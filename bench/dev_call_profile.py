@@ -5,6 +5,13 @@ offload_restore]`` (GPU): cProfile's top functions over ``--calls`` calls each o
 ``torch_pagecomp.compress``, ``decompress(return_status=True)`` and ``PageCompressor.offload`` +
 ``restore`` + ``free`` on one bf16 tensor, GPU synchronised before each profile only (the calls
 queue up, as a program's would).
+
+``--timers``: instead of cProfile (which inflates small functions several times and charges a
+full launch queue's wait to whichever call meets it), the API path's functions wrapped in
+``perf_counter_ns`` timers (``bench.dev_hook_timing.instrument``: inclusive time, one clock
+read on entry and exit), the GPU synchronised every 16 calls so the launch queue never fills;
+per function its calls per op call and mean us per call. ``--device cpu``: the
+same on the host path (a smoke run).
 """
 
 from __future__ import annotations
@@ -17,19 +24,81 @@ import torch_pagecomp as pc
 from bench.corpora import build_corpus
 from bench.dev_host_profile import profile_calls
 
+# the public calls' path, caller first (inclusive times: a function's includes those it calls)
+OP_TARGETS = (
+    "torch_pagecomp.api:compress",
+    "torch_pagecomp.api:decompress",
+    "torch_pagecomp.api:_decode_direct",
+    "torch_pagecomp.api:offsets_mismatch",
+    "torch_pagecomp.format:check_compressed",
+    "torch_pagecomp.format:as_pages",
+    "torch_pagecomp.backend:route",
+    "torch_pagecomp.backend:eager_call_ok",
+    "torch_pagecomp.kernels.lz4_compress:compress_pages",
+    "torch_pagecomp.kernels.lz4_decompress:decompress_into",
+    "torch_pagecomp.kernels.launch:launch",
+    "torch_pagecomp.kernels.launch:_launch_compiled",
+    "torch_pagecomp.kernels.launch:_call",
+    "torch_pagecomp.kernels.launch:interpreting",
+    "torch_pagecomp._ops:compress_cpu_direct",
+    "torch_pagecomp._ops:decompress_cpu_direct",
+)
+
+
+def timed_calls(name: str, fn, calls: int, cuda: bool) -> str:
+    """Per function of ``OP_TARGETS``: calls per call of ``fn`` and host us per call (mean),
+    over ``calls`` calls of ``fn`` (the GPU synchronised every 16), beside ``fn``'s own."""
+    import collections
+    import time
+
+    from bench.dev_hook_timing import instrument
+
+    for _ in range(20):
+        fn()
+    stats = collections.defaultdict(lambda: [0, 0, 0])
+    undo = instrument(stats, OP_TARGETS)
+    total = 0
+    try:
+        for i in range(calls):
+            t0 = time.perf_counter_ns()
+            fn()
+            total += time.perf_counter_ns() - t0
+            if cuda and i % 16 == 15:
+                torch.cuda.synchronize()
+    finally:
+        for owner, attr, orig in reversed(undo):
+            setattr(owner, attr, orig)
+    lines = [f"## {name}: {total / calls / 1e3:.1f} us a call with the timers",
+             "| function | calls a call | us a call (inclusive) |", "|---|---|---|"]
+    for fname, (n, ns, _) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| {fname} | {n / calls:.1f} | {ns / n / 1e3:.1f} |")
+    return "\n".join(lines)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kib", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--ops", default="compress,decompress,offload_restore")
+    ap.add_argument("--timers", action="store_true",
+                    help="timers around the API path's functions instead of cProfile")
+    ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
     ops = a.ops.split(",")
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
     x = build_corpus("bf16-relu", a.kib << 10, 4096, dev, seed=1)
     c = pc.compress(x, element_size=2)
     pc.decompress(c, return_status=True)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
+    if a.timers:
+        calls = {"compress": lambda: pc.compress(x, element_size=2),
+                 "decompress": lambda: pc.decompress(c, return_status=True)}
+        for op in ops:
+            if op in calls:
+                print(timed_calls(op, calls[op], a.calls, cuda), flush=True)
+        return
     pattern = "torch_pagecomp|triton_kernels|triton/runtime"
     if "compress" in ops:
         print("# compress", flush=True)

@@ -247,8 +247,11 @@ small)
         | tee -a "$OUT/tests_small.txt" | tail -n 12
     timeout 120 python3 -m bench.latency --sizes 64K,1M,16M --repeats 100 \
         --out "$OUT/latency.json" 2>&1 | tail -n 45
-    # where a call's host time goes: each primitive's cost on this host, now (it drifts)
+    # where a call's host time goes: each primitive's cost on this host, now (it drifts), and
+    # each function of the API path, timed (#26)
     timeout 60 python3 -m bench.dev_host_floor 2>&1 | tee "$OUT/host_floor.txt"
+    timeout 60 python3 -m bench.dev_call_profile --timers --kib 1024 --calls 500 \
+        --ops compress,decompress 2>&1 | tee "$OUT/call_timers.txt"
     ;;
 harness)
     # the harness beside nvCOMP on a few corpora (a kernel A/B in minutes, not the whole bench);
