@@ -132,8 +132,7 @@ def compress_cpu_direct(pages: Tensor, element_size: int, float_format: str | No
     [N])``: ``out``'s tensors (contiguous CPU ones, written in place by the C loops) when
     given."""
     if not eager_call_ok((pages, *(out or ()))):
-        got = (compress_exp_eager(pages, float_format) if float_format is not None
-               else compress_eager(pages, element_size))
+        got = compress_codec_eager(pages, element_size, float_format)
         return got if out is None else tuple(o.copy_(t) for o, t in zip(out, got))
     if float_format is not None:
         return exp_codec.compress_exp_cpu(pages, exp_codec.layout_code(float_format), out=out)

@@ -267,6 +267,23 @@ def pages_empty(n: int, page_size: int, out: torch.Tensor | None = None) -> torc
     return out if out is not None else _outputs.empty((n, page_size))
 
 
+def page_rows(data: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``uint8 [ceil(n / P), P]``: CPU bytes ``data`` (``uint8 [n]``) as rows of pages to
+    compress, a view where they are whole pages, else a copy with the last page zero-padded,
+    in the output pool's reused memory (padding a 32 MiB tensor in new memory, which faults on
+    each page, made a CPU store's offload 26 ms against 12.6:
+    bench/results/cpu2_d8fb22a_cpustore)."""
+    n = data.numel()
+    count = -(-n // page_size)
+    if n == count * page_size:
+        return data.contiguous().view(count, page_size)
+    rows = pages_empty(count, page_size)
+    flat = rows.view(-1)
+    flat[:n] = data
+    flat[n:] = 0
+    return rows
+
+
 def fill_rows(pages: np.ndarray) -> np.ndarray:
     """``bool [N]``: which rows of ``uint8 [N, P]`` have every byte equal."""
     first = pages[:, 0].astype(np.uint64) * np.uint64(0x0101010101010101)

@@ -44,6 +44,14 @@ NATIVE = _native is not None and hasattr(_native, "exp_encode_pages") and _SHARE
 # store 1.06 and decode 1.6x faster (bench/results/cpu2_a0189a2_fp16)
 FAST_BF16 = NATIVE and hasattr(_native, "exp_lookup")
 
+
+def host_auto_format(float_format: str | None) -> str | None:
+    """What ``codec="auto"`` codes host pages of ``float_format`` with (``"bf16"`` /
+    ``"fp16"``: what they hold, or None): the exponent codec's layout for bf16 where the C
+    loops are SIMD (:data:`FAST_BF16`), else None, LZ4 + bit-shuffle. The rule of a CPU
+    ``PageCompressor`` and of a KV cache's CPU store."""
+    return float_format if float_format == "bf16" and FAST_BF16 else None
+
 # Where each layout's fields sit in a value ``v`` (``uint16``); see ``format``.
 LAYOUTS = {"bf16": fmt.EXP_BF16, "fp16": fmt.EXP_FP16}
 _BINS = {fmt.EXP_BF16: 256, fmt.EXP_FP16: 32}  # possible exponent values

@@ -385,10 +385,10 @@ class PageCompressor(torch.nn.Module):
         ``element_size`` (see ``codec``), or None: LZ4."""
         if element_size != 2 or self.codec == "lz4":
             return None
-        if self.codec == "auto" and not self.pipeline.cuda and not (
-                dtype == torch.bfloat16 and exp_codec.FAST_BF16):
-            return None  # the host's loops: LZ4 is the faster there (see exp_codec.FAST_BF16)
-        return fmt.DTYPE_FLOAT_FORMATS.get(dtype)
+        layout = fmt.DTYPE_FLOAT_FORMATS.get(dtype)
+        if self.codec == "auto" and not self.pipeline.cuda:
+            return exp_codec.host_auto_format(layout)
+        return layout
 
     def compress_host(self, pages: torch.Tensor, element_size: int = 1) -> OffloadHandle:
         """Compress host memory on this module's device and keep it packed on the host: the

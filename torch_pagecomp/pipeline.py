@@ -415,12 +415,7 @@ class Pipeline:
         C loop straight into the blob, at its exact size."""
         p = self.page_size
         t0 = time.perf_counter()
-        if hi - lo == n * p:
-            pages = src[lo:hi].view(n, p)
-        else:
-            pages = torch.zeros(n * p, dtype=torch.uint8)
-            pages[: hi - lo] = src[lo:hi]
-            pages = pages.view(n, p)
+        pages = cpu_codec.page_rows(src[lo:hi], p)  # n rows
         if slot is not None:
             slot.cpu_stage = SlotState.COMPRESSING
         t1 = time.perf_counter()

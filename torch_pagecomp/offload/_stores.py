@@ -118,16 +118,8 @@ class CpuStore:
         if not self.compress or n == 0:
             return CpuStored("raw", src.clone(), n, n)
         p = self.page_size
-        count = -(-n // p)
-        if n == count * p:
-            pages = src.contiguous().view(count, p)
-        else:  # padded in reused memory: new memory faults on each of its pages (padding a
-            # 32 MiB tensor in new memory made its offload 26 ms against 12.6 on the 2-core
-            # VM, bench/results/cpu2_d8fb22a_cpustore)
-            pages = cpu_codec.pages_empty(count, p)
-            flat = pages.view(-1)
-            flat[:n] = src
-            flat[n:] = 0
+        pages = cpu_codec.page_rows(src, p)
+        count = pages.shape[0]
         payload, sizes, kinds = compress_cpu_direct(pages, element_size, float_format)
         offsets = cpu_codec.packed_offsets(sizes, p)
         packed = torch.empty(int(offsets[count]), dtype=torch.uint8)
