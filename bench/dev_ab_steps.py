@@ -13,17 +13,10 @@ the host's caches and the allocator; a process that runs one variant never does)
 
 Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memory_group``:
 ``memory`` with the hooks' batched restores through ``restore_group`` instead of
-``restore_placed`` (the path before 2026-11-29), and ``memory_tight``: ``memory`` with the host
-arena keeping, at each step's end, the chunks of the step's peak of *placed* bytes (plus the
-same headroom) instead of those its busiest moment had *backed*. On link-bound steps the host
-runs ahead of the pack stream; every slice in flight reserves its uncompressed size, and
-``VirtualArena.shrink`` keeps the chunks those reservations took. At dea0f75 the arena held
-1.16-1.32x its placed peak on the models the host leads (hf-llama-2048, encoder-2048,
-ViT-B/16), so `memory`'s page-locked memory was 1.12-1.15x below a plain copy's at a ratio of
-1.42-1.51 (``bench/results/h200_c070212_session40``). With the tight arm the host waits for
-the oldest slice in flight where reservations reach past the held chunks (``back``): whether
-that costs the step is what this arm measures. Each arm's page-locked host memory held at the
-end is printed too.
+``restore_placed`` (the path before 2026-11-29). Each arm's page-locked host memory held at the
+end is printed too. (A ``memory_tight`` arm, the arena keeping the step's peak of placed bytes
+instead of backed ones, held the same page-locked memory at the same step time on
+hf-llama-2048, encoder-2048 and ViT-B/16, ``bench/results/h200_967571b_session41``: removed.)
 """
 
 from __future__ import annotations
@@ -33,43 +26,12 @@ import contextlib
 import statistics
 import time
 
-ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_tight")
-
-
-def _tight_shrink(arena) -> None:
-    """``VirtualArena.shrink`` keeping the chunks of the step's peak of placed bytes (the
-    ``_stored`` peak since the last call, tracked by :func:`_tracked_fold`), one more for where
-    the end falls in a chunk, and the shipped headroom."""
-    if not arena.placed_since_shrink:
-        return
-    need = -(-getattr(arena, "step_peak", 0) // arena.chunk) + 1
-    need += max(2, need // 16)
-    arena.trim(keep=max(0, need - len(arena.backed)))
-    arena.peak_backed = len(arena.backed)
-    arena.placed_since_shrink = False
-    arena.step_peak = arena._stored
-
-
-def _tracked_fold(real):
-    def fold(arena) -> None:
-        real(arena)
-        arena.step_peak = max(getattr(arena, "step_peak", 0), arena._stored)
-    return fold
+ARMS = ("none", "uncompressed", "memory", "memory_group")
 
 
 @contextlib.contextmanager
 def _arm_patch(arm: str):
     """What an arm changes in the package while its steps run."""
-    if arm == "memory_tight":
-        from torch_pagecomp.offload._arena import VirtualArena
-
-        real_shrink, real_fold = VirtualArena.shrink, VirtualArena._fold
-        VirtualArena.shrink, VirtualArena._fold = _tight_shrink, _tracked_fold(real_fold)
-        try:
-            yield
-        finally:
-            VirtualArena.shrink, VirtualArena._fold = real_shrink, real_fold
-        return
     if arm != "memory_group":
         yield
         return
@@ -93,7 +55,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     model, x, blocks = build(name, "cuda" if cuda else "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     settings = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-                "memory_group": dict(prefer="memory"), "memory_tight": dict(prefer="memory")}
+                "memory_group": dict(prefer="memory")}
     cpu = {} if cuda else dict(offload_cpu=True, min_offload_bytes=1 << 12)
     offs = {a: ActivationOffloader(**settings[a], **cpu) for a in arms if a != "none"}
 

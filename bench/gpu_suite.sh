@@ -19,9 +19,6 @@
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
 #                                      # (AB_ROUNDS=3: three rounds, the order alternating)
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
-#   bash bench/gpu_suite.sh arena      # probe: the arena keeping its placed peak (memory_tight)
-#                                      # against memory, steps interleaved, page-locked memory
-#                                      # held (#21; ARENA_MODELS, ARENA_ROUNDS)
 #   bash bench/gpu_suite.sh cputhreads # the CPU path's thread scaling, C loops and python-lz4 (#25;
 #                                      # PYTHON_LZ4=0: the C loops only; CPU_PROCS=1: beside
 #                                      # the same work in N processes; CPU_SPANS=1: where a
@@ -139,13 +136,6 @@ fsdp)
         --variants "${STOCK_VARIANTS:-none,uncompressed,memory,speed}" --codec "${STOCK_CODEC:-auto}" \
         ${STOCK_ROUNDS:+--rounds $STOCK_ROUNDS} \
         --out "$OUT/stock_models_fsdp.json" 2>&1 | tail -n 24
-    ;;
-arena)
-    header arena
-    timeout 540 python3 -m bench.dev_ab_steps \
-        --models "${ARENA_MODELS:-hf-llama-2048,encoder-2048,tv-vit-b16}" \
-        --arms uncompressed,memory,memory_tight --rounds "${ARENA_ROUNDS:-4}" --warmup 2 \
-        2>&1 | tee "$OUT/arena.txt" | grep -v "^$"
     ;;
 training)
     header training
