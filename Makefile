@@ -54,14 +54,31 @@ demo: $(STAMP)
 checkstyle: $(STAMP)
 	$(PY) -m ruff check torch_pagecomp triton_kernels tests bench
 
+# The transformers integration's tests also run at the oldest release it supports
+# (requirements-transformers-floor.txt: that release and the dependencies whose versions differ,
+# installed without dependencies into their own folder, ahead of the environment on PYTHONPATH).
+# PAGECOMP_TRANSFORMERS names the release each run must import (a test checks it).
+FLOOR := $(VENV)/transformers-floor
+FLOOR_STAMP := $(FLOOR)/.installed-$(shell cat requirements-transformers-floor.txt | cksum | cut -d' ' -f1)
+TRANSFORMERS_TESTS := tests/test_integrations.py tests/test_hf_generate_bench.py
+pinned = $(shell sed -n 's/^transformers==//p' $(1))
+$(FLOOR_STAMP): requirements-transformers-floor.txt | $(STAMP)
+	rm -rf $(FLOOR)
+	$(PY) -m pip install -q --no-compile --no-deps --target $(FLOOR) \
+		-r requirements-transformers-floor.txt
+	touch $@
+
 # CPU suite: the lz4 reference path plus every Triton kernel under TRITON_INTERPRET=1, less the
 # cases marked slow (larger interpreter cases whose code paths a default case also runs), on
 # TEST_WORKERS processes (pytest-xdist; each worker runs torch on one thread, tests/conftest.py).
 # worksteal: the interpreter cases take from under a second to a minute, so idle workers take
 # queued tests from busy ones instead of waiting on a fixed split.
 TEST_WORKERS ?= 2
-test: $(STAMP) checkstyle
-	$(PY) -m pytest -q tests -m "not slow" -n $(TEST_WORKERS) --dist worksteal --durations=15
+test: $(STAMP) checkstyle $(FLOOR_STAMP)
+	PAGECOMP_TRANSFORMERS=$(call pinned,requirements-dev.txt) \
+		$(PY) -m pytest -q tests -m "not slow" -n $(TEST_WORKERS) --dist worksteal --durations=15
+	PYTHONPATH=$(FLOOR) PAGECOMP_TRANSFORMERS=$(call pinned,requirements-transformers-floor.txt) \
+		$(PY) -m pytest -q $(TRANSFORMERS_TESTS) -m "not slow" -n $(TEST_WORKERS) --dist worksteal
 
 # The slow cases left out of `make test`.
 test-slow: $(STAMP)

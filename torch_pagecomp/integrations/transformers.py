@@ -48,14 +48,16 @@ from ..format import DTYPE_FLOAT_FORMATS, dtype_element_size, valid_page_size
 from ..offload._paged_group import StoredGroup
 from ._kv_store import DeviceStore, Held, Stores
 
-MIN_TRANSFORMERS = (5, 24)  # the Cache API this module is written and tested against
+# the oldest release with the layered Cache API this module builds on
+# (``DYNAMIC_LAYER_TYPE_MAPPING``, layers made from a config); CI runs the tests at 5.14.0
+# (requirements-transformers-floor.txt) and at the release requirements-dev.txt pins
+MIN_TRANSFORMERS = (5, 14)
 
 
 def check_transformers_version(version: str) -> None:
     """Raise ``ImportError`` naming both versions if ``version`` (a transformers release) is
-    older than :data:`MIN_TRANSFORMERS`: older releases keep the cache's layers otherwise (a
-    layer added on first use is not found, ``reset`` zeroes keys never allocated), which
-    failed with an ``IndexError`` deep inside ``generate`` on transformers 5.17."""
+    older than :data:`MIN_TRANSFORMERS`: older releases lack the cache layer classes this module
+    builds on, and importing would fail on a missing name instead of saying what to install."""
     if Version(version).release[:2] < MIN_TRANSFORMERS:
         need = ".".join(map(str, MIN_TRANSFORMERS))
         raise ImportError(
@@ -174,6 +176,10 @@ class CompressedLayer(DynamicLayer):
         self._rows = self._gather = None
         self._tail_k = self._tail_v = None
         self._length = 0
+        # dropped, not zeroed, and uninitialised, as transformers 5.24's DynamicLayer.reset
+        # does; older releases' reset zeroes the keys in place (None here once offloaded)
+        self.keys = self.values = None
+        self.is_initialized = False
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -593,7 +599,10 @@ class CompressedOffloadedCache(Cache):
 def _layer_types(config) -> tuple[list[str], list[dict]]:
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if get_layer_types_and_kwargs is not None:
-        return get_layer_types_and_kwargs(config)
+        kinds, kwargs = get_layer_types_and_kwargs(config)
+        # releases before 5.24 return one dict of settings that every layer takes (their own
+        # DynamicCache passes it to each layer), 5.24 one dict per layer
+        return kinds, ([kwargs] * len(kinds) if isinstance(kwargs, dict) else kwargs)
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     return kinds, [
         {"sliding_window": config.sliding_window} if k == "sliding_attention" else {}
