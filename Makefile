@@ -54,18 +54,16 @@ demo: $(STAMP)
 checkstyle: $(STAMP)
 	$(PY) -m ruff check torch_pagecomp triton_kernels tests bench
 
-# The transformers integration's tests also run at the oldest release it supports
-# (requirements-transformers-floor.txt: that release and the dependencies whose versions differ,
-# installed without dependencies into their own folder, ahead of the environment on PYTHONPATH).
-# PAGECOMP_TRANSFORMERS names the release each run must import (a test checks it).
-FLOOR := $(VENV)/transformers-floor
-FLOOR_STAMP := $(FLOOR)/.installed-$(shell cat requirements-transformers-floor.txt | cksum | cut -d' ' -f1)
+# The transformers integration's tests also run at older releases (tests/compat/transformers-
+# RELEASE.txt: the oldest supported, and the H200 machines' own): each release and the
+# dependencies whose versions differ, installed without dependencies into a folder of its own,
+# ahead of the environment on PYTHONPATH. PAGECOMP_TRANSFORMERS names the release each run must
+# import (a test checks it).
+COMPAT := $(patsubst tests/compat/transformers-%.txt,%,$(wildcard tests/compat/transformers-*.txt))
 TRANSFORMERS_TESTS := tests/test_integrations.py tests/test_hf_generate_bench.py
-pinned = $(shell sed -n 's/^transformers==//p' $(1))
-$(FLOOR_STAMP): requirements-transformers-floor.txt | $(STAMP)
-	rm -rf $(FLOOR)
-	$(PY) -m pip install -q --no-compile --no-deps --target $(FLOOR) \
-		-r requirements-transformers-floor.txt
+$(VENV)/transformers-%/.installed: tests/compat/transformers-%.txt | $(STAMP)
+	rm -rf $(VENV)/transformers-$*
+	$(PY) -m pip install -q --no-compile --no-deps --target $(VENV)/transformers-$* -r $<
 	touch $@
 
 # CPU suite: the lz4 reference path plus every Triton kernel under TRITON_INTERPRET=1, less the
@@ -74,11 +72,13 @@ $(FLOOR_STAMP): requirements-transformers-floor.txt | $(STAMP)
 # worksteal: the interpreter cases take from under a second to a minute, so idle workers take
 # queued tests from busy ones instead of waiting on a fixed split.
 TEST_WORKERS ?= 2
-test: $(STAMP) checkstyle $(FLOOR_STAMP)
-	PAGECOMP_TRANSFORMERS=$(call pinned,requirements-dev.txt) \
+test: $(STAMP) checkstyle $(foreach r,$(COMPAT),$(VENV)/transformers-$(r)/.installed)
+	PAGECOMP_TRANSFORMERS=$$(sed -n 's/^transformers==//p' requirements-dev.txt) \
 		$(PY) -m pytest -q tests -m "not slow" -n $(TEST_WORKERS) --dist worksteal --durations=15
-	PYTHONPATH=$(FLOOR) PAGECOMP_TRANSFORMERS=$(call pinned,requirements-transformers-floor.txt) \
-		$(PY) -m pytest -q $(TRANSFORMERS_TESTS) -m "not slow" -n $(TEST_WORKERS) --dist worksteal
+	for r in $(COMPAT); do \
+		PYTHONPATH=$(VENV)/transformers-$$r PAGECOMP_TRANSFORMERS=$$r $(PY) -m pytest -q \
+			$(TRANSFORMERS_TESTS) -m "not slow" -n $(TEST_WORKERS) --dist worksteal || exit 1; \
+	done
 
 # The slow cases left out of `make test`.
 test-slow: $(STAMP)

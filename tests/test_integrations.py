@@ -44,7 +44,7 @@ def test_imports_stay_lazy():
 # ------------------------------------------------------------------------ transformers
 def _transformers():
     # the integration needs the layered Cache API (it raises ImportError on older releases)
-    return pytest.importorskip("transformers", minversion="5.14")
+    return pytest.importorskip("transformers", minversion="4.57")
 
 
 def test_transformers_version_check():
@@ -53,10 +53,10 @@ def test_transformers_version_check():
     _transformers()
     from torch_pagecomp.integrations.transformers import check_transformers_version
 
-    for old in ("5.13.1", "4.57.1", "5.9", "5.0.0"):
-        with pytest.raises(ImportError, match=rf"transformers>=5\.14, found {old}"):
+    for old in ("4.56.2", "4.55.4", "4.9", "3.5.1"):
+        with pytest.raises(ImportError, match=rf"transformers>=4\.57, found {old}"):
             check_transformers_version(old)
-    for ok in ("5.14.0", "5.17.0", "5.24.0", "5.24.0.dev0", "5.30.1", "6.0.0rc1", "10.0"):
+    for ok in ("4.57.0", "4.57.6", "5.0.0", "5.14.0", "5.24.0", "5.24.0.dev0", "6.0.0rc1", "10.0"):
         check_transformers_version(ok)
 
 
@@ -152,6 +152,34 @@ def test_generate_identical_to_dynamic_cache(seed, with_config, bt):
     cache.close()
     assert cache.get_seq_length() == 0 and cache.stats()["blocks"] == 0
     assert not paged or (store.arena.used == 0 and not store.arena.backed)  # unpinned
+
+
+def test_sliding_window_layers_stay_transformers_own(seed):
+    """A model with sliding-window layers (Gemma 2 alternates them with full attention): the
+    cache has the layers transformers' own ``DynamicCache`` makes for the config, by the rules
+    of the installed release, its plain full-attention layers compressed and the others
+    transformers' own; generation past the window gives ``DynamicCache``'s tokens."""
+    tr = _transformers()
+    from transformers.cache_utils import DynamicLayer
+
+    from torch_pagecomp.integrations.transformers import CompressedLayer, CompressedOffloadedCache
+
+    config = tr.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128, sliding_window=8,
+    )
+    model = tr.Gemma2ForCausalLM(config).eval()
+    theirs = [type(layer) for layer in tr.DynamicCache(config=config).layers]
+    assert DynamicLayer in theirs and any(k is not DynamicLayer for k in theirs)
+    cache = CompressedOffloadedCache(config=config, block_tokens=8)
+    assert len(cache.layers) == len(theirs)
+    for layer, kind in zip(cache.layers, theirs):
+        assert type(layer) is (CompressedLayer if kind is DynamicLayer else kind)
+    ids = torch.randint(0, config.vocab_size, (2, 30))  # past the 8-token window
+    ref = generate(model, ids, tr.DynamicCache(config=config), max_new_tokens=12)
+    assert torch.equal(ref, generate(model, ids, cache, max_new_tokens=12))
+    assert cache.stats()["blocks"] > 0  # the full-attention layers sealed blocks
+    cache.close()
 
 
 @pytest.mark.parametrize("store", ["paged", "cpu_codecs"])

@@ -7,10 +7,10 @@
     # (``past_key_values=cache`` with releases that predate the rename to ``cache``)
     cache.close()
 
-Written against the layered cache API of ``transformers`` 5.x (``cache_utils.Cache`` holding one
-``CacheLayerMixin`` per layer, ``DynamicLayer`` for full attention; the stock offloading is
-``DynamicCache(offloading=True)``, which moves whole layers to the CPU and back each step).
-Here each full-attention layer keeps:
+Written against the layered cache API of ``transformers`` 4.57 and later
+(``cache_utils.Cache`` holding one ``CacheLayerMixin`` per layer, ``DynamicLayer`` for full
+attention; the stock offloading is ``DynamicCache(offloading=True)``, which moves whole layers
+to the CPU and back each step). Here each full-attention layer keeps:
 
 * its **sealed blocks**: every ``block_tokens`` tokens, once all of them are in, the block's keys
   and values (one tensor) are stored once in page-locked host memory by kernels, with no host
@@ -48,10 +48,10 @@ from ..format import DTYPE_FLOAT_FORMATS, dtype_element_size, valid_page_size
 from ..offload._paged_group import StoredGroup
 from ._kv_store import DeviceStore, Held, Stores
 
-# the oldest release with the layered Cache API this module builds on
-# (``DYNAMIC_LAYER_TYPE_MAPPING``, layers made from a config); CI runs the tests at 5.14.0
-# (requirements-transformers-floor.txt) and at the release requirements-dev.txt pins
-MIN_TRANSFORMERS = (5, 14)
+# the oldest release with the cache layers this module builds on (``CacheLayerMixin`` with
+# ``lazy_initialization`` and ``is_initialized``); ``make test`` runs the tests at 4.57.1 and
+# 5.17.0 (tests/compat/) as well as at the release requirements-dev.txt pins
+MIN_TRANSFORMERS = (4, 57)
 
 
 def check_transformers_version(version: str) -> None:
@@ -68,17 +68,12 @@ def check_transformers_version(version: str) -> None:
 check_transformers_version(transformers.__version__)
 
 from transformers.cache_utils import (  # noqa: E402 - after the version check
-    DYNAMIC_LAYER_TYPE_MAPPING,
     Cache,
+    DynamicCache,
     DynamicLayer,
 )
 
 CODECS = ("auto", "lz4")  # what CompressedOffloadedCache(codec=...) takes
-
-try:  # transformers >= 5: layer types and their kwargs from a config
-    from transformers.cache_utils import get_layer_types_and_kwargs
-except ImportError:  # pragma: no cover - older releases
-    get_layer_types_and_kwargs = None
 
 __all__ = ["CompressedLayer", "CompressedOffloadedCache"]
 
@@ -467,11 +462,11 @@ class CompressedOffloadedCache(Cache):
         self.counters = {"prefetched": 0, "restored_on_use": 0, "sealed": 0}
         layers = []
         if config is not None:
-            for kind, kwargs in zip(*_layer_types(config)):
-                if kind == "full_attention":
-                    layers.append(CompressedLayer(self))
-                else:
-                    layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+            # the layers transformers' own cache makes for this config, by the rules of the
+            # installed release (sliding, chunked, linear-attention and shared layers differ
+            # from release to release); its plain full-attention layers become compressed ones
+            for layer in DynamicCache(config=config).layers:
+                layers.append(CompressedLayer(self) if type(layer) is DynamicLayer else layer)
         self._lazy_layers = config is None
         super().__init__(layers=layers, offloading=False)
         # failed decodes are checked once per forward, at the first compressed layer
@@ -594,17 +589,3 @@ class CompressedOffloadedCache(Cache):
             if isinstance(layer, CompressedLayer):
                 return layer, layer_idx + step >= n
         return None, False
-
-
-def _layer_types(config) -> tuple[list[str], list[dict]]:
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if get_layer_types_and_kwargs is not None:
-        kinds, kwargs = get_layer_types_and_kwargs(config)
-        # releases before 5.24 return one dict of settings that every layer takes (their own
-        # DynamicCache passes it to each layer), 5.24 one dict per layer
-        return kinds, ([kwargs] * len(kinds) if isinstance(kwargs, dict) else kwargs)
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return kinds, [
-        {"sliding_window": config.sliding_window} if k == "sliding_attention" else {}
-        for k in kinds
-    ]
