@@ -3,10 +3,13 @@
 
 ``python3 -m bench.dev_launch_floor [--calls 2000] [--rounds 7]`` (GPU). The activation store
 issues two launches and three event records per saved tensor, and ``compress`` /
-``decompress`` one or two launches per call; on the H200 hosts these measure 15-20 us a
-launch and 8 us a record (``bench/results/h200_c070212_session40``), several times what
-the driver is said to need. This prints the median host time per call (``perf_counter_ns``
-over ``--calls`` back-to-back calls, the median of ``--rounds``) of:
+``decompress`` one or two launches per call; timed inside the hooks these came to 15-20 us a
+launch and 8 us a record (``bench/results/h200_c070212_session40``). Measured alone here, the
+driver's part was 4-5 us a launch and ~1 us a record, idle or busy, unless ~1,000 launches
+were already queued (``bench/results/h200_967571b_session41``).
+
+This prints the median host time per call (``perf_counter_ns`` over ``--calls`` back-to-back
+calls, the median of ``--rounds``) of:
 
 * a PyTorch kernel (``zero_`` of a small tensor) and a small ``torch.empty``;
 * one small Triton kernel (7 arguments, the shape of the compress kernel's) launched through
