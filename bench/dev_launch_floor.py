@@ -1,7 +1,7 @@
 """Dev probe: what one kernel launch and one event record cost the host here, layer by layer
 (#21, #26).
 
-``python3 -m bench.dev_launch_floor [--calls 2000] [--rounds 7]`` (GPU). The activation store
+``python3 -m bench.dev_launch_floor [--calls 200] [--rounds 15]`` (GPU). The activation store
 issues two launches and three event records per saved tensor, and ``compress`` /
 ``decompress`` one or two launches per call; timed inside the hooks these came to 15-20 us a
 launch and 8 us a record (``bench/results/h200_c070212_session40``). Measured alone here, the
@@ -87,8 +87,10 @@ def driver_launcher(compiled, values: list[int], grid: int, stream: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=200,
+                    help="calls per round: well under the ~1,000 launches that fill the queue "
+                         "behind --busy's kernel (then every launch waits for it)")
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--busy", action="store_true",
                     help="time each round behind a long kernel on the same stream (the GPU busy, "
                          "every call queued, as in a training step) instead of on an idle GPU")
