@@ -659,6 +659,77 @@ def test_ctx_manager_grads_identical_and_head_kept(seed, use_streams):
     assert ctx.stats()["packed"] == packed
 
 
+class _DDPLike(nn.Module):
+    """The layout of DDP's and accelerate's wrappers: the model as ``.module``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.module = model
+
+    def forward(self, *args):
+        return self.module(*args)
+
+
+class _PeftLike(nn.Module):
+    """A PEFT model's layout: ``peft_config``, and the model as ``.base_model``."""
+
+    peft_config = {"default": None}
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.base_model = model
+
+    def forward(self, *args):
+        return self.base_model(*args)
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "peft", "ddp+peft"])
+def test_ctx_manager_finds_the_head_inside_wrappers(seed, wrap):
+    """As TRL's ``get_act_offloading_ctx_manager``: the head is found inside ``model.module``
+    and a PEFT model's ``base_model`` (no warning, its inputs kept), gradients identical."""
+    model = TinyDecoder()
+    if "peft" in wrap:
+        model = _PeftLike(model)
+    if "ddp" in wrap:
+        model = _DDPLike(model)
+    tokens = torch.randint(0, 50, (2, 8))
+    ref = grads(model, lambda: model(tokens).square().mean())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "no output head was detected" would raise
+        ctx = get_act_offloading_ctx_manager(model, True, min_offload_size=0, offload_cpu=True)
+    assert_identical(ref, grads(model, lambda: model(tokens).square().mean(), ctx))
+    st = ctx.stats()
+    assert st["offloaded_bytes"] > 0 and st["kept_region"] > 0
+    ctx.remove()
+
+
+def test_update_model_params_keeps_buffers(seed):
+    """``OffloadActivations.update_model_params`` (TRL's name): a module's buffers saved for
+    backward stay where they are, as with ``keep_tensors_of``; without it they are offloaded."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.register_buffer("scale", torch.randn(64, 64))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale  # the product saves the buffer
+
+    model = Scaled()
+    x = torch.randn(64, 64)
+    ref = grads(model, lambda: model(x).square().mean())
+    kept = []
+    for update in (False, True):
+        ctx = OffloadActivations(offload_cpu=True, min_offload_size=0)
+        if update:
+            ctx.update_model_params(model)
+        assert_identical(ref, grads(model, lambda: model(x).square().mean(), ctx))
+        kept.append(ctx.stats().get("kept_param", 0))
+        ctx.remove()
+    assert kept[1] > kept[0]
+
+
 def test_ctx_manager_disabled_no_head_tied_and_noop(seed):
     model = TinyDecoder()
     assert isinstance(get_act_offloading_ctx_manager(model, False), contextlib.nullcontext)

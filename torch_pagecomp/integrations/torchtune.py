@@ -9,9 +9,11 @@
 
 Same names and arguments as ``torchtune.training.OffloadActivations``,
 ``torchtune.training.NoOpManager`` and ``torchtune.training.get_act_offloading_ctx_manager``
-(torchtune 0.6; TRL's ``trl.models.activation_offloading`` copies them), so a recipe swaps the
-import. Underneath is :class:`~torch_pagecomp.ActivationOffloader`: saved activations leave the
-GPU as LZ4 pages where that pays (``prefer="speed"``: compressed and plain copied steps are timed
+(torchtune 0.6; TRL's ``trl.models.activation_offloading`` copies them, and its trainers call
+``get_act_offloading_ctx_manager(model=...)``; ``OffloadActivations.update_model_params`` is
+TRL's too), so a recipe swaps the import. Underneath is
+:class:`~torch_pagecomp.ActivationOffloader`: saved activations leave the GPU as LZ4 pages
+where that pays (``prefer="speed"``: compressed and plain copied steps are timed
 and the faster way kept; ``prefer="memory"`` always compresses what compresses), are prefetched
 ahead of backward, and gradients are bit-identical to no offload. Neither torchtune nor TRL is
 imported.
@@ -110,6 +112,11 @@ class OffloadActivations(ActivationOffloader):
         super().__init__(min_offload_bytes=min_offload_size,
                          max_in_flight_tensors=max_fwd_stash_size, **settings)
 
+    def update_model_params(self, model: nn.Module) -> None:
+        """TRL's name for :meth:`keep_tensors_of`: ``model``'s parameters and buffers (and views
+        of them) are never offloaded."""
+        self.keep_tensors_of(model)
+
 
 class NoOpManager(saved_tensors_hooks):
     """``torchtune.training.NoOpManager``: saved-tensor hooks that pass tensors through, so the
@@ -127,7 +134,30 @@ class NoOpManager(saved_tensors_hooks):
 def _output_head(model: nn.Module) -> nn.Module | None:
     """The module computing the logits: torchtune's ``model.output`` (or a ``TiedLinear``'s
     ``.linear``), an encoder-decoder's ``model.decoder.output``, or Hugging Face's
-    ``get_output_embeddings()`` / ``lm_head`` (TRL)."""
+    ``get_output_embeddings()`` / ``lm_head`` (TRL), looked for in ``model`` and, as TRL
+    does, in what it wraps: ``model.module`` (DDP, accelerate) and a PEFT model's
+    ``base_model``."""
+    for m in _unwrapped(model):
+        head = _own_head(m)
+        if head is not None:
+            return head
+    return None
+
+
+def _unwrapped(model: nn.Module) -> list[nn.Module]:
+    """``model``, then the modules it wraps that TRL looks into for the head."""
+    out = [model]
+    inner = getattr(model, "module", None)
+    if isinstance(inner, nn.Module):
+        out.append(inner)
+    last = out[-1]
+    base = getattr(last, "base_model", None)
+    if hasattr(last, "peft_config") and isinstance(base, nn.Module) and base is not last:
+        out.append(base)
+    return out
+
+
+def _own_head(model: nn.Module) -> nn.Module | None:
     candidates = []
     if hasattr(model, "output"):
         candidates.append(model.output)
@@ -186,7 +216,8 @@ def get_act_offloading_ctx_manager(
     ``contextlib.nullcontext()`` when ``enable_activation_offloading`` is False.
 
     The head is ``model.output`` (a ``TiedLinear``'s ``.linear``), ``model.decoder.output``,
-    ``model.get_output_embeddings()`` or ``model.lm_head``; torchtune wraps it in a
+    ``model.get_output_embeddings()`` or ``model.lm_head``, also inside ``model.module``
+    (DDP, accelerate) and a PEFT model's ``base_model``, as TRL looks; torchtune wraps it in a
     ``NoOpManager``, here its forward runs under :func:`torch_pagecomp.keep_on_gpu`. In
     addition, every block of an ``nn.ModuleList`` in ``model`` starts a prefetch group at its
     forward, and ``model``'s parameters and buffers are never offloaded (as with
