@@ -19,6 +19,8 @@
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
 #                                      # (AB_ROUNDS=3: three rounds, the order alternating)
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
+#   bash bench/gpu_suite.sh batchprobe # probe: several saved tensors stored as one slice against
+#                                      # one by one, host us a tensor (#21; BATCH_MIB, BATCH_K)
 #   bash bench/gpu_suite.sh cputhreads # the CPU path's thread scaling, C loops and python-lz4 (#25;
 #                                      # PYTHON_LZ4=0: the C loops only; CPU_PROCS=1: beside
 #                                      # the same work in N processes; CPU_SPANS=1: where a
@@ -136,6 +138,11 @@ fsdp)
         --variants "${STOCK_VARIANTS:-none,uncompressed,memory,speed}" --codec "${STOCK_CODEC:-auto}" \
         ${STOCK_ROUNDS:+--rounds $STOCK_ROUNDS} \
         --out "$OUT/stock_models_fsdp.json" 2>&1 | tail -n 24
+    ;;
+batchprobe)
+    header batchprobe | tee "$OUT/batch_offload.txt"
+    timeout 200 python3 -m bench.dev_batch_offload --mib "${BATCH_MIB:-1,4,16}" \
+        --batch "${BATCH_K:-1,4,16}" 2>&1 | tee -a "$OUT/batch_offload.txt"
     ;;
 training)
     header training
