@@ -409,10 +409,11 @@ class CompressedOffloadedCache(Cache):
     before the rename; 5.x still accepts it with a deprecation warning) or to a forward.
 
     Args:
-        config: the model's config (optional): picks each layer's kind from its layer types;
-            full-attention layers are compressed, the others use transformers' own layers,
-            uncompressed on the device. Without it every layer is compressed, created as the
-            model first updates it.
+        config: the model's config (optional): the cache starts with the layers transformers'
+            own ``DynamicCache`` makes for it; its full-attention layers (plain
+            ``DynamicLayer``) are compressed, the others (sliding window, linear attention,
+            ...) stay transformers' own, uncompressed on the device. Without it every layer is
+            compressed, created as the model first updates it.
         block_tokens: tokens per compressed block: a block is compressed once, when it is full;
             the newest ``< block_tokens`` tokens of every layer stay uncompressed on the device.
             Larger blocks compress as well and cost fewer stored tensors; smaller ones keep
