@@ -182,6 +182,25 @@ def test_sliding_window_layers_stay_transformers_own(seed):
     cache.close()
 
 
+def test_a_model_without_full_attention_layers_warns():
+    """A config whose every layer is sliding-window (Mistral with ``sliding_window`` set): the
+    cache says that nothing will be compressed, instead of running as a plain DynamicCache
+    without a word; with a full-attention layer it says nothing."""
+    tr = _transformers()
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    def config(window):
+        return tr.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                sliding_window=window)
+
+    with pytest.warns(UserWarning, match="none of this model's 2 layers is a full-attention"):
+        CompressedOffloadedCache(config=config(8)).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CompressedOffloadedCache(config=config(None)).close()
+
+
 @pytest.mark.parametrize("store", ["paged", "cpu_codecs"])
 @pytest.mark.parametrize("codec", ["auto", "lz4"])
 def test_generate_bf16_typed_path_and_beams(seed, monkeypatch, codec, store):

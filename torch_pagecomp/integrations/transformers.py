@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 import weakref
 
 import torch
@@ -468,6 +469,13 @@ class CompressedOffloadedCache(Cache):
             # from release to release); its plain full-attention layers become compressed ones
             for layer in DynamicCache(config=config).layers:
                 layers.append(CompressedLayer(self) if type(layer) is DynamicLayer else layer)
+            if layers and not any(isinstance(layer, CompressedLayer) for layer in layers):
+                kinds = sorted({type(layer).__name__ for layer in layers})
+                warnings.warn(  # no silent no-op: the cache would hold everything on the GPU
+                    f"CompressedOffloadedCache: none of this model's {len(layers)} layers is a "
+                    f"full-attention layer (transformers makes {', '.join(kinds)} for its "
+                    "config), so nothing will be compressed or offloaded: the cache keeps every "
+                    "layer on the device, as DynamicCache does", stacklevel=2)
         self._lazy_layers = config is None
         super().__init__(layers=layers, offloading=False)
         # failed decodes are checked once per forward, at the first compressed layer
