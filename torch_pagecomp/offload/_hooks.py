@@ -600,11 +600,14 @@ class ActivationOffloader:
         return out
 
     def keep_tensors_of(self, module: torch.nn.Module) -> None:
-        """Never offload ``module``'s parameters and buffers (or views of them)."""
+        """Never offload ``module``'s parameters and buffers (or views of them). Calling it
+        again for the same module changes nothing (TRL's ``update_model_params``, this under
+        another name, may be called at every step: each ``with`` walks the kept modules)."""
         if not isinstance(module, torch.nn.Module):
             raise ValueError(f"keep_tensors_of takes a torch.nn.Module, got "
                              f"{type(module).__name__}")
-        self._keep_modules.append(module)
+        if all(m is not module for m in self._keep_modules):
+            self._keep_modules.append(module)
 
     def remove(self) -> None:
         """Take off the module hooks installed by :func:`offload_module`."""
