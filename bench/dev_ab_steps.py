@@ -13,8 +13,10 @@ the host's caches and the allocator; a process that runs one variant never does)
 
 Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memory_group``:
 ``memory`` with the hooks' batched restores through ``restore_group`` instead of
-``restore_placed`` (the path before 2026-11-29). Each arm's page-locked host memory held at the
-end is printed too. (A ``memory_tight`` arm, the arena keeping the step's peak of placed bytes
+``restore_placed`` (the path before 2026-11-29); ``memory_single``: ``memory`` with every
+saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches). Each
+arm's peak GPU memory over its steps, and its page-locked host memory held at the end, are
+printed too. (A ``memory_tight`` arm, the arena keeping the step's peak of placed bytes
 instead of backed ones, held the same page-locked memory at the same step time on
 hf-llama-2048, encoder-2048 and ViT-B/16, ``bench/results/h200_967571b_session41``: removed.)
 """
@@ -26,12 +28,22 @@ import contextlib
 import statistics
 import time
 
-ARMS = ("none", "uncompressed", "memory", "memory_group")
+ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_single")
 
 
 @contextlib.contextmanager
 def _arm_patch(arm: str):
     """What an arm changes in the package while its steps run."""
+    if arm == "memory_single":
+        from torch_pagecomp.offload import _batch
+
+        real_bytes = _batch.BATCH_BYTES
+        _batch.BATCH_BYTES = 0
+        try:
+            yield
+        finally:
+            _batch.BATCH_BYTES = real_bytes
+        return
     if arm != "memory_group":
         yield
         return
@@ -55,17 +67,18 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     model, x, blocks = build(name, "cuda" if cuda else "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     settings = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-                "memory_group": dict(prefer="memory")}
+                "memory_group": dict(prefer="memory"), "memory_single": dict(prefer="memory")}
     cpu = {} if cuda else dict(offload_cpu=True, min_offload_bytes=1 << 12)
     offs = {a: ActivationOffloader(**settings[a], **cpu) for a in arms if a != "none"}
 
-    def step(arm: str) -> tuple[float, float]:
+    def step(arm: str) -> tuple[float, float, float]:
         off = offs.get(arm)
         if off is not None:
             offload_module(model, blocks=blocks, offloader=off)
         try:
             with _arm_patch(arm):
                 if cuda:
+                    torch.cuda.reset_peak_memory_stats()
                     e0 = torch.cuda.Event(enable_timing=True)
                     e1 = torch.cuda.Event(enable_timing=True)
                     e0.record()
@@ -80,17 +93,20 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         finally:
             if off is not None:
                 off.remove()
-        return (e0.elapsed_time(e1) if cuda else issue), issue
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
     for _ in range(warmup):
         for arm in arms:
             step(arm)
-    res = {a: ([], [], []) for a in arms}  # steps ms, host issue ms, first steps of blocks
+    res = {a: ([], [], [], []) for a in arms}  # steps ms, host issue ms, first steps of
+    # blocks, peak GPU GiB
     for r in range(rounds):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
             for i in range(block):
-                ms, issue = step(arm)
+                ms, issue, peak = step(arm)
+                res[arm][3].append(peak)
                 if i == 0 and block > 1:  # the step after a switch of arms: kept apart
                     res[arm][2].append(ms)
                     continue
@@ -101,13 +117,15 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
            else "interleaved steps")
     lines = [f"## {name}: {rounds} rounds of {how}, after {warmup} warm-up rounds",
              "| arm | step ms (median) | step ms min-max | host issue ms (median) | "
-             f"vs {arms[0]} | first step of a block ms (median) |", "|---|---|---|---|---|---|"]
+             f"vs {arms[0]} | first step of a block ms (median) | peak GPU GiB (max) |",
+             "|---|---|---|---|---|---|---|"]
     for arm in arms:
-        t, h, first = res[arm]
+        t, h, first, peaks = res[arm]
         med = statistics.median(t)
         lines.append(f"| {arm} | {med:.1f} | {min(t):.1f}-{max(t):.1f} | "
                      f"{statistics.median(h):.1f} | {med / base:.2f}x | "
-                     f"{statistics.median(first) if first else float('nan'):.1f} |")
+                     f"{statistics.median(first) if first else float('nan'):.1f} | "
+                     f"{max(peaks):.2f} |")
     for off in offs.values():
         off.synchronize()
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "

@@ -55,6 +55,8 @@ class Backward:
             return packed.view(packed.entry.src.untyped_storage())
         with off._lock:
             entry = packed.entry
+            if off._batches:  # storages waiting to be stored together: stored now
+                off._flush_batches()
             self._watch_backward()
             if entry.src is not None:
                 off.counters["served_from_stash"] += 1
@@ -95,6 +97,8 @@ class Backward:
         off = self.off
         if off.prefetch == 0:
             return
+        if off._batches:  # a kept tensor's unpack may come first: stored before they are missed
+            off._flush_batches()
         polled = False
         for k in range(group, max(-1, group - off.prefetch - 1), -1):
             if ps.issued[k]:

@@ -130,14 +130,16 @@ class _Entry:
 
 class _Packed:
     """What autograd keeps for one offloaded saved tensor: its entry and how to view it, and
-    the tensor's version when it was saved."""
+    the tensor's version when it was saved. ``base``: the byte offset of the tensor's storage
+    in the entry's bytes (a batch of storages, ``_batch``: page-aligned, so a whole number of
+    elements of any dtype)."""
 
     __slots__ = ("entry", "dtype", "size", "stride", "offset", "source", "version")
 
-    def __init__(self, entry: _Entry, t: torch.Tensor):
+    def __init__(self, entry: _Entry, t: torch.Tensor, base: int = 0):
         self.entry = entry
         self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
-        self.offset = t.storage_offset()
+        self.offset = t.storage_offset() + base // t.element_size()
         # torch checks a saved tensor's version at unpack only without saved-tensor hooks: an
         # in-place change after the save would go unnoticed, and the backward would read the
         # bytes offloaded before it. A weak reference: the offloaded tensor is not kept.

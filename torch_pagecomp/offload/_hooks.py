@@ -42,7 +42,9 @@ from .._args import check_flag, check_int, check_number
 from .._events import handoff
 from ..format import DTYPE_FLOAT_FORMATS, check_page_size, dtype_element_size
 from ..pools import PinnedBufferPool, can_pin
+from . import _batch
 from ._backward import Backward
+from ._batch import Batch
 from ._entry import (
     _capturing,
     _Entry,
@@ -187,6 +189,8 @@ class ActivationOffloader:
         self._sink: list = []
         self._stash: collections.deque[_Entry] = collections.deque()
         self._stash_bytes = 0
+        self._batches: dict[tuple, Batch] = {}  # small storages waiting to be stored together
+        self._batched_bytes = 0  # their bytes (held where they are until then)
         self._failed: weakref.WeakSet[_Entry] = weakref.WeakSet()  # offloads that failed: their
         # storage stays with the entry (on the GPU) until the end of backward
         self._live: weakref.WeakSet[_Entry] = weakref.WeakSet()
@@ -244,6 +248,7 @@ class ActivationOffloader:
         with self._lock:
             self._depth -= 1
             if self._depth == 0:
+                self._flush_batches()
                 self._hooks.__exit__(*exc)
                 self._hooks = self._pass = self._owner = None
                 self._warn_if_nothing_offloaded()
@@ -314,7 +319,9 @@ class ActivationOffloader:
     def next_group(self) -> None:
         """Start a new prefetch group (e.g. at each transformer block's forward)."""
         if self._pass is not None and not _in_backward():
-            self._pass.new_group()
+            with self._lock:
+                self._flush_batches()
+                self._pass.new_group()
 
     def keep_on_gpu(self):
         """Same as the module-level :func:`keep_on_gpu`."""
@@ -381,28 +388,31 @@ class ActivationOffloader:
                     and first._version == t._version == hit[2]
                 ):
                     self.counters["deduplicated"] += 1
-                    return _Packed(entry, t)
+                    return _Packed(entry, t, hit[3])
             # only before a new offload: a storage saved again (a quarter to a third of the
             # storages a ResNet or transformer block saves) needs nothing the poll settles
             self._poll()
             try:
-                entry = self._offload(t, storage)
+                placed = self._offload(t, storage)
             except Exception as exc:  # noqa: BLE001 - the tensor stays where it is: nothing lost
                 self.counters["offload_failed"] += 1
                 self._last_error = repr(exc)
                 return t
-            if entry is None:
+            if placed is None:
                 self.counters["kept_host_full"] += 1
                 return t
-            self._pass.dedup[key] = (weakref.ref(t), weakref.ref(entry), t._version)
-            return _Packed(entry, t)
+            entry, base = placed
+            self._pass.dedup[key] = (weakref.ref(t), weakref.ref(entry), t._version, base)
+            return _Packed(entry, t, base)
 
-    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Entry | None:
+    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage
+                 ) -> tuple[_Entry, int] | None:
+        """Start offloading ``storage`` (``t``'s): ``(entry, byte offset of the storage in
+        the entry's bytes)``, or None where the pinned pool is full."""
         ps = self._pass
         nbytes, dev = storage.nbytes(), t.device
         src = torch.empty((0,), dtype=torch.uint8, device=dev).set_(storage)
         esize = dtype_element_size(t.dtype)
-        entry = _Entry(self._sink, nbytes, dev, ps, len(ps.groups) - 1)
         cls = (t.dtype, tuple(t.shape))
         # 16-bit floats under ``codec="auto"``: the exponent codec or LZ4 + bit-shuffle, the
         # class's samples decide which (``ClassPolicy``); else LZ4 + bit-shuffle
@@ -412,10 +422,12 @@ class ActivationOffloader:
                  else None)
         compress = codec is not None
         ff = DTYPE_FLOAT_FORMATS[t.dtype] if codec == "exp" else None
+        if compress and self._batchable(nbytes, cls):
+            return self._add_to_batch(src, esize, ff)
+        entry = _Entry(self._sink, nbytes, dev, ps, len(ps.groups) - 1)
         if dev.type == "cpu":
             entry.store = self._cpu_compressed if compress else self._cpu
-            entry.stored = (entry.store.offload(src, esize, ff) if ff
-                            else entry.store.offload(src, esize))
+            entry.stored = self._store_cpu(entry.store, src, esize, ff)
         elif compress:
             entry.store, entry.stream = self._paged_store(dev), current_stream(dev)
             entry.stored = entry.store.offload(src, esize, producer=entry.stream,
@@ -430,32 +442,116 @@ class ActivationOffloader:
             entry.store = self._pinned
         if compress:
             self.policy.sample(cls, entry.stored, codec)
+        self._count(entry, ff, 1, nbytes)
+        self._track(entry, src)
+        self._group_bytes_add(nbytes)
+        return entry, 0
+
+    @staticmethod
+    def _store_cpu(store, src: torch.Tensor, esize: int, ff: str | None):
+        return store.offload(src, esize, ff) if ff else store.offload(src, esize)
+
+    def _count(self, entry: _Entry, ff: str | None, tensors: int, nbytes: int) -> None:
+        """Count ``tensors`` saved storages of ``nbytes`` in all that ``entry`` stores."""
+        if entry.store.kind == "compressed":
             name = "compressed_exp" if ff else "compressed_lz4"
-            self.counters[name] += 1
+            self.counters[name] += tensors
             self.counters[name + "_bytes"] += nbytes
-        if dev.type == "cuda":
+        self.counters[f"offloaded_{entry.store.kind}"] += tensors
+        self.counters["offloaded_bytes"] += nbytes
+        if self.tuner is not None:
+            self.tuner.add_bytes(nbytes)
+
+    def _track(self, entry: _Entry, src: torch.Tensor) -> None:
+        """Book-keep a started offload: a GPU source stays in the stash until its bytes are
+        in host memory (waiting for the oldest past ``max_in_flight_bytes``); its stored size
+        in the ledger; the entry in its group."""
+        if entry.device.type == "cuda":
             entry.src = src
             self._stash.append(entry)
-            self._stash_bytes += nbytes
-            # the compressors' scratch counts against the same bound
-            limit = self.max_in_flight_bytes - sum(st.scratch_bytes for st in self._paged.values())
+            self._stash_bytes += entry.nbytes
+            limit = self._in_flight_limit()
             while len(self._stash) > 1 and (
                 self._stash_bytes > limit
                 or len(self._stash) > (self.max_in_flight_tensors or len(self._stash))
             ):
                 self.counters["in_flight_waits"] += 1
                 self._release(self._stash_victim(), wait=True)
-        self.counters[f"offloaded_{entry.store.kind}"] += 1
-        self.counters["offloaded_bytes"] += nbytes
-        if self.tuner is not None:
-            self.tuner.add_bytes(nbytes)
-        entry.host_rec = self._ledger.add(entry.stored, nbytes)
+        entry.host_rec = self._ledger.add(entry.stored, entry.nbytes)
         self._live.add(entry)
-        ps.groups[-1].append(weakref.ref(entry))
+        entry.pass_.groups[entry.group].append(weakref.ref(entry))
+
+    def _in_flight_limit(self) -> int:
+        """GPU bytes the stash may hold: the compressors' scratch counts against the same
+        bound."""
+        return self.max_in_flight_bytes - sum(st.scratch_bytes for st in self._paged.values())
+
+    def _group_bytes_add(self, nbytes: int) -> None:
+        ps = self._pass
         ps.group_bytes += nbytes
         if self.group_bytes is not None and ps.group_bytes >= self.group_bytes:
+            self._flush_batches()
             ps.new_group()
-        return entry
+
+    # ------------------------------------------------------------------------ batches
+    def _batchable(self, nbytes: int, cls: tuple) -> bool:
+        """Whether a compressed storage waits to be stored with others (``_batch``): whole
+        pages, at most half a batch, of a class the ratio policy has decided (a sample is
+        measured alone), and no bound on the count of offloads in flight (a batch is one)."""
+        return (nbytes % self.page_size == 0 and nbytes <= _batch.BATCH_BYTES // 2
+                and self.max_in_flight_tensors is None and cls in self.policy.decided)
+
+    def _add_to_batch(self, src: torch.Tensor, esize: int, ff: str | None
+                      ) -> tuple[_Entry, int]:
+        dev = src.device
+        stream = current_stream(dev) if dev.type == "cuda" else None
+        key = (dev, stream, ff, esize)
+        batch = self._batches.get(key)
+        if batch is not None and batch.nbytes + src.numel() > _batch.BATCH_BYTES:
+            self._flush(batch)
+            batch = None
+        if batch is None:
+            ps = self._pass
+            entry = _Entry(self._sink, 0, dev, ps, len(ps.groups) - 1)
+            entry.stream = stream
+            entry.store = self._paged_store(dev) if stream is not None else self._cpu_compressed
+            batch = self._batches[key] = Batch(key, entry, esize, ff)
+        entry, base = batch.entry, batch.add(src)
+        self._batched_bytes += src.numel()
+        if stream is not None and self._stash_bytes + self._batched_bytes > self._in_flight_limit():
+            self._flush(batch)  # then bounded as any offload
+        self._group_bytes_add(src.numel())
+        return entry, base
+
+    def _flush_batches(self) -> None:
+        """Store every waiting batch (at a group's or pass's end, and before anything reads
+        or waits for an entry)."""
+        while self._batches:
+            self._flush(next(iter(self._batches.values())))
+
+    def _flush(self, batch: Batch) -> None:
+        del self._batches[batch.key]
+        self._batched_bytes -= batch.nbytes
+        entry = batch.entry
+        src, members = batch.joined()
+        entry.nbytes = src.numel()
+        ff = batch.float_format
+        try:
+            if entry.stream is not None:
+                entry.stored = entry.store.offload(src, batch.element_size,
+                                                   producer=entry.stream, float_format=ff)
+            else:
+                entry.stored = self._store_cpu(entry.store, src, batch.element_size, ff)
+        except Exception as exc:  # noqa: BLE001 - the members stay where they are (unpack
+            # serves them in place until the end of backward): nothing lost
+            self.counters["offload_failed"] += members
+            self._last_error = repr(exc)
+            entry.error, entry.src = exc.with_traceback(None), src
+            self._failed.add(entry)
+            return
+        self.counters["batched"] += members
+        self._count(entry, ff, members, entry.nbytes)
+        self._track(entry, src)
 
     def _release(self, entry: _Entry, wait: bool, keep_served: bool = False) -> None:
         """Drop the stash's hold on ``entry``'s GPU storage (its copy is done, or ``wait``).
@@ -538,6 +634,7 @@ class ActivationOffloader:
     def synchronize(self) -> None:
         """Wait until every offload started so far is stored; drop the stash's GPU storages."""
         with self._lock:
+            self._flush_batches()
             while self._stash:
                 self._release(self._stash.popleft(), wait=True)
             self._poll()

@@ -1,0 +1,264 @@
+"""Saved storages stored together (``torch_pagecomp.offload._batch``): gradients, views,
+dedup, versions, flush points and failures.
+
+CPU tests run the hooks on CPU tensors (``offload_cpu=True``: the compressed CPU store), where
+batching works as on the GPU (one ``torch.cat``, one stored entry); the GPU test runs the
+compressed store on CUDA. Every run draws fresh weights and inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torch_pagecomp.offload import ActivationOffloader, _batch
+from torch_pagecomp.offload._entry import _Packed
+
+CUDA = torch.cuda.is_available()
+P = 4096
+
+
+class MLP(nn.Module):
+    """Every saved activation is whole pages (``rows x width`` fp32 / bf16, width a multiple
+    of 1024 elements), so every offloaded storage of a decided class may join a batch."""
+
+    def __init__(self, width: int = 1024, layers: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.tanh(lin(x)) * x.sigmoid()  # tanh, sigmoid, mul: several saves a layer
+        return x.float().square().mean()
+
+
+def _data(gen, rows: int, width: int, device="cpu", dtype=torch.float32):
+    x = torch.randn(rows, width, generator=gen).to(device, dtype)
+    # a value range that compresses: most exponents repeat
+    return (x * 0.01).round(decimals=2).requires_grad_(False)
+
+
+def _step(model, x, ctx=None, sync=None):
+    model.zero_grad(set_to_none=True)
+    if ctx is None:
+        loss = model(x)
+    else:
+        with ctx:
+            loss = model(x)
+    if sync is not None:
+        sync.synchronize()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _off(**kw) -> ActivationOffloader:
+    kw.setdefault("min_offload_bytes", P)
+    kw.setdefault("group_bytes", None)
+    kw.setdefault("min_ratio", 0.0)  # every class compresses, whatever its data's ratio
+    kw.setdefault("sample_tensors", 1)
+    return ActivationOffloader(offload_cpu=True, prefer="memory", **kw)
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def _model(gen, width=1024, layers=4, device="cpu", dtype=torch.float32):
+    torch.manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
+    return MLP(width, layers).to(device, dtype)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_batched_gradients_are_bit_identical(gen, sync):
+    model, x = _model(gen), _data(gen, 24, 1024)
+    ref = _step(model, x)
+    off = _off()
+    for _ in range(3):  # the first step samples the classes; later ones batch them
+        got = _step(model, x, off, off if sync else None)
+        _same(ref, got)
+    st = off.stats()
+    assert st["batched"] > 0, st
+    assert st["entries"] == 0 and st["host_bytes"] == 0  # all freed after backward
+    # counted per saved storage, batched or not
+    assert st["offloaded_compressed"] == st.get("compressed_exp", 0) + st["compressed_lz4"]
+
+
+def test_a_batch_holds_several_tensors_at_page_offsets(gen, monkeypatch):
+    from torch_pagecomp.offload import _hooks
+
+    model, x = _model(gen, layers=3), _data(gen, 16, 1024)
+    off = _off()
+    _step(model, x, off)  # the classes are sampled
+    mine = []
+
+    class Spy(_Packed):
+        __slots__ = ()
+
+        def __init__(self, *a):
+            super().__init__(*a)
+            mine.append(self)
+
+    monkeypatch.setattr(_hooks, "_Packed", Spy)
+    with off:
+        loss = model(x)
+    entries = {id(p.entry): p.entry for p in mine}
+    assert len(entries) < len(mine)  # several tensors share a stored entry
+    for e in entries.values():
+        assert e.nbytes % P == 0 and e.stored is not None  # stored when the pass ended
+    bases = {(id(p.entry), p.offset * p.dtype.itemsize) for p in mine}
+    assert all(b % P == 0 for _, b in bases) and any(b > 0 for _, b in bases)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    mine.clear()  # the test's references kept the entries alive
+    del entries, e
+    assert off.pending()["entries"] == 0
+
+
+def test_views_dedup_and_offsets_inside_a_batch(gen):
+    """A storage saved twice (dedup), and a view at a storage offset, inside one batch."""
+    w = torch.randn(1024, 1024, generator=gen).mul(0.01).requires_grad_()
+
+    def f(x):
+        h = x @ w  # saves x
+        y = h.sin() * h.cos()  # saves h twice (sin, cos) and both products
+        z = y[2:].exp()  # a view at a storage offset, saved by exp (its result)
+        return (z * y[2:]).sum() + (h * x).sum()
+
+    x = _data(gen, 32, 1024).requires_grad_()
+    ref = torch.autograd.grad(f(x), (w, x))
+    off = _off()
+    for _ in range(3):
+        with off:
+            loss = f(x)
+        _same(ref, torch.autograd.grad(loss, (w, x)))
+    st = off.stats()
+    assert st["batched"] > 0 and st["deduplicated"] > 0, st
+
+
+def test_backward_inside_the_with_block_stores_the_waiting_batch_first(gen):
+    model, x = _model(gen), _data(gen, 24, 1024)
+    ref = _step(model, x)
+    off = _off()
+    _step(model, x, off)
+    model.zero_grad(set_to_none=True)
+    with off:
+        loss = model(x)
+        assert off._batches  # a batch waits: nothing ended it yet
+        loss.backward()  # its first unpack stores it
+        assert not off._batches
+    _same(ref, [p.grad.clone() for p in model.parameters()])
+
+
+def test_a_kept_tensor_unpacked_first_still_prefetches_the_waiting_batch(gen):
+    model, x = _model(gen), _data(gen, 24, 1024)
+    off = _off(prefetch=8)
+    _step(model, x, off)
+    before = off.stats().get("restored_on_demand", 0)
+    scale = torch.full((256, 1024), 2.0)
+    model.zero_grad(set_to_none=True)
+    (model(x) * scale.exp().mean()).backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with off:
+        loss = model(x)
+        with off.keep_on_gpu():
+            loss = loss * scale.exp().mean()  # kept: unpacked first
+        assert off._batches
+        loss.backward()
+    _same(ref, [p.grad.clone() for p in model.parameters()])
+    st = off.stats()
+    assert st.get("restored_on_demand", 0) == before and st["restored_prefetch"] > 0, st
+
+
+def test_in_place_change_after_a_batched_save_raises(gen):
+    off = _off()
+    w = torch.randn(1024, 1024, generator=gen).requires_grad_()
+    for step in range(2):  # the first samples the class, the second batches
+        x = _data(gen, 16, 1024)
+        with off:
+            h = x @ w
+            y = h.sin()  # saves h
+        if step == 0:
+            y.sum().backward()
+            continue
+        assert off.stats()["batched"] > 0
+        h.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_a_batch_that_fails_to_store_stays_in_place(gen, monkeypatch):
+    model, x = _model(gen), _data(gen, 24, 1024)
+    ref = _step(model, x)
+    off = _off()
+    _step(model, x, off)  # the classes are decided: the next step batches
+
+    def failing(*a):
+        raise RuntimeError("no host memory")
+
+    monkeypatch.setattr(off._cpu_compressed, "offload", failing)
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match="offloads failed and stayed in place"), off:
+        loss = model(x)
+    assert len(off._failed) > 0  # batches whose store failed: their members kept in place
+    loss.backward()
+    _same(ref, [p.grad.clone() for p in model.parameters()])
+    st = off.stats()
+    assert st["offload_failed"] > 0 and "no host memory" in st["last_offload_error"]
+    assert st["failed"] == 0 and st["entries"] == 0  # dropped at the end of backward
+
+
+@pytest.mark.parametrize("rows", [3, 10_000])
+def test_partial_pages_and_large_storages_are_stored_alone(gen, monkeypatch, rows):
+    """3 x 1000 fp32 (a partial last page) and 10000 x 1000 (more than half a batch at a
+    small ``BATCH_BYTES``) never join a batch."""
+    monkeypatch.setattr(_batch, "BATCH_BYTES", 1 << 20)
+    w = torch.randn(1000, 1000, generator=gen).mul(0.01).requires_grad_()
+    x = _data(gen, rows, 1000)
+    ref = torch.autograd.grad((x @ w).sin().sum(), w)
+    off = _off()
+    for _ in range(2):
+        with off:
+            loss = (x @ w).sin().sum()
+        _same(ref, torch.autograd.grad(loss, w))
+    assert off.stats().get("batched", 0) == 0
+
+
+def test_batches_stay_within_batch_bytes_and_groups(gen, monkeypatch):
+    monkeypatch.setattr(_batch, "BATCH_BYTES", 64 << 10)
+    model, x = _model(gen, layers=4), _data(gen, 8, 1024)  # 32 KiB a storage: two a batch
+    ref = _step(model, x)
+    off = _off(group_bytes=96 << 10)
+    sizes = []
+    real = off._flush
+
+    def spy(batch):
+        sizes.append((batch.nbytes, len(batch.parts)))
+        real(batch)
+
+    monkeypatch.setattr(off, "_flush", spy)
+    for _ in range(2):
+        _same(ref, _step(model, x, off))
+    assert sizes and all(n <= 64 << 10 for n, _ in sizes), sizes
+    assert any(k == 2 for _, k in sizes), sizes
+    assert off.pending()["entries"] == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_batched_gradients_are_bit_identical(gen, dtype):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model(gen, width=2048, layers=4, device="cuda", dtype=dtype)
+    x = _data(gen, 512, 2048, "cuda", dtype)
+    ref = _step(model, x)
+    off = ActivationOffloader(prefer="memory", min_offload_bytes=P, group_bytes=None,
+                              min_ratio=0.0, sample_tensors=1)
+    for sync in (False, True, False):
+        _same(ref, _step(model, x, off, off if sync else None))
+    st = off.stats()
+    assert st["batched"] > 0, st
+    torch.cuda.synchronize()
+    assert off.pending()["entries"] == 0 and off.pending()["stash"] == 0
