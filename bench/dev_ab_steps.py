@@ -14,7 +14,10 @@ the host's caches and the allocator; a process that runs one variant never does)
 Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memory_group``:
 ``memory`` with the hooks' batched restores through ``restore_group`` instead of
 ``restore_placed`` (the path before 2026-11-29); ``memory_single``: ``memory`` with every
-saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches). Each
+saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches);
+``memory_headroom``, ``memory_restore256``, ``memory_batch128``: ``memory`` with one constant
+changed (:data:`PATCHES`: the arena's spare chunks, the restores' batch bytes, the offloads'
+batch bytes). Each
 arm's peak GPU memory over its steps, and its page-locked host memory held at the end, are
 printed too. (A ``memory_tight`` arm, the arena keeping the step's peak of placed bytes
 instead of backed ones, held the same page-locked memory at the same step time on
@@ -28,21 +31,33 @@ import contextlib
 import statistics
 import time
 
-ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_single")
+ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_single", "memory_headroom",
+        "memory_restore256", "memory_batch128")
+
+
+# arms that set a package constant while their steps run: (module, name, value)
+PATCHES = {
+    "memory_single": ("torch_pagecomp.offload._batch", "BATCH_BYTES", 0),
+    "memory_headroom": ("torch_pagecomp.offload._arena", "HEADROOM_CHUNKS", 8),
+    "memory_restore256": ("torch_pagecomp.offload._backward", "RESTORE_BATCH_BYTES", 256 << 20),
+    "memory_batch128": ("torch_pagecomp.offload._batch", "BATCH_BYTES", 128 << 20),
+}
 
 
 @contextlib.contextmanager
 def _arm_patch(arm: str):
     """What an arm changes in the package while its steps run."""
-    if arm == "memory_single":
-        from torch_pagecomp.offload import _batch
+    if arm in PATCHES:
+        import importlib
 
-        real_bytes = _batch.BATCH_BYTES
-        _batch.BATCH_BYTES = 0
+        module, name, value = PATCHES[arm]
+        mod = importlib.import_module(module)
+        real = getattr(mod, name)
+        setattr(mod, name, value)
         try:
             yield
         finally:
-            _batch.BATCH_BYTES = real_bytes
+            setattr(mod, name, real)
         return
     if arm != "memory_group":
         yield
@@ -67,7 +82,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     model, x, blocks = build(name, "cuda" if cuda else "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     settings = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-                "memory_group": dict(prefer="memory"), "memory_single": dict(prefer="memory")}
+                **{a: dict(prefer="memory") for a in ARMS if a.startswith("memory_")}}
     cpu = {} if cuda else dict(offload_cpu=True, min_offload_bytes=1 << 12)
     offs = {a: ActivationOffloader(**settings[a], **cpu) for a in arms if a != "none"}
 
