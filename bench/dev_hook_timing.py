@@ -80,6 +80,14 @@ TARGETS = (
     "torch_pagecomp.offload._paged:PagedStore._count_failures",
     "torch_pagecomp.offload._stores:ClassPolicy.poll",
     "torch_pagecomp.offload._streams:current_stream",
+    "torch_pagecomp.offload._hooks:ActivationOffloader.next_group",
+    "torch_pagecomp.offload._hooks:ActivationOffloader.__enter__",
+    "torch_pagecomp.offload._hooks:ActivationOffloader.__exit__",
+    "torch_pagecomp.offload._hooks:ActivationOffloader._flush",
+    "torch_pagecomp.offload._hooks:ActivationOffloader._add_to_batch",
+    "torch_pagecomp.offload._batch:Batch.joined",
+    "torch_pagecomp.offload._backward:Backward._end_backward",
+    "torch_pagecomp.offload._backward:Backward._prefetch_from",
 )
 
 # ``--fine``: the steps of one compressed offload (``PagedStore.offload`` / ``_store_slice``
