@@ -31,8 +31,6 @@ CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
 HEADROOM_CHUNKS = 2  # chunks kept past a step's peak at least (VirtualArena.shrink)
-PIN_SPARE = 0  # chunks a step may pin past those held at the last shrink without waiting for
-# slices in flight (VirtualArena.back); a probe's knob (bench.dev_ab_steps), 0 as shipped
 
 
 UPLOAD_SLOTS = 1 << 16  # int64 slots of the ring of small tables kernels read (UploadRing)
@@ -267,7 +265,6 @@ class VirtualArena:
         self._stored = 0  # the folded events' bytes
         self.peak_held = 0
         self.peak_backed = 0  # chunks backed at once since the last shrink
-        self.pin_cap = 0  # pinned chunks (backed and free) past which back() waits first
         self.placed_since_shrink = False
         # where the pack kernel publishes each slice's (base, total): one pinned ring, not a
         # pinned allocation per slice
@@ -310,8 +307,7 @@ class VirtualArena:
         lead, on steps that pin."""
         self.placed_since_shrink = True
         new = self._unbacked(upper)
-        while self.pending and len(new) > len(self.free) + max(
-                0, self.pin_cap - len(self.backed) - len(self.free)):
+        while self.pending and len(new) > len(self.free):
             self.confirm(through=self.pending[0][0])
             new = self._unbacked(upper)
         for k in new:
@@ -480,5 +476,4 @@ class VirtualArena:
         need = self.peak_backed + max(HEADROOM_CHUNKS, self.peak_backed // 16)
         self.trim(keep=max(0, need - len(self.backed)))
         self.peak_backed = len(self.backed)
-        self.pin_cap = len(self.backed) + len(self.free) + PIN_SPARE
         self.placed_since_shrink = False
