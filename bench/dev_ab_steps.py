@@ -15,9 +15,10 @@ Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memo
 ``memory`` with the hooks' batched restores through ``restore_group`` instead of
 ``restore_placed`` (the path before 2026-11-29); ``memory_single``: ``memory`` with every
 saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches);
-``memory_headroom``, ``memory_restore256``, ``memory_batch128``: ``memory`` with one constant
-changed (:data:`PATCHES`: the arena's spare chunks, the restores' batch bytes, the offloads'
-batch bytes). Each
+``memory_restore256``, ``memory_batch128``: ``memory`` with one constant changed
+(:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes). Arms measured and
+removed: the arena's spare chunks kept (``HEADROOM_CHUNKS`` 8) or pinned without waiting for
+slices in flight (16): no step time gained (``bench/results/h200_0991b9a_session42``). Each
 arm's peak GPU memory over its steps, and its page-locked host memory held at the end, are
 printed too. (A ``memory_tight`` arm, the arena keeping the step's peak of placed bytes
 instead of backed ones, held the same page-locked memory at the same step time on
@@ -31,14 +32,13 @@ import contextlib
 import statistics
 import time
 
-ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_single", "memory_headroom",
-        "memory_restore256", "memory_batch128")
+ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_single", "memory_restore256",
+        "memory_batch128")
 
 
 # arms that set a package constant while their steps run: (module, name, value)
 PATCHES = {
     "memory_single": ("torch_pagecomp.offload._batch", "BATCH_BYTES", 0),
-    "memory_headroom": ("torch_pagecomp.offload._arena", "HEADROOM_CHUNKS", 8),
     "memory_restore256": ("torch_pagecomp.offload._backward", "RESTORE_BATCH_BYTES", 256 << 20),
     "memory_batch128": ("torch_pagecomp.offload._batch", "BATCH_BYTES", 128 << 20),
 }
