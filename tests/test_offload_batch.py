@@ -211,6 +211,30 @@ def test_a_batch_that_fails_to_store_stays_in_place(gen, monkeypatch):
     assert st["failed"] == 0 and st["entries"] == 0  # dropped at the end of backward
 
 
+def test_a_batch_whose_cat_runs_out_of_memory_keeps_its_members(gen, monkeypatch):
+    """Out of memory for the batch's ``torch.cat`` (offload runs where memory is short): each
+    saved tensor is served from its own storage, none is lost."""
+    model, x = _model(gen), _data(gen, 24, 1024)
+    ref = _step(model, x)
+    off = _off()
+    _step(model, x, off)
+    real = _batch.Batch.joined
+    failed = []
+
+    def short_of_memory(self):
+        if len(self.parts) > 1:
+            failed.append(len(self.parts))
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(self)
+
+    monkeypatch.setattr(_batch.Batch, "joined", short_of_memory)
+    with pytest.warns(UserWarning, match="offloads failed and stayed in place"):
+        _same(ref, _step(model, x, off))  # (said once per offloader)
+    _same(ref, _step(model, x, off))
+    assert failed and off.stats()["offload_failed"] >= sum(failed)
+    assert off.pending()["failed"] == 0 and off.pending()["entries"] == 0
+
+
 @pytest.mark.parametrize("rows", [3, 10_000])
 def test_partial_pages_and_large_storages_are_stored_alone(gen, monkeypatch, rows):
     """3 x 1000 fp32 (a partial last page) and 10000 x 1000 (more than half a batch at a

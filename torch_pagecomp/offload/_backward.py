@@ -58,6 +58,9 @@ class Backward:
             if off._batches:  # storages waiting to be stored together: stored now
                 off._flush_batches()
             self._watch_backward()
+            if entry.parts is not None:  # a batch that could not be stored: kept in place
+                off.counters["served_from_stash"] += 1
+                return packed.view_parts(entry.parts)
             if entry.src is not None:
                 off.counters["served_from_stash"] += 1
                 entry.served = True
@@ -209,7 +212,7 @@ class Backward:
             while off._stash:
                 off._release(off._stash.popleft(), wait=True)
             for e in list(off._failed):
-                e.src = None
+                e.src = e.parts = None
             off._failed.clear()
             off._poll()
             off.pool.shrink()  # pinned copies of sizes this step no longer saved

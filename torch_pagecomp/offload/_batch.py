@@ -16,7 +16,10 @@ gathers the storages of one codec, element size and compute stream, up to
   compute stream the members were saved on (HBM time, a small part of the link time the bytes
   then take), after which the members' storages go back to the allocator in stream order;
 * the batch's restore is one buffer; it lives until autograd has released every member's
-  saved tensor (the members come from one group: one block's backward).
+  saved tensor (the members come from one group: one block's backward);
+* a batch that cannot be stored (its ``cat`` out of GPU memory, its store failing) keeps its
+  members where they are: each saved tensor is then served from its own storage until the end
+  of backward, as a single offload that fails is.
 
 Tensors of a class still being sampled by the ratio policy are stored alone (a sample's size
 is measured per stored tensor), as are storages with a partial last page and those larger
@@ -53,12 +56,19 @@ class Batch:
         self.nbytes += src.numel()
         return base
 
-    def joined(self) -> tuple[torch.Tensor, int]:
-        """``(bytes, members)``: the members' bytes back to back, queued on the compute stream
-        they were saved on (the one member itself, else one ``torch.cat``), and how many there
-        were. The batch lets go of its members."""
-        parts, self.parts = self.parts, []
-        if len(parts) == 1:
-            return parts[0], 1
+    def joined(self) -> torch.Tensor:
+        """The members' bytes back to back, queued on the compute stream they were saved on
+        (the one member itself, else one ``torch.cat``). The members stay in ``parts`` (a
+        failed ``cat``, out of GPU memory, leaves them where they are)."""
+        if len(self.parts) == 1:
+            return self.parts[0]
         with on_stream(self.entry.stream):
-            return torch.cat(parts), len(parts)
+            return torch.cat(self.parts)
+
+    def bases(self) -> list[tuple[int, torch.Tensor]]:
+        """``(byte offset, storage bytes)`` of each member."""
+        out, at = [], 0
+        for p in self.parts:
+            out.append((at, p))
+            at += p.numel()
+        return out

@@ -87,6 +87,9 @@ class _Entry:
         self.pass_, self.group = pass_, group
         self.stream = None  # compute stream at pack time (owner of the source and restores)
         self.src: torch.Tensor | None = None  # the GPU storage while its copy may run
+        # a batch that could not be stored (``_batch``): ``(byte offset, bytes)`` of each
+        # member, served in place until the end of backward
+        self.parts: list[tuple[int, torch.Tensor]] | None = None
         self.store = self.stored = None
         self.error: BaseException | None = None
         self.restored: torch.Tensor | None = None
@@ -156,6 +159,16 @@ class _Packed:
                 f"expected version {self.version} instead (it was offloaded by "
                 "torch_pagecomp's activation hooks at that version)")
 
-    def view(self, storage: torch.UntypedStorage) -> torch.Tensor:
+    def view(self, storage: torch.UntypedStorage, base: int = 0) -> torch.Tensor:
+        """The saved tensor on ``storage``, which holds the entry's bytes from byte ``base``
+        on."""
         out = torch.empty((0,), dtype=self.dtype, device=storage.device)
-        return out.set_(storage, self.offset, self.size, self.stride)
+        return out.set_(storage, self.offset - base // self.dtype.itemsize, self.size,
+                        self.stride)
+
+    def view_parts(self, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """The saved tensor on the member of ``parts`` (``(byte offset, bytes)`` each, in
+        order) that holds its first element."""
+        at = self.offset * self.dtype.itemsize
+        base, src = next((b, p) for b, p in reversed(parts) if b <= at)
+        return self.view(src.untyped_storage(), base)

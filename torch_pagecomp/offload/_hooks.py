@@ -532,23 +532,24 @@ class ActivationOffloader:
     def _flush(self, batch: Batch) -> None:
         del self._batches[batch.key]
         self._batched_bytes -= batch.nbytes
-        entry = batch.entry
-        src, members = batch.joined()
-        entry.nbytes = src.numel()
-        ff = batch.float_format
+        entry, ff, members = batch.entry, batch.float_format, len(batch.parts)
+        entry.nbytes = batch.nbytes
         try:
+            src = batch.joined()
             if entry.stream is not None:
                 entry.stored = entry.store.offload(src, batch.element_size,
                                                    producer=entry.stream, float_format=ff)
             else:
                 entry.stored = self._store_cpu(entry.store, src, batch.element_size, ff)
         except Exception as exc:  # noqa: BLE001 - the members stay where they are (unpack
-            # serves them in place until the end of backward): nothing lost
+            # serves each from its own storage until the end of backward): nothing lost
             self.counters["offload_failed"] += members
             self._last_error = repr(exc)
-            entry.error, entry.src = exc.with_traceback(None), src
+            entry.error, entry.parts = exc.with_traceback(None), batch.bases()
             self._failed.add(entry)
             return
+        finally:
+            batch.parts = []
         self.counters["batched"] += members
         self._count(entry, ff, members, entry.nbytes)
         self._track(entry, src)
