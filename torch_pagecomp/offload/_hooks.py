@@ -16,7 +16,10 @@ offsets, so gradients are bit-identical):
   that comes first reads it in place, with no round trip over the link), and with prefetching
   the latest group's until a later group starts (``_tail_group``); past
   ``max_in_flight_bytes`` the compute stream waits until the oldest has been read (copied, or
-  compressed: a GPU-side wait) and it is dropped.
+  compressed: a GPU-side wait) and it is dropped. Compressed storages of whole pages, up to
+  half of ``_batch.BATCH_BYTES``, of a class the ratio policy has decided, wait to be stored
+  together, one entry per batch (``_batch``): a compressed offload costs the host about the
+  same whatever its size.
 * groups: a pass (one outermost ``with``) is cut into groups at every :meth:`next_group` (each
   block's forward with :func:`offload_module`) and every ``group_bytes``.
 * unpack: the first unpack in group ``k`` restores groups ``k .. k - prefetch`` on a side
