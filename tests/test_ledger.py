@@ -56,3 +56,24 @@ def test_a_tensor_freed_unsized_counts_at_its_uncompressed_size():
     assert ledger.now == 0  # not settled yet
     ledger.remove(rec)
     assert ledger.peak == 64 and ledger.now == 0
+
+
+class Placed(Stored):
+    """A stored tensor that can say its size after it is freed (``PagedStored``'s
+    ``size_when_placed``)."""
+
+    def size_when_placed(self):
+        return self.host_nbytes
+
+
+def test_a_tensor_freed_unsized_counts_at_its_stored_size_once_placed():
+    ledger = HostLedger()
+    a, b = Placed(10), Placed(7)
+    ra = ledger.add(a, nbytes=64)
+    rb = ledger.add(b, nbytes=64)
+    ledger.remove(ra)  # freed before its placement was read
+    assert ledger.peak == 0  # nothing settled: the first event's size is unknown
+    assert ra[0] is not a  # the record keeps the size function, not the stored tensor
+    a.known = b.known = True
+    ledger.remove(rb)
+    assert ledger.peak == 17 and ledger.now == 0  # stored sizes, not 64 + 64

@@ -5,7 +5,10 @@ host has issued more work. Counting such a tensor at its uncompressed size until
 make the peak depend on how far the host runs ahead of the device (a faster host, more tensors
 in flight, a higher "peak"). The ledger keeps the order in which tensors came and went and
 settles the running total in that order as the sizes become known: the peak is that of the
-stored sizes, whenever they are learnt.
+stored sizes, whenever they are learnt. A tensor freed before its size was learnt (a batch
+served in place at the start of a backward, its pages still packing) is counted at its stored
+size too, once its placement is read, where its stored object says how
+(``size_when_placed``); else at its uncompressed size.
 """
 
 from __future__ import annotations
@@ -54,12 +57,22 @@ class HostLedger:
 
 
 def _size(rec: list, final: bool) -> int | None:
-    """``rec``'s stored size, once known; ``final``: known now (a tensor freed before its size
-    reached the host counts at its uncompressed size)."""
+    """``rec``'s stored size, once known; ``final``: the tensor is freed now (its stored
+    object's ``size_when_placed`` then stands in for it until the size is known; without one,
+    it counts at its uncompressed size)."""
     if rec[2] is None:
-        stored = rec[0]
-        size = stored.host_nbytes() if stored is not None else 0
+        src = rec[0]
+        if src is None:
+            size = 0
+        elif callable(src):  # a freed tensor's size_when_placed
+            size = src()
+        else:
+            size = src.host_nbytes()
         if size is None and final:
+            later = None if callable(src) else getattr(src, "size_when_placed", None)
+            if later is not None:
+                rec[0] = later()  # the record no longer keeps the stored object
+                return None
             size = rec[1]
         if size is not None:
             rec[2], rec[0] = size, None  # the record no longer keeps the storage alive

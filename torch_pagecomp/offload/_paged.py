@@ -114,6 +114,21 @@ class PagedStored:
         tail = self.tail.numel() if self.tail is not None else 0
         return sum(sl.total for sl in self.slices) + tail
 
+    def size_when_placed(self):
+        """A function that returns :meth:`host_nbytes` once every slice is placed (None
+        before), still after this stored tensor is freed: the host ledger's count of a tensor
+        freed before its placement was read (the slices stay in the arena's pending queue
+        until then anyway)."""
+        slices = list(self.slices)
+        tail = self.tail.numel() if self.tail is not None else 0
+
+        def size() -> int | None:
+            if any(sl.base is None for sl in slices):
+                return None
+            return sum(sl.total for sl in slices) + tail
+
+        return size
+
     def kernel_bytes(self) -> tuple[int, int] | None:
         """``(page bytes, stored bytes)`` of the compressed pages once placed."""
         if self.freed:
