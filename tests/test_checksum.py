@@ -242,3 +242,24 @@ def test_gpu_compressor_checksums_flag_a_corrupted_page(gen):
             comp.restore(h, check=True)
         comp.restore(h)  # without check: counted on the device
         assert comp.failed_restores(wait=True) >= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_restore_failures_are_read_after_the_stream_that_counted_them():
+    """A restore stream's failure count, delayed behind a long kernel, is what the next poll
+    reads once the device is idle: the host copy waits for that stream, not only for the
+    caller's (a copy on the caller's stream alone read the count before it was added)."""
+    from torch_pagecomp.handles import RestoreFailures
+
+    dev = torch.device("cuda")
+    failures = RestoreFailures(dev)
+    side = torch.cuda.Stream()
+    status = torch.ones(8, dtype=torch.int32, device=dev)  # eight failed pages
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # the restore stream is busy a while
+    failures.add([status], side)
+    assert failures.poll() == 0  # counted behind the sleep; the read is queued after it
+    torch.cuda.synchronize()
+    assert failures.poll() == 8
+    assert failures.total() == 8

@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from . import format as fmt
+from ._events import handoff
 from .api import checksum_status, page_checksums
 from .format import PageCompError
 from .storage import Storage
@@ -137,6 +138,9 @@ class RestoreFailures:
 
     Counted on the device in the restoring stream's order (no host sync); :meth:`poll` reads a
     value at most one poll old through a pinned copy and never blocks, :meth:`total` waits.
+    Both read the count after every stream that added to it: a copy queued on the caller's
+    stream alone could read it before a restore stream's count ran, and a corrupt page went
+    unreported one backward longer than promised (seen under load on a shared GPU).
     The statuses of up to ``HELD`` restores are held and counted together (two launches per
     restore were a tenth of a small restore's host time).
     """
@@ -149,6 +153,7 @@ class RestoreFailures:
         self._event: torch.cuda.Event | None = None
         self._seen = 0
         self._held: list[tuple[list[torch.Tensor], torch.cuda.Stream]] = []
+        self._counted: set = set()  # streams that added to ``count`` since the last read
         self._lock = threading.Lock()
 
     def add(self, statuses: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
@@ -176,6 +181,17 @@ class RestoreFailures:
             with torch.cuda.stream(stream):
                 joined = statuses[0] if len(statuses) == 1 else torch.cat(statuses)
                 self.count += torch.count_nonzero(joined)
+        with self._lock:
+            self._counted.update(by_stream)
+
+    def _after_counts(self) -> None:
+        """The current stream waits for every count queued so far (a device-side wait)."""
+        current = torch.cuda.current_stream(self.count.device)
+        with self._lock:
+            streams, self._counted = self._counted, set()
+        for stream in streams:
+            if stream != current:
+                handoff(stream, current)
 
     def poll(self) -> int:
         """Failures known to the host so far (never blocks); schedules the next read."""
@@ -184,6 +200,7 @@ class RestoreFailures:
             self._seen = int(self._host)
             self._event = None
         if self._event is None:
+            self._after_counts()
             self._host.copy_(self.count, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
@@ -192,5 +209,6 @@ class RestoreFailures:
     def total(self) -> int:
         """All failures so far (waits for the restores queued before the call)."""
         self._flush()
+        self._after_counts()
         self._seen = int(self.count)
         return self._seen
