@@ -286,3 +286,26 @@ def test_gpu_batched_gradients_are_bit_identical(gen, dtype):
     assert st["batched"] > 0, st
     torch.cuda.synchronize()
     assert off.pending()["entries"] == 0 and off.pending()["stash"] == 0
+
+
+def test_no_batch_is_stored_while_a_cuda_graph_is_captured(gen, monkeypatch):
+    """A group that ends inside a graph capture (``offload_module``'s blocks in a captured
+    forward) keeps its batch waiting: its launches and events must not go into the graph. The
+    first flush after the capture stores it."""
+    from torch_pagecomp.offload import _hooks
+
+    model, x = _model(gen), _data(gen, 24, 1024)
+    ref = _step(model, x)
+    off = _off()
+    _step(model, x, off)
+    model.zero_grad(set_to_none=True)
+    with off:
+        loss = model(x)
+        assert off._batches
+        monkeypatch.setattr(_hooks, "_capturing", lambda: True)
+        off.next_group()
+        assert off._batches  # still waiting
+        monkeypatch.setattr(_hooks, "_capturing", lambda: False)
+    assert not off._batches  # stored when the pass ended
+    loss.backward()
+    _same(ref, [p.grad.clone() for p in model.parameters()])

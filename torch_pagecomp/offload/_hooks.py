@@ -528,7 +528,10 @@ class ActivationOffloader:
 
     def _flush_batches(self) -> None:
         """Store every waiting batch (at a group's or pass's end, and before anything reads
-        or waits for an entry)."""
+        or waits for an entry); not while the current stream captures a CUDA graph (its
+        launches and events would go into the graph): the next flush after the capture does."""
+        if not self._batches or _capturing():
+            return
         while self._batches:
             self._flush(next(iter(self._batches.values())))
 
