@@ -146,9 +146,9 @@ def test_backward_inside_the_with_block_stores_the_waiting_batch_first(gen):
     model.zero_grad(set_to_none=True)
     with off:
         loss = model(x)
-        assert off._batches  # a batch waits: nothing ended it yet
+        assert off._batcher.batches  # a batch waits: nothing ended it yet
         loss.backward()  # its first unpack stores it
-        assert not off._batches
+        assert not off._batcher.batches
     _same(ref, [p.grad.clone() for p in model.parameters()])
 
 
@@ -166,7 +166,7 @@ def test_a_kept_tensor_unpacked_first_still_prefetches_the_waiting_batch(gen):
         loss = model(x)
         with off.keep_on_gpu():
             loss = loss * scale.exp().mean()  # kept: unpacked first
-        assert off._batches
+        assert off._batcher.batches
         loss.backward()
     _same(ref, [p.grad.clone() for p in model.parameters()])
     st = off.stats()
@@ -257,13 +257,13 @@ def test_batches_stay_within_batch_bytes_and_groups(gen, monkeypatch):
     ref = _step(model, x)
     off = _off(group_bytes=96 << 10)
     sizes = []
-    real = off._flush
+    real = off._batcher.flush
 
     def spy(batch):
         sizes.append((batch.nbytes, len(batch.parts)))
         real(batch)
 
-    monkeypatch.setattr(off, "_flush", spy)
+    monkeypatch.setattr(off._batcher, "flush", spy)
     for _ in range(2):
         _same(ref, _step(model, x, off))
     assert sizes and all(n <= 64 << 10 for n, _ in sizes), sizes
@@ -292,8 +292,6 @@ def test_no_batch_is_stored_while_a_cuda_graph_is_captured(gen, monkeypatch):
     """A group that ends inside a graph capture (``offload_module``'s blocks in a captured
     forward) keeps its batch waiting: its launches and events must not go into the graph. The
     first flush after the capture stores it."""
-    from torch_pagecomp.offload import _hooks
-
     model, x = _model(gen), _data(gen, 24, 1024)
     ref = _step(model, x)
     off = _off()
@@ -301,11 +299,11 @@ def test_no_batch_is_stored_while_a_cuda_graph_is_captured(gen, monkeypatch):
     model.zero_grad(set_to_none=True)
     with off:
         loss = model(x)
-        assert off._batches
-        monkeypatch.setattr(_hooks, "_capturing", lambda: True)
+        assert off._batcher.batches
+        monkeypatch.setattr(_batch, "_capturing", lambda: True)
         off.next_group()
-        assert off._batches  # still waiting
-        monkeypatch.setattr(_hooks, "_capturing", lambda: False)
-    assert not off._batches  # stored when the pass ended
+        assert off._batcher.batches  # still waiting
+        monkeypatch.setattr(_batch, "_capturing", lambda: False)
+    assert not off._batcher.batches  # stored when the pass ended
     loss.backward()
     _same(ref, [p.grad.clone() for p in model.parameters()])

@@ -55,8 +55,7 @@ class Backward:
             return packed.view(packed.entry.src.untyped_storage())
         with off._lock:
             entry = packed.entry
-            if off._batches:  # storages waiting to be stored together: stored now
-                off._flush_batches()
+            off._batcher.flush_all()  # storages waiting to be stored together: stored now
             self._watch_backward()
             if entry.parts is not None:  # a batch that could not be stored: kept in place
                 off.counters["served_from_stash"] += 1
@@ -100,8 +99,7 @@ class Backward:
         off = self.off
         if off.prefetch == 0:
             return
-        if off._batches:  # a kept tensor's unpack may come first: stored before they are missed
-            off._flush_batches()
+        off._batcher.flush_all()  # a kept tensor's unpack may come first: before they're missed
         polled = False
         for k in range(group, max(-1, group - off.prefetch - 1), -1):
             if ps.issued[k]:

@@ -45,9 +45,8 @@ from .._args import check_flag, check_int, check_number
 from .._events import handoff
 from ..format import DTYPE_FLOAT_FORMATS, check_page_size, dtype_element_size
 from ..pools import PinnedBufferPool, can_pin
-from . import _batch
 from ._backward import Backward
-from ._batch import Batch
+from ._batch import Batcher
 from ._entry import (
     _capturing,
     _Entry,
@@ -192,8 +191,6 @@ class ActivationOffloader:
         self._sink: list = []
         self._stash: collections.deque[_Entry] = collections.deque()
         self._stash_bytes = 0
-        self._batches: dict[tuple, Batch] = {}  # small storages waiting to be stored together
-        self._batched_bytes = 0  # their bytes (held where they are until then)
         self._failed: weakref.WeakSet[_Entry] = weakref.WeakSet()  # offloads that failed: their
         # storage stays with the entry (on the GPU) until the end of backward
         self._live: weakref.WeakSet[_Entry] = weakref.WeakSet()
@@ -214,6 +211,7 @@ class ActivationOffloader:
         self._pass_start = collections.Counter()
         self._warned_idle = False
         self._backward = Backward(self)  # unpack, prefetch and restores
+        self._batcher = Batcher(self)  # small storages stored together
 
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> ActivationOffloader:
@@ -251,7 +249,7 @@ class ActivationOffloader:
         with self._lock:
             self._depth -= 1
             if self._depth == 0:
-                self._flush_batches()
+                self._batcher.flush_all()
                 self._hooks.__exit__(*exc)
                 self._hooks = self._pass = self._owner = None
                 self._warn_if_nothing_offloaded()
@@ -323,7 +321,7 @@ class ActivationOffloader:
         """Start a new prefetch group (e.g. at each transformer block's forward)."""
         if self._pass is not None and not _in_backward():
             with self._lock:
-                self._flush_batches()
+                self._batcher.flush_all()
                 self._pass.new_group()
 
     def keep_on_gpu(self):
@@ -425,8 +423,8 @@ class ActivationOffloader:
                  else None)
         compress = codec is not None
         ff = DTYPE_FLOAT_FORMATS[t.dtype] if codec == "exp" else None
-        if compress and self._batchable(nbytes, cls):
-            return self._add_to_batch(src, esize, ff)
+        if compress and self._batcher.takes(nbytes, cls):
+            return self._batcher.add(src, esize, ff)
         entry = _Entry(self._sink, nbytes, dev, ps, len(ps.groups) - 1)
         if dev.type == "cpu":
             entry.store = self._cpu_compressed if compress else self._cpu
@@ -452,6 +450,7 @@ class ActivationOffloader:
 
     @staticmethod
     def _store_cpu(store, src: torch.Tensor, esize: int, ff: str | None):
+        """``src`` stored by a CPU store (with ``ff``: the exponent codec's pages)."""
         return store.offload(src, esize, ff) if ff else store.offload(src, esize)
 
     def _count(self, entry: _Entry, ff: str | None, tensors: int, nbytes: int) -> None:
@@ -493,72 +492,8 @@ class ActivationOffloader:
         ps = self._pass
         ps.group_bytes += nbytes
         if self.group_bytes is not None and ps.group_bytes >= self.group_bytes:
-            self._flush_batches()
+            self._batcher.flush_all()
             ps.new_group()
-
-    # ------------------------------------------------------------------------ batches
-    def _batchable(self, nbytes: int, cls: tuple) -> bool:
-        """Whether a compressed storage waits to be stored with others (``_batch``): whole
-        pages, at most half a batch, of a class the ratio policy has decided (a sample is
-        measured alone), and no bound on the count of offloads in flight (a batch is one)."""
-        return (nbytes % self.page_size == 0 and nbytes <= _batch.BATCH_BYTES // 2
-                and self.max_in_flight_tensors is None and cls in self.policy.decided)
-
-    def _add_to_batch(self, src: torch.Tensor, esize: int, ff: str | None
-                      ) -> tuple[_Entry, int]:
-        dev = src.device
-        stream = current_stream(dev) if dev.type == "cuda" else None
-        key = (dev, stream, ff, esize)
-        batch = self._batches.get(key)
-        if batch is not None and batch.nbytes + src.numel() > _batch.BATCH_BYTES:
-            self._flush(batch)
-            batch = None
-        if batch is None:
-            ps = self._pass
-            entry = _Entry(self._sink, 0, dev, ps, len(ps.groups) - 1)
-            entry.stream = stream
-            entry.store = self._paged_store(dev) if stream is not None else self._cpu_compressed
-            batch = self._batches[key] = Batch(key, entry, esize, ff)
-        entry, base = batch.entry, batch.add(src)
-        self._batched_bytes += src.numel()
-        if stream is not None and self._stash_bytes + self._batched_bytes > self._in_flight_limit():
-            self._flush(batch)  # then bounded as any offload
-        self._group_bytes_add(src.numel())
-        return entry, base
-
-    def _flush_batches(self) -> None:
-        """Store every waiting batch (at a group's or pass's end, and before anything reads
-        or waits for an entry); not while the current stream captures a CUDA graph (its
-        launches and events would go into the graph): the next flush after the capture does."""
-        if not self._batches or _capturing():
-            return
-        while self._batches:
-            self._flush(next(iter(self._batches.values())))
-
-    def _flush(self, batch: Batch) -> None:
-        del self._batches[batch.key]
-        self._batched_bytes -= batch.nbytes
-        entry, ff, members = batch.entry, batch.float_format, len(batch.parts)
-        entry.nbytes = batch.nbytes
-        try:
-            src = batch.joined()
-            if entry.stream is not None:
-                entry.stored = entry.store.offload(src, batch.element_size,
-                                                   producer=entry.stream, float_format=ff)
-            else:
-                entry.stored = self._store_cpu(entry.store, src, batch.element_size, ff)
-        except Exception as exc:  # noqa: BLE001 - the members stay where they are (unpack
-            # serves each from its own storage until the end of backward): nothing lost
-            self.counters["offload_failed"] += members
-            self._last_error = repr(exc)
-            entry.error, entry.parts = exc.with_traceback(None), batch.bases()
-            self._failed.add(entry)
-            return
-        finally:
-            batch.parts = []
-        self.counters["batched"] += members
-        self._count(entry, ff, members, entry.nbytes)
-        self._track(entry, src)
 
     def _release(self, entry: _Entry, wait: bool, keep_served: bool = False) -> None:
         """Drop the stash's hold on ``entry``'s GPU storage (its copy is done, or ``wait``).
@@ -641,7 +576,7 @@ class ActivationOffloader:
     def synchronize(self) -> None:
         """Wait until every offload started so far is stored; drop the stash's GPU storages."""
         with self._lock:
-            self._flush_batches()
+            self._batcher.flush_all()
             while self._stash:
                 self._release(self._stash.popleft(), wait=True)
             self._poll()
