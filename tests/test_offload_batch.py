@@ -307,3 +307,23 @@ def test_no_batch_is_stored_while_a_cuda_graph_is_captured(gen, monkeypatch):
     assert not off._batcher.batches  # stored when the pass ended
     loss.backward()
     _same(ref, [p.grad.clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("most", [1, 3])
+def test_a_batch_holds_at_most_max_in_flight_tensors(gen, monkeypatch, most):
+    """torchtune's ``max_fwd_stash_size`` (``max_in_flight_tensors``) bounds saved tensors, so
+    a batch is stored once it holds that many (1: every storage alone)."""
+    model, x = _model(gen, layers=4), _data(gen, 8, 1024)
+    ref = _step(model, x)
+    off = _off(max_in_flight_tensors=most)
+    sizes = []
+    real = off._batcher.flush
+
+    def spy(batch):
+        sizes.append(len(batch.parts))
+        real(batch)
+
+    monkeypatch.setattr(off._batcher, "flush", spy)
+    for _ in range(2):
+        _same(ref, _step(model, x, off))
+    assert sizes and max(sizes) <= most and (most == 1 or max(sizes) == most), sizes

@@ -93,16 +93,17 @@ class Batcher:
     def takes(self, nbytes: int, cls: tuple) -> bool:
         """Whether a compressed storage of ``nbytes`` of class ``cls`` waits to be stored with
         others: whole pages, at most half a batch, of a class the ratio policy has decided (a
-        sample is measured alone), and no bound on the count of offloads in flight (a batch is
-        one)."""
+        sample is measured alone)."""
         off = self._owner()
         return (nbytes % off.page_size == 0 and nbytes <= BATCH_BYTES // 2
-                and off.max_in_flight_tensors is None and cls in off.policy.decided)
+                and cls in off.policy.decided)
 
     def add(self, src: torch.Tensor, esize: int, ff: str | None) -> tuple[_Entry, int]:
         """Add ``src`` (``uint8 [n]``, a saved storage) to the batch of its key: ``(the
         batch's entry, src's byte offset in it)``. The batch is stored first if ``src`` would
-        overflow it, and after if the GPU bytes held pass ``max_in_flight_bytes``."""
+        overflow it, and after if the GPU bytes held pass ``max_in_flight_bytes`` or its
+        members reach ``max_in_flight_tensors`` (torchtune's ``max_fwd_stash_size``; the stash
+        counts a batch's members, not one)."""
         off = self._owner()
         dev = src.device
         stream = current_stream(dev) if dev.type == "cuda" else None
@@ -119,7 +120,9 @@ class Batcher:
             batch = self.batches[key] = Batch(key, entry, esize, ff)
         entry, base = batch.entry, batch.add(src)
         self.nbytes += src.numel()
-        if stream is not None and off._stash_bytes + self.nbytes > off._in_flight_limit():
+        most = off.max_in_flight_tensors
+        if ((most is not None and len(batch.parts) >= most) or stream is not None
+                and off._stash_bytes + self.nbytes > off._in_flight_limit()):
             self.flush(batch)  # then bounded as any offload
         off._group_bytes_add(src.numel())
         return entry, base
@@ -138,7 +141,7 @@ class Batcher:
         del self.batches[batch.key]
         self.nbytes -= batch.nbytes
         entry, ff, members = batch.entry, batch.float_format, len(batch.parts)
-        entry.nbytes = batch.nbytes
+        entry.nbytes, entry.members = batch.nbytes, members
         try:
             src = batch.joined()
             if entry.stream is not None:

@@ -97,6 +97,7 @@ class _Entry:
         self.waited = False
         self.served = False  # handed back from the stash (in place) at least once
         self.host_rec = None  # its record in the offloader's host ledger
+        self.members = 1  # saved storages it holds (a batch's, ``_batch``)
 
     def checked_stored(self):
         """``stored``, or the error of the offload that did not store it."""

@@ -97,7 +97,8 @@ class ActivationOffloader:
             scratch, and the latest group's finished ones while prefetching); past it the
             compute stream waits until the oldest has been read (copied, or compressed), a
             GPU-side wait.
-        max_in_flight_tensors: the same bound as a count of unfinished offloads (None: none).
+        max_in_flight_tensors: the same bound as a count of saved tensors whose offload is
+            unfinished, those waiting in a batch included (None: none).
         group_bytes: a new prefetch group starts once a group holds this many bytes (None: only
             at :meth:`next_group`).
         min_ratio, sample_tensors: a ``(dtype, shape)`` class stays compressed only if its first
@@ -191,6 +192,7 @@ class ActivationOffloader:
         self._sink: list = []
         self._stash: collections.deque[_Entry] = collections.deque()
         self._stash_bytes = 0
+        self._stash_tensors = 0  # saved storages the stash holds (a batch holds several)
         self._failed: weakref.WeakSet[_Entry] = weakref.WeakSet()  # offloads that failed: their
         # storage stays with the entry (on the GPU) until the end of backward
         self._live: weakref.WeakSet[_Entry] = weakref.WeakSet()
@@ -472,10 +474,11 @@ class ActivationOffloader:
             entry.src = src
             self._stash.append(entry)
             self._stash_bytes += entry.nbytes
+            self._stash_tensors += entry.members
             limit = self._in_flight_limit()
             while len(self._stash) > 1 and (
                 self._stash_bytes > limit
-                or len(self._stash) > (self.max_in_flight_tensors or len(self._stash))
+                or self._stash_tensors > (self.max_in_flight_tensors or self._stash_tensors)
             ):
                 self.counters["in_flight_waits"] += 1
                 self._release(self._stash_victim(), wait=True)
@@ -514,6 +517,7 @@ class ActivationOffloader:
                 entry.restored = entry.src  # on the compute stream already: nothing to wait for
             entry.src = None
         self._stash_bytes -= entry.nbytes
+        self._stash_tensors -= entry.members
 
     def _stash_victim(self) -> _Entry:
         """The oldest entry (its release is a GPU-side wait)."""
