@@ -19,6 +19,9 @@
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
 #                                      # (AB_ROUNDS=3: three rounds, the order alternating)
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
+#   bash bench/gpu_suite.sh batch      # batched saved tensors: their GPU tests, then memory with and
+#                                      # without batches beside uncompressed, interleaved (#21;
+#                                      # BATCH_MODELS, BATCH_ROUNDS)
 #   bash bench/gpu_suite.sh batchprobe # probe: several saved tensors stored as one slice against
 #                                      # one by one, host us a tensor (#21; BATCH_MIB, BATCH_K)
 #   bash bench/gpu_suite.sh cputhreads # the CPU path's thread scaling, C loops and python-lz4 (#25;
@@ -279,6 +282,16 @@ policy)
     timeout 540 python3 -m bench.dev_offload_policy --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
         --variants "${STOCK_VARIANTS:-uncompressed,memory}" --policies "${POLICIES:-shipped,keep,slice32,scratch1,restore32}" \
         --out "$OUT/offload_policy.json" 2>&1 | tail -n 24
+    ;;
+batch)
+    header batch | tee "$OUT/batch.txt"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_offload_batch.py \
+        tests/test_checksum.py tests/test_ledger.py -m "not slow" -rfE 2>&1 | tee -a "$OUT/batch.txt" \
+        | tail -n 6
+    timeout 400 python3 -m bench.dev_ab_steps \
+        --models "${BATCH_MODELS:-encoder-1024,resnet-64,tv-resnet50,bert-1024,gpt2-768}" \
+        --arms uncompressed,memory,memory_single --rounds "${BATCH_ROUNDS:-8}" --warmup 2 2>&1 \
+        | tee -a "$OUT/batch.txt" | grep -v "^|---"
     ;;
 lifetimes)
     # tests/test_lifetimes.py -m slow: each exit script 20 times on the CPU and the GPU, and the
