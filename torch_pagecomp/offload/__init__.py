@@ -6,8 +6,9 @@ Public surface: :class:`ActivationOffloader` (``offload_activations(**settings)`
 (a region whose saved tensors stay) and :class:`StepTuner` (``prefer="speed"``'s timing of
 compressed against copied steps). The modules behind them are private:
 
-* ``_hooks``: the offloader (pack, stash, policy, stats); ``_backward``: unpack, prefetch and
-  the end of backward; ``_entry``: passes, groups and entries;
+* ``_hooks``: the offloader (pack, stash, policy, stats); ``_batch``: small saved storages
+  stored together; ``_backward``: unpack, prefetch and the end of backward; ``_entry``:
+  passes, groups and entries;
 * ``_stores``: pinned copies, CPU stores, the per-class ratio policy; ``_paged``: compressed
   pages placed in a device-side arena of pinned host chunks;
 * ``_tune``: the step tuner; ``_wrap``: ``offload_module``.
