@@ -327,3 +327,48 @@ def test_a_batch_holds_at_most_max_in_flight_tensors(gen, monkeypatch, most):
     for _ in range(2):
         _same(ref, _step(model, x, off))
     assert sizes and max(sizes) <= most and (most == 1 or max(sizes) == most), sizes
+
+
+def test_batched_entries_restore_again_for_a_second_backward(gen):
+    """``retain_graph=True``: the end of the first backward drops every restored batch; the
+    second restores them again, bit-identical."""
+    model, x = _model(gen), _data(gen, 24, 1024)
+    ref = _step(model, x)
+    off = _off()
+    _step(model, x, off)
+    model.zero_grad(set_to_none=True)
+    with off:
+        loss = model(x)
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    _same(ref, first)
+    _same(ref, [p.grad.clone() for p in model.parameters()])
+    assert off.stats()["batched"] > 0
+
+
+def test_batches_under_activation_checkpointing(gen):
+    """Non-reentrant checkpointing saves only each block's input under the hooks (its own
+    hooks take the rest); those inputs batch and come back bit-identical."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, x = _model(gen, layers=6), _data(gen, 16, 1024)
+
+    def run(ctx):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            h = x
+            for lin in model.layers:
+                h = checkpoint(lambda t, lin=lin: torch.tanh(lin(t)) * t.sigmoid(), h,
+                               use_reentrant=False)
+            loss = h.float().square().mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = run(torch.enable_grad())
+    off = _off()
+    for _ in range(3):
+        _same(ref, run(off))
+    assert off.stats()["batched"] > 0
+    assert off.pending()["entries"] == 0
