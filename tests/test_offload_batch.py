@@ -372,3 +372,32 @@ def test_batches_under_activation_checkpointing(gen):
         _same(ref, run(off))
     assert off.stats()["batched"] > 0
     assert off.pending()["entries"] == 0
+
+
+def test_a_backward_on_another_thread_stores_the_waiting_batch(gen):
+    """A backward run by another thread while the forward's pass is still open: its first
+    unpack stores the waiting batch (under the offloader's lock), and gradients match."""
+    import threading
+
+    model, x = _model(gen), _data(gen, 24, 1024)
+    ref = _step(model, x)
+    off = _off()
+    _step(model, x, off)
+    model.zero_grad(set_to_none=True)
+    errors = []
+
+    def backward(loss):
+        try:
+            loss.backward()
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    with off:
+        loss = model(x)
+        assert off._batcher.batches
+        worker = threading.Thread(target=backward, args=(loss,))
+        worker.start()
+        worker.join()
+        assert not off._batcher.batches
+    assert not errors, errors
+    _same(ref, [p.grad.clone() for p in model.parameters()])
