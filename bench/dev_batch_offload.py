@@ -1,11 +1,13 @@
-"""Dev probe (#21): what storing several saved tensors as one slice would save the host.
+"""Dev probe (#21): what storing several saved tensors as one slice saves the host.
 
 ``python3 -m bench.dev_batch_offload [--mib 1,4,16] [--batch 1,4,16] [--rounds 20]`` (GPU;
 on the CPU the Triton interpreter runs it at toy sizes). A compressed saved tensor costs the
 activation hooks ~300-450 us more host time than a plain copy, where the driver's own part
 is ~50 us (``bench/results/h200_967571b_session41``). Most of that is paid per stored tensor:
-the store's Python around two launches and three events each way. This probe measures the
-lever before it is built: ``batch`` bf16 tensors of ``mib`` MiB each, stored and restored
+the store's Python around two launches and three events each way. This probe measured the
+lever before it was built (``offload/_batch.py`` since 85aadd2; its run:
+``bench/results/h200_0991b9a_session42/batch_offload_0991b9a.txt``): ``batch`` bf16 tensors
+of ``mib`` MiB each, stored and restored
 
 * **one by one**: ``PagedStore.offload`` of each, then ``PagedStore.restore`` of each into its
   own buffer (what the hooks do per saved tensor);
