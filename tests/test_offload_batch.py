@@ -71,6 +71,21 @@ def _model(gen, width=1024, layers=4, device="cpu", dtype=torch.float32):
     return MLP(width, layers).to(device, dtype)
 
 
+def _decided(gen, **kw):
+    """``(model, x, reference gradients, offloader)`` after one offloaded step (the classes
+    are sampled and decided: the next step batches), gradients zeroed."""
+    model, x = _model(gen), _data(gen, 24, 1024)
+    ref = _step(model, x)
+    off = _off(**kw)
+    _step(model, x, off)
+    model.zero_grad(set_to_none=True)
+    return model, x, ref, off
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_batched_gradients_are_bit_identical(gen, sync):
     model, x = _model(gen), _data(gen, 24, 1024)
@@ -139,17 +154,13 @@ def test_views_dedup_and_offsets_inside_a_batch(gen):
 
 
 def test_backward_inside_the_with_block_stores_the_waiting_batch_first(gen):
-    model, x = _model(gen), _data(gen, 24, 1024)
-    ref = _step(model, x)
-    off = _off()
-    _step(model, x, off)
-    model.zero_grad(set_to_none=True)
+    model, x, ref, off = _decided(gen)
     with off:
         loss = model(x)
         assert off._batcher.batches  # a batch waits: nothing ended it yet
         loss.backward()  # its first unpack stores it
         assert not off._batcher.batches
-    _same(ref, [p.grad.clone() for p in model.parameters()])
+    _same(ref, _grads(model))
 
 
 def test_a_kept_tensor_unpacked_first_still_prefetches_the_waiting_batch(gen):
@@ -168,7 +179,7 @@ def test_a_kept_tensor_unpacked_first_still_prefetches_the_waiting_batch(gen):
             loss = loss * scale.exp().mean()  # kept: unpacked first
         assert off._batcher.batches
         loss.backward()
-    _same(ref, [p.grad.clone() for p in model.parameters()])
+    _same(ref, _grads(model))
     st = off.stats()
     assert st.get("restored_on_demand", 0) == before and st["restored_prefetch"] > 0, st
 
@@ -205,7 +216,7 @@ def test_a_batch_that_fails_to_store_stays_in_place(gen, monkeypatch):
         loss = model(x)
     assert len(off._failed) > 0  # batches whose store failed: their members kept in place
     loss.backward()
-    _same(ref, [p.grad.clone() for p in model.parameters()])
+    _same(ref, _grads(model))
     st = off.stats()
     assert st["offload_failed"] > 0 and "no host memory" in st["last_offload_error"]
     assert st["failed"] == 0 and st["entries"] == 0  # dropped at the end of backward
@@ -292,11 +303,7 @@ def test_no_batch_is_stored_while_a_cuda_graph_is_captured(gen, monkeypatch):
     """A group that ends inside a graph capture (``offload_module``'s blocks in a captured
     forward) keeps its batch waiting: its launches and events must not go into the graph. The
     first flush after the capture stores it."""
-    model, x = _model(gen), _data(gen, 24, 1024)
-    ref = _step(model, x)
-    off = _off()
-    _step(model, x, off)
-    model.zero_grad(set_to_none=True)
+    model, x, ref, off = _decided(gen)
     with off:
         loss = model(x)
         assert off._batcher.batches
@@ -306,7 +313,7 @@ def test_no_batch_is_stored_while_a_cuda_graph_is_captured(gen, monkeypatch):
         monkeypatch.setattr(_batch, "_capturing", lambda: False)
     assert not off._batcher.batches  # stored when the pass ended
     loss.backward()
-    _same(ref, [p.grad.clone() for p in model.parameters()])
+    _same(ref, _grads(model))
 
 
 @pytest.mark.parametrize("most", [1, 3])
@@ -332,11 +339,7 @@ def test_a_batch_holds_at_most_max_in_flight_tensors(gen, monkeypatch, most):
 def test_batched_entries_restore_again_for_a_second_backward(gen):
     """``retain_graph=True``: the end of the first backward drops every restored batch; the
     second restores them again, bit-identical."""
-    model, x = _model(gen), _data(gen, 24, 1024)
-    ref = _step(model, x)
-    off = _off()
-    _step(model, x, off)
-    model.zero_grad(set_to_none=True)
+    model, x, ref, off = _decided(gen)
     with off:
         loss = model(x)
     loss.backward(retain_graph=True)
@@ -344,7 +347,7 @@ def test_batched_entries_restore_again_for_a_second_backward(gen):
     model.zero_grad(set_to_none=True)
     loss.backward()
     _same(ref, first)
-    _same(ref, [p.grad.clone() for p in model.parameters()])
+    _same(ref, _grads(model))
     assert off.stats()["batched"] > 0
 
 
@@ -379,11 +382,7 @@ def test_a_backward_on_another_thread_stores_the_waiting_batch(gen):
     unpack stores the waiting batch (under the offloader's lock), and gradients match."""
     import threading
 
-    model, x = _model(gen), _data(gen, 24, 1024)
-    ref = _step(model, x)
-    off = _off()
-    _step(model, x, off)
-    model.zero_grad(set_to_none=True)
+    model, x, ref, off = _decided(gen)
     errors = []
 
     def backward(loss):
@@ -400,4 +399,4 @@ def test_a_backward_on_another_thread_stores_the_waiting_batch(gen):
         worker.join()
         assert not off._batcher.batches
     assert not errors, errors
-    _same(ref, [p.grad.clone() for p in model.parameters()])
+    _same(ref, _grads(model))
