@@ -624,7 +624,11 @@ class ActivationOffloader:
         unpack hooks so far (prefetching restores included). Their growth over a training
         step, set against the step's time, says how much of the step is the hooks' host work:
         near all of it, the host is what the step waits for (fewer, larger saved tensors, or
-        ``prefer="speed"``, help there; a faster link or codec does not)."""
+        ``prefer="speed"``, help there; a faster link or codec does not).
+
+        ``batched``: saved storages stored as members of a batch (several small compressed
+        storages stored as one entry, ``_batch``); counted in ``offloaded_compressed`` too.
+        ``entries`` and ``stash`` count entries, a batch once."""
         out = dict(self.counters)
         for key in ("packed", "offloaded_bytes"):  # read by every user: there from the start
             out.setdefault(key, 0)
