@@ -17,7 +17,7 @@ Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memo
 saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches);
 ``memory_restore256``, ``memory_batch128``: ``memory`` with one constant changed
 (:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes). Arms measured and
-removed: the arena's spare chunks kept (``HEADROOM_CHUNKS`` 8) or pinned without waiting for
+removed: the arena's spare chunks kept (8 at least, not 2) or pinned without waiting for
 slices in flight (16): no step time gained (``bench/results/h200_0991b9a_session42``). Each
 arm's peak GPU memory over its steps, and its page-locked host memory held at the end, are
 printed too. (A ``memory_tight`` arm, the arena keeping the step's peak of placed bytes

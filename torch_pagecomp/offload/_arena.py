@@ -30,7 +30,6 @@ from ..pools import HostMemory, can_pin
 CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
-HEADROOM_CHUNKS = 2  # chunks kept past a step's peak at least (VirtualArena.shrink)
 
 
 UPLOAD_SLOTS = 1 << 16  # int64 slots of the ring of small tables kernels read (UploadRing)
@@ -473,7 +472,7 @@ class VirtualArena:
         unpins its free chunks then (``ActivationOffloader._tuned_arm``)."""
         if not self.placed_since_shrink:
             return
-        need = self.peak_backed + max(HEADROOM_CHUNKS, self.peak_backed // 16)
+        need = self.peak_backed + max(2, self.peak_backed // 16)
         self.trim(keep=max(0, need - len(self.backed)))
         self.peak_backed = len(self.backed)
         self.placed_since_shrink = False

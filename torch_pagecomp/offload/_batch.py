@@ -47,11 +47,10 @@ class Batch:
     (the ``_Entry`` every member's saved tensor holds). ``key``: ``(device, compute stream,
     float format, element size)``, what the members share."""
 
-    __slots__ = ("key", "entry", "parts", "nbytes", "element_size", "float_format")
+    __slots__ = ("key", "entry", "parts", "nbytes")
 
-    def __init__(self, key: tuple, entry, element_size: int, float_format: str | None):
+    def __init__(self, key: tuple, entry):
         self.key, self.entry = key, entry
-        self.element_size, self.float_format = element_size, float_format
         self.parts: list[torch.Tensor] = []
         self.nbytes = 0
 
@@ -117,7 +116,7 @@ class Batcher:
             entry = _Entry(off._sink, 0, dev, ps, len(ps.groups) - 1)
             entry.stream = stream
             entry.store = off._paged_store(dev) if stream is not None else off._cpu_compressed
-            batch = self.batches[key] = Batch(key, entry, esize, ff)
+            batch = self.batches[key] = Batch(key, entry)
         entry, base = batch.entry, batch.add(src)
         self.nbytes += src.numel()
         most = off.max_in_flight_tensors
@@ -140,15 +139,16 @@ class Batcher:
         off = self._owner()
         del self.batches[batch.key]
         self.nbytes -= batch.nbytes
-        entry, ff, members = batch.entry, batch.float_format, len(batch.parts)
+        entry, members = batch.entry, len(batch.parts)
+        _, _, ff, esize = batch.key
         entry.nbytes, entry.members = batch.nbytes, members
         try:
             src = batch.joined()
             if entry.stream is not None:
-                entry.stored = entry.store.offload(src, batch.element_size,
-                                                   producer=entry.stream, float_format=ff)
+                entry.stored = entry.store.offload(src, esize, producer=entry.stream,
+                                                   float_format=ff)
             else:
-                entry.stored = off._store_cpu(entry.store, src, batch.element_size, ff)
+                entry.stored = off._store_cpu(entry.store, src, esize, ff)
         except Exception as exc:  # noqa: BLE001 - the members stay where they are (unpack
             # serves each from its own storage until the end of backward): nothing lost
             off.counters["offload_failed"] += members

@@ -452,7 +452,8 @@ class ActivationOffloader:
 
     @staticmethod
     def _store_cpu(store, src: torch.Tensor, esize: int, ff: str | None):
-        """``src`` stored by a CPU store (with ``ff``: the exponent codec's pages)."""
+        """``src`` stored by a CPU store (with ``ff``: the exponent codec's pages); called
+        without ``ff`` where there is none, as stores patched in by tests take it."""
         return store.offload(src, esize, ff) if ff else store.offload(src, esize)
 
     def _count(self, entry: _Entry, ff: str | None, tensors: int, nbytes: int) -> None:
