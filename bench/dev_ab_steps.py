@@ -16,7 +16,9 @@ Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memo
 ``restore_placed`` (the path before 2026-11-29); ``memory_single``: ``memory`` with every
 saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches);
 ``memory_restore256``, ``memory_batch128``: ``memory`` with one constant changed
-(:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes). Arms measured and
+(:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes);
+``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
+storage stored once its batch closes, as before the hooks held the last groups). Arms measured and
 removed: the arena's spare chunks kept (8 at least, not 2) or pinned without waiting for
 slices in flight (16): no step time gained (``bench/results/h200_0991b9a_session42``). Each
 arm's peak GPU memory over its steps, and its page-locked host memory held at the end, are
@@ -33,7 +35,7 @@ import statistics
 import time
 
 ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_single", "memory_restore256",
-        "memory_batch128")
+        "memory_batch128", "uncompressed_nohold", "memory_nohold")
 
 
 # arms that set a package constant while their steps run: (module, name, value)
@@ -59,6 +61,16 @@ def _arm_patch(arm: str):
         finally:
             setattr(mod, name, real)
         return
+    if arm.endswith("_nohold"):  # every storage stored at once, as before the window
+        from torch_pagecomp.offload._batch import Batcher
+
+        real = Batcher.window
+        Batcher.window = property(lambda self: 0)
+        try:
+            yield
+        finally:
+            Batcher.window = real
+        return
     if arm != "memory_group":
         yield
         return
@@ -82,6 +94,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     model, x, blocks = build(name, "cuda" if cuda else "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     settings = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
+                "uncompressed_nohold": dict(mode="uncompressed"),
                 **{a: dict(prefer="memory") for a in ARMS if a.startswith("memory_")}}
     cpu = {} if cuda else dict(offload_cpu=True, min_offload_bytes=1 << 12)
     offs = {a: ActivationOffloader(**settings[a], **cpu) for a in arms if a != "none"}

@@ -82,12 +82,13 @@ MODELS = {
     "hf-llama-2048": ("hf-llama", 2048, 8, 4, 2048),
     "tv-resnet50": ("tv-resnet", 0, 0, 64, 224),
     "tv-vit-b16": ("tv-vit", 0, 0, 64, 224),
-    "encoder-tiny": ("encoder", 64, 2, 2, 32),
-    "llama-tiny": ("llama", 64, 2, 2, 32),
+    # (four blocks: the hooks hold the last two groups, a block each, for the backward)
+    "encoder-tiny": ("encoder", 64, 4, 2, 32),
+    "llama-tiny": ("llama", 64, 4, 2, 32),
     "resnet-tiny": ("resnet", 8, 1, 2, 32),
-    "gpt2-tiny": ("hf-gpt2", 64, 2, 2, 32),
-    "bert-tiny": ("hf-bert", 64, 2, 2, 32),
-    "hf-llama-tiny": ("hf-llama", 128, 2, 2, 32),
+    "gpt2-tiny": ("hf-gpt2", 64, 4, 2, 32),
+    "bert-tiny": ("hf-bert", 64, 4, 2, 32),
+    "hf-llama-tiny": ("hf-llama", 128, 4, 2, 32),
 }
 
 

@@ -92,7 +92,8 @@ EXIT_SCRIPTS = {
     "hooks_with_backward": """
         lin = torch.nn.Linear(256, 256).to(dev)
         for kw in (dict(mode="uncompressed"), dict(prefer="memory"), dict(prefer="speed")):
-            off = torch_pagecomp.offload_activations(offload_cpu=True, min_offload_bytes=0, **kw)
+            off = torch_pagecomp.offload_activations(offload_cpu=True, min_offload_bytes=0,
+                                                     group_bytes=1, **kw)  # a group a tensor
             with off:
                 loss = lin(torch.randn(512, 256, device=dev)).relu().square().sum()
             loss.backward()
@@ -102,7 +103,8 @@ EXIT_SCRIPTS = {
         lin = torch.nn.Linear(256, 256).to(dev)
         keep = []
         for kw in (dict(mode="uncompressed"), dict(prefer="memory"), dict(prefer="speed")):
-            off = torch_pagecomp.offload_activations(offload_cpu=True, min_offload_bytes=0, **kw)
+            off = torch_pagecomp.offload_activations(offload_cpu=True, min_offload_bytes=0,
+                                                     group_bytes=1, **kw)  # a group a tensor
             with off:
                 keep.append(lin(torch.randn(512, 256, device=dev)).relu().square().sum())
             assert off.stats()["offloaded_bytes"] > 0

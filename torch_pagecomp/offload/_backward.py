@@ -47,6 +47,8 @@ class Backward:
             return packed
         packed.check_version()
         if capturing:  # no side-stream work inside a CUDA graph capture
+            if packed.entry.parts is not None:  # held where it is (``_batch``)
+                return packed.view_parts(packed.entry.parts)
             if packed.entry.src is None:
                 raise RuntimeError(
                     "activation offload: a tensor offloaded to host memory was unpacked during "
@@ -55,13 +57,16 @@ class Backward:
             return packed.view(packed.entry.src.untyped_storage())
         with off._lock:
             entry = packed.entry
-            off._batcher.flush_all()  # storages waiting to be stored together: stored now
+            off._batcher.flush_unheld()
             self._watch_backward()
-            if entry.parts is not None:  # a batch that could not be stored: kept in place
-                off.counters["served_from_stash"] += 1
+            if entry.parts is not None:  # held (``_batch``), or its store failed: in place
+                held = entry.stored is None and entry.error is None
+                off.counters["served_held" if held else "served_from_stash"] += 1
+                self._prefetch_from(entry.pass_, entry.group, entry)  # the groups before it
                 return packed.view_parts(entry.parts)
             if entry.src is not None:
                 off.counters["served_from_stash"] += 1
+                self._prefetch_from(entry.pass_, entry.group, entry)
                 entry.served = True
                 storage = entry.src.untyped_storage()
                 if entry.ready() and entry in off._stash:  # its host copy is complete
@@ -99,7 +104,7 @@ class Backward:
         off = self.off
         if off.prefetch == 0:
             return
-        off._batcher.flush_all()  # a kept tensor's unpack may come first: before they're missed
+        off._batcher.flush_unheld()  # a kept tensor's unpack may come first
         polled = False
         for k in range(group, max(-1, group - off.prefetch - 1), -1):
             if ps.issued[k]:
@@ -203,6 +208,7 @@ class Backward:
             return
         with off._lock:
             self.tasks.discard(task)
+            off._batcher.flush_all()  # held storages this backward left alive: a kept graph's
             for ps in list(off._passes):
                 ps.issued = [False] * len(ps.issued)
             for e in list(off._live):

@@ -1,36 +1,51 @@
-"""Small saved storages stored together: one compressed offload for several.
+"""Saved storages held until their group leaves the backward's first reach, and small ones
+stored together: the offloader's storages between the pack hook and their store.
 
-A compressed offload costs the host about the same whatever its size: the store's two
-launches and events each way, its allocations, and the hooks' book-keeping of an entry
-(stash, ledger, group, restore). One by one, that was 110-180 us a tensor of 1-16 MiB on an
-H200 host; four tensors stored as one took 47-56 us a tensor, sixteen 14-38 us
-(``bench/results/h200_0991b9a_session42/batch_offload_0991b9a.txt``). On the stock models the
-hooks' host time per saved tensor is what a compressed step waits for (#21), so the offloader
-gathers the storages of one codec, element size and compute stream, up to
-:data:`BATCH_BYTES`, and stores them as one entry (interleaved steps, against each storage
-stored alone: ResNet-50 1.24x -> 1.10x a plain copy's step, BERT-large 1.37x -> 1.09x,
-encoder-1024 and the ResNet-style model 5-7% faster; same directory):
+**Held for the backward.** The first unpack of a backward restores the last ``prefetch + 1``
+groups of the forward at once (``_backward``), so the GPU holds those groups' bytes when the
+backward starts whether they went over the link or not. Their storages therefore stay where
+they are (:attr:`Batcher.window` groups: the current group and the ``prefetch`` before it);
+a group is stored when it falls out of that window (:meth:`Batcher.end_group`). The backward
+then reads the last groups in place: their bytes cross the link neither way, and their
+compress, pack, restore and decode are not run. Before this, every saved storage was stored at
+once and only the latest group's were kept in place: the same GPU memory when the backward
+starts, with a round trip for the group before it and a store for both. Held storages count
+against ``max_in_flight_bytes`` and ``max_in_flight_tensors`` as unfinished offloads do: past
+either the oldest are stored. A held storage whose saved tensors autograd frees (an
+intermediate of the forward, a graph dropped without a backward) is never stored. Held ones
+are stored when a new pass starts, at :meth:`~._hooks.ActivationOffloader.synchronize`, and at
+the end of a backward that left them alive (a retained graph). With ``prefetch=0`` nothing is
+held: each group is stored at its end.
 
-* each member is a storage of whole pages, so it starts at a page-aligned byte offset of the
-  batch; its saved tensor is a view of the batch's storage there (``_Packed``'s offset);
-* the batch is stored when it is full, when a prefetch group ends, when the pass ends, and
-  before any unpack or wait (:meth:`Batcher.flush_all`; not while a CUDA graph is captured):
-  one ``torch.cat`` on the
-  compute stream the members were saved on (HBM time, a small part of the link time the bytes
-  then take), after which the members' storages go back to the allocator in stream order;
+**Stored together.** A compressed offload costs the host about the same whatever its size:
+the store's two launches and events each way, its allocations, and the hooks' book-keeping of
+an entry (stash, ledger, group, restore). One by one, that was 110-180 us a tensor of 1-16 MiB
+on an H200 host; four tensors stored as one took 47-56 us a tensor, sixteen 14-38 us
+(``bench/results/h200_0991b9a_session42/batch_offload_0991b9a.txt``). So storages of one
+codec, element size and compute stream, each whole pages and at most half of
+:data:`BATCH_BYTES`, of a class the ratio policy has decided, join one batch of up to
+:data:`BATCH_BYTES`, stored as one entry (interleaved steps, against each storage stored
+alone: ResNet-50 1.24x -> 1.10x a plain copy's step, BERT-large 1.37x -> 1.09x; same
+directory). Other storages (a sample of an undecided class, a partial last page, a large one,
+a plain copy) are a batch of one.
+
+* each member starts at a page-aligned byte offset of its batch; its saved tensor is a view of
+  the batch's bytes there (``_Packed``'s offset). Until the batch is stored, the members stay
+  in ``entry.parts`` (``(byte offset, storage)`` each), and an unpack reads its member there;
+* a batch is closed when full or when its group ends, and stored when its group leaves the
+  window (not while a CUDA graph is captured): one ``torch.cat`` on the compute stream the
+  members were saved on (HBM time, a small part of the link time the bytes then take), after
+  which the members' storages go back to the allocator in stream order;
 * the batch's restore is one buffer; it lives until autograd has released every member's
   saved tensor (the members come from one group: one block's backward);
-* a batch that cannot be stored (its ``cat`` out of GPU memory, its store failing) keeps its
-  members where they are: each saved tensor is then served from its own storage until the end
-  of backward, as a single offload that fails is.
-
-Tensors of a class still being sampled by the ratio policy are stored alone (a sample's size
-is measured per stored tensor), as are storages with a partial last page and those larger
-than half a batch (one slice of their own: nothing to gain).
+* a batch that cannot be stored (its ``cat`` out of GPU memory, its store failing, a plain
+  copy with the pinned pool full) keeps its members where they are: each saved tensor is served
+  from its own storage, as a single offload that fails is.
 """
 
 from __future__ import annotations
 
+import collections
 import weakref
 
 import torch
@@ -43,107 +58,184 @@ BATCH_BYTES = 64 << 20  # the store's slice (``_paged.SLICE_BYTES``): a batch is
 
 
 class Batch:
-    """Storages (``uint8 [n_i]``, whole pages each) waiting to be stored as one ``entry``
-    (the ``_Entry`` every member's saved tensor holds). ``key``: ``(device, compute stream,
-    float format, element size)``, what the members share."""
+    """Storages (``uint8 [n_i]``) waiting to be stored as one entry (the ``_Entry`` every
+    member's saved tensor holds, reached through a weak reference: a batch whose saved tensors
+    are all freed is not stored). ``key``: ``(device, compute stream, float format, element
+    size)``, what the members share. ``alone``: ``(codec, class)`` of a storage stored alone
+    (``codec`` None: a plain copy), else None."""
 
-    __slots__ = ("key", "entry", "parts", "nbytes")
+    __slots__ = ("key", "ref", "nbytes", "members", "alone", "group")
 
-    def __init__(self, key: tuple, entry):
-        self.key, self.entry = key, entry
-        self.parts: list[torch.Tensor] = []
-        self.nbytes = 0
+    def __init__(self, key: tuple, entry: _Entry, alone: tuple | None = None):
+        self.key, self.ref, self.alone = key, weakref.ref(entry), alone
+        self.group = (weakref.ref(entry.pass_), entry.group)
+        self.nbytes = self.members = 0
 
-    def add(self, src: torch.Tensor) -> int:
-        """Append ``src``; returns its byte offset in the batch."""
+    def add(self, entry: _Entry, src: torch.Tensor) -> int:
+        """Append ``src`` to ``entry``'s parts; returns its byte offset in the batch."""
         base = self.nbytes
-        self.parts.append(src)
+        entry.parts.append((base, src))
         self.nbytes += src.numel()
+        self.members += 1
         return base
 
-    def joined(self) -> torch.Tensor:
-        """The members' bytes back to back, queued on the compute stream they were saved on
-        (the one member itself, else one ``torch.cat``). The members stay in ``parts`` (a
-        failed ``cat``, out of GPU memory, leaves them where they are)."""
-        if len(self.parts) == 1:
-            return self.parts[0]
-        with on_stream(self.entry.stream):
-            return torch.cat(self.parts)
+    def before(self, ps, group: int) -> bool:
+        """Whether the batch is of an older pass than ``ps``, or of a group before ``group``."""
+        mine, k = self.group
+        return mine() is not ps or k < group
 
-    def bases(self) -> list[tuple[int, torch.Tensor]]:
-        """``(byte offset, storage bytes)`` of each member."""
-        out, at = [], 0
-        for p in self.parts:
-            out.append((at, p))
-            at += p.numel()
-        return out
+
+def joined(entry: _Entry) -> torch.Tensor:
+    """The members' bytes back to back, queued on the compute stream they were saved on (the
+    one member itself, else one ``torch.cat``). The members stay in ``entry.parts`` (a failed
+    ``cat``, out of GPU memory, leaves them where they are)."""
+    if len(entry.parts) == 1:
+        return entry.parts[0][1]
+    with on_stream(entry.stream):
+        return torch.cat([p for _, p in entry.parts])
 
 
 class Batcher:
-    """The batches of one :class:`~._hooks.ActivationOffloader` (``offloader._batcher``): a
-    part it owns, reaching its state (pass, stores, stash, counters) through a weak reference,
-    as ``_backward.Backward`` does. Called under the offloader's lock."""
+    """The held storages and batches of one :class:`~._hooks.ActivationOffloader`
+    (``offloader._batcher``): a part it owns, reaching its state (pass, stores, stash,
+    counters) through a weak reference, as ``_backward.Backward`` does. Called under the
+    offloader's lock."""
 
     def __init__(self, offloader):
         self._owner = weakref.ref(offloader)
-        self.batches: dict[tuple, Batch] = {}  # waiting to be stored, by key
-        self.nbytes = 0  # their bytes (held where they are until then)
+        self.open: dict[tuple, Batch] = {}  # batches of the current group taking members
+        self.held: collections.deque[Batch] = collections.deque()  # closed, oldest first
+        self.members = 0  # saved storages in batches not stored (held where they are)
+        self.nbytes = 0  # their bytes on a GPU
+
+    @property
+    def window(self) -> int:
+        """Groups whose storages are held: the current one and the ``prefetch`` before it (the
+        backward's first reach), none without prefetching."""
+        prefetch = self._owner().prefetch
+        return prefetch + 1 if prefetch else 0
 
     def takes(self, nbytes: int, cls: tuple) -> bool:
-        """Whether a compressed storage of ``nbytes`` of class ``cls`` waits to be stored with
-        others: whole pages, at most half a batch, of a class the ratio policy has decided (a
-        sample is measured alone)."""
+        """Whether a compressed storage of ``nbytes`` of class ``cls`` joins a shared batch:
+        whole pages, at most half a batch, of a class the ratio policy has decided (a sample
+        is measured alone)."""
         off = self._owner()
         return (nbytes % off.page_size == 0 and nbytes <= BATCH_BYTES // 2
                 and cls in off.policy.decided)
 
-    def add(self, src: torch.Tensor, esize: int, ff: str | None) -> tuple[_Entry, int]:
-        """Add ``src`` (``uint8 [n]``, a saved storage) to the batch of its key: ``(the
-        batch's entry, src's byte offset in it)``. The batch is stored first if ``src`` would
-        overflow it, and after if the GPU bytes held pass ``max_in_flight_bytes`` or its
-        members reach ``max_in_flight_tensors`` (torchtune's ``max_fwd_stash_size``; the stash
-        counts a batch's members, not one)."""
+    def add(self, src: torch.Tensor, esize: int, ff: str | None,
+            alone: tuple | None = None) -> tuple[_Entry, int]:
+        """Hold ``src`` (``uint8 [n]``, a saved storage): in the open batch of its key, or
+        with ``alone`` (``(codec, class)``) as a batch of its own. Returns ``(the batch's
+        entry, src's byte offset in it)``. A full batch is closed first; then the oldest
+        batches are stored while the GPU bytes held pass ``max_in_flight_bytes`` or the saved
+        tensors ``max_in_flight_tensors`` (torchtune's ``max_fwd_stash_size``; the stash counts
+        a batch's members, not one)."""
         off = self._owner()
         dev = src.device
         stream = current_stream(dev) if dev.type == "cuda" else None
         key = (dev, stream, ff, esize)
-        batch = self.batches.get(key)
-        if batch is not None and batch.nbytes + src.numel() > BATCH_BYTES:
-            self.flush(batch)
+        batch = self.open.get(key) if alone is None else None
+        entry = batch.ref() if batch is not None else None
+        if batch is not None and (entry is None or batch.nbytes + src.numel() > BATCH_BYTES):
+            self._close(batch)
             batch = None
         if batch is None:
             ps = off._pass
             entry = _Entry(off._sink, 0, dev, ps, len(ps.groups) - 1)
-            entry.stream = stream
-            entry.store = off._paged_store(dev) if stream is not None else off._cpu_compressed
-            batch = self.batches[key] = Batch(key, entry)
-        entry, base = batch.entry, batch.add(src)
-        self.nbytes += src.numel()
-        most = off.max_in_flight_tensors
-        if ((most is not None and len(batch.parts) >= most) or stream is not None
-                and off._stash_bytes + self.nbytes > off._in_flight_limit()):
-            self.flush(batch)  # then bounded as any offload
+            entry.stream, entry.parts = stream, []
+            # in its group now: the group is not empty, so the next one starts a new group
+            ps.groups[entry.group].append(weakref.ref(entry))
+            entry.grouped = True
+            if alone is None:
+                entry.store = off._paged_store(dev) if stream is not None else off._cpu_compressed
+            batch = Batch(key, entry, alone)
+            if alone is None:
+                self.open[key] = batch
+            else:
+                self.held.append(batch)
+        base = batch.add(entry, src)
+        if stream is not None:
+            self.nbytes += src.numel()
+        self.members += 1
+        if self.window:
+            off.counters["held"] += 1
+        off._bound()
         off._group_bytes_add(src.numel())
         return entry, base
 
-    def flush_all(self) -> None:
-        """Store every waiting batch; not while the current stream captures a CUDA graph (its
-        launches and events would go into the graph): the next flush after the capture does."""
-        if not self.batches or _capturing():
+    def flush_oldest(self) -> None:
+        """Store the oldest batch not stored (the in-flight bounds' last resort)."""
+        self.flush(self.held[0] if self.held else next(iter(self.open.values())))
+
+    def _close(self, batch: Batch) -> None:
+        """No more members for ``batch``: held, or stored now without a window."""
+        del self.open[batch.key]
+        self.held.append(batch)
+        if not self.window and not _capturing():
+            self.flush(batch)
+
+    def end_group(self, ps) -> None:
+        """At the end of a group of pass ``ps`` (a new one started): close the open batches
+        and store those of groups outside the window."""
+        for batch in list(self.open.values()):
+            self._close(batch)
+        ps.new_group()
+        self.store_before(ps, len(ps.groups) - self.window)
+
+    def end_pass(self) -> None:
+        """At the end of a pass: close the open batches (stored now without a window)."""
+        if self.window:
+            for batch in list(self.open.values()):
+                self._close(batch)
+        else:
+            self.flush_all()
+
+    def store_before(self, ps, group: int) -> None:
+        """Store the batches of passes other than ``ps`` and of its groups before ``group``
+        (oldest first); not while a CUDA graph is captured (its launches and events would go
+        into the graph): a later store does."""
+        if _capturing():
             return
-        while self.batches:
-            self.flush(next(iter(self.batches.values())))
+        for batch in [b for b in self.held if b.before(ps, group)]:
+            self.flush(batch)
+
+    def flush_all(self) -> None:
+        """Store every batch not stored (not while a CUDA graph is captured)."""
+        if (self.open or self.held) and not _capturing():
+            for batch in list(self.open.values()):
+                self._close(batch)
+            while self.held:
+                self.flush(self.held[0])
+
+    def flush_unheld(self) -> None:
+        """Before an unpack or a prefetch: without a window, store every batch (a member
+        unpacked first is then restored with its group); with one, the batches stay and
+        their members are read in place."""
+        if not self.window:
+            self.flush_all()
 
     def flush(self, batch: Batch) -> None:
-        """Store ``batch`` as one entry; if that fails, keep its members in place."""
+        """Store ``batch`` as one entry (nothing if its saved tensors are all freed); if that
+        fails, keep its members in place."""
         off = self._owner()
-        del self.batches[batch.key]
-        self.nbytes -= batch.nbytes
-        entry, members = batch.entry, len(batch.parts)
+        if self.open.get(batch.key) is batch:
+            del self.open[batch.key]
+        else:
+            self.held.remove(batch)
+        if batch.key[1] is not None:  # a compute stream: GPU bytes
+            self.nbytes -= batch.nbytes
+        self.members -= batch.members
+        entry = batch.ref()
+        if entry is None:
+            return
+        if batch.alone is not None:
+            off._store_alone(entry, batch.key[3], batch.key[2], *batch.alone)
+            return
         _, _, ff, esize = batch.key
-        entry.nbytes, entry.members = batch.nbytes, members
+        entry.nbytes, entry.members = batch.nbytes, batch.members
         try:
-            src = batch.joined()
+            src = joined(entry)
             if entry.stream is not None:
                 entry.stored = entry.store.offload(src, esize, producer=entry.stream,
                                                    float_format=ff)
@@ -151,13 +243,12 @@ class Batcher:
                 entry.stored = off._store_cpu(entry.store, src, esize, ff)
         except Exception as exc:  # noqa: BLE001 - the members stay where they are (unpack
             # serves each from its own storage until the end of backward): nothing lost
-            off.counters["offload_failed"] += members
+            off.counters["offload_failed"] += batch.members
             off._last_error = repr(exc)
-            entry.error, entry.parts = exc.with_traceback(None), batch.bases()
+            entry.error = exc.with_traceback(None)
             off._failed.add(entry)
             return
-        finally:
-            batch.parts = []
-        off.counters["batched"] += members
-        off._count(entry, ff, members, entry.nbytes)
+        entry.parts = None
+        off.counters["batched"] += batch.members
+        off._count(entry, ff, batch.members, entry.nbytes)
         off._track(entry, src)

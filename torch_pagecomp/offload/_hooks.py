@@ -12,12 +12,14 @@ offsets, so gradients are bit-identical):
   (``_paged``), or (``mode="uncompressed"``, or a ``(dtype, shape)`` class whose
   sampled ratio is below ``min_ratio``, or a pass where ``prefer="speed"``'s step tuner found
   copying faster: ``_tune``) a copy into exact-size pooled pinned memory on a side
-  stream. The GPU storage stays in a stash until its bytes are in host memory (a backward
-  that comes first reads it in place, with no round trip over the link), and with prefetching
-  the latest group's until a later group starts (``_tail_group``); past
-  ``max_in_flight_bytes`` the compute stream waits until the oldest has been read (copied, or
-  compressed: a GPU-side wait) and it is dropped. Compressed storages of whole pages, up to
-  half of ``_batch.BATCH_BYTES``, of a class the ratio policy has decided, wait to be stored
+  stream. With prefetching, a storage is held where it is until its group leaves the last
+  ``prefetch + 1`` groups (``_batch``): the backward's first prefetch would bring those back at
+  once, so it reads them in place and their bytes never cross the link. The GPU storage of a
+  started offload stays in a stash until its bytes are in host memory (a backward that comes
+  first reads it in place, with no round trip over the link); past ``max_in_flight_bytes``
+  (held storages included) the compute stream waits until the oldest has been read (copied,
+  or compressed: a GPU-side wait) and it is dropped. Compressed storages of whole pages, up to
+  half of ``_batch.BATCH_BYTES``, of a class the ratio policy has decided, are stored
   together, one entry per batch (``_batch``): a compressed offload costs the host about the
   same whatever its size.
 * groups: a pass (one outermost ``with``) is cut into groups at every :meth:`next_group` (each
@@ -89,16 +91,17 @@ class ActivationOffloader:
             decodes once per codec. ``stats()`` counts the storages each codec stored
             (``compressed_exp`` / ``compressed_lz4`` and their ``_bytes``). With
             ``offload_cpu``, CPU tensors follow the same choice.
-        prefetch: the first unpack in group ``k`` restores groups ``k .. k - prefetch``, and
-            the first unpack of a backward the last ``prefetch + 1`` groups of the latest
-            forward (0: each tensor on demand when unpacked).
+        prefetch: the first unpack in group ``k`` restores groups ``k .. k - prefetch``. The
+            last ``prefetch + 1`` groups of a forward, which the backward needs first, are
+            held on the GPU and read there: a group is stored only once it leaves that window
+            (0: nothing held, each tensor restored on demand when unpacked).
         min_offload_bytes: storages smaller than this stay where they are.
-        max_in_flight_bytes: GPU bytes kept alive by unfinished offloads (with the compressors'
-            scratch, and the latest group's finished ones while prefetching); past it the
+        max_in_flight_bytes: GPU bytes kept alive by unfinished offloads and held storages
+            (with the compressors' scratch); past it the oldest held are stored and the
             compute stream waits until the oldest has been read (copied, or compressed), a
             GPU-side wait.
         max_in_flight_tensors: the same bound as a count of saved tensors whose offload is
-            unfinished, those waiting in a batch included (None: none).
+            unfinished, those held or waiting in a batch included (None: none).
         group_bytes: a new prefetch group starts once a group holds this many bytes (None: only
             at :meth:`next_group`).
         min_ratio, sample_tensors: a ``(dtype, shape)`` class stays compressed only if its first
@@ -193,6 +196,7 @@ class ActivationOffloader:
         self._stash: collections.deque[_Entry] = collections.deque()
         self._stash_bytes = 0
         self._stash_tensors = 0  # saved storages the stash holds (a batch holds several)
+        self._bounding = False  # in _bound (a store it starts tracks its entry)
         self._failed: weakref.WeakSet[_Entry] = weakref.WeakSet()  # offloads that failed: their
         # storage stays with the entry (on the GPU) until the end of backward
         self._live: weakref.WeakSet[_Entry] = weakref.WeakSet()
@@ -228,6 +232,7 @@ class ActivationOffloader:
                     "offloader per thread that runs forwards (backward may run anywhere)")
             if self._depth == 0:
                 self._owner = me
+                self._batcher.flush_all()  # the storages an earlier pass held: stored now
                 arm = self._tuned_arm()
                 self._pass = _Pass(compress=arm == "compress")
                 self._passes.add(self._pass)
@@ -251,7 +256,7 @@ class ActivationOffloader:
         with self._lock:
             self._depth -= 1
             if self._depth == 0:
-                self._batcher.flush_all()
+                self._batcher.end_pass()
                 self._hooks.__exit__(*exc)
                 self._hooks = self._pass = self._owner = None
                 self._warn_if_nothing_offloaded()
@@ -277,6 +282,11 @@ class ActivationOffloader:
                        f"(latest: {self._last_error})")
         kept = {k[5:]: v for k, v in delta.items()
                 if k.startswith("kept_") and k not in ("kept_cpu", "kept_small")}
+        if delta["held"]:
+            why.append(f"{delta['held']} were held on the GPU: they are in the last "
+                       f"prefetch + 1 = {self.prefetch + 1} groups, which the backward would "
+                       "bring back at its start (start a group per block with next_group(), "
+                       "as offload_module does, or pass a smaller group_bytes)")
         if kept:
             why.append(f"others were kept: {kept}")
         warnings.warn(
@@ -323,8 +333,7 @@ class ActivationOffloader:
         """Start a new prefetch group (e.g. at each transformer block's forward)."""
         if self._pass is not None and not _in_backward():
             with self._lock:
-                self._batcher.flush_all()
-                self._pass.new_group()
+                self._batcher.end_group(self._pass)
 
     def keep_on_gpu(self):
         """Same as the module-level :func:`keep_on_gpu`."""
@@ -427,28 +436,58 @@ class ActivationOffloader:
         ff = DTYPE_FLOAT_FORMATS[t.dtype] if codec == "exp" else None
         if compress and self._batcher.takes(nbytes, cls):
             return self._batcher.add(src, esize, ff)
+        if self._batcher.window:  # held until its group leaves the backward's first reach
+            return self._batcher.add(src, esize, ff, alone=(codec, cls))
         entry = _Entry(self._sink, nbytes, dev, ps, len(ps.groups) - 1)
-        if dev.type == "cpu":
-            entry.store = self._cpu_compressed if compress else self._cpu
-            entry.stored = self._store_cpu(entry.store, src, esize, ff)
-        elif compress:
-            entry.store, entry.stream = self._paged_store(dev), current_stream(dev)
-            entry.stored = entry.store.offload(src, esize, producer=entry.stream,
-                                               float_format=ff)
-        else:
-            side, entry.stream = self._stream(dev, "d2h"), current_stream(dev)
-            with on_stream(side):
-                handoff(entry.stream, side)
-                entry.stored = self._pinned.offload(src, esize)
-            if entry.stored is None:
-                return None
-            entry.store = self._pinned
+        if not self._store_alone(entry, esize, ff, codec, cls, src):
+            return None
+        self._group_bytes_add(nbytes)
+        return entry, 0
+
+    def _store_alone(self, entry: _Entry, esize: int, ff: str | None, codec: str | None,
+                     cls: tuple, src: torch.Tensor | None = None) -> bool:
+        """Store one saved storage as ``entry``: ``src``, else the one member ``entry`` holds
+        (``_batch``), with ``codec`` (None: a plain copy). False where the pinned pool is full;
+        a held member then stays where it is, as a failed store leaves it."""
+        held = src is None
+        if held:
+            src = entry.parts[0][1]
+        nbytes, dev = src.numel(), src.device
+        entry.nbytes = nbytes
+        compress = codec is not None
+        try:
+            if dev.type == "cpu":
+                entry.store = self._cpu_compressed if compress else self._cpu
+                entry.stored = self._store_cpu(entry.store, src, esize, ff)
+            elif compress:
+                entry.store = self._paged_store(dev)
+                entry.stream = entry.stream or current_stream(dev)
+                entry.stored = entry.store.offload(src, esize, producer=entry.stream,
+                                                   float_format=ff)
+            else:
+                side, entry.stream = self._stream(dev, "d2h"), entry.stream or current_stream(dev)
+                with on_stream(side):
+                    handoff(entry.stream, side)
+                    entry.stored = self._pinned.offload(src, esize)
+                if entry.stored is None:
+                    if held:
+                        self.counters["kept_host_full"] += 1
+                    return False
+                entry.store = self._pinned
+        except Exception as exc:  # noqa: BLE001 - at pack time the hook keeps the tensor
+            if not held:
+                raise
+            self.counters["offload_failed"] += 1
+            self._last_error = repr(exc)
+            entry.error = exc.with_traceback(None)
+            self._failed.add(entry)
+            return False
+        entry.parts = None
         if compress:
             self.policy.sample(cls, entry.stored, codec)
         self._count(entry, ff, 1, nbytes)
         self._track(entry, src)
-        self._group_bytes_add(nbytes)
-        return entry, 0
+        return True
 
     @staticmethod
     def _store_cpu(store, src: torch.Tensor, esize: int, ff: str | None):
@@ -476,16 +515,36 @@ class ActivationOffloader:
             self._stash.append(entry)
             self._stash_bytes += entry.nbytes
             self._stash_tensors += entry.members
-            limit = self._in_flight_limit()
-            while len(self._stash) > 1 and (
-                self._stash_bytes > limit
-                or self._stash_tensors > (self.max_in_flight_tensors or self._stash_tensors)
-            ):
-                self.counters["in_flight_waits"] += 1
-                self._release(self._stash_victim(), wait=True)
+            self._bound()
         entry.host_rec = self._ledger.add(entry.stored, entry.nbytes)
         self._live.add(entry)
-        entry.pass_.groups[entry.group].append(weakref.ref(entry))
+        if not entry.grouped:
+            entry.pass_.groups[entry.group].append(weakref.ref(entry))
+
+    def _bound(self) -> None:
+        """Keep the GPU bytes of unfinished offloads and held storages (``_batch``) within
+        ``max_in_flight_bytes``, the oldest first: a stashed storage is older than a held
+        one, so the compute stream waits for it to be read (a GPU-side wait; the newest is
+        kept, as waiting for the copy just queued would end the overlap), then the oldest held
+        one is stored. ``max_in_flight_tensors`` bounds the stash's saved tensors, and those
+        held (stored once they reach it)."""
+        if self._bounding:  # a store below tracks its entry: bounded by this loop
+            return
+        self._bounding = True
+        try:
+            held, most, limit = self._batcher, self.max_in_flight_tensors, self._in_flight_limit()
+            while True:
+                over = self._stash_bytes + held.nbytes > limit
+                if len(self._stash) > 1 and (
+                        over or most is not None and self._stash_tensors > most):
+                    self.counters["in_flight_waits"] += 1
+                    self._release(self._stash_victim(), wait=True)
+                elif held.members and (over or most is not None and held.members >= most):
+                    held.flush_oldest()
+                else:
+                    break
+        finally:
+            self._bounding = False
 
     def _in_flight_limit(self) -> int:
         """GPU bytes the stash may hold: the compressors' scratch counts against the same
@@ -496,8 +555,7 @@ class ActivationOffloader:
         ps = self._pass
         ps.group_bytes += nbytes
         if self.group_bytes is not None and ps.group_bytes >= self.group_bytes:
-            self._batcher.flush_all()
-            ps.new_group()
+            self._batcher.end_group(ps)
 
     def _release(self, entry: _Entry, wait: bool, keep_served: bool = False) -> None:
         """Drop the stash's hold on ``entry``'s GPU storage (its copy is done, or ``wait``).
@@ -532,11 +590,7 @@ class ActivationOffloader:
         for store in self._paged.values():  # first: a confirmed slice needs no event query
             store.poll()
         backward = _in_backward()
-        tail = None if backward else self._tail_group()
         while self._stash and self._stash[0].ready() and (self._stash[0].served or not backward):
-            head = self._stash[0]
-            if tail is not None and head.pass_ is tail[0] and head.group == tail[1]:
-                break  # the latest group's: kept for the coming backward (see _tail_group)
             self._release(self._stash.popleft(), wait=False, keep_served=backward)
         self.policy.poll()
         while self._sink:
@@ -546,21 +600,6 @@ class ActivationOffloader:
             if stored is not None:
                 store.free(stored)
         self._ledger.settle()  # sizes the kernels placed since
-
-
-    def _tail_group(self) -> tuple[_Pass, int] | None:
-        """``(pass, group)``: the latest pass's latest group that holds tensors, whose
-        finished offloads stay in the stash (on the GPU) until a later group starts; None
-        without prefetching. A backward that follows brings that group back first, all at
-        once (``Backward._prefetch_tail``): its storages would only cross the link twice and
-        stall the backward's start, for no lower peak (the restored copies take the same
-        memory when the backward starts). Under ``max_in_flight_bytes`` like any unfinished
-        offload."""
-        ps = self._last_pass() if self._last_pass is not None and self.prefetch else None
-        if ps is None:
-            return None
-        last = len(ps.groups) - 1
-        return ps, (last if ps.groups[last] or last == 0 else last - 1)
 
     # ------------------------------------------------------------------------ helpers
     def _stream(self, dev: torch.device, name: str) -> torch.cuda.Stream:
@@ -629,7 +668,10 @@ class ActivationOffloader:
 
         ``batched``: saved storages stored as members of a batch (several small compressed
         storages stored as one entry, ``_batch``); counted in ``offloaded_compressed`` too.
-        ``entries`` and ``stash`` count entries, a batch once."""
+        ``held``: saved storages held where they were at first (with prefetching, every one
+        offloaded; those of the last ``prefetch + 1`` groups are never stored), and
+        ``served_held`` the unpacks that read one in place. ``entries`` and ``stash`` count
+        stored entries, a batch once."""
         out = dict(self.counters)
         for key in ("packed", "offloaded_bytes"):  # read by every user: there from the start
             out.setdefault(key, 0)

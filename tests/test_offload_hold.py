@@ -1,0 +1,192 @@
+"""The last ``prefetch + 1`` groups of a forward held where they are (``offload._batch``):
+read in place by the backward, stored when they leave the window, never stored when their
+saved tensors are freed first, stored for a kept graph, and bounded like offloads in flight.
+
+CPU tests run the hooks on CPU tensors (``offload_cpu=True``), where holding works as on the
+GPU; the GPU test runs the compressed store on CUDA. Every run draws fresh weights and inputs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.test_offload_batch import MLP, P, _data, _same, _step
+from torch_pagecomp.offload import ActivationOffloader
+from torch_pagecomp.offload._entry import _in_backward
+
+CUDA = torch.cuda.is_available()
+ROWS, WIDTH = 24, 1024  # 96 KiB a saved fp32 storage: with group_bytes below, a group each
+
+
+def _model(gen, layers=4, device="cpu", dtype=torch.float32):
+    torch.manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
+    return MLP(WIDTH, layers).to(device, dtype)
+
+
+def _off(**kw) -> ActivationOffloader:
+    kw.setdefault("offload_cpu", True)
+    kw.setdefault("min_offload_bytes", P)
+    kw.setdefault("group_bytes", ROWS * WIDTH * 4)
+    kw.setdefault("min_ratio", 0.0)
+    kw.setdefault("sample_tensors", 1)
+    return ActivationOffloader(prefer="memory", **kw)
+
+
+def _waiting(off) -> int:
+    return off._batcher.members
+
+
+def test_the_last_groups_are_held_and_read_in_place(gen):
+    model, x = _model(gen), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    off = _off()
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with off:
+            loss = model(x)
+        ps = off._last_pass()
+        last = len(ps.groups) - 1
+        held = list(off._batcher.held) + list(off._batcher.open.values())
+        assert held and last > 2
+        assert all(b.group[1] >= last - off.prefetch for b in held)  # the window only
+        assert all(e().stored is not None for k in range(last - 1) for e in ps.groups[k]
+                   if e() is not None)  # every group before it stored
+        loss.backward()
+        _same(ref, [p.grad for p in model.parameters()])
+        assert not _waiting(off)
+    st = off.stats()
+    assert st["served_held"] > 0 and st["offloaded_bytes"] > 0, st
+    assert st["restored_prefetch"] > 0 and "restored_on_demand" not in st, st
+    assert st["entries"] == 0 and st["host_bytes"] == 0
+
+
+def test_held_storages_whose_graph_is_dropped_are_never_stored(gen):
+    model, x = _model(gen), _data(gen, ROWS, WIDTH)
+    off = _off()
+    _step(model, x, off)  # classes decided
+    with off:
+        loss = model(x)
+    waiting, stored = _waiting(off), off.stats()["offloaded_bytes"]
+    assert waiting > 0
+    del loss  # the graph, and with it every held storage's saved tensors
+    with off:  # a new pass stores what an earlier one held: nothing is alive
+        pass
+    assert not _waiting(off)
+    assert off.stats()["offloaded_bytes"] == stored
+    assert off.pending()["entries"] == 0
+
+
+def test_a_kept_graph_stores_its_held_storages_for_the_second_backward(gen):
+    model, x = _model(gen), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    off = _off()
+    _step(model, x, off)
+    model.zero_grad(set_to_none=True)
+    with off:
+        loss = model(x)
+    served = off.stats().get("served_held", 0)
+    stored = off.stats()["offloaded_bytes"]
+    loss.backward(retain_graph=True)  # read in place, then stored at the end of backward
+    _same(ref, [p.grad.clone() for p in model.parameters()])
+    st = off.stats()
+    assert st["served_held"] > served and st["offloaded_bytes"] > stored
+    assert not _waiting(off)
+    model.zero_grad(set_to_none=True)
+    loss.backward()  # restored from host memory
+    _same(ref, [p.grad for p in model.parameters()])
+    del loss
+    assert off.pending()["entries"] == 0
+
+
+def test_synchronize_stores_every_held_storage(gen):
+    model, x = _model(gen), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    off = _off()
+    _step(model, x, off)
+    model.zero_grad(set_to_none=True)
+    served = off.stats()["served_held"]
+    with off:
+        loss = model(x)
+    assert _waiting(off)
+    off.synchronize()
+    assert not _waiting(off) and off.pending()["stash"] == 0
+    loss.backward()
+    _same(ref, [p.grad for p in model.parameters()])
+    assert off.stats()["served_held"] == served  # all came back from host memory
+
+
+@pytest.mark.parametrize("most", [1, 3])
+def test_held_storages_count_against_max_in_flight_tensors(gen, most):
+    model, x = _model(gen), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    off = _off(max_in_flight_tensors=most)
+    seen = []
+    real = off._batcher.add
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        seen.append(_waiting(off))
+        return out
+
+    off._batcher.add = spy
+    for _ in range(2):
+        _same(ref, _step(model, x, off))
+    assert seen and max(seen) < most, seen
+
+
+def test_prefetch_zero_holds_nothing(gen):
+    model, x = _model(gen), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    off = _off(prefetch=0)
+    _same(ref, _step(model, x, off))
+    st = off.stats()
+    assert "held" not in st and "served_held" not in st and st["offloaded_bytes"] > 0
+
+
+def test_one_group_held_whole_warns_once_saying_why(gen):
+    model, x = _model(gen), _data(gen, ROWS, WIDTH)
+    off = _off(group_bytes=None)  # one group: all of it within the window
+    with pytest.warns(UserWarning, match="held on the GPU: they are in the last"):
+        _step(model, x, off)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(model, x, off)  # once per offloader
+    assert off.stats()["offloaded_bytes"] == 0
+
+
+def test_a_backward_inside_the_pass_reads_the_open_batch_in_place(gen):
+    """A backward run inside the ``with`` (the pass still open): the current group's batch,
+    still taking members, is read in place, and groups ended in backward are not groups."""
+    model, x = _model(gen), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    off = _off()
+    _step(model, x, off)
+    model.zero_grad(set_to_none=True)
+    with off:
+        loss = model(x)
+        assert off._batcher.open or off._batcher.held
+        loss.backward()
+        assert not _in_backward()
+    _same(ref, [p.grad for p in model.parameters()])
+    assert not _waiting(off)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["compressed", "uncompressed"])
+def test_gpu_held_groups_are_read_in_place_with_identical_grads(gen, mode):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model(gen, layers=6, device="cuda", dtype=torch.bfloat16)
+    x = _data(gen, 512, WIDTH, "cuda", torch.bfloat16)
+    ref = _step(model, x)
+    off = ActivationOffloader(mode=mode, prefer="memory", min_offload_bytes=P,
+                              group_bytes=512 * WIDTH * 2, min_ratio=0.0, sample_tensors=1)
+    for sync in (False, True, False):
+        _same(ref, _step(model, x, off, off if sync else None))
+    st = off.stats()
+    assert st["served_held"] > 0 and st["offloaded_bytes"] > 0, st
+    torch.cuda.synchronize()
+    assert off.pending()["entries"] == 0 and off.pending()["stash"] == 0
+    assert not _waiting(off)
