@@ -714,7 +714,8 @@ def test_gpu_backward_reads_unfinished_offloads_in_place(seed, mode, monkeypatch
     # would outlast the delay below, and the copies would be done before backward starts
     _race_step(gpu_offloader(mode, min_offload_bytes=0, prefer="memory", min_ratio=0.0), x)
     torch.cuda.synchronize()
-    off = gpu_offloader(mode, min_offload_bytes=0, prefer="memory", min_ratio=0.0)
+    # prefetch=0: nothing held for the backward (test_gpu_last_groups_stay_on_the_gpu...)
+    off = gpu_offloader(mode, min_offload_bytes=0, prefer="memory", min_ratio=0.0, prefetch=0)
     _delay_side_streams(monkeypatch, off, 400_000_000)  # the copies outlast the forward
     x.grad = None
     with off:
@@ -968,7 +969,7 @@ def test_a_tensor_saved_twice_is_not_restored_again_after_its_first_unpack(mode,
     ready = _Entry.ready
     monkeypatch.setattr(_Entry, "ready", lambda self: not in_flight[0] and ready(self))
     off = ActivationOffloader(mode=mode, prefer="memory", min_offload_bytes=0,
-                              max_in_flight_bytes=1 << 40)
+                              max_in_flight_bytes=1 << 40, prefetch=0)  # stored, not held
     with off:
         y = x * 1.5
         z = (y * y).sum()
@@ -1042,30 +1043,35 @@ def test_gpu_checksums_grads_identical_and_corruption_raises(seed):
 @needs_cuda
 @pytest.mark.parametrize("prefetch", [1, 0])
 @pytest.mark.parametrize("mode", MODES)
-def test_gpu_latest_group_stays_on_the_gpu_for_the_backward(seed, mode, prefetch):
-    """With prefetching, the latest group's finished offloads stay in the stash: the backward
-    would bring that group back first, all at once, so it is served in place instead; an
-    earlier group is released once its offload finishes and comes back by prefetch. Without
-    prefetching nothing finished is kept."""
+def test_gpu_last_groups_stay_on_the_gpu_for_the_backward(seed, mode, prefetch):
+    """With prefetching, the last ``prefetch + 1`` groups are held where they are: the
+    backward would bring them back first, all at once, so it reads them in place and they are
+    never stored; an earlier group is stored once it leaves that window and comes back by
+    prefetch. Without prefetching every group is stored and restored on demand."""
     x = torch.randn(1 << 20, device="cuda", requires_grad=True)
-    want = torch.autograd.grad(torch.sin(torch.sin(x * 3.0) * 5.0).sum(), x)[0]
+    want = torch.autograd.grad(torch.sin(torch.sin(torch.sin(x * 3.0) * 5.0) * 7.0).sum(),
+                               x)[0]
     off = gpu_offloader(mode, min_offload_bytes=0, prefer="memory", min_ratio=0.0,
                         prefetch=prefetch)
     with off:
         a = torch.sin(x * 3.0)  # group 0 saves x * 3
         off.next_group()
-        y = torch.sin(a * 5.0).sum()  # group 1 saves a * 5
-    torch.cuda.synchronize()  # both offloads are done
-    assert off.pending()["stash"] == (1 if prefetch else 0)
+        b = torch.sin(a * 5.0)  # group 1 saves a * 5
+        off.next_group()
+        y = torch.sin(b * 7.0).sum()  # group 2 saves b * 7
+    torch.cuda.synchronize()  # the offloads started are done
+    st = off.stats()
+    assert st["offloaded_bytes"] == (1 if prefetch else 3) * 4 * (1 << 20), st
     got = torch.autograd.grad(y, x)[0]
     torch.cuda.synchronize()
     assert torch.equal(got, want)
     st = off.stats()
     if prefetch:
-        assert st["served_from_stash"] == 1 and st["restored_prefetch"] == 1, st
+        assert st["served_held"] == 2 and st["restored_prefetch"] == 1, st
+        assert "restored_on_demand" not in st, st
     else:
-        assert "served_from_stash" not in st and st["restored_on_demand"] == 2, st
-    del a, y
+        assert "served_held" not in st and st["restored_on_demand"] == 3, st
+    del a, b, y
     assert_clean(off)
 
 
@@ -1076,7 +1082,7 @@ def test_gpu_pinned_copies_of_a_size_no_longer_saved_are_let_go(seed):
     holding them for the offloader's life."""
     from torch_pagecomp.pools import HOST_PAGE, round_up
 
-    off = gpu_offloader("uncompressed", min_offload_bytes=0)
+    off = gpu_offloader("uncompressed", min_offload_bytes=0, prefetch=0)  # every step copies
     for n in (1 << 20, 1 << 20, 3 << 19):  # the last step saves another size
         x = torch.randn(n, device="cuda", requires_grad=True)
         with off:
