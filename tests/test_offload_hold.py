@@ -50,13 +50,13 @@ def test_the_last_groups_are_held_and_read_in_place(gen):
         ps = off._last_pass()
         last = len(ps.groups) - 1
         held = list(off._batcher.held) + list(off._batcher.open.values())
-        assert held and last > 2
+        assert held and last > 2 and off.pending()["holding"] == sum(b.members for b in held)
         assert all(b.group[1] >= last - off.prefetch for b in held)  # the window only
         assert all(e().stored is not None for k in range(last - 1) for e in ps.groups[k]
                    if e() is not None)  # every group before it stored
         loss.backward()
         _same(ref, [p.grad for p in model.parameters()])
-        assert not _waiting(off)
+        assert not _waiting(off) and off.pending()["holding"] == 0
     st = off.stats()
     assert st["served_held"] > 0 and st["offloaded_bytes"] > 0, st
     assert st["restored_prefetch"] > 0 and "restored_on_demand" not in st, st
@@ -72,6 +72,7 @@ def test_held_storages_whose_graph_is_dropped_are_never_stored(gen):
     waiting, stored = _waiting(off), off.stats()["offloaded_bytes"]
     assert waiting > 0
     del loss  # the graph, and with it every held storage's saved tensors
+    assert off.pending()["holding"] == 0  # dropped at their store
     with off:  # a new pass stores what an earlier one held: nothing is alive
         pass
     assert not _waiting(off)
@@ -172,6 +173,34 @@ def test_a_backward_inside_the_pass_reads_the_open_batch_in_place(gen):
         assert not _in_backward()
     _same(ref, [p.grad for p in model.parameters()])
     assert not _waiting(off)
+
+
+def test_held_groups_under_activation_checkpointing(gen):
+    """Non-reentrant checkpointing saves each block's input under the hooks; the last two
+    blocks' inputs are held and read in place, the others stored and restored, and a
+    checkpoint's recompute inside the backward saves nothing that outlives it."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, x = _model(gen, layers=6), _data(gen, ROWS, WIDTH)
+
+    def run(ctx):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            h = x
+            for lin in model.layers:
+                h = checkpoint(lambda t, lin=lin: torch.tanh(lin(t)) * t.sigmoid(), h,
+                               use_reentrant=False)
+            loss = h.float().square().mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = run(torch.enable_grad())
+    off = _off()
+    for _ in range(3):
+        _same(ref, run(off))
+    st = off.stats()
+    assert st["served_held"] > 0 and st["offloaded_bytes"] > 0, st
+    assert off.pending()["entries"] == 0 and off.pending()["holding"] == 0
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -164,6 +164,12 @@ class Batcher:
         off._group_bytes_add(src.numel())
         return entry, base
 
+    def live(self) -> int:
+        """Saved storages held whose saved tensors are alive (a batch whose are all freed is
+        dropped at its store)."""
+        batches = (*self.held, *self.open.values())
+        return sum(b.members for b in batches if b.ref() is not None)
+
     def flush_oldest(self) -> None:
         """Store the oldest batch not stored (the in-flight bounds' last resort)."""
         self.flush(self.held[0] if self.held else next(iter(self.open.values())))

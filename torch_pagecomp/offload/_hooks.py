@@ -650,6 +650,7 @@ class ActivationOffloader:
                 "entries": len(live),
                 "stash": len(self._stash),
                 "stash_bytes": self._stash_bytes,
+                "holding": self._batcher.live(),  # storages held now (``held``: so far)
                 "failed": len(self._failed),
                 "restored": sum(e.restored is not None for e in live),
                 "host_bytes": self.host_bytes(),
@@ -670,8 +671,8 @@ class ActivationOffloader:
         storages stored as one entry, ``_batch``); counted in ``offloaded_compressed`` too.
         ``held``: saved storages held where they were at first (with prefetching, every one
         offloaded; those of the last ``prefetch + 1`` groups are never stored), and
-        ``served_held`` the unpacks that read one in place. ``entries`` and ``stash`` count
-        stored entries, a batch once."""
+        ``served_held`` the unpacks that read one in place; ``holding`` (of :meth:`pending`)
+        those held now. ``entries`` and ``stash`` count stored entries, a batch once."""
         out = dict(self.counters)
         for key in ("packed", "offloaded_bytes"):  # read by every user: there from the start
             out.setdefault(key, 0)
