@@ -363,28 +363,30 @@ def test_batched_entries_restore_again_for_a_second_backward(gen):
     assert off.stats()["batched"] > 0
 
 
+def checkpointed_step(model, x, ctx) -> list[torch.Tensor]:
+    """One step of ``model``'s layers each under non-reentrant checkpointing, the forward
+    inside ``ctx``; the gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    model.zero_grad(set_to_none=True)
+    with ctx:
+        h = x
+        for lin in model.layers:
+            h = checkpoint(lambda t, lin=lin: torch.tanh(lin(t)) * t.sigmoid(), h,
+                           use_reentrant=False)
+        loss = h.float().square().mean()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
 def test_batches_under_activation_checkpointing(gen):
     """Non-reentrant checkpointing saves only each block's input under the hooks (its own
     hooks take the rest); those inputs batch and come back bit-identical."""
-    from torch.utils.checkpoint import checkpoint
-
     model, x = _model(gen, layers=6), _data(gen, 16, 1024)
-
-    def run(ctx):
-        model.zero_grad(set_to_none=True)
-        with ctx:
-            h = x
-            for lin in model.layers:
-                h = checkpoint(lambda t, lin=lin: torch.tanh(lin(t)) * t.sigmoid(), h,
-                               use_reentrant=False)
-            loss = h.float().square().mean()
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    ref = run(torch.enable_grad())
+    ref = checkpointed_step(model, x, torch.enable_grad())
     off = _off()
     for _ in range(3):
-        _same(ref, run(off))
+        _same(ref, checkpointed_step(model, x, off))
     assert off.stats()["batched"] > 0
     assert off.pending()["entries"] == 0
 

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from tests.test_offload_batch import MLP, P, _data, _same, _step
+from tests.test_offload_batch import MLP, P, _data, _same, _step, checkpointed_step
 from torch_pagecomp.offload import ActivationOffloader
 from torch_pagecomp.offload._entry import _in_backward
 
@@ -37,6 +37,25 @@ def _off(**kw) -> ActivationOffloader:
 
 def _waiting(off) -> int:
     return off._batcher.members
+
+
+def _decided(gen):
+    """``(model, x, reference gradients, offloader)`` after one offloaded step (the classes
+    are decided), gradients zeroed."""
+    model, x = _model(gen), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    off = _off()
+    _step(model, x, off)
+    model.zero_grad(set_to_none=True)
+    return model, x, ref, off
+
+
+def _held_forward(gen):
+    """:func:`_decided`'s, and the loss of one more forward (its last groups held)."""
+    model, x, ref, off = _decided(gen)
+    with off:
+        loss = model(x)
+    return model, x, ref, off, loss
 
 
 def test_the_last_groups_are_held_and_read_in_place(gen):
@@ -64,11 +83,7 @@ def test_the_last_groups_are_held_and_read_in_place(gen):
 
 
 def test_held_storages_whose_graph_is_dropped_are_never_stored(gen):
-    model, x = _model(gen), _data(gen, ROWS, WIDTH)
-    off = _off()
-    _step(model, x, off)  # classes decided
-    with off:
-        loss = model(x)
+    model, x, ref, off, loss = _held_forward(gen)
     waiting, stored = _waiting(off), off.stats()["offloaded_bytes"]
     assert waiting > 0
     del loss  # the graph, and with it every held storage's saved tensors
@@ -81,13 +96,7 @@ def test_held_storages_whose_graph_is_dropped_are_never_stored(gen):
 
 
 def test_a_kept_graph_stores_its_held_storages_for_the_second_backward(gen):
-    model, x = _model(gen), _data(gen, ROWS, WIDTH)
-    ref = _step(model, x)
-    off = _off()
-    _step(model, x, off)
-    model.zero_grad(set_to_none=True)
-    with off:
-        loss = model(x)
+    model, x, ref, off, loss = _held_forward(gen)
     served = off.stats().get("served_held", 0)
     stored = off.stats()["offloaded_bytes"]
     loss.backward(retain_graph=True)  # read in place, then stored at the end of backward
@@ -103,14 +112,8 @@ def test_a_kept_graph_stores_its_held_storages_for_the_second_backward(gen):
 
 
 def test_synchronize_stores_every_held_storage(gen):
-    model, x = _model(gen), _data(gen, ROWS, WIDTH)
-    ref = _step(model, x)
-    off = _off()
-    _step(model, x, off)
-    model.zero_grad(set_to_none=True)
+    model, x, ref, off, loss = _held_forward(gen)
     served = off.stats()["served_held"]
-    with off:
-        loss = model(x)
     assert _waiting(off)
     off.synchronize()
     assert not _waiting(off) and off.pending()["stash"] == 0
@@ -161,11 +164,7 @@ def test_one_group_held_whole_warns_once_saying_why(gen):
 def test_a_backward_inside_the_pass_reads_the_open_batch_in_place(gen):
     """A backward run inside the ``with`` (the pass still open): the current group's batch,
     still taking members, is read in place, and groups ended in backward are not groups."""
-    model, x = _model(gen), _data(gen, ROWS, WIDTH)
-    ref = _step(model, x)
-    off = _off()
-    _step(model, x, off)
-    model.zero_grad(set_to_none=True)
+    model, x, ref, off = _decided(gen)
     with off:
         loss = model(x)
         assert off._batcher.open or off._batcher.held
@@ -179,25 +178,11 @@ def test_held_groups_under_activation_checkpointing(gen):
     """Non-reentrant checkpointing saves each block's input under the hooks; the last two
     blocks' inputs are held and read in place, the others stored and restored, and a
     checkpoint's recompute inside the backward saves nothing that outlives it."""
-    from torch.utils.checkpoint import checkpoint
-
     model, x = _model(gen, layers=6), _data(gen, ROWS, WIDTH)
-
-    def run(ctx):
-        model.zero_grad(set_to_none=True)
-        with ctx:
-            h = x
-            for lin in model.layers:
-                h = checkpoint(lambda t, lin=lin: torch.tanh(lin(t)) * t.sigmoid(), h,
-                               use_reentrant=False)
-            loss = h.float().square().mean()
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    ref = run(torch.enable_grad())
+    ref = checkpointed_step(model, x, torch.enable_grad())
     off = _off()
     for _ in range(3):
-        _same(ref, run(off))
+        _same(ref, checkpointed_step(model, x, off))
     st = off.stats()
     assert st["served_held"] > 0 and st["offloaded_bytes"] > 0, st
     assert off.pending()["entries"] == 0 and off.pending()["holding"] == 0
