@@ -50,7 +50,7 @@ import weakref
 
 import torch
 
-from ._entry import _capturing, _Entry
+from ._entry import _capturing, _Entry, _in_backward
 from ._streams import current_stream, on_stream
 
 BATCH_BYTES = 64 << 20  # the store's slice (``_paged.SLICE_BYTES``): a batch is one compress
@@ -187,7 +187,8 @@ class Batcher:
         for batch in list(self.open.values()):
             self._close(batch)
         ps.new_group()
-        self.store_before(ps, len(ps.groups) - self.window)
+        if not _in_backward():  # (a recompute's group in a backward stores nothing it reads)
+            self.store_before(ps, len(ps.groups) - self.window)
 
     def end_pass(self) -> None:
         """At the end of a pass: close the open batches (stored now without a window)."""
