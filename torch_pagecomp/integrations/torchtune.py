@@ -29,6 +29,8 @@ How torchtune's arguments map here:
   Here the same count is enforced together with ``max_in_flight_bytes`` (our byte bound,
   default 1 GiB): the compute stream waits for the oldest offload once more than
   ``max_fwd_stash_size`` are unfinished *or* they hold more than ``max_in_flight_bytes``.
+  Storages held on the GPU for the backward (the last groups, ``prefetch=1``) count too:
+  fewer than ``max_fwd_stash_size`` of them wait at once, the oldest stored first.
   The stash exists on CUDA only; CPU tensors (``offload_cpu=True``) are stored synchronously.
 * ``use_streams`` (default True): torchtune copies on a side stream (True) or on the compute
   stream (False). Here offloads always run on side streams (the compressed path needs them);
@@ -67,7 +69,8 @@ class OffloadActivations(ActivationOffloader):
         use_streams: True: restores prefetched on a side stream ahead of backward
             (``prefetch=1``); False: each tensor restored when unpacked (``prefetch=0``).
         max_fwd_stash_size: at most this many offloads (>= 1) unfinished on the GPU before the
-            compute stream waits for the oldest; ``max_in_flight_bytes`` bounds their bytes too.
+            compute stream waits for the oldest, storages held for the backward counted;
+            ``max_in_flight_bytes`` bounds their bytes too.
         min_offload_size: bytes below which a tensor's storage is not offloaded
             (``min_offload_bytes``).
         settings: any other :class:`~torch_pagecomp.ActivationOffloader` argument (default
