@@ -18,7 +18,9 @@ saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches)
 ``memory_restore256``, ``memory_batch128``: ``memory`` with one constant changed
 (:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes);
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
-storage stored once its batch closes, as before the hooks held the last groups). Arms measured and
+storage stored once its batch closes, as before the hooks held the last groups);
+``memory_hold1``: only the current group held (the peak the stash's tail rule had, without its
+store). Arms measured and
 removed: the arena's spare chunks kept (8 at least, not 2) or pinned without waiting for
 slices in flight (16): no step time gained (``bench/results/h200_0991b9a_session42``). Each
 arm's peak GPU memory over its steps, and its page-locked host memory held at the end, are
@@ -35,7 +37,7 @@ import statistics
 import time
 
 ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_single", "memory_restore256",
-        "memory_batch128", "uncompressed_nohold", "memory_nohold")
+        "memory_batch128", "uncompressed_nohold", "memory_nohold", "memory_hold1")
 
 
 # arms that set a package constant while their steps run: (module, name, value)
@@ -61,11 +63,14 @@ def _arm_patch(arm: str):
         finally:
             setattr(mod, name, real)
         return
-    if arm.endswith("_nohold"):  # every storage stored at once, as before the window
+    if arm.endswith(("_nohold", "_hold1")):  # nothing held (every storage stored once its
+        # batch closes, as before the window), or only the current group (what the stash's
+        # tail rule kept before, now not stored)
         from torch_pagecomp.offload._batch import Batcher
 
         real = Batcher.window
-        Batcher.window = property(lambda self: 0)
+        groups = 0 if arm.endswith("_nohold") else 1
+        Batcher.window = property(lambda self: groups)
         try:
             yield
         finally:

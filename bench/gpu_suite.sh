@@ -307,7 +307,7 @@ hold)
         | tail -n 6
     timeout ${HOLD_AB_TIMEOUT:-400} python3 -m bench.dev_ab_steps \
         --models "${HOLD_MODELS:-encoder-1024,resnet-64,tv-resnet50,bert-1024,encoder-2048,llama-2048}" \
-        --arms uncompressed,uncompressed_nohold,memory,memory_nohold,none \
+        --arms uncompressed,uncompressed_nohold,memory,memory_nohold,memory_hold1,none \
         --rounds "${HOLD_ROUNDS:-8}" --warmup 2 2>&1 | tee -a "$OUT/hold.txt" | grep -v "^|---"
     ;;
 lifetimes)

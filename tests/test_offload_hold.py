@@ -174,6 +174,21 @@ def test_a_backward_inside_the_pass_reads_the_open_batch_in_place(gen):
     assert not _waiting(off)
 
 
+def test_a_forward_that_raises_leaves_nothing_held(gen):
+    """A forward that raises inside the ``with``: its held storages die with its graph, the
+    next pass starts clean and runs with identical gradients."""
+    import gc
+
+    model, x, ref, off = _decided(gen)
+    with pytest.raises(RuntimeError, match="boom"), off:
+        model(x)  # saves, and holds its last groups
+        raise RuntimeError("boom")
+    gc.collect()  # the traceback's frames held the graph
+    assert off.pending()["holding"] == 0
+    _same(ref, _step(model, x, off))
+    assert off.pending()["entries"] == 0 and off.pending()["holding"] == 0
+
+
 def test_held_groups_under_activation_checkpointing(gen):
     """Non-reentrant checkpointing saves each block's input under the hooks; the last two
     blocks' inputs are held and read in place, the others stored and restored, and a
@@ -204,3 +219,16 @@ def test_gpu_held_groups_are_read_in_place_with_identical_grads(gen, mode):
     torch.cuda.synchronize()
     assert off.pending()["entries"] == 0 and off.pending()["stash"] == 0
     assert not _waiting(off)
+
+
+def test_the_ab_probe_arms_set_the_window_and_put_it_back():
+    """``bench.dev_ab_steps``' arms ``*_nohold`` (nothing held) and ``memory_hold1`` (the
+    current group only) change the window while their steps run, and only then."""
+    from bench.dev_ab_steps import _arm_patch
+
+    off = _off()
+    assert off._batcher.window == 2
+    for arm, want in (("memory_nohold", 0), ("uncompressed_nohold", 0), ("memory_hold1", 1)):
+        with _arm_patch(arm):
+            assert off._batcher.window == want
+        assert off._batcher.window == 2
