@@ -14,6 +14,8 @@
 #                                      # (STOCK_ROUNDS=n: each variant n times, alternated)
 #                                      # (STOCK_CODEC=auto,lz4: memory/speed once per codec, #23)
 #   bash bench/gpu_suite.sh fsdp       # the same under FSDP2 on every GPU (torchrun)
+#                                      # (STOCK_HOLD_GROUPS=0 / 1, for stock too: the hooks'
+#                                      # held window, a probe; rows record hold_groups)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model

@@ -41,6 +41,8 @@ of the first step are bit-identical to ``none`` (deterministic settings: math SD
 
 On the CPU (CI) ``--tiny`` runs every model and variant at toy sizes, FSDP2 on gloo.
 ``STOCK_STREAM_PRIORITY=-5`` (a probe) passes ``stream_priority`` to the hooks.
+``STOCK_HOLD_GROUPS=N`` (a probe) sets the groups the hooks hold for the backward (the package's
+``prefetch + 1``; 0: none, 1: the current group); each row records ``hold_groups``.
 """
 
 from __future__ import annotations
@@ -304,7 +306,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
 
-    from torch_pagecomp import offload_module
+    from torch_pagecomp import ActivationOffloader, offload_module
 
     model, x, blocks = build(name, device)
     if fsdp:
@@ -342,6 +344,11 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         if os.environ.get("STOCK_STREAM_PRIORITY"):  # probe: the hooks' side-stream priority
             kw["stream_priority"] = int(os.environ["STOCK_STREAM_PRIORITY"])
         off = offload_module(model, blocks=blocks, **kw)
+        if os.environ.get("STOCK_HOLD_GROUPS"):  # probe: the groups held for the backward
+            from torch_pagecomp.offload._batch import Batcher
+
+            groups = int(os.environ["STOCK_HOLD_GROUPS"])
+            Batcher.window = property(lambda self: groups)  # this child's process only
 
     phases: list[list[float]] = []  # per timed step, GiB: see ``row["phase_gib"]``
 
@@ -426,6 +433,8 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
             times.append((time.perf_counter() - t0) * 1e3)
     row = {"model": name, "variant": variant,
            "codec": codec if variant in COMPRESSING else None,
+           "hold_groups": (off._batcher.window if isinstance(off, ActivationOffloader)
+                           else None),
            "step_ms": statistics.median(times),
            "step_ms_all": [round(t, 2) for t in times], "grads": grads,
            "warmup_steps": warmup}

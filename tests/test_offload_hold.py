@@ -232,3 +232,18 @@ def test_the_ab_probe_arms_set_the_window_and_put_it_back():
         with _arm_patch(arm):
             assert off._batcher.window == want
         assert off._batcher.window == 2
+
+
+def test_the_stock_bench_probe_sets_the_held_groups(monkeypatch):
+    """``STOCK_HOLD_GROUPS`` (a probe of ``bench.stock_models``) sets the window of the hooks
+    in its run, and each row records it; without it a row records the package's."""
+    from bench import stock_models
+    from torch_pagecomp.offload._batch import Batcher
+
+    real = Batcher.window
+    row = stock_models.run("encoder-tiny", "memory", 1, 1, "cpu", False)
+    assert row["hold_groups"] == 2 and row["stats"]["held"] > 0
+    monkeypatch.setenv("STOCK_HOLD_GROUPS", "0")
+    monkeypatch.setattr(Batcher, "window", real)  # put back after the test, as the child exits
+    row = stock_models.run("encoder-tiny", "memory", 1, 1, "cpu", False)
+    assert row["hold_groups"] == 0 and "held" not in row["stats"] and row["offloaded_gib"] > 0
