@@ -153,7 +153,7 @@ def test_prefetch_zero_holds_nothing(gen):
 def test_one_group_held_whole_warns_once_saying_why(gen):
     model, x = _model(gen), _data(gen, ROWS, WIDTH)
     off = _off(group_bytes=None)  # one group: all of it within the window
-    with pytest.warns(UserWarning, match="held on the GPU: they are in the last"):
+    with pytest.warns(UserWarning, match="held in place, not stored: they are in the last"):
         _step(model, x, off)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -283,7 +283,7 @@ class ActivationOffloader:
         kept = {k[5:]: v for k, v in delta.items()
                 if k.startswith("kept_") and k not in ("kept_cpu", "kept_small")}
         if delta["held"]:
-            why.append(f"{delta['held']} were held on the GPU: they are in the last "
+            why.append(f"{delta['held']} were held in place, not stored: they are in the last "
                        f"prefetch + 1 = {self.prefetch + 1} groups, which the backward would "
                        "bring back at its start (start a group per block with next_group(), "
                        "as offload_module does, or pass a smaller group_bytes)")
