@@ -93,7 +93,7 @@ class ActivationOffloader:
             ``offload_cpu``, CPU tensors follow the same choice.
         prefetch: the first unpack in group ``k`` restores groups ``k .. k - prefetch``. The
             last ``prefetch + 1`` groups of a forward, which the backward needs first, are
-            held on the GPU and read there: a group is stored only once it leaves that window
+            held where they are and read there: a group is stored only once it leaves that window
             (0: nothing held, each tensor restored on demand when unpacked).
         min_offload_bytes: storages smaller than this stay where they are.
         max_in_flight_bytes: GPU bytes kept alive by unfinished offloads and held storages
