@@ -146,9 +146,6 @@ class Batcher:
             entry.stream, entry.parts = stream, []
             # in its group now: the group is not empty, so the next one starts a new group
             ps.groups[entry.group].append(weakref.ref(entry))
-            entry.grouped = True
-            if alone is None:
-                entry.store = off._paged_store(dev) if stream is not None else off._cpu_compressed
             batch = Batch(key, entry, alone)
             if alone is None:
                 self.open[key] = batch
@@ -236,18 +233,11 @@ class Batcher:
         entry = batch.ref()
         if entry is None:
             return
-        if batch.alone is not None:
-            off._store_alone(entry, batch.key[3], batch.key[2], *batch.alone)
-            return
         _, _, ff, esize = batch.key
+        codec, cls = batch.alone or ("exp" if ff else "lz4", None)
         entry.nbytes, entry.members = batch.nbytes, batch.members
         try:
-            src = joined(entry)
-            if entry.stream is not None:
-                entry.stored = entry.store.offload(src, esize, producer=entry.stream,
-                                                   float_format=ff)
-            else:
-                entry.stored = off._store_cpu(entry.store, src, esize, ff)
+            stored = off._store(entry, joined(entry), esize, ff, codec, cls)
         except Exception as exc:  # noqa: BLE001 - the members stay where they are (unpack
             # serves each from its own storage until the end of backward): nothing lost
             off.counters["offload_failed"] += batch.members
@@ -255,7 +245,7 @@ class Batcher:
             entry.error = exc.with_traceback(None)
             off._failed.add(entry)
             return
-        entry.parts = None
-        off.counters["batched"] += batch.members
-        off._count(entry, ff, batch.members, entry.nbytes)
-        off._track(entry, src)
+        if not stored:  # a plain copy with the pinned pool full: kept where it is
+            off.counters["kept_host_full"] += batch.members
+        elif batch.alone is None:
+            off.counters["batched"] += batch.members

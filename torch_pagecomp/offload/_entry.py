@@ -82,8 +82,6 @@ class _Entry:
     ``stored`` before anything else can see the entry, and issues its restores, under the
     offloader's lock: nothing waits on another thread for them."""
 
-    grouped = False  # in its pass's group list (a held batch's entry is, before it is stored)
-
     def __init__(self, sink: list, nbytes: int, device: torch.device, pass_: _Pass, group: int):
         self.sink, self.nbytes, self.device = sink, nbytes, device
         self.pass_, self.group = pass_, group

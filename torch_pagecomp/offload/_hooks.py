@@ -439,53 +439,39 @@ class ActivationOffloader:
         if self._batcher.window:  # held until its group leaves the backward's first reach
             return self._batcher.add(src, esize, ff, alone=(codec, cls))
         entry = _Entry(self._sink, nbytes, dev, ps, len(ps.groups) - 1)
-        if not self._store_alone(entry, esize, ff, codec, cls, src):
+        entry.stream = current_stream(dev) if dev.type == "cuda" else None
+        if not self._store(entry, src, esize, ff, codec, cls):
             return None
+        ps.groups[entry.group].append(weakref.ref(entry))
         self._group_bytes_add(nbytes)
         return entry, 0
 
-    def _store_alone(self, entry: _Entry, esize: int, ff: str | None, codec: str | None,
-                     cls: tuple, src: torch.Tensor | None = None) -> bool:
-        """Store one saved storage as ``entry``: ``src``, else the one member ``entry`` holds
-        (``_batch``), with ``codec`` (None: a plain copy). False where the pinned pool is full;
-        a held member then stays where it is, as a failed store leaves it."""
-        held = src is None
-        if held:
-            src = entry.parts[0][1]
-        nbytes, dev = src.numel(), src.device
-        entry.nbytes = nbytes
-        compress = codec is not None
-        try:
-            if dev.type == "cpu":
-                entry.store = self._cpu_compressed if compress else self._cpu
-                entry.stored = self._store_cpu(entry.store, src, esize, ff)
-            elif compress:
-                entry.store = self._paged_store(dev)
-                entry.stream = entry.stream or current_stream(dev)
-                entry.stored = entry.store.offload(src, esize, producer=entry.stream,
-                                                   float_format=ff)
-            else:
-                side, entry.stream = self._stream(dev, "d2h"), entry.stream or current_stream(dev)
-                with on_stream(side):
-                    handoff(entry.stream, side)
-                    entry.stored = self._pinned.offload(src, esize)
-                if entry.stored is None:
-                    if held:
-                        self.counters["kept_host_full"] += 1
-                    return False
-                entry.store = self._pinned
-        except Exception as exc:  # noqa: BLE001 - at pack time the hook keeps the tensor
-            if not held:
-                raise
-            self.counters["offload_failed"] += 1
-            self._last_error = repr(exc)
-            entry.error = exc.with_traceback(None)
-            self._failed.add(entry)
-            return False
+    def _store(self, entry: _Entry, src: torch.Tensor, esize: int, ff: str | None,
+               codec: str | None, cls: tuple | None) -> bool:
+        """Start storing ``src`` (``uint8 [entry.nbytes]``: a saved storage, or a batch's
+        members joined) as ``entry``, after ``entry.stream``'s work, with ``codec`` (None: a
+        plain copy); then count it, sample it for ``cls``'s ratio (a class, None for a batch)
+        and track it. False where the pinned pool is full; a failing store raises."""
+        dev = src.device
+        if dev.type == "cpu":
+            entry.store = self._cpu_compressed if codec is not None else self._cpu
+            entry.stored = self._store_cpu(entry.store, src, esize, ff)
+        elif codec is not None:
+            entry.store = self._paged_store(dev)
+            entry.stored = entry.store.offload(src, esize, producer=entry.stream,
+                                               float_format=ff)
+        else:
+            side = self._stream(dev, "d2h")
+            with on_stream(side):
+                handoff(entry.stream, side)
+                entry.stored = self._pinned.offload(src, esize)
+            if entry.stored is None:
+                return False
+            entry.store = self._pinned
         entry.parts = None
-        if compress:
+        if codec is not None and cls is not None:
             self.policy.sample(cls, entry.stored, codec)
-        self._count(entry, ff, 1, nbytes)
+        self._count(entry, ff)
         self._track(entry, src)
         return True
 
@@ -495,8 +481,9 @@ class ActivationOffloader:
         without ``ff`` where there is none, as stores patched in by tests take it."""
         return store.offload(src, esize, ff) if ff else store.offload(src, esize)
 
-    def _count(self, entry: _Entry, ff: str | None, tensors: int, nbytes: int) -> None:
-        """Count ``tensors`` saved storages of ``nbytes`` in all that ``entry`` stores."""
+    def _count(self, entry: _Entry, ff: str | None) -> None:
+        """Count the saved storages ``entry`` stores (``members``, ``nbytes`` in all)."""
+        tensors, nbytes = entry.members, entry.nbytes
         if entry.store.kind == "compressed":
             name = "compressed_exp" if ff else "compressed_lz4"
             self.counters[name] += tensors
@@ -509,7 +496,7 @@ class ActivationOffloader:
     def _track(self, entry: _Entry, src: torch.Tensor) -> None:
         """Book-keep a started offload: a GPU source stays in the stash until its bytes are
         in host memory (waiting for the oldest past ``max_in_flight_bytes``); its stored size
-        in the ledger; the entry in its group."""
+        in the ledger."""
         if entry.device.type == "cuda":
             entry.src = src
             self._stash.append(entry)
@@ -518,8 +505,6 @@ class ActivationOffloader:
             self._bound()
         entry.host_rec = self._ledger.add(entry.stored, entry.nbytes)
         self._live.add(entry)
-        if not entry.grouped:
-            entry.pass_.groups[entry.group].append(weakref.ref(entry))
 
     def _bound(self) -> None:
         """Keep the GPU bytes of unfinished offloads and held storages (``_batch``) within
