@@ -19,10 +19,12 @@ saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches)
 (:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes);
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
 storage stored once its batch closes, as before the hooks held the last groups);
-``memory_hold1``: only the current group held (the peak the stash's tail rule had, without its
-store). Arms measured and
-removed: the arena's spare chunks kept (8 at least, not 2) or pinned without waiting for
-slices in flight (16): no step time gained (``bench/results/h200_0991b9a_session42``). Each
+``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
+always true, as before session 44) instead of staying held. Arms measured and removed:
+``memory_hold1``, only the current group held (no faster than two groups on four models, a
+higher GPU peak on encoder-1024, ``bench/results/h200_f2737ef_session44``); the arena's spare
+chunks kept (8 at least, not 2) or pinned without waiting for slices in flight (16): no step
+time gained (``bench/results/h200_0991b9a_session42``). Each
 arm's peak GPU memory over its steps, and its page-locked host memory held at the end, are
 printed too. (A ``memory_tight`` arm, the arena keeping the step's peak of placed bytes
 instead of backed ones, held the same page-locked memory at the same step time on
@@ -37,7 +39,7 @@ import statistics
 import time
 
 ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_single", "memory_restore256",
-        "memory_batch128", "uncompressed_nohold", "memory_nohold", "memory_hold1")
+        "memory_batch128", "uncompressed_nohold", "memory_nohold", "memory_wait")
 
 
 # arms that set a package constant while their steps run: (module, name, value)
@@ -63,18 +65,26 @@ def _arm_patch(arm: str):
         finally:
             setattr(mod, name, real)
         return
-    if arm.endswith(("_nohold", "_hold1")):  # nothing held (every storage stored once its
-        # batch closes, as before the window), or only the current group (what the stash's
-        # tail rule kept before, now not stored)
+    if arm.endswith("_nohold"):  # nothing held: every storage stored once its batch closes,
+        # as before the window
         from torch_pagecomp.offload._batch import Batcher
 
         real = Batcher.window
-        groups = 0 if arm.endswith("_nohold") else 1
-        Batcher.window = property(lambda self: groups)
+        Batcher.window = property(lambda self: 0)
         try:
             yield
         finally:
             Batcher.window = real
+        return
+    if arm == "memory_wait":  # a due store waits for the link instead of staying held
+        from torch_pagecomp.offload._batch import Batcher
+
+        real = Batcher._starts_now
+        Batcher._starts_now = lambda self, batch: True
+        try:
+            yield
+        finally:
+            Batcher._starts_now = real
         return
     if arm != "memory_group":
         yield

@@ -31,8 +31,8 @@
 #                                      # the same work in N processes; CPU_SPANS=1: where a
 #                                      # threaded call's time goes; CPU_MIB, CPU_THREADS,
 #                                      # CPU_REPEATS: timed rounds)
-#   bash bench/gpu_suite.sh hold       # the hooks' tests, then steps with the last groups held
-#                                      # and not (HOLD_MODELS, HOLD_ROUNDS, HOLD_WORKERS; #21)
+#   bash bench/gpu_suite.sh hold       # the hooks' tests, then steps of the held-storage arms
+#                                      # (HOLD_MODELS, HOLD_ARMS, HOLD_ROUNDS, HOLD_WORKERS; #21)
 #   bash bench/gpu_suite.sh hooktiming # probe: the hooks' host time per call (HOOK_MODELS,
 #                                      # HOOK_VARIANTS; #21)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
@@ -298,8 +298,9 @@ batch)
         | tee -a "$OUT/batch.txt" | grep -v "^|---"
     ;;
 hold)
-    # the last groups held for the backward (_batch): the hooks' tests, then each variant beside
-    # the same code with nothing held (arms *_nohold), interleaved
+    # the last groups held for the backward (_batch): the hooks' tests, then the variants
+    # interleaved; HOLD_ARMS (default: memory beside memory_wait, its due stores waiting for the
+    # link as before; *_nohold: nothing held)
     header hold | tee "$OUT/hold.txt"
     timeout ${HOLD_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_offload_hold.py \
         tests/test_offload_batch.py tests/test_offload.py tests/test_offload_paged.py \
@@ -309,7 +310,7 @@ hold)
         | tail -n 6
     timeout ${HOLD_AB_TIMEOUT:-400} python3 -m bench.dev_ab_steps \
         --models "${HOLD_MODELS:-encoder-1024,resnet-64,tv-resnet50,bert-1024,encoder-2048,llama-2048}" \
-        --arms uncompressed,uncompressed_nohold,memory,memory_nohold,memory_hold1,none \
+        --arms "${HOLD_ARMS:-uncompressed,memory,memory_wait,none}" \
         --rounds "${HOLD_ROUNDS:-8}" --warmup 2 2>&1 | tee -a "$OUT/hold.txt" | grep -v "^|---"
     ;;
 lifetimes)

@@ -203,6 +203,104 @@ def test_held_groups_under_activation_checkpointing(gen):
     assert off.pending()["entries"] == 0 and off.pending()["holding"] == 0
 
 
+def _link(monkeypatch, free):
+    """Stand in for the GPU arena's answer to "can this batch's store start without the host
+    waiting?" (``Batcher._starts_now``; on the CPU it is always yes): ``free()`` decides.
+    Returns the batches asked about, in order."""
+    from torch_pagecomp.offload._batch import Batcher
+
+    asked = []
+
+    def starts_now(self, batch):
+        asked.append(batch)
+        return batch.ref() is None or free()
+
+    monkeypatch.setattr(Batcher, "_starts_now", starts_now)
+    return asked
+
+
+def test_stores_the_link_cannot_take_stay_held_and_are_read_in_place(gen, monkeypatch):
+    """The link behind all forward (no due store can start without waiting): nothing is
+    stored, every group stays held and the backward reads all of it in place, with the same
+    gradients; once the link keeps up the next step stores as before."""
+    model, x, ref, off = _decided(gen)
+    st = off.stats()
+    stored, held, served = st["offloaded_bytes"], st["held"], st.get("served_held", 0)
+    asked = _link(monkeypatch, lambda: False)
+    with pytest.warns(UserWarning, match="because the link was still busy"), off:
+        loss = model(x)
+    ps = off._last_pass()
+    assert len(ps.groups) > off.prefetch + 2 and asked
+    assert all(e().stored is None for g in ps.groups for e in g if e() is not None)
+    st = off.stats()
+    assert st["offloaded_bytes"] == stored and st["deferred"] > 0, st
+    assert off.pending()["holding"] == st["held"] - held  # all this pass's storages
+    loss.backward()
+    _same(ref, [p.grad for p in model.parameters()])
+    after = off.stats()
+    assert after["served_held"] - served >= after["held"] - held > after["deferred"], after
+    for key in ("restored_prefetch", "restored_on_demand"):  # nothing came over the link
+        assert after.get(key, 0) == st.get(key, 0), (key, st, after)
+    assert not _waiting(off) and off.pending()["entries"] == 0
+    monkeypatch.undo()
+    model.zero_grad(set_to_none=True)
+    _same(ref, _step(model, x, off))
+    assert off.stats()["offloaded_bytes"] > stored
+
+
+def test_deferred_stores_start_in_order_once_the_link_catches_up(gen, monkeypatch):
+    """The link behind for a while: the due batches wait, oldest first, and are stored, in
+    their order, at later saved storages once their stores can start; at the end of the
+    forward everything outside the window is stored."""
+    model, x = _model(gen, layers=6), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    off = _off()
+    _same(ref, _step(model, x, off))
+    model.zero_grad(set_to_none=True)
+    answers = iter([False] * 3)
+    asked = _link(monkeypatch, lambda: next(answers, True))
+    order = []
+    real = off._store
+
+    def store(entry, *a, **kw):
+        order.append(entry.group)
+        return real(entry, *a, **kw)
+
+    off._store = store
+    with off:
+        loss = model(x)
+    ps = off._last_pass()
+    last = len(ps.groups) - 1
+    assert len(asked) > 3 and order == sorted(order) and order, order
+    assert all(e().stored is not None for k in range(last - off.prefetch) for e in ps.groups[k]
+               if e() is not None)  # all stored by now but the window
+    assert off.stats()["deferred"] > 0
+    loss.backward()
+    _same(ref, [p.grad for p in model.parameters()])
+
+
+def test_deferred_stores_still_count_against_max_in_flight_tensors(gen, monkeypatch):
+    """The link behind all forward: past ``max_in_flight_tensors`` the oldest held batch is
+    stored all the same (waiting for the link on a GPU): what is held stays bounded."""
+    model, x = _model(gen, layers=6), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    off = _off(max_in_flight_tensors=3)
+    _link(monkeypatch, lambda: False)
+    seen = []
+    real = off._batcher.add
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        seen.append(_waiting(off))
+        return out
+
+    off._batcher.add = spy
+    for _ in range(2):
+        _same(ref, _step(model, x, off))
+    st = off.stats()
+    assert seen and max(seen) < 3 and st["offloaded_bytes"] > 0 and st["deferred"] > 0, st
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["compressed", "uncompressed"])
 def test_gpu_held_groups_are_read_in_place_with_identical_grads(gen, mode):
@@ -221,17 +319,53 @@ def test_gpu_held_groups_are_read_in_place_with_identical_grads(gen, mode):
     assert not _waiting(off)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_deferred_stores_keep_gradients_identical(gen, monkeypatch):
+    """The compressed store on CUDA put off (``PagedStore.stores_now`` false for a while, as
+    when the link is behind): the due batches are held, then stored or read in place, and the
+    gradients stay identical."""
+    from torch_pagecomp.offload._paged import PagedStore
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model(gen, layers=6, device="cuda", dtype=torch.bfloat16)
+    x = _data(gen, 512, WIDTH, "cuda", torch.bfloat16)
+    ref = _step(model, x)
+    off = ActivationOffloader(prefer="memory", min_offload_bytes=P, group_bytes=512 * WIDTH * 2,
+                              min_ratio=0.0, sample_tensors=1)
+    _same(ref, _step(model, x, off))
+    real = PagedStore.stores_now
+    answers = []  # False: the link is behind (the store would wait); then the arena answers
+
+    def stores_now(self, n):
+        return answers.pop() if answers else real(self, n)
+
+    monkeypatch.setattr(PagedStore, "stores_now", stores_now)
+    for behind in (3, 100):  # behind for a while; for the whole forward
+        answers[:] = [False] * behind
+        model.zero_grad(set_to_none=True)
+        _same(ref, _step(model, x, off))
+        torch.cuda.synchronize()
+        assert off.pending()["entries"] == 0 and not _waiting(off)
+    assert off.stats()["deferred"] > 0
+
+
 def test_the_ab_probe_arms_set_the_window_and_put_it_back():
-    """``bench.dev_ab_steps``' arms ``*_nohold`` (nothing held) and ``memory_hold1`` (the
-    current group only) change the window while their steps run, and only then."""
+    """``bench.dev_ab_steps``' arms ``*_nohold`` (nothing held) change the window, and
+    ``memory_wait`` (due stores wait for the link) the deferral, while their steps run, and
+    only then."""
     from bench.dev_ab_steps import _arm_patch
+    from torch_pagecomp.offload._batch import Batcher
 
     off = _off()
     assert off._batcher.window == 2
-    for arm, want in (("memory_nohold", 0), ("uncompressed_nohold", 0), ("memory_hold1", 1)):
+    for arm in ("memory_nohold", "uncompressed_nohold"):
         with _arm_patch(arm):
-            assert off._batcher.window == want
+            assert off._batcher.window == 0
         assert off._batcher.window == 2
+    real = Batcher._starts_now
+    with _arm_patch("memory_wait"):
+        assert Batcher._starts_now is not real
+    assert Batcher._starts_now is real
 
 
 def test_the_stock_bench_probe_sets_the_held_groups(monkeypatch):

@@ -258,6 +258,57 @@ def test_slices_in_flight_are_waited_for_before_a_new_chunk_is_pinned(gen, monke
         assert torch.equal(out, s)
 
 
+@interpreter
+def test_stores_now_says_whether_a_store_would_wait_for_slices_in_flight(gen, monkeypatch):
+    """``PagedStore.stores_now(n)`` is false exactly where storing ``n`` bytes would make the
+    host wait for slices in flight (their worst cases reach past the chunks held); nothing in
+    flight, it is true (a chunk is pinned instead)."""
+    chunk = 1 << 15
+    store = _store(chunk=chunk, slice_bytes=1 << 13)
+    arena = store.arena
+    assert store.stores_now(8 * chunk)  # nothing in flight
+
+    class Waited(Exception):
+        pass
+
+    def behind(through=None):  # the pack stream behind: nothing is placed, and a wait stops
+        if through is not None:
+            raise Waited
+
+    monkeypatch.setattr(arena, "confirm", behind)
+    store.offload(_data(gen, 2 * P, "small"), 1)
+    assert arena.pending
+    room = (len(arena.backed) * chunk - arena.pending_upper) // P  # pages the held chunks take
+    more = room + chunk // P * (len(arena.free) + 1)  # past them and every free chunk
+    for pages, starts in ((room, True), (more, False)):
+        assert store.stores_now(pages * P) is starts, (pages, room)
+        try:
+            arena.back(pages * P, None)
+            waited = False
+        except Waited:
+            waited = True
+        assert waited is not starts, (pages, room)
+    monkeypatch.undo()
+    assert store.stores_now(8 * chunk)  # placed: nothing in flight
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_stores_now_is_false_while_the_pack_stream_is_behind(gen):
+    store = _store("cuda", chunk=1 << 20, slice_bytes=1 << 20)
+    src = _data(gen, 1 << 20, "bf16").cuda()
+    assert store.stores_now(4 << 20)  # nothing in flight
+    with torch.cuda.stream(store.pack_stream):
+        torch.cuda._sleep(100_000_000)  # tens of ms: the pack waits behind it
+    stored = store.offload(src, 2)
+    assert not store.stores_now(4 << 20)  # it would wait for that slice
+    store.pack_stream.synchronize()
+    assert store.stores_now(4 << 20)
+    out = torch.full_like(src, POISON)
+    store.restore(stored, out)
+    assert torch.equal(out, src)
+    store.close()
+
+
 def _offload_and_free(store: PagedStore, gen, n: int) -> None:
     """One step of a store's life: ``n`` small tensors stored, placed, then freed."""
     stored = [store.offload(_data(gen, 5 * P, "small"), 1) for _ in range(n)]

@@ -316,6 +316,14 @@ class VirtualArena:
         self.peak_held = max(self.peak_held, self.held_bytes)
         self.peak_backed = max(self.peak_backed, len(self.backed))
 
+    def room_now(self, upper: int) -> bool:
+        """Whether slices of ``upper`` bytes in all can be planned now without :meth:`back`
+        waiting: nothing is in flight (a chunk is pinned if need be), or the free chunks cover
+        every chunk the arena's end can reach with them. Confirms the finished slices first
+        (never waits)."""
+        self.confirm()
+        return not self.pending or len(self._unbacked(upper)) <= len(self.free)
+
     def _unbacked(self, upper: int) -> list[int]:
         """The chunks not backed yet that the arena's end can reach with one more slice of
         ``upper`` bytes: from the confirmed end through the worst case of every slice in

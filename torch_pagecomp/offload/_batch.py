@@ -17,6 +17,21 @@ are stored when a new pass starts, at :meth:`~._hooks.ActivationOffloader.synchr
 the end of a backward that left them alive (a retained graph). With ``prefetch=0`` nothing is
 held: each group is stored at its end.
 
+**Stored as fast as the link goes, not faster.** A compressed store plans its slices in the
+host arena at their worst case (``_arena.VirtualArena.back``); once the chunks held are spoken
+for by slices not yet packed, the next store would make the host wait for the link. It does
+not: a batch due for a store whose store would wait stays held, with the batches after it,
+and is tried again at the next saved storage and group end (:meth:`Batcher.store_due`). So
+the forward never waits for the link (its compute goes on), and what the link has not moved
+when the backward starts is read there in place: no compress, pack, restore or decode for it,
+and no bytes over the link either way. A plain copy behaves so by itself (its copies queue
+behind the link and the stash keeps their sources); before this, a compressed store made the
+host wait instead, so the GPU was emptier when the backward began, and the backward brought
+back over the link bytes a plain copy read in place (encoder-1024 on an H200: 1.06 GiB of
+compressed bytes up against 1.00 GiB of plain ones, ``bench/results/h200_f2737ef_session44``).
+The GPU bytes held stay bounded by ``max_in_flight_bytes``: past it the oldest batch is
+stored, waiting if need be.
+
 **Stored together.** A compressed offload costs the host about the same whatever its size:
 the store's two launches and events each way, its allocations, and the hooks' book-keeping of
 an entry (stash, ledger, group, restore). One by one, that was 110-180 us a tensor of 1-16 MiB
@@ -64,12 +79,13 @@ class Batch:
     size)``, what the members share. ``alone``: ``(codec, class)`` of a storage stored alone
     (``codec`` None: a plain copy), else None."""
 
-    __slots__ = ("key", "ref", "nbytes", "members", "alone", "group")
+    __slots__ = ("key", "ref", "nbytes", "members", "alone", "group", "deferred")
 
     def __init__(self, key: tuple, entry: _Entry, alone: tuple | None = None):
         self.key, self.ref, self.alone = key, weakref.ref(entry), alone
         self.group = (weakref.ref(entry.pass_), entry.group)
         self.nbytes = self.members = 0
+        self.deferred = False  # its store waited for the link at least once
 
     def add(self, entry: _Entry, src: torch.Tensor) -> int:
         """Append ``src`` to ``entry``'s parts; returns its byte offset in the batch."""
@@ -107,6 +123,8 @@ class Batcher:
         self.held: collections.deque[Batch] = collections.deque()  # closed, oldest first
         self.members = 0  # saved storages in batches not stored (held where they are)
         self.nbytes = 0  # their bytes on a GPU
+        self.due: tuple | None = None  # (pass, group): batches before it are due a store
+        self.behind = False  # a due batch waits for the link (tried again at the next add)
 
     @property
     def window(self) -> int:
@@ -157,6 +175,8 @@ class Batcher:
         self.members += 1
         if self.window:
             off.counters["held"] += 1
+        if self.behind:
+            self.store_due()
         off._bound()
         off._group_bytes_add(src.numel())
         return entry, base
@@ -180,12 +200,14 @@ class Batcher:
 
     def end_group(self, ps) -> None:
         """At the end of a group of pass ``ps`` (a new one started): close the open batches
-        and store those of groups outside the window."""
+        and store those of groups outside the window, as far as the link keeps up
+        (:meth:`store_due`)."""
         for batch in list(self.open.values()):
             self._close(batch)
         ps.new_group()
         if not _in_backward():  # (a recompute's group in a backward stores nothing it reads)
-            self.store_before(ps, len(ps.groups) - self.window)
+            self.due = (weakref.ref(ps), len(ps.groups) - self.window)
+            self.store_due()
 
     def end_pass(self) -> None:
         """At the end of a pass: close the open batches (stored now without a window)."""
@@ -195,17 +217,45 @@ class Batcher:
         else:
             self.flush_all()
 
-    def store_before(self, ps, group: int) -> None:
-        """Store the batches of passes other than ``ps`` and of its groups before ``group``
-        (oldest first); not while a CUDA graph is captured (its launches and events would go
-        into the graph): a later store does."""
-        if _capturing():
+    def store_due(self) -> None:
+        """Store the batches due (of passes other than :attr:`due`'s and of its groups before
+        its group), oldest first, while each can start without the host waiting for the link.
+        A compressed batch whose store would wait for slices in flight to be placed
+        (``PagedStore.stores_now``: the arena's chunks are spoken for, the link is behind the
+        forward) stays held, and those after it; they are tried again at the next saved
+        storage and group end. Not in a backward (it reads held batches in place; a
+        recompute's group stores nothing it reads), nor while a CUDA graph is captured (its
+        launches and events would go into the graph)."""
+        self.behind = False
+        if self.due is None or _in_backward() or _capturing():
             return
-        for batch in [b for b in self.held if b.before(ps, group)]:
+        ref, group = self.due
+        ps = ref()
+        off = self._owner()
+        due = [b for b in self.held if b.before(ps, group)]
+        for k, batch in enumerate(due):
+            if not self._starts_now(batch):
+                self.behind = True
+                for later in due[k:]:
+                    if not later.deferred:
+                        later.deferred = True
+                        off.counters["deferred"] += later.members
+                return
             self.flush(batch)
 
+    def _starts_now(self, batch: Batch) -> bool:
+        """Whether storing ``batch`` starts without the host waiting (anything but a
+        compressed store on a GPU whose arena is spoken for; a batch whose saved tensors are
+        all freed is dropped, not stored)."""
+        dev = batch.key[0]
+        if batch.ref() is None or dev.type != "cuda" or (batch.alone or ("",))[0] is None:
+            return True
+        return self._owner()._paged_store(dev).stores_now(batch.nbytes)
+
     def flush_all(self) -> None:
-        """Store every batch not stored (not while a CUDA graph is captured)."""
+        """Store every batch not stored, waiting for the link if need be (not while a CUDA
+        graph is captured)."""
+        self.behind = False
         if (self.open or self.held) and not _capturing():
             for batch in list(self.open.values()):
                 self._close(batch)

@@ -282,11 +282,15 @@ class ActivationOffloader:
                        f"(latest: {self._last_error})")
         kept = {k[5:]: v for k, v in delta.items()
                 if k.startswith("kept_") and k not in ("kept_cpu", "kept_small")}
-        if delta["held"]:
-            why.append(f"{delta['held']} were held in place, not stored: they are in the last "
-                       f"prefetch + 1 = {self.prefetch + 1} groups, which the backward would "
-                       "bring back at its start (start a group per block with next_group(), "
-                       "as offload_module does, or pass a smaller group_bytes)")
+        deferred = delta["deferred"]
+        if delta["held"] > deferred:
+            why.append(f"{delta['held'] - deferred} were held in place, not stored: they are "
+                       f"in the last prefetch + 1 = {self.prefetch + 1} groups, which the "
+                       "backward would bring back at its start (start a group per block with "
+                       "next_group(), as offload_module does, or pass a smaller group_bytes)")
+        if deferred:
+            why.append(f"{deferred} were held in place because the link was still busy with "
+                       "earlier stores when they were due")
         if kept:
             why.append(f"others were kept: {kept}")
         warnings.warn(
@@ -657,7 +661,9 @@ class ActivationOffloader:
         ``held``: saved storages held where they were at first (with prefetching, every one
         offloaded; those of the last ``prefetch + 1`` groups are never stored), and
         ``served_held`` the unpacks that read one in place; ``holding`` (of :meth:`pending`)
-        those held now. ``entries`` and ``stash`` count stored entries, a batch once."""
+        those held now. ``deferred``: held storages whose compressed store was put off at
+        least once because the link was behind the forward (``_batch.Batcher.store_due``).
+        ``entries`` and ``stash`` count stored entries, a batch once."""
         out = dict(self.counters)
         for key in ("packed", "offloaded_bytes"):  # read by every user: there from the start
             out.setdefault(key, 0)

@@ -223,6 +223,12 @@ class PagedStore:
         return PagedStored(nbytes, p, slices, tail, consumed, tail_sum,
                            exp=float_format is not None)
 
+    def stores_now(self, nbytes: int) -> bool:
+        """Whether :meth:`offload` of ``nbytes`` would start without the host waiting for
+        slices in flight to be placed: false when the arena's chunks are spoken for by the
+        worst cases of slices not yet packed (the link is behind the host)."""
+        return self.arena.room_now(nbytes // self.page_size * self.page_size)
+
     def _store_slice(self, src, first: int, n: int, element_size: int,
                      float_format: str | None) -> _Slice:
         p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
