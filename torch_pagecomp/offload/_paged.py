@@ -224,14 +224,10 @@ class PagedStore:
                            exp=float_format is not None)
 
     def stores_now(self, nbytes: int) -> bool:
-        """Whether a store of ``nbytes`` should start now: false when the link is behind the
-        host, that is when the arena's chunks are spoken for by the worst cases of slices not
-        yet packed (:meth:`offload` would make the host wait for them), or when those slices
-        already come to ``SCRATCH_SLICES`` slices (the pack stream has that much queued; the
-        arena may have chunks to spare, after steps that placed more or copied)."""
-        arena = self.arena
-        return (arena.room_now(nbytes // self.page_size * self.page_size)
-                and arena.pending_upper < SCRATCH_SLICES * self.slice_pages * self.page_size)
+        """Whether :meth:`offload` of ``nbytes`` would start without the host waiting for
+        slices in flight to be placed: false when the arena's chunks are spoken for by the
+        worst cases of slices not yet packed (the link is behind the host)."""
+        return self.arena.room_now(nbytes // self.page_size * self.page_size)
 
     def _store_slice(self, src, first: int, n: int, element_size: int,
                      float_format: str | None) -> _Slice:
