@@ -22,7 +22,7 @@ storage stored once its batch closes, as before the hooks held the last groups);
 ``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
 always true, as before session 44) instead of staying held. Arms measured and removed:
 ``memory_hold1``, only the current group held (no faster than two groups on four models, a
-higher GPU peak on encoder-1024, ``bench/results/h200_f2737ef_session44``); the arena's spare
+higher GPU peak on encoder-1024, ``bench/results/h200_7683f39_session44``); the arena's spare
 chunks kept (8 at least, not 2) or pinned without waiting for slices in flight (16): no step
 time gained (``bench/results/h200_0991b9a_session42``). Each
 arm's peak GPU memory over its steps, and its page-locked host memory held at the end, are

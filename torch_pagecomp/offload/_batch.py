@@ -28,7 +28,7 @@ and no bytes over the link either way. A plain copy behaves so by itself (its co
 behind the link and the stash keeps their sources); before this, a compressed store made the
 host wait instead, so the GPU was emptier when the backward began, and the backward brought
 back over the link bytes a plain copy read in place (encoder-1024 on an H200: 1.06 GiB of
-compressed bytes up against 1.00 GiB of plain ones, ``bench/results/h200_f2737ef_session44``).
+compressed bytes up against 1.00 GiB of plain ones, ``bench/results/h200_7683f39_session44``).
 The GPU bytes held stay bounded by ``max_in_flight_bytes``: past it the oldest batch is
 stored, waiting if need be.
 
