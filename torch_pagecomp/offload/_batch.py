@@ -248,7 +248,8 @@ class Batcher:
         compressed store on a GPU whose arena is spoken for; a batch whose saved tensors are
         all freed is dropped, not stored)."""
         dev = batch.key[0]
-        if batch.ref() is None or dev.type != "cuda" or (batch.alone or ("",))[0] is None:
+        copy = batch.alone is not None and batch.alone[0] is None
+        if batch.ref() is None or dev.type != "cuda" or copy:
             return True
         return self._owner()._paged_store(dev).stores_now(batch.nbytes)
 
