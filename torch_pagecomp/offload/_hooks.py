@@ -14,7 +14,9 @@ offsets, so gradients are bit-identical):
   copying faster: ``_tune``) a copy into exact-size pooled pinned memory on a side
   stream. With prefetching, a storage is held where it is until its group leaves the last
   ``prefetch + 1`` groups (``_batch``): the backward's first prefetch would bring those back at
-  once, so it reads them in place and their bytes never cross the link. The GPU storage of a
+  once, so it reads them in place and their bytes never cross the link; a compressed store
+  whose slices would make the host wait for the link (it is behind the forward) is put off,
+  its storages held, until a later saved storage finds the link free. The GPU storage of a
   started offload stays in a stash until its bytes are in host memory (a backward that comes
   first reads it in place, with no round trip over the link); past ``max_in_flight_bytes``
   (held storages included) the compute stream waits until the oldest has been read (copied,
