@@ -292,6 +292,33 @@ def test_stores_now_says_whether_a_store_would_wait_for_slices_in_flight(gen, mo
     assert store.stores_now(8 * chunk)  # placed: nothing in flight
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_stores_now_is_false_while_the_pack_stream_is_behind(gen):
+    """On CUDA, with the pack stream held up by a sleeping kernel: a store that would need
+    more chunks than are free is not started (``stores_now`` false) until the slice in flight
+    is placed. The chunk holds both slices, so the second store pins nothing (pinning host
+    memory synchronizes the device, which would wait out the sleep)."""
+    store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20)
+    src = _data(gen, 1 << 20, "bf16").cuda()
+    producer = torch.cuda.current_stream()
+    store.free(store.offload(src, 2, producer=producer))  # kernels loaded, chunk 0 pinned
+    torch.cuda.synchronize()
+    assert store.stores_now(8 << 20)  # nothing in flight
+    with torch.cuda.stream(store.pack_stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the pack waits behind it
+    stored = store.offload(src, 2, producer=producer)
+    arena = store.arena
+    assert len(arena.backed) == 1 and arena.pending, (arena.backed, arena.pending)
+    assert store.stores_now(1 << 20)  # the chunk held has room for it
+    assert not store.stores_now(8 << 20)  # it would wait for that slice
+    store.pack_stream.synchronize()
+    assert store.stores_now(8 << 20)
+    out = torch.full_like(src, POISON)
+    store.restore(stored, out)
+    assert torch.equal(out, src)
+    store.close()
+
+
 def _offload_and_free(store: PagedStore, gen, n: int) -> None:
     """One step of a store's life: ``n`` small tensors stored, placed, then freed."""
     stored = [store.offload(_data(gen, 5 * P, "small"), 1) for _ in range(n)]
