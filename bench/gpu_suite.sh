@@ -16,6 +16,9 @@
 #   bash bench/gpu_suite.sh fsdp       # the same under FSDP2 on every GPU (torchrun)
 #                                      # (STOCK_HOLD_GROUPS=0 / 1, for stock too: the hooks'
 #                                      # held window, a probe; rows record hold_groups)
+#                                      # (STOCK_WAIT=1, for stock too: due compressed stores
+#                                      # wait for the link, as before 7683f39, a probe; rows
+#                                      # record due_stores_wait)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model

@@ -43,6 +43,8 @@ On the CPU (CI) ``--tiny`` runs every model and variant at toy sizes, FSDP2 on g
 ``STOCK_STREAM_PRIORITY=-5`` (a probe) passes ``stream_priority`` to the hooks.
 ``STOCK_HOLD_GROUPS=N`` (a probe) sets the groups the hooks hold for the backward (the package's
 ``prefetch + 1``; 0: none, 1: the current group); each row records ``hold_groups``.
+``STOCK_WAIT=1`` (a probe) makes a due compressed store wait for the link, as before 7683f39,
+instead of staying held (``_batch.Batcher._starts_now``); each row records ``due_stores_wait``.
 """
 
 from __future__ import annotations
@@ -349,6 +351,10 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
 
             groups = int(os.environ["STOCK_HOLD_GROUPS"])
             Batcher.window = property(lambda self: groups)  # this child's process only
+        if os.environ.get("STOCK_WAIT") == "1":  # probe: due stores wait for the link
+            from torch_pagecomp.offload._batch import Batcher
+
+            Batcher._starts_now = lambda self, batch: True  # this child's process only
 
     phases: list[list[float]] = []  # per timed step, GiB: see ``row["phase_gib"]``
 
@@ -435,6 +441,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
            "codec": codec if variant in COMPRESSING else None,
            "hold_groups": (off._batcher.window if isinstance(off, ActivationOffloader)
                            else None),
+           "due_stores_wait": os.environ.get("STOCK_WAIT") == "1",
            "step_ms": statistics.median(times),
            "step_ms_all": [round(t, 2) for t in times], "grads": grads,
            "warmup_steps": warmup}

@@ -366,3 +366,20 @@ def test_the_stock_bench_probe_sets_the_held_groups(monkeypatch):
     monkeypatch.setattr(Batcher, "window", real)  # put back after the test, as the child exits
     row = stock_models.run("encoder-tiny", "memory", 1, 1, "cpu", False)
     assert row["hold_groups"] == 0 and "held" not in row["stats"] and row["offloaded_gib"] > 0
+
+
+def test_the_stock_bench_probe_makes_due_stores_wait(monkeypatch):
+    """``STOCK_WAIT=1`` (a probe of ``bench.stock_models``) makes every due store start at
+    once in its run (``Batcher._starts_now`` always true: on a GPU the store then waits for
+    the link), and each row records it."""
+    from bench import stock_models
+    from torch_pagecomp.offload._batch import Batcher
+
+    real = Batcher._starts_now
+    row = stock_models.run("encoder-tiny", "memory", 1, 1, "cpu", False)
+    assert row["due_stores_wait"] is False
+    monkeypatch.setenv("STOCK_WAIT", "1")
+    monkeypatch.setattr(Batcher, "_starts_now", real)  # put back after the test
+    row = stock_models.run("encoder-tiny", "memory", 1, 1, "cpu", False)
+    assert row["due_stores_wait"] is True and Batcher._starts_now is not real
+    assert row["offloaded_gib"] > 0
