@@ -212,18 +212,25 @@ def test_a_forward_that_raises_leaves_nothing_held(gen):
     assert off.pending()["entries"] == 0 and off.pending()["holding"] == 0
 
 
-def test_held_groups_under_activation_checkpointing(gen):
+@pytest.mark.parametrize("behind", [False, True])
+def test_held_groups_under_activation_checkpointing(gen, behind, monkeypatch):
     """Non-reentrant checkpointing saves each block's input under the hooks; the last two
     blocks' inputs are held and read in place, the others stored and restored, and a
-    checkpoint's recompute inside the backward saves nothing that outlives it."""
+    checkpoint's recompute inside the backward saves nothing that outlives it. ``behind``:
+    the link behind at four of every six asks (due stores stay held, then go), with the
+    recomputes saving in the backward, where nothing is stored."""
     model, x = _model(gen, layers=6), _data(gen, ROWS, WIDTH)
     ref = checkpointed_step(model, x, torch.enable_grad())
     off = _off()
+    asked = []
+    if behind:
+        asked = _link(monkeypatch, lambda: len(asked) % 6 > 3)
     for _ in range(3):
         _same(ref, checkpointed_step(model, x, off))
     st = off.stats()
     assert st["served_held"] > 0 and st["offloaded_bytes"] > 0, st
     assert off.pending()["entries"] == 0 and off.pending()["holding"] == 0
+    assert (st.get("deferred", 0) > 0) is behind, st
 
 
 def test_stores_the_link_cannot_take_stay_held_and_are_read_in_place(gen, monkeypatch):
