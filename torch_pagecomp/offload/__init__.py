@@ -6,7 +6,8 @@ Public surface: :class:`ActivationOffloader` (``offload_activations(**settings)`
 (a region whose saved tensors stay) and :class:`StepTuner` (``prefer="speed"``'s timing of
 compressed against copied steps). The modules behind them are private:
 
-* ``_hooks``: the offloader (pack, stash, policy, stats); ``_batch``: small saved storages
+* ``_hooks``: the offloader (pack, stash, policy, stats); ``_batch``: saved storages held
+  on the GPU (the backward's first groups, and stores the link cannot take yet) and small ones
   stored together; ``_backward``: unpack, prefetch and the end of backward; ``_entry``:
   passes, groups and entries;
 * ``_stores``: pinned copies, CPU stores, the per-class ratio policy; ``_paged``: compressed

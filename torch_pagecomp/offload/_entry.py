@@ -87,8 +87,8 @@ class _Entry:
         self.pass_, self.group = pass_, group
         self.stream = None  # compute stream at pack time (owner of the source and restores)
         self.src: torch.Tensor | None = None  # the GPU storage while its copy may run
-        # a batch that could not be stored (``_batch``): ``(byte offset, bytes)`` of each
-        # member, served in place until the end of backward
+        # the members of a batch not stored (``_batch``): ``(byte offset, bytes)`` each, read
+        # in place while held, and until the end of backward if its store failed
         self.parts: list[tuple[int, torch.Tensor]] | None = None
         self.store = self.stored = None
         self.error: BaseException | None = None

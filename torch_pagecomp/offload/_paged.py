@@ -68,6 +68,14 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def _placed_bytes(slices: list[_Slice], tail) -> int | None:
+    """Host bytes of ``slices`` and of the raw ``tail`` (pinned ``uint8``, or None) once every
+    slice is placed, else None."""
+    if any(sl.base is None for sl in slices):
+        return None
+    return sum(sl.total for sl in slices) + (tail.numel() if tail is not None else 0)
+
+
 class PagedStored:
     """One storage held in the arena (see :class:`PagedStore`)."""
 
@@ -109,25 +117,15 @@ class PagedStored:
 
     def host_nbytes(self) -> int | None:
         """Host bytes held (compressed pages + the raw tail) once placed, else None."""
-        if not self.stored():
-            return None
-        tail = self.tail.numel() if self.tail is not None else 0
-        return sum(sl.total for sl in self.slices) + tail
+        return _placed_bytes(self.slices, self.tail)
 
     def size_when_placed(self):
         """A function that returns :meth:`host_nbytes` once every slice is placed (None
         before), still after this stored tensor is freed: the host ledger's count of a tensor
         freed before its placement was read (the slices stay in the arena's pending queue
         until then anyway)."""
-        slices = list(self.slices)
-        tail = self.tail.numel() if self.tail is not None else 0
-
-        def size() -> int | None:
-            if any(sl.base is None for sl in slices):
-                return None
-            return sum(sl.total for sl in slices) + tail
-
-        return size
+        slices, tail = list(self.slices), self.tail
+        return lambda: _placed_bytes(slices, tail)
 
     def kernel_bytes(self) -> tuple[int, int] | None:
         """``(page bytes, stored bytes)`` of the compressed pages once placed."""
