@@ -293,6 +293,42 @@ def test_deferred_stores_start_in_order_once_the_link_catches_up(gen, monkeypatc
     _same(ref, [p.grad for p in model.parameters()])
 
 
+def test_a_bound_that_stores_a_due_batch_during_the_due_stores(gen, monkeypatch):
+    """The link catches up with several batches due at once, and each store passes the
+    in-flight bound, which stores the oldest held batch (on a GPU, ``_track`` bounds every
+    store by its GPU bytes; here the bound always finds them over): a batch
+    :meth:`Batcher.store_due` was about to store is stored by the bound first. Each is stored
+    once and nothing fails. (Before, the due stores' loop stored it again: ``ValueError: ...
+    not in deque``, the saved tensor at hand kept in place, on an H200 in
+    ``bench/results/h200_7683f39_session44``.)"""
+    model, x = _model(gen, layers=8), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    off = _off()
+    _same(ref, _step(model, x, off))
+    model.zero_grad(set_to_none=True)
+    answers = iter([False] * int(torch.randint(2, 7, (1,), generator=gen)))
+    _link(monkeypatch, lambda: next(answers, True))
+    real_track, stored = off._track, []
+
+    def track(entry, src):
+        stored.append(id(entry))
+        real_track(entry, src)
+        if not off._bounding and off._batcher.held:  # as _bound past max_in_flight_bytes
+            off._bounding = True
+            try:
+                off._batcher.flush_oldest()
+            finally:
+                off._bounding = False
+
+    off._track = track
+    _same(ref, _step(model, x, off))
+    st = off.stats()
+    assert st["deferred"] > 0 and st.get("offload_failed", 0) == 0, st
+    assert off._last_error is None, off._last_error
+    assert len(stored) == len(set(stored)) > 2
+    assert not _waiting(off) and off.pending()["entries"] == 0
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["compressed", "uncompressed"])
 def test_gpu_held_groups_are_read_in_place_with_identical_grads(gen, mode):

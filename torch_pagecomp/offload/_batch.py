@@ -192,7 +192,10 @@ class Batcher:
         self.flush(self.held[0] if self.held else next(iter(self.open.values())))
 
     def _close(self, batch: Batch) -> None:
-        """No more members for ``batch``: held, or stored now without a window."""
+        """No more members for ``batch``: held, or stored now without a window (nothing if
+        it is no longer open: the bound of an earlier batch's store stored it)."""
+        if self.open.get(batch.key) is not batch:
+            return
         del self.open[batch.key]
         self.held.append(batch)
         if not self.window and not _capturing():
@@ -232,12 +235,13 @@ class Batcher:
         ref, group = self.due
         ps = ref()
         off = self._owner()
-        due = [b for b in self.held if b.before(ps, group)]
-        for k, batch in enumerate(due):
+        # the oldest due batch, found again after each store: a store's in-flight bound
+        # (``_bound``) may have stored the next one already
+        while (batch := next((b for b in self.held if b.before(ps, group)), None)) is not None:
             if not self._starts_now(batch):
                 self.behind = True
-                for later in due[k:]:
-                    if not later.deferred:
+                for later in self.held:
+                    if later.before(ps, group) and not later.deferred:
                         later.deferred = True
                         off.counters["deferred"] += later.members
                 return
