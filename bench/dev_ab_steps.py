@@ -20,7 +20,12 @@ saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches)
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
 storage stored once its batch closes, as before the hooks held the last groups);
 ``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
-always true, as before session 44) instead of staying held. Arms measured and removed:
+always true, as before session 44) instead of staying held. ``speed``: ``prefer="speed"``,
+its tuner's trials and check run first in consecutive steps of its own (a pass's period is
+from its start to the next one's: interleaved, it would hold the other arms' steps), so it is
+measured at the choice it settled on, beside the other arms on the same host; its decisions
+are printed. ``speed_copy_only``: ``speed``'s code path copying from its first pass
+(``bench.stock_models.CopyOnlyTuner``). Arms measured and removed:
 ``memory_hold1``, only the current group held (no faster than two groups on four models, a
 higher GPU peak on encoder-1024, ``bench/results/h200_7683f39_session44``); the arena's spare
 chunks kept (8 at least, not 2) or pinned without waiting for slices in flight (16): no step
@@ -39,7 +44,8 @@ import statistics
 import time
 
 ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_single", "memory_restore256",
-        "memory_batch128", "uncompressed_nohold", "memory_nohold", "memory_wait")
+        "memory_batch128", "uncompressed_nohold", "memory_nohold", "memory_wait", "speed",
+        "speed_copy_only")
 
 
 # arms that set a package constant while their steps run: (module, name, value)
@@ -108,8 +114,11 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     cuda = torch.cuda.is_available()  # the CPU: a smoke test on the tiny models
     model, x, blocks = build(name, "cuda" if cuda else "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    from bench.stock_models import CopyOnlyTuner
+
     settings = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-                "uncompressed_nohold": dict(mode="uncompressed"),
+                "uncompressed_nohold": dict(mode="uncompressed"), "speed": dict(prefer="speed"),
+                "speed_copy_only": dict(prefer="speed", tuner=CopyOnlyTuner()),
                 **{a: dict(prefer="memory") for a in ARMS if a.startswith("memory_")}}
     cpu = {} if cuda else dict(offload_cpu=True, min_offload_bytes=1 << 12)
     offs = {a: ActivationOffloader(**settings[a], **cpu) for a in arms if a != "none"}
@@ -139,6 +148,12 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
+    tuned = 0
+    if "speed" in offs:  # its trials and check in steps of its own (see the docstring)
+        tuner = offs["speed"].tuner
+        while tuned < 28 and (tuner.choice is None or tuner.checking):
+            step("speed")
+            tuned += 1
     for _ in range(warmup):
         for arm in arms:
             step(arm)
@@ -171,6 +186,11 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"{max(peaks):.2f} |")
     for off in offs.values():
         off.synchronize()
+    if "speed" in offs:
+        t = offs["speed"].tuner.summary()
+        lines.append(f"speed: {tuned} steps of its own first; choice {t['choice']} "
+                     f"(checking: {offs['speed'].tuner.checking}); trial ms "
+                     f"{t['trial_ms']}; decisions {t['decisions']}")
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
               "packs s |", "|---|---|---|---|"]
     for arm, off in offs.items():

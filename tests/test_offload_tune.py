@@ -82,7 +82,8 @@ def test_tuner_tie_keeps_compression():
 def test_tuner_checks_its_choice_against_the_settled_passes(chosen):
     """Trials that tie (or pick the wrong arm) are caught by the passes they lead to: once
     ``check`` settled passes (after the first) are timed, their median stands in for the
-    chosen arm's trial time, and the other arm is taken if it wins there; once per decision."""
+    chosen arm's trial time; the other arm wins there, so its settled passes are timed too,
+    and the two medians keep it; once per decision."""
     clock = FakeClock()
     tuner = StepTuner(warmup=1, trials=2, retune=100, check=4, clock=clock)
     base = random.uniform(100, 300)
@@ -92,17 +93,41 @@ def test_tuner_checks_its_choice_against_the_settled_passes(chosen):
     run_passes(tuner, clock, trial, 1 + 8)
     assert tuner.checking and tuner.choice is None  # decided at the next pass's start
     slow = {chosen: trial[other] * random.uniform(1.3, 2.0), other: trial[other]}
-    arms = run_passes(tuner, clock, slow, 5 + 10)
-    # five settled passes (the first left out of the check), each timed at the next's start
+    arms = run_passes(tuner, clock, slow, 5 + 5 + 10)
+    # five settled passes of each (the first left out of a check), each timed at the next's
+    # start
     assert arms[:5] == [chosen] * 5
     assert set(arms[5:]) == {other} and tuner.choice == other, tuner.summary()
     assert not tuner.checking
-    first, switch = tuner.history
-    assert first["choice"] == chosen and switch["choice"] == other and switch["checked"]
-    assert switch[f"{chosen}_ms"] == pytest.approx(slow[chosen], abs=0.01)
+    first, measuring, checked = tuner.history
+    assert first["choice"] == chosen and measuring["choice"] == other and measuring["measuring"]
+    assert measuring[f"{chosen}_ms"] == pytest.approx(slow[chosen], abs=0.01)
+    assert checked["choice"] == other and checked["checked"]
+    assert checked[f"{other}_ms"] == pytest.approx(slow[other], abs=0.01)
+    assert checked[f"{chosen}_ms"] == pytest.approx(slow[chosen], abs=0.01)
     # the other arm now slows down too: no switching back before the next trials
     arms = run_passes(tuner, clock, {chosen: slow[chosen], other: slow[chosen] * 2}, 10)
-    assert arms == [other] * 10 and len(tuner.history) == 2
+    assert arms == [other] * 10 and len(tuner.history) == 3
+
+
+@pytest.mark.parametrize("chosen", ["compress", "copy"])
+def test_tuner_takes_back_a_switch_the_other_arms_passes_do_not_confirm(chosen):
+    """The chosen arm's settled median lost to the other arm's shortest trial by the spread
+    of the steps alone (as on the ResNet-style model, session 44): the other arm's own settled
+    passes are slower, and the tuner goes back to its choice."""
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=2, retune=100, check=4, clock=clock)
+    base = random.uniform(100, 300)
+    other = "copy" if chosen == "compress" else "compress"
+    trial = ({"compress": base, "copy": base * 0.99} if chosen == "compress"
+             else {"copy": base * 0.9, "compress": base})
+    run_passes(tuner, clock, trial, 1 + 8)
+    settled = {chosen: trial[other] * 1.1, other: trial[other] * 1.25}
+    arms = run_passes(tuner, clock, settled, 5 + 5 + 10)
+    assert arms[:5] == [chosen] * 5 and arms[5:10] == [other] * 5, (arms, tuner.summary())
+    assert set(arms[10:]) == {chosen} and tuner.choice == chosen and not tuner.checking
+    assert [h["choice"] for h in tuner.history] == [chosen, other, chosen]
+    assert tuner.history[-1]["checked"]
 
 
 def test_tuner_keeps_a_choice_its_settled_passes_confirm():
@@ -294,7 +319,7 @@ def test_copied_passes_run_without_the_compressors_scratch(seed):
     against ``max_in_flight_bytes``); once the tuner keeps copying, each store also gives back
     its idle host chunks."""
     clock = FakeClock()
-    tuner = StepTuner(warmup=1, trials=1, retune=100, clock=clock)
+    tuner = StepTuner(warmup=1, trials=1, retune=100, check=0, clock=clock)  # final at once
     off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
     calls = []
 
@@ -335,7 +360,7 @@ def test_copied_passes_give_back_chunks_still_held_at_the_decision(seed):
     it holds any: at the decision the last compressed passes' tensors may still hold theirs
     (freed by a later poll), which stayed pinned through every copied step."""
     clock = FakeClock()
-    tuner = StepTuner(warmup=1, trials=1, retune=100, clock=clock)
+    tuner = StepTuner(warmup=1, trials=1, retune=100, check=0, clock=clock)  # final at once
     off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
     idle = []
 
@@ -358,6 +383,48 @@ def test_copied_passes_give_back_chunks_still_held_at_the_decision(seed):
     # the decision's release_idle, then one copied pass's; none once nothing is held
     assert idle == ["copy", "copy"], idle
     assert store.arena.held_bytes == 0
+
+
+def test_idle_memory_is_given_back_only_once_the_choice_is_checked(seed):
+    """While the tuner checks its choice (which it may take back), a copied pass gives back
+    only the compressors' GPU scratch and a compressed pass nothing: the chunks and pinned
+    copy buffers of the other way stay for a switch back. Once checked, the losing way's
+    idle memory goes: here compression loses its check, so the chunks go."""
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=1, retune=100, check=2, clock=clock)
+    off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
+    calls, cleared = [], []
+
+    class Store(FakeStore):
+        def release_idle(self):
+            calls.append(("idle", tuner.choice, tuner.checking))
+
+        def release_scratch(self):
+            calls.append(("scratch", tuner.choice, tuner.checking))
+
+    off._paged[0] = Store()
+    real_clear = off.pool.clear
+    off.pool.clear = lambda: (cleared.append(tuner.choice), real_clear())
+    model = GPT(d=32, heads=4, layers=2)
+    x = torch.randn(2, 23, 32)
+    # trials: compress 60 ms against copy 70 (compress chosen); its settled passes: 80 ms
+    # (lose to copy's trial), copy's settled: 70 (confirm it)
+    ms = {"copy": 70.0, "compress": 60.0}
+    arms = []
+    for k in range(15):
+        grads_of(model, x, off)
+        arms.append(tuner.summary()["arm"])
+        if k == 5:
+            ms["compress"] = 80.0
+        clock.advance(ms[arms[-1]])
+    assert arms == (["compress"] + ["copy"] * 2 + ["compress"] * 2 + ["compress"] * 3
+                    + ["copy"] * 7), (arms, tuner.summary())
+    assert [h["choice"] for h in tuner.history] == ["compress", "copy", "copy"]
+    assert not cleared  # compression was never checked: the copy buffers stayed
+    idle = [c for c in calls if c[0] == "idle"]
+    assert idle and all(c == ("idle", "copy", False) for c in idle), calls
+    assert calls.index(idle[0]) > 3  # the trials' and the check's copied passes: scratch
+    assert all(c[0] == "scratch" for c in calls[:calls.index(idle[0])]), calls
 
 
 def test_paged_store_release_idle_gives_back_chunks_and_scratch(gen):

@@ -116,8 +116,9 @@ class ActivationOffloader:
         prefer: ``"speed"``: compress only where it shortens the step. Passes are timed
             (``_tune.StepTuner``: after two warm-up passes, two passes each compressed
             and copied, again every ``tuner.retune`` passes) and the faster way is kept
-            (checked once against the steps it gives: a choice whose own steps lose to the
-            other way's trials is switched).
+            (checked against the steps it gives: a choice whose own steps lose to the
+            other way's trials has the other way's steps timed too, and the faster steps
+            decide).
             ``"memory"``: every tensor of a class that compresses goes through the kernels.
         tuner: the ``StepTuner`` of ``prefer="speed"`` (default ``StepTuner()``).
         stream_priority: CUDA priority of the side streams (lower is higher).
@@ -157,6 +158,8 @@ class ActivationOffloader:
             raise ValueError(f"prefer must be 'speed' or 'memory', got {prefer!r}")
         self.prefer = prefer
         self.tuner = None
+        self._released: str | None = None  # the checked choice whose other way's idle
+        # memory was given back (``_tuned_arm``)
         if prefer == "speed" and mode == "compressed":
             self.tuner = tuner if tuner is not None else StepTuner()
         elif tuner is not None:  # it would never be asked: say so rather than drop it
@@ -302,34 +305,36 @@ class ActivationOffloader:
         )
 
     def _tuned_arm(self) -> str:
-        """This pass's arm (``prefer="speed"``). Once the tuner decides, the idle memory of the
-        other way is released: plain copies' pooled buffers when compressing wins (classes
-        that do not compress regrow what they use); when copying wins, the compressors' idle
-        host chunks and their GPU scratch, which would otherwise stay allocated and shrink the
-        in-flight bound of every copied pass (more waits, fewer storages served in place).
-        Every copied pass, a trial too, runs without the compressors' GPU scratch (made again
-        by the next compressed pass): a copied trial is timed under the bound it would have once
-        chosen. With the scratch subtracted, the copied trials of encoder-2048 and llama-2048
-        (steps at the bound) ran 7-8% slower than the `uncompressed` variant's steps
+        """This pass's arm (``prefer="speed"``). Once the tuner's choice is checked (its
+        settled passes confirmed it), the idle memory of the other way is released: plain
+        copies' pooled buffers when compressing wins (classes that do not compress regrow
+        what they use); when copying wins, the compressors' idle host chunks and their GPU
+        scratch, which would otherwise stay allocated and shrink the in-flight bound of every
+        copied pass (more waits, fewer storages served in place). Not before the check: a
+        choice it takes back would pin all of it again. Every copied pass, a trial too, runs
+        without the compressors' GPU scratch (made again by the next compressed pass): a
+        copied trial is timed under the bound it would have once chosen. With the scratch
+        subtracted, the copied trials of encoder-2048 and llama-2048 (steps at the bound) ran
+        7-8% slower than the `uncompressed` variant's steps
         (bench/results/h200x2_055904c_stock), and the tuner kept compressing where copying
         was faster."""
         if self.tuner is None or _capturing() or torch.compiler.is_compiling():
             return "compress"  # no events recorded into a graph capture or a trace
-        decided = len(self.tuner.history)
         arm = self.tuner.start_pass()
-        if len(self.tuner.history) > decided:
-            if self.tuner.choice == "compress":
+        final = None if self.tuner.checking else self.tuner.choice
+        if final != self._released:
+            self._released = final
+            if final == "compress":
                 self.pool.clear()
-            else:
+            elif final == "copy":
                 for store in self._paged.values():
                     store.release_idle()
         if arm == "copy":
-            settled = self.tuner.choice == "copy"
             for store in self._paged.values():
                 # settled: also the chunks the last compressed passes' tensors still held at
                 # the decision, given back once freed (encoder-2048 kept 0.81 GiB pinned on
                 # copied steps without); release_idle frees the scratch too
-                if settled and store.arena.held_bytes:
+                if final == "copy" and store.arena.held_bytes:
                     store.release_idle()
                 else:
                     store.release_scratch()

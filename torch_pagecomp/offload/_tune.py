@@ -29,13 +29,21 @@ read once completed, never waited for), or the host clock without CUDA:
    it is faster by more than ``margin`` (on a tie compression still saves host memory). Then
    the trials run again, and at once when a pass offloads a different amount (by more than a
    quarter) than the trials did: a new sequence length or model;
-4. the choice is checked once against the passes it gives: the median of ``check`` settled
+4. the choice is checked against the passes it gives: the median of ``check`` settled
    passes (after the first, which may still pay for the switch) takes the place of the chosen
-   arm's trial time in the same rule, and if the other arm wins there the tuner switches to
-   it until the next trials. Two trial passes per arm can tie where the steps do not: on
-   transformers' GPT-2 (d 768, batch 8 x 1024) both arms' trials ran 122 ms, and the
+   arm's trial time in the same rule. Two trial passes per arm can tie where the steps do not:
+   on transformers' GPT-2 (d 768, batch 8 x 1024) both arms' trials ran 122 ms, and the
    compressed steps that followed 120-194 ms (median 158) against 134 copied
-   (``bench/results/h200_d04bdbf_session34``).
+   (``bench/results/h200_d04bdbf_session34``). If the other arm wins there, it runs ``check``
+   settled passes too, and the two medians decide (the same rule), until the next trials.
+   Set against the other arm's shortest trial, the median of the chosen arm's own passes
+   lost to it by the spread of the steps alone: on encoder-tiny (CPU) the tuner chose copying
+   on trials of 5.7 ms against 6.6 and switched to compressing on a copied median of 6.5; on
+   the ResNet-style model (H200) it chose copying on trials of 59.0 ms against 61.3, switched
+   on a copied median of 62.3, and its compressed steps then ran 73-78 ms
+   (``bench/results/h200_7683f39_session44``). Each arm's idle memory is given back only once
+   the check is done (``ActivationOffloader._tuned_arm``): a switch it takes back would pin
+   it all again.
 
 Passes that offload nothing (evaluation) are not timed and change nothing.
 """
@@ -104,6 +112,8 @@ class StepTuner:
         self._open: tuple | None = None  # (mark, arm, generation, trial?, settled?) of the pass
         self._settled_ms: list[float] = []  # settled passes of the choice, for its check
         self._checked = True  # the current decision was checked (or there is none)
+        self._rival: tuple[str, float] | None = None  # (arm, its settled median): checked
+        # first, lost to the other arm's trials; the other arm's settled passes now decide
         self._bytes = 0  # offloaded by the pass in progress
         self._closed: collections.deque = collections.deque()  # passes awaiting their time
         self._trial_bytes: int | None = None  # bytes per pass the trials saw
@@ -177,7 +187,7 @@ class StepTuner:
         self._schedule = pairs * self.trials
         self.times = {a: [] for a in ARMS}
         self._trial_bytes = None
-        self._settled_ms, self._checked = [], True
+        self._settled_ms, self._checked, self._rival = [], True, None
 
     def _trial_best(self) -> dict:
         """Each arm's shortest timed trial pass (ms)."""
@@ -197,16 +207,25 @@ class StepTuner:
 
     def _check_settled(self) -> None:
         """The chosen arm's settled passes (the first left out) in place of its trial time:
-        switch to the other arm if it wins there (once per decision)."""
-        self._checked = True
-        best = self._trial_best()
-        best[self.choice] = statistics.median(self._settled_ms[1:])
-        choice = self._choose(best)
-        if choice != self.choice:
-            self.choice, self._settled = choice, 0
-            self.history.append({"choice": choice, "bytes_per_pass": self._trial_bytes,
-                                 "checked": True,
-                                 **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
+        if the other arm wins there, its settled passes are measured too and the two medians
+        decide (see the module docstring)."""
+        median = statistics.median(self._settled_ms[1:])
+        if self._rival is None:
+            best = self._trial_best()
+            best[self.choice] = median
+            if self._choose(best) == self.choice:
+                self._checked = True
+                return
+            self._rival = (self.choice, median)
+            verdict, other = "measuring", "copy" if self.choice == "compress" else "compress"
+        else:
+            best = {self._rival[0]: self._rival[1], self.choice: median}
+            self._checked, self._rival = True, None
+            verdict, other = "checked", self._choose(best)
+        if other != self.choice:
+            self.choice, self._settled, self._settled_ms = other, 0, []
+        self.history.append({"choice": other, "bytes_per_pass": self._trial_bytes,
+                             verdict: True, **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
 
     def summary(self) -> dict:
         """Phase, current arm and the decisions so far (for ``ActivationOffloader.stats``)."""
