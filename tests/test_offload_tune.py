@@ -234,6 +234,35 @@ def test_tuner_ignores_passes_without_offloads():
 
 
 # ------------------------------------------------------------------ the hooks, CPU path
+def test_speed_decides_when_compressed_passes_store_less(seed, monkeypatch):
+    """The link behind every compressed pass (no due compressed store can start: they stay
+    held and the backward reads them in place, ``_batch``), while copies start: compressed
+    passes store far fewer bytes than copied ones. The tuner's workload is the bytes the
+    hooks take, stored or not, so the trials still decide (counting the bytes stored, they
+    differed by more than a quarter and every trial started the trials again: on encoder-1024
+    the tuner had not decided after 28 steps)."""
+    from torch_pagecomp.offload._batch import Batcher
+
+    monkeypatch.setattr(Batcher, "_starts_now",
+                        lambda self, b: b.ref() is None or (b.alone is not None
+                                                            and b.alone[0] is None))
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=1, retune=100, check=1, clock=clock)
+    model = GPT(d=32, heads=4, layers=4)
+    x = torch.randn(2, 23, 32)
+    ref = grads_of(model, x)
+    off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
+    stored = {"copy": [], "compress": []}
+    for _ in range(12):
+        before = off.stats().get("offloaded_bytes", 0)
+        assert_identical(ref, grads_of(model, x, off))
+        arm = tuner.summary()["arm"]
+        stored[arm].append(off.stats()["offloaded_bytes"] - before)
+        clock.advance(50.0 if arm == "copy" else 40.0)
+    assert tuner.choice == "compress" and not tuner.checking, (tuner.summary(), stored)
+    assert min(stored["copy"]) > 2 * max(stored["compress"]), stored  # stores differ
+
+
 def test_speed_hooks_follow_the_tuner_with_identical_grads(seed):
     """On the CPU path: trials alternate the stores, the arm in force decides; gradients equal."""
     clock = FakeClock()

@@ -434,6 +434,10 @@ class ActivationOffloader:
         the entry's bytes)``, or None where the pinned pool is full."""
         ps = self._pass
         nbytes, dev = storage.nbytes(), t.device
+        if self.tuner is not None:  # the pass's workload: the bytes taken, stored or not (the
+            # bytes stored differ by arm: a compressed pass reads what the link has not taken
+            # in place, and the tuner took the difference for a new workload, trial after trial)
+            self.tuner.add_bytes(nbytes)
         src = torch.empty((0,), dtype=torch.uint8, device=dev).set_(storage)
         esize = dtype_element_size(t.dtype)
         cls = (t.dtype, tuple(t.shape))
@@ -501,8 +505,6 @@ class ActivationOffloader:
             self.counters[name + "_bytes"] += nbytes
         self.counters[f"offloaded_{entry.store.kind}"] += tensors
         self.counters["offloaded_bytes"] += nbytes
-        if self.tuner is not None:
-            self.tuner.add_bytes(nbytes)
 
     def _track(self, entry: _Entry, src: torch.Tensor) -> None:
         """Book-keep a started offload: a GPU source stays in the stash until its bytes are

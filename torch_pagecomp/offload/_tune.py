@@ -27,8 +27,9 @@ read once completed, never waited for), or the host clock without CUDA:
    own arm, as every settled pass does;
 3. once they are measured, the faster arm is kept for ``retune`` passes; ``"copy"`` only if
    it is faster by more than ``margin`` (on a tie compression still saves host memory). Then
-   the trials run again, and at once when a pass offloads a different amount (by more than a
-   quarter) than the trials did: a new sequence length or model;
+   the trials run again, and at once when a pass takes a different amount to offload (by
+   more than a quarter) than the trials did: a new sequence length or model (the bytes taken,
+   not those stored, which differ by arm);
 4. the choice is checked against the passes it gives: the median of ``check`` settled
    passes (after the first, which may still pay for the switch) takes the place of the chosen
    arm's trial time in the same rule. Two trial passes per arm can tie where the steps do not:
@@ -122,7 +123,8 @@ class StepTuner:
             self._begin_trials()
 
     def add_bytes(self, nbytes: int) -> None:
-        """The pass in progress offloaded ``nbytes`` more."""
+        """The pass in progress took ``nbytes`` more to offload (stored, or held and read in
+        place: the workload, whatever the arm)."""
         self._bytes += nbytes
 
     def start_pass(self) -> str:
