@@ -148,11 +148,13 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
-    tuned = 0
+    tuned, own = 0, []
     if "speed" in offs:  # its trials and check in steps of its own (see the docstring)
-        tuner = offs["speed"].tuner
-        while tuned < 28 and (tuner.choice is None or tuner.checking):
-            step("speed")
+        sp = offs["speed"]
+        while tuned < 28 and (sp.tuner.choice is None or sp.tuner.checking):
+            ms = step("speed")[0]
+            made = sp.pool.misses + sum(st.arena.pins for st in sp._paged.values())
+            own.append(f"{sp.tuner.arm[:4]} {ms:.1f} ({made})")
             tuned += 1
     for _ in range(warmup):
         for arm in arms:
@@ -191,6 +193,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         lines.append(f"speed: {tuned} steps of its own first; choice {t['choice']} "
                      f"(checking: {offs['speed'].tuner.checking}); trial ms "
                      f"{t['trial_ms']}; decisions {t['decisions']}")
+        lines.append("speed's own steps: arm, ms (host buffers and chunks made so far): "
+                     + ", ".join(own))
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
               "packs s |", "|---|---|---|---|"]
     for arm, off in offs.items():

@@ -290,7 +290,7 @@ class CopyOnlyTuner:
         self.choice = self.arm = "copy"
         self.history: list = []
 
-    def start_pass(self) -> str:
+    def start_pass(self, grew: bool = False) -> str:
         return "copy"
 
     def add_bytes(self, nbytes: int) -> None:

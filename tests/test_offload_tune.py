@@ -204,6 +204,42 @@ def test_tuner_retunes_after_retune_passes_and_on_new_workload():
     assert tuner.history[-1]["bytes_per_pass"] == 4 << 20
 
 
+def test_tuner_times_again_a_trial_pass_that_made_memory():
+    """A timed trial pass that pinned host memory (an arena chunk, a copy buffer) runs again,
+    after its own arm's pass as before; past ``2 * trials`` such passes per trials they count
+    (a step that pins every time is the steady state). A settled pass that made memory is
+    left out of the check, at most ``check`` times."""
+    clock = FakeClock()
+    tuner = StepTuner(warmup=1, trials=1, retune=100, check=2, clock=clock)
+    base = random.uniform(100, 300)
+    ms = {"compress": base, "copy": base * 1.2}
+    arms, grew = [], {3}  # the pass at index 3 (the compressed trial's timed one) pins
+    for k in range(20):
+        arm = tuner.start_pass(grew=(k - 1) in grew)  # closes pass k - 1
+        arms.append(arm)
+        tuner.add_bytes(1 << 20)
+        # the pinning pass is slow: counted, it would make copying look faster
+        clock.advance(ms[arm] * (2.0 if k in grew else 1.0))
+        if k == 5:
+            grew |= {6, 7, 8, 9}  # settled passes that pin: two left out, then counted
+    assert arms[:6] == ["compress", "copy", "copy", "compress", "compress", "compress"], arms
+    assert tuner.history[0]["choice"] == "compress", tuner.summary()
+    assert tuner.history[0]["compress_ms"] == pytest.approx(base, abs=0.01)
+    assert tuner.times["compress"] == [pytest.approx(base, abs=0.01)]
+    # settled from pass 5: 5 is the first (left out), 6 and 7 pinned (left out), then 8 and 9
+    # (pinned, but past the check's allowance) and 10 make the check: slow, so copy is timed
+    assert tuner.history[1]["choice"] == "copy" and tuner.history[1]["measuring"]
+    assert tuner.history[1]["compress_ms"] == pytest.approx(2 * base, abs=0.01)
+    cap = StepTuner(warmup=0, trials=1, retune=100, check=0, clock=clock)
+    arms = []
+    for _ in range(12):  # every pass pins: two timed passes run again, then they count
+        arms.append(cap.start_pass(grew=True))
+        cap.add_bytes(1 << 20)
+        clock.advance(ms[arms[-1]])
+    assert arms[:6] == ["copy"] * 4 + ["compress"] * 2, arms
+    assert cap.choice == "compress" and len(cap.times["copy"]) == 1
+
+
 def test_tuner_waits_for_late_marks():
     """Marks complete late (the host runs passes ahead of the GPU): nothing is waited for,
     trials are handed out once, passes between trials and decision compress."""
@@ -324,7 +360,7 @@ class FakeStore:
     scratch_bytes = 0
 
     def __init__(self):
-        self.arena = types.SimpleNamespace(held_bytes=0, shrink=lambda: None)
+        self.arena = types.SimpleNamespace(held_bytes=0, shrink=lambda: None, pins=0)
 
     def release_idle(self):
         pass
@@ -412,6 +448,26 @@ def test_copied_passes_give_back_chunks_still_held_at_the_decision(seed):
     # the decision's release_idle, then one copied pass's; none once nothing is held
     assert idle == ["copy", "copy"], idle
     assert store.arena.held_bytes == 0
+
+
+def test_the_hooks_tell_the_tuner_which_passes_made_memory(seed):
+    """The offloader passes the tuner, at each pass's start, whether the pass closing made
+    host memory: an arena chunk pinned (the compressed store's ``arena.pins``) or a pinned
+    copy buffer made (the pool's misses)."""
+    tuner = StepTuner(warmup=1, trials=1, retune=100, clock=FakeClock())
+    off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
+    store = off._paged[0] = FakeStore()
+    told, real = [], tuner.start_pass
+    tuner.start_pass = lambda grew=False: (told.append(grew), real(grew=grew))[1]
+    model = GPT(d=32, heads=4, layers=2)
+    x = torch.randn(2, 23, 32)
+    for k in range(5):
+        grads_of(model, x, off)
+        if k == 1:
+            store.arena.pins += 1
+        if k == 3:
+            off.pool.misses += 1
+    assert told == [False, False, True, False, True], told
 
 
 def test_idle_memory_is_given_back_only_once_the_choice_is_checked(seed):

@@ -263,6 +263,7 @@ class VirtualArena:
         # / -1 freed, slice) not folded yet: from the first slice of unknown size on
         self._stored = 0  # the folded events' bytes
         self.peak_held = 0
+        self.pins = 0  # chunks made (pinned) so far: a step that made one paid for it
         self.peak_backed = 0  # chunks backed at once since the last shrink
         self.placed_since_shrink = False
         # where the pack kernel publishes each slice's (base, total): one pinned ring, not a
@@ -342,6 +343,7 @@ class VirtualArena:
             _wait(stream, last_read)  # restores of its previous slices read it first
         else:
             mem = HostMemory(self.chunk, pin=self.pin)
+            self.pins += 1
         if (k - TABLE_SIZE) in self.backed:
             raise RuntimeError("activation offload: host arena window exceeded")
         self.backed[k] = mem

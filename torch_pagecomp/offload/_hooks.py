@@ -160,6 +160,7 @@ class ActivationOffloader:
         self.tuner = None
         self._released: str | None = None  # the checked choice whose other way's idle
         # memory was given back (``_tuned_arm``)
+        self._made = 0  # host buffers and chunks made so far, as of the last pass's start
         if prefer == "speed" and mode == "compressed":
             self.tuner = tuner if tuner is not None else StepTuner()
         elif tuner is not None:  # it would never be asked: say so rather than drop it
@@ -320,7 +321,9 @@ class ActivationOffloader:
         was faster."""
         if self.tuner is None or _capturing() or torch.compiler.is_compiling():
             return "compress"  # no events recorded into a graph capture or a trace
-        arm = self.tuner.start_pass()
+        made = self.pool.misses + sum(st.arena.pins for st in self._paged.values())
+        arm = self.tuner.start_pass(grew=made != self._made)  # the pass now closing
+        self._made = made
         final = None if self.tuner.checking else self.tuner.choice
         if final != self._released:
             self._released = final

@@ -44,7 +44,13 @@ read once completed, never waited for), or the host clock without CUDA:
    on a copied median of 62.3, and its compressed steps then ran 73-78 ms
    (``bench/results/h200_7683f39_session44``). Each arm's idle memory is given back only once
    the check is done (``ActivationOffloader._tuned_arm``): a switch it takes back would pin
-   it all again.
+   it all again;
+5. a pass that made host memory (pinned an arena chunk or a copy buffer: tens of
+   milliseconds each, and a device synchronisation) is not timed as its arm: a timed trial
+   pass that did runs again (at most ``2 * trials`` times per trials), and a settled one is
+   left out of the check (at most ``check`` times per decision). The compressed store's arena
+   grows over the first steps, only while the link is idle, so a compressed trial could pay
+   for chunks a settled pass never pins again.
 
 Passes that offload nothing (evaluation) are not timed and change nothing.
 """
@@ -113,6 +119,8 @@ class StepTuner:
         self._open: tuple | None = None  # (mark, arm, generation, trial?, settled?) of the pass
         self._settled_ms: list[float] = []  # settled passes of the choice, for its check
         self._checked = True  # the current decision was checked (or there is none)
+        self._regrown = 0  # timed trial passes run again this trials (they made memory)
+        self._skipped = 0  # settled passes left out of this decision's check (the same)
         self._rival: tuple[str, float] | None = None  # (arm, its settled median): checked
         # first, lost to the other arm's trials; the other arm's settled passes now decide
         self._bytes = 0  # offloaded by the pass in progress
@@ -127,12 +135,20 @@ class StepTuner:
         place: the workload, whatever the arm)."""
         self._bytes += nbytes
 
-    def start_pass(self) -> str:
-        """A pass begins: closes the previous one, reads the periods measured so far; returns
-        this pass's arm."""
+    def start_pass(self, grew: bool = False) -> str:
+        """A pass begins: closes the previous one (``grew``: it made host memory, see the
+        module docstring), reads the periods measured so far; returns this pass's arm."""
         now = self.clock()
         if self._open is not None and self._bytes > 0:
-            self._closed.append((*self._open, self._bytes, now))
+            start, arm, gen, trial, settled = self._open
+            if grew and trial and self._regrown < 2 * self.trials:
+                self._regrown += 1
+                self._schedule.insert(0, (arm, True))  # after a pass of its own, as before
+                trial = False
+            if grew and settled and self._skipped < self.check:
+                self._skipped += 1
+                settled = False
+            self._closed.append((start, arm, gen, trial, settled, self._bytes, now))
             if self._phase == "warmup":
                 self._warm += 1
                 if self._warm >= self.warmup:
@@ -190,6 +206,7 @@ class StepTuner:
         self.times = {a: [] for a in ARMS}
         self._trial_bytes = None
         self._settled_ms, self._checked, self._rival = [], True, None
+        self._regrown = 0
 
     def _trial_best(self) -> dict:
         """Each arm's shortest timed trial pass (ms)."""
@@ -202,7 +219,7 @@ class StepTuner:
     def _decide(self) -> None:
         best = self._trial_best()
         self.choice = self._choose(best)
-        self._phase, self._settled = "settled", 0
+        self._phase, self._settled, self._skipped = "settled", 0, 0
         self._settled_ms, self._checked = [], self.check == 0
         self.history.append({"choice": self.choice, "bytes_per_pass": self._trial_bytes,
                              **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
