@@ -296,16 +296,20 @@ def test_stores_now_says_whether_a_store_would_wait_for_slices_in_flight(gen, mo
 def test_gpu_stores_now_is_false_while_the_pack_stream_is_behind(gen):
     """On CUDA, with the pack stream held up by a sleeping kernel: a store that would need
     more chunks than are free is not started (``stores_now`` false) until the slice in flight
-    is placed. The chunk holds both slices, so the second store pins nothing (pinning host
-    memory synchronizes the device, which would wait out the sleep)."""
+    is placed. Two stores first: the pack kernel is specialized on its slot parity (Triton
+    specializes an integer argument equal to 1), slices take turns, and the second store's
+    first launch loads the other variant, which waited out the sleep on an H200 (1.0 s for a
+    1.0 s sleep, ``bench/results/h200_aa20f39_session45``; a warm store did not wait). The
+    chunk holds every slice, so the store under test pins nothing."""
     store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20)
     src = _data(gen, 1 << 20, "bf16").cuda()
     producer = torch.cuda.current_stream()
-    store.free(store.offload(src, 2, producer=producer))  # kernels loaded, chunk 0 pinned
+    for _ in range(2):  # both parities' kernels loaded, chunk 0 pinned
+        store.free(store.offload(src, 2, producer=producer))
     torch.cuda.synchronize()
     assert store.stores_now(8 << 20)  # nothing in flight
     with torch.cuda.stream(store.pack_stream):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s: the pack waits behind it
+        torch.cuda._sleep(500_000_000)  # ~0.25 s: the pack waits behind it
     stored = store.offload(src, 2, producer=producer)
     arena = store.arena
     assert len(arena.backed) == 1 and arena.pending, (arena.backed, arena.pending)
