@@ -299,7 +299,7 @@ def test_gpu_stores_now_is_false_while_the_pack_stream_is_behind(gen):
     is placed. Two stores first: the pack kernel is specialized on its slot parity (Triton
     specializes an integer argument equal to 1), slices take turns, and the second store's
     first launch loads the other variant, which waited out the sleep on an H200 (1.0 s for a
-    1.0 s sleep, ``bench/results/h200_aa20f39_session45``; a warm store did not wait). The
+    1.0 s sleep, ``bench/results/h200_6c7a326_session45``; a warm store did not wait). The
     chunk holds every slice, so the store under test pins nothing."""
     store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20)
     src = _data(gen, 1 << 20, "bf16").cuda()
