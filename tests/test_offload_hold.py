@@ -426,3 +426,19 @@ def test_the_stock_bench_probe_makes_due_stores_wait(monkeypatch):
     row = stock_models.run("encoder-tiny", "memory", 1, 1, "cpu", False)
     assert row["due_stores_wait"] is True and Batcher._starts_now is not real
     assert row["offloaded_gib"] > 0
+
+
+def test_the_ab_probe_runs_speed_to_its_choice_first():
+    """``bench.dev_ab_steps``' ``speed`` arm runs its tuner's trials and check in steps of its
+    own before the arms interleave, and reports its choice and those steps (a smoke test on
+    the CPU's tiny model)."""
+    from bench.dev_ab_steps import measure
+
+    lines = measure("encoder-tiny", ["uncompressed", "speed", "speed_copy_only"], 1, 1)
+    text = "\n".join(lines)
+    mine = [ln for ln in lines if ln.startswith("speed: ")]
+    assert len(mine) == 1 and "checking: False" in mine[0], text
+    assert "choice None" not in mine[0], text
+    steps = next(ln for ln in lines if ln.startswith("speed's own steps"))
+    assert "comp" in steps and "copy" in steps, steps
+    assert any(ln.startswith("| speed_copy_only |") for ln in lines), text
