@@ -45,12 +45,14 @@ read once completed, never waited for), or the host clock without CUDA:
    (``bench/results/h200_7683f39_session44``). Each arm's idle memory is given back only once
    the check is done (``ActivationOffloader._tuned_arm``): a switch it takes back would pin
    it all again;
-5. a pass that made host memory (pinned an arena chunk or a copy buffer: tens of
-   milliseconds each, and a device synchronisation) is not timed as its arm: a timed trial
-   pass that did runs again (at most ``2 * trials`` times per trials), and a settled one is
-   left out of the check (at most ``check`` times per decision). The compressed store's arena
-   grows over the first steps, only while the link is idle, so a compressed trial could pay
-   for chunks a settled pass never pins again.
+5. a pass that made host memory (pinned an arena chunk or a copy buffer: milliseconds to
+   tens of milliseconds each, ``_arena.VirtualArena.shrink``) is not timed as its arm: a
+   timed trial pass that did runs again (at most ``2 * trials`` times per trials), and a
+   settled one is left out of the check (at most ``check`` times per decision). The
+   compressed store's arena grows over the first steps, only while the link is idle, so a
+   compressed trial could pay for chunks a settled pass never pins again: on encoder-1024
+   two compressed trial passes that pinned three chunks ran 156 and 118 ms, their rerun 79
+   (``bench/results/h200_6c7a326_session45``).
 
 Passes that offload nothing (evaluation) are not timed and change nothing.
 """
