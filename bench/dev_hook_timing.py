@@ -85,7 +85,7 @@ TARGETS = (
     "torch_pagecomp.offload._hooks:ActivationOffloader.__exit__",
     "torch_pagecomp.offload._batch:Batcher.flush",
     "torch_pagecomp.offload._batch:Batcher.add",
-    "torch_pagecomp.offload._batch:Batch.joined",
+    "torch_pagecomp.offload._batch:joined",
     "torch_pagecomp.offload._backward:Backward._end_backward",
     "torch_pagecomp.offload._backward:Backward._prefetch_from",
 )

@@ -201,12 +201,16 @@ class Batcher:
         if not self.window and not _capturing():
             self.flush(batch)
 
+    def _close_open(self) -> None:
+        """Close every open batch (:meth:`_close`)."""
+        for batch in list(self.open.values()):
+            self._close(batch)
+
     def end_group(self, ps) -> None:
         """At the end of a group of pass ``ps`` (a new one started): close the open batches
         and store those of groups outside the window, as far as the link keeps up
         (:meth:`store_due`)."""
-        for batch in list(self.open.values()):
-            self._close(batch)
+        self._close_open()
         ps.new_group()
         if not _in_backward():  # (a recompute's group in a backward stores nothing it reads)
             self.due = (weakref.ref(ps), len(ps.groups) - self.window)
@@ -215,8 +219,7 @@ class Batcher:
     def end_pass(self) -> None:
         """At the end of a pass: close the open batches (stored now without a window)."""
         if self.window:
-            for batch in list(self.open.values()):
-                self._close(batch)
+            self._close_open()
         else:
             self.flush_all()
 
@@ -262,8 +265,7 @@ class Batcher:
         graph is captured)."""
         self.behind = False
         if (self.open or self.held) and not _capturing():
-            for batch in list(self.open.values()):
-                self._close(batch)
+            self._close_open()
             while self.held:
                 self.flush(self.held[0])
 
