@@ -105,13 +105,16 @@ def _arm_patch(arm: str):
         _backward.restore_placed = real
 
 
-def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1) -> list[str]:
+def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1,
+            device: str | None = None) -> list[str]:
+    """The table of ``arms`` on model ``name`` (``device``: CUDA where there is one, else the
+    CPU, a smoke test on the tiny models)."""
     import torch
 
     from bench.stock_models import build
     from torch_pagecomp import ActivationOffloader, offload_module
 
-    cuda = torch.cuda.is_available()  # the CPU: a smoke test on the tiny models
+    cuda = torch.cuda.is_available() if device is None else device == "cuda"
     model, x, blocks = build(name, "cuda" if cuda else "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     from bench.stock_models import CopyOnlyTuner

@@ -431,10 +431,12 @@ def test_the_stock_bench_probe_makes_due_stores_wait(monkeypatch):
 def test_the_ab_probe_runs_speed_to_its_choice_first():
     """``bench.dev_ab_steps``' ``speed`` arm runs its tuner's trials and check in steps of its
     own before the arms interleave, and reports its choice and those steps (a smoke test on
-    the CPU's tiny model)."""
+    the CPU's tiny model, also on a GPU host: on CUDA its saved tensors are below the default
+    ``min_offload_bytes``, so nothing would be offloaded and the tuner would never choose)."""
     from bench.dev_ab_steps import measure
 
-    lines = measure("encoder-tiny", ["uncompressed", "speed", "speed_copy_only"], 1, 1)
+    lines = measure("encoder-tiny", ["uncompressed", "speed", "speed_copy_only"], 1, 1,
+                    device="cpu")
     text = "\n".join(lines)
     mine = [ln for ln in lines if ln.startswith("speed: ")]
     assert len(mine) == 1 and "checking: False" in mine[0], text
