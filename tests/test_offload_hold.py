@@ -444,3 +444,14 @@ def test_the_ab_probe_runs_speed_to_its_choice_first():
     steps = next(ln for ln in lines if ln.startswith("speed's own steps"))
     assert "comp" in steps and "copy" in steps, steps
     assert any(ln.startswith("| speed_copy_only |") for ln in lines), text
+
+
+def test_the_step_modes_probe_reports_each_step():
+    """``bench.dev_step_modes`` prints one row per step with what the step did (a smoke test
+    on the CPU's tiny model): the compressed offloads it made are among its counters."""
+    from bench.dev_step_modes import measure
+
+    lines = measure("resnet-tiny", "memory", 3, 1, device="cpu")
+    rows = [ln for ln in lines if ln.startswith("| ") and ln[2].isdigit()]
+    assert len(rows) == 3, "\n".join(lines)
+    assert all("offloaded_compressed" in r for r in rows), "\n".join(lines)

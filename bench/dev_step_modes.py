@@ -1,0 +1,111 @@
+"""Dev probe (#21): one offload variant's steps one by one, to find what a slow step did.
+
+``python3 -m bench.dev_step_modes --models tv-resnet50 --arm memory --steps 30`` (GPU; on the
+CPU a smoke run on the tiny models). ResNet-50's compressed steps were bimodal in one process
+(78-83 or 98-107 ms, ``bench/results/h200_6c7a326_session45/ab_speed4_aa20f39.txt``). For each
+step this prints its GPU time (CUDA events), the host's issue time of the forward and of the
+backward, the hooks' host time (``stats()["host_s"]``), the garbage collections that ran in it
+and the offloader's counters that changed in it (waits, stores put off, restores, stash
+serves), the page-locked chunks pinned, and the arena's host waits, so slow and fast steps can
+be told apart by what they did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import statistics
+import time
+
+COUNTERS = ("in_flight_waits", "deferred", "restored_prefetch", "restored_on_demand",
+            "served_from_stash", "served_held", "offloaded_compressed", "offloaded_raw",
+            "offload_failed", "kept_host_full")
+
+
+def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = None
+            ) -> list[str]:
+    """The per-step table of ``arm`` (``uncompressed``, ``memory``, ``speed``) on ``name``."""
+    import torch
+
+    from bench.stock_models import build
+    from torch_pagecomp import ActivationOffloader, offload_module
+
+    cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    model, x, blocks = build(name, "cuda" if cuda else "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    settings = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
+                "speed": dict(prefer="speed")}[arm]
+    if not cuda:
+        settings.update(offload_cpu=True, min_offload_bytes=1 << 12)
+    off = ActivationOffloader(**settings)
+    offload_module(model, blocks=blocks, offloader=off)
+    collected = collections.Counter()
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "stop":
+            collected[info["generation"]] += 1
+
+    def made() -> int:
+        return off.pool.misses + sum(st.arena.pins for st in off._paged.values())
+
+    def waited_us() -> int:
+        return sum(st.arena.wait_s for st in off._paged.values()) * 1e6
+
+    def step() -> dict:
+        before, host0, made0, wait0 = off.counters.copy(), dict(off._host_s), made(), waited_us()
+        collected.clear()
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).float().square().mean()
+        t1 = time.perf_counter()
+        loss.backward()
+        opt.step()
+        t2 = time.perf_counter()
+        if cuda:
+            e1.record()
+            e1.synchronize()
+        delta = off.counters - before
+        return {"ms": e0.elapsed_time(e1) if cuda else (t2 - t0) * 1e3,
+                "fwd": (t1 - t0) * 1e3, "bwd": (t2 - t1) * 1e3,
+                "hooks": sum(off._host_s.values()) * 1e3 - sum(host0.values()) * 1e3,
+                "gc": dict(collected), "made": made() - made0,
+                "wait": waited_us() - wait0,
+                "counts": {k: delta[k] for k in COUNTERS if delta[k]}}
+
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(warmup):
+            step()
+        rows = [step() for _ in range(steps)]
+    finally:
+        gc.callbacks.remove(on_gc)
+        off.remove()
+    med = statistics.median(r["ms"] for r in rows)
+    lines = [f"## {name} {arm}: {steps} steps after {warmup} warm-up (median {med:.1f} ms; "
+             f"'slow' = over 1.1x the median)",
+             "| step | ms | slow | host fwd ms | host bwd ms | hooks ms | gc (gen: runs) | "
+             "pinned | arena waits us | counters |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows):
+        lines.append(f"| {i} | {r['ms']:.1f} | {'yes' if r['ms'] > 1.1 * med else ''} | "
+                     f"{r['fwd']:.1f} | {r['bwd']:.1f} | {r['hooks']:.1f} | {r['gc']} | "
+                     f"{r['made']} | {r['wait']:.0f} | {r['counts']} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tv-resnet50")
+    ap.add_argument("--arm", default="memory", choices=("uncompressed", "memory", "speed"))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=4)
+    a = ap.parse_args()
+    for name in a.models.split(","):
+        print("\n".join(measure(name, a.arm, a.steps, a.warmup)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
