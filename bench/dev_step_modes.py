@@ -4,7 +4,8 @@
 CPU a smoke run on the tiny models). ResNet-50's compressed steps were bimodal in one process
 (78-83 or 98-107 ms, ``bench/results/h200_6c7a326_session45/ab_speed4_aa20f39.txt``). For each
 step this prints its GPU time (CUDA events), the host's issue time of the forward and of the
-backward, the hooks' host time (``stats()["host_s"]``), the garbage collections that ran in it
+backward, the hooks' host time in each (``stats()["host_s"]``), the CUDA caching allocator's
+device allocations, frees, retries and stream syncs, the garbage collections that ran in it
 and the offloader's counters that changed in it (waits, stores put off, restores, stash
 serves), the page-locked chunks pinned, and the arena's host waits, so slow and fast steps can
 be told apart by what they did.
@@ -21,6 +22,7 @@ import time
 COUNTERS = ("in_flight_waits", "deferred", "restored_prefetch", "restored_on_demand",
             "served_from_stash", "served_held", "offloaded_compressed", "offloaded_raw",
             "offload_failed", "kept_host_full")
+ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
 
 def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = None
@@ -40,6 +42,17 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
         settings.update(offload_cpu=True, min_offload_bytes=1 << 12)
     off = ActivationOffloader(**settings)
     offload_module(model, blocks=blocks, offloader=off)
+    group_s = [0.0]  # host time in the group ends (where held batches are stored)
+    real_next_group = off.next_group
+
+    def timed_next_group() -> None:
+        t = time.perf_counter()
+        try:
+            real_next_group()
+        finally:
+            group_s[0] += time.perf_counter() - t
+
+    off.next_group = timed_next_group  # the blocks' pre-hooks look it up at each call
     collected = collections.Counter()
 
     def on_gc(phase: str, info: dict) -> None:
@@ -52,8 +65,16 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
     def waited_us() -> int:
         return sum(st.arena.wait_s for st in off._paged.values()) * 1e6
 
+    def allocator() -> tuple[int, ...]:
+        """The CUDA caching allocator's device allocations, frees, retries and syncs so far."""
+        if not cuda:
+            return (0, 0, 0, 0)
+        st = torch.cuda.memory_stats()
+        return tuple(st.get(k, 0) for k in ALLOCATOR)
+
     def step() -> dict:
         before, host0, made0, wait0 = off.counters.copy(), dict(off._host_s), made(), waited_us()
+        alloc0, group0 = allocator(), group_s[0]
         collected.clear()
         if cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -71,7 +92,10 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
         delta = off.counters - before
         return {"ms": e0.elapsed_time(e1) if cuda else (t2 - t0) * 1e3,
                 "fwd": (t1 - t0) * 1e3, "bwd": (t2 - t1) * 1e3,
-                "hooks": sum(off._host_s.values()) * 1e3 - sum(host0.values()) * 1e3,
+                "pack": (off._host_s["pack"] - host0["pack"]) * 1e3,
+                "groups": (group_s[0] - group0) * 1e3,
+                "unpack": (off._host_s["unpack"] - host0["unpack"]) * 1e3,
+                "alloc": tuple(b - a for a, b in zip(alloc0, allocator())),
                 "gc": dict(collected), "made": made() - made0,
                 "wait": waited_us() - wait0,
                 "counts": {k: delta[k] for k in COUNTERS if delta[k]}}
@@ -87,11 +111,14 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
     med = statistics.median(r["ms"] for r in rows)
     lines = [f"## {name} {arm}: {steps} steps after {warmup} warm-up (median {med:.1f} ms; "
              f"'slow' = over 1.1x the median)",
-             "| step | ms | slow | host fwd ms | host bwd ms | hooks ms | gc (gen: runs) | "
-             "pinned | arena waits us | counters |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| step | ms | slow | host fwd ms | of it pack hooks | group ends | host bwd ms | "
+             "of it unpack hooks | gc (gen: runs) | cudaMalloc, cudaFree, retries, syncs | "
+             "pinned | arena waits us | counters |", "|---" * 13 + "|"]
     for i, r in enumerate(rows):
         lines.append(f"| {i} | {r['ms']:.1f} | {'yes' if r['ms'] > 1.1 * med else ''} | "
-                     f"{r['fwd']:.1f} | {r['bwd']:.1f} | {r['hooks']:.1f} | {r['gc']} | "
+                     f"{r['fwd']:.1f} | {r['pack']:.1f} | {r['groups']:.1f} | {r['bwd']:.1f} | "
+                     f"{r['unpack']:.1f} | "
+                     f"{r['gc']} | {r['alloc']} | "
                      f"{r['made']} | {r['wait']:.0f} | {r['counts']} |")
     return lines
 
