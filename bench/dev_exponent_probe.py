@@ -9,6 +9,8 @@ Per corpus of bf16 pages, the ratio (input bytes / stored bytes) of:
 * ``K=7`` / ``K=15``, counted to the bit: 2-byte header, a table of the page's K most frequent
   exponents (K bytes), each exponent a fixed 3/4-bit code whose last value escapes to a raw
   8-bit exponent, sign + mantissa raw (8 bits a value); ``esc``: share of escaped values;
+* ``2/3``, ``2/2``: a two-tier fixed code (:func:`tiered_sizes`): 2-bit codes for the 3 most
+  frequent exponents and "other", then 3-bit (2-bit) codes for the next 7 (3) and an escape;
 * ``huffman``: per-page canonical Huffman exponent codes, lengths <= 12 (package-merge where
   Huffman goes deeper); 2-byte header, 1-byte count, 8-bit symbol + 4-bit length per symbol;
 * ``lz4-exp``: 2 bytes + LZ4 of the bit-shuffled exponent plane (raw if larger) + raw rest;
@@ -144,6 +146,23 @@ def fixed_k_sizes(counts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return 2 + k + (bits + 7) // 8, escapes
 
 
+def tiered_sizes(counts: np.ndarray, first: int, second: int) -> np.ndarray:
+    """Bytes per page of a two-tier fixed code: a ``first``-bit code per value for the page's
+    ``2^first - 1`` most frequent exponents, its last value ("other") followed, in a stream
+    of its own, by a ``second``-bit code for the next ``2^second - 1`` exponents, whose last
+    value escapes to a raw 8-bit exponent; a table of both tiers' exponents (a byte each),
+    sign + mantissa raw. Both code streams have fixed-width fields, so a decoder finds a
+    value's second-tier code by counting the "other" values before it (a prefix sum, as the
+    escapes of ``K=7`` are found): no variable-length decoding."""
+    k1, k2 = (1 << first) - 1, (1 << second) - 1
+    top = -np.sort(-counts, axis=1)
+    m = counts.sum(axis=1)
+    other = m - top[:, :k1].sum(axis=1)
+    escapes = other - top[:, k1:k1 + k2].sum(axis=1)
+    bits = m * (8 + first) + other * second + escapes * 8
+    return 2 + k1 + k2 + (bits + 7) // 8
+
+
 def huffman_lengths(w: list[int]) -> list[int]:
     """Huffman code lengths for weights ``w`` (all > 0); a lone symbol needs 0 bits."""
     n = len(w)
@@ -220,6 +239,8 @@ def measure(pages_t: torch.Tensor) -> dict:
     k15, esc15 = fixed_k_sizes(counts, 15)
     k7s, k15s = stored(k7, fill, page), stored(k15, fill, page)
     sizes = {"current": cur, "K=7": k7s, "K=15": k15s,
+             "2/3": stored(tiered_sizes(counts, 2, 3), fill, page),
+             "2/2": stored(tiered_sizes(counts, 2, 2), fill, page),
              "huffman": stored(huffman_sizes(counts), fill, page),
              "lz4-exp": stored(lz4_exponent_sizes(exp), fill, page),
              "best": np.minimum(cur, np.minimum(k7s, k15s))}
@@ -237,7 +258,8 @@ def measure(pages_t: torch.Tensor) -> dict:
 
 COLUMNS = [("corpus", 15, None), ("MiB", 6, "mib"), ("current", 7, "ratio_current"),
            ("H exp", 6, "h_exp_page_mean"), ("H pool", 6, "h_exp_pooled"), ("ideal", 6, "ideal"),
-           ("K=7", 6, "ratio_K=7"), ("K=15", 6, "ratio_K=15"), ("huff", 6, "ratio_huffman"),
+           ("K=7", 6, "ratio_K=7"), ("K=15", 6, "ratio_K=15"), ("2/3", 6, "ratio_2/3"),
+           ("2/2", 6, "ratio_2/2"), ("huff", 6, "ratio_huffman"),
            ("lz4exp", 6, "ratio_lz4-exp"), ("best", 6, "ratio_best"),
            ("esc7", 7, "escape_share_k7"), ("esc15", 7, "escape_share_k15")]
 
