@@ -106,9 +106,10 @@ def _arm_patch(arm: str):
 
 
 def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1,
-            device: str | None = None) -> list[str]:
+            device: str | None = None, fsdp: bool = False) -> list[str]:
     """The table of ``arms`` on model ``name`` (``device``: CUDA where there is one, else the
-    CPU, a smoke test on the tiny models)."""
+    CPU, a smoke test on the tiny models); with ``fsdp``, the model under FSDP2
+    (``fully_shard`` per block, then the whole) over the process group of this process."""
     import torch
 
     from bench.stock_models import build
@@ -116,6 +117,15 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
 
     cuda = torch.cuda.is_available() if device is None else device == "cuda"
     model, x, blocks = build(name, "cuda" if cuda else "cpu")
+    if fsdp:
+        from torch.distributed import get_world_size
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (get_world_size(),))
+        for blk in blocks:
+            fully_shard(blk, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     from bench.stock_models import CopyOnlyTuner
 
@@ -178,7 +188,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     base = statistics.median(res[arms[0]][0])
     how = (f"blocks of {block} steps per arm (the first of each block apart)" if block > 1
            else "interleaved steps")
-    lines = [f"## {name}: {rounds} rounds of {how}, after {warmup} warm-up rounds",
+    lines = [f"## {name}{' (FSDP2)' if fsdp else ''}: {rounds} rounds of {how}, after {warmup} "
+             "warm-up rounds",
              "| arm | step ms (median) | step ms min-max | host issue ms (median) | "
              f"vs {arms[0]} | first step of a block ms (median) | peak GPU GiB (max) |",
              "|---|---|---|---|---|---|---|"]
@@ -221,13 +232,43 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=1,
                     help="steps of an arm in a row per round (>1: the first of each apart, so "
                          "the others compare as one process per arm would, on one host)")
+    ap.add_argument("--fsdp1", action="store_true",
+                    help="the model under FSDP2 in a process group of this one process (NCCL on "
+                         "a GPU, gloo on the CPU): FSDP2's all-gathers, reshards and hooks, "
+                         "with the arms interleaved on one GPU (two GPUs: bench.stock_models "
+                         "--fsdp)")
     a = ap.parse_args()
     arms = a.arms.split(",")
     bad = [x for x in arms if x not in ARMS]
     if bad:
         ap.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
-    for name in a.models.split(","):
-        print("\n".join(measure(name, arms, a.rounds, a.warmup, a.block)), flush=True)
+    if a.fsdp1:
+        _one_rank_group()
+    try:
+        for name in a.models.split(","):
+            print("\n".join(measure(name, arms, a.rounds, a.warmup, a.block, fsdp=a.fsdp1)),
+                  flush=True)
+    finally:
+        if a.fsdp1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _one_rank_group() -> None:
+    """A process group of this process alone (rank 0 of 1): NCCL on a GPU, else gloo."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.fsdp  # noqa: F401  (before the group: see stock_models._fsdp_rows)
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
 
 
 if __name__ == "__main__":
