@@ -493,3 +493,63 @@ def test_differential_fuzz_triton_vs_cpu(page_size, element_size, bounds, gen): 
     assert not status[: len(blocks)].any(), f"seed {seed}: an unmutated page failed"
     assert torch.equal(out[: len(blocks)], pages), f"seed {seed}"
     assert (status != 0).any()
+
+
+def test_the_quick_container_check_accepts_only_what_the_full_check_accepts(gen):
+    """``format.check_compressed`` decides the usual case in a few comparisons
+    (``_plainly_valid``, #26) and falls back to the item-by-item check: on valid containers
+    and on one defect at a time (each field's dtype, shape, device, contiguity, type; the page
+    size; the codec; a subclass), the quick check never passes one the full check refuses,
+    and it passes the valid ones (else every call would pay the full check)."""
+    from dataclasses import replace
+
+    from torch_pagecomp import format as F
+
+    n, p = int(torch.randint(1, 9, (1,), generator=gen)), 4096
+    good_fixed = F.CompressedPages(torch.zeros(n, p, dtype=torch.uint8),
+                                   torch.zeros(n, dtype=torch.int32),
+                                   torch.zeros(n, dtype=torch.uint8), p)
+    good_packed = F.CompressedPages(torch.zeros(n * 10, dtype=torch.uint8),
+                                    torch.zeros(n, dtype=torch.int32),
+                                    torch.zeros(n, dtype=torch.uint8), p,
+                                    offsets=torch.zeros(n + 1, dtype=torch.int64),
+                                    checksums=torch.zeros(n, dtype=torch.int32), codec="exp")
+
+    class Sub(torch.Tensor):
+        pass
+
+    def variants(c):
+        yield "valid", c
+        for field in ("payload", "sizes", "kinds", "offsets", "checksums"):
+            t = getattr(c, field)
+            if t is None:
+                yield f"{field} set", replace(c, **{field: torch.zeros(n, dtype=torch.int32)})
+                continue
+            yield f"{field} dtype", replace(c, **{field: t.to(torch.int16)})
+            yield f"{field} shape", replace(c, **{field: torch.cat([t.flatten(), t.flatten()])})
+            yield f"{field} 2-D", replace(c, **{field: t.reshape(1, -1)})
+            yield f"{field} meta", replace(c, **{field: t.to("meta")})
+            yield f"{field} subclass", replace(c, **{field: t.as_subclass(Sub)})
+            yield f"{field} not a tensor", replace(c, **{field: t.tolist()})
+            if t.numel() > 1:
+                wide = torch.zeros(t.numel() * 2, dtype=t.dtype)[::2]
+                yield f"{field} strided", replace(c, **{field: wide.reshape(t.shape)})
+        for size in (4095, 2048, 3 * 4096, 1 << 17, True, 4096.0):
+            yield f"page size {size!r}", replace(c, page_size=size)
+        yield "codec", replace(c, codec="zstd")
+        yield "not a container", (c.payload, c.sizes)
+
+    for c in (good_fixed, good_packed):
+        for what, v in variants(c):
+            try:
+                F._check_fully(v)
+                full_ok = True
+            except F.PageCompError:
+                full_ok = False
+            quick = F._plainly_valid(v)
+            assert not quick or full_ok, f"{what}: the quick check passed what the full refuses"
+            if what == "valid":
+                assert quick, "the quick check refused a valid container"
+            if not full_ok:  # and the public check still names the problem
+                with pytest.raises(F.PageCompError):
+                    F.check_compressed(v)

@@ -15,6 +15,7 @@ pages: ``torch_pagecomp.format``). A container records which decoder reads it
 from __future__ import annotations
 
 import importlib
+import sys
 
 import torch
 
@@ -104,7 +105,7 @@ def compress(
         element_size = 1 if element_size is None else element_size
         fmt.check_element_size(element_size)
         run = (torch.ops.pagecomp.compress, compress_eager,
-               _launcher("lz4_compress", "compress_pages"), element_size)
+               _COMPRESS_LZ4, element_size)
     else:
         run = (torch.ops.pagecomp.compress_exp, compress_exp_eager, _compress_exp_kernel,
                float_format)
@@ -221,12 +222,24 @@ def _to(out, device: torch.device):
 
 
 def _launcher(module: str, name: str):
-    """``torch_pagecomp.kernels.<module>.<name>``, imported when called (Triton loads on use)."""
+    """``torch_pagecomp.kernels.<module>.<name>``, imported when first called (Triton loads
+    on use) and looked up at each call. Made once per launcher (below), not per call: an
+    import through ``importlib`` costs a small call microseconds of host time (#26)."""
+    full = f"{__package__}.kernels.{module}"
+
     def call(*args, **kwargs):
-        kernels = importlib.import_module(f"{__package__}.kernels.{module}")
+        kernels = sys.modules.get(full) or importlib.import_module(full)
         return getattr(kernels, name)(*args, **kwargs)
 
     return call
+
+
+_COMPRESS_LZ4 = _launcher("lz4_compress", "compress_pages")
+_CHECKSUMS = _launcher("checksum", "page_checksums")
+_DECOMPRESS_LZ4 = _launcher("lz4_decompress", "decompress_pages")
+_DECOMPRESS_EXP = _launcher("exp_codec", "decompress_exp_pages")
+_INTO_LZ4 = _launcher("lz4_decompress", "decompress_into")
+_INTO_EXP = _launcher("exp_codec", "decompress_exp_into")
 
 
 def _compress_exp_kernel(pages: torch.Tensor, float_format: str, traced: bool = True,
@@ -251,7 +264,7 @@ def page_checksums(data: torch.Tensor, backend: str = "auto",
     pages = fmt.as_pages(data, page_size)
     where = route(backend, pages.shape[0], pages.device, (pages,))
     return _routed(where, pages.device, torch.ops.pagecomp.checksum, checksum_eager,
-                   _launcher("checksum", "page_checksums"), (pages,))
+                   _CHECKSUMS, (pages,))
 
 
 def decompress(
@@ -361,10 +374,10 @@ def _decode(decoder: str, c: CompressedPages, where: str, args: tuple, out=None
         return decompress_cpu_direct(*args, c.page_size, decoder == "exp", out)
     if decoder == "lz4":
         run = (torch.ops.pagecomp.decompress, decompress_eager,
-               _launcher("lz4_decompress", "decompress_pages"))
+               _DECOMPRESS_LZ4)
     else:
         run = (torch.ops.pagecomp.decompress_exp, decompress_exp_eager,
-               _launcher("exp_codec", "decompress_exp_pages"))
+               _DECOMPRESS_EXP)
     pages, status = _routed(where, c.device, *run, args, (c.page_size,))
     return (pages if out is None else out.copy_(pages)), status
 
@@ -376,8 +389,7 @@ def _decode_direct(decoder: str, c: CompressedPages, where: str, args: tuple, ou
     pages = out if out is not None else torch.empty(
         (c.num_pages, c.page_size), dtype=torch.uint8, device=c.device)
     status = torch.empty((c.num_pages,), dtype=torch.int32, device=c.device)
-    into = (_launcher("lz4_decompress", "decompress_into") if decoder == "lz4"
-            else _launcher("exp_codec", "decompress_exp_into"))
+    into = _INTO_LZ4 if decoder == "lz4" else _INTO_EXP
     into(*args, pages, status, traced=False)
     return pages, status
 

@@ -331,6 +331,12 @@ def check_compressed(c: CompressedPages) -> None:
     """Validate the container's tensors (dtype, shape, device, contiguity); not the bytes
     inside (the offsets of a packed container are checked against the sizes by
     ``api.decompress``, on the device)."""
+    if not _plainly_valid(c):  # the usual case in a few comparisons (every small call pays)
+        _check_fully(c)
+
+
+def _check_fully(c: object) -> None:
+    """:func:`check_compressed` item by item, naming every problem."""
     if not isinstance(c, CompressedPages):
         raise PageCompError(f"expected CompressedPages, got {type(c).__name__}")
     fields = {"payload": c.payload, "sizes": c.sizes, "kinds": c.kinds, "offsets": c.offsets,
@@ -394,6 +400,33 @@ def _desc(t: object) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} {list(t.shape)}"
     return f"{type(t).__name__} {t!r:.60}"
+
+
+def _plainly_valid(c: object) -> bool:
+    """Whether ``c`` passes :func:`check_compressed`, decided without building its messages:
+    plain tensors only (a subclass, or anything unusual, goes through the full check)."""
+    if type(c) is not CompressedPages or c.codec not in CONTAINER_CODECS:
+        return False
+    p, s, k, o, sums = c.payload, c.sizes, c.kinds, c.offsets, c.checksums
+    if not (type(p) is torch.Tensor and type(s) is torch.Tensor and type(k) is torch.Tensor
+            and valid_page_size(c.page_size)):
+        return False
+    dev = p.device
+    if (dev.type == "meta" or s.device != dev or k.device != dev or p.dtype != torch.uint8
+            or s.dtype != torch.int32 or k.dtype != torch.uint8 or s.dim() != 1):
+        return False
+    n = s.shape[0]
+    if k.shape != (n,) or not (p.is_contiguous() and s.is_contiguous() and k.is_contiguous()):
+        return False
+    if o is None:
+        if p.shape != (n, c.page_size):
+            return False
+    elif not (type(o) is torch.Tensor and p.dim() == 1 and o.dtype == torch.int64
+              and o.shape == (n + 1,) and o.device == dev and o.is_contiguous()):
+        return False
+    return sums is None or (type(sums) is torch.Tensor and sums.dtype == torch.int32
+                            and sums.shape == (n,) and sums.device == dev
+                            and sums.is_contiguous())
 
 
 def _check_devices(problems: list[str], named: dict[str, torch.Tensor]) -> None:

@@ -719,18 +719,38 @@ def compress_at(index: int, programs: int, n: int, meta, addrs: tuple, args) -> 
     launch_known(_lz4_compress_kernel, (programs,), index, meta, classes, (*addrs, n), args)
 
 
-def compress_scratch(device: torch.device, cfg: CompressConfig,
-                     programs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compress_scratch(device: torch.device, cfg: CompressConfig, programs: int,
+                     kept_unused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's working memory for up to ``programs`` programs of ``cfg``: ``(hash
     tables int32 [programs, 2^HASH_BITS] or [1, 1], shuffle rows uint8 [programs, P] or
     [1, P])`` (the hash tables serve plain bytes, the shuffle rows bit-shuffled pages; each
-    kind uses one)."""
+    kind uses one). ``kept_unused`` (eager callers only: never while tracing, whose tensors
+    are fake): the one the kernel does not use is a kept one-element tensor of the device
+    (:func:`_unused`), not a new one."""
     shuffled = cfg.ELEMENT_SIZE > 1
-    tabs = torch.empty((1, 1) if shuffled else (programs, 1 << cfg.HASH_BITS),
-                       dtype=torch.int32, device=device)
-    shuf = torch.empty((programs if shuffled else 1, cfg.PAGE), dtype=torch.uint8,
-                       device=device)
+    if shuffled:
+        tabs = (_unused(device, torch.int32) if kept_unused
+                else torch.empty((1, 1), dtype=torch.int32, device=device))
+        shuf = torch.empty((programs, cfg.PAGE), dtype=torch.uint8, device=device)
+    else:
+        tabs = torch.empty((programs, 1 << cfg.HASH_BITS), dtype=torch.int32, device=device)
+        shuf = (_unused(device, torch.uint8) if kept_unused
+                else torch.empty((1, cfg.PAGE), dtype=torch.uint8, device=device))
     return tabs, shuf
+
+
+_UNUSED: dict[tuple, torch.Tensor] = {}
+
+
+def _unused(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A kept one-element tensor of ``dtype`` on ``device``: the scratch pointer a launch's
+    settings never touch (the hash tables of bit-shuffled pages, the shuffle rows of plain
+    bytes; see the kernel). Never read or written, so every call and stream may share it,
+    and a small call allocates one tensor fewer (#26)."""
+    t = _UNUSED.get((device, dtype))
+    if t is None:
+        t = _UNUSED.setdefault((device, dtype), torch.empty((1, 1), dtype=dtype, device=device))
+    return t
 
 
 def _scratch_fits(scratch: tuple[torch.Tensor, torch.Tensor], cfg: CompressConfig,
@@ -789,7 +809,7 @@ def compress_pages(pages: torch.Tensor, element_size: int = 1, *,
     grid = min(n, _sm_programs(dev, cfg.programs_per_sm))
     # bit-shuffled pages use no hash table: the kernel never touches ``tabs`` then
     if scratch is None:
-        scratch = compress_scratch(dev, cfg, grid)
+        scratch = compress_scratch(dev, cfg, grid, kept_unused=not traced)
     elif not _scratch_fits(scratch, cfg, grid):  # the kernel would write past it
         raise ValueError(f"scratch of shapes {[tuple(t.shape) for t in scratch]} is too small "
                          f"for {grid} programs of these settings")
