@@ -164,7 +164,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     tuned, own = 0, []
     if "speed" in offs:  # its trials and check in steps of its own (see the docstring)
         sp = offs["speed"]
-        while tuned < 28 and (sp.tuner.choice is None or sp.tuner.checking):
+        while _any_rank(tuned < 28 and (sp.tuner.choice is None or sp.tuner.checking), fsdp):
             ms = step("speed")[0]
             made = sp.pool.misses + sum(st.arena.pins for st in sp._paged.values())
             own.append(f"{sp.tuner.arm[:4]} {ms:.1f} ({made})")
@@ -232,43 +232,66 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=1,
                     help="steps of an arm in a row per round (>1: the first of each apart, so "
                          "the others compare as one process per arm would, on one host)")
-    ap.add_argument("--fsdp1", action="store_true",
-                    help="the model under FSDP2 in a process group of this one process (NCCL on "
-                         "a GPU, gloo on the CPU): FSDP2's all-gathers, reshards and hooks, "
-                         "with the arms interleaved on one GPU (two GPUs: bench.stock_models "
-                         "--fsdp)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="the model under FSDP2: over torchrun's ranks (torchrun "
+                         "--nproc_per_node 2 -m bench.dev_ab_steps --fsdp ...; rank 0 prints), "
+                         "or run alone, a process group of this one process (NCCL on a GPU, "
+                         "gloo on the CPU): FSDP2's all-gathers, reshards and hooks with the "
+                         "arms interleaved")
     a = ap.parse_args()
     arms = a.arms.split(",")
     bad = [x for x in arms if x not in ARMS]
     if bad:
         ap.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
-    if a.fsdp1:
-        _one_rank_group()
+    rank = _process_group() if a.fsdp else 0
     try:
         for name in a.models.split(","):
-            print("\n".join(measure(name, arms, a.rounds, a.warmup, a.block, fsdp=a.fsdp1)),
-                  flush=True)
+            lines = measure(name, arms, a.rounds, a.warmup, a.block, fsdp=a.fsdp)
+            if rank == 0:
+                print("\n".join(lines), flush=True)
     finally:
-        if a.fsdp1:
+        if a.fsdp:
             import torch.distributed as dist
 
             dist.destroy_process_group()
 
 
-def _one_rank_group() -> None:
-    """A process group of this process alone (rank 0 of 1): NCCL on a GPU, else gloo."""
+def _any_rank(flag: bool, fsdp: bool) -> bool:
+    """``flag`` on any rank of the process group (under ``--fsdp``): every rank takes as many
+    steps as the slowest tuner needs, so the ranks' collectives stay paired."""
+    if not fsdp:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _process_group() -> int:
+    """The process group FSDP2 runs over: torchrun's (``WORLD_SIZE`` set; this rank's GPU is
+    ``LOCAL_RANK``), else one of this process alone. NCCL on a GPU, gloo on the CPU. Returns
+    this process's rank."""
     import os
 
     import torch
     import torch.distributed as dist
     import torch.distributed.fsdp  # noqa: F401  (before the group: see stock_models._fsdp_rows)
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if cuda else "gloo"
+    if "WORLD_SIZE" in os.environ:  # torchrun
+        dist.init_process_group(backend)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group(backend, rank=0, world_size=1)
+    return dist.get_rank()
 
 
 if __name__ == "__main__":
