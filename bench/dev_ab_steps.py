@@ -238,15 +238,18 @@ def main() -> None:
                          "or run alone, a process group of this one process (NCCL on a GPU, "
                          "gloo on the CPU): FSDP2's all-gathers, reshards and hooks with the "
                          "arms interleaved")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="where the model runs (default: CUDA where there is one)")
     a = ap.parse_args()
     arms = a.arms.split(",")
     bad = [x for x in arms if x not in ARMS]
     if bad:
         ap.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
-    rank = _process_group() if a.fsdp else 0
+    rank = _process_group(a.device) if a.fsdp else 0
     try:
         for name in a.models.split(","):
-            lines = measure(name, arms, a.rounds, a.warmup, a.block, fsdp=a.fsdp)
+            lines = measure(name, arms, a.rounds, a.warmup, a.block, device=a.device,
+                            fsdp=a.fsdp)
             if rank == 0:
                 print("\n".join(lines), flush=True)
     finally:
@@ -266,22 +269,22 @@ def _any_rank(flag: bool, fsdp: bool) -> bool:
 
     if dist.get_world_size() == 1:
         return flag
-    t = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 
-def _process_group() -> int:
+def _process_group(device: str | None) -> int:
     """The process group FSDP2 runs over: torchrun's (``WORLD_SIZE`` set; this rank's GPU is
-    ``LOCAL_RANK``), else one of this process alone. NCCL on a GPU, gloo on the CPU. Returns
-    this process's rank."""
+    ``LOCAL_RANK``), else one of this process alone. NCCL on a GPU, gloo on the CPU
+    (``device``: as for :func:`measure`). Returns this process's rank."""
     import os
 
     import torch
     import torch.distributed as dist
     import torch.distributed.fsdp  # noqa: F401  (before the group: see stock_models._fsdp_rows)
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if device is None else device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if cuda else "gloo"

@@ -8,6 +8,7 @@ GPU; the GPU test runs the compressed store on CUDA. Every run draws fresh weigh
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -455,3 +456,23 @@ def test_the_step_modes_probe_reports_each_step():
     rows = [ln for ln in lines if ln.startswith("| ") and ln[2].isdigit()]
     assert len(rows) == 3, "\n".join(lines)
     assert all("offloaded_compressed" in r for r in rows), "\n".join(lines)
+
+
+def test_the_ab_probe_runs_under_fsdp2_on_two_ranks():
+    """``torchrun -m bench.dev_ab_steps --fsdp`` (FSDP2 over two gloo ranks on the CPU, tiny
+    model): both ranks take the same steps (``speed``'s own steps go on while either rank's
+    tuner has not settled, else their collectives would part) and rank 0 prints the table."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "bench.dev_ab_steps", "--fsdp", "--device", "cpu", "--models", "encoder-tiny",
+           "--arms", "uncompressed,speed", "--rounds", "1", "--warmup", "1"]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("## encoder-tiny (FSDP2)") == 1, r.stdout  # rank 0 only
+    assert "| speed |" in r.stdout and "speed: " in r.stdout, r.stdout
