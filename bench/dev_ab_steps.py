@@ -11,6 +11,12 @@ multiple of the first arm's. ``--block N``: each arm runs N steps in a row per r
 of each block reported apart (the steps after a switch of arms pay for the other arm's use of
 the host's caches and the allocator; a process that runs one variant never does).
 
+``--fsdp``: the model under FSDP2, over ``torchrun``'s ranks (``torchrun --nproc_per_node 2
+-m bench.dev_ab_steps --fsdp ...``) or, run alone, a process group of one rank. ``--out
+FILE``: the arms ``none`` / ``uncompressed`` / ``memory`` / ``speed`` also as JSON rows of
+``bench.stock_models``' schema (``method``: interleaved), each arm's first gradients set
+against a step without offload (every rank's shard).
+
 Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memory_group``:
 ``memory`` with the hooks' batched restores through ``restore_group`` instead of
 ``restore_placed`` (the path before 2026-11-29); ``memory_single``: ``memory`` with every
@@ -106,10 +112,18 @@ def _arm_patch(arm: str):
 
 
 def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1,
-            device: str | None = None, fsdp: bool = False) -> list[str]:
+            device: str | None = None, fsdp: bool = False,
+            rows: list[dict] | None = None) -> list[str]:
     """The table of ``arms`` on model ``name`` (``device``: CUDA where there is one, else the
     CPU, a smoke test on the tiny models); with ``fsdp``, the model under FSDP2
-    (``fully_shard`` per block, then the whole) over the process group of this process."""
+    (``fully_shard`` per block, then the whole) over the process group of this process.
+
+    ``rows``: also append a row per arm of :data:`VARIANTS` in ``bench.stock_models``' JSON
+    schema (``model``, ``gpus``, ``variant``, ``step_ms``, ``peak_gpu_gib``, ``host_gib``,
+    ``ratio``, ``link_bound``, ``grads_identical``), measured interleaved. For the gradients,
+    before any optimizer step each arm takes one step under deterministic settings from the
+    same parameters, and its gradient hashes (every rank's shard) are set against ``none``'s
+    (taken twice: a model that is not deterministic there gets ``None``)."""
     import torch
 
     from bench.stock_models import build
@@ -161,6 +175,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
+    grads = _first_grads(model, x, blocks, offs, arms, fsdp) if rows is not None else {}
     tuned, own = 0, []
     if "speed" in offs:  # its trials and check in steps of its own (see the docstring)
         sp = offs["speed"]
@@ -209,6 +224,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"{t['trial_ms']}; decisions {t['decisions']}")
         lines.append("speed's own steps: arm, ms (host buffers and chunks made so far): "
                      + ", ".join(own))
+    if rows is not None:
+        rows += _stock_rows(name, arms, res, offs, grads, rounds, fsdp)
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
               "packs s |", "|---|---|---|---|"]
     for arm, off in offs.items():
@@ -221,6 +238,87 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"{sum(c['host_held_bytes'] for c in arenas) / 2**30:.2f} "
                      f"({peak / 2**30:.2f}) | {wait:.3f} |")
     return lines
+
+
+VARIANTS = ("none", "uncompressed", "memory", "speed")  # arms with a row in the JSON
+
+
+def _first_grads(model, x, blocks, offs: dict, arms: list[str], fsdp: bool) -> dict:
+    """Per arm, the gradient hashes of one step from the current parameters under
+    deterministic settings (every rank's shard, as ``bench.stock_models`` hashes them), no
+    optimizer step; ``"reference"``: those of two steps without offload (``None`` where they
+    differ: the model is not deterministic here)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from bench.stock_models import _grad_hash
+    from torch_pagecomp import offload_module
+
+    def grads_of(off) -> list:
+        if off is not None:
+            offload_module(model, blocks=blocks, offloader=off)
+        try:
+            model.zero_grad(set_to_none=True)
+            model(x).float().square().mean().backward()
+        finally:
+            if off is not None:
+                off.remove()
+        mine = _grad_hash(model)
+        if not fsdp:
+            return mine
+        import torch.distributed as dist
+
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return every
+
+    out = {}
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = grads_of(None)
+            out["reference"] = ref if grads_of(None) == ref else None
+            for arm in arms:
+                if arm in VARIANTS and arm != "none":
+                    out[arm] = grads_of(offs[arm])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _stock_rows(name: str, arms: list[str], res: dict, offs: dict, grads: dict, rounds: int,
+                fsdp: bool) -> list[dict]:
+    """The arms of :data:`VARIANTS` as rows of ``bench.stock_models``' JSON (medians of the
+    interleaved steps), with its rules: link-bound where a plain copy's step is at least 1.5x
+    the step without offload, the ratio as a plain copy's host bytes over the arm's."""
+    import statistics
+
+    import torch.distributed as dist
+
+    gpus = dist.get_world_size() if fsdp else 1
+    med = {a: statistics.median(res[a][0]) for a in arms if a in VARIANTS}
+    host = {}
+    for arm in med:
+        off = offs.get(arm)
+        host[arm] = off.stats()["peak_host_bytes"] / 2**30 if off is not None else None
+    bound = (med["uncompressed"] >= 1.5 * med["none"]
+             if "none" in med and "uncompressed" in med else None)
+    ref = grads.get("reference")
+    flat = [h for r in ref for h in r] if fsdp and ref else ref
+    # all-zero gradients would hide any restore's bytes: the check could not fail
+    checkable = bool(flat) and any(flat)
+    rows = []
+    for arm in med:
+        unc, mine = host.get("uncompressed"), host[arm]
+        rows.append({
+            "model": name, "gpus": gpus, "variant": arm, "method": "interleaved",
+            "rounds": rounds, "step_ms": med[arm], "step_ms_all": res[arm][0],
+            "peak_gpu_gib": max(res[arm][3]), "host_gib": mine,
+            "ratio": unc / mine if unc and mine else None, "link_bound": bound,
+            "grads_identical": (grads.get(arm) == ref if checkable and arm != "none"
+                                else None)})
+    return rows
 
 
 def main() -> None:
@@ -240,23 +338,56 @@ def main() -> None:
                          "arms interleaved")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
                     help="where the model runs (default: CUDA where there is one)")
+    ap.add_argument("--out", default=None,
+                    help="also write the arms none / uncompressed / memory / speed as JSON in "
+                         "bench.stock_models' schema (each row's method: interleaved), with "
+                         "their gradients set against no offload")
     a = ap.parse_args()
     arms = a.arms.split(",")
     bad = [x for x in arms if x not in ARMS]
     if bad:
         ap.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
     rank = _process_group(a.device) if a.fsdp else 0
-    try:
-        for name in a.models.split(","):
-            lines = measure(name, arms, a.rounds, a.warmup, a.block, device=a.device,
-                            fsdp=a.fsdp)
-            if rank == 0:
-                print("\n".join(lines), flush=True)
-    finally:
-        if a.fsdp:
-            import torch.distributed as dist
+    rows = [] if a.out else None
+    # no try/finally: a rank that fails must not wait at a barrier while the others are in
+    # another collective (that hangs); torchrun stops them instead (as bench.stock_models)
+    for name in a.models.split(","):
+        lines = measure(name, arms, a.rounds, a.warmup, a.block, device=a.device,
+                        fsdp=a.fsdp, rows=rows)
+        if rank == 0:
+            print("\n".join(lines), flush=True)
+    if rank == 0 and a.out:
+        _write(a.out, rows, a.device)
+    if a.fsdp:  # ended as bench.stock_models ends its process group, for a clean exit
+        import torch
+        import torch.distributed as dist
 
-            dist.destroy_process_group()
+        from bench.stock_models import _join_process_group_threads
+
+        nccl = dist.get_backend() == "nccl"
+        dist.barrier(**({"device_ids": [torch.cuda.current_device()]} if nccl else {}))
+        dist.destroy_process_group()
+        _join_process_group_threads()
+
+
+def _write(path: str, rows: list[dict], device: str | None) -> None:
+    """``rows`` as ``bench.stock_models`` writes its JSON (``device``, ``commit``, ``date``,
+    ``rows``), with ``method``: interleaved."""
+    import datetime
+    import json
+    import os
+    import sys
+
+    import torch
+
+    cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    doc = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+           "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "command": " ".join(sys.argv), "method": "interleaved",
+           "gpus": rows[0]["gpus"] if rows else 1, "rows": rows}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
 
 
 def _any_rank(flag: bool, fsdp: bool) -> bool:

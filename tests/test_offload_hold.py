@@ -458,10 +458,12 @@ def test_the_step_modes_probe_reports_each_step():
     assert all("offloaded_compressed" in r for r in rows), "\n".join(lines)
 
 
-def test_the_ab_probe_runs_under_fsdp2_on_two_ranks():
+def test_the_ab_probe_runs_under_fsdp2_on_two_ranks(tmp_path):
     """``torchrun -m bench.dev_ab_steps --fsdp`` (FSDP2 over two gloo ranks on the CPU, tiny
     model): both ranks take the same steps (``speed``'s own steps go on while either rank's
-    tuner has not settled, else their collectives would part) and rank 0 prints the table."""
+    tuner has not settled, else their collectives would part), rank 0 prints the table and
+    writes the JSON rows, two GPUs' worth of gradient shards identical to no offload."""
+    import json
     import subprocess
     import sys
     from pathlib import Path
@@ -471,8 +473,43 @@ def test_the_ab_probe_runs_under_fsdp2_on_two_ranks():
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "bench.dev_ab_steps", "--fsdp", "--device", "cpu", "--models", "encoder-tiny",
-           "--arms", "uncompressed,speed", "--rounds", "1", "--warmup", "1"]
+           "--arms", "uncompressed,speed", "--rounds", "1", "--warmup", "1",
+           "--out", str(tmp_path / "ab.json")]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("## encoder-tiny (FSDP2)") == 1, r.stdout  # rank 0 only
     assert "| speed |" in r.stdout and "speed: " in r.stdout, r.stdout
+    doc = json.loads((tmp_path / "ab.json").read_text())
+    assert doc["gpus"] == 2 and doc["method"] == "interleaved"
+    assert [r["variant"] for r in doc["rows"]] == ["uncompressed", "speed"]
+    assert all(r["grads_identical"] is True for r in doc["rows"]), doc["rows"]
+
+
+def test_the_ab_probe_writes_stock_rows_with_a_gradient_check_that_can_fail(monkeypatch):
+    """``dev_ab_steps.measure(rows=...)`` adds ``bench.stock_models``' JSON rows for none /
+    uncompressed / memory / speed, measured interleaved, each arm's first gradients set
+    against a step without offload: identical with the real stores, not identical once the
+    CPU store's restore flips a byte (so the check can fail)."""
+    from bench.dev_ab_steps import measure
+    from torch_pagecomp.offload._stores import CpuStore
+
+    rows: list[dict] = []
+    measure("encoder-tiny", ["none", "uncompressed", "memory"], 1, 1, device="cpu", rows=rows)
+    by = {r["variant"]: r for r in rows}
+    assert set(by) == {"none", "uncompressed", "memory"}
+    for key in ("model", "gpus", "step_ms", "peak_gpu_gib", "host_gib", "ratio", "link_bound"):
+        assert key in by["memory"], key
+    assert by["uncompressed"]["grads_identical"] is True
+    assert by["memory"]["grads_identical"] is True
+    assert by["memory"]["ratio"] > 1.0
+
+    real = CpuStore.restore
+
+    def corrupt(self, stored, out):
+        real(self, stored, out)
+        out.view(torch.uint8).view(-1)[0] ^= 0x40  # one flipped bit in the restored bytes
+
+    monkeypatch.setattr(CpuStore, "restore", corrupt)
+    rows = []
+    measure("encoder-tiny", ["none", "memory"], 1, 1, device="cpu", rows=rows)
+    assert {r["variant"]: r for r in rows}["memory"]["grads_identical"] is False
