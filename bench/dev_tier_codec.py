@@ -1,0 +1,225 @@
+"""Dev probe (#23): a two-tier fixed-width exponent code for bf16 pages, its reference and a
+Triton decoder, to measure on a GPU before the package's EXP format would change.
+
+``bench/results/cpu_exponent_probe_tiers.md`` found that this code stores 1.461-1.517 on
+bf16 pages where the package's fixed 3-bit code (EXP pages) stores 1.418-1.439. What it costs
+on a GPU is the open question: ``python3 -m bench.dev_tier_codec`` (GPU) encodes corpora
+with the numpy reference below, then times this module's Triton decoder against the
+package's exponent decoder (``decompress_exp_pages``) on the same pages, the package's
+pages made by its own encoder, and prints GB/s of decoded bytes and both ratios. On the CPU
+(``--device cpu``, Triton's interpreter) it only checks the round trip on a few pages.
+
+A page of ``P`` bytes holds ``n = P / 2`` bf16 values, each split as the EXP format splits
+it: an exponent ``e = (v >> 7) & 255`` and a rest byte ``r = sign << 7 | mantissa``. This
+probe's page, in order:
+
+1. ``t1``, 3 bytes: the page's 3 most frequent exponents (count descending, then value
+   ascending, absent ones filling in that order);
+2. ``t2``, 7 bytes: the next 7;
+3. ``plane``, ``n / 4`` bytes: a 2-bit code ``c1`` per value, value ``i`` at bits
+   ``2 (i % 4)`` of byte ``i // 4``: ``c1 < 3`` is ``t1[c1]``, 3 is "other";
+4. ``rest``, ``n`` bytes: ``r``;
+5. ``second``, ``3 ceil(m / 8)`` bytes for the page's ``m`` others: a 3-bit code ``c2`` per
+   other, in order, 8 to a little-endian 3-byte group (the EXP format's 3-bit stream):
+   ``c2 < 7`` is ``t2[c2]``, 7 an escape;
+6. ``escapes``: one byte per escape, in order: ``e``.
+
+Its size is ``F(m) + x`` with ``F(m) = 10 + n / 4 + n + 3 ceil(m / 8)`` and ``x`` escapes. A
+page whose size would pass ``P - P / 32`` is stored raw (this probe keeps such pages out of
+the timing: it counts them). A decoder finds an other's ``c2`` and an escape's byte by prefix
+sums of the flags, as the EXP decoder finds its escapes: no bit-serial decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+HEAD = 10  # t1 and t2
+
+
+def fixed_bytes(page: int, others: int) -> int:
+    """``F(m)``: the bytes of a page with ``others`` values outside ``t1``, less its escapes."""
+    n = page // 2
+    return HEAD + n // 4 + n + 3 * ((others + 7) // 8)
+
+
+def encode(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``uint8 [N, P]`` bf16 pages -> ``(payload uint8 [N, P], sizes int64 [N])`` (the
+    reference encoder; size ``P``: a raw page, the input as it is)."""
+    n_pages, page = pages.shape
+    n = page // 2
+    v = pages.view("<u2").astype(np.int64)
+    e, rest = (v >> 7) & 255, ((v >> 8) & 0x80) | (v & 0x7F)
+    counts = np.zeros((n_pages, 256), dtype=np.int64)
+    np.add.at(counts, (np.arange(n_pages)[:, None], e), 1)
+    order = np.argsort(-counts, axis=1, kind="stable")  # ties: the smaller exponent first
+    rank = np.empty_like(order)
+    rank[np.arange(n_pages)[:, None], order] = np.arange(256)
+    r = np.take_along_axis(rank, e, axis=1)
+    payload = np.zeros((n_pages, page), dtype=np.uint8)
+    sizes = np.empty(n_pages, dtype=np.int64)
+    for p in range(n_pages):
+        c1 = np.minimum(r[p], 3)
+        other = r[p] >= 3
+        c2 = np.minimum(r[p][other] - 3, 7)
+        esc = e[p][other][c2 == 7]
+        m = int(other.sum())
+        size = fixed_bytes(page, m) + esc.size
+        if size > page - page // 32:
+            payload[p] = pages[p]
+            sizes[p] = page
+            continue
+        out = payload[p]
+        out[:HEAD] = order[p, :HEAD]
+        out[HEAD:HEAD + n // 4] = (c1.reshape(-1, 4) << (2 * np.arange(4))).sum(axis=1)
+        out[HEAD + n // 4:HEAD + n // 4 + n] = rest[p]
+        groups = (m + 7) // 8
+        padded = np.zeros(groups * 8, dtype=np.int64)
+        padded[:m] = c2
+        word = (padded.reshape(groups, 8) << (3 * np.arange(8))).sum(axis=1)
+        at = HEAD + n // 4 + n
+        out[at:at + 3 * groups] = np.stack([word & 255, (word >> 8) & 255, word >> 16],
+                                           axis=1).reshape(-1)
+        out[at + 3 * groups:size] = esc
+        sizes[p] = size
+    return payload, sizes
+
+
+def decode(payload: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`encode` (the reference decoder; trusts its input)."""
+    n_pages, page = payload.shape
+    n = page // 2
+    out = np.empty((n_pages, page), dtype=np.uint8)
+    for p in range(n_pages):
+        src = payload[p]
+        if sizes[p] == page:
+            out[p] = src
+            continue
+        plane = src[HEAD:HEAD + n // 4].astype(np.int64)
+        c1 = ((plane[:, None] >> (2 * np.arange(4))) & 3).reshape(-1)
+        rest = src[HEAD + n // 4:HEAD + n // 4 + n].astype(np.int64)
+        other = c1 == 3
+        m = int(other.sum())
+        at = HEAD + n // 4 + n
+        g = src[at:at + 3 * ((m + 7) // 8)].astype(np.int64).reshape(-1, 3)
+        word = g[:, 0] | (g[:, 1] << 8) | (g[:, 2] << 16)
+        c2 = ((word[:, None] >> (3 * np.arange(8))) & 7).reshape(-1)[:m]
+        e = src[np.minimum(c1, 2)].astype(np.int64)
+        e2 = src[3 + np.minimum(c2, 6)].astype(np.int64)
+        esc = c2 == 7
+        e2[esc] = src[fixed_bytes(page, m):fixed_bytes(page, m) + int(esc.sum())]
+        e[other] = e2
+        v = ((rest & 0x80) << 8) | (e << 7) | (rest & 0x7F)
+        out[p] = v.astype("<u2").view(np.uint8)
+    return out
+
+
+@triton.jit
+def _tier_decode_kernel(payload_ptr, sizes_ptr, pages_ptr, status_ptr, PAGE: tl.constexpr):
+    """Program ``i`` decodes page ``i`` (at ``i * PAGE`` in the payload, ``sizes[i]`` bytes;
+    ``PAGE`` bytes: raw) into ``pages[i]``; ``status[i]`` 0, or 2 (bad size: a size that its
+    codes do not add up to, nothing stored)."""
+    N: tl.constexpr = PAGE // 2
+    pid = tl.program_id(0)
+    src = payload_ptr + pid.to(tl.int64) * PAGE
+    row = pages_ptr + pid.to(tl.int64) * PAGE
+    size = tl.load(sizes_ptr + pid)
+    i = tl.arange(0, N)
+    if size == PAGE:
+        tl.store(row + 2 * i, tl.load(src + 2 * i))
+        tl.store(row + 2 * i + 1, tl.load(src + 2 * i + 1))
+        tl.store(status_ptr + pid, 0)
+    else:
+        c1 = (tl.load(src + HEAD + i // 4).to(tl.int32) >> (2 * (i % 4))) & 3
+        other = (c1 == 3).to(tl.int32)
+        k = tl.cumsum(other, axis=0) - other  # this other's place in the second stream
+        m = tl.sum(other, axis=0)
+        AT: tl.constexpr = HEAD + N // 4 + N
+        fixed = AT + 3 * ((m + 7) // 8)
+        fits = ((fixed <= size) & (size <= PAGE - PAGE // 32)).to(tl.int32)
+        mo = (other * fits) != 0  # the second stream lies inside the page's size
+        g = src + AT + 3 * (k // 8)
+        word = (tl.load(g, mask=mo, other=0).to(tl.int32)
+                | (tl.load(g + 1, mask=mo, other=0).to(tl.int32) << 8)
+                | (tl.load(g + 2, mask=mo, other=0).to(tl.int32) << 16))
+        c2 = (word >> (3 * (k % 8))) & 7
+        esc = (mo & (c2 == 7)).to(tl.int32)
+        j = tl.cumsum(esc, axis=0) - esc
+        if (fits != 0) & (size == fixed + tl.sum(esc, axis=0)):
+            e = tl.where(other == 0, tl.load(src + tl.minimum(c1, 2)).to(tl.int32),
+                         tl.where(esc == 0, tl.load(src + 3 + tl.minimum(c2, 6)).to(tl.int32),
+                                  tl.load(src + fixed + j, mask=esc != 0, other=0)
+                                  .to(tl.int32)))
+            rest = tl.load(src + HEAD + N // 4 + i).to(tl.int32)
+            v = ((rest & 0x80) << 8) | (e << 7) | (rest & 0x7F)
+            tl.store(row + 2 * i, (v & 255).to(tl.uint8))
+            tl.store(row + 2 * i + 1, (v >> 8).to(tl.uint8))
+            tl.store(status_ptr + pid, 0)
+        else:
+            tl.store(status_ptr + pid, 2)
+
+
+def decode_triton(payload: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+    """:func:`decode` by the Triton kernel: ``(pages uint8 [N, P], status int32 [N])``."""
+    n, page = payload.shape
+    pages = torch.empty_like(payload)
+    status = torch.empty(n, dtype=torch.int32, device=payload.device)
+    _tier_decode_kernel[(n,)](payload, sizes.to(torch.int32), pages, status, PAGE=page,
+                              num_warps=4)
+    return pages, status
+
+
+def _gbps(fn, nbytes: int, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--corpora", default="bf16-randn,bf16-relu,gpt-act,gpt-kv,gpt-weights")
+    ap.add_argument("--mib", type=float, default=32.0)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args()
+    import torch_pagecomp as pc
+    from bench.corpora import build_corpus
+
+    page = 4096
+    print("| corpus | tier ratio | EXP ratio | raw pages (tier) | tier decode GB/s | EXP decode "
+          "GB/s | round trip |")
+    print("|---|---|---|---|---|---|---|")
+    for name in a.corpora.split(","):
+        mib = a.mib if a.device == "cuda" else 0.05
+        data = build_corpus(name, int(mib * 2**20) // page * page, seed=0).view(-1, page)
+        payload, sizes = encode(data.numpy())
+        ratio = data.numel() / sizes.sum()
+        c = pc.compress(data.to(a.device), codec="exp-bf16")
+        exp_ratio = data.numel() / float(c.sizes.sum())
+        p_dev = torch.from_numpy(payload).to(a.device)
+        s_dev = torch.from_numpy(sizes).to(a.device)
+        got, status = decode_triton(p_dev, s_dev)
+        ok = bool((status == 0).all()) and torch.equal(got.cpu(), data)
+        tier_gbps = exp_gbps = float("nan")
+        if a.device == "cuda":
+            tier_gbps = _gbps(lambda p=p_dev, s=s_dev: decode_triton(p, s), data.numel(),
+                              a.reps)
+            exp_gbps = _gbps(lambda c=c: pc.decompress(c, return_status=True), data.numel(),
+                             a.reps)
+        print(f"| {name} | {ratio:.3f} | {exp_ratio:.3f} | {int((sizes == page).sum())} | "
+              f"{tier_gbps:.0f} | {exp_gbps:.0f} | {ok} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
