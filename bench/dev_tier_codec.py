@@ -1,13 +1,15 @@
-"""Dev probe (#23): a two-tier fixed-width exponent code for bf16 pages, its reference and a
-Triton decoder, to measure on a GPU before the package's EXP format would change.
+"""Dev probe (#23): a two-tier fixed-width exponent code for bf16 pages, its numpy reference
+and Triton encoder and decoder, to measure on a GPU before the package's EXP format would
+change.
 
 ``bench/results/cpu_exponent_probe_tiers.md`` found that this code stores 1.461-1.517 on
 bf16 pages where the package's fixed 3-bit code (EXP pages) stores 1.418-1.439. What it costs
-on a GPU is the open question: ``python3 -m bench.dev_tier_codec`` (GPU) encodes corpora
-with the numpy reference below, then times this module's Triton decoder against the
-package's exponent decoder (``decompress_exp_pages``) on the same pages, the package's
-pages made by its own encoder, and prints GB/s of decoded bytes and both ratios. On the CPU
-(``--device cpu``, Triton's interpreter) it only checks the round trip on a few pages.
+on a GPU is the open question: ``python3 -m bench.dev_tier_codec`` (GPU) checks the Triton
+encoder against the numpy reference and the round trip on each corpus, then times the
+Triton encoder and decoder against the package's exponent codec (``compress(...,
+codec="exp-bf16")``, ``decompress``) on the same pages, and prints GB/s of uncompressed bytes
+and both ratios. On the CPU (``--device cpu``, Triton's interpreter) it only checks, on a few
+pages.
 
 A page of ``P`` bytes holds ``n = P / 2`` bf16 values, each split as the EXP format splits
 it: an exponent ``e = (v >> 7) & 255`` and a rest byte ``r = sign << 7 | mantissa``. This
@@ -165,6 +167,76 @@ def _tier_decode_kernel(payload_ptr, sizes_ptr, pages_ptr, status_ptr, PAGE: tl.
             tl.store(status_ptr + pid, 2)
 
 
+@triton.jit
+def _tier_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, PAGE: tl.constexpr):
+    """Program ``i`` encodes page ``i`` into ``payload[i]`` (the bytes :func:`encode` writes
+    up to the page's size) and ``sizes[i]``. The others' 3-bit codes are compacted through
+    the rest bytes' place in the row: each other's code is stored at its rank there, read
+    back 8 at a time into the second stream, then the rest bytes are written over them."""
+    N: tl.constexpr = PAGE // 2
+    AT: tl.constexpr = HEAD + N // 4 + N
+    pid = tl.program_id(0)
+    src = pages_ptr + pid.to(tl.int64) * PAGE
+    dst = payload_ptr + pid.to(tl.int64) * PAGE
+    i = tl.arange(0, N)
+    v = tl.load(src + 2 * i).to(tl.int32) | (tl.load(src + 2 * i + 1).to(tl.int32) << 8)
+    e = (v >> 7) & 255
+    rest = ((v >> 8) & 0x80) | (v & 0x7F)
+    bins = tl.arange(0, 256)
+    # count * 256 + 255 - exponent: distinct keys, the largest the next table entry (count
+    # descending, then exponent ascending)
+    keys = tl.histogram(e, 256) * 256 + 255 - bins
+    rank = tl.full([N], 10, tl.int32)
+    for t in tl.static_range(10):
+        x = 255 - (tl.max(keys, axis=0) & 255)
+        tl.store(dst + t, x.to(tl.uint8))
+        rank = tl.where(e == x, t, rank)
+        keys = tl.where(bins == x, -1, keys)
+    other = (rank >= 3).to(tl.int32)
+    c1 = tl.minimum(rank, 3)
+    c2 = tl.minimum(rank - 3, 7)
+    m = tl.sum(other, axis=0)
+    k = tl.cumsum(other, axis=0) - other
+    esc = other * (c2 == 7).to(tl.int32)
+    j = tl.cumsum(esc, axis=0) - esc
+    fixed = AT + 3 * ((m + 7) // 8)
+    size = fixed + tl.sum(esc, axis=0)
+    if size > PAGE - PAGE // 32:  # raw
+        tl.store(dst + 2 * i, (v & 255).to(tl.uint8))
+        tl.store(dst + 2 * i + 1, (v >> 8).to(tl.uint8))
+        tl.store(sizes_ptr + pid, PAGE)
+    else:
+        plane = tl.sum(tl.reshape(c1, (N // 4, 4)) << (2 * tl.arange(0, 4))[None, :], axis=1)
+        tl.store(dst + HEAD + tl.arange(0, N // 4), plane.to(tl.uint8))
+        scratch = dst + HEAD + N // 4  # the rest bytes' place, written last
+        tl.store(scratch + k, c2.to(tl.uint8), mask=other != 0)
+        tl.store(dst + fixed + j, e.to(tl.uint8), mask=esc != 0)
+        tl.debug_barrier()
+        gk = tl.arange(0, N // 8)
+        groups = (m + 7) // 8
+        word = tl.zeros([N // 8], tl.int32)
+        for t in tl.static_range(8):
+            at = 8 * gk + t
+            word |= tl.load(scratch + at, mask=at < m, other=0).to(tl.int32) << (3 * t)
+        tl.debug_barrier()  # every code read before the rest bytes overwrite them
+        g = dst + AT + 3 * gk
+        tl.store(g, (word & 255).to(tl.uint8), mask=gk < groups)
+        tl.store(g + 1, ((word >> 8) & 255).to(tl.uint8), mask=gk < groups)
+        tl.store(g + 2, (word >> 16).to(tl.uint8), mask=gk < groups)
+        tl.store(scratch + i, rest.to(tl.uint8))
+        tl.store(sizes_ptr + pid, size)
+
+
+def encode_triton(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode` by the Triton kernel: ``(payload uint8 [N, P], sizes int32 [N])``;
+    bytes past a page's size are not written."""
+    n, page = pages.shape
+    payload = torch.empty_like(pages)
+    sizes = torch.empty(n, dtype=torch.int32, device=pages.device)
+    _tier_encode_kernel[(n,)](pages, payload, sizes, PAGE=page, num_warps=4)
+    return payload, sizes
+
+
 def decode_triton(payload: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor,
                                                                           torch.Tensor]:
     """:func:`decode` by the Triton kernel: ``(pages uint8 [N, P], status int32 [N])``."""
@@ -197,28 +269,32 @@ def main() -> None:
     from bench.corpora import build_corpus
 
     page = 4096
-    print("| corpus | tier ratio | EXP ratio | raw pages (tier) | tier decode GB/s | EXP decode "
-          "GB/s | round trip |")
-    print("|---|---|---|---|---|---|---|")
+    print("| corpus | tier ratio | EXP ratio | raw pages (tier) | tier encode GB/s | EXP encode "
+          "GB/s | tier decode GB/s | EXP decode GB/s | round trip |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in a.corpora.split(","):
         mib = a.mib if a.device == "cuda" else 0.05
         data = build_corpus(name, int(mib * 2**20) // page * page, seed=0).view(-1, page)
-        payload, sizes = encode(data.numpy())
-        ratio = data.numel() / sizes.sum()
-        c = pc.compress(data.to(a.device), codec="exp-bf16")
+        want_payload, want_sizes = encode(data.numpy())
+        src = data.to(a.device)
+        payload, sizes = encode_triton(src)
+        same = sizes.cpu().tolist() == want_sizes.tolist() and all(
+            (payload[r, :n].cpu().numpy() == want_payload[r, :n]).all()
+            for r, n in enumerate(want_sizes.tolist()))
+        got, status = decode_triton(payload, sizes)
+        ok = same and bool((status == 0).all()) and torch.equal(got.cpu(), data)
+        ratio = data.numel() / float(sizes.sum())
+        c = pc.compress(src, codec="exp-bf16")
         exp_ratio = data.numel() / float(c.sizes.sum())
-        p_dev = torch.from_numpy(payload).to(a.device)
-        s_dev = torch.from_numpy(sizes).to(a.device)
-        got, status = decode_triton(p_dev, s_dev)
-        ok = bool((status == 0).all()) and torch.equal(got.cpu(), data)
-        tier_gbps = exp_gbps = float("nan")
+        enc = dec = exp_enc = exp_dec = float("nan")
         if a.device == "cuda":
-            tier_gbps = _gbps(lambda p=p_dev, s=s_dev: decode_triton(p, s), data.numel(),
-                              a.reps)
-            exp_gbps = _gbps(lambda c=c: pc.decompress(c, return_status=True), data.numel(),
-                             a.reps)
+            nb = data.numel()
+            enc = _gbps(lambda x=src: encode_triton(x), nb, a.reps)
+            exp_enc = _gbps(lambda x=src: pc.compress(x, codec="exp-bf16"), nb, a.reps)
+            dec = _gbps(lambda p=payload, s=sizes: decode_triton(p, s), nb, a.reps)
+            exp_dec = _gbps(lambda c=c: pc.decompress(c, return_status=True), nb, a.reps)
         print(f"| {name} | {ratio:.3f} | {exp_ratio:.3f} | {int((sizes == page).sum())} | "
-              f"{tier_gbps:.0f} | {exp_gbps:.0f} | {ok} |", flush=True)
+              f"{enc:.0f} | {exp_enc:.0f} | {dec:.0f} | {exp_dec:.0f} | {ok} |", flush=True)
 
 
 if __name__ == "__main__":
