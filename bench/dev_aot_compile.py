@@ -9,8 +9,8 @@ installed (its ``ptxas`` ships with the wheel):
    (compress of every element size with checksums, decompress of fixed-stride and packed
    pages, the activation store's pack / restore, row-address decode of both codecs and
    checksums, the exponent codec of both layouts at 4 and 64 KiB pages, the float-codec
-   probes) and records each distinct launch: kernel, argument types, constexprs and
-   launch options;
+   probes, the two-tier exponent-code probe) and records each distinct launch: kernel,
+   argument types, constexprs and launch options;
 2. this process compiles each of them ahead of time for ``--arch`` (``triton.compile`` with
    ``GPUTarget("cuda", arch, 32)``) down to a cubin, and prints one line a kernel with its
    registers and spilled bytes a thread (``ptxas -v``).
@@ -115,6 +115,14 @@ def record(path: str) -> None:
                                  torch.empty_like(pages), torch.empty(3, dtype=torch.int32)),
              {"P": 4096, "num_warps": 4})):
         entry = _signature(kernel, args, meta)
+        seen.setdefault(json.dumps(entry, sort_keys=True, default=str), entry)
+    from bench import dev_tier_codec as tc
+
+    sizes = torch.zeros(3, dtype=torch.int32)
+    for kernel, args in ((tc._tier_encode_kernel, (pages, torch.empty_like(pages), sizes)),
+                         (tc._tier_decode_kernel, (pages, sizes, torch.empty_like(pages),
+                                                   torch.empty(3, dtype=torch.int32)))):
+        entry = _signature(kernel, args, {"PAGE": 4096, "num_warps": 4})
         seen.setdefault(json.dumps(entry, sort_keys=True, default=str), entry)
     entries = list(seen.values())
     with open(path, "w") as f:

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 HEAD = 10  # t1 and t2
+_HEAD = tl.constexpr(HEAD)  # the same, for the kernels (a global they may read)
 
 
 def fixed_bytes(page: int, others: int) -> int:
@@ -138,11 +139,11 @@ def _tier_decode_kernel(payload_ptr, sizes_ptr, pages_ptr, status_ptr, PAGE: tl.
         tl.store(row + 2 * i + 1, tl.load(src + 2 * i + 1))
         tl.store(status_ptr + pid, 0)
     else:
-        c1 = (tl.load(src + HEAD + i // 4).to(tl.int32) >> (2 * (i % 4))) & 3
+        c1 = (tl.load(src + _HEAD + i // 4).to(tl.int32) >> (2 * (i % 4))) & 3
         other = (c1 == 3).to(tl.int32)
         k = tl.cumsum(other, axis=0) - other  # this other's place in the second stream
         m = tl.sum(other, axis=0)
-        AT: tl.constexpr = HEAD + N // 4 + N
+        AT: tl.constexpr = _HEAD + N // 4 + N
         fixed = AT + 3 * ((m + 7) // 8)
         fits = ((fixed <= size) & (size <= PAGE - PAGE // 32)).to(tl.int32)
         mo = (other * fits) != 0  # the second stream lies inside the page's size
@@ -158,7 +159,7 @@ def _tier_decode_kernel(payload_ptr, sizes_ptr, pages_ptr, status_ptr, PAGE: tl.
                          tl.where(esc == 0, tl.load(src + 3 + tl.minimum(c2, 6)).to(tl.int32),
                                   tl.load(src + fixed + j, mask=esc != 0, other=0)
                                   .to(tl.int32)))
-            rest = tl.load(src + HEAD + N // 4 + i).to(tl.int32)
+            rest = tl.load(src + _HEAD + N // 4 + i).to(tl.int32)
             v = ((rest & 0x80) << 8) | (e << 7) | (rest & 0x7F)
             tl.store(row + 2 * i, (v & 255).to(tl.uint8))
             tl.store(row + 2 * i + 1, (v >> 8).to(tl.uint8))
@@ -174,7 +175,7 @@ def _tier_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, PAGE: tl.constexpr):
     the rest bytes' place in the row: each other's code is stored at its rank there, read
     back 8 at a time into the second stream, then the rest bytes are written over them."""
     N: tl.constexpr = PAGE // 2
-    AT: tl.constexpr = HEAD + N // 4 + N
+    AT: tl.constexpr = _HEAD + N // 4 + N
     pid = tl.program_id(0)
     src = pages_ptr + pid.to(tl.int64) * PAGE
     dst = payload_ptr + pid.to(tl.int64) * PAGE
@@ -207,8 +208,8 @@ def _tier_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, PAGE: tl.constexpr):
         tl.store(sizes_ptr + pid, PAGE)
     else:
         plane = tl.sum(tl.reshape(c1, (N // 4, 4)) << (2 * tl.arange(0, 4))[None, :], axis=1)
-        tl.store(dst + HEAD + tl.arange(0, N // 4), plane.to(tl.uint8))
-        scratch = dst + HEAD + N // 4  # the rest bytes' place, written last
+        tl.store(dst + _HEAD + tl.arange(0, N // 4), plane.to(tl.uint8))
+        scratch = dst + _HEAD + N // 4  # the rest bytes' place, written last
         tl.store(scratch + k, c2.to(tl.uint8), mask=other != 0)
         tl.store(dst + fixed + j, e.to(tl.uint8), mask=esc != 0)
         tl.debug_barrier()
