@@ -126,29 +126,22 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     (taken twice: a model that is not deterministic there gets ``None``)."""
     import torch
 
-    from bench.stock_models import build
+    from bench.stock_models import build, shard, variant_settings
     from torch_pagecomp import ActivationOffloader, offload_module
 
     cuda = torch.cuda.is_available() if device is None else device == "cuda"
-    model, x, blocks = build(name, "cuda" if cuda else "cpu")
+    where = "cuda" if cuda else "cpu"
+    model, x, blocks = build(name, where)
     if fsdp:
-        from torch.distributed import get_world_size
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cuda" if cuda else "cpu", (get_world_size(),))
-        for blk in blocks:
-            fully_shard(blk, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard(model, blocks, where)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    from bench.stock_models import CopyOnlyTuner
 
-    settings = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-                "uncompressed_nohold": dict(mode="uncompressed"), "speed": dict(prefer="speed"),
-                "speed_copy_only": dict(prefer="speed", tuner=CopyOnlyTuner()),
-                **{a: dict(prefer="memory") for a in ARMS if a.startswith("memory_")}}
-    cpu = {} if cuda else dict(offload_cpu=True, min_offload_bytes=1 << 12)
-    offs = {a: ActivationOffloader(**settings[a], **cpu) for a in arms if a != "none"}
+    def settings(arm: str) -> dict:  # a probe arm is its variant's offloader (_arm_patch)
+        variant = ("memory" if arm.startswith("memory_")
+                   else "uncompressed" if arm.startswith("uncompressed_") else arm)
+        return variant_settings(variant, where)
+
+    offs = {a: ActivationOffloader(**settings(a)) for a in arms if a != "none"}
 
     def step(arm: str) -> tuple[float, float, float]:
         off = offs.get(arm)
@@ -181,8 +174,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         sp = offs["speed"]
         while _any_rank(tuned < 28 and (sp.tuner.choice is None or sp.tuner.checking), fsdp):
             ms = step("speed")[0]
-            made = sp.pool.misses + sum(st.arena.pins for st in sp._paged.values())
-            own.append(f"{sp.tuner.arm[:4]} {ms:.1f} ({made})")
+            own.append(f"{sp.tuner.arm[:4]} {ms:.1f} ({sp.host_buffers_made()})")
             tuned += 1
     for _ in range(warmup):
         for arm in arms:
@@ -296,13 +288,15 @@ def _stock_rows(name: str, arms: list[str], res: dict, offs: dict, grads: dict, 
 
     import torch.distributed as dist
 
+    from bench.stock_models import LINK_BOUND_X
+
     gpus = dist.get_world_size() if fsdp else 1
     med = {a: statistics.median(res[a][0]) for a in arms if a in VARIANTS}
     host = {}
     for arm in med:
         off = offs.get(arm)
         host[arm] = off.stats()["peak_host_bytes"] / 2**30 if off is not None else None
-    bound = (med["uncompressed"] >= 1.5 * med["none"]
+    bound = (med["uncompressed"] >= LINK_BOUND_X * med["none"]
              if "none" in med and "uncompressed" in med else None)
     ref = grads.get("reference")
     flat = [h for r in ref for h in r] if fsdp and ref else ref
@@ -359,50 +353,38 @@ def main() -> None:
     if rank == 0 and a.out:
         _write(a.out, rows, a.device)
     if a.fsdp:  # ended as bench.stock_models ends its process group, for a clean exit
-        import torch
         import torch.distributed as dist
 
-        from bench.stock_models import _join_process_group_threads
+        from bench.stock_models import end_process_group
 
-        nccl = dist.get_backend() == "nccl"
-        dist.barrier(**({"device_ids": [torch.cuda.current_device()]} if nccl else {}))
-        dist.destroy_process_group()
-        _join_process_group_threads()
+        end_process_group(dist.get_backend() == "nccl")
 
 
 def _write(path: str, rows: list[dict], device: str | None) -> None:
-    """``rows`` as ``bench.stock_models`` writes its JSON (``device``, ``commit``, ``date``,
+    """``rows`` as ``bench.stock_models`` writes its JSON (``stock_models.run_meta``, then
     ``rows``), with ``method``: interleaved."""
-    import datetime
     import json
-    import os
-    import sys
 
     import torch
 
+    from bench.stock_models import run_meta
+
     cuda = torch.cuda.is_available() if device is None else device == "cuda"
-    doc = {"device": torch.cuda.get_device_name() if cuda else "cpu",
-           "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "torch": torch.__version__, "command": " ".join(sys.argv), "method": "interleaved",
-           "gpus": rows[0]["gpus"] if rows else 1, "rows": rows}
+    doc = {**run_meta(cuda), "method": "interleaved", "gpus": rows[0]["gpus"] if rows else 1,
+           "rows": rows}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
 
 
 def _any_rank(flag: bool, fsdp: bool) -> bool:
-    """``flag`` on any rank of the process group (under ``--fsdp``): every rank takes as many
-    steps as the slowest tuner needs, so the ranks' collectives stay paired."""
+    """``flag`` on any rank (``stock_models.any_rank``) under ``--fsdp``, else ``flag``."""
     if not fsdp:
         return flag
-    import torch
     import torch.distributed as dist
 
-    if dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    from bench.stock_models import any_rank
+
+    return any_rank(flag, "cuda" if dist.get_backend() == "nccl" else "cpu")
 
 
 def _process_group(device: str | None) -> int:

@@ -30,17 +30,14 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
     """The per-step table of ``arm`` (``uncompressed``, ``memory``, ``speed``) on ``name``."""
     import torch
 
-    from bench.stock_models import build
+    from bench.stock_models import build, variant_settings
     from torch_pagecomp import ActivationOffloader, offload_module
 
     cuda = torch.cuda.is_available() if device is None else device == "cuda"
-    model, x, blocks = build(name, "cuda" if cuda else "cpu")
+    where = "cuda" if cuda else "cpu"
+    model, x, blocks = build(name, where)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    settings = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-                "speed": dict(prefer="speed")}[arm]
-    if not cuda:
-        settings.update(offload_cpu=True, min_offload_bytes=1 << 12)
-    off = ActivationOffloader(**settings)
+    off = ActivationOffloader(**variant_settings(arm, where))
     offload_module(model, blocks=blocks, offloader=off)
     group_s = [0.0]  # host time in the group ends (where held batches are stored)
     real_next_group = off.next_group
@@ -59,9 +56,6 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
         if phase == "stop":
             collected[info["generation"]] += 1
 
-    def made() -> int:
-        return off.pool.misses + sum(st.arena.pins for st in off._paged.values())
-
     def waited_us() -> int:
         return sum(st.arena.wait_s for st in off._paged.values()) * 1e6
 
@@ -73,7 +67,8 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
         return tuple(st.get(k, 0) for k in ALLOCATOR)
 
     def step() -> dict:
-        before, host0, made0, wait0 = off.counters.copy(), dict(off._host_s), made(), waited_us()
+        before, host0 = off.counters.copy(), dict(off._host_s)
+        made0, wait0 = off.host_buffers_made(), waited_us()
         alloc0, group0 = allocator(), group_s[0]
         collected.clear()
         if cuda:
@@ -96,7 +91,7 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
                 "groups": (group_s[0] - group0) * 1e3,
                 "unpack": (off._host_s["unpack"] - host0["unpack"]) * 1e3,
                 "alloc": tuple(b - a for a, b in zip(alloc0, allocator())),
-                "gc": dict(collected), "made": made() - made0,
+                "gc": dict(collected), "made": off.host_buffers_made() - made0,
                 "wait": waited_us() - wait0,
                 "counts": {k: delta[k] for k in COUNTERS if delta[k]}}
 

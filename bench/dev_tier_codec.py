@@ -42,6 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_pagecomp.exp_codec import join_values, pack3, split_values, unpack3
+from torch_pagecomp.format import EXP_BF16  # the EXP format's value split and 3-bit stream
+
 HEAD = 10  # t1 and t2
 _HEAD = tl.constexpr(HEAD)  # the same, for the kernels (a global they may read)
 
@@ -58,7 +61,7 @@ def encode(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n_pages, page = pages.shape
     n = page // 2
     v = pages.view("<u2").astype(np.int64)
-    e, rest = (v >> 7) & 255, ((v >> 8) & 0x80) | (v & 0x7F)
+    e, rest, _ = split_values(v, EXP_BF16)
     counts = np.zeros((n_pages, 256), dtype=np.int64)
     np.add.at(counts, (np.arange(n_pages)[:, None], e), 1)
     order = np.argsort(-counts, axis=1, kind="stable")  # ties: the smaller exponent first
@@ -83,12 +86,10 @@ def encode(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out[HEAD:HEAD + n // 4] = (c1.reshape(-1, 4) << (2 * np.arange(4))).sum(axis=1)
         out[HEAD + n // 4:HEAD + n // 4 + n] = rest[p]
         groups = (m + 7) // 8
-        padded = np.zeros(groups * 8, dtype=np.int64)
-        padded[:m] = c2
-        word = (padded.reshape(groups, 8) << (3 * np.arange(8))).sum(axis=1)
+        padded = np.zeros((1, groups * 8), dtype=np.int64)
+        padded[0, :m] = c2
         at = HEAD + n // 4 + n
-        out[at:at + 3 * groups] = np.stack([word & 255, (word >> 8) & 255, word >> 16],
-                                           axis=1).reshape(-1)
+        out[at:at + 3 * groups] = pack3(padded)[0]
         out[at + 3 * groups:size] = esc
         sizes[p] = size
     return payload, sizes
@@ -110,16 +111,13 @@ def decode(payload: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         other = c1 == 3
         m = int(other.sum())
         at = HEAD + n // 4 + n
-        g = src[at:at + 3 * ((m + 7) // 8)].astype(np.int64).reshape(-1, 3)
-        word = g[:, 0] | (g[:, 1] << 8) | (g[:, 2] << 16)
-        c2 = ((word[:, None] >> (3 * np.arange(8))) & 7).reshape(-1)[:m]
+        c2 = unpack3(src[None, at:at + 3 * ((m + 7) // 8)])[0, :m]
         e = src[np.minimum(c1, 2)].astype(np.int64)
         e2 = src[3 + np.minimum(c2, 6)].astype(np.int64)
         esc = c2 == 7
         e2[esc] = src[fixed_bytes(page, m):fixed_bytes(page, m) + int(esc.sum())]
         e[other] = e2
-        v = ((rest & 0x80) << 8) | (e << 7) | (rest & 0x7F)
-        out[p] = v.astype("<u2").view(np.uint8)
+        out[p] = join_values(e, rest, None, EXP_BF16).astype("<u2").view(np.uint8)
     return out
 
 

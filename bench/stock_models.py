@@ -70,6 +70,7 @@ VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed", "torchtune
 # the trials leave nothing behind (bench/results/h200_5b2a6fe_session30)
 PROBE_VARIANTS = ("speed_copy_only",)
 CODECS = ("auto", "lz4")  # the hooks' codec= values (--codec)
+LINK_BOUND_X = 1.5  # #21: a step is link-bound where a plain copy takes this x no offload
 COMPRESSING = ("memory", "speed", "torchtune")  # the variants whose pages a codec writes
 GIB = 1 << 30
 
@@ -300,6 +301,70 @@ class CopyOnlyTuner:
         return {"phase": "forced", "arm": "copy", "choice": "copy"}
 
 
+def variant_settings(variant: str, device: str) -> dict:
+    """The ``ActivationOffloader`` arguments of an offloading variant (``uncompressed``,
+    ``memory``, ``speed``, the probe ``speed_copy_only``) on ``device``; on the CPU (CI, toy
+    sizes) the hooks' CPU path, for tensors from 4 KiB."""
+    kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
+          "speed": dict(prefer="speed"),
+          "speed_copy_only": dict(prefer="speed", tuner=CopyOnlyTuner())}[variant]
+    if device == "cpu":
+        kw.update(offload_cpu=True, min_offload_bytes=1 << 12)
+    return kw
+
+
+def shard(model, blocks: list, device: str) -> None:
+    """FSDP2 over the process group: ``fully_shard`` per block, then the whole ``model``, on a
+    mesh of ``device``'s type (``fully_shard``'s default mesh takes the machine's
+    accelerator, so CPU ranks on gloo failed on a host that has a GPU)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    for blk in blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def any_rank(flag: bool, device: str) -> bool:
+    """``flag`` on any rank of the process group (each rank's tensor on ``device``): ranks
+    that step until every rank's tuner has chosen take the same steps, so their collectives
+    stay paired."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def run_meta(cuda: bool) -> dict:
+    """The top of a JSON of rows: ``device``, ``commit``, ``date``, ``torch``, ``command``,
+    ``gpus`` (1: a multi-rank run sets its own)."""
+    import torch
+
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu",
+            "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "command": " ".join(sys.argv), "gpus": 1}
+
+
+def end_process_group(cuda: bool) -> None:
+    """Tear the process group down together (no rank leaves while another still talks; on
+    NCCL with its device named, else the barrier warns that it guesses it), then join its
+    threads (:func:`_join_process_group_threads`)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier(**({"device_ids": [torch.cuda.current_device()]} if cuda else {}))
+    dist.destroy_process_group()
+    _join_process_group_threads()
+
+
 def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: bool,
         profile: str | None = None, min_offload_bytes: int | None = None,
         record_phases: bool = True, codec: str = "auto") -> dict:
@@ -312,16 +377,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
 
     model, x, blocks = build(name, device)
     if fsdp:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        # the mesh on the model's device: fully_shard's default mesh takes the machine's
-        # accelerator, so CPU ranks on gloo failed on a host that has a GPU
-        mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
-        for blk in blocks:
-            fully_shard(blk, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard(model, blocks, device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     off = ctx = None
     if variant == "save_on_cpu":
@@ -335,12 +391,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
         off = ctx = get_act_offloading_ctx_manager(model, True, warn_if_no_head=False,
                                                    codec=codec, **kw)
     elif variant != "none":
-        kw = {"uncompressed": dict(mode="uncompressed"), "memory": dict(prefer="memory"),
-              "speed": dict(prefer="speed"),
-              "speed_copy_only": dict(prefer="speed", tuner=CopyOnlyTuner())}[variant]
-        kw["codec"] = codec
-        if device == "cpu":  # CI: the hooks' CPU path on toy sizes
-            kw.update(offload_cpu=True, min_offload_bytes=1 << 12)
+        kw = {**variant_settings(variant, device), "codec": codec}
         if min_offload_bytes is not None:
             kw["min_offload_bytes"] = min_offload_bytes
         if os.environ.get("STOCK_STREAM_PRIORITY"):  # probe: the hooks' side-stream priority
@@ -404,13 +455,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
 
     def undecided() -> bool:
         flag = tuner is not None and (tuner.choice is None or tuner.checking)
-        if fsdp:  # every rank steps until every rank's tuner chose: the same collectives
-            import torch.distributed as dist
-
-            t = torch.tensor([int(flag)], device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item())
-        return flag
+        return any_rank(flag, device) if fsdp else flag
 
     while warmup < 28 and undecided():
         warmup += 1
@@ -528,7 +573,7 @@ def _finish(rows: list[dict], meta: dict) -> dict:
         last = {r["variant"]: r for r in rs}
         none, unc = last.get("none", {}), last.get("uncompressed", {})
         # unknown (None) without both rows in this run: not claimed either way
-        bound = (unc["step_ms"] >= 1.5 * none["step_ms"]
+        bound = (unc["step_ms"] >= LINK_BOUND_X * none["step_ms"]
                  if none.get("step_ms") and unc.get("step_ms") else None)
         for r in rs:
             r["gpus"] = meta["gpus"]
@@ -674,10 +719,7 @@ def main(argv=None) -> int:
                              os.environ.get("STOCK_PROFILE"), args.min_offload_bytes,
                              not args.no_phases, codecs[0])))
         return 0
-    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "commit": os.environ.get("PAGECOMP_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "command": " ".join(sys.argv), "gpus": 1}
+    meta = run_meta(args.device == "cuda")
     if args.fsdp and _under_torchrun():
         rows = _fsdp_rows(args, models, variants, meta, codecs)
         if rows is None:
@@ -799,12 +841,7 @@ def _fsdp_rows(args, models, variants, meta, codecs=("auto",)):
                 gc.collect()
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
-    # tear down together: no rank leaves while another still talks (on NCCL with its device
-    # named, else the barrier warns that it guesses it)
-    dist.barrier(**({"device_ids": [torch.cuda.current_device()]}
-                    if args.device.startswith("cuda") else {}))
-    dist.destroy_process_group()
-    _join_process_group_threads()
+    end_process_group(args.device.startswith("cuda"))
     return rows if rank == 0 else None
 
 

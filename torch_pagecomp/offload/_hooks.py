@@ -321,7 +321,7 @@ class ActivationOffloader:
         was faster."""
         if self.tuner is None or _capturing() or torch.compiler.is_compiling():
             return "compress"  # no events recorded into a graph capture or a trace
-        made = self.pool.misses + sum(st.arena.pins for st in self._paged.values())
+        made = self.host_buffers_made()
         arm = self.tuner.start_pass(grew=made != self._made)  # the pass now closing
         self._made = made
         final = None if self.tuner.checking else self.tuner.choice
@@ -342,6 +342,11 @@ class ActivationOffloader:
                 else:
                     store.release_scratch()
         return arm
+
+    def host_buffers_made(self) -> int:
+        """Page-locked host buffers made so far: plain copies' pooled buffers and the
+        compressors' arena chunks (a pass that made one paid milliseconds for it)."""
+        return self.pool.misses + sum(st.arena.pins for st in self._paged.values())
 
     def next_group(self) -> None:
         """Start a new prefetch group (e.g. at each transformer block's forward)."""
