@@ -49,9 +49,9 @@ import contextlib
 import statistics
 import time
 
-ARMS = ("none", "uncompressed", "memory", "memory_group", "memory_single", "memory_restore256",
-        "memory_batch128", "uncompressed_nohold", "memory_nohold", "memory_wait", "speed",
-        "speed_copy_only")
+ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
+        "memory_restore256", "memory_batch128", "uncompressed_nohold", "memory_nohold",
+        "memory_wait", "speed", "speed_copy_only")
 
 
 # arms that set a package constant while their steps run: (module, name, value)
@@ -127,6 +127,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     import torch
 
     from bench.stock_models import build, shard, variant_settings
+    from bench.training_bench import CountingSaveOnCpu
     from torch_pagecomp import ActivationOffloader, offload_module
 
     cuda = torch.cuda.is_available() if device is None else device == "cuda"
@@ -141,7 +142,16 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                    else "uncompressed" if arm.startswith("uncompressed_") else arm)
         return variant_settings(variant, where)
 
-    offs = {a: ActivationOffloader(**settings(a)) for a in arms if a != "none"}
+    offs = {a: ActivationOffloader(**settings(a)) for a in arms
+            if a not in ("none", "save_on_cpu")}
+    # torch's own pinned offload, its bytes counted (the stock bench's save_on_cpu row)
+    saver = CountingSaveOnCpu() if "save_on_cpu" in arms else None
+
+    def forward(arm: str):
+        if arm != "save_on_cpu":
+            return model(x)
+        with saver:
+            return model(x)
 
     def step(arm: str) -> tuple[float, float, float]:
         off = offs.get(arm)
@@ -156,7 +166,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                     e0.record()
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
-                model(x).float().square().mean().backward()
+                forward(arm).float().square().mean().backward()
                 opt.step()
                 issue = (time.perf_counter() - t0) * 1e3
                 if cuda:
@@ -168,7 +178,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
-    grads = _first_grads(model, x, blocks, offs, arms, fsdp) if rows is not None else {}
+    grads = _first_grads(model, forward, blocks, offs, arms, fsdp) if rows is not None else {}
     tuned, own = 0, []
     if "speed" in offs:  # its trials and check in steps of its own (see the docstring)
         sp = offs["speed"]
@@ -217,7 +227,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         lines.append("speed's own steps: arm, ms (host buffers and chunks made so far): "
                      + ", ".join(own))
     if rows is not None:
-        rows += _stock_rows(name, arms, res, offs, grads, rounds, fsdp)
+        rows += _stock_rows(name, arms, res, offs, grads, rounds, fsdp,
+                            saver.bytes / 2**30 if saver is not None else None)
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
               "packs s |", "|---|---|---|---|"]
     for arm, off in offs.items():
@@ -232,10 +243,10 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     return lines
 
 
-VARIANTS = ("none", "uncompressed", "memory", "speed")  # arms with a row in the JSON
+VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed")  # arms with a JSON row
 
 
-def _first_grads(model, x, blocks, offs: dict, arms: list[str], fsdp: bool) -> dict:
+def _first_grads(model, forward, blocks, offs: dict, arms: list[str], fsdp: bool) -> dict:
     """Per arm, the gradient hashes of one step from the current parameters under
     deterministic settings (every rank's shard, as ``bench.stock_models`` hashes them), no
     optimizer step; ``"reference"``: those of two steps without offload (``None`` where they
@@ -246,12 +257,13 @@ def _first_grads(model, x, blocks, offs: dict, arms: list[str], fsdp: bool) -> d
     from bench.stock_models import _grad_hash
     from torch_pagecomp import offload_module
 
-    def grads_of(off) -> list:
+    def grads_of(arm: str) -> list:
+        off = offs.get(arm)
         if off is not None:
             offload_module(model, blocks=blocks, offloader=off)
         try:
             model.zero_grad(set_to_none=True)
-            model(x).float().square().mean().backward()
+            forward(arm).float().square().mean().backward()
         finally:
             if off is not None:
                 off.remove()
@@ -268,11 +280,11 @@ def _first_grads(model, x, blocks, offs: dict, arms: list[str], fsdp: bool) -> d
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         with sdpa_kernel(SDPBackend.MATH):
-            ref = grads_of(None)
-            out["reference"] = ref if grads_of(None) == ref else None
+            ref = grads_of("none")
+            out["reference"] = ref if grads_of("none") == ref else None
             for arm in arms:
                 if arm in VARIANTS and arm != "none":
-                    out[arm] = grads_of(offs[arm])
+                    out[arm] = grads_of(arm)
     finally:
         torch.use_deterministic_algorithms(False)
     model.zero_grad(set_to_none=True)
@@ -280,10 +292,11 @@ def _first_grads(model, x, blocks, offs: dict, arms: list[str], fsdp: bool) -> d
 
 
 def _stock_rows(name: str, arms: list[str], res: dict, offs: dict, grads: dict, rounds: int,
-                fsdp: bool) -> list[dict]:
+                fsdp: bool, saved_gib: float | None = None) -> list[dict]:
     """The arms of :data:`VARIANTS` as rows of ``bench.stock_models``' JSON (medians of the
     interleaved steps), with its rules: link-bound where a plain copy's step is at least 1.5x
-    the step without offload, the ratio as a plain copy's host bytes over the arm's."""
+    the step without offload, the ratio as a plain copy's host bytes over the arm's.
+    ``saved_gib``: the bytes ``save_on_cpu`` moved in its last step (its host memory)."""
     import statistics
 
     import torch.distributed as dist
@@ -295,7 +308,8 @@ def _stock_rows(name: str, arms: list[str], res: dict, offs: dict, grads: dict, 
     host = {}
     for arm in med:
         off = offs.get(arm)
-        host[arm] = off.stats()["peak_host_bytes"] / 2**30 if off is not None else None
+        host[arm] = (off.stats()["peak_host_bytes"] / 2**30 if off is not None
+                     else saved_gib if arm == "save_on_cpu" else None)
     bound = (med["uncompressed"] >= LINK_BOUND_X * med["none"]
              if "none" in med and "uncompressed" in med else None)
     ref = grads.get("reference")

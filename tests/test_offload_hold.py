@@ -487,20 +487,24 @@ def test_the_ab_probe_runs_under_fsdp2_on_two_ranks(tmp_path):
 
 def test_the_ab_probe_writes_stock_rows_with_a_gradient_check_that_can_fail(monkeypatch):
     """``dev_ab_steps.measure(rows=...)`` adds ``bench.stock_models``' JSON rows for none /
-    uncompressed / memory / speed, measured interleaved, each arm's first gradients set
-    against a step without offload: identical with the real stores, not identical once the
-    CPU store's restore flips a byte (so the check can fail)."""
+    save_on_cpu / uncompressed / memory / speed, measured interleaved, each arm's first
+    gradients set against a step without offload: identical with the real stores, not
+    identical once the CPU store's restore flips a byte (so the check can fail)."""
     from bench.dev_ab_steps import measure
     from torch_pagecomp.offload._stores import CpuStore
 
     rows: list[dict] = []
-    measure("encoder-tiny", ["none", "uncompressed", "memory"], 1, 1, device="cpu", rows=rows)
+    measure("encoder-tiny", ["none", "save_on_cpu", "uncompressed", "memory"], 1, 1,
+            device="cpu", rows=rows)
     by = {r["variant"]: r for r in rows}
-    assert set(by) == {"none", "uncompressed", "memory"}
+    assert set(by) == {"none", "save_on_cpu", "uncompressed", "memory"}
     for key in ("model", "gpus", "step_ms", "peak_gpu_gib", "host_gib", "ratio", "link_bound"):
         assert key in by["memory"], key
     assert by["uncompressed"]["grads_identical"] is True
     assert by["memory"]["grads_identical"] is True
+    # torch's save_on_cpu moves every saved byte: as much host memory as a plain copy, or more
+    assert by["save_on_cpu"]["grads_identical"] is True
+    assert by["save_on_cpu"]["host_gib"] >= 0.9 * by["uncompressed"]["host_gib"] > 0
     assert by["memory"]["ratio"] > 1.0
 
     real = CpuStore.restore
