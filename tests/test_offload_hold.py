@@ -517,3 +517,32 @@ def test_the_ab_probe_writes_stock_rows_with_a_gradient_check_that_can_fail(monk
     rows = []
     measure("encoder-tiny", ["none", "memory"], 1, 1, device="cpu", rows=rows)
     assert {r["variant"]: r for r in rows}["memory"]["grads_identical"] is False
+
+
+def test_the_ab_probe_counts_host_peaks_of_the_timed_rounds_only(monkeypatch):
+    """The JSON rows' ``host_gib`` is the peak of the timed rounds: a step before them that
+    offloads far more (as the gradient check's math-SDPA steps do on a GPU) is not in it."""
+    import bench.dev_ab_steps as ab
+    from bench.stock_models import build
+    from torch_pagecomp import offload_module
+
+    _, x, _ = build("encoder-tiny", "cpu")
+    real, seen = ab._first_grads, []
+
+    def with_a_big_step(model, forward, blocks, offs, arms, fsdp):
+        out = real(model, forward, blocks, offs, arms, fsdp)
+        off = offs["uncompressed"]
+        offload_module(model, blocks=blocks, offloader=off)
+        try:
+            model(x.repeat(8, 1, 1)).float().square().mean().backward()
+        finally:
+            off.remove()
+        model.zero_grad(set_to_none=True)
+        seen.append(off.stats()["peak_host_bytes"])
+        return out
+
+    monkeypatch.setattr(ab, "_first_grads", with_a_big_step)
+    rows: list[dict] = []
+    ab.measure("encoder-tiny", ["none", "uncompressed"], 1, 1, device="cpu", rows=rows)
+    unc = {r["variant"]: r for r in rows}["uncompressed"]
+    assert 0 < unc["host_gib"] * 2**30 < seen[0] / 4, (unc["host_gib"] * 2**30, seen)
