@@ -506,6 +506,8 @@ def test_the_ab_probe_writes_stock_rows_with_a_gradient_check_that_can_fail(monk
     assert by["save_on_cpu"]["grads_identical"] is True
     assert by["save_on_cpu"]["host_gib"] >= 0.9 * by["uncompressed"]["host_gib"] > 0
     assert by["memory"]["ratio"] > 1.0
+    # the hooks' own host time per timed step, set against the step's host issue time
+    assert 0 < by["memory"]["hook_host_ms"]["pack"] < by["memory"]["step_ms"]
 
     real = CpuStore.restore
 
