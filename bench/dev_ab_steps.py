@@ -195,6 +195,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     for off in offs.values():
         off.reset_peak_stats()
     hooks0 = {a: dict(off.stats().get("host_s", {})) for a, off in offs.items()}
+    counts0 = {a: off.counters.copy() for a, off in offs.items()}
     res = {a: ([], [], [], []) for a in arms}  # steps ms, host issue ms, first steps of
     # blocks, peak GPU GiB
     for r in range(rounds):
@@ -233,20 +234,27 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         lines.append("speed's own steps: arm, ms (host buffers and chunks made so far): "
                      + ", ".join(own))
     # the hooks' own host time per timed step (pack / unpack hooks), against host issue ms
-    hook_ms = {a: {k: (v - hooks0[a].get(k, 0.0)) * 1e3 / (rounds * block)
+    steps = rounds * block
+    hook_ms = {a: {k: (v - hooks0[a].get(k, 0.0)) * 1e3 / steps
                    for k, v in off.stats().get("host_s", {}).items()} for a, off in offs.items()}
+    # what the hooks did per timed step (pack calls, restores, stores...): the host time
+    # above over these gives the cost of one
+    counts = {a: {k: v / steps for k, v in (off.counters - counts0[a]).items()}
+              for a, off in offs.items()}
     if rows is not None:
         mine = _stock_rows(name, arms, res, offs, grads, rounds, fsdp,
                            saver.bytes / 2**30 if saver is not None else None)
         for row in mine:
             if row["variant"] in hook_ms:
                 row["hook_host_ms"] = hook_ms[row["variant"]]
+                row["counters_per_step"] = counts[row["variant"]]
         rows += mine
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
-              "packs s | hooks' host ms a step (pack / unpack) |", "|---|---|---|---|---|"]
+              "packs s | hooks' host ms a step (pack / unpack) | pack calls / restores a step |",
+              "|---|---|---|---|---|---|"]
     for arm, off in offs.items():
         st = off.stats()
-        hm = hook_ms[arm]
+        hm, n = hook_ms[arm], counts[arm]
         arenas = list(st.get("compressor", {}).values())
         held = st.get("pinned_held_bytes", 0) + sum(c["host_held_bytes"] for c in arenas)
         peak = sum(c["host_peak_held_bytes"] for c in arenas)
@@ -254,7 +262,9 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         lines.append(f"| {arm} | {held / 2**30:.2f} | "
                      f"{sum(c['host_held_bytes'] for c in arenas) / 2**30:.2f} "
                      f"({peak / 2**30:.2f}) | {wait:.3f} | "
-                     f"{hm.get('pack', 0.0):.1f} / {hm.get('unpack', 0.0):.1f} |")
+                     f"{hm.get('pack', 0.0):.1f} / {hm.get('unpack', 0.0):.1f} | "
+                     f"{n.get('packed', 0):.0f} / "
+                     f"{n.get('restored_prefetch', 0) + n.get('restored_on_demand', 0):.0f} |")
     return lines
 
 

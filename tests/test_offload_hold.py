@@ -508,6 +508,9 @@ def test_the_ab_probe_writes_stock_rows_with_a_gradient_check_that_can_fail(monk
     assert by["memory"]["ratio"] > 1.0
     # the hooks' own host time per timed step, set against the step's host issue time
     assert 0 < by["memory"]["hook_host_ms"]["pack"] < by["memory"]["step_ms"]
+    # and what they did per timed step: every saved tensor went through the pack hook
+    per = by["memory"]["counters_per_step"]
+    assert per["packed"] >= per.get("offloaded_compressed", 0) > 0, per
 
     real = CpuStore.restore
 
