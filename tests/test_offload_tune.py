@@ -562,3 +562,38 @@ def test_copy_only_tuner_of_the_hook_timing_probe(seed):
     st = off.stats()
     assert st["offloaded_cpu"] > 0 and "offloaded_compressed" not in st
     assert st["tuner"]["choice"] == "copy" and not off._paged
+
+
+def test_tuner_waits_longer_between_retunes_that_keep_the_choice():
+    """A periodic retune that keeps the choice doubles the wait for the next (up to
+    ``RETUNE_GROWTH`` times ``retune``): each one pins the other way's memory again. A changed
+    choice starts again from ``retune``."""
+    from torch_pagecomp.offload._tune import RETUNE_GROWTH
+
+    clock = FakeClock()
+    retune = random.randint(5, 9)
+    tuner = StepTuner(warmup=0, trials=1, retune=retune, check=0, clock=clock)
+    base = random.uniform(100, 300)
+    ms = {"compress": base, "copy": base * 2}  # compressing wins throughout
+    arms = run_passes(tuner, clock, ms, 4 + retune * (4 * RETUNE_GROWTH) + 60)
+    # the settled runs of "compress" between trials (a trial's copied passes split them)
+    runs, n = [], 0
+    for a in arms[4:]:
+        if a == "compress":
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    waits = [retune * min(2 ** k, RETUNE_GROWTH) for k in range(len(runs))]
+    # a run after the first: a retune's two compressed trial passes, then the settled ones
+    assert [runs[0]] + [r - 2 for r in runs[1:]] == waits, (runs, waits)
+    assert len(runs) >= 6, runs  # the wait reached its cap and stayed there
+    assert tuner.summary()["retune_every"] == RETUNE_GROWTH * retune, tuner.summary()
+    # the choice changes at the next retune: from then on, retune passes again
+    ms = {"compress": base * 2, "copy": base}
+    for _ in range(RETUNE_GROWTH * retune + 8):
+        run_passes(tuner, clock, ms, 1)
+        if tuner.choice == "copy":
+            break
+    assert tuner.choice == "copy", tuner.summary()
+    assert tuner.summary()["retune_every"] == retune, tuner.summary()

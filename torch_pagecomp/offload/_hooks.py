@@ -115,7 +115,8 @@ class ActivationOffloader:
             uncompressed copies (past it a tensor stays on the GPU).
         prefer: ``"speed"``: compress only where it shortens the step. Passes are timed
             (``_tune.StepTuner``: after two warm-up passes, two passes each compressed
-            and copied, again every ``tuner.retune`` passes) and the faster way is kept
+            and copied, again after ``tuner.retune`` passes, twice as long each time the
+            choice holds, up to 16x, and at once on a new workload) and the faster way is kept
             (checked against the steps it gives: a choice whose own steps lose to the
             other way's trials has the other way's steps timed too, and the faster steps
             decide).

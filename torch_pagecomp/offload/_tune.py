@@ -29,7 +29,14 @@ read once completed, never waited for), or the host clock without CUDA:
    it is faster by more than ``margin`` (on a tie compression still saves host memory). Then
    the trials run again, and at once when a pass takes a different amount to offload (by
    more than a quarter) than the trials did: a new sequence length or model (the bytes taken,
-   not those stored, which differ by arm);
+   not those stored, which differ by arm). Each periodic retune that keeps the choice doubles
+   the wait for the next, up to ``RETUNE_GROWTH`` times ``retune``; a changed choice or a new
+   workload starts again from ``retune``. A retune is not free: the way not chosen gave its
+   idle memory back (item 4), so its trials pin it again and the check releases it again. At
+   the first tuning under FSDP2 on two H200s the pass that pinned the copies' buffers ran
+   1.1-3.7 s and the one that released them 0.3-1.3 s, against steps of 80-240 ms
+   (``bench/results/h200x2_0c1353b_session47``; a retune's own passes were not timed): at a
+   fixed 200 passes that would be a few percent of a long run;
 4. the choice is checked against the passes it gives: the median of ``check`` settled
    passes (after the first, which may still pay for the switch) takes the place of the chosen
    arm's trial time in the same rule. Two trial passes per arm can tie where the steps do not:
@@ -69,6 +76,7 @@ import torch
 from .._args import check_int, check_number
 
 ARMS = ("compress", "copy")
+RETUNE_GROWTH = 16  # the longest wait between periodic retunes, in ``retune``s (item 3)
 
 
 def pass_mark() -> float | torch.cuda.Event:
@@ -118,6 +126,9 @@ class StepTuner:
         self._gen = 0  # trials generation: measurements of older ones are dropped
         self._schedule: list[tuple[str, bool]] = []  # trial (arm, timed?) still to hand out
         self._settled = 0  # passes handed the choice since the decision
+        self._interval = retune  # settled passes before the next periodic retune
+        self._kept: str | None = None  # the choice a periodic retune started from (None: the
+        # trials in progress are not a periodic retune's)
         self._open: tuple | None = None  # (mark, arm, generation, trial?, settled?) of the pass
         self._settled_ms: list[float] = []  # settled passes of the choice, for its check
         self._checked = True  # the current decision was checked (or there is none)
@@ -162,8 +173,10 @@ class StepTuner:
         elif self._phase == "settled":
             self._settled += 1
             self.arm, settled = self.choice, True
-            if self._settled >= self.retune:
+            if self._settled >= self._interval:
+                kept = self.choice
                 self._begin_trials()
+                self._kept = kept
                 settled = False
         else:
             self.arm = "compress"  # warm-up, or trials handed out and not measured yet
@@ -209,6 +222,7 @@ class StepTuner:
         self._trial_bytes = None
         self._settled_ms, self._checked, self._rival = [], True, None
         self._regrown = 0
+        self._kept = None  # the periodic retune sets it after this
 
     def _trial_best(self) -> dict:
         """Each arm's shortest timed trial pass (ms)."""
@@ -225,6 +239,18 @@ class StepTuner:
         self._settled_ms, self._checked = [], self.check == 0
         self.history.append({"choice": self.choice, "bytes_per_pass": self._trial_bytes,
                              **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
+        if self._checked:
+            self._final()
+
+    def _final(self) -> None:
+        """The decision is checked: a periodic retune that kept its choice waits twice as
+        long for the next (at most ``RETUNE_GROWTH`` times ``retune``); otherwise the next
+        comes after ``retune`` passes."""
+        if self._kept is not None and self._kept == self.choice:
+            self._interval = min(2 * self._interval, RETUNE_GROWTH * self.retune)
+        else:
+            self._interval = self.retune
+        self._kept = None
 
     def _check_settled(self) -> None:
         """The chosen arm's settled passes (the first left out) in place of its trial time:
@@ -236,6 +262,7 @@ class StepTuner:
             best[self.choice] = median
             if self._choose(best) == self.choice:
                 self._checked = True
+                self._final()
                 return
             self._rival = (self.choice, median)
             verdict, other = "measuring", "copy" if self.choice == "compress" else "compress"
@@ -245,12 +272,15 @@ class StepTuner:
             verdict, other = "checked", self._choose(best)
         if other != self.choice:
             self.choice, self._settled, self._settled_ms = other, 0, []
+        if self._checked:
+            self._final()
         self.history.append({"choice": other, "bytes_per_pass": self._trial_bytes,
                              verdict: True, **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
 
     def summary(self) -> dict:
         """Phase, current arm and the decisions so far (for ``ActivationOffloader.stats``)."""
         return {"phase": self._phase, "arm": self.arm, "choice": self.choice,
+                "retune_every": self._interval,
                 "trial_ms": {a: [round(t, 2) for t in v] for a, v in self.times.items()},
                 "settled_ms": [round(t, 2) for t in self._settled_ms],
                 "decisions": self.history[-4:]}
