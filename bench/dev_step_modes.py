@@ -25,9 +25,13 @@ COUNTERS = ("in_flight_waits", "deferred", "restored_prefetch", "restored_on_dem
 ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
 
-def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = None
-            ) -> list[str]:
-    """The per-step table of ``arm`` (``uncompressed``, ``memory``, ``speed``) on ``name``."""
+def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = None,
+            retune: int | None = None, growth: int | None = None) -> list[str]:
+    """The per-step table of ``arm`` (``uncompressed``, ``memory``, ``speed``) on ``name``.
+
+    ``retune`` (``speed``): its tuner times both ways again after that many passes (so a
+    retune's cost shows in a short run), ``growth``: ``_tune.RETUNE_GROWTH`` for this run (1:
+    every ``retune`` passes, as before the wait doubled)."""
     import torch
 
     from bench.stock_models import build, variant_settings
@@ -37,7 +41,19 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
     where = "cuda" if cuda else "cpu"
     model, x, blocks = build(name, where)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    off = ActivationOffloader(**variant_settings(arm, where))
+    kw = variant_settings(arm, where)
+    if retune is not None:
+        from torch_pagecomp import StepTuner
+
+        if arm != "speed":
+            raise ValueError("retune: only the speed arm has a tuner")
+        kw["tuner"] = StepTuner(retune=retune)
+    from torch_pagecomp.offload import _tune
+
+    real_growth = _tune.RETUNE_GROWTH
+    if growth is not None:
+        _tune.RETUNE_GROWTH = growth  # for this run only: a probe (restored below)
+    off = ActivationOffloader(**kw)
     offload_module(model, blocks=blocks, offloader=off)
     group_s = [0.0]  # host time in the group ends (where held batches are stored)
     real_next_group = off.next_group
@@ -93,7 +109,9 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
                 "alloc": tuple(b - a for a, b in zip(alloc0, allocator())),
                 "gc": dict(collected), "made": off.host_buffers_made() - made0,
                 "wait": waited_us() - wait0,
-                "counts": {k: delta[k] for k in COUNTERS if delta[k]}}
+                "counts": {k: delta[k] for k in COUNTERS if delta[k]},
+                "tuner": (f"{off.tuner.arm} ({off.tuner.summary()['phase']})"
+                          if off.tuner is not None else "")}
 
     gc.callbacks.append(on_gc)
     try:
@@ -103,18 +121,19 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
     finally:
         gc.callbacks.remove(on_gc)
         off.remove()
+        _tune.RETUNE_GROWTH = real_growth
     med = statistics.median(r["ms"] for r in rows)
-    lines = [f"## {name} {arm}: {steps} steps after {warmup} warm-up (median {med:.1f} ms; "
-             f"'slow' = over 1.1x the median)",
+    lines = [f"## {name} {arm}: {steps} steps after {warmup} warm-up (median {med:.1f} ms, "
+             f"total {sum(r['ms'] for r in rows):.0f} ms; 'slow' = over 1.1x the median)",
              "| step | ms | slow | host fwd ms | of it pack hooks | group ends | host bwd ms | "
              "of it unpack hooks | gc (gen: runs) | cudaMalloc, cudaFree, retries, syncs | "
-             "pinned | arena waits us | counters |", "|---" * 13 + "|"]
+             "pinned | arena waits us | counters | tuner: arm (phase) |", "|---" * 14 + "|"]
     for i, r in enumerate(rows):
         lines.append(f"| {i} | {r['ms']:.1f} | {'yes' if r['ms'] > 1.1 * med else ''} | "
                      f"{r['fwd']:.1f} | {r['pack']:.1f} | {r['groups']:.1f} | {r['bwd']:.1f} | "
                      f"{r['unpack']:.1f} | "
                      f"{r['gc']} | {r['alloc']} | "
-                     f"{r['made']} | {r['wait']:.0f} | {r['counts']} |")
+                     f"{r['made']} | {r['wait']:.0f} | {r['counts']} | {r['tuner']} |")
     return lines
 
 
@@ -124,9 +143,14 @@ def main() -> None:
     ap.add_argument("--arm", default="memory", choices=("uncompressed", "memory", "speed"))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--retune", type=int, default=None,
+                    help="speed: its tuner retunes after this many passes")
+    ap.add_argument("--growth", type=int, default=None,
+                    help="speed: the retune wait's longest multiple (1: a fixed wait)")
     a = ap.parse_args()
     for name in a.models.split(","):
-        print("\n".join(measure(name, a.arm, a.steps, a.warmup)), flush=True)
+        print("\n".join(measure(name, a.arm, a.steps, a.warmup, retune=a.retune,
+                                 growth=a.growth)), flush=True)
 
 
 if __name__ == "__main__":

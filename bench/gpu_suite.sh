@@ -43,6 +43,9 @@
 #   bash bench/gpu_suite.sh hooktiming # probe: the hooks' host time per call (HOOK_MODELS,
 #                                      # HOOK_VARIANTS; #21)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
+#   bash bench/gpu_suite.sh retune     # probe: prefer="speed"'s retunes step by step, a fixed wait
+#                                      # against the doubling one (RETUNE_MODELS, RETUNE_N,
+#                                      # RETUNE_STEPS; #21)
 #   bash bench/gpu_suite.sh small      # one small call's latency (#26), its primitives' host cost
 #                                      # and the tests of the paths it takes (PageCompressor's
 #                                      # kernel-only store, the ring)
@@ -160,6 +163,16 @@ fsdpab)
         --arms "${AB_ARMS:-uncompressed,memory,speed,none,save_on_cpu}" --rounds "${AB_ROUNDS:-5}" --warmup 2 \
         --out "$OUT/stock_models_fsdp_interleaved.json" 2>&1 | tee "$OUT/fsdp_interleaved.txt" \
         | grep -E "^## |^\| (uncompressed|memory|speed|none) \| [0-9]|^speed:"
+    ;;
+retune)
+    header retune | tee "$OUT/retune.txt"
+    # the same steps with retunes every RETUNE_N passes (growth 1) and with the doubling wait:
+    # the totals differ by what the retunes' pinning and releasing cost
+    for g in 1 16; do
+        timeout 250 python3 -m bench.dev_step_modes --models "${RETUNE_MODELS:-encoder-2048}" \
+            --arm speed --steps "${RETUNE_STEPS:-60}" --warmup 4 --retune "${RETUNE_N:-8}" \
+            --growth $g 2>&1 | tee -a "$OUT/retune.txt" | grep "^## "
+    done
     ;;
 batchprobe)
     header batchprobe | tee "$OUT/batch_offload.txt"

@@ -458,6 +458,20 @@ def test_the_step_modes_probe_reports_each_step():
     assert all("offloaded_compressed" in r for r in rows), "\n".join(lines)
 
 
+def test_the_step_modes_probe_shows_the_speed_tuners_retunes():
+    """``dev_step_modes --arm speed --retune N``: each step's tuner arm and phase, so a
+    retune's passes (trials again) show among settled ones; ``growth`` is restored after."""
+    from bench.dev_step_modes import measure
+    from torch_pagecomp.offload import _tune
+
+    real = _tune.RETUNE_GROWTH
+    lines = measure("encoder-tiny", "speed", 24, 0, device="cpu", retune=3, growth=1)
+    assert _tune.RETUNE_GROWTH == real
+    rows = [ln for ln in lines if ln.startswith("| ") and ln[2].isdigit()]
+    phases = [r.rstrip(" |").rsplit("(", 1)[-1].rstrip(")") for r in rows]
+    assert "settled" in phases and "trial" in phases[phases.index("settled"):], phases
+
+
 def test_the_ab_probe_runs_under_fsdp2_on_two_ranks(tmp_path):
     """``torchrun -m bench.dev_ab_steps --fsdp`` (FSDP2 over two gloo ranks on the CPU, tiny
     model): both ranks take the same steps (``speed``'s own steps go on while either rank's
