@@ -126,7 +126,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     (taken twice: a model that is not deterministic there gets ``None``)."""
     import torch
 
-    from bench.stock_models import build, shard, variant_settings
+    from bench.stock_models import build, per_step, shard, variant_settings
     from bench.training_bench import CountingSaveOnCpu
     from torch_pagecomp import ActivationOffloader, offload_module
 
@@ -194,8 +194,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     # doubled a plain copy's peak host bytes, 3.83 GiB against 2.0 a step)
     for off in offs.values():
         off.reset_peak_stats()
-    hooks0 = {a: dict(off.stats().get("host_s", {})) for a, off in offs.items()}
-    counts0 = {a: off.counters.copy() for a, off in offs.items()}
+    before = {a: off.stats() for a, off in offs.items()}
     res = {a: ([], [], [], []) for a in arms}  # steps ms, host issue ms, first steps of
     # blocks, peak GPU GiB
     for r in range(rounds):
@@ -233,28 +232,23 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"{t['trial_ms']}; decisions {t['decisions']}")
         lines.append("speed's own steps: arm, ms (host buffers and chunks made so far): "
                      + ", ".join(own))
-    # the hooks' own host time per timed step (pack / unpack hooks), against host issue ms
-    steps = rounds * block
-    hook_ms = {a: {k: (v - hooks0[a].get(k, 0.0)) * 1e3 / steps
-                   for k, v in off.stats().get("host_s", {}).items()} for a, off in offs.items()}
-    # what the hooks did per timed step (pack calls, restores, stores...): the host time
-    # above over these gives the cost of one
-    counts = {a: {k: v / steps for k, v in (off.counters - counts0[a]).items()}
-              for a, off in offs.items()}
+    # per timed step, the hooks' own host ms (pack / unpack) and what they did (pack calls,
+    # restores, stores...): the first over the second gives the cost of one
+    done = {a: per_step(before[a], off.stats(), rounds * block, off.counters)
+            for a, off in offs.items()}
     if rows is not None:
         mine = _stock_rows(name, arms, res, offs, grads, rounds, fsdp,
                            saver.bytes / 2**30 if saver is not None else None)
         for row in mine:
-            if row["variant"] in hook_ms:
-                row["hook_host_ms"] = hook_ms[row["variant"]]
-                row["counters_per_step"] = counts[row["variant"]]
+            if row["variant"] in done:
+                row["hook_host_ms"], row["counters_per_step"] = done[row["variant"]]
         rows += mine
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
               "packs s | hooks' host ms a step (pack / unpack) | pack calls / restores a step |",
               "|---|---|---|---|---|---|"]
     for arm, off in offs.items():
         st = off.stats()
-        hm, n = hook_ms[arm], counts[arm]
+        hm, n = done[arm]
         arenas = list(st.get("compressor", {}).values())
         held = st.get("pinned_held_bytes", 0) + sum(c["host_held_bytes"] for c in arenas)
         peak = sum(c["host_peak_held_bytes"] for c in arenas)

@@ -353,6 +353,16 @@ def run_meta(cuda: bool) -> dict:
             "torch": torch.__version__, "command": " ".join(sys.argv), "gpus": 1}
 
 
+def per_step(before: dict, after: dict, steps: int, counters) -> tuple[dict, dict]:
+    """Between two ``ActivationOffloader.stats()`` taken ``steps`` timed steps apart: the
+    hooks' own host ms per step (``host_s``: pack, unpack), set against the step's host issue
+    time, and each of ``counters`` (names) per step."""
+    spent = before.get("host_s", {})
+    hook_ms = {k: (v - spent.get(k, 0.0)) * 1e3 / steps
+               for k, v in after.get("host_s", {}).items()}
+    return hook_ms, {k: (after.get(k, 0) - before.get(k, 0)) / steps for k in counters}
+
+
 def end_process_group(cuda: bool) -> None:
     """Tear the process group down together (no rank leaves while another still talks; on
     NCCL with its device named, else the barrier warns that it guesses it), then join its
@@ -503,13 +513,9 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     if off is not None:
         offloaded = (st.get("offloaded_bytes", 0) - before.get("offloaded_bytes", 0)) / steps
         # counters per timed step (what the warm-up did is not in them), other values as read
-        per_step = {k: (v - before.get(k, 0)) / steps if isinstance(v, int) and k in
-                    off.counters else v for k, v in st.items() if not isinstance(v, dict)}
-        # the hooks' own host time per timed step (``stats()["host_s"]``), against host_issue_ms
-        row["hook_host_ms"] = {k: (v - before.get("host_s", {}).get(k, 0.0)) * 1e3 / steps
-                               for k, v in st.get("host_s", {}).items()}
+        row["hook_host_ms"], counts = per_step(before, st, steps, off.counters)
         row.update(host_gib=st["peak_host_bytes"] / GIB, offloaded_gib=offloaded / GIB,
-                   stats=per_step,
+                   stats={**{k: v for k, v in st.items() if not isinstance(v, dict)}, **counts},
                    compressor=st.get("compressor", {}), tuner=st.get("tuner"),
                    policy=st.get("policy"))  # per class: ratio, codec, every candidate's
         comp = [c for c in st.get("compressor", {}).values()]

@@ -174,9 +174,7 @@ class StepTuner:
             self._settled += 1
             self.arm, settled = self.choice, True
             if self._settled >= self._interval:
-                kept = self.choice
-                self._begin_trials()
-                self._kept = kept
+                self._begin_trials(kept=self.choice)
                 settled = False
         else:
             self.arm = "compress"  # warm-up, or trials handed out and not measured yet
@@ -213,7 +211,8 @@ class StepTuner:
                 if len(self._settled_ms) > self.check:
                     self._check_settled()
 
-    def _begin_trials(self) -> None:
+    def _begin_trials(self, kept: str | None = None) -> None:
+        """Time both arms again (``kept``: the choice a periodic retune starts from)."""
         self._phase, self._gen, self._settled = "trial", self._gen + 1, 0
         # each arm's timed pass follows one of its own (see the module docstring)
         pairs = [(arm, timed) for arm in ("copy", "compress") for timed in (False, True)]
@@ -221,8 +220,7 @@ class StepTuner:
         self.times = {a: [] for a in ARMS}
         self._trial_bytes = None
         self._settled_ms, self._checked, self._rival = [], True, None
-        self._regrown = 0
-        self._kept = None  # the periodic retune sets it after this
+        self._regrown, self._kept = 0, kept
 
     def _trial_best(self) -> dict:
         """Each arm's shortest timed trial pass (ms)."""
@@ -236,16 +234,17 @@ class StepTuner:
         best = self._trial_best()
         self.choice = self._choose(best)
         self._phase, self._settled, self._skipped = "settled", 0, 0
-        self._settled_ms, self._checked = [], self.check == 0
+        self._settled_ms, self._checked = [], False
         self.history.append({"choice": self.choice, "bytes_per_pass": self._trial_bytes,
                              **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
-        if self._checked:
+        if self.check == 0:
             self._final()
 
     def _final(self) -> None:
         """The decision is checked: a periodic retune that kept its choice waits twice as
         long for the next (at most ``RETUNE_GROWTH`` times ``retune``); otherwise the next
         comes after ``retune`` passes."""
+        self._checked = True
         if self._kept is not None and self._kept == self.choice:
             self._interval = min(2 * self._interval, RETUNE_GROWTH * self.retune)
         else:
@@ -261,18 +260,17 @@ class StepTuner:
             best = self._trial_best()
             best[self.choice] = median
             if self._choose(best) == self.choice:
-                self._checked = True
                 self._final()
                 return
             self._rival = (self.choice, median)
             verdict, other = "measuring", "copy" if self.choice == "compress" else "compress"
         else:
             best = {self._rival[0]: self._rival[1], self.choice: median}
-            self._checked, self._rival = True, None
+            self._rival = None
             verdict, other = "checked", self._choose(best)
         if other != self.choice:
             self.choice, self._settled, self._settled_ms = other, 0, []
-        if self._checked:
+        if verdict == "checked":
             self._final()
         self.history.append({"choice": other, "bytes_per_pass": self._trial_bytes,
                              verdict: True, **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
