@@ -26,7 +26,10 @@ saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches)
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
 storage stored once its batch closes, as before the hooks held the last groups);
 ``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
-always true, as before session 44) instead of staying held. ``speed``: ``prefer="speed"``,
+always true, as before session 44) instead of staying held. ``memory_nowait``: the host
+arena pins another chunk where the slices in flight could need it, instead of waiting for
+the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
+that wait is host time. ``speed``: ``prefer="speed"``,
 its tuner's trials and check run first in consecutive steps of its own (a pass's period is
 from its start to the next one's: interleaved, it would hold the other arms' steps), so it is
 measured at the choice it settled on, beside the other arms on the same host; its decisions
@@ -51,7 +54,7 @@ import time
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
         "memory_restore256", "memory_batch128", "uncompressed_nohold", "memory_nohold",
-        "memory_wait", "speed", "speed_copy_only")
+        "memory_wait", "memory_nowait", "speed", "speed_copy_only")
 
 
 # arms that set a package constant while their steps run: (module, name, value)
@@ -87,6 +90,16 @@ def _arm_patch(arm: str):
             yield
         finally:
             Batcher.window = real
+        return
+    if arm == "memory_nowait":  # the arena pins a chunk rather than wait for a pack
+        from torch_pagecomp.offload._arena import VirtualArena
+
+        real = VirtualArena._room
+        VirtualArena._room = VirtualArena._unbacked
+        try:
+            yield
+        finally:
+            VirtualArena._room = real
         return
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
         from torch_pagecomp.offload._batch import Batcher

@@ -259,6 +259,43 @@ def test_slices_in_flight_are_waited_for_before_a_new_chunk_is_pinned(gen, monke
 
 
 @interpreter
+def test_the_nowait_probe_pins_instead_of_waiting_and_puts_the_wait_back(gen, monkeypatch):
+    """``bench.dev_ab_steps``' arm ``memory_nowait``: while its steps run, a store that
+    needs more chunks than are free pins them instead of waiting for the slices in flight
+    (here a wait raises); every tensor still comes back; after it, the store waits again."""
+    from bench.dev_ab_steps import _arm_patch
+
+    chunk = 1 << 15
+    store = _store(chunk=chunk, slice_bytes=1 << 13)
+    arena = store.arena
+
+    class Waited(Exception):
+        pass
+
+    real = arena.confirm
+
+    def behind(through=None):
+        if through is not None:
+            raise Waited
+        real()
+
+    monkeypatch.setattr(arena, "confirm", behind)
+    srcs = [_data(gen, 5 * P, "small") for _ in range(14)]  # 70 pages: 8.75 chunks raw
+    with _arm_patch("memory_nowait"):
+        stored = [store.offload(s, 1) for s in srcs]
+    assert arena.pins >= len(srcs) * 5 * P // chunk  # pinned for the worst cases in flight
+    with pytest.raises(Waited):  # the package's own rule is back
+        for _ in range(8):
+            store.offload(_data(gen, 5 * P, "small"), 1)
+    monkeypatch.undo()
+    store.wait_placed()
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
+
+
+@interpreter
 def test_stores_now_says_whether_a_store_would_wait_for_slices_in_flight(gen, monkeypatch):
     """``PagedStore.stores_now(n)`` is false exactly where storing ``n`` bytes would make the
     host wait for slices in flight (their worst cases reach past the chunks held); nothing in

@@ -306,16 +306,22 @@ class VirtualArena:
         chunk costs tens of milliseconds and stays held; the wait costs the host some of its
         lead, on steps that pin."""
         self.placed_since_shrink = True
-        new = self._unbacked(upper)
-        while self.pending and len(new) > len(self.free):
-            self.confirm(through=self.pending[0][0])
-            new = self._unbacked(upper)
-        for k in new:
+        for k in self._room(upper):
             self._back_chunk(k, stream)
         # the limit passed with the slice
         self.limit = max(self.limit, (self._last_chunk(upper) + 1) * self.chunk)
         self.peak_held = max(self.peak_held, self.held_bytes)
         self.peak_backed = max(self.peak_backed, len(self.backed))
+
+    def _room(self, upper: int) -> list[int]:
+        """The chunks to pin for one more slice of ``upper`` bytes, after waiting for the
+        slices in flight, the oldest first, while they would need more than the free list
+        holds (:meth:`back`)."""
+        new = self._unbacked(upper)
+        while self.pending and len(new) > len(self.free):
+            self.confirm(through=self.pending[0][0])
+            new = self._unbacked(upper)
+        return new
 
     def room_now(self, upper: int) -> bool:
         """Whether slices of ``upper`` bytes in all can be planned now without :meth:`back`
