@@ -21,8 +21,9 @@ Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memo
 ``memory`` with the hooks' batched restores through ``restore_group`` instead of
 ``restore_placed`` (the path before 2026-11-29); ``memory_single``: ``memory`` with every
 saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches);
-``memory_restore256``, ``memory_batch128``: ``memory`` with one constant changed
-(:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes);
+``memory_restore256``, ``memory_batch128``, ``memory_placed1``: ``memory`` with one constant
+changed (:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes, a tensor
+restored alone through the batched path);
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
 storage stored once its batch closes, as before the hooks held the last groups);
 ``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
@@ -54,7 +55,7 @@ import time
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
         "memory_restore256", "memory_batch128", "uncompressed_nohold", "memory_nohold",
-        "memory_wait", "memory_nowait", "speed", "speed_copy_only")
+        "memory_wait", "memory_nowait", "memory_placed1", "speed", "speed_copy_only")
 
 
 # arms that set a package constant while their steps run: (module, name, value)
@@ -62,6 +63,7 @@ PATCHES = {
     "memory_single": ("torch_pagecomp.offload._batch", "BATCH_BYTES", 0),
     "memory_restore256": ("torch_pagecomp.offload._backward", "RESTORE_BATCH_BYTES", 256 << 20),
     "memory_batch128": ("torch_pagecomp.offload._batch", "BATCH_BYTES", 128 << 20),
+    "memory_placed1": ("torch_pagecomp.offload._backward", "BATCH_MIN_ENTRIES", 1),
 }
 
 

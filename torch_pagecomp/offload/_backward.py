@@ -146,7 +146,7 @@ class Backward:
                     and e.nbytes % e.stored.page_size == 0):
                 batches.setdefault((id(e.store), e.stream), []).append(e)
         part_of = {id(e): part for batch in batches.values() for part in _split(batch)
-                   if len(part) > 1 for e in part}
+                   if len(part) >= BATCH_MIN_ENTRIES for e in part}
         gpu_streams = {e.stream for e in entries if e.device.type == "cuda"}
         side = self.off._stream(entries[0].device, "h2d") if gpu_streams else None
         with on_stream(side):
@@ -239,6 +239,9 @@ RESTORE_BATCH_BYTES = 64 << 20  # a batch's staging (its compressed bytes) is at
 # what one large tensor's restore stages alone; 128 MiB (fewer batches, less host time) ran
 # encoder-1024 slower in one A/B round (h200_66258a2_hostpath): a tensor's decode waits for
 # all the copies of its batch
+
+
+BATCH_MIN_ENTRIES = 2  # a part of fewer entries is restored slice by slice (PagedStore.restore)
 
 
 def _split(batch: list[_Entry]) -> list[list[_Entry]]:
