@@ -23,7 +23,7 @@ Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memo
 saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches);
 ``memory_restore256``, ``memory_batch128``, ``memory_placed1``: ``memory`` with one constant
 changed (:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes, a tensor
-restored alone through the batched path);
+restored alone through the batched path); ``memory_both``: the first two together;
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
 storage stored once its batch closes, as before the hooks held the last groups);
 ``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
@@ -55,15 +55,18 @@ import time
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
         "memory_restore256", "memory_batch128", "uncompressed_nohold", "memory_nohold",
-        "memory_wait", "memory_nowait", "memory_placed1", "speed", "speed_copy_only")
+        "memory_wait", "memory_nowait", "memory_placed1", "memory_both", "speed", "speed_copy_only")
 
 
-# arms that set a package constant while their steps run: (module, name, value)
+# arms that set package constants while their steps run: ((module, name, value), ...)
+_RESTORE256 = ("torch_pagecomp.offload._backward", "RESTORE_BATCH_BYTES", 256 << 20)
+_BATCH128 = ("torch_pagecomp.offload._batch", "BATCH_BYTES", 128 << 20)
 PATCHES = {
-    "memory_single": ("torch_pagecomp.offload._batch", "BATCH_BYTES", 0),
-    "memory_restore256": ("torch_pagecomp.offload._backward", "RESTORE_BATCH_BYTES", 256 << 20),
-    "memory_batch128": ("torch_pagecomp.offload._batch", "BATCH_BYTES", 128 << 20),
-    "memory_placed1": ("torch_pagecomp.offload._backward", "BATCH_MIN_ENTRIES", 1),
+    "memory_single": (("torch_pagecomp.offload._batch", "BATCH_BYTES", 0),),
+    "memory_restore256": (_RESTORE256,),
+    "memory_batch128": (_BATCH128,),
+    "memory_both": (_RESTORE256, _BATCH128),
+    "memory_placed1": (("torch_pagecomp.offload._backward", "BATCH_MIN_ENTRIES", 1),),
 }
 
 
@@ -73,14 +76,16 @@ def _arm_patch(arm: str):
     if arm in PATCHES:
         import importlib
 
-        module, name, value = PATCHES[arm]
-        mod = importlib.import_module(module)
-        real = getattr(mod, name)
-        setattr(mod, name, value)
+        undo = []
         try:
+            for module, name, value in PATCHES[arm]:
+                mod = importlib.import_module(module)
+                undo.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, value)
             yield
         finally:
-            setattr(mod, name, real)
+            for mod, name, real in reversed(undo):
+                setattr(mod, name, real)
         return
     if arm.endswith("_nohold"):  # nothing held: every storage stored once its batch closes,
         # as before the window

@@ -397,6 +397,23 @@ def test_the_ab_probe_arms_set_the_window_and_put_it_back():
     assert Batcher._starts_now is real
 
 
+def test_the_ab_probe_constant_arms_set_their_constants_and_put_them_back():
+    """``bench.dev_ab_steps``' constant arms (``PATCHES``) set every constant they name while
+    their steps run, and put each back after, also when a step raises."""
+    from bench.dev_ab_steps import PATCHES, _arm_patch
+    from torch_pagecomp.offload import _backward, _batch
+
+    real = (_backward.RESTORE_BATCH_BYTES, _batch.BATCH_BYTES, _backward.BATCH_MIN_ENTRIES)
+    with _arm_patch("memory_both"):
+        assert (_backward.RESTORE_BATCH_BYTES, _batch.BATCH_BYTES) == (256 << 20, 128 << 20)
+    with pytest.raises(RuntimeError, match="a step failed"), _arm_patch("memory_placed1"):
+        assert _backward.BATCH_MIN_ENTRIES == 1
+        raise RuntimeError("a step failed")
+    assert (_backward.RESTORE_BATCH_BYTES, _batch.BATCH_BYTES,
+            _backward.BATCH_MIN_ENTRIES) == real
+    assert all(len(p) >= 1 for p in PATCHES.values())
+
+
 def test_the_stock_bench_probe_sets_the_held_groups(monkeypatch):
     """``STOCK_HOLD_GROUPS`` (a probe of ``bench.stock_models``) sets the window of the hooks
     in its run, and each row records it; without it a row records the package's."""
