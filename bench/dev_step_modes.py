@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import faulthandler
 import gc
 import statistics
 import time
@@ -26,12 +27,15 @@ ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sy
 
 
 def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = None,
-            retune: int | None = None, growth: int | None = None) -> list[str]:
+            retune: int | None = None, growth: int | None = None,
+            stall_s: float | None = None) -> list[str]:
     """The per-step table of ``arm`` (``uncompressed``, ``memory``, ``speed``) on ``name``.
 
     ``retune`` (``speed``): its tuner times both ways again after that many passes (so a
     retune's cost shows in a short run), ``growth``: ``_tune.RETUNE_GROWTH`` for this run (1:
-    every ``retune`` passes, as before the wait doubled)."""
+    every ``retune`` passes, as before the wait doubled). ``stall_s``: a step whose host part
+    (forward and backward issue) runs longer than this prints every thread's Python stack to
+    stderr at that moment (``faulthandler``), to see where a stalled step's host waits."""
     import torch
 
     from bench.stock_models import build, variant_settings
@@ -90,18 +94,26 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
         if cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
+        if stall_s:
+            faulthandler.dump_traceback_later(stall_s)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(x).float().square().mean()
         t1 = time.perf_counter()
+        if cuda:
+            em = torch.cuda.Event(enable_timing=True)
+            em.record()
         loss.backward()
         opt.step()
         t2 = time.perf_counter()
+        if stall_s:
+            faulthandler.cancel_dump_traceback_later()
         if cuda:
             e1.record()
             e1.synchronize()
         delta = off.counters - before
         return {"ms": e0.elapsed_time(e1) if cuda else (t2 - t0) * 1e3,
+                "gpu_fwd": e0.elapsed_time(em) if cuda else float("nan"),
                 "fwd": (t1 - t0) * 1e3, "bwd": (t2 - t1) * 1e3,
                 "pack": (off._host_s["pack"] - host0["pack"]) * 1e3,
                 "groups": (group_s[0] - group0) * 1e3,
@@ -125,12 +137,14 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
     med = statistics.median(r["ms"] for r in rows)
     lines = [f"## {name} {arm}: {steps} steps after {warmup} warm-up (median {med:.1f} ms, "
              f"total {sum(r['ms'] for r in rows):.0f} ms; 'slow' = over 1.1x the median)",
-             "| step | ms | slow | host fwd ms | of it pack hooks | group ends | host bwd ms | "
-             "of it unpack hooks | gc (gen: runs) | cudaMalloc, cudaFree, retries, syncs | "
-             "pinned | arena waits us | counters | tuner: arm (phase) |", "|---" * 14 + "|"]
+             "| step | ms | slow | GPU fwd ms | host fwd ms | of it pack hooks | group ends | "
+             "host bwd ms | of it unpack hooks | gc (gen: runs) | cudaMalloc, cudaFree, "
+             "retries, syncs | pinned | arena waits us | counters | tuner: arm (phase) |",
+             "|---" * 15 + "|"]
     for i, r in enumerate(rows):
         lines.append(f"| {i} | {r['ms']:.1f} | {'yes' if r['ms'] > 1.1 * med else ''} | "
-                     f"{r['fwd']:.1f} | {r['pack']:.1f} | {r['groups']:.1f} | {r['bwd']:.1f} | "
+                     f"{r['gpu_fwd']:.1f} | {r['fwd']:.1f} | {r['pack']:.1f} | "
+                     f"{r['groups']:.1f} | {r['bwd']:.1f} | "
                      f"{r['unpack']:.1f} | "
                      f"{r['gc']} | {r['alloc']} | "
                      f"{r['made']} | {r['wait']:.0f} | {r['counts']} | {r['tuner']} |")
@@ -147,10 +161,12 @@ def main() -> None:
                     help="speed: its tuner retunes after this many passes")
     ap.add_argument("--growth", type=int, default=None,
                     help="speed: the retune wait's longest multiple (1: a fixed wait)")
+    ap.add_argument("--stall-dump", type=float, default=None,
+                    help="seconds: a step's host part running longer prints its Python stacks")
     a = ap.parse_args()
     for name in a.models.split(","):
         print("\n".join(measure(name, a.arm, a.steps, a.warmup, retune=a.retune,
-                                 growth=a.growth)), flush=True)
+                                 growth=a.growth, stall_s=a.stall_dump)), flush=True)
 
 
 if __name__ == "__main__":

@@ -475,6 +475,22 @@ def test_the_step_modes_probe_reports_each_step():
     assert all("offloaded_compressed" in r for r in rows), "\n".join(lines)
 
 
+def test_the_step_modes_probe_prints_the_stacks_of_a_stalled_step(capfd):
+    """``dev_step_modes --stall-dump S``: a step whose host part runs past ``S`` seconds prints
+    the Python stacks at that moment (here every step: 1 ms), naming this probe's step; none
+    is armed after the run."""
+    import faulthandler
+
+    from bench.dev_step_modes import measure
+
+    measure("resnet-tiny", "memory", 2, 0, device="cpu", stall_s=0.001)
+    err = capfd.readouterr().err
+    assert "Timeout" in err and "dev_step_modes.py" in err, err[-2000:]
+    faulthandler.cancel_dump_traceback_later()  # nothing armed: a no-op
+    measure("resnet-tiny", "memory", 1, 0, device="cpu")
+    assert "dev_step_modes.py" not in capfd.readouterr().err
+
+
 def test_the_step_modes_probe_shows_the_speed_tuners_retunes():
     """``dev_step_modes --arm speed --retune N``: each step's tuner arm and phase, so a
     retune's passes (trials again) show among settled ones; ``growth`` is restored after."""
