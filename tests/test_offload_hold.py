@@ -404,8 +404,8 @@ def test_the_ab_probe_constant_arms_set_their_constants_and_put_them_back():
     from torch_pagecomp.offload import _backward, _batch
 
     real = (_backward.RESTORE_BATCH_BYTES, _batch.BATCH_BYTES, _backward.BATCH_MIN_ENTRIES)
-    with _arm_patch("memory_both"):
-        assert (_backward.RESTORE_BATCH_BYTES, _batch.BATCH_BYTES) == (256 << 20, 128 << 20)
+    with _arm_patch("memory_batch64_restore256"):
+        assert (_backward.RESTORE_BATCH_BYTES, _batch.BATCH_BYTES) == (256 << 20, 64 << 20)
     with pytest.raises(RuntimeError, match="a step failed"), _arm_patch("memory_placed1"):
         assert _backward.BATCH_MIN_ENTRIES == 1
         raise RuntimeError("a step failed")
