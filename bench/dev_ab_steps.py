@@ -21,11 +21,10 @@ Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memo
 ``memory`` with the hooks' batched restores through ``restore_group`` instead of
 ``restore_placed`` (the path before 2026-11-29); ``memory_single``: ``memory`` with every
 saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches);
-``memory_restore256``, ``memory_batch64``, ``memory_placed1``: ``memory`` with one constant
-changed (:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes as before
-session 48, a tensor restored alone through the batched path); ``memory_batch64_restore256``:
-the first two together (session 48 measured ``memory_batch128`` and ``memory_both``, the
-package then at 64 MiB: ``bench/results/h200x2_96f5538_session48``);
+``memory_restore256``, ``memory_batch128``, ``memory_placed1``: ``memory`` with one constant
+changed (:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes, a tensor
+restored alone through the batched path); ``memory_both``: the first two together (session
+48: none reliably faster than ``memory``, ``bench/results/h200x2_96f5538_session48``);
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
 storage stored once its batch closes, as before the hooks held the last groups);
 ``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
@@ -56,19 +55,19 @@ import statistics
 import time
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
-        "memory_restore256", "memory_batch64", "memory_batch64_restore256", "memory_placed1",
+        "memory_restore256", "memory_batch128", "memory_both", "memory_placed1",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_nowait", "speed",
         "speed_copy_only")
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
 _RESTORE256 = ("torch_pagecomp.offload._backward", "RESTORE_BATCH_BYTES", 256 << 20)
-_BATCH64 = ("torch_pagecomp.offload._batch", "BATCH_BYTES", 64 << 20)
+_BATCH128 = ("torch_pagecomp.offload._batch", "BATCH_BYTES", 128 << 20)
 PATCHES = {
     "memory_single": (("torch_pagecomp.offload._batch", "BATCH_BYTES", 0),),
     "memory_restore256": (_RESTORE256,),
-    "memory_batch64": (_BATCH64,),
-    "memory_batch64_restore256": (_RESTORE256, _BATCH64),
+    "memory_batch128": (_BATCH128,),
+    "memory_both": (_RESTORE256, _BATCH128),
     "memory_placed1": (("torch_pagecomp.offload._backward", "BATCH_MIN_ENTRIES", 1),),
 }
 

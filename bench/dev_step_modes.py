@@ -15,15 +15,46 @@ from __future__ import annotations
 
 import argparse
 import collections
-import faulthandler
 import gc
 import statistics
+import sys
+import threading
 import time
+import traceback
 
 COUNTERS = ("in_flight_waits", "deferred", "restored_prefetch", "restored_on_demand",
             "served_from_stash", "served_held", "offloaded_compressed", "offloaded_raw",
             "offload_failed", "kept_host_full")
 ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+class StallWatch:
+    """Print the Python stacks of the thread that made it, and of the others, to stderr if it
+    is not cancelled within ``seconds``. A timer thread that reads the frames holding the GIL
+    (``sys._current_frames``): ``faulthandler``'s dump reads them without it and ended the
+    process (a segfault) when the watched thread was making frames. So a step stalled inside
+    a call that holds the GIL is seen when the call returns: the stacks then are printed."""
+
+    def __init__(self, seconds: float):
+        self.ident = threading.get_ident()
+        self.timer = threading.Timer(seconds, self._dump, args=(seconds,))
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _dump(self, seconds: float) -> None:
+        frames = sys._current_frames()
+        out = [f"Stall: the step's host part ran past {seconds} s; its stack, then the others'"]
+        for ident in sorted(frames, key=lambda i: i != self.ident):
+            if ident != threading.get_ident():
+                out.append(f"Thread {ident:#x}:")
+                out += [ln.rstrip() for ln in traceback.format_stack(frames[ident])]
+        print("\n".join(out), file=sys.stderr, flush=True)
+
+    def cancel(self) -> None:
+        """Stop the watch; a dump already under way is finished first (it belongs to this
+        step, not to what the caller does next)."""
+        self.timer.cancel()
+        self.timer.join()
 
 
 def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = None,
@@ -34,8 +65,8 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
     ``retune`` (``speed``): its tuner times both ways again after that many passes (so a
     retune's cost shows in a short run), ``growth``: ``_tune.RETUNE_GROWTH`` for this run (1:
     every ``retune`` passes, as before the wait doubled). ``stall_s``: a step whose host part
-    (forward and backward issue) runs longer than this prints every thread's Python stack to
-    stderr at that moment (``faulthandler``), to see where a stalled step's host waits."""
+    (forward and backward issue) runs longer than this prints the Python stacks of this thread
+    and of the others then (:class:`StallWatch`), to see where a stalled step's host waits."""
     import torch
 
     from bench.stock_models import build, variant_settings
@@ -94,8 +125,7 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
         if cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-        if stall_s:
-            faulthandler.dump_traceback_later(stall_s)
+        watch = StallWatch(stall_s) if stall_s else None
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(x).float().square().mean()
@@ -106,8 +136,8 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
         loss.backward()
         opt.step()
         t2 = time.perf_counter()
-        if stall_s:
-            faulthandler.cancel_dump_traceback_later()
+        if watch is not None:
+            watch.cancel()
         if cuda:
             e1.record()
             e1.synchronize()

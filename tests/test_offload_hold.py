@@ -404,8 +404,8 @@ def test_the_ab_probe_constant_arms_set_their_constants_and_put_them_back():
     from torch_pagecomp.offload import _backward, _batch
 
     real = (_backward.RESTORE_BATCH_BYTES, _batch.BATCH_BYTES, _backward.BATCH_MIN_ENTRIES)
-    with _arm_patch("memory_batch64_restore256"):
-        assert (_backward.RESTORE_BATCH_BYTES, _batch.BATCH_BYTES) == (256 << 20, 64 << 20)
+    with _arm_patch("memory_both"):
+        assert (_backward.RESTORE_BATCH_BYTES, _batch.BATCH_BYTES) == (256 << 20, 128 << 20)
     with pytest.raises(RuntimeError, match="a step failed"), _arm_patch("memory_placed1"):
         assert _backward.BATCH_MIN_ENTRIES == 1
         raise RuntimeError("a step failed")
@@ -475,20 +475,20 @@ def test_the_step_modes_probe_reports_each_step():
     assert all("offloaded_compressed" in r for r in rows), "\n".join(lines)
 
 
-def test_the_step_modes_probe_prints_the_stacks_of_a_stalled_step(capfd):
+def test_the_step_modes_probe_prints_the_stacks_of_a_stalled_step(capsys):
     """``dev_step_modes --stall-dump S``: a step whose host part runs past ``S`` seconds prints
-    the Python stacks at that moment (here every step: 1 ms), naming this probe's step; none
-    is armed after the run."""
-    import faulthandler
-
-    from bench.dev_step_modes import measure
+    the Python stacks then (here every step: 1 ms), the step's own first, naming this probe;
+    a run without it, and a watch cancelled in time, print none."""
+    from bench.dev_step_modes import StallWatch, measure
 
     measure("resnet-tiny", "memory", 2, 0, device="cpu", stall_s=0.001)
-    err = capfd.readouterr().err
-    assert "Timeout" in err and "dev_step_modes.py" in err, err[-2000:]
-    faulthandler.cancel_dump_traceback_later()  # nothing armed: a no-op
+    err = capsys.readouterr().err
+    assert "Stall: the step's host part ran past 0.001 s" in err, err[-2000:]
+    first = err.split("Stall:")[1]
+    assert "dev_step_modes.py" in first.split("Thread")[1], first[:2000]
     measure("resnet-tiny", "memory", 1, 0, device="cpu")
-    assert "dev_step_modes.py" not in capfd.readouterr().err
+    StallWatch(60.0).cancel()
+    assert "Stall:" not in capsys.readouterr().err
 
 
 def test_the_step_modes_probe_shows_the_speed_tuners_retunes():

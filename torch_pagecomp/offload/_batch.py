@@ -41,12 +41,12 @@ codec, element size and compute stream, each whole pages and at most half of
 :data:`BATCH_BYTES`, of a class the ratio policy has decided, join one batch of up to
 :data:`BATCH_BYTES`, stored as one entry (interleaved steps, against each storage stored
 alone: ResNet-50 1.24x -> 1.10x a plain copy's step, BERT-large 1.37x -> 1.09x; same
-directory). Batches of 128 MiB (storages up to 64 MiB) rather than 64 (up to 32) halve the
-entries of GPT-2, ResNet-50 and encoder-1024 again; against 64 MiB, interleaved in one
-process, their steps were faster or equal on 11 of 12 model rows, one H200 and FSDP2 on two
-(ResNet-50 on one GPU 1.24x -> 1.08x a plain copy's step; the one loss 0.03x), at a GPU peak
-within 0.05 GiB (``bench/results/h200x2_96f5538_session48``). Other storages (a sample of an
-undecided class, a partial last page, a large one, a plain copy) are a batch of one.
+directory). Batches of 128 MiB (storages up to 64 MiB) halve the entries again on GPT-2,
+ResNet-50 and encoder-1024, but did not make a step reliably faster: against 64 MiB,
+interleaved in one process, 1.025x a plain copy's step against 1.049x over 16 model rows (one
+H200 and FSDP2 on two), the difference under twice its standard error, and the last of four
+runs went the other way (``bench/results/h200x2_96f5538_session48``). Other storages (a sample
+of an undecided class, a partial last page, a large one, a plain copy) are a batch of one.
 
 * each member starts at a page-aligned byte offset of its batch; its saved tensor is a view of
   the batch's bytes there (``_Packed``'s offset). Until the batch is stored, the members stay
@@ -72,8 +72,8 @@ import torch
 from ._entry import _capturing, _Entry, _in_backward
 from ._streams import current_stream, on_stream
 
-BATCH_BYTES = 128 << 20  # two of the store's slices (``_paged.SLICE_BYTES``): a batch is one
-# entry (one restore), and its ``torch.cat`` holds at most this much GPU memory twice
+BATCH_BYTES = 64 << 20  # the store's slice (``_paged.SLICE_BYTES``): a batch is one compress
+# launch and one pack, and its ``torch.cat`` holds at most this much GPU memory twice
 
 
 class Batch:
