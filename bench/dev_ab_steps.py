@@ -135,7 +135,7 @@ def _arm_patch(arm: str):
 
 def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1,
             device: str | None = None, fsdp: bool = False,
-            rows: list[dict] | None = None) -> list[str]:
+            rows: list[dict] | None = None, stall_s: float | None = None) -> list[str]:
     """The table of ``arms`` on model ``name`` (``device``: CUDA where there is one, else the
     CPU, a smoke test on the tiny models); with ``fsdp``, the model under FSDP2
     (``fully_shard`` per block, then the whole) over the process group of this process.
@@ -145,9 +145,14 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     ``ratio``, ``link_bound``, ``grads_identical``), measured interleaved. For the gradients,
     before any optimizer step each arm takes one step under deterministic settings from the
     same parameters, and its gradient hashes (every rank's shard) are set against ``none``'s
-    (taken twice: a model that is not deterministic there gets ``None``)."""
+    (taken twice: a model that is not deterministic there gets ``None``).
+
+    ``stall_s``: a step whose host part runs past this prints the Python stacks then, with its
+    arm, step and rank (``bench.dev_step_modes.StallWatch``): under FSDP2 a few of
+    ``memory``'s steps ran 3-4x the median (``bench/results/h200x2_96f5538_session48``)."""
     import torch
 
+    from bench.dev_step_modes import StallWatch
     from bench.stock_models import build, per_step, shard, variant_settings
     from bench.training_bench import CountingSaveOnCpu
     from torch_pagecomp import ActivationOffloader, offload_module
@@ -175,10 +180,16 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         with saver:
             return model(x)
 
+    steps_taken = [0]
+    rank = f", rank {torch.distributed.get_rank()}" if fsdp else ""
+
     def step(arm: str) -> tuple[float, float, float]:
         off = offs.get(arm)
         if off is not None:
             offload_module(model, blocks=blocks, offloader=off)
+        steps_taken[0] += 1
+        watch = (StallWatch(stall_s, f"{name} {arm} step {steps_taken[0]}{rank}") if stall_s
+                 else None)
         try:
             with _arm_patch(arm):
                 if cuda:
@@ -195,6 +206,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                     e1.record()
                     e1.synchronize()
         finally:
+            if watch is not None:
+                watch.cancel()
             if off is not None:
                 off.remove()
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
@@ -392,6 +405,9 @@ def main() -> None:
                     help="also write the arms none / uncompressed / memory / speed as JSON in "
                          "bench.stock_models' schema (each row's method: interleaved), with "
                          "their gradients set against no offload")
+    ap.add_argument("--stall-dump", type=float, default=None,
+                    help="seconds: a step's host part running longer prints its Python stacks "
+                         "(with its arm, step and rank) to stderr")
     a = ap.parse_args()
     arms = a.arms.split(",")
     bad = [x for x in arms if x not in ARMS]
@@ -403,7 +419,7 @@ def main() -> None:
     # another collective (that hangs); torchrun stops them instead (as bench.stock_models)
     for name in a.models.split(","):
         lines = measure(name, arms, a.rounds, a.warmup, a.block, device=a.device,
-                        fsdp=a.fsdp, rows=rows)
+                        fsdp=a.fsdp, rows=rows, stall_s=a.stall_dump)
         if rank == 0:
             print("\n".join(lines), flush=True)
     if rank == 0 and a.out:

@@ -35,15 +35,16 @@ class StallWatch:
     process (a segfault) when the watched thread was making frames. So a step stalled inside
     a call that holds the GIL is seen when the call returns: the stacks then are printed."""
 
-    def __init__(self, seconds: float):
-        self.ident = threading.get_ident()
+    def __init__(self, seconds: float, label: str = "the step"):
+        self.ident, self.label = threading.get_ident(), label
         self.timer = threading.Timer(seconds, self._dump, args=(seconds,))
         self.timer.daemon = True
         self.timer.start()
 
     def _dump(self, seconds: float) -> None:
         frames = sys._current_frames()
-        out = [f"Stall: the step's host part ran past {seconds} s; its stack, then the others'"]
+        out = [f"Stall: {self.label}'s host part ran past {seconds} s; its stack, then the "
+               "others'"]
         for ident in sorted(frames, key=lambda i: i != self.ident):
             if ident != threading.get_ident():
                 out.append(f"Thread {ident:#x}:")

@@ -464,6 +464,20 @@ def test_the_ab_probe_runs_speed_to_its_choice_first():
     assert any(ln.startswith("| speed_copy_only |") for ln in lines), text
 
 
+def test_the_ab_probe_names_the_arm_and_step_of_a_stalled_step(capsys):
+    """``dev_ab_steps --stall-dump S`` (``measure(stall_s=...)``): a step whose host part runs
+    past ``S`` prints its stacks under its model, arm and step (here every step: 1 ms), so a
+    stall in interleaved steps is pinned to its arm; without it nothing is printed."""
+    from bench.dev_ab_steps import measure
+
+    measure("encoder-tiny", ["uncompressed", "memory"], 1, 0, device="cpu", stall_s=0.001)
+    err = capsys.readouterr().err
+    assert "Stall: encoder-tiny memory step " in err, err[-2000:]
+    assert "Stall: encoder-tiny uncompressed step " in err, err[-2000:]
+    measure("encoder-tiny", ["memory"], 1, 0, device="cpu")
+    assert "Stall:" not in capsys.readouterr().err
+
+
 def test_the_step_modes_probe_reports_each_step():
     """``bench.dev_step_modes`` prints one row per step with what the step did (a smoke test
     on the CPU's tiny model): the compressed offloads it made are among its counters."""
