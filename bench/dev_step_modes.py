@@ -127,18 +127,20 @@ def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = N
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
         watch = StallWatch(stall_s) if stall_s else None
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = model(x).float().square().mean()
-        t1 = time.perf_counter()
-        if cuda:
-            em = torch.cuda.Event(enable_timing=True)
-            em.record()
-        loss.backward()
-        opt.step()
-        t2 = time.perf_counter()
-        if watch is not None:
-            watch.cancel()
+        try:
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).float().square().mean()
+            t1 = time.perf_counter()
+            if cuda:
+                em = torch.cuda.Event(enable_timing=True)
+                em.record()
+            loss.backward()
+            opt.step()
+            t2 = time.perf_counter()
+        finally:
+            if watch is not None:
+                watch.cancel()
         if cuda:
             e1.record()
             e1.synchronize()
