@@ -72,65 +72,56 @@ PATCHES = {
 }
 
 
-@contextlib.contextmanager
-def _arm_patch(arm: str):
-    """What an arm changes in the package while its steps run."""
-    if arm in PATCHES:
-        import importlib
+def _swaps(arm: str) -> list[tuple[object, str, object]]:
+    """``(owner, attribute, value)`` of each thing ``arm`` changes in the package while its
+    steps run (none for a variant's own arm)."""
+    import importlib
 
-        undo = []
-        try:
-            for module, name, value in PATCHES[arm]:
-                mod = importlib.import_module(module)
-                undo.append((mod, name, getattr(mod, name)))
-                setattr(mod, name, value)
-            yield
-        finally:
-            for mod, name, real in reversed(undo):
-                setattr(mod, name, real)
-        return
+    from torch_pagecomp.offload import _backward
+    from torch_pagecomp.offload._arena import VirtualArena
+    from torch_pagecomp.offload._batch import Batcher
+
+    if arm in PATCHES:
+        return [(importlib.import_module(m), name, v) for m, name, v in PATCHES[arm]]
     if arm.endswith("_nohold"):  # nothing held: every storage stored once its batch closes,
         # as before the window
-        from torch_pagecomp.offload._batch import Batcher
-
-        real = Batcher.window
-        Batcher.window = property(lambda self: 0)
-        try:
-            yield
-        finally:
-            Batcher.window = real
-        return
+        return [(Batcher, "window", property(lambda self: 0))]
     if arm == "memory_nowait":  # the arena pins a chunk rather than wait for a pack
-        from torch_pagecomp.offload._arena import VirtualArena
-
-        real = VirtualArena._room
-        VirtualArena._room = VirtualArena._unbacked
-        try:
-            yield
-        finally:
-            VirtualArena._room = real
-        return
+        return [(VirtualArena, "_room", VirtualArena._unbacked)]
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
-        from torch_pagecomp.offload._batch import Batcher
+        return [(Batcher, "_starts_now", lambda self, batch: True)]
+    if arm == "memory_group":  # batched restores through restore_group
+        return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
+    return []
 
-        real = Batcher._starts_now
-        Batcher._starts_now = lambda self, batch: True
-        try:
-            yield
-        finally:
-            Batcher._starts_now = real
-        return
-    if arm != "memory_group":
+
+@contextlib.contextmanager
+def _arm_patch(arm: str):
+    """What an arm changes in the package (:func:`_swaps`), set while its steps run and put
+    back after, also when a step raises."""
+    undo = []
+    try:
+        for owner, name, value in _swaps(arm):
+            undo.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, value)
         yield
-        return
-    from torch_pagecomp.offload import _backward
+    finally:
+        for owner, name, real in reversed(undo):
+            setattr(owner, name, real)
 
-    real = _backward.restore_placed
-    _backward.restore_placed = lambda store, storeds, outs: False
+
+@contextlib.contextmanager
+def _hooked(model, blocks: list, off):
+    """``off``'s hooks on ``model``'s blocks while the body runs (nothing for None)."""
+    from torch_pagecomp import offload_module
+
+    if off is not None:
+        offload_module(model, blocks=blocks, offloader=off)
     try:
         yield
     finally:
-        _backward.restore_placed = real
+        if off is not None:
+            off.remove()
 
 
 def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1,
@@ -155,7 +146,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     from bench.dev_step_modes import StallWatch
     from bench.stock_models import build, per_step, shard, variant_settings
     from bench.training_bench import CountingSaveOnCpu
-    from torch_pagecomp import ActivationOffloader, offload_module
+    from torch_pagecomp import ActivationOffloader
 
     cuda = torch.cuda.is_available() if device is None else device == "cuda"
     where = "cuda" if cuda else "cpu"
@@ -184,14 +175,11 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     rank = f", rank {torch.distributed.get_rank()}" if fsdp else ""
 
     def step(arm: str) -> tuple[float, float, float]:
-        off = offs.get(arm)
-        if off is not None:
-            offload_module(model, blocks=blocks, offloader=off)
         steps_taken[0] += 1
         watch = (StallWatch(stall_s, f"{name} {arm} step {steps_taken[0]}{rank}") if stall_s
                  else None)
         try:
-            with _arm_patch(arm):
+            with _hooked(model, blocks, offs.get(arm)), _arm_patch(arm):
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                     e0 = torch.cuda.Event(enable_timing=True)
@@ -208,8 +196,6 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         finally:
             if watch is not None:
                 watch.cancel()
-            if off is not None:
-                off.remove()
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
@@ -309,18 +295,11 @@ def _first_grads(model, forward, blocks, offs: dict, arms: list[str], fsdp: bool
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from bench.stock_models import _grad_hash
-    from torch_pagecomp import offload_module
 
     def grads_of(arm: str) -> list:
-        off = offs.get(arm)
-        if off is not None:
-            offload_module(model, blocks=blocks, offloader=off)
-        try:
+        with _hooked(model, blocks, offs.get(arm)):
             model.zero_grad(set_to_none=True)
             forward(arm).float().square().mean().backward()
-        finally:
-            if off is not None:
-                off.remove()
         mine = _grad_hash(model)
         if not fsdp:
             return mine
@@ -351,8 +330,6 @@ def _stock_rows(name: str, arms: list[str], res: dict, offs: dict, grads: dict, 
     interleaved steps), with its rules: link-bound where a plain copy's step is at least 1.5x
     the step without offload, the ratio as a plain copy's host bytes over the arm's.
     ``saved_gib``: the bytes ``save_on_cpu`` moved in its last step (its host memory)."""
-    import statistics
-
     import torch.distributed as dist
 
     from bench.stock_models import LINK_BOUND_X

@@ -35,8 +35,10 @@ read once completed, never waited for), or the host clock without CUDA:
    idle memory back (item 4), so its trials pin it again and the check releases it again. At
    the first tuning under FSDP2 on two H200s the pass that pinned the copies' buffers ran
    1.1-3.7 s and the one that released them 0.3-1.3 s, against steps of 80-240 ms
-   (``bench/results/h200x2_0c1353b_session47``; a retune's own passes were not timed): at a
-   fixed 200 passes that would be a few percent of a long run;
+   (``bench/results/h200x2_0c1353b_session47``). A retune of encoder-2048 on one H200 that
+   kept compressing cost 2-3 s so (passes of 1.5-2.2 s and 0.5-0.7 s against 0.115), and
+   over 60 passes retuned every 8 the doubling wait spent 10% less time than a fixed one
+   (``bench/results/h200x2_96f5538_session48``);
 4. the choice is checked against the passes it gives: the median of ``check`` settled
    passes (after the first, which may still pay for the switch) takes the place of the chosen
    arm's trial time in the same rule. Two trial passes per arm can tie where the steps do not:
