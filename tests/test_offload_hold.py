@@ -464,12 +464,28 @@ def test_the_ab_probe_runs_speed_to_its_choice_first():
     assert any(ln.startswith("| speed_copy_only |") for ln in lines), text
 
 
-def test_the_ab_probe_names_the_arm_and_step_of_a_stalled_step(capsys):
+def _slow_optimizer_steps(monkeypatch) -> None:
+    """Each SGD step sleeps 20 ms (the GIL released): a 1 ms stall watch then fires inside
+    every step, whatever the host's speed (a tiny CPU step can end before the watch's thread
+    gets the GIL, and no dump is printed)."""
+    import time
+
+    real = torch.optim.SGD.step
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.02)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", slow)
+
+
+def test_the_ab_probe_names_the_arm_and_step_of_a_stalled_step(capsys, monkeypatch):
     """``dev_ab_steps --stall-dump S`` (``measure(stall_s=...)``): a step whose host part runs
     past ``S`` prints its stacks under its model, arm and step (here every step: 1 ms), so a
     stall in interleaved steps is pinned to its arm; without it nothing is printed."""
     from bench.dev_ab_steps import measure
 
+    _slow_optimizer_steps(monkeypatch)
     measure("encoder-tiny", ["uncompressed", "memory"], 1, 0, device="cpu", stall_s=0.001)
     err = capsys.readouterr().err
     assert "Stall: encoder-tiny memory step " in err, err[-2000:]
@@ -489,12 +505,13 @@ def test_the_step_modes_probe_reports_each_step():
     assert all("offloaded_compressed" in r for r in rows), "\n".join(lines)
 
 
-def test_the_step_modes_probe_prints_the_stacks_of_a_stalled_step(capsys):
+def test_the_step_modes_probe_prints_the_stacks_of_a_stalled_step(capsys, monkeypatch):
     """``dev_step_modes --stall-dump S``: a step whose host part runs past ``S`` seconds prints
     the Python stacks then (here every step: 1 ms), the step's own first, naming this probe;
     a run without it, and a watch cancelled in time, print none."""
     from bench.dev_step_modes import StallWatch, measure
 
+    _slow_optimizer_steps(monkeypatch)
     measure("resnet-tiny", "memory", 2, 0, device="cpu", stall_s=0.001)
     err = capsys.readouterr().err
     assert "Stall: the step's host part ran past 0.001 s" in err, err[-2000:]
