@@ -126,7 +126,8 @@ def _hooked(model, blocks: list, off):
 
 def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1,
             device: str | None = None, fsdp: bool = False,
-            rows: list[dict] | None = None, stall_s: float | None = None) -> list[str]:
+            rows: list[dict] | None = None, stall_s: float | None = None,
+            sample_ms: float | None = None) -> list[str]:
     """The table of ``arms`` on model ``name`` (``device``: CUDA where there is one, else the
     CPU, a smoke test on the tiny models); with ``fsdp``, the model under FSDP2
     (``fully_shard`` per block, then the whole) over the process group of this process.
@@ -140,10 +141,12 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
 
     ``stall_s``: a step whose host part runs past this prints the Python stacks then, with its
     arm, step and rank (``bench.dev_step_modes.StallWatch``): under FSDP2 a few of
-    ``memory``'s steps ran 3-4x the median (``bench/results/h200x2_96f5538_session48``)."""
+    ``memory``'s steps ran 3-4x the median (``bench/results/h200x2_96f5538_session48``).
+    ``sample_ms``: sample the host's Python frames every that many ms in the timed rounds
+    (``bench.dev_step_modes.HostSampler``) and print, per arm, where its host time went."""
     import torch
 
-    from bench.dev_step_modes import StallWatch
+    from bench.dev_step_modes import HostSampler, StallWatch
     from bench.stock_models import build, per_step, shard, variant_settings
     from bench.training_bench import CountingSaveOnCpu
     from torch_pagecomp import ActivationOffloader
@@ -174,6 +177,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     steps_taken = [0]
     rank = f", rank {torch.distributed.get_rank()}" if fsdp else ""
 
+    sampler = None
+
     def step(arm: str) -> tuple[float, float, float]:
         steps_taken[0] += 1
         watch = (StallWatch(stall_s, f"{name} {arm} step {steps_taken[0]}{rank}") if stall_s
@@ -185,11 +190,15 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                     e0 = torch.cuda.Event(enable_timing=True)
                     e1 = torch.cuda.Event(enable_timing=True)
                     e0.record()
+                if sampler is not None:
+                    sampler.label = arm
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 forward(arm).float().square().mean().backward()
                 opt.step()
                 issue = (time.perf_counter() - t0) * 1e3
+                if sampler is not None:
+                    sampler.label = None
                 if cuda:
                     e1.record()
                     e1.synchronize()
@@ -218,6 +227,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     before = {a: off.stats() for a, off in offs.items()}
     res = {a: ([], [], [], []) for a in arms}  # steps ms, host issue ms, first steps of
     # blocks, peak GPU GiB
+    if sample_ms:
+        sampler = HostSampler(sample_ms / 1e3)
     for r in range(rounds):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
@@ -229,6 +240,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                     continue
                 res[arm][0].append(ms)
                 res[arm][1].append(issue)
+    if sampler is not None:
+        sampler.close()
     base = statistics.median(res[arms[0]][0])
     how = (f"blocks of {block} steps per arm (the first of each block apart)" if block > 1
            else "interleaved steps")
@@ -280,6 +293,10 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"{hm.get('pack', 0.0):.1f} / {hm.get('unpack', 0.0):.1f} | "
                      f"{n.get('packed', 0):.0f} / "
                      f"{n.get('restored_prefetch', 0) + n.get('restored_on_demand', 0):.0f} |")
+    if sampler is not None:
+        lines.append(f"### Where the host's timed steps went (a sample every {sample_ms} ms)")
+        for arm in arms:
+            lines += sampler.table(arm, rounds * block)
     return lines
 
 
@@ -385,6 +402,9 @@ def main() -> None:
     ap.add_argument("--stall-dump", type=float, default=None,
                     help="seconds: a step's host part running longer prints its Python stacks "
                          "(with its arm, step and rank) to stderr")
+    ap.add_argument("--sample-host", type=float, default=None,
+                    help="ms: sample the host's Python frames this often in the timed rounds "
+                         "and print where each arm's host time went")
     a = ap.parse_args()
     arms = a.arms.split(",")
     bad = [x for x in arms if x not in ARMS]
@@ -396,7 +416,8 @@ def main() -> None:
     # another collective (that hangs); torchrun stops them instead (as bench.stock_models)
     for name in a.models.split(","):
         lines = measure(name, arms, a.rounds, a.warmup, a.block, device=a.device,
-                        fsdp=a.fsdp, rows=rows, stall_s=a.stall_dump)
+                        fsdp=a.fsdp, rows=rows, stall_s=a.stall_dump,
+                        sample_ms=a.sample_host)
         if rank == 0:
             print("\n".join(lines), flush=True)
     if rank == 0 and a.out:

@@ -23,7 +23,8 @@
 #                                      # torchrun (bench.dev_ab_steps --fsdp --out): JSON rows
 #                                      # of the stock schema, gradients checked (STOCK_MODELS,
 #                                      # AB_ARMS, AB_ROUNDS; AB_STALL=S: a step's host part past
-#                                      # S seconds prints its stacks, in fsdp_interleaved.txt)
+#                                      # S seconds prints its stacks, in fsdp_interleaved.txt;
+#                                      # AB_SAMPLE=MS: where each arm's host time went, sampled)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
@@ -162,7 +163,7 @@ fsdpab)
     timeout ${FSDP_TIMEOUT:-540} torchrun --standalone --nproc_per_node "$(nvidia-smi -L | wc -l)" \
         -m bench.dev_ab_steps --fsdp --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
         --arms "${AB_ARMS:-uncompressed,memory,speed,none,save_on_cpu}" --rounds "${AB_ROUNDS:-5}" --warmup 2 \
-        ${AB_STALL:+--stall-dump $AB_STALL} \
+        ${AB_STALL:+--stall-dump $AB_STALL} ${AB_SAMPLE:+--sample-host $AB_SAMPLE} \
         --out "$OUT/stock_models_fsdp_interleaved.json" 2>&1 | tee "$OUT/fsdp_interleaved.txt" \
         | grep -E "^## |^\| (uncompressed|memory|speed|none) \| [0-9]|^speed:"
     ;;
