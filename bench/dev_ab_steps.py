@@ -23,8 +23,10 @@ Arms: ``none``, ``uncompressed``, ``memory`` (as ``bench.stock_models``), ``memo
 saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches);
 ``memory_restore256``, ``memory_batch128``, ``memory_placed1``: ``memory`` with one constant
 changed (:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes, a tensor
-restored alone through the batched path); ``memory_both``: the first two together (session
-48: none reliably faster than ``memory``, ``bench/results/h200x2_96f5538_session48``);
+restored alone through the batched path); ``memory_shrink1``: the arena's shrink as before
+session 49 (the last step's busiest moment kept, the rest unpinned at once);
+``memory_both``: the first two together (session 48: none reliably faster than ``memory``,
+``bench/results/h200x2_96f5538_session48``);
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
 storage stored once its batch closes, as before the hooks held the last groups);
 ``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
@@ -55,7 +57,7 @@ import statistics
 import time
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
-        "memory_restore256", "memory_batch128", "memory_both", "memory_placed1",
+        "memory_restore256", "memory_batch128", "memory_both", "memory_placed1", "memory_shrink1",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_nowait", "speed",
         "speed_copy_only")
 
@@ -69,6 +71,10 @@ PATCHES = {
     "memory_batch128": (_BATCH128,),
     "memory_both": (_RESTORE256, _BATCH128),
     "memory_placed1": (("torch_pagecomp.offload._backward", "BATCH_MIN_ENTRIES", 1),),
+    # the arena's shrink as before session 49: the last step's busiest moment kept, the rest
+    # of its chunks unpinned at once
+    "memory_shrink1": (("torch_pagecomp.offload._arena", "SHRINK_STEPS", 1),
+                       ("torch_pagecomp.offload._arena", "UNPINS_PER_SHRINK", 1 << 30)),
 }
 
 
@@ -225,6 +231,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     for off in offs.values():
         off.reset_peak_stats()
     before = {a: off.stats() for a, off in offs.items()}
+    chunks0 = {a: _chunks(off) for a, off in offs.items()}
     res = {a: ([], [], [], []) for a in arms}  # steps ms, host issue ms, first steps of
     # blocks, peak GPU GiB
     if sample_ms:
@@ -278,8 +285,9 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                 row["hook_host_ms"], row["counters_per_step"] = done[row["variant"]]
         rows += mine
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
-              "packs s | hooks' host ms a step (pack / unpack) | pack calls / restores a step |",
-              "|---|---|---|---|---|---|"]
+              "packs s | hooks' host ms a step (pack / unpack) | pack calls / restores a step | "
+              "arena chunks pinned / unpinned in the timed rounds |",
+              "|---|---|---|---|---|---|---|"]
     for arm, off in offs.items():
         st = off.stats()
         hm, n = done[arm]
@@ -292,7 +300,9 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"({peak / 2**30:.2f}) | {wait:.3f} | "
                      f"{hm.get('pack', 0.0):.1f} / {hm.get('unpack', 0.0):.1f} | "
                      f"{n.get('packed', 0):.0f} / "
-                     f"{n.get('restored_prefetch', 0) + n.get('restored_on_demand', 0):.0f} |")
+                     f"{n.get('restored_prefetch', 0) + n.get('restored_on_demand', 0):.0f} | "
+                     + " / ".join(str(b - a) for a, b in zip(chunks0[arm], _chunks(off)))
+                     + " |")
     if sampler is not None:
         lines.append(f"### Where the host's timed steps went (a sample every {sample_ms} ms)")
         for arm in arms:
@@ -301,6 +311,12 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
 
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed")  # arms with a JSON row
+
+
+def _chunks(off) -> tuple[int, int]:
+    """The host arena chunks ``off``'s compressed stores pinned and unpinned so far."""
+    arenas = [st.arena for st in off._paged.values()]
+    return sum(a.pins for a in arenas), sum(a.unpins for a in arenas)
 
 
 def _first_grads(model, forward, blocks, offs: dict, arms: list[str], fsdp: bool) -> dict:

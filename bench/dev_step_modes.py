@@ -98,39 +98,39 @@ class HostSampler:
                 f = frame
                 while f is not None and "torch_pagecomp" not in f.f_code.co_filename:
                     f = f.f_back
-                self.ours[label][(who, _frame_name(f, line=False) if f is not None
-                                  else "-")] += 1
+                self.ours[label][(who, _frame_name(f) if f is not None else "-")] += 1
 
     def close(self) -> None:
         self._stop.set()
         self.thread.join()
 
     def table(self, label: str, steps: int, top: int = 14) -> list[str]:
-        """The ``top`` frames of ``label``'s samples, innermost (with its line) and innermost
-        of ours (the function), in ms a step (samples times the measured interval, over
-        ``steps``)."""
+        """The ``top`` frames of ``label``'s samples in ms a step (samples times the measured
+        interval, over ``steps``): the innermost frame, the innermost frame in
+        ``torch_pagecomp`` by function, and the same by line."""
         ticks = self.ticks[label]
         if not ticks or not steps:
             return [f"{label}: no samples"]
         ms = self.wall[label] / ticks * 1e3 / steps
+        by_function: collections.Counter = collections.Counter()
+        for (who, name), n in self.ours[label].items():
+            by_function[(who, name.rsplit(":", 1)[0] if name != "-" else name)] += n
+        columns = [self.leaf[label].most_common(top), by_function.most_common(top),
+                   self.ours[label].most_common(top)]
         out = [f"#### {label}: {ticks} samples, {ms * ticks:.1f} ms a step sampled",
-               "| thread | innermost frame | ms a step | | thread | innermost frame in "
-               "torch_pagecomp | ms a step |", "|---|---|---|---|---|---|---|"]
-        a = self.leaf[label].most_common(top)
-        b = self.ours[label].most_common(top)
-        for i in range(max(len(a), len(b))):
-            left = (f"{a[i][0][0]} | {a[i][0][1]} | {a[i][1] * ms:.2f}" if i < len(a)
-                    else " | | ")
-            right = (f"{b[i][0][0]} | {b[i][0][1]} | {b[i][1] * ms:.2f}" if i < len(b)
-                     else " | | ")
-            out.append(f"| {left} | | {right} |")
+               "| thread | innermost frame | ms a step | | thread | innermost in "
+               "torch_pagecomp | ms a step | | thread | the same, by line | ms a step |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for i in range(max(len(c) for c in columns)):
+            cells = [f"{c[i][0][0]} | {c[i][0][1]} | {c[i][1] * ms:.2f}" if i < len(c)
+                     else " | | " for c in columns]
+            out.append(f"| {' | | '.join(cells)} |")
         return out
 
 
-def _frame_name(frame, line: bool = True) -> str:
+def _frame_name(frame) -> str:
     code = frame.f_code
-    name = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}"
-    return f"{name}:{frame.f_lineno}" if line else name
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}:{frame.f_lineno}"
 
 
 def measure(name: str, arm: str, steps: int, warmup: int, device: str | None = None,

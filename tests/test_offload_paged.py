@@ -371,7 +371,10 @@ def _offload_and_free(store: PagedStore, gen, n: int) -> None:
 @interpreter
 def test_shrink_keeps_chunks_after_a_step_that_placed_nothing(gen):
     """A step that placed nothing here (it copied: ``prefer="speed"``'s trials) leaves the
-    chunks for the next compressing step; a smaller compressing step lets the extra go."""
+    chunks for the next compressing step; smaller compressing steps let the extra go once
+    the busy step has left the window."""
+    from torch_pagecomp.offload import _arena
+
     store = _store(chunk=1 << 14, slice_bytes=1 << 13)
     arena = store.arena
 
@@ -387,9 +390,40 @@ def test_shrink_keeps_chunks_after_a_step_that_placed_nothing(gen):
     store.poll()  # the hooks poll (confirm) in a copied step too: still nothing placed
     arena.shrink()
     assert arena.held_bytes == held
-    step(1)
-    arena.shrink()
+    for _ in range(_arena.SHRINK_STEPS + 4):
+        step(1)
+        arena.shrink()
     assert arena.held_bytes < held
+
+
+@interpreter
+def test_shrink_unpins_a_few_chunks_a_step_after_its_window(gen):
+    """The chunks of a busy step stay for ``SHRINK_STEPS`` shrinks (steps that need fewer
+    chunks in between unpin none: the need moves with timing, and pinning again costs tens
+    of ms a chunk), then go at most ``UNPINS_PER_SHRINK`` a shrink, down to what the
+    quieter steps need plus the headroom. Every unpin is counted."""
+    from torch_pagecomp.offload import _arena
+
+    chunk = 1 << 14
+    store = _store(chunk=chunk, slice_bytes=1 << 13)
+    arena = store.arena
+
+    def step(n: int) -> int:
+        _offload_and_free(store, gen, n)
+        before = arena.unpins
+        arena.shrink()
+        assert arena.unpins - before <= _arena.UNPINS_PER_SHRINK
+        return arena.held_bytes
+
+    busy = step(40)
+    assert busy >= 8 * chunk
+    for _ in range(_arena.SHRINK_STEPS - 1):  # the busy step is still in the window
+        assert step(1) == busy
+    held = [step(1) for _ in range(busy // chunk)]
+    assert held[0] == busy - _arena.UNPINS_PER_SHRINK * chunk
+    assert all(b - a <= _arena.UNPINS_PER_SHRINK * chunk for a, b in zip(held[1:], held))
+    assert held[-1] <= (3 + 2) * chunk  # a quiet step's peak (<= 3 chunks) + headroom
+    assert arena.unpins == (busy - held[-1]) // chunk
 
 
 @interpreter
@@ -422,9 +456,10 @@ def test_steps_of_varying_size_pin_their_chunks_once(gen, monkeypatch):
         step(n)
     assert len(made) <= first + 1, (first, len(made))
     held = arena.held_bytes
-    step(1)  # much quieter: the rest go
+    for _ in range(_arena.SHRINK_STEPS + held // chunk):  # much quieter steps: the rest go
+        step(1)
     assert arena.held_bytes < held
-    assert arena.held_bytes <= (3 + 2) * chunk  # that step's peak (<= 3 chunks) + headroom
+    assert arena.held_bytes <= (3 + 2) * chunk  # their peak (<= 3 chunks) + headroom
 
 
 @interpreter

@@ -30,6 +30,8 @@ from ..pools import HostMemory, can_pin
 CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
+SHRINK_STEPS = 8  # the shrinks (backwards) whose busiest moments the arena keeps chunks for
+UNPINS_PER_SHRINK = 2  # the most chunks one shrink unpins
 
 
 UPLOAD_SLOTS = 1 << 16  # int64 slots of the ring of small tables kernels read (UploadRing)
@@ -264,7 +266,9 @@ class VirtualArena:
         self._stored = 0  # the folded events' bytes
         self.peak_held = 0
         self.pins = 0  # chunks made (pinned) so far: a step that made one paid for it
+        self.unpins = 0  # chunks unpinned so far (``trim``)
         self.peak_backed = 0  # chunks backed at once since the last shrink
+        self.peaks: list[int] = []  # ``peak_backed`` at each of the last SHRINK_STEPS shrinks
         self.placed_since_shrink = False
         # where the pack kernel publishes each slice's (base, total): one pinned ring, not a
         # pinned allocation per slice
@@ -451,6 +455,7 @@ class VirtualArena:
             if event is not None:
                 event.synchronize()  # a restore may still read it
             mem.release()
+            self.unpins += 1
 
     def release_idle(self, reader=None) -> None:
         """Unpin every chunk no slice needs: the free ones, and, once no slice is in flight or
@@ -467,28 +472,33 @@ class VirtualArena:
             self.limit = self.frontier // self.chunk * self.chunk
         self.trim()
         self.peak_backed = len(self.backed)
+        self.peaks = []
 
     def shrink(self) -> None:
-        """Keep the chunks the busiest moment since the last call needed, plus a headroom
-        (1/16 of them, at least 2); unpin the rest (after a step whose offloads were
-        smaller, or a first step that was larger). Pinning is what costs (tens of ms per
-        chunk), and the chunks a step needs vary by one or two with timing (the worst-case
-        reservations of the slices in flight): without the headroom a Llama-style model
-        pinned two chunks again at every step; keeping the peaks of several steps instead
-        kept a larger first step's chunks and then unpinned them all at once, a stall of
-        about a second (``bench/results/h200_7d64cf1_hostpath``, ``h100_1a48801_pinning``).
-        Since :meth:`back` waits for slices in flight rather than pin for them, a step pins
-        only when the bytes it places need more chunks than are held; the headroom still
-        covers where in a chunk a step's end falls, and steps of slightly more bytes.
-        Without a placement since the last call the chunks stay: a step that only copied
-        (``prefer="speed"``'s trials alternate copied and compressed steps) keeps them for
-        the next compressing step. Giving them back there made every compressed trial pin
+        """Once a step (the end of a backward): keep the chunks the busiest moment of the last
+        ``SHRINK_STEPS`` steps needed, plus a headroom (1/16 of them, at least 2), and unpin
+        at most ``UNPINS_PER_SHRINK`` of the rest. Pinning and unpinning are what cost: a
+        chunk's ``cudaHostRegister`` takes tens of ms, and its ``cudaHostUnregister`` and
+        unmapping ran in the backward's tail. Keeping only the last step's busiest moment
+        (as before) unpinned and pinned again whenever the chunks a step needs moved by
+        more than the headroom, which they do with timing (the worst-case reservations of
+        the slices in flight): under FSDP2 on GPT-2 the unpinning alone took 10 ms of a 150
+        ms step's host time (sampled, ``bench/results/h200x2_91fcaaa_session49``). A first
+        step larger than the rest now lets its extra chunks go a few a step after the
+        window, not all at once (kept the peaks of several steps, and unpinned at once,
+        that stalled a step for about a second, ``bench/results/h200_7d64cf1_hostpath``,
+        ``h100_1a48801_pinning``).
+        Without a placement since the last call nothing changes: a step that only copied
+        (``prefer="speed"``'s trials alternate copied and compressed steps) keeps the chunks
+        for the next compressing step. Giving them back there made every compressed trial pin
         them again (~0.7 s a step on encoder-1024, ``h200_668a96c_stock``), so the tuner
         chose copying where compressing was faster. An offloader that settles on copying
         unpins its free chunks then (``ActivationOffloader._tuned_arm``)."""
         if not self.placed_since_shrink:
             return
-        need = self.peak_backed + max(2, self.peak_backed // 16)
-        self.trim(keep=max(0, need - len(self.backed)))
+        self.peaks = [*self.peaks, self.peak_backed][-SHRINK_STEPS:]
+        busiest = max(self.peaks)
+        need = busiest + max(2, busiest // 16)
+        self.trim(keep=max(0, need - len(self.backed), len(self.free) - UNPINS_PER_SHRINK))
         self.peak_backed = len(self.backed)
         self.placed_since_shrink = False
