@@ -25,6 +25,7 @@ saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches)
 changed (:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes, a tensor
 restored alone through the batched path); ``memory_shrink1``: the arena's shrink as before
 session 49 (the last step's busiest moment kept, the rest unpinned at once);
+``memory_alloc``: each slice's payload from the caching allocator, as before session 49;
 ``memory_both``: the first two together (session 48: none reliably faster than ``memory``,
 ``bench/results/h200x2_96f5538_session48``);
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
@@ -58,6 +59,7 @@ import time
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
         "memory_restore256", "memory_batch128", "memory_both", "memory_placed1", "memory_shrink1",
+        "memory_alloc",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_nowait", "speed",
         "speed_copy_only")
 
@@ -73,8 +75,7 @@ PATCHES = {
     "memory_placed1": (("torch_pagecomp.offload._backward", "BATCH_MIN_ENTRIES", 1),),
     # the arena's shrink as before session 49: the last step's busiest moment kept, the rest
     # of its chunks unpinned at once
-    "memory_shrink1": (("torch_pagecomp.offload._arena", "SHRINK_STEPS", 1),
-                       ("torch_pagecomp.offload._arena", "UNPINS_PER_SHRINK", 1 << 30)),
+    "memory_shrink1": (("torch_pagecomp.offload._arena", "SHRINK_STEPS", 1),),
 }
 
 
@@ -86,6 +87,7 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     from torch_pagecomp.offload import _backward
     from torch_pagecomp.offload._arena import VirtualArena
     from torch_pagecomp.offload._batch import Batcher
+    from torch_pagecomp.offload._paged import PagedStore
 
     if arm in PATCHES:
         return [(importlib.import_module(m), name, v) for m, name, v in PATCHES[arm]]
@@ -96,9 +98,22 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         return [(VirtualArena, "_room", VirtualArena._unbacked)]
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
         return [(Batcher, "_starts_now", lambda self, batch: True)]
+    if arm == "memory_alloc":  # a payload of the caching allocator per slice (before 49)
+        return [(PagedStore, "_payload", _fresh_payload)]
     if arm == "memory_group":  # batched restores through restore_group
         return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
     return []
+
+
+def _fresh_payload(store, n: int, device):
+    """``PagedStore._payload`` as it was before session 49: the caching allocator's, per
+    slice, read on the pack stream (the ``memory_alloc`` arm)."""
+    import torch
+
+    buf = torch.empty((n, store.page_size), dtype=torch.uint8, device=device)
+    if store.pack_stream is not None:
+        buf.record_stream(store.pack_stream)
+    return buf
 
 
 @contextlib.contextmanager

@@ -368,6 +368,9 @@ class FakeStore:
     def release_scratch(self):
         pass
 
+    def release_payloads(self):
+        pass
+
     def poll(self):
         pass
 

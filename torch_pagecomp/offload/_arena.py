@@ -31,7 +31,7 @@ CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
 SHRINK_STEPS = 8  # the shrinks (backwards) whose busiest moments the arena keeps chunks for
-UNPINS_PER_SHRINK = 2  # the most chunks one shrink unpins
+OUTLIER = 2  # a lone busiest moment over this times the window's usual one is not kept
 
 
 UPLOAD_SLOTS = 1 << 16  # int64 slots of the ring of small tables kernels read (UploadRing)
@@ -475,19 +475,21 @@ class VirtualArena:
         self.peaks = []
 
     def shrink(self) -> None:
-        """Once a step (the end of a backward): keep the chunks the busiest moment of the last
-        ``SHRINK_STEPS`` steps needed, plus a headroom (1/16 of them, at least 2), and unpin
-        at most ``UNPINS_PER_SHRINK`` of the rest. Pinning and unpinning are what cost: a
-        chunk's ``cudaHostRegister`` takes tens of ms, and its ``cudaHostUnregister`` and
-        unmapping ran in the backward's tail. Keeping only the last step's busiest moment
-        (as before) unpinned and pinned again whenever the chunks a step needs moved by
-        more than the headroom, which they do with timing (the worst-case reservations of
-        the slices in flight): under FSDP2 on GPT-2 the unpinning alone took 10 ms of a 150
-        ms step's host time (sampled, ``bench/results/h200x2_91fcaaa_session49``). A first
-        step larger than the rest now lets its extra chunks go a few a step after the
-        window, not all at once (kept the peaks of several steps, and unpinned at once,
-        that stalled a step for about a second, ``bench/results/h200_7d64cf1_hostpath``,
-        ``h100_1a48801_pinning``).
+        """Once a step (the end of a backward): keep the chunks that the busiest moment of the
+        last ``SHRINK_STEPS`` steps needed, plus a headroom (1/16 of them, at least 2); unpin
+        the rest. A lone step of that window that needed more than ``OUTLIER`` times the
+        window's usual step (its lower median) is not counted: a first step or a gradient
+        check (SDPA's math kernel saves the attention matrix) that saved far more lets its
+        extra chunks go at the next step, as one step's did before.
+
+        Pinning and unpinning are what cost: on an H200 host a 64 MiB chunk's
+        ``cudaHostRegister`` took 37 ms, and its ``cudaHostUnregister`` waits for the whole
+        device (507 ms beside a 0.5 s kernel; 1.5 ms idle), then unmapping takes 9 ms
+        (``bench/results/h200x2_91fcaaa_session49``, ``bench.dev_pin_cost``). Keeping only
+        the last step's busiest moment (before) unpinned, and pinned again, whenever the
+        chunks a step needs moved by more than the headroom, which they do with timing (the
+        worst-case reservations of the slices in flight): under FSDP2 the backward's tail
+        then waited for the GPU (GPT-2: 10 ms of a 150 ms step's host time, sampled).
         Without a placement since the last call nothing changes: a step that only copied
         (``prefer="speed"``'s trials alternate copied and compressed steps) keeps the chunks
         for the next compressing step. Giving them back there made every compressed trial pin
@@ -497,8 +499,10 @@ class VirtualArena:
         if not self.placed_since_shrink:
             return
         self.peaks = [*self.peaks, self.peak_backed][-SHRINK_STEPS:]
-        busiest = max(self.peaks)
+        usual = sorted(self.peaks)[(len(self.peaks) - 1) // 2]
+        big = [p for p in self.peaks if p > OUTLIER * usual]
+        busiest = max(p for p in self.peaks if len(big) != 1 or p != big[0])
         need = busiest + max(2, busiest // 16)
-        self.trim(keep=max(0, need - len(self.backed), len(self.free) - UNPINS_PER_SHRINK))
+        self.trim(keep=max(0, need - len(self.backed)))
         self.peak_backed = len(self.backed)
         self.placed_since_shrink = False

@@ -200,6 +200,8 @@ class Backward:
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._end_backward(task)
             )
+            for store in self.off._paged.values():  # the backward stores little
+                store.release_payloads()
             self._prefetch_tail()
 
     def _end_backward(self, task: int) -> None:

@@ -170,6 +170,10 @@ class PagedStore:
         # a slice is at most a chunk long: it lies in one chunk or two (the pack kernel's rule)
         self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
         self._packed: collections.deque = collections.deque()  # pack events of recent slices
+        # the fixed-stride payloads of the last SCRATCH_SLICES slices, reused in turn
+        # (:meth:`_payload`)
+        self._payloads: list[torch.Tensor | None] = [None] * SCRATCH_SLICES
+        self._next_payload = 0
         self.failures = None  # pages that failed to decode, counted on the device
         self._statuses: dict = {}  # restore stream -> decode statuses not counted yet
         if device.type == "cuda":
@@ -230,12 +234,11 @@ class PagedStore:
     def _store_slice(self, src, first: int, n: int, element_size: int,
                      float_format: str | None) -> _Slice:
         p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
-        if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight
-            _wait(cs, self._packed.popleft())
-        # two allocations per slice: the fixed-stride payload (freed once packed) and the
-        # metadata the restore needs (:func:`_meta_bytes`; with ``host_meta``, copied to the
-        # host after the pack and dropped from the device once the slice is placed)
-        payload = torch.empty((n, p), dtype=torch.uint8, device=src.device)
+        if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight: the payload
+            _wait(cs, self._packed.popleft())  # reused next was packed by then
+        payload = self._payload(n, src.device)
+        # the metadata the restore needs (:func:`_meta_bytes`; with ``host_meta``, copied to
+        # the host after the pack and dropped from the device once the slice is placed)
         meta = torch.empty(_meta_bytes(n, self.checksum), dtype=torch.uint8, device=src.device)
         sl = _Slice(first, n, meta, self.checksum)
         # on the GPU the kernels take addresses (views cost the host microseconds apiece, and
@@ -276,8 +279,7 @@ class PagedStore:
                 host_meta.copy_(meta, non_blocking=True)
         stored = mark(ps)
         if ps is not None:
-            payload.record_stream(ps)  # made on the compress stream, read here
-            meta.record_stream(ps)
+            meta.record_stream(ps)  # made on the compress stream, read here
         self._packed.append(stored)
         sl.host_desc, sl.stored, sl.host_meta = k, stored, host_meta
         arena.add(sl, n * p)
@@ -312,6 +314,28 @@ class PagedStore:
             _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds),
                       float_format)
 
+    def _payload(self, n: int, device: torch.device) -> torch.Tensor:
+        """``uint8 [n, P]`` for a slice's compressed pages at a fixed stride: the next of the
+        ring of ``SCRATCH_SLICES`` buffers (grown to the largest slice), which the slice
+        ``SCRATCH_SLICES`` before used and whose pack the compress stream has waited for. A
+        payload of the caching allocator per slice, read on the pack stream
+        (``record_stream``), cost the hooks 3-6 ms of host time a step under FSDP2 (sampled,
+        ``bench/results/h200x2_91fcaaa_session49``)."""
+        i, p = self._next_payload, self.page_size
+        self._next_payload = (i + 1) % SCRATCH_SLICES
+        buf = self._payloads[i]
+        if buf is None or buf.numel() < n * p:
+            buf = self._payloads[i] = torch.empty(n * p, dtype=torch.uint8, device=device)
+            if self.pack_stream is not None:  # freed (replaced, released) after its packs
+                buf.record_stream(self.pack_stream)
+        return buf[:n * p].view(n, p)
+
+    def release_payloads(self) -> None:
+        """Let the payload ring go (:meth:`_payload`; made again by the next slice): the
+        hooks call this as a backward starts, which stores little, so that the ring's GPU
+        memory is not held through it. Freed after the packs queued so far."""
+        self._payloads = [None] * SCRATCH_SLICES
+
     def _scratch(self, src: torch.Tensor, element_size: int):
         """The GPU compress kernel's working memory for ``element_size`` (kept for the store's
         life, used on its compress stream only, so launches reuse it in order)."""
@@ -334,6 +358,7 @@ class PagedStore:
         next compressed slice. The scratch is only used on the compress stream, where it was
         made, so its memory is reused after the kernels queued there."""
         self._scratches.clear()
+        self.release_payloads()
         self._scratch_held = 0
         self.scratch_bytes = 0
 
@@ -412,6 +437,7 @@ class PagedStore:
         self.arena.trim()
         self._packed.clear()
         self._scratches.clear()
+        self.release_payloads()
 
     def _count_failures(self, status: torch.Tensor, stream) -> None:
         if stream is None:  # the CPU: known at once
