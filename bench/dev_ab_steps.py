@@ -26,6 +26,8 @@ changed (:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes, 
 restored alone through the batched path); ``memory_shrink1``: the arena's shrink as before
 session 49 (the last step's busiest moment kept, the rest unpinned at once);
 ``memory_alloc``: each slice's payload from the caching allocator, as before session 49;
+``memory_same``: ``memory``'s code as a probe arm, the other probe arms' baseline (``memory``
+takes a gradient-check step first, whose larger peak the host arena may still hold);
 ``memory_both``: the first two together (session 48: none reliably faster than ``memory``,
 ``bench/results/h200x2_96f5538_session48``);
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
@@ -59,7 +61,7 @@ import time
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
         "memory_restore256", "memory_batch128", "memory_both", "memory_placed1", "memory_shrink1",
-        "memory_alloc",
+        "memory_alloc", "memory_same",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_nowait", "speed",
         "speed_copy_only")
 

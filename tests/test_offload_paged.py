@@ -423,8 +423,9 @@ def test_shrink_keeps_chunks_after_a_step_that_placed_nothing(gen):
 
 @interpreter
 def test_shrink_lets_a_lone_big_step_go_and_keeps_the_window(gen):
-    """A lone step that needed over ``OUTLIER`` times the usual chunks (a first step, a
-    gradient check) lets its extra chunks go at its own shrink; steps that need somewhat more
+    """Steps that needed over ``OUTLIER`` times the usual chunks (a first step, a gradient
+    check) let their extra chunks go once the usual steps are half the window (a lone one
+    at its own shrink); steps that need somewhat more
     or less than one another keep the busiest of the last ``SHRINK_STEPS``: no chunk is
     unpinned (an unpin waits for the whole GPU) while they alternate, and at most one more is
     pinned, once (the arena's end falls anywhere in a chunk)."""
@@ -439,16 +440,21 @@ def test_shrink_lets_a_lone_big_step_go_and_keeps_the_window(gen):
         arena.shrink()
         return arena.held_bytes
 
-    for _ in range(3):
+    big = step(40)  # two big first steps (a gradient check taken twice): kept while they
+    assert step(40) >= big - chunk and step(6) >= big - chunk  # are the lower median
+    usual = step(6)  # the usual steps half the window: the extra goes
+    assert usual <= big - 10 * chunk and arena.unpins >= 10
+    for _ in range(_arena.SHRINK_STEPS):  # the big ones leave the window
         usual = step(6)
-    assert step(40) <= usual + 4 * chunk  # its extra chunks went at once
-    assert arena.unpins >= 10
+    unpins = arena.unpins
+    assert step(40) <= usual + 4 * chunk  # a lone big step's extra goes at its own shrink
+    assert arena.unpins >= unpins + 10
     step(14)
     pins, unpins = arena.pins, arena.unpins
     for n in (6, 14) * _arena.SHRINK_STEPS:
         step(n)
     assert arena.unpins == unpins and arena.pins <= pins + 1, (pins, unpins)
-    assert arena.held_bytes <= 10 * chunk
+    assert arena.held_bytes <= 12 * chunk  # a busier step's 9, the headroom and one
 
 
 @interpreter

@@ -31,7 +31,7 @@ CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
 SHRINK_STEPS = 8  # the shrinks (backwards) whose busiest moments the arena keeps chunks for
-OUTLIER = 2  # a lone busiest moment over this times the window's usual one is not kept
+OUTLIER = 2  # busiest moments over this times the window's usual one are not kept
 
 
 UPLOAD_SLOTS = 1 << 16  # int64 slots of the ring of small tables kernels read (UploadRing)
@@ -477,10 +477,11 @@ class VirtualArena:
     def shrink(self) -> None:
         """Once a step (the end of a backward): keep the chunks that the busiest moment of the
         last ``SHRINK_STEPS`` steps needed, plus a headroom (1/16 of them, at least 2); unpin
-        the rest. A lone step of that window that needed more than ``OUTLIER`` times the
-        window's usual step (its lower median) is not counted: a first step or a gradient
-        check (SDPA's math kernel saves the attention matrix) that saved far more lets its
-        extra chunks go at the next step, as one step's did before.
+        the rest. Steps of that window that needed more than ``OUTLIER`` times the window's
+        usual step (its lower median) are not counted: a first step or a gradient check
+        (SDPA's math kernel saves the attention matrix) that saved far more lets its extra
+        chunks go as soon as the usual steps are half the window (at the next step after one
+        such step, as before).
 
         Pinning and unpinning are what cost: on an H200 host a 64 MiB chunk's
         ``cudaHostRegister`` took 37 ms, and its ``cudaHostUnregister`` waits for the whole
@@ -499,9 +500,8 @@ class VirtualArena:
         if not self.placed_since_shrink:
             return
         self.peaks = [*self.peaks, self.peak_backed][-SHRINK_STEPS:]
-        usual = sorted(self.peaks)[(len(self.peaks) - 1) // 2]
-        big = [p for p in self.peaks if p > OUTLIER * usual]
-        busiest = max(p for p in self.peaks if len(big) != 1 or p != big[0])
+        usual = sorted(self.peaks)[(len(self.peaks) - 1) // 2]  # the lower median
+        busiest = max(p for p in self.peaks if p <= OUTLIER * usual)
         need = busiest + max(2, busiest // 16)
         self.trim(keep=max(0, need - len(self.backed)))
         self.peak_backed = len(self.backed)
