@@ -458,6 +458,30 @@ def test_shrink_lets_a_lone_big_step_go_and_keeps_the_window(gen):
 
 
 @interpreter
+def test_shrink_frees_the_chunks_backed_past_the_end_and_stores_still_round_trip(gen):
+    """With nothing in flight, a shrink puts the chunks backed ahead of the arena's end (for
+    the worst cases of slices since placed) on the free list and the limit back to the end's
+    chunk; later stores back them again from there and come back exactly."""
+    chunk = 1 << 14
+    store = _store(chunk=chunk, slice_bytes=1 << 13)
+    arena = store.arena
+    for n in (40, 6):
+        _offload_and_free(store, gen, n)
+        arena.shrink()
+        end = arena.frontier // chunk
+        assert set(arena.backed) <= {end} and arena.limit <= (end + 1) * chunk
+    pins = arena.pins
+    srcs = [_data(gen, k * P + 7, "bf16") for k in (3, 9, 2)]
+    stored = [store.offload(s, 2) for s in srcs]
+    store.poll()
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
+    assert arena.pins == pins  # from the free list
+
+
+@interpreter
 def test_steps_of_varying_size_pin_their_chunks_once(gen, monkeypatch):
     """Steps of varying size reuse the chunks the first one pinned (pinning costs tens of
     milliseconds per chunk): a quieter step's shrink keeps them. At most one more is pinned,

@@ -474,6 +474,23 @@ class VirtualArena:
         self.peak_backed = len(self.backed)
         self.peaks = []
 
+    def _free_lead(self) -> None:
+        """With no slice in flight, put the chunks backed past the end's chunk (backed for
+        the worst cases of slices since placed) on the free list, and the limit back to the
+        end's chunk: they hold nothing, and kept backed they stayed until the arena's end
+        passed them, so a step that saved more than the next ones (a gradient check, whose
+        SDPA math kernel saves the attention matrix) held them for several steps more
+        (0.5-0.9 GiB under FSDP2, ``bench/results/h200x2_96f5538_session48``)."""
+        self.confirm()
+        if self.pending:
+            return
+        end = self.frontier // self.chunk
+        lead = [k for k in self.backed if k > end and k not in self.live]
+        for k in lead:
+            self.free.append((self.backed.pop(k), None))
+        if lead:  # the limit never claims a chunk that is not backed
+            self.limit = min(self.limit, (end + (end in self.backed)) * self.chunk)
+
     def shrink(self) -> None:
         """Once a step (the end of a backward): keep the chunks that the busiest moment of the
         last ``SHRINK_STEPS`` steps needed, plus a headroom (1/16 of them, at least 2); unpin
@@ -499,6 +516,7 @@ class VirtualArena:
         unpins its free chunks then (``ActivationOffloader._tuned_arm``)."""
         if not self.placed_since_shrink:
             return
+        self._free_lead()
         self.peaks = [*self.peaks, self.peak_backed][-SHRINK_STEPS:]
         usual = sorted(self.peaks)[(len(self.peaks) - 1) // 2]  # the lower median
         busiest = max(p for p in self.peaks if p <= OUTLIER * usual)
