@@ -606,15 +606,23 @@ def test_the_ab_probe_counts_host_peaks_of_the_timed_rounds_only(monkeypatch):
     """The JSON rows' ``host_gib`` is the peak of the timed rounds: a step before them that
     offloads far more (as the gradient check's math-SDPA steps do on a GPU) is not in it."""
     import bench.dev_ab_steps as ab
+    import torch_pagecomp
     from bench.stock_models import build
     from torch_pagecomp import offload_module
 
     _, x, _ = build("encoder-tiny", "cpu")
-    real, seen = ab._first_grads, []
+    real, seen, made = ab._first_grads, [], []
 
-    def with_a_big_step(model, forward, blocks, offs, arms, fsdp):
-        out = real(model, forward, blocks, offs, arms, fsdp)
-        off = offs["uncompressed"]
+    class Recorded(torch_pagecomp.ActivationOffloader):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            made.append(self)
+
+    monkeypatch.setattr(torch_pagecomp, "ActivationOffloader", Recorded)
+
+    def with_a_big_step(model, forward, blocks, arms, fsdp, make):
+        out = real(model, forward, blocks, arms, fsdp, make)
+        off = made[0]  # the timed arm's (the check's own are made after it)
         offload_module(model, blocks=blocks, offloader=off)
         try:
             model(x.repeat(8, 1, 1)).float().square().mean().backward()

@@ -31,7 +31,7 @@ CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
 SHRINK_STEPS = 8  # the shrinks (backwards) whose busiest moments the arena keeps chunks for
-OUTLIER = 2  # busiest moments over this times the window's usual one are not kept
+OUTLIER = 1.25  # busiest moments over this times the window's usual one are not kept
 
 
 UPLOAD_SLOTS = 1 << 16  # int64 slots of the ring of small tables kernels read (UploadRing)
@@ -495,10 +495,12 @@ class VirtualArena:
         """Once a step (the end of a backward): keep the chunks that the busiest moment of the
         last ``SHRINK_STEPS`` steps needed, plus a headroom (1/16 of them, at least 2); unpin
         the rest. Steps of that window that needed more than ``OUTLIER`` times the window's
-        usual step (its lower median) are not counted: a first step or a gradient check
-        (SDPA's math kernel saves the attention matrix) that saved far more lets its extra
-        chunks go as soon as the usual steps are half the window (at the next step after one
-        such step, as before).
+        usual step (its upper median) are not counted: a first step or a gradient check
+        (SDPA's math kernel saves the attention matrix) that saved more lets its extra chunks
+        go once the usual steps are most of the window (two steps after one such step). The
+        need of steady steps moves by a few percent with timing; a gradient check's was
+        1.9x on GPT-2 under FSDP2, so a threshold of 2 kept its chunks through the window
+        and unpinned them in timed steps (``bench/results/h200x2_91fcaaa_session49``).
 
         Pinning and unpinning are what cost: on an H200 host a 64 MiB chunk's
         ``cudaHostRegister`` took 37 ms, and its ``cudaHostUnregister`` waits for the whole
@@ -518,7 +520,7 @@ class VirtualArena:
             return
         self._free_lead()
         self.peaks = [*self.peaks, self.peak_backed][-SHRINK_STEPS:]
-        usual = sorted(self.peaks)[(len(self.peaks) - 1) // 2]  # the lower median
+        usual = sorted(self.peaks)[len(self.peaks) // 2]  # the upper median
         busiest = max(p for p in self.peaks if p <= OUTLIER * usual)
         need = busiest + max(2, busiest // 16)
         self.trim(keep=max(0, need - len(self.backed)))

@@ -632,6 +632,27 @@ class ActivationOffloader:
                 self._release(self._stash.popleft(), wait=True)
             self._poll()
 
+    def close(self) -> None:
+        """Give back what this offloader holds between uses: wait for every offload and
+        restore in flight, then unpin its page-locked host memory (the plain copies' buffers
+        and the compressed stores' chunks) and free the compressors' GPU memory. It stays
+        usable: a later offload pins and allocates again. Raises ``RuntimeError`` while
+        tensors it offloaded are still saved (a graph not yet run backward or dropped): their
+        bytes are in that memory. Unpinning waits for the whole GPU (``cudaHostUnregister``),
+        so call this between steps, not inside one; without it the memory goes when the
+        offloader is collected, at whatever moment that is."""
+        with self._lock:
+            self.synchronize()
+            live = self.pending()["entries"]
+            if live:
+                raise RuntimeError(f"ActivationOffloader.close: {live} offloaded saved tensors "
+                                   "are still alive; run their backward or drop their graph "
+                                   "first")
+            for store in self._paged.values():
+                store.close()
+            self._paged.clear()
+            self.pool.clear()
+
     def reset_peak_stats(self) -> None:
         """Start the peaks of :meth:`stats` (host bytes, host memory held) from now."""
         with self._lock:
