@@ -68,25 +68,35 @@ def test_round_trip_across_slices_and_chunks(gen, element_size, kind):
 
 
 @interpreter
-def test_slices_take_their_payloads_from_a_ring_that_grows_and_is_let_go(gen):
-    """Each slice's fixed-stride payload is the next of ``SCRATCH_SLICES`` buffers, grown to
-    the largest slice so far (no allocation per slice); storages of growing sizes over many
-    slices still come back exactly, and ``release_payloads`` lets the ring go (the next slice
-    makes it again)."""
+def test_slices_take_their_payloads_from_a_ring_that_follows_their_size(gen):
+    """Each slice's fixed-stride payload is the next of ``SCRATCH_SLICES`` buffers, reused
+    while a slice needs at most what one holds and at least half of it (no allocation per
+    slice), made again otherwise (a ring kept at the largest slice held it through the
+    forward); storages of varying sizes come back exactly, and ``release_payloads`` lets
+    the ring go (the next slice makes it again)."""
     from torch_pagecomp.offload import _paged
 
-    store = _store(slice_bytes=2 * P)
-    srcs = [_data(gen, n, "bf16") for n in (3 * P, 2 * P + 5, 7 * P)]  # slices of 1-2 pages
-    stored = [store.offload(s, 2) for s in srcs]
-    ring = store._payloads
-    assert len(ring) == _paged.SCRATCH_SLICES
-    assert all(b is not None and b.numel() == 2 * P for b in ring)
+    store = _store(slice_bytes=4 * P)
+    ptrs = []
+
+    def store_pages(pages: int, extra: int = 0):
+        s = _data(gen, pages * P + extra, "bf16")
+        stored = store.offload(s, 2)
+        ptrs.append([b.data_ptr() if b is not None else None for b in store._payloads])
+        return s, stored
+
+    kept = [store_pages(8), store_pages(8)]  # slices of 4 pages: both buffers 4 pages
+    assert len(store._payloads) == _paged.SCRATCH_SLICES
+    assert all(b.numel() == 4 * P for b in store._payloads) and ptrs[0] == ptrs[1]
+    kept.append(store_pages(6, 5))  # 4 + 2 pages: 2 is half of 4, still reused
+    assert ptrs[2] == ptrs[1]
+    kept.append(store_pages(1))  # a slice of 1 page: less than half, made again at 1
+    assert sorted(b.numel() for b in store._payloads) == [P, 4 * P]
     store.release_payloads()
     assert all(b is None for b in store._payloads)
-    stored.append(store.offload(srcs[0], 2))
-    srcs.append(srcs[0])
+    kept.append(store_pages(3))
     store.poll()
-    for s, st in zip(srcs, stored):
+    for s, st in kept:
         out = torch.full_like(s, POISON)
         store.restore(st, out)
         assert torch.equal(out, s)
