@@ -32,7 +32,8 @@ row's bytes stored: ``stored_gib`` where every storage was compressed, else the 
 which overstates a compressed row's bytes by the storages whose placement the host had not read
 at the peak: 1.26 against 1.42 stored on encoder-2048 at b439c64), and whether the gradients
 of the first step are bit-identical to ``none`` (deterministic settings: math SDPA,
-``torch.use_deterministic_algorithms``).
+``torch.use_deterministic_algorithms``; since session 49 that step runs on an offloader of
+the variant's settings of its own, closed after, and the timed steps on a fresh one).
 
     python -m bench.stock_models --models encoder-1024,llama-2048 --out bench/out/stock.json
     python -m bench.stock_models --rounds 3 --variants none,uncompressed,speed ...   # spread
@@ -389,7 +390,7 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
     if fsdp:
         shard(model, blocks, device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    off = ctx = None
+    off = ctx = hooks = None
     if variant == "save_on_cpu":
         from bench.training_bench import CountingSaveOnCpu
 
@@ -406,7 +407,8 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
             kw["min_offload_bytes"] = min_offload_bytes
         if os.environ.get("STOCK_STREAM_PRIORITY"):  # probe: the hooks' side-stream priority
             kw["stream_priority"] = int(os.environ["STOCK_STREAM_PRIORITY"])
-        off = offload_module(model, blocks=blocks, **kw)
+        hooks = kw
+        off = offload_module(model, blocks=blocks, **kw)  # the gradient check's (below)
         if os.environ.get("STOCK_HOLD_GROUPS"):  # probe: the groups held for the backward
             from torch_pagecomp.offload._batch import Batcher
 
@@ -453,6 +455,13 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
             step()
             grads = grads if _grad_hash(model) == grads else None
     torch.use_deterministic_algorithms(False)
+    if hooks is not None:  # the timed steps on an offloader that never saw that step: SDPA's
+        # math kernel saves the attention matrix too, and the offloader that took it held
+        # more host and GPU memory for several steps after
+        # (``bench/results/h200x2_91fcaaa_session49``)
+        off.remove()
+        off.close()
+        off = offload_module(model, blocks=blocks, **hooks)
     opt.step()
     cuda = device != "cpu"
     times, issue = [], []
