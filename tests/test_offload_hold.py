@@ -494,6 +494,26 @@ def test_the_ab_probe_names_the_arm_and_step_of_a_stalled_step(capsys, monkeypat
     assert "Stall:" not in capsys.readouterr().err
 
 
+def test_the_ab_probe_samples_where_each_arms_host_time_went(monkeypatch):
+    """``dev_ab_steps --sample-host MS``: per arm, the innermost frames of the timed steps in
+    ms a step. Each optimizer step here sleeps 20 ms: that frame must lead every arm's table
+    at about 20 ms a step (the samples scaled by their measured interval), and in the
+    package's column that time is outside the package ("-")."""
+    import bench.dev_ab_steps as ab
+
+    _slow_optimizer_steps(monkeypatch)
+    lines = ab.measure("encoder-tiny", ["uncompressed", "memory"], 3, 1, device="cpu",
+                       sample_ms=1.0)
+    text = "\n".join(lines)
+    for arm in ("uncompressed", "memory"):
+        table = text.split(f"#### {arm}:")[1].split("####")[0]
+        first = [c.strip() for c in table.splitlines()[3].strip("| ").split("|")]
+        assert first[1].startswith("test_offload_hold.py:slow"), table[:800]
+        assert 12.0 < float(first[2]) < 40.0, table[:800]
+        assert first[5] == "-" and float(first[6]) >= float(first[2]), table[:800]
+    assert "arena chunks pinned / unpinned" in text
+
+
 def test_the_step_modes_probe_reports_each_step():
     """``bench.dev_step_modes`` prints one row per step with what the step did (a smoke test
     on the CPU's tiny model): the compressed offloads it made are among its counters."""
