@@ -622,6 +622,35 @@ def test_the_ab_probe_writes_stock_rows_with_a_gradient_check_that_can_fail(monk
     assert {r["variant"]: r for r in rows}["memory"]["grads_identical"] is False
 
 
+def test_the_ab_probe_checks_gradients_on_offloaders_of_their_own(monkeypatch):
+    """Each offloading arm's gradient check runs on an offloader of the arm's settings made
+    for it and closed after: the timed offloaders pack only in the warm-up and timed steps
+    (as many a step as the check's), and the check's hold nothing once closed."""
+    import bench.dev_ab_steps as ab
+    import torch_pagecomp
+
+    made = []
+
+    class Recorded(torch_pagecomp.ActivationOffloader):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            made.append(self)
+
+    monkeypatch.setattr(torch_pagecomp, "ActivationOffloader", Recorded)
+    rows: list[dict] = []
+    warmup, rounds = 1, 2
+    ab.measure("encoder-tiny", ["none", "uncompressed", "memory"], rounds, warmup,
+               device="cpu", rows=rows)
+    assert len(made) == 4  # the two timed arms' first, then a check's each
+    timed, checks = made[:2], made[2:]
+    assert [o.mode for o in timed] == [o.mode for o in checks]
+    for t, c in zip(timed, checks):
+        per_step = c.counters["packed"]
+        assert per_step > 0 and t.counters["packed"] == (warmup + rounds) * per_step
+        assert c.pending()["entries"] == 0 and c.pool.held_bytes == 0 and not c._paged
+    assert all(r["grads_identical"] for r in rows if r["variant"] != "none")
+
+
 def test_the_ab_probe_counts_host_peaks_of_the_timed_rounds_only(monkeypatch):
     """The JSON rows' ``host_gib`` is the peak of the timed rounds: a step before them that
     offloads far more (as the gradient check's math-SDPA steps do on a GPU) is not in it."""
