@@ -719,10 +719,12 @@ def test_gpu_close_unpins_everything_and_the_next_step_pins_again(seed, mode):
 
     assert_identical(ref, grads_of(model, x, sync=off))
     assert held() > 0
+    made = off.host_buffers_made()
     off.close()
     assert held() == 0 and "compressor" not in off.stats()
+    assert off.host_buffers_made() == made  # the tuner reads its growth: it never goes down
     assert_identical(ref, grads_of(model, x, sync=off))
-    assert held() > 0
+    assert held() > 0 and off.host_buffers_made() > made  # made again
     off.close()
     off.remove()
     assert_clean(off)

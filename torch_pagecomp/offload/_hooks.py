@@ -196,6 +196,7 @@ class ActivationOffloader:
         self.checksum = checksum
         self._cpu_compressed = CpuStore(compress=True, page_size=page_size, checksum=checksum)
         self._paged: dict[int, PagedStore] = {}
+        self._closed_pins = 0  # arena chunks the stores let go by close() had made
         self._last_error: str | None = None  # the latest offload that failed (kept in place)
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self._lock = threading.RLock()
@@ -347,7 +348,8 @@ class ActivationOffloader:
     def host_buffers_made(self) -> int:
         """Page-locked host buffers made so far: plain copies' pooled buffers and the
         compressors' arena chunks (a pass that made one paid milliseconds for it)."""
-        return self.pool.misses + sum(st.arena.pins for st in self._paged.values())
+        return (self.pool.misses + self._closed_pins
+                + sum(st.arena.pins for st in self._paged.values()))
 
     def next_group(self) -> None:
         """Start a new prefetch group (e.g. at each transformer block's forward)."""
@@ -649,6 +651,7 @@ class ActivationOffloader:
                                    "are still alive; run their backward or drop their graph "
                                    "first")
             for store in self._paged.values():
+                self._closed_pins += store.arena.pins  # host_buffers_made never goes down
                 store.close()
             self._paged.clear()
             self.pool.clear()
