@@ -25,9 +25,10 @@ saved storage stored alone (``_batch.BATCH_BYTES = 0``: the path before batches)
 changed (:data:`PATCHES`: the restores' batch bytes, the offloads' batch bytes, a tensor
 restored alone through the batched path); ``memory_shrink1``: the arena's shrink as before
 session 49 (the last step's busiest moment kept, the rest unpinned at once);
-``memory_alloc``: each slice's payload from the caching allocator, as before session 49;
-``memory_same``: ``memory``'s code as a probe arm, the other probe arms' baseline (``memory``
-takes a gradient-check step first, whose larger peak the host arena may still hold);
+``memory_alloc``: each slice's payload from the caching allocator, as before session 49
+(``memory_same``, ``memory``'s code without the gradient check that then ran on the timed
+offloaders, was the probes' baseline until d3ab56d moved that check to offloaders of its
+own: removed);
 ``memory_both``: the first two together (session 48: none reliably faster than ``memory``,
 ``bench/results/h200x2_96f5538_session48``);
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
@@ -61,7 +62,7 @@ import time
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
         "memory_restore256", "memory_batch128", "memory_both", "memory_placed1", "memory_shrink1",
-        "memory_alloc", "memory_same",
+        "memory_alloc",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_nowait", "speed",
         "speed_copy_only")
 
@@ -107,9 +108,9 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     return []
 
 
-def _fresh_payload(store, n: int, device):
+def _fresh_payload(store, slot, n: int, device):
     """``PagedStore._payload`` as it was before session 49: the caching allocator's, per
-    slice, read on the pack stream (the ``memory_alloc`` arm)."""
+    slice (``slot``'s buffer unused), read on the pack stream (the ``memory_alloc`` arm)."""
     import torch
 
     buf = torch.empty((n, store.page_size), dtype=torch.uint8, device=device)
@@ -159,8 +160,9 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     schema (``model``, ``gpus``, ``variant``, ``step_ms``, ``peak_gpu_gib``, ``host_gib``,
     ``ratio``, ``link_bound``, ``grads_identical``), measured interleaved. For the gradients,
     before any optimizer step each arm takes one step under deterministic settings from the
-    same parameters, and its gradient hashes (every rank's shard) are set against ``none``'s
-    (taken twice: a model that is not deterministic there gets ``None``).
+    same parameters, on an offloader of its own (:func:`_first_grads`), and its gradient
+    hashes (every rank's shard) are set against ``none``'s (taken twice: a model that is not
+    deterministic there gets ``None``).
 
     ``stall_s``: a step whose host part runs past this prints the Python stacks then, with its
     arm, step and rank (``bench.dev_step_modes.StallWatch``): under FSDP2 a few of
@@ -186,8 +188,10 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                    else "uncompressed" if arm.startswith("uncompressed_") else arm)
         return variant_settings(variant, where)
 
-    offs = {a: ActivationOffloader(**settings(a)) for a in arms
-            if a not in ("none", "save_on_cpu")}
+    def make(arm: str) -> ActivationOffloader:
+        return ActivationOffloader(**settings(arm))
+
+    offs = {a: make(a) for a in arms if a not in ("none", "save_on_cpu")}
     # torch's own pinned offload, its bytes counted (the stock bench's save_on_cpu row)
     saver = CountingSaveOnCpu() if "save_on_cpu" in arms else None
 
@@ -231,9 +235,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
-    grads = (_first_grads(model, forward, blocks, arms, fsdp,
-                          lambda a: ActivationOffloader(**settings(a)))
-             if rows is not None else {})
+    grads = _first_grads(model, forward, blocks, arms, fsdp, make) if rows is not None else {}
     tuned, own = 0, []
     if "speed" in offs:  # its trials and check in steps of its own (see the docstring)
         sp = offs["speed"]
@@ -244,9 +246,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     for _ in range(warmup):
         for arm in arms:
             step(arm)
-    # host peaks from the timed rounds only: the gradient check's steps run SDPA's math
-    # kernel, which saves the attention matrix too (on encoder-1024 under FSDP2 it nearly
-    # doubled a plain copy's peak host bytes, 3.83 GiB against 2.0 a step)
+    # host peaks from the timed rounds only (not the warm-up's, nor speed's trials)
     for off in offs.values():
         off.reset_peak_stats()
     before = {a: off.stats() for a, off in offs.items()}

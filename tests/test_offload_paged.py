@@ -79,21 +79,24 @@ def test_slices_take_their_payloads_from_a_ring_that_follows_their_size(gen):
     store = _store(slice_bytes=4 * P)
     ptrs = []
 
+    def ring() -> list:
+        return [slot.buf for slot in store._slots]
+
     def store_pages(pages: int, extra: int = 0):
         s = _data(gen, pages * P + extra, "bf16")
         stored = store.offload(s, 2)
-        ptrs.append([b.data_ptr() if b is not None else None for b in store._payloads])
+        ptrs.append([b.data_ptr() if b is not None else None for b in ring()])
         return s, stored
 
     kept = [store_pages(8), store_pages(8)]  # slices of 4 pages: both buffers 4 pages
-    assert len(store._payloads) == _paged.SCRATCH_SLICES
-    assert all(b.numel() == 4 * P for b in store._payloads) and ptrs[0] == ptrs[1]
+    assert len(ring()) == _paged.SCRATCH_SLICES
+    assert all(b.numel() == 4 * P for b in ring()) and ptrs[0] == ptrs[1]
     kept.append(store_pages(6, 5))  # 4 + 2 pages: 2 is half of 4, still reused
     assert ptrs[2] == ptrs[1]
     kept.append(store_pages(1))  # a slice of 1 page: less than half, made again at 1
-    assert sorted(b.numel() for b in store._payloads) == [P, 4 * P]
+    assert sorted(b.numel() for b in ring()) == [P, 4 * P]
     store.release_payloads()
-    assert all(b is None for b in store._payloads)
+    assert all(b is None for b in ring())
     kept.append(store_pages(3))
     store.poll()
     for s, st in kept:

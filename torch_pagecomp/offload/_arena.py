@@ -351,6 +351,7 @@ class VirtualArena:
         if self.free:
             mem, last_read = self.free.pop()
             _wait(stream, last_read)  # restores of its previous slices read it first
+            mem.last_use = last_read  # still theirs if it goes back to the free list unused
         else:
             mem = HostMemory(self.chunk, pin=self.pin)
             self.pins += 1
@@ -486,8 +487,9 @@ class VirtualArena:
             return
         end = self.frontier // self.chunk
         lead = [k for k in self.backed if k > end and k not in self.live]
-        for k in lead:
-            self.free.append((self.backed.pop(k), None))
+        for k in lead:  # unused since backed: its earlier slices' restores are the last reads
+            mem = self.backed.pop(k)
+            self.free.append((mem, mem.last_use))
         if lead:  # the limit never claims a chunk that is not backed
             self.limit = min(self.limit, (end + (end in self.backed)) * self.chunk)
 

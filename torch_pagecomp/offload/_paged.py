@@ -19,8 +19,6 @@ decoder then expands them. A partial last page (``nbytes % P``) travels as a pla
 
 from __future__ import annotations
 
-import collections
-
 import torch
 
 from .. import _ops, cpu_codec
@@ -44,6 +42,17 @@ from ._streams import current_stream, on_stream
 SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
 # slice costs the host ~5 kernel launches both ways, so most saved tensors are one slice
 SCRATCH_SLICES = 2  # slices compressed ahead of the pack stream (scratch held at once)
+
+
+class _PayloadSlot:
+    """One buffer of :class:`PagedStore`'s payload ring and the pack event of the slice that
+    used it last (a new slice's compress waits for it before writing there)."""
+
+    __slots__ = ("buf", "packed")
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+        self.packed = None
 
 
 class SliceNotStored(RuntimeError):
@@ -169,11 +178,10 @@ class PagedStore:
             self.arena = VirtualArena(device, chunk_bytes)
         # a slice is at most a chunk long: it lies in one chunk or two (the pack kernel's rule)
         self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
-        self._packed: collections.deque = collections.deque()  # pack events of recent slices
-        # the fixed-stride payloads of the last SCRATCH_SLICES slices, reused in turn
-        # (:meth:`_payload`)
-        self._payloads: list[torch.Tensor | None] = [None] * SCRATCH_SLICES
-        self._next_payload = 0
+        # the fixed-stride payloads of the last SCRATCH_SLICES slices, taken in turn, each with
+        # the pack that last read it (:meth:`_payload`)
+        self._slots = [_PayloadSlot() for _ in range(SCRATCH_SLICES)]
+        self._turn = 0
         self.failures = None  # pages that failed to decode, counted on the device
         self._statuses: dict = {}  # restore stream -> decode statuses not counted yet
         if device.type == "cuda":
@@ -234,9 +242,10 @@ class PagedStore:
     def _store_slice(self, src, first: int, n: int, element_size: int,
                      float_format: str | None) -> _Slice:
         p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
-        if len(self._packed) >= SCRATCH_SLICES:  # bound the scratch in flight: the payload
-            _wait(cs, self._packed.popleft())  # reused next was packed by then
-        payload = self._payload(n, src.device)
+        slot = self._slots[self._turn]
+        self._turn = (self._turn + 1) % SCRATCH_SLICES
+        _wait(cs, slot.packed)  # bound the scratch in flight: its payload was packed by then
+        payload = self._payload(slot, n, src.device)
         # the metadata the restore needs (:func:`_meta_bytes`; with ``host_meta``, copied to
         # the host after the pack and dropped from the device once the slice is placed)
         meta = torch.empty(_meta_bytes(n, self.checksum), dtype=torch.uint8, device=src.device)
@@ -280,7 +289,7 @@ class PagedStore:
         stored = mark(ps)
         if ps is not None:
             meta.record_stream(ps)  # made on the compress stream, read here
-        self._packed.append(stored)
+        slot.packed = stored
         sl.host_desc, sl.stored, sl.host_meta = k, stored, host_meta
         arena.add(sl, n * p)
         return sl
@@ -314,10 +323,10 @@ class PagedStore:
             _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds),
                       float_format)
 
-    def _payload(self, n: int, device: torch.device) -> torch.Tensor:
-        """``uint8 [n, P]`` for a slice's compressed pages at a fixed stride: the next of the
-        ring of ``SCRATCH_SLICES`` buffers, which the slice ``SCRATCH_SLICES`` before used and
-        whose pack the compress stream has waited for. A payload of the caching allocator per
+    def _payload(self, slot: _PayloadSlot, n: int, device: torch.device) -> torch.Tensor:
+        """``uint8 [n, P]`` for a slice's compressed pages at a fixed stride: ``slot``'s
+        buffer (the ring of ``SCRATCH_SLICES``), which the slice ``SCRATCH_SLICES`` before used
+        and whose pack the compress stream has waited for. A payload of the caching allocator per
         slice, read on the pack stream (``record_stream``), cost the hooks 3-6 ms of host
         time a step under FSDP2 (sampled, ``bench/results/h200x2_91fcaaa_session49``).
         A buffer is made again where a slice needs more than it holds or less than half of
@@ -325,11 +334,9 @@ class PagedStore:
         through the whole forward, its GPU peak 0.07-0.08 GiB higher than with a payload per
         slice, above a plain copy's under FSDP2 (same folder; this rule is not measured there
         yet)."""
-        i, p = self._next_payload, self.page_size
-        self._next_payload = (i + 1) % SCRATCH_SLICES
-        buf = self._payloads[i]
+        p, buf = self.page_size, slot.buf
         if buf is None or not n * p <= buf.numel() <= 2 * n * p:
-            buf = self._payloads[i] = torch.empty(n * p, dtype=torch.uint8, device=device)
+            buf = slot.buf = torch.empty(n * p, dtype=torch.uint8, device=device)
             if self.pack_stream is not None:  # freed (replaced, released) after its packs
                 buf.record_stream(self.pack_stream)
         return buf[:n * p].view(n, p)
@@ -338,7 +345,8 @@ class PagedStore:
         """Let the payload ring go (:meth:`_payload`; made again by the next slice): the
         hooks call this as a backward starts, which stores little, so that the ring's GPU
         memory is not held through it. Freed after the packs queued so far."""
-        self._payloads = [None] * SCRATCH_SLICES
+        for slot in self._slots:
+            slot.buf = None
 
     def _scratch(self, src: torch.Tensor, element_size: int):
         """The GPU compress kernel's working memory for ``element_size`` (kept for the store's
@@ -439,9 +447,8 @@ class PagedStore:
             mem.release()
         self.arena.backed.clear()
         self.arena.trim()
-        self._packed.clear()
+        self._slots = [_PayloadSlot() for _ in range(SCRATCH_SLICES)]
         self._scratches.clear()
-        self.release_payloads()
 
     def _count_failures(self, status: torch.Tensor, stream) -> None:
         if stream is None:  # the CPU: known at once
