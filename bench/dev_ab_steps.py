@@ -34,7 +34,9 @@ own: removed);
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
 storage stored once its batch closes, as before the hooks held the last groups);
 ``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
-always true, as before session 44) instead of staying held. ``memory_nowait``: the host
+always true, as before session 44) instead of staying held; ``memory_lazy``: the other way, a
+due compressed store stays held whether the link keeps up or not, until the in-flight bound
+stores the oldest. ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
 that wait is host time. ``speed``: ``prefer="speed"``,
@@ -63,7 +65,8 @@ import time
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
         "memory_restore256", "memory_batch128", "memory_both", "memory_placed1", "memory_shrink1",
         "memory_alloc",
-        "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_nowait", "speed",
+        "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
+        "speed",
         "speed_copy_only")
 
 
@@ -101,11 +104,23 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         return [(VirtualArena, "_room", VirtualArena._unbacked)]
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
         return [(Batcher, "_starts_now", lambda self, batch: True)]
+    if arm == "memory_lazy":  # a due compressed store stays held until the in-flight bound
+        # stores the oldest (as a plain copy's sources stay while the link is behind)
+        return [(Batcher, "_starts_now", _lazy_starts_now)]
     if arm == "memory_alloc":  # a payload of the caching allocator per slice (before 49)
         return [(PagedStore, "_payload", _fresh_payload)]
     if arm == "memory_group":  # batched restores through restore_group
         return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
     return []
+
+
+def _lazy_starts_now(self, batch) -> bool:
+    """``Batcher._starts_now`` of the ``memory_lazy`` arm: a compressed batch on a GPU never
+    starts by itself; ``ActivationOffloader._bound`` stores the oldest past the in-flight
+    bound."""
+    dev = batch.key[0]
+    copy = batch.alone is not None and batch.alone[0] is None
+    return batch.ref() is None or dev.type != "cuda" or copy
 
 
 def _fresh_payload(store, slot, n: int, device):
