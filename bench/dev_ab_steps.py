@@ -34,14 +34,13 @@ own: removed);
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
 storage stored once its batch closes, as before the hooks held the last groups);
 ``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
-always true, as before session 44) instead of staying held; ``memory_eager``: a due store
-goes as soon as the link takes it, also while the GPU waits for the host (as before session
-50, ``_batch.Batcher._holds_idle`` always false); ``memory_lazy``: a due compressed store
-stays held whatever the GPU and the link do, until the in-flight bound stores the oldest.
-``memory_nowait``: the host arena pins another chunk where the slices in flight could need
-it, instead of waiting for the oldest to be placed (``VirtualArena._room``): under FSDP2 the
-host bounds the step, and that wait is host time. ``speed``: ``prefer="speed"``, its tuner's
-trials and check run first in consecutive steps of its own (a pass's period is
+always true, as before session 44) instead of staying held; ``memory_lazy``: the other way, a
+due compressed store stays held whether the link keeps up or not, until the in-flight bound
+stores the oldest. ``memory_nowait``: the host
+arena pins another chunk where the slices in flight could need it, instead of waiting for
+the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
+that wait is host time. ``speed``: ``prefer="speed"``,
+its tuner's trials and check run first in consecutive steps of its own (a pass's period is
 from its start to the next one's: interleaved, it would hold the other arms' steps), so it is
 measured at the choice it settled on, beside the other arms on the same host; its decisions
 are printed. ``speed_copy_only``: ``speed``'s code path copying from its first pass
@@ -66,8 +65,7 @@ import time
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
         "memory_restore256", "memory_batch128", "memory_both", "memory_placed1", "memory_shrink1",
         "memory_alloc",
-        "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_eager", "memory_lazy",
-        "memory_nowait",
+        "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "speed",
         "speed_copy_only")
 
@@ -105,12 +103,9 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm == "memory_nowait":  # the arena pins a chunk rather than wait for a pack
         return [(VirtualArena, "_room", VirtualArena._unbacked)]
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
-        return [(Batcher, "_starts_now", lambda self, batch: True),
-                (Batcher, "_holds_idle", lambda self, batch, ps, group: False)]
-    if arm == "memory_eager":  # a due store goes once the link takes it, as before session 50
-        return [(Batcher, "_holds_idle", lambda self, batch, ps, group: False)]
+        return [(Batcher, "_starts_now", lambda self, batch: True)]
     if arm == "memory_lazy":  # a due compressed store stays held until the in-flight bound
-        # stores the oldest, whether the GPU waits for the host or not
+        # stores the oldest (as a plain copy's sources stay while the link is behind)
         return [(Batcher, "_starts_now", _lazy_starts_now)]
     if arm == "memory_alloc":  # a payload of the caching allocator per slice (before 49)
         return [(PagedStore, "_payload", _fresh_payload)]

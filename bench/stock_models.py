@@ -45,8 +45,7 @@ On the CPU (CI) ``--tiny`` runs every model and variant at toy sizes, FSDP2 on g
 ``STOCK_HOLD_GROUPS=N`` (a probe) sets the groups the hooks hold for the backward (the package's
 ``prefetch + 1``; 0: none, 1: the current group); each row records ``hold_groups``.
 ``STOCK_WAIT=1`` (a probe) makes a due compressed store wait for the link, as before 7683f39,
-instead of staying held (``_batch.Batcher._starts_now``, and never held while the GPU waits for
-the host, ``_holds_idle``); each row records ``due_stores_wait``.
+instead of staying held (``_batch.Batcher._starts_now``); each row records ``due_stores_wait``.
 """
 
 from __future__ import annotations
@@ -419,7 +418,6 @@ def run(name: str, variant: str, steps: int, warmup: int, device: str, fsdp: boo
             from torch_pagecomp.offload._batch import Batcher
 
             Batcher._starts_now = lambda self, batch: True  # this child's process only
-            Batcher._holds_idle = lambda self, batch, ps, group: False
 
     phases: list[list[float]] = []  # per timed step, GiB: see ``row["phase_gib"]``
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import warnings
-import weakref
 
 import pytest
 import torch
@@ -381,8 +380,8 @@ def test_gpu_deferred_stores_keep_gradients_identical(gen, monkeypatch):
 
 def test_the_ab_probe_arms_set_the_window_and_put_it_back():
     """``bench.dev_ab_steps``' arms ``*_nohold`` (nothing held) change the window, and
-    ``memory_wait`` (due stores wait for the link) and ``memory_eager`` (never held while the
-    GPU waits for the host) the deferral, while their steps run, and only then."""
+    ``memory_wait`` (due stores wait for the link) the deferral, while their steps run, and
+    only then."""
     from bench.dev_ab_steps import _arm_patch
     from torch_pagecomp.offload._batch import Batcher
 
@@ -392,13 +391,10 @@ def test_the_ab_probe_arms_set_the_window_and_put_it_back():
         with _arm_patch(arm):
             assert off._batcher.window == 0
         assert off._batcher.window == 2
-    real, idle = Batcher._starts_now, Batcher._holds_idle
+    real = Batcher._starts_now
     with _arm_patch("memory_wait"):
-        assert Batcher._starts_now is not real and Batcher._holds_idle is not idle
-    assert Batcher._starts_now is real and Batcher._holds_idle is idle
-    with _arm_patch("memory_eager"):
-        assert Batcher._starts_now is real and Batcher._holds_idle is not idle
-    assert Batcher._holds_idle is idle
+        assert Batcher._starts_now is not real
+    assert Batcher._starts_now is real
 
 
 def test_the_ab_probe_constant_arms_set_their_constants_and_put_them_back():
@@ -445,7 +441,6 @@ def test_the_stock_bench_probe_makes_due_stores_wait(monkeypatch):
     assert row["due_stores_wait"] is False
     monkeypatch.setenv("STOCK_WAIT", "1")
     monkeypatch.setattr(Batcher, "_starts_now", real)  # put back after the test
-    monkeypatch.setattr(Batcher, "_holds_idle", Batcher._holds_idle)
     row = stock_models.run("encoder-tiny", "memory", 1, 1, "cpu", False)
     assert row["due_stores_wait"] is True and Batcher._starts_now is not real
     assert row["offloaded_gib"] > 0
@@ -695,105 +690,3 @@ def test_the_ab_probe_counts_host_peaks_of_the_timed_rounds_only(monkeypatch):
     ab.measure("encoder-tiny", ["none", "uncompressed"], 1, 1, device="cpu", rows=rows)
     unc = {r["variant"]: r for r in rows}["uncompressed"]
     assert 0 < unc["host_gib"] * 2**30 < seen[0] / 4, (unc["host_gib"] * 2**30, seen)
-
-
-def _gpu_setup(gen, **kw):
-    """A bf16 MLP on CUDA, an input, its gradients without offload, and a compressed
-    ``prefer="memory"`` offloader (a group per layer) after one step (classes decided)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = _model(gen, layers=8, device="cuda", dtype=torch.bfloat16)
-    x = _data(gen, 512, WIDTH, "cuda", torch.bfloat16)
-    ref = _step(model, x)
-    off = ActivationOffloader(prefer="memory", min_offload_bytes=P, group_bytes=512 * WIDTH * 2,
-                              min_ratio=0.0, sample_tensors=1, **kw)
-    _same(ref, _step(model, x, off))
-    model.zero_grad(set_to_none=True)
-    return model, x, ref, off
-
-
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("bound", [None, 3 << 20])
-def test_gpu_due_stores_stay_held_while_the_gpu_waits_for_the_host(gen, monkeypatch, bound):
-    """The GPU caught up with the host (``gpu_waits``) and a plain copy still moving the due
-    bytes (``copy_rate`` slow): the due batches stay held (``held_idle``) and the backward
-    reads them in place, with identical gradients; with a small in-flight bound the oldest
-    are stored past it, and only they cross the link."""
-    from torch_pagecomp.offload import _batch
-
-    kw = {} if bound is None else {"max_in_flight_bytes": bound}
-    model, x, ref, off = _gpu_setup(gen, **kw)
-    monkeypatch.setattr(_batch.Batcher, "gpu_waits", lambda self, stream: True)
-    monkeypatch.setattr(_batch, "copy_rate", lambda index: 1.0)  # a byte a second
-    before = off.stats()
-    _same(ref, _step(model, x, off))
-    torch.cuda.synchronize()
-    st = off.stats()
-    assert st["held_idle"] > 0, st
-    stored = st["offloaded_bytes"] - before["offloaded_bytes"]
-    if bound is None:  # all of it within the bound: nothing crossed the link
-        assert stored == 0 and st.get("served_held", 0) > before.get("served_held", 0), st
-    else:
-        assert stored > 0, st
-    assert off.pending()["entries"] == 0 and not _waiting(off)
-    assert st.get("offload_failed", 0) == 0 and off._last_error is None
-
-
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("why", ["gpu_behind", "copy_keeps_up"])
-def test_gpu_due_stores_go_when_the_gpu_is_behind_or_a_copy_would_keep_up(gen, monkeypatch,
-                                                                         why):
-    """Either condition false, the due batches are stored as before: nothing held idle."""
-    from torch_pagecomp.offload import _batch
-
-    model, x, ref, off = _gpu_setup(gen)
-    if why == "gpu_behind":
-        monkeypatch.setattr(_batch.Batcher, "gpu_waits", lambda self, stream: False)
-        monkeypatch.setattr(_batch, "copy_rate", lambda index: 1.0)
-    else:
-        monkeypatch.setattr(_batch.Batcher, "gpu_waits", lambda self, stream: True)
-        monkeypatch.setattr(_batch, "copy_rate", lambda index: 1e30)
-    before = off.stats()["offloaded_bytes"]
-    _same(ref, _step(model, x, off))
-    st = off.stats()
-    assert st.get("held_idle", 0) == 0 and st["offloaded_bytes"] > before, st
-
-
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_waits_follows_the_compute_stream_and_copy_rate_is_measured(gen):
-    """``Batcher.gpu_waits``: false while the compute stream has work queued before the
-    latest group end, true once it has run it; ``copy_rate``: a plausible device-to-host rate
-    (between 0.1 and 10,000 GB/s)."""
-    from torch_pagecomp.offload._batch import copy_rate
-
-    model, x, ref, off = _gpu_setup(gen)
-    b = off._batcher
-    stream = torch.cuda.current_stream()
-    assert stream in b._group_ends  # the stream that saved GPU storages
-    torch.cuda._sleep(200_000_000)  # ~0.1 s or more of GPU time queued
-    b._mark_group_end()
-    assert not b.gpu_waits(stream)
-    torch.cuda.synchronize()
-    assert b.gpu_waits(stream)
-    assert 1e8 < copy_rate(torch.cuda.current_device()) < 1e13
-
-
-def test_copy_backlog_is_what_a_copy_has_not_moved(monkeypatch):
-    """``Batcher.copy_backlog``: the bytes fallen due this pass less what the link moves
-    from the first (host time), never below zero, zero before anything fell due."""
-    from torch_pagecomp.offload import _batch
-    from torch_pagecomp.offload._entry import _Pass
-
-    off = _off()
-    b = off._batcher
-    dev = torch.device("cuda", 0)
-    assert b.copy_backlog(dev) == 0.0
-    monkeypatch.setattr(_batch, "copy_rate", lambda index: 1e9)  # 1 GB/s
-    ps = _Pass()
-    now = [100.0]
-    monkeypatch.setattr(_batch.time, "perf_counter", lambda: now[0])
-    b._flow = [weakref.ref(ps), 100.0, 3 * 10**9]
-    assert b.copy_backlog(dev) == 3e9
-    now[0] = 101.5
-    assert abs(b.copy_backlog(dev) - 1.5e9) < 1
-    now[0] = 110.0
-    assert b.copy_backlog(dev) == 0.0

@@ -32,20 +32,6 @@ compressed bytes up against 1.00 GiB of plain ones, ``bench/results/h200_7683f39
 The GPU bytes held stay bounded by ``max_in_flight_bytes``: past it the oldest batch is
 stored, waiting if need be.
 
-**Not stored while the step waits for the host.** Where the link keeps up because the host is
-slow, each compressed store and its restore cost the host more than a plain copy's (on an
-H200 host about 240 and 230 us against 26 and 20, timed), so storing every due batch as soon
-as it can go made the host slower still: ResNet-50 on one H200 ran in two modes, 75 ms with
-due stores held because the link was behind, 100-115 ms with everything stored and restored
-(``bench/results/h200_81c169a_session46``). So a due batch also stays held while the GPU has
-run everything issued up to the latest group end (:meth:`Batcher.gpu_waits`: the step waits
-for the host, and the host is what a store would cost), until the in-flight bound stores the
-oldest or the GPU falls behind again. Where the GPU is behind the host (a step bound by its
-compute or its link), nothing changes. Held so, the GPU keeps at most what a plain copy would
-still be copying (:meth:`Batcher.copy_backlog`): where a plain copy keeps up with the forward
-(BERT-large on one H200: a held batch is read in place by the backward, but a copy's source is
-freed once copied), holding raised the GPU peak above a plain copy's.
-
 **Stored together.** A compressed offload costs the host about the same whatever its size:
 the store's two launches and events each way, its allocations, and the hooks' book-keeping of
 an entry (stash, ledger, group, restore). One by one, that was 110-180 us a tensor of 1-16 MiB
@@ -79,8 +65,6 @@ of an undecided class, a partial last page, a large one, a plain copy) are a bat
 from __future__ import annotations
 
 import collections
-import functools
-import time
 import weakref
 
 import torch
@@ -99,14 +83,13 @@ class Batch:
     size)``, what the members share. ``alone``: ``(codec, class)`` of a storage stored alone
     (``codec`` None: a plain copy), else None."""
 
-    __slots__ = ("key", "ref", "nbytes", "members", "alone", "group", "deferred", "idle")
+    __slots__ = ("key", "ref", "nbytes", "members", "alone", "group", "deferred")
 
     def __init__(self, key: tuple, entry: _Entry, alone: tuple | None = None):
         self.key, self.ref, self.alone = key, weakref.ref(entry), alone
         self.group = (weakref.ref(entry.pass_), entry.group)
         self.nbytes = self.members = 0
         self.deferred = False  # its store waited for the link at least once
-        self.idle = False  # ... or stayed held while the GPU waited for the host
 
     def add(self, entry: _Entry, src: torch.Tensor) -> int:
         """Append ``src`` to ``entry``'s parts; returns its byte offset in the batch."""
@@ -145,13 +128,7 @@ class Batcher:
         self.members = 0  # saved storages in batches not stored (held where they are)
         self.nbytes = 0  # their bytes on a GPU
         self.due: tuple | None = None  # (pass, group): batches before it are due a store
-        self.behind = False  # a due batch waits (tried again at the next add)
-        # compute stream -> an event recorded at the latest group end (:meth:`gpu_waits`;
-        # None until the first): the streams that saved GPU storages here
-        self._group_ends: dict = {}
-        # this pass's batches as they fell due: [pass, host time of the first, bytes so far]
-        # (:meth:`copy_backlog`)
-        self._flow: list = [None, 0.0, 0]
+        self.behind = False  # a due batch waits for the link (tried again at the next add)
 
     @property
     def window(self) -> int:
@@ -199,7 +176,6 @@ class Batcher:
         base = batch.add(entry, src)
         if stream is not None:
             self.nbytes += src.numel()
-            self._group_ends.setdefault(stream, None)
         self.members += 1
         if self.window:
             off.counters["held"] += 1
@@ -242,9 +218,7 @@ class Batcher:
         ps.new_group()
         if not _in_backward():  # (a recompute's group in a backward stores nothing it reads)
             self.due = (weakref.ref(ps), len(ps.groups) - self.window)
-            self._fell_due(ps, len(ps.groups) - self.window - 1)
             self.store_due()
-            self._mark_group_end()
 
     def end_pass(self) -> None:
         """At the end of a pass: close the open batches (stored now without a window)."""
@@ -271,69 +245,14 @@ class Batcher:
         # the oldest due batch, found again after each store: a store's in-flight bound
         # (``_bound``) may have stored the next one already
         while (batch := next((b for b in self.held if b.before(ps, group)), None)) is not None:
-            idle = self._holds_idle(batch, ps, group)
-            if idle or not self._starts_now(batch):
+            if not self._starts_now(batch):
                 self.behind = True
-                flag, counter = ("idle", "held_idle") if idle else ("deferred", "deferred")
                 for later in self.held:
-                    if later.before(ps, group) and not getattr(later, flag):
-                        setattr(later, flag, True)
-                        off.counters[counter] += later.members
+                    if later.before(ps, group) and not later.deferred:
+                        later.deferred = True
+                        off.counters["deferred"] += later.members
                 return
             self.flush(batch)
-
-    def _holds_idle(self, batch: Batch, ps, group: int) -> bool:
-        """Whether due ``batch`` (the oldest) and the due batches after it stay held because
-        the step waits for the host (:meth:`gpu_waits`), within the bytes a plain copy would
-        not have moved yet (:meth:`copy_backlog`): compressed batches on a GPU."""
-        dev, stream = batch.key[0], batch.key[1]
-        copy = batch.alone is not None and batch.alone[0] is None
-        if batch.ref() is None or dev.type != "cuda" or copy or not self.gpu_waits(stream):
-            return False
-        due = sum(b.nbytes for b in self.held if b.before(ps, group))
-        return due <= self.copy_backlog(dev)
-
-    def copy_backlog(self, device: torch.device) -> float:
-        """Bytes of this pass's due batches that a plain copy to page-locked memory would
-        still be moving now: those due so far, less what the link moves (at
-        :func:`copy_rate`) from the host time the first fell due. On a host the step waits
-        for, host time is the GPU's, and the batches fall due as they would be copied."""
-        ref, t0, nbytes = self._flow
-        if ref is None or nbytes == 0:
-            return 0.0
-        return max(0.0, nbytes - copy_rate(device.index) * (time.perf_counter() - t0))
-
-    def _fell_due(self, ps, group: int) -> None:
-        """Count the bytes of ``ps``'s group ``group``, due now (:meth:`copy_backlog`)."""
-        if group < 0 or _capturing() or torch.compiler.is_compiling():
-            return
-        gpu = [b for b in self.held
-               if b.group[1] == group and b.group[0]() is ps and b.key[1] is not None]
-        if not gpu:
-            return
-        if self._flow[0] is None or self._flow[0]() is not ps:
-            # the link's rate measured (once) before this pass's first store uses it
-            copy_rate(gpu[0].key[0].index)
-            self._flow = [weakref.ref(ps), time.perf_counter(), 0]
-        self._flow[2] += sum(b.nbytes for b in gpu)
-
-    def gpu_waits(self, stream) -> bool:
-        """Whether the GPU has run everything issued on compute stream ``stream`` up to the
-        latest group end (an event query: nothing waits). True while the host is the bound,
-        within a group's work; false while the GPU is further behind (its compute, or the
-        in-flight bound's waits)."""
-        done = self._group_ends.get(stream)
-        return done is not None and done.query()
-
-    def _mark_group_end(self) -> None:
-        """Record a group's end on every compute stream that saved a GPU storage here (not
-        while a CUDA graph is captured, nor traced), for :meth:`gpu_waits`."""
-        if _capturing() or torch.compiler.is_compiling():
-            return
-        for stream, event in self._group_ends.items():
-            if event is None:
-                event = self._group_ends[stream] = torch.cuda.Event()
-            event.record(stream)
 
     def _starts_now(self, batch: Batch) -> bool:
         """Whether storing ``batch`` starts without the host waiting (anything but a
@@ -391,28 +310,3 @@ class Batcher:
             off.counters["kept_host_full"] += batch.members
         elif batch.alone is None:
             off.counters["batched"] += batch.members
-
-
-@functools.cache
-def copy_rate(index: int | None) -> float:
-    """Bytes a second of a copy from CUDA device ``index`` (None: the current one) to
-    page-locked host memory: the fastest of three 16 MiB copies on a stream of its own,
-    measured once per process, as the first GPU batches fall due in a forward, before they
-    are stored (the host waits for the copies, about a millisecond). The buffers stay in
-    torch's caching allocators."""
-    nbytes = 16 << 20
-    device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
-    stream = torch.cuda.Stream(device)
-    best = float("inf")
-    with torch.cuda.stream(stream):
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        for _ in range(3):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            dst.copy_(src, non_blocking=True)
-            end.record(stream)
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-    return nbytes / max(best, 1e-6)

@@ -290,18 +290,15 @@ class ActivationOffloader:
                        f"(latest: {self._last_error})")
         kept = {k[5:]: v for k, v in delta.items()
                 if k.startswith("kept_") and k not in ("kept_cpu", "kept_small")}
-        deferred, idle = delta["deferred"], delta["held_idle"]
-        if delta["held"] > deferred + idle:
-            why.append(f"{delta['held'] - deferred - idle} were held in place, not stored: "
-                       f"they are in the last prefetch + 1 = {self.prefetch + 1} groups, which the "
+        deferred = delta["deferred"]
+        if delta["held"] > deferred:
+            why.append(f"{delta['held'] - deferred} were held in place, not stored: they are "
+                       f"in the last prefetch + 1 = {self.prefetch + 1} groups, which the "
                        "backward would bring back at its start (start a group per block with "
                        "next_group(), as offload_module does, or pass a smaller group_bytes)")
         if deferred:
             why.append(f"{deferred} were held in place because the link was still busy with "
                        "earlier stores when they were due")
-        if idle:
-            why.append(f"{idle} were held in place because the GPU was waiting for the host "
-                       "when they were due (within max_in_flight_bytes)")
         if kept:
             why.append(f"others were kept: {kept}")
         warnings.warn(
@@ -707,9 +704,7 @@ class ActivationOffloader:
         offloaded; those of the last ``prefetch + 1`` groups are never stored), and
         ``served_held`` the unpacks that read one in place; ``holding`` (of :meth:`pending`)
         those held now. ``deferred``: held storages whose compressed store was put off at
-        least once because the link was behind the forward (``_batch.Batcher.store_due``);
-        ``held_idle``: those whose store was put off because the GPU waited for the host (a
-        store would have cost the step host time; ``_batch``).
+        least once because the link was behind the forward (``_batch.Batcher.store_due``).
         ``entries`` and ``stash`` count stored entries, a batch once."""
         out = dict(self.counters)
         for key in ("packed", "offloaded_bytes"):  # read by every user: there from the start
