@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import time
 
@@ -193,6 +194,10 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
 
     cuda = torch.cuda.is_available() if device is None else device == "cuda"
     where = "cuda" if cuda else "cpu"
+    # what an earlier model of this process left allocated would sit under every arm's peak
+    # (each arm's offloaders are closed at the end of :func:`measure`, the rest collected)
+    gc.collect()
+    left = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     model, x, blocks = build(name, where)
     if fsdp:
         shard(model, blocks, where)
@@ -287,7 +292,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     how = (f"blocks of {block} steps per arm (the first of each block apart)" if block > 1
            else "interleaved steps")
     lines = [f"## {name}{' (FSDP2)' if fsdp else ''}: {rounds} rounds of {how}, after {warmup} "
-             "warm-up rounds",
+             f"warm-up rounds (GPU memory allocated before the model: {left:.2f} GiB)",
              "| arm | step ms (median) | step ms min-max | host issue ms (median) | "
              f"vs {arms[0]} | first step of a block ms (median) | peak GPU GiB (max) |",
              "|---|---|---|---|---|---|---|"]
@@ -341,6 +346,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         lines.append(f"### Where the host's timed steps went (a sample every {sample_ms} ms)")
         for arm in arms:
             lines += sampler.table(arm, rounds * block)
+    for off in offs.values():  # their GPU scratch and page-locked memory, not the next model's
+        off.close()
     return lines
 
 

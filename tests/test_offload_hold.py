@@ -464,6 +464,26 @@ def test_the_ab_probe_runs_speed_to_its_choice_first():
     assert any(ln.startswith("| speed_copy_only |") for ln in lines), text
 
 
+def test_the_ab_probe_closes_its_offloaders(monkeypatch):
+    """``dev_ab_steps.measure`` closes every arm's offloader once its tables are made (their
+    GPU scratch and page-locked memory would otherwise sit under the next model's peaks in
+    the same process), and says what was allocated before the model."""
+    from bench.dev_ab_steps import measure
+
+    closed = []
+    real = ActivationOffloader.close
+
+    def close(self):
+        closed.append(self)
+        real(self)
+
+    monkeypatch.setattr(ActivationOffloader, "close", close)
+    lines = measure("encoder-tiny", ["uncompressed", "memory", "none"], 1, 1, device="cpu")
+    assert "GPU memory allocated before the model" in lines[0], lines[0]
+    timed = [c for c in closed if c.counters["packed"] > 0]
+    assert len(timed) == 2 and all(c.host_bytes() == 0 for c in timed), closed
+
+
 def _slow_optimizer_steps(monkeypatch) -> None:
     """Each SGD step sleeps 20 ms (the GIL released): a 1 ms stall watch then fires inside
     every step, whatever the host's speed (a tiny CPU step can end before the watch's thread
