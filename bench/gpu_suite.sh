@@ -44,6 +44,9 @@
 #                                      # (HOLD_MODELS, HOLD_ARMS, HOLD_ROUNDS, HOLD_WORKERS; #21)
 #   bash bench/gpu_suite.sh hooktiming # probe: the hooks' host time per call (HOOK_MODELS,
 #                                      # HOOK_VARIANTS; #21)
+#   bash bench/gpu_suite.sh peakowners # probe: what is live at the step's GPU peak, by the
+#                                      # package's function that allocated it (PEAK_MODELS,
+#                                      # PEAK_VARIANTS; #21)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
 #   bash bench/gpu_suite.sh retune     # probe: prefer="speed"'s retunes step by step, a fixed wait
 #                                      # against the doubling one (RETUNE_MODELS, RETUNE_N,
@@ -245,6 +248,12 @@ open(f"{out}/ab.md", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
     rm -rf "$OUT/ab_parts"
+    ;;
+peakowners)
+    header peakowners | tee "$OUT/peak_owners.txt"
+    timeout 300 python3 -m bench.dev_peak_owners --models "${PEAK_MODELS:-bert-1024}" \
+        --variants "${PEAK_VARIANTS:-uncompressed,memory}" 2>&1 | tee -a "$OUT/peak_owners.txt" \
+        | tail -n 30
     ;;
 hooktiming)
     # the hooks' host time per call, function by function (bench/dev_hook_timing.py; #21, #26)
