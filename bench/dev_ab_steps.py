@@ -297,15 +297,16 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     lines = [f"## {name}{' (FSDP2)' if fsdp else ''}: {rounds} rounds of {how}, after {warmup} "
              f"warm-up rounds (GPU memory allocated before the model: {left:.2f} GiB)",
              "| arm | step ms (median) | step ms min-max | host issue ms (median) | "
-             f"vs {arms[0]} | first step of a block ms (median) | peak GPU GiB (max) |",
-             "|---|---|---|---|---|---|---|"]
+             f"vs {arms[0]} | first step of a block ms (median) | peak GPU GiB (max) | "
+             f"vs {arms[0]} round by round: median (quartiles) |",
+             "|---|---|---|---|---|---|---|---|"]
     for arm in arms:
         t, h, first, peaks = res[arm]
         med = statistics.median(t)
         lines.append(f"| {arm} | {med:.1f} | {min(t):.1f}-{max(t):.1f} | "
                      f"{statistics.median(h):.1f} | {med / base:.2f}x | "
                      f"{statistics.median(first) if first else float('nan'):.1f} | "
-                     f"{max(peaks):.2f} |")
+                     f"{max(peaks):.2f} | {paired(t, res[arms[0]][0])} |")
     for off in offs.values():
         off.synchronize()
     if "speed" in offs:
@@ -349,12 +350,30 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         lines.append(f"### Where the host's timed steps went (a sample every {sample_ms} ms)")
         for arm in arms:
             lines += sampler.table(arm, rounds * block)
-    for off in offs.values():  # their GPU scratch and page-locked memory, not the next model's
-        off.close()
+    # their GPU scratch and page-locked memory, not the next model's; the collection first: a
+    # stall dump's frames can keep the last step's graph (and its saved tensors) alive
+    gc.collect()
+    for arm, off in offs.items():
+        try:
+            off.close()
+        except RuntimeError as exc:  # its memory goes when it is collected instead
+            lines.append(f"({arm}'s offloader not closed: {exc})")
     return lines
 
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed")  # arms with a JSON row
+
+
+def paired(steps: list[float], base: list[float]) -> str:
+    """The step of each round as a multiple of the base arm's in the same round: median and
+    quartiles. A round's two steps share the host's speed of the moment, so their ratio's
+    spread shows what a difference of medians can resolve (one H200: on BERT-large two arms
+    storing the same way had medians 11% apart, ``bench/results/h200_0a6fe49_session50``)."""
+    r = [a / b for a, b in zip(steps, base)]
+    if len(r) < 4:
+        return f"{statistics.median(r):.2f}x"
+    q = statistics.quantiles(r, n=4)
+    return f"{statistics.median(r):.2f}x ({q[0]:.2f}-{q[2]:.2f})"
 
 
 def _chunks(off) -> tuple[int, int]:

@@ -710,3 +710,16 @@ def test_the_ab_probe_counts_host_peaks_of_the_timed_rounds_only(monkeypatch):
     ab.measure("encoder-tiny", ["none", "uncompressed"], 1, 1, device="cpu", rows=rows)
     unc = {r["variant"]: r for r in rows}["uncompressed"]
     assert 0 < unc["host_gib"] * 2**30 < seen[0] / 4, (unc["host_gib"] * 2**30, seen)
+
+
+def test_the_ab_probe_pairs_each_round_with_the_base_arms():
+    """``dev_ab_steps.paired``: each round's step over the base arm's step of that round
+    (not the medians' ratio), median and quartiles; a host that slows both arms alike in a
+    round leaves their ratios alone."""
+    from bench.dev_ab_steps import paired
+
+    base = [100.0, 200.0, 100.0, 300.0, 100.0]
+    assert paired([110.0, 220.0, 110.0, 330.0, 110.0], base) == "1.10x (1.10-1.10)"
+    assert paired([90.0, 180.0], base[:2]) == "0.90x"
+    got = paired([100.0, 240.0, 90.0, 300.0, 120.0], base)
+    assert got.startswith("1.00x (") and got != "1.00x (1.00-1.00)", got
