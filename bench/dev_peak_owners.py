@@ -17,7 +17,6 @@ scratch) are live there was not measured.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 
@@ -110,11 +109,10 @@ def table(name: str, results: dict[str, tuple[float, dict]]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="bert-1024")
-    ap.add_argument("--variants", default="uncompressed,memory")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=4)
+    from bench.dev_hook_timing import stock_parser
+
+    ap = stock_parser("uncompressed,memory")  # --models, --variants, --steps, --warmup
+    ap.set_defaults(models="bert-1024", steps=3)
     a = ap.parse_args()
     for name in a.models.split(","):
         results = {v: measure(name, v, a.steps, a.warmup) for v in a.variants.split(",")}
