@@ -108,23 +108,14 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         return [(VirtualArena, "_room", VirtualArena._unbacked)]
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
         return [(Batcher, "_starts_now", lambda self, batch: True)]
-    if arm == "memory_lazy":  # a due compressed store stays held until the in-flight bound
-        # stores the oldest
-        return [(Batcher, "_starts_now", _lazy_starts_now)]
+    if arm == "memory_lazy":  # a due compressed store stays held (as if the link were always
+        # behind) until the in-flight bound stores the oldest
+        return [(PagedStore, "stores_now", lambda self, nbytes: False)]
     if arm == "memory_alloc":  # a payload of the caching allocator per slice (before 49)
         return [(PagedStore, "_payload", _fresh_payload)]
     if arm == "memory_group":  # batched restores through restore_group
         return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
     return []
-
-
-def _lazy_starts_now(self, batch) -> bool:
-    """``Batcher._starts_now`` of the ``memory_lazy`` arm: a compressed batch on a GPU never
-    starts by itself; ``ActivationOffloader._bound`` stores the oldest past the in-flight
-    bound."""
-    dev = batch.key[0]
-    copy = batch.alone is not None and batch.alone[0] is None
-    return batch.ref() is None or dev.type != "cuda" or copy
 
 
 def _fresh_payload(store, slot, n: int, device):

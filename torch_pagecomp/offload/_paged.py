@@ -447,8 +447,7 @@ class PagedStore:
             mem.release()
         self.arena.backed.clear()
         self.arena.trim()
-        self._slots = [_PayloadSlot() for _ in range(SCRATCH_SLICES)]
-        self._scratches.clear()
+        self.release_scratch()  # the compress kernels' scratch and the payload ring
 
     def _count_failures(self, status: torch.Tensor, stream) -> None:
         if stream is None:  # the CPU: known at once
