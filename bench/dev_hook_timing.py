@@ -187,17 +187,20 @@ class _GcPauses:
                 f"tracked objects {len(gc.get_objects())}")
 
 
-def training_step(name: str, variant: str):
+def training_step(name: str, variant: str, fsdp: bool = False):
     """``(step, offloader)``: one SGD step of stock model ``name`` on the GPU under
-    ``variant``'s hooks (``none``: no hooks, offloader None)."""
+    ``variant``'s hooks (``none``: no hooks, offloader None); ``fsdp``: the model under FSDP2
+    over the process group of this process (``bench.stock_models.shard``)."""
     import torch
 
-    from bench.stock_models import CopyOnlyTuner, build
+    from bench.stock_models import CopyOnlyTuner, build, shard
     from torch_pagecomp import offload_module
 
     gc.collect()  # the previous variant's model and offloader go before this one starts
     torch.cuda.empty_cache()
     model, x, blocks = build(name, "cuda")
+    if fsdp:
+        shard(model, blocks, "cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     kw = {"none": None, "uncompressed": dict(mode="uncompressed"),
           "memory": dict(prefer="memory"), "memory_lz4": dict(prefer="memory", codec="lz4"),

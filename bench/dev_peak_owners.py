@@ -7,7 +7,9 @@ the history is replayed (:func:`peak_owners`) to the moment ``memory_allocated``
 and the bytes live then are grouped by owner: the innermost frame of the package
 (``torch_pagecomp`` / ``triton_kernels``) that allocated them, else ``other`` (the model,
 autograd, the optimizer), and ``before`` (allocated before the recording, less what of it was
-freed since). With two variants, the owners' difference too.
+freed since); then the package's blocks live at the peak, by call chain and size, and the
+chain of the allocation that reached it. ``--fsdp`` under ``torchrun``: the model under FSDP2,
+a table per rank.
 
 Why: on BERT-large ``prefer="memory"``'s peak has sat 0.02-0.04 GiB above a plain copy's in
 every one-GPU run (``bench/results/h200_0a6fe49_session50``), in the backward; which of the
@@ -23,14 +25,25 @@ import os
 PACKAGE_DIRS = (f"{os.sep}torch_pagecomp{os.sep}", f"{os.sep}triton_kernels{os.sep}")
 
 
+def _package_frames(frames) -> list[str]:
+    """``file.py:function`` of each package frame of an allocation's stack, innermost first."""
+    return [f"{os.path.basename(f.get('filename', ''))}:{f.get('name', '?')}"
+            for f in frames or () if any(d in f.get("filename", "") for d in PACKAGE_DIRS)]
+
+
 def owner(frames) -> str:
     """``file.py:function`` of the innermost package frame of an allocation's stack
     (``frames``: the snapshot's dicts, innermost first), else ``"other"``."""
-    for f in frames or ():
-        name = f.get("filename", "")
-        if any(d in name for d in PACKAGE_DIRS):
-            return f"{os.path.basename(name)}:{f.get('name', '?')}"
-    return "other"
+    mine = _package_frames(frames)
+    return mine[0] if mine else "other"
+
+
+def chain(frames, depth: int = 4) -> str:
+    """The innermost ``depth`` package frames of a stack, ``inner < caller < ...``, else
+    ``"other"``: which path through the package made a block (a restore from a prefetch or
+    from an unpack on demand, say)."""
+    mine = _package_frames(frames)
+    return " < ".join(mine[:depth]) if mine else "other"
 
 
 def peak_owners(events) -> tuple[int, dict[str, int]]:
@@ -58,14 +71,42 @@ def peak_owners(events) -> tuple[int, dict[str, int]]:
     return best, at_best
 
 
-def measure(name: str, variant: str, steps: int, warmup: int) -> tuple[float, dict]:
-    """``(peak GiB, GiB by owner at the peak)`` of ``steps`` training steps of stock model
-    ``name`` under ``variant``'s hooks (``bench.dev_hook_timing.training_step``)."""
+def peak_blocks(events) -> tuple[collections.Counter, str]:
+    """The package's blocks live when the replayed total (:func:`peak_owners`) first reached
+    its highest: ``Counter((chain, size) -> blocks)``, and the chain of the allocation that
+    reached it. A second replay, so that the first copies nothing at each new high."""
+    live: dict[int, tuple[int, object]] = {}
+    total = best = 0
+    best_at = -1
+    for i, e in enumerate(events):
+        if e.get("action") == "alloc":
+            live[e["addr"]] = (e["size"], None)
+            total += e["size"]
+            if total > best:
+                best, best_at = total, i
+        elif e.get("action") == "free_requested":
+            total -= live.pop(e["addr"], (e["size"], None))[0]
+    live.clear()
+    for e in events[:best_at + 1]:
+        if e.get("action") == "alloc":
+            live[e["addr"]] = (e["size"], e.get("frames"))
+        elif e.get("action") == "free_requested":
+            live.pop(e["addr"], None)
+    blocks = collections.Counter((chain(fr), size) for size, fr in live.values()
+                                 if owner(fr) != "other")
+    return blocks, chain(events[best_at].get("frames")) if best_at >= 0 else "none"
+
+
+def measure(name: str, variant: str, steps: int, warmup: int,
+            fsdp: bool = False) -> tuple[float, dict, list[str]]:
+    """``(peak GiB, GiB by owner at the peak, the package's blocks live then)`` of ``steps``
+    training steps of stock model ``name`` under ``variant``'s hooks
+    (``bench.dev_hook_timing.training_step``; ``fsdp``: under FSDP2)."""
     import torch
 
     from bench.dev_hook_timing import training_step
 
-    step, off = training_step(name, variant)
+    step, off = training_step(name, variant, fsdp=fsdp)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -81,6 +122,10 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> tuple[float, di
         torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][torch.cuda.current_device()]
     best, at = peak_owners(trace)
+    blocks, peak_chain = peak_blocks(trace)
+    detail = [f"{variant}: the allocation that reached the peak: {peak_chain}"] + [
+        f"{variant}: {n} x {size / 2**20:.2f} MiB  {ch}"
+        for (ch, size), n in sorted(blocks.items(), key=lambda kv: -kv[0][1] * kv[1])]
     at["before"] = at.get("before", 0) + base
     gib = {k: v / 2**30 for k, v in at.items()}
     peak = (base + best) / 2**30
@@ -89,14 +134,14 @@ def measure(name: str, variant: str, steps: int, warmup: int) -> tuple[float, di
         off.close()
     # the allocator's own peak, to check the replay against
     gib["(max_memory_allocated)"] = torch.cuda.max_memory_allocated() / 2**30
-    return peak, gib
+    return peak, gib, detail
 
 
 def table(name: str, results: dict[str, tuple[float, dict]]) -> list[str]:
     """The owners at each variant's peak, GiB, largest first; a column per variant."""
     variants = list(results)
-    owners = sorted({k for _, by in results.values() for k in by},
-                    key=lambda k: -max(by.get(k, 0.0) for _, by in results.values()))
+    owners = sorted({k for _, by, *_ in results.values() for k in by},
+                    key=lambda k: -max(by.get(k, 0.0) for _, by, *_ in results.values()))
     lines = [f"## {name}: GiB live at each variant's peak, by owner",
              "| owner | " + " | ".join(variants) + " |",
              "|---|" + "---|" * len(variants),
@@ -112,11 +157,29 @@ def main() -> None:
     from bench.dev_hook_timing import stock_parser
 
     ap = stock_parser("uncompressed,memory")  # --models, --variants, --steps, --warmup
+    ap.add_argument("--fsdp", action="store_true",
+                    help="the model under FSDP2 over torchrun's ranks (torchrun "
+                         "--nproc_per_node 2 -m bench.dev_peak_owners --fsdp); each rank's table")
     ap.set_defaults(models="bert-1024", steps=3)
     a = ap.parse_args()
+    if a.fsdp:
+        import torch.distributed as dist
+
+        from bench.dev_ab_steps import _process_group
+
+        rank = _process_group("cuda")
     for name in a.models.split(","):
-        results = {v: measure(name, v, a.steps, a.warmup) for v in a.variants.split(",")}
-        print("\n".join(table(name, results)), flush=True)
+        results = {v: measure(name, v, a.steps, a.warmup, a.fsdp) for v in a.variants.split(",")}
+        lines = table(name + (f" (FSDP2, rank {rank})" if a.fsdp else ""), results)
+        lines += [d for _, _, detail in results.values() for d in detail]
+        if a.fsdp:  # every rank's lines, printed by rank 0
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, lines)
+            lines = [x for r in every for x in r] if rank == 0 else []
+        if lines:
+            print("\n".join(lines), flush=True)
+    if a.fsdp:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

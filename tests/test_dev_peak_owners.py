@@ -5,7 +5,7 @@ before the trace and freed in it counted against ``before``."""
 import os
 import random
 
-from bench.dev_peak_owners import owner, peak_owners, table
+from bench.dev_peak_owners import chain, owner, peak_blocks, peak_owners, table
 
 PKG = os.path.join("", "x", "torch_pagecomp", "offload", "_paged.py")
 KER = os.path.join("", "x", "triton_kernels", "host_pack.py")
@@ -72,3 +72,20 @@ def test_the_table_has_a_row_per_owner_and_a_column_per_variant():
     assert "| **peak (replayed)** | 1.500 | 1.600 |" in lines
     assert "| _paged.py:restore | 0.000 | 0.100 |" in lines
     assert lines[4].startswith("| other |")
+
+
+def test_the_blocks_at_the_peak_are_the_package_blocks_live_then_with_their_chains():
+    ev = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": _frames(PKG, MODEL)},
+        {"action": "alloc", "addr": 2, "size": 100, "frames": _frames(KER, PKG)},  # 200
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": _frames(MODEL)},
+        {"action": "alloc", "addr": 4, "size": 100, "frames": _frames(KER, PKG)},  # peak 250
+        {"action": "free_requested", "addr": 4, "size": 100},
+        {"action": "alloc", "addr": 5, "size": 90, "frames": _frames(PKG)},  # 240: below it
+    ]
+    blocks, peak = peak_blocks(ev)
+    assert blocks == {("host_pack.py:f0 < _paged.py:f1", 100): 2}
+    assert peak == "host_pack.py:f0 < _paged.py:f1"
+    assert chain(_frames(MODEL)) == "other"
+    assert peak_blocks([]) == ({}, "none")
