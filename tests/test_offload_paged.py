@@ -943,6 +943,47 @@ def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch, device):
     assert not _paged_group.restore_placed(_store(device, checksum=True), stored[:1], outs[:1])
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=interpreter),
+    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))])
+def test_placed_restore_into_parts_decodes_only_their_pages(gen, monkeypatch, device):
+    """``restore_placed`` into parts (the hooks' batch restored member by member): each part
+    gets exactly its pages, across slice boundaries and codecs; pages no part holds (a member
+    whose saved tensors are gone) are not decoded; a whole output beside them is unchanged."""
+    from torch_pagecomp.offload import _paged, _paged_group
+
+    decoded = []
+    real_decode, real_at = _paged.decode_rows, _paged.decode_rows_at
+    monkeypatch.setattr(_paged, "decode_rows",
+                        lambda *a: (decoded.append(a[1].numel()), real_decode(*a)))
+    monkeypatch.setattr(_paged, "decode_rows_at",
+                        lambda *a: (decoded.append(a[3]), real_at(*a)))
+    store = _store(device)  # 4-page slices
+    spec = [(11, "bf16"), (6, "small"), (3, "noise")]
+    srcs = [_data(gen, n * P, kind).to(device) for n, kind in spec]
+    producer = torch.cuda.current_stream() if device == "cuda" else None
+    stored = [store.offload(s, 2 if kind == "bf16" else 1, producer=producer,
+                            float_format="bf16" if kind == "bf16" else None)
+              for s, (_, kind) in zip(srcs, spec)]
+    store.wait_placed()
+    # members at pages [0, 2), [3, 10) of the first (one across two slice boundaries; pages 2
+    # and 10 held by none), [1, 6) of the second, and the third whole
+    cuts = [[(0, 2), (3, 10)], [(1, 6)]]
+    parts = [[(a * P, torch.full(((b - a) * P,), POISON, dtype=torch.uint8, device=device))
+              for a, b in c] for c in cuts]
+    whole = torch.full_like(srcs[2], POISON)
+    assert _paged_group.restore_placed(store, stored, [*parts, whole])
+    if device == "cuda":
+        torch.cuda.synchronize()
+        assert store.failed_restores() == 0
+    for src, ps in zip(srcs, parts):
+        for base, buf in ps:
+            assert torch.equal(buf, src[base:base + buf.numel()])
+    assert torch.equal(whole, srcs[2])
+    assert sum(decoded) == 2 + 7 + 5 + 3  # the parts' pages and the whole one's, no others
+    assert _paged_group.restore_placed(store, stored[:1], [[]])  # no pages: nothing queued
+
+
 def test_upload_ring_reuses_a_half_only_after_its_readers(monkeypatch):
     """The ring of small tables kernels read from page-locked memory (``UploadRing``): each
     table lands intact and 16-byte aligned; moving into a half first waits for the events taken

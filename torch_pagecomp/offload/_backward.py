@@ -15,7 +15,7 @@ import torch
 
 from .._events import handoff, mark
 from ..format import CorruptPageError
-from ._entry import _capturing, _Entry
+from ._entry import SPLIT, _capturing, _Entry
 from ._paged import PagedStored, SliceNotStored
 from ._paged_group import StoredGroup, restore_placed
 from ._streams import current_stream, on_stream
@@ -85,6 +85,13 @@ class Backward:
             if current != entry.stream:
                 entry.stream.wait_event(entry.restore_event)
             entry.waited = True
+        if entry.restored is SPLIT:  # restored member by member (``_entry._Member``)
+            m = packed.member
+            if m is None or m.buf is None:
+                raise RuntimeError("activation offload: a batched saved tensor's member was "
+                                   "not restored (internal error)")
+            m.waited = entry.waited
+            return packed.view(m.buf.untyped_storage(), m.base)
         return packed.view(entry.restored.untyped_storage())
 
     def _prefetch_tail(self) -> None:
@@ -137,11 +144,17 @@ class Backward:
         batches: dict[tuple, list[_Entry]] = {}
         for e in entries:
             e.restore_event = None
-            if e.device.type == "cpu":
-                e.restored = torch.empty(e.nbytes, dtype=torch.uint8)
-                continue
+            members = e.split_members()  # a batch of several: a buffer per live member
             with on_stream(e.stream):
-                e.restored = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+                if members is not None:
+                    for m in members:
+                        m.buf = torch.empty(m.nbytes, dtype=torch.uint8, device=e.device)
+                        m.waited = False
+                    e.restored = SPLIT
+                else:
+                    e.restored = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+            if e.device.type == "cpu":
+                continue
             if (self.batch_restores and isinstance(e.stored, PagedStored)
                     and e.nbytes % e.stored.page_size == 0):
                 batches.setdefault((id(e.store), e.stream), []).append(e)
@@ -167,12 +180,14 @@ class Backward:
         the group decodes once per codec (``_paged_group.codec_runs``)."""
         first = part[0]
         try:
-            if not restore_placed(first.store, [e.stored for e in part],
-                                  [e.restored for e in part]):
+            outs = [e.split_parts() if e.restored is SPLIT else e.restored for e in part]
+            if not restore_placed(first.store, [e.stored for e in part], outs):
                 group = sorted(part, key=lambda e: e.stored.exp)  # stable: order kept per codec
+                wholes = [_whole(e) for e in group]
                 first.store.restore_group(StoredGroup(first.stored.page_size,
-                                                      [e.stored for e in group]),
-                                          [e.restored for e in group])
+                                                      [e.stored for e in group]), wholes)
+                for e, whole in zip(group, wholes):
+                    _scatter(e, whole)
         except Exception as exc:  # noqa: BLE001 - one by one: only a failing tensor raises
             if not isinstance(exc, SliceNotStored):  # the batched decode itself failed
                 self.batch_restores = False
@@ -187,7 +202,9 @@ class Backward:
 
     def _restore_one(self, e: _Entry, side) -> None:
         try:
-            e.store.restore(e.stored, e.restored)
+            whole = _whole(e)
+            e.store.restore(e.stored, whole)
+            _scatter(e, whole)
             if side is not None:
                 e.restore_event = mark(side)
         except Exception as exc:  # noqa: BLE001 - raised at this entry's unpack
@@ -235,6 +252,22 @@ class Backward:
             raise CorruptPageError(
                 [], [], f"{failed} page(s) of offloaded activations failed to decode on restore"
             )
+
+
+def _whole(e: _Entry) -> torch.Tensor:
+    """``e``'s bytes' restore target as one buffer: its own, or for an entry restored member by
+    member a temporary one on the current stream (the paths that decode a stored tensor into
+    one output), whose bytes :func:`_scatter` then copies into the members' buffers."""
+    if e.restored is not SPLIT:
+        return e.restored
+    return torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+
+
+def _scatter(e: _Entry, whole: torch.Tensor) -> None:
+    """Copy the members' bytes out of ``whole`` (:func:`_whole`), on the current stream."""
+    if e.restored is SPLIT:
+        for base, buf in e.split_parts():
+            buf.copy_(whole[base:base + buf.numel()], non_blocking=True)
 
 
 RESTORE_BATCH_BYTES = 64 << 20  # a batch's staging (its compressed bytes) is at most about

@@ -55,8 +55,10 @@ of an undecided class, a partial last page, a large one, a plain copy) are a bat
   window (not while a CUDA graph is captured): one ``torch.cat`` on the compute stream the
   members were saved on (HBM time, a small part of the link time the bytes then take), after
   which the members' storages go back to the allocator in stream order;
-* the batch's restore is one buffer; it lives until autograd has released every member's
-  saved tensor (the members come from one group: one block's backward);
+* the batch's restore decodes each member whose saved tensors are alive into a buffer of its
+  own (``_entry._Member``, held by those saved tensors' handles alone), which goes back to the
+  allocator as autograd releases them: one buffer for the batch lived until its last member
+  was used, above a plain copy's restores at BERT-large's backward peak;
 * a batch that cannot be stored (its ``cat`` out of GPU memory, its store failing, a plain
   copy with the pinned pool full) keeps its members where they are: each saved tensor is served
   from its own storage, as a single offload that fails is.
@@ -166,6 +168,8 @@ class Batcher:
             ps = off._pass
             entry = _Entry(off._sink, 0, dev, ps, len(ps.groups) - 1)
             entry.stream, entry.parts = stream, []
+            if alone is None:  # several storages may join: each is restored on its own
+                entry.member_refs = {}
             # in its group now: the group is not empty, so the next one starts a new group
             ps.groups[entry.group].append(weakref.ref(entry))
             batch = Batch(key, entry, alone)

@@ -422,7 +422,7 @@ class ActivationOffloader:
                     and first._version == t._version == hit[2]
                 ):
                     self.counters["deduplicated"] += 1
-                    return _Packed(entry, t, hit[3])
+                    return _Packed(entry, t, hit[3], entry.member(hit[3], key[1]))
             # only before a new offload: a storage saved again (a quarter to a third of the
             # storages a ResNet or transformer block saves) needs nothing the poll settles
             self._poll()
@@ -437,7 +437,7 @@ class ActivationOffloader:
                 return t
             entry, base = placed
             self._pass.dedup[key] = (weakref.ref(t), weakref.ref(entry), t._version, base)
-            return _Packed(entry, t, base)
+            return _Packed(entry, t, base, entry.member(base, key[1]))
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage
                  ) -> tuple[_Entry, int] | None:

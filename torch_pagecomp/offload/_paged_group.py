@@ -186,7 +186,9 @@ def _views(buf: torch.Tensor, like: tuple, spans: list | None = None) -> tuple:
 
 def restore_placed(store, storeds: list, outs: list) -> bool:
     """Decode ``storeds`` (``PagedStored`` of whole pages, any mix of codecs) each into its own
-    output (``outs``: ``uint8 [nbytes]`` each) on the current stream, when every slice is
+    output (``outs``: ``uint8 [nbytes]`` each, or a list of ``(byte offset, uint8 [n])`` parts
+    at whole pages, where only the parts' pages are decoded, each into its part) on the
+    current stream, when every slice is
     placed: one staging buffer, one copy per run of adjacent arena bytes (slices taken in arena
     order), one launch that gathers the pages' metadata and rows
     (``kernels.row_table.gather_slice_meta``), one decode per codec. Returns False, having
@@ -204,18 +206,19 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
         for stored, out in zip(storeds, outs):
             if stored.exp is not exp:
                 continue
-            row = out.data_ptr()
             for sl in stored.slices:
                 if sl.base is None:
                     return False
                 if sl.base < 0:
                     raise _paged.SliceNotStored(sl.n)
-                order.append((sl, row + sl.first * p, exp))
-    dev = outs[0].device
+                order.extend((sl, a, n, row, exp) for a, n, row in _slice_rows(sl, out, p))
+    if not order:  # parts that hold none of the pages
+        return True
+    dev = store.device
     stream = _launch_stream(dev)
     # staging in arena order: slices stored one after another lie next to each other there
     shifts, runs, staged = {}, [], 0
-    for sl, _, _ in sorted(order, key=lambda o: o[0].base):
+    for sl in sorted({id(o[0]): o[0] for o in order}.values(), key=lambda sl: sl.base):
         shifts[id(sl)] = staged
         if runs and runs[-1][0] + runs[-1][1] == sl.base:
             runs[-1][1] += sl.total
@@ -227,13 +230,13 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
         _paged.copy_pieces(staging, arena.pieces(base, total, at))
     cols: list[list[int]] = [[] for _ in range(SLICE_DESC_ROWS)]
     pages = most = lz4_pages = 0
-    for sl, row, exp in order:
-        for col, v in zip(cols, (sl.addr(REL), sl.addr(SIZES), sl.addr(KINDS),
-                                 shifts[id(sl)], pages, sl.n, row)):
+    for sl, a, n, row, exp in order:  # pages a .. a + n of slice sl (int64 rel, int32 sizes)
+        for col, v in zip(cols, (sl.addr(REL) + 8 * a, sl.addr(SIZES) + 4 * a,
+                                 sl.addr(KINDS) + a, shifts[id(sl)], pages, n, row)):
             col.append(v)
-        pages += sl.n
-        most = max(most, sl.n)
-        lz4_pages += sl.n if not exp else 0
+        pages += n
+        most = max(most, n)
+        lz4_pages += n if not exp else 0
     status = torch.empty(pages, dtype=torch.int32, device=dev)
     # one buffer for the pages' offsets, rows, sizes and kinds: the GPU's launches take
     # addresses into it (one allocation, no views: host time per batch, ~70 a step on BERT)
@@ -252,6 +255,22 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     if stream is None:
         arena.confirm()
     return True
+
+
+def _slice_rows(sl, out, p: int):
+    """``(first page in the slice, pages, address of the first's output)`` of each run of
+    ``sl``'s pages that ``out`` (see :func:`restore_placed`) holds: one run into a tensor;
+    into parts, a run per part that overlaps the slice (its pages ``sl.first ..`` of the
+    stored tensor's)."""
+    if isinstance(out, torch.Tensor):
+        return [(0, sl.n, out.data_ptr() + sl.first * p)]
+    lo, hi, runs = sl.first, sl.first + sl.n, []
+    for base, buf in out:
+        first = base // p
+        a, b = max(lo, first), min(hi, first + buf.numel() // p)
+        if a < b:
+            runs.append((a - lo, b - a, buf.data_ptr() + (a - first) * p))
+    return runs
 
 
 def _launch_stream(device: torch.device):
