@@ -33,6 +33,8 @@ own: removed);
 ``bench/results/h200x2_96f5538_session48``);
 ``uncompressed_nohold``, ``memory_nohold``: with nothing held for the backward (every saved
 storage stored once its batch closes, as before the hooks held the last groups);
+``memory_whole``: a batch of several storages restored into one buffer (living until its
+last member is used), not member by member (as before 0df64c3);
 ``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
 always true, as before session 44) instead of staying held; ``memory_lazy``: the other way, a
 due compressed store stays held whether the link keeps up or not, until the in-flight bound
@@ -68,7 +70,7 @@ import time
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
         "memory_restore256", "memory_batch128", "memory_both", "memory_placed1", "memory_shrink1",
-        "memory_alloc",
+        "memory_alloc", "memory_whole",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "speed",
         "speed_copy_only")
@@ -113,6 +115,10 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         return [(PagedStore, "stores_now", lambda self, nbytes: False)]
     if arm == "memory_alloc":  # a payload of the caching allocator per slice (before 49)
         return [(PagedStore, "_payload", _fresh_payload)]
+    if arm == "memory_whole":  # a batch restored into one buffer, as before 0df64c3
+        from torch_pagecomp.offload._entry import _Entry
+
+        return [(_Entry, "split_members", lambda self: None)]
     if arm == "memory_group":  # batched restores through restore_group
         return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
     return []
