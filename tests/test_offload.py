@@ -436,7 +436,7 @@ def test_batched_restore_puts_each_codec_together(monkeypatch):
     class Store:
         def restore_group(self, group, outs):
             seen.append(([s.exp for s in group.storeds], [s.i for s in group.storeds],
-                         [o[0] for o in outs]))
+                         [int(o[0]) for o in outs]))
 
     class Stored:
         page_size = nbytes = 4096
@@ -446,7 +446,8 @@ def test_batched_restore_puts_each_codec_together(monkeypatch):
 
     class Entry:
         def __init__(self, i, exp):
-            self.store, self.stored, self.restored = store, Stored(i, exp), [i]
+            self.store, self.stored = store, Stored(i, exp)
+            self.restored = torch.tensor([i])  # the restore target: a tensor (not parts)
             self.restore_event = self.error = None
 
     class Side:
@@ -456,7 +457,7 @@ def test_batched_restore_puts_each_codec_together(monkeypatch):
     store = Store()
     exps = [True, False, True, True, False, False, True]
     part = [Entry(i, e) for i, e in enumerate(exps)]
-    off._backward.restore_batch(part, Side())
+    off._backward.restore_batch(part, [e.restored for e in part], Side())
     assert placed == [list(range(7))]
     assert seen == [([False] * 3 + [True] * 4, [1, 4, 5, 0, 2, 3, 6], [1, 4, 5, 0, 2, 3, 6])]
     assert off._backward.batch_restores and all(e.restore_event == "restored" for e in part)
@@ -996,15 +997,16 @@ def test_a_failing_batched_restore_falls_back_one_by_one_and_stays_off(path, mon
 
     class Entry:
         def __init__(self, store):
-            self.store, self.stored, self.restored = store, Stored(), None
+            self.store, self.stored = store, Stored()
+            self.restored = torch.empty(4096, dtype=torch.uint8)
             self.restore_event = self.error = None
 
     part = [Entry(Store(SliceNotStored("did not fit"))) for _ in range(2)]
-    off._backward.restore_batch(part, None)
+    off._backward.restore_batch(part, [e.restored for e in part], None)
     assert len(calls) == 2 and off._backward.batch_restores
     part = [Entry(Store(RuntimeError("no kernel image"))) for _ in range(3)]
     with pytest.warns(UserWarning, match="batched restores off"):
-        off._backward.restore_batch(part, None)
+        off._backward.restore_batch(part, [e.restored for e in part], None)
     assert len(calls) == 5 and not off._backward.batch_restores
 
 

@@ -431,8 +431,9 @@ def test_a_batch_is_restored_member_by_member_each_freed_after_its_use(gen, monk
     def spy(self, entries):
         real(self, entries)
         for e in entries:
-            for base, buf in e.split_parts():
-                bufs[base] = weakref.ref(buf)
+            for m in e.split_members() or ():
+                if m.buf is not None:
+                    bufs[m.base] = weakref.ref(m.buf)
 
     monkeypatch.setattr(_backward.Backward, "restore", spy)
     x = _data(gen, 8, 1024).requires_grad_()  # fp32 [8, 1024]: 8 pages, one class

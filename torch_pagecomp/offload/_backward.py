@@ -140,19 +140,25 @@ class Backward:
         launches, two allocations and a host-to-device copy of host time, and each tensor
         still lives only as long as autograd keeps it (a buffer shared by a group would live
         until the group's last tensor is used: the end of its block's backward, raising the
-        peak)."""
+        peak). A batch of several saved storages is restored member by member
+        (``_entry._Member``): each restore target is a tensor or ``(byte offset, buffer)``
+        parts (kept here only: the entry holds no buffer of a member)."""
         batches: dict[tuple, list[_Entry]] = {}
+        outs: dict[int, torch.Tensor | list] = {}
         for e in entries:
             e.restore_event = None
             members = e.split_members()  # a batch of several: a buffer per live member
             with on_stream(e.stream):
                 if members is not None:
+                    parts = outs[id(e)] = []
                     for m in members:
                         m.buf = torch.empty(m.nbytes, dtype=torch.uint8, device=e.device)
                         m.waited = False
+                        parts.append((m.base, m.buf))
                     e.restored = SPLIT
                 else:
-                    e.restored = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+                    e.restored = outs[id(e)] = torch.empty(e.nbytes, dtype=torch.uint8,
+                                                           device=e.device)
             if e.device.type == "cpu":
                 continue
             if (self.batch_restores and isinstance(e.stored, PagedStored)
@@ -168,43 +174,44 @@ class Backward:
             for e in entries:  # in the order given (the order backward needs them)
                 part = part_of.get(id(e))
                 if part is None:
-                    self._restore_one(e, side)
+                    self._restore_one(e, outs[id(e)], side)
                 elif e is part[0]:
-                    self.restore_batch(part, side)
+                    self.restore_batch(part, [outs[id(x)] for x in part], side)
 
-    def restore_batch(self, part: list[_Entry], side) -> None:
+    def restore_batch(self, part: list[_Entry], outs: list, side) -> None:
         """Restore ``part`` (compressed, one store and stream) with one batched restore (of
         placed slices, ``_paged_group.restore_placed``, else a group restore); if the
         batched decode cannot run, turn batching off and restore them one by one. Its LZ4 and
         exponent-codec tensors (a bf16 model's fp32 and bf16 activations) are put together, so
-        the group decodes once per codec (``_paged_group.codec_runs``)."""
+        the group decodes once per codec (``_paged_group.codec_runs``). ``outs``: each
+        entry's restore target (see :meth:`restore`)."""
         first = part[0]
         try:
-            outs = [e.split_parts() if e.restored is SPLIT else e.restored for e in part]
             if not restore_placed(first.store, [e.stored for e in part], outs):
-                group = sorted(part, key=lambda e: e.stored.exp)  # stable: order kept per codec
-                wholes = [_whole(e) for e in group]
+                # stable: order kept per codec
+                group = sorted(zip(part, outs), key=lambda eo: eo[0].stored.exp)
+                wholes = [_whole(e, out) for e, out in group]
                 first.store.restore_group(StoredGroup(first.stored.page_size,
-                                                      [e.stored for e in group]), wholes)
-                for e, whole in zip(group, wholes):
-                    _scatter(e, whole)
+                                                      [e.stored for e, _ in group]), wholes)
+                for (_, out), whole in zip(group, wholes):
+                    _scatter(out, whole)
         except Exception as exc:  # noqa: BLE001 - one by one: only a failing tensor raises
             if not isinstance(exc, SliceNotStored):  # the batched decode itself failed
                 self.batch_restores = False
                 warnings.warn(f"activation offload: batched restores off after {exc!r}; "
                               "tensors are restored one by one", stacklevel=2)
-            for e in part:
-                self._restore_one(e, side)
+            for e, out in zip(part, outs):
+                self._restore_one(e, out, side)
             return
         event = mark(side)
         for e in part:
             e.restore_event = event
 
-    def _restore_one(self, e: _Entry, side) -> None:
+    def _restore_one(self, e: _Entry, out, side) -> None:
         try:
-            whole = _whole(e)
+            whole = _whole(e, out)
             e.store.restore(e.stored, whole)
-            _scatter(e, whole)
+            _scatter(out, whole)
             if side is not None:
                 e.restore_event = mark(side)
         except Exception as exc:  # noqa: BLE001 - raised at this entry's unpack
@@ -254,19 +261,19 @@ class Backward:
             )
 
 
-def _whole(e: _Entry) -> torch.Tensor:
-    """``e``'s bytes' restore target as one buffer: its own, or for an entry restored member by
-    member a temporary one on the current stream (the paths that decode a stored tensor into
-    one output), whose bytes :func:`_scatter` then copies into the members' buffers."""
-    if e.restored is not SPLIT:
-        return e.restored
+def _whole(e: _Entry, out) -> torch.Tensor:
+    """``e``'s restore target ``out`` as one buffer: itself, or for parts (an entry restored
+    member by member) a temporary one on the current stream (the paths that decode a stored
+    tensor into one output), whose bytes :func:`_scatter` then copies into the parts."""
+    if isinstance(out, torch.Tensor):
+        return out
     return torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
 
 
-def _scatter(e: _Entry, whole: torch.Tensor) -> None:
-    """Copy the members' bytes out of ``whole`` (:func:`_whole`), on the current stream."""
-    if e.restored is SPLIT:
-        for base, buf in e.split_parts():
+def _scatter(out, whole: torch.Tensor) -> None:
+    """Copy the parts' bytes out of ``whole`` (:func:`_whole`), on the current stream."""
+    if not isinstance(out, torch.Tensor):
+        for base, buf in out:
             buf.copy_(whole[base:base + buf.numel()], non_blocking=True)
 
 

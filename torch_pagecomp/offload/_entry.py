@@ -167,10 +167,6 @@ class _Entry:
         live = [m for _, r in sorted(refs.items()) if (m := r()) is not None]
         return live or None
 
-    def split_parts(self) -> list[tuple[int, torch.Tensor]]:
-        """``(byte offset, buffer)`` of each member restored into its own buffer."""
-        return [(m.base, m.buf) for m in self.split_members() or () if m.buf is not None]
-
     def checked_stored(self):
         """``stored``, or the error of the offload that did not store it."""
         if self.error is not None:
