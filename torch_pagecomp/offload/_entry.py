@@ -164,7 +164,7 @@ class _Entry:
         refs = self.member_refs
         if refs is None or len(refs) < 2:
             return None
-        live = [m for _, r in sorted(refs.items()) if (m := r()) is not None]
+        live = [m for r in refs.values() if (m := r()) is not None]  # added in byte order
         return live or None
 
     def checked_stored(self):

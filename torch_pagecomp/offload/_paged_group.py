@@ -211,7 +211,11 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
                     return False
                 if sl.base < 0:
                     raise _paged.SliceNotStored(sl.n)
-                order.extend((sl, a, n, row, exp) for a, n, row in _slice_rows(sl, out, p))
+                runs = _slice_rows(sl, out, p)
+                if runs:  # the metadata of pages a .. a + n (int64 rel, int32 sizes, kinds)
+                    rel, size, kind = sl.addr(REL), sl.addr(SIZES), sl.addr(KINDS)
+                    order.extend((sl, (rel + 8 * a, size + 4 * a, kind + a), n, row, exp)
+                                 for a, n, row in runs)
     if not order:  # parts that hold none of the pages
         return True
     dev = store.device
@@ -230,9 +234,8 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
         _paged.copy_pieces(staging, arena.pieces(base, total, at))
     cols: list[list[int]] = [[] for _ in range(SLICE_DESC_ROWS)]
     pages = most = lz4_pages = 0
-    for sl, a, n, row, exp in order:  # pages a .. a + n of slice sl (int64 rel, int32 sizes)
-        for col, v in zip(cols, (sl.addr(REL) + 8 * a, sl.addr(SIZES) + 4 * a,
-                                 sl.addr(KINDS) + a, shifts[id(sl)], pages, n, row)):
+    for sl, (rel, size, kind), n, row, exp in order:
+        for col, v in zip(cols, (rel, size, kind, shifts[id(sl)], pages, n, row)):
             col.append(v)
         pages += n
         most = max(most, n)
