@@ -164,8 +164,12 @@ class Backward:
             if (self.batch_restores and isinstance(e.stored, PagedStored)
                     and e.nbytes % e.stored.page_size == 0):
                 batches.setdefault((id(e.store), e.stream), []).append(e)
+        # a part of one entry restored member by member goes the batched way too: it decodes
+        # into the members' buffers, where a single restore decodes into one buffer and then
+        # copies each member out (6.8 ms of host time a step on BERT-large, sampled)
         part_of = {id(e): part for batch in batches.values() for part in _split(batch)
-                   if len(part) >= BATCH_MIN_ENTRIES for e in part}
+                   if len(part) >= BATCH_MIN_ENTRIES or part[0].restored is SPLIT
+                   for e in part}
         gpu_streams = {e.stream for e in entries if e.device.type == "cuda"}
         side = self.off._stream(entries[0].device, "h2d") if gpu_streams else None
         with on_stream(side):
