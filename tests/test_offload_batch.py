@@ -416,7 +416,10 @@ def test_a_backward_on_another_thread_stores_the_waiting_batch(gen):
     _same(ref, _grads(model))
 
 
-def test_a_batch_is_restored_member_by_member_each_freed_after_its_use(gen, monkeypatch):
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))])
+def test_a_batch_is_restored_member_by_member_each_freed_after_its_use(gen, monkeypatch,
+                                                                        device):
     """A batch of several storages is restored member by member (``_entry._Member``): each
     member's buffer goes back once autograd has used its saved tensor, while the batch's
     other members are still to come; a member whose saved tensor was freed before the backward
@@ -436,7 +439,7 @@ def test_a_batch_is_restored_member_by_member_each_freed_after_its_use(gen, monk
                     bufs[m.base] = weakref.ref(m.buf)
 
     monkeypatch.setattr(_backward.Backward, "restore", spy)
-    x = _data(gen, 8, 1024).requires_grad_()  # fp32 [8, 1024]: 8 pages, one class
+    x = _data(gen, 8, 1024, device).requires_grad_()  # fp32 [8, 1024]: 8 pages, one class
     page8 = 8 * P
     seen = []
 
