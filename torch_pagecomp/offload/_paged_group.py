@@ -16,8 +16,9 @@ constant number of launches, however many the group holds:
   consecutive tensors of one codec is one decode by its decoder, over its slice of the
   metadata (:func:`codec_runs`); the staging, copies and metadata stay shared.
 
-The activation hooks restore each batch once, into one output per tensor, and their slices are
-placed by then: :func:`restore_placed` serves them without the cache. One launch gathers every
+The activation hooks restore each batch once, into one output per tensor (per member, for a
+stored batch of several saved storages: ``_entry._Member``), and their slices are placed by
+then: :func:`restore_placed` serves them without the cache. One launch gathers every
 page's metadata and row address from the slices' own tensors (seven numbers a slice through
 the store's upload ring), where building the cache concatenated them on the host side and a
 second launch wrote the row table: ~0.6 ms of host time a batch, the largest part of
@@ -188,12 +189,11 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     """Decode ``storeds`` (``PagedStored`` of whole pages, any mix of codecs) each into its own
     output (``outs``: ``uint8 [nbytes]`` each, or a list of ``(byte offset, uint8 [n])`` parts
     at whole pages, where only the parts' pages are decoded, each into its part) on the
-    current stream, when every slice is
-    placed: one staging buffer, one copy per run of adjacent arena bytes (slices taken in arena
-    order), one launch that gathers the pages' metadata and rows
-    (``kernels.row_table.gather_slice_meta``), one decode per codec. Returns False, having
-    queued nothing, where it does not apply (a slice not placed yet, checksums, metadata kept
-    on the host): :func:`restore_group` does. Failed pages are counted as
+    current stream, when every slice is placed: one staging buffer, one copy per run of
+    adjacent arena bytes (slices taken in arena order), one launch that gathers the pages'
+    metadata and rows (``kernels.row_table.gather_slice_meta``), one decode per codec. Returns
+    False, having queued nothing, where it does not apply (a slice not placed yet, checksums,
+    metadata kept on the host): :func:`restore_group` does. Failed pages are counted as
     ``PagedStore.restore`` counts them (raised at once on the CPU)."""
     from ..kernels.row_table import SLICE_DESC_ROWS, gather_slice_meta
 
