@@ -46,55 +46,59 @@ def chain(frames, depth: int = 4) -> str:
     return " < ".join(mine[:depth]) if mine else "other"
 
 
-def peak_owners(events) -> tuple[int, dict[str, int]]:
-    """Replay one device's allocator trace (``alloc`` adds a block's bytes, ``free_requested``
-    takes them off, as ``memory_allocated`` counts them) and return ``(highest total reached,
-    bytes by owner then)``, relative to the start of the trace: a block allocated before it
-    and freed during it counts against ``"before"``."""
-    live: dict[int, tuple[int, str]] = {}
-    by = collections.Counter()
+def _peak_index(events) -> int:
+    """The index of the event at which the replayed total (``alloc`` adds a block's bytes,
+    ``free_requested`` takes them off, as ``memory_allocated`` counts them) first reached its
+    highest; -1 if it never rose above the start."""
+    live: dict[int, int] = {}
     total = best = 0
-    at_best: dict[str, int] = {}
-    for e in events:
+    at = -1
+    for i, e in enumerate(events):
         action = e.get("action")
         if action == "alloc":
-            who = owner(e.get("frames"))
-            live[e["addr"]] = (e["size"], who)
-            by[who] += e["size"]
+            live[e["addr"]] = e["size"]
             total += e["size"]
             if total > best:
-                best, at_best = total, {k: v for k, v in by.items() if v}
+                best, at = total, i
         elif action == "free_requested":
-            size, who = live.pop(e["addr"], (e["size"], "before"))
-            by[who] -= size
-            total -= size
-    return best, at_best
+            total -= live.pop(e["addr"], e["size"])
+    return at
+
+
+def _live_at(events, at: int) -> tuple[list[tuple[int, object]], int]:
+    """``(size, frames)`` of each block allocated in the trace and live after event ``at``,
+    and the bytes of blocks allocated before the trace and freed by then (negative)."""
+    live: dict[int, tuple[int, object]] = {}
+    before = 0
+    for e in events[:at + 1]:
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = (e["size"], e.get("frames"))
+        elif action == "free_requested" and live.pop(e["addr"], None) is None:
+            before -= e["size"]
+    return list(live.values()), before
+
+
+def peak_owners(events) -> tuple[int, dict[str, int]]:
+    """Replay one device's allocator trace to its highest total (:func:`_peak_index`) and
+    return ``(that total, bytes by owner then)``, relative to the start of the trace: a block
+    allocated before it and freed during it counts against ``"before"``."""
+    live, before = _live_at(events, _peak_index(events))
+    by = collections.Counter({"before": before})
+    for size, frames in live:
+        by[owner(frames)] += size
+    return sum(by.values()), {k: v for k, v in by.items() if v}
 
 
 def peak_blocks(events) -> tuple[collections.Counter, str]:
-    """The package's blocks live when the replayed total (:func:`peak_owners`) first reached
-    its highest: ``Counter((chain, size) -> blocks)``, and the chain of the allocation that
-    reached it. A second replay, so that the first copies nothing at each new high."""
-    live: dict[int, tuple[int, object]] = {}
-    total = best = 0
-    best_at = -1
-    for i, e in enumerate(events):
-        if e.get("action") == "alloc":
-            live[e["addr"]] = (e["size"], None)
-            total += e["size"]
-            if total > best:
-                best, best_at = total, i
-        elif e.get("action") == "free_requested":
-            total -= live.pop(e["addr"], (e["size"], None))[0]
-    live.clear()
-    for e in events[:best_at + 1]:
-        if e.get("action") == "alloc":
-            live[e["addr"]] = (e["size"], e.get("frames"))
-        elif e.get("action") == "free_requested":
-            live.pop(e["addr"], None)
-    blocks = collections.Counter((chain(fr), size) for size, fr in live.values()
+    """The package's blocks live when the replayed total first reached its highest
+    (:func:`_peak_index`): ``Counter((chain, size) -> blocks)``, and the chain of the
+    allocation that reached it."""
+    at = _peak_index(events)
+    live, _ = _live_at(events, at)
+    blocks = collections.Counter((chain(fr), size) for size, fr in live
                                  if owner(fr) != "other")
-    return blocks, chain(events[best_at].get("frames")) if best_at >= 0 else "none"
+    return blocks, chain(events[at].get("frames")) if at >= 0 else "none"
 
 
 def measure(name: str, variant: str, steps: int, warmup: int,

@@ -104,12 +104,9 @@ class _Member:
         self.waited = False  # the compute stream waited for the restore that wrote ``buf``
 
     def drop(self) -> None:
-        """Let ``buf`` go; its block returns to the entry's compute stream after the restore
-        that writes it, if nothing there waited for that yet."""
-        if self.buf is not None and not self.waited:
-            event = self.entry.restore_event
-            if event is not None:
-                self.entry.stream.wait_event(event)
+        """Let ``buf`` go (:meth:`_Entry.hand_back`)."""
+        if self.buf is not None:
+            self.entry.hand_back(self.waited)
         self.buf = None
         self.waited = False
 
@@ -185,13 +182,18 @@ class _Entry:
         if self.error is not None:
             raise RuntimeError(f"activation restore failed: {self.error}") from self.error
 
+    def hand_back(self, waited: bool) -> None:
+        """Before a restored buffer is freed: its block returns to the compute stream after
+        the restore that writes it, unless that stream has ``waited`` for it already."""
+        if not waited and self.restore_event is not None:
+            self.stream.wait_event(self.restore_event)
+
     def drop_restored(self) -> None:
         if self.restored is SPLIT:
             for m in self.split_members() or ():
                 m.drop()
         elif self.restored is not None:
-            if not self.waited and self.restore_event is not None:
-                self.stream.wait_event(self.restore_event)  # the block returns to this stream
+            self.hand_back(self.waited)
         self.restored = self.restore_event = None
         self.waited = False
 
