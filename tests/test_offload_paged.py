@@ -890,6 +890,42 @@ def test_placed_restore_by_address_launches_what_its_tensors_would(gen, monkeypa
     assert len(statuses) == 1 and not statuses[0].any()
 
 
+@interpreter
+def test_single_restore_by_address_launches_what_its_views_would(gen, monkeypatch):
+    """``PagedStore.restore`` of placed slices by address (the GPU's path), run on the CPU:
+    each decoder is given the addresses of the slice's staging, metadata, pages of the output
+    and statuses, and the tensors only to compile; each launch's classes and values are those
+    of the views it would cut, and run with them the restore is exact for both codecs, over
+    several slices and a partial last page, into a poisoned output."""
+    from torch_pagecomp.kernels import launch as L
+    from torch_pagecomp.kernels import lz4_decompress
+    from torch_pagecomp.offload import _paged
+
+    launches = []
+
+    def run(kernel, grid, index, meta, classes, values, args, stream=None):
+        args = args() if callable(args) else args
+        assert classes == tuple(L._arg_class(a) for a in args)
+        assert all(v == (a.data_ptr() if isinstance(a, torch.Tensor) else a)
+                   for v, a in zip(values, args))
+        assert grid == (args[4].shape[0],) and args[4].shape[1] == P
+        launches.append(kernel)
+        L.launch(kernel, grid, torch.device("cpu"), args, meta, traced=False)
+
+    monkeypatch.setattr(lz4_decompress, "launch_known", run)
+    monkeypatch.setattr(_paged, "_by_address", lambda out: True)
+    store = _store("cpu")  # 4-page slices
+    for kind, fmt in (("bf16", "bf16"), ("small", None)):
+        src = _data(gen, 9 * P + 123, kind)
+        stored = store.offload(src, 2 if fmt else 1, float_format=fmt)
+        store.wait_placed()
+        out = torch.full_like(src, POISON)
+        launches.clear()
+        status = store.restore(stored, out)
+        assert torch.equal(out, src) and not status.any()
+        assert len(launches) == 3 * (1 if fmt else 2)  # 3 slices: one decoder each, LZ4 two
+
+
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=interpreter),
     pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))])
@@ -899,12 +935,12 @@ def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch, device):
     exact into its own poisoned output; one copy per run of adjacent arena bytes (not one per
     slice), one gather and one decode per codec."""
     from torch_pagecomp.kernels import row_table
-    from torch_pagecomp.offload import _paged, _paged_group
+    from torch_pagecomp.offload import _copies, _paged, _paged_group
 
     copies, gathers, decodes = [], [], []
-    real_copy, real_decode, real_at = _paged.copy_pieces, _paged.decode_rows, _paged.decode_rows_at
-    monkeypatch.setattr(_paged, "copy_pieces",
-                        lambda dst, pieces: (copies.append(len(pieces)), real_copy(dst, pieces)))
+    real_copy, real_decode, real_at = _copies.copy_spans, _paged.decode_rows, _paged.decode_rows_at
+    monkeypatch.setattr(_copies, "copy_spans",
+                        lambda dst, spans: (copies.append(len(spans)), real_copy(dst, spans)))
     # the CPU's checked launchers take tensors; the GPU's launches take addresses
     real_gather, real_gather_at = row_table.gather_slice_meta, row_table.gather_slice_meta_at
     monkeypatch.setattr(row_table, "gather_slice_meta", lambda *a, **k: (
@@ -1016,3 +1052,37 @@ def test_upload_ring_reuses_a_half_only_after_its_readers(monkeypatch):
     waited = [e.waited for e in events]
     assert any(waited) and not all(waited)
     assert ring.put([[0] * 17], "s0") is None  # more than half a ring
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))])
+@pytest.mark.parametrize("driver", ["as found", "failing"])
+def test_arena_spans_copy_by_address_exact_and_nowhere_else(gen, monkeypatch, device, driver):
+    """``VirtualArena.spans`` of a range across chunk boundaries, copied by address
+    (``_copies.copy_spans``: the driver's copy on CUDA) into a poisoned buffer at an offset:
+    exactly those bytes, each where it belongs, nothing outside them; a driver call that fails
+    falls back to ``Tensor.copy_`` (for good) with the same result."""
+    from torch_pagecomp.offload import _copies
+
+    if driver == "failing":  # as a thread without a current CUDA context would see it
+        calls = []
+        monkeypatch.setattr(_copies, "_DRIVER", [lambda *a: calls.append(a) or 201])
+    store = _store(device, chunk=1 << 12)
+    arena = store.arena
+    for k in range(3):  # three chunks of random bytes
+        arena._back_chunk(k, None)
+        arena.backed[k].tensor.copy_(torch.randint(0, 256, (arena.chunk,), generator=gen,
+                                                   dtype=torch.uint8))
+    whole = torch.cat([arena.backed[k].tensor for k in range(3)])
+    base = int(torch.randint(1, arena.chunk, (1,), generator=gen))
+    total = 2 * arena.chunk - int(torch.randint(0, arena.chunk // 2, (1,), generator=gen))
+    spans = arena.spans(base, total, at=7)
+    assert [n for _, _, n in spans] and sum(n for _, _, n in spans) == total
+    assert len(spans) == len(arena.chunks_of(base, total))
+    dst = torch.full((total + 16,), POISON, dtype=torch.uint8, device=device)
+    _copies.copy_spans(dst, spans)
+    got = dst.cpu()
+    assert torch.equal(got[7:7 + total], whole[base:base + total])
+    assert (got[:7] == POISON).all() and (got[7 + total:] == POISON).all()
+    if driver == "failing" and device == "cuda":
+        assert len(calls) == 1 and _copies._DRIVER == [None]

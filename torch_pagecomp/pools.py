@@ -52,6 +52,7 @@ class HostMemory:
         self.held_bytes = round_up(max(self.nbytes, 1), HOST_PAGE)
         self._map = mmap.mmap(-1, self.held_bytes)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[: self.nbytes]
+        self.addr = self.tensor.data_ptr()
         self.pinned = False
         self.last_use: torch.cuda.Event | None = None  # the GPU's last use (reuse waits on it)
         if pin:

@@ -625,6 +625,14 @@ def decompress_exp_rows_at(index: int, page_size: int, n: int, addrs: tuple, tot
                    addrs, total, args)
 
 
+def decompress_exp_into_at(index: int, page_size: int, n: int, addrs: tuple, total: int,
+                           args) -> None:
+    """:func:`decompress_exp_into_known` given addresses
+    (``lz4_decompress.decompress_into_at``)."""
+    decode_rows_at(_exp_decode_kernel, _known_meta(page_size, False, interpreting()), index, n,
+                   addrs, total, args, rows=False)
+
+
 @functools.cache
 def _known_meta(page_size: int, rows: bool, interpret: bool):
     # the settings the usual launchers pick (the interpreter's under TRITON_INTERPRET=1)

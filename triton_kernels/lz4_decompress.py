@@ -666,16 +666,31 @@ def decompress_rows_at(index: int, page_size: int, n: int, addrs: tuple, total: 
     decode_rows_at(_decompress_shuffled_kernel, shuffled, index, n, addrs, total, args)
 
 
-def decode_rows_at(kernel, meta, index: int, n: int, addrs: tuple, total: int, args) -> None:
+def decompress_into_at(index: int, page_size: int, n: int, addrs: tuple, total: int,
+                       args) -> None:
+    """:func:`decompress_into_known` given addresses: ``addrs`` as for
+    :func:`decode_rows_at` with the address of the ``uint8 [n, page_size]`` output pages in
+    place of the rows'."""
+    plain, shuffled = _known_metas(page_size, False, interpreting())
+    decode_rows_at(_decompress_kernel, plain, index, n, addrs, total, args, rows=False)
+    decode_rows_at(_decompress_shuffled_kernel, shuffled, index, n, addrs, total, args,
+                   rows=False)
+
+
+def decode_rows_at(kernel, meta, index: int, n: int, addrs: tuple, total: int, args,
+                   rows: bool = True) -> None:
     """:func:`decode_known` of ``n`` pages into rows by address, given the addresses
     ``addrs`` of ``(payload, offsets, sizes, kinds, rows, status)`` on CUDA device ``index``
     (``payload`` of ``total`` bytes), for a caller that has them without the tensors (the
-    activation store's batched restore cuts one buffer by address); ``args`` (the tensors
-    and ``total``, or a function that makes them) as for ``launch.launch_known``."""
-    payload, offsets, sizes, kinds, rows, status = addrs
+    activation store's restores cut their buffers by address); ``args`` (the tensors
+    and ``total``, or a function that makes them) as for ``launch.launch_known``. Without
+    ``rows`` (``meta`` of the kernel's contiguous-output settings), the fifth address is that
+    of ``uint8 [n, P]`` output pages."""
+    payload, offsets, sizes, kinds, out, status = addrs
     classes = (ptr_class(torch.uint8, payload), ptr_class(torch.int64, offsets),
                ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds),
-               ptr_class(torch.int64, rows), ptr_class(torch.int32, status), int_class(total))
+               ptr_class(torch.int64 if rows else torch.uint8, out),
+               ptr_class(torch.int32, status), int_class(total))
     launch_known(kernel, (n,), index, meta, classes, (*addrs, total), args)
 
 

@@ -297,6 +297,16 @@ class VirtualArena:
             out.append((at + lo - base, self.backed[k].tensor[lo - start:hi - start]))
         return out
 
+    def spans(self, base: int, total: int, at: int = 0) -> list[tuple[int, int, int]]:
+        """:meth:`pieces` by address: ``(offset, host address, bytes)`` per chunk (what
+        ``_copies.copy_spans`` takes: no tensor view made per piece)."""
+        out = []
+        for k in self.chunks_of(base, total):
+            start = k * self.chunk
+            lo, hi = max(base, start), min(base + total, start + self.chunk)
+            out.append((at + lo - base, self.backed[k].addr + lo - start, hi - lo))
+        return out
+
     def back(self, upper: int, stream) -> None:
         """Before planning a slice of at most ``upper`` bytes (on ``stream``): back every chunk
         the arena's end can reach and raise the limit (passed with the slice) to match.
@@ -359,9 +369,9 @@ class VirtualArena:
             raise RuntimeError("activation offload: host arena window exceeded")
         self.backed[k] = mem
         if self._table_np is not None:  # read by kernels launched after this store
-            self._table_np[k % TABLE_SIZE] = mem.tensor.data_ptr()
+            self._table_np[k % TABLE_SIZE] = mem.addr
         else:
-            self.table[k % TABLE_SIZE : k % TABLE_SIZE + 1].fill_(mem.tensor.data_ptr())
+            self.table[k % TABLE_SIZE : k % TABLE_SIZE + 1].fill_(mem.addr)
 
     def host_desc(self) -> int:
         """The slot ``k`` of ``descs`` (pinned ``int64 [2]`` rows) the next slice's placement is

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import _arena, _paged
+from . import _arena, _copies, _paged
 from ._arena import KINDS, REL, SIZES
 from ._streams import current_stream
 
@@ -231,7 +231,7 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
         staged += sl.total
     staging = torch.empty(staged, dtype=torch.uint8, device=dev)
     for base, total, at in runs:
-        _paged.copy_pieces(staging, arena.pieces(base, total, at))
+        _copies.copy_spans(staging, arena.spans(base, total, at))
     cols: list[list[int]] = [[] for _ in range(SLICE_DESC_ROWS)]
     pages = most = lz4_pages = 0
     for sl, (rel, size, kind), n, row, exp in order:
@@ -384,12 +384,12 @@ def restore_group(store, group: StoredGroup, out) -> None:
     staging = torch.empty(staged, dtype=torch.uint8, device=dev)
     for run in group.runs:
         if run[3] is None:
-            run[3] = arena.pieces(*run[:3])
-        _paged.copy_pieces(staging, run[3])
+            run[3] = arena.spans(*run[:3])
+        _copies.copy_spans(staging, run[3])
     extra = []
     for sl, at in rest:
         if sl.base is not None:  # placed since the last absorb: the copy engine
-            _paged.copy_pieces(staging, arena.pieces(sl.base, sl.total, at))
+            _copies.copy_spans(staging, arena.spans(sl.base, sl.total, at))
         else:  # still packing: kernels read it once the pack is done
             _arena._wait(stream, sl.stored)
             fetch_from_host(staging[at:at + sl.n * p], sl.desc, arena.table, arena.chunk)

@@ -1,0 +1,58 @@
+"""Host-to-device copies of page-locked arena bytes by address, for the restores' hot path.
+
+A restore copies each run of arena bytes into its staging buffer. Through ``Tensor.copy_`` a
+piece costs three tensor operations (a view of the chunk, a view of the staging buffer, the
+copy's dispatch) before ``cudaMemcpyAsync``; here the CUDA driver's ``cuMemcpyHtoDAsync`` is
+called with the two addresses on the current stream, which orders it exactly as the copy was
+(the staging buffer was allocated on that stream; the arena's chunk reuse waits for the
+restore stream as before). Where the driver call is not available or fails (no
+``libcuda.so.1``, or a context the thread has not made current), the copy goes through
+``Tensor.copy_`` from then on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_DRIVER: list = []  # [the driver's cuMemcpyHtoDAsync_v2, or None where it cannot be used]
+
+
+def _memcpy_htod():
+    if not _DRIVER:
+        fn = None
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuMemcpyHtoDAsync_v2
+            fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _DRIVER.append(fn)
+    return _DRIVER[0]
+
+
+def host_bytes(addr: int, nbytes: int) -> torch.Tensor:
+    """The host memory at ``addr`` as ``uint8 [nbytes]`` (a view, nothing copied): a CPU
+    output's row, a span of the arena."""
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+
+
+def copy_spans(dst: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
+    """Copy host bytes into ``dst`` (``uint8``, CUDA or CPU) on the current stream: each span
+    ``(offset in dst, host address, bytes)`` (``VirtualArena.spans``: page-locked, so
+    non-blocking on CUDA)."""
+    if dst.is_cuda:
+        fn = _memcpy_htod()
+        if fn is not None:
+            base = dst.data_ptr()
+            stream = torch._C._cuda_getCurrentRawStream(dst.device.index)
+            for i, (at, addr, n) in enumerate(spans):
+                if fn(base + at, addr, n, stream) != 0:  # e.g. no current context
+                    _DRIVER[0] = None
+                    spans = spans[i:]
+                    break
+            else:
+                return
+    for at, addr, n in spans:
+        dst[at:at + n].copy_(host_bytes(addr, n), non_blocking=dst.is_cuda)
