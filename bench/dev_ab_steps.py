@@ -35,6 +35,8 @@ own: removed);
 storage stored once its batch closes, as before the hooks held the last groups);
 ``memory_whole``: a batch of several storages restored into one buffer (living until its
 last member is used), not member by member (as before 0df64c3);
+``memory_views``: a single restore decodes through views of each slice (as before 8023323),
+not by address;
 ``memory_wait``: a due compressed store waits for the link (``_batch.Batcher._starts_now``
 always true, as before session 44) instead of staying held; ``memory_lazy``: the other way, a
 due compressed store stays held whether the link keeps up or not, until the in-flight bound
@@ -70,7 +72,7 @@ import time
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
         "memory_restore256", "memory_batch128", "memory_both", "memory_placed1", "memory_shrink1",
-        "memory_alloc", "memory_whole",
+        "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "speed",
         "speed_copy_only")
@@ -119,6 +121,11 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         from torch_pagecomp.offload._entry import _Entry
 
         return [(_Entry, "split_members", lambda self: None)]
+    if arm == "memory_views":  # a single restore decodes through the slices' views (its
+        # pages, statuses and metadata parts), as before 8023323
+        from torch_pagecomp.offload import _paged
+
+        return [(_paged, "_by_address", lambda out: False)]
     if arm == "memory_group":  # batched restores through restore_group
         return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
     return []
