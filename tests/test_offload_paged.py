@@ -851,26 +851,36 @@ def test_group_of_both_codecs(gen, checksum, monkeypatch):
     assert store.arena.used == 0
 
 
-@interpreter
-def test_placed_restore_by_address_launches_what_its_tensors_would(gen, monkeypatch):
-    """The GPU's by-address batched restore, run on the CPU: its gather and decoders are given
-    addresses into one work buffer and the upload ring (here: an uploaded table) and tensors
-    only to compile; each launch's classes and values are those of the tensors it would make,
-    and run with them (the interpreter), the restore is exact for both codecs."""
+def _checked_launches(launches: list, check=None):
+    """A stand-in for ``launch.launch_known`` on the CPU: it makes the launch's tensors,
+    asserts the classes and values it was given are theirs (and ``check(kernel, grid,
+    args)``), notes the kernel in ``launches`` and runs it through the interpreter."""
     from torch_pagecomp.kernels import launch as L
-    from torch_pagecomp.kernels import lz4_decompress, row_table
-    from torch_pagecomp.offload import _paged_group
-
-    launches = []
 
     def run(kernel, grid, index, meta, classes, values, args, stream=None):
         args = args() if callable(args) else args
         assert classes == tuple(L._arg_class(a) for a in args)
         assert all(v == (a.data_ptr() if isinstance(a, torch.Tensor) else a)
                    for v, a in zip(values, args))
+        if check is not None:
+            check(kernel, grid, args)
         launches.append(kernel)
         L.launch(kernel, grid, torch.device("cpu"), args, meta, traced=False)
 
+    return run
+
+
+@interpreter
+def test_placed_restore_by_address_launches_what_its_tensors_would(gen, monkeypatch):
+    """The GPU's by-address batched restore, run on the CPU: its gather and decoders are given
+    addresses into one work buffer and the upload ring (here: an uploaded table) and tensors
+    only to compile; each launch's classes and values are those of the tensors it would make,
+    and run with them (the interpreter), the restore is exact for both codecs."""
+    from torch_pagecomp.kernels import lz4_decompress, row_table
+    from torch_pagecomp.offload import _paged_group
+
+    launches = []
+    run = _checked_launches(launches)
     monkeypatch.setattr(row_table, "launch_known", run)
     monkeypatch.setattr(lz4_decompress, "launch_known", run)
     stream = object()  # any stream: the by-address path runs, its statuses are kept
@@ -897,22 +907,15 @@ def test_single_restore_by_address_launches_what_its_views_would(gen, monkeypatc
     and statuses, and the tensors only to compile; each launch's classes and values are those
     of the views it would cut, and run with them the restore is exact for both codecs, over
     several slices and a partial last page, into a poisoned output."""
-    from torch_pagecomp.kernels import launch as L
     from torch_pagecomp.kernels import lz4_decompress
     from torch_pagecomp.offload import _paged
 
     launches = []
 
-    def run(kernel, grid, index, meta, classes, values, args, stream=None):
-        args = args() if callable(args) else args
-        assert classes == tuple(L._arg_class(a) for a in args)
-        assert all(v == (a.data_ptr() if isinstance(a, torch.Tensor) else a)
-                   for v, a in zip(values, args))
+    def pages_out(kernel, grid, args):  # one program a page, into uint8 [n, P] pages
         assert grid == (args[4].shape[0],) and args[4].shape[1] == P
-        launches.append(kernel)
-        L.launch(kernel, grid, torch.device("cpu"), args, meta, traced=False)
 
-    monkeypatch.setattr(lz4_decompress, "launch_known", run)
+    monkeypatch.setattr(lz4_decompress, "launch_known", _checked_launches(launches, pages_out))
     monkeypatch.setattr(_paged, "_by_address", lambda out: True)
     store = _store("cpu")  # 4-page slices
     for kind, fmt in (("bf16", "bf16"), ("small", None)):
