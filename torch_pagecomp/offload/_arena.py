@@ -26,6 +26,7 @@ import torch
 
 from .._events import mark
 from ..pools import HostMemory, can_pin
+from ._copies import host_bytes
 
 CHUNK_BYTES = 64 << 20
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
@@ -286,26 +287,22 @@ class VirtualArena:
         range)."""
         return range(base // self.chunk, (base + max(total, 1) - 1) // self.chunk + 1)
 
-    def pieces(self, base: int, total: int, at: int = 0) -> list[tuple[int, torch.Tensor]]:
-        """The page-locked host bytes ``[base, base + total)`` of the arena (backed), one
-        ``(offset, uint8 view)`` per chunk they lie in, in order: ``offset`` is where the piece
-        goes in a buffer whose byte ``at`` takes byte ``base``."""
-        out = []
-        for k in self.chunks_of(base, total):
-            start = k * self.chunk
-            lo, hi = max(base, start), min(base + total, start + self.chunk)
-            out.append((at + lo - base, self.backed[k].tensor[lo - start:hi - start]))
-        return out
-
     def spans(self, base: int, total: int, at: int = 0) -> list[tuple[int, int, int]]:
-        """:meth:`pieces` by address: ``(offset, host address, bytes)`` per chunk (what
-        ``_copies.copy_spans`` takes: no tensor view made per piece)."""
+        """The page-locked host bytes ``[base, base + total)`` of the arena (backed), one
+        ``(offset, host address, bytes)`` per chunk they lie in, in order: ``offset`` is where
+        the span goes in a buffer whose byte ``at`` takes byte ``base`` (what
+        ``_copies.copy_spans`` takes: no tensor view made per span)."""
         out = []
         for k in self.chunks_of(base, total):
             start = k * self.chunk
             lo, hi = max(base, start), min(base + total, start + self.chunk)
             out.append((at + lo - base, self.backed[k].addr + lo - start, hi - lo))
         return out
+
+    def pieces(self, base: int, total: int, at: int = 0) -> list[tuple[int, torch.Tensor]]:
+        """:meth:`spans` as ``(offset, uint8 view)``: views of the chunks' host memory, for
+        callers that read or write the bytes on the host while the arena holds them."""
+        return [(off, host_bytes(addr, n)) for off, addr, n in self.spans(base, total, at)]
 
     def back(self, upper: int, stream) -> None:
         """Before planning a slice of at most ``upper`` bytes (on ``stream``): back every chunk

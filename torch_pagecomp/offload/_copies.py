@@ -42,17 +42,13 @@ def copy_spans(dst: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
     """Copy host bytes into ``dst`` (``uint8``, CUDA or CPU) on the current stream: each span
     ``(offset in dst, host address, bytes)`` (``VirtualArena.spans``: page-locked, so
     non-blocking on CUDA)."""
-    if dst.is_cuda:
-        fn = _memcpy_htod()
-        if fn is not None:
-            base = dst.data_ptr()
-            stream = torch._C._cuda_getCurrentRawStream(dst.device.index)
-            for i, (at, addr, n) in enumerate(spans):
-                if fn(base + at, addr, n, stream) != 0:  # e.g. no current context
-                    _DRIVER[0] = None
-                    spans = spans[i:]
-                    break
-            else:
-                return
+    fn = _memcpy_htod() if dst.is_cuda else None
+    if fn is not None:
+        base = dst.data_ptr()
+        stream = torch._C._cuda_getCurrentRawStream(dst.device.index)
     for at, addr, n in spans:
+        if fn is not None:
+            if fn(base + at, addr, n, stream) == 0:
+                continue
+            _DRIVER[0] = fn = None  # e.g. no current context: Tensor.copy_ from now on
         dst[at:at + n].copy_(host_bytes(addr, n), non_blocking=dst.is_cuda)

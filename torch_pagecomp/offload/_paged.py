@@ -548,11 +548,7 @@ def _decode_slice_at(sl: _Slice, staging: torch.Tensor, out: torch.Tensor,
         return (staging, sl.rel, sl.sizes, sl.kinds, out[first * p:(first + n) * p].view(n, p),
                 status[first:first + n], staging.numel())
 
-    if exp:
-        from ..kernels.exp_codec import decompress_exp_into_at as decode
-    else:
-        from ..kernels.lz4_decompress import decompress_into_at as decode
-    decode(out.device.index, p, n, addrs, staging.numel(), args)
+    decode_rows_at(exp, out.device.index, p, n, addrs, staging.numel(), args, rows=False)
 
 
 def _checksums(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -684,14 +680,19 @@ def decode_rows(payload, offsets, sizes, kinds, rows, page_size: int, status, ex
 
 
 def decode_rows_at(exp: bool, index: int, page_size: int, n: int, addrs: tuple, total: int,
-                   args) -> None:
+                   args, rows: bool = True) -> None:
     """:func:`decode_rows` on CUDA device ``index`` given the addresses of ``(payload,
     offsets, sizes, kinds, rows, status)`` (``n`` pages, ``payload`` of ``total`` bytes);
-    ``args`` (a function that makes the tensors) as for ``kernels.launch.launch_known``."""
+    ``args`` (a function that makes the tensors) as for ``kernels.launch.launch_known``.
+    Without ``rows``, the fifth address is that of ``uint8 [n, page_size]`` output pages."""
     if exp:
-        from ..kernels.exp_codec import decompress_exp_rows_at as decode
+        from ..kernels import exp_codec as k
+
+        decode = k.decompress_exp_rows_at if rows else k.decompress_exp_into_at
     else:
-        from ..kernels.lz4_decompress import decompress_rows_at as decode
+        from ..kernels import lz4_decompress as k
+
+        decode = k.decompress_rows_at if rows else k.decompress_into_at
     decode(index, page_size, n, addrs, total, args)
 
 
