@@ -43,7 +43,10 @@ due compressed store stays held whether the link keeps up or not, until the in-f
 stores the oldest (one H200: faster than the package on encoder-1024 and BERT-large in two
 runs, on ResNet-50 in one of two, slower on GPT-2 and ViT-B/16 in one, and BERT's GPU peak
 0.07 GiB higher, where a plain copy keeps up and frees what this holds;
-``bench/results/h200_0a6fe49_session50``). ``memory_nowait``: the host
+``bench/results/h200_0a6fe49_session50``). ``uncompressed_eager``, ``memory_eager``: a due
+store starts as soon as the link has room, even where the GPU's allocation is below the peak
+it has reached (``_batch.Batcher._over_peak`` never holds: before session 53).
+``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
 that wait is host time. ``speed``: ``prefer="speed"``,
@@ -74,6 +77,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_restore256", "memory_batch128", "memory_both", "memory_placed1", "memory_shrink1",
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
+        "uncompressed_eager", "memory_eager",
         "speed",
         "speed_copy_only")
 
@@ -110,6 +114,9 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         return [(Batcher, "window", property(lambda self: 0))]
     if arm == "memory_nowait":  # the arena pins a chunk rather than wait for a pack
         return [(VirtualArena, "_room", VirtualArena._unbacked)]
+    if arm.endswith("_eager"):  # a due store starts once the link has room, whatever the
+        # GPU's allocation (as before the peak rule, ``Batcher._over_peak``)
+        return [(Batcher, "_over_peak", lambda self, dev: None)]
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
         return [(Batcher, "_starts_now", lambda self, batch: True)]
     if arm == "memory_lazy":  # a due compressed store stays held (as if the link were always

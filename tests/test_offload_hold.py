@@ -330,6 +330,126 @@ def test_a_bound_that_stores_a_due_batch_during_the_due_stores(gen, monkeypatch)
     assert not _waiting(off) and off.pending()["entries"] == 0
 
 
+def _memory(monkeypatch, over):
+    """Stand in for the caching allocator's counters (``_batch.gpu_memory``), on the CPU too:
+    ``over(batcher)`` is what the allocation with its room for two groups exceeds the peak by
+    at each ask (at most zero: below the peak). Returns the answers given, in order."""
+    from torch_pagecomp.offload import _batch
+
+    answers = []
+    real = _batch.Batcher._over_peak
+
+    def memory(dev):
+        peak = 1 << 40
+        return peak + over(answers) - 2 * batcher[0].last_group_bytes, peak
+
+    batcher = []
+
+    def over_peak(self, dev):
+        batcher[:] = [self]
+        answers.append(real(self, dev))
+        return answers[-1]
+
+    monkeypatch.setattr(_batch, "gpu_memory", memory)
+    monkeypatch.setattr(_batch.Batcher, "_over_peak", over_peak)
+    return answers
+
+
+def test_storages_below_the_gpu_peak_stay_held_and_are_read_in_place(gen, monkeypatch):
+    """The allocation below the peak it reached (with room for two groups like the last):
+    no due batch is stored, every storage of the pass stays where it is and the backward
+    reads it in place, with the same gradients and nothing over the link either way; the
+    warning says why. Once the allocation is over the line, the next step stores again."""
+    model, x, ref, off = _decided(gen)
+    st = off.stats()
+    stored, held, served = st["offloaded_bytes"], st["held"], st.get("served_held", 0)
+    answers = _memory(monkeypatch, lambda asked: -1)
+    with pytest.warns(UserWarning, match="below the peak it had already reached"), off:
+        loss = model(x)
+    ps = off._last_pass()
+    assert len(ps.groups) > off.prefetch + 2 and answers and max(answers) <= 0, answers
+    assert all(e().stored is None for g in ps.groups for e in g if e() is not None)
+    st = off.stats()
+    assert st["offloaded_bytes"] == stored and st["held_below_peak"] > 0, st
+    assert st.get("deferred", 0) == 0 and off.pending()["holding"] == st["held"] - held
+    loss.backward()
+    _same(ref, [p.grad for p in model.parameters()])
+    after = off.stats()
+    assert after["served_held"] - served >= after["held"] - held, after  # (some twice)
+    for key in ("restored_prefetch", "restored_on_demand"):
+        assert after.get(key, 0) == st.get(key, 0), (key, st, after)
+    assert not _waiting(off) and off.pending()["entries"] == 0
+    _memory(monkeypatch, lambda asked: 1 << 30)  # far over the peak: stored as before
+    model.zero_grad(set_to_none=True)
+    _same(ref, _step(model, x, off))
+    assert off.stats()["offloaded_bytes"] > stored
+
+
+def test_over_the_gpu_peak_the_oldest_due_batches_that_cover_the_excess_are_stored(
+        gen, monkeypatch):
+    """The allocation below the line at every other group end, over it at the others: below
+    it nothing due is stored; over it by one byte, the oldest due batch is stored (freed
+    once its store reads it) and the due ones after it stay held; over it by a batch's bytes
+    and one, its two oldest. Stores keep the groups' order, and the gradients are the same."""
+    from torch_pagecomp.offload._batch import Batcher
+
+    model, x = _model(gen, layers=8), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    off = _off()
+    _same(ref, _step(model, x, off))
+    batch_bytes = ROWS * WIDTH * 4  # a storage a batch: group_bytes closes each group
+    real_due, real_flush = Batcher.store_due, Batcher.flush
+    for excess, most in ((1, 1), (batch_bytes + 1, 2)):
+        model.zero_grad(set_to_none=True)
+        answers = _memory(monkeypatch, lambda asked, e=excess: e if len(asked) % 2 else -1)
+        calls, order = [], []  # per store_due call: (its answer or None, batches it stored)
+
+        def store_due(self, answers=answers, calls=calls):
+            asked = len(answers)
+            calls.append([None, 0])
+            real_due(self)
+            if len(answers) > asked:
+                calls[-1][0] = answers[-1]
+
+        def flush(self, batch, calls=calls, order=order):
+            if calls:
+                calls[-1][1] += 1
+            order.append(batch.group[1])
+            real_flush(self, batch)
+
+        monkeypatch.setattr(Batcher, "store_due", store_due)
+        monkeypatch.setattr(Batcher, "flush", flush)
+        with off:
+            loss = model(x)
+        monkeypatch.setattr(Batcher, "store_due", real_due)
+        monkeypatch.setattr(Batcher, "flush", real_flush)
+        below = [n for a, n in calls if a is not None and a <= 0]
+        over = [n for a, n in calls if a is not None and a > 0]
+        assert below and over and not any(below), calls
+        assert max(over) == most and min(over) >= 1, (excess, calls)
+        assert order == sorted(order) and off.stats()["held_below_peak"] > 0, order
+        loss.backward()
+        _same(ref, [p.grad for p in model.parameters()])
+
+
+def test_gpu_memory_reads_the_allocators_counters():
+    """``_batch.gpu_memory``: None off a GPU; on one, the caching allocator's bytes allocated
+    now and its peak since the last reset, as ``torch.cuda`` reports them."""
+    from torch_pagecomp.offload._batch import gpu_memory
+
+    assert gpu_memory(torch.device("cpu")) is None
+    if not CUDA:
+        return
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.reset_peak_memory_stats()
+    t = torch.empty(32 << 20, dtype=torch.uint8, device=dev)
+    del t
+    now, peak = gpu_memory(dev)
+    assert now == torch.cuda.memory_allocated(dev), now
+    assert peak == torch.cuda.max_memory_allocated(dev) >= now + (32 << 20), (now, peak)
+    assert gpu_memory(torch.device("cuda")) == (now, peak)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["compressed", "uncompressed"])
 def test_gpu_held_groups_are_read_in_place_with_identical_grads(gen, mode):
@@ -379,9 +499,9 @@ def test_gpu_deferred_stores_keep_gradients_identical(gen, monkeypatch):
 
 
 def test_the_ab_probe_arms_set_the_window_and_put_it_back():
-    """``bench.dev_ab_steps``' arms ``*_nohold`` (nothing held) change the window, and
-    ``memory_wait`` (due stores wait for the link) the deferral, while their steps run, and
-    only then."""
+    """``bench.dev_ab_steps``' arms ``*_nohold`` (nothing held) change the window,
+    ``memory_wait`` (due stores wait for the link) the deferral and ``*_eager`` (nothing held
+    below the GPU's peak) the peak rule, while their steps run, and only then."""
     from bench.dev_ab_steps import _arm_patch
     from torch_pagecomp.offload._batch import Batcher
 
@@ -395,6 +515,10 @@ def test_the_ab_probe_arms_set_the_window_and_put_it_back():
     with _arm_patch("memory_wait"):
         assert Batcher._starts_now is not real
     assert Batcher._starts_now is real
+    for arm in ("memory_eager", "uncompressed_eager"):  # never held below the peak
+        with _arm_patch(arm):
+            assert off._batcher._over_peak(torch.device("cuda")) is None
+        assert off._batcher._over_peak.__func__ is Batcher._over_peak
 
 
 def test_the_ab_probe_constant_arms_set_their_constants_and_put_them_back():

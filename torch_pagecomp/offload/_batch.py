@@ -85,13 +85,14 @@ class Batch:
     size)``, what the members share. ``alone``: ``(codec, class)`` of a storage stored alone
     (``codec`` None: a plain copy), else None."""
 
-    __slots__ = ("key", "ref", "nbytes", "members", "alone", "group", "deferred")
+    __slots__ = ("key", "ref", "nbytes", "members", "alone", "group", "deferred", "below_peak")
 
     def __init__(self, key: tuple, entry: _Entry, alone: tuple | None = None):
         self.key, self.ref, self.alone = key, weakref.ref(entry), alone
         self.group = (weakref.ref(entry.pass_), entry.group)
         self.nbytes = self.members = 0
         self.deferred = False  # its store waited for the link at least once
+        self.below_peak = False  # held at least once because the GPU was below its peak
 
     def add(self, entry: _Entry, src: torch.Tensor) -> int:
         """Append ``src`` to ``entry``'s parts; returns its byte offset in the batch."""
@@ -105,6 +106,22 @@ class Batch:
         """Whether the batch is of an older pass than ``ps``, or of a group before ``group``."""
         mine, k = self.group
         return mine() is not ps or k < group
+
+
+def gpu_memory(dev: torch.device) -> tuple[int, int] | None:
+    """``(bytes allocated now, the most allocated since the peak was last reset)`` by the
+    caching allocator on CUDA device ``dev`` (None for another device): one call for the
+    nested counters (``torch.cuda.memory_allocated`` builds a flat copy of every counter,
+    and would twice for both)."""
+    if dev.type != "cuda":
+        return None
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    if stats is None:  # a build without it
+        flat = torch.cuda.memory_stats(index)
+        return flat["allocated_bytes.all.current"], flat["allocated_bytes.all.peak"]
+    counts = stats(index)["allocated_bytes"]["all"]
+    return counts["current"], counts["peak"]
 
 
 def joined(entry: _Entry) -> torch.Tensor:
@@ -131,6 +148,7 @@ class Batcher:
         self.nbytes = 0  # their bytes on a GPU
         self.due: tuple | None = None  # (pass, group): batches before it are due a store
         self.behind = False  # a due batch waits for the link (tried again at the next add)
+        self.last_group_bytes = 0  # the saved bytes of the group that ended last
 
     @property
     def window(self) -> int:
@@ -219,6 +237,8 @@ class Batcher:
         and store those of groups outside the window, as far as the link keeps up
         (:meth:`store_due`)."""
         self._close_open()
+        if ps.groups[-1]:  # (an empty group does not end: the next one is the same)
+            self.last_group_bytes = ps.group_bytes
         ps.new_group()
         if not _in_backward():  # (a recompute's group in a backward stores nothing it reads)
             self.due = (weakref.ref(ps), len(ps.groups) - self.window)
@@ -246,9 +266,23 @@ class Batcher:
         ref, group = self.due
         ps = ref()
         off = self._owner()
+        over: dict = {}  # device -> bytes above the line of :meth:`_over_peak` (asked once)
+        holding = set()  # devices below that line: their due batches stay
         # the oldest due batch, found again after each store: a store's in-flight bound
         # (``_bound``) may have stored the next one already
-        while (batch := next((b for b in self.held if b.before(ps, group)), None)) is not None:
+        while (batch := next((b for b in self.held if b.before(ps, group)
+                              and b.key[0] not in holding), None)) is not None:
+            dev = batch.key[0]
+            if dev not in over:
+                over[dev] = self._over_peak(dev)
+            if over[dev] is not None and over[dev] <= 0:
+                holding.add(dev)
+                for later in self.held:
+                    if (later.key[0] == dev and later.before(ps, group)
+                            and not later.below_peak):
+                        later.below_peak = True
+                        off.counters["held_below_peak"] += later.members
+                continue
             if not self._starts_now(batch):
                 self.behind = True
                 for later in self.held:
@@ -256,7 +290,30 @@ class Batcher:
                         later.deferred = True
                         off.counters["deferred"] += later.members
                 return
+            if over[dev] is not None:
+                over[dev] -= batch.nbytes  # freed once its store has read it
             self.flush(batch)
+
+    def _over_peak(self, dev: torch.device) -> int | None:
+        """None off a GPU; else the bytes by which the allocation of ``dev`` now, with room
+        for two more groups like the last, exceeds the most the caching allocator has
+        allocated since its peak was last reset (at most zero: the held batches stay, below
+        the line). Memory below
+        that peak is already reserved by the process and is reached again each step, so a
+        storage held there costs no GPU memory a step would not use anyway, and saves its
+        store, its restore and its bytes over the link both ways. The room is for the next
+        group's saved storages (held until their group leaves the window) and its
+        temporaries. This is what keeps a network whose activations shrink over the forward
+        (a ResNet's later stages) from storing everything as soon as the link has room: on
+        a host slower than the link it did, and its compressed steps were host-bound
+        (ResNet-50 on an H200: 1.28x a plain copy's step in one process where another of
+        the same code, whose forward had got ahead of the link, ran 0.92x;
+        ``bench/results/h200_de2195a_session53``)."""
+        counts = gpu_memory(dev)
+        if counts is None:
+            return None
+        allocated, peak = counts
+        return allocated + 2 * self.last_group_bytes - peak
 
     def _starts_now(self, batch: Batch) -> bool:
         """Whether storing ``batch`` starts without the host waiting (anything but a

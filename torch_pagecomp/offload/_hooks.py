@@ -290,9 +290,13 @@ class ActivationOffloader:
                        f"(latest: {self._last_error})")
         kept = {k[5:]: v for k, v in delta.items()
                 if k.startswith("kept_") and k not in ("kept_cpu", "kept_small")}
-        deferred = delta["deferred"]
-        if delta["held"] > deferred:
-            why.append(f"{delta['held'] - deferred} were held in place, not stored: they are "
+        deferred, below = delta["deferred"], delta["held_below_peak"]
+        if below:
+            why.append(f"{below} were held in place because the GPU's allocation stayed below "
+                       "the peak it had already reached (storing them would not lower it)")
+        if delta["held"] > deferred + below:
+            why.append(f"{delta['held'] - deferred - below} were held in place, not stored: "
+                       "they are "
                        f"in the last prefetch + 1 = {self.prefetch + 1} groups, which the "
                        "backward would bring back at its start (start a group per block with "
                        "next_group(), as offload_module does, or pass a smaller group_bytes)")
