@@ -355,6 +355,7 @@ def _memory(monkeypatch, over):
     return answers
 
 
+@pytest.mark.peak_rule
 def test_storages_below_the_gpu_peak_stay_held_and_are_read_in_place(gen, monkeypatch):
     """The allocation below the peak it reached (with room for two groups like the last):
     no due batch is stored, every storage of the pass stays where it is and the backward
@@ -385,6 +386,7 @@ def test_storages_below_the_gpu_peak_stay_held_and_are_read_in_place(gen, monkey
     assert off.stats()["offloaded_bytes"] > stored
 
 
+@pytest.mark.peak_rule
 def test_over_the_gpu_peak_the_oldest_due_batches_that_cover_the_excess_are_stored(
         gen, monkeypatch):
     """The allocation below the line at every other group end, over it at the others: below
@@ -450,6 +452,37 @@ def test_gpu_memory_reads_the_allocators_counters():
     assert gpu_memory(torch.device("cuda")) == (now, peak)
 
 
+@pytest.mark.peak_rule
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["compressed", "uncompressed"])
+def test_gpu_a_pass_below_an_earlier_peak_is_read_in_place(gen, mode):
+    """The caching allocator's real counters: after a larger allocation (freed) the next
+    pass stays below that peak, so its storages are held and read in place (nothing stored,
+    restored or sent over the link) with identical gradients; with the peak reset to what is
+    allocated, the next pass stores again."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model(gen, layers=6, device="cuda", dtype=torch.bfloat16)
+    x = _data(gen, 512, WIDTH, "cuda", torch.bfloat16)
+    ref = _step(model, x)
+    off = ActivationOffloader(mode=mode, prefer="memory", min_offload_bytes=P,
+                              group_bytes=512 * WIDTH * 2, min_ratio=0.0, sample_tensors=1)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    del big  # the peak: 1 GiB above what a pass of this model allocates
+    _same(ref, _step(model, x, off))
+    st = off.stats()
+    assert st["held_below_peak"] > 0 and st.get("offloaded_bytes", 0) == 0, st
+    assert st["served_held"] > 0 and st.get("restored_prefetch", 0) == 0, st
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()  # every pass now raises the peak: stored
+    model.zero_grad(set_to_none=True)
+    _same(ref, _step(model, x, off))
+    assert off.stats()["offloaded_bytes"] > 0, off.stats()
+    torch.cuda.synchronize()
+    assert off.pending()["entries"] == 0 and not _waiting(off)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["compressed", "uncompressed"])
 def test_gpu_held_groups_are_read_in_place_with_identical_grads(gen, mode):
@@ -498,6 +531,7 @@ def test_gpu_deferred_stores_keep_gradients_identical(gen, monkeypatch):
     assert off.stats()["deferred"] > 0
 
 
+@pytest.mark.peak_rule
 def test_the_ab_probe_arms_set_the_window_and_put_it_back():
     """``bench.dev_ab_steps``' arms ``*_nohold`` (nothing held) change the window,
     ``memory_wait`` (due stores wait for the link) the deferral and ``*_eager`` (nothing held
