@@ -16,7 +16,10 @@ offsets, so gradients are bit-identical):
   ``prefetch + 1`` groups (``_batch``): the backward's first prefetch would bring those back at
   once, so it reads them in place and their bytes never cross the link; a compressed store
   whose slices would make the host wait for the link (it is behind the forward) is put off,
-  its storages held, until a later saved storage finds the link free. The GPU storage of a
+  its storages held, until a later saved storage finds the link free; and a due storage stays
+  held while the GPU's allocation (with room for two more groups) is below the peak the
+  caching allocator has already reached: memory the process uses each step anyway, so
+  storing it would lower nothing and cost its round trip. The GPU storage of a
   started offload stays in a stash until its bytes are in host memory (a backward that comes
   first reads it in place, with no round trip over the link); past ``max_in_flight_bytes``
   (held storages included) the compute stream waits until the oldest has been read (copied,
@@ -96,7 +99,9 @@ class ActivationOffloader:
         prefetch: the first unpack in group ``k`` restores groups ``k .. k - prefetch``. The
             last ``prefetch + 1`` groups of a forward, which the backward needs first, are
             held where they are and read there: a group is stored only once it leaves that window
-            (0: nothing held, each tensor restored on demand when unpacked).
+            and the GPU's allocation, with room for two more groups, is over the peak the
+            caching allocator has reached since its peak was last reset (0: nothing held,
+            each tensor restored on demand when unpacked).
         min_offload_bytes: storages smaller than this stay where they are.
         max_in_flight_bytes: GPU bytes kept alive by unfinished offloads and held storages
             (with the compressors' scratch); past it the oldest held are stored and the
@@ -708,7 +713,9 @@ class ActivationOffloader:
         offloaded; those of the last ``prefetch + 1`` groups are never stored), and
         ``served_held`` the unpacks that read one in place; ``holding`` (of :meth:`pending`)
         those held now. ``deferred``: held storages whose compressed store was put off at
-        least once because the link was behind the forward (``_batch.Batcher.store_due``).
+        least once because the link was behind the forward (``_batch.Batcher.store_due``);
+        ``held_below_peak``: held storages whose store was put off at least once because the
+        GPU's allocation was below the peak it had reached (``_batch.Batcher._over_peak``).
         ``entries`` and ``stash`` count stored entries, a batch once."""
         out = dict(self.counters)
         for key in ("packed", "offloaded_bytes"):  # read by every user: there from the start
