@@ -889,3 +889,22 @@ def test_the_ab_probe_pairs_each_round_with_the_base_arms():
     assert paired([90.0, 180.0], base[:2]) == "0.90x"
     got = paired([100.0, 240.0, 90.0, 300.0, 120.0], base)
     assert got.startswith("1.00x (") and got != "1.00x (1.00-1.00)", got
+
+
+def test_the_leftover_probe_groups_live_blocks_by_their_frames():
+    """``bench.dev_leftover``: the blocks still allocated on the device asked about, by their
+    innermost Python frames; freed blocks, other devices and non-Python frames count nothing."""
+    from bench.dev_leftover import frames_key, leftover
+
+    fr = [{"filename": "/x/fsdp/_param.py", "line": 7, "name": "alloc"},
+          {"filename": "??", "line": 0, "name": "c10::alloc"},
+          {"filename": "/y/bench/run.py", "line": 3, "name": "step"}]
+    key = frames_key(fr)
+    assert key == "_param.py:7:alloc < run.py:3:step", key
+    snap = {"segments": [
+        {"device": 0, "blocks": [{"size": 512, "state": "active_allocated", "frames": fr},
+                                 {"size": 256, "state": "inactive", "frames": fr},
+                                 {"size": 128, "state": "active_allocated"}]},
+        {"device": 1, "blocks": [{"size": 1024, "state": "active_allocated", "frames": fr}]}]}
+    assert leftover(snap, 0) == {key: 512, "?": 128}
+    assert leftover(snap, 1) == {key: 1024}
