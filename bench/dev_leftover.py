@@ -45,6 +45,56 @@ def leftover(snapshot, device: int) -> collections.Counter:
     return by
 
 
+def describe(obj) -> str:
+    """A short name for an object on a chain of referrers."""
+    import types
+
+    if isinstance(obj, dict):
+        return f"dict(keys={list(obj)[:6]})"
+    if isinstance(obj, (list, tuple, set)):
+        return f"{type(obj).__name__}(len={len(obj)})"
+    if isinstance(obj, types.FrameType):
+        return f"frame {obj.f_code.co_filename.rsplit('/', 1)[-1]}:{obj.f_code.co_name}"
+    if isinstance(obj, types.FunctionType):
+        return f"function {obj.__qualname__}"
+    if isinstance(obj, types.MethodType):
+        return f"method {obj.__func__.__qualname__}"
+    if isinstance(obj, types.CellType):
+        return "cell"
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def referrers(target, depth: int = 6, width: int = 4) -> list[str]:
+    """What keeps ``target`` alive: its referrers, theirs, ..., ``depth`` levels up (at most
+    ``width`` a level; this probe's own frames and lists left out)."""
+    import sys
+
+    lines, seen = [], {id(target)}
+    level = [target]
+    for d in range(depth):
+        nxt = []
+        for obj in level:
+            refs = [r for r in gc.get_referrers(obj) if id(r) not in seen
+                    and r is not level and r is not nxt and r is not sys._getframe()]
+            for r in refs[:width]:
+                seen.add(id(r))
+                lines.append(f"{'  ' * (d + 1)}<- {describe(r)}")
+                nxt.append(r)
+        level = nxt
+        if not level:
+            break
+    return lines
+
+
+def alive_models() -> list:
+    """The ``torch.nn.Module`` objects alive that no other alive module holds as a child."""
+    import torch
+
+    mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    children = {id(c) for m in mods for c in m.children()}
+    return [m for m in mods if id(m) not in children]
+
+
 def main() -> None:
     import torch
 
@@ -55,6 +105,8 @@ def main() -> None:
     ap.add_argument("--arms", default="uncompressed,memory,none")
     ap.add_argument("--fsdp", action="store_true")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--referrers", action="store_true",
+                    help="also what keeps the first model left alive alive")
     a = ap.parse_args()
     rank = _process_group("cuda") if a.fsdp else 0
     dev = torch.cuda.current_device()
@@ -75,6 +127,11 @@ def main() -> None:
                 every = [None] * dist.get_world_size()
                 dist.all_gather_object(every, lines[0])
                 lines[0:1] = every
+            roots = alive_models()
+            lines.append(f"  models alive: {[type(m).__name__ for m in roots][:8]}")
+            if roots and a.referrers:
+                lines += referrers(roots[0])
+            del roots
             if rank == 0:
                 print("\n".join(lines), flush=True)
     finally:
