@@ -17,26 +17,36 @@ shards one by one.
 
 from __future__ import annotations
 
+import torch.nn as nn
+
 # family -> the attribute path of its blocks inside the library's model
 _BLOCKS = {"hf-gpt2": "h", "hf-bert": "encoder.layer", "hf-llama": "layers",
            "tv-vit": "encoder.layers"}
 
 
-def _stack(body, blocks: list, forward):
+def _stack(body, blocks: list, forward) -> nn.Module:
     """``body`` wrapped as a module whose ``layers`` are ``blocks`` and whose ``forward(x)`` is
     ``forward(body, x)``."""
-    import torch.nn as nn
+    return _Stack(body, blocks, forward)
 
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.body = body
-            self.layers = blocks  # a plain list: parameters() stays the library model's
 
-        def forward(self, x):
-            return forward(self.body, x)
+class _Stack(nn.Module):
+    """:func:`_stack`'s module. One class for every model, defined here: FSDP2's
+    ``fully_shard`` keeps the class it makes for each module class in a module-level cache
+    for the process's life, keyed by that class. A class made per call, its ``__init__``
+    closing over the model's parts, kept every model wrapped so alive through that cache:
+    under FSDP2 the interleaved bench's later models started on 0.6 GiB a rank of an earlier
+    model's parameter and gradient shards (``bench.dev_leftover``,
+    ``bench/results/h200x2_de2195a_session53``)."""
 
-    return Stack()
+    def __init__(self, body, blocks: list, forward):
+        super().__init__()
+        self.body = body
+        self.layers = blocks  # a plain list: parameters() stays the library model's
+        self._forward = forward
+
+    def forward(self, x):
+        return self._forward(self.body, x)
 
 
 def _attr(obj, path: str):

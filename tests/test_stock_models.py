@@ -216,3 +216,24 @@ def test_fsdp2_on_cuda_with_fewer_gpus_than_ranks_is_refused_with_a_reason(monke
                            "encoder-tiny", "--variants", "none"])
     assert exc.value.code == 2
     assert "needs a GPU per rank (1 here)" in capsys.readouterr().err
+
+
+def test_the_public_models_wrapper_keeps_no_model_alive_through_its_class():
+    """FSDP2's ``fully_shard`` keeps, for the process's life, the class it makes for each
+    module class, keyed by that class: ``public_models._stack``'s wrapper class must not hold
+    the models it wraps (a class made per call, closing over them, kept every HF and
+    torchvision model measured under FSDP2 alive)."""
+    import gc
+    import weakref
+
+    import torch.nn as nn
+
+    body = nn.Linear(4, 4)
+    model = public_models._stack(body, [body], lambda b, x: b(x))
+    cache = {type(model): type("FSDPStack", (type(model),), {})}  # what fully_shard keeps
+    other = public_models._stack(nn.Linear(2, 2), [], lambda b, x: x)
+    assert type(other) is type(model) and cache
+    ref = weakref.ref(body)
+    del model, body, other
+    gc.collect()
+    assert ref() is None
