@@ -270,12 +270,13 @@ class Batcher:
 
     def store_due(self) -> None:
         """Store the batches due (of passes other than :attr:`due`'s and of its groups before
-        its group), oldest first, while each can start without the host waiting for the link.
-        A compressed batch whose store would wait for slices in flight to be placed
-        (``PagedStore.stores_now``: the arena's chunks are spoken for, the link is behind the
-        forward) stays held, and those after it; they are tried again at the next saved
-        storage and group end. Not in a backward (it reads held batches in place; a
-        recompute's group stores nothing it reads), nor while a CUDA graph is captured (its
+        its group), oldest first, while their device's allocation is over the line of
+        :meth:`_over_peak` (below it they stay held) and each can start without the host
+        waiting for the link. A compressed batch whose store would wait for slices in flight
+        to be placed (``PagedStore.stores_now``: the arena's chunks are spoken for, the link
+        is behind the forward) stays held, and those after it; they are tried again at the
+        next saved storage and group end. Not in a backward (it reads held batches in place;
+        a recompute's group stores nothing it reads), nor while a CUDA graph is captured (its
         launches and events would go into the graph)."""
         self.behind = False
         if self.due is None or _in_backward() or _capturing():
@@ -313,19 +314,10 @@ class Batcher:
 
     def _over_peak(self, dev: torch.device) -> int | None:
         """None off a GPU; else the bytes by which the allocation of ``dev`` now, with room
-        for two more groups like the last, exceeds the most the caching allocator has
-        allocated since its peak was last reset (at most zero: the held batches stay, below
-        the line). Memory below
-        that peak is already reserved by the process and is reached again each step, so a
-        storage held there costs no GPU memory a step would not use anyway, and saves its
-        store, its restore and its bytes over the link both ways. The room is for the next
-        group's saved storages (held until their group leaves the window) and its
-        temporaries. This is what keeps a network whose activations shrink over the forward
-        (a ResNet's later stages) from storing everything as soon as the link has room: on
-        a host slower than the link it did, and its compressed steps were host-bound
-        (ResNet-50 on an H200: 1.28x a plain copy's step in one process where another of
-        the same code, whose forward had got ahead of the link, ran 0.92x;
-        ``bench/results/h200x2_de2195a_session53``)."""
+        for two more groups like the last (the next group's saved storages, held until their
+        group leaves the window, and its temporaries), exceeds the most the caching allocator
+        has allocated since its peak was last reset. At most zero, the due batches stay held:
+        see "Stored only to stay under the peak" in this module's docstring."""
         counts = gpu_memory(dev)
         if counts is None:
             return None
