@@ -74,7 +74,7 @@ class HostMemory:
     def release(self) -> None:
         """Unregister (the mapping itself goes when the last tensor view is dropped)."""
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self.addr)
             self.pinned = False
 
     def __del__(self):

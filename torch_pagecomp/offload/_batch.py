@@ -102,14 +102,16 @@ class Batch:
     size)``, what the members share. ``alone``: ``(codec, class)`` of a storage stored alone
     (``codec`` None: a plain copy), else None."""
 
-    __slots__ = ("key", "ref", "nbytes", "members", "alone", "group", "deferred", "below_peak")
+    __slots__ = ("key", "ref", "nbytes", "members", "alone", "group", "deferred",
+                 "held_below_peak")
 
     def __init__(self, key: tuple, entry: _Entry, alone: tuple | None = None):
         self.key, self.ref, self.alone = key, weakref.ref(entry), alone
         self.group = (weakref.ref(entry.pass_), entry.group)
         self.nbytes = self.members = 0
+        # flags named as the offloader's counters of the members they mark (each counted once)
         self.deferred = False  # its store waited for the link at least once
-        self.below_peak = False  # held at least once because the GPU was below its peak
+        self.held_below_peak = False  # held at least once because the GPU was below its peak
 
     def add(self, entry: _Entry, src: torch.Tensor) -> int:
         """Append ``src`` to ``entry``'s parts; returns its byte offset in the batch."""
@@ -133,11 +135,7 @@ def gpu_memory(dev: torch.device) -> tuple[int, int] | None:
     if dev.type != "cuda":
         return None
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    stats = getattr(torch._C, "_cuda_memoryStats", None)
-    if stats is None:  # a build without it
-        flat = torch.cuda.memory_stats(index)
-        return flat["allocated_bytes.all.current"], flat["allocated_bytes.all.peak"]
-    counts = stats(index)["allocated_bytes"]["all"]
+    counts = torch._C._cuda_memoryStats(index)["allocated_bytes"]["all"]
     return counts["current"], counts["peak"]
 
 
@@ -283,7 +281,6 @@ class Batcher:
             return
         ref, group = self.due
         ps = ref()
-        off = self._owner()
         over: dict = {}  # device -> bytes above the line of :meth:`_over_peak` (asked once)
         holding = set()  # devices below that line: their due batches stay
         # the oldest due batch, found again after each store: a store's in-flight bound
@@ -295,22 +292,25 @@ class Batcher:
                 over[dev] = self._over_peak(dev)
             if over[dev] is not None and over[dev] <= 0:
                 holding.add(dev)
-                for later in self.held:
-                    if (later.key[0] == dev and later.before(ps, group)
-                            and not later.below_peak):
-                        later.below_peak = True
-                        off.counters["held_below_peak"] += later.members
+                self._flag_due(ps, group, "held_below_peak", dev)
                 continue
             if not self._starts_now(batch):
                 self.behind = True
-                for later in self.held:
-                    if later.before(ps, group) and not later.deferred:
-                        later.deferred = True
-                        off.counters["deferred"] += later.members
+                self._flag_due(ps, group, "deferred")
                 return
             if over[dev] is not None:
                 over[dev] -= batch.nbytes  # freed once its store has read it
             self.flush(batch)
+
+    def _flag_due(self, ps, group: int, flag: str, dev: torch.device | None = None) -> None:
+        """Set ``flag`` on the due batches (of ``dev`` only, if given) that lack it, and add
+        their members to the offloader's counter of that name."""
+        counters = self._owner().counters
+        for b in self.held:
+            if (b.before(ps, group) and (dev is None or b.key[0] == dev)
+                    and not getattr(b, flag)):
+                setattr(b, flag, True)
+                counters[flag] += b.members
 
     def _over_peak(self, dev: torch.device) -> int | None:
         """None off a GPU; else the bytes by which the allocation of ``dev`` now, with room
