@@ -497,7 +497,7 @@ def test_differential_fuzz_triton_vs_cpu(page_size, element_size, bounds, gen): 
 
 def test_the_quick_container_check_accepts_only_what_the_full_check_accepts(gen):
     """``format.check_compressed`` decides the usual case in a few comparisons
-    (``_plainly_valid``, #26) and falls back to the item-by-item check: on valid containers
+    (``plainly_valid``, #26) and falls back to the item-by-item check: on valid containers
     and on one defect at a time (each field's dtype, shape, device, contiguity, type; the page
     size; the codec; a subclass), the quick check never passes one the full check refuses,
     and it passes the valid ones (else every call would pay the full check)."""
@@ -546,7 +546,7 @@ def test_the_quick_container_check_accepts_only_what_the_full_check_accepts(gen)
                 full_ok = True
             except F.PageCompError:
                 full_ok = False
-            quick = F._plainly_valid(v)
+            quick = F.plainly_valid(v)
             assert not quick or full_ok, f"{what}: the quick check passed what the full refuses"
             if what == "valid":
                 assert quick, "the quick check refused a valid container"

@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from . import _small
 from . import format as fmt
 from ._args import check_flag
 from ._ops import (
@@ -98,14 +99,18 @@ def compress(
         ``"lz4"`` or ``"exp"``. With ``out``, a container of ``out``'s tensors. No host
         synchronisation on the GPU path.
     """
+    plan = _small.compress_plan(data, page_size, element_size, codec, backend, checksum, out)
+    if plan is not None:  # a signature that passed every check below before (#26)
+        if out is not None:
+            _check_compress_out(out, plan.pages(data), plan.codec)
+        return plan.run(data, out)
     pages = fmt.as_pages(data, page_size)
     check_flag("checksum", checksum)
     float_format = _exp_format(codec, element_size)
+    lz4_es = 1 if element_size is None else element_size
     if float_format is None:
-        element_size = 1 if element_size is None else element_size
-        fmt.check_element_size(element_size)
-        run = (torch.ops.pagecomp.compress, compress_eager,
-               _COMPRESS_LZ4, element_size)
+        fmt.check_element_size(lz4_es)
+        run = (torch.ops.pagecomp.compress, compress_eager, _COMPRESS_LZ4, lz4_es)
     else:
         run = (torch.ops.pagecomp.compress_exp, compress_exp_eager, _compress_exp_kernel,
                float_format)
@@ -114,7 +119,7 @@ def compress(
         _check_compress_out(out, pages, name)
     where = route(backend, pages.shape[0], pages.device, (pages,))
     if where == CPU and pages.device.type == "cpu":  # checked: the reference path itself
-        parts = compress_cpu_direct(pages, element_size, float_format,
+        parts = compress_cpu_direct(pages, lz4_es, float_format,
                                     None if out is None else (out.payload, out.sizes, out.kinds))
     elif out is None:
         parts = _routed(where, pages.device, *run[:3], (pages,), run[3:])
@@ -124,6 +129,9 @@ def compress(
     else:
         parts = _routed(where, pages.device, *run[:3], (pages,), run[3:])
         parts = tuple(o.copy_(t) for o, t in zip((out.payload, out.sizes, out.kinds), parts))
+    if not checksum:
+        _small.learn_compress(data, page_size, element_size, codec, backend, out, pages,
+                              lz4_es, float_format, where)
     sums = None
     if checksum:
         sums = page_checksums(pages, backend)
@@ -300,6 +308,15 @@ def decompress(
     batches of one shape again and again allocates no pages per call (the GPU's decoder, or
     the CPU path's C loops, write them in place).
     """
+    decoder = _small.direct_decoder(c, codec, backend)
+    if decoder is not None:  # a plain fixed-stride container on the GPU (#26)
+        if out is not None:
+            _check_decompress_out(out, c)
+        pages, status = _small.decode(decoder, c, out)
+        if return_status:
+            return pages, status
+        raise_for_status(status)
+        return pages
     if not isinstance(c, CompressedPages):
         raise PageCompError(f"decompress takes CompressedPages, got {type(c).__name__}")
     fmt.check_compressed(c)

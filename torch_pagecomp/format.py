@@ -331,7 +331,7 @@ def check_compressed(c: CompressedPages) -> None:
     """Validate the container's tensors (dtype, shape, device, contiguity); not the bytes
     inside (the offsets of a packed container are checked against the sizes by
     ``api.decompress``, on the device)."""
-    if not _plainly_valid(c):  # the usual case in a few comparisons (every small call pays)
+    if not plainly_valid(c):  # the usual case in a few comparisons (every small call pays)
         _check_fully(c)
 
 
@@ -402,7 +402,7 @@ def _desc(t: object) -> str:
     return f"{type(t).__name__} {t!r:.60}"
 
 
-def _plainly_valid(c: object) -> bool:
+def plainly_valid(c: object) -> bool:
     """Whether ``c`` passes :func:`check_compressed`, decided without building its messages:
     plain tensors only (a subclass, or anything unusual, goes through the full check)."""
     if type(c) is not CompressedPages or c.codec not in CONTAINER_CODECS:

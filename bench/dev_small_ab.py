@@ -1,0 +1,154 @@
+"""Dev probe: one small call with and without its host path's plans (#26), alternated.
+
+``python3 -m bench.dev_small_ab [--rounds 6] [--repeats 60] [--sizes 64K,1M]
+[--corpora bf16-relu,mixed] [--offload-timers]`` (GPU): per round, each op (``compress``,
+``decompress(return_status=True)`` and their ``out=`` forms) of each corpus and size, timed as
+``bench.latency`` times them (each call alone on an idle GPU: median host us, median CUDA-event
+us end to end), once through the full path (``torch_pagecomp._small``'s plans and direct
+decoder turned off) and once as shipped, the order alternating by round: a lent host's speed
+drifts by tens of percent within a device call, so two runs apart compare nothing. Prints the
+medians over rounds and the ratio.
+
+``--offload-timers``: then where ``PageCompressor.offload`` + ``restore`` of a 1 MiB bf16 tensor
+spends its host time, by function (``bench.dev_call_profile``'s timers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import torch_pagecomp as pc
+from bench.corpora import build_corpus, element_size
+from bench.latency import human, parse_sizes, time_calls
+from torch_pagecomp import _small
+
+OFFLOAD_TARGETS = (
+    "torch_pagecomp.module:PageCompressor.offload",
+    "torch_pagecomp.module:PageCompressor.restore",
+    "torch_pagecomp.handles:OffloadHandle.free",
+    "torch_pagecomp._direct:DirectPath.offload",
+    "torch_pagecomp._direct:DirectPath.restore_into",
+    "torch_pagecomp._direct:DirectPath._bound",
+    "torch_pagecomp._direct:DirectPath._drain",
+    "torch_pagecomp._direct:DirectPath._settle",
+    "torch_pagecomp._direct:DirectPath.free",
+    "torch_pagecomp.offload._paged:PagedStore.offload",
+    "torch_pagecomp.offload._paged:PagedStore._store_slice",
+    "torch_pagecomp.offload._paged:PagedStore._compress_slice",
+    "torch_pagecomp.offload._paged:PagedStore.restore",
+    "torch_pagecomp.offload._paged:PagedStore.poll",
+    "torch_pagecomp.offload._paged:PagedStore.free_after_restores",
+    "torch_pagecomp._events:handoff",
+    "torch_pagecomp.offload._streams:current_stream",
+    "torch_pagecomp.kernels.launch:launch_known",
+    "torch_pagecomp.kernels.launch:launch",
+)
+
+
+class _Full:
+    """The full path: plans and the direct decoder off while entered."""
+
+    def __enter__(self):
+        self.saved = (_small.compress_plan, _small.direct_decoder)
+        _small.compress_plan = lambda *a, **k: None
+        _small.direct_decoder = lambda *a, **k: None
+
+    def __exit__(self, *exc):
+        _small.compress_plan, _small.direct_decoder = self.saved
+
+
+def cases(corpus: str, nbytes: int, dev: torch.device) -> dict:
+    """The four calls on ``nbytes`` of ``corpus``, as ``bench.latency`` makes them."""
+    es = element_size(corpus)
+    x = build_corpus(corpus, nbytes, 4096, dev, seed=1).view(-1, 4096)
+    c = pc.compress(x, element_size=es)
+    out_c = pc.compress(x, element_size=es)
+    out_d = torch.empty_like(x)
+    return {
+        "compress": lambda: pc.compress(x, element_size=es),
+        "decompress": lambda: pc.decompress(c, return_status=True),
+        "compress_out": lambda: pc.compress(x, element_size=es, out=out_c),
+        "decompress_out": lambda: pc.decompress(c, return_status=True, out=out_d),
+    }
+
+
+def offload_timers(dev: torch.device, calls: int) -> str:
+    """Host us by function of ``offload`` + ``restore`` + ``free`` of 1 MiB of bf16."""
+    import collections
+    import time
+
+    from bench.dev_hook_timing import instrument
+
+    comp = pc.PageCompressor(device=dev)
+    t = build_corpus("bf16-relu", 1 << 20, 4096, dev, seed=1).view(torch.bfloat16)
+
+    def cycle() -> None:
+        h = comp.offload(t)
+        comp.restore(h)
+        h.free()
+
+    for _ in range(30):
+        cycle()
+    torch.cuda.synchronize()
+    stats = collections.defaultdict(lambda: [0, 0, 0])
+    undo = instrument(stats, OFFLOAD_TARGETS)
+    total = 0
+    try:
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            cycle()
+            total += time.perf_counter_ns() - t0
+    finally:
+        for owner, attr, orig in reversed(undo):
+            setattr(owner, attr, orig)
+        comp.close()
+    lines = [f"## offload + restore + free of 1 MiB bf16: {total / calls / 1e3:.1f} us a cycle "
+             "with the timers (GPU idle before each)",
+             "| function | calls a cycle | us a call (inclusive) |", "|---|---|---|"]
+    for fname, (n, ns, _) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| {fname} | {n / calls:.1f} | {ns / n / 1e3:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=60)
+    ap.add_argument("--sizes", type=parse_sizes, default=parse_sizes("64K,1M"))
+    ap.add_argument("--corpora", default="bf16-relu,mixed")
+    ap.add_argument("--offload-timers", action="store_true")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = {(corpus, size, op): fn for corpus in a.corpora.split(",") for size in a.sizes
+            for op, fn in cases(corpus, size, dev).items()}
+    host = {(key, arm): [] for key in rows for arm in ("full", "plan")}
+    e2e = {(key, arm): [] for key in rows for arm in ("full", "plan")}
+    for r in range(a.rounds):
+        for arm in (("full", "plan") if r % 2 == 0 else ("plan", "full")):
+            for key, fn in rows.items():
+                if arm == "full":
+                    with _Full():
+                        h, e = time_calls(fn, dev, a.repeats, 5, 0.5)
+                else:
+                    h, e = time_calls(fn, dev, a.repeats, 5, 0.5)
+                host[(key, arm)].append(statistics.median(h) * 1e6)
+                e2e[(key, arm)].append(statistics.median(e) * 1e6)
+    print(f"{a.rounds} alternated rounds, medians\n| corpus | size | op | full host us | "
+          "plan host us | plan / full | full e2e us | plan e2e us |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for key in rows:
+        corpus, size, op = key
+        fh, ph = (statistics.median(host[(key, arm)]) for arm in ("full", "plan"))
+        fe, pe = (statistics.median(e2e[(key, arm)]) for arm in ("full", "plan"))
+        print(f"| {corpus} | {human(size)} | {op} | {fh:.1f} | {ph:.1f} | {ph / fh:.2f} | "
+              f"{fe:.1f} | {pe:.1f} |", flush=True)
+    if a.offload_timers:
+        print(offload_timers(dev, 300))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The host path of one small ``compress`` / ``decompress`` call (#26).
+
+With few pages a call is host work: the public function checks its arguments and asks
+``backend.route``, the kernel's launcher checks them again and picks its settings, and the
+launch itself goes through the direct path's per-argument scan (``kernels.launch``). Around
+50-65 us of host time per call on an H200's host, of which the kernel launch is a few.
+
+Here an eager call skips what an earlier call already settled:
+
+- ``compress``: a :class:`CompressPlan` per signature (the input's shape, dtype and device,
+  ``page_size``, ``element_size``, ``codec``, ``backend``, whether ``out`` is given) is made by
+  ``api.compress`` after a call of that signature passed every check and ran the kernels
+  itself (route ``KERNELS``, or ``INTERPRET`` on the CPU). A later call of the signature checks
+  only what the signature does not fix (the tensor's type, contiguity and alignment, no
+  tracing or dispatch mode, the interpreter as it was) and launches with the plan's settings:
+  by address on a GPU (``compress_at`` / ``compress_exp_at``, as the activation store does).
+- ``decompress``: a fixed-stride container without checksums on a usable GPU, checked by
+  ``format.check_compressed``'s quick rule, decodes through the decoders' known-classes
+  launchers (``decompress_into_known`` / ``decompress_exp_into_known``); no plan is needed.
+
+Anything else (other arguments, the first call of a signature, ``torch.compile``, a tensor
+subclass, checksums, packed containers) takes the full path, which gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backend
+from .format import CompressedPages, plainly_valid
+from .kernels.launch import interpreting
+
+_PLAN_LIMIT = 256  # signatures remembered (all forgotten past it: a program that keeps changing
+# shapes pays the full path, never unbounded memory)
+
+
+def _eager(interpret: bool, *tensors: torch.Tensor) -> bool:
+    """The direct launch's conditions (``backend.direct_launch_ok``, or the interpreter's on the
+    CPU) that a plan's signature does not fix."""
+    return interpreting() == interpret and backend.eager_call_ok(tensors)
+
+
+# --------------------------------------------------------------------------- compress
+def _compress_key(data, page_size, element_size, codec, backend_name, out) -> tuple | None:
+    """The signature of a ``compress`` call, or None for arguments a plan never serves (a
+    tensor subclass, non-int sizes: their full checks differ by value, not by signature)."""
+    if type(data) is not torch.Tensor:
+        return None
+    if not (page_size is None or type(page_size) is int):
+        return None
+    if not (element_size is None or type(element_size) is int):
+        return None
+    return (data.shape, data.dtype, data.get_device(), page_size, element_size, codec,
+            backend_name, out is None)
+
+
+class CompressPlan:
+    """How ``compress`` runs a call of one signature: ``n`` pages of ``page`` bytes on
+    ``device``, by the exponent codec (``fp16`` set) or LZ4 (``element_size``); ``interpret``:
+    the launchers under ``TRITON_INTERPRET=1`` (CPU tensors), else addresses on a GPU."""
+
+    __slots__ = ("n", "page", "device", "index", "codec", "fp16", "element_size", "interpret",
+                 "cfg", "programs", "metas", "kernels")
+
+    def __init__(self, pages: torch.Tensor, element_size: int, float_format: str | None,
+                 interpret: bool):
+        from .kernels import exp_codec, lz4_compress
+
+        self.kernels = (exp_codec, lz4_compress)  # (looked up once: an import costs a call)
+        self.n, self.page = pages.shape
+        self.device = pages.device
+        self.index = pages.get_device()
+        self.codec = "lz4" if float_format is None else "exp"
+        self.fp16 = None if float_format is None else float_format == "fp16"
+        self.element_size = element_size
+        self.interpret = interpret
+        self.cfg = lz4_compress.compress_config(self.page, element_size)
+        programs, self.metas = lz4_compress.known_settings(self.device, self.cfg)
+        self.programs = min(self.n, programs)  # the launch's grid, as compress_pages picks it
+
+    def pages(self, data: torch.Tensor) -> torch.Tensor:
+        """``data`` (the call's input) as ``uint8 [n, page]``."""
+        return data if data.dim() == 2 else data.view(self.n, self.page)
+
+    def run(self, data: torch.Tensor, out: CompressedPages | None) -> CompressedPages:
+        """Compress ``data`` (checked: :func:`compress_plan`) into new tensors or ``out``'s
+        (checked by the caller)."""
+        n, p, dev = self.n, self.page, self.device
+        if out is None:
+            payload = torch.empty((n, p), dtype=torch.uint8, device=dev)
+            sizes = torch.empty((n,), dtype=torch.int32, device=dev)
+            kinds = torch.empty((n,), dtype=torch.uint8, device=dev)
+        else:
+            payload, sizes, kinds = out.payload, out.sizes, out.kinds
+        if self.interpret:
+            self._launchers(self.pages(data), (payload, sizes, kinds))
+        else:
+            self.launch_at(data, payload, sizes, kinds)
+        return CompressedPages(payload, sizes, kinds, p, codec=self.codec)
+
+    def _launchers(self, pages: torch.Tensor, outs: tuple) -> None:
+        """The kernels' own launchers (the interpreter's path)."""
+        exp, lz4 = self.kernels
+        if self.fp16 is not None:
+            exp.compress_exp_pages(pages, self.fp16, traced=False, out=outs)
+        else:
+            lz4.compress_pages(pages, self.element_size, traced=False, out=outs)
+
+    def launch_at(self, data: torch.Tensor, payload: torch.Tensor, sizes: torch.Tensor,
+                  kinds: torch.Tensor) -> None:
+        """The launch ``compress_pages`` / ``compress_exp_pages`` makes, by address: its
+        settings (grid, load width by the pages' storage offset) and scratch as it picks
+        them, on the current stream of the plan's device."""
+        n, p, index = self.n, self.page, self.index
+        src, out = data.data_ptr(), (payload.data_ptr(), sizes.data_ptr(), kinds.data_ptr())
+        exp, lz4 = self.kernels
+        if self.fp16 is not None:
+            exp.compress_exp_at(index, n, p, self.fp16, src, *out,
+                                lambda: (self.pages(data), payload, sizes, kinds))
+            return
+        tabs, shuf = lz4.compress_scratch(self.device, self.cfg, self.programs, kept_unused=True)
+        lz4.compress_at(index, self.programs, n, self.metas[data.storage_offset() % 8 == 0],
+                    (src, *out, tabs.data_ptr(), shuf.data_ptr()),
+                    lambda: (self.pages(data), payload, sizes, kinds, tabs, shuf, n))
+
+
+_COMPRESS: dict[tuple, CompressPlan] = {}
+
+
+def compress_plan(data, page_size, element_size, codec, backend_name, checksum, out
+                  ) -> CompressPlan | None:
+    """The plan that runs this ``compress`` call, or None (the full path): see the module
+    docstring. ``data`` is contiguous, its pages where the kernels read them in place."""
+    if checksum is not False:
+        return None
+    key = _compress_key(data, page_size, element_size, codec, backend_name, out)
+    plan = _COMPRESS.get(key) if key is not None else None
+    if plan is None or not data.is_contiguous() or not _eager(plan.interpret, data):
+        return None
+    if not plan.interpret:  # read in place from a storage base PyTorch aligned (see
+        offset = data.storage_offset()  # compress_pages; the full path copies the others)
+        if offset % 4 or (data.data_ptr() - offset) % 16:
+            return None
+    return plan
+
+
+def learn_compress(data, page_size, element_size, codec, backend_name, out, pages: torch.Tensor,
+                   lz4_element_size: int, float_format: str | None, where: str) -> None:
+    """Remember a plan for the signature of a ``compress`` call that passed every check and
+    ran the kernels itself (route ``where``; ``pages``, ``lz4_element_size`` and
+    ``float_format`` as the full path resolved them)."""
+    if where not in (backend.KERNELS, backend.INTERPRET) or pages.shape[0] == 0:
+        return
+    key = _compress_key(data, page_size, element_size, codec, backend_name, out)
+    if key is None or key in _COMPRESS:
+        return
+    if len(_COMPRESS) >= _PLAN_LIMIT:
+        _COMPRESS.clear()
+    _COMPRESS[key] = CompressPlan(pages, lz4_element_size, float_format,
+                                  where == backend.INTERPRET)
+
+
+# ------------------------------------------------------------------------- decompress
+def direct_decoder(c: object, codec: object, backend_name: object) -> str | None:
+    """``"lz4"`` or ``"exp"``: the decoder that runs this ``decompress`` call through its
+    known-classes launcher (a valid fixed-stride container without checksums, of at least
+    one page, on a usable GPU, called eagerly); None: the full path."""
+    if type(c) is not CompressedPages or c.offsets is not None or c.checksums is not None:
+        return None
+    decoder = c.codec if codec is None else codec
+    if (decoder != "lz4" and decoder != "exp") or (backend_name != "auto"
+                                                   and backend_name != "triton"):
+        return None
+    if not plainly_valid(c) or not c.payload.is_cuda or c.sizes.shape[0] == 0:
+        return None
+    if not backend.gpu_status().usable or not _eager(False):
+        return None
+    return decoder
+
+
+def decode(decoder: str, c: CompressedPages, out: torch.Tensor | None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pages, status)`` of ``c`` by ``decoder`` (:func:`direct_decoder`), into ``out`` (checked
+    by the caller) or new pages, on the current stream of ``c``'s device."""
+    payload, sizes, kinds = c.payload, c.sizes, c.kinds
+    n, dev = sizes.shape[0], payload.device
+    pages = out if out is not None else torch.empty((n, c.page_size), dtype=torch.uint8,
+                                                    device=dev)
+    status = torch.empty((n,), dtype=torch.int32, device=dev)
+    into = _DECODERS.get(decoder) or _decoder(decoder)
+    into(payload, None, sizes, kinds, pages, status)
+    return pages, status
+
+
+_DECODERS: dict = {}  # "lz4" / "exp" -> the decoder's known-classes launcher
+
+
+def _decoder(decoder: str):
+    """The known-classes launcher of ``decoder``, imported once (Triton loads on use)."""
+    if decoder == "lz4":
+        from .kernels.lz4_decompress import decompress_into_known as into
+    else:
+        from .kernels.exp_codec import decompress_exp_into_known as into
+    return _DECODERS.setdefault(decoder, into)
