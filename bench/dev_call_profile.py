@@ -38,7 +38,7 @@ OP_TARGETS = (
     "torch_pagecomp.kernels.lz4_decompress:decompress_into",
     "torch_pagecomp.kernels.launch:launch",
     "torch_pagecomp.kernels.launch:_launch_compiled",
-    "torch_pagecomp.kernels.launch:_call",
+    "torch_pagecomp.kernels.launch:launch_entry",
     "torch_pagecomp.kernels.launch:interpreting",
     "torch_pagecomp._ops:compress_cpu_direct",
     "torch_pagecomp._ops:decompress_cpu_direct",

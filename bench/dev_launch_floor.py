@@ -13,7 +13,7 @@ calls, the median of ``--rounds``) of:
 
 * a PyTorch kernel (``zero_`` of a small tensor) and a small ``torch.empty``;
 * one small Triton kernel (7 arguments, the shape of the compress kernel's) launched through
-  ``JITFunction.run``, the package's ``launch(traced=False)``, its cached ``_call``, Triton's
+  ``JITFunction.run``, the package's ``launch(traced=False)``, its cached ``launch_entry``, Triton's
   C launch function with every argument prepared, and the driver's ``cuLaunchKernel`` through
   ``ctypes`` (the kernel's parameters read from its PTX);
 * an event record and a stream wait through ``torch.cuda`` and through the driver
@@ -144,13 +144,13 @@ def main() -> None:
     timed("package: launch(traced=False)",
           counted(lambda: L.launch(_touch, (1,), dev, args, meta, traced=False)))
     if entry:
-        timed("package: _call (cached entry)",
-              counted(lambda: L._call(entry, (1,), index, values)))
+        timed("package: launch_entry (cached entry)",
+              counted(lambda: L.launch_entry(entry, (1,), index, values)))
         _, fn, head, tail = entry
         prepared = (1, 1, 1, raw, *head, *values, *tail)
         timed("triton C launch, arguments prepared", counted(lambda: fn(*prepared)))
     else:
-        rows.append(("package: _call", float("nan"), "no direct entry on this Triton"))
+        rows.append(("package: launch_entry", float("nan"), "no direct entry on this Triton"))
     ptrs = [b.data_ptr() for b in bufs]
     try:
         go, types = driver_launcher(compiled, [*ptrs, n], 1, raw)

@@ -75,6 +75,39 @@ def cases(corpus: str, nbytes: int, dev: torch.device) -> dict:
     }
 
 
+def parts(dev: torch.device, repeats: int) -> str:
+    """Host us (median, idle GPU before each, as ``time_calls``) of the pieces a planned call
+    of 1 MiB bf16-relu is made of."""
+    x = build_corpus("bf16-relu", 1 << 20, 4096, dev, seed=1).view(-1, 4096)
+    n = x.shape[0]
+    c = pc.compress(x, element_size=2)
+    pc.compress(x, element_size=2)
+    plan = _small.compress_plan(x, None, 2, "lz4", "auto", False, None)
+    pages, status = _small.decode("lz4", c, None)
+    kept = _small._DECODES[("lz4", n, 4096, x.get_device())]
+    addrs = (c.payload.data_ptr(), None, c.sizes.data_ptr(), c.kinds.data_ptr(),
+             pages.data_ptr(), status.data_ptr())
+    pieces = {
+        "torch.empty((n, P), uint8)": lambda: torch.empty((n, 4096), dtype=torch.uint8,
+                                                          device=dev),
+        "torch.empty(n, int32)": lambda: torch.empty((n,), dtype=torch.int32, device=dev),
+        "x.new_empty((n, P))": lambda: x.new_empty((n, 4096)),
+        "compress_plan (lookup and checks)": lambda: _small.compress_plan(
+            x, None, 2, "lz4", "auto", False, None),
+        "plan.run": lambda: plan.run(x, None),
+        "direct_decoder": lambda: _small.direct_decoder(c, None, "auto"),
+        "decode (2 allocations, 2 launches)": lambda: _small.decode("lz4", c, None),
+        "kept decoder launches (2)": lambda: kept(addrs, (n * 4096,), None),
+        "pc.compress": lambda: pc.compress(x, element_size=2),
+        "pc.decompress(return_status=True)": lambda: pc.decompress(c, return_status=True),
+    }
+    lines = ["| piece (1 MiB bf16-relu) | host us |", "|---|---|"]
+    for name, fn in pieces.items():
+        h, _ = time_calls(fn, dev, repeats, 5, 0.5)
+        lines.append(f"| {name} | {statistics.median(h) * 1e6:.1f} |")
+    return "\n".join(lines)
+
+
 def offload_timers(dev: torch.device, calls: int) -> str:
     """Host us by function of ``offload`` + ``restore`` + ``free`` of 1 MiB of bf16."""
     import collections
@@ -146,6 +179,7 @@ def main() -> None:
         fe, pe = (statistics.median(e2e[(key, arm)]) for arm in ("full", "plan"))
         print(f"| {corpus} | {human(size)} | {op} | {fh:.1f} | {ph:.1f} | {ph / fh:.2f} | "
               f"{fe:.1f} | {pe:.1f} |", flush=True)
+    print(parts(dev, a.repeats))
     if a.offload_timers:
         print(offload_timers(dev, 300))
 

@@ -167,14 +167,18 @@ def test_no_plan_under_another_interpreter_setting(interp, gen, monkeypatch):
 
 # ------------------------------------------------- what a plan launches on a GPU (captured)
 def _capture(monkeypatch, module):
-    """``module``'s usual launches and its known-classes launches, recorded, not run."""
+    """``module``'s usual launches, and every known-classes launch (the kernel modules' and
+    the plans'), recorded, not run."""
     usual, known = [], []
     monkeypatch.setattr(module, "launch", lambda kernel, grid, device, args, meta, traced=True:
                         usual.append((kernel, tuple(grid), args, meta)))
-    monkeypatch.setattr(module, "launch_known",
-                        lambda kernel, grid, index, meta, classes, values, args, stream=None:
-                        known.append((kernel, tuple(grid), index, meta, classes, values,
-                                      args() if callable(args) else args)))
+
+    def record(kernel, grid, index, meta, classes, values, args, stream=None):
+        known.append((kernel, tuple(grid), index, meta, classes, values,
+                      args() if callable(args) else args))
+
+    for mod in (L, C, D, X):
+        monkeypatch.setattr(mod, "launch_known", record)
     return usual, known
 
 
@@ -227,15 +231,44 @@ def test_a_direct_decode_is_the_launchers(interp, gen, monkeypatch, codec, es):
     for the same container and outputs."""
     c = pc.compress(_data(gen, 3, codec), element_size=es, codec=codec, backend=interp)
     module = X if c.codec == "exp" else D
-    usual, known = _capture(monkeypatch, D)  # (the decoders share D's known-classes launch)
-    if module is X:
-        usual, _ = _capture(monkeypatch, X)
+    usual, known = _capture(monkeypatch, module)
     got_pages, got_status = _small.decode(c.codec, c, None)
     into = X.decompress_exp_into if module is X else D.decompress_into
     into(c.payload.view(-1), None, c.sizes, c.kinds, got_pages, got_status, traced=False)
     assert len(usual) == len(known) == (1 if module is X else 2)
     for u, k in zip(usual, known):
         _check_same_launch([u], [k])
+
+
+def test_kept_launches_call_the_compiled_kernels_only_when_their_classes_hold(monkeypatch):
+    """A plan's launches go the usual way (known classes) until a call with every address
+    16-byte aligned finds each kernel's compiled entry; then aligned calls launch the entries
+    directly, in order, with the same values, and a misaligned one, or one while Triton's
+    hooks are set or another device is current, goes the usual way again."""
+    usual, direct = [], []
+    monkeypatch.setattr(L, "launch_known", lambda kernel, grid, index, meta, classes, values,
+                        args, stream=None: usual.append((kernel, grid, meta, values)))
+    monkeypatch.setattr(L, "kept_entry", lambda kernel, index, meta, classes: ("entry", kernel))
+    monkeypatch.setattr(L, "launch_entry", lambda entry, grid, index, values, stream:
+                        direct.append((entry, grid, values, stream)))
+    usable = [True]
+    monkeypatch.setattr(L, "entries_usable", lambda index: usable[0])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
+    kept = _small._Kept(0, (5,), (("k1", "m1"), ("k2", "m2")))
+    t = torch.zeros(4, dtype=torch.uint8)
+    made = lambda: (t, None, 9)  # noqa: E731
+    kept((4096 + 4, None), (9,), made)  # misaligned: nothing kept
+    assert kept.entries is None and len(usual) == 2
+    kept((4096, None), (9,), made)
+    assert kept.entries == (("entry", "k1"), ("entry", "k2")) and len(usual) == 4
+    kept((8192, None), (9,), made)
+    assert direct == [(("entry", "k1"), (5,), (8192, None, 9), 77),
+                      (("entry", "k2"), (5,), (8192, None, 9), 77)] and len(usual) == 4
+    kept((8192 + 8, None), (9,), made)
+    usable[0] = False
+    kept((8192, None), (9,), made)
+    assert len(direct) == 2 and len(usual) == 8
+    assert [u[0] for u in usual[-4:]] == ["k1", "k2", "k1", "k2"]
 
 
 def test_direct_decoder_takes_only_plain_gpu_containers(interp, gen):

@@ -28,6 +28,7 @@ import torch
 
 from . import backend
 from .format import CompressedPages, plainly_valid
+from .kernels import launch as _launch
 from .kernels.launch import interpreting
 
 _PLAN_LIMIT = 256  # signatures remembered (all forgotten past it: a program that keeps changing
@@ -38,6 +39,45 @@ def _eager(interpret: bool, *tensors: torch.Tensor) -> bool:
     """The direct launch's conditions (``backend.direct_launch_ok``, or the interpreter's on the
     CPU) that a plan's signature does not fix."""
     return interpreting() == interpret and backend.eager_call_ok(tensors)
+
+
+class _Kept:
+    """The launches of one plan (fixed kernels, settings and grid on device ``index``), over
+    arguments whose classes repeat call after call: each call's first goes through
+    ``launch.launch_known`` (which compiles and caches); once every address was 16-byte
+    aligned, the compiled kernels are kept and a later call with aligned addresses calls
+    them directly (``launch.launch_entry``), skipping the per-argument classes and the cache
+    lookups (a few microseconds a launch)."""
+
+    __slots__ = ("index", "grid", "launches", "entries")
+
+    def __init__(self, index: int, grid: tuple, launches: tuple):
+        self.index, self.grid, self.launches = index, grid, launches
+        self.entries = None
+
+    def __call__(self, addrs: tuple, tail: tuple, args) -> None:
+        """Launch with the tensors at ``addrs`` (None: an absent optional tensor), then the
+        kernels' other arguments ``tail``; ``args``: a function that makes the tensors and
+        ``tail``, for the usual way."""
+        bits = 0
+        for a in addrs:
+            if a is not None:
+                bits |= a
+        aligned = not bits & 15
+        entries, index = self.entries, self.index
+        if entries is not None and aligned and _launch.entries_usable(index):
+            stream = torch._C._cuda_getCurrentRawStream(index)
+            for entry in entries:
+                _launch.launch_entry(entry, self.grid, index, (*addrs, *tail), stream)
+            return
+        made = args()
+        classes = _launch.known_args(made)[0]
+        for kernel, meta in self.launches:
+            _launch.launch_known(kernel, self.grid, index, meta, classes, (*addrs, *tail), made)
+        if entries is None and aligned:
+            kept = tuple(_launch.kept_entry(k, index, m, classes) for k, m in self.launches)
+            if None not in kept:
+                self.entries = kept
 
 
 # --------------------------------------------------------------------------- compress
@@ -60,7 +100,7 @@ class CompressPlan:
     the launchers under ``TRITON_INTERPRET=1`` (CPU tensors), else addresses on a GPU."""
 
     __slots__ = ("n", "page", "device", "index", "codec", "fp16", "element_size", "interpret",
-                 "cfg", "programs", "metas", "kernels")
+                 "cfg", "programs", "metas", "kernels", "kept")
 
     def __init__(self, pages: torch.Tensor, element_size: int, float_format: str | None,
                  interpret: bool):
@@ -77,6 +117,13 @@ class CompressPlan:
         self.cfg = lz4_compress.compress_config(self.page, element_size)
         programs, self.metas = lz4_compress.known_settings(self.device, self.cfg)
         self.programs = min(self.n, programs)  # the launch's grid, as compress_pages picks it
+        # pages at a 16-byte aligned address: the 8-byte (wide) loads' settings
+        if self.fp16 is not None:
+            self.kept = _Kept(self.index, (self.n,),
+                              (exp_codec.encode_launch(self.page, self.fp16),))
+        else:
+            self.kept = _Kept(self.index, (self.programs,),
+                              (lz4_compress.compress_launch(self.cfg, True),))
 
     def pages(self, data: torch.Tensor) -> torch.Tensor:
         """``data`` (the call's input) as ``uint8 [n, page]``."""
@@ -115,13 +162,20 @@ class CompressPlan:
         src, out = data.data_ptr(), (payload.data_ptr(), sizes.data_ptr(), kinds.data_ptr())
         exp, lz4 = self.kernels
         if self.fp16 is not None:
+            if src % 16 == 0:
+                self.kept((src, *out), (), lambda: (self.pages(data), payload, sizes, kinds))
+                return
             exp.compress_exp_at(index, n, p, self.fp16, src, *out,
                                 lambda: (self.pages(data), payload, sizes, kinds))
             return
         tabs, shuf = lz4.compress_scratch(self.device, self.cfg, self.programs, kept_unused=True)
-        lz4.compress_at(index, self.programs, n, self.metas[data.storage_offset() % 8 == 0],
-                    (src, *out, tabs.data_ptr(), shuf.data_ptr()),
-                    lambda: (self.pages(data), payload, sizes, kinds, tabs, shuf, n))
+        addrs = (src, *out, tabs.data_ptr(), shuf.data_ptr())
+        args = lambda: (self.pages(data), payload, sizes, kinds, tabs, shuf, n)  # noqa: E731
+        if src % 16 == 0:
+            self.kept(addrs, (n,), args)
+        else:
+            lz4.compress_at(index, self.programs, n, self.metas[data.storage_offset() % 8 == 0],
+                            addrs, args)
 
 
 _COMPRESS: dict[tuple, CompressPlan] = {}
@@ -181,24 +235,33 @@ def direct_decoder(c: object, codec: object, backend_name: object) -> str | None
 def decode(decoder: str, c: CompressedPages, out: torch.Tensor | None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pages, status)`` of ``c`` by ``decoder`` (:func:`direct_decoder`), into ``out`` (checked
-    by the caller) or new pages, on the current stream of ``c``'s device."""
+    by the caller) or new pages, on the current stream of ``c``'s device: the launches
+    ``decompress_into`` / ``decompress_exp_into`` make, their compiled kernels kept per
+    ``(decoder, pages, page size, device)``."""
     payload, sizes, kinds = c.payload, c.sizes, c.kinds
-    n, dev = sizes.shape[0], payload.device
-    pages = out if out is not None else torch.empty((n, c.page_size), dtype=torch.uint8,
-                                                    device=dev)
-    status = torch.empty((n,), dtype=torch.int32, device=dev)
-    into = _DECODERS.get(decoder) or _decoder(decoder)
-    into(payload, None, sizes, kinds, pages, status)
+    n, p = sizes.shape[0], c.page_size
+    index = payload.get_device()
+    pages = out if out is not None else torch.empty((n, p), dtype=torch.uint8,
+                                                    device=payload.device)
+    status = torch.empty((n,), dtype=torch.int32, device=payload.device)
+    key = (decoder, n, p, index)
+    kept = _DECODES.get(key) or _decode_plan(key)
+    kept((payload.data_ptr(), None, sizes.data_ptr(), kinds.data_ptr(), pages.data_ptr(),
+          status.data_ptr()), (n * p,),
+         lambda: (payload, None, sizes, kinds, pages, status, n * p))
     return pages, status
 
 
-_DECODERS: dict = {}  # "lz4" / "exp" -> the decoder's known-classes launcher
+_DECODES: dict[tuple, _Kept] = {}  # (decoder, pages, page size, device) -> its launches
 
 
-def _decoder(decoder: str):
-    """The known-classes launcher of ``decoder``, imported once (Triton loads on use)."""
+def _decode_plan(key: tuple) -> _Kept:
+    """The launches of ``key``'s decoder (its module imported once: Triton loads on use)."""
+    decoder, n, p, index = key
     if decoder == "lz4":
-        from .kernels.lz4_decompress import decompress_into_known as into
+        from .kernels.lz4_decompress import into_launches
     else:
-        from .kernels.exp_codec import decompress_exp_into_known as into
-    return _DECODERS.setdefault(decoder, into)
+        from .kernels.exp_codec import into_launches
+    if len(_DECODES) >= _PLAN_LIMIT:
+        _DECODES.clear()
+    return _DECODES.setdefault(key, _Kept(index, (n,), into_launches(p)))

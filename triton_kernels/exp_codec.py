@@ -469,6 +469,12 @@ def compress_exp_at(index: int, n: int, page_size: int, fp16: bool, pages: int, 
                  (pages, payload, sizes, kinds), args)
 
 
+def encode_launch(page_size: int, fp16: bool) -> tuple:
+    """``(kernel, settings)`` of :func:`compress_exp_pages`' launch, for a caller that keeps
+    its compiled entry (``launch.kept_entry``)."""
+    return _exp_encode_kernel, _frozen_encode_meta(page_size, fp16, interpreting())
+
+
 @functools.cache
 def _frozen_encode_meta(page_size: int, fp16: bool, interpret: bool):
     return _encode_config(page_size, fp16, interpret).meta()
@@ -605,8 +611,14 @@ def decompress_exp_into_known(payload: torch.Tensor, offsets: torch.Tensor | Non
     """:func:`decompress_exp_into` (``traced=False``) for the activation store's hot path
     (``N >= 1``, CUDA tensors on the current device), without its checks
     (``launch.launch_known``)."""
-    decode_known(_exp_decode_kernel, _known_meta(pages.shape[1], False, interpreting()),
-                 payload, offsets, sizes, kinds, pages, status)
+    for kernel, meta in into_launches(pages.shape[1]):
+        decode_known(kernel, meta, payload, offsets, sizes, kinds, pages, status)
+
+
+def into_launches(page_size: int) -> tuple:
+    """The ``(kernel, settings)`` of :func:`decompress_exp_into`'s launches (one), for
+    callers that launch them by known classes or keep their compiled entries."""
+    return ((_exp_decode_kernel, _known_meta(page_size, False, interpreting())),)
 
 
 def decompress_exp_rows_known(payload: torch.Tensor, offsets: torch.Tensor | None,

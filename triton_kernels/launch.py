@@ -170,11 +170,27 @@ def launch_known(kernel, grid: tuple[int, ...], index: int, meta: FrozenMeta, cl
             with torch.cuda.stream(stream):
                 launch(kernel, grid, torch.device("cuda", index), args, meta, traced=False)
         return
-    _call(entry, grid, index, values,
-          None if stream is None else stream.cuda_stream)
+    launch_entry(entry, grid, index, values,
+                 None if stream is None else stream.cuda_stream)
 
 
-def _call(entry: tuple, grid: tuple[int, ...], index: int, values, raw_stream=None) -> None:
+def kept_entry(kernel, index: int, meta: FrozenMeta, classes: tuple) -> tuple | None:
+    """The compiled kernel the direct path keeps for ``kernel`` on device ``index`` with
+    ``meta`` and arguments of ``classes`` (:func:`known_args`), for a caller that launches it
+    again and again through :func:`launch_entry` (one small call's plans, #26); None until a
+    launch of these went the usual way (which compiles it), or where it cannot be called
+    directly."""
+    return _COMPILED.get((id(kernel), index, meta, classes)) or None
+
+
+def entries_usable(index: int) -> bool:
+    """Whether kept entries may launch on device ``index`` now: no Triton launch hooks set
+    (its profiler's: the usual way calls them) and ``index`` the current device."""
+    return not _hooks_set() and torch._C._cuda_getDevice() == index
+
+
+def launch_entry(entry: tuple, grid: tuple[int, ...], index: int, values, raw_stream=None
+                 ) -> None:
     """Launch a cached compiled kernel (:func:`_direct_entry`) on device ``index``'s current
     stream (or the CUDA stream ``raw_stream``) with the launcher's ``values``
     (:func:`_arg_entry`)."""
@@ -224,7 +240,7 @@ def _launch_compiled(kernel, grid: tuple[int, ...], index: int, args: tuple, met
     if entry is None:
         kernel[grid](*args, **meta)
         return
-    _call(entry, grid, index, [e[1] for e in entries])
+    launch_entry(entry, grid, index, [e[1] for e in entries])
 
 
 def _direct_entry(kernel, compiled, index: int, args: tuple, meta: dict):

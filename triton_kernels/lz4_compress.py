@@ -719,6 +719,13 @@ def compress_at(index: int, programs: int, n: int, meta, addrs: tuple, args) -> 
     launch_known(_lz4_compress_kernel, (programs,), index, meta, classes, (*addrs, n), args)
 
 
+def compress_launch(cfg: CompressConfig, wide: bool) -> tuple:
+    """``(kernel, settings)`` of :func:`compress_pages`' launch for ``cfg``, its pages 8-byte
+    aligned (``wide``) or not, for a caller that keeps its compiled entry
+    (``launch.kept_entry``)."""
+    return _lz4_compress_kernel, cfg.meta(wide)
+
+
 def compress_scratch(device: torch.device, cfg: CompressConfig, programs: int,
                      kept_unused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's working memory for up to ``programs`` programs of ``cfg``: ``(hash

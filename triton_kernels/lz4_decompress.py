@@ -646,9 +646,20 @@ def decompress_rows_known(payload: torch.Tensor, offsets: torch.Tensor | None,
 def _decode_pair_known(rows: bool, page_size: int, *args) -> None:
     """The plain then the shuffled decoder over ``args`` (:func:`decode_known`'s), output
     rows by address with ``rows``."""
+    for kernel, meta in _pair(page_size, rows):
+        decode_known(kernel, meta, *args)
+
+
+def into_launches(page_size: int) -> tuple:
+    """The ``(kernel, settings)`` of :func:`decompress_into`'s launches (the plain then the
+    shuffled decoder), for callers that launch them by known classes or keep their compiled
+    entries."""
+    return _pair(page_size, False)
+
+
+def _pair(page_size: int, rows: bool) -> tuple:
     plain, shuffled = _known_metas(page_size, rows, interpreting())
-    decode_known(_decompress_kernel, plain, *args)
-    decode_known(_decompress_shuffled_kernel, shuffled, *args)
+    return (_decompress_kernel, plain), (_decompress_shuffled_kernel, shuffled)
 
 
 @functools.cache
