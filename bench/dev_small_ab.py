@@ -83,6 +83,10 @@ def parts(dev: torch.device, repeats: int) -> str:
     c = pc.compress(x, element_size=2)
     pc.compress(x, element_size=2)
     plan = _small.compress_plan(x, None, 2, "lz4", "auto", False, None)
+    from torch_pagecomp.kernels.lz4_compress import compress_scratch as scratch
+
+    raw_alloc = torch._C._cuda_cudaCachingAllocator_raw_alloc
+    raw_delete = torch._C._cuda_cudaCachingAllocator_raw_delete
     pages, status = _small.decode("lz4", c, None)
     kept = _small._DECODES[("lz4", n, 4096, x.get_device())]
     addrs = (c.payload.data_ptr(), None, c.sizes.data_ptr(), c.kinds.data_ptr(),
@@ -92,6 +96,10 @@ def parts(dev: torch.device, repeats: int) -> str:
                                                           device=dev),
         "torch.empty(n, int32)": lambda: torch.empty((n,), dtype=torch.int32, device=dev),
         "x.new_empty((n, P))": lambda: x.new_empty((n, 4096)),
+        "raw_alloc + raw_delete of (n, P)": lambda: raw_delete(raw_alloc(
+            n * 4096, torch._C._cuda_getCurrentRawStream(x.get_device()))),
+        "compress_scratch (one empty)": lambda: scratch(dev, plan.cfg, plan.programs,
+                                                        kept_unused=True),
         "compress_plan (lookup and checks)": lambda: _small.compress_plan(
             x, None, 2, "lz4", "auto", False, None),
         "plan.run": lambda: plan.run(x, None),

@@ -100,7 +100,7 @@ class CompressPlan:
     the launchers under ``TRITON_INTERPRET=1`` (CPU tensors), else addresses on a GPU."""
 
     __slots__ = ("n", "page", "device", "index", "codec", "fp16", "element_size", "interpret",
-                 "cfg", "programs", "metas", "kernels", "kept")
+                 "cfg", "programs", "metas", "kernels", "kept", "int32")
 
     def __init__(self, pages: torch.Tensor, element_size: int, float_format: str | None,
                  interpret: bool):
@@ -114,6 +114,7 @@ class CompressPlan:
         self.fp16 = None if float_format is None else float_format == "fp16"
         self.element_size = element_size
         self.interpret = interpret
+        self.int32 = torch.empty(0, dtype=torch.int32, device=self.device)  # (sizes' dtype)
         self.cfg = lz4_compress.compress_config(self.page, element_size)
         programs, self.metas = lz4_compress.known_settings(self.device, self.cfg)
         self.programs = min(self.n, programs)  # the launch's grid, as compress_pages picks it
@@ -132,11 +133,11 @@ class CompressPlan:
     def run(self, data: torch.Tensor, out: CompressedPages | None) -> CompressedPages:
         """Compress ``data`` (checked: :func:`compress_plan`) into new tensors or ``out``'s
         (checked by the caller)."""
-        n, p, dev = self.n, self.page, self.device
-        if out is None:
-            payload = torch.empty((n, p), dtype=torch.uint8, device=dev)
-            sizes = torch.empty((n,), dtype=torch.int32, device=dev)
-            kinds = torch.empty((n,), dtype=torch.uint8, device=dev)
+        n, p = self.n, self.page
+        if out is None:  # (new_empty of a tensor of the dtype: fewer arguments to parse)
+            payload = data.new_empty((n, p))
+            sizes = self.int32.new_empty((n,))
+            kinds = data.new_empty((n,))
         else:
             payload, sizes, kinds = out.payload, out.sizes, out.kinds
         if self.interpret:
@@ -241,9 +242,9 @@ def decode(decoder: str, c: CompressedPages, out: torch.Tensor | None
     payload, sizes, kinds = c.payload, c.sizes, c.kinds
     n, p = sizes.shape[0], c.page_size
     index = payload.get_device()
-    pages = out if out is not None else torch.empty((n, p), dtype=torch.uint8,
-                                                    device=payload.device)
-    status = torch.empty((n,), dtype=torch.int32, device=payload.device)
+    # (new_empty of a tensor of the dtype: fewer arguments to parse than torch.empty's)
+    pages = out if out is not None else payload.new_empty((n, p))
+    status = sizes.new_empty((n,))
     key = (decoder, n, p, index)
     kept = _DECODES.get(key) or _decode_plan(key)
     kept((payload.data_ptr(), None, sizes.data_ptr(), kinds.data_ptr(), pages.data_ptr(),
