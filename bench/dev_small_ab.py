@@ -45,6 +45,27 @@ OFFLOAD_TARGETS = (
     "torch_pagecomp.offload._streams:current_stream",
     "torch_pagecomp.kernels.launch:launch_known",
     "torch_pagecomp.kernels.launch:launch",
+    "torch_pagecomp.module:_check_offloadable",
+    "torch_pagecomp.module:_bytes_of",
+    "torch_pagecomp.module:_not_capturing",
+    "torch_pagecomp.handles:OffloadHandle.__init__",
+    "torch_pagecomp.handles:RestoreFailures.add",
+    "torch_pagecomp._direct:DirectPath._current",
+    "torch_pagecomp.offload._paged:PagedStore._payload",
+    "torch_pagecomp.offload._paged:_decode_slice_at",
+    "torch_pagecomp.offload._paged:_wait",
+    "torch_pagecomp.offload._paged:copy_spans",
+    "torch_pagecomp.offload._arena:VirtualArena.back",
+    "torch_pagecomp.offload._arena:VirtualArena.confirm",
+    "torch_pagecomp.offload._arena:VirtualArena.spans",
+    "torch_pagecomp.offload._arena:VirtualArena.release",
+    "torch_pagecomp.kernels.host_pack:pack_slice_at",
+    "torch_pagecomp.kernels.exp_codec:compress_exp_at",
+    "torch_pagecomp.kernels.lz4_decompress:decode_rows_at",
+    "torch:empty",
+    "torch.cuda.streams:Event.record",
+    "torch.cuda.streams:Event.query",
+    "torch.cuda.streams:Stream.wait_event",
 )
 
 
@@ -135,7 +156,9 @@ def offload_timers(dev: torch.device, calls: int) -> str:
         cycle()
     torch.cuda.synchronize()
     stats = collections.defaultdict(lambda: [0, 0, 0])
-    undo = instrument(stats, OFFLOAD_TARGETS)
+    from bench.dev_hook_timing import TARGETS
+
+    undo = instrument(stats, tuple(dict.fromkeys(OFFLOAD_TARGETS + TARGETS)))
     total = 0
     try:
         for _ in range(calls):
