@@ -186,7 +186,7 @@ def compress_plan(data, page_size, element_size, codec, backend_name, checksum, 
                   ) -> CompressPlan | None:
     """The plan that runs this ``compress`` call, or None (the full path): see the module
     docstring. ``data`` is contiguous, its pages where the kernels read them in place."""
-    if checksum is not False:
+    if checksum is not False or torch.compiler.is_compiling():  # (traced: the ops, always)
         return None
     key = _compress_key(data, page_size, element_size, codec, backend_name, out)
     plan = _COMPRESS.get(key) if key is not None else None
@@ -220,7 +220,8 @@ def direct_decoder(c: object, codec: object, backend_name: object) -> str | None
     """``"lz4"`` or ``"exp"``: the decoder that runs this ``decompress`` call through its
     known-classes launcher (a valid fixed-stride container without checksums, of at least
     one page, on a usable GPU, called eagerly); None: the full path."""
-    if type(c) is not CompressedPages or c.offsets is not None or c.checksums is not None:
+    if (torch.compiler.is_compiling() or type(c) is not CompressedPages
+            or c.offsets is not None or c.checksums is not None):
         return None
     decoder = c.codec if codec is None else codec
     if (decoder != "lz4" and decoder != "exp") or (backend_name != "auto"
