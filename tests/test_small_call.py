@@ -271,6 +271,44 @@ def test_kept_launches_call_the_compiled_kernels_only_when_their_classes_hold(mo
     assert [u[0] for u in usual[-4:]] == ["k1", "k2", "k1", "k2"]
 
 
+@pytest.mark.parametrize("es", [1, 2, 4])
+def test_a_kept_lz4_launch_takes_a_raw_scratch_block(interp, gen, monkeypatch, es):
+    """Once its kernel is kept, a plan's LZ4 launch takes its scratch as a raw block of the
+    caching allocator on the launch's stream, of the bytes ``compress_scratch`` would give,
+    in the argument the kernel uses (the other: the kept never-touched tensor), and returns
+    it after the launch; a misaligned input goes the usual way with scratch tensors."""
+    n = 2
+    data = _data(gen, n, "lz4")
+    pc.compress(data, element_size=es, backend=interp)
+    plan = _small.compress_plan(data, None, es, "lz4", interp, False, None)
+    events = []
+    monkeypatch.setattr(_small, "_RAW_ALLOC", lambda nbytes, stream: events.append(
+        ("alloc", nbytes, stream)) or 4096 * 1000)
+    monkeypatch.setattr(_small, "_RAW_DELETE", lambda block: events.append(("delete", block)))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 55, raising=False)
+    monkeypatch.setattr(L, "entries_usable", lambda index: True)
+    monkeypatch.setattr(L, "launch_entry", lambda entry, grid, index, values, stream:
+                        events.append(("launch", entry, grid, values, stream)))
+    plan.scratch = C.scratch_need(plan.device, plan.cfg, plan.programs)
+    plan.kept.entries = ("kept",)
+    outs = tuple(t.data_ptr() for t in (data, data, data))  # (addresses only: not launched)
+    plan.launch_at(data, data, data, data)
+    tabs, shuf = C.compress_scratch(plan.device, plan.cfg, plan.programs, kept_unused=True)
+    used, other = (tabs, shuf) if es == 1 else (shuf, tabs)
+    assert events[0] == ("alloc", used.numel() * used.element_size(), 55)
+    values = events[1][3]
+    assert events[1][:3] == ("launch", "kept", (plan.programs,)) and events[1][4] == 55
+    assert values[:4] == (data.data_ptr(), *outs) and values[6] == n
+    assert values[4 if es == 1 else 5] == 4096 * 1000
+    assert values[5 if es == 1 else 4] == other.data_ptr()
+    assert events[2:] == [("delete", 4096 * 1000)]
+    known = []
+    monkeypatch.setattr(C, "launch_known", lambda *a, **k: known.append(a))
+    buf = torch.zeros(n * P + 4, dtype=torch.uint8)
+    plan.launch_at(buf[4:].view(n, P), data, data, data)  # 4-byte aligned: compress_at
+    assert len(events) == 3 and len(known) == 1
+
+
 def test_direct_decoder_takes_only_plain_gpu_containers(interp, gen):
     """Host containers, packed ones, checksummed ones and ``codec="any"`` go the full way."""
     x = _data(gen, 2, "lz4")
@@ -297,16 +335,23 @@ def test_gpu_plans_and_direct_decodes_match_the_full_path(gen, monkeypatch, code
         buf = torch.empty(n * P + offset, dtype=torch.uint8, device="cuda")
         data = buf[offset:].view(n, P)
         data.copy_(src)
-        pc.compress(data, **kw)  # learns the signature
         want = _full(data, **kw)
-        pc.compress(data, **kw)
-        got = pc.compress(data, **kw)
+        pc.compress(data, **kw)  # learns the signature
+        first = pc.compress(data, **kw)  # the plan, through launch_known: keeps the kernel
+        got = pc.compress(data, **kw)  # the kept kernel (LZ4: its raw scratch block)
+        _same(first, want)
         _same(got, want)
-        out = torch.full((n, P), POISON, dtype=torch.uint8, device="cuda")
-        assert _small.direct_decoder(got, None, "auto") == got.codec
-        pages, status = pc.decompress(got, return_status=True, out=out)
-        assert pages is out and not status.any() and torch.equal(pages, data)
-        assert torch.equal(pc.decompress(got), data)
+        poisoned = pc.compress(data, **kw)
+        for t in (poisoned.payload, poisoned.sizes, poisoned.kinds):
+            t.fill_(POISON)
+        pc.compress(data, **kw, out=poisoned)  # learns the out= signature
+        _same(pc.compress(data, **kw, out=poisoned), want)
+        for _ in range(3):  # the decoders' plan: launch_known, then its kept kernels
+            out = torch.full((n, P), POISON, dtype=torch.uint8, device="cuda")
+            assert _small.direct_decoder(got, None, "auto") == got.codec
+            pages, status = pc.decompress(got, return_status=True, out=out)
+            assert pages is out and not status.any() and torch.equal(pages, data)
+            assert torch.equal(pc.decompress(got), data)
     _small._COMPRESS.clear()
 
 

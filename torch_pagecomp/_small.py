@@ -66,9 +66,7 @@ class _Kept:
         aligned = not bits & 15
         entries, index = self.entries, self.index
         if entries is not None and aligned and _launch.entries_usable(index):
-            stream = torch._C._cuda_getCurrentRawStream(index)
-            for entry in entries:
-                _launch.launch_entry(entry, self.grid, index, (*addrs, *tail), stream)
+            self.launch_entries((*addrs, *tail), torch._C._cuda_getCurrentRawStream(index))
             return
         made = args()
         classes = _launch.known_args(made)[0]
@@ -78,6 +76,18 @@ class _Kept:
             kept = tuple(_launch.kept_entry(k, index, m, classes) for k, m in self.launches)
             if None not in kept:
                 self.entries = kept
+
+    def launch_entries(self, values: tuple, stream: int) -> None:
+        """Launch the kept entries with the launcher's ``values`` on CUDA stream ``stream``
+        (the caller checked ``launch.entries_usable`` and the addresses' alignment)."""
+        for entry in self.entries:
+            _launch.launch_entry(entry, self.grid, self.index, values, stream)
+
+
+# the caching allocator's raw blocks (PyTorch's own, behind torch.cuda.caching_allocator_alloc,
+# without its Python stream lookup): absent from a build without CUDA
+_RAW_ALLOC = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
+_RAW_DELETE = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
 
 
 # --------------------------------------------------------------------------- compress
@@ -100,7 +110,7 @@ class CompressPlan:
     the launchers under ``TRITON_INTERPRET=1`` (CPU tensors), else addresses on a GPU."""
 
     __slots__ = ("n", "page", "device", "index", "codec", "fp16", "element_size", "interpret",
-                 "cfg", "programs", "metas", "kernels", "kept", "int32")
+                 "cfg", "programs", "metas", "kernels", "kept", "int32", "scratch")
 
     def __init__(self, pages: torch.Tensor, element_size: int, float_format: str | None,
                  interpret: bool):
@@ -125,6 +135,9 @@ class CompressPlan:
         else:
             self.kept = _Kept(self.index, (self.programs,),
                               (lz4_compress.compress_launch(self.cfg, True),))
+        self.scratch = None  # LZ4 on a GPU: (bytes, argument position, the other's address)
+        if self.fp16 is None and not interpret and _RAW_ALLOC and _RAW_DELETE:
+            self.scratch = lz4_compress.scratch_need(self.device, self.cfg, self.programs)
 
     def pages(self, data: torch.Tensor) -> torch.Tensor:
         """``data`` (the call's input) as ``uint8 [n, page]``."""
@@ -169,6 +182,10 @@ class CompressPlan:
             exp.compress_exp_at(index, n, p, self.fp16, src, *out,
                                 lambda: (self.pages(data), payload, sizes, kinds))
             return
+        if (src % 16 == 0 and self.scratch is not None and self.kept.entries is not None
+                and _launch.entries_usable(index)):
+            self._launch_raw_scratch(src, out)
+            return
         tabs, shuf = lz4.compress_scratch(self.device, self.cfg, self.programs, kept_unused=True)
         addrs = (src, *out, tabs.data_ptr(), shuf.data_ptr())
         args = lambda: (self.pages(data), payload, sizes, kinds, tabs, shuf, n)  # noqa: E731
@@ -177,6 +194,21 @@ class CompressPlan:
         else:
             lz4.compress_at(index, self.programs, n, self.metas[data.storage_offset() % 8 == 0],
                             addrs, args)
+
+
+    def _launch_raw_scratch(self, src: int, out: tuple) -> None:
+        """The kept LZ4 launch with its scratch a raw block of the caching allocator on the
+        launch's stream, returned to it right after the launch (as a scratch tensor freed at
+        the end of the call is: the stream's later work is ordered after this kernel): a
+        tensor costs the host several microseconds more, a tenth of a small call (#26)."""
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        nbytes, position, other = self.scratch
+        block = _RAW_ALLOC(nbytes, stream)
+        try:
+            tabs, shuf = (block, other) if position == 4 else (other, block)
+            self.kept.launch_entries((src, *out, tabs, shuf, self.n), stream)
+        finally:
+            _RAW_DELETE(block)
 
 
 _COMPRESS: dict[tuple, CompressPlan] = {}

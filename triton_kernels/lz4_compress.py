@@ -746,6 +746,17 @@ def compress_scratch(device: torch.device, cfg: CompressConfig, programs: int,
     return tabs, shuf
 
 
+def scratch_need(device: torch.device, cfg: CompressConfig, programs: int) -> tuple:
+    """``(bytes, position, other)``: the working memory :func:`compress_scratch` (``kept_unused``)
+    gives ``programs`` programs of ``cfg``: the bytes of the one the kernel uses and its
+    position among the kernel's arguments (4: the hash tables, 5: the shuffle rows), and the
+    address of the kept tensor passed for the other (never touched), for a caller that
+    allocates the scratch its own way (one small call's plans, #26)."""
+    if cfg.ELEMENT_SIZE > 1:
+        return programs * cfg.PAGE, 5, _unused(device, torch.int32).data_ptr()
+    return programs * (4 << cfg.HASH_BITS), 4, _unused(device, torch.uint8).data_ptr()
+
+
 _UNUSED: dict[tuple, torch.Tensor] = {}
 
 
