@@ -356,6 +356,34 @@ def test_gpu_plans_and_direct_decodes_match_the_full_path(gen, monkeypatch, code
 
 
 @gpu
+@pytest.mark.parametrize("codec,es", [("lz4", 1), ("lz4", 2), ("exp-bf16", None)])
+def test_gpu_planned_calls_capture_in_a_cuda_graph(gen, codec, es):
+    """A planned compress and a direct decode (kept kernels, raw scratch) captured in a CUDA
+    graph replay to the eager bytes on new inputs copied into the captured one."""
+    n = 9
+    kw = dict(element_size=es, codec=codec)
+    static = _data(gen, n, codec, "cuda")
+    for _ in range(3):  # learn, keep the kernels, run kept
+        c = pc.compress(static, **kw)
+        pc.decompress(c, return_status=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on the capture's side stream
+        pc.decompress(pc.compress(static, **kw), return_status=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = pc.compress(static, **kw)
+        pages, status = pc.decompress(captured, return_status=True)
+    fresh = _data(gen, n, codec, "cuda")
+    static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    _same(captured, _full(fresh, **kw))
+    assert not status.any() and torch.equal(pages, fresh)
+
+
+@gpu
 def test_gpu_direct_decode_reports_corrupt_pages_as_the_full_path(gen):
     """Corrupt pages get the same statuses (and zeroed rows) by the direct decoder as by the
     full path (``codec="any"`` forces it), and the error names them."""
