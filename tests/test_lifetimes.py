@@ -88,10 +88,14 @@ EXIT_SCRIPTS = {
         h = comp.offload(two_batches(comp, device="cpu"))
     """,
     # the activation offload hooks in every mode, with a backward and with the graph left
-    # alive at exit (offload_cpu: the CPU run offloads its CPU tensors)
+    # alive at exit (offload_cpu: the CPU run offloads its CPU tensors). On a GPU each mode
+    # starts from a fresh allocator peak: below the last mode's peak the hooks would hold the
+    # tensors in place (store nothing) and warn on stderr that they did
     "hooks_with_backward": """
         lin = torch.nn.Linear(256, 256).to(dev)
         for kw in (dict(mode="uncompressed"), dict(prefer="memory"), dict(prefer="speed")):
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
             off = torch_pagecomp.offload_activations(offload_cpu=True, min_offload_bytes=0,
                                                      group_bytes=1, **kw)  # a group a tensor
             with off:
