@@ -88,14 +88,15 @@ EXIT_SCRIPTS = {
         h = comp.offload(two_batches(comp, device="cpu"))
     """,
     # the activation offload hooks in every mode, with a backward and with the graph left
-    # alive at exit (offload_cpu: the CPU run offloads its CPU tensors). On a GPU each mode
-    # starts from a fresh allocator peak: below the last mode's peak the hooks would hold the
-    # tensors in place (store nothing) and warn on stderr that they did
+    # alive at exit (offload_cpu: the CPU run offloads its CPU tensors). The hooks' peak rule
+    # off, as in conftest: on a GPU this tiny net's allocation falls below its peak within
+    # the forward, where the rule holds tensors in place, and nothing would be stored (the
+    # case failed on an H200 since the rule, 8615b64, with the hooks' warning on stderr)
     "hooks_with_backward": """
+        from torch_pagecomp.offload._batch import Batcher
+        Batcher._over_peak = lambda self, dev: None
         lin = torch.nn.Linear(256, 256).to(dev)
         for kw in (dict(mode="uncompressed"), dict(prefer="memory"), dict(prefer="speed")):
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(dev)
             off = torch_pagecomp.offload_activations(offload_cpu=True, min_offload_bytes=0,
                                                      group_bytes=1, **kw)  # a group a tensor
             with off:
@@ -104,6 +105,8 @@ EXIT_SCRIPTS = {
             assert off.stats()["offloaded_bytes"] > 0
     """,
     "hooks_forward_only": """
+        from torch_pagecomp.offload._batch import Batcher
+        Batcher._over_peak = lambda self, dev: None  # (as above)
         lin = torch.nn.Linear(256, 256).to(dev)
         keep = []
         for kw in (dict(mode="uncompressed"), dict(prefer="memory"), dict(prefer="speed")):
