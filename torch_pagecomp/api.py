@@ -181,22 +181,22 @@ def _fits(t: object, dtype: torch.dtype, shape: tuple, device: torch.device) -> 
 
 def _overlaps(inputs: tuple, outputs: tuple, names: tuple) -> list[str]:
     """``"a and b overlap"`` for each pair of tensors whose bytes overlap, one of ``outputs``
-    and the other an input or another output (``None`` entries skipped; ``names``: the
+    and the other an input or an earlier output (``None`` entries skipped; ``names``: the
     inputs' then the outputs'). None under ``torch.compile``, whose tensors have no addresses
     (its copy into the outputs is functional there)."""
     if torch.compiler.is_compiling():
         return []
     spans = []
-    for i, t in enumerate(inputs + outputs):
-        if t is not None:
-            lo = t.data_ptr()
-            hi = lo + t.numel() * t.element_size()
-            if hi > lo:
-                spans.append((lo, hi, i, i >= len(inputs)))
+    for t in inputs + outputs:
+        lo = None if t is None else t.data_ptr()
+        spans.append(None if lo is None or not t.nbytes else (lo, lo + t.nbytes))
     found = []
-    for j, (lo, hi, a, a_out) in enumerate(spans):
-        for lo2, hi2, b, b_out in spans[j + 1:]:
-            if (a_out or b_out) and lo < hi2 and lo2 < hi:
+    for b in range(len(inputs), len(spans)):  # each output against everything before it
+        if spans[b] is None:
+            continue
+        lo2, hi2 = spans[b]
+        for a in range(b):
+            if spans[a] is not None and spans[a][0] < hi2 and lo2 < spans[a][1]:
                 found.append(f"{names[a]} and {names[b]} overlap")
     return found
 
