@@ -75,6 +75,20 @@ def timed_calls(name: str, fn, calls: int, cuda: bool) -> str:
     return "\n".join(lines)
 
 
+def warm_cycle(comp, t: torch.Tensor, warm: int):
+    """A function that offloads ``t`` through ``comp``, restores it and frees the handle, run
+    ``warm`` times first (the GPU synchronised after)."""
+    def cycle() -> None:
+        h = comp.offload(t)
+        comp.restore(h)
+        h.free()
+
+    for _ in range(warm):
+        cycle()
+    torch.cuda.synchronize()
+    return cycle
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kib", type=int, default=1024)
@@ -108,16 +122,7 @@ def main() -> None:
         print(profile_calls(lambda: pc.decompress(c, return_status=True), a.calls, 25, pattern))
     if "offload_restore" in ops:
         comp = pc.PageCompressor()
-        t = x.reshape(-1).view(torch.bfloat16)
-
-        def cycle() -> None:
-            h = comp.offload(t)
-            comp.restore(h)
-            h.free()
-
-        for _ in range(20):
-            cycle()
-        torch.cuda.synchronize()
+        cycle = warm_cycle(comp, x.reshape(-1).view(torch.bfloat16), 20)
         print("# PageCompressor.offload + restore + free", flush=True)
         print(profile_calls(cycle, a.calls, 30, pattern))
         comp.close()

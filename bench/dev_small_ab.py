@@ -142,19 +142,12 @@ def offload_timers(dev: torch.device, calls: int) -> str:
     import collections
     import time
 
+    from bench.dev_call_profile import warm_cycle
     from bench.dev_hook_timing import instrument
 
     comp = pc.PageCompressor(device=dev)
-    t = build_corpus("bf16-relu", 1 << 20, 4096, dev, seed=1).view(torch.bfloat16)
-
-    def cycle() -> None:
-        h = comp.offload(t)
-        comp.restore(h)
-        h.free()
-
-    for _ in range(30):
-        cycle()
-    torch.cuda.synchronize()
+    cycle = warm_cycle(comp, build_corpus("bf16-relu", 1 << 20, 4096, dev, seed=1)
+                       .view(torch.bfloat16), 30)
     stats = collections.defaultdict(lambda: [0, 0, 0])
     from bench.dev_hook_timing import TARGETS
 
