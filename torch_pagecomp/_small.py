@@ -2,8 +2,8 @@
 
 With few pages a call is host work: the public function checks its arguments and asks
 ``backend.route``, the kernel's launcher checks them again and picks its settings, and the
-launch itself goes through the direct path's per-argument scan (``kernels.launch``). Around
-50-65 us of host time per call on an H200's host, of which the kernel launch is a few.
+launch goes through the direct path's per-argument scan (``kernels.launch``): 50-60 us of host
+time per call on an H200's host, of which Triton's C launcher is a few.
 
 Here an eager call skips what an earlier call already settled:
 
@@ -12,11 +12,15 @@ Here an eager call skips what an earlier call already settled:
   ``api.compress`` after a call of that signature passed every check and ran the kernels
   itself (route ``KERNELS``, or ``INTERPRET`` on the CPU). A later call of the signature checks
   only what the signature does not fix (the tensor's type, contiguity and alignment, no
-  tracing or dispatch mode, the interpreter as it was) and launches with the plan's settings:
-  by address on a GPU (``compress_at`` / ``compress_exp_at``, as the activation store does).
+  tracing or dispatch mode, the interpreter as it was) and launches with the plan's settings,
+  by address on a GPU, as ``compress_pages`` / ``compress_exp_pages`` would.
 - ``decompress``: a fixed-stride container without checksums on a usable GPU, checked by
-  ``format.check_compressed``'s quick rule, decodes through the decoders' known-classes
-  launchers (``decompress_into_known`` / ``decompress_exp_into_known``); no plan is needed.
+  ``format.plainly_valid``, makes the launches ``decompress_into`` /
+  ``decompress_exp_into`` make, without their checks.
+- Both keep the compiled kernels they launch (:class:`_Kept`) and call Triton's launcher
+  directly once their arguments' classes are known; an LZ4 compress takes its scratch as a
+  raw block of PyTorch's caching allocator. A planned call is its allocations and one or two
+  launches: 22-28 us on an H200's host (``bench/results/h200x2_c2301fe_session54``).
 
 Anything else (other arguments, the first call of a signature, ``torch.compile``, a tensor
 subclass, checksums, packed containers) takes the full path, which gives the same bytes.
@@ -194,7 +198,6 @@ class CompressPlan:
         else:
             lz4.compress_at(index, self.programs, n, self.metas[data.storage_offset() % 8 == 0],
                             addrs, args)
-
 
     def _launch_raw_scratch(self, src: int, out: tuple) -> None:
         """The kept LZ4 launch with its scratch a raw block of the caching allocator on the
