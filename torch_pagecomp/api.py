@@ -201,6 +201,22 @@ def _overlaps(inputs: tuple, outputs: tuple, names: tuple) -> list[str]:
     return found
 
 
+def _overlapping(t: torch.Tensor, others: tuple) -> bool:
+    """Whether ``t``'s bytes overlap those of any of ``others`` (``None`` skipped): the usual
+    case of an ``out=`` check, answered without :func:`_overlaps`' messages (False under
+    ``torch.compile``, as there)."""
+    if torch.compiler.is_compiling() or not t.nbytes:
+        return False
+    lo = t.data_ptr()
+    hi = lo + t.nbytes
+    for o in others:
+        if o is not None and o.nbytes:
+            start = o.data_ptr()
+            if start < hi and lo < start + o.nbytes:
+                return True
+    return False
+
+
 def _routed(where: str, device: torch.device, op, eager, kernel, tensors: tuple,
             consts: tuple = ()):
     """``op`` (a ``torch.ops.pagecomp`` operator) of ``tensors`` then ``consts``, run where
@@ -364,9 +380,9 @@ def _check_decompress_out(out: object, c: CompressedPages) -> None:
     (a few comparisons when it can; the message is built only when it cannot)."""
     want = (c.num_pages, c.page_size)
     named = (c.payload, c.sizes, c.kinds, c.offsets, c.checksums)
-    names = ("payload", "sizes", "kinds", "offsets", "checksums", "out")
-    if _fits(out, torch.uint8, want, c.device) and not _overlaps(named, (out,), names):
+    if _fits(out, torch.uint8, want, c.payload.device) and not _overlapping(out, named):
         return
+    names = ("payload", "sizes", "kinds", "offsets", "checksums", "out")
     if not isinstance(out, torch.Tensor):
         raise PageCompError(f"decompress: out must be a torch.Tensor, got {type(out).__name__}")
     problems = []
