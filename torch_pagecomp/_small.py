@@ -176,24 +176,21 @@ class CompressPlan:
         """The launch ``compress_pages`` / ``compress_exp_pages`` makes, by address: its
         settings (grid, load width by the pages' storage offset) and scratch as it picks
         them, on the current stream of the plan's device."""
-        n, p, index = self.n, self.page, self.index
+        n, index = self.n, self.index
         src, out = data.data_ptr(), (payload.data_ptr(), sizes.data_ptr(), kinds.data_ptr())
-        exp, lz4 = self.kernels
-        if self.fp16 is not None:
-            if src % 16 == 0:
-                self.kept((src, *out), (), lambda: (self.pages(data), payload, sizes, kinds))
-                return
-            exp.compress_exp_at(index, n, p, self.fp16, src, *out,
-                                lambda: (self.pages(data), payload, sizes, kinds))
+        if self.fp16 is not None:  # (its settings do not depend on the pages' alignment)
+            self.kept((src, *out), (), lambda: (self.pages(data), payload, sizes, kinds))
             return
-        if (src % 16 == 0 and self.scratch is not None and self.kept.entries is not None
+        aligned = src % 16 == 0  # the kept settings: 8-byte (wide) loads
+        if (aligned and self.scratch is not None and self.kept.entries is not None
                 and _launch.entries_usable(index)):
             self._launch_raw_scratch(src, out)
             return
+        lz4 = self.kernels[1]
         tabs, shuf = lz4.compress_scratch(self.device, self.cfg, self.programs, kept_unused=True)
         addrs = (src, *out, tabs.data_ptr(), shuf.data_ptr())
         args = lambda: (self.pages(data), payload, sizes, kinds, tabs, shuf, n)  # noqa: E731
-        if src % 16 == 0:
+        if aligned:
             self.kept(addrs, (n,), args)
         else:
             lz4.compress_at(index, self.programs, n, self.metas[data.storage_offset() % 8 == 0],

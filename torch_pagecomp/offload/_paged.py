@@ -407,18 +407,15 @@ class PagedStore:
             if sl.base is not None:  # placed: the copy engine
                 staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
                 copy_spans(staging, arena.spans(sl.base, sl.total))
-                if _by_address(out) and sl.meta.device == out.device and not self.checksum:
-                    _decode_slice_at(sl, staging, out, status, p, stored.exp)
-                    continue
             else:  # still packing: kernels read it once the pack is done
                 _wait(stream, sl.stored)
                 staging = torch.empty(sl.n * p, dtype=torch.uint8, device=out.device)
                 fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
-                if _by_address(out) and sl.meta.device == out.device and not self.checksum:
-                    if stream is not None and sl.host_meta is not None:  # its device meta is
-                        sl.meta.record_stream(stream)  # dropped once placed (slice_meta)
-                    _decode_slice_at(sl, staging, out, status, p, stored.exp)
-                    continue
+            if _by_address(out) and sl.meta.device == out.device and not self.checksum:
+                if stream is not None and sl.host_meta is not None:  # (still packing) its
+                    sl.meta.record_stream(stream)  # device meta is dropped once placed
+                _decode_slice_at(sl, staging, out, status, p, stored.exp)
+                continue
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
             st = status[sl.first:sl.first + sl.n]
             rel, sizes, kinds, sums = slice_meta(sl, out.device, stream)
