@@ -77,7 +77,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_restore256", "memory_batch128", "memory_both", "memory_placed1", "memory_shrink1",
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
-        "uncompressed_eager", "memory_eager",
+        "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots1",
         "speed",
         "speed_copy_only")
 
@@ -94,6 +94,11 @@ PATCHES = {
     # the arena's shrink as before session 49: the last step's busiest moment kept, the rest
     # of its chunks unpinned at once
     "memory_shrink1": (("torch_pagecomp.offload._arena", "SHRINK_STEPS", 1),),
+    # the compressed store's GPU payload ring (two slices' fixed-stride pages) smaller: slices
+    # of 32 or 16 MiB, or one slice's payload (compress waits for the previous slice's pack)
+    "memory_slice32": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 32 << 20),),
+    "memory_slice16": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 16 << 20),),
+    "memory_slots1": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 1),),
 }
 
 

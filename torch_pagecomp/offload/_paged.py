@@ -170,7 +170,7 @@ class PagedStore:
     kind = "compressed"
 
     def __init__(self, device: torch.device, page_size: int, streams=(None, None, None),
-                 chunk_bytes: int = CHUNK_BYTES, slice_bytes: int = SLICE_BYTES,
+                 chunk_bytes: int = CHUNK_BYTES, slice_bytes: int | None = None,
                  checksum: bool = False, host_meta: bool = False):
         if chunk_bytes < page_size or chunk_bytes % 16:
             raise ValueError(f"chunk_bytes must be a multiple of 16 bytes and hold a page of "
@@ -181,6 +181,7 @@ class PagedStore:
         with on_stream(self.pack_stream):  # the pack kernel reads the arena's state there
             self.arena = VirtualArena(device, chunk_bytes)
         # a slice is at most a chunk long: it lies in one chunk or two (the pack kernel's rule)
+        slice_bytes = SLICE_BYTES if slice_bytes is None else slice_bytes  # (read when made)
         self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
         # the fixed-stride payloads of the last SCRATCH_SLICES slices, taken in turn, each with
         # the pack that last read it (:meth:`_payload`)
