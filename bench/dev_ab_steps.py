@@ -46,6 +46,11 @@ runs, on ResNet-50 in one of two, slower on GPT-2 and ViT-B/16 in one, and BERT'
 ``bench/results/h200_0a6fe49_session50``). ``uncompressed_eager``, ``memory_eager``: a due
 store starts as soon as the link has room, even where the GPU's allocation is below the peak
 it has reached (``_batch.Batcher._over_peak`` never holds: before session 53).
+``memory_slice32``, ``memory_slice16``: the compressed store's slices of 32 / 16 MiB, not 64
+(a smaller fixed-stride payload on the GPU, more launches a tensor); ``memory_slots2``: two
+slices' payloads, the compress a slice ahead of the pack, as before session 55 (one H200:
+no faster than one payload on four models, ResNet-50's GPU peak 0.04 GiB higher,
+``bench/results/h200x2_824437a_session55``).
 ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
@@ -77,7 +82,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_restore256", "memory_batch128", "memory_both", "memory_placed1", "memory_shrink1",
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
-        "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots1",
+        "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "speed",
         "speed_copy_only")
 
@@ -94,11 +99,11 @@ PATCHES = {
     # the arena's shrink as before session 49: the last step's busiest moment kept, the rest
     # of its chunks unpinned at once
     "memory_shrink1": (("torch_pagecomp.offload._arena", "SHRINK_STEPS", 1),),
-    # the compressed store's GPU payload ring (two slices' fixed-stride pages) smaller: slices
-    # of 32 or 16 MiB, or one slice's payload (compress waits for the previous slice's pack)
+    # the compressed store's GPU payloads: slices of 32 or 16 MiB (not 64), or two slices'
+    # payloads, the compress running a slice ahead of the pack (before session 55)
     "memory_slice32": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 32 << 20),),
     "memory_slice16": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 16 << 20),),
-    "memory_slots1": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 1),),
+    "memory_slots2": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 2),),
 }
 
 

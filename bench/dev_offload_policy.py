@@ -8,8 +8,9 @@ built), against ``shipped``:
   (``bench/results/h200x2_193cacc/``): 7-8% faster on the host-bound models, 0.1-0.2 GiB more
   GPU peak.
 * ``slice32`` / ``slice16``: slices of 32 / 16 MiB instead of 64 (the compress kernel's
-  fixed-stride scratch, two slices of it, shrinks; a large tensor takes more launches).
-* ``scratch1``: one slice compressed ahead of the pack stream instead of two.
+  fixed-stride payload shrinks; a large tensor takes more launches).
+* ``scratch2``: two slices' payloads, the compress a slice ahead of the pack stream (one
+  since session 55).
 * ``restore32``: batched restores stage at most 32 MiB instead of 64.
 
 Under FSDP2 (``bench/results/h100x2_fsdp_4ecd9ac/``) ``prefer="memory"`` peaked 0.2-0.4 GiB
@@ -34,7 +35,7 @@ import sys
 
 from bench.children import cell, md_table, run_child, write_results
 
-POLICIES = ("shipped", "keep", "slice32", "slice16", "scratch1", "restore32")
+POLICIES = ("shipped", "keep", "slice32", "slice16", "scratch2", "restore32")
 COUNTS = ("served_from_stash", "restored_prefetch", "restored_on_demand", "in_flight_waits")
 
 
@@ -81,8 +82,8 @@ def apply(policy: str) -> None:
         keep_finished_offloads()
     elif policy in ("slice32", "slice16"):
         store_args(slice_bytes=int(policy[5:]) << 20)
-    elif policy == "scratch1":
-        _paged.SCRATCH_SLICES = 1
+    elif policy == "scratch2":
+        _paged.SCRATCH_SLICES = 2
     elif policy == "restore32":
         _backward.RESTORE_BATCH_BYTES = 32 << 20
     elif policy != "shipped":

@@ -27,8 +27,8 @@ def test_each_policy_changes_what_it_names(restored):
     probe.apply("slice16")
     assert _paged.PagedStore(torch.device("cpu"), 4096).slice_pages == (16 << 20) // 4096
     assert _paged.PagedStore(torch.device("cpu"), 4096, slice_bytes=1 << 20).slice_pages == 256
-    probe.apply("scratch1")
-    assert _paged.SCRATCH_SLICES == 1
+    probe.apply("scratch2")
+    assert _paged.SCRATCH_SLICES == 2
     probe.apply("restore32")
     assert _backward.RESTORE_BATCH_BYTES == 32 << 20
     shipped_poll = _hooks.ActivationOffloader._poll

@@ -68,14 +68,16 @@ def test_round_trip_across_slices_and_chunks(gen, element_size, kind):
 
 
 @interpreter
-def test_slices_take_their_payloads_from_a_ring_that_follows_their_size(gen):
+def test_slices_take_their_payloads_from_a_ring_that_follows_their_size(gen, monkeypatch):
     """Each slice's fixed-stride payload is the next of ``SCRATCH_SLICES`` buffers, reused
     while a slice needs at most what one holds and at least half of it (no allocation per
     slice), made again otherwise (a ring kept at the largest slice held it through the
     forward); storages of varying sizes come back exactly, and ``release_payloads`` lets
-    the ring go (the next slice makes it again)."""
+    the ring go (the next slice makes it again). Run with two buffers, the general case;
+    the package ships one (its own test below)."""
     from torch_pagecomp.offload import _paged
 
+    monkeypatch.setattr(_paged, "SCRATCH_SLICES", 2)
     store = _store(slice_bytes=4 * P)
     ptrs = []
 
@@ -100,6 +102,31 @@ def test_slices_take_their_payloads_from_a_ring_that_follows_their_size(gen):
     kept.append(store_pages(3))
     store.poll()
     for s, st in kept:
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
+
+
+@interpreter
+def test_the_store_holds_one_slice_payload_at_a_time(gen):
+    """As shipped, the slices of a storage (and of the next) share one payload buffer: the
+    GPU holds one slice's fixed-stride pages, ``scratch_bytes`` says so, and every slice
+    comes back exactly (on a GPU each compress waits for the previous slice's pack)."""
+    from torch_pagecomp.offload import _paged
+
+    assert _paged.SCRATCH_SLICES == 1
+    store = _store(slice_bytes=4 * P)
+    srcs = [_data(gen, n * P + extra, "bf16") for n, extra in ((8, 0), (6, 3))]
+    bufs = set()
+    stored = []
+    for s in srcs:
+        stored.append(store.offload(s, 2))
+        assert len(store._slots) == 1
+        bufs.add(store._slots[0].buf.data_ptr())
+    assert len(bufs) == 1  # slices of 4, 4, 4, 2 pages: one buffer of 4, reused
+    assert store.stats()["scratch_bytes"] == 4 * P
+    store.poll()
+    for s, st in zip(srcs, stored):
         out = torch.full_like(s, POISON)
         store.restore(st, out)
         assert torch.equal(out, s)

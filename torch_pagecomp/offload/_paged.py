@@ -45,12 +45,19 @@ from ._streams import current_stream, on_stream
 
 SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
 # slice costs the host ~5 kernel launches both ways, so most saved tensors are one slice
-SCRATCH_SLICES = 2  # slices compressed ahead of the pack stream (scratch held at once)
+# Slices whose fixed-stride payloads the GPU holds at once: one, so a slice's compress waits
+# for the previous slice's pack. Two (the compress running a slice ahead) held up to 128 MiB
+# more through the forward and raised ResNet-50's GPU peak above a plain copy's, without a
+# faster step: interleaved on one H200, one payload gave steps of 1.00x / 0.97x / 0.94x / 1.01x
+# two's on ResNet-50 / encoder-1024 / BERT-large / a Llama-style decoder and peaks of
+# 1.37 against 1.41 GiB on ResNet-50 (a plain copy 1.38), bench/results/h200x2_824437a_session55
+SCRATCH_SLICES = 1
 
 
 class _PayloadSlot:
-    """One buffer of :class:`PagedStore`'s payload ring and the pack event of the slice that
-    used it last (a new slice's compress waits for it before writing there)."""
+    """One buffer of :class:`PagedStore`'s payloads (``SCRATCH_SLICES`` of them, taken in
+    turn) and the pack event of the slice that used it last (a new slice's compress waits for
+    it before writing there)."""
 
     __slots__ = ("buf", "packed")
 
@@ -330,8 +337,8 @@ class PagedStore:
 
     def _payload(self, slot: _PayloadSlot, n: int, device: torch.device) -> torch.Tensor:
         """``uint8 [n, P]`` for a slice's compressed pages at a fixed stride: ``slot``'s
-        buffer (the ring of ``SCRATCH_SLICES``), which the slice ``SCRATCH_SLICES`` before used
-        and whose pack the compress stream has waited for. A payload of the caching allocator per
+        buffer (one of ``SCRATCH_SLICES``), which the slice ``SCRATCH_SLICES`` before used and
+        whose pack the compress stream has waited for. A payload of the caching allocator per
         slice, read on the pack stream (``record_stream``), cost the hooks 3-6 ms of host
         time a step under FSDP2 (sampled, ``bench/results/h200x2_91fcaaa_session49``).
         A buffer is made again where a slice needs more than it holds or less than half of
@@ -347,9 +354,9 @@ class PagedStore:
         return buf[:n * p].view(n, p)
 
     def release_payloads(self) -> None:
-        """Let the payload ring go (:meth:`_payload`; made again by the next slice): the
-        hooks call this as a backward starts, which stores little, so that the ring's GPU
-        memory is not held through it. Freed after the packs queued so far."""
+        """Let the payload buffers go (:meth:`_payload`; made again by the next slice): the
+        hooks call this as a backward starts, which stores little, so that their GPU memory
+        is not held through it. Freed after the packs queued so far."""
         for slot in self._slots:
             slot.buf = None
 
@@ -457,7 +464,7 @@ class PagedStore:
             mem.release()
         self.arena.backed.clear()
         self.arena.trim()
-        self.release_scratch()  # the compress kernels' scratch and the payload ring
+        self.release_scratch()  # the compress kernels' scratch and the payloads
 
     def _count_failures(self, status: torch.Tensor, stream) -> None:
         if stream is None:  # the CPU: known at once
