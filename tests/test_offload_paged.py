@@ -36,12 +36,13 @@ def _data(gen: torch.Generator, nbytes: int, kind: str) -> torch.Tensor:
     return out
 
 
-def _store(device="cpu", chunk=1 << 16, slice_bytes=1 << 14, checksum=False) -> PagedStore:
+def _store(device="cpu", chunk=1 << 16, slice_bytes=1 << 14, checksum=False,
+           host_meta=False) -> PagedStore:
     streams = (None, None, None)
     if device != "cpu":
         streams = tuple(torch.cuda.Stream() for _ in range(3))
     return PagedStore(torch.device(device), P, streams, chunk_bytes=chunk,
-                      slice_bytes=slice_bytes, checksum=checksum)
+                      slice_bytes=slice_bytes, checksum=checksum, host_meta=host_meta)
 
 
 @interpreter
@@ -740,6 +741,42 @@ def test_gpu_round_trip_on_streams(gen, chunk, slice_bytes, mib):
     for st in stored:
         store.free(st)
     assert store.arena.used == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("batched", [False, True])
+def test_gpu_host_metadata_outlives_a_free_before_its_restore_ran(gen, batched):
+    """With ``host_meta`` (every user of the store) a placed slice's metadata is in
+    page-locked host memory, and a restore's decoders (one stored tensor's, or the hooks'
+    batched ``restore_placed``) read it at its host address, which the host allocator does
+    not see. Freed right after its restore was queued behind a sleeping restore stream, and
+    the allocator's blocks of that size taken and overwritten at once, the restore still
+    decodes exactly: the store holds freed metadata until the restore stream passes."""
+    from torch_pagecomp.offload._paged_group import restore_placed
+
+    store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20, host_meta=True)
+    src = _data(gen, 2 << 20, "bf16").cuda()  # two slices
+    stored = store.offload(src, 2, producer=torch.cuda.current_stream())
+    store.wait_placed()
+    assert all(not sl.meta.is_cuda and sl.meta.is_pinned() for sl in stored.slices)
+    sizes = [sl.meta.numel() for sl in stored.slices]
+    out = torch.full_like(src, POISON)
+    rs = store.restore_stream
+    rs.wait_stream(torch.cuda.current_stream())  # after the poison
+    with torch.cuda.stream(rs):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the decode runs after the free below
+        if batched:
+            assert restore_placed(store, [stored], [out])
+        else:
+            store.restore(stored, out)
+    store.free(stored)
+    grabbed = [torch.empty(n, dtype=torch.uint8, pin_memory=True).fill_(0xFF)
+               for n in sizes for _ in range(4)]
+    torch.cuda.synchronize()
+    assert torch.equal(out, src)
+    assert store.failed_restores() == 0
+    del grabbed
+    store.close()
 
 
 @interpreter

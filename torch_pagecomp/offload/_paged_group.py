@@ -28,7 +28,8 @@ The group keeps, for its leading stored tensors whose slices are all placed, the
 metadata and the host ranges to copy, and extends them as later ones are placed: a restore of
 an unchanged group costs the host a few tensor allocations, a copy per run and the decode
 launch. The metadata stays where the store keeps placed slices' (on the device, or with the
-store's ``host_meta`` in page-locked host memory, uploaded by each restore: 13 bytes a page).
+store's ``host_meta`` in page-locked host memory, uploaded by each group restore: 13 bytes a
+page; :func:`restore_placed` reads it there by address).
 """
 
 from __future__ import annotations
@@ -192,12 +193,13 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     current stream, when every slice is placed: one staging buffer, one copy per run of
     adjacent arena bytes (slices taken in arena order), one launch that gathers the pages'
     metadata and rows (``kernels.row_table.gather_slice_meta``), one decode per codec. Returns
-    False, having queued nothing, where it does not apply (a slice not placed yet, checksums,
-    metadata kept on the host): :func:`restore_group` does. Failed pages are counted as
-    ``PagedStore.restore`` counts them (raised at once on the CPU)."""
+    False, having queued nothing, where it does not apply (a slice not placed yet,
+    checksums): :func:`restore_group` does. A placed slice's metadata in page-locked host
+    memory (the store's ``host_meta``) is gathered from its host address. Failed pages are
+    counted as ``PagedStore.restore`` counts them (raised at once on the CPU)."""
     from ..kernels.row_table import SLICE_DESC_ROWS, gather_slice_meta
 
-    if store.checksum or store.host_meta or not storeds:
+    if store.checksum or not storeds:
         return False
     p, arena = store.page_size, store.arena
     arena.confirm()  # placements known by now (never waits)
