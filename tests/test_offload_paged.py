@@ -205,11 +205,20 @@ def test_host_waits_for_packs_are_counted():
 @pytest.mark.parametrize("checksum", [False, True])
 @pytest.mark.parametrize("n", [1, 3, 16, 37, 2048, 16384])
 def test_metadata_addresses_are_those_of_its_views(n, checksum):
-    """The GPU store launches its kernels with addresses into a slice's metadata buffer
-    (``_Slice.addr``) and makes the views only where a path needs them: each address is its
-    view's, each part 16-byte aligned (a kernel is compiled per pointer alignment), and the
-    parts tile the buffer without overlap."""
-    from torch_pagecomp.offload._arena import DESC, KINDS, REL, SIZES, SUMS, _meta_bytes, _Slice
+    """The GPU store launches its kernels with addresses into a slice's metadata buffer (its
+    start plus ``_meta_offsets``) and makes the views only where a path needs them: each
+    address is its view's, each part 16-byte aligned (a kernel is compiled per pointer
+    alignment), and the parts tile the buffer without overlap."""
+    from torch_pagecomp.offload._arena import (
+        DESC,
+        KINDS,
+        REL,
+        SIZES,
+        SUMS,
+        _meta_bytes,
+        _meta_offsets,
+        _Slice,
+    )
 
     meta = torch.empty(_meta_bytes(n, checksum), dtype=torch.uint8)
     sl = _Slice(0, n, meta, checksum)
@@ -219,7 +228,8 @@ def test_metadata_addresses_are_those_of_its_views(n, checksum):
     for part, view in views.items():
         if view is None:
             continue
-        assert sl.addr(part) == view.data_ptr() and view.data_ptr() % 16 == 0
+        at = meta.data_ptr() + _meta_offsets(n, checksum)[part]
+        assert at == view.data_ptr() and view.data_ptr() % 16 == 0
         spans.append((view.data_ptr() - meta.data_ptr(), view.numel() * view.element_size()))
     assert spans[1][1] == 16 and [v.numel() for v in views.values() if v is not None][2:] == \
         [n] * (3 if checksum else 2)
@@ -747,11 +757,11 @@ def test_gpu_round_trip_on_streams(gen, chunk, slice_bytes, mib):
 @pytest.mark.parametrize("batched", [False, True])
 def test_gpu_host_metadata_outlives_a_free_before_its_restore_ran(gen, batched):
     """With ``host_meta`` (every user of the store) a placed slice's metadata is in
-    page-locked host memory, and a restore's decoders (one stored tensor's, or the hooks'
-    batched ``restore_placed``) read it at its host address, which the host allocator does
-    not see. Freed right after its restore was queued behind a sleeping restore stream, and
-    the allocator's blocks of that size taken and overwritten at once, the restore still
-    decodes exactly: the store holds freed metadata until the restore stream passes."""
+    page-locked host memory, and a restore (one stored tensor's, or the hooks' batched
+    ``restore_placed``) copies it up at its host address, which the host allocator does not
+    see. Freed right after its restore was queued behind a sleeping restore stream, and the
+    allocator's blocks of that size taken and overwritten at once, the restore still decodes
+    exactly: the store holds freed metadata until the restore stream passes."""
     from torch_pagecomp.offload._paged_group import restore_placed
 
     store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20, host_meta=True)

@@ -130,9 +130,9 @@ class _Slice:
 
     The metadata is one buffer, ``meta`` (:func:`_meta_bytes`); its parts are views made when
     first asked for (:attr:`rel`, :attr:`sizes`, ...): the store's launches take their
-    addresses (:meth:`addr`), and cutting the views for every stored slice cost the hooks
-    ~20 us a saved tensor. ``host_desc``: the arena's descriptor slot the pack publishes the
-    placement to (:meth:`VirtualArena.host_desc`), until confirmed."""
+    addresses (``meta``'s plus :func:`_meta_offsets`), and cutting the views for every stored
+    slice cost the hooks ~20 us a saved tensor. ``host_desc``: the arena's descriptor slot
+    the pack publishes the placement to (:meth:`VirtualArena.host_desc`), until confirmed."""
 
     __slots__ = ("first", "n", "meta", "checksum", "_parts", "host_desc", "stored", "base",
                  "total", "freed", "host_meta")
@@ -160,11 +160,6 @@ class _Slice:
     sizes = _part(SIZES, "``int32 [n]``: each page's stored bytes.")
     kinds = _part(KINDS, "``uint8 [n]``: each page's kind.")
     sums = _part(SUMS, "``int32 [n]`` page checksums (the store's ``checksum``), or None.")
-
-    def addr(self, part: int) -> int:
-        """The address of part ``part`` of ``meta`` (``REL``, ``DESC``, ``SIZES``, ``KINDS``,
-        ``SUMS``)."""
-        return self.meta.data_ptr() + _meta_offsets(self.n, self.checksum)[part]
 
     def done(self) -> bool:
         return self.stored is None or self.stored.query()

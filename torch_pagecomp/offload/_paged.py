@@ -31,13 +31,12 @@ from ..handles import RestoreFailures
 from ..pools import can_pin
 from ._arena import (
     CHUNK_BYTES,
-    KINDS,
-    REL,
-    SIZES,
     UploadRing,
     VirtualArena,
+    _align16,
     _meta_bytes,
     _meta_offsets,
+    _meta_views,
     _Slice,
     _wait,
     slice_meta,
@@ -170,9 +169,9 @@ class PagedStore:
     failures are); one more read of the pages each way. A partial last page travels as plain
     bytes, checked as one zero-padded page (:func:`tail_checksum`). ``host_meta``: a placed
     slice keeps its page metadata (13 bytes a page) in page-locked host memory instead of on
-    the device (copied there after its pack), and the decoders read it at its host address
-    (a restore with checksums, and a KV cache's group restore, upload it): the GPU holds no
-    metadata of placed slices. Every user sets it: the activation hooks' metadata on the
+    the device (copied there after its pack), and a restore copies it up behind the slice's
+    pages, into the same staging buffer, by address: the GPU holds no metadata of placed
+    slices between restores. Every user sets it: the activation hooks' metadata on the
     device, 13 bytes a page of every stored tensor until its restore, put BERT-large's GPU
     peak 4 MiB above a plain copy's (``bench/results/h200x2_824437a_session55``).
     """
@@ -415,22 +414,28 @@ class PagedStore:
         full = stored.nbytes // p  # the slices' pages; the partial tail travels as bytes
         checked_tail = stored.tail_sum is not None
         status = torch.empty(full + checked_tail, dtype=torch.int32, device=out.device)
+        by_address = _by_address(out) and not self.checksum
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
                 raise SliceNotStored(sl.n)
+            meta_at = None  # where the staging buffer holds the slice's metadata, if it does
             if sl.base is not None:  # placed: the copy engine
-                staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
-                copy_spans(staging, arena.spans(sl.base, sl.total))
+                total, spans = sl.total, arena.spans(sl.base, sl.total)
+                if by_address and not sl.meta.is_cuda:  # ``host_meta``: brought up behind
+                    meta_at = _align16(total)  # the pages, in the same buffer
+                    spans.append((meta_at, sl.meta.data_ptr(), sl.meta.numel()))
+                staging = torch.empty(total if meta_at is None else meta_at + sl.meta.numel(),
+                                      dtype=torch.uint8, device=out.device)
+                copy_spans(staging, spans)
             else:  # still packing: kernels read it once the pack is done
                 _wait(stream, sl.stored)
-                staging = torch.empty(sl.n * p, dtype=torch.uint8, device=out.device)
+                total = sl.n * p
+                staging = torch.empty(total, dtype=torch.uint8, device=out.device)
                 fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
-            if _by_address(out) and not self.checksum:
-                # the metadata on the device, or placed with ``host_meta``: page-locked, read
-                # by the decoder at its host address (kept past a free: :meth:`free`)
+            if by_address:
                 if stream is not None and sl.host_meta is not None:  # (still packing) its
                     sl.meta.record_stream(stream)  # device meta is dropped once placed
-                _decode_slice_at(sl, staging, out, status, p, stored.exp)
+                _decode_slice_at(sl, staging, total, meta_at, out, status, p, stored.exp)
                 continue
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
             st = status[sl.first:sl.first + sl.n]
@@ -516,7 +521,7 @@ class PagedStore:
 
     def _keep_host_metas(self, metas: list[torch.Tensor]) -> None:
         """Hold freed slices' page-locked metadata until the restores queued on the restore
-        stream so far are done: their decoders read it at its host address, which the host
+        stream so far are done: their copies read it at its host address, which the host
         allocator does not see (a block freed to it is handed out again at once)."""
         kept = self._metas_kept
         while kept and kept[0][0].query():
@@ -568,21 +573,29 @@ def _by_address(out: torch.Tensor) -> bool:
     return out.is_cuda
 
 
-def _decode_slice_at(sl: _Slice, staging: torch.Tensor, out: torch.Tensor,
-                     status: torch.Tensor, p: int, exp: bool) -> None:
-    """Decode slice ``sl`` from ``staging`` (its host bytes, copied or fetched) into its pages
-    of ``out`` and statuses on the current CUDA stream, by address: the views
-    :meth:`PagedStore.restore` would cut per slice (its pages, statuses and metadata parts)
-    cost a ResNet-50 step's restores about 12 tensor operations a slice."""
+def _decode_slice_at(sl: _Slice, staging: torch.Tensor, total: int, meta_at: int | None,
+                     out: torch.Tensor, status: torch.Tensor, p: int, exp: bool) -> None:
+    """Decode slice ``sl`` from the first ``total`` bytes of ``staging`` (its host bytes,
+    copied or fetched) into its pages of ``out`` and statuses on the current CUDA stream, by
+    address: the views :meth:`PagedStore.restore` would cut per slice (its pages, statuses and
+    metadata parts) cost a ResNet-50 step's restores about 12 tensor operations a slice. The
+    metadata is the slice's own on the device, or (``meta_at``) its copy at that offset of
+    ``staging``: read where it is kept in page-locked memory, by the decoders' threads over
+    the link that the restores' copies fill, it made a Llama-style decoder's step 6% slower
+    (``bench/results/h200x2_824437a_session55``)."""
     n, first = sl.n, sl.first
-    addrs = (staging.data_ptr(), sl.addr(REL), sl.addr(SIZES), sl.addr(KINDS),
+    meta = sl.meta if meta_at is None else staging[meta_at:meta_at + sl.meta.numel()]
+    m = sl.meta.data_ptr() if meta_at is None else staging.data_ptr() + meta_at
+    rel, _, sizes, kinds, _ = _meta_offsets(n, sl.checksum)
+    addrs = (staging.data_ptr(), m + rel, m + sizes, m + kinds,
              out.data_ptr() + first * p, status.data_ptr() + 4 * first)
 
     def args():  # the tensors, for a launch that goes the usual way (its first, to compile)
-        return (staging, sl.rel, sl.sizes, sl.kinds, out[first * p:(first + n) * p].view(n, p),
-                status[first:first + n], staging.numel())
+        r, _, sz, kd, _ = _meta_views(meta, n, sl.checksum)
+        return (staging[:total], r, sz, kd, out[first * p:(first + n) * p].view(n, p),
+                status[first:first + n], total)
 
-    decode_rows_at(exp, out.device.index, p, n, addrs, staging.numel(), args, rows=False)
+    decode_rows_at(exp, out.device.index, p, n, addrs, total, args, rows=False)
 
 
 def _checksums(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from . import _arena, _copies, _paged
-from ._arena import KINDS, REL, SIZES
 from ._streams import current_stream
 
 
@@ -213,31 +212,44 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
                     return False
                 if sl.base < 0:
                     raise _paged.SliceNotStored(sl.n)
-                runs = _slice_rows(sl, out, p)
-                if runs:  # the metadata of pages a .. a + n (int64 rel, int32 sizes, kinds)
-                    rel, size, kind = sl.addr(REL), sl.addr(SIZES), sl.addr(KINDS)
-                    order.extend((sl, (rel + 8 * a, size + 4 * a, kind + a), n, row, exp)
-                                 for a, n, row in runs)
+                # the pages a .. a + n of the slice, into the row at ``row``
+                order.extend((sl, a, n, row, exp) for a, n, row in _slice_rows(sl, out, p))
     if not order:  # parts that hold none of the pages
         return True
     dev = store.device
     stream = _launch_stream(dev)
     # staging in arena order: slices stored one after another lie next to each other there
     shifts, runs, staged = {}, [], 0
-    for sl in sorted({id(o[0]): o[0] for o in order}.values(), key=lambda sl: sl.base):
+    slices = sorted({id(o[0]): o[0] for o in order}.values(), key=lambda sl: sl.base)
+    for sl in slices:
         shifts[id(sl)] = staged
         if runs and runs[-1][0] + runs[-1][1] == sl.base:
             runs[-1][1] += sl.total
         else:
             runs.append([sl.base, sl.total, staged])
         staged += sl.total
-    staging = torch.empty(staged, dtype=torch.uint8, device=dev)
+    # metadata kept in page-locked memory (the store's ``host_meta``) comes up behind the
+    # pages, in the same buffer: the gather reads it there, not over the link (see
+    # ``_paged._decode_slice_at``)
+    metas, end = {}, _arena._align16(staged)
+    for sl in slices:
+        if stream is not None and not sl.meta.is_cuda:
+            metas[id(sl)] = end
+            end += _arena._align16(sl.meta.numel())
+    staging = torch.empty(end if metas else staged, dtype=torch.uint8, device=dev)
     for base, total, at in runs:
         _copies.copy_spans(staging, arena.spans(base, total, at))
+    if metas:
+        _copies.copy_spans(staging, [(metas[id(sl)], sl.meta.data_ptr(), sl.meta.numel())
+                                     for sl in slices if id(sl) in metas])
     cols: list[list[int]] = [[] for _ in range(SLICE_DESC_ROWS)]
     pages = most = lz4_pages = 0
-    for sl, (rel, size, kind), n, row, exp in order:
-        for col, v in zip(cols, (rel, size, kind, shifts[id(sl)], pages, n, row)):
+    for sl, a, n, row, exp in order:
+        m = (staging.data_ptr() + metas[id(sl)] if id(sl) in metas
+             else sl.meta.data_ptr())  # the metadata: int64 rel, int32 sizes, kinds
+        rel, _, size, kind, _ = _arena._meta_offsets(sl.n, sl.checksum)
+        for col, v in zip(cols, (m + rel + 8 * a, m + size + 4 * a, m + kind + a,
+                                 shifts[id(sl)], pages, n, row)):
             col.append(v)
         pages += n
         most = max(most, n)
@@ -255,7 +267,8 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
                 _paged.decode_rows(staging, offsets[a:b], sizes[a:b], kinds[a:b], rows[a:b],
                                    p, status[a:b], exp)
     else:
-        _gather_and_decode_at(store, cols, staging, work, status, (p, most, lz4_pages), stream)
+        _gather_and_decode_at(store, cols, staging, staged, work, status, (p, most, lz4_pages),
+                              stream)
     store._count_failures(status, stream)
     if stream is None:
         arena.confirm()
@@ -303,11 +316,13 @@ def _work_views(work: torch.Tensor, pages: int) -> tuple:
             work[s:s + 4 * pages].view(torch.int32), work[k:k + pages])
 
 
-def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, work: torch.Tensor,
-                          status: torch.Tensor, counts: tuple, stream) -> None:
+def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, staged: int,
+                          work: torch.Tensor, status: torch.Tensor, counts: tuple,
+                          stream) -> None:
     """:func:`restore_placed`'s launches on the GPU, by address: the slices' table ``cols``
     into the upload ring, the metadata gathered into ``work`` (:func:`_work_bytes`), then one
-    decode per codec from ``staging`` into the rows, statuses into ``status``. ``counts``:
+    decode per codec from the first ``staged`` bytes of ``staging`` (the pages; metadata may
+    follow them) into the rows, statuses into ``status``. ``counts``:
     ``(page size, most pages of a slice, LZ4 pages)``; the LZ4 slices' pages come first.
     Tensors are made only for a launch that goes the usual way (its first, to compile)."""
     from ..kernels.row_table import gather_slice_meta_at
@@ -330,12 +345,13 @@ def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, work: torch.
 
     gather_slice_meta_at(index, len(cols[0]), most, p, (table, offs, szs, kds, rows),
                          gather_args)
-    st, payload, total = status.data_ptr(), staging.data_ptr(), staging.numel()
+    st, payload, total = status.data_ptr(), staging.data_ptr(), staged
     for a, b, exp in ((0, lz4_pages, False), (lz4_pages, pages, True)):
         if a < b:
             def decode_args(a=a, b=b):
                 offsets, rws, sz, kd = _work_views(work, pages)
-                return staging, offsets[a:b], sz[a:b], kd[a:b], rws[a:b], status[a:b], total
+                return (staging[:total], offsets[a:b], sz[a:b], kd[a:b], rws[a:b],
+                        status[a:b], total)
 
             _paged.decode_rows_at(exp, index, p, b - a,
                                   (payload, offs + 8 * a, szs + 4 * a, kds + a, rows + 8 * a,
