@@ -337,7 +337,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         lines.append(f"| {arm} | {med:.1f} | {min(t):.1f}-{max(t):.1f} | "
                      f"{statistics.median(h):.1f} | {med / base:.2f}x | "
                      f"{statistics.median(first) if first else float('nan'):.1f} | "
-                     f"{max(peaks):.2f} | {paired(t, res[arms[0]][0])} |")
+                     f"{max(peaks):.3f} | {paired(t, res[arms[0]][0])} |")
     for off in offs.values():
         off.synchronize()
     if "speed" in offs:

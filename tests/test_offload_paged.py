@@ -789,6 +789,35 @@ def test_gpu_host_metadata_outlives_a_free_before_its_restore_ran(gen, batched):
     store.close()
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_statuses_are_counted_once_a_bound_of_pages_is_held(gen, monkeypatch):
+    """Restores' decode statuses (4 bytes a page, on the GPU) are not held for a whole
+    backward: once ``STATUS_PAGES`` are held they are counted and let go. A page made
+    undecodable (an unknown kind in its placed metadata) is counted by that flush, before
+    the backward's own count (``failed_restores``) runs."""
+    from torch_pagecomp.offload import _paged
+    from torch_pagecomp.offload._arena import KINDS, _meta_offsets
+
+    monkeypatch.setattr(_paged, "STATUS_PAGES", 8)
+    store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20, host_meta=True)
+    srcs = [_data(gen, 3 * P, "small").cuda() for _ in range(5)]
+    stored = [store.offload(s, 1, producer=torch.cuda.current_stream()) for s in srcs]
+    store.wait_placed()
+    sl = stored[1].slices[0]
+    sl.meta[_meta_offsets(sl.n, False)[KINDS] + 1] = 0xEE  # page 1 of the second tensor
+    held = []
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        held.append(store._status_pages)
+        if st is not stored[1]:
+            assert torch.equal(out, s)
+    assert held == [3, 6, 0, 3, 6]
+    assert store.failures.total() == 1  # counted by the flush at the third restore
+    assert store.failed_restores() >= 0 and store.failures.total() == 1
+    store.close()
+
+
 @interpreter
 @pytest.mark.parametrize("checksum", [True, False])
 def test_checksums_catch_a_flipped_host_byte(gen, checksum):

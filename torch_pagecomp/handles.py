@@ -166,9 +166,10 @@ class RestoreFailures:
             self._held.append((statuses, stream))
             full = len(self._held) >= self.HELD
         if full:
-            self._flush()
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Count the statuses held now (queued on their streams; frees them after)."""
         with self._lock:
             held, self._held = self._held, []
         self._count(held)
@@ -195,7 +196,7 @@ class RestoreFailures:
 
     def poll(self) -> int:
         """Failures known to the host so far (never blocks); schedules the next read."""
-        self._flush()
+        self.flush()
         if self._event is not None and self._event.query():
             self._seen = int(self._host)
             self._event = None
@@ -208,7 +209,7 @@ class RestoreFailures:
 
     def total(self) -> int:
         """All failures so far (waits for the restores queued before the call)."""
-        self._flush()
+        self.flush()
         self._after_counts()
         self._seen = int(self.count)
         return self._seen

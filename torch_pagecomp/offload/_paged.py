@@ -53,6 +53,9 @@ SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the s
 # two's on ResNet-50 / encoder-1024 / BERT-large / a Llama-style decoder and peaks of
 # 1.37 against 1.41 GiB on ResNet-50 (a plain copy 1.38), bench/results/h200x2_824437a_session55
 SCRATCH_SLICES = 1
+# Decode statuses (4 bytes a page) held before they are counted: held for a whole backward
+# they put BERT-large's GPU peak 3 MiB above a plain copy's (bench/results/h200x2_824437a_session55)
+STATUS_PAGES = 1 << 16
 
 
 class _PayloadSlot:
@@ -198,6 +201,7 @@ class PagedStore:
         self._turn = 0
         self.failures = None  # pages that failed to decode, counted on the device
         self._statuses: dict = {}  # restore stream -> decode statuses not counted yet
+        self._status_pages = 0  # their pages
         if device.type == "cuda":
             with on_stream(self.restore_stream):
                 self.failures = RestoreFailures(device)
@@ -486,18 +490,27 @@ class PagedStore:
             if bad:
                 raise CorruptPageError([], [], f"{bad} offloaded page(s) failed to decode")
             return
-        # counted once per backward (one launch for all restores, not two per restore);
-        # the statuses stay alive until then, on the stream that wrote them
+        # counted together (one launch for many restores, not two per restore), at the end
+        # of a backward or once STATUS_PAGES are held: the statuses stay alive until then, on
+        # the stream that wrote them
         self._statuses.setdefault(stream, []).append(status)
+        self._status_pages += status.numel()
+        if self._status_pages >= STATUS_PAGES and self.failures is not None:
+            self._hand_statuses()
+            self.failures.flush()
+
+    def _hand_statuses(self) -> None:
+        for stream, statuses in self._statuses.items():
+            self.failures.add(statuses, stream)
+        self._statuses.clear()
+        self._status_pages = 0
 
     def failed_restores(self) -> int:
         """Pages that failed to decode in restores so far, as far as the host knows (never
         blocks)."""
         if self.failures is None:
             return 0
-        for stream, statuses in self._statuses.items():
-            self.failures.add(statuses, stream)
-        self._statuses.clear()
+        self._hand_statuses()
         return self.failures.poll()
 
     # ------------------------------------------------------------------ lifetime
