@@ -52,7 +52,8 @@ slices' payloads, the compress a slice ahead of the pack, as before session 55 (
 no faster than one payload on four models, ResNet-50's GPU peak 0.04 GiB higher,
 ``bench/results/h200x2_824437a_session55``). ``memory_devmeta``: the hooks' placed slices
 keep their metadata (13 bytes a page) on the GPU, as before session 55, not in page-locked
-host memory.
+host memory; ``memory_holdstatus``: restores' decode statuses held until the backward's end,
+as before session 55.
 ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
@@ -85,7 +86,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
-        "memory_devmeta",
+        "memory_devmeta", "memory_holdstatus",
         "speed",
         "speed_copy_only")
 
@@ -107,6 +108,8 @@ PATCHES = {
     "memory_slice32": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 32 << 20),),
     "memory_slice16": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 16 << 20),),
     "memory_slots2": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 2),),
+    # restores' decode statuses held until the backward's end (before session 55)
+    "memory_holdstatus": (("torch_pagecomp.offload._paged", "STATUS_PAGES", 1 << 62),),
 }
 
 
