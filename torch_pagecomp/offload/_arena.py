@@ -149,8 +149,9 @@ class _Slice:
         self.freed = False
 
     def parts(self) -> tuple:
-        """:func:`_meta_views` of ``meta``: ``(rel, desc, sizes, kinds, sums)``; ``desc`` is
-        None once the metadata moved to the host (:meth:`meta_to_host`)."""
+        """:func:`_meta_views` of ``meta``: ``(rel, desc, sizes, kinds, sums)``; once the
+        metadata moved to the host (:meth:`meta_to_host`) ``desc`` is the host copy's, which
+        nothing reads (the placement is known by then)."""
         if self._parts is None:
             self._parts = _meta_views(self.meta, self.n, self.checksum)
         return self._parts
@@ -169,10 +170,8 @@ class _Slice:
         keep the host copy of the metadata and drop the device one (``PagedStore``'s
         ``host_meta``). A restore queued before still reads the device copy: it recorded its
         stream on it (:func:`slice_meta`)."""
-        if self.host_meta is not None:
-            rel, _, sizes, kinds, sums = _meta_views(self.host_meta, self.n, self.checksum)
-            self._parts = (rel, None, sizes, kinds, sums)
-            self.meta, self.host_meta = self.host_meta, None
+        if self.host_meta is not None:  # (views of it made when asked for, as before)
+            self.meta, self.host_meta, self._parts = self.host_meta, None, None
 
 
 def slice_meta(sl: _Slice, device: torch.device, stream) -> tuple:

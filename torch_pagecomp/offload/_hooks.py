@@ -632,7 +632,7 @@ class ActivationOffloader:
         if index not in self._paged:
             streams = tuple(self._stream(dev, name) for name in ("d2h", "pack", "h2d"))
             self._paged[index] = PagedStore(torch.device("cuda", index), self.page_size, streams,
-                                            checksum=self.checksum, host_meta=True)
+                                            checksum=self.checksum)
         return self._paged[index]
 
     def synchronize(self) -> None:
