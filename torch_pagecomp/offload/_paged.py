@@ -53,8 +53,8 @@ SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the s
 # two's on ResNet-50 / encoder-1024 / BERT-large / a Llama-style decoder and peaks of
 # 1.37 against 1.41 GiB on ResNet-50 (a plain copy 1.38), bench/results/h200x2_824437a_session55
 SCRATCH_SLICES = 1
-# Decode statuses (4 bytes a page) held before they are counted: held for a whole backward
-# they put BERT-large's GPU peak 3 MiB above a plain copy's (bench/results/h200x2_824437a_session55)
+# Decode statuses (4 bytes a page) held before they are counted: held for a whole backward,
+# BERT-large's GPU peak was 3 MiB higher (bench/results/h200x2_824437a_session55)
 STATUS_PAGES = 1 << 16
 
 

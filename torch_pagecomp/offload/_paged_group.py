@@ -29,7 +29,7 @@ metadata and the host ranges to copy, and extends them as later ones are placed:
 an unchanged group costs the host a few tensor allocations, a copy per run and the decode
 launch. The metadata stays where the store keeps placed slices' (on the device, or with the
 store's ``host_meta`` in page-locked host memory, uploaded by each group restore: 13 bytes a
-page; :func:`restore_placed` reads it there by address).
+page; :func:`restore_placed` copies each slice's up behind the pages it stages).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     metadata and rows (``kernels.row_table.gather_slice_meta``), one decode per codec. Returns
     False, having queued nothing, where it does not apply (a slice not placed yet,
     checksums): :func:`restore_group` does. A placed slice's metadata in page-locked host
-    memory (the store's ``host_meta``) is gathered from its host address. Failed pages are
+    memory (the store's ``host_meta``) is copied up behind the staged pages. Failed pages are
     counted as ``PagedStore.restore`` counts them (raised at once on the CPU)."""
     from ..kernels.row_table import SLICE_DESC_ROWS, gather_slice_meta
 
