@@ -789,6 +789,43 @@ def test_gpu_host_metadata_outlives_a_free_before_its_restore_ran(gen, batched):
     store.close()
 
 
+def test_statuses_are_handed_to_the_count_once_a_bound_of_pages_is_held(monkeypatch):
+    """The store holds restores' statuses per stream until ``STATUS_PAGES`` pages are held,
+    then hands them all to its failure count and has it count them at once (they are freed
+    after); the backward's own count (``failed_restores``) hands what is left. Run on the CPU
+    with a recording stand-in for ``RestoreFailures`` and two stand-in streams."""
+    from torch_pagecomp.offload import _paged
+
+    class Failures:
+        def __init__(self):
+            self.added, self.flushes, self.polls = [], 0, 0
+
+        def add(self, statuses, stream):
+            self.added.append((stream, [s.numel() for s in statuses]))
+
+        def flush(self):
+            self.flushes += 1
+
+        def poll(self):
+            self.polls += 1
+            return 0
+
+    monkeypatch.setattr(_paged, "STATUS_PAGES", 10)
+    store = _store()
+    store.failures = failures = Failures()
+    a, b = object(), object()
+    for stream, n in ((a, 4), (b, 3), (a, 2)):
+        store._count_failures(torch.zeros(n, dtype=torch.int32), stream)
+    assert failures.added == [] and store._status_pages == 9
+    store._count_failures(torch.zeros(1, dtype=torch.int32), b)  # 10: handed and counted
+    assert sorted(failures.added, key=lambda x: x[1]) == [(b, [3, 1]), (a, [4, 2])]
+    assert failures.flushes == 1 and store._status_pages == 0 and not store._statuses
+    store._count_failures(torch.zeros(5, dtype=torch.int32), a)
+    assert store.failed_restores() == 0
+    assert failures.added[-1] == (a, [5]) and failures.polls == 1 and failures.flushes == 1
+    assert store._status_pages == 0 and not store._statuses
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_statuses_are_counted_once_a_bound_of_pages_is_held(gen, monkeypatch):
     """Restores' decode statuses (4 bytes a page, on the GPU) are not held for a whole
