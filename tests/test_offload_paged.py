@@ -789,6 +789,40 @@ def test_gpu_host_metadata_outlives_a_free_before_its_restore_ran(gen, batched):
     store.close()
 
 
+@interpreter
+def test_freed_host_metadata_is_held_until_the_restores_before_the_free_are_done(
+        gen, monkeypatch):
+    """With ``host_meta``, a freed stored tensor's page-locked metadata (which restores copy
+    up at its host address, unseen by the host allocator) stays referenced by the store with
+    an event marked on the restore stream at the free, and is let go once that event is done:
+    checked at the next free. Run on the CPU with stand-in events and restore stream."""
+    from torch_pagecomp.offload import _paged
+
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+    store = _store(host_meta=True)
+    stored = [store.offload(_data(gen, 6 * P, "bf16"), 2) for _ in range(3)]
+    store.wait_placed()
+    events = []
+    monkeypatch.setattr(_paged, "mark", lambda stream: events.append(Event()) or events[-1])
+    metas = [[sl.meta for sl in st.slices] for st in stored]  # placed: the host copies
+    assert all(not m.is_cuda for ms in metas for m in ms)
+    store.restore_stream = object()  # as on a GPU, where restores may still read them
+    store.free(stored[0])
+    store.free(stored[1])
+    held = [(e, ms) for e, ms in store._metas_kept]
+    assert [e for e, _ in held] == events[:2]
+    assert all(a is b for (_, ms), want in zip(held, metas) for a, b in zip(ms, want))
+    events[0].done = True  # the restores queued before the first free are done
+    store.free(stored[2])
+    assert [e for e, _ in store._metas_kept] == events[1:3]
+    assert all(a is b for a, b in zip(store._metas_kept[-1][1], metas[2]))
+
+
 def test_statuses_are_handed_to_the_count_once_a_bound_of_pages_is_held(monkeypatch):
     """The store holds restores' statuses per stream until ``STATUS_PAGES`` pages are held,
     then hands them all to its failure count and has it count them at once (they are freed
