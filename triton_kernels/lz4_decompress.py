@@ -672,9 +672,8 @@ def _known_metas(page_size: int, rows: bool, interpret: bool) -> tuple:
 def decompress_rows_at(index: int, page_size: int, n: int, addrs: tuple, total: int,
                        args) -> None:
     """:func:`decompress_rows_known` given addresses (:func:`decode_rows_at`)."""
-    plain, shuffled = _known_metas(page_size, True, interpreting())
-    decode_rows_at(_decompress_kernel, plain, index, n, addrs, total, args)
-    decode_rows_at(_decompress_shuffled_kernel, shuffled, index, n, addrs, total, args)
+    for kernel, meta in _pair(page_size, True):
+        decode_rows_at(kernel, meta, index, n, addrs, total, args)
 
 
 def decompress_into_at(index: int, page_size: int, n: int, addrs: tuple, total: int,
@@ -682,10 +681,8 @@ def decompress_into_at(index: int, page_size: int, n: int, addrs: tuple, total: 
     """:func:`decompress_into_known` given addresses: ``addrs`` as for
     :func:`decode_rows_at` with the address of the ``uint8 [n, page_size]`` output pages in
     place of the rows'."""
-    plain, shuffled = _known_metas(page_size, False, interpreting())
-    decode_rows_at(_decompress_kernel, plain, index, n, addrs, total, args, rows=False)
-    decode_rows_at(_decompress_shuffled_kernel, shuffled, index, n, addrs, total, args,
-                   rows=False)
+    for kernel, meta in _pair(page_size, False):
+        decode_rows_at(kernel, meta, index, n, addrs, total, args, rows=False)
 
 
 def decode_rows_at(kernel, meta, index: int, n: int, addrs: tuple, total: int, args,

@@ -599,13 +599,13 @@ def _decode_slice_at(sl: _Slice, staging: torch.Tensor, total: int, meta_at: int
     the link that the restores' copies fill, it made a Llama-style decoder's step 6% slower
     (``bench/results/h200x2_824437a_session55``)."""
     n, first = sl.n, sl.first
-    meta = sl.meta if meta_at is None else staging[meta_at:meta_at + sl.meta.numel()]
     m = sl.meta.data_ptr() if meta_at is None else staging.data_ptr() + meta_at
     rel, _, sizes, kinds, _ = _meta_offsets(n, sl.checksum)
     addrs = (staging.data_ptr(), m + rel, m + sizes, m + kinds,
              out.data_ptr() + first * p, status.data_ptr() + 4 * first)
 
     def args():  # the tensors, for a launch that goes the usual way (its first, to compile)
+        meta = sl.meta if meta_at is None else staging[meta_at:meta_at + sl.meta.numel()]
         r, _, sz, kd, _ = _meta_views(meta, n, sl.checksum)
         return (staging[:total], r, sz, kd, out[first * p:(first + n) * p].view(n, p),
                 status[first:first + n], total)

@@ -244,8 +244,9 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
                                      for sl in slices if id(sl) in metas])
     cols: list[list[int]] = [[] for _ in range(SLICE_DESC_ROWS)]
     pages = most = lz4_pages = 0
+    staged_at = staging.data_ptr()
     for sl, a, n, row, exp in order:
-        m = (staging.data_ptr() + metas[id(sl)] if id(sl) in metas
+        m = (staged_at + metas[id(sl)] if id(sl) in metas
              else sl.meta.data_ptr())  # the metadata: int64 rel, int32 sizes, kinds
         rel, _, size, kind, _ = _arena._meta_offsets(sl.n, sl.checksum)
         for col, v in zip(cols, (m + rel + 8 * a, m + size + 4 * a, m + kind + a,
