@@ -439,10 +439,15 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SLEEP = 20_000_000  # cycles of torch.cuda._sleep: ~10 ms, far longer than the copies raced
 
 
-def _produce(x: torch.Tensor, src: torch.Tensor) -> None:
+# the controls below race the host's queuing against a sleep: under 8 test workers on one
+# host, queuing a restore has taken longer than 10 ms (the control then saw no race)
+CONTROL_SLEEP = 10 * SLEEP
+
+
+def _produce(x: torch.Tensor, src: torch.Tensor, sleep: int = SLEEP) -> None:
     """On the caller's stream: stay busy, then write ``x`` (so a reader that skips the wait
     reads the old contents)."""
-    torch.cuda._sleep(SLEEP)
+    torch.cuda._sleep(sleep)
     x.copy_(src)
 
 
@@ -483,7 +488,7 @@ def test_gpu_control_missing_waits_corrupt(gen, monkeypatch):
     pc = PageCompressor(batch_pages=256)  # 1 MiB: one batch
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen).cuda()
     x = torch.full_like(src, 0xA5)
-    _produce(x, src)
+    _produce(x, src, CONTROL_SLEEP)
     st = Storage(pc.pipeline.arena)
     with torch.cuda.device(pc.device):  # producer=None: the wait on the caller stream is skipped
         pc.pipeline.submit_compress(st, x, x.numel(), 1, producer=None, keep=(x,))
@@ -502,7 +507,7 @@ def test_gpu_control_missing_waits_corrupt(gen, monkeypatch):
     out = torch.full_like(src, 0xA5)
     side = torch.cuda.Stream()
     with torch.cuda.stream(pc.pipeline.compute):
-        torch.cuda._sleep(SLEEP)
+        torch.cuda._sleep(CONTROL_SLEEP)
     pc.pipeline.submit_decompress(good._storage, out, side)  # waits on `side`, not ours
     early = out.clone()
     torch.cuda.synchronize()
