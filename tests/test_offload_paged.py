@@ -7,6 +7,7 @@ packing and restore logic as the GPU; GPU tests run it on CUDA streams.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -823,69 +824,115 @@ def test_freed_host_metadata_is_held_until_the_restores_before_the_free_are_done
     assert all(a is b for a, b in zip(store._metas_kept[-1][1], metas[2]))
 
 
-def test_statuses_are_handed_to_the_count_once_a_bound_of_pages_is_held(monkeypatch):
-    """The store holds restores' statuses per stream until ``STATUS_PAGES`` pages are held,
-    then hands them all to its failure count and has it count them at once (they are freed
-    after); the backward's own count (``failed_restores``) hands what is left. Run on the CPU
-    with a recording stand-in for ``RestoreFailures`` and two stand-in streams."""
-    from torch_pagecomp.offload import _paged
+class _Failures:
+    """A recording stand-in for ``RestoreFailures``: what was counted at once (``count_now``:
+    the statuses' values), handed in (``add``: their sizes) and flushed."""
 
-    class Failures:
-        def __init__(self):
-            self.added, self.flushes, self.polls = [], 0, 0
+    def __init__(self, device=None):
+        self.now, self.added, self.flushes, self.polls = [], [], 0, 0
 
-        def add(self, statuses, stream):
-            self.added.append((stream, [s.numel() for s in statuses]))
+    def count_now(self, statuses, stream):
+        self.now.append((stream, statuses.tolist()))
 
-        def flush(self):
-            self.flushes += 1
+    def add(self, statuses, stream):
+        self.added.append((stream, [s.numel() for s in statuses]))
 
-        def poll(self):
-            self.polls += 1
-            return 0
+    def flush(self):
+        self.flushes += 1
 
-    monkeypatch.setattr(_paged, "STATUS_PAGES", 10)
-    store = _store()
-    store.failures = failures = Failures()
+    def poll(self):
+        self.polls += 1
+        return 0
+
+
+def _status_count(monkeypatch, pages: int):
+    """A ``StatusCount`` of ``pages`` statuses on the CPU, with the stand-in failures and a
+    stand-in ring stream (its ``ring_stream``)."""
+    from torch_pagecomp.offload import _statuses
+
+    monkeypatch.setattr(_statuses, "STATUS_PAGES", pages)
+    monkeypatch.setattr(_statuses, "RestoreFailures", _Failures)
+    monkeypatch.setattr(_statuses, "on_stream", lambda s: contextlib.nullcontext())
+    return _statuses.StatusCount(torch.device("cpu"), object())
+
+
+def test_the_restore_streams_statuses_take_a_ring_counted_when_it_fills(monkeypatch):
+    """Restores on the ring's stream take consecutive parts of one buffer; a restore whose
+    pages do not fit has the written part counted at once (its values, on that stream) and
+    takes the ring from its start; ``failed`` counts what is written and polls. Another
+    stream, or more pages than the ring holds, is not served. Run on the CPU with stand-ins."""
+    sc = _status_count(monkeypatch, 10)
+    ring, other = sc.ring_stream, object()
+    a = sc.take(4, ring)
+    b = sc.take(5, ring)
+    assert a.data_ptr() == sc._ring.data_ptr() and b.data_ptr() == a.data_ptr() + 4 * 4
+    a.fill_(0)
+    b.copy_(torch.tensor([0, 7, 0, 0, 3], dtype=torch.int32))
+    assert sc.failures.now == []
+    c = sc.take(2, ring)  # 9 + 2 > 10: the nine written are counted first
+    assert sc.failures.now == [(ring, [0, 0, 0, 0, 0, 7, 0, 0, 3])]
+    assert c.data_ptr() == sc._ring.data_ptr()
+    assert sc.take(3, other) is None and sc.take(11, ring) is None
+    c.fill_(0)
+    assert sc.failed() == 0
+    assert sc.failures.now[-1] == (ring, [0, 0]) and sc.failures.polls == 1
+    assert sc.failed() == 0 and len(sc.failures.now) == 2  # nothing written: nothing counted
+
+
+def test_statuses_of_other_streams_are_counted_once_a_bound_of_pages_is_held(monkeypatch):
+    """Statuses a restore on another stream allocated are held per stream until
+    ``STATUS_PAGES`` pages are held, then handed to the failure count and counted at once
+    (freed after); ``failed`` hands what is left. Run on the CPU with stand-ins."""
+    sc = _status_count(monkeypatch, 10)
     a, b = object(), object()
     for stream, n in ((a, 4), (b, 3), (a, 2)):
-        store._count_failures(torch.zeros(n, dtype=torch.int32), stream)
-    assert failures.added == [] and store._status_pages == 9
-    store._count_failures(torch.zeros(1, dtype=torch.int32), b)  # 10: handed and counted
-    assert sorted(failures.added, key=lambda x: x[1]) == [(b, [3, 1]), (a, [4, 2])]
-    assert failures.flushes == 1 and store._status_pages == 0 and not store._statuses
-    store._count_failures(torch.zeros(5, dtype=torch.int32), a)
-    assert store.failed_restores() == 0
-    assert failures.added[-1] == (a, [5]) and failures.polls == 1 and failures.flushes == 1
-    assert store._status_pages == 0 and not store._statuses
+        sc.add(torch.zeros(n, dtype=torch.int32), stream)
+    assert sc.failures.added == [] and sc._held_pages == 9
+    sc.add(torch.zeros(1, dtype=torch.int32), b)  # 10: handed and counted
+    assert sorted(sc.failures.added, key=lambda x: x[1]) == [(b, [3, 1]), (a, [4, 2])]
+    assert sc.failures.flushes == 1 and sc._held_pages == 0 and not sc._held
+    sc.add(torch.zeros(5, dtype=torch.int32), a)
+    assert sc.failed() == 0
+    assert sc.failures.added[-1] == (a, [5]) and sc.failures.polls == 1
+    assert sc.failures.flushes == 1 and sc._held_pages == 0 and not sc._held
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_statuses_are_counted_once_a_bound_of_pages_is_held(gen, monkeypatch):
+@pytest.mark.parametrize("on_ring", [True, False])
+def test_gpu_statuses_are_counted_once_a_bound_of_pages_is_held(gen, monkeypatch, on_ring):
     """Restores' decode statuses (4 bytes a page, on the GPU) are not held for a whole
-    backward: once ``STATUS_PAGES`` are held they are counted and let go. A page made
-    undecodable (an unknown kind in its placed metadata) is counted by that flush, before
-    the backward's own count (``failed_restores``) runs."""
-    from torch_pagecomp.offload import _paged
+    backward: on the store's restore stream they fill a ring of ``STATUS_PAGES`` counted
+    whenever the next restore does not fit, on another stream they are held until as many
+    pages are held. A page made undecodable (an unknown kind in its placed metadata) is
+    counted once, by that count, before the backward's own (``failed_restores``), and the
+    ring's reuse counts nothing more: every part is written before it is counted."""
+    from torch_pagecomp.offload import _statuses
     from torch_pagecomp.offload._arena import KINDS, _meta_offsets
 
-    monkeypatch.setattr(_paged, "STATUS_PAGES", 8)
+    monkeypatch.setattr(_statuses, "STATUS_PAGES", 8)
     store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20, host_meta=True)
     srcs = [_data(gen, 3 * P, "small").cuda() for _ in range(5)]
     stored = [store.offload(s, 1, producer=torch.cuda.current_stream()) for s in srcs]
     store.wait_placed()
     sl = stored[1].slices[0]
     sl.meta[_meta_offsets(sl.n, False)[KINDS] + 1] = 0xEE  # page 1 of the second tensor
+    stream = store.restore_stream if on_ring else torch.cuda.Stream()
+    sc = store.statuses
     held = []
-    for s, st in zip(srcs, stored):
-        out = torch.full_like(s, POISON)
-        store.restore(st, out)
-        held.append(store._status_pages)
-        if st is not stored[1]:
-            assert torch.equal(out, s)
-    assert held == [3, 6, 0, 3, 6]
-    assert store.failures.total() == 1  # counted by the flush at the third restore
-    assert store.failed_restores() >= 0 and store.failures.total() == 1
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # the ring taken again and again
+            for s, st in zip(srcs, stored):
+                out = torch.full_like(s, POISON)
+                store.restore(st, out)
+                held.append(sc._at if on_ring else sc._held_pages)
+                if st is not stored[1]:
+                    assert torch.equal(out, s)
+    # the ring counted whenever 3 more pages did not fit (each corrupt page then among the
+    # counted: the last at the 13th restore); the held ones whenever 8 pages were held
+    assert held == ([3, 6] * 7 + [3] if on_ring else [3, 6, 0] * 5)
+    if on_ring:
+        assert sc.failures.total() == 3
+    assert sc.total() == 3 and store.failed_restores() == 3
     store.close()
 
 
@@ -1060,6 +1107,7 @@ def test_placed_restore_by_address_launches_what_its_tensors_would(gen, monkeypa
     stream = object()  # any stream: the by-address path runs, its statuses are kept
     monkeypatch.setattr(_paged_group, "_launch_stream", lambda dev: stream)
     store = _store("cpu")
+    store.statuses = _status_count(monkeypatch, 1 << 16)  # a GPU store's count, stand-ins
     spec = [(5, "bf16"), (3, "small"), (2, "bf16"), (6, "noise")]
     srcs = [_data(gen, n * P, kind) for n, kind in spec]
     stored = [store.offload(s, 2 if kind == "bf16" else 1,
@@ -1070,7 +1118,7 @@ def test_placed_restore_by_address_launches_what_its_tensors_would(gen, monkeypa
     assert _paged_group.restore_placed(store, [stored[i] for i in order], outs)
     assert all(torch.equal(o, srcs[i]) for o, i in zip(outs, order))
     assert len(launches) == 4  # the gather, then LZ4's pair of decoders and the exponent one
-    statuses = store._statuses.pop(stream)
+    statuses = store.statuses._held.pop(stream)
     assert len(statuses) == 1 and not statuses[0].any()
 
 

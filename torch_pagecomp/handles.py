@@ -168,6 +168,14 @@ class RestoreFailures:
         if full:
             self.flush()
 
+    def count_now(self, statuses: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Count ``statuses`` now, on the current stream, which is ``stream``: for a caller
+        that writes them there again only after this count, in that stream's order (no
+        ``record_stream``, no stream switch)."""
+        self.count += torch.count_nonzero(statuses)
+        with self._lock:
+            self._counted.add(stream)
+
     def flush(self) -> None:
         """Count the statuses held now (queued on their streams; frees them after)."""
         with self._lock:

@@ -27,7 +27,6 @@ from .. import _ops, cpu_codec
 from .._events import handoff, mark
 from ..api import checksum_status
 from ..format import CorruptPageError
-from ..handles import RestoreFailures
 from ..pools import can_pin
 from ._arena import (
     CHUNK_BYTES,
@@ -42,6 +41,7 @@ from ._arena import (
     slice_meta,
 )
 from ._copies import copy_spans, host_bytes
+from ._statuses import StatusCount
 from ._streams import current_stream, on_stream
 
 SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
@@ -53,9 +53,6 @@ SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the s
 # two's on ResNet-50 / encoder-1024 / BERT-large / a Llama-style decoder and peaks of
 # 1.37 against 1.41 GiB on ResNet-50 (a plain copy 1.38), bench/results/h200x2_824437a_session55
 SCRATCH_SLICES = 1
-# Decode statuses (4 bytes a page) held before they are counted: held for a whole backward,
-# BERT-large's GPU peak was 3 MiB higher (bench/results/h200x2_824437a_session55)
-STATUS_PAGES = 1 << 16
 
 
 class _PayloadSlot:
@@ -201,12 +198,10 @@ class PagedStore:
         # the pack that last read it (:meth:`_payload`)
         self._slots = [_PayloadSlot() for _ in range(SCRATCH_SLICES)]
         self._turn = 0
-        self.failures = None  # pages that failed to decode, counted on the device
-        self._statuses: dict = {}  # restore stream -> decode statuses not counted yet
-        self._status_pages = 0  # their pages
+        # pages that failed to decode, counted on the device (None on the CPU: raised at once)
+        self.statuses = None
         if device.type == "cuda":
-            with on_stream(self.restore_stream):
-                self.failures = RestoreFailures(device)
+            self.statuses = StatusCount(device, self.restore_stream)
             self.pack_stream.synchronize()  # both made before any kernel may use them
             self.restore_stream.synchronize()
         # small tables that restores' kernels read from page-locked memory (row tables)
@@ -410,8 +405,8 @@ class PagedStore:
         """Decode ``stored`` into ``out`` (``uint8 [nbytes]``) on the current stream, after
         its pack (a device-side wait: the host learns nothing and waits for nothing). Returns
         the pages' statuses (``int32``, one per full page, then the partial last page's with
-        ``checksum``), which ``count`` adds to :meth:`failed_restores` (else the caller reads
-        them)."""
+        ``checksum``), which ``count`` adds to :meth:`failed_restores` (then they may lie in
+        a buffer the store reuses: only a caller that counts them itself reads them)."""
         from ..kernels.host_pack import fetch_from_host
 
         p, arena = self.page_size, self.arena
@@ -419,7 +414,10 @@ class PagedStore:
         arena.confirm()  # placements known by now (never waits)
         full = stored.nbytes // p  # the slices' pages; the partial tail travels as bytes
         checked_tail = stored.tail_sum is not None
-        status = torch.empty(full + checked_tail, dtype=torch.int32, device=out.device)
+        if count:
+            status, hand = self._status(full + checked_tail, stream, out.device)
+        else:
+            status = torch.empty(full + checked_tail, dtype=torch.int32, device=out.device)
         by_address = _by_address(out) and not self.checksum
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
@@ -450,7 +448,7 @@ class PagedStore:
         if stored.tail is not None:  # its status (if checked) follows the pages'
             restore_tail(stored, out[stored.nbytes - stored.tail.numel():], stream,
                          status[full:])
-        if status.numel() and count:
+        if status.numel() and count and hand:
             self._count_failures(status, stream)
         if stream is None:
             arena.confirm()
@@ -487,33 +485,29 @@ class PagedStore:
         self.release_scratch()  # the compress kernels' scratch and the payloads
 
     def _count_failures(self, status: torch.Tensor, stream) -> None:
+        """Count the failed pages of ``status`` (written on ``stream``): on the CPU at once
+        (raised), on a GPU with the others (``_statuses``)."""
         if stream is None:  # the CPU: known at once
             bad = int(torch.count_nonzero(status))
             if bad:
                 raise CorruptPageError([], [], f"{bad} offloaded page(s) failed to decode")
             return
-        # counted together (one launch for many restores, not two per restore), at the end
-        # of a backward or once STATUS_PAGES are held: the statuses stay alive until then, on
-        # the stream that wrote them
-        self._statuses.setdefault(stream, []).append(status)
-        self._status_pages += status.numel()
-        if self._status_pages >= STATUS_PAGES and self.failures is not None:
-            self._hand_statuses()
-            self.failures.flush()
+        self.statuses.add(status, stream)
 
-    def _hand_statuses(self) -> None:
-        for stream, statuses in self._statuses.items():
-            self.failures.add(statuses, stream)
-        self._statuses.clear()
-        self._status_pages = 0
+    def _status(self, pages: int, stream, device: torch.device) -> tuple[torch.Tensor, bool]:
+        """``(int32 [pages] on device for a restore's statuses written on stream, whether the
+        caller counts them with _count_failures)``: the restore stream's come from the ring
+        (``_statuses``), counted with no more said."""
+        if stream is not None and self.statuses is not None:
+            status = self.statuses.take(pages, stream)
+            if status is not None:
+                return status, False
+        return torch.empty(pages, dtype=torch.int32, device=device), True
 
     def failed_restores(self) -> int:
         """Pages that failed to decode in restores so far, as far as the host knows (never
         blocks)."""
-        if self.failures is None:
-            return 0
-        self._hand_statuses()
-        return self.failures.poll()
+        return 0 if self.statuses is None else self.statuses.failed()
 
     # ------------------------------------------------------------------ lifetime
     def poll(self) -> None:

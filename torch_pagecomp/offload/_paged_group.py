@@ -196,7 +196,7 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     checksums): :func:`restore_group` does. A placed slice's metadata in page-locked host
     memory (the store's ``host_meta``) is copied up behind the staged pages. Failed pages are
     counted as ``PagedStore.restore`` counts them (raised at once on the CPU)."""
-    from ..kernels.row_table import SLICE_DESC_ROWS, gather_slice_meta
+    from ..kernels.row_table import gather_slice_meta
 
     if store.checksum or not storeds:
         return False
@@ -242,20 +242,22 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     if metas:
         _copies.copy_spans(staging, [(metas[id(sl)], sl.meta.data_ptr(), sl.meta.numel())
                                      for sl in slices if id(sl) in metas])
-    cols: list[list[int]] = [[] for _ in range(SLICE_DESC_ROWS)]
+    table = []  # a row per run of pages: SLICE_DESC_ROWS values, transposed below
     pages = most = lz4_pages = 0
     staged_at = staging.data_ptr()
     for sl, a, n, row, exp in order:
         m = (staged_at + metas[id(sl)] if id(sl) in metas
              else sl.meta.data_ptr())  # the metadata: int64 rel, int32 sizes, kinds
         rel, _, size, kind, _ = _arena._meta_offsets(sl.n, sl.checksum)
-        for col, v in zip(cols, (m + rel + 8 * a, m + size + 4 * a, m + kind + a,
-                                 shifts[id(sl)], pages, n, row)):
-            col.append(v)
+        table.append((m + rel + 8 * a, m + size + 4 * a, m + kind + a, shifts[id(sl)], pages,
+                      n, row))
         pages += n
-        most = max(most, n)
-        lz4_pages += n if not exp else 0
-    status = torch.empty(pages, dtype=torch.int32, device=dev)
+        if n > most:
+            most = n
+        if not exp:
+            lz4_pages += n
+    cols = list(zip(*table))
+    status, hand = store._status(pages, stream, dev)
     # one buffer for the pages' offsets, rows, sizes and kinds: the GPU's launches take
     # addresses into it (one allocation, no views: host time per batch, ~70 a step on BERT)
     work = torch.empty(_work_bytes(pages), dtype=torch.uint8, device=dev)
@@ -270,7 +272,8 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     else:
         _gather_and_decode_at(store, cols, staging, staged, work, status, (p, most, lz4_pages),
                               stream)
-    store._count_failures(status, stream)
+    if hand:
+        store._count_failures(status, stream)
     if stream is None:
         arena.confirm()
     return True
