@@ -77,6 +77,7 @@ hf-llama-2048, encoder-2048 and ViT-B/16, ``bench/results/h200_967571b_session41
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import statistics
@@ -313,11 +314,15 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     # blocks, peak GPU GiB
     if sample_ms:
         sampler = HostSampler(sample_ms / 1e3)
+    pinned = collections.defaultdict(list)  # arm -> "round.step in block: chunks" that pinned
     for r in range(rounds):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
             for i in range(block):
+                had = _chunks(offs[arm])[0] if arm in offs else 0
                 ms, issue, peak = step(arm)
+                if arm in offs and _chunks(offs[arm])[0] > had:
+                    pinned[arm].append(f"{r}.{i}: {_chunks(offs[arm])[0] - had}")
                 res[arm][3].append(peak)
                 if i == 0 and block > 1:  # the step after a switch of arms: kept apart
                     res[arm][2].append(ms)
@@ -342,6 +347,9 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"{statistics.median(h):.1f} | {med / base:.2f}x | "
                      f"{statistics.median(first) if first else float('nan'):.1f} | "
                      f"{max(peaks):.3f} | {paired(t, res[arms[0]][0])} |")
+    if pinned:  # a pin costs the host ~37 ms a 64 MiB chunk: which timed steps paid it
+        lines.append("arena chunks pinned in timed steps (round.step of its block: chunks): "
+                     + "; ".join(f"{a} {', '.join(v)}" for a, v in pinned.items()))
     for off in offs.values():
         off.synchronize()
     if "speed" in offs:
