@@ -53,8 +53,8 @@ no faster than one payload on four models, ResNet-50's GPU peak 0.04 GiB higher,
 ``bench/results/h200x2_824437a_session55``). ``memory_hostmeta``: the hooks' placed slices
 keep their metadata (13 bytes a page) in page-locked host memory, copied up behind their
 pages by each restore (session 55: 1 MiB lower GPU peak on BERT-large, steps 2-16% slower on
-encoder-1024 and BERT-large); ``memory_holdstatus``: restores' decode statuses held until
-the backward's end, as before session 55.
+encoder-1024 and BERT-large). (``memory_holdstatus``, the statuses held until the backward's
+end, went with session 56's ring of statuses, ``offload._statuses``.)
 ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
@@ -88,7 +88,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
-        "memory_hostmeta", "memory_holdstatus",
+        "memory_hostmeta",
         "speed",
         "speed_copy_only")
 
@@ -110,8 +110,6 @@ PATCHES = {
     "memory_slice32": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 32 << 20),),
     "memory_slice16": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 16 << 20),),
     "memory_slots2": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 2),),
-    # restores' decode statuses held until the backward's end (before session 55)
-    "memory_holdstatus": (("torch_pagecomp.offload._paged", "STATUS_PAGES", 1 << 62),),
 }
 
 

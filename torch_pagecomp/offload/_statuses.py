@@ -13,7 +13,7 @@ count is a few launches, and BERT-large restores ~60 batches a step.
   allocated its statuses and the store held them per stream until ``STATUS_PAGES`` pages
   were held, then joined and counted them: ~330 us of host time per count and ~50 for the
   statuses' allocation and hand-over (line-profiled on BERT-large,
-  ``bench/results/h200_session56``), for the same bound on the GPU memory they take.
+  ``bench/results/h200x2_a242d2b_session56``), for the same bound on the GPU memory they take.
 * **Other streams** (a restore on a caller's stream) hand their own status tensors in: held
   per stream, counted together once ``STATUS_PAGES`` pages are held (4 bytes a page held for a
   whole backward raised BERT-large's GPU peak by 3 MiB,
