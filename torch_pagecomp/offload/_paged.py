@@ -414,10 +414,10 @@ class PagedStore:
         arena.confirm()  # placements known by now (never waits)
         full = stored.nbytes // p  # the slices' pages; the partial tail travels as bytes
         checked_tail = stored.tail_sum is not None
-        if count:
-            status, hand = self._status(full + checked_tail, stream, out.device)
-        else:
-            status = torch.empty(full + checked_tail, dtype=torch.int32, device=out.device)
+        # with ``count``, the restore stream's statuses come from the store's ring
+        status, hand = (self._status(full + checked_tail, stream, out.device) if count else
+                        (torch.empty(full + checked_tail, dtype=torch.int32, device=out.device),
+                         False))
         by_address = _by_address(out) and not self.checksum
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
@@ -448,7 +448,7 @@ class PagedStore:
         if stored.tail is not None:  # its status (if checked) follows the pages'
             restore_tail(stored, out[stored.nbytes - stored.tail.numel():], stream,
                          status[full:])
-        if status.numel() and count and hand:
+        if status.numel() and hand:
             self._count_failures(status, stream)
         if stream is None:
             arena.confirm()
@@ -486,7 +486,7 @@ class PagedStore:
 
     def _count_failures(self, status: torch.Tensor, stream) -> None:
         """Count the failed pages of ``status`` (written on ``stream``): on the CPU at once
-        (raised), on a GPU with the others (``_statuses``)."""
+        (raised), on a GPU with the others held (``_statuses.StatusCount.add``)."""
         if stream is None:  # the CPU: known at once
             bad = int(torch.count_nonzero(status))
             if bad:
@@ -497,7 +497,7 @@ class PagedStore:
     def _status(self, pages: int, stream, device: torch.device) -> tuple[torch.Tensor, bool]:
         """``(int32 [pages] on device for a restore's statuses written on stream, whether the
         caller counts them with _count_failures)``: the restore stream's come from the ring
-        (``_statuses``), counted with no more said."""
+        (``_statuses.StatusCount.take``), counted with no more said."""
         if stream is not None and self.statuses is not None:
             status = self.statuses.take(pages, stream)
             if status is not None:

@@ -6,7 +6,7 @@ store counts the non-zero ones into a :class:`~torch_pagecomp.handles.RestoreFai
 count is a few launches, and BERT-large restores ~60 batches a step.
 
 * **The restore stream's ring.** Restores issued on the store's ``restore_stream`` (the
-  activation hooks' and every batched one) write their statuses into one ``int32
+  activation hooks' restores, batched or single) write their statuses into one ``int32
   [STATUS_PAGES]`` buffer on the device, taken in order. When the next restore's pages do not
   fit, the written part is counted in one go on that stream, and the ring is taken again
   from its start: in the stream's order, after that count. Before the ring, each restore
