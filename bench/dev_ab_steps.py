@@ -319,8 +319,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
             for i in range(block):
                 had = _chunks(offs[arm])[0] if arm in offs else 0
                 ms, issue, peak = step(arm)
-                if arm in offs and _chunks(offs[arm])[0] > had:
-                    pinned[arm].append(f"{r}.{i}: {_chunks(offs[arm])[0] - had}")
+                if (made := (_chunks(offs[arm])[0] if arm in offs else 0) - had) > 0:
+                    pinned[arm].append(f"{r}.{i}: {made}")
                 res[arm][3].append(peak)
                 if i == 0 and block > 1:  # the step after a switch of arms: kept apart
                     res[arm][2].append(ms)
