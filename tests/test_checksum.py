@@ -263,3 +263,49 @@ def test_restore_failures_are_read_after_the_stream_that_counted_them():
     torch.cuda.synchronize()
     assert failures.poll() == 8
     assert failures.total() == 8
+
+
+def test_restore_failures_adds_of_two_streams_are_queued_in_order(monkeypatch):
+    """Every stream's adds write the one device count, so an add on another stream than the
+    last one waits for it (a hand-off): two adds running at once could both read the old
+    count and one stream's failures be lost. Adds on one stream need none. Run on the CPU
+    with stand-in streams and a recording hand-off."""
+    import threading
+
+    from torch_pagecomp import handles
+
+    waits = []
+    monkeypatch.setattr(handles, "handoff", lambda before, after: waits.append((before, after)))
+    first, a, b = object(), object(), object()
+    failures = object.__new__(handles.RestoreFailures)  # (its __init__ pins host memory)
+    failures.count = torch.zeros((), dtype=torch.int64)
+    failures._counted, failures._last, failures._lock = set(), first, threading.Lock()
+    failures.count_now(torch.tensor([0, 3, 0, 1], dtype=torch.int32), a)
+    failures.count_now(torch.tensor([5], dtype=torch.int32), a)
+    failures.count_now(torch.tensor([0, 0], dtype=torch.int32), b)
+    assert waits == [(first, a), (a, b)]
+    assert int(failures.count) == 3 and failures._counted == {a, b} and failures._last is b
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_restore_failures_add_on_another_stream_waits_for_the_last():
+    """A count added on one stream while another stream's add is still queued behind a long
+    kernel runs after it (its stream waits): the total has both, and the second stream's work
+    after its add is not done while the first sleeps."""
+    from torch_pagecomp.handles import RestoreFailures
+
+    dev = torch.device("cuda")
+    failures = RestoreFailures(dev)
+    slow, fast = torch.cuda.Stream(), torch.cuda.Stream()
+    for s in (slow, fast):
+        s.wait_stream(torch.cuda.current_stream())
+    bad = torch.ones(8, dtype=torch.int32, device=dev)
+    good = torch.zeros(8, dtype=torch.int32, device=dev)
+    with torch.cuda.stream(slow):
+        torch.cuda._sleep(200_000_000)
+        failures.count_now(bad, slow)
+    with torch.cuda.stream(fast):
+        failures.count_now(good, fast)
+        after = fast.record_event()
+    assert not after.query()  # the fast stream's add waits for the slow one's
+    assert failures.total() == 8

@@ -154,6 +154,8 @@ class RestoreFailures:
         self._seen = 0
         self._held: list[tuple[list[torch.Tensor], torch.cuda.Stream]] = []
         self._counted: set = set()  # streams that added to ``count`` since the last read
+        # the stream of the last write of ``count`` (its zeros: the current one); see _add
+        self._last = torch.cuda.current_stream(device)
         self._lock = threading.Lock()
 
     def add(self, statuses: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
@@ -172,8 +174,18 @@ class RestoreFailures:
         """Count ``statuses`` now, on the current stream, which is ``stream``: for a caller
         that writes them there again only after this count, in that stream's order (no
         ``record_stream``, no stream switch)."""
-        self.count += torch.count_nonzero(statuses)
+        self._add(torch.count_nonzero(statuses), stream)
+
+    def _add(self, n: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """``count += n`` on ``stream`` (the current stream), queued after the last add on
+        any stream: every stream's adds read and write the one ``count``, and two that ran at
+        once could both read the old value, the later write dropping the other's failures (a
+        corrupt page left unreported). One stream's adds need no wait."""
         with self._lock:
+            if self._last != stream:
+                handoff(self._last, stream)
+                self._last = stream
+            self.count += n
             self._counted.add(stream)
 
     def flush(self) -> None:
@@ -189,9 +201,7 @@ class RestoreFailures:
         for stream, statuses in by_stream.items():
             with torch.cuda.stream(stream):
                 joined = statuses[0] if len(statuses) == 1 else torch.cat(statuses)
-                self.count += torch.count_nonzero(joined)
-        with self._lock:
-            self._counted.update(by_stream)
+                self._add(torch.count_nonzero(joined), stream)
 
     def _after_counts(self) -> None:
         """The current stream waits for every count queued so far (a device-side wait)."""
