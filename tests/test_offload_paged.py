@@ -863,7 +863,9 @@ def test_the_restore_streams_statuses_take_a_ring_counted_when_it_fills(monkeypa
     stream, or more pages than the ring holds, is not served. Run on the CPU with stand-ins."""
     sc = _status_count(monkeypatch, 10)
     ring, other = sc.ring_stream, object()
+    assert sc.ring_bytes == 0  # made by the first restore on the ring's stream
     a = sc.take(4, ring)
+    assert sc.ring_bytes == 10 * 4
     b = sc.take(5, ring)
     assert a.data_ptr() == sc._ring.data_ptr() and b.data_ptr() == a.data_ptr() + 4 * 4
     a.fill_(0)
@@ -930,6 +932,7 @@ def test_gpu_statuses_are_counted_once_a_bound_of_pages_is_held(gen, monkeypatch
     # the ring counted whenever 3 more pages did not fit (each corrupt page then among the
     # counted: the last at the 13th restore); the held ones whenever 8 pages were held
     assert held == ([3, 6] * 7 + [3] if on_ring else [3, 6, 0] * 5)
+    assert store.stats()["status_bytes"] == (8 * 4 if on_ring else 0)
     if on_ring:
         assert sc.failures.total() == 3
     assert sc.total() == 3 and store.failed_restores() == 3

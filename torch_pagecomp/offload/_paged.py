@@ -555,6 +555,8 @@ class PagedStore:
             "host_peak_held_bytes": a.peak_held,
             "host_peak_used_bytes": a.peak_used,
             "scratch_bytes": self.scratch_bytes,
+            # the restore stream's decode statuses (``_statuses``), held for the store's life
+            "status_bytes": 0 if self.statuses is None else self.statuses.ring_bytes,
             "pending_slices": len(a.pending),
             "host_wait_us": round(a.wait_s * 1e6),
         }

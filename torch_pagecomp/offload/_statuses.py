@@ -46,6 +46,11 @@ class StatusCount:
         self._held: dict = {}  # another stream -> its status tensors not counted yet
         self._held_pages = 0
 
+    @property
+    def ring_bytes(self) -> int:
+        """GPU bytes the ring holds (``4 * STATUS_PAGES`` once a restore has taken it)."""
+        return 0 if self._ring is None else self._ring.numel() * self._ring.element_size()
+
     def take(self, pages: int, stream) -> torch.Tensor | None:
         """``int32 [pages]`` of the ring for a restore's statuses, written on ``stream`` (the
         current stream): counted later, with no more said. None where the ring does not serve
