@@ -160,8 +160,8 @@ def launch_known(kernel, grid: tuple[int, ...], index: int, meta: FrozenMeta, cl
     way, which the first launch of these classes, one while Triton's launch hooks are set,
     and one on another device do. This skips the checks of :func:`launch` and of the
     kernel's launcher, which the store's arguments always pass."""
-    entry = _COMPILED.get((id(kernel), index, meta, classes))
-    if not entry or _hooks_set() or torch._C._cuda_getDevice() != index:
+    entry = kept_entry(kernel, index, meta, classes)
+    if entry is None or not entries_usable(index):
         if callable(args):
             args = args()
         if stream is None:
@@ -176,8 +176,9 @@ def launch_known(kernel, grid: tuple[int, ...], index: int, meta: FrozenMeta, cl
 
 def kept_entry(kernel, index: int, meta: FrozenMeta, classes: tuple) -> tuple | None:
     """The compiled kernel the direct path keeps for ``kernel`` on device ``index`` with
-    ``meta`` and arguments of ``classes`` (:func:`known_args`), for a caller that launches it
-    again and again through :func:`launch_entry` (one small call's plans, #26); None until a
+    ``meta`` and arguments of ``classes`` (:func:`known_args`), as :func:`launch_known` finds
+    it, for a caller that launches it again and again through :func:`launch_entry` (one
+    small call's plans, #26); None until a
     launch of these went the usual way (which compiles it), or where it cannot be called
     directly."""
     return _COMPILED.get((id(kernel), index, meta, classes)) or None

@@ -84,11 +84,6 @@ class StatusCount:
         self._hand_held()
         return self.failures.poll()
 
-    def total(self) -> int:
-        """Every failure of the restores queued so far (waits for them)."""
-        self.failed()
-        return self.failures.total()
-
     def _count_ring(self) -> None:
         self.failures.count_now(self._ring[:self._at], self.ring_stream)
         self._at = 0
