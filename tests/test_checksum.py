@@ -296,11 +296,11 @@ def test_gpu_restore_failures_add_on_another_stream_waits_for_the_last():
 
     dev = torch.device("cuda")
     failures = RestoreFailures(dev)
-    slow, fast = torch.cuda.Stream(), torch.cuda.Stream()
-    for s in (slow, fast):
-        s.wait_stream(torch.cuda.current_stream())
     bad = torch.ones(8, dtype=torch.int32, device=dev)
     good = torch.zeros(8, dtype=torch.int32, device=dev)
+    slow, fast = torch.cuda.Stream(), torch.cuda.Stream()
+    for s in (slow, fast):  # after the statuses are written (the fast stream read garbage)
+        s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(slow):
         torch.cuda._sleep(200_000_000)
         failures.count_now(bad, slow)
