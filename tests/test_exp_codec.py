@@ -388,6 +388,40 @@ def test_rows_by_address_equal_reference(gen):
     assert (sbuf == STATUS_GUARD).all()
 
 
+def test_encode_rows_by_address_equal_reference(gen):
+    """``compress_exp_rows``: pages of both layouts read by address (a batch's members where
+    they lie), in a random order of places in a poisoned buffer at every residue mod 4 (odd
+    ones take the byte-pair path), encode to the reference's bytes, sizes and kinds, into a
+    poisoned payload written whole; the pages' buffer is not written."""
+    from torch_pagecomp.kernels import exp_codec as kx
+
+    dev = kernel_device()
+    p = 4096
+    for fp16, dtype in ((False, torch.bfloat16), (True, torch.float16)):
+        pages = float_pages(gen, p, dtype)
+        n = pages.shape[0]
+        want = ec.compress_exp_cpu(pages, fmt.EXP_FP16 if fp16 else fmt.EXP_BF16)
+        gap = 64 + 7
+        buf = torch.full((n * (p + gap) + gap,), POISON, dtype=torch.uint8, device=dev)
+        order = torch.randperm(n, generator=gen)
+        shift = torch.randint(0, 8, (n,), generator=gen)
+        shift[:4] = torch.tensor([0, 1, 2, 3])  # every residue mod 4, whatever the draw
+        starts = [gap + int(order[i]) * (p + gap) + int(shift[i]) for i in range(n)]
+        for i, a in enumerate(starts):
+            buf[a:a + p] = pages[i].to(dev)
+        before = buf.clone()
+        rows = torch.tensor([buf.data_ptr() + a for a in starts], dtype=torch.int64, device=dev)
+        out = (torch.full((n, p), POISON, dtype=torch.uint8, device=dev),
+               torch.full((n,), STATUS_GUARD, dtype=torch.int32, device=dev),
+               torch.full((n,), 0xEE, dtype=torch.uint8, device=dev))
+        kx.compress_exp_rows(rows, p, fp16, out)
+        for a, b in zip(want, out):
+            assert torch.equal(a, b.cpu())
+        assert torch.equal(buf.cpu(), before.cpu()), "wrote into the pages' buffer"
+    with pytest.raises(ValueError, match="page size"):
+        kx.compress_exp_rows(rows, 3000, False, out)
+
+
 # ------------------------------------------------------------------------- ops, API
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_api_round_trip_every_backend_and_container(name, gen):

@@ -307,8 +307,38 @@ def test_gpu_batched_gradients_are_bit_identical(gen, dtype):
         _same(ref, _step(model, x, off, off if sync else None))
     st = off.stats()
     assert st["batched"] > 0, st
+    assert st["batched_in_place"] > 0, st  # their compress read the members where they lay
     torch.cuda.synchronize()
     assert off.pending()["entries"] == 0 and off.pending()["stash"] == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_members_read_in_place_while_their_store_waits(gen):
+    """Batches stored from their members where they lie, while the link is held up (the pack
+    stream sleeps): the backward reads the members from the stash in place, before and after
+    their store completes, and the gradients are bit-identical; once done, nothing is left
+    in the stash or kept from it."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model(gen, width=2048, layers=4, device="cuda", dtype=torch.bfloat16)
+    x = _data(gen, 512, 2048, "cuda", torch.bfloat16)
+    ref = _step(model, x)
+    off = ActivationOffloader(prefer="memory", min_offload_bytes=P, group_bytes=None,
+                              min_ratio=0.0, sample_tensors=1, prefetch=0)
+    _same(ref, _step(model, x, off))  # classes decided: the next steps batch
+    store = off._paged_store(x.device)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with torch.cuda.stream(store.pack_stream):
+            torch.cuda._sleep(100_000_000)  # the packs wait: stores stay in flight
+        with off:
+            loss = model(x)
+        loss.backward()
+        _same(ref, _grads(model))
+    st = off.stats()
+    assert st["batched_in_place"] > 0 and st["served_from_stash"] > 0, st
+    off.synchronize()
+    assert off.pending()["stash"] == 0
+    assert all(e.parts is None and e.src is None for e in list(off._live)), "kept after use"
 
 
 def test_no_batch_is_stored_while_a_cuda_graph_is_captured(gen, monkeypatch):

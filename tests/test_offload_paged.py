@@ -754,6 +754,65 @@ def test_gpu_round_trip_on_streams(gen, chunk, slice_bytes, mib):
     assert store.arena.used == 0
 
 
+def test_parts_are_taken_only_where_the_store_reads_them_in_place(gen):
+    """A list of parts (a batch's members) is read where it lies only by a GPU store without
+    checksums; elsewhere, or with a part of partial pages, the call says so and stores
+    nothing."""
+    store = _store()
+    assert not store.takes_parts
+    parts = [(0, _data(gen, 2 * P, "bf16"))]
+    with pytest.raises(ValueError, match="only on a GPU"):
+        store.offload(parts, 2, float_format="bf16")
+    assert store.arena.used == 0 and not store.arena.live
+    if CUDA:
+        gpu = _store("cuda")
+        assert gpu.takes_parts and not _store("cuda", checksum=True).takes_parts
+        with pytest.raises(ValueError, match="whole pages"):
+            gpu.offload([(0, _data(gen, P + 1, "bf16").cuda())], 2, float_format="bf16")
+        odd = torch.empty(2 * P + 8, dtype=torch.uint8, device="cuda")[4:4 + 2 * P]
+        with pytest.raises(ValueError, match="multiple of 8"):
+            gpu.offload([(0, odd)], 2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("codec", ["exp", "lz4-1", "lz4-2"])
+@pytest.mark.parametrize("slice_bytes", [1 << 14, 16 << 20])
+def test_gpu_parts_stored_where_they_lie_equal_their_join(gen, codec, slice_bytes):
+    """A batch's members stored where they lie (a row table, no joined copy) give the pages
+    their join gives, byte for byte on the host and back: members of 1-9 pages, separately
+    allocated, across slices (16 KiB slices) or in one; the members are left as they were."""
+    store = _store("cuda", chunk=64 << 20, slice_bytes=slice_bytes)
+    ff, esize = (("bf16", 2) if codec == "exp" else (None, int(codec[-1])))
+    kinds = ["bf16", "small", "noise"]
+    parts, at = [], 0
+    for i in range(7):
+        pages = int(torch.randint(1, 10, (), generator=gen))
+        part = _data(gen, pages * P, kinds[i % 3]).cuda()
+        parts.append((at, part))
+        at += part.numel()
+    joined = torch.cat([t for _, t in parts])
+    kept = joined.clone()
+    producer = torch.cuda.current_stream()
+    by_parts = store.offload(list(parts), esize, producer=producer, float_format=ff)
+    by_join = store.offload(joined, esize, producer=producer, float_format=ff)
+    torch.cuda.synchronize()
+    store.poll()
+    assert by_parts.nbytes == joined.numel() and len(by_parts.slices) == len(by_join.slices)
+    assert by_parts.host_nbytes() == by_join.host_nbytes()
+    for st in (by_parts, by_join):
+        out = torch.full_like(joined, POISON)
+        store.restore_stream.wait_stream(torch.cuda.current_stream())  # after the poison
+        with torch.cuda.stream(store.restore_stream):
+            store.restore(st, out)
+        torch.cuda.current_stream().wait_stream(store.restore_stream)
+        assert torch.equal(out, kept)
+    assert torch.equal(torch.cat([t for _, t in parts]), kept)
+    assert store.failed_restores() == 0
+    for st in (by_parts, by_join):
+        store.free(st)
+    assert store.arena.used == 0
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("batched", [False, True])
 def test_gpu_host_metadata_outlives_a_free_before_its_restore_ran(gen, batched):

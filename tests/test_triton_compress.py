@@ -345,6 +345,44 @@ def test_caller_outputs_and_reused_scratch_match(element_size):
             assert torch.equal(out[0][i, :size], want[0][i, :size]), f"page {i}"
 
 
+@pytest.mark.parametrize("element_size", [1, 2, 4])
+def test_rows_by_address_equal_contiguous(element_size):
+    """``compress_rows``: pages read by address (a batch's members where they lie, in a random
+    order of places in a poisoned buffer, 8-byte aligned at different residues mod 64) give
+    the bytes, sizes and kinds ``compress_pages`` gives the same pages side by side, into
+    poisoned outputs; the buffer the pages lie in is not written. More pages than the
+    interpreter's programs (3): the persistent loop takes rows by address too."""
+    from pages import kernel_device
+
+    dev = kernel_device()
+    rows = [(_rand(11) * 400)[:P4K], _rand(P4K), bytes(P4K), _text_page(), (_rand(5) * 900)[:P4K]]
+    pages = _rows(*rows).to(dev)
+    n = len(rows)
+    gap = 64 + 8 * random.randrange(1, 8)
+    buf = torch.full((n * (P4K + gap) + gap,), 0x5C, dtype=torch.uint8, device=dev)
+    order = random.sample(range(n), n)
+    starts = [gap + order[i] * (P4K + gap) + 8 * random.randrange(0, 8) for i in range(n)]
+    for i, a in enumerate(starts):
+        buf[a:a + P4K] = pages[i]
+    before = buf.clone()
+    table = torch.tensor([buf.data_ptr() + a for a in starts], dtype=torch.int64, device=dev)
+
+    def poisoned():
+        return (torch.full((n, P4K), 0xA5, dtype=torch.uint8, device=dev),
+                torch.full((n,), -7, dtype=torch.int32, device=dev),
+                torch.full((n,), 0xEE, dtype=torch.uint8, device=dev))
+
+    want, got = poisoned(), poisoned()
+    lc.compress_pages(pages, element_size, out=want)
+    lc.compress_rows(table, element_size, P4K, got)
+    for w, g in zip(want, got):
+        assert torch.equal(w.cpu(), g.cpu())
+    assert torch.equal(buf.cpu(), before.cpu()), "wrote into the pages' buffer"
+    with pytest.raises(ValueError, match="int64"):
+        lc.compress_rows(table.to(torch.int32), element_size, P4K, got)
+    lc.compress_rows(table[:0], element_size, P4K, tuple(t[:0] for t in got))  # no pages
+
+
 @pytest.mark.parametrize("element_size", [1, 2])  # hash table / bit-plane candidates
 @interpret_only
 def test_persistent_loop_many_pages(element_size):

@@ -89,6 +89,7 @@ class ExpEncodeConfig:
     FP16: bool  # layout: fp16 (5-bit exponent, 3 high bits a value) or bf16
     CHUNK: int  # values per step (divides PAGE / 2)
     num_warps: int
+    ROWS: bool = False  # ``pages`` is an ``int64 [N]`` table of row addresses (not ``[N, P]``)
 
     def meta(self) -> dict:
         """The keyword arguments of the launch."""
@@ -346,11 +347,11 @@ def _write_codes(dst, c, v, escapes, k0, k1, k2, k3, k4, k5, k6, PAGE: tl.conste
 
 @triton.jit
 def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.constexpr,
-                       FP16: tl.constexpr, CHUNK: tl.constexpr):
-    """Program ``i`` stores page ``i`` (``pages[i]``, ``PAGE / 2`` values) into
-    ``payload[i]`` (the whole row: the bytes past its size zeroed) and sets ``sizes[i]`` and
-    ``kinds[i]``: FILL for a page of equal bytes, RAW where the EXP page would pass
-    ``PAGE - PAGE/32`` bytes, else EXP.
+                       FP16: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr = False):
+    """Program ``i`` stores page ``i`` (``pages[i]``, ``PAGE / 2`` values; with ``ROWS``, the
+    ``PAGE`` bytes at address ``pages[i]``) into ``payload[i]`` (the whole row: the bytes past
+    its size zeroed) and sets ``sizes[i]`` and ``kinds[i]``: FILL for a page of equal bytes,
+    RAW where the EXP page would pass ``PAGE - PAGE/32`` bytes, else EXP.
 
     A page of one step (``CHUNK == PAGE / 2``: 4 KiB pages on the GPU) is read once and kept
     in registers for both passes, and a bf16 page's table comes from 32 bins
@@ -358,10 +359,12 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
     pid = tl.program_id(0).to(tl.int64)
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
-    src = pages_ptr + pid * PAGE
+    src = _row(pages_ptr, pid, PAGE, ROWS)
     dst = payload_ptr + pid * PAGE
-    # rows are PAGE apart, so aligned as the first (folded for 16-aligned tensors)
-    src_aligned = (pages_ptr.to(tl.int64, bitcast=True) & 1) == 0
+    if ROWS:  # each row where its table entry says
+        src_aligned = (src.to(tl.int64, bitcast=True) & 1) == 0
+    else:  # rows are PAGE apart, so aligned as the first (folded for 16-aligned tensors)
+        src_aligned = (pages_ptr.to(tl.int64, bitcast=True) & 1) == 0
     dst_aligned = (payload_ptr.to(tl.int64, bitcast=True) & 1) == 0
     first = tl.load(src).to(tl.int32) * 257  # the value of a page of equal bytes
     i = _rows(CHUNK)
@@ -467,6 +470,43 @@ def compress_exp_at(index: int, n: int, page_size: int, fp16: bool, pages: int, 
     launch_known(_exp_encode_kernel, (n,), index,
                  _frozen_encode_meta(page_size, fp16, interpreting()), classes,
                  (pages, payload, sizes, kinds), args)
+
+
+def compress_exp_rows(rows: torch.Tensor, page_size: int, fp16: bool,
+                      out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """:func:`compress_exp_pages` with each page read from its address: the pages of many
+    tensors stored by one launch without joining them first (the activation store's batches).
+
+    Args:
+        rows: ``int64 [N]`` on the GPU, the address of page ``i`` (``page_size`` bytes of
+            16-bit floats inside a live ``uint8`` tensor the caller keeps until the kernel has
+            run); any alignment (an odd address takes the byte-pair path).
+        page_size: a power of two from 4096 to 65536.
+        fp16: the layout: fp16 (True) or bf16 (False).
+        out: ``(payload uint8 [N, page_size], sizes int32 [N], kinds uint8 [N])``, written as
+            :func:`compress_exp_pages` writes them.
+
+    Launches directly (callers outside the ops only: the addresses are not traceable)."""
+    n = check_rows(rows, page_size)
+    if n:
+        launch(_exp_encode_kernel, (n,), rows.device, (rows, *out),
+               _encode_rows_meta(page_size, fp16, interpreting()), traced=False)
+
+
+def compress_exp_rows_at(index: int, n: int, page_size: int, fp16: bool, rows: int,
+                         payload: int, sizes: int, kinds: int, args) -> None:
+    """:func:`compress_exp_rows` given addresses (``rows``: the ``int64`` table's), without
+    its checks, as :func:`compress_exp_at`."""
+    classes = (ptr_class(torch.int64, rows), ptr_class(torch.uint8, payload),
+               ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds))
+    launch_known(_exp_encode_kernel, (n,), index,
+                 _encode_rows_meta(page_size, fp16, interpreting()), classes,
+                 (rows, payload, sizes, kinds), args)
+
+
+@functools.cache
+def _encode_rows_meta(page_size: int, fp16: bool, interpret: bool):
+    return dataclasses.replace(_encode_config(page_size, fp16, interpret), ROWS=True).meta()
 
 
 def encode_launch(page_size: int, fp16: bool) -> tuple:

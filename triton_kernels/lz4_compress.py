@@ -460,12 +460,14 @@ def _lz4_compress_kernel(
     KIND_LZ4: tl.constexpr, HASH_BITS: tl.constexpr, WINDOW: tl.constexpr,
     KNOWN_WORDS: tl.constexpr, MIN_MATCH: tl.constexpr, NEAR: tl.constexpr, LAZY: tl.constexpr,
     BACK: tl.constexpr, ACCEL: tl.constexpr, MATCH_STEP: tl.constexpr, LEN_STEP: tl.constexpr,
-    WORD_STEP: tl.constexpr, WIDE_SHUFFLE: tl.constexpr,
+    WORD_STEP: tl.constexpr, WIDE_SHUFFLE: tl.constexpr, ROWS: tl.constexpr = False,
 ):
     """Grid ``(G,)``; program ``pid`` compresses pages ``pid, pid + G, ...``.
 
-    pages/payload ``uint8 [N, PAGE]``, sizes ``int32 [N]``, kinds ``uint8 [N]``, tab ``int32
-    [G, 2**HASH_BITS]`` (plain bytes; uninitialised), shuf ``uint8 [G, PAGE]`` (ELEMENT_SIZE > 1).
+    pages/payload ``uint8 [N, PAGE]`` (with ``ROWS``, pages is an ``int64 [N]`` table of the
+    pages' addresses, each 8-byte aligned), sizes ``int32 [N]``, kinds ``uint8 [N]``, tab
+    ``int32 [G, 2**HASH_BITS]`` (plain bytes; uninitialised), shuf ``uint8 [G, PAGE]``
+    (ELEMENT_SIZE > 1).
     """
     tl.static_assert((ACCEL == 0) | (ELEMENT_SIZE > 1))  # window skipping is for bit planes only
     pid = tl.program_id(0)
@@ -485,7 +487,10 @@ def _lz4_compress_kernel(
     for it in range(0, tl.cdiv(n_pages - pid, nprog)):
         page = pid + it * nprog
         base = page.to(tl.int64) * PAGE
-        src = pages_ptr + base
+        if ROWS:
+            src = tl.load(pages_ptr + page).to(tl.pointer_type(tl.uint8))
+        else:
+            src = pages_ptr + base
         dst = payload_ptr + base
         src32 = src.to(tl.pointer_type(tl.uint32))
         dst32 = dst.to(tl.pointer_type(tl.uint32))
@@ -649,9 +654,10 @@ class CompressConfig:
         if not 0 <= self.ACCEL <= 8 or (self.ACCEL and self.ELEMENT_SIZE == 1):
             raise ValueError(f"bad tuning: ACCEL={self.ACCEL} (0..8; bit planes only)")
 
-    def meta(self, wide_shuffle: bool) -> dict:
-        """The keyword arguments of the launch."""
-        return config_meta(self, ("programs_per_sm",), (("WIDE_SHUFFLE", wide_shuffle),))
+    def meta(self, wide_shuffle: bool, rows: bool = False) -> dict:
+        """The keyword arguments of the launch (``rows``: pages by a table of addresses)."""
+        return config_meta(self, ("programs_per_sm",),
+                           (("WIDE_SHUFFLE", wide_shuffle), ("ROWS", rows)))
 
 
 @functools.cache
@@ -705,7 +711,8 @@ def known_settings(device: torch.device, cfg: CompressConfig) -> tuple[int, tupl
     return _sm_programs(device, cfg.programs_per_sm), (cfg.meta(False), cfg.meta(True))
 
 
-def compress_at(index: int, programs: int, n: int, meta, addrs: tuple, args) -> None:
+def compress_at(index: int, programs: int, n: int, meta, addrs: tuple, args,
+                rows: bool = False) -> None:
     """:func:`compress_pages` (``traced=False``) of ``n`` pages (storage offset a multiple of
     4) given the addresses ``addrs`` of ``(pages, payload, sizes, kinds, hash tables, shuffle
     rows)`` on CUDA device ``index``, without its checks: ``programs`` programs and ``meta``
@@ -713,10 +720,56 @@ def compress_at(index: int, programs: int, n: int, meta, addrs: tuple, args) -> 
     metadata by address; ``args`` (the tensors and ``n``, or a function that makes them) as
     for ``launch.launch_known``."""
     pages, payload, sizes, kinds, tabs, shuf = addrs
-    classes = (ptr_class(torch.uint8, pages), ptr_class(torch.uint8, payload),
+    classes = (ptr_class(torch.int64 if rows else torch.uint8, pages),
+               ptr_class(torch.uint8, payload),
                ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds),
                ptr_class(torch.int32, tabs), ptr_class(torch.uint8, shuf), int_class(n))
     launch_known(_lz4_compress_kernel, (programs,), index, meta, classes, (*addrs, n), args)
+
+
+def compress_rows(rows: torch.Tensor, element_size: int, page_size: int,
+                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """:func:`compress_pages` with each page read from its address: the pages of many tensors
+    compressed by one launch without joining them first (the activation store's batches).
+
+    Args:
+        rows: ``int64 [N]`` on the GPU, the address of page ``i`` (``page_size`` bytes inside
+            a live tensor the caller keeps until the kernel has run), each a multiple of 8.
+        element_size: 1, or 2 / 4: bit-shuffle each page first.
+        page_size: a power of two from 4096 to 65536.
+        out: ``(payload uint8 [N, page_size], sizes int32 [N], kinds uint8 [N])``, written as
+            :func:`compress_pages` writes them (the same bytes for the same pages).
+        scratch: as for :func:`compress_pages`.
+
+    Launches directly (callers outside the ops only: the addresses are not traceable)."""
+    from .lz4_decompress import check_rows
+
+    n = check_rows(rows, page_size)
+    cfg = compress_config(page_size, element_size)
+    if n == 0:
+        return
+    dev = rows.device
+    grid = min(n, _sm_programs(dev, cfg.programs_per_sm))
+    if scratch is None:
+        scratch = compress_scratch(dev, cfg, grid, kept_unused=True)
+    elif not _scratch_fits(scratch, cfg, grid):
+        raise ValueError(f"scratch of shapes {[tuple(t.shape) for t in scratch]} is too small "
+                         f"for {grid} programs of these settings")
+    launch(_lz4_compress_kernel, (grid,), dev, (rows, *out, *scratch, n),
+           cfg.meta(True, rows=True), traced=False)
+
+
+def compress_rows_at(index: int, programs: int, n: int, cfg: CompressConfig, addrs: tuple,
+                     args) -> None:
+    """:func:`compress_rows` given addresses, as :func:`compress_at` (``addrs``: ``(row table,
+    payload, sizes, kinds, hash tables, shuffle rows)``), without its checks."""
+    compress_at(index, programs, n, _rows_meta(cfg), addrs, args, rows=True)
+
+
+@functools.cache
+def _rows_meta(cfg: CompressConfig):
+    return cfg.meta(True, rows=True)
 
 
 def compress_launch(cfg: CompressConfig, wide: bool) -> tuple:

@@ -59,19 +59,20 @@ class Backward:
             entry = packed.entry
             off._batcher.flush_unheld()
             self._watch_backward()
-            if entry.parts is not None:  # held (``_batch``), or its store failed: in place
+            if entry.parts is not None:  # held (``_batch``), or its store failed, or stored
+                # from its parts, which the stash keeps (``PagedStore.takes_parts``): in place
                 held = entry.stored is None and entry.error is None
                 off.counters["served_held" if held else "served_from_stash"] += 1
                 self._prefetch_from(entry.pass_, entry.group, entry)  # the groups before it
-                return packed.view_parts(entry.parts)
+                parts = entry.parts
+                if not held:
+                    self._served(entry)
+                return packed.view_parts(parts)
             if entry.src is not None:
                 off.counters["served_from_stash"] += 1
                 self._prefetch_from(entry.pass_, entry.group, entry)
-                entry.served = True
                 storage = entry.src.untyped_storage()
-                if entry.ready() and entry in off._stash:  # its host copy is complete
-                    off._stash.remove(entry)
-                    off._release(entry, wait=False, keep_served=True)
+                self._served(entry)
                 return packed.view(storage)
             self._prefetch_from(entry.pass_, entry.group, entry)
             if entry.restored is None:
@@ -93,6 +94,15 @@ class Backward:
             m.waited = entry.waited
             return packed.view(m.buf.untyped_storage(), m.base)
         return packed.view(entry.restored.untyped_storage())
+
+    def _served(self, entry: _Entry) -> None:
+        """``entry``'s source was handed back in place: it stays so for this backward, and
+        leaves the stash now if its host copy is complete."""
+        off = self.off
+        entry.served = True
+        if entry.ready() and entry in off._stash:
+            off._stash.remove(entry)
+            off._release(entry, wait=False, keep_served=True)
 
     def _prefetch_tail(self) -> None:
         """At the start of a backward: restore the last groups of the latest forward (so kept
@@ -123,7 +133,8 @@ class Backward:
             todo = []
             for ref in reversed(ps.groups[k]):
                 e = ref()
-                if e is not None and e.src is None and e.restored is None and e.stored is not None:
+                if (e is not None and e.src is None and e.parts is None and e.restored is None
+                        and e.stored is not None):
                     todo.append(e)
             if todo:  # one group at a time (batched restores stay within a group)
                 off.counters["restored_prefetch"] += len(todo) - (entry in todo)

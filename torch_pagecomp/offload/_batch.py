@@ -69,9 +69,13 @@ of an undecided class, a partial last page, a large one, a plain copy) are a bat
   the batch's bytes there (``_Packed``'s offset). Until the batch is stored, the members stay
   in ``entry.parts`` (``(byte offset, storage)`` each), and an unpack reads its member there;
 * a batch is closed when full or when its group ends, and stored when its group leaves the
-  window (not while a CUDA graph is captured): one ``torch.cat`` on the compute stream the
-  members were saved on (HBM time, a small part of the link time the bytes then take), after
-  which the members' storages go back to the allocator in stream order;
+  window (not while a CUDA graph is captured). On a GPU its compress reads the members where
+  they lie, by a table of page addresses (``PagedStore.offload``'s parts), and the stash
+  keeps them until it has read them, as it keeps a single storage. Joining them first (one
+  ``torch.cat``, still the way on the CPU and with checksums) held a batch's bytes twice while
+  the copy was made, and that moment was the forward's GPU peak on BERT-large and
+  encoder-1024 (``bench/results/h200x2_a242d2b_session56``, ``dev_peak_owners``); it also
+  cost the compute stream a read and a write of every byte stored;
 * the batch's restore decodes each member whose saved tensors are alive into a buffer of its
   own (``_entry._Member``, held by those saved tensors' handles alone), which goes back to the
   allocator as autograd releases them: one buffer for the batch lived until its last member
@@ -92,7 +96,7 @@ from ._entry import _capturing, _Entry, _in_backward
 from ._streams import current_stream, on_stream
 
 BATCH_BYTES = 64 << 20  # the store's slice (``_paged.SLICE_BYTES``): a batch is one compress
-# launch and one pack, and its ``torch.cat`` holds at most this much GPU memory twice
+# launch and one pack
 
 
 class Batch:
@@ -350,6 +354,19 @@ class Batcher:
         if not self.window:
             self.flush_all()
 
+    def _source(self, entry: _Entry, codec: str | None) -> torch.Tensor | list:
+        """What ``entry``'s store reads: its parts where they lie, for a compressed batch of
+        several on a GPU whose store takes them (``PagedStore.takes_parts``), else
+        :func:`joined`."""
+        parts = entry.parts
+        if (codec is not None and len(parts) > 1 and entry.device.type == "cuda"
+                and self._owner()._paged_store(entry.device).takes_parts
+                # LZ4's kernel reads pages as 8-byte words (storages from PyTorch's
+                # allocators are aligned; one from elsewhere may not be)
+                and (codec != "lz4" or not any(t.data_ptr() & 7 for _, t in parts))):
+            return parts
+        return joined(entry)
+
     def flush(self, batch: Batch) -> None:
         """Store ``batch`` as one entry (nothing if its saved tensors are all freed); if that
         fails, keep its members in place."""
@@ -367,8 +384,9 @@ class Batcher:
         _, _, ff, esize = batch.key
         codec, cls = batch.alone or ("exp" if ff else "lz4", None)
         entry.nbytes, entry.members = batch.nbytes, batch.members
+        src = self._source(entry, codec)
         try:
-            stored = off._store(entry, joined(entry), esize, ff, codec, cls)
+            stored = off._store(entry, src, esize, ff, codec, cls)
         except Exception as exc:  # noqa: BLE001 - the members stay where they are (unpack
             # serves each from its own storage until the end of backward): nothing lost
             off.counters["offload_failed"] += batch.members
@@ -380,3 +398,5 @@ class Batcher:
             off.counters["kept_host_full"] += batch.members
         elif batch.alone is None:
             off.counters["batched"] += batch.members
+            if isinstance(src, list):
+                off.counters["batched_in_place"] += batch.members

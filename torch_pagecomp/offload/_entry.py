@@ -128,7 +128,9 @@ class _Entry:
         self.stream = None  # compute stream at pack time (owner of the source and restores)
         self.src: torch.Tensor | None = None  # the GPU storage while its copy may run
         # the members of a batch not stored (``_batch``): ``(byte offset, bytes)`` each, read
-        # in place while held, and until the end of backward if its store failed
+        # in place while held, and until the end of backward if its store failed; of a batch
+        # stored from them where they lie, while the stash keeps them (as ``src``), and
+        # through a backward that served them in place
         self.parts: list[tuple[int, torch.Tensor]] | None = None
         self.store = self.stored = None
         self.error: BaseException | None = None
@@ -136,6 +138,7 @@ class _Entry:
         self.restore_event = None
         self.waited = False
         self.served = False  # handed back from the stash (in place) at least once
+        self.parts_served = False  # ``parts`` out of the stash, kept as served in place
         self.host_rec = None  # its record in the offloader's host ledger
         self.members = 1  # saved storages it holds (a batch's, ``_batch``)
         # a batch open to several storages: byte offset -> weak reference to its _Member
@@ -189,6 +192,8 @@ class _Entry:
             self.stream.wait_event(self.restore_event)
 
     def drop_restored(self) -> None:
+        if self.parts_served:  # stored from its parts, served in place (``_hooks._release``)
+            self.parts, self.parts_served = None, False
         if self.restored is SPLIT:
             for m in self.split_members() or ():
                 m.drop()

@@ -481,13 +481,15 @@ class ActivationOffloader:
         self._group_bytes_add(nbytes)
         return entry, 0
 
-    def _store(self, entry: _Entry, src: torch.Tensor, esize: int, ff: str | None,
+    def _store(self, entry: _Entry, src: torch.Tensor | list, esize: int, ff: str | None,
                codec: str | None, cls: tuple | None) -> bool:
         """Start storing ``src`` (``uint8 [entry.nbytes]``: a saved storage, or a batch's
-        members joined) as ``entry``, after ``entry.stream``'s work, with ``codec`` (None: a
-        plain copy); then count it, sample it for ``cls``'s ratio (a class, None for a batch)
-        and track it. False where the pinned pool is full; a failing store raises."""
-        dev = src.device
+        members joined; or ``entry.parts`` themselves, compressed where they lie, where the
+        GPU's store takes them: ``PagedStore.takes_parts``) as ``entry``, after
+        ``entry.stream``'s work, with ``codec`` (None: a plain copy); then count it, sample it
+        for ``cls``'s ratio (a class, None for a batch) and track it. False where the pinned
+        pool is full; a failing store raises."""
+        dev = entry.device
         if dev.type == "cpu":
             entry.store = self._cpu_compressed if codec is not None else self._cpu
             entry.stored = self._store_cpu(entry.store, src, esize, ff)
@@ -503,7 +505,8 @@ class ActivationOffloader:
             if entry.stored is None:
                 return False
             entry.store = self._pinned
-        entry.parts = None
+        if src is not entry.parts:  # (parts read where they lie stay until read: ``_track``)
+            entry.parts = None
         if codec is not None and cls is not None:
             self.policy.sample(cls, entry.stored, codec)
         self._count(entry, ff)
@@ -526,12 +529,14 @@ class ActivationOffloader:
         self.counters[f"offloaded_{entry.store.kind}"] += tensors
         self.counters["offloaded_bytes"] += nbytes
 
-    def _track(self, entry: _Entry, src: torch.Tensor) -> None:
-        """Book-keep a started offload: a GPU source stays in the stash until its bytes are
-        in host memory (waiting for the oldest past ``max_in_flight_bytes``); its stored size
-        in the ledger."""
+    def _track(self, entry: _Entry, src: torch.Tensor | list) -> None:
+        """Book-keep a started offload: a GPU source (``entry.src``, or the parts a batch is
+        stored from, ``entry.parts``) stays in the stash until its bytes are in host memory
+        (waiting for the oldest past ``max_in_flight_bytes``); its stored size in the
+        ledger."""
         if entry.device.type == "cuda":
-            entry.src = src
+            if src is not entry.parts:
+                entry.src = src
             self._stash.append(entry)
             self._stash_bytes += entry.nbytes
             self._stash_tensors += entry.members
@@ -592,6 +597,10 @@ class ActivationOffloader:
         else:
             if keep_served and entry.served and entry.restored is None:
                 entry.restored = entry.src  # on the compute stream already: nothing to wait for
+                # parts a batch was stored from stay, read in place until the backward ends
+                entry.parts_served = entry.parts is not None
+            else:
+                entry.parts = None
             entry.src = None
         self._stash_bytes -= entry.nbytes
         self._stash_tensors -= entry.members
@@ -708,7 +717,8 @@ class ActivationOffloader:
         ``prefer="speed"``, help there; a faster link or codec does not).
 
         ``batched``: saved storages stored as members of a batch (several small compressed
-        storages stored as one entry, ``_batch``); counted in ``offloaded_compressed`` too.
+        storages stored as one entry, ``_batch``); counted in ``offloaded_compressed`` too;
+        ``batched_in_place`` those of them compressed where they lay (on a GPU), not joined.
         ``held``: saved storages held where they were at first (with prefetching, every one
         offloaded; those of the last ``prefetch + 1`` groups are never stored), and
         ``served_held`` the unpacks that read one in place; ``holding`` (of :meth:`pending`)

@@ -220,14 +220,41 @@ class PagedStore:
             self._link_programs = link_programs(device)
 
     # ------------------------------------------------------------------ offload
-    def offload(self, src: torch.Tensor, element_size: int, producer=None,
-                float_format: str | None = None) -> PagedStored:
+    @property
+    def takes_parts(self) -> bool:
+        """Whether :meth:`offload` reads a list of parts where they lie (on a GPU, without
+        checksums, which are taken of contiguous pages)."""
+        return self.compress_stream is not None and not self.checksum
+
+    def offload(self, src: torch.Tensor | list[tuple[int, torch.Tensor]], element_size: int,
+                producer=None, float_format: str | None = None) -> PagedStored:
         """Start storing ``src`` (``uint8 [nbytes]``, contiguous) after ``producer``'s work:
         LZ4 pages (bit-shuffled by ``element_size``), or with ``float_format`` (``"bf16"`` /
-        ``"fp16"``: what ``src`` holds) the exponent codec's (``torch_pagecomp.exp_codec``)."""
-        p, nbytes = self.page_size, src.numel()
+        ``"fp16"``: what ``src`` holds) the exponent codec's (``torch_pagecomp.exp_codec``).
+
+        Where :attr:`takes_parts`, ``src`` may be a batch's members instead: ``(byte offset,
+        uint8 [n_i])`` each, whole pages, back to back. Their pages are compressed where they
+        lie, read by address (a table of page addresses, ``ramps``): no joined copy, which
+        held a batch's bytes twice while it was made, at the forward's GPU peak
+        (``bench/results/h200x2_a242d2b_session56``, ``dev_peak_owners``). The caller keeps the
+        members until the source is consumed, as it keeps a contiguous ``src``."""
+        p, cs = self.page_size, self.compress_stream
+        rows = None
+        if isinstance(src, list):
+            if not self.takes_parts:
+                raise ValueError("compressed store: parts are read where they lie only on a "
+                                 "GPU without checksums")
+            counts = [t.numel() // p for _, t in src]
+            if any(t.numel() % p for _, t in src):
+                raise ValueError(f"compressed store: every part must be whole pages of {p} "
+                                 "bytes")
+            if float_format is None and any(t.data_ptr() & 7 for _, t in src):
+                raise ValueError("compressed store: LZ4 reads parts as 8-byte words: every "
+                                 "part must start at a multiple of 8 bytes")
+            nbytes = sum(counts) * p
+        else:
+            nbytes = src.numel()
         full = nbytes // p
-        cs = self.compress_stream
         if cs is not None and not self.arena.pin:  # before any state changes
             raise RuntimeError("compressed store: the GPU writes the pages into page-locked "
                                "host memory, which this process cannot allocate "
@@ -236,9 +263,13 @@ class PagedStore:
             handoff(producer, cs)
         slices = []
         with on_stream(cs):
+            if isinstance(src, list):  # made and read on this stream only
+                rows = ramps([t.data_ptr() for _, t in src], counts, p, src[0][1].device,
+                             self.uploads)
             for first in range(0, full, self.slice_pages):
                 n = min(self.slice_pages, full - first)
-                slices.append(self._store_slice(src, first, n, element_size, float_format))
+                slices.append(self._store_slice(src, rows, first, n, element_size,
+                                                float_format))
             tail = tail_sum = None
             if nbytes % p:
                 tail = torch.empty(nbytes % p, dtype=torch.uint8, pin_memory=self.arena.pin)
@@ -257,23 +288,27 @@ class PagedStore:
         worst cases of slices not yet packed (the link is behind the host)."""
         return self.arena.room_now(nbytes // self.page_size * self.page_size)
 
-    def _store_slice(self, src, first: int, n: int, element_size: int,
-                     float_format: str | None) -> _Slice:
+    def _store_slice(self, src, rows: torch.Tensor | None, first: int, n: int,
+                     element_size: int, float_format: str | None) -> _Slice:
+        """Compress and pack pages ``first .. first + n`` of ``src`` (read through the row
+        table ``rows`` where given: :meth:`offload`'s parts)."""
         p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
         slot = self._slots[self._turn]
         self._turn = (self._turn + 1) % SCRATCH_SLICES
         _wait(cs, slot.packed)  # bound the scratch in flight: its payload was packed by then
-        payload = self._payload(slot, n, src.device)
+        device = (src if rows is None else rows).device
+        payload = self._payload(slot, n, device)
         # the metadata the restore needs (:func:`_meta_bytes`; with ``host_meta``, copied to
         # the host after the pack and dropped from the device once the slice is placed)
-        meta = torch.empty(_meta_bytes(n, self.checksum), dtype=torch.uint8, device=src.device)
+        meta = torch.empty(_meta_bytes(n, self.checksum), dtype=torch.uint8, device=device)
         sl = _Slice(first, n, meta, self.checksum)
         # on the GPU the kernels take addresses (views cost the host microseconds apiece, and
         # this runs for every saved tensor); views are made only where a path needs them
         m = meta.data_ptr()
         rel, desc, sizes, kinds, _ = (m + o if o is not None else None
                                       for o in _meta_offsets(n, self.checksum))
-        self._compress_slice(src, sl, payload, (sizes, kinds), element_size, float_format)
+        self._compress_slice(src, rows, sl, payload, (sizes, kinds), element_size,
+                             float_format)
         if self.checksum:
             _checksums(_pages(src, first, n, p), sl.sums)
         self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
@@ -289,7 +324,7 @@ class PagedStore:
 
             # page-locked host memory is read and written at its host address (unified
             # addressing: the arena's chunk table holds host addresses too)
-            pack_slice_at(src.device.index, ps, min(n, self._link_programs), n, p, arena.chunk,
+            pack_slice_at(device.index, ps, min(n, self._link_programs), n, p, arena.chunk,
                           (payload.data_ptr(), sizes, rel, arena.state.data_ptr(), desc,
                            arena.desc_addr(k), arena.table.data_ptr()), arena.table.numel(), parity,
                           limit, lambda: (payload, sl.sizes, sl.rel, arena.state, sl.desc,
@@ -312,14 +347,17 @@ class PagedStore:
         arena.add(sl, n * p)
         return sl
 
-    def _compress_slice(self, src, sl: _Slice, payload, addrs: tuple, element_size: int,
-                        float_format: str | None) -> None:
-        """Compress ``sl``'s pages of ``src`` into ``payload`` and ``sl``'s sizes and kinds
-        (at ``addrs``) on the current stream: on the GPU the exponent codec's or LZ4's kernel
-        by address; on the CPU the ops' reference path."""
+    def _compress_slice(self, src, rows: torch.Tensor | None, sl: _Slice, payload,
+                        addrs: tuple, element_size: int, float_format: str | None) -> None:
+        """Compress ``sl``'s pages of ``src`` (through the row table ``rows`` where given)
+        into ``payload`` and ``sl``'s sizes and kinds (at ``addrs``) on the current stream: on
+        the GPU the exponent codec's or LZ4's kernel by address; on the CPU the ops' reference
+        path."""
         first, n, p = sl.first, sl.n, self.page_size
         sizes, kinds = addrs
-        if src.is_cuda and float_format:
+        if rows is not None:
+            self._compress_rows(rows, sl, payload, addrs, element_size, float_format)
+        elif src.is_cuda and float_format:
             from ..kernels.exp_codec import compress_exp_at
 
             compress_exp_at(src.device.index, n, p, float_format == "fp16",
@@ -340,6 +378,29 @@ class PagedStore:
         else:
             _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds),
                       float_format)
+
+    def _compress_rows(self, rows: torch.Tensor, sl: _Slice, payload, addrs: tuple,
+                       element_size: int, float_format: str | None) -> None:
+        """:meth:`_compress_slice` of pages read through the row table ``rows``."""
+        first, n, p = sl.first, sl.n, self.page_size
+        sizes, kinds = addrs
+        at, index = rows.data_ptr() + 8 * first, rows.device.index
+        if float_format:
+            from ..kernels.exp_codec import compress_exp_rows_at
+
+            compress_exp_rows_at(index, n, p, float_format == "fp16", at, payload.data_ptr(),
+                                 sizes, kinds,
+                                 lambda: (rows[first:first + n], payload, sl.sizes, sl.kinds))
+        else:
+            from ..kernels.lz4_compress import compress_config, compress_rows_at
+
+            scratch = self._scratch(rows, element_size)
+            programs = self._lz4_launch[element_size][0]
+            compress_rows_at(index, min(n, programs), n, compress_config(p, element_size),
+                             (at, payload.data_ptr(), sizes, kinds, scratch[0].data_ptr(),
+                              scratch[1].data_ptr()),
+                             lambda: (rows[first:first + n], payload, sl.sizes, sl.kinds,
+                                      *scratch, n))
 
     def _payload(self, slot: _PayloadSlot, n: int, device: torch.device) -> torch.Tensor:
         """``uint8 [n, P]`` for a slice's compressed pages at a fixed stride: ``slot``'s
