@@ -384,8 +384,8 @@ class Batcher:
         _, _, ff, esize = batch.key
         codec, cls = batch.alone or ("exp" if ff else "lz4", None)
         entry.nbytes, entry.members = batch.nbytes, batch.members
-        src = self._source(entry, codec)
         try:
+            src = self._source(entry, codec)  # (a join out of GPU memory: kept in place)
             stored = off._store(entry, src, esize, ff, codec, cls)
         except Exception as exc:  # noqa: BLE001 - the members stay where they are (unpack
             # serves each from its own storage until the end of backward): nothing lost

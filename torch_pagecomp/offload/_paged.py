@@ -421,9 +421,10 @@ class PagedStore:
         return buf[:n * p].view(n, p)
 
     def release_payloads(self) -> None:
-        """Let the payload buffers go (:meth:`_payload`; made again by the next slice): the
-        hooks call this as a backward starts, which stores little, so that their GPU memory
-        is not held through it. Freed after the packs queued so far."""
+        """Let the payload buffers go (:meth:`_payload`; made again by the next slice), with
+        the rest of the scratch as a backward starts (:meth:`release_scratch`), which stores
+        little, so that their GPU memory is not held through it. Freed after the packs queued
+        so far."""
         for slot in self._slots:
             slot.buf = None
 
