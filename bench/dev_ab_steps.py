@@ -54,7 +54,9 @@ no faster than one payload on four models, ResNet-50's GPU peak 0.04 GiB higher,
 keep their metadata (13 bytes a page) in page-locked host memory, copied up behind their
 pages by each restore (session 55: 1 MiB lower GPU peak on BERT-large, steps 2-16% slower on
 encoder-1024 and BERT-large). (``memory_holdstatus``, the statuses held until the backward's
-end, went with session 56's ring of statuses, ``offload._statuses``.)
+end, went with session 56's ring of statuses, ``offload._statuses``.) ``memory_join``: a
+batch joined by one ``torch.cat`` before its compress, as before session 57 (now the
+compress reads the members where they lie, ``PagedStore.takes_parts``).
 ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
@@ -88,7 +90,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
-        "memory_hostmeta",
+        "memory_hostmeta", "memory_join",
         "speed",
         "speed_copy_only")
 
@@ -156,6 +158,9 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
             init(self, *args, **{**kwargs, "host_meta": True})
 
         return [(PagedStore, "__init__", host_meta)]
+    if arm == "memory_join":  # a batch joined by one torch.cat before its compress, as before
+        # session 57 (now the compress reads the members where they lie)
+        return [(PagedStore, "takes_parts", property(lambda self: False))]
     if arm == "memory_group":  # batched restores through restore_group
         return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
     return []
