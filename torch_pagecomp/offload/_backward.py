@@ -241,7 +241,7 @@ class Backward:
             )
             # the backward stores little: the stores' GPU scratch (payloads, the LZ4
             # compressor's working memory: 8-17 MiB) is not held through its peak (BERT-large's
-            # peak had it, 9 MiB above a plain copy's, bench/results/h200_f6a880e_session57)
+            # peak had it, 9 MiB above a plain copy's, bench/results/h200x2_fd0815b_session57)
             for store in self.off._paged.values():
                 store.release_scratch()
             self._prefetch_tail()
