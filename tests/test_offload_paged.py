@@ -767,6 +767,8 @@ def test_parts_are_taken_only_where_the_store_reads_them_in_place(gen):
     if CUDA:
         gpu = _store("cuda")
         assert gpu.takes_parts and not _store("cuda", checksum=True).takes_parts
+        with pytest.raises(ValueError, match="no parts"):
+            gpu.offload([], 2, float_format="bf16")
         with pytest.raises(ValueError, match="whole pages"):
             gpu.offload([(0, _data(gen, P + 1, "bf16").cuda())], 2, float_format="bf16")
         odd = torch.empty(2 * P + 8, dtype=torch.uint8, device="cuda")[4:4 + 2 * P]

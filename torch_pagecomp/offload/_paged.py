@@ -244,6 +244,8 @@ class PagedStore:
             if not self.takes_parts:
                 raise ValueError("compressed store: parts are read where they lie only on a "
                                  "GPU without checksums")
+            if not src:
+                raise ValueError("compressed store: no parts to store")
             counts = [t.numel() // p for _, t in src]
             if any(t.numel() % p for _, t in src):
                 raise ValueError(f"compressed store: every part must be whole pages of {p} "
