@@ -345,6 +345,18 @@ def test_hostile_pages_kernel_equals_reference(gen):
     assert int(sbuf[0]) == STATUS_GUARD and int(sbuf[-1]) == STATUS_GUARD
 
 
+def scattered_rows(gen: torch.Generator, n: int, p: int, dev) -> tuple[torch.Tensor, list]:
+    """A poisoned ``uint8`` buffer with room for ``n`` rows of ``p`` bytes apart, and the
+    rows' byte offsets in it: a random order of places, at addresses of every residue mod 4
+    (odd ones take the byte-pair path), gaps between them."""
+    gap = 64 + 7
+    buf = torch.full((n * (p + gap) + gap,), POISON, dtype=torch.uint8, device=dev)
+    order = torch.randperm(n, generator=gen)
+    shift = torch.randint(0, 8, (n,), generator=gen)
+    shift[:4] = torch.tensor([0, 1, 2, 3])  # every residue mod 4, whatever the draw
+    return buf, [gap + int(order[i]) * (p + gap) + int(shift[i]) for i in range(n)]
+
+
 def test_rows_by_address_equal_reference(gen):
     """``decompress_exp_rows``: the hostile batch (valid pages of both layouts, RAW, FILL,
     and every failure) each into its own row of a poisoned buffer, in a random order of rows,
@@ -359,12 +371,7 @@ def test_rows_by_address_equal_reference(gen):
     assert set(want_status.tolist()) == {fmt.STATUS_OK, fmt.STATUS_BAD_KIND, fmt.STATUS_BAD_SIZE}
     n = sizes.shape[0]
     meta = [t.to(dev) for t in (payload, offsets, sizes, kinds)]
-    gap = 64 + 7
-    buf = torch.full((n * (p + gap) + gap,), POISON, dtype=torch.uint8, device=dev)
-    order = torch.randperm(n, generator=gen)
-    shift = torch.randint(0, 8, (n,), generator=gen)
-    shift[:4] = torch.tensor([0, 1, 2, 3])  # every residue mod 4, whatever the draw
-    starts = [gap + int(order[i]) * (p + gap) + int(shift[i]) for i in range(n)]
+    buf, starts = scattered_rows(gen, n, p, dev)
     rows = torch.tensor([buf.data_ptr() + a for a in starts], dtype=torch.int64, device=dev)
     sbuf = torch.full((n + 2,), STATUS_GUARD, dtype=torch.int32, device=dev)
     kx.decompress_exp_rows(*meta, rows, p, sbuf[1:n + 1])
@@ -401,12 +408,7 @@ def test_encode_rows_by_address_equal_reference(gen):
         pages = float_pages(gen, p, dtype)
         n = pages.shape[0]
         want = ec.compress_exp_cpu(pages, fmt.EXP_FP16 if fp16 else fmt.EXP_BF16)
-        gap = 64 + 7
-        buf = torch.full((n * (p + gap) + gap,), POISON, dtype=torch.uint8, device=dev)
-        order = torch.randperm(n, generator=gen)
-        shift = torch.randint(0, 8, (n,), generator=gen)
-        shift[:4] = torch.tensor([0, 1, 2, 3])  # every residue mod 4, whatever the draw
-        starts = [gap + int(order[i]) * (p + gap) + int(shift[i]) for i in range(n)]
+        buf, starts = scattered_rows(gen, n, p, dev)
         for i, a in enumerate(starts):
             buf[a:a + p] = pages[i].to(dev)
         before = buf.clone()

@@ -46,6 +46,17 @@ def _store(device="cpu", chunk=1 << 16, slice_bytes=1 << 14, checksum=False,
                       slice_bytes=slice_bytes, checksum=checksum, host_meta=host_meta)
 
 
+def _restored(store: PagedStore, stored, like: torch.Tensor) -> torch.Tensor:
+    """``stored`` restored on the store's restore stream into a poisoned tensor like ``like``,
+    the current stream waiting for it."""
+    out = torch.full_like(like, POISON)
+    store.restore_stream.wait_stream(torch.cuda.current_stream())  # after the poison
+    with torch.cuda.stream(store.restore_stream):
+        store.restore(stored, out)
+    torch.cuda.current_stream().wait_stream(store.restore_stream)
+    return out
+
+
 @interpreter
 @pytest.mark.parametrize("element_size", [1, 2, 4])
 @pytest.mark.parametrize("kind", ["small", "bf16", "noise"])
@@ -741,12 +752,7 @@ def test_gpu_round_trip_on_streams(gen, chunk, slice_bytes, mib):
     srcs = [_data(gen, n, "bf16").cuda() for n in (mib << 20, (3 << 20) + 77, 5 * P)]
     stored = [store.offload(s, 2, producer=torch.cuda.current_stream()) for s in srcs]
     for s, st in zip(srcs, stored):
-        out = torch.full_like(s, POISON)
-        store.restore_stream.wait_stream(torch.cuda.current_stream())  # after the poison
-        with torch.cuda.stream(store.restore_stream):
-            store.restore(st, out)
-        torch.cuda.current_stream().wait_stream(store.restore_stream)
-        assert torch.equal(out, s)
+        assert torch.equal(_restored(store, st, s), s)
     torch.cuda.synchronize()
     assert store.failed_restores() == 0
     for st in stored:
@@ -802,12 +808,7 @@ def test_gpu_parts_stored_where_they_lie_equal_their_join(gen, codec, slice_byte
     assert by_parts.nbytes == joined.numel() and len(by_parts.slices) == len(by_join.slices)
     assert by_parts.host_nbytes() == by_join.host_nbytes()
     for st in (by_parts, by_join):
-        out = torch.full_like(joined, POISON)
-        store.restore_stream.wait_stream(torch.cuda.current_stream())  # after the poison
-        with torch.cuda.stream(store.restore_stream):
-            store.restore(st, out)
-        torch.cuda.current_stream().wait_stream(store.restore_stream)
-        assert torch.equal(out, kept)
+        assert torch.equal(_restored(store, st, joined), kept)
     assert torch.equal(torch.cat([t for _, t in parts]), kept)
     assert store.failed_restores() == 0
     for st in (by_parts, by_join):
