@@ -184,27 +184,16 @@ def _overlaps(inputs: tuple, outputs: tuple, names: tuple) -> list[str]:
     and the other an input or an earlier output (``None`` entries skipped; ``names``: the
     inputs' then the outputs'). None under ``torch.compile``, whose tensors have no addresses
     (its copy into the outputs is functional there)."""
-    if torch.compiler.is_compiling():
-        return []
-    spans = []
-    for t in inputs + outputs:
-        lo = None if t is None else t.data_ptr()
-        spans.append(None if lo is None or not t.nbytes else (lo, lo + t.nbytes))
-    found = []
-    for b in range(len(inputs), len(spans)):  # each output against everything before it
-        if spans[b] is None:
-            continue
-        lo2, hi2 = spans[b]
-        for a in range(b):
-            if spans[a] is not None and spans[a][0] < hi2 and lo2 < spans[a][1]:
-                found.append(f"{names[a]} and {names[b]} overlap")
-    return found
+    tensors = inputs + outputs
+    return [f"{names[a]} and {names[b]} overlap"  # each output against everything before it
+            for b in range(len(inputs), len(tensors)) if tensors[b] is not None
+            for a in range(b) if _overlapping(tensors[b], (tensors[a],))]
 
 
 def _overlapping(t: torch.Tensor, others: tuple) -> bool:
-    """Whether ``t``'s bytes overlap those of any of ``others`` (``None`` skipped): the usual
-    case of an ``out=`` check, answered without :func:`_overlaps`' messages (False under
-    ``torch.compile``, as there)."""
+    """Whether ``t``'s bytes overlap those of any of ``others`` (``None`` skipped; False
+    under ``torch.compile``, whose tensors have no addresses): an ``out=`` check's usual
+    case, answered without :func:`_overlaps`' messages."""
     if torch.compiler.is_compiling() or not t.nbytes:
         return False
     lo = t.data_ptr()

@@ -357,16 +357,13 @@ class Batcher:
         if not self.window:
             self.flush_all()
 
-    def _source(self, entry: _Entry, codec: str | None) -> torch.Tensor | list:
+    def _source(self, entry: _Entry, codec: str | None, ff: str | None) -> torch.Tensor | list:
         """What ``entry``'s store reads: its parts where they lie, for a compressed batch of
-        several on a GPU whose store takes them (``PagedStore.takes_parts``), else
+        several on a GPU whose store reads them so (``PagedStore.parts_problem``), else
         :func:`joined`."""
         parts = entry.parts
         if (codec is not None and len(parts) > 1 and entry.device.type == "cuda"
-                and self._owner()._paged_store(entry.device).takes_parts
-                # LZ4's kernel reads pages as 8-byte words (storages from PyTorch's
-                # allocators are aligned; one from elsewhere may not be)
-                and (codec != "lz4" or not any(t.data_ptr() & 7 for _, t in parts))):
+                and self._owner()._paged_store(entry.device).parts_problem(parts, ff) is None):
             return parts
         return joined(entry)
 
@@ -388,7 +385,7 @@ class Batcher:
         codec, cls = batch.alone or ("exp" if ff else "lz4", None)
         entry.nbytes, entry.members = batch.nbytes, batch.members
         try:
-            src = self._source(entry, codec)  # (a join out of GPU memory: kept in place)
+            src = self._source(entry, codec, ff)  # (a join out of GPU memory: kept in place)
             stored = off._store(entry, src, esize, ff, codec, cls)
         except Exception as exc:  # noqa: BLE001 - the members stay where they are (unpack
             # serves each from its own storage until the end of backward): nothing lost

@@ -226,33 +226,41 @@ class PagedStore:
         checksums, which are taken of contiguous pages)."""
         return self.compress_stream is not None and not self.checksum
 
+    def parts_problem(self, parts: list[tuple[int, torch.Tensor]],
+                      float_format: str | None) -> str | None:
+        """Why :meth:`offload` cannot read ``parts`` where they lie (with ``float_format``,
+        the exponent codec's pages, else LZ4's), or None where it can."""
+        if not self.takes_parts:
+            return "parts are read where they lie only on a GPU without checksums"
+        if not parts:
+            return "no parts to store"
+        if any(t.numel() % self.page_size for _, t in parts):
+            return f"every part must be whole pages of {self.page_size} bytes"
+        # LZ4's kernel reads pages as 8-byte words (storages from PyTorch's allocators are
+        # aligned; one from elsewhere may not be)
+        if float_format is None and any(t.data_ptr() & 7 for _, t in parts):
+            return "LZ4 reads parts as 8-byte words: every part must start at a multiple of 8"
+        return None
+
     def offload(self, src: torch.Tensor | list[tuple[int, torch.Tensor]], element_size: int,
                 producer=None, float_format: str | None = None) -> PagedStored:
         """Start storing ``src`` (``uint8 [nbytes]``, contiguous) after ``producer``'s work:
         LZ4 pages (bit-shuffled by ``element_size``), or with ``float_format`` (``"bf16"`` /
         ``"fp16"``: what ``src`` holds) the exponent codec's (``torch_pagecomp.exp_codec``).
 
-        Where :attr:`takes_parts`, ``src`` may be a batch's members instead: ``(byte offset,
-        uint8 [n_i])`` each, whole pages, back to back. Their pages are compressed where they
-        lie, read by address (a table of page addresses, ``ramps``): no joined copy, which
-        held a batch's bytes twice while it was made, at the forward's GPU peak
-        (``bench/results/h200x2_a242d2b_session56``, ``dev_peak_owners``). The caller keeps the
-        members until the source is consumed, as it keeps a contiguous ``src``."""
+        Where :meth:`parts_problem` finds none, ``src`` may be a batch's members instead:
+        ``(byte offset, uint8 [n_i])`` each, whole pages, back to back. Their pages are
+        compressed where they lie, read by address (a table of page addresses, ``ramps``): no
+        joined copy, which held a batch's bytes twice while it was made, at the forward's GPU
+        peak (``bench/results/h200x2_a242d2b_session56``, ``dev_peak_owners``). The caller
+        keeps the members until the source is consumed, as it keeps a contiguous ``src``."""
         p, cs = self.page_size, self.compress_stream
         rows = None
         if isinstance(src, list):
-            if not self.takes_parts:
-                raise ValueError("compressed store: parts are read where they lie only on a "
-                                 "GPU without checksums")
-            if not src:
-                raise ValueError("compressed store: no parts to store")
+            problem = self.parts_problem(src, float_format)
+            if problem is not None:
+                raise ValueError(f"compressed store: {problem}")
             counts = [t.numel() // p for _, t in src]
-            if any(t.numel() % p for _, t in src):
-                raise ValueError(f"compressed store: every part must be whole pages of {p} "
-                                 "bytes")
-            if float_format is None and any(t.data_ptr() & 7 for _, t in src):
-                raise ValueError("compressed store: LZ4 reads parts as 8-byte words: every "
-                                 "part must start at a multiple of 8 bytes")
             nbytes = sum(counts) * p
         else:
             nbytes = src.numel()
