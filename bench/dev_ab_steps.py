@@ -50,13 +50,12 @@ it has reached (``_batch.Batcher._over_peak`` never holds: before session 53).
 (a smaller fixed-stride payload on the GPU, more launches a tensor); ``memory_slots2``: two
 slices' payloads, the compress a slice ahead of the pack, as before session 55 (one H200:
 no faster than one payload on four models, ResNet-50's GPU peak 0.04 GiB higher,
-``bench/results/h200x2_824437a_session55``). ``memory_hostmeta``: the hooks' placed slices
-keep their metadata (13 bytes a page) in page-locked host memory, copied up behind their
-pages by each restore (session 55: 1 MiB lower GPU peak on BERT-large, steps 2-16% slower on
-encoder-1024 and BERT-large). (``memory_holdstatus``, the statuses held until the backward's
-end, went with session 56's ring of statuses, ``offload._statuses``.) ``memory_join``: a
-batch joined by one ``torch.cat`` before its compress, as before session 57 (now the
-compress reads the members where they lie, ``PagedStore.takes_parts``).
+``bench/results/h200x2_824437a_session55``). (``memory_holdstatus``, the statuses held
+until the backward's end, went with session 56's ring of statuses, ``offload._statuses``;
+``memory_hostmeta``, placed slices' metadata in page-locked buffers of their own, went once
+it lay in the arena behind their pages.) ``memory_join``: a batch joined by one
+``torch.cat`` before its compress, as before session 57 (now the compress reads the
+members where they lie, ``PagedStore.takes_parts``).
 ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
@@ -90,7 +89,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
-        "memory_hostmeta", "memory_join",
+        "memory_join",
         "speed",
         "speed_copy_only")
 
@@ -151,13 +150,6 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         from torch_pagecomp.offload import _paged
 
         return [(_paged, "_by_address", lambda out: False)]
-    if arm == "memory_hostmeta":  # placed slices' metadata in page-locked host memory
-        init = PagedStore.__init__
-
-        def host_meta(self, *args, **kwargs):
-            init(self, *args, **{**kwargs, "host_meta": True})
-
-        return [(PagedStore, "__init__", host_meta)]
     if arm == "memory_join":  # a batch joined by one torch.cat before its compress, as before
         # session 57 (now the compress reads the members where they lie)
         return [(PagedStore, "takes_parts", property(lambda self: False))]

@@ -410,7 +410,7 @@ def test_decode_step_restores_each_layer_with_one_decode(gen, monkeypatch, devic
     assert per_step == {2: [2] * layers, 7: [7] * layers}
 
 
-def _small_store(device: str, page_size: int, host_meta: bool = False):
+def _small_store(device: str, page_size: int):
     """A ``PagedStore`` of small chunks and slices (several per tensor): on the GPU on side
     streams, on the CPU synchronous (the Triton interpreter's stand-ins)."""
     from torch_pagecomp.offload._paged import PagedStore
@@ -421,25 +421,24 @@ def _small_store(device: str, page_size: int, host_meta: bool = False):
         pytest.skip("CPU stand-ins need the Triton interpreter")
     streams = (None,) * 3 if device == "cpu" else tuple(torch.cuda.Stream() for _ in range(3))
     return PagedStore(torch.device(device), page_size, streams, chunk_bytes=1 << 16,
-                      slice_bytes=1 << 14, host_meta=host_meta)
+                      slice_bytes=1 << 14)
 
 
-@pytest.mark.parametrize("host_meta, float_format", [(False, None), (True, None),
-                                                     (True, "bf16")])
+@pytest.mark.parametrize("float_format", [None, "bf16"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_restore_group_round_trip(gen, device, host_meta, float_format):
+def test_restore_group_round_trip(gen, device, float_format):
     """Stored tensors of odd sizes (partial last pages, less than a page, several slices)
     restored back to back, bit-exact, into poisoned outputs: through the cached metadata,
-    through the kernel fetch of slices not yet confirmed, and a group extended later. With
-    ``host_meta`` (the KV cache's store) the same, with placed slices' metadata on the host
-    (its device copy dropped) and a single tensor's restore too; with ``float_format`` the
-    same through the exponent codec (EXP pages), and a group that mixes the two codecs."""
+    through the kernel fetch of slices not yet confirmed, and a group extended later; placed
+    slices' metadata is read from the arena, behind their pages (the device copy let go),
+    and a single tensor's restore too; with ``float_format`` the same through the exponent
+    codec (EXP pages), and a group that mixes the two codecs."""
     from conftest import POISON
 
     from torch_pagecomp.offload._paged_group import StoredGroup
 
     P = 4096
-    store = _small_store(device, P, host_meta)
+    store = _small_store(device, P)
 
     def data(n):
         x = (torch.randn(n // 2 + 1, generator=gen) * 0.02).to(torch.bfloat16)
@@ -482,17 +481,14 @@ def test_restore_group_round_trip(gen, device, host_meta, float_format):
     store.restore_group(group, poisoned(group.nbytes))
     assert group.known == len(group) and len(group.runs) < sum(len(s.slices) for s in stored)
     for st in stored:
-        for sl in st.slices:  # placed: the host copy only (on the CPU: a copy of its own)
-            assert sl.host_meta is None  # with host_meta, now the metadata itself
-            host = sl.rel.device.type == "cpu"
-            assert host == (host_meta or device == "cpu")
-            assert sl.rel.is_pinned() == (host_meta and device == "cuda")
-    if host_meta:
-        assert all(t.device.type == "cpu" for t in group.meta)
-        for src, st in zip(srcs, stored):
-            out = poisoned(src.numel())
-            store.restore(st, out)
-            assert torch.equal(out, src)
+        for sl in st.slices:  # placed: the arena's copy, the slice's last bytes there
+            assert sl.rel.device.type == "cpu"
+            assert sl.meta.data_ptr() == store.arena._address(sl.base + sl.meta_at)
+    assert all(t.device.type == "cpu" for t in group.meta)
+    for src, st in zip(srcs, stored):
+        out = poisoned(src.numel())
+        store.restore(st, out)
+        assert torch.equal(out, src)
     kinds = {int(k) for st in stored for sl in st.slices for k in sl.kinds.cpu()}
     assert (0x13 in kinds) == (float_format == "bf16") and (0x11 in kinds) != (0x13 in kinds)
     other = offload(srcs[1], None if float_format else "bf16")  # a partial last page

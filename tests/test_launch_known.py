@@ -95,13 +95,14 @@ def test_pack_slice_at(monkeypatch, gen, parity, limit, interpret):
     rel, ends, desc = (torch.empty(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
                        torch.empty(2, dtype=torch.int64))
     host_desc, table = torch.empty(2, dtype=torch.int64), torch.zeros(64, dtype=torch.int64)
+    meta = torch.empty(80, dtype=torch.uint8)
     usual, known = _capture(monkeypatch, [H], interpret)
-    args = (payload, sizes, rel, ends, parity, limit, desc, host_desc, table, 64 << 20)
+    args = (payload, sizes, rel, ends, parity, limit, desc, host_desc, table, 64 << 20, meta, 32)
     H.pack_slice(*args)
-    tensors = (payload, sizes, rel, ends, desc, host_desc, table)
+    tensors = (payload, sizes, rel, ends, desc, host_desc, table, meta)
     H.pack_slice_at(payload.device.index, None, min(3, H.link_programs(payload.device)), 3, P,
                     64 << 20, tuple(t.data_ptr() for t in tensors), table.numel(), parity,
-                    limit, tensors + (3, parity, limit))
+                    limit, (80, 32), tensors + (3, parity, limit, 80, 32))
     _same(usual, known)
 
 

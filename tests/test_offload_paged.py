@@ -15,6 +15,7 @@ import torch
 from conftest import POISON
 
 from torch_pagecomp.kernels.host_pack import ALIGN, fetch_from_host, pack_slice
+from torch_pagecomp.offload._arena import slice_upper
 from torch_pagecomp.offload._paged import PagedStore
 
 P = 4096
@@ -37,13 +38,12 @@ def _data(gen: torch.Generator, nbytes: int, kind: str) -> torch.Tensor:
     return out
 
 
-def _store(device="cpu", chunk=1 << 16, slice_bytes=1 << 14, checksum=False,
-           host_meta=False) -> PagedStore:
+def _store(device="cpu", chunk=1 << 16, slice_bytes=1 << 14, checksum=False) -> PagedStore:
     streams = (None, None, None)
     if device != "cpu":
         streams = tuple(torch.cuda.Stream() for _ in range(3))
     return PagedStore(torch.device(device), P, streams, chunk_bytes=chunk,
-                      slice_bytes=slice_bytes, checksum=checksum, host_meta=host_meta)
+                      slice_bytes=slice_bytes, checksum=checksum)
 
 
 def _restored(store: PagedStore, stored, like: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,9 @@ def test_round_trip_across_slices_and_chunks(gen, element_size, kind):
         out = torch.full_like(s, POISON)
         store.restore(st, out)
         assert torch.equal(out, s)
-        assert st.host_nbytes() <= s.numel() + (s.numel() // P) * ALIGN
+        # each page padded; each slice's metadata behind its pages (maybe in the next chunk)
+        assert st.host_nbytes() <= s.numel() + (s.numel() // P) * ALIGN + sum(
+            slice_upper(sl.n, P, False) - sl.n * P for sl in st.slices)
     used = store.arena.used
     assert used == sum(sum(sl.total for sl in st.slices) for st in stored)
     for st in stored:
@@ -195,20 +197,23 @@ def test_host_waits_for_packs_are_counted():
 
     store = PagedStore(torch.device("cpu"), P, chunk_bytes=1 << 16)
     arena = store.arena
+    arena.back(1 << 16, None)
+    m = slice_upper(1, P, False) // 2 - P // 2  # a page's metadata, behind its 16 bytes
+
     def published(base: int, total: int) -> int:  # a descriptor slot the pack wrote
         k = arena.host_desc()
         arena.descs[k] = torch.tensor([base, total])
         return k
 
-    slow = _Slice(0, 1, None, host_desc=published(0, 16), stored=SlowPack())
+    slow = _Slice(0, 1, None, host_desc=published(0, 16 + m), stored=SlowPack())
     arena.add(slow, P)
     arena.confirm()  # not finished: not waited for
     assert slow.base is None and store.stats()["host_wait_us"] == 0
     arena.confirm(through=slow)
-    assert slow.base == 0 and slow.total == 16
+    assert slow.base == 0 and slow.total == 16 + m
     waited = store.stats()["host_wait_us"]
     assert 20_000 <= waited < 2_000_000, waited
-    done = _Slice(1, 1, None, host_desc=published(16, 16))
+    done = _Slice(1, 1, None, host_desc=published(16 + m, 16 + m))
     arena.add(done, P)
     arena.confirm(through=done)
     assert store.stats()["host_wait_us"] == waited
@@ -742,6 +747,49 @@ def test_plan_places_at_the_end_and_pack_stays_inside_the_slice(gen, parity, sta
     assert bool((back[total:] == POISON).all())
 
 
+@interpreter
+@pytest.mark.parametrize("where", ["behind", "crossing", "over the limit"])
+def test_pack_writes_the_metadata_behind_the_pages_in_one_chunk(gen, where):
+    """With a metadata buffer the pack reserves it behind the slice's pages and writes it
+    there: the pages' offsets it planned, then the buffer's bytes from ``meta_from`` on (the
+    sizes and kinds the compress wrote); where it would cross into the next chunk it starts
+    that chunk instead (the bytes skipped stay as they were); ``total`` counts it all, and a
+    slice whose metadata would pass the backed limit is refused, nothing written."""
+    from torch_pagecomp import _ops
+    from torch_pagecomp.offload._arena import _meta_offsets, _meta_views, meta_span
+
+    chunk, n = 1 << 16, 3
+    pages = _data(gen, n * P, "noise").view(n, P)  # stored raw: P + a header each
+    payload, sizes, kinds = _ops.compress_eager(pages, 1)
+    span = meta_span(n, False)
+    meta = torch.full((span,), POISON, dtype=torch.uint8)
+    _, _, sz, kd, _ = _meta_views(meta, n, False)
+    sz.copy_(sizes)
+    kd.copy_(kinds)
+    padded = int(((sizes.to(torch.int64) + ALIGN - 1) // ALIGN * ALIGN).sum())
+    # "crossing": the pages end 16 bytes before the boundary, the metadata does not fit there
+    end = {"behind": 32, "crossing": chunk - padded - 16, "over the limit": 32}[where]
+    limit = end + padded + span - 16 if where == "over the limit" else 2 * chunk
+    bufs = [torch.full((chunk,), POISON, dtype=torch.uint8) for _ in range(2)]
+    table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    rel, desc, host_desc = (torch.full((k,), -7, dtype=torch.int64) for k in (n, 2, 2))
+    ends = torch.tensor([end, -7], dtype=torch.int64)
+    pack_slice(payload, sizes, rel, ends, 0, limit, desc, host_desc, table, chunk, meta,
+               _meta_offsets(n, False)[1])
+    arena = torch.cat(bufs)
+    if where == "over the limit":
+        assert desc.tolist() == [-1, padded + span] and int(ends[1]) == end
+        assert bool((arena == POISON).all())
+        return
+    meta_at = end + padded if where == "behind" else chunk
+    base, total = desc.tolist()
+    assert base == end and total == meta_at + span - end and int(ends[1]) == base + total
+    assert bool((arena[end + padded:meta_at] == POISON).all())  # skipped: not written
+    got = _meta_views(arena[meta_at:meta_at + span].clone(), n, False)
+    assert torch.equal(got[0], rel) and torch.equal(got[2], sizes) and torch.equal(got[3], kinds)
+    assert bool((arena[:end] == POISON).all()) and bool((arena[base + total:] == POISON).all())
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("chunk, slice_bytes, mib",
                          [(64 << 20, 16 << 20, 40), (1 << 16, 1 << 14, 3)])
@@ -818,72 +866,66 @@ def test_gpu_parts_stored_where_they_lie_equal_their_join(gen, codec, slice_byte
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("batched", [False, True])
-def test_gpu_host_metadata_outlives_a_free_before_its_restore_ran(gen, batched):
-    """With ``host_meta`` (every user of the store) a placed slice's metadata is in
-    page-locked host memory, and a restore (one stored tensor's, or the hooks' batched
-    ``restore_placed``) copies it up at its host address, which the host allocator does not
-    see. Freed right after its restore was queued behind a sleeping restore stream, and the
-    allocator's blocks of that size taken and overwritten at once, the restore still decodes
-    exactly: the store holds freed metadata until the restore stream passes."""
+def test_gpu_arena_metadata_outlives_a_free_before_its_restore_ran(gen, batched):
+    """A placed slice's metadata lies in the arena behind its pages, and a restore (one stored
+    tensor's, or the hooks' batched ``restore_placed``) copies it up with them. Freed right
+    after its restore was queued behind a sleeping restore stream, and its chunks taken at
+    once by new stores, the restore still decodes exactly: the chunks' reuse waits for the
+    restore stream, for the metadata as for the pages."""
     from torch_pagecomp.offload._paged_group import restore_placed
 
-    store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20, host_meta=True)
+    store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20)
     src = _data(gen, 2 << 20, "bf16").cuda()  # two slices
     stored = store.offload(src, 2, producer=torch.cuda.current_stream())
     store.wait_placed()
-    assert all(not sl.meta.is_cuda and sl.meta.is_pinned() for sl in stored.slices)
-    sizes = [sl.meta.numel() for sl in stored.slices]
+    for sl in stored.slices:  # the device buffer let go: the arena's copy, in one chunk
+        assert not sl.meta.is_cuda
+        assert sl.meta.data_ptr() == store.arena._address(sl.base + sl.meta_at)
+        assert sl.meta_at + sl.meta.numel() == sl.total
     out = torch.full_like(src, POISON)
     rs = store.restore_stream
     rs.wait_stream(torch.cuda.current_stream())  # after the poison
     with torch.cuda.stream(rs):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s: the decode runs after the free below
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the decode runs after the stores below
         if batched:
             assert restore_placed(store, [stored], [out])
         else:
             store.restore(stored, out)
     store.free(stored)
-    grabbed = [torch.empty(n, dtype=torch.uint8, pin_memory=True).fill_(0xFF)
-               for n in sizes for _ in range(4)]
+    others = [store.offload(_data(gen, 2 << 20, "noise").cuda(), 1,
+                            producer=torch.cuda.current_stream()) for _ in range(3)]
     torch.cuda.synchronize()
     assert torch.equal(out, src)
     assert store.failed_restores() == 0
-    del grabbed
+    for st in others:
+        store.free(st)
     store.close()
 
 
 @interpreter
-def test_freed_host_metadata_is_held_until_the_restores_before_the_free_are_done(
-        gen, monkeypatch):
-    """With ``host_meta``, a freed stored tensor's page-locked metadata (which restores copy
-    up at its host address, unseen by the host allocator) stays referenced by the store with
-    an event marked on the restore stream at the free, and is let go once that event is done:
-    checked at the next free. Run on the CPU with stand-in events and restore stream."""
-    from torch_pagecomp.offload import _paged
+@pytest.mark.parametrize("checksum", [False, True])
+def test_placed_metadata_is_the_arena_copy_of_what_the_compress_wrote(gen, checksum):
+    """Until a slice is placed its metadata is the buffer the compress wrote (and the pack
+    its offsets); once placed it is the arena's copy at the end of the slice's bytes, equal
+    part for part (the descriptor aside, which the pack does not copy), and the restores
+    read it there."""
+    from torch_pagecomp.offload._arena import DESC, _meta_views, meta_span
 
-    class Event:
-        done = False
-
-        def query(self):
-            return self.done
-
-    store = _store(host_meta=True)
-    stored = [store.offload(_data(gen, 6 * P, "bf16"), 2) for _ in range(3)]
+    store = _store(checksum=checksum)
+    src = _data(gen, 9 * P + 5, "bf16")  # three slices and a tail
+    stored = store.offload(src, 2)
+    before = [sl.meta.clone() for sl in stored.slices]
     store.wait_placed()
-    events = []
-    monkeypatch.setattr(_paged, "mark", lambda stream: events.append(Event()) or events[-1])
-    metas = [[sl.meta for sl in st.slices] for st in stored]  # placed: the host copies
-    assert all(not m.is_cuda for ms in metas for m in ms)
-    store.restore_stream = object()  # as on a GPU, where restores may still read them
-    store.free(stored[0])
-    store.free(stored[1])
-    held = [(e, ms) for e, ms in store._metas_kept]
-    assert [e for e, _ in held] == events[:2]
-    assert all(a is b for (_, ms), want in zip(held, metas) for a, b in zip(ms, want))
-    events[0].done = True  # the restores queued before the first free are done
-    store.free(stored[2])
-    assert [e for e, _ in store._metas_kept] == events[1:3]
-    assert all(a is b for a, b in zip(store._metas_kept[-1][1], metas[2]))
+    for sl, dev in zip(stored.slices, before):
+        assert sl.meta.numel() == dev.numel() == meta_span(sl.n, checksum)
+        assert sl.meta.data_ptr() == store.arena._address(sl.base + sl.meta_at)
+        got, want = sl.parts(), _meta_views(dev, sl.n, checksum)
+        for k, (a, b) in enumerate(zip(got, want)):
+            if k != DESC and a is not None:
+                assert torch.equal(a, b), k
+    out = torch.full_like(src, POISON)
+    store.restore(stored, out)
+    assert torch.equal(out, src)
 
 
 class _Failures:
@@ -974,7 +1016,7 @@ def test_gpu_statuses_are_counted_once_a_bound_of_pages_is_held(gen, monkeypatch
     from torch_pagecomp.offload._arena import KINDS, _meta_offsets
 
     monkeypatch.setattr(_statuses, "STATUS_PAGES", 8)
-    store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20, host_meta=True)
+    store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20)
     srcs = [_data(gen, 3 * P, "small").cuda() for _ in range(5)]
     stored = [store.offload(s, 1, producer=torch.cuda.current_stream()) for s in srcs]
     store.wait_placed()
@@ -1358,7 +1400,7 @@ def test_arena_spans_copy_by_address_exact_and_nowhere_else(gen, monkeypatch, de
     if driver == "failing":  # as a thread without a current CUDA context would see it
         calls = []
         monkeypatch.setattr(_copies, "_DRIVER", [lambda *a: calls.append(a) or 201])
-    store = _store(device, chunk=1 << 12)
+    store = _store(device, chunk=1 << 13)
     arena = store.arena
     for k in range(3):  # three chunks of random bytes
         arena._back_chunk(k, None)

@@ -109,8 +109,9 @@ class DirectPath:
             streams = tuple(torch.cuda.Stream(device=device, priority=stream_priority)
                             for _ in range(3))
         self.compress_stream, self.pack_stream, self.restore_stream = streams
-        # host_meta: a handle may live long; its metadata (13 bytes a page) waits on the host
-        self.store = PagedStore(device, page_size, streams, checksum=checksum, host_meta=True)
+        # a handle may live long: its metadata (13 bytes a page) waits on the host, in the
+        # arena behind its pages, as every store's does once placed
+        self.store = PagedStore(device, page_size, streams, checksum=checksum)
         # not reentrant: a finalizer that runs while this thread holds it (in the store's
         # bookkeeping) must leave its tensor in the sink, not free it there
         self._lock = threading.Lock()

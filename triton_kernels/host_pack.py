@@ -83,10 +83,19 @@ def _slice_chunks(table_ptr, base, total, CHUNK: tl.constexpr, TABLE: tl.constex
 
 
 @triton.jit
+def _padded_sizes(sizes_ptr, idx, m, P: tl.constexpr, ALIGN: tl.constexpr):
+    """The bytes each page ``idx`` takes in the arena: its stored size, clamped to a row and
+    padded to ``ALIGN``."""
+    size = tl.load(sizes_ptr + idx, mask=m, other=0).to(tl.int64)
+    size = tl.minimum(tl.maximum(size, 0), P)  # never copy past a row
+    return (size + (ALIGN - 1)) // ALIGN * ALIGN
+
+
+@triton.jit
 def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host_desc_ptr,
-                       table_ptr, n, parity, limit, P: tl.constexpr, CHUNK: tl.constexpr,
-                       TABLE: tl.constexpr, ALIGN: tl.constexpr, WORDS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       table_ptr, meta_ptr, n, parity, limit, meta_bytes, meta_from,
+                       P: tl.constexpr, CHUNK: tl.constexpr, TABLE: tl.constexpr,
+                       ALIGN: tl.constexpr, WORDS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     # plan: the same in every program; each stores the offsets of the pages it copies
@@ -94,21 +103,25 @@ def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host
     for start in range(0, n, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         m = idx < n
-        size = tl.load(sizes_ptr + idx, mask=m, other=0).to(tl.int64)
-        size = tl.minimum(tl.maximum(size, 0), P)  # never copy past a row
-        padded = (size + (ALIGN - 1)) // ALIGN * ALIGN
+        padded = _padded_sizes(sizes_ptr, idx, m, P, ALIGN)
         incl = tl.cumsum(padded, 0)
         tl.store(rel_ptr + idx, carry + incl - padded, mask=m & (idx % programs == pid))
         carry += tl.sum(padded, 0)
     base = tl.load(ends_ptr + parity)
-    ok = base + carry <= limit
+    # the metadata follows the pages, within one chunk (moved to the next one where it would
+    # cross): the host reads it there as one buffer once the slice is placed
+    meta_at = base + carry
+    meta_at = tl.where(meta_at % CHUNK + meta_bytes > CHUNK, (meta_at // CHUNK + 1) * CHUNK,
+                       meta_at)
+    end = meta_at + meta_bytes
+    ok = end <= limit
     if pid == 0:
-        tl.store(ends_ptr + (1 - parity), tl.where(ok, base + carry, base))
+        tl.store(ends_ptr + (1 - parity), tl.where(ok, end, base))
         placed = tl.where(ok, base, -1)
         tl.store(desc_ptr, placed)
-        tl.store(desc_ptr + 1, carry)
+        tl.store(desc_ptr + 1, end - base)
         tl.store(host_desc_ptr, placed)
-        tl.store(host_desc_ptr + 1, carry)
+        tl.store(host_desc_ptr + 1, end - base)
     tl.debug_barrier()  # this program's offsets, stored by its threads, read back below
     if ok:
         first, second, split = _slice_chunks(table_ptr, base, carry, CHUNK, TABLE)
@@ -122,6 +135,25 @@ def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host
             head = tl.minimum(tl.maximum(split - at, 0), words)  # words before the boundary
             _copy_words(first + at, row, head, WORDS)
             _copy_words(second + (at + head - split), row + head, words - head, WORDS)
+        if meta_bytes > 0:
+            dst = (tl.load(table_ptr + (meta_at // CHUNK) % TABLE).to(tl.pointer_type(tl.int64))
+                   + (meta_at % CHUNK) // 8)
+            # the offsets, planned again: each program writes whole blocks of them
+            rel_at = tl.zeros((), dtype=tl.int64)
+            for start in range(0, n, BLOCK):
+                idx = start + tl.arange(0, BLOCK)
+                m = idx < n
+                padded = _padded_sizes(sizes_ptr, idx, m, P, ALIGN)
+                if (start // BLOCK) % programs == pid:
+                    tl.store(dst + idx, rel_at + tl.cumsum(padded, 0) - padded, mask=m)
+                rel_at += tl.sum(padded, 0)
+            # the rest (sizes, kinds, checksums) as the compress kernel wrote it: a share each
+            lo = meta_from // 8
+            share = (meta_bytes // 8 - lo + programs - 1) // programs
+            w0 = lo + pid * share
+            count = tl.maximum(tl.minimum(share, meta_bytes // 8 - w0), 0)
+            meta = meta_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+            _copy_words(dst + w0, meta + w0, count, WORDS)
 
 
 @triton.jit
@@ -154,9 +186,10 @@ def link_programs(device: torch.device) -> int:
 def pack_slice(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
                ends: torch.Tensor, parity: int, limit: int, desc: torch.Tensor,
                host_desc: torch.Tensor, table: torch.Tensor, chunk_bytes: int,
+               meta: torch.Tensor | None = None, meta_from: int = 0,
                programs: int | None = None) -> None:
     """Reserve a slice's bytes at the arena's end and copy its pages there, on the current
-    stream (see the module docstring).
+    stream (see the module docstring); with ``meta``, its metadata after them.
 
     Args:
         payload: ``uint8 [N, P]`` fixed-stride payload (8-byte aligned rows).
@@ -172,35 +205,49 @@ def pack_slice(payload: torch.Tensor, sizes: torch.Tensor, rel: torch.Tensor,
         table: ``int64 [TABLE]`` the device can read (page-locked host memory, or device
             memory): entry ``k % TABLE`` is the address of the page-locked host buffer that
             backs chunk ``k`` (``CHUNK`` bytes, 16-byte aligned).
-        chunk_bytes: the arena's chunk size (a multiple of 16 bytes, at least ``N * P``): a
-            slice lies in at most two consecutive chunks, both backed up to ``limit``.
+        chunk_bytes: the arena's chunk size (a multiple of 16 bytes, at least the slice's
+            worst case, ``N * P`` and twice ``meta``'s bytes): a slice lies in at most two
+            consecutive chunks, both backed up to ``limit``.
+        meta: ``uint8 [M]`` (``M`` a multiple of 16), the slice's metadata buffer, or None:
+            then the slice's last ``M`` bytes in the arena (``total`` counts them), in one
+            chunk: ``rel`` at its start (int64, written here), bytes ``meta_from ..`` copied
+            from ``meta`` (the sizes, kinds and checksums the compress wrote).
     """
     n, page_size = payload.shape
     if n == 0:
         return
     grid = (min(n, programs or link_programs(payload.device)),)
+    meta_bytes = 0 if meta is None else meta.numel()
+    if meta_bytes % 16 or meta_from % 8:
+        raise ValueError(f"pack_slice: metadata of {meta_bytes} bytes from byte {meta_from}: "
+                         "a multiple of 16 bytes from a multiple of 8 expected")
     launch(_pack_slice_kernel, grid, payload.device,
-           (payload, sizes, rel, ends, desc, host_desc, table, n, parity, limit),
+           (payload, sizes, rel, ends, desc, host_desc, table,
+            rel if meta is None else meta, n, parity, limit, meta_bytes, meta_from),
            _pack_meta(page_size, chunk_bytes, table.numel()), traced=False)
 
 
 def pack_slice_at(index: int, stream, programs: int, n: int, page_size: int, chunk_bytes: int,
-                  addrs: tuple, table_len: int, parity: int, limit: int, args) -> None:
+                  addrs: tuple, table_len: int, parity: int, limit: int, meta_span: tuple,
+                  args) -> None:
     """:func:`pack_slice` without its checks (``launch.launch_known``), given the addresses
-    ``addrs`` of ``(payload, sizes, rel, ends, desc, host_desc, table)`` on CUDA device
+    ``addrs`` of ``(payload, sizes, rel, ends, desc, host_desc, table, meta)`` on CUDA device
     ``index`` (``table`` of ``table_len`` entries; the device reads page-locked host memory at
-    its host address), on ``stream`` (a ``torch.cuda.Stream``, or None: the current one) with
-    ``programs`` programs (at most :func:`link_programs`, at most ``n``). For the activation
-    store, which cuts a slice's metadata by address; ``args`` (the tensors, or a function that
-    makes them) as for ``launch.launch_known``."""
-    payload, sizes, rel, ends, desc, host_desc, table = addrs
+    its host address) and ``meta_span``, ``(meta's bytes, meta_from)``, on ``stream`` (a
+    ``torch.cuda.Stream``, or None: the current one) with ``programs`` programs (at most
+    :func:`link_programs`, at most ``n``). For the activation store, which cuts a slice's
+    metadata by address; ``args`` (the tensors, or a function that makes them) as for
+    ``launch.launch_known``."""
+    payload, sizes, rel, ends, desc, host_desc, table, meta = addrs
     classes = (ptr_class(torch.uint8, payload), ptr_class(torch.int32, sizes),
                ptr_class(torch.int64, rel), ptr_class(torch.int64, ends),
                ptr_class(torch.int64, desc), ptr_class(torch.int64, host_desc),
-               ptr_class(torch.int64, table), int_class(n), int_class(parity), int_class(limit))
+               ptr_class(torch.int64, table), ptr_class(torch.uint8, meta), int_class(n),
+               int_class(parity), int_class(limit), int_class(meta_span[0]),
+               int_class(meta_span[1]))
     launch_known(_pack_slice_kernel, (programs,), index,
                  _pack_meta(page_size, chunk_bytes, table_len), classes,
-                 (*addrs, n, parity, limit), args, stream)
+                 (*addrs, n, parity, limit, *meta_span), args, stream)
 
 
 @functools.cache

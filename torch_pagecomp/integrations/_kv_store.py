@@ -102,14 +102,15 @@ class DeviceStore:
         self.device, self.page_size = device, page_size
         self.sink: list = []
         self.side = None
-        # host_meta: a block's page metadata lives on the host once it is placed (it lives as
-        # long as the block; on the GPU it would grow with the context, 13 bytes a page)
+        # a block's page metadata lives on the host once it is placed, in the arena behind its
+        # pages (it lives as long as the block; on the GPU it would grow with the context, 13
+        # bytes a page)
         if device.type == "cuda":
             streams = tuple(torch.cuda.Stream(device=device) for _ in range(3))
             self.side = streams[2]
-            self.store = PagedStore(device, page_size, streams, host_meta=True)
+            self.store = PagedStore(device, page_size, streams)
         elif interpreting():
-            self.store = PagedStore(device, page_size, host_meta=True)
+            self.store = PagedStore(device, page_size)
         else:
             self.store = _CpuBlockStore(page_size)
         self.closed = False

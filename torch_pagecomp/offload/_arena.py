@@ -28,7 +28,10 @@ from .._events import mark
 from ..pools import HostMemory, can_pin
 from ._copies import host_bytes
 
-CHUNK_BYTES = 64 << 20
+# a 64 MiB slice (``_paged.SLICE_BYTES``) and its metadata's worst case (416 KiB for 4 KiB
+# pages, :func:`slice_upper`) fit one chunk: a slice of a 64 MiB chunk left 104 pages of
+# such a tensor to a second slice of their own (more launches for the host, both ways)
+CHUNK_BYTES = (64 << 20) + (512 << 10)
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
 SHRINK_STEPS = 8  # the shrinks (backwards) whose busiest moments the arena keeps chunks for
@@ -125,33 +128,41 @@ def _part(k: int, doc: str) -> property:
 
 
 class _Slice:
-    """Pages ``[first, first + n)`` of one stored storage: device metadata for the decoder and
+    """Pages ``[first, first + n)`` of one stored storage: its metadata for the decoder and
     the placement the pack kernel chose (``base``/``total`` on the host once confirmed).
 
-    The metadata is one buffer, ``meta`` (:func:`_meta_bytes`); its parts are views made when
-    first asked for (:attr:`rel`, :attr:`sizes`, ...): the store's launches take their
-    addresses (``meta``'s plus :func:`_meta_offsets`), and cutting the views for every stored
-    slice cost the hooks ~20 us a saved tensor. ``host_desc``: the arena's descriptor slot
-    the pack publishes the placement to (:meth:`VirtualArena.host_desc`), until confirmed."""
+    The metadata is one buffer, ``meta`` (:func:`_meta_bytes`): on the device, where the
+    compress and pack kernels write it, until the slice is placed; from then on the copy the
+    pack wrote into the arena, the slice's last :func:`meta_span` bytes (page-locked host
+    memory, in one chunk: :meth:`VirtualArena.confirm`), and the device buffer is let go. A
+    restore copies it up with the pages, in the same span. Kept on the device until the
+    tensor was restored, it held 13 bytes a stored page there: at the backward's GPU peak 1
+    MiB on BERT-large and 6-10 MiB on ResNet-50 above a plain copy's
+    (``bench/results/h200x2_fd0815b_session57``); copied to a page-locked buffer of its own
+    (an allocation, a copy and an event a slice), the hooks' steps were slower
+    (``bench/results/h200x2_824437a_session55``). Its parts are views made when first asked
+    for (:attr:`rel`, :attr:`sizes`, ...): the store's launches take their addresses
+    (``meta``'s plus :func:`_meta_offsets`), and cutting the views for every stored slice
+    cost the hooks ~20 us a saved tensor. ``host_desc``: the arena's descriptor slot the pack
+    publishes the placement to (:meth:`VirtualArena.host_desc`), until confirmed."""
 
     __slots__ = ("first", "n", "meta", "checksum", "_parts", "host_desc", "stored", "base",
-                 "total", "freed", "host_meta")
+                 "total", "freed")
 
     def __init__(self, first: int, n: int, meta, checksum: bool = False, host_desc=None,
-                 stored=None, host_meta=None):
+                 stored=None):
         self.first, self.n = first, n
-        self.meta, self.checksum = meta, checksum  # uint8 [_meta_bytes(n, checksum)]
+        self.meta, self.checksum = meta, checksum  # uint8 [meta_span(n, checksum)]
         self._parts = None  # _meta_views(meta), made on first use
         self.host_desc, self.stored = host_desc, stored
-        self.host_meta = host_meta  # a page-locked copy of ``meta`` (kept once placed), or None
         self.base: int | None = None
         self.total = 0
         self.freed = False
 
     def parts(self) -> tuple:
-        """:func:`_meta_views` of ``meta``: ``(rel, desc, sizes, kinds, sums)``; once the
-        metadata moved to the host (:meth:`meta_to_host`) ``desc`` is the host copy's, which
-        nothing reads (the placement is known by then)."""
+        """:func:`_meta_views` of ``meta``: ``(rel, desc, sizes, kinds, sums)``; once placed
+        ``desc`` is the arena copy's, which the pack does not write (nothing reads it then:
+        the placement is known)."""
         if self._parts is None:
             self._parts = _meta_views(self.meta, self.n, self.checksum)
         return self._parts
@@ -162,27 +173,31 @@ class _Slice:
     kinds = _part(KINDS, "``uint8 [n]``: each page's kind.")
     sums = _part(SUMS, "``int32 [n]`` page checksums (the store's ``checksum``), or None.")
 
+    @property
+    def meta_at(self) -> int:
+        """Where the metadata lies in the slice's placed bytes (``total`` known)."""
+        return self.total - meta_span(self.n, self.checksum)
+
     def done(self) -> bool:
         return self.stored is None or self.stored.query()
 
-    def meta_to_host(self) -> None:
-        """Once placed (its pack, and the copy of its metadata queued after it, are done):
-        keep the host copy of the metadata and drop the device one (``PagedStore``'s
-        ``host_meta``). A restore queued before still reads the device copy: it recorded its
-        stream on it (:func:`slice_meta`)."""
-        if self.host_meta is not None:  # (views of it made when asked for, as before)
-            self.meta, self.host_meta, self._parts = self.host_meta, None, None
+    def placed_at(self, host_meta: torch.Tensor) -> None:
+        """Placed: read the metadata from the arena (``host_meta``, its copy there) from now
+        on and let the device buffer go. A restore queued before still reads the device
+        one: it recorded its stream on it (:func:`slice_meta`)."""
+        self.meta, self._parts = host_meta, None
 
 
 def slice_meta(sl: _Slice, device: torch.device, stream) -> tuple:
     """``(rel, sizes, kinds, sums)`` of ``sl`` on ``device`` for a restore queued on ``stream``:
     the slice's own device tensors (its allocation then also waits for ``stream`` before
-    reuse), or uploads of its host copy (non-blocking: from page-locked memory)."""
+    reuse: it is let go once the slice is placed), or uploads of its copy in the arena
+    (non-blocking: from page-locked memory)."""
     if sl.meta.device == device:
-        if stream is not None and sl.host_meta is not None:  # dropped when placed
+        if stream is not None:
             sl.meta.record_stream(stream)
         return sl.rel, sl.sizes, sl.kinds, sl.sums
-    # the host copy: one page-locked buffer holds the four, uploaded in one copy
+    # the arena's copy: one page-locked buffer holds the four, uploaded in one copy
     rel, _, sizes, kinds, sums = _meta_views(sl.meta.to(device, non_blocking=True), sl.n,
                                              sl.checksum)
     return rel, sizes, kinds, sums
@@ -199,12 +214,14 @@ def _meta_offsets(n: int, checksum: bool) -> tuple:
 
 def _meta_views(buf: torch.Tensor, n: int, checksum: bool) -> tuple:
     """``(rel int64 [n], desc int64 [2], sizes int32 [n], kinds uint8 [n], sums int32 [n] or
-    None)``: the parts of a slice's metadata buffer (:func:`_meta_bytes`), cut by one
-    ``split_with_sizes`` (a slice per part cost the hooks ~20 us a stored tensor)."""
+    None)``: the parts of a slice's metadata buffer (:func:`_meta_bytes` or more: the
+    padding to :func:`meta_span`), cut by one ``split_with_sizes`` (a slice per part cost the
+    hooks ~20 us a stored tensor)."""
     rel, desc, sizes, kinds, sums = _meta_offsets(n, checksum)
     cuts = [8 * n, desc - 8 * n, 16, 4 * n, kinds - sizes - 4 * n, n]
     if checksum:
         cuts += [sums - kinds - n, 4 * n]
+    cuts.append(buf.numel() - sum(cuts))
     parts = buf.split_with_sizes(cuts)
     return (parts[0].view(torch.int64), parts[2].view(torch.int64), parts[3].view(torch.int32),
             parts[5], parts[7].view(torch.int32) if checksum else None)
@@ -216,6 +233,19 @@ def _meta_bytes(n: int, checksum: bool) -> int:
     alone would compile new variants mid-training)."""
     c = _align16(8 * n) + 16 + _align16(4 * n) + _align16(n)
     return c + 4 * n if checksum else c - _align16(n) + n
+
+
+def meta_span(n: int, checksum: bool) -> int:
+    """Bytes a slice's metadata takes (on the device, and at the end of its arena bytes):
+    :func:`_meta_bytes` rounded up to 16 (the pack kernel copies it in 8-byte words)."""
+    return _align16(_meta_bytes(n, checksum))
+
+
+def slice_upper(n: int, page_size: int, checksum: bool) -> int:
+    """The most arena bytes a slice of ``n`` pages takes: its pages stored raw, then its
+    metadata, moved to the next chunk where it would cross into it (fewer than
+    :func:`meta_span` bytes skipped)."""
+    return n * page_size + 2 * meta_span(n, checksum)
 
 
 class VirtualArena:
@@ -292,6 +322,10 @@ class VirtualArena:
             lo, hi = max(base, start), min(base + total, start + self.chunk)
             out.append((at + lo - base, self.backed[k].addr + lo - start, hi - lo))
         return out
+
+    def _address(self, at: int) -> int:
+        """The host address of arena byte ``at`` (backed)."""
+        return self.backed[at // self.chunk].addr + at % self.chunk
 
     def pieces(self, base: int, total: int, at: int = 0) -> list[tuple[int, torch.Tensor]]:
         """:meth:`spans` as ``(offset, uint8 view)``: views of the chunks' host memory, for
@@ -408,10 +442,11 @@ class VirtualArena:
             self.pending_upper -= self.pending.popleft()[1]
             base, total = self._descs_np[sl.host_desc].tolist()
             sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None
-            sl.meta_to_host()
             if base >= 0:
                 self.frontier = base + total
                 if not sl.freed:
+                    sl.placed_at(host_bytes(self._address(base + sl.meta_at),
+                                            meta_span(sl.n, sl.checksum)))
                     self.live.update(self.chunks_of(base, total))
                     self.used += total
             if sl is through:

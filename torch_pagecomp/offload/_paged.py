@@ -19,8 +19,6 @@ decoder then expands them. A partial last page (``nbytes % P``) travels as a pla
 
 from __future__ import annotations
 
-import collections
-
 import torch
 
 from .. import _ops, cpu_codec
@@ -32,13 +30,13 @@ from ._arena import (
     CHUNK_BYTES,
     UploadRing,
     VirtualArena,
-    _align16,
-    _meta_bytes,
     _meta_offsets,
     _meta_views,
     _Slice,
     _wait,
+    meta_span,
     slice_meta,
+    slice_upper,
 )
 from ._copies import copy_spans, host_bytes
 from ._statuses import StatusCount
@@ -167,33 +165,31 @@ class PagedStore:
     for it). ``checksum``: keep each page's checksum (format) on the device beside its
     metadata and check every restored page against it (``STATUS_CHECKSUM``, counted as decode
     failures are); one more read of the pages each way. A partial last page travels as plain
-    bytes, checked as one zero-padded page (:func:`tail_checksum`). ``host_meta``: a placed
-    slice keeps its page metadata (13 bytes a page) in page-locked host memory instead of on
-    the device (copied there after its pack), and a restore copies it up behind the slice's
-    pages, into the same staging buffer, by address: for stored tensors that live long (a KV
-    cache's blocks, ``PageCompressor``'s handles), whose metadata would otherwise grow on the
-    GPU. The activation hooks keep it on the device (restored within a step): with it on the
-    host their GPU peak fell by 1 MiB on BERT-large, and their steps were 2-16% slower on
-    encoder-1024 and BERT-large in three runs on one H200
-    (``bench/results/h200x2_824437a_session55``).
+    bytes, checked as one zero-padded page (:func:`tail_checksum`). A placed slice's page
+    metadata (13 bytes a page) lies in the arena behind its pages (``_arena._Slice``).
     """
 
     kind = "compressed"
 
     def __init__(self, device: torch.device, page_size: int, streams=(None, None, None),
                  chunk_bytes: int = CHUNK_BYTES, slice_bytes: int | None = None,
-                 checksum: bool = False, host_meta: bool = False):
-        if chunk_bytes < page_size or chunk_bytes % 16:
+                 checksum: bool = False):
+        if slice_upper(1, page_size, checksum) > chunk_bytes or chunk_bytes % 16:
             raise ValueError(f"chunk_bytes must be a multiple of 16 bytes and hold a page of "
-                             f"{page_size} bytes, got {chunk_bytes}")
+                             f"{page_size} bytes and its metadata "
+                             f"({slice_upper(1, page_size, checksum)} bytes), got {chunk_bytes}")
         self.device, self.page_size = device, page_size
-        self.checksum, self.host_meta = checksum, host_meta
+        self.checksum = checksum
         self.compress_stream, self.pack_stream, self.restore_stream = streams
         with on_stream(self.pack_stream):  # the pack kernel reads the arena's state there
             self.arena = VirtualArena(device, chunk_bytes)
-        # a slice is at most a chunk long: it lies in one chunk or two (the pack kernel's rule)
+        # a slice, its metadata with it, is at most a chunk long: it lies in one chunk or two
+        # (the pack kernel's rule)
         slice_bytes = SLICE_BYTES if slice_bytes is None else slice_bytes  # (read when made)
-        self.slice_pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
+        pages = max(1, min(slice_bytes, chunk_bytes) // page_size)
+        while pages > 1 and slice_upper(pages, page_size, checksum) > chunk_bytes:
+            pages -= 1
+        self.slice_pages = pages
         # the fixed-stride payloads of the last SCRATCH_SLICES slices, taken in turn, each with
         # the pack that last read it (:meth:`_payload`)
         self._slots = [_PayloadSlot() for _ in range(SCRATCH_SLICES)]
@@ -211,9 +207,6 @@ class PagedStore:
         self._lz4_launch: dict[int, tuple] = {}  # element size -> (programs, settings)
         self._scratch_held = 0
         self._handed = None  # the event the latest slice's pack waits for (compress stream)
-        # page-locked metadata of freed slices, kept until the restores queued before the free
-        # (which read it by address) are done: (event on the restore stream, tensors)
-        self._metas_kept: collections.deque = collections.deque()
         if device.type == "cuda":
             from ..kernels.host_pack import link_programs
 
@@ -308,9 +301,9 @@ class PagedStore:
         _wait(cs, slot.packed)  # bound the scratch in flight: its payload was packed by then
         device = (src if rows is None else rows).device
         payload = self._payload(slot, n, device)
-        # the metadata the restore needs (:func:`_meta_bytes`; with ``host_meta``, copied to
-        # the host after the pack and dropped from the device once the slice is placed)
-        meta = torch.empty(_meta_bytes(n, self.checksum), dtype=torch.uint8, device=device)
+        # the metadata the restore needs (:func:`_meta_bytes`), copied into the arena behind
+        # the pages by the pack and let go from the device once the slice is placed
+        meta = torch.empty(meta_span(n, self.checksum), dtype=torch.uint8, device=device)
         sl = _Slice(first, n, meta, self.checksum)
         # on the GPU the kernels take addresses (views cost the host microseconds apiece, and
         # this runs for every saved tensor); views are made only where a path needs them
@@ -326,7 +319,8 @@ class PagedStore:
             self._handed = mark(cs)
             ps.wait_event(self._handed)
         k = arena.host_desc()
-        arena.back(n * p, ps)
+        upper = slice_upper(n, p, self.checksum)
+        arena.back(upper, ps)
         parity, limit = arena.parity, arena.limit
         arena.parity ^= 1
         if ps is not None:
@@ -336,25 +330,22 @@ class PagedStore:
             # addressing: the arena's chunk table holds host addresses too)
             pack_slice_at(device.index, ps, min(n, self._link_programs), n, p, arena.chunk,
                           (payload.data_ptr(), sizes, rel, arena.state.data_ptr(), desc,
-                           arena.desc_addr(k), arena.table.data_ptr()), arena.table.numel(), parity,
-                          limit, lambda: (payload, sl.sizes, sl.rel, arena.state, sl.desc,
-                                          arena.descs[k], arena.table, n, parity, limit))
+                           arena.desc_addr(k), arena.table.data_ptr(), m), arena.table.numel(),
+                          parity, limit, (meta.numel(), desc - m),
+                          lambda: (payload, sl.sizes, sl.rel, arena.state, sl.desc,
+                                   arena.descs[k], arena.table, meta, n, parity, limit,
+                                   meta.numel(), desc - m))
         else:
             from ..kernels.host_pack import pack_slice
 
             pack_slice(payload, sl.sizes, sl.rel, arena.state, parity, limit, sl.desc,
-                       arena.descs[k], arena.table, arena.chunk)
-        host_meta = None
-        if self.host_meta:  # complete once the slice is placed: the event follows it
-            host_meta = torch.empty(meta.numel(), dtype=torch.uint8, pin_memory=arena.pin)
-            with on_stream(ps):
-                host_meta.copy_(meta, non_blocking=True)
+                       arena.descs[k], arena.table, arena.chunk, meta, desc - m)
         stored = mark(ps)
         if ps is not None:
             meta.record_stream(ps)  # made on the compress stream, read here
         slot.packed = stored
-        sl.host_desc, sl.stored, sl.host_meta = k, stored, host_meta
-        arena.add(sl, n * p)
+        sl.host_desc, sl.stored = k, stored
+        arena.add(sl, upper)
         return sl
 
     def _compress_slice(self, src, rows: torch.Tensor | None, sl: _Slice, payload,
@@ -495,22 +486,19 @@ class PagedStore:
             if sl.base is not None and sl.base < 0:
                 raise SliceNotStored(sl.n)
             meta_at = None  # where the staging buffer holds the slice's metadata, if it does
-            if sl.base is not None:  # placed: the copy engine
-                total, spans = sl.total, arena.spans(sl.base, sl.total)
-                if by_address and not sl.meta.is_cuda:  # ``host_meta``: brought up behind
-                    meta_at = _align16(total)  # the pages, in the same buffer
-                    spans.append((meta_at, sl.meta.data_ptr(), sl.meta.numel()))
-                staging = torch.empty(total if meta_at is None else meta_at + sl.meta.numel(),
-                                      dtype=torch.uint8, device=out.device)
-                copy_spans(staging, spans)
+            if sl.base is not None:  # placed: the copy engine, the metadata with the pages
+                total = meta_at = sl.meta_at
+                staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
+                copy_spans(staging, arena.spans(sl.base, sl.total))
             else:  # still packing: kernels read it once the pack is done
                 _wait(stream, sl.stored)
                 total = sl.n * p
-                staging = torch.empty(total, dtype=torch.uint8, device=out.device)
+                staging = torch.empty(slice_upper(sl.n, p, sl.checksum), dtype=torch.uint8,
+                                      device=out.device)
                 fetch_from_host(staging, sl.desc, arena.table, arena.chunk)
             if by_address:
-                if stream is not None and sl.host_meta is not None:  # (still packing) its
-                    sl.meta.record_stream(stream)  # device meta is dropped once placed
+                if stream is not None and meta_at is None:  # the device's metadata, let
+                    sl.meta.record_stream(stream)  # go once the slice is placed
                 _decode_slice_at(sl, staging, total, meta_at, out, status, p, stored.exp)
                 continue
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
@@ -553,7 +541,6 @@ class PagedStore:
             mem.release()
         self.arena.backed.clear()
         self.arena.trim()
-        self._metas_kept.clear()  # (the streams are done)
         self.release_scratch()  # the compress kernels' scratch and the payloads
 
     def _count_failures(self, status: torch.Tensor, stream) -> None:
@@ -587,27 +574,12 @@ class PagedStore:
         self.arena.confirm()
 
     def free(self, stored: PagedStored) -> None:
-        host_metas = None
         for sl in stored.slices:
             self.arena.release(sl, self.restore_stream)
-            if self.restore_stream is not None and not sl.meta.is_cuda:
-                host_metas = host_metas or []
-                host_metas.append(sl.meta)
-        if host_metas:
-            self._keep_host_metas(host_metas)
         stored.kernel = stored.kernel_bytes()  # what the class policy may still read
         stored.slices = []
         stored.tail = stored.tail_sum = None
         stored.freed = True
-
-    def _keep_host_metas(self, metas: list[torch.Tensor]) -> None:
-        """Hold freed slices' page-locked metadata until the restores queued on the restore
-        stream so far are done: their copies read it at its host address, which the host
-        allocator does not see (a block freed to it is handed out again at once)."""
-        kept = self._metas_kept
-        while kept and kept[0][0].query():
-            kept.popleft()
-        kept.append((mark(self.restore_stream), metas))
 
     def free_after_restores(self, storeds: list[PagedStored]) -> None:
         """Free (and empty) ``storeds`` once the restores queued on the restore stream so far

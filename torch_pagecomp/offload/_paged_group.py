@@ -27,9 +27,9 @@ second launch wrote the row table: ~0.6 ms of host time a batch, the largest par
 The group keeps, for its leading stored tensors whose slices are all placed, the concatenated
 metadata and the host ranges to copy, and extends them as later ones are placed: a restore of
 an unchanged group costs the host a few tensor allocations, a copy per run and the decode
-launch. The metadata stays where the store keeps placed slices' (on the device, or with the
-store's ``host_meta`` in page-locked host memory, uploaded by each group restore: 13 bytes a
-page; :func:`restore_placed` copies each slice's up behind the pages it stages).
+launch. The metadata stays on the host, as placed slices' does (in the arena, behind their
+pages): one page-locked buffer, uploaded by each group restore (13 bytes a page);
+:func:`restore_placed` reads each slice's where its pages' copy brings it.
 """
 
 from __future__ import annotations
@@ -82,11 +82,10 @@ class StoredGroup:
         self.known = 0  # leading stored tensors whose metadata is cached
         self.pages = 0  # their full pages
         self.staged = 0  # their staging bytes (exact compressed sizes)
-        # (offsets, sizes, kinds[, checksums]) of the cached pages, concatenated; on the host
-        # (the store's ``host_meta``) views of one page-locked buffer, ``meta_buf``
+        # (offsets, sizes, kinds[, checksums]) of the cached pages, concatenated: views of one
+        # page-locked host buffer, ``meta_buf``
         self.meta: tuple[torch.Tensor, ...] | None = None
         self.meta_buf: torch.Tensor | None = None
-        self.meta_stream = None
         # [arena offset, bytes, staging offset, its arena pieces (None until the next restore)]
         self.runs: list[list] = []
 
@@ -145,20 +144,14 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     # each slice's shift repeated over its pages by numpy on the host (torch's repeat took
     # ~100 us a group on the hooks' hot path), or by a kernel on the GPU (three numbers a
     # slice go up, not eight bytes a page)
-    on_host = store.host_meta  # placed slices' metadata is on the host: the group's too
-    if on_host or device.type != "cuda":
-        shift = torch.from_numpy(np.repeat(np.asarray(shifts, dtype=np.int64), counts))
-    else:
-        shift = _paged.ramps(shifts, counts, 0, device, store.uploads)
+    # placed slices' metadata is in the arena, on the host: the group's too
+    shift = torch.from_numpy(np.repeat(np.asarray(shifts, dtype=np.int64), counts))
     offsets = torch.cat(rels) + shift
     new = (offsets, torch.cat(sizes), torch.cat(kinds)) + ((torch.cat(sums),) if sums else ())
     if group.meta is not None:
         new = tuple(torch.cat([old, t]) for old, t in zip(group.meta, new))
-    if on_host:  # one buffer: each restore uploads it with one copy, without waiting
-        group.meta_buf, new = _joined(new, store.arena.pin)
-    group.meta = new
-    group.meta_stream = (current_stream(device) if device.type == "cuda" and not on_host
-                         else None)
+    # one buffer: each restore uploads it with one copy, without waiting
+    group.meta_buf, group.meta = _joined(new, store.arena.pin)
 
 
 def _joined(tensors: tuple, pin: bool) -> tuple[torch.Tensor, tuple]:
@@ -193,8 +186,8 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     adjacent arena bytes (slices taken in arena order), one launch that gathers the pages'
     metadata and rows (``kernels.row_table.gather_slice_meta``), one decode per codec. Returns
     False, having queued nothing, where it does not apply (a slice not placed yet,
-    checksums): :func:`restore_group` does. A placed slice's metadata in page-locked host
-    memory (the store's ``host_meta``) is copied up behind the staged pages. Failed pages are
+    checksums): :func:`restore_group` does. A placed slice's metadata comes up with its
+    pages (the arena holds it behind them). Failed pages are
     counted as ``PagedStore.restore`` counts them (raised at once on the CPU)."""
     from ..kernels.row_table import gather_slice_meta
 
@@ -228,25 +221,16 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
         else:
             runs.append([sl.base, sl.total, staged])
         staged += sl.total
-    # metadata kept in page-locked memory (the store's ``host_meta``) comes up behind the
-    # pages, in the same buffer: the gather reads it there, not over the link (see
-    # ``_paged._decode_slice_at``)
-    metas, end = {}, _arena._align16(staged)
-    for sl in slices:
-        if stream is not None and not sl.meta.is_cuda:
-            metas[id(sl)] = end
-            end += _arena._align16(sl.meta.numel())
-    staging = torch.empty(end if metas else staged, dtype=torch.uint8, device=dev)
+    # each slice's metadata comes up with its pages, at its end: the gather reads it there,
+    # not over the link (see ``_paged._decode_slice_at``); on the CPU, where it lies
+    staging = torch.empty(staged, dtype=torch.uint8, device=dev)
     for base, total, at in runs:
         _copies.copy_spans(staging, arena.spans(base, total, at))
-    if metas:
-        _copies.copy_spans(staging, [(metas[id(sl)], sl.meta.data_ptr(), sl.meta.numel())
-                                     for sl in slices if id(sl) in metas])
     table = []  # a row per run of pages: SLICE_DESC_ROWS values, transposed below
     pages = most = lz4_pages = 0
     staged_at = staging.data_ptr()
     for sl, a, n, row, exp in order:
-        m = (staged_at + metas[id(sl)] if id(sl) in metas
+        m = (staged_at + shifts[id(sl)] + sl.meta_at if stream is not None
              else sl.meta.data_ptr())  # the metadata: int64 rel, int32 sizes, kinds
         rel, _, size, kind, _ = _arena._meta_offsets(sl.n, sl.checksum)
         table.append((m + rel + 8 * a, m + size + 4 * a, m + kind + a, shifts[id(sl)], pages,
@@ -401,7 +385,8 @@ def restore_group(store, group: StoredGroup, out) -> None:
             if sl.base is not None and sl.base < 0:
                 raise _paged.SliceNotStored(sl.n)
             rest.append((sl, staged))
-            staged += sl.total if sl.base is not None else sl.n * p
+            staged += (sl.total if sl.base is not None
+                       else _arena.slice_upper(sl.n, p, sl.checksum))
         pages += stored.nbytes // p
     staging = torch.empty(staged, dtype=torch.uint8, device=dev)
     for run in group.runs:
@@ -414,17 +399,15 @@ def restore_group(store, group: StoredGroup, out) -> None:
             _copies.copy_spans(staging, arena.spans(sl.base, sl.total, at))
         else:  # still packing: kernels read it once the pack is done
             _arena._wait(stream, sl.stored)
-            fetch_from_host(staging[at:at + sl.n * p], sl.desc, arena.table, arena.chunk)
+            fetch_from_host(staging[at:at + _arena.slice_upper(sl.n, p, sl.checksum)],
+                            sl.desc, arena.table, arena.chunk)
         rel, sizes, kinds, sums = _arena.slice_meta(sl, dev, stream)
         extra.append((rel + at, sizes, kinds) + ((sums,) if store.checksum else ()))
 
     if pages:
         meta = group.meta
-        if meta is not None and store.host_meta:  # kept on the host: uploaded
+        if meta is not None:  # kept on the host: uploaded
             meta = _views(group.meta_buf.to(dev, non_blocking=True), meta)
-        elif meta is not None and stream is not None and group.meta_stream is not stream:
-            for t in meta:  # made on another stream, read on this one
-                t.record_stream(stream)
         if extra:
             parts = ([] if meta is None else [meta]) + extra
             meta = tuple(torch.cat([q[i] for q in parts]) for i in range(len(parts[0])))
