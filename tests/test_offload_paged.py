@@ -1419,3 +1419,26 @@ def test_arena_spans_copy_by_address_exact_and_nowhere_else(gen, monkeypatch, de
     assert (got[:7] == POISON).all() and (got[7 + total:] == POISON).all()
     if driver == "failing" and device == "cuda":
         assert len(calls) == 1 and _copies._DRIVER == [None]
+
+
+@interpreter
+@pytest.mark.parametrize("pages", [1, 4, 5, 9, 12])
+def test_stores_now_asks_for_what_the_offload_backs(gen, monkeypatch, pages):
+    """``stores_now`` (a due store starts only where the arena has room without waiting)
+    asks the arena for what the offload then backs, slice by slice: each slice's worst case
+    with its metadata behind its pages. Asked for the pages alone, it said there was room
+    where backing then waited for slices in flight."""
+    store = _store()  # slices of 4 pages
+    backed = []
+    back = store.arena.back
+    monkeypatch.setattr(store.arena, "back",
+                        lambda upper, s: backed.append(upper) or back(upper, s))
+    nbytes = pages * P + int(torch.randint(0, P, (), generator=gen))
+    asked = []
+    room_now = store.arena.room_now
+    monkeypatch.setattr(store.arena, "room_now",
+                        lambda upper: asked.append(upper) or room_now(upper))
+    assert store.stores_now(nbytes)
+    stored = store.offload(_data(gen, nbytes, "noise"), 1)
+    assert asked == [sum(backed)] and len(backed) == -(-pages // store.slice_pages)
+    store.free(stored)

@@ -289,7 +289,16 @@ class PagedStore:
         """Whether :meth:`offload` of ``nbytes`` would start without the host waiting for
         slices in flight to be placed: false when the arena's chunks are spoken for by the
         worst cases of slices not yet packed (the link is behind the host)."""
-        return self.arena.room_now(nbytes // self.page_size * self.page_size)
+        return self.arena.room_now(self.worst_case(nbytes))
+
+    def worst_case(self, nbytes: int) -> int:
+        """The arena bytes :meth:`offload` of ``nbytes`` backs before its slices are placed:
+        each slice's :func:`slice_upper`, as ``_store_slice`` backs it (the pages alone, before
+        the metadata went behind them, said there was room where backing then waited)."""
+        full, p, most = nbytes // self.page_size, self.page_size, self.slice_pages
+        whole, rest = divmod(full, most)
+        return (whole * slice_upper(most, p, self.checksum)
+                + (slice_upper(rest, p, self.checksum) if rest else 0))
 
     def _store_slice(self, src, rows: torch.Tensor | None, first: int, n: int,
                      element_size: int, float_format: str | None) -> _Slice:
