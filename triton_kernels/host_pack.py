@@ -18,6 +18,10 @@ One kernel per slice, :func:`pack_slice`, a few persistent programs on one strea
 * pack: copies each page's stored bytes from the fixed-stride payload to arena byte
   ``base + offset``, 16-byte aligned words; stores from a handful of SMs keep the link busy
   while the rest of the GPU computes.
+* metadata (with ``meta``): the slice's page offsets, then its sizes, kinds and checksums as
+  the compress wrote them, behind the pages in one chunk (the next one where they would
+  cross a boundary), so the host keeps a placed slice's metadata where its pages are and the
+  GPU keeps none; the reservation and ``total`` include it.
 
 A slice may straddle two chunks (it is at most one chunk long): the arena is filled end to
 end. When slices had to fit inside one chunk, a slice whose compressed bytes did not fit the

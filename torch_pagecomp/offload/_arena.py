@@ -2,12 +2,14 @@
 behind a device-side bump allocator, and the slices placed in it (``_paged.PagedStore``).
 
 The host backs the arena ahead of use: before each slice it adds chunks so that the arena's
-end, advanced by the slice's worst case (``N * P``), stays backed; the device refuses (and
+end, advanced by the slice's worst case (:func:`slice_upper`: its pages raw and its metadata),
+stays backed; the device refuses (and
 marks failed) a slice that would pass the backed limit, so no store ever leaves the chunks.
 Before it pins a new chunk for slices still in flight it waits for them
 (:meth:`VirtualArena.back`), so the chunks held follow the compressed bytes.
 Slices are placed end to end, across chunk boundaries (a slice is at most a chunk long, so it
-lies in one or two chunks): the arena holds the compressed bytes and little more. Chunks
+lies in one or two chunks), each with its page metadata behind its pages, in one chunk: the
+arena holds the compressed bytes and little more. Chunks
 behind the frontier that no live slice touches go back to a free list and back later parts of
 the arena.
 
