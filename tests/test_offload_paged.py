@@ -865,39 +865,61 @@ def test_gpu_parts_stored_where_they_lie_equal_their_join(gen, codec, slice_byte
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("batched", [False, True])
-def test_gpu_arena_metadata_outlives_a_free_before_its_restore_ran(gen, batched):
+@pytest.mark.parametrize("batched, control", [(False, False), (True, False), (False, True)])
+def test_gpu_arena_metadata_outlives_a_free_before_its_restore_ran(gen, batched, control):
     """A placed slice's metadata lies in the arena behind its pages, and a restore (one stored
     tensor's, or the hooks' batched ``restore_placed``) copies it up with them. Freed right
-    after its restore was queued behind a sleeping restore stream, and its chunks taken at
-    once by new stores, the restore still decodes exactly: the chunks' reuse waits for the
-    restore stream, for the metadata as for the pages."""
+    after its restore was queued behind a sleeping restore stream, with its chunk then put on
+    the free list and taken by new stores that overwrite it, the restore still decodes
+    exactly: the chunk's reuse waits for the restore stream, for the metadata as for the
+    pages. The control takes that wait away: the restore then reads the new stores' bytes."""
     from torch_pagecomp.offload._paged_group import restore_placed
 
     store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20)
-    src = _data(gen, 2 << 20, "bf16").cuda()  # two slices
-    stored = store.offload(src, 2, producer=torch.cuda.current_stream())
+    arena = store.arena
+    prod = torch.cuda.current_stream()
+
+    def fill(mib):  # bytes of no pattern, stored raw, with the kernels already compiled
+        return store.offload(_data(gen, mib << 20, "noise").cuda(), 2, producer=prod)
+
+    src = _data(gen, 2 << 20, "bf16").cuda()  # two slices, in chunk 0
+    stored = store.offload(src, 2, producer=prod)
+    warm = fill(1)  # compiles the kernels for raw pages before the race below
     store.wait_placed()
+    chunk0 = arena.backed[0]
     for sl in stored.slices:  # the device buffer let go: the arena's copy, in one chunk
-        assert not sl.meta.is_cuda
-        assert sl.meta.data_ptr() == store.arena._address(sl.base + sl.meta_at)
+        assert not sl.meta.is_cuda and sl.base + sl.total <= arena.chunk
+        assert sl.meta.data_ptr() == arena._address(sl.base + sl.meta_at)
         assert sl.meta_at + sl.meta.numel() == sl.total
     out = torch.full_like(src, POISON)
     rs = store.restore_stream
-    rs.wait_stream(torch.cuda.current_stream())  # after the poison
+    rs.wait_stream(prod)  # after the poison
     with torch.cuda.stream(rs):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s: the decode runs after the stores below
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the restore runs after the stores below
         if batched:
             assert restore_placed(store, [stored], [out])
         else:
             store.restore(stored, out)
     store.free(stored)
-    others = [store.offload(_data(gen, 2 << 20, "noise").cuda(), 1,
-                            producer=torch.cuda.current_stream()) for _ in range(3)]
+    fillers = [fill(2) for _ in range(4)]  # the arena's end well past chunk 0
+    store.wait_placed()
+    for st in [warm] + fillers[:3]:  # nothing live in chunks 0-1 now: the free list
+        store.free(st)
+    assert arena.free and 0 not in arena.backed
+    if control:
+        arena.free = [(mem, None) for mem, _ in arena.free]
+    # backed by the free chunks first: chunk 0's memory takes a later chunk, whose bytes
+    # cover where the slice lay (a dry run of these steps on the CPU: 99.6% of them rewritten)
+    late = [fill(2) for _ in range(4)]
+    assert not arena.free and any(mem is chunk0 for mem in arena.backed.values())
     torch.cuda.synchronize()
-    assert torch.equal(out, src)
-    assert store.failed_restores() == 0
-    for st in others:
+    if control:  # the new stores' bytes were read instead of the slice's
+        assert not torch.equal(out, src)
+        store.statuses.failed()
+    else:
+        assert torch.equal(out, src)
+        assert store.failed_restores() == 0
+    for st in fillers[3:] + late:
         store.free(st)
     store.close()
 
