@@ -183,26 +183,25 @@ class _Slice:
     def done(self) -> bool:
         return self.stored is None or self.stored.query()
 
-    def placed_at(self, host_meta: torch.Tensor) -> None:
-        """Placed: read the metadata from the arena (``host_meta``, its copy there) from now
-        on and let the device buffer go. A restore queued before still reads the device
-        one: it recorded its stream on it (:func:`slice_meta`)."""
-        self.meta, self._parts = host_meta, None
+    def placed_at(self, meta: torch.Tensor) -> None:
+        """Placed: read the metadata from the arena (``meta``, its copy there) from now on
+        and let the device buffer go. A restore queued before still reads the device one: it
+        recorded its stream on it (:func:`slice_meta`)."""
+        self.meta, self._parts = meta, None
 
 
-def slice_meta(sl: _Slice, device: torch.device, stream) -> tuple:
-    """``(rel, sizes, kinds, sums)`` of ``sl`` on ``device`` for a restore queued on ``stream``:
-    the slice's own device tensors (its allocation then also waits for ``stream`` before
-    reuse: it is let go once the slice is placed), or uploads of its copy in the arena
-    (non-blocking: from page-locked memory)."""
-    if sl.meta.device == device:
-        if stream is not None:
-            sl.meta.record_stream(stream)
-        return sl.rel, sl.sizes, sl.kinds, sl.sums
-    # the arena's copy: one page-locked buffer holds the four, uploaded in one copy
-    rel, _, sizes, kinds, sums = _meta_views(sl.meta.to(device, non_blocking=True), sl.n,
-                                             sl.checksum)
-    return rel, sizes, kinds, sums
+def slice_meta(sl: _Slice, staging: torch.Tensor, at: int, stream) -> tuple:
+    """``(rel, sizes, kinds, sums)`` of ``sl`` for a restore queued on ``stream`` that copied
+    or fetched its bytes into ``staging`` at ``at``: of a placed slice, views of the copy of
+    its metadata that came with them; else the slice's own device tensors (their allocation
+    then also waits for ``stream`` before reuse: it is let go once the slice is placed)."""
+    if sl.base is not None:
+        rel, _, sizes, kinds, sums = _meta_views(staging[at + sl.meta_at:at + sl.total],
+                                                 sl.n, sl.checksum)
+        return rel, sizes, kinds, sums
+    if stream is not None:
+        sl.meta.record_stream(stream)
+    return sl.rel, sl.sizes, sl.kinds, sl.sums
 
 
 @functools.lru_cache(maxsize=4096)

@@ -269,8 +269,7 @@ class PagedStore:
             if isinstance(src, list):  # made and read on this stream only
                 rows = ramps([t.data_ptr() for _, t in src], counts, p, src[0][1].device,
                              self.uploads)
-            for first in range(0, full, self.slice_pages):
-                n = min(self.slice_pages, full - first)
+            for first, n in self._slices(full):
                 slices.append(self._store_slice(src, rows, first, n, element_size,
                                                 float_format))
             tail = tail_sum = None
@@ -295,10 +294,13 @@ class PagedStore:
         """The arena bytes :meth:`offload` of ``nbytes`` backs before its slices are placed:
         each slice's :func:`slice_upper`, as ``_store_slice`` backs it (the pages alone, before
         the metadata went behind them, said there was room where backing then waited)."""
-        full, p, most = nbytes // self.page_size, self.page_size, self.slice_pages
-        whole, rest = divmod(full, most)
-        return (whole * slice_upper(most, p, self.checksum)
-                + (slice_upper(rest, p, self.checksum) if rest else 0))
+        return sum(slice_upper(n, self.page_size, self.checksum)
+                   for _, n in self._slices(nbytes // self.page_size))
+
+    def _slices(self, pages: int):
+        """``(first page, pages)`` of each slice ``pages`` whole pages are stored in."""
+        most = self.slice_pages
+        return ((first, min(most, pages - first)) for first in range(0, pages, most))
 
     def _store_slice(self, src, rows: torch.Tensor | None, first: int, n: int,
                      element_size: int, float_format: str | None) -> _Slice:
@@ -512,7 +514,7 @@ class PagedStore:
                 continue
             pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
             st = status[sl.first:sl.first + sl.n]
-            rel, sizes, kinds, sums = slice_meta(sl, out.device, stream)
+            rel, sizes, kinds, sums = slice_meta(sl, staging, 0, stream)
             _decompress_into(staging, rel, sizes, kinds, pages, st, sums, stored.exp)
         if stored.tail is not None:  # its status (if checked) follows the pages'
             restore_tail(stored, out[stored.nbytes - stored.tail.numel():], stream,

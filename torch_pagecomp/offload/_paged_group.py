@@ -141,10 +141,9 @@ def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     if not rels:
         return
     # one add for all the new slices: offsets relative to each slice's base -> into staging;
-    # each slice's shift repeated over its pages by numpy on the host (torch's repeat took
-    # ~100 us a group on the hooks' hot path), or by a kernel on the GPU (three numbers a
-    # slice go up, not eight bytes a page)
-    # placed slices' metadata is in the arena, on the host: the group's too
+    # placed slices' metadata is in the arena, on the host, and so the group's: each slice's
+    # shift repeated over its pages by numpy (torch's repeat took ~100 us a group on the
+    # hooks' hot path)
     shift = torch.from_numpy(np.repeat(np.asarray(shifts, dtype=np.int64), counts))
     offsets = torch.cat(rels) + shift
     new = (offsets, torch.cat(sizes), torch.cat(kinds)) + ((torch.cat(sums),) if sums else ())
@@ -384,9 +383,9 @@ def restore_group(store, group: StoredGroup, out) -> None:
         for sl in stored.slices:
             if sl.base is not None and sl.base < 0:
                 raise _paged.SliceNotStored(sl.n)
-            rest.append((sl, staged))
-            staged += (sl.total if sl.base is not None
-                       else _arena.slice_upper(sl.n, p, sl.checksum))
+            size = sl.total if sl.base is not None else _arena.slice_upper(sl.n, p, sl.checksum)
+            rest.append((sl, staged, size))
+            staged += size
         pages += stored.nbytes // p
     staging = torch.empty(staged, dtype=torch.uint8, device=dev)
     for run in group.runs:
@@ -394,14 +393,13 @@ def restore_group(store, group: StoredGroup, out) -> None:
             run[3] = arena.spans(*run[:3])
         _copies.copy_spans(staging, run[3])
     extra = []
-    for sl, at in rest:
+    for sl, at, size in rest:
         if sl.base is not None:  # placed since the last absorb: the copy engine
             _copies.copy_spans(staging, arena.spans(sl.base, sl.total, at))
         else:  # still packing: kernels read it once the pack is done
             _arena._wait(stream, sl.stored)
-            fetch_from_host(staging[at:at + _arena.slice_upper(sl.n, p, sl.checksum)],
-                            sl.desc, arena.table, arena.chunk)
-        rel, sizes, kinds, sums = _arena.slice_meta(sl, dev, stream)
+            fetch_from_host(staging[at:at + size], sl.desc, arena.table, arena.chunk)
+        rel, sizes, kinds, sums = _arena.slice_meta(sl, staging, at, stream)
         extra.append((rel + at, sizes, kinds) + ((sums,) if store.checksum else ()))
 
     if pages:
