@@ -56,6 +56,8 @@ until the backward's end, went with session 56's ring of statuses, ``offload._st
 it lay in the arena behind their pages.) ``memory_join``: a batch joined by one
 ``torch.cat`` before its compress, as before session 57 (now the compress reads the
 members where they lie, ``PagedStore.takes_parts``).
+``uncompressed_shrink1``: ``uncompressed`` with its pinned buffers kept for the last
+step's busiest moment only, as before session 59 (``pools.SizePool.shrink``).
 ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
@@ -89,7 +91,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
-        "memory_join",
+        "memory_join", "uncompressed_shrink1",
         "speed",
         "speed_copy_only")
 
@@ -111,6 +113,9 @@ PATCHES = {
     "memory_slice32": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 32 << 20),),
     "memory_slice16": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 16 << 20),),
     "memory_slots2": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 2),),
+    # the plain copies' pinned buffers kept for the last step's busiest moment only (before
+    # session 59), not the last SHRINK_STEPS steps'
+    "uncompressed_shrink1": (("torch_pagecomp.pools", "SHRINK_STEPS", 1),),
 }
 
 
@@ -309,7 +314,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     # blocks, peak GPU GiB
     if sample_ms:
         sampler = HostSampler(sample_ms / 1e3)
-    pinned = collections.defaultdict(list)  # arm -> "round.step in block: chunks" that pinned
+    pinned = collections.defaultdict(list)  # arm -> "round.step in block: buffers" it pinned
     for r in range(rounds):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
@@ -343,7 +348,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"{statistics.median(first) if first else float('nan'):.1f} | "
                      f"{max(peaks):.3f} | {paired(t, res[arms[0]][0])} |")
     if pinned:  # a pin costs the host ~37 ms a 64 MiB chunk: which timed steps paid it
-        lines.append("arena chunks pinned in timed steps (round.step of its block: chunks): "
+        lines.append("page-locked buffers pinned in timed steps (round.step of its block: "
+                     "buffers): "
                      + "; ".join(f"{a} {', '.join(v)}" for a, v in pinned.items()))
     for off in offs.values():
         off.synchronize()
@@ -366,8 +372,10 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                 row["hook_host_ms"], row["counters_per_step"] = done[row["variant"]]
         rows += mine
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
-              "packs s | hooks' host ms a step (pack / unpack) | pack calls / restores a step | "
-              "arena chunks pinned / unpinned in the timed rounds |",
+              "packs s (timed rounds) | hooks' host ms a step (pack / unpack) | "
+              "pack calls / restores a step | "
+              "page-locked buffers pinned / unpinned in the timed rounds (arena chunks and "
+              "plain copies' buffers) |",
               "|---|---|---|---|---|---|---|"]
     for arm, off in offs.items():
         st = off.stats()
@@ -375,7 +383,9 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         arenas = list(st.get("compressor", {}).values())
         held = st.get("pinned_held_bytes", 0) + sum(c["host_held_bytes"] for c in arenas)
         peak = sum(c["host_peak_held_bytes"] for c in arenas)
-        wait = sum(c.get("host_wait_us", 0) for c in arenas) / 1e6
+        was = before[arm].get("compressor", {}).values()  # the timed rounds' waits only
+        wait = (sum(c.get("host_wait_us", 0) for c in arenas)
+                - sum(c.get("host_wait_us", 0) for c in was)) / 1e6
         lines.append(f"| {arm} | {held / 2**30:.2f} | "
                      f"{sum(c['host_held_bytes'] for c in arenas) / 2**30:.2f} "
                      f"({peak / 2**30:.2f}) | {wait:.3f} | "
@@ -415,9 +425,11 @@ def paired(steps: list[float], base: list[float]) -> str:
 
 
 def _chunks(off) -> tuple[int, int]:
-    """The host arena chunks ``off``'s compressed stores pinned and unpinned so far."""
+    """The page-locked buffers ``off`` pinned and unpinned so far: its compressed stores'
+    arena chunks and its plain copies' pooled buffers (let go by the pool's shrink)."""
     arenas = [st.arena for st in off._paged.values()]
-    return sum(a.pins for a in arenas), sum(a.unpins for a in arenas)
+    return (sum(a.pins for a in arenas) + off.pool.misses,
+            sum(a.unpins for a in arenas) + off.pool.drops)
 
 
 def _first_grads(model, forward, blocks, arms: list[str], fsdp: bool, make) -> dict:

@@ -35,7 +35,7 @@ def _quantiles(xs: list[int]) -> str:
 def runs_of(name: str, steps: int, warmup: int) -> list[str]:
     """The batched restores' copies on stock model ``name`` under ``prefer="memory"``."""
     from bench.dev_hook_timing import training_step
-    from torch_pagecomp.offload import _copies, _paged_group
+    from torch_pagecomp.offload import _backward, _copies
 
     step, off = training_step(name, "memory")
     for _ in range(warmup):
@@ -43,7 +43,7 @@ def runs_of(name: str, steps: int, warmup: int) -> list[str]:
     torch.cuda.synchronize()
     calls = []  # per restore_placed: (storeds, slices, runs, copies, bytes, gaps)
     spans = [0]
-    orig_restore, orig_copy = _paged_group.restore_placed, _copies.copy_spans
+    orig_restore, orig_copy = _backward.restore_placed, _copies.copy_spans
 
     def copy_spans(dst, sp):
         spans[0] += len(sp)
@@ -65,13 +65,13 @@ def runs_of(name: str, steps: int, warmup: int) -> list[str]:
                           sum(sl.total for sl in sls), gaps))
         return ok
 
-    _paged_group.restore_placed, _copies.copy_spans = restore_placed, copy_spans
+    _backward.restore_placed, _copies.copy_spans = restore_placed, copy_spans
     try:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     finally:
-        _paged_group.restore_placed, _copies.copy_spans = orig_restore, orig_copy
+        _backward.restore_placed, _copies.copy_spans = orig_restore, orig_copy
         off.remove()
     if not calls:
         return [f"## {name}: no batched restore ran"]

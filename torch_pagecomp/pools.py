@@ -31,6 +31,25 @@ ALIGN = 256  # arena allocation granularity (DMA-friendly, keeps int64 views ali
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 
+# Once a step, the pools of the activation hooks let go of what they no longer need: the
+# plain copies' pinned buffers (``SizePool.shrink``) and the compressed store's chunks
+# (``offload._arena.VirtualArena.shrink``). Both keep what the busiest of the last
+# SHRINK_STEPS steps needed: pinning costs tens of milliseconds a buffer and unpinning waits
+# for the whole device, and what a step needs moves with timing (bench/results/
+# h200x2_91fcaaa_session49 for the arena; h200_8198fbc_session59 for the pinned buffers).
+SHRINK_STEPS = 8
+OUTLIER = 1.25  # a step that needed over this times the window's usual step is not kept for
+
+
+def usual_steps(needs: list[int]) -> list[int]:
+    """The indices of the steps of a shrink window (``needs``: what each step needed at its
+    busiest) that count: those at most ``OUTLIER`` times the window's usual step (its upper
+    median). A first step or a gradient check that saved more lets its extra go once the
+    usual steps are most of the window."""
+    usual = sorted(needs)[len(needs) // 2]
+    return [i for i, need in enumerate(needs) if need <= OUTLIER * usual]
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -218,10 +237,13 @@ class SizePool:
         self._free: dict[int, list] = {}
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+        self.drops = 0  # buffers ``shrink`` let go
         self.held_bytes = 0
         self._out: collections.Counter[int] = collections.Counter()  # acquired, per size
         self._peak: collections.Counter[int] = collections.Counter()  # most out at once
         self._taken = False  # anything acquired since the last shrink
+        # ``(bytes, _peak)`` of each of the last SHRINK_STEPS shrinks (``shrink``)
+        self._window: list[tuple[int, collections.Counter[int]]] = []
 
     def _make(self, nbytes: int):
         raise NotImplementedError
@@ -266,21 +288,30 @@ class SizePool:
             self._free.setdefault(size, []).append(buf)
 
     def shrink(self) -> int:
-        """Drop the idle buffers of each size beyond the most that were out at once since the
-        last call, less those still out; returns the bytes dropped. Called once per step
-        (the activation hooks: at the end of each backward), a pool of stable shapes keeps
-        every buffer, and sizes a step no longer asks for (a new sequence length, a first
-        step that saved other tensors) are let go instead of held for the life of the pool:
-        exact-size buckets would otherwise grow with every new shape. Without an ``acquire``
-        since the last call nothing is dropped: a step that took nothing from the pool (a
-        compressed step of ``prefer="speed"``'s trials) leaves it for the next copied one."""
+        """Drop idle buffers; returns the bytes dropped. Called once per step (the activation
+        hooks: at the end of each backward). Of each size the last step asked for, it keeps
+        as many as were out at once at that size's busiest in the last ``SHRINK_STEPS``
+        steps (less those still out; steps far above the window's usual one not counted,
+        :func:`usual_steps`); sizes the last step did not ask for (a new sequence length, a
+        first step that saved other tensors) are let go, where exact-size buckets would hold
+        them for the life of the pool. Keeping only the last step's busiest moment pinned and
+        unpinned buffers every step: how many of a size are out at once moves with timing,
+        and each pin cost the hooks milliseconds (one 32 MiB buffer in every BERT-large step,
+        sampled; under FSDP2 34 ms a step unpinning, ``bench/results/
+        h200_8198fbc_session59``). Without an ``acquire`` since the last call nothing is
+        dropped: a step that took nothing from the pool (a compressed step of
+        ``prefer="speed"``'s trials) leaves it for the next copied one."""
         dropped = []
         with self._lock:
             if not self._taken:
                 return 0
             self._taken = False
+            need = sum(size * k for size, k in self._peak.items())
+            self._window = [*self._window, (need, self._peak)][-SHRINK_STEPS:]
+            counted = [self._window[i][1] for i in usual_steps([n for n, _ in self._window])]
             for size, bucket in list(self._free.items()):
-                extra = len(bucket) - max(0, self._peak[size] - self._out[size])
+                keep = max(p[size] for p in counted) if self._peak[size] else 0
+                extra = len(bucket) - max(0, keep - self._out[size])
                 if extra <= 0:
                     continue
                 # the longest idle first, and none the GPU may still read or write (kept
@@ -294,6 +325,7 @@ class SizePool:
             self._peak = self._out.copy()
             freed = sum(self._held(buf) for buf in dropped)
             self.held_bytes -= freed
+            self.drops += len(dropped)
         for buf in dropped:
             self._drop(buf)
         return freed

@@ -27,7 +27,7 @@ import time
 import torch
 
 from .._events import mark
-from ..pools import HostMemory, can_pin
+from ..pools import SHRINK_STEPS, HostMemory, can_pin, usual_steps
 from ._copies import host_bytes
 
 # a 64 MiB slice (``_paged.SLICE_BYTES``) and its metadata's worst case (416 KiB for 4 KiB
@@ -36,8 +36,6 @@ from ._copies import host_bytes
 CHUNK_BYTES = (64 << 20) + (512 << 10)
 TABLE_SIZE = 1 << 14  # chunks addressable at once (a window of TABLE_SIZE * CHUNK_BYTES)
 DESC_SLOTS = 1024  # pinned placement descriptors, reused in order (one per slice in flight)
-SHRINK_STEPS = 8  # the shrinks (backwards) whose busiest moments the arena keeps chunks for
-OUTLIER = 1.25  # busiest moments over this times the window's usual one are not kept
 
 
 UPLOAD_SLOTS = 1 << 16  # int64 slots of the ring of small tables kernels read (UploadRing)
@@ -533,7 +531,7 @@ class VirtualArena:
     def shrink(self) -> None:
         """Once a step (the end of a backward): keep the chunks that the busiest moment of the
         last ``SHRINK_STEPS`` steps needed, plus a headroom (1/16 of them, at least 2); unpin
-        the rest. Steps of that window that needed more than ``OUTLIER`` times the window's
+        the rest. Steps of that window that needed more than ``pools.OUTLIER`` times the window's
         usual step (its upper median) are not counted: a first step or a gradient check
         (SDPA's math kernel saves the attention matrix) that saved more lets its extra chunks
         go once the usual steps are most of the window (two steps after one such step). The
@@ -559,8 +557,7 @@ class VirtualArena:
             return
         self._free_lead()
         self.peaks = [*self.peaks, self.peak_backed][-SHRINK_STEPS:]
-        usual = sorted(self.peaks)[len(self.peaks) // 2]  # the upper median
-        busiest = max(p for p in self.peaks if p <= OUTLIER * usual)
+        busiest = max(self.peaks[i] for i in usual_steps(self.peaks))
         need = busiest + max(2, busiest // 16)
         self.trim(keep=max(0, need - len(self.backed)))
         self.peak_backed = len(self.backed)
