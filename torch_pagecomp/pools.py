@@ -291,10 +291,11 @@ class SizePool:
         """Drop idle buffers; returns the bytes dropped. Called once per step (the activation
         hooks: at the end of each backward). Of each size the last step asked for, it keeps
         as many as were out at once at that size's busiest in the last ``SHRINK_STEPS``
-        steps (less those still out; steps far above the window's usual one not counted,
-        :func:`usual_steps`); sizes the last step did not ask for (a new sequence length, a
-        first step that saved other tensors) are let go, where exact-size buckets would hold
-        them for the life of the pool. Keeping only the last step's busiest moment pinned and
+        steps (less those still out; earlier steps far above the window's usual one not
+        counted, :func:`usual_steps`: a lone big step's extra goes at the next step's
+        shrink); sizes the last step did not ask for (a new sequence length, a first step
+        that saved other tensors) are let go, where exact-size buckets would hold them for
+        the life of the pool. Keeping only the last step's busiest moment pinned and
         unpinned buffers every step: how many of a size are out at once moves with timing,
         and each pin cost the hooks milliseconds (one 32 MiB buffer in every BERT-large step,
         sampled; under FSDP2 34 ms a step unpinning, ``bench/results/
@@ -308,7 +309,10 @@ class SizePool:
             self._taken = False
             need = sum(size * k for size, k in self._peak.items())
             self._window = [*self._window, (need, self._peak)][-SHRINK_STEPS:]
+            # the last step always counts: a step that asked for more of a size than the window
+            # usually did (a longer sequence) keeps it for the next, which likely asks again
             counted = [self._window[i][1] for i in usual_steps([n for n, _ in self._window])]
+            counted.append(self._peak)
             for size, bucket in list(self._free.items()):
                 keep = max(p[size] for p in counted) if self._peak[size] else 0
                 extra = len(bucket) - max(0, keep - self._out[size])
