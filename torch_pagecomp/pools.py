@@ -296,9 +296,10 @@ class SizePool:
         shrink); sizes the last step did not ask for (a new sequence length, a first step
         that saved other tensors) are let go, where exact-size buckets would hold them for
         the life of the pool. Keeping only the last step's busiest moment pinned and
-        unpinned buffers every step: how many of a size are out at once moves with timing,
-        and each pin cost the hooks milliseconds (one 32 MiB buffer in every BERT-large step,
-        sampled; under FSDP2 34 ms a step unpinning, ``bench/results/
+        unpinned buffers whenever timing moved a size's count: sampled, BERT-large's plain
+        copies spent 6.6 ms a step pinning on one H200 and 34 ms a step unpinning under
+        FSDP2; interleaved, that rule pinned and unpinned 2 buffers in 12 timed steps and
+        this one none, at step times equal within the hosts' noise (``bench/results/
         h200_8198fbc_session59``). Without an ``acquire`` since the last call nothing is
         dropped: a step that took nothing from the pool (a compressed step of
         ``prefer="speed"``'s trials) leaves it for the next copied one."""
