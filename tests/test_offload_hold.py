@@ -699,7 +699,7 @@ def test_the_ab_probe_samples_where_each_arms_host_time_went(monkeypatch):
         # (a loaded CI host stretches the sleeps themselves, not only the sampling)
         assert 12.0 < float(leaf[1]) < 1.5 * max(slept), (max(slept), table[:1500])
         assert ours[0] == "-" and float(ours[1]) >= float(leaf[1]), table[:1500]
-    assert "arena chunks pinned / unpinned" in text
+    assert "page-locked buffers pinned / unpinned" in text
 
 
 def test_the_step_modes_probe_reports_each_step():

@@ -38,7 +38,7 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 # for the whole device, and what a step needs moves with timing (bench/results/
 # h200x2_91fcaaa_session49 for the arena; h200_8198fbc_session59 for the pinned buffers).
 SHRINK_STEPS = 8
-OUTLIER = 1.25  # a step that needed over this times the window's usual step is not kept for
+OUTLIER = 1.25  # earlier steps needing over this times the window's usual step: not counted
 
 
 def usual_steps(needs: list[int]) -> list[int]:
