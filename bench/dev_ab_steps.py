@@ -56,6 +56,9 @@ until the backward's end, went with session 56's ring of statuses, ``offload._st
 it lay in the arena behind their pages.) ``memory_join``: a batch joined by one
 ``torch.cat`` before its compress, as before session 57 (now the compress reads the
 members where they lie, ``PagedStore.takes_parts``).
+``memory_late``: a compressed source leaves the stash in a forward once its pages are in
+host memory (packed), as before session 60, not once they are compressed
+(``_entry._Entry.source_read``).
 ``uncompressed_shrink1``: ``uncompressed`` with its pinned buffers kept for the last
 step's busiest moment only, as before session 59 (``pools.SizePool.shrink``).
 ``memory_nowait``: the host
@@ -91,7 +94,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
-        "memory_join", "uncompressed_shrink1",
+        "memory_join", "uncompressed_shrink1", "memory_late", "memory_late_slots2",
         "speed",
         "speed_copy_only")
 
@@ -158,6 +161,15 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm == "memory_join":  # a batch joined by one torch.cat before its compress, as before
         # session 57 (now the compress reads the members where they lie)
         return [(PagedStore, "takes_parts", property(lambda self: False))]
+    if arm.startswith("memory_late"):  # a compressed source kept until packed (before 60)
+        from torch_pagecomp.offload._entry import _Entry
+
+        swaps = [(_Entry, "source_read", _Entry.ready)]
+        if arm.endswith("_slots2"):
+            from torch_pagecomp.offload import _paged
+
+            swaps.append((_paged, "SCRATCH_SLICES", 2))
+        return swaps
     if arm == "memory_group":  # batched restores through restore_group
         return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
     return []

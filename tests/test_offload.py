@@ -832,6 +832,7 @@ def _drop_barrier(monkeypatch, barrier: str) -> None:
         for cls in (PagedStored, RawStored):
             monkeypatch.setattr(cls, "wait_on", lambda self, stream: None)
             monkeypatch.setattr(cls, "ready", lambda self: True)
+            monkeypatch.setattr(cls, "source_read", lambda self: True)
     else:  # compute does not wait for the restore
         monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, event: None)
 
@@ -1023,8 +1024,10 @@ def test_a_tensor_saved_twice_is_not_restored_again_after_its_first_unpack(mode,
     x = torch.randn(1 << 20, device="cuda", requires_grad=True)
     want = torch.autograd.grad(((x * 1.5) * (x * 1.5)).sum(), x)[0]
     in_flight = [True]
-    ready = _Entry.ready
-    monkeypatch.setattr(_Entry, "ready", lambda self: not in_flight[0] and ready(self))
+    for name in ("ready", "source_read"):  # neither read nor stored until the forward ends
+        real = getattr(_Entry, name)
+        monkeypatch.setattr(_Entry, name,
+                            lambda self, _real=real: not in_flight[0] and _real(self))
     off = ActivationOffloader(mode=mode, prefer="memory", min_offload_bytes=0,
                               max_in_flight_bytes=1 << 40, prefetch=0)  # stored, not held
     with off:

@@ -314,10 +314,10 @@ def test_gpu_batched_gradients_are_bit_identical(gen, dtype):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_members_read_in_place_while_their_store_waits(gen):
-    """Batches stored from their members where they lie, while the link is held up (the pack
-    stream sleeps): the backward reads the members from the stash in place, before and after
-    their store completes, and the gradients are bit-identical; once done, nothing is left
-    in the stash or kept from it."""
+    """Batches stored from their members where they lie, while their store is held up (the
+    compress stream sleeps): the backward reads the members from the stash in place, before
+    and after their store completes, and the gradients are bit-identical; once done, nothing
+    is left in the stash or kept from it."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _model(gen, width=2048, layers=4, device="cuda", dtype=torch.bfloat16)
     x = _data(gen, 512, 2048, "cuda", torch.bfloat16)
@@ -328,8 +328,8 @@ def test_gpu_members_read_in_place_while_their_store_waits(gen):
     store = off._paged_store(x.device)
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        with torch.cuda.stream(store.pack_stream):
-            torch.cuda._sleep(100_000_000)  # the packs wait: stores stay in flight
+        with torch.cuda.stream(store.compress_stream):
+            torch.cuda._sleep(100_000_000)  # the compress waits: the members stay unread
         with off:
             loss = model(x)
         loss.backward()
@@ -339,6 +339,53 @@ def test_gpu_members_read_in_place_while_their_store_waits(gen):
     off.synchronize()
     assert off.pending()["stash"] == 0
     assert all(e.parts is None and e.src is None for e in list(off._live)), "kept after use"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_members_go_once_compressed_while_their_pack_waits(gen, monkeypatch):
+    """In a forward a compressed batch's members leave the stash once its pages are
+    compressed, not once they are packed into host memory: with the pack stream asleep, the
+    first batch stored is dropped from the GPU while its slice is still unplaced, and the
+    backward, which then restores it, waits for the pack on the GPU: bit-identical
+    gradients, nothing left in the stash."""
+    from torch_pagecomp.offload._paged import PagedStored
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model(gen, width=2048, layers=4, device="cuda", dtype=torch.bfloat16)
+    x = _data(gen, 512, 2048, "cuda", torch.bfloat16)
+    ref = _step(model, x)
+    off = ActivationOffloader(prefer="memory", min_offload_bytes=P, group_bytes=None,
+                              min_ratio=0.0, sample_tensors=1, prefetch=0)
+    _same(ref, _step(model, x, off))  # classes decided: the next step batches
+    torch.cuda.synchronize()
+    tracked = []
+    track = ActivationOffloader._track
+
+    def tracking(self, entry, src):
+        tracked.append(entry)
+        return track(self, entry, src)
+
+    monkeypatch.setattr(ActivationOffloader, "_track", tracking)
+    store = off._paged_store(x.device)
+    model.zero_grad(set_to_none=True)
+    with torch.cuda.stream(store.pack_stream):
+        torch.cuda._sleep(400_000_000)  # ~0.2 s: the first slice's pack waits behind it (the
+        # next slices' compress waits for that pack: one payload)
+    with off:
+        loss = model(x)
+        first = next(e for e in tracked if isinstance(e.stored, PagedStored))
+        if first.stored.consumed is not None:
+            first.stored.consumed.synchronize()  # compressed (not packed: the pack sleeps)
+        with off._lock:
+            off._poll()
+        assert first not in off._stash and first.src is None and first.parts is None
+        assert not first.ready(), "placed already: the sleep did not hold the pack"
+    loss.backward()
+    _same(ref, _grads(model))
+    st = off.stats()
+    assert st["batched"] > 0 and st.get("offload_failed", 0) == 0, st
+    off.synchronize()
+    assert off.pending()["stash"] == 0
 
 
 def test_no_batch_is_stored_while_a_cuda_graph_is_captured(gen, monkeypatch):

@@ -20,8 +20,11 @@ offsets, so gradients are bit-identical):
   held while the GPU's allocation (with room for two more groups) is below the peak the
   caching allocator has already reached: memory the process uses each step anyway, so
   storing it would lower nothing and cost its round trip. The GPU storage of a
-  started offload stays in a stash until its bytes are in host memory (a backward that comes
-  first reads it in place, with no round trip over the link); past ``max_in_flight_bytes``
+  started offload stays in a stash until its store has read it: until a plain copy is done,
+  until a compressed store's pages are compressed (their pack into host memory may still run;
+  a backward that needs them first waits for it on the GPU). A backward that comes first
+  reads the storages still there in place, with no round trip over the link; past
+  ``max_in_flight_bytes``
   (held storages included) the compute stream waits until the oldest has been read (copied,
   or compressed: a GPU-side wait) and it is dropped. Compressed storages of whole pages, up to
   half of ``_batch.BATCH_BYTES``, of a class the ratio policy has decided, are stored
@@ -531,9 +534,9 @@ class ActivationOffloader:
 
     def _track(self, entry: _Entry, src: torch.Tensor | list) -> None:
         """Book-keep a started offload: a GPU source (``entry.src``, or the parts a batch is
-        stored from, ``entry.parts``) stays in the stash until its bytes are in host memory
-        (waiting for the oldest past ``max_in_flight_bytes``); its stored size in the
-        ledger."""
+        stored from, ``entry.parts``) stays in the stash until its store has read it
+        (``_poll``; waiting for the oldest past ``max_in_flight_bytes``); its stored size in
+        the ledger."""
         if entry.device.type == "cuda":
             if src is not entry.parts:
                 entry.src = src
@@ -610,15 +613,23 @@ class ActivationOffloader:
         return self._stash.popleft()
 
     def _poll(self) -> None:
-        # Copies finish in the order they were issued (one side stream each way), so only the
-        # oldest stashed entries are looked at: O(released) per hook, not O(stash). During a
-        # backward a stashed storage is kept until served in place (released when its copy
-        # finished, it would be read back over the link instead); served ones go at once.
+        # Stores read their sources in the order they were issued (one side stream each way),
+        # so only the oldest stashed entries are looked at: O(released) per hook, not
+        # O(stash). In a forward a source goes once its store has read it: a compressed one
+        # once its pages are compressed, while the pack may still write them to host memory
+        # (held to the end of the pack, the slice being packed was a whole slice more at
+        # the ResNets' forward peak). During a backward a stashed storage is kept until served
+        # in place (released when its copy finished, it would be read back over the link
+        # instead); served ones go once stored.
         for store in self._paged.values():  # first: a confirmed slice needs no event query
             store.poll()
-        backward = _in_backward()
-        while self._stash and self._stash[0].ready() and (self._stash[0].served or not backward):
-            self._release(self._stash.popleft(), wait=False, keep_served=backward)
+        stash = self._stash
+        if _in_backward():
+            while stash and stash[0].served and stash[0].ready():
+                self._release(stash.popleft(), wait=False, keep_served=True)
+        else:
+            while stash and stash[0].source_read():
+                self._release(stash.popleft(), wait=False)
         self.policy.poll()
         while self._sink:
             store, stored, rec = self._sink.pop()

@@ -111,9 +111,9 @@ class PagedStored:
         self.kernel: tuple[int, int] | None = None  # kept when freed
 
     def ready(self) -> bool:
-        """The copy is done: every page is in host memory. Until then the offloader keeps the
-        source, as it does for a plain copy, so a backward that comes first reads it in place
-        rather than over the link."""
+        """The copy is done: every page is in host memory (in a backward the offloader keeps
+        a source it served in place until then; in a forward only until
+        :meth:`source_read`)."""
         if self.consumed is not None:
             if self.tail is None and self.slices and all(sl.stored is None for sl in self.slices):
                 self.consumed = None  # every pack is confirmed, and the last one waited for it
@@ -122,6 +122,15 @@ class PagedStored:
             else:
                 return False
         return all(sl.done() for sl in self.slices)
+
+    def source_read(self) -> bool:
+        """The source is read: its pages are compressed (the packing may still run), so it
+        may be dropped (never blocks)."""
+        if self.consumed is not None:
+            if not self.consumed.query():
+                return False
+            self.consumed = None
+        return True
 
     def wait_on(self, stream) -> None:
         """``stream`` waits until the source may be dropped: its pages are compressed (the

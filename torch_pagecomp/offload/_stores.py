@@ -39,6 +39,8 @@ class RawStored:
             self.event = None  # done: the kept event (``_events.mark``) is not held any more
         return self.event is None
 
+    source_read = ready  # the copy read the source: done
+
     def wait_on(self, stream: torch.cuda.Stream | None) -> None:
         if self.event is not None and stream is not None:
             stream.wait_event(self.event)
