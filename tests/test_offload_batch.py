@@ -371,15 +371,15 @@ def test_gpu_members_go_once_compressed_while_their_pack_waits(gen, monkeypatch)
     with torch.cuda.stream(store.pack_stream):
         torch.cuda._sleep(400_000_000)  # ~0.2 s: the first slice's pack waits behind it (the
         # next slices' compress waits for that pack: one payload)
-    with off:
+    with off:  # its batches are stored as it ends (no window: prefetch=0)
         loss = model(x)
-        first = next(e for e in tracked if isinstance(e.stored, PagedStored))
-        if first.stored.consumed is not None:
-            first.stored.consumed.synchronize()  # compressed (not packed: the pack sleeps)
-        with off._lock:
-            off._poll()
-        assert first not in off._stash and first.src is None and first.parts is None
-        assert not first.ready(), "placed already: the sleep did not hold the pack"
+    first = next(e for e in tracked if isinstance(e.stored, PagedStored))
+    if first.stored.consumed is not None:
+        first.stored.consumed.synchronize()  # compressed (not packed: the pack sleeps)
+    with off._lock:
+        off._poll()
+    assert first not in off._stash and first.src is None and first.parts is None
+    assert not first.ready(), "placed already: the sleep did not hold the pack"
     loss.backward()
     _same(ref, _grads(model))
     st = off.stats()
