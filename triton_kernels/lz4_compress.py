@@ -73,6 +73,7 @@ from .launch import (
     launch_known,
     ptr_class,
 )
+from .lz4_decompress import _row, check_rows
 
 _NOKEY = tl.constexpr(0x7FFFFFFF)  # no match (a parse key larger than every real one)
 
@@ -486,12 +487,8 @@ def _lz4_compress_kernel(
     pc = 0
     for it in range(0, tl.cdiv(n_pages - pid, nprog)):
         page = pid + it * nprog
-        base = page.to(tl.int64) * PAGE
-        if ROWS:
-            src = tl.load(pages_ptr + page).to(tl.pointer_type(tl.uint8))
-        else:
-            src = pages_ptr + base
-        dst = payload_ptr + base
+        src = _row(pages_ptr, page, PAGE, ROWS)
+        dst = payload_ptr + page.to(tl.int64) * PAGE
         src32 = src.to(tl.pointer_type(tl.uint32))
         dst32 = dst.to(tl.pointer_type(tl.uint32))
         first = tl.load(src)
@@ -743,8 +740,6 @@ def compress_rows(rows: torch.Tensor, element_size: int, page_size: int,
         scratch: as for :func:`compress_pages`.
 
     Launches directly (callers outside the ops only: the addresses are not traceable)."""
-    from .lz4_decompress import check_rows
-
     n = check_rows(rows, page_size)
     cfg = compress_config(page_size, element_size)
     if n == 0:
