@@ -43,7 +43,7 @@ def timeline(events: list[dict]) -> list[str]:
     first host-to-device copy (when the host issued it, when the GPU ran it: a gap means it
     waited on the device, none that the link waited for the host); when the bytes the forward
     sent to the host were all there (the end of the last pack kernel or device-to-host copy
-    issued before the backward)."""
+    issued before the backward); and that outbound work itself (:func:`_outbound`)."""
     ops = [e for e in events if e.get("ph") == "X"]
     host = [e for e in ops if e.get("cat") == "cpu_op"]
     if not host:
@@ -75,7 +75,31 @@ def timeline(events: list[dict]) -> list[str]:
     if out:
         lines += [f"| the forward's bytes all on the host | "
                   f"{ms(max(e['ts'] + e['dur'] for e in out))} |"]
+        comp = [e for e in gpu if e["cat"] == "kernel" and issued(e) < backward
+                and e["name"].startswith(COMPRESS_KERNELS)]
+        lines += _outbound(out, comp, ms)
     return lines
+
+
+COMPRESS_KERNELS = ("_exp_encode_kernel", "_lz4_compress_kernel")
+
+
+def _outbound(out: list[dict], comp: list[dict], ms) -> list[str]:
+    """Rows on the forward's outbound work ``out`` (pack kernels, or device-to-host copies:
+    one stream, run one after another): when it started, its busy time, and the idle time
+    between its pieces, with the compress kernels' time (``comp``) beside it. Where busy and
+    idle fill the forward, that work bounds it; compress time close to the idle time says
+    the compress ran between packs, not beside them (one payload: ``_paged.SCRATCH_SLICES``)."""
+    out = sorted(out, key=lambda e: e["ts"])
+    busy = sum(e["dur"] for e in out) / 1e3
+    idle, end = 0.0, out[0]["ts"]
+    for e in out:
+        idle += max(0.0, e["ts"] - end) / 1e3
+        end = max(end, e["ts"] + e["dur"])
+    return [f"| outbound work (pack kernels or copies) starts | {ms(out[0]['ts'])} |",
+            f"| outbound work busy / idle between its pieces | {busy:.1f} / {idle:.1f} |",
+            f"| compress kernels of the forward, GPU time | "
+            f"{sum(e['dur'] for e in comp) / 1e3:.1f} |"]
 
 
 def measure(name: str, variant: str, steps: int, warmup: int, trace: str | None) -> str:

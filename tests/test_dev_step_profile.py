@@ -26,10 +26,18 @@ def test_timeline_of_a_step():
         _op("_pack_slice_kernel", 13000, dur=100, cat="kernel", corr=4),  # after the backward
         _op("an instant event, not a span", 0) | {"ph": "i"},
     ]
+    events += [_op("cudaLaunchKernel", 2100, cat="cuda_runtime", corr=5),
+               _op("_exp_encode_kernel", 2200, dur=200, cat="kernel", corr=5),
+               _op("cudaLaunchKernel", 9600, cat="cuda_runtime", corr=6),  # in the backward
+               _op("_lz4_compress_kernel", 12500, dur=400, cat="kernel", corr=6)]
     rows = dict([c.strip() for c in line.strip("|").split("|")] for line in timeline(events)[2:])
     assert rows == {"host reaches the backward": "7.0",
                     "first restore copy issued / run": "8.0 / 11.0",
-                    "the forward's bytes all on the host": "6.5"}
+                    "the forward's bytes all on the host": "6.5",
+                    "outbound work (pack kernels or copies) starts": "1.5",
+                    # 3.0 + 1.5 ms busy; idle from 5.5 (the pack's end) to 6.0 (the copy)
+                    "outbound work busy / idle between its pieces": "4.5 / 0.5",
+                    "compress kernels of the forward, GPU time": "0.2"}
 
 
 def test_timeline_without_a_backward_or_host_ops():
