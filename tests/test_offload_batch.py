@@ -312,19 +312,27 @@ def test_gpu_batched_gradients_are_bit_identical(gen, dtype):
     assert off.pending()["entries"] == 0 and off.pending()["stash"] == 0
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_members_read_in_place_while_their_store_waits(gen):
-    """Batches stored from their members where they lie, while their store is held up (the
-    compress stream sleeps): the backward reads the members from the stash in place, before
-    and after their store completes, and the gradients are bit-identical; once done, nothing
-    is left in the stash or kept from it."""
+def _batching_bf16_model(gen):
+    """``(model, x, reference gradients, offloader)``: a bf16 model on the GPU whose saved
+    tensors the offloader (``prefer="memory"``, no window: ``prefetch=0``) stores in batches
+    from the next step on (one step run under it decided their classes)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _model(gen, width=2048, layers=4, device="cuda", dtype=torch.bfloat16)
     x = _data(gen, 512, 2048, "cuda", torch.bfloat16)
     ref = _step(model, x)
     off = ActivationOffloader(prefer="memory", min_offload_bytes=P, group_bytes=None,
                               min_ratio=0.0, sample_tensors=1, prefetch=0)
-    _same(ref, _step(model, x, off))  # classes decided: the next steps batch
+    _same(ref, _step(model, x, off))
+    return model, x, ref, off
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_members_read_in_place_while_their_store_waits(gen):
+    """Batches stored from their members where they lie, while their store is held up (the
+    compress stream sleeps): the backward reads the members from the stash in place, before
+    and after their store completes, and the gradients are bit-identical; once done, nothing
+    is left in the stash or kept from it."""
+    model, x, ref, off = _batching_bf16_model(gen)
     store = off._paged_store(x.device)
     for _ in range(2):
         model.zero_grad(set_to_none=True)
@@ -350,13 +358,7 @@ def test_gpu_members_go_once_compressed_while_their_pack_waits(gen, monkeypatch)
     gradients, nothing left in the stash."""
     from torch_pagecomp.offload._paged import PagedStored
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = _model(gen, width=2048, layers=4, device="cuda", dtype=torch.bfloat16)
-    x = _data(gen, 512, 2048, "cuda", torch.bfloat16)
-    ref = _step(model, x)
-    off = ActivationOffloader(prefer="memory", min_offload_bytes=P, group_bytes=None,
-                              min_ratio=0.0, sample_tensors=1, prefetch=0)
-    _same(ref, _step(model, x, off))  # classes decided: the next step batches
+    model, x, ref, off = _batching_bf16_model(gen)
     torch.cuda.synchronize()
     tracked = []
     track = ActivationOffloader._track
