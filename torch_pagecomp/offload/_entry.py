@@ -183,11 +183,7 @@ class _Entry:
     def source_read(self) -> bool:
         """Its store no longer reads the GPU source: a compressed store's pages are
         compressed (packing them into host memory may still run), a copy is done."""
-        stored = self.stored
-        if stored is None:
-            return True
-        read = getattr(stored, "source_read", None)  # (stores patched in by tests may lack it)
-        return read() if read is not None else stored.ready()
+        return self.stored is None or self.stored.source_read()
 
     def check_restored(self) -> None:
         """Raise the error of a restore that failed."""
