@@ -1011,6 +1011,73 @@ def test_a_failing_batched_restore_falls_back_one_by_one_and_stays_off(path, mon
     assert len(calls) == 5 and not off._backward.batch_restores
 
 
+class _InFlight:
+    """A stored tensor whose store has read its source (``read``) and placed its pages
+    (``placed``) as the test says, for the stash's release rule (``_poll``)."""
+
+    def __init__(self):
+        self.read = self.placed = False
+
+    def source_read(self) -> bool:
+        return self.read
+
+    def ready(self) -> bool:
+        return self.placed
+
+
+def test_the_stash_lets_a_source_go_once_read_in_a_forward_and_once_stored_in_a_backward():
+    """The stash's rule (``ActivationOffloader._poll``): in a forward a source goes once its
+    store has read it (a compressed store's pages compressed, their pack still running), not
+    before; in a backward a source goes only once it was served in place and its pages are
+    stored, so a backward that has not reached it yet reads it in place."""
+    from torch_pagecomp.offload._entry import _Entry, _Pass
+
+    off = cpu_offloader("compressed")
+
+    def stashed() -> _Entry:
+        e = _Entry(off._sink, 8, torch.device("cpu"), _Pass(), 0)
+        e.stored, e.src = _InFlight(), torch.zeros(8, dtype=torch.uint8)
+        off._stash.append(e)
+        off._stash_bytes += e.nbytes
+        off._stash_tensors += 1
+        return e
+
+    first, second = stashed(), stashed()
+    off._poll()
+    assert list(off._stash) == [first, second]  # neither read
+    second.stored.read = True
+    off._poll()
+    assert list(off._stash) == [first, second]  # the oldest first: its store reads first
+    first.stored.read = True
+    off._poll()  # both read, neither placed: a forward lets both go
+    assert not off._stash and first.src is None and second.src is None
+    assert off._stash_bytes == 0 and off._stash_tensors == 0
+
+    third = stashed()
+    third.stored.read = True
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            off._poll()
+            seen.append(third in off._stash)  # read, not placed, not served: kept
+            third.stored.placed = True
+            off._poll()
+            seen.append(third in off._stash)  # placed, not served: kept
+            third.served = True
+            off._poll()
+            seen.append(third in off._stash)  # served and stored: goes
+            return grad * 2
+
+    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen == [True, True, False] and third.src is None
+
+
 @needs_cuda
 @pytest.mark.parametrize("mode", ["uncompressed", "compressed"])
 def test_a_tensor_saved_twice_is_not_restored_again_after_its_first_unpack(mode, monkeypatch):
