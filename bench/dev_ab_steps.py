@@ -94,7 +94,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
-        "memory_join", "uncompressed_shrink1", "memory_late", "memory_late_slots2",
+        "memory_join", "uncompressed_shrink1", "memory_late",
         "speed",
         "speed_copy_only")
 
@@ -161,15 +161,10 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm == "memory_join":  # a batch joined by one torch.cat before its compress, as before
         # session 57 (now the compress reads the members where they lie)
         return [(PagedStore, "takes_parts", property(lambda self: False))]
-    if arm.startswith("memory_late"):  # a compressed source kept until packed (before 60)
+    if arm == "memory_late":  # a compressed source kept until packed (before session 60)
         from torch_pagecomp.offload._entry import _Entry
 
-        swaps = [(_Entry, "source_read", _Entry.ready)]
-        if arm.endswith("_slots2"):
-            from torch_pagecomp.offload import _paged
-
-            swaps.append((_paged, "SCRATCH_SLICES", 2))
-        return swaps
+        return [(_Entry, "source_read", _Entry.ready)]
     if arm == "memory_group":  # batched restores through restore_group
         return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
     return []

@@ -114,14 +114,10 @@ class PagedStored:
         """The copy is done: every page is in host memory (in a backward the offloader keeps
         a source it served in place until then; in a forward only until
         :meth:`source_read`)."""
-        if self.consumed is not None:
-            if self.tail is None and self.slices and all(sl.stored is None for sl in self.slices):
-                self.consumed = None  # every pack is confirmed, and the last one waited for it
-            elif self.consumed.query():
-                self.consumed = None  # done: the kept event (``_events.mark``) is not held
-            else:
-                return False
-        return all(sl.done() for sl in self.slices)
+        if (self.consumed is not None and self.tail is None and self.slices
+                and all(sl.stored is None for sl in self.slices)):
+            self.consumed = None  # every pack is confirmed, and the last one waited for it
+        return self.source_read() and all(sl.done() for sl in self.slices)
 
     def source_read(self) -> bool:
         """The source is read: its pages are compressed (the packing may still run), so it
@@ -129,7 +125,7 @@ class PagedStored:
         if self.consumed is not None:
             if not self.consumed.query():
                 return False
-            self.consumed = None
+            self.consumed = None  # done: the kept event (``_events.mark``) is not held
         return True
 
     def wait_on(self, stream) -> None:
