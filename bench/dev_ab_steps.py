@@ -94,7 +94,8 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
-        "memory_join", "uncompressed_shrink1", "memory_late",
+        "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1x64",
+        "memory_slots2x64",
         "speed",
         "speed_copy_only")
 
@@ -116,6 +117,11 @@ PATCHES = {
     "memory_slice32": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 32 << 20),),
     "memory_slice16": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 16 << 20),),
     "memory_slots2": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 2),),
+    # one payload of a 64 MiB slice (before session 61), and two of them
+    "memory_slots1x64": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 1),
+                         ("torch_pagecomp.offload._paged", "SLICE_BYTES", 64 << 20)),
+    "memory_slots2x64": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 2),
+                         ("torch_pagecomp.offload._paged", "SLICE_BYTES", 64 << 20)),
     # the plain copies' pinned buffers kept for the last step's busiest moment only (before
     # session 59), not the last SHRINK_STEPS steps'
     "uncompressed_shrink1": (("torch_pagecomp.pools", "SHRINK_STEPS", 1),),

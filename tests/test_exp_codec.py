@@ -424,6 +424,52 @@ def test_encode_rows_by_address_equal_reference(gen):
         kx.compress_exp_rows(rows, 3000, False, out)
 
 
+@pytest.mark.parametrize("by_rows", [False, True])
+def test_placed_encoder_lays_pages_end_to_end(gen, by_rows):
+    """``compress_exp_placed`` (the activation store's encoder, whose pages the copy engine
+    sends): every page of both layouts (fill, raw, escapes, NaN / Inf, ...), read in place or
+    by address from scattered rows, lies at its ``rel`` with the reference's bytes, sizes and
+    kinds, zeros up to the next 16 bytes; the pages tile ``[start, end)`` exactly, from a
+    counter that did not start at 0, and the poisoned payload past ``end`` is not written."""
+    from torch_pagecomp.kernels import exp_codec as kx
+
+    dev = kernel_device()
+    p = 4096
+    for fp16, dtype in ((False, torch.bfloat16), (True, torch.float16)):
+        pages = torch.cat([float_pages(gen, p, dtype)] * 2)
+        pages = pages[torch.randperm(pages.shape[0], generator=gen)]
+        n = pages.shape[0]
+        want = ec.compress_exp_cpu(pages, fmt.EXP_FP16 if fp16 else fmt.EXP_BF16)
+        if by_rows:
+            buf, starts = scattered_rows(gen, n, p, dev)
+            for i, a in enumerate(starts):
+                buf[a:a + p] = pages[i].to(dev)
+            src = torch.tensor([buf.data_ptr() + a for a in starts], dtype=torch.int64,
+                               device=dev)
+        else:
+            src = pages.to(dev)
+        start = 16 * int(torch.randint(0, 8, (), generator=gen))
+        payload = torch.full((n * p + 4096,), POISON, dtype=torch.uint8, device=dev)
+        out = (payload, torch.full((n,), STATUS_GUARD, dtype=torch.int32, device=dev),
+               torch.full((n,), 0xEE, dtype=torch.uint8, device=dev),
+               torch.full((n,), -1, dtype=torch.int64, device=dev),
+               torch.tensor([start], dtype=torch.int64, device=dev))
+        kx.compress_exp_placed(src, fp16, out, page_size=p)
+        got, sizes, kinds, rel, end = (t.cpu() for t in out)
+        assert torch.equal(sizes, want[1]) and torch.equal(kinds, want[2])
+        padded = (sizes.to(torch.int64) + 15) // 16 * 16
+        assert int(end) == start + int(padded.sum())
+        order = torch.argsort(rel)  # the pages tile [start, end): each where the last ended
+        assert torch.equal(rel[order], start + torch.cumsum(padded[order], 0) - padded[order])
+        for i in range(n):
+            a, k = int(rel[i]), int(sizes[i])
+            assert torch.equal(got[a:a + k], want[0][i, :k]), f"page {i}"
+            assert (got[a + k:a + int(padded[i])] == 0).all(), f"page {i}'s padding"
+        assert (got[:start] == POISON).all() and (got[int(end):] == POISON).all()
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        kx.compress_exp_placed(pages.to(dev), False, (payload[1:],) + out[1:])
+
+
 # ------------------------------------------------------------------------- ops, API
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_api_round_trip_every_backend_and_container(name, gen):

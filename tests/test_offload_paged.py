@@ -123,28 +123,30 @@ def test_slices_take_their_payloads_from_a_ring_that_follows_their_size(gen, mon
 
 
 @interpreter
-def test_the_store_holds_one_slice_payload_at_a_time(gen):
-    """As shipped, the slices of a storage (and of the next) share one payload buffer: the
-    GPU holds one slice's fixed-stride pages, ``scratch_bytes`` says so, and every slice
-    comes back exactly (on a GPU each compress waits for the previous slice's pack)."""
+def test_the_store_holds_two_slice_payloads_taken_in_turn(gen):
+    """As shipped, the slices of a storage (and of the next) take two payload buffers in turn:
+    the GPU holds two slices' pages, ``scratch_bytes`` says so, and every slice comes back
+    exactly (on a GPU each compress waits until the pages of the slice two before have left
+    its buffer), with either codec."""
     from torch_pagecomp.offload import _paged
 
-    assert _paged.SCRATCH_SLICES == 1
-    store = _store(slice_bytes=4 * P)
-    srcs = [_data(gen, n * P + extra, "bf16") for n, extra in ((8, 0), (6, 3))]
-    bufs = set()
-    stored = []
-    for s in srcs:
-        stored.append(store.offload(s, 2))
-        assert len(store._slots) == 1
-        bufs.add(store._slots[0].buf.data_ptr())
-    assert len(bufs) == 1  # slices of 4, 4, 4, 2 pages: one buffer of 4, reused
-    assert store.stats()["scratch_bytes"] == 4 * P
-    store.poll()
-    for s, st in zip(srcs, stored):
-        out = torch.full_like(s, POISON)
-        store.restore(st, out)
-        assert torch.equal(out, s)
+    assert _paged.SCRATCH_SLICES == 2
+    for float_format in (None, "bf16"):
+        store = _store(slice_bytes=4 * P)
+        srcs = [_data(gen, n * P + extra, "bf16") for n, extra in ((8, 0), (6, 3))]
+        bufs = set()
+        stored = []
+        for s in srcs:
+            stored.append(store.offload(s, 2, float_format=float_format))
+            assert len(store._slots) == 2
+            bufs |= {slot.buf.data_ptr() for slot in store._slots}
+        assert len(bufs) == 2  # slices of 4, 4, 4, 2 pages: two buffers of 4, reused
+        assert store.stats()["scratch_bytes"] == 2 * 4 * P
+        store.poll()
+        for s, st in zip(srcs, stored):
+            out = torch.full_like(s, POISON)
+            store.restore(st, out)
+            assert torch.equal(out, s)
 
 
 @interpreter
@@ -202,7 +204,7 @@ def test_host_waits_for_packs_are_counted():
 
     def published(base: int, total: int) -> int:  # a descriptor slot the pack wrote
         k = arena.host_desc()
-        arena.descs[k] = torch.tensor([base, total])
+        arena.descs[k, :2] = torch.tensor([base, total])
         return k
 
     slow = _Slice(0, 1, None, host_desc=published(0, 16 + m), stored=SlowPack())
@@ -1415,13 +1417,16 @@ def test_upload_ring_reuses_a_half_only_after_its_readers(monkeypatch):
 def test_arena_spans_copy_by_address_exact_and_nowhere_else(gen, monkeypatch, device, driver):
     """``VirtualArena.spans`` of a range across chunk boundaries, copied by address
     (``_copies.copy_spans``: the driver's copy on CUDA) into a poisoned buffer at an offset:
-    exactly those bytes, each where it belongs, nothing outside them; a driver call that fails
-    falls back to ``Tensor.copy_`` (for good) with the same result."""
+    exactly those bytes, each where it belongs, nothing outside them; and back into the arena
+    (``_copies.copy_to_host``, the sent slices' way) over poisoned chunks: those bytes only. A
+    driver call that fails falls back to ``Tensor.copy_`` (for good) with the same result."""
     from torch_pagecomp.offload import _copies
 
+    names = ("cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2")
+    calls = []
     if driver == "failing":  # as a thread without a current CUDA context would see it
-        calls = []
-        monkeypatch.setattr(_copies, "_DRIVER", [lambda *a: calls.append(a) or 201])
+        monkeypatch.setattr(_copies, "_DRIVER",
+                            {n: (lambda *a: calls.append(a) or 201) for n in names})
     store = _store(device, chunk=1 << 13)
     arena = store.arena
     for k in range(3):  # three chunks of random bytes
@@ -1439,8 +1444,20 @@ def test_arena_spans_copy_by_address_exact_and_nowhere_else(gen, monkeypatch, de
     got = dst.cpu()
     assert torch.equal(got[7:7 + total], whole[base:base + total])
     assert (got[:7] == POISON).all() and (got[7 + total:] == POISON).all()
+    for k in range(3):
+        arena.backed[k].tensor.fill_(POISON)
+    src = torch.randint(0, 256, (total + 16,), generator=gen, dtype=torch.uint8).to(device)
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())
+    _copies.copy_to_host(src, spans, stream)
+    if stream is not None:
+        stream.synchronize()
+    back = torch.cat([arena.backed[k].tensor for k in range(3)])
+    assert torch.equal(back[base:base + total], src[7:7 + total].cpu())
+    assert (back[:base] == POISON).all() and (back[base + total:] == POISON).all()
     if driver == "failing" and device == "cuda":
-        assert len(calls) == 1 and _copies._DRIVER == [None]
+        assert len(calls) == 2 and all(_copies._DRIVER[n] is None for n in names)
 
 
 @interpreter
@@ -1464,3 +1481,80 @@ def test_stores_now_asks_for_what_the_offload_backs(gen, monkeypatch, pages):
     stored = store.offload(_data(gen, nbytes, "noise"), 1)
     assert asked == [sum(backed)] and len(backed) == -(-pages // store.slice_pages)
     store.free(stored)
+
+
+class _Copies:
+    """A stand-in for the events after a sent slice's copies (``_arena.mark``): each not done
+    until :meth:`finish` (the CPU's copies are done at once; only the host's view waits)."""
+
+    def __init__(self):
+        self.made = []
+
+    def __call__(self, stream):
+        event = _Copies.Event()
+        self.made.append(event)
+        return event
+
+    def finish(self):
+        for e in self.made:
+            e.done = True
+
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+
+@interpreter
+def test_sent_slices_are_placed_once_their_copies_are_done(gen, monkeypatch):
+    """The exponent codec's slices are sent (their copies into the arena queued once their
+    placement is read) and only count as placed once those copies are done: until then a
+    stored tensor is not ``stored()`` nor ``ready()``, a restore reads it by the kernel fetch
+    (bit-exact), and one freed then keeps its chunks live until its copies are done; then it
+    lets them go, and the one kept is placed, its metadata read from the arena, and restores
+    bit-exact by the copy engine's path. ``settle`` waits for the copies."""
+    from torch_pagecomp.offload import _arena
+
+    copies = _Copies()
+    monkeypatch.setattr(_arena, "mark", copies)
+    store = _store(chunk=1 << 16, slice_bytes=3 * P)
+    arena = store.arena
+    srcs = [_data(gen, 7 * P + 5, "bf16"), _data(gen, 5 * P, "bf16")]
+    stored = [store.offload(s, 2, float_format="bf16") for s in srcs]
+    arena.confirm()
+    slices = [sl for st in stored for sl in st.slices]
+    assert len(slices) == 5 and len(arena.sending) == 5 and not arena.pending
+    assert all(sl.base is None and sl.send is None for sl in slices)
+    assert not any(st.stored() or st.ready() for st in stored)
+    live = dict(arena.live)
+    assert live and arena.used > 0
+    for st, src in zip(stored, srcs):  # the fetch, from the device descriptors
+        out = torch.full_like(src, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, src)
+    store.free(stored.pop(0))
+    assert dict(arena.live) == live, "a slice's chunks went while its copies ran"
+    copies.made[-1].done = True  # out of order: nothing placed before the first is done
+    arena.confirm()
+    assert len(arena.sending) == 5
+    copies.finish()
+    arena.confirm()
+    assert not arena.sending
+    kept = stored[0]
+    assert kept.stored() and kept.ready()
+    assert arena.used == sum(sl.total for sl in kept.slices)
+    assert set(arena.live) == {k for sl in kept.slices for k in arena.chunks_of(sl.base,
+                                                                                 sl.total)}
+    for sl in kept.slices:  # the metadata read from the arena, behind the pages
+        assert sl.meta.data_ptr() == arena._address(sl.base + sl.meta_at)
+    out = torch.full_like(srcs[1], POISON)
+    store.restore(kept, out)
+    assert torch.equal(out, srcs[1])
+    more = store.offload(_data(gen, 4 * P, "bf16"), 2, float_format="bf16")
+    assert not more.stored()
+    store.wait_placed()
+    assert more.stored() and not arena.sending

@@ -207,6 +207,7 @@ class DirectPath:
         with self._lock:
             if stored.slices:
                 self.store.arena.confirm(through=stored.slices[-1])
+                self.store.arena.settle()  # (their bytes in host memory)
 
     def compressed(self, stored: PagedStored) -> fmt.CompressedPages:
         """``stored`` as one packed CPU ``CompressedPages`` (see ``DirectStorage``)."""

@@ -78,6 +78,8 @@ _EXP = tl.constexpr(fmt.KIND_EXP)
 _BF16 = tl.constexpr(fmt.EXP_BF16)
 _FP16 = tl.constexpr(fmt.EXP_FP16)
 _TABLE = tl.constexpr(fmt.EXP_TABLE)  # table entries; code _TABLE escapes
+PLACE_ALIGN = 16  # bytes: where the placed encoder starts each page (the arena's alignment)
+_PLACE_ALIGN = tl.constexpr(PLACE_ALIGN)
 
 
 @dataclass(frozen=True)
@@ -356,11 +358,35 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
     A page of one step (``CHUNK == PAGE / 2``: 4 KiB pages on the GPU) is read once and kept
     in registers for both passes, and a bf16 page's table comes from 32 bins
     (:func:`_window_table`); a longer page is read twice, its table from all its exponents."""
+    _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, sizes_ptr, sizes_ptr, PAGE, FP16,
+                 CHUNK, ROWS, False)
+
+
+@triton.jit
+def _exp_encode_placed_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
+                              PAGE: tl.constexpr, FP16: tl.constexpr, CHUNK: tl.constexpr,
+                              ROWS: tl.constexpr = False):
+    """:func:`_exp_encode_kernel` with the pages end to end: program ``i`` takes its page's
+    stored bytes, padded to ``PLACE_ALIGN``, at ``payload`` byte ``end`` (an ``int64``
+    counter, raised by that many with one atomic add), stores that offset in ``rel[i]`` and
+    zeroes its padding. Pages land in the order their programs reach the add; the sum of the
+    padded sizes, never more than ``N * PAGE``, is left in ``end``. For the copy engine: one
+    copy of ``end`` bytes moves a slice's pages, with no kernel between the compress and the
+    copy (``torch_pagecomp.offload._paged``)."""
+    _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr, PAGE, FP16,
+                 CHUNK, ROWS, True)
+
+
+@triton.jit
+def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
+                 PAGE: tl.constexpr, FP16: tl.constexpr, CHUNK: tl.constexpr,
+                 ROWS: tl.constexpr, PLACED: tl.constexpr):
+    """Both encoders' body: the page of program ``i`` at its fixed-stride row or, with
+    ``PLACED``, where the atomic add on ``end`` puts it (it knows its size before it writes)."""
     pid = tl.program_id(0).to(tl.int64)
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
     src = _row(pages_ptr, pid, PAGE, ROWS)
-    dst = payload_ptr + pid * PAGE
     if ROWS:  # each row where its table entry says
         src_aligned = (src.to(tl.int64, bitcast=True) & 1) == 0
     else:  # rows are PAGE apart, so aligned as the first (folded for 16-aligned tensors)
@@ -396,7 +422,18 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
     EXP_KIND: tl.constexpr = _EXP | ((1 + FP16) << 4)  # layouts: bf16 1, fp16 2
     size = tl.where(fill, 1, tl.where(raw, PAGE, exp_size))
     kind = tl.where(fill, _FILL, tl.where(raw, _RAW, EXP_KIND))
-    if fill:
+    if PLACED:  # the padded size, then where it goes (payload is PLACE_ALIGN-aligned)
+        end = (size + (_PLACE_ALIGN - 1)) // _PLACE_ALIGN * _PLACE_ALIGN
+        at = tl.atomic_add(end_ptr, end.to(tl.int64))
+        tl.store(rel_ptr + pid, at)
+        dst = payload_ptr + at
+    else:
+        end = PAGE
+        dst = payload_ptr + pid * PAGE
+    if fill and PLACED:  # its padded size only: value b at byte 0, zeros after
+        j = tl.arange(0, _PLACE_ALIGN)
+        tl.store(dst + j, tl.where(j == 0, tl.load(src), 0).to(tl.uint8))
+    elif fill:
         b = tl.load(src).to(tl.int32)  # value b at byte 0 (little-endian), zeros after
         for c in range(0, N, CHUNK):
             _store_values(dst, c + i, tl.where(c + i == 0, b, 0), dst_aligned)
@@ -420,9 +457,9 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
                 escapes = _write_codes(dst, c, _load_values(src, c + i, src_aligned), escapes,
                                        k0, k1, k2, k3, k4, k5, k6, PAGE, FP16, CHUNK)
         j = tl.arange(0, CHUNK)
-        for k in range(F, PAGE, CHUNK):  # the row past the page's bytes is zero
+        for k in range(F, PAGE, CHUNK):  # the row (placed: the padding) past the page is zero
             tl.store(dst + k + j, tl.zeros([CHUNK], tl.uint8),
-                     mask=(k + j >= exp_size) & (k + j < PAGE))
+                     mask=(k + j >= exp_size) & (k + j < end))
     tl.store(sizes_ptr + pid, size)
     tl.store(kinds_ptr + pid, kind.to(tl.uint8))
 
@@ -502,6 +539,53 @@ def compress_exp_rows_at(index: int, n: int, page_size: int, fp16: bool, rows: i
     launch_known(_exp_encode_kernel, (n,), index,
                  _encode_rows_meta(page_size, fp16, interpreting()), classes,
                  (rows, payload, sizes, kinds), args)
+
+
+def compress_exp_placed(pages: torch.Tensor, fp16: bool, out: tuple[torch.Tensor, ...],
+                        page_size: int | None = None) -> None:
+    """Exponent-code pages end to end (``_exp_encode_placed_kernel``) on ``pages``' device.
+
+    Args:
+        pages: ``uint8 [N, P]`` contiguous rows of 16-bit floats, or an ``int64 [N]`` table
+            of their addresses (as :func:`compress_exp_rows`; then ``page_size`` gives ``P``).
+        fp16: the layout: fp16 (True) or bf16 (False).
+        out: ``(payload uint8 [>= N * P], sizes int32 [N], kinds uint8 [N], rel int64 [N],
+            end int64 [1])``: ``payload`` ``PLACE_ALIGN``-aligned; ``end`` holds the byte the
+            first page goes to (0 for a fresh payload) and is raised past every page;
+            page ``i`` lies at ``payload[rel[i]:rel[i] + sizes[i]]``, zeros to the next
+            multiple of ``PLACE_ALIGN``. Bytes past the pages are not written.
+
+    Launches directly (callers outside the ops only: the page order is not deterministic)."""
+    rows = pages.dtype == torch.int64
+    if rows:
+        n = check_rows(pages, page_size)
+    else:
+        n, page_size = pages.shape
+    payload = out[0]
+    if not fmt.valid_page_size(page_size):
+        raise ValueError(f"page size must be a power of two from 4096 to 65536, got {page_size}")
+    if payload.numel() < n * page_size or payload.data_ptr() % PLACE_ALIGN:
+        raise ValueError(f"the payload must hold {n * page_size} bytes from a "
+                         f"{PLACE_ALIGN}-byte aligned address")
+    if n:
+        cfg = _encode_config(page_size, fp16, interpreting())
+        meta = (dataclasses.replace(cfg, ROWS=True) if rows else cfg).meta()
+        launch(_exp_encode_placed_kernel, (n,), payload.device, (pages, *out), meta,
+               traced=False)
+
+
+def compress_exp_placed_at(index: int, n: int, page_size: int, fp16: bool, rows: bool,
+                           addrs: tuple, args) -> None:
+    """:func:`compress_exp_placed` given the addresses of ``(pages, payload, sizes, kinds,
+    rel, end)`` on CUDA device ``index``, without its checks (``rows``: ``pages`` is a row
+    table), as :func:`compress_exp_at`."""
+    classes = (ptr_class(torch.int64 if rows else torch.uint8, addrs[0]),
+               ptr_class(torch.uint8, addrs[1]), ptr_class(torch.int32, addrs[2]),
+               ptr_class(torch.uint8, addrs[3]), ptr_class(torch.int64, addrs[4]),
+               ptr_class(torch.int64, addrs[5]))
+    meta = (_encode_rows_meta(page_size, fp16, interpreting()) if rows
+            else _frozen_encode_meta(page_size, fp16, interpreting()))
+    launch_known(_exp_encode_placed_kernel, (n,), index, meta, classes, addrs, args)
 
 
 @functools.cache

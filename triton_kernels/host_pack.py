@@ -161,6 +161,28 @@ def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host
 
 
 @triton.jit
+def _place_slice_kernel(end_ptr, ends_ptr, desc_ptr, host_desc_ptr, parity, limit, meta_bytes,
+                        CHUNK: tl.constexpr):
+    # the plan of _pack_slice_kernel for pages the placed encoder laid end to end: their bytes
+    # (``end``) reserved at the arena's end, the metadata behind them in one chunk
+    pages = tl.load(end_ptr)
+    base = tl.load(ends_ptr + parity)
+    meta_at = base + pages
+    meta_at = tl.where(meta_at % CHUNK + meta_bytes > CHUNK, (meta_at // CHUNK + 1) * CHUNK,
+                       meta_at)
+    end = meta_at + meta_bytes
+    ok = end <= limit
+    tl.store(ends_ptr + (1 - parity), tl.where(ok, end, base))
+    placed = tl.where(ok, base, -1)
+    tl.store(desc_ptr, placed)
+    tl.store(desc_ptr + 1, end - base)
+    tl.store(host_desc_ptr, placed)
+    tl.store(host_desc_ptr + 1, end - base)
+    tl.store(host_desc_ptr + 2, pages)
+    tl.store(end_ptr, 0)  # the next slice of this payload starts at its byte 0
+
+
+@triton.jit
 def _fetch_from_host_kernel(dst_ptr, desc_ptr, table_ptr, CHUNK: tl.constexpr,
                             TABLE: tl.constexpr, WORDS: tl.constexpr):
     base = tl.load(desc_ptr)
@@ -252,6 +274,41 @@ def pack_slice_at(index: int, stream, programs: int, n: int, page_size: int, chu
     launch_known(_pack_slice_kernel, (programs,), index,
                  _pack_meta(page_size, chunk_bytes, table_len), classes,
                  (*addrs, n, parity, limit, *meta_span), args, stream)
+
+
+def place_slice(end: torch.Tensor, ends: torch.Tensor, parity: int, limit: int,
+                desc: torch.Tensor, host_desc: torch.Tensor, chunk_bytes: int,
+                meta_bytes: int) -> None:
+    """Reserve a slice whose pages the placed encoder laid end to end
+    (``kernels.exp_codec.compress_exp_placed``) at the arena's end, on the current stream, as
+    :func:`pack_slice` plans one, copying nothing: the copy engine moves the bytes once the
+    host has read the placement (``torch_pagecomp.offload._arena``).
+
+    Args:
+        end: ``int64 [1]`` on the device: the pages' bytes (the encoder's counter); set to 0.
+        ends, parity, limit, desc, chunk_bytes: as for :func:`pack_slice`.
+        host_desc: ``int64 [3]`` out, in page-locked host memory: ``(base, total, pages'
+            bytes)``; ``total`` counts the metadata (``meta_bytes``, a multiple of 16) behind
+            the pages, moved to the next chunk where it would cross into it.
+    """
+    launch(_place_slice_kernel, (1,), end.device,
+           (end, ends, desc, host_desc, parity, limit, meta_bytes),
+           _place_meta(chunk_bytes), traced=False)
+
+
+def place_slice_at(index: int, stream, addrs: tuple, parity: int, limit: int,
+                   meta_bytes: int, chunk_bytes: int, args) -> None:
+    """:func:`place_slice` given the addresses of ``(end, ends, desc, host_desc)`` on CUDA
+    device ``index``, on ``stream``, without its checks (as :func:`pack_slice_at`)."""
+    classes = tuple(ptr_class(torch.int64, a) for a in addrs) + (
+        int_class(parity), int_class(limit), int_class(meta_bytes))
+    launch_known(_place_slice_kernel, (1,), index, _place_meta(chunk_bytes), classes,
+                 (*addrs, parity, limit, meta_bytes), args, stream)
+
+
+@functools.cache
+def _place_meta(chunk_bytes: int):
+    return frozen_meta((("CHUNK", chunk_bytes), ("num_warps", 1)))
 
 
 @functools.cache

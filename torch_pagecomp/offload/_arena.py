@@ -28,7 +28,7 @@ import torch
 
 from .._events import mark
 from ..pools import SHRINK_STEPS, HostMemory, can_pin, usual_steps
-from ._copies import host_bytes
+from ._copies import copy_to_host, host_bytes
 
 # a 64 MiB slice (``_paged.SLICE_BYTES``) and its metadata's worst case (416 KiB for 4 KiB
 # pages, :func:`slice_upper`) fit one chunk: a slice of a 64 MiB chunk left 104 pages of
@@ -115,8 +115,23 @@ def _align16(nbytes: int) -> int:
 
 
 def _wait(stream, event) -> None:
-    if stream is not None and event is not None:
+    """``stream`` waits for ``event`` (None: nothing; a tuple: each of its events)."""
+    if stream is None or event is None:
+        return
+    if isinstance(event, tuple):
+        for e in event:
+            _wait(stream, e)
+    else:
         stream.wait_event(event)
+
+
+def _sync(event) -> None:
+    """The host waits for ``event`` (as :func:`_wait` takes it)."""
+    if isinstance(event, tuple):
+        for e in event:
+            _sync(e)
+    elif event is not None:
+        event.synchronize()
 
 
 REL, DESC, SIZES, KINDS, SUMS = range(5)  # the parts of a slice's metadata buffer
@@ -144,10 +159,17 @@ class _Slice:
     for (:attr:`rel`, :attr:`sizes`, ...): the store's launches take their addresses
     (``meta``'s plus :func:`_meta_offsets`), and cutting the views for every stored slice
     cost the hooks ~20 us a saved tensor. ``host_desc``: the arena's descriptor slot the pack
-    publishes the placement to (:meth:`VirtualArena.host_desc`), until confirmed."""
+    publishes the placement to (:meth:`VirtualArena.host_desc`), until confirmed.
+
+    ``send``: a slice whose pages the GPU laid end to end in a device buffer (the placed
+    exponent encoder, ``_paged``) holds that buffer here until the host has read its placement
+    and queued the copy engine's copies of it into the arena (:meth:`VirtualArena.confirm`);
+    ``stored`` is the event after the plan until then, after those copies from then on.
+    ``base``/``total`` are set once the bytes are in host memory, so that whatever reads a
+    placed slice on the host or by the copy engine finds them there."""
 
     __slots__ = ("first", "n", "meta", "checksum", "_parts", "host_desc", "stored", "base",
-                 "total", "freed")
+                 "total", "freed", "send")
 
     def __init__(self, first: int, n: int, meta, checksum: bool = False, host_desc=None,
                  stored=None):
@@ -158,6 +180,7 @@ class _Slice:
         self.base: int | None = None
         self.total = 0
         self.freed = False
+        self.send: torch.Tensor | None = None
 
     def parts(self) -> tuple:
         """:func:`_meta_views` of ``meta``: ``(rel, desc, sizes, kinds, sums)``; once placed
@@ -178,8 +201,14 @@ class _Slice:
         """Where the metadata lies in the slice's placed bytes (``total`` known)."""
         return self.total - meta_span(self.n, self.checksum)
 
-    def done(self) -> bool:
+    def known(self) -> bool:
+        """Its latest event has completed: before :meth:`VirtualArena.confirm` read it, its
+        placement is in the descriptor; after, a sent slice's bytes are in host memory."""
         return self.stored is None or self.stored.query()
+
+    def done(self) -> bool:
+        """Its bytes are in host memory (whether or not the host has read the placement)."""
+        return self.send is None and self.known()
 
     def placed_at(self, meta: torch.Tensor) -> None:
         """Placed: read the metadata from the arena (``meta``, its copy there) from now on
@@ -294,12 +323,19 @@ class VirtualArena:
         self.peak_backed = 0  # chunks backed at once since the last shrink
         self.peaks: list[int] = []  # ``peak_backed`` at each of the last SHRINK_STEPS shrinks
         self.placed_since_shrink = False
-        # where the pack kernel publishes each slice's (base, total): one pinned ring, not a
-        # pinned allocation per slice
-        self.descs = torch.empty((DESC_SLOTS, 2), dtype=torch.int64, pin_memory=self.pin)
+        # where the pack kernel publishes each slice's (base, total) (and the placed
+        # encoder's slices the bytes of their pages): one pinned ring, not a pinned
+        # allocation per slice
+        self.descs = torch.empty((DESC_SLOTS, 4), dtype=torch.int64, pin_memory=self.pin)
         self._descs_np = self.descs.numpy()
         self._next_desc = 0
         self.parity = 0  # the slot of ``state`` that holds the end for the next slice
+        # sent slices whose copies into the arena are queued, in order: (slice, base, total)
+        self.sending: collections.deque[tuple[_Slice, int, int]] = collections.deque()
+        # the stream the copies of sent slices go on (the pack stream: every write into the
+        # arena in one order, so a reused chunk is written after the earlier writes to it),
+        # and the one restores read the arena on; set by the store (None on the CPU)
+        self.sender = self.reader = None
         # seconds the host spent waiting for packs in ``confirm(through=...)`` (which ``back``
         # and ``host_desc`` call before pinning or reusing): a step's host time not spent working
         self.wait_s = 0.0
@@ -409,7 +445,7 @@ class VirtualArena:
 
     def desc_addr(self, k: int) -> int:
         """The address of descriptor slot ``k`` (:meth:`host_desc`)."""
-        return self.descs.data_ptr() + 16 * k
+        return self.descs.data_ptr() + 32 * k
 
     def add(self, sl: _Slice, upper: int) -> None:
         self.pending.append((sl, upper))
@@ -429,28 +465,69 @@ class VirtualArena:
     # -------------------------------------------------------------- confirmation
     def confirm(self, through: _Slice | None = None) -> None:
         """Read the placement of finished slices in stream order (all up to ``through``,
-        waiting for it if needed; else only those already finished, without waiting)."""
+        waiting for it if needed; else only those already finished, without waiting). A sent
+        slice's copies into the arena are queued here; it counts as placed once they are
+        done (:meth:`_publish`, never waiting; :meth:`settle` waits)."""
         while self.pending:
             sl, _ = self.pending[0]
-            if not sl.done():
-                if through is None or through.base is not None:
+            if not sl.known():
+                if through is None or through.host_desc is None:  # (read already)
                     break
                 t0 = time.perf_counter()
                 sl.stored.synchronize()
                 self.wait_s += time.perf_counter() - t0
             self.pending_upper -= self.pending.popleft()[1]
-            base, total = self._descs_np[sl.host_desc].tolist()
-            sl.base, sl.total, sl.host_desc, sl.stored = base, total, None, None
+            base, total, pages, _ = self._descs_np[sl.host_desc].tolist()
+            sl.host_desc = None
             if base >= 0:
                 self.frontier = base + total
-                if not sl.freed:
-                    sl.placed_at(host_bytes(self._address(base + sl.meta_at),
-                                            meta_span(sl.n, sl.checksum)))
+                if not sl.freed:  # its chunks are written (sent: once the copies are done)
                     self.live.update(self.chunks_of(base, total))
                     self.used += total
+            if sl.send is not None and base >= 0 and not sl.freed:
+                self._send(sl, base, total, pages)
+            else:
+                sl.send = None  # (a slice freed before it was read is not sent)
+                self._placed(sl, base, total)
             if sl is through:
                 break
+        self._publish()
         self._fold()
+
+    def _send(self, sl: _Slice, base: int, total: int, pages: int) -> None:
+        """Queue the copies of a sent slice into the arena: its pages (``pages`` bytes, end
+        to end from its buffer's start) at ``base``, its metadata (the device buffer, whose
+        ``rel`` the encoder wrote) at its end, in one chunk."""
+        meta = meta_span(sl.n, sl.checksum)
+        spans = self.spans(base, pages) if pages else []
+        copy_to_host(sl.send.view(-1), spans, self.sender)
+        copy_to_host(sl.meta, [(0, self._address(base + total - meta), meta)], self.sender)
+        sl.stored, sl.send = mark(self.sender), None
+        self.sending.append((sl, base, total))
+
+    def _publish(self) -> None:
+        """Sent slices whose copies are done are placed, in order (never waits)."""
+        while self.sending and self.sending[0][0].known():
+            self._placed(*self.sending.popleft(), sent=True)
+
+    def settle(self) -> None:
+        """Wait for the copies of every sent slice read so far, and place them."""
+        for sl, _, _ in self.sending:
+            _sync(sl.stored)
+        self._publish()
+
+    def _placed(self, sl: _Slice, base: int, total: int, sent: bool = False) -> None:
+        """``sl``'s bytes are in host memory at ``base`` (``base < 0``: it did not fit).
+        ``sent``: its copies were queued by :meth:`_send`, when it was live."""
+        sl.base, sl.total, sl.stored = base, total, None
+        if base < 0:
+            return
+        if sl.freed:  # freed while its copies ran: let its chunks go now (freed before
+            if sent:  # it was read, it never held them)
+                self._unlive(sl)
+        else:
+            sl.placed_at(host_bytes(self._address(base + sl.meta_at),
+                                    meta_span(sl.n, sl.checksum)))
 
     def release(self, sl: _Slice, reader) -> None:
         """``sl`` is no longer needed; chunks behind the frontier with nothing live go back to
@@ -460,8 +537,12 @@ class VirtualArena:
         sl.freed = True
         self._log.append((-1, sl))
         self._fold()
-        if sl.base is None or sl.base < 0:  # placement unknown (dropped when confirmed), or
-            return  # nothing placed
+        if sl.base is None or sl.base < 0:  # placement unknown (dropped when confirmed, or
+            return  # once its copies are done), or nothing placed
+        self._unlive(sl, reader)
+
+    def _unlive(self, sl: _Slice, reader=None) -> None:
+        """Take placed ``sl``'s bytes off its chunks (see :meth:`release`)."""
         span = self.chunks_of(sl.base, sl.total)
         self.live.subtract(span)
         for k in span:
@@ -473,7 +554,7 @@ class VirtualArena:
             if k >= self.frontier // self.chunk:
                 break
             if k not in self.live:
-                event = event or mark(reader)
+                event = event or mark(reader or self.reader)
                 self.free.append((self.backed.pop(k), event))
 
     def reset_peaks(self) -> None:
@@ -488,8 +569,7 @@ class VirtualArena:
         """Unpin free chunks beyond ``keep`` (the oldest first)."""
         while len(self.free) > keep:
             mem, event = self.free.pop(0)
-            if event is not None:
-                event.synchronize()  # a restore may still read it
+            _sync(event)  # a restore may still read it
             mem.release()
             self.unpins += 1
 
@@ -501,7 +581,7 @@ class VirtualArena:
         Restores queued on ``reader`` so far may still read them: unpinned after those. The
         next slice backs its chunks anew (the limit drops to the end's chunk)."""
         self.confirm()
-        if not self.pending and not self.live and self.backed:
+        if not self.pending and not self.sending and not self.live and self.backed:
             event = mark(reader)
             self.free.extend((mem, event) for mem in self.backed.values())
             self.backed.clear()

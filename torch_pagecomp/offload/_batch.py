@@ -98,8 +98,7 @@ import torch
 from ._entry import _capturing, _Entry, _in_backward
 from ._streams import current_stream, on_stream
 
-BATCH_BYTES = 64 << 20  # the store's slice (``_paged.SLICE_BYTES``): a batch is one compress
-# launch and one pack
+BATCH_BYTES = 64 << 20  # two of the store's slices (``_paged.SLICE_BYTES``)
 
 
 class Batch:

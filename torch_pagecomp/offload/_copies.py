@@ -16,20 +16,29 @@ import ctypes
 
 import torch
 
-_DRIVER: list = []  # [the driver's cuMemcpyHtoDAsync_v2, or None where it cannot be used]
+# the driver's cuMemcpyHtoDAsync_v2 and cuMemcpyDtoHAsync_v2, each None where it cannot be
+# used (looked up on first use)
+_DRIVER: dict = {}
 
 
-def _memcpy_htod():
-    if not _DRIVER:
+def _driver_copy(name: str):
+    if name not in _DRIVER:
         fn = None
         try:
-            fn = ctypes.CDLL("libcuda.so.1").cuMemcpyHtoDAsync_v2
-            fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
+            # (destination, source, bytes, stream): device pointers are integers
+            fn.argtypes = ([ctypes.c_uint64, ctypes.c_void_p] if "HtoD" in name
+                           else [ctypes.c_void_p, ctypes.c_uint64]) + [ctypes.c_size_t,
+                                                                       ctypes.c_void_p]
             fn.restype = ctypes.c_int
         except (OSError, AttributeError):
             fn = None
-        _DRIVER.append(fn)
-    return _DRIVER[0]
+        _DRIVER[name] = fn
+    return _DRIVER[name]
+
+
+def _memcpy_htod():
+    return _driver_copy("cuMemcpyHtoDAsync_v2")
 
 
 def host_bytes(addr: int, nbytes: int) -> torch.Tensor:
@@ -50,5 +59,24 @@ def copy_spans(dst: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
         if fn is not None:
             if fn(base + at, addr, n, stream) == 0:
                 continue
-            _DRIVER[0] = fn = None  # e.g. no current context: Tensor.copy_ from now on
-        dst[at:at + n].copy_(host_bytes(addr, n), non_blocking=dst.is_cuda)
+            _DRIVER["cuMemcpyHtoDAsync_v2"] = fn = None  # e.g. no current context:
+        dst[at:at + n].copy_(host_bytes(addr, n), non_blocking=dst.is_cuda)  # copy_ from now on
+
+
+def copy_to_host(src: torch.Tensor, spans: list[tuple[int, int, int]], stream) -> None:
+    """Copy bytes of ``src`` (``uint8``, CUDA or CPU) into page-locked host memory on
+    ``stream`` (a ``torch.cuda.Stream``; None on the CPU, where the copy is done at once):
+    each span ``(offset in src, host address, bytes)``, as :func:`copy_spans` takes them the
+    other way. The caller keeps ``src`` until the copies are done (an event after them)."""
+    fn = _driver_copy("cuMemcpyDtoHAsync_v2") if src.is_cuda else None
+    base = src.data_ptr()
+    for at, addr, n in spans:
+        if fn is not None:
+            if fn(addr, base + at, n, stream.cuda_stream) == 0:
+                continue
+            _DRIVER["cuMemcpyDtoHAsync_v2"] = fn = None  # Tensor.copy_ from now on
+        if src.is_cuda:
+            with torch.cuda.stream(stream):
+                host_bytes(addr, n).copy_(src[at:at + n], non_blocking=True)
+        else:
+            host_bytes(addr, n).copy_(src[at:at + n])

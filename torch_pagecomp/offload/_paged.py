@@ -42,27 +42,30 @@ from ._copies import copy_spans, host_bytes
 from ._statuses import StatusCount
 from ._streams import current_stream, on_stream
 
-SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
-# slice costs the host ~5 kernel launches both ways, so most saved tensors are one slice
-# Slices whose fixed-stride payloads the GPU holds at once: one, so a slice's compress waits
-# for the previous slice's pack. Two (the compress running a slice ahead) held up to 128 MiB
-# more through the forward and raised ResNet-50's GPU peak above a plain copy's, without a
-# faster step: interleaved on one H200, one payload gave steps of 1.00x / 0.97x / 0.94x / 1.01x
-# two's on ResNet-50 / encoder-1024 / BERT-large / a Llama-style decoder and peaks of
-# 1.37 against 1.41 GiB on ResNet-50 (a plain copy 1.38), bench/results/h200x2_824437a_session55
-SCRATCH_SLICES = 1
+SLICE_BYTES = 32 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
+# slice costs the host a few kernel launches and copies both ways
+# Slices whose payloads the GPU holds at once, taken in turn: a slice's compress waits until
+# the pages of the slice SCRATCH_SLICES before have left its payload. Two, so the compress of
+# one slice runs while the copy engine sends the one before (the exponent codec's pages are
+# sent only once the host has read their placement); at 32 MiB slices they hold what one
+# payload of 64 MiB held before session 61. (Session 55's measurement of two 64 MiB payloads
+# with the pack kernel: no faster, ResNet-50's GPU peak 0.04 GiB higher,
+# bench/results/h200x2_824437a_session55.)
+SCRATCH_SLICES = 2
 
 
 class _PayloadSlot:
     """One buffer of :class:`PagedStore`'s payloads (``SCRATCH_SLICES`` of them, taken in
-    turn) and the pack event of the slice that used it last (a new slice's compress waits for
-    it before writing there)."""
+    turn), the slice that used it last (a new slice's compress waits until that one's pages
+    have left it: its ``stored`` event) and the placed encoder's counter (``int64 [1]`` on
+    the device, made with the buffer; each slice's plan sets it back to 0)."""
 
-    __slots__ = ("buf", "packed")
+    __slots__ = ("buf", "last", "end")
 
     def __init__(self):
         self.buf: torch.Tensor | None = None
-        self.packed = None
+        self.last: _Slice | None = None
+        self.end: torch.Tensor | None = None
 
 
 class SliceNotStored(RuntimeError):
@@ -188,6 +191,7 @@ class PagedStore:
         self.compress_stream, self.pack_stream, self.restore_stream = streams
         with on_stream(self.pack_stream):  # the pack kernel reads the arena's state there
             self.arena = VirtualArena(device, chunk_bytes)
+        self.arena.sender, self.arena.reader = self.pack_stream, self.restore_stream
         # a slice, its metadata with it, is at most a chunk long: it lies in one chunk or two
         # (the pack kernel's rule)
         slice_bytes = SLICE_BYTES if slice_bytes is None else slice_bytes  # (read when made)
@@ -195,8 +199,8 @@ class PagedStore:
         while pages > 1 and slice_upper(pages, page_size, checksum) > chunk_bytes:
             pages -= 1
         self.slice_pages = pages
-        # the fixed-stride payloads of the last SCRATCH_SLICES slices, taken in turn, each with
-        # the pack that last read it (:meth:`_payload`)
+        # the payloads of the last SCRATCH_SLICES slices, taken in turn, each with the slice
+        # that used it last (:meth:`_payload`)
         self._slots = [_PayloadSlot() for _ in range(SCRATCH_SLICES)]
         self._turn = 0
         # pages that failed to decode, counted on the device (None on the CPU: raised at once)
@@ -292,8 +296,12 @@ class PagedStore:
     def stores_now(self, nbytes: int) -> bool:
         """Whether :meth:`offload` of ``nbytes`` would start without the host waiting for
         slices in flight to be placed: false when the arena's chunks are spoken for by the
-        worst cases of slices not yet packed (the link is behind the host)."""
-        return self.arena.room_now(self.worst_case(nbytes))
+        worst cases of slices not yet packed, or when the payload the next slice takes still
+        holds pages whose placement the GPU has not published (the link is behind the host)."""
+        if not self.arena.room_now(self.worst_case(nbytes)):  # (confirms what it can first)
+            return False
+        last = self._slots[self._turn].last
+        return last is None or last.send is None or last.known()
 
     def worst_case(self, nbytes: int) -> int:
         """The arena bytes :meth:`offload` of ``nbytes`` backs before its slices are placed:
@@ -309,16 +317,22 @@ class PagedStore:
 
     def _store_slice(self, src, rows: torch.Tensor | None, first: int, n: int,
                      element_size: int, float_format: str | None) -> _Slice:
-        """Compress and pack pages ``first .. first + n`` of ``src`` (read through the row
-        table ``rows`` where given: :meth:`offload`'s parts)."""
+        """Compress pages ``first .. first + n`` of ``src`` (read through the row table
+        ``rows`` where given) and place them in the arena: the exponent codec's pages laid end
+        to end by the encoder and sent by the copy engine once the host has read where they go
+        (:meth:`VirtualArena.confirm`), LZ4's packed by a kernel."""
         p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
         slot = self._slots[self._turn]
-        self._turn = (self._turn + 1) % SCRATCH_SLICES
-        _wait(cs, slot.packed)  # bound the scratch in flight: its payload was packed by then
+        self._turn = (self._turn + 1) % len(self._slots)
+        last = slot.last
+        if last is not None and last.send is not None:
+            arena.confirm(through=last)  # its copies queued: the wait below is for them
+        # bound the scratch in flight: the payload's last pages have left it by then
+        _wait(cs, None if last is None else last.stored)
         device = (src if rows is None else rows).device
         payload = self._payload(slot, n, device)
         # the metadata the restore needs (:func:`_meta_bytes`), copied into the arena behind
-        # the pages by the pack and let go from the device once the slice is placed
+        # the pages and let go from the device once the slice is placed
         meta = torch.empty(meta_span(n, self.checksum), dtype=torch.uint8, device=device)
         sl = _Slice(first, n, meta, self.checksum)
         # on the GPU the kernels take addresses (views cost the host microseconds apiece, and
@@ -326,11 +340,14 @@ class PagedStore:
         m = meta.data_ptr()
         rel, desc, sizes, kinds, _ = (m + o if o is not None else None
                                       for o in _meta_offsets(n, self.checksum))
-        self._compress_slice(src, rows, sl, payload, (sizes, kinds), element_size,
-                             float_format)
+        placed = float_format is not None  # end to end, for the copy engine
+        self._compress_slice(src, rows, sl, payload,
+                             (sizes, kinds) + ((rel, slot.end) if placed else ()),
+                             element_size, float_format)
         if self.checksum:
             _checksums(_pages(src, first, n, p), sl.sums)
-        self.scratch_bytes = max(self.scratch_bytes, SCRATCH_SLICES * n * p + self._scratch_held)
+        self.scratch_bytes = max(self.scratch_bytes,
+                                 len(self._slots) * n * p + self._scratch_held)
         if ps is not None:  # the pack stream waits for the compress kernel
             self._handed = mark(cs)
             ps.wait_event(self._handed)
@@ -339,7 +356,9 @@ class PagedStore:
         arena.back(upper, ps)
         parity, limit = arena.parity, arena.limit
         arena.parity ^= 1
-        if ps is not None:
+        if placed:
+            self._place(sl, slot.end, k, parity, limit)
+        elif ps is not None:
             from ..kernels.host_pack import pack_slice_at
 
             # page-locked host memory is read and written at its host address (unified
@@ -359,27 +378,60 @@ class PagedStore:
         stored = mark(ps)
         if ps is not None:
             meta.record_stream(ps)  # made on the compress stream, read here
-        slot.packed = stored
+        slot.last = sl
         sl.host_desc, sl.stored = k, stored
+        sl.send = payload if placed else None  # held until its copies are queued
         arena.add(sl, upper)
         return sl
+
+    def _place(self, sl: _Slice, end: torch.Tensor, k: int, parity: int, limit: int) -> None:
+        """Reserve ``sl``'s pages, laid end to end by the placed encoder (``end``: their
+        bytes), and its metadata at the arena's end, on the pack stream
+        (``kernels.host_pack.place_slice``), publishing the placement to descriptor ``k``."""
+        arena, ps, meta = self.arena, self.pack_stream, sl.meta
+        if ps is None:
+            from ..kernels.host_pack import place_slice
+
+            place_slice(end, arena.state, parity, limit, sl.desc, arena.descs[k], arena.chunk,
+                        meta.numel())
+            return
+        from ..kernels.host_pack import place_slice_at
+
+        desc = meta.data_ptr() + _meta_offsets(sl.n, sl.checksum)[1]
+        place_slice_at(meta.device.index, ps,
+                       (end.data_ptr(), arena.state.data_ptr(), desc, arena.desc_addr(k)),
+                       parity, limit, meta.numel(), arena.chunk,
+                       lambda: (end, arena.state, sl.desc, arena.descs[k], parity, limit,
+                                meta.numel()))
 
     def _compress_slice(self, src, rows: torch.Tensor | None, sl: _Slice, payload,
                         addrs: tuple, element_size: int, float_format: str | None) -> None:
         """Compress ``sl``'s pages of ``src`` (through the row table ``rows`` where given)
-        into ``payload`` and ``sl``'s sizes and kinds (at ``addrs``) on the current stream: on
-        the GPU the exponent codec's or LZ4's kernel by address; on the CPU the ops' reference
-        path."""
+        into ``payload`` and ``sl``'s sizes and kinds (at ``addrs``: ``(sizes, kinds)``, or
+        with the exponent codec ``(sizes, kinds, rel, end)``, its pages end to end: ``rel``'s
+        address and the payload's counter) on the current stream: on the GPU the kernels by
+        address; on the CPU LZ4 by the ops' reference path, the exponent codec by its kernel
+        (the interpreter)."""
         first, n, p = sl.first, sl.n, self.page_size
-        sizes, kinds = addrs
-        if rows is not None:
-            self._compress_rows(rows, sl, payload, addrs, element_size, float_format)
-        elif src.is_cuda and float_format:
-            from ..kernels.exp_codec import compress_exp_at
+        sizes, kinds = addrs[:2]
+        if float_format:
+            from ..kernels.exp_codec import compress_exp_placed, compress_exp_placed_at
 
-            compress_exp_at(src.device.index, n, p, float_format == "fp16",
-                            src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
-                            lambda: (_pages(src, first, n, p), payload, sl.sizes, sl.kinds))
+            fp16 = float_format == "fp16"
+            if not (src if rows is None else rows).is_cuda:
+                compress_exp_placed(_pages(src, first, n, p), fp16,
+                                    (payload.view(-1), sl.sizes, sl.kinds, sl.rel, addrs[3]))
+                return
+            pages = (rows.data_ptr() + 8 * first if rows is not None
+                     else src.data_ptr() + first * p)
+            end = addrs[3]
+            compress_exp_placed_at(
+                end.device.index, n, p, fp16, rows is not None,
+                (pages, payload.data_ptr(), sizes, kinds, addrs[2], end.data_ptr()),
+                lambda: ((rows[first:first + n] if rows is not None else _pages(src, first, n, p)),
+                         payload, sl.sizes, sl.kinds, sl.rel, end))
+        elif rows is not None:
+            self._compress_rows(rows, sl, payload, addrs, element_size)
         elif src.is_cuda:
             from ..kernels.lz4_compress import compress_at
 
@@ -394,30 +446,23 @@ class PagedStore:
                                  *scratch, n))
         else:
             _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds),
-                      float_format)
+                      None)
 
     def _compress_rows(self, rows: torch.Tensor, sl: _Slice, payload, addrs: tuple,
-                       element_size: int, float_format: str | None) -> None:
-        """:meth:`_compress_slice` of pages read through the row table ``rows``."""
+                       element_size: int) -> None:
+        """:meth:`_compress_slice` of LZ4 pages read through the row table ``rows``."""
+        from ..kernels.lz4_compress import compress_config, compress_rows_at
+
         first, n, p = sl.first, sl.n, self.page_size
-        sizes, kinds = addrs
+        sizes, kinds = addrs[:2]
         at, index = rows.data_ptr() + 8 * first, rows.device.index
-        if float_format:
-            from ..kernels.exp_codec import compress_exp_rows_at
-
-            compress_exp_rows_at(index, n, p, float_format == "fp16", at, payload.data_ptr(),
-                                 sizes, kinds,
-                                 lambda: (rows[first:first + n], payload, sl.sizes, sl.kinds))
-        else:
-            from ..kernels.lz4_compress import compress_config, compress_rows_at
-
-            scratch = self._scratch(rows, element_size)
-            programs = self._lz4_launch[element_size][0]
-            compress_rows_at(index, min(n, programs), n, compress_config(p, element_size),
-                             (at, payload.data_ptr(), sizes, kinds, scratch[0].data_ptr(),
-                              scratch[1].data_ptr()),
-                             lambda: (rows[first:first + n], payload, sl.sizes, sl.kinds,
-                                      *scratch, n))
+        scratch = self._scratch(rows, element_size)
+        programs = self._lz4_launch[element_size][0]
+        compress_rows_at(index, min(n, programs), n, compress_config(p, element_size),
+                         (at, payload.data_ptr(), sizes, kinds, scratch[0].data_ptr(),
+                          scratch[1].data_ptr()),
+                         lambda: (rows[first:first + n], payload, sl.sizes, sl.kinds,
+                                  *scratch, n))
 
     def _payload(self, slot: _PayloadSlot, n: int, device: torch.device) -> torch.Tensor:
         """``uint8 [n, P]`` for a slice's compressed pages at a fixed stride: ``slot``'s
@@ -431,6 +476,8 @@ class PagedStore:
         slice, above a plain copy's under FSDP2 (same folder; this rule is not measured there
         yet)."""
         p, buf = self.page_size, slot.buf
+        if slot.end is None:  # (kept for the store's life: each plan leaves it at 0)
+            slot.end = torch.zeros(1, dtype=torch.int64, device=device)
         if buf is None or not n * p <= buf.numel() <= 2 * n * p:
             buf = slot.buf = torch.empty(n * p, dtype=torch.uint8, device=device)
             if self.pack_stream is not None:  # freed (replaced, released) after its packs
@@ -482,7 +529,9 @@ class PagedStore:
     def restore(self, stored: PagedStored, out: torch.Tensor, count: bool = True
                 ) -> torch.Tensor:
         """Decode ``stored`` into ``out`` (``uint8 [nbytes]``) on the current stream, after
-        its pack (a device-side wait: the host learns nothing and waits for nothing). Returns
+        its pack (a device-side wait: the host learns nothing and waits for nothing; only
+        where a slice's copies into the arena are not queued yet does the host wait for its
+        placement and queue them, :meth:`send_now`). Returns
         the pages' statuses (``int32``, one per full page, then the partial last page's with
         ``checksum``), which ``count`` adds to :meth:`failed_restores` (then they may lie in
         a buffer the store reuses: only a caller that counts them itself reads them)."""
@@ -490,7 +539,7 @@ class PagedStore:
 
         p, arena = self.page_size, self.arena
         stream = current_stream(out.device) if out.is_cuda else None  # on out's device
-        arena.confirm()  # placements known by now (never waits)
+        self.send_now(stored.slices)
         full = stored.nbytes // p  # the slices' pages; the partial tail travels as bytes
         checked_tail = stored.tail_sum is not None
         # with ``count``, the restore stream's statuses come from the store's ring
@@ -539,10 +588,22 @@ class PagedStore:
 
         restore_group(self, group, out)
 
+    def send_now(self, slices: list[_Slice]) -> None:
+        """Read the placements known by now (never waits), then queue the copies into the
+        arena of any of ``slices`` whose copies are not queued yet, the host waiting for their
+        placement: a restore reads a slice from the arena (by the copy engine once placed,
+        else by kernels after a device-side wait on its copies)."""
+        self.arena.confirm()
+        unsent = [sl for sl in slices if sl.send is not None]
+        if unsent:
+            self.arena.confirm(through=unsent[-1])
+
     def wait_placed(self) -> None:
-        """Wait until every slice stored so far is placed and confirmed (exact host sizes)."""
+        """Wait until every slice stored so far is placed and confirmed (exact host sizes),
+        its bytes in host memory."""
         if self.arena.pending:
             self.arena.confirm(through=self.arena.pending[-1][0])
+        self.arena.settle()
 
     def close(self) -> None:
         """Wait for this store's streams, then unpin every chunk. Stored tensors are not
@@ -550,7 +611,8 @@ class PagedStore:
         for s in (self.compress_stream, self.pack_stream, self.restore_stream):
             if s is not None:
                 s.synchronize()
-        self.arena.confirm()
+        self.arena.confirm()  # (may queue copies of slices still unsent: waited for below)
+        self.arena.settle()
         if self.uploads is not None:
             self.uploads.release()
         for mem in self.arena.backed.values():

@@ -374,7 +374,8 @@ def restore_group(store, group: StoredGroup, out) -> None:
                  for stored, start in zip(group.storeds, group.starts)]
                 if group.ragged else None)
     stream = current_stream(dev) if dev.type == "cuda" else None
-    arena.confirm()  # placements known by now (never waits)
+    # placements known by now (never waits), and the copies of slices not sent yet queued
+    store.send_now([sl for stored in group.storeds[group.known:] for sl in stored.slices])
     _absorb(store, group, dev)
 
     # the stored tensors not cached yet (placement unknown): their own staging space
