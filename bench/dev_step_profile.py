@@ -81,7 +81,7 @@ def timeline(events: list[dict]) -> list[str]:
     return lines
 
 
-COMPRESS_KERNELS = ("_exp_encode_kernel", "_lz4_compress_kernel")
+COMPRESS_KERNELS = ("_exp_encode_kernel", "_exp_encode_placed_kernel", "_lz4_compress_kernel")
 
 
 def _outbound(out: list[dict], comp: list[dict], ms) -> list[str]:

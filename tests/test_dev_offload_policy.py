@@ -23,7 +23,7 @@ def restored(monkeypatch):
 def test_each_policy_changes_what_it_names(restored):
     probe.apply("shipped")
     store = _paged.PagedStore(torch.device("cpu"), 4096)
-    assert store.slice_pages == (64 << 20) // 4096
+    assert store.slice_pages == _paged.SLICE_BYTES // 4096
     probe.apply("slice16")
     assert _paged.PagedStore(torch.device("cpu"), 4096).slice_pages == (16 << 20) // 4096
     assert _paged.PagedStore(torch.device("cpu"), 4096, slice_bytes=1 << 20).slice_pages == 256

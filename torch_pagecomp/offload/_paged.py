@@ -189,9 +189,15 @@ class PagedStore:
         self.device, self.page_size = device, page_size
         self.checksum = checksum
         self.compress_stream, self.pack_stream, self.restore_stream = streams
+        # the copy engine's copies of sent slices into the arena: a stream of their own, so
+        # that a copy the host queues starts at once, not behind the plans and packs of later
+        # slices (each waiting for its compress). A chunk the copies write is live until they
+        # are done (``VirtualArena``), so no other stream's write to it needs to wait for them.
+        self.send_stream = (torch.cuda.Stream(device=device) if self.pack_stream is not None
+                            else None)
         with on_stream(self.pack_stream):  # the pack kernel reads the arena's state there
             self.arena = VirtualArena(device, chunk_bytes)
-        self.arena.sender, self.arena.reader = self.pack_stream, self.restore_stream
+        self.arena.sender, self.arena.reader = self.send_stream, self.restore_stream
         # a slice, its metadata with it, is at most a chunk long: it lies in one chunk or two
         # (the pack kernel's rule)
         slice_bytes = SLICE_BYTES if slice_bytes is None else slice_bytes  # (read when made)
@@ -378,6 +384,8 @@ class PagedStore:
         stored = mark(ps)
         if ps is not None:
             meta.record_stream(ps)  # made on the compress stream, read here
+            if placed:  # (and by its copy into the arena)
+                meta.record_stream(self.send_stream)
         slot.last = sl
         sl.host_desc, sl.stored = k, stored
         sl.send = payload if placed else None  # held until its copies are queued
@@ -481,7 +489,8 @@ class PagedStore:
         if buf is None or not n * p <= buf.numel() <= 2 * n * p:
             buf = slot.buf = torch.empty(n * p, dtype=torch.uint8, device=device)
             if self.pack_stream is not None:  # freed (replaced, released) after its packs
-                buf.record_stream(self.pack_stream)
+                buf.record_stream(self.pack_stream)  # and copies (queued before: a sent
+                buf.record_stream(self.send_stream)  # slice holds it until then)
         return buf[:n * p].view(n, p)
 
     def release_payloads(self) -> None:
@@ -608,7 +617,7 @@ class PagedStore:
     def close(self) -> None:
         """Wait for this store's streams, then unpin every chunk. Stored tensors are not
         restorable afterwards; the store must not be used again."""
-        for s in (self.compress_stream, self.pack_stream, self.restore_stream):
+        for s in (self.compress_stream, self.pack_stream, self.restore_stream, self.send_stream):
             if s is not None:
                 s.synchronize()
         self.arena.confirm()  # (may queue copies of slices still unsent: waited for below)
