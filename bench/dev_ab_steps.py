@@ -56,6 +56,13 @@ until the backward's end, went with session 56's ring of statuses, ``offload._st
 it lay in the arena behind their pages.) ``memory_join``: a batch joined by one
 ``torch.cat`` before its compress, as before session 57 (now the compress reads the
 members where they lie, ``PagedStore.takes_parts``).
+``memory_slots1``: one payload (``_paged.SCRATCH_SLICES``), as before session 61;
+``memory_in_turn``: both payloads held and taken in turn, not the second only while the link
+is behind (``PagedStore._slot``); ``memory_in_turn32``: that, with slices of 32 MiB (the two
+hold what one of 64 MiB held). Session 61, one H200 (``bench/results/h200_session61``):
+in turn, Llama-style 0.83x a plain copy against 0.96x with one payload, ResNet-50 1.02x
+against 1.05x, but ResNet-50's GPU peak 1.350 against a plain copy's 1.315 GiB; 32 MiB
+slices in turn 0.86x and 1.20x.
 ``memory_late``: a compressed source leaves the stash in a forward once its pages are in
 host memory (packed), as before session 60, not once they are compressed
 (``_entry._Entry.source_read``).
@@ -94,8 +101,8 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
-        "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1x64",
-        "memory_slots2x64",
+        "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
+        "memory_in_turn", "memory_in_turn32",
         "speed",
         "speed_copy_only")
 
@@ -117,11 +124,9 @@ PATCHES = {
     "memory_slice32": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 32 << 20),),
     "memory_slice16": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 16 << 20),),
     "memory_slots2": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 2),),
-    # one payload of a 64 MiB slice (before session 61), and two of them
-    "memory_slots1x64": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 1),
-                         ("torch_pagecomp.offload._paged", "SLICE_BYTES", 64 << 20)),
-    "memory_slots2x64": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 2),
-                         ("torch_pagecomp.offload._paged", "SLICE_BYTES", 64 << 20)),
+    # one payload (as before session 61), and two of 32 MiB slices taken in turn
+    "memory_slots1": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 1),),
+    "memory_in_turn32": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 32 << 20),),
     # the plain copies' pinned buffers kept for the last step's busiest moment only (before
     # session 59), not the last SHRINK_STEPS steps'
     "uncompressed_shrink1": (("torch_pagecomp.pools", "SHRINK_STEPS", 1),),
@@ -138,6 +143,10 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     from torch_pagecomp.offload._batch import Batcher
     from torch_pagecomp.offload._paged import PagedStore
 
+    if arm.startswith("memory_in_turn"):  # both payloads held, taken in turn (session 61's
+        # first way), not the second only while the link is behind
+        return [(PagedStore, "_slot", _in_turn)] + [
+            (importlib.import_module(m), name, v) for m, name, v in PATCHES.get(arm, ())]
     if arm in PATCHES:
         return [(importlib.import_module(m), name, v) for m, name, v in PATCHES[arm]]
     if arm.endswith("_nohold"):  # nothing held: every storage stored once its batch closes,
@@ -174,6 +183,15 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm == "memory_group":  # batched restores through restore_group
         return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
     return []
+
+
+def _in_turn(store):
+    """``PagedStore._slot`` taking the payloads in turn, each kept once made (the
+    ``memory_in_turn`` arms)."""
+    slot = min(store._slots, key=lambda s: s.used)
+    store._uses += 1
+    slot.used = store._uses
+    return slot
 
 
 def _fresh_payload(store, slot, n: int, device):

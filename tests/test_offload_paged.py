@@ -84,15 +84,21 @@ def test_round_trip_across_slices_and_chunks(gen, element_size, kind):
 
 @interpreter
 def test_slices_take_their_payloads_from_a_ring_that_follows_their_size(gen, monkeypatch):
-    """Each slice's fixed-stride payload is the next of ``SCRATCH_SLICES`` buffers, reused
-    while a slice needs at most what one holds and at least half of it (no allocation per
-    slice), made again otherwise (a ring kept at the largest slice held it through the
-    forward); storages of varying sizes come back exactly, and ``release_payloads`` lets
-    the ring go (the next slice makes it again). Run with two buffers, the general case;
-    the package ships one (its own test below)."""
+    """Each slice's fixed-stride payload is a buffer reused while a slice needs at most what
+    it holds and at least half of it (no allocation per slice), made again otherwise (a ring
+    kept at the largest slice held it through the forward); storages of varying sizes come
+    back exactly, and ``release_payloads`` lets the ring go (the next slice makes it again).
+    Run with both buffers taken in turn, the general case (the package takes the second only
+    while the link is behind: its own test below)."""
     from torch_pagecomp.offload import _paged
 
-    monkeypatch.setattr(_paged, "SCRATCH_SLICES", 2)
+    def in_turn(store):
+        slot = min(store._slots, key=lambda s: s.used)
+        store._uses += 1
+        slot.used = store._uses
+        return slot
+
+    monkeypatch.setattr(_paged.PagedStore, "_slot", in_turn)
     store = _store(slice_bytes=4 * P)
     ptrs = []
 
@@ -123,30 +129,46 @@ def test_slices_take_their_payloads_from_a_ring_that_follows_their_size(gen, mon
 
 
 @interpreter
-def test_the_store_holds_two_slice_payloads_taken_in_turn(gen):
-    """As shipped, the slices of a storage (and of the next) take two payload buffers in turn:
-    the GPU holds two slices' pages, ``scratch_bytes`` says so, and every slice comes back
-    exactly (on a GPU each compress waits until the pages of the slice two before have left
-    its buffer), with either codec."""
-    from torch_pagecomp.offload import _paged
+@pytest.mark.parametrize("float_format", [None, "bf16"])
+def test_a_second_payload_only_while_the_first_holds_pages_not_sent(gen, monkeypatch,
+                                                                 float_format):
+    """The store's payloads: the first, and a second only while the first still holds pages
+    that have not left it (the link behind; an exponent-coded slice's are sent once the host
+    has read its placement, so a tensor's next slice takes the second), let go once
+    ``IDLE_SLICES`` slices in a row found the first free; ``scratch_bytes`` bounds both. Every
+    slice comes back exactly, with either codec."""
+    from torch_pagecomp.offload import _arena, _paged
 
     assert _paged.SCRATCH_SLICES == 2
-    for float_format in (None, "bf16"):
-        store = _store(slice_bytes=4 * P)
-        srcs = [_data(gen, n * P + extra, "bf16") for n, extra in ((8, 0), (6, 3))]
-        bufs = set()
-        stored = []
-        for s in srcs:
-            stored.append(store.offload(s, 2, float_format=float_format))
-            assert len(store._slots) == 2
-            bufs |= {slot.buf.data_ptr() for slot in store._slots}
-        assert len(bufs) == 2  # slices of 4, 4, 4, 2 pages: two buffers of 4, reused
-        assert store.stats()["scratch_bytes"] == 2 * 4 * P
-        store.poll()
-        for s, st in zip(srcs, stored):
-            out = torch.full_like(s, POISON)
-            store.restore(st, out)
-            assert torch.equal(out, s)
+    store = _store(slice_bytes=4 * P)
+    first, second = store._slots
+    srcs, stored = [], []
+
+    def offload(pages):
+        srcs.append(_data(gen, pages * P + 3, "bf16"))
+        stored.append(store.offload(srcs[-1], 2, float_format=float_format))
+        store.poll()  # (as the hooks do before each saved tensor)
+        return stored[-1].slices
+
+    slices = offload(8)
+    assert first.last is (slices[0] if float_format else slices[1])
+    # LZ4's pages leave at once on the CPU; an exponent-coded slice's once the host reads
+    # its placement, after the next slice took the second payload
+    assert (second.last is slices[1]) == bool(float_format)
+    assert store.stats()["scratch_bytes"] == 2 * 4 * P
+    monkeypatch.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
+    slices = offload(3)  # the link behind: the second
+    assert second.last is slices[0] and second.buf is not None
+    monkeypatch.undo()
+    for _ in range(_paged.IDLE_SLICES):  # caught up: the first, the second let go
+        assert second.buf is not None
+        slices = offload(2)
+        assert first.last is slices[0]
+    assert second.buf is None
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
 
 
 @interpreter

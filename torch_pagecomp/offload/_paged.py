@@ -42,30 +42,32 @@ from ._copies import copy_spans, host_bytes
 from ._statuses import StatusCount
 from ._streams import current_stream, on_stream
 
-SLICE_BYTES = 32 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
-# slice costs the host a few kernel launches and copies both ways
-# Slices whose payloads the GPU holds at once, taken in turn: a slice's compress waits until
-# the pages of the slice SCRATCH_SLICES before have left its payload. Two, so the compress of
-# one slice runs while the copy engine sends the one before (the exponent codec's pages are
-# sent only once the host has read their placement); at 32 MiB slices they hold what one
-# payload of 64 MiB held before session 61. (Session 55's measurement of two 64 MiB payloads
-# with the pack kernel: no faster, ResNet-50's GPU peak 0.04 GiB higher,
-# bench/results/h200x2_824437a_session55.)
+SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the scratch; each
+# slice costs the host a few kernel launches and copies both ways, so most saved tensors are
+# one slice
+# The most slices' payloads the GPU holds at once (:meth:`PagedStore._slot`): the first, and
+# while the link is behind (the first still holds pages not sent), a second, so that the
+# compress of one slice runs while the copy engine sends the one before; the exponent codec's
+# pages are sent only once the host has read their placement, so with one payload the link
+# waited for each compress and for the host between slices. The second goes once the first is
+# free again.
 SCRATCH_SLICES = 2
+IDLE_SLICES = 2  # slices that found the first payload free before the others' buffers go
 
 
 class _PayloadSlot:
-    """One buffer of :class:`PagedStore`'s payloads (``SCRATCH_SLICES`` of them, taken in
-    turn), the slice that used it last (a new slice's compress waits until that one's pages
-    have left it: its ``stored`` event) and the placed encoder's counter (``int64 [1]`` on
-    the device, made with the buffer; each slice's plan sets it back to 0)."""
+    """One of :class:`PagedStore`'s payload buffers (up to ``SCRATCH_SLICES``,
+    :meth:`PagedStore._slot`), the slice that used it last (a new slice's compress waits
+    until that one's pages have left it: its ``stored`` event) and the placed encoder's
+    counter (``int64 [1]`` on the device, made with the buffer; each plan sets it to 0)."""
 
-    __slots__ = ("buf", "last", "end")
+    __slots__ = ("buf", "last", "end", "used")
 
     def __init__(self):
         self.buf: torch.Tensor | None = None
         self.last: _Slice | None = None
         self.end: torch.Tensor | None = None
+        self.used = 0  # when a slice last took it (``PagedStore._uses``)
 
 
 class SliceNotStored(RuntimeError):
@@ -205,10 +207,9 @@ class PagedStore:
         while pages > 1 and slice_upper(pages, page_size, checksum) > chunk_bytes:
             pages -= 1
         self.slice_pages = pages
-        # the payloads of the last SCRATCH_SLICES slices, taken in turn, each with the slice
-        # that used it last (:meth:`_payload`)
+        # up to SCRATCH_SLICES payloads, each with the slice that used it last (:meth:`_slot`)
         self._slots = [_PayloadSlot() for _ in range(SCRATCH_SLICES)]
-        self._turn = 0
+        self._uses = 0  # slices stored so far: each slot's ``used`` is the count at its last
         # pages that failed to decode, counted on the device (None on the CPU: raised at once)
         self.statuses = None
         if device.type == "cuda":
@@ -306,7 +307,7 @@ class PagedStore:
         holds pages whose placement the GPU has not published (the link is behind the host)."""
         if not self.arena.room_now(self.worst_case(nbytes)):  # (confirms what it can first)
             return False
-        last = self._slots[self._turn].last
+        last = self._pick().last
         return last is None or last.send is None or last.known()
 
     def worst_case(self, nbytes: int) -> int:
@@ -328,8 +329,7 @@ class PagedStore:
         to end by the encoder and sent by the copy engine once the host has read where they go
         (:meth:`VirtualArena.confirm`), LZ4's packed by a kernel."""
         p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
-        slot = self._slots[self._turn]
-        self._turn = (self._turn + 1) % len(self._slots)
+        slot = self._slot()
         last = slot.last
         if last is not None and last.send is not None:
             arena.confirm(through=last)  # its copies queued: the wait below is for them
@@ -472,10 +472,37 @@ class PagedStore:
                          lambda: (rows[first:first + n], payload, sl.sizes, sl.kinds,
                                   *scratch, n))
 
+    def _pick(self) -> _PayloadSlot:
+        """The payload slot the next slice takes: the first whose last slice's pages have left
+        it (the first slot before the others), else the one used longest ago (its pages
+        leave first)."""
+        for slot in self._slots:
+            if slot.last is None or slot.last.done():
+                return slot
+        return min(self._slots, key=lambda slot: slot.used)
+
+    def _slot(self) -> _PayloadSlot:
+        """:meth:`_pick`, marked used. A payload other than the first is held only while the
+        link is behind: once ``IDLE_SLICES`` slices in a row found the first free, the others'
+        idle buffers go (freed after the streams that used them). Two held for a whole forward
+        raised ResNet-50's GPU peak above a plain copy's (1.350 against 1.315 GiB, one H200,
+        ``bench/results/h200_session61``). (Not at the first free one: a tensor of two slices
+        takes the second for its second slice, which would make it again for every tensor.)"""
+        slot = self._pick()
+        self._uses += 1
+        slot.used = self._uses
+        if slot is not self._slots[0]:
+            return slot
+        for other in self._slots[1:]:
+            if (other.buf is not None and self._uses - other.used >= IDLE_SLICES
+                    and (other.last is None or other.last.done())):
+                other.buf = None
+        return slot
+
     def _payload(self, slot: _PayloadSlot, n: int, device: torch.device) -> torch.Tensor:
-        """``uint8 [n, P]`` for a slice's compressed pages at a fixed stride: ``slot``'s
-        buffer (one of ``SCRATCH_SLICES``), which the slice ``SCRATCH_SLICES`` before used and
-        whose pack the compress stream has waited for. A payload of the caching allocator per
+        """``uint8 [n, P]`` for a slice's compressed pages (LZ4's at a fixed stride, the
+        exponent codec's end to end from its start): ``slot``'s buffer (:meth:`_slot`), whose
+        last slice's pages the compress stream waits to have left it. A payload of the caching allocator per
         slice, read on the pack stream (``record_stream``), cost the hooks 3-6 ms of host
         time a step under FSDP2 (sampled, ``bench/results/h200x2_91fcaaa_session49``).
         A buffer is made again where a slice needs more than it holds or less than half of
