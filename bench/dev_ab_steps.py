@@ -185,7 +185,7 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     return []
 
 
-def _in_turn(store):
+def _in_turn(store, nbytes: int):
     """``PagedStore._slot`` taking the payloads in turn, each kept once made (the
     ``memory_in_turn`` arms)."""
     slot = min(store._slots, key=lambda s: s.used)

@@ -92,7 +92,7 @@ def test_slices_take_their_payloads_from_a_ring_that_follows_their_size(gen, mon
     while the link is behind: its own test below)."""
     from torch_pagecomp.offload import _paged
 
-    def in_turn(store):
+    def in_turn(store, nbytes):
         slot = min(store._slots, key=lambda s: s.used)
         store._uses += 1
         slot.used = store._uses
@@ -134,13 +134,17 @@ def test_a_second_payload_only_while_the_first_holds_pages_not_sent(gen, monkeyp
                                                                  float_format):
     """The store's payloads: the first, and a second only while the first still holds pages
     that have not left it (the link behind; an exponent-coded slice's are sent once the host
-    has read its placement, so a tensor's next slice takes the second), let go once
-    ``IDLE_SLICES`` slices in a row found the first free; ``scratch_bytes`` bounds both. Every
-    slice comes back exactly, with either codec."""
+    has read its placement, so a tensor's next slice takes the second) and only under the
+    GPU's peak of the last step (``_below_peak``, stood in for here: no GPU), let go once
+    ``IDLE_SLICES`` slices in a row found the first free, or once idle and over that peak;
+    ``scratch_bytes`` bounds both. Every slice comes back exactly, with either codec."""
     from torch_pagecomp.offload import _arena, _paged
 
     assert _paged.SCRATCH_SLICES == 2
     store = _store(slice_bytes=4 * P)
+    assert not store._below_peak(0)  # no step ended (and no GPU)
+    under = [True]
+    monkeypatch.setattr(PagedStore, "_below_peak", lambda self, nbytes: under[0])
     first, second = store._slots
     srcs, stored = [], []
 
@@ -156,14 +160,27 @@ def test_a_second_payload_only_while_the_first_holds_pages_not_sent(gen, monkeyp
     # its placement, after the next slice took the second payload
     assert (second.last is slices[1]) == bool(float_format)
     assert store.stats()["scratch_bytes"] == 2 * 4 * P
-    monkeypatch.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
-    slices = offload(3)  # the link behind: the second
-    assert second.last is slices[0] and second.buf is not None
-    monkeypatch.undo()
+    with monkeypatch.context() as behind:
+        behind.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
+        slices = offload(3)  # the link behind: the second
+        assert second.last is slices[0] and second.buf is not None
     for _ in range(_paged.IDLE_SLICES):  # caught up: the first, the second let go
         assert second.buf is not None
         slices = offload(2)
         assert first.last is slices[0]
+    assert second.buf is None
+    under[0] = False  # over the last step's peak: the first, though the link is behind
+    with monkeypatch.context() as behind:
+        behind.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
+        slices = offload(3)
+        assert first.last is slices[0] and second.buf is None
+    under[0] = True
+    with monkeypatch.context() as behind:
+        behind.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
+        offload(3)
+        assert second.buf is not None
+    under[0] = False  # idle, and over the peak: let go at the next slice
+    offload(1)
     assert second.buf is None
     for s, st in zip(srcs, stored):
         out = torch.full_like(s, POISON)

@@ -371,6 +371,9 @@ class FakeStore:
     def release_payloads(self):
         pass
 
+    def end_step(self):
+        pass
+
     def poll(self):
         pass
 

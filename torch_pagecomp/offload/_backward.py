@@ -266,6 +266,7 @@ class Backward:
             off.pool.shrink()  # pinned copies of sizes this step no longer saved
             for store in off._paged.values():
                 store.arena.shrink()
+                store.end_step()
         self._check_restores()
 
     def _check_restores(self) -> None:

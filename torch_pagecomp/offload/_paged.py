@@ -38,6 +38,7 @@ from ._arena import (
     slice_meta,
     slice_upper,
 )
+from ._batch import gpu_memory
 from ._copies import copy_spans, host_bytes
 from ._statuses import StatusCount
 from ._streams import current_stream, on_stream
@@ -210,6 +211,7 @@ class PagedStore:
         # up to SCRATCH_SLICES payloads, each with the slice that used it last (:meth:`_slot`)
         self._slots = [_PayloadSlot() for _ in range(SCRATCH_SLICES)]
         self._uses = 0  # slices stored so far: each slot's ``used`` is the count at its last
+        self.step_peak: int | None = None  # the GPU's peak in the last step (end_step)
         # pages that failed to decode, counted on the device (None on the CPU: raised at once)
         self.statuses = None
         if device.type == "cuda":
@@ -307,7 +309,7 @@ class PagedStore:
         holds pages whose placement the GPU has not published (the link is behind the host)."""
         if not self.arena.room_now(self.worst_case(nbytes)):  # (confirms what it can first)
             return False
-        last = self._pick().last
+        last = self._pick(self.slice_pages * self.page_size).last
         return last is None or last.send is None or last.known()
 
     def worst_case(self, nbytes: int) -> int:
@@ -329,7 +331,7 @@ class PagedStore:
         to end by the encoder and sent by the copy engine once the host has read where they go
         (:meth:`VirtualArena.confirm`), LZ4's packed by a kernel."""
         p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
-        slot = self._slot()
+        slot = self._slot(n * p)
         last = slot.last
         if last is not None and last.send is not None:
             arena.confirm(through=last)  # its copies queued: the wait below is for them
@@ -472,39 +474,62 @@ class PagedStore:
                          lambda: (rows[first:first + n], payload, sl.sizes, sl.kinds,
                                   *scratch, n))
 
-    def _pick(self) -> _PayloadSlot:
-        """The payload slot the next slice takes: the first whose last slice's pages have left
-        it (the first slot before the others), else the one used longest ago (its pages
-        leave first)."""
-        for slot in self._slots:
+    def _pick(self, nbytes: int) -> _PayloadSlot:
+        """The payload slot the next slice (``nbytes`` of pages) takes: the first whose last
+        slice's pages have left it (the first slot before the others), else the one used
+        longest ago (its pages leave first); a slot other than the first only where it holds
+        a buffer already or one fits under the GPU's peak (:meth:`_below_peak`)."""
+        for i, slot in enumerate(self._slots):
             if slot.last is None or slot.last.done():
-                return slot
-        return min(self._slots, key=lambda slot: slot.used)
+                if i == 0 or slot.buf is not None or self._below_peak(nbytes):
+                    return slot
+        return min((s for i, s in enumerate(self._slots)
+                    if i == 0 or s.buf is not None), key=lambda s: s.used)
 
-    def _slot(self) -> _PayloadSlot:
-        """:meth:`_pick`, marked used. A payload other than the first is held only while the
-        link is behind: once ``IDLE_SLICES`` slices in a row found the first free, the others'
-        idle buffers go (freed after the streams that used them). Two held for a whole forward
-        raised ResNet-50's GPU peak above a plain copy's (1.350 against 1.315 GiB, one H200,
-        ``bench/results/h200_session61``). (Not at the first free one: a tensor of two slices
-        takes the second for its second slice, which would make it again for every tensor.)"""
-        slot = self._pick()
+    def _below_peak(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more of GPU memory now stay under the peak that the caching
+        allocator reached in the last step (:meth:`end_step`; False before one ended, and off
+        a GPU)."""
+        if self.step_peak is None:
+            return False
+        counts = gpu_memory(self.device)
+        return counts is not None and counts[0] + nbytes <= self.step_peak
+
+    def end_step(self) -> None:
+        """At the end of a step (the offloader's backward): note the GPU's peak since its
+        last reset (the step's, where the caller resets it each step), under which the next
+        steps may hold a second payload (:meth:`_slot`)."""
+        counts = gpu_memory(self.device)
+        self.step_peak = None if counts is None else counts[1]
+
+    def _slot(self, nbytes: int) -> _PayloadSlot:
+        """:meth:`_pick`, marked used. A second payload is taken only while the link is behind
+        (the first still holds pages not sent) and only under the GPU's peak of the last step;
+        held for a whole forward, two raised ResNet-50's GPU peak above a plain copy's (1.350
+        against 1.315 GiB, one H200, ``bench/results/h200_session61``). It goes once
+        ``IDLE_SLICES`` slices in a row found the first free (not at the first: a tensor of
+        two slices takes it for its second slice, and would make it again for every tensor),
+        or once it is idle and no longer fits under that peak."""
+        slot = self._pick(nbytes)
         self._uses += 1
         slot.used = self._uses
-        if slot is not self._slots[0]:
-            return slot
         for other in self._slots[1:]:
-            if (other.buf is not None and self._uses - other.used >= IDLE_SLICES
-                    and (other.last is None or other.last.done())):
-                other.buf = None
+            if other is slot or other.buf is None:
+                continue
+            if other.last is not None and not other.last.done():
+                continue
+            if (slot is self._slots[0] and self._uses - other.used >= IDLE_SLICES
+                    or not self._below_peak(0)):
+                other.buf = None  # (freed after the streams that used it: record_stream)
         return slot
 
     def _payload(self, slot: _PayloadSlot, n: int, device: torch.device) -> torch.Tensor:
         """``uint8 [n, P]`` for a slice's compressed pages (LZ4's at a fixed stride, the
-        exponent codec's end to end from its start): ``slot``'s buffer (:meth:`_slot`), whose
-        last slice's pages the compress stream waits to have left it. A payload of the caching allocator per
-        slice, read on the pack stream (``record_stream``), cost the hooks 3-6 ms of host
-        time a step under FSDP2 (sampled, ``bench/results/h200x2_91fcaaa_session49``).
+        exponent codec's end to end from its start): ``slot``'s buffer (:meth:`_slot`),
+        whose last slice's pages the compress stream waits to have left it. A payload of
+        the caching allocator per slice, read on the pack stream (``record_stream``), cost
+        the hooks 3-6 ms of host time a step under FSDP2 (sampled,
+        ``bench/results/h200x2_91fcaaa_session49``).
         A buffer is made again where a slice needs more than it holds or less than half of
         it: kept at the largest slice so far, the ring held a ResNet-50's first 64 MiB slices
         through the whole forward, its GPU peak 0.07-0.08 GiB higher than with a payload per
