@@ -62,7 +62,8 @@ is behind (``PagedStore._slot``); ``memory_in_turn32``: that, with slices of 32 
 hold what one of 64 MiB held). Session 61, one H200 (``bench/results/h200_session61``):
 in turn, Llama-style 0.83x a plain copy against 0.96x with one payload, ResNet-50 1.02x
 against 1.05x, but ResNet-50's GPU peak 1.350 against a plain copy's 1.315 GiB; 32 MiB
-slices in turn 0.86x and 1.20x.
+slices in turn 0.86x and 1.20x. ``memory_nobacklog``: due batches stored whatever the
+link's backlog (``_paged.BACKLOG_BYTES``).
 ``memory_late``: a compressed source leaves the stash in a forward once its pages are in
 host memory (packed), as before session 60, not once they are compressed
 (``_entry._Entry.source_read``).
@@ -102,7 +103,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
-        "memory_in_turn", "memory_in_turn32",
+        "memory_in_turn", "memory_in_turn32", "memory_nobacklog",
         "speed",
         "speed_copy_only")
 
@@ -127,6 +128,8 @@ PATCHES = {
     # one payload (as before session 61), and two of 32 MiB slices taken in turn
     "memory_slots1": (("torch_pagecomp.offload._paged", "SCRATCH_SLICES", 1),),
     "memory_in_turn32": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 32 << 20),),
+    # due batches stored whatever the link's backlog (session 61's first way)
+    "memory_nobacklog": (("torch_pagecomp.offload._paged", "BACKLOG_BYTES", 1 << 62),),
     # the plain copies' pinned buffers kept for the last step's busiest moment only (before
     # session 59), not the last SHRINK_STEPS steps'
     "uncompressed_shrink1": (("torch_pagecomp.pools", "SHRINK_STEPS", 1),),

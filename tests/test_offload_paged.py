@@ -1597,3 +1597,25 @@ def test_sent_slices_are_placed_once_their_copies_are_done(gen, monkeypatch):
     assert not more.stored()
     store.wait_placed()
     assert more.stored() and not arena.sending
+
+
+@interpreter
+def test_due_stores_wait_while_the_links_backlog_passes_its_bound(gen, monkeypatch):
+    """``stores_now`` is false while the bytes on their way to host memory (sent slices whose
+    copies are not seen done, slices not yet placed) pass ``BACKLOG_BYTES``, true again once
+    those copies are done; below the bound the backlog holds nothing back."""
+    from torch_pagecomp.offload import _arena, _paged
+
+    copies = _Copies()
+    monkeypatch.setattr(_arena, "mark", copies)
+    store = _store(chunk=1 << 16, slice_bytes=3 * P)
+    store.offload(_data(gen, 6 * P, "bf16"), 2, float_format="bf16")
+    store.poll()
+    backlog = store.arena.backlog()
+    assert backlog == store.arena.sending_bytes > 0
+    monkeypatch.setattr(_paged, "BACKLOG_BYTES", backlog)
+    assert store.stores_now(P)
+    monkeypatch.setattr(_paged, "BACKLOG_BYTES", backlog - 1)
+    assert not store.stores_now(P)
+    copies.finish()
+    assert store.stores_now(P) and store.arena.backlog() == 0

@@ -332,6 +332,7 @@ class VirtualArena:
         self.parity = 0  # the slot of ``state`` that holds the end for the next slice
         # sent slices whose copies into the arena are queued, in order: (slice, base, total)
         self.sending: collections.deque[tuple[_Slice, int, int]] = collections.deque()
+        self.sending_bytes = 0  # their totals: the link's backlog the host has queued
         # the stream the copies of sent slices go on (the pack stream: every write into the
         # arena in one order, so a reused chunk is written after the earlier writes to it),
         # and the one restores read the arena on; set by the store (None on the CPU)
@@ -396,6 +397,11 @@ class VirtualArena:
             self.confirm(through=self.pending[0][0])
             new = self._unbacked(upper)
         return new
+
+    def backlog(self) -> int:
+        """Bytes stored but not yet in host memory, as far as the host knows: the sent
+        slices' copies not seen done, and the worst cases of the slices not yet placed."""
+        return self.sending_bytes + self.pending_upper
 
     def room_now(self, upper: int) -> bool:
         """Whether slices of ``upper`` bytes in all can be planned now without :meth:`back`
@@ -504,10 +510,12 @@ class VirtualArena:
         copy_to_host(sl.meta, [(0, self._address(base + total - meta), meta)], self.sender)
         sl.stored, sl.send = mark(self.sender), None
         self.sending.append((sl, base, total))
+        self.sending_bytes += total
 
     def _publish(self) -> None:
         """Sent slices whose copies are done are placed, in order (never waits)."""
         while self.sending and self.sending[0][0].known():
+            self.sending_bytes -= self.sending[0][2]
             self._placed(*self.sending.popleft(), sent=True)
 
     def settle(self) -> None:
