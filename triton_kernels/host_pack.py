@@ -33,6 +33,10 @@ chunk addresses once per slice; a page that crosses the boundary is copied in tw
 (Planning in the same launch spares the host a second launch per slice, a cost the activation
 hooks would pay for every saved tensor.)
 
+:func:`place_slice` is the plan alone, for pages the exponent encoder already laid end to end
+on the device (``exp_codec.compress_exp_placed``): the host reads the placement and the copy
+engine moves the bytes, at the link's rate and without SMs (``torch_pagecomp.offload._arena``).
+
 A slice comes back the same way: :func:`fetch_from_host` (a few persistent programs) reads
 its ``total`` bytes from the chunk into a device buffer, taking ``base``/``total`` from the
 device descriptor, and the decoder reads them with the per-page offsets (relative to

@@ -14,8 +14,11 @@ behind the frontier that no live slice touches go back to a free list and back l
 the arena.
 
 Placements are read back in stream order, without waiting (:meth:`VirtualArena.confirm`): a
-slice's pack publishes its ``(base, total)`` to a pinned descriptor, and the host reads it once
-the pack's event has completed.
+slice's pack (or plan) publishes its ``(base, total)`` to a pinned descriptor, and the host reads
+it once the kernel's event has completed. A *sent* slice (the exponent codec's pages, laid end
+to end on the device) gets its copies into the arena queued then, on the copy engine; it counts
+as placed (``base`` set) once they are done, and its chunks stay live until then, so no chunk
+is reused while a copy still writes it.
 """
 
 from __future__ import annotations
