@@ -65,7 +65,7 @@ TARGETS = (
     "torch_pagecomp.kernels.exp_codec:decompress_exp_into_known",
     "torch_pagecomp.offload._arena:UploadRing.put",
     "torch_pagecomp.offload._arena:UploadRing.put_addr",
-    "torch_pagecomp.kernels.exp_codec:compress_exp_at",
+    "torch_pagecomp.kernels.exp_codec:compress_exp_placed_at",
     "torch_pagecomp.kernels.lz4_compress:compress_at",
     "torch_pagecomp.kernels.host_pack:pack_slice_at",
     "torch_pagecomp.kernels.row_table:gather_slice_meta_at",

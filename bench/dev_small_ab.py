@@ -60,7 +60,7 @@ OFFLOAD_TARGETS = (
     "torch_pagecomp.offload._arena:VirtualArena.spans",
     "torch_pagecomp.offload._arena:VirtualArena.release",
     "torch_pagecomp.kernels.host_pack:pack_slice_at",
-    "torch_pagecomp.kernels.exp_codec:compress_exp_at",
+    "torch_pagecomp.kernels.exp_codec:compress_exp_placed_at",
     "torch_pagecomp.kernels.lz4_decompress:decode_rows_at",
     "torch:empty",
     "torch.cuda.streams:Event.record",

@@ -60,14 +60,27 @@ def _tensors(gen, n, offset=0):
     return pages, out
 
 
-@pytest.mark.parametrize("offset", [0, 16, 8])  # aligned, and views the class tells apart
+@pytest.mark.parametrize("rows", [False, True])
 @pytest.mark.parametrize("fp16", [False, True])
-def test_compress_exp_at(monkeypatch, gen, fp16, offset, interpret):
-    pages, out = _tensors(gen, 5, offset)
+def test_compress_exp_placed_at(monkeypatch, gen, fp16, rows, interpret):
+    pages, out = _tensors(gen, 5)
+    src = (torch.tensor([pages.data_ptr() + i * P for i in range(5)], dtype=torch.int64)
+           if rows else pages)
+    outs = (out[0].view(-1), out[1], out[2], torch.empty(5, dtype=torch.int64),
+            torch.zeros(1, dtype=torch.int64))
     usual, known = _capture(monkeypatch, [X], interpret)
-    X.compress_exp_pages(pages, fp16, traced=False, out=out)
-    X.compress_exp_at(pages.device.index, 5, P, fp16, pages.data_ptr(),
-                      *(t.data_ptr() for t in out), (pages, *out))
+    X.compress_exp_placed(src, fp16, outs, page_size=P)
+    X.compress_exp_placed_at(src.device.index, 5, P, fp16, rows,
+                             tuple(t.data_ptr() for t in (src, *outs)), (src, *outs))
+    _same(usual, known)
+
+
+def test_place_slice_at(monkeypatch, interpret):
+    end, ends, desc, host = (torch.zeros(k, dtype=torch.int64) for k in (1, 2, 2, 4))
+    usual, known = _capture(monkeypatch, [H], interpret)
+    H.place_slice(end, ends, 1, 1 << 20, desc, host, 1 << 16, 48)
+    H.place_slice_at(None, None, tuple(t.data_ptr() for t in (end, ends, desc, host)), 1,
+                     1 << 20, 48, 1 << 16, (end, ends, desc, host, 1, 1 << 20, 48))
     _same(usual, known)
 
 

@@ -495,20 +495,6 @@ def compress_exp_pages(pages: torch.Tensor, fp16: bool, traced: bool = True,
     return payload, sizes, kinds
 
 
-def compress_exp_at(index: int, n: int, page_size: int, fp16: bool, pages: int, payload: int,
-                    sizes: int, kinds: int, args) -> None:
-    """:func:`compress_exp_pages` (``traced=False``) of ``n`` pages of ``page_size`` bytes
-    (rows contiguous) on CUDA device ``index``, given the addresses of ``pages`` and of the
-    outputs ``payload``, ``sizes``, ``kinds``, without its checks: for the activation store,
-    which cuts its metadata buffer by address; ``args``: the tensors (or a function that
-    makes them), used only when the launch goes the usual way (``launch.launch_known``)."""
-    classes = (ptr_class(torch.uint8, pages), ptr_class(torch.uint8, payload),
-               ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds))
-    launch_known(_exp_encode_kernel, (n,), index,
-                 _frozen_encode_meta(page_size, fp16, interpreting()), classes,
-                 (pages, payload, sizes, kinds), args)
-
-
 def compress_exp_rows(rows: torch.Tensor, page_size: int, fp16: bool,
                       out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
     """:func:`compress_exp_pages` with each page read from its address: the pages of many
@@ -528,17 +514,6 @@ def compress_exp_rows(rows: torch.Tensor, page_size: int, fp16: bool,
     if n:
         launch(_exp_encode_kernel, (n,), rows.device, (rows, *out),
                _encode_rows_meta(page_size, fp16, interpreting()), traced=False)
-
-
-def compress_exp_rows_at(index: int, n: int, page_size: int, fp16: bool, rows: int,
-                         payload: int, sizes: int, kinds: int, args) -> None:
-    """:func:`compress_exp_rows` given addresses (``rows``: the ``int64`` table's), without
-    its checks, as :func:`compress_exp_at`."""
-    classes = (ptr_class(torch.int64, rows), ptr_class(torch.uint8, payload),
-               ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds))
-    launch_known(_exp_encode_kernel, (n,), index,
-                 _encode_rows_meta(page_size, fp16, interpreting()), classes,
-                 (rows, payload, sizes, kinds), args)
 
 
 def compress_exp_placed(pages: torch.Tensor, fp16: bool, out: tuple[torch.Tensor, ...],
@@ -578,7 +553,9 @@ def compress_exp_placed_at(index: int, n: int, page_size: int, fp16: bool, rows:
                            addrs: tuple, args) -> None:
     """:func:`compress_exp_placed` given the addresses of ``(pages, payload, sizes, kinds,
     rel, end)`` on CUDA device ``index``, without its checks (``rows``: ``pages`` is a row
-    table), as :func:`compress_exp_at`."""
+    table): for the activation store, which cuts its metadata buffer by address; ``args``:
+    the tensors (or a function that makes them), used only when the launch goes the usual
+    way (``launch.launch_known``)."""
     classes = (ptr_class(torch.int64 if rows else torch.uint8, addrs[0]),
                ptr_class(torch.uint8, addrs[1]), ptr_class(torch.int32, addrs[2]),
                ptr_class(torch.uint8, addrs[3]), ptr_class(torch.int64, addrs[4]),

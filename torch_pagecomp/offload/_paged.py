@@ -1,20 +1,27 @@
 """Compressed activation storage that needs no host thread and no host sync to offload.
 
-A storage's bytes (``uint8 [nbytes]`` on the GPU) are cut into slices of whole pages. Per
-slice, on the offloader's side streams: the compress kernel writes fixed-stride pages into a
-scratch buffer (stream ``compress``); then (stream ``pack``) one kernel of a few persistent
-programs reserves the slice's bytes at the end of a *virtual arena* of page-locked host memory
-and copies the pages there (``torch_pagecomp.kernels.host_pack.pack_slice``). The compressed size
-never has to reach the host before the bytes move, so the link works while the host runs
-ahead, and host memory holds the compressed bytes only (16-byte aligned pages).
+A storage's bytes (``uint8 [nbytes]`` on the GPU) are cut into slices of whole pages, each
+placed at the end of a *virtual arena* of page-locked host memory (``_arena``), its page
+metadata behind its pages. Per slice, on the offloader's side streams:
 
-The arena and the slices' bookkeeping (placement, metadata) live in ``_arena``.
+* the exponent codec's pages (bf16 / fp16): the encoder lays them end to end in a payload
+  buffer (stream ``compress``; ``kernels.exp_codec.compress_exp_placed``), a one-program
+  kernel reserves their bytes at the arena's end (stream ``pack``;
+  ``kernels.host_pack.place_slice``) and publishes the placement, and the host, once it sees
+  that done (a poll, never a wait), queues the copy engine's copies into the arena (stream
+  ``send_stream``): the link runs at the copy engine's rate beside the model's kernels;
+* LZ4's pages: the compress kernel writes them at a fixed stride, then one kernel of a few
+  persistent programs reserves the slice's bytes and copies the pages there
+  (``kernels.host_pack.pack_slice``): the compressed size never has to reach the host.
 
-A restore is queued on the caller's stream after the slice's pack, without waiting on the
-host: when the slice's placement is already known (its pack finished: the usual case by the
-time backward needs it) the copy engine brings its exact bytes back; otherwise a few
-persistent programs read them from the chunk (placement from the device descriptor). The
-decoder then expands them. A partial last page (``nbytes % P``) travels as a plain copy.
+Host memory holds the compressed bytes only (16-byte aligned pages).
+
+A restore is queued on the caller's stream without waiting on the host: when the slice's
+placement is known and its bytes are in host memory (the usual case by the time backward
+needs it) the copy engine brings its exact bytes back; otherwise a few persistent programs
+read them from the chunk after a device-side wait (placement from the device descriptor),
+the host first queuing the copies of a slice not sent yet. The decoder then expands them. A
+partial last page (``nbytes % P``) travels as a plain copy.
 """
 
 from __future__ import annotations
@@ -467,8 +474,7 @@ class PagedStore:
                         lambda: (_pages(src, first, n, p), payload, sl.sizes, sl.kinds,
                                  *scratch, n))
         else:
-            _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds),
-                      None)
+            _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds))
 
     def _compress_rows(self, rows: torch.Tensor, sl: _Slice, payload, addrs: tuple,
                        element_size: int) -> None:
@@ -764,13 +770,12 @@ def _pages(src: torch.Tensor, first: int, n: int, p: int) -> torch.Tensor:
     return src[first * p:(first + n) * p].view(n, p)
 
 
-def _compress(pages: torch.Tensor, element_size: int, out: tuple,
-              float_format: str | None = None) -> None:
-    """``pagecomp.compress`` (or with ``float_format``, ``pagecomp.compress_exp``) of CPU pages
-    the store cut itself, written into ``out`` (``payload, sizes, kinds``): the op's reference
-    path (on the GPU the store launches the kernels by address:
+def _compress(pages: torch.Tensor, element_size: int, out: tuple) -> None:
+    """``pagecomp.compress`` (LZ4) of CPU pages the store cut itself, written into ``out``
+    (``payload, sizes, kinds``): the op's reference path (on the GPU the store launches the
+    kernels by address, and the exponent codec's pages go through its placed kernel:
     ``PagedStore._compress_slice``)."""
-    _ops.compress_cpu_direct(pages, element_size, float_format, out)
+    _ops.compress_cpu_direct(pages, element_size, None, out)
 
 
 def _by_address(out: torch.Tensor) -> bool:
