@@ -73,3 +73,34 @@ def test_publish_to_host_stores_the_value_in_pinned_memory(gen):
 def test_publish_to_host_rejects_other_dtypes():
     with pytest.raises(ValueError, match="int64"):
         publish_to_host(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("pages, fits, moves", [(4000, True, False), (4900, True, True),
+                                                (54052, False, True)])
+def test_place_slice_reserves_pages_and_metadata_as_the_pack_plans(pages, fits, moves):
+    """``place_slice`` (the plan alone, for pages the exponent encoder laid end to end):
+    the slice's pages (the counter's bytes) at the arena's end, its metadata behind them
+    in the same chunk or moved to the next where it would cross; both descriptors and the
+    new end written, ``base = -1`` and the end unchanged where it passes the limit, the
+    pages' bytes in the host descriptor, the counter set back to 0."""
+    from torch_pagecomp.kernels.host_pack import place_slice
+
+    dev = kernel_device()
+    chunk, meta, start, parity = 1 << 14, 512, 3 * (1 << 14) + 16 * 700, 1
+    limit = 8 * chunk if fits else start + 2 * chunk
+    end = torch.tensor([pages], dtype=torch.int64, device=dev)
+    ends = torch.tensor([-7, -7], dtype=torch.int64, device=dev)
+    ends[parity] = start
+    desc = torch.full((2,), -9, dtype=torch.int64, device=dev)
+    host = torch.full((4,), -9, dtype=torch.int64, device=dev)
+    place_slice(end, ends, parity, limit, desc, host, chunk, meta)
+    meta_at = start + pages
+    if meta_at % chunk + meta > chunk:
+        meta_at = (meta_at // chunk + 1) * chunk
+    assert (meta_at != start + pages) == moves
+    total = meta_at + meta - start
+    assert (start + total <= limit) == fits
+    base = start if fits else -1
+    assert desc.tolist() == [base, total] and host[:3].tolist() == [base, total, pages]
+    assert ends.tolist()[1 - parity] == (start + total if fits else start)
+    assert ends.tolist()[parity] == start and int(end) == 0

@@ -100,6 +100,33 @@ def _padded_sizes(sizes_ptr, idx, m, P: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _reserve(ends_ptr, parity, limit, pages, meta_bytes, CHUNK: tl.constexpr):
+    """``(base, meta_at, end, ok)`` of a slice of ``pages`` bytes of pages and ``meta_bytes``
+    of metadata at the arena's end (slot ``parity`` of ``ends``): the metadata follows the
+    pages within one chunk (moved to the next one where it would cross: the host reads it
+    there as one buffer once the slice is placed); ``ok`` where it all stays under
+    ``limit``."""
+    base = tl.load(ends_ptr + parity)
+    meta_at = base + pages
+    meta_at = tl.where(meta_at % CHUNK + meta_bytes > CHUNK, (meta_at // CHUNK + 1) * CHUNK,
+                       meta_at)
+    end = meta_at + meta_bytes
+    return base, meta_at, end, end <= limit
+
+
+@triton.jit
+def _publish(ends_ptr, parity, desc_ptr, host_desc_ptr, base, end, ok):
+    """Store the arena's new end (unchanged where the slice did not fit) in the other slot of
+    ``ends`` and ``(base, total)`` (``base = -1`` where it did not fit) in both descriptors."""
+    tl.store(ends_ptr + (1 - parity), tl.where(ok, end, base))
+    placed = tl.where(ok, base, -1)
+    tl.store(desc_ptr, placed)
+    tl.store(desc_ptr + 1, end - base)
+    tl.store(host_desc_ptr, placed)
+    tl.store(host_desc_ptr + 1, end - base)
+
+
+@triton.jit
 def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host_desc_ptr,
                        table_ptr, meta_ptr, n, parity, limit, meta_bytes, meta_from,
                        P: tl.constexpr, CHUNK: tl.constexpr, TABLE: tl.constexpr,
@@ -115,21 +142,9 @@ def _pack_slice_kernel(payload_ptr, sizes_ptr, rel_ptr, ends_ptr, desc_ptr, host
         incl = tl.cumsum(padded, 0)
         tl.store(rel_ptr + idx, carry + incl - padded, mask=m & (idx % programs == pid))
         carry += tl.sum(padded, 0)
-    base = tl.load(ends_ptr + parity)
-    # the metadata follows the pages, within one chunk (moved to the next one where it would
-    # cross): the host reads it there as one buffer once the slice is placed
-    meta_at = base + carry
-    meta_at = tl.where(meta_at % CHUNK + meta_bytes > CHUNK, (meta_at // CHUNK + 1) * CHUNK,
-                       meta_at)
-    end = meta_at + meta_bytes
-    ok = end <= limit
+    base, meta_at, end, ok = _reserve(ends_ptr, parity, limit, carry, meta_bytes, CHUNK)
     if pid == 0:
-        tl.store(ends_ptr + (1 - parity), tl.where(ok, end, base))
-        placed = tl.where(ok, base, -1)
-        tl.store(desc_ptr, placed)
-        tl.store(desc_ptr + 1, end - base)
-        tl.store(host_desc_ptr, placed)
-        tl.store(host_desc_ptr + 1, end - base)
+        _publish(ends_ptr, parity, desc_ptr, host_desc_ptr, base, end, ok)
     tl.debug_barrier()  # this program's offsets, stored by its threads, read back below
     if ok:
         first, second, split = _slice_chunks(table_ptr, base, carry, CHUNK, TABLE)
@@ -170,18 +185,8 @@ def _place_slice_kernel(end_ptr, ends_ptr, desc_ptr, host_desc_ptr, parity, limi
     # the plan of _pack_slice_kernel for pages the placed encoder laid end to end: their bytes
     # (``end``) reserved at the arena's end, the metadata behind them in one chunk
     pages = tl.load(end_ptr)
-    base = tl.load(ends_ptr + parity)
-    meta_at = base + pages
-    meta_at = tl.where(meta_at % CHUNK + meta_bytes > CHUNK, (meta_at // CHUNK + 1) * CHUNK,
-                       meta_at)
-    end = meta_at + meta_bytes
-    ok = end <= limit
-    tl.store(ends_ptr + (1 - parity), tl.where(ok, end, base))
-    placed = tl.where(ok, base, -1)
-    tl.store(desc_ptr, placed)
-    tl.store(desc_ptr + 1, end - base)
-    tl.store(host_desc_ptr, placed)
-    tl.store(host_desc_ptr + 1, end - base)
+    base, _, end, ok = _reserve(ends_ptr, parity, limit, pages, meta_bytes, CHUNK)
+    _publish(ends_ptr, parity, desc_ptr, host_desc_ptr, base, end, ok)
     tl.store(host_desc_ptr + 2, pages)
     tl.store(end_ptr, 0)  # the next slice of this payload starts at its byte 0
 
