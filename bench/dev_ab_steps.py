@@ -63,7 +63,9 @@ hold what one of 64 MiB held). Session 61, one H200 (``bench/results/h200_sessio
 in turn, Llama-style 0.83x a plain copy against 0.96x with one payload, ResNet-50 1.02x
 against 1.05x, but ResNet-50's GPU peak 1.350 against a plain copy's 1.315 GiB; 32 MiB
 slices in turn 0.86x and 1.20x. ``memory_nobacklog``: due batches stored whatever the
-link's backlog (``_paged.BACKLOG_BYTES``).
+link's backlog (``_paged.BACKLOG_BYTES``); ``memory_keep_deferred``: a batch deferred once
+in a pass stays held for the backward (with the pack kernel the link stayed behind to the
+forward's end, so deferred batches were read in place: session 61's counters, not measured).
 ``memory_late``: a compressed source leaves the stash in a forward once its pages are in
 host memory (packed), as before session 60, not once they are compressed
 (``_entry._Entry.source_read``).
@@ -103,7 +105,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
-        "memory_in_turn", "memory_in_turn32", "memory_nobacklog",
+        "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
         "speed",
         "speed_copy_only")
 
@@ -160,6 +162,11 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm.endswith("_eager"):  # a due store starts once the link has room, whatever the
         # GPU's allocation (as before the peak rule, ``Batcher._over_peak``)
         return [(Batcher, "_over_peak", lambda self, dev: None)]
+    if arm == "memory_keep_deferred":  # a batch deferred once in a pass (the link behind)
+        # stays held for the backward, as the pack kernel's slow placement kept it (session 61)
+        starts = Batcher._starts_now
+        return [(Batcher, "_starts_now",
+                 lambda self, batch: not batch.deferred and starts(self, batch))]
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
         return [(Batcher, "_starts_now", lambda self, batch: True)]
     if arm == "memory_lazy":  # a due compressed store stays held (as if the link were always

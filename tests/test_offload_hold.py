@@ -9,6 +9,7 @@ GPU; the GPU test runs the compressed store on CUDA. Every run draws fresh weigh
 from __future__ import annotations
 
 import os
+import types
 import warnings
 
 import pytest
@@ -545,6 +546,10 @@ def test_the_ab_probe_arms_set_the_window_and_put_it_back():
     real = Batcher._starts_now
     with _arm_patch("memory_wait"):
         assert Batcher._starts_now is not real
+    assert Batcher._starts_now is real
+    with _arm_patch("memory_keep_deferred"):  # a deferred batch never starts again
+        batch = types.SimpleNamespace(deferred=True)
+        assert Batcher._starts_now(off._batcher, batch) is False
     assert Batcher._starts_now is real
     for arm in ("memory_eager", "uncompressed_eager"):  # never held below the peak
         with _arm_patch(arm):
