@@ -118,22 +118,13 @@ def _align16(nbytes: int) -> int:
 
 
 def _wait(stream, event) -> None:
-    """``stream`` waits for ``event`` (None: nothing; a tuple: each of its events)."""
-    if stream is None or event is None:
-        return
-    if isinstance(event, tuple):
-        for e in event:
-            _wait(stream, e)
-    else:
+    if stream is not None and event is not None:
         stream.wait_event(event)
 
 
 def _sync(event) -> None:
-    """The host waits for ``event`` (as :func:`_wait` takes it)."""
-    if isinstance(event, tuple):
-        for e in event:
-            _sync(e)
-    elif event is not None:
+    """The host waits for ``event`` (None: nothing)."""
+    if event is not None:
         event.synchronize()
 
 
@@ -336,9 +327,8 @@ class VirtualArena:
         # sent slices whose copies into the arena are queued, in order: (slice, base, total)
         self.sending: collections.deque[tuple[_Slice, int, int]] = collections.deque()
         self.sending_bytes = 0  # their totals: the link's backlog the host has queued
-        # the stream the copies of sent slices go on (the pack stream: every write into the
-        # arena in one order, so a reused chunk is written after the earlier writes to it),
-        # and the one restores read the arena on; set by the store (None on the CPU)
+        # the stream the copies of sent slices go on (``PagedStore.send_stream``) and the one
+        # restores read the arena on; set by the store (None on the CPU)
         self.sender = self.reader = None
         # seconds the host spent waiting for packs in ``confirm(through=...)`` (which ``back``
         # and ``host_desc`` call before pinning or reusing): a step's host time not spent working

@@ -369,9 +369,8 @@ class PagedStore:
         rel, desc, sizes, kinds, _ = (m + o if o is not None else None
                                       for o in _meta_offsets(n, self.checksum))
         placed = float_format is not None  # end to end, for the copy engine
-        self._compress_slice(src, rows, sl, payload,
-                             (sizes, kinds) + ((rel, slot.end) if placed else ()),
-                             element_size, float_format)
+        self._compress_slice(src, rows, sl, payload, (sizes, kinds, rel),
+                             slot.end if placed else None, element_size, float_format)
         if self.checksum:
             _checksums(_pages(src, first, n, p), sl.sums)
         self.scratch_bytes = max(self.scratch_bytes,
@@ -385,7 +384,7 @@ class PagedStore:
         parity, limit = arena.parity, arena.limit
         arena.parity ^= 1
         if placed:
-            self._place(sl, slot.end, k, parity, limit)
+            self._place(sl, slot.end, k, parity, limit, desc)
         elif ps is not None:
             from ..kernels.host_pack import pack_slice_at
 
@@ -404,20 +403,20 @@ class PagedStore:
             pack_slice(payload, sl.sizes, sl.rel, arena.state, parity, limit, sl.desc,
                        arena.descs[k], arena.table, arena.chunk, meta, desc - m)
         stored = mark(ps)
-        if ps is not None:
-            meta.record_stream(ps)  # made on the compress stream, read here
-            if placed:  # (and by its copy into the arena)
-                meta.record_stream(self.send_stream)
+        if ps is not None:  # made on the compress stream, read here (and by a sent slice's
+            meta.record_stream(ps)  # copy, which is done before the slice lets it go)
         slot.last = sl
         sl.host_desc, sl.stored = k, stored
         sl.send = payload if placed else None  # held until its copies are queued
         arena.add(sl, upper)
         return sl
 
-    def _place(self, sl: _Slice, end: torch.Tensor, k: int, parity: int, limit: int) -> None:
+    def _place(self, sl: _Slice, end: torch.Tensor, k: int, parity: int, limit: int,
+               desc: int) -> None:
         """Reserve ``sl``'s pages, laid end to end by the placed encoder (``end``: their
         bytes), and its metadata at the arena's end, on the pack stream
-        (``kernels.host_pack.place_slice``), publishing the placement to descriptor ``k``."""
+        (``kernels.host_pack.place_slice``), publishing the placement to descriptor ``k`` and
+        to the slice's device descriptor (at address ``desc``)."""
         arena, ps, meta = self.arena, self.pack_stream, sl.meta
         if ps is None:
             from ..kernels.host_pack import place_slice
@@ -427,7 +426,6 @@ class PagedStore:
             return
         from ..kernels.host_pack import place_slice_at
 
-        desc = meta.data_ptr() + _meta_offsets(sl.n, sl.checksum)[1]
         place_slice_at(meta.device.index, ps,
                        (end.data_ptr(), arena.state.data_ptr(), desc, arena.desc_addr(k)),
                        parity, limit, meta.numel(), arena.chunk,
@@ -435,33 +433,33 @@ class PagedStore:
                                 meta.numel()))
 
     def _compress_slice(self, src, rows: torch.Tensor | None, sl: _Slice, payload,
-                        addrs: tuple, element_size: int, float_format: str | None) -> None:
+                        addrs: tuple, end: torch.Tensor | None, element_size: int,
+                        float_format: str | None) -> None:
         """Compress ``sl``'s pages of ``src`` (through the row table ``rows`` where given)
-        into ``payload`` and ``sl``'s sizes and kinds (at ``addrs``: ``(sizes, kinds)``, or
-        with the exponent codec ``(sizes, kinds, rel, end)``, its pages end to end: ``rel``'s
-        address and the payload's counter) on the current stream: on the GPU the kernels by
+        into ``payload`` and ``sl``'s sizes and kinds (at ``addrs``: ``(sizes, kinds, rel)``)
+        on the current stream: the exponent codec's end to end (``end``: the payload's
+        counter; ``rel`` written), LZ4's at a fixed stride. On the GPU the kernels by
         address; on the CPU LZ4 by the ops' reference path, the exponent codec by its kernel
         (the interpreter)."""
         first, n, p = sl.first, sl.n, self.page_size
-        sizes, kinds = addrs[:2]
+        sizes, kinds, rel = addrs
         if float_format:
             from ..kernels.exp_codec import compress_exp_placed, compress_exp_placed_at
 
             fp16 = float_format == "fp16"
             if not (src if rows is None else rows).is_cuda:
                 compress_exp_placed(_pages(src, first, n, p), fp16,
-                                    (payload.view(-1), sl.sizes, sl.kinds, sl.rel, addrs[3]))
+                                    (payload.view(-1), sl.sizes, sl.kinds, sl.rel, end))
                 return
             pages = (rows.data_ptr() + 8 * first if rows is not None
                      else src.data_ptr() + first * p)
-            end = addrs[3]
             compress_exp_placed_at(
                 end.device.index, n, p, fp16, rows is not None,
-                (pages, payload.data_ptr(), sizes, kinds, addrs[2], end.data_ptr()),
+                (pages, payload.data_ptr(), sizes, kinds, rel, end.data_ptr()),
                 lambda: ((rows[first:first + n] if rows is not None else _pages(src, first, n, p)),
                          payload, sl.sizes, sl.kinds, sl.rel, end))
         elif rows is not None:
-            self._compress_rows(rows, sl, payload, addrs, element_size)
+            self._compress_rows(rows, sl, payload, (sizes, kinds), element_size)
         elif src.is_cuda:
             from ..kernels.lz4_compress import compress_at
 
@@ -483,7 +481,7 @@ class PagedStore:
         from ..kernels.lz4_compress import compress_config, compress_rows_at
 
         first, n, p = sl.first, sl.n, self.page_size
-        sizes, kinds = addrs[:2]
+        sizes, kinds = addrs
         at, index = rows.data_ptr() + 8 * first, rows.device.index
         scratch = self._scratch(rows, element_size)
         programs = self._lz4_launch[element_size][0]
