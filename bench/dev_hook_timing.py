@@ -88,6 +88,22 @@ TARGETS = (
     "torch_pagecomp.offload._batch:joined",
     "torch_pagecomp.offload._backward:Backward._end_backward",
     "torch_pagecomp.offload._backward:Backward._prefetch_from",
+    # the copy engine's store (session 61): the placed encoder, the plan, the host's sends
+    "torch_pagecomp.kernels.exp_codec:compress_exp_placed_at",
+    "torch_pagecomp.kernels.host_pack:place_slice_at",
+    "torch_pagecomp.offload._paged:PagedStore._place",
+    "torch_pagecomp.offload._paged:PagedStore._slot",
+    "torch_pagecomp.offload._paged:PagedStore._payload",
+    "torch_pagecomp.offload._paged:PagedStore.stores_now",
+    "torch_pagecomp.offload._paged:PagedStore.send_now",
+    "torch_pagecomp.offload._paged:ramps",
+    "torch_pagecomp.offload._arena:VirtualArena._send",
+    "torch_pagecomp.offload._arena:VirtualArena._publish",
+    "torch_pagecomp.offload._arena:VirtualArena._placed",
+    "torch_pagecomp.offload._arena:VirtualArena.room_now",
+    "torch_pagecomp.offload._copies:copy_to_host",
+    "torch_pagecomp.offload._batch:gpu_memory",
+    "torch_pagecomp.offload._batch:Batcher.store_due",
 )
 
 # ``--fine``: the steps of one compressed offload (``PagedStore.offload`` / ``_store_slice``
