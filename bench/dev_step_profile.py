@@ -69,6 +69,7 @@ def timeline(events: list[dict]) -> list[str]:
                 else "pack_slice" in e["name"])]
     lines = ["| first step's timeline | ms |", "|---|---|",
              f"| host reaches the backward | {ms(backward)} |"]
+    lines += _compute_gaps(gpu, issued)
     if h2d:
         first = h2d[0]
         lines += [f"| first restore copy issued / run | {ms(issued(first))} / {ms(first['ts'])} |"]
@@ -79,6 +80,34 @@ def timeline(events: list[dict]) -> list[str]:
                 and e["name"].startswith(COMPRESS_KERNELS)]
         lines += _outbound(out, comp, ms)
     return lines
+
+
+def _compute_gaps(gpu: list[dict], issued) -> list[str]:
+    """Rows on the compute stream (the stream with the most kernels): its busy time, and its
+    idle time between kernels split by cause: the host issued the next kernel late (the host
+    bounds the step there), or it was issued in time and waited on the device (an event: a
+    restore, the in-flight bound). The model's own kernels' time beside the package's."""
+    by_stream: dict = {}
+    for e in gpu:
+        if e["cat"] == "kernel":
+            by_stream.setdefault(e.get("args", {}).get("stream"), []).append(e)
+    if not by_stream:
+        return []
+    ks = sorted(max(by_stream.values(), key=len), key=lambda e: e["ts"])
+    busy = sum(e["dur"] for e in ks) / 1e3
+    host_late = device_wait = 0.0
+    end = ks[0]["ts"] + ks[0]["dur"]
+    for e in ks[1:]:
+        gap = e["ts"] - end
+        if gap > 0:
+            late = min(gap, max(0.0, issued(e) - end))
+            host_late += late / 1e3
+            device_wait += (gap - late) / 1e3
+        end = max(end, e["ts"] + e["dur"])
+    span = (end - ks[0]["ts"]) / 1e3
+    return [f"| compute stream, both profiled steps: span / busy (kernels) | {span:.1f} / {busy:.1f} ({len(ks)}) |",
+            f"| compute stream idle: host late / device waits | {host_late:.1f} / "
+            f"{device_wait:.1f} |"]
 
 
 COMPRESS_KERNELS = ("_exp_encode_kernel", "_exp_encode_placed_kernel", "_lz4_compress_kernel")
