@@ -88,8 +88,7 @@ TARGETS = (
     "torch_pagecomp.offload._batch:joined",
     "torch_pagecomp.offload._backward:Backward._end_backward",
     "torch_pagecomp.offload._backward:Backward._prefetch_from",
-    # the copy engine's store (session 61): the placed encoder, the plan, the host's sends
-    "torch_pagecomp.kernels.exp_codec:compress_exp_placed_at",
+    # the copy engine's store (session 61): the plan, the host's sends
     "torch_pagecomp.kernels.host_pack:place_slice_at",
     "torch_pagecomp.offload._paged:PagedStore._place",
     "torch_pagecomp.offload._paged:PagedStore._slot",
