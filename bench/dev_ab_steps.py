@@ -66,6 +66,11 @@ slices in turn 0.86x and 1.20x. ``memory_nobacklog``: due batches stored whateve
 link's backlog (``_paged.BACKLOG_BYTES``); ``memory_keep_deferred``: a batch deferred once
 in a pass stays held for the backward (with the pack kernel the link stayed behind to the
 forward's end, so deferred batches were read in place: session 61's counters, not measured).
+``memory_lastpeak``: a due batch is held while the GPU's allocation, with room for two more
+groups, is below the last step's peak too (``PagedStore.step_peak``), not only below the peak
+since the caller last reset it (``Batcher._over_peak``): a loop that resets the peak at each
+step's start (this probe, the stock bench) held nothing in its forward by that rule, one that
+never resets it holds what fits under the highest step so far.
 ``memory_late``: a compressed source leaves the stash in a forward once its pages are in
 host memory (packed), as before session 60, not once they are compressed
 (``_entry._Entry.source_read``).
@@ -106,7 +111,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "speed",
+        "memory_lastpeak", "speed",
         "speed_copy_only")
 
 
@@ -167,6 +172,10 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         starts = Batcher._starts_now
         return [(Batcher, "_starts_now",
                  lambda self, batch: not batch.deferred and starts(self, batch))]
+    if arm == "memory_lastpeak":  # a due batch held below the last step's GPU peak too,
+        # not only below the peak since the caller last reset it (a loop that resets it each
+        # step, as this probe and the stock bench do, held nothing in its forward)
+        return [(Batcher, "_over_peak", _over_last_peak)]
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
         return [(Batcher, "_starts_now", lambda self, batch: True)]
     if arm == "memory_lazy":  # a due compressed store stays held (as if the link were always
@@ -193,6 +202,21 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm == "memory_group":  # batched restores through restore_group
         return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
     return []
+
+
+def _over_last_peak(batcher, dev):
+    """``Batcher._over_peak`` against the higher of the peak since the last reset and the
+    last step's (``PagedStore.step_peak``, noted at each backward's end): the
+    ``memory_lastpeak`` arm."""
+    from torch_pagecomp.offload._batch import gpu_memory
+
+    counts = gpu_memory(dev)
+    if counts is None:
+        return None
+    allocated, peak = counts
+    store = batcher._owner()._paged.get(dev.index)
+    last = store.step_peak if store is not None and store.step_peak is not None else 0
+    return allocated + 2 * batcher.last_group_bytes - max(peak, last)
 
 
 def _in_turn(store, nbytes: int):
