@@ -65,12 +65,17 @@ against 1.05x, but ResNet-50's GPU peak 1.350 against a plain copy's 1.315 GiB; 
 slices in turn 0.86x and 1.20x. ``memory_nobacklog``: due batches stored whatever the
 link's backlog (``_paged.BACKLOG_BYTES``); ``memory_keep_deferred``: a batch deferred once
 in a pass stays held for the backward (with the pack kernel the link stayed behind to the
-forward's end, so deferred batches were read in place: session 61's counters, not measured).
+forward's end, so deferred batches were read in place: session 61's counters; session 62,
+one H200: 1.12x / 1.13x a plain copy on encoder-1024 / ViT-B/16 against ``memory``'s 1.17x /
+1.20x, 1.22x / 1.20x on BERT-large / ResNet-50 against 1.18x / 1.18x, with GPU peaks above
+a plain copy's on those two, ``bench/results/h200_session62``).
 ``memory_lastpeak``: a due batch is held while the GPU's allocation, with room for two more
 groups, is below the last step's peak too (``PagedStore.step_peak``), not only below the peak
 since the caller last reset it (``Batcher._over_peak``): a loop that resets the peak at each
 step's start (this probe, the stock bench) held nothing in its forward by that rule, one that
-never resets it holds what fits under the highest step so far.
+never resets it holds what fits under the highest step so far (session 62, one H200: BERT-large
+1.02x and ResNet-50 1.20x a plain copy against ``memory``'s 1.08x and 1.24x, encoder-1024
+1.32x and ViT-B/16 1.09x against 1.26x and 1.01x, ``bench/results/h200_session62``).
 ``memory_late``: a compressed source leaves the stash in a forward once its pages are in
 host memory (packed), as before session 60, not once they are compressed
 (``_entry._Entry.source_read``).

@@ -105,7 +105,8 @@ def _compute_gaps(gpu: list[dict], issued) -> list[str]:
             device_wait += (gap - late) / 1e3
         end = max(end, e["ts"] + e["dur"])
     span = (end - ks[0]["ts"]) / 1e3
-    return [f"| compute stream, both profiled steps: span / busy (kernels) | {span:.1f} / {busy:.1f} ({len(ks)}) |",
+    return [f"| compute stream, both profiled steps: span / busy (kernels) | {span:.1f} / "
+            f"{busy:.1f} ({len(ks)}) |",
             f"| compute stream idle: host late / device waits | {host_late:.1f} / "
             f"{device_wait:.1f} |"]
 
