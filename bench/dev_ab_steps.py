@@ -10,6 +10,10 @@ step (CUDA events) and host issue time, their spread over the rounds, and the st
 multiple of the first arm's. ``--block N``: each arm runs N steps in a row per round, the first
 of each block reported apart (the steps after a switch of arms pay for the other arm's use of
 the host's caches and the allocator; a process that runs one variant never does).
+``--reset-peak block`` (with ``--block`` > 1): the allocator's peak is reset at each block's
+start only, not at each step's, so the block's later steps run as a loop that never resets it
+(the hooks' hold rule reads the peak since the last reset, ``_batch.Batcher._over_peak``); a
+step's peak is then the block's so far.
 
 ``--fsdp``: the model under FSDP2, over ``torchrun``'s ranks (``torchrun --nproc_per_node 2
 -m bench.dev_ab_steps --fsdp ...``) or, run alone, a process group of one rank. ``--out
@@ -276,7 +280,7 @@ def _hooked(model, blocks: list, off):
 def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1,
             device: str | None = None, fsdp: bool = False,
             rows: list[dict] | None = None, stall_s: float | None = None,
-            sample_ms: float | None = None) -> list[str]:
+            sample_ms: float | None = None, reset_peak: str = "step") -> list[str]:
     """The table of ``arms`` on model ``name`` (``device``: CUDA where there is one, else the
     CPU, a smoke test on the tiny models); with ``fsdp``, the model under FSDP2
     (``fully_shard`` per block, then the whole) over the process group of this process.
@@ -335,14 +339,15 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
 
     sampler = None
 
-    def step(arm: str) -> tuple[float, float, float]:
+    def step(arm: str, reset: bool = True) -> tuple[float, float, float]:
         steps_taken[0] += 1
         watch = (StallWatch(stall_s, f"{name} {arm} step {steps_taken[0]}{rank}") if stall_s
                  else None)
         try:
             with _hooked(model, blocks, offs.get(arm)), _arm_patch(arm):
                 if cuda:
-                    torch.cuda.reset_peak_memory_stats()
+                    if reset:
+                        torch.cuda.reset_peak_memory_stats()
                     e0 = torch.cuda.Event(enable_timing=True)
                     e1 = torch.cuda.Event(enable_timing=True)
                     e0.record()
@@ -390,7 +395,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         for arm in arms[k:] + arms[:k]:
             for i in range(block):
                 had = _chunks(offs[arm])[0] if arm in offs else 0
-                ms, issue, peak = step(arm)
+                ms, issue, peak = step(arm, reset=reset_peak == "step" or i == 0)
                 if (made := (_chunks(offs[arm])[0] if arm in offs else 0) - had) > 0:
                     pinned[arm].append(f"{r}.{i}: {made}")
                 res[arm][3].append(peak)
@@ -438,6 +443,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         mine = _stock_rows(name, arms, res, offs, grads, rounds, fsdp,
                            saver.bytes / 2**30 if saver is not None else None)
         for row in mine:
+            row["reset_peak"] = reset_peak
             if row["variant"] in done:
                 row["hook_host_ms"], row["counters_per_step"] = done[row["variant"]]
         rows += mine
@@ -595,6 +601,10 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=1,
                     help="steps of an arm in a row per round (>1: the first of each apart, so "
                          "the others compare as one process per arm would, on one host)")
+    ap.add_argument("--reset-peak", choices=("step", "block"), default="step",
+                    help="when the allocator's peak is reset in the timed rounds: at each "
+                         "step's start (as the stock bench), or at each block's only (as a loop "
+                         "that never resets it, after the block's first step)")
     ap.add_argument("--fsdp", action="store_true",
                     help="the model under FSDP2: over torchrun's ranks (torchrun "
                          "--nproc_per_node 2 -m bench.dev_ab_steps --fsdp ...; rank 0 prints), "
@@ -625,7 +635,7 @@ def main() -> None:
     for name in a.models.split(","):
         lines = measure(name, arms, a.rounds, a.warmup, a.block, device=a.device,
                         fsdp=a.fsdp, rows=rows, stall_s=a.stall_dump,
-                        sample_ms=a.sample_host)
+                        sample_ms=a.sample_host, reset_peak=a.reset_peak)
         if rank == 0:
             print("\n".join(lines), flush=True)
     if rank == 0 and a.out:

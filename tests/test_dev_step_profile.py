@@ -1,6 +1,7 @@
 """``bench.dev_step_profile.timeline`` reads a step's timeline from a profiler trace's events:
-when the host reaches the backward, when the first restore copy was issued and when it ran,
-and when the bytes the forward sent to the host were all there."""
+when the host reaches the backward, the compute stream's busy and idle time (idle split by
+whether the host issued the next kernel late), when the first restore copy was issued and
+when it ran, and when the bytes the forward sent to the host were all there."""
 
 from bench.dev_step_profile import timeline
 
@@ -32,6 +33,13 @@ def test_timeline_of_a_step():
                _op("_lz4_compress_kernel", 12500, dur=400, cat="kernel", corr=6)]
     rows = dict([c.strip() for c in line.strip("|").split("|")] for line in timeline(events)[2:])
     assert rows == {"host reaches the backward": "7.0",
+                    # the four kernels (one stream): 2.2-2.4, 2.5-5.5, 12.5-12.9, 13.0-13.1 ms
+                    # from the trace's start, 3.7 ms busy over 10.9; idle 0.1 ms before the
+                    # pack (issued at 2.0: a device wait), 7.0 before the LZ4 kernel, of which
+                    # 4.1 until the host issued it (at 9.6) and 2.9 after, 0.1 before the last
+                    "compute stream, both profiled steps: span / busy (kernels)":
+                        "10.9 / 3.7 (4)",
+                    "compute stream idle: host late / device waits": "4.1 / 3.1",
                     "first restore copy issued / run": "8.0 / 11.0",
                     "the forward's bytes all on the host": "6.5",
                     "outbound work (pack kernels or copies) starts": "1.5",

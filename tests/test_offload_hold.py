@@ -557,6 +557,28 @@ def test_the_ab_probe_arms_set_the_window_and_put_it_back():
         assert off._batcher._over_peak.__func__ is Batcher._over_peak
 
 
+@pytest.mark.peak_rule
+def test_the_lastpeak_arm_holds_below_the_higher_of_the_two_peaks(monkeypatch):
+    """``memory_lastpeak``: the line is the higher of the allocator's peak since its last
+    reset and the store's last step peak (none noted yet: the first alone), put back after."""
+    from bench.dev_ab_steps import _arm_patch
+    from torch_pagecomp.offload import _batch
+    from torch_pagecomp.offload._batch import Batcher
+
+    off = _off()
+    monkeypatch.setattr(_batch, "gpu_memory", lambda dev: (100, 150))
+    off._batcher.last_group_bytes = 10
+    dev = torch.device("cuda", 0)
+    monkeypatch.setitem(off._paged, 0, types.SimpleNamespace(step_peak=None))
+    with _arm_patch("memory_lastpeak"):
+        assert off._batcher._over_peak(dev) == 100 + 2 * 10 - 150
+        off._paged[0].step_peak = 300  # a higher last step: held below it
+        assert off._batcher._over_peak(dev) == 100 + 2 * 10 - 300
+        off._paged[0].step_peak = 120  # a lower one: the peak since the reset
+        assert off._batcher._over_peak(dev) == 100 + 2 * 10 - 150
+    assert off._batcher._over_peak.__func__ is Batcher._over_peak
+
+
 def test_the_ab_probe_constant_arms_set_their_constants_and_put_them_back():
     """``bench.dev_ab_steps``' constant arms (``PATCHES``) set every constant they name while
     their steps run, and put each back after, also when a step raises."""
