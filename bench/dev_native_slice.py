@@ -239,9 +239,17 @@ def measure(pages: int, slices: int, rounds: int) -> list[str]:
         def native_path():
             last = None
             for k in range(slices):
+                # what differs from slice to slice in the store (its pages, payload, metadata
+                # and descriptor addresses, its pages' count) is written each time, as there
+                vals, plan = compress.vals, place[k & 1]
+                for i, a in enumerate(enc_addrs):
+                    vals[i] = a
+                compress.grid = pages
+                for i, a in enumerate(plan_addrs):
+                    plan.vals[i] = a
                 handed, stored = raw[2 * (k & 1)], raw[2 * (k & 1) + 1]
-                r = dll.pc_slice(ctypes.byref(compress), ctypes.byref(place[k & 1]), craw,
-                                 praw, last, handed, stored)
+                r = dll.pc_slice(ctypes.byref(compress), ctypes.byref(plan), craw, praw, last,
+                                 handed, stored)
                 if r:
                     raise RuntimeError(f"dev_native_slice: CUresult {r}")
                 last = stored
