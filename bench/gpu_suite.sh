@@ -54,6 +54,9 @@
 #   bash bench/gpu_suite.sh small      # one small call's latency (#26), its primitives' host cost
 #                                      # and the tests of the paths it takes (PageCompressor's
 #                                      # kernel-only store, the ring)
+#   bash bench/gpu_suite.sh native     # probe: a stored slice's driver calls queued by one C call
+#                                      # against the store's Python path (#21, session 62), then
+#                                      # the hook tests
 # Needs the carried wheels in .whl (lz4, nvCOMP) and writes under $OUT (the device tool's folder).
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -283,6 +286,15 @@ cputhreads)
     [ "${PYTHON_LZ4:-1}" = 0 ] || timeout 200 python3 -m bench.cpu_threads --mib "${CPU_MIB:-128}" \
         --threads 1,2,4,8,16 --python-lz4 --out "$OUT/cpu_threads_python_lz4.json" 2>&1 \
         | tee "$OUT/cpu_threads_python_lz4.txt"
+    ;;
+native)
+    header native | tee "$OUT/native_slice.txt"
+    for pages in 16 256; do
+        timeout 60 python3 -m bench.dev_native_slice --pages $pages --slices 200 --rounds 5 2>&1 \
+            | tee -a "$OUT/native_slice.txt"
+    done
+    timeout ${HOOKS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_offload_paged.py \
+        tests/test_offload.py -m "not slow" -rfE 2>&1 | tee -a "$OUT/native_slice.txt" | tail -n 5
     ;;
 small)
     header small | tee "$OUT/tests_small.txt"
