@@ -82,11 +82,29 @@ def timeline(events: list[dict]) -> list[str]:
     return lines
 
 
+def _busy_idle(events: list[dict], issued=None) -> tuple[float, float, float, float]:
+    """``(busy, host late, device waits, span)`` in ms of ``events`` run one after another on
+    one stream (sorted by start): the idle time between them split by cause, with ``issued``
+    (an event's issue time): the next piece was issued after the previous one ended (the host
+    late) or before (it waited on the device); without ``issued``, all of it device waits."""
+    busy = sum(e["dur"] for e in events) / 1e3
+    late_us = wait_us = 0.0
+    end = events[0]["ts"]
+    for e in events:
+        gap = e["ts"] - end
+        if gap > 0:
+            late = min(gap, max(0.0, issued(e) - end)) if issued is not None else 0.0
+            late_us += late
+            wait_us += gap - late
+        end = max(end, e["ts"] + e["dur"])
+    return busy, late_us / 1e3, wait_us / 1e3, (end - events[0]["ts"]) / 1e3
+
+
 def _compute_gaps(gpu: list[dict], issued) -> list[str]:
     """Rows on the compute stream (the stream with the most kernels): its busy time, and its
     idle time between kernels split by cause: the host issued the next kernel late (the host
     bounds the step there), or it was issued in time and waited on the device (an event: a
-    restore, the in-flight bound). The model's own kernels' time beside the package's."""
+    restore, the in-flight bound)."""
     by_stream: dict = {}
     for e in gpu:
         if e["cat"] == "kernel":
@@ -94,17 +112,7 @@ def _compute_gaps(gpu: list[dict], issued) -> list[str]:
     if not by_stream:
         return []
     ks = sorted(max(by_stream.values(), key=len), key=lambda e: e["ts"])
-    busy = sum(e["dur"] for e in ks) / 1e3
-    host_late = device_wait = 0.0
-    end = ks[0]["ts"] + ks[0]["dur"]
-    for e in ks[1:]:
-        gap = e["ts"] - end
-        if gap > 0:
-            late = min(gap, max(0.0, issued(e) - end))
-            host_late += late / 1e3
-            device_wait += (gap - late) / 1e3
-        end = max(end, e["ts"] + e["dur"])
-    span = (end - ks[0]["ts"]) / 1e3
+    busy, host_late, device_wait, span = _busy_idle(ks, issued)
     return [f"| compute stream, both profiled steps: span / busy (kernels) | {span:.1f} / "
             f"{busy:.1f} ({len(ks)}) |",
             f"| compute stream idle: host late / device waits | {host_late:.1f} / "
@@ -121,11 +129,7 @@ def _outbound(out: list[dict], comp: list[dict], ms) -> list[str]:
     idle fill the forward, that work bounds it; compress time close to the idle time says
     the compress ran between packs, not beside them (one payload: ``_paged.SCRATCH_SLICES``)."""
     out = sorted(out, key=lambda e: e["ts"])
-    busy = sum(e["dur"] for e in out) / 1e3
-    idle, end = 0.0, out[0]["ts"]
-    for e in out:
-        idle += max(0.0, e["ts"] - end) / 1e3
-        end = max(end, e["ts"] + e["dur"])
+    busy, _, idle, _ = _busy_idle(out)
     return [f"| outbound work (pack kernels or copies) starts | {ms(out[0]['ts'])} |",
             f"| outbound work busy / idle between its pieces | {busy:.1f} / {idle:.1f} |",
             f"| compress kernels of the forward, GPU time | "

@@ -319,7 +319,8 @@ class VirtualArena:
         self.placed_since_shrink = False
         # where the pack kernel publishes each slice's (base, total) (and the placed
         # encoder's slices the bytes of their pages): one pinned ring, not a pinned
-        # allocation per slice
+        # allocation per slice; rows of four (32 bytes), so that every slot's address has the
+        # same 16-byte alignment, which the direct launches key their compiled kernels on
         self.descs = torch.empty((DESC_SLOTS, 4), dtype=torch.int64, pin_memory=self.pin)
         self._descs_np = self.descs.numpy()
         self._next_desc = 0

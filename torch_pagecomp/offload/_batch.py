@@ -98,7 +98,7 @@ import torch
 from ._entry import _capturing, _Entry, _in_backward
 from ._streams import current_stream, on_stream
 
-BATCH_BYTES = 64 << 20  # two of the store's slices (``_paged.SLICE_BYTES``)
+BATCH_BYTES = 64 << 20  # the store's slice (``_paged.SLICE_BYTES``): one compress launch
 
 
 class Batch:
