@@ -1619,3 +1619,79 @@ def test_due_stores_wait_while_the_links_backlog_passes_its_bound(gen, monkeypat
     assert not store.stores_now(P)
     copies.finish()
     assert store.stores_now(P) and store.arena.backlog() == 0
+
+
+@interpreter
+@pytest.mark.parametrize("checksum", [False, True])
+def test_a_restore_before_the_placement_is_read_decodes_the_payload_in_place(gen, monkeypatch,
+                                                                           checksum):
+    """A restore of an exponent-codec tensor whose last plan has not finished (its placement
+    not read, the slice not sent) decodes that slice from the device payload its pages are
+    still in, and the slices before it (sent when the next one took the payload, their copies
+    not done) by the kernel fetch: bit-exact into a poisoned output, with no host wait (no
+    plan event synchronised by the restore) and nothing sent by it; the slice then holds the
+    event after that read, which the next slice into the same payload waits for. Once the
+    plans and copies finish the slices are placed as usual, and restore from the arena
+    bit-exact."""
+    from torch_pagecomp.offload import _arena, _paged
+
+    plans, copies = _Copies(), _Copies()
+    monkeypatch.setattr(_paged, "mark", plans)  # the plans (and hand-offs): not done
+    monkeypatch.setattr(_arena, "mark", copies)
+    synced = []
+    monkeypatch.setattr(_Copies.Event, "synchronize",
+                        lambda self: synced.append(self) or setattr(self, "done", True))
+    store = _store(chunk=1 << 16, slice_bytes=3 * P, checksum=checksum)
+    arena = store.arena
+    src = _data(gen, 7 * P + 5, "bf16")  # three slices and a tail
+    stored = store.offload(src, 2, float_format="bf16")
+    *sent, last = stored.slices
+    assert len(sent) == 2 and last.send is not None and all(sl.send is None for sl in sent)
+    before = (len(synced), len(arena.sending), len(arena.pending))
+    assert before[1:] == (2, 1)
+    out = torch.full_like(src, POISON)
+    status = store.restore(stored, out)
+    assert torch.equal(out, src) and bool((status == 0).all())
+    assert (len(synced), len(arena.sending), len(arena.pending)) == before, \
+        "the restore waited for a plan or sent a slice"
+    assert last.send is not None and last.read in plans.made
+    assert all(sl.read is None for sl in sent)
+    # the payload is taken again: the next slice waits for the read (a device-side wait on
+    # the GPU; here the host confirms the last slice first, as it must before reusing it)
+    more = store.offload(_data(gen, 2 * P, "bf16"), 2, float_format="bf16")
+    plans.finish()
+    store.wait_placed()
+    copies.finish()
+    arena.confirm()
+    assert all(sl.base is not None and sl.base >= 0 and sl.send is None
+               for st in (stored, more) for sl in st.slices)
+    out = torch.full_like(src, POISON)
+    store.restore(stored, out)
+    assert torch.equal(out, src)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_a_restore_from_the_payload_is_read_before_the_next_slice_takes_it(gen):
+    """A restore queued before its slice's plan finished decodes the device payload in place
+    (``_Slice.read`` set); the next slice into that payload waits for that decode on the GPU:
+    here the decode is held back behind a sleep on the restore stream well past the point
+    where the next slice's compress could start, and both tensors still round-trip
+    bit-exact. (Without the wait the second compress overwrites the payload first.)"""
+    store = _store("cuda", chunk=1 << 22, slice_bytes=1 << 20)
+    cur = torch.cuda.current_stream()
+    a, b = (_data(gen, 1 << 20, "bf16").cuda() for _ in range(2))
+    torch.cuda._sleep(20_000_000)  # the compress of ``a`` waits behind it: its plan pending
+    st_a = store.offload(a, 2, producer=cur, float_format="bf16")
+    out = torch.full_like(a, POISON)
+    rs = store.restore_stream
+    rs.wait_stream(cur)
+    with torch.cuda.stream(rs):
+        torch.cuda._sleep(100_000_000)
+        store.restore(st_a, out)
+    assert st_a.slices[0].read is not None, "the plan finished before the restore: retry"
+    st_b = store.offload(b, 2, producer=cur, float_format="bf16")  # the same payload
+    cur.wait_stream(rs)
+    assert torch.equal(out, a)
+    assert torch.equal(_restored(store, st_b, b), b)
+    torch.cuda.synchronize()
+    assert store.failed_restores() == 0

@@ -158,12 +158,15 @@ class _Slice:
     ``send``: a slice whose pages the GPU laid end to end in a device buffer (the placed
     exponent encoder, ``_paged``) holds that buffer here until the host has read its placement
     and queued the copy engine's copies of it into the arena (:meth:`VirtualArena.confirm`);
-    ``stored`` is the event after the plan until then, after those copies from then on.
+    ``stored`` is the event after the plan until then, after those copies from then on. A
+    restore that comes before then decodes the pages from ``send`` itself
+    (``PagedStore.restore``); ``read`` is the event after it, which the next slice to take
+    that buffer waits for.
     ``base``/``total`` are set once the bytes are in host memory, so that whatever reads a
     placed slice on the host or by the copy engine finds them there."""
 
     __slots__ = ("first", "n", "meta", "checksum", "_parts", "host_desc", "stored", "base",
-                 "total", "freed", "send")
+                 "total", "freed", "send", "read")
 
     def __init__(self, first: int, n: int, meta, checksum: bool = False, host_desc=None,
                  stored=None):
@@ -175,6 +178,7 @@ class _Slice:
         self.total = 0
         self.freed = False
         self.send: torch.Tensor | None = None
+        self.read = None  # an event after the last restore that decoded ``send`` in place
 
     def parts(self) -> tuple:
         """:func:`_meta_views` of ``meta``: ``(rel, desc, sizes, kinds, sums)``; once placed

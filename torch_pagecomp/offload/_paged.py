@@ -355,8 +355,11 @@ class PagedStore:
         last = slot.last
         if last is not None and last.send is not None:
             arena.confirm(through=last)  # its copies queued: the wait below is for them
-        # bound the scratch in flight: the payload's last pages have left it by then
-        _wait(cs, None if last is None else last.stored)
+        # bound the scratch in flight: the payload's last pages have left it by then, and a
+        # restore that decoded them from it (``restore``) is done reading
+        if last is not None:
+            _wait(cs, last.stored)
+            _wait(cs, last.read)
         device = (src if rows is None else rows).device
         payload = self._payload(slot, n, device)
         # the metadata the restore needs (:func:`_meta_bytes`), copied into the arena behind
@@ -607,9 +610,12 @@ class PagedStore:
     def restore(self, stored: PagedStored, out: torch.Tensor, count: bool = True
                 ) -> torch.Tensor:
         """Decode ``stored`` into ``out`` (``uint8 [nbytes]``) on the current stream, after
-        its pack (a device-side wait: the host learns nothing and waits for nothing; only
-        where a slice's copies into the arena are not queued yet does the host wait for its
-        placement and queue them, :meth:`send_now`). Returns
+        its pack (a device-side wait: the host learns nothing and waits for nothing). A slice
+        whose copies into the arena are not queued yet (its placement not read: a restore
+        right after the offload, as a KV cache's or a ``PageCompressor``'s can be) is decoded
+        from the device buffer its pages are still in (``_Slice.send``), after its plan: the
+        host used to wait for the placement there, queue the slice's copies down and copy it
+        back up. Returns
         the pages' statuses (``int32``, one per full page, then the partial last page's with
         ``checksum``), which ``count`` adds to :meth:`failed_restores` (then they may lie in
         a buffer the store reuses: only a caller that counts them itself reads them)."""
@@ -617,7 +623,7 @@ class PagedStore:
 
         p, arena = self.page_size, self.arena
         stream = current_stream(out.device) if out.is_cuda else None  # on out's device
-        self.send_now(stored.slices)
+        arena.confirm()  # the placements known by now (never waits)
         full = stored.nbytes // p  # the slices' pages; the partial tail travels as bytes
         checked_tail = stored.tail_sum is not None
         # with ``count``, the restore stream's statuses come from the store's ring
@@ -629,7 +635,12 @@ class PagedStore:
             if sl.base is not None and sl.base < 0:
                 raise SliceNotStored(sl.n)
             meta_at = None  # where the staging buffer holds the slice's metadata, if it does
-            if sl.base is not None:  # placed: the copy engine, the metadata with the pages
+            if sl.send is not None:  # not sent: its pages end to end in the device payload
+                _wait(stream, sl.stored)  # (after the plan, itself after the compress)
+                staging, total = sl.send.view(-1), sl.n * p
+                if stream is not None:  # (a payload let go is reused after this restore)
+                    staging.record_stream(stream)
+            elif sl.base is not None:  # placed: the copy engine, the metadata with the pages
                 total = meta_at = sl.meta_at
                 staging = torch.empty(sl.total, dtype=torch.uint8, device=out.device)
                 copy_spans(staging, arena.spans(sl.base, sl.total))
@@ -643,11 +654,14 @@ class PagedStore:
                 if stream is not None and meta_at is None:  # the device's metadata, let
                     sl.meta.record_stream(stream)  # go once the slice is placed
                 _decode_slice_at(sl, staging, total, meta_at, out, status, p, stored.exp)
-                continue
-            pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
-            st = status[sl.first:sl.first + sl.n]
-            rel, sizes, kinds, sums = slice_meta(sl, staging, 0, stream)
-            _decompress_into(staging, rel, sizes, kinds, pages, st, sums, stored.exp)
+            else:
+                pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
+                st = status[sl.first:sl.first + sl.n]
+                rel, sizes, kinds, sums = slice_meta(sl, staging, 0, stream)
+                _decompress_into(staging, rel, sizes, kinds, pages, st, sums, stored.exp)
+            if sl.send is not None:  # the next slice into its payload waits for this read
+                _wait(stream, sl.read)  # (and for an earlier one's, on another stream)
+                sl.read = mark(stream)
         if stored.tail is not None:  # its status (if checked) follows the pages'
             restore_tail(stored, out[stored.nbytes - stored.tail.numel():], stream,
                          status[full:])
