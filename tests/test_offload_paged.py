@@ -1671,12 +1671,15 @@ def test_a_restore_before_the_placement_is_read_decodes_the_payload_in_place(gen
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_a_restore_from_the_payload_is_read_before_the_next_slice_takes_it(gen):
+@pytest.mark.parametrize("control", [False, True])
+def test_gpu_a_restore_from_the_payload_is_read_before_the_next_slice_takes_it(gen, control):
     """A restore queued before its slice's plan finished decodes the device payload in place
     (``_Slice.read`` set); the next slice into that payload waits for that decode on the GPU:
     here the decode is held back behind a sleep on the restore stream well past the point
     where the next slice's compress could start, and both tensors still round-trip
-    bit-exact. (Without the wait the second compress overwrites the payload first.)"""
+    bit-exact. The control drops that wait (``read`` cleared): the second compress then
+    overwrites the payload first and the first restore comes out wrong, so the test can see
+    the race it guards against."""
     store = _store("cuda", chunk=1 << 22, slice_bytes=1 << 20)
     cur = torch.cuda.current_stream()
     a, b = (_data(gen, 1 << 20, "bf16").cuda() for _ in range(2))
@@ -1689,9 +1692,11 @@ def test_gpu_a_restore_from_the_payload_is_read_before_the_next_slice_takes_it(g
         torch.cuda._sleep(100_000_000)
         store.restore(st_a, out)
     assert st_a.slices[0].read is not None, "the plan finished before the restore: retry"
+    if control:
+        st_a.slices[0].read = None
     st_b = store.offload(b, 2, producer=cur, float_format="bf16")  # the same payload
     cur.wait_stream(rs)
-    assert torch.equal(out, a)
+    assert torch.equal(out, a) != control
     assert torch.equal(_restored(store, st_b, b), b)
     torch.cuda.synchronize()
     assert store.failed_restores() == 0
