@@ -22,7 +22,9 @@
 #   bash bench/gpu_suite.sh fsdpab     # FSDP2 on every GPU, the variants interleaved in one
 #                                      # torchrun (bench.dev_ab_steps --fsdp --out): JSON rows
 #                                      # of the stock schema, gradients checked (STOCK_MODELS,
-#                                      # AB_ARMS, AB_ROUNDS; AB_STALL=S: a step's host part past
+#                                      # AB_ARMS, AB_ROUNDS, AB_WARMUP (default 4: with 2, the
+#                                      # arena still grew and kernels compiled in the timed rounds,
+#                                      # bench/results/h200_session63); AB_STALL=S: a step's host part past
 #                                      # S seconds prints its stacks, in fsdp_interleaved.txt;
 #                                      # AB_SAMPLE=MS: where each arm's host time went, sampled)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
@@ -168,7 +170,7 @@ fsdpab)
     header fsdpab
     timeout ${FSDP_TIMEOUT:-540} torchrun --standalone --nproc_per_node "$(nvidia-smi -L | wc -l)" \
         -m bench.dev_ab_steps --fsdp --models "${STOCK_MODELS:-encoder-1024,llama-2048}" \
-        --arms "${AB_ARMS:-uncompressed,memory,speed,none,save_on_cpu}" --rounds "${AB_ROUNDS:-5}" --warmup 2 \
+        --arms "${AB_ARMS:-uncompressed,memory,speed,none,save_on_cpu}" --rounds "${AB_ROUNDS:-5}" --warmup "${AB_WARMUP:-4}" \
         ${AB_STALL:+--stall-dump $AB_STALL} ${AB_SAMPLE:+--sample-host $AB_SAMPLE} \
         --out "$OUT/stock_models_fsdp_interleaved.json" 2>&1 | tee "$OUT/fsdp_interleaved.txt" \
         | grep -E "^## |^\| (uncompressed|memory|speed|none) \| [0-9]|^speed:"
