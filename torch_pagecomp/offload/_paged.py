@@ -613,9 +613,9 @@ class PagedStore:
         its pack (a device-side wait: the host learns nothing and waits for nothing). A slice
         whose copies into the arena are not queued yet (its placement not read: a restore
         right after the offload, as a KV cache's or a ``PageCompressor``'s can be) is decoded
-        from the device buffer its pages are still in (``_Slice.send``), after its plan: the
-        host used to wait for the placement there, queue the slice's copies down and copy it
-        back up. Returns
+        from the device buffer its pages are still in (``_Slice.send``), after its plan,
+        rather than the host waiting for the placement, sending the slice down and fetching
+        it back up. Returns
         the pages' statuses (``int32``, one per full page, then the partial last page's with
         ``checksum``), which ``count`` adds to :meth:`failed_restores` (then they may lie in
         a buffer the store reuses: only a caller that counts them itself reads them)."""
