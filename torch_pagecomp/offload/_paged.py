@@ -19,9 +19,10 @@ Host memory holds the compressed bytes only (16-byte aligned pages).
 A restore is queued on the caller's stream without waiting on the host: when the slice's
 placement is known and its bytes are in host memory (the usual case by the time backward
 needs it) the copy engine brings its exact bytes back; otherwise a few persistent programs
-read them from the chunk after a device-side wait (placement from the device descriptor),
-the host first queuing the copies of a slice not sent yet. The decoder then expands them. A
-partial last page (``nbytes % P``) travels as a plain copy.
+read them from the chunk after a device-side wait (placement from the device descriptor); a
+slice not sent yet (its placement not read) is decoded from the device payload it is still
+in. The decoder then expands them. A partial last page (``nbytes % P``) travels as a plain
+copy.
 """
 
 from __future__ import annotations
@@ -353,11 +354,11 @@ class PagedStore:
         p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
         slot = self._slot(n * p)
         last = slot.last
-        if last is not None and last.send is not None:
-            arena.confirm(through=last)  # its copies queued: the wait below is for them
-        # bound the scratch in flight: the payload's last pages have left it by then, and a
-        # restore that decoded them from it (``restore``) is done reading
         if last is not None:
+            if last.send is not None:
+                arena.confirm(through=last)  # its copies queued: the wait below is for them
+            # bound the scratch in flight: the payload's last pages have left it by then, and
+            # a restore that decoded them from it (``restore``) is done reading
             _wait(cs, last.stored)
             _wait(cs, last.read)
         device = (src if rows is None else rows).device
@@ -635,7 +636,8 @@ class PagedStore:
             if sl.base is not None and sl.base < 0:
                 raise SliceNotStored(sl.n)
             meta_at = None  # where the staging buffer holds the slice's metadata, if it does
-            if sl.send is not None:  # not sent: its pages end to end in the device payload
+            in_place = sl.send is not None
+            if in_place:  # not sent: its pages end to end in the device payload
                 _wait(stream, sl.stored)  # (after the plan, itself after the compress)
                 staging, total = sl.send.view(-1), sl.n * p
                 if stream is not None:  # (a payload let go is reused after this restore)
@@ -659,7 +661,7 @@ class PagedStore:
                 st = status[sl.first:sl.first + sl.n]
                 rel, sizes, kinds, sums = slice_meta(sl, staging, 0, stream)
                 _decompress_into(staging, rel, sizes, kinds, pages, st, sums, stored.exp)
-            if sl.send is not None:  # the next slice into its payload waits for this read
+            if in_place:  # the next slice into its payload waits for this read
                 _wait(stream, sl.read)  # (and for an earlier one's, on another stream)
                 sl.read = mark(stream)
         if stored.tail is not None:  # its status (if checked) follows the pages'
