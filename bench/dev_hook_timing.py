@@ -121,7 +121,6 @@ FINE_TARGETS = (
     "torch_pagecomp.offload._arena:_Slice.__init__",
     "torch_pagecomp.offload._paged:_compress",
     "torch_pagecomp.offload._paged:PagedStore._compress_slice",
-    "torch_pagecomp.offload._paged:PagedStore._queue_encode",
     "torch_pagecomp.offload._paged:PagedStore._scratch",
     "torch_pagecomp.offload._paged:PagedStored.__init__",
     "torch_pagecomp.offload._entry:_Entry.__init__",

@@ -94,20 +94,19 @@ def test_native_params_refuses_what_it_cannot_lay_out(change):
     assert L.native_params(compiled, classes) is None
 
 
-def test_native_lookup_only_for_a_kernel_compiled_for_those_arguments(monkeypatch):
+def test_native_op_only_for_a_kernel_compiled_for_those_arguments(monkeypatch):
     kernel, meta = object(), L.frozen_meta((("BLOCK", 64),))
     classes = PTRS + (L.int_class(5), L.int_class(1 << 40))
-    assert L.native_lookup(kernel, 0, meta, classes) is None
-    assert L.native_lookup(kernel, 1, meta, classes) is None
+    values = (11, 12, 13, 5, 1 << 40)
+    assert L.native_op(kernel, 0, meta, classes, values, 7, 99) is None
     monkeypatch.setitem(L._NATIVE, (id(kernel), 0, meta, classes),
                         L.native_params(_Compiled(), classes))
-    params = L.native_lookup(kernel, 0, meta, classes)
-    assert L.native_lookup(kernel, 0, meta, classes[:-1] + (L.int_class(7),)) is None
-    op = L.native_op(params, (11, 12, 13, 5, 1 << 40), 7, 99)
+    monkeypatch.setattr(L, "_hooks_set", lambda: False)
+    op = L.native_op(kernel, 0, meta, classes, values, 7, 99)
     assert op == (2, 99, 0xF00, 7, 128, 1024, bytes([8, 8, 8, 4, 8, 8, 8]),
                   (11, 12, 13, 5, 1 << 40, 0, 0))
     monkeypatch.setattr(L, "_hooks_set", lambda: True)  # a profiler's hooks: the usual way
-    assert L.hooks_set()
+    assert L.native_op(kernel, 0, meta, classes, values, 7, 99) is None
 
 
 def test_the_extension_refuses_without_a_driver():
@@ -139,7 +138,7 @@ def test_gpu_queued_copies_and_events_order_like_the_usual_calls():
     page-locked memory and records an event; after the event the bytes are the source's."""
     from torch_pagecomp._events import take
 
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device("cuda")
     src = torch.randint(0, 256, (3 * P + 5,), dtype=torch.uint8, device=dev)
     host = torch.full((src.numel(),), POISON, dtype=torch.uint8, pin_memory=True)
     side = torch.cuda.Stream()
@@ -160,7 +159,7 @@ def test_gpu_queued_copies_and_events_order_like_the_usual_calls():
 
 @gpu
 def test_gpu_a_queued_triton_launch_equals_the_usual_one():
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device("cuda")
     x = torch.randint(0, 100, (5000,), dtype=torch.int32, device=dev)
     out = torch.full_like(x, -1)
     meta = L.frozen_meta((("BLOCK", 1024),))
@@ -171,9 +170,9 @@ def test_gpu_a_queued_triton_launch_equals_the_usual_one():
     want = out.clone()
     out.fill_(-1)
     raw = torch.cuda.current_stream().cuda_stream
-    params = L.native_lookup(_add_kernel, dev.index, meta, classes)
-    assert params is not None
-    _driver.queue(dev.index, (L.native_op(params, values, grid, raw),))
+    op = L.native_op(_add_kernel, dev.index, meta, classes, values, grid, raw)
+    assert op is not None
+    _driver.queue(dev.index, (op,))
     torch.cuda.synchronize()
     assert torch.equal(out, want) and torch.equal(want, x + 3)
 

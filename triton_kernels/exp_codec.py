@@ -58,14 +58,7 @@ import triton
 import triton.language as tl
 
 from . import constants as fmt
-from .launch import (
-    config_meta,
-    interpreting,
-    launch,
-    launch_known,
-    native_lookup,
-    ptr_class,
-)
+from .launch import config_meta, interpreting, launch, launch_known, native_op, ptr_class
 from .lz4_decompress import (
     _plain_meta,
     _row,
@@ -567,12 +560,12 @@ def compress_exp_placed_at(index: int, n: int, page_size: int, fp16: bool, rows:
     launch_known(_exp_encode_placed_kernel, (n,), index, meta, classes, addrs, args)
 
 
-def compress_exp_placed_params(index: int, page_size: int, fp16: bool, rows: bool,
-                               addrs: tuple) -> tuple | None:
-    """``launch.native_lookup`` of the launch :func:`compress_exp_placed_at` makes with these
-    arguments (None until that has compiled it), for ``torch_pagecomp._queue``."""
-    return native_lookup(_exp_encode_placed_kernel, index,
-                         *_placed_launch(page_size, fp16, rows, addrs))
+def compress_exp_placed_op(index: int, n: int, page_size: int, fp16: bool, rows: bool,
+                           addrs: tuple, stream: int) -> tuple | None:
+    """:func:`compress_exp_placed_at` as an op of ``torch_pagecomp._queue`` on the raw CUDA
+    ``stream`` (``launch.native_op``: None until the usual way has compiled it)."""
+    meta, classes = _placed_launch(page_size, fp16, rows, addrs)
+    return native_op(_exp_encode_placed_kernel, index, meta, classes, addrs, n, stream)
 
 
 def _placed_launch(page_size: int, fp16: bool, rows: bool, addrs: tuple) -> tuple:

@@ -57,7 +57,7 @@ from .launch import (
     interpreting,
     launch,
     launch_known,
-    native_lookup,
+    native_op,
     ptr_class,
 )
 
@@ -315,12 +315,13 @@ def place_slice_at(index: int, stream, addrs: tuple, parity: int, limit: int,
                  (*addrs, parity, limit, meta_bytes), args, stream)
 
 
-def place_slice_params(index: int, addrs: tuple, parity: int, limit: int, meta_bytes: int,
-                       chunk_bytes: int) -> tuple | None:
-    """``launch.native_lookup`` of the launch :func:`place_slice_at` makes with these
-    arguments (None until that has compiled it), for ``torch_pagecomp._queue``."""
-    return native_lookup(_place_slice_kernel, index, _place_meta(chunk_bytes),
-                         _place_classes(addrs, parity, limit, meta_bytes))
+def place_slice_op(index: int, stream: int, addrs: tuple, parity: int, limit: int,
+                   meta_bytes: int, chunk_bytes: int) -> tuple | None:
+    """:func:`place_slice_at` as an op of ``torch_pagecomp._queue`` on the raw CUDA ``stream``
+    (``launch.native_op``: None until the usual way has compiled it)."""
+    return native_op(_place_slice_kernel, index, _place_meta(chunk_bytes),
+                     _place_classes(addrs, parity, limit, meta_bytes),
+                     (*addrs, parity, limit, meta_bytes), 1, stream)
 
 
 def _place_classes(addrs: tuple, parity: int, limit: int, meta_bytes: int) -> tuple:

@@ -352,27 +352,19 @@ def native_params(compiled, classes: tuple) -> tuple | None:
     return None
 
 
-def native_lookup(kernel, index: int, meta: FrozenMeta, classes: tuple) -> tuple | None:
-    """:func:`native_params` of ``kernel`` compiled on device ``index`` with ``meta`` for
-    arguments of ``classes`` (:func:`launch_known`'s), or None until a launch the usual way has
-    compiled it (as :func:`launch_known` makes first) or where the driver cannot launch it. A
-    caller keeps what it found under a key of its own (the classes cost a hash a launch)."""
-    return _NATIVE.get((id(kernel), index, meta, classes))
-
-
-def native_op(params: tuple, values: tuple, grid: int, stream: int) -> tuple:
-    """The ``torch_pagecomp._queue`` op that launches the kernel of ``params``
-    (:func:`native_lookup`) with ``values`` (what :func:`launch_known` takes) on ``(grid,)``
-    programs on the raw CUDA ``stream``. The caller checks :func:`hooks_set` first."""
+def native_op(kernel, index: int, meta: FrozenMeta, classes: tuple, values: tuple, grid: int,
+              stream: int) -> tuple | None:
+    """The ``torch_pagecomp._queue`` launch op of ``kernel`` (grid ``(grid,)``) on the raw CUDA
+    ``stream``, with the arguments :func:`launch_known` would take (``values`` of ``classes``),
+    or None until the kernel is compiled for them (a launch the usual way, as
+    :func:`launch_known` makes first), while Triton's launch hooks are set, or where the
+    driver cannot launch it (:func:`native_params`)."""
+    params = _NATIVE.get((id(kernel), index, meta, classes))
+    if params is None or _hooks_set():
+        return None
     function, threads, shared, sizes, keep, extra = params
     vals = tuple(values[i] for i in keep) + (0,) * extra
     return (2, stream, function, grid, threads, shared, sizes, vals)
-
-
-def hooks_set() -> bool:
-    """Whether Triton's launch hooks are set (its profiler's): a launch must then go the
-    usual way, which calls them (never by :func:`native_op`)."""
-    return _hooks_set()
 
 
 def _hooks_set() -> bool:

@@ -33,7 +33,6 @@ from .. import _ops, cpu_codec
 from .._events import handoff, mark, take
 from ..api import checksum_status
 from ..format import CorruptPageError
-from ..kernels.launch import hooks_set, native_op
 from ..pools import can_pin
 from . import _driver
 from ._arena import (
@@ -237,7 +236,6 @@ class PagedStore:
         self._scratch_held = 0
         self._handed = None  # the event the latest slice's pack waits for (compress stream)
         self.queued = 0  # slices whose encoder went by ``_driver.queue`` (reported in stats)
-        self._native: dict = {}  # a cheap key -> launch.native_lookup of a queued kernel
         if device.type == "cuda":
             from ..kernels.host_pack import link_programs
 
@@ -436,7 +434,9 @@ class PagedStore:
         and the event the pack stream waits for (``_handed``), in one driver call. False,
         nothing queued, where it cannot (the driver's calls not found, the encoder not yet
         compiled for these arguments, Triton's launch hooks set)."""
-        if not _driver.usable() or hooks_set():
+        from ..kernels.exp_codec import compress_exp_placed_op
+
+        if not _driver.usable():
             return False
         cs, index = self.compress_stream, end.device.index
         if torch._C._cuda_getDevice() != index:
@@ -444,21 +444,15 @@ class PagedStore:
         sizes, kinds, rel = addrs
         first, n, p = sl.first, sl.n, self.page_size
         pages = rows.data_ptr() + 8 * first if rows is not None else src.data_ptr() + first * p
-        values = (pages, payload.data_ptr(), sizes, kinds, rel, end.data_ptr())
-        # what the compiled kernel depends on: the layout, and each address's alignment
-        key = (rows is not None, float_format, *(a & 15 for a in values))
-        params = self._native.get(key)
-        if params is None:
-            from ..kernels.exp_codec import compress_exp_placed_params
-
-            params = compress_exp_placed_params(index, p, float_format == "fp16",
-                                                rows is not None, values)
-            if params is None:
-                return False
-            self._native[key] = params
-        raw, handed = cs.cuda_stream, take(cs)
+        raw = cs.cuda_stream
+        op = compress_exp_placed_op(index, n, p, float_format == "fp16", rows is not None,
+                                    (pages, payload.data_ptr(), sizes, kinds, rel,
+                                     end.data_ptr()), raw)
+        if op is None:
+            return False
+        handed = take(cs)
         _driver.queue(index, tuple(_driver.wait(raw, e) for e in waits if e is not None)
-                      + (native_op(params, values, n, raw), _driver.record(raw, handed)))
+                      + (op, _driver.record(raw, handed)))
         self._handed = handed
         self.queued += 1
         return True
@@ -479,28 +473,22 @@ class PagedStore:
             place_slice(end, arena.state, parity, limit, sl.desc, arena.descs[k], arena.chunk,
                         meta.numel())
             return None
-        from ..kernels.host_pack import place_slice_at, place_slice_params
+        from ..kernels.host_pack import place_slice_at, place_slice_op
 
-        index, mb = meta.device.index, meta.numel()
+        index = meta.device.index
         addrs = (end.data_ptr(), arena.state.data_ptr(), desc, arena.desc_addr(k))
         if queued:
-            # what the compiled plan depends on: the addresses' alignment, the ints' classes
-            key = (*(a & 15 for a in addrs), parity, limit & 15, limit < 1 << 31, mb & 15,
-                   mb == 1)
-            params = self._native.get(key)
-            if params is None:
-                params = place_slice_params(index, addrs, parity, limit, mb, arena.chunk)
-                if params is not None:
-                    self._native[key] = params
-            if params is not None:
-                raw, stored = ps.cuda_stream, take(ps)
-                _driver.queue(index, (_driver.wait(raw, self._handed),
-                                      native_op(params, (*addrs, parity, limit, mb), 1, raw),
+            raw = ps.cuda_stream
+            op = place_slice_op(index, raw, addrs, parity, limit, meta.numel(), arena.chunk)
+            if op is not None:
+                stored = take(ps)
+                _driver.queue(index, (_driver.wait(raw, self._handed), op,
                                       _driver.record(raw, stored)))
                 return stored
             ps.wait_event(self._handed)
-        place_slice_at(index, ps, addrs, parity, limit, mb, arena.chunk,
-                       lambda: (end, arena.state, sl.desc, arena.descs[k], parity, limit, mb))
+        place_slice_at(index, ps, addrs, parity, limit, meta.numel(), arena.chunk,
+                       lambda: (end, arena.state, sl.desc, arena.descs[k], parity, limit,
+                                meta.numel()))
         return None
 
     def _compress_slice(self, src, rows: torch.Tensor | None, sl: _Slice, payload,
