@@ -2,9 +2,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# what the install reads (_native.c, _queue.c: the editable install builds them in place, once)
-INSTALL_INPUTS := requirements-dev.txt setup.py pyproject.toml torch_pagecomp/_native.c \
-                  torch_pagecomp/_queue.c
+# what the install reads (_native.c: the editable install builds the C loops in place, once)
+INSTALL_INPUTS := requirements-dev.txt setup.py pyproject.toml torch_pagecomp/_native.c
 STAMP  := $(VENV)/.installed-$(shell cat $(INSTALL_INPUTS) | cksum | cut -d' ' -f1)
 
 .PHONY: install demo test test-slow test-interpret test-gpu compile-check bench checkstyle clean

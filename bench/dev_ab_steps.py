@@ -85,8 +85,6 @@ host memory (packed), as before session 60, not once they are compressed
 (``_entry._Entry.source_read``).
 ``uncompressed_shrink1``: ``uncompressed`` with its pinned buffers kept for the last
 step's busiest moment only, as before session 59 (``pools.SizePool.shrink``).
-``memory_calls``: the exponent codec's slices and sends queued call by call from Python, as
-before session 64, not by one call of ``torch_pagecomp._queue`` (``offload._driver``).
 ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
@@ -122,7 +120,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "memory_lastpeak", "memory_calls", "speed",
+        "memory_lastpeak", "speed",
         "speed_copy_only")
 
 
@@ -151,9 +149,6 @@ PATCHES = {
     # the plain copies' pinned buffers kept for the last step's busiest moment only (before
     # session 59), not the last SHRINK_STEPS steps'
     "uncompressed_shrink1": (("torch_pagecomp.pools", "SHRINK_STEPS", 1),),
-    # the exponent codec's slices queued call by call from Python (before session 64), not
-    # by one call of torch_pagecomp._queue
-    "memory_calls": (("torch_pagecomp.offload._driver", "_USABLE", [False]),),
 }
 
 

@@ -31,15 +31,6 @@ def mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     of kept events (see above); ``None`` for no stream (the CPU)."""
     if stream is None:
         return None
-    event = take(stream)
-    event.record(stream)
-    return event
-
-
-def take(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    """The event :func:`mark` would record next on ``stream``, not recorded: for a caller that
-    records it itself by its raw handle (``cuda_event``; ``torch_pagecomp._queue``). A new
-    event is recorded once here so that its handle exists (torch makes it on first record)."""
     key = _key(stream)
     ring = _RINGS.get(key)
     if ring is None:
@@ -47,11 +38,11 @@ def take(stream: torch.cuda.Stream) -> torch.cuda.Event:
     at, events = ring
     if len(events) < EVENTS_PER_STREAM:
         event = torch.cuda.Event()
-        event.record(stream)
         events.append(event)
     else:
         event = events[at]
     ring[0] = (at + 1) % EVENTS_PER_STREAM
+    event.record(stream)
     return event
 
 

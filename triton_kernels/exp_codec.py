@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from . import constants as fmt
-from .launch import config_meta, interpreting, launch, launch_known, native_op, ptr_class
+from .launch import config_meta, interpreting, launch, launch_known, ptr_class
 from .lz4_decompress import (
     _plain_meta,
     _row,
@@ -556,27 +556,13 @@ def compress_exp_placed_at(index: int, n: int, page_size: int, fp16: bool, rows:
     table): for the activation store, which cuts its metadata buffer by address; ``args``:
     the tensors (or a function that makes them), used only when the launch goes the usual
     way (``launch.launch_known``)."""
-    meta, classes = _placed_launch(page_size, fp16, rows, addrs)
-    launch_known(_exp_encode_placed_kernel, (n,), index, meta, classes, addrs, args)
-
-
-def compress_exp_placed_op(index: int, n: int, page_size: int, fp16: bool, rows: bool,
-                           addrs: tuple, stream: int) -> tuple | None:
-    """:func:`compress_exp_placed_at` as an op of ``torch_pagecomp._queue`` on the raw CUDA
-    ``stream`` (``launch.native_op``: None until the usual way has compiled it)."""
-    meta, classes = _placed_launch(page_size, fp16, rows, addrs)
-    return native_op(_exp_encode_placed_kernel, index, meta, classes, addrs, n, stream)
-
-
-def _placed_launch(page_size: int, fp16: bool, rows: bool, addrs: tuple) -> tuple:
-    """``(settings, argument classes)`` of the placed encoder's launch by address."""
     classes = (ptr_class(torch.int64 if rows else torch.uint8, addrs[0]),
                ptr_class(torch.uint8, addrs[1]), ptr_class(torch.int32, addrs[2]),
                ptr_class(torch.uint8, addrs[3]), ptr_class(torch.int64, addrs[4]),
                ptr_class(torch.int64, addrs[5]))
     meta = (_encode_rows_meta(page_size, fp16, interpreting()) if rows
             else _frozen_encode_meta(page_size, fp16, interpreting()))
-    return meta, classes
+    launch_known(_exp_encode_placed_kernel, (n,), index, meta, classes, addrs, args)
 
 
 @functools.cache

@@ -57,7 +57,6 @@ from .launch import (
     interpreting,
     launch,
     launch_known,
-    native_op,
     ptr_class,
 )
 
@@ -310,23 +309,10 @@ def place_slice_at(index: int, stream, addrs: tuple, parity: int, limit: int,
                    meta_bytes: int, chunk_bytes: int, args) -> None:
     """:func:`place_slice` given the addresses of ``(end, ends, desc, host_desc)`` on CUDA
     device ``index``, on ``stream``, without its checks (as :func:`pack_slice_at`)."""
-    classes = _place_classes(addrs, parity, limit, meta_bytes)
+    classes = tuple(ptr_class(torch.int64, a) for a in addrs) + (
+        int_class(parity), int_class(limit), int_class(meta_bytes))
     launch_known(_place_slice_kernel, (1,), index, _place_meta(chunk_bytes), classes,
                  (*addrs, parity, limit, meta_bytes), args, stream)
-
-
-def place_slice_op(index: int, stream: int, addrs: tuple, parity: int, limit: int,
-                   meta_bytes: int, chunk_bytes: int) -> tuple | None:
-    """:func:`place_slice_at` as an op of ``torch_pagecomp._queue`` on the raw CUDA ``stream``
-    (``launch.native_op``: None until the usual way has compiled it)."""
-    return native_op(_place_slice_kernel, index, _place_meta(chunk_bytes),
-                     _place_classes(addrs, parity, limit, meta_bytes),
-                     (*addrs, parity, limit, meta_bytes), 1, stream)
-
-
-def _place_classes(addrs: tuple, parity: int, limit: int, meta_bytes: int) -> tuple:
-    return tuple(ptr_class(torch.int64, a) for a in addrs) + (
-        int_class(parity), int_class(limit), int_class(meta_bytes))
 
 
 @functools.cache

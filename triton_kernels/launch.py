@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import re
 
 import torch
 from torch.library import wrap_triton
@@ -105,8 +104,6 @@ def launch(kernel, grid: tuple[int, ...], device: torch.device, args: tuple, met
 # arguments it takes before the kernel's; the parameter values after ``args``), or None where
 # the compiled kernel cannot be called directly. Keyed by id: a JITFunction hashes in Python.
 _COMPILED: dict = {}
-# the same keys -> :func:`native_params` of the compiled kernel (None: not by the driver)
-_NATIVE: dict = {}
 _INT32 = (-(1 << 31), 1 << 31)
 
 
@@ -240,7 +237,6 @@ def _launch_compiled(kernel, grid: tuple[int, ...], index: int, args: tuple, met
     if entry is False:
         compiled = kernel[grid](*args, **meta)
         _COMPILED[key] = _direct_entry(kernel, compiled, index, args, meta)
-        _NATIVE[key] = native_params(compiled, key[3])
         return
     if entry is None:
         kernel[grid](*args, **meta)
@@ -301,70 +297,6 @@ def _raw_launch(launcher) -> tuple | None:
     if not callable(fn):
         return None
     return fn, launcher.launch_cooperative_grid, launcher.launch_pdl
-
-
-# ---------------------------------------------------------------- launches by the driver
-_PTX_PARAM = re.compile(r"\.param\s+\.(?:u|s|b)(\d+)\b")
-
-
-def ptx_param_sizes(ptx: str) -> list[int] | None:
-    """Byte sizes of the parameters of the one ``.entry`` in ``ptx``, or None if it has
-    none."""
-    at = ptx.find(".entry")
-    if at < 0:
-        return None
-    head = ptx[at:ptx.find(")", at)]
-    return [int(bits) // 8 for bits in _PTX_PARAM.findall(head)]
-
-
-def native_params(compiled, classes: tuple) -> tuple | None:
-    """How the CUDA driver launches Triton's ``compiled`` kernel given arguments of
-    ``classes`` (:func:`_arg_class`; pointers and ints only): ``(function, threads a block,
-    dynamic shared bytes, parameter sizes (bytes), the indices of the arguments passed,
-    trailing zero parameters)``, read from its PTX entry, or None where the entry is not
-    that (then it launches through Triton's launcher only). Triton drops the int arguments
-    it specialised as equal to 1 and adds its scratch pointers (none of these kernels uses
-    scratch: they go as 0)."""
-    try:
-        md = compiled.metadata
-        function = compiled.function
-        sizes = ptx_param_sizes(compiled.asm["ptx"])
-    except (AttributeError, KeyError, TypeError):
-        return None
-    if (not function or sizes is None or getattr(md, "num_ctas", 1) != 1
-            or getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False)
-            or getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)):
-        return None
-    widths = []
-    for c in classes:
-        if c and isinstance(c[0], torch.dtype):
-            widths.append(8)  # an address
-        elif len(c) == 4 and all(type(x) is bool for x in c):
-            widths.append(4 if c[2] else 8)  # int_class: 32 bits where it fits
-        else:
-            return None  # floats, bools, None: not taken here
-    for drop_ones in (False, True):
-        keep = [i for i, c in enumerate(classes) if not (drop_ones and len(c) == 4 and c[0])]
-        kept = [widths[i] for i in keep]
-        extra = len(sizes) - len(kept)
-        if 0 <= extra <= 2 and sizes == kept + [8] * extra:
-            return (function, 32 * md.num_warps, md.shared, bytes(sizes), tuple(keep), extra)
-    return None
-
-
-def native_op(kernel, index: int, meta: FrozenMeta, classes: tuple, values: tuple, grid: int,
-              stream: int) -> tuple | None:
-    """The ``torch_pagecomp._queue`` launch op of ``kernel`` (grid ``(grid,)``) on the raw CUDA
-    ``stream``, with the arguments :func:`launch_known` would take (``values`` of ``classes``),
-    or None until the kernel is compiled for them (a launch the usual way, as
-    :func:`launch_known` makes first), while Triton's launch hooks are set, or where the
-    driver cannot launch it (:func:`native_params`)."""
-    params = _NATIVE.get((id(kernel), index, meta, classes))
-    if params is None or _hooks_set():
-        return None
-    function, threads, shared, sizes, keep, extra = params
-    vals = tuple(values[i] for i in keep) + (0,) * extra
-    return (2, stream, function, grid, threads, shared, sizes, vals)
 
 
 def _hooks_set() -> bool:

@@ -29,9 +29,8 @@ import time
 
 import torch
 
-from .._events import mark, take
+from .._events import mark
 from ..pools import SHRINK_STEPS, HostMemory, can_pin, usual_steps
-from . import _driver
 from ._copies import copy_to_host, host_bytes
 
 # a 64 MiB slice (``_paged.SLICE_BYTES``) and its metadata's worst case (416 KiB for 4 KiB
@@ -505,21 +504,9 @@ class VirtualArena:
         ``rel`` the encoder wrote) at its end, in one chunk."""
         meta = meta_span(sl.n, sl.checksum)
         spans = self.spans(base, pages) if pages else []
-        meta_at = self._address(base + total - meta)
-        index = self.device.index
-        if (self.sender is not None and _driver.usable()
-                and torch._C._cuda_getDevice() == index):  # one driver call
-            raw, event, src = self.sender.cuda_stream, take(self.sender), sl.send.data_ptr()
-            _driver.queue(index, tuple(_driver.to_host(raw, addr, src + at, n)
-                                       for at, addr, n in spans)
-                          + (_driver.to_host(raw, meta_at, sl.meta.data_ptr(), meta),
-                             _driver.record(raw, event)))
-            sl.stored = event
-        else:
-            copy_to_host(sl.send.view(-1), spans, self.sender)
-            copy_to_host(sl.meta, [(0, meta_at, meta)], self.sender)
-            sl.stored = mark(self.sender)
-        sl.send = None
+        copy_to_host(sl.send.view(-1), spans, self.sender)
+        copy_to_host(sl.meta, [(0, self._address(base + total - meta), meta)], self.sender)
+        sl.stored, sl.send = mark(self.sender), None
         self.sending.append((sl, base, total))
         self.sending_bytes += total
 

@@ -30,11 +30,10 @@ from __future__ import annotations
 import torch
 
 from .. import _ops, cpu_codec
-from .._events import handoff, mark, take
+from .._events import handoff, mark
 from ..api import checksum_status
 from ..format import CorruptPageError
 from ..pools import can_pin
-from . import _driver
 from ._arena import (
     CHUNK_BYTES,
     UploadRing,
@@ -235,7 +234,6 @@ class PagedStore:
         self._lz4_launch: dict[int, tuple] = {}  # element size -> (programs, settings)
         self._scratch_held = 0
         self._handed = None  # the event the latest slice's pack waits for (compress stream)
-        self.queued = 0  # slices whose encoder went by ``_driver.queue`` (reported in stats)
         if device.type == "cuda":
             from ..kernels.host_pack import link_programs
 
@@ -352,19 +350,17 @@ class PagedStore:
         """Compress pages ``first .. first + n`` of ``src`` (read through the row table
         ``rows`` where given) and place them in the arena: the exponent codec's pages laid end
         to end by the encoder and sent by the copy engine once the host has read where they go
-        (:meth:`VirtualArena.confirm`), LZ4's packed by a kernel. On a GPU the exponent
-        codec's six driver calls (waits, encoder, events, plan) go as two calls of
-        ``_driver.queue`` where it is usable, else one by one."""
+        (:meth:`VirtualArena.confirm`), LZ4's packed by a kernel."""
         p, cs, ps, arena = self.page_size, self.compress_stream, self.pack_stream, self.arena
         slot = self._slot(n * p)
         last = slot.last
-        waits = ()
         if last is not None:
             if last.send is not None:
                 arena.confirm(through=last)  # its copies queued: the wait below is for them
             # bound the scratch in flight: the payload's last pages have left it by then, and
             # a restore that decoded them from it (``restore``) is done reading
-            waits = (last.stored, last.read)
+            _wait(cs, last.stored)
+            _wait(cs, last.read)
         device = (src if rows is None else rows).device
         payload = self._payload(slot, n, device)
         # the metadata the restore needs (:func:`_meta_bytes`), copied into the arena behind
@@ -377,29 +373,22 @@ class PagedStore:
         rel, desc, sizes, kinds, _ = (m + o if o is not None else None
                                       for o in _meta_offsets(n, self.checksum))
         placed = float_format is not None  # end to end, for the copy engine
-        queued = (placed and ps is not None and not self.checksum
-                  and self._queue_encode(src, rows, sl, payload, (sizes, kinds, rel),
-                                         slot.end, float_format, waits))
-        if not queued:
-            for event in waits:
-                _wait(cs, event)
-            self._compress_slice(src, rows, sl, payload, (sizes, kinds, rel),
-                                 slot.end if placed else None, element_size, float_format)
-            if self.checksum:
-                _checksums(_pages(src, first, n, p), sl.sums)
-            if ps is not None:  # the pack stream waits for the compress kernel
-                self._handed = mark(cs)
-                ps.wait_event(self._handed)
+        self._compress_slice(src, rows, sl, payload, (sizes, kinds, rel),
+                             slot.end if placed else None, element_size, float_format)
+        if self.checksum:
+            _checksums(_pages(src, first, n, p), sl.sums)
         self.scratch_bytes = max(self.scratch_bytes,
                                  len(self._slots) * n * p + self._scratch_held)
+        if ps is not None:  # the pack stream waits for the compress kernel
+            self._handed = mark(cs)
+            ps.wait_event(self._handed)
         k = arena.host_desc()
         upper = slice_upper(n, p, self.checksum)
         arena.back(upper, ps)
         parity, limit = arena.parity, arena.limit
         arena.parity ^= 1
-        stored = None
         if placed:
-            stored = self._place(sl, slot.end, k, parity, limit, desc, queued)
+            self._place(sl, slot.end, k, parity, limit, desc)
         elif ps is not None:
             from ..kernels.host_pack import pack_slice_at
 
@@ -417,8 +406,7 @@ class PagedStore:
 
             pack_slice(payload, sl.sizes, sl.rel, arena.state, parity, limit, sl.desc,
                        arena.descs[k], arena.table, arena.chunk, meta, desc - m)
-        if stored is None:
-            stored = mark(ps)
+        stored = mark(ps)
         if ps is not None:  # made on the compress stream, read here (and by a sent slice's
             meta.record_stream(ps)  # copy, which is done before the slice lets it go)
         slot.last = sl
@@ -427,69 +415,26 @@ class PagedStore:
         arena.add(sl, upper)
         return sl
 
-    def _queue_encode(self, src, rows: torch.Tensor | None, sl: _Slice, payload, addrs: tuple,
-                      end: torch.Tensor, float_format: str, waits: tuple) -> bool:
-        """On a GPU with ``_driver`` usable: queue the compress stream's waits for ``waits``
-        (events or None), the placed encoder of ``sl``'s pages (as :meth:`_compress_slice`)
-        and the event the pack stream waits for (``_handed``), in one driver call. False,
-        nothing queued, where it cannot (the driver's calls not found, the encoder not yet
-        compiled for these arguments, Triton's launch hooks set)."""
-        from ..kernels.exp_codec import compress_exp_placed_op
-
-        if not _driver.usable():
-            return False
-        cs, index = self.compress_stream, end.device.index
-        if torch._C._cuda_getDevice() != index:
-            return False
-        sizes, kinds, rel = addrs
-        first, n, p = sl.first, sl.n, self.page_size
-        pages = rows.data_ptr() + 8 * first if rows is not None else src.data_ptr() + first * p
-        raw = cs.cuda_stream
-        op = compress_exp_placed_op(index, n, p, float_format == "fp16", rows is not None,
-                                    (pages, payload.data_ptr(), sizes, kinds, rel,
-                                     end.data_ptr()), raw)
-        if op is None:
-            return False
-        handed = take(cs)
-        _driver.queue(index, tuple(_driver.wait(raw, e) for e in waits if e is not None)
-                      + (op, _driver.record(raw, handed)))
-        self._handed = handed
-        self.queued += 1
-        return True
-
     def _place(self, sl: _Slice, end: torch.Tensor, k: int, parity: int, limit: int,
-               desc: int, queued: bool = False):
+               desc: int) -> None:
         """Reserve ``sl``'s pages, laid end to end by the placed encoder (``end``: their
         bytes), and its metadata at the arena's end, on the pack stream
         (``kernels.host_pack.place_slice``), publishing the placement to descriptor ``k`` and
-        to the slice's device descriptor (at address ``desc``). ``queued``: the encoder went
-        by ``_driver.queue``, and the pack stream's wait for it (``_handed``) is still to be
-        queued. Returns the event after the plan where it queued the plan by the driver, else
-        None (the caller marks the pack stream)."""
+        to the slice's device descriptor (at address ``desc``)."""
         arena, ps, meta = self.arena, self.pack_stream, sl.meta
         if ps is None:
             from ..kernels.host_pack import place_slice
 
             place_slice(end, arena.state, parity, limit, sl.desc, arena.descs[k], arena.chunk,
                         meta.numel())
-            return None
-        from ..kernels.host_pack import place_slice_at, place_slice_op
+            return
+        from ..kernels.host_pack import place_slice_at
 
-        index = meta.device.index
-        addrs = (end.data_ptr(), arena.state.data_ptr(), desc, arena.desc_addr(k))
-        if queued:
-            raw = ps.cuda_stream
-            op = place_slice_op(index, raw, addrs, parity, limit, meta.numel(), arena.chunk)
-            if op is not None:
-                stored = take(ps)
-                _driver.queue(index, (_driver.wait(raw, self._handed), op,
-                                      _driver.record(raw, stored)))
-                return stored
-            ps.wait_event(self._handed)
-        place_slice_at(index, ps, addrs, parity, limit, meta.numel(), arena.chunk,
+        place_slice_at(meta.device.index, ps,
+                       (end.data_ptr(), arena.state.data_ptr(), desc, arena.desc_addr(k)),
+                       parity, limit, meta.numel(), arena.chunk,
                        lambda: (end, arena.state, sl.desc, arena.descs[k], parity, limit,
                                 meta.numel()))
-        return None
 
     def _compress_slice(self, src, rows: torch.Tensor | None, sl: _Slice, payload,
                         addrs: tuple, end: torch.Tensor | None, element_size: int,
@@ -830,7 +775,6 @@ class PagedStore:
             "status_bytes": 0 if self.statuses is None else self.statuses.ring_bytes,
             "pending_slices": len(a.pending),
             "host_wait_us": round(a.wait_s * 1e6),
-            "queued_slices": self.queued,
         }
 
 
