@@ -51,7 +51,10 @@ read once completed, never waited for), or the host clock without CUDA:
    on trials of 5.7 ms against 6.6 and switched to compressing on a copied median of 6.5; on
    the ResNet-style model (H200) it chose copying on trials of 59.0 ms against 61.3, switched
    on a copied median of 62.3, and its compressed steps then ran 73-78 ms
-   (``bench/results/h200_7683f39_session44``). Each arm's idle memory is given back only once
+   (``bench/results/h200_7683f39_session44``). A close call, the other arm's shortest trial
+   within ``CLOSE`` above the chosen arm's median, is settled by the two medians too: a
+   trial can run well above the steps that arm settles into, and the choice then stood on
+   that alone. Each arm's idle memory is given back only once
    the check is done (``ActivationOffloader._tuned_arm``): a switch it takes back would pin
    it all again;
 5. a pass that made host memory (pinned an arena chunk or a copy buffer: milliseconds to
@@ -79,6 +82,12 @@ from .._args import check_int, check_number
 
 ARMS = ("compress", "copy")
 RETUNE_GROWTH = 16  # the longest wait between periodic retunes, in ``retune``s (item 3)
+# a close call (item 4): the other arm's shortest trial within this fraction above the chosen
+# arm's settled median. Trial passes run in the tuner's first steps, where the other arm may
+# still be warming: under FSDP2 on two H200s BERT-large's copied trials ran 288 and 495 ms
+# against 249 ms copied steps, and the tuner kept compressing on a settled median close to
+# 288, 1.14x a plain copy's step (``bench/results/h200_session64``)
+CLOSE = 0.2
 
 
 def pass_mark() -> float | torch.cuda.Event:
@@ -255,13 +264,15 @@ class StepTuner:
 
     def _check_settled(self) -> None:
         """The chosen arm's settled passes (the first left out) in place of its trial time:
-        if the other arm wins there, its settled passes are measured too and the two medians
-        decide (see the module docstring)."""
+        if the other arm wins there, or its shortest trial is within ``CLOSE`` of them, its
+        settled passes are measured too and the two medians decide (see the module
+        docstring)."""
         median = statistics.median(self._settled_ms[1:])
         if self._rival is None:
             best = self._trial_best()
             best[self.choice] = median
-            if self._choose(best) == self.choice:
+            other = "copy" if self.choice == "compress" else "compress"
+            if self._choose(best) == self.choice and best[other] > median * (1.0 + CLOSE):
                 self._final()
                 return
             self._rival = (self.choice, median)
