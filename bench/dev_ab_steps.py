@@ -92,7 +92,9 @@ that wait is host time. ``speed``: ``prefer="speed"``,
 its tuner's trials and check run first in consecutive steps of its own (a pass's period is
 from its start to the next one's: interleaved, it would hold the other arms' steps), so it is
 measured at the choice it settled on, beside the other arms on the same host; its decisions
-are printed. ``speed_copy_only``: ``speed``'s code path copying from its first pass
+are printed. ``speed_warm8``: ``speed`` with its tuner's first trials after 8 compressed
+passes, not 2 (its trials and check run in steps of its own too, after ``speed``'s).
+``speed_copy_only``: ``speed``'s code path copying from its first pass
 (``bench.stock_models.CopyOnlyTuner``). Arms measured and removed:
 ``memory_hold1``, only the current group held (no faster than two groups on four models, a
 higher GPU peak on encoder-1024, ``bench/results/h200_7683f39_session44``); the arena's spare
@@ -121,7 +123,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
         "memory_lastpeak", "speed",
-        "speed_copy_only")
+        "speed_copy_only", "speed_warm8")
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
@@ -317,6 +319,10 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
     def settings(arm: str) -> dict:  # a probe arm is its variant's offloader (_arm_patch)
+        if arm == "speed_warm8":  # the tuner's first trials after 8 compressed passes, not 2
+            from torch_pagecomp import StepTuner
+
+            return dict(variant_settings("speed", where), tuner=StepTuner(warmup=8))
         variant = ("memory" if arm.startswith("memory_")
                    else "uncompressed" if arm.startswith("uncompressed_") else arm)
         return variant_settings(variant, where)
@@ -370,13 +376,14 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
     grads = _first_grads(model, forward, blocks, arms, fsdp, make) if rows is not None else {}
-    tuned, own = 0, []
-    if "speed" in offs:  # its trials and check in steps of its own (see the docstring)
-        sp = offs["speed"]
-        while _any_rank(tuned < 28 and (sp.tuner.choice is None or sp.tuner.checking), fsdp):
-            ms = step("speed")[0]
-            own.append(f"{sp.tuner.arm[:4]} {ms:.1f} ({sp.host_buffers_made()})")
-            tuned += 1
+    tuned, own = {}, {}
+    for sa in [a for a in ("speed", "speed_warm8") if a in offs]:  # their trials and check
+        sp, tuned[sa], own[sa] = offs[sa], 0, []  # in steps of their own (see the docstring)
+        while _any_rank(tuned[sa] < 34 and (sp.tuner.choice is None or sp.tuner.checking),
+                        fsdp):
+            ms = step(sa)[0]
+            own[sa].append(f"{sp.tuner.arm[:4]} {ms:.1f} ({sp.host_buffers_made()})")
+            tuned[sa] += 1
     for _ in range(warmup):
         for arm in arms:
             step(arm)
@@ -428,13 +435,13 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      + "; ".join(f"{a} {', '.join(v)}" for a, v in pinned.items()))
     for off in offs.values():
         off.synchronize()
-    if "speed" in offs:
-        t = offs["speed"].tuner.summary()
-        lines.append(f"speed: {tuned} steps of its own first; choice {t['choice']} "
-                     f"(checking: {offs['speed'].tuner.checking}); trial ms "
+    for sa in tuned:
+        t = offs[sa].tuner.summary()
+        lines.append(f"{sa}: {tuned[sa]} steps of its own first; choice {t['choice']} "
+                     f"(checking: {offs[sa].tuner.checking}); trial ms "
                      f"{t['trial_ms']}; decisions {t['decisions']}")
-        lines.append("speed's own steps: arm, ms (host buffers and chunks made so far): "
-                     + ", ".join(own))
+        lines.append(f"{sa}'s own steps: arm, ms (host buffers and chunks made so far): "
+                     + ", ".join(own[sa]))
     # per timed step, the hooks' own host ms (pack / unpack) and what they did (pack calls,
     # restores, stores...): the first over the second gives the cost of one
     done = {a: per_step(before[a], off.stats(), rounds * block, off.counters)
