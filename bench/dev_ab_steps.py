@@ -92,8 +92,9 @@ that wait is host time. ``speed``: ``prefer="speed"``,
 its tuner's trials and check run first in consecutive steps of its own (a pass's period is
 from its start to the next one's: interleaved, it would hold the other arms' steps), so it is
 measured at the choice it settled on, beside the other arms on the same host; its decisions
-are printed. ``speed_warm8``: ``speed`` with its tuner's first trials after 8 compressed
-passes, not 2 (its trials and check run in steps of its own too, after ``speed``'s).
+are printed. ``speed_warm2``: ``speed`` with its tuner's first trials after 2 compressed
+passes, as before session 64, not 8 (its trials and check run in steps of its own too,
+after ``speed``'s; session 64 ran it as ``speed_warm8`` beside the default of then, 2).
 ``speed_copy_only``: ``speed``'s code path copying from its first pass
 (``bench.stock_models.CopyOnlyTuner``). Arms measured and removed:
 ``memory_hold1``, only the current group held (no faster than two groups on four models, a
@@ -123,7 +124,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
         "memory_lastpeak", "speed",
-        "speed_copy_only", "speed_warm8")
+        "speed_copy_only", "speed_warm2")
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
@@ -319,10 +320,10 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
     def settings(arm: str) -> dict:  # a probe arm is its variant's offloader (_arm_patch)
-        if arm == "speed_warm8":  # the tuner's first trials after 8 compressed passes, not 2
-            from torch_pagecomp import StepTuner
+        if arm == "speed_warm2":  # the tuner's first trials after 2 compressed passes (the
+            from torch_pagecomp import StepTuner  # default before session 64), not 8
 
-            return dict(variant_settings("speed", where), tuner=StepTuner(warmup=8))
+            return dict(variant_settings("speed", where), tuner=StepTuner(warmup=2))
         variant = ("memory" if arm.startswith("memory_")
                    else "uncompressed" if arm.startswith("uncompressed_") else arm)
         return variant_settings(variant, where)
@@ -377,7 +378,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
 
     grads = _first_grads(model, forward, blocks, arms, fsdp, make) if rows is not None else {}
     tuned, own = {}, {}
-    for sa in [a for a in ("speed", "speed_warm8") if a in offs]:  # their trials and check
+    for sa in [a for a in ("speed", "speed_warm2") if a in offs]:  # their trials and check
         sp, tuned[sa], own[sa] = offs[sa], 0, []  # in steps of their own (see the docstring)
         while _any_rank(tuned[sa] < 34 and (sp.tuner.choice is None or sp.tuner.checking),
                         fsdp):

@@ -14,7 +14,10 @@ from its start to the next one's, so the period holds the whole step as the loop
 marks are CUDA events recorded on the current stream (GPU time, whatever the host runs ahead;
 read once completed, never waited for), or the host clock without CUDA:
 
-1. ``warmup`` passes compress (kernels compile, pools grow, the class policy samples ratios);
+1. ``warmup`` passes compress (kernels compile, pools grow, the class policy samples ratios).
+   Eight by default: after two, the first trials still ran on a cold process (the arena and
+   the allocator growing), and on one H200 ResNet-50's tuner chose compressing at 1.10x a
+   plain copy where, with eight, it copied at 0.95x (``bench/results/h200_session64``);
 2. ``trials`` pairs of passes per arm, alternating ``"copy"`` (every offload a plain pinned
    copy) and ``"compress"``, of which the second pass of each pair is timed; an arm's time is
    the shortest of its timed passes (a pass that grew a pool or compiled a kernel is slower
@@ -115,7 +118,7 @@ class StepTuner:
     ``clock`` returns a mark, ``elapsed`` the milliseconds between two (None: not yet known);
     tests pass a fake clock of floats (seconds)."""
 
-    def __init__(self, warmup: int = 2, trials: int = 2, retune: int = 200,
+    def __init__(self, warmup: int = 8, trials: int = 2, retune: int = 200,
                  margin: float = 0.03, clock: Callable[[], object] = pass_mark,
                  elapsed: Callable[[object, object], float | None] = elapsed_ms,
                  check: int = 4):
