@@ -122,12 +122,12 @@ class ActivationOffloader:
         page_size: bytes per compressed page; max_pinned_bytes: bound on the pinned pool of
             uncompressed copies (past it a tensor stays on the GPU).
         prefer: ``"speed"``: compress only where it shortens the step. Passes are timed
-            (``_tune.StepTuner``: after two warm-up passes, two passes each compressed
+            (``_tune.StepTuner``: after eight warm-up passes, two passes each compressed
             and copied, again after ``tuner.retune`` passes, twice as long each time the
             choice holds, up to 16x, and at once on a new workload) and the faster way is kept
             (checked against the steps it gives: a choice whose own steps lose to the
-            other way's trials has the other way's steps timed too, and the faster steps
-            decide).
+            other way's trials, or come within 20% of them, has the other way's steps timed
+            too, and the faster steps decide).
             ``"memory"``: every tensor of a class that compresses goes through the kernels.
         tuner: the ``StepTuner`` of ``prefer="speed"`` (default ``StepTuner()``).
         stream_priority: CUDA priority of the side streams (lower is higher).
