@@ -71,6 +71,17 @@ def test_tuner_keeps_the_faster_arm(faster):
     assert dec[f"{faster}_ms"] < min(tuner.times[other])
 
 
+def test_tuner_first_trials_follow_eight_compressed_passes():
+    """By default the trials start on a warm process: eight compressed passes first (after
+    two, ResNet-50's first trials ran while the arena and the allocator still grew, session
+    64)."""
+    clock = FakeClock()
+    tuner = StepTuner(clock=clock)
+    arms = run_passes(tuner, clock, {"compress": 100.0, "copy": 50.0}, 8 + 8)
+    assert arms[:8] == ["compress"] * 8
+    assert arms[8:] == ["copy", "copy", "compress", "compress"] * 2
+
+
 def test_tuner_tie_keeps_compression():
     """Copy must be faster by more than the margin: on a tie compression still saves memory.
     A tie is a close call: both arms' settled passes are timed (five each, the first left
