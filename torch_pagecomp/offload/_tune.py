@@ -272,23 +272,23 @@ class StepTuner:
         docstring)."""
         median = statistics.median(self._settled_ms[1:])
         if self._rival is None:
+            other = "copy" if self.choice == "compress" else "compress"
             best = self._trial_best()
             best[self.choice] = median
-            other = "copy" if self.choice == "compress" else "compress"
             if self._choose(best) == self.choice and best[other] > median * (1.0 + CLOSE):
                 self._final()
                 return
             self._rival = (self.choice, median)
-            verdict, other = "measuring", "copy" if self.choice == "compress" else "compress"
+            verdict, arm = "measuring", other  # its settled passes are timed next
         else:
             best = {self._rival[0]: self._rival[1], self.choice: median}
             self._rival = None
-            verdict, other = "checked", self._choose(best)
-        if other != self.choice:
-            self.choice, self._settled, self._settled_ms = other, 0, []
+            verdict, arm = "checked", self._choose(best)
+        if arm != self.choice:
+            self.choice, self._settled, self._settled_ms = arm, 0, []
         if verdict == "checked":
             self._final()
-        self.history.append({"choice": other, "bytes_per_pass": self._trial_bytes,
+        self.history.append({"choice": arm, "bytes_per_pass": self._trial_bytes,
                              verdict: True, **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
 
     def summary(self) -> dict:
