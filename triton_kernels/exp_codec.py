@@ -26,8 +26,8 @@ fit in registers at once):
   89% busy), not memory or occupancy.
 * decode: the escapes in the codes are counted first (the size must equal the fixed part
   plus them: checked before an escape is read), then the values rebuilt, in rows of 8 as the
-  encoder's: a row's codes are one 3-byte group, its table entries a select and a shift of
-  two words in registers, its escapes placed by a scan that runs only on a step that has
+  encoder's: a row's codes are one 3-byte group, its table entries one gather from the 8 in
+  registers, its escapes placed by a scan that runs only on a step that has
   one. A 4 KiB page is one step, its codes loaded once for both.
 
 Decoding dispatch: this decoder handles RAW, FILL and EXP pages and gives LZ4 pages
@@ -351,21 +351,6 @@ def _write_codes(dst, c, v, escapes, k0, k1, k2, k3, k4, k5, k6, PAGE: tl.conste
 
 
 @triton.jit
-def _zero_past(dst, size, end, BLOCK: tl.constexpr):
-    """Zero bytes ``size .. end`` of the row at ``dst`` (16-byte aligned, as ``end`` is): up
-    to the next multiple of 16 a byte a lane, then 16 bytes a lane under one mask. A mask a
-    byte over the whole row past the fixed part cost integer operations a byte on every
-    page, and those bound the encoder."""
-    j = tl.arange(0, 16)
-    at = (size + 15) // 16 * 16
-    tl.store(dst + size + j, tl.zeros([16], tl.uint8), mask=size + j < at)
-    b = tl.arange(0, BLOCK)
-    for k in range(at, end, BLOCK):  # none where ``end`` is the padded size (placed)
-        k = tl.multiple_of(k, 16)
-        tl.store(dst + k + b, tl.zeros([BLOCK], tl.uint8), mask=k + b < end)
-
-
-@triton.jit
 def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.constexpr,
                        FP16: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr = False):
     """Program ``i`` stores page ``i`` (``pages[i]``, ``PAGE / 2`` values; with ``ROWS``, the
@@ -474,7 +459,10 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
             for c in range(0, N, CHUNK):
                 escapes = _write_codes(dst, c, _load_values(src, c + i, src_aligned), escapes,
                                        k0, k1, k2, k3, k4, k5, k6, PAGE, FP16, CHUNK)
-        _zero_past(dst, exp_size, end, CHUNK)  # the row (placed: the padding) past the page
+        j = tl.arange(0, CHUNK)
+        for k in range(F, PAGE, CHUNK):  # the row (placed: the padding) past the page is zero
+            tl.store(dst + k + j, tl.zeros([CHUNK], tl.uint8),
+                     mask=(k + j >= exp_size) & (k + j < end))
     tl.store(sizes_ptr + pid, size)
     tl.store(kinds_ptr + pid, kind.to(tl.uint8))
 
@@ -616,27 +604,24 @@ def _exp_page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE: tl.const
 
 
 @triton.jit
-def _table_words(src):
-    """The page's 7 table entries (its first 7 bytes) as two words, a byte an entry: entries
-    0-3 in ``lo``, 4-6 in ``hi`` (its top byte 0). Uniform loads: every thread reads the same
-    bytes."""
-    lo = (tl.load(src).to(tl.int32) | (tl.load(src + 1).to(tl.int32) << 8)
-          | (tl.load(src + 2).to(tl.int32) << 16) | (tl.load(src + 3).to(tl.int32) << 24))
-    hi = (tl.load(src + 4).to(tl.int32) | (tl.load(src + 5).to(tl.int32) << 8)
-          | (tl.load(src + 6).to(tl.int32) << 16))
-    return lo, hi
+def _table(src):
+    """The page's 7 table entries (its first 7 bytes) and a zero for code 7 (an escape), as an
+    ``int32 [8]`` for :func:`_entry`."""
+    k = tl.arange(0, 8)
+    return tl.load(src + k, mask=k < 7, other=0).to(tl.int32)
 
 
 @triton.jit
-def _entry(code, lo, hi):
-    """The table entry of each code (:func:`_table_words`), from registers: a select and a
-    shift a value, where a load of the page's byte ``code`` cost a memory instruction and its
-    address arithmetic per value. Code 7 (an escape) gives 0."""
-    return (tl.where(code < 4, lo, hi) >> ((code & 3) * 8)) & 255
+def _entry(code, table):
+    """The table entry of each code (``int32 [R, 8]``): one gather from the table in
+    registers. A load of the page's byte ``code`` a value ran 3% slower, and a select and
+    a shift of two packed words 10% slower (H200, ``bench/results/h200_session65``)."""
+    R: tl.constexpr = code.shape[0]
+    return tl.reshape(tl.gather(table, tl.reshape(code, (R * 8,)), 0), (R, 8))
 
 
 @triton.jit
-def _decode_step(src, c, row, aligned, code, lo, hi, done, PAGE: tl.constexpr,
+def _decode_step(src, c, row, aligned, code, table, done, PAGE: tl.constexpr,
                  FP16: tl.constexpr, CHUNK: tl.constexpr):
     """Rebuild values ``c .. c + CHUNK`` (rows of 8, :func:`_rows`) of an EXP page whose size
     was checked, from their codes ``code`` (:func:`_load3`), after ``done`` escapes read
@@ -646,7 +631,7 @@ def _decode_step(src, c, row, aligned, code, lo, hi, done, PAGE: tl.constexpr,
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
     REST: tl.constexpr = F - N
     i = _rows(CHUNK)
-    e = _entry(code, lo, hi)
+    e = _entry(code, table)
     escaped = (code == 7).to(tl.int32)
     per_row = tl.sum(escaped, axis=1)
     n_esc = tl.sum(per_row, axis=0)
@@ -673,13 +658,13 @@ def _decode_exp_page(src, size, row, aligned, PAGE: tl.constexpr, FP16: tl.const
     (4 KiB on the GPU) loads its codes once, for the count and the values."""
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
-    lo, hi = _table_words(src)
+    table = _table(src)
     if CHUNK == N:
         code = _load3(src + 7, 0, CHUNK)  # the codes lie in the fixed part: inside the page
         escapes = tl.sum(tl.sum((code == 7).to(tl.int32), axis=1), axis=0)
         st = tl.where(size == F + escapes, _OK, _BAD_SIZE)
         if st == 0:  # the escapes end at the page's size: every load below is inside it
-            _decode_step(src, 0, row, aligned, code, lo, hi, 0, PAGE, FP16, CHUNK)
+            _decode_step(src, 0, row, aligned, code, table, 0, PAGE, FP16, CHUNK)
     else:
         escapes = tl.zeros([], tl.int32)
         for c in range(0, N, CHUNK):
@@ -689,7 +674,7 @@ def _decode_exp_page(src, size, row, aligned, PAGE: tl.constexpr, FP16: tl.const
         if st == 0:
             done = tl.zeros([], tl.int32)  # escapes read so far
             for c in range(0, N, CHUNK):
-                done = _decode_step(src, c, row, aligned, _load3(src + 7, c, CHUNK), lo, hi,
+                done = _decode_step(src, c, row, aligned, _load3(src + 7, c, CHUNK), table,
                                     done, PAGE, FP16, CHUNK)
     return st
 
