@@ -204,14 +204,34 @@ def _store3(dst, c, x, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _load3(src, c, CHUNK: tl.constexpr):
-    """The 3-bit fields of values ``c .. c + CHUNK`` of the 3-bit stream at ``src``, as rows of
-    8 consecutive values (``int32 [CHUNK / 8, 8]``, :func:`_rows`): a row's group is three
-    byte loads and its fields are shifts inside the thread that holds the row."""
+def _groups(src, c, CHUNK: tl.constexpr):
+    """The 3-byte groups of values ``c .. c + CHUNK`` of the 3-bit stream at ``src``, one a
+    row of 8 values (``int32 [CHUNK / 8]``: field ``t`` of row ``g``, value ``c + 8g + t``,
+    in bits ``3t .. 3t + 2``)."""
     at = src + 3 * (c // 8 + tl.arange(0, CHUNK // 8))
-    word = (tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8)
+    return (tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8)
             | (tl.load(at + 2).to(tl.int32) << 16))
-    return (word[:, None] >> (3 * tl.arange(0, 8))[None, :]) & 7
+
+
+@triton.jit
+def _escape_counts(word):
+    """The fields equal to 7 (escapes) in each group ``word`` (:func:`_groups`). Bit ``3t`` of
+    ``m`` is set where field ``t`` is 7; multiplying by the same 8 bits sums them into bits
+    21-23 (each lower partial sum fits 3 bits, so none carries into them), except a count of
+    8, which only a group of all escapes has."""
+    m = (word & (word >> 1) & (word >> 2) & 0x249249).to(tl.uint32)
+    return (((m * 0x249249) >> 21) & 7).to(tl.int32) | tl.where(m == 0x249249, 8, 0)
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """``[R]`` tensors ``v0 .. v7`` as one ``[R, 8]`` (column ``t`` = ``vt``), each row inside
+    the thread that holds it, for one 16-byte store a row (``bitunshuffle.join16``'s way)."""
+    a0 = tl.join(v0, v4)  # the axis added first is the most significant bit of t
+    a1 = tl.join(v1, v5)
+    a2 = tl.join(v2, v6)
+    a3 = tl.join(v3, v7)
+    return tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [v0.shape[0], 8])
 
 
 # ------------------------------------------------------------------------------- encode
@@ -605,48 +625,74 @@ def _exp_page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE: tl.const
 
 @triton.jit
 def _table(src):
-    """The page's 7 table entries (its first 7 bytes) and a zero for code 7 (an escape), as an
-    ``int32 [8]`` for :func:`_entry`."""
-    k = tl.arange(0, 8)
-    return tl.load(src + k, mask=k < 7, other=0).to(tl.int32)
+    """The page's 7 table entries (its first 7 bytes) as two words, a byte an entry: entries
+    0-3 in the first, 4-6 in the second (its top byte 0, what code 7, an escape, reads)."""
+    k = tl.arange(0, 4)
+    lo = tl.sum(tl.load(src + k).to(tl.int32) << (8 * k), axis=0)
+    hi = tl.sum(tl.load(src + 4 + k, mask=k < 3, other=0).to(tl.int32) << (8 * k), axis=0)
+    return lo, hi
 
 
 @triton.jit
-def _entry(code, table):
-    """The table entry of each code (``int32 [R, 8]``): one gather from the table in
-    registers. A load of the page's byte ``code`` a value ran 3% slower, and a select and
-    a shift of two packed words 10% slower (H200, ``bench/results/h200_session65``)."""
-    R: tl.constexpr = code.shape[0]
-    return tl.reshape(tl.gather(table, tl.reshape(code, (R * 8,)), 0), (R, 8))
+def _value(src, rest_at, word, high, t: tl.constexpr, lo, hi, pre, F: tl.constexpr,
+           FP16: tl.constexpr, ESCAPES: tl.constexpr):
+    """``(value t of each row, escapes read so far)``: the row's field ``t`` of ``word``
+    (:func:`_groups`) looked up in the table's words ``lo`` / ``hi`` (:func:`_table`: a select
+    and a shift in registers), or where it is 7 the
+    escape byte at ``src + F + pre`` (``ESCAPES``: the step has some); its rest byte at
+    ``rest_at + t``; (fp16) its high bits, field ``t`` of ``high``."""
+    code = (word >> (3 * t)) & 7
+    e = (tl.where(code < 4, lo, hi) >> ((code & 3) * 8)) & 255
+    if ESCAPES:
+        esc = code == 7
+        e = tl.where(esc, tl.load(src + F + pre, mask=esc, other=0).to(tl.int32), e)
+        pre += esc.to(tl.int32)
+    rest = tl.load(rest_at + t).to(tl.int32)
+    if FP16:  # exponents are 5 bits: the low 5 of a table or escape byte
+        return _join(e & 31, rest, (high >> (3 * t)) & 7, FP16), pre
+    return _join(e, rest, rest, FP16), pre
 
 
 @triton.jit
-def _decode_step(src, c, row, aligned, code, table, done, PAGE: tl.constexpr,
-                 FP16: tl.constexpr, CHUNK: tl.constexpr):
-    """Rebuild values ``c .. c + CHUNK`` (rows of 8, :func:`_rows`) of an EXP page whose size
-    was checked, from their codes ``code`` (:func:`_load3`), after ``done`` escapes read
-    before them; returns the escapes read so far. The escapes' scan (within each row, then
-    over the rows) runs only on a step that has one."""
+def _decode_step(src, c, row, aligned, word, lo, hi, pre, PAGE: tl.constexpr,
+                 FP16: tl.constexpr, CHUNK: tl.constexpr, ESCAPES: tl.constexpr):
+    """Rebuild values ``c .. c + CHUNK`` of an EXP page whose size was checked, a row of 8
+    values a thread (``word``: their code groups), the escapes of each row read from
+    ``pre`` on (``ESCAPES``: the step has some)."""
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
-    REST: tl.constexpr = F - N
-    i = _rows(CHUNK)
-    e = _entry(code, table)
-    escaped = (code == 7).to(tl.int32)
-    per_row = tl.sum(escaped, axis=1)
-    n_esc = tl.sum(per_row, axis=0)
-    if n_esc > 0:
-        before = done + tl.cumsum(per_row, axis=0) - per_row  # escapes of earlier rows
-        at = before[:, None] + tl.cumsum(escaped, axis=1) - escaped
-        e = tl.where(escaped != 0,
-                     tl.load(src + F + at, mask=escaped != 0, other=0).to(tl.int32), e)
-    rest = tl.load(src + REST + c + i).to(tl.int32)
-    if FP16:  # exponents are 5 bits: the low 5 of a table or escape byte
-        v = _join(e & 31, rest, _load3(src + 7 + 3 * N // 8, c, CHUNK), FP16)
+    R: tl.constexpr = CHUNK // 8
+    g = tl.arange(0, R)
+    rest_at = src + (F - N) + c + 8 * g
+    high = word
+    if FP16:
+        high = _groups(src + 7 + 3 * N // 8, c, CHUNK)
+    v0, pre = _value(src, rest_at, word, high, 0, lo, hi, pre, F, FP16, ESCAPES)
+    v1, pre = _value(src, rest_at, word, high, 1, lo, hi, pre, F, FP16, ESCAPES)
+    v2, pre = _value(src, rest_at, word, high, 2, lo, hi, pre, F, FP16, ESCAPES)
+    v3, pre = _value(src, rest_at, word, high, 3, lo, hi, pre, F, FP16, ESCAPES)
+    v4, pre = _value(src, rest_at, word, high, 4, lo, hi, pre, F, FP16, ESCAPES)
+    v5, pre = _value(src, rest_at, word, high, 5, lo, hi, pre, F, FP16, ESCAPES)
+    v6, pre = _value(src, rest_at, word, high, 6, lo, hi, pre, F, FP16, ESCAPES)
+    v7, pre = _value(src, rest_at, word, high, 7, lo, hi, pre, F, FP16, ESCAPES)
+    _store_values(row, c + 8 * g[:, None] + tl.arange(0, 8)[None, :],
+                  _join8(v0, v1, v2, v3, v4, v5, v6, v7), aligned)
+
+
+@triton.jit
+def _decode_groups(src, c, row, aligned, word, lo, hi, done, PAGE: tl.constexpr,
+                   FP16: tl.constexpr, CHUNK: tl.constexpr):
+    """:func:`_decode_step` of values ``c .. c + CHUNK`` after ``done`` escapes; returns the
+    escapes read so far. The scan that finds each row's first escape runs only on a step
+    that has one."""
+    cnt = _escape_counts(word)
+    n = tl.sum(cnt, axis=0)
+    if n > 0:
+        _decode_step(src, c, row, aligned, word, lo, hi, done + tl.cumsum(cnt, axis=0) - cnt,
+                     PAGE, FP16, CHUNK, True)
     else:
-        v = _join(e, rest, rest, FP16)
-    _store_values(row, c + i, v, aligned)
-    return done + n_esc
+        _decode_step(src, c, row, aligned, word, lo, hi, cnt, PAGE, FP16, CHUNK, False)
+    return done + n
 
 
 @triton.jit
@@ -658,24 +704,22 @@ def _decode_exp_page(src, size, row, aligned, PAGE: tl.constexpr, FP16: tl.const
     (4 KiB on the GPU) loads its codes once, for the count and the values."""
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
-    table = _table(src)
+    lo, hi = _table(src)
     if CHUNK == N:
-        code = _load3(src + 7, 0, CHUNK)  # the codes lie in the fixed part: inside the page
-        escapes = tl.sum(tl.sum((code == 7).to(tl.int32), axis=1), axis=0)
-        st = tl.where(size == F + escapes, _OK, _BAD_SIZE)
+        word = _groups(src + 7, 0, CHUNK)  # the codes lie in the fixed part: inside the page
+        st = tl.where(size == F + tl.sum(_escape_counts(word), axis=0), _OK, _BAD_SIZE)
         if st == 0:  # the escapes end at the page's size: every load below is inside it
-            _decode_step(src, 0, row, aligned, code, table, 0, PAGE, FP16, CHUNK)
+            _decode_groups(src, 0, row, aligned, word, lo, hi, 0, PAGE, FP16, CHUNK)
     else:
         escapes = tl.zeros([], tl.int32)
         for c in range(0, N, CHUNK):
-            escapes += tl.sum(tl.sum((_load3(src + 7, c, CHUNK) == 7).to(tl.int32), axis=1),
-                              axis=0)
+            escapes += tl.sum(_escape_counts(_groups(src + 7, c, CHUNK)), axis=0)
         st = tl.where(size == F + escapes, _OK, _BAD_SIZE)
         if st == 0:
             done = tl.zeros([], tl.int32)  # escapes read so far
             for c in range(0, N, CHUNK):
-                done = _decode_step(src, c, row, aligned, _load3(src + 7, c, CHUNK), table,
-                                    done, PAGE, FP16, CHUNK)
+                done = _decode_groups(src, c, row, aligned, _groups(src + 7, c, CHUNK), lo,
+                                      hi, done, PAGE, FP16, CHUNK)
     return st
 
 
