@@ -625,74 +625,111 @@ def _exp_page_meta(offsets_ptr, sizes_ptr, kinds_ptr, pid, total, PAGE: tl.const
 
 @triton.jit
 def _table(src):
-    """The page's 7 table entries (its first 7 bytes) as two words, a byte an entry: entries
-    0-3 in the first, 4-6 in the second (its top byte 0, what code 7, an escape, reads)."""
-    k = tl.arange(0, 4)
-    lo = tl.sum(tl.load(src + k).to(tl.int32) << (8 * k), axis=0)
-    hi = tl.sum(tl.load(src + 4 + k, mask=k < 3, other=0).to(tl.int32) << (8 * k), axis=0)
-    return lo, hi
+    """The page's 7 table entries (its first 7 bytes) as one ``int64``, a byte an entry, byte
+    7 zero (code 7, an escape: see :func:`_decode_step`). Scalar loads: every thread reads
+    the same bytes, and no reduction crosses the threads."""
+    lo = (tl.load(src).to(tl.int32) | (tl.load(src + 1).to(tl.int32) << 8)
+          | (tl.load(src + 2).to(tl.int32) << 16) | (tl.load(src + 3).to(tl.int32) << 24))
+    hi = (tl.load(src + 4).to(tl.int32) | (tl.load(src + 5).to(tl.int32) << 8)
+          | (tl.load(src + 6).to(tl.int32) << 16))
+    return (lo.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
 
 
 @triton.jit
-def _value(src, rest_at, word, high, t: tl.constexpr, lo, hi, pre, F: tl.constexpr,
-           FP16: tl.constexpr, ESCAPES: tl.constexpr):
-    """``(value t of each row, escapes read so far)``: the row's field ``t`` of ``word``
-    (:func:`_groups`) looked up in the table's words ``lo`` / ``hi`` (:func:`_table`: a select
-    and a shift in registers), or where it is 7 the
-    escape byte at ``src + F + pre`` (``ESCAPES``: the step has some); its rest byte at
-    ``rest_at + t``; (fp16) its high bits, field ``t`` of ``high``."""
-    code = (word >> (3 * t)) & 7
-    e = (tl.where(code < 4, lo, hi) >> ((code & 3) * 8)) & 255
-    if ESCAPES:
-        esc = code == 7
-        e = tl.where(esc, tl.load(src + F + pre, mask=esc, other=0).to(tl.int32), e)
-        pre += esc.to(tl.int32)
+def _escape_bits(word):
+    """Bit ``3t`` set where field ``t`` of the group ``word`` is 7 (an escape), the others 0."""
+    return word & (word >> 1) & (word >> 2) & 0x249249
+
+
+@triton.jit
+def _escape_counts(word):
+    """The escapes in each group ``word`` (:func:`_groups`). Multiplying
+    :func:`_escape_bits` by the same 8 bits sums them into bits 21-23 (each lower partial sum
+    fits 3 bits, so none carries into them), except a count of 8, which only a group of all
+    escapes has."""
+    m = _escape_bits(word).to(tl.uint32)
+    return (((m * 0x249249) >> 21) & 7).to(tl.int32) | tl.where(m == 0x249249, 8, 0)
+
+
+@triton.jit
+def _value(rest_at, word8, high, t: tl.constexpr, table, m, second, at, FP16: tl.constexpr,
+           FEW: tl.constexpr):
+    """``(value t of each row, where its next escape is)``, its code field ``t`` of the
+    group ``word8`` (:func:`_groups` shifted left by 3). Its exponent is byte ``code`` of the
+    row's ``table`` (:func:`_decode_step`), whose byte 7 is the row's first escape; with
+    ``FEW`` (no row has more than two) a second escape, one with an escape before it in the
+    row (``m``: :func:`_escape_bits`), is ``second``; else every escape is read at ``at``,
+    which moves on by one. Its rest byte is at ``rest_at + t``; (fp16) its high bits are
+    field ``t`` of ``high``."""
+    at8 = (word8 >> (3 * t)) & 56  # 8 times the code: where its entry lies in ``table``
+    e = ((table >> at8.to(tl.int64)) & 255).to(tl.int32)
+    if FEW:
+        if t > 0:
+            e = tl.where((at8 == 56) & ((m & ((1 << (3 * t)) - 1)) != 0), second, e)
+    else:
+        esc = at8 == 56
+        e = tl.where(esc, tl.load(at, mask=esc, other=0).to(tl.int32), e)
+        at += esc.to(tl.int32)
     rest = tl.load(rest_at + t).to(tl.int32)
     if FP16:  # exponents are 5 bits: the low 5 of a table or escape byte
-        return _join(e & 31, rest, (high >> (3 * t)) & 7, FP16), pre
-    return _join(e, rest, rest, FP16), pre
+        return _join(e & 31, rest, (high >> (3 * t)) & 7, FP16), at
+    return _join(e, rest, rest, FP16), at
 
 
 @triton.jit
-def _decode_step(src, c, row, aligned, word, lo, hi, pre, PAGE: tl.constexpr,
-                 FP16: tl.constexpr, CHUNK: tl.constexpr, ESCAPES: tl.constexpr):
+def _decode_step(src, c, row, aligned, word, cnt, first, table, PAGE: tl.constexpr,
+                 FP16: tl.constexpr, CHUNK: tl.constexpr, FEW: tl.constexpr):
     """Rebuild values ``c .. c + CHUNK`` of an EXP page whose size was checked, a row of 8
-    values a thread (``word``: their code groups), the escapes of each row read from
-    ``pre`` on (``ESCAPES``: the step has some)."""
+    values a thread (``word``: their code groups, ``cnt``: each group's escapes, ``first``:
+    where each row's escapes start). Escapes are about 3% of the values of real bf16 pages:
+    with ``FEW`` (no row has more than two, most pages) a row's first and second escapes are
+    loaded once for the row, the first looked up as code 7 in the row's copy of ``table``;
+    else each escape is loaded on its own, which cost the values' instructions a third more."""
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
-    R: tl.constexpr = CHUNK // 8
-    g = tl.arange(0, R)
+    g = tl.arange(0, CHUNK // 8)
     rest_at = src + (F - N) + c + 8 * g
     high = word
     if FP16:
         high = _groups(src + 7 + 3 * N // 8, c, CHUNK)
-    v0, pre = _value(src, rest_at, word, high, 0, lo, hi, pre, F, FP16, ESCAPES)
-    v1, pre = _value(src, rest_at, word, high, 1, lo, hi, pre, F, FP16, ESCAPES)
-    v2, pre = _value(src, rest_at, word, high, 2, lo, hi, pre, F, FP16, ESCAPES)
-    v3, pre = _value(src, rest_at, word, high, 3, lo, hi, pre, F, FP16, ESCAPES)
-    v4, pre = _value(src, rest_at, word, high, 4, lo, hi, pre, F, FP16, ESCAPES)
-    v5, pre = _value(src, rest_at, word, high, 5, lo, hi, pre, F, FP16, ESCAPES)
-    v6, pre = _value(src, rest_at, word, high, 6, lo, hi, pre, F, FP16, ESCAPES)
-    v7, pre = _value(src, rest_at, word, high, 7, lo, hi, pre, F, FP16, ESCAPES)
+    m = _escape_bits(word)
+    second = tl.load(first + 1, mask=cnt > 1, other=0).to(tl.int32)
+    table = table | (tl.load(first, mask=cnt > 0, other=0).to(tl.int64) << 56)
+    at = first
+    word8 = word << 3
+    v0, at = _value(rest_at, word8, high, 0, table, m, second, at, FP16, FEW)
+    v1, at = _value(rest_at, word8, high, 1, table, m, second, at, FP16, FEW)
+    v2, at = _value(rest_at, word8, high, 2, table, m, second, at, FP16, FEW)
+    v3, at = _value(rest_at, word8, high, 3, table, m, second, at, FP16, FEW)
+    v4, at = _value(rest_at, word8, high, 4, table, m, second, at, FP16, FEW)
+    v5, at = _value(rest_at, word8, high, 5, table, m, second, at, FP16, FEW)
+    v6, at = _value(rest_at, word8, high, 6, table, m, second, at, FP16, FEW)
+    v7, at = _value(rest_at, word8, high, 7, table, m, second, at, FP16, FEW)
     _store_values(row, c + 8 * g[:, None] + tl.arange(0, 8)[None, :],
                   _join8(v0, v1, v2, v3, v4, v5, v6, v7), aligned)
 
 
 @triton.jit
-def _decode_groups(src, c, row, aligned, word, lo, hi, done, PAGE: tl.constexpr,
-                   FP16: tl.constexpr, CHUNK: tl.constexpr):
-    """:func:`_decode_step` of values ``c .. c + CHUNK`` after ``done`` escapes; returns the
-    escapes read so far. The scan that finds each row's first escape runs only on a step
-    that has one."""
+def _escape_sums(word):
+    """``(each group's escapes, their sum plus 65536 for each group of more than two)``:
+    both from one reduction."""
     cnt = _escape_counts(word)
-    n = tl.sum(cnt, axis=0)
-    if n > 0:
-        _decode_step(src, c, row, aligned, word, lo, hi, done + tl.cumsum(cnt, axis=0) - cnt,
-                     PAGE, FP16, CHUNK, True)
+    return cnt, tl.sum(cnt + tl.where(cnt > 2, 65536, 0), axis=0)
+
+
+@triton.jit
+def _decode_groups(src, c, row, aligned, word, cnt, sums, table, done, PAGE: tl.constexpr,
+                   FP16: tl.constexpr, CHUNK: tl.constexpr):
+    """:func:`_decode_step` of values ``c .. c + CHUNK`` (``cnt``, ``sums``:
+    :func:`_escape_sums`) after ``done`` escapes; returns the escapes read so far."""
+    N: tl.constexpr = PAGE // 2
+    F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
+    first = src + F + done + tl.cumsum(cnt, axis=0) - cnt  # each row's first escape
+    if sums < 65536:
+        _decode_step(src, c, row, aligned, word, cnt, first, table, PAGE, FP16, CHUNK, True)
     else:
-        _decode_step(src, c, row, aligned, word, lo, hi, cnt, PAGE, FP16, CHUNK, False)
-    return done + n
+        _decode_step(src, c, row, aligned, word, cnt, first, table, PAGE, FP16, CHUNK, False)
+    return done + (sums & 65535)
 
 
 @triton.jit
@@ -704,12 +741,13 @@ def _decode_exp_page(src, size, row, aligned, PAGE: tl.constexpr, FP16: tl.const
     (4 KiB on the GPU) loads its codes once, for the count and the values."""
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
-    lo, hi = _table(src)
+    table = _table(src)
     if CHUNK == N:
         word = _groups(src + 7, 0, CHUNK)  # the codes lie in the fixed part: inside the page
-        st = tl.where(size == F + tl.sum(_escape_counts(word), axis=0), _OK, _BAD_SIZE)
+        cnt, sums = _escape_sums(word)
+        st = tl.where(size == F + (sums & 65535), _OK, _BAD_SIZE)
         if st == 0:  # the escapes end at the page's size: every load below is inside it
-            _decode_groups(src, 0, row, aligned, word, lo, hi, 0, PAGE, FP16, CHUNK)
+            _decode_groups(src, 0, row, aligned, word, cnt, sums, table, 0, PAGE, FP16, CHUNK)
     else:
         escapes = tl.zeros([], tl.int32)
         for c in range(0, N, CHUNK):
@@ -718,8 +756,10 @@ def _decode_exp_page(src, size, row, aligned, PAGE: tl.constexpr, FP16: tl.const
         if st == 0:
             done = tl.zeros([], tl.int32)  # escapes read so far
             for c in range(0, N, CHUNK):
-                done = _decode_groups(src, c, row, aligned, _groups(src + 7, c, CHUNK), lo,
-                                      hi, done, PAGE, FP16, CHUNK)
+                word = _groups(src + 7, c, CHUNK)
+                cnt, sums = _escape_sums(word)
+                done = _decode_groups(src, c, row, aligned, word, cnt, sums, table, done, PAGE,
+                                      FP16, CHUNK)
     return st
 
 
