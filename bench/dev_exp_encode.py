@@ -1,12 +1,12 @@
 """Dev probe (#23): the exponent codec's kernels against other trees', on one GPU.
 
-Times ``compress_exp_pages`` (bf16 pages, 4 KiB by default; with ``--op decode`` also
-``decompress_exp_into`` of the same pages, fixed stride) of this tree (``new``) and of each
-of ``--trees`` (``name=path``: a copy of another commit's, or a variant's, ``triton_kernels``
-folder, imported as a package of its own) on the bf16 corpora, the trees in a rotating order
-round after round, with CUDA events around ``--reps`` back-to-back launches into preallocated
-outputs; checks that every tree writes the payload, sizes and kinds that ``new`` writes (and
-decodes them back to the input, statuses 0).
+Times ``compress_exp_pages`` (bf16 pages, or the same values as fp16 with ``--fp16``; 4 KiB
+by default; with ``--op decode`` also ``decompress_exp_into`` of the same pages, fixed
+stride) of this tree (``new``) and of each of ``--trees`` (``name=path``: a copy of another
+commit's, or a variant's, ``triton_kernels`` folder, imported as a package of its own) on the
+bf16 corpora, the trees in a rotating order round after round, with CUDA events around
+``--reps`` back-to-back launches into preallocated outputs; checks that every tree writes the
+payload, sizes and kinds that ``new`` writes (and decodes them back to the input, statuses 0).
 Prints GB/s of input bytes per corpus and tree (median of the rounds, and the best).
 
     python -m bench.dev_exp_encode --trees old=/tmp/old/triton_kernels [--mib 128] [--rounds 5]
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--op", default="encode", help="encode, decode or encode,decode")
+    ap.add_argument("--fp16", action="store_true",
+                    help="the corpora's values as fp16 pages (the fp16 layout) instead of bf16")
     args = ap.parse_args(argv)
     from torch_pagecomp.kernels import exp_codec as new
 
@@ -67,12 +69,15 @@ def main(argv=None) -> int:
           + "  same")
     for corpus in args.corpora.split(","):
         pages = build_corpus(corpus, args.mib << 20, args.page, "cuda", seed=3)
+        if args.fp16:  # the same values in fp16 (out of its range: inf, which codes as well)
+            pages = pages.view(torch.bfloat16).to(torch.float16).view(torch.uint8).view(
+                pages.shape)
         n = len(pages)
         outs = {k: (torch.empty_like(pages), torch.empty(n, dtype=torch.int32, device="cuda"),
                     torch.empty(n, dtype=torch.uint8, device="cuda")) for k in names}
         decoded = {k: (torch.empty_like(pages), torch.empty(n, dtype=torch.int32, device="cuda"))
                    for k in names}
-        fns = {"encode": {k: functools.partial(mods[k].compress_exp_pages, pages, False,
+        fns = {"encode": {k: functools.partial(mods[k].compress_exp_pages, pages, args.fp16,
                                                traced=False, out=outs[k]) for k in names},
                "decode": {k: functools.partial(mods[k].decompress_exp_into,
                                                outs["new"][0].view(-1), None, outs["new"][1],
