@@ -25,10 +25,18 @@ fit in registers at once):
   ``bench/results/h200_be4e650_session36/``). Integer operations bound it (ncu: the ALU pipe
   89% busy), not memory or occupancy.
 * decode: the escapes in the codes are counted first (the size must equal the fixed part
-  plus them: checked before an escape is read), then the values rebuilt, in rows of 8 as the
-  encoder's: a row's codes are one 3-byte group, its table entries one gather from the 8 in
-  registers, its escapes placed by a scan that runs only on a step that has
-  one. A 4 KiB page is one step, its codes loaded once for both.
+  plus them: checked before an escape is read), then the values rebuilt, a row of 8 values
+  a thread, held as 8 tensors of rows (``_value``): a ``[rows, 8]`` tensor grown from a load
+  of the rows' code groups spread each row over 8 lanes, so that its sums were shuffles and
+  its fields went through shared memory. A row's escapes are counted by one multiply
+  (``_escape_counts``); an exponent is byte ``code`` of a 64-bit table in registers whose
+  byte 7 is the row's first escape; where no row of the step has more than two (most pages:
+  escapes are about 3% of real bf16 values) the second is also loaded once for the row, else
+  each escape on its own. Integer operations bound the decoder before (ncu: ALU pipe 82%
+  busy); after, 67%, with occupancy held to half by registers, hence the launch's cap of
+  48 a thread (``_decode_config``). 1.46-1.49x the speed of the decoder before (1,304-1,350
+  against 896-905 GB/s on six bf16 corpora, fp16 1.36-1.40x; H200,
+  ``bench/results/h200_session65/``).
 
 Decoding dispatch: this decoder handles RAW, FILL and EXP pages and gives LZ4 pages
 ``STATUS_BAD_KIND``; the LZ4 decoder (``lz4_decompress``) does the same to EXP pages. The
@@ -133,8 +141,8 @@ def _encode_config(page_size: int, fp16: bool, interpret: bool) -> ExpEncodeConf
 @functools.cache
 def _decode_config(page_size: int, interpret: bool) -> ExpDecodeConfig:
     # 48 registers a thread: the bf16 path needs about 32, but the fp16 and many-escapes paths
-    # raised the kernel to 57-64 and held occupancy to half; capped, they spill a few values
-    # and bf16 pages decode 1.05-1.07x faster (H200, bench/results/h200_session65)
+    # raised the kernel to 57-64 and held occupancy to half; capped, they spill a few values,
+    # and bf16 pages decode 1.07x and fp16 1.04-1.07x faster (H200, bench/results/h200_session65)
     return ExpDecodeConfig(PAGE=page_size, CHUNK=_chunk(page_size, interpret), RAW_BYTES=1024,
                            num_warps=4, maxnreg=48)
 
