@@ -32,10 +32,10 @@ fit in registers at once):
   (``_escape_counts``); an exponent is byte ``code`` of a 64-bit table in registers whose
   byte 7 is the row's first escape; where no row of the step has more than two (most pages:
   escapes are about 3% of real bf16 values) the second is also loaded once for the row, else
-  each escape on its own. Integer operations bound the decoder before (ncu: ALU pipe 82%
-  busy); after, 67%, with occupancy held to half by registers, hence the launch's cap of
-  48 a thread (``_decode_config``). 1.46-1.49x the speed of the decoder before (1,304-1,350
-  against 896-905 GB/s on six bf16 corpora, fp16 1.36-1.40x; H200,
+  each escape on its own. Integer operations bound the decoder before (ncu: the ALU the
+  busiest pipe, 75%); after, 67%, with occupancy held to half by registers, hence the
+  launch's cap of 48 a thread (``_decode_config``). 1.46-1.49x the speed of the decoder
+  before (1,304-1,350 against 896-905 GB/s on six bf16 corpora, fp16 1.36-1.40x; H200,
   ``bench/results/h200_session65/``).
 
 Decoding dispatch: this decoder handles RAW, FILL and EXP pages and gives LZ4 pages
