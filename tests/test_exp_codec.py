@@ -187,6 +187,46 @@ def test_kernels_table_from_a_window_equals_all_exponents(gen):
     kernel_round_trip(torch.stack([exponent_page(gen, c) for c in pages]), False)
 
 
+def escape_rows_page(gen: torch.Generator, n: int, rows: dict[int, list[int]],
+                     fp16: bool = False) -> torch.Tensor:
+    """``uint8 [2n]``: a page of 16-bit floats (bf16, or ``fp16``) whose values take 7
+    exponents (hundreds of values each: the table), except in row ``g`` of 8 values, where
+    fields ``rows[g]`` take exponents outside it (escapes, each exponent a few times at most),
+    with random signs and the other bits random."""
+    base, other, shift = (8, 16, 10) if fp16 else (100, 150, 7)
+    e = base + torch.randint(0, 7, (n,), generator=gen, dtype=torch.int32)
+    for g, fields in rows.items():
+        for t in fields:
+            e[8 * g + t] = other + int(torch.randint(0, 15 if fp16 else 100, (1,), generator=gen))
+    low = torch.randint(0, 1 << shift, (n,), generator=gen, dtype=torch.int32)
+    sign = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int32) << 15
+    return (sign | (e << shift) | low).to(torch.int16).view(torch.uint8)
+
+
+@pytest.mark.parametrize("page_size", [4096, 32768])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_kernels_decode_rows_of_few_and_many_escapes(name, page_size, gen):
+    """The decoder loads a row's first two escapes once for the row where no row of its step
+    has more than two, and each escape on its own where one has three or more
+    (``kernels.exp_codec._decode_step``): pages on each side of that rule, escapes at a row's
+    first and last fields and side by side; at 32 KiB (two steps under the interpreter) one
+    step on each side, both orders."""
+    n = page_size // 2
+    half = n // 16  # the first row of the second half (a step of 8192 values at 32 KiB)
+    few = {0: [0, 7], 3: [3, 4], 9: [5], half - 1: [6, 7]}
+    many = {2: [0, 1, 2], 5: [1, 4, 6, 7], 11: list(range(8))}
+    later = {half + g: fields for g, fields in few.items()}
+    layouts = [{}, few, many, {**few, **many}, {**few, 2: [0, 3, 7]},  # (three: the least)
+               {g: [1, 2] for g in range(0, n // 8, 3)}]
+    if page_size > 4096:  # the steps take different paths, each way round
+        layouts += [{**few, **{half + g: f for g, f in many.items()}}, {**many, **later}]
+    fp16 = name == "fp16"
+    pages = torch.stack([escape_rows_page(gen, n, rows, fp16) for rows in layouts])
+    kinds = ec.compress_exp_cpu(pages, LAYOUTS[name][0])[2]
+    assert ((kinds & 15) == fmt.KIND_EXP).all()  # (every page through the EXP decode)
+    kernel_round_trip(pages, fp16)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_kernels_fill_pages_and_pages_one_byte_from_it(name, gen):
     """A page of one repeated byte (any byte) is FILL; one differing byte anywhere makes it
