@@ -226,16 +226,6 @@ def _groups(src, c, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _escape_counts(word):
-    """The fields equal to 7 (escapes) in each group ``word`` (:func:`_groups`). Bit ``3t`` of
-    ``m`` is set where field ``t`` is 7; multiplying by the same 8 bits sums them into bits
-    21-23 (each lower partial sum fits 3 bits, so none carries into them), except a count of
-    8, which only a group of all escapes has."""
-    m = (word & (word >> 1) & (word >> 2) & 0x249249).to(tl.uint32)
-    return (((m * 0x249249) >> 21) & 7).to(tl.int32) | tl.where(m == 0x249249, 8, 0)
-
-
-@triton.jit
 def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
     """``[R]`` tensors ``v0 .. v7`` as one ``[R, 8]`` (column ``t`` = ``vt``), each row inside
     the thread that holds it, for one 16-byte store a row (``bitunshuffle.join16``'s way)."""
@@ -666,13 +656,13 @@ def _escape_counts(word):
 @triton.jit
 def _value(rest_at, word8, high, t: tl.constexpr, table, m, second, at, FP16: tl.constexpr,
            FEW: tl.constexpr):
-    """``(value t of each row, where its next escape is)``, its code field ``t`` of the
-    group ``word8`` (:func:`_groups` shifted left by 3). Its exponent is byte ``code`` of the
-    row's ``table`` (:func:`_decode_step`), whose byte 7 is the row's first escape; with
-    ``FEW`` (no row has more than two) a second escape, one with an escape before it in the
-    row (``m``: :func:`_escape_bits`), is ``second``; else every escape is read at ``at``,
-    which moves on by one. Its rest byte is at ``rest_at + t``; (fp16) its high bits are
-    field ``t`` of ``high``."""
+    """``(value t of each row, where the row's next escape is)``. Its code is field ``t`` of
+    the row's group (``word8``: :func:`_groups` shifted left by 3, so a field is 8 times the
+    code) and its exponent byte ``code`` of the row's ``table`` (:func:`_decode_step`), whose
+    byte 7 is the row's first escape. With ``FEW`` (no row has more than two) an escape with
+    one before it in the row (``m``: :func:`_escape_bits`) is the row's ``second``; else
+    every escape is read at ``at``, which moves on by one. Its rest byte is at
+    ``rest_at + t``; (fp16) its high bits are field ``t`` of ``high``."""
     at8 = (word8 >> (3 * t)) & 56  # 8 times the code: where its entry lies in ``table``
     e = ((table >> at8.to(tl.int64)) & 255).to(tl.int32)
     if FEW:
@@ -696,7 +686,8 @@ def _decode_step(src, c, row, aligned, word, cnt, first, table, PAGE: tl.constex
     where each row's escapes start). Escapes are about 3% of the values of real bf16 pages:
     with ``FEW`` (no row has more than two, most pages) a row's first and second escapes are
     loaded once for the row, the first looked up as code 7 in the row's copy of ``table``;
-    else each escape is loaded on its own, which cost the values' instructions a third more."""
+    else each escape is loaded on its own (an address, a load and a select a value: that
+    path's block has about 1.7x the instructions of the other, ``bench.dev_sass``)."""
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
     g = tl.arange(0, CHUNK // 8)
