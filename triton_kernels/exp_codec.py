@@ -34,9 +34,10 @@ fit in registers at once):
   escapes are about 3% of real bf16 values) the second is also loaded once for the row, else
   each escape on its own. Integer operations bound the decoder before (ncu: the ALU the
   busiest pipe, 75%); after, 67%, with occupancy held to half by registers, hence the
-  launch's cap of 48 a thread (``_decode_config``). 1.46-1.49x the speed of the decoder
-  before (1,304-1,350 against 896-905 GB/s on six bf16 corpora, fp16 1.36-1.40x; H200,
-  ``bench/results/h200_session65/``).
+  launch's cap of 48 a thread for pages of one step (``_decode_config``). 1.46-1.49x the
+  speed of the decoder before on 4 KiB pages (1,304-1,350 against 896-905 GB/s on six bf16
+  corpora, fp16 1.36-1.40x; H200, ``bench/results/h200_session65/``; larger pages not
+  measured).
 
 Decoding dispatch: this decoder handles RAW, FILL and EXP pages and gives LZ4 pages
 ``STATUS_BAD_KIND``; the LZ4 decoder (``lz4_decompress``) does the same to EXP pages. The
@@ -117,7 +118,7 @@ class ExpDecodeConfig:
     CHUNK: int
     RAW_BYTES: int  # bytes per step of a RAW or FILL page, or of zeroing a failed row
     num_warps: int
-    maxnreg: int  # the launch option: registers a thread at most (see ``_decode_config``)
+    maxnreg: int | None  # the launch option: registers a thread at most (``_decode_config``)
     ROWS: bool = False  # ``pages`` is an ``int64 [N]`` table of row addresses (not ``[N, P]``)
 
     def meta(self) -> dict:
@@ -140,11 +141,15 @@ def _encode_config(page_size: int, fp16: bool, interpret: bool) -> ExpEncodeConf
 
 @functools.cache
 def _decode_config(page_size: int, interpret: bool) -> ExpDecodeConfig:
-    # 48 registers a thread: the bf16 path needs about 32, but the fp16 and many-escapes paths
-    # raised the kernel to 57-64 and held occupancy to half; capped, they spill a few values,
-    # and bf16 pages decode 1.07x and fp16 1.04-1.07x faster (H200, bench/results/h200_session65)
-    return ExpDecodeConfig(PAGE=page_size, CHUNK=_chunk(page_size, interpret), RAW_BYTES=1024,
-                           num_warps=4, maxnreg=48)
+    # Pages of one step (4 KiB on the GPU): 48 registers a thread. The bf16 path needs about
+    # 32, but the fp16 and many-escapes paths raised the kernel to 57-64 and held occupancy to
+    # half; capped, they spill a few values, and bf16 pages decode 1.07x and fp16 1.04-1.07x
+    # faster (H200, bench/results/h200_session65). Pages of several steps take 96-115
+    # uncapped (the decoder before took 108) and would spill 176-296 bytes a thread at 48
+    # (``bench.dev_sass``): not measured on a GPU, so not capped.
+    chunk = _chunk(page_size, interpret)
+    return ExpDecodeConfig(PAGE=page_size, CHUNK=chunk, RAW_BYTES=1024, num_warps=4,
+                           maxnreg=48 if chunk == page_size // 2 else None)
 
 
 def encode_config(page_size: int, fp16: bool) -> ExpEncodeConfig:
