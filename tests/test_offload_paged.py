@@ -914,6 +914,10 @@ def test_gpu_arena_metadata_outlives_a_free_before_its_restore_ran(gen, batched,
     the free list and taken by new stores that overwrite it, the restore still decodes
     exactly: the chunk's reuse waits for the restore stream, for the metadata as for the
     pages. The control takes that wait away: the restore then reads the new stores' bytes."""
+    if control and os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("the control's race needs the GPU to itself: beside other test processes "
+                    "the new stores landed after the restore had read the slice intact "
+                    "(bench/results/h200_session61, h200_session65)")
     from torch_pagecomp.offload._paged_group import restore_placed
 
     store = _store("cuda", chunk=4 << 20, slice_bytes=1 << 20)
