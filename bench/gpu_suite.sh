@@ -50,6 +50,10 @@
 #                                      # package's function that allocated it (PEAK_MODELS,
 #                                      # PEAK_VARIANTS; #21)
 #   bash bench/gpu_suite.sh float      # probe: the exponent page codecs' GPU speed and ratio (#23)
+#   OLD_KERNELS=dir/triton_kernels bash bench/gpu_suite.sh expab
+#                                      # the exponent codec's kernels here against another
+#                                      # tree's, bf16 and fp16, at EXP_PAGES (default 4096,
+#                                      # 16384, 65536) (#23; bench/dev_exp_encode.py)
 #   bash bench/gpu_suite.sh retune     # probe: prefer="speed"'s retunes step by step, a fixed wait
 #                                      # against the doubling one (RETUNE_MODELS, RETUNE_N,
 #                                      # RETUNE_STEPS; #21)
@@ -274,6 +278,17 @@ float)
     timeout 200 python3 -m bench.dev_float_window --mib "${FLOAT_MIB:-128}" 2>&1 | tee "$OUT/float_window.txt"
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_dev_float_codec.py \
         tests/test_dev_float_window.py 2>&1 | tail -n 2
+    ;;
+expab)
+    header expab | tee "$OUT/exp_ab.txt"
+    [ -d "${OLD_KERNELS:-}" ] || { echo "OLD_KERNELS=<another tree's triton_kernels folder>"; exit 1; }
+    for page in $(echo "${EXP_PAGES:-4096,16384,65536}" | tr , ' '); do
+        for layout in "" --fp16; do
+            echo "== $page-byte pages ${layout:-(bf16)}" | tee -a "$OUT/exp_ab.txt"
+            timeout 150 python3 -m bench.dev_exp_encode --trees "old=$OLD_KERNELS" \
+                --op encode,decode --page "$page" $layout --rounds 5 2>&1 | tee -a "$OUT/exp_ab.txt"
+        done
+    done
     ;;
 cputhreads)
     # the CPU path's thread scaling on this host's cores (#25): the C loops, then python-lz4
