@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
 from bench.dev_exp_encode import BF16_CORPORA
 
 
@@ -28,10 +26,8 @@ def escape_rows(pages) -> tuple[float, float, float]:
     n = pages.shape[1] // 2
     payload, _, kinds = ec.compress_exp_cpu(pages, fmt.EXP_BF16)
     exp = ((kinds & 15) == fmt.KIND_EXP).numpy()
-    codes = payload.numpy().reshape(len(pages), -1)[:, 7:7 + 3 * n // 8]
-    g = codes.reshape(len(pages), n // 8, 3).astype(np.int32)
-    word = g[..., 0] | (g[..., 1] << 8) | (g[..., 2] << 16)
-    per_row = (((word[..., None] >> (3 * np.arange(8))) & 7) == 7).sum(-1)
+    codes = ec.unpack3(payload.numpy().reshape(len(pages), -1)[:, 7:7 + 3 * n // 8])
+    per_row = (codes.reshape(len(pages), n // 8, 8) == 7).sum(-1)
     if not exp.any():
         return 0.0, 0.0, 0.0
     many = (per_row > 2).any(-1)

@@ -31,7 +31,7 @@ import argparse
 
 import torch
 
-from .latency import human, parse_sizes, time_calls
+from .latency import _quantile, human, parse_sizes, time_calls
 
 P = 4096
 
@@ -162,25 +162,15 @@ def _one_size(nbytes: int, zc: ZeroCopy, comp, dev: torch.device, repeats: int) 
             zc.offload(flat)  # the pages it reads, stored once
         hs, es = time_calls(fn, dev, repeats, 5, 2.0, after)
         rows.append((way, hs, es))
-    base = _median(rows[0][2])
+    base = _quantile(rows[0][2], 0.5)
     for way, hs, es in rows:
         size = {"zero-copy offload + restore": stored, "zero-copy offload": stored,
                 "PageCompressor offload + restore": pc_stored}.get(way, nbytes)
-        lines.append(f"| {human(nbytes)} | {way} | {_median(hs) * 1e6:.1f} "
-                     f"[{_p90(hs) * 1e6:.1f}] | {_median(es) * 1e6:.1f} "
-                     f"[{_p90(es) * 1e6:.1f}] | {_median(es) / base:.2f}x | "
+        lines.append(f"| {human(nbytes)} | {way} | {_quantile(hs, 0.5) * 1e6:.1f} "
+                     f"[{_quantile(hs, 0.9) * 1e6:.1f}] | {_quantile(es, 0.5) * 1e6:.1f} "
+                     f"[{_quantile(es, 0.9) * 1e6:.1f}] | {_quantile(es, 0.5) / base:.2f}x | "
                      f"{size if size is not None else '-'} |")
     return lines
-
-
-def _median(v: list[float]) -> float:
-    s = sorted(v)
-    return s[len(s) // 2]
-
-
-def _p90(v: list[float]) -> float:
-    s = sorted(v)
-    return s[min(len(s) - 1, int(0.9 * len(s)))]
 
 
 def main() -> None:

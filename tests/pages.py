@@ -100,6 +100,22 @@ def bf16_exponent_pages(gen: torch.Generator, page_size: int = 4096) -> torch.Te
     return torch.stack([r.view(torch.uint8) for r in rows])
 
 
+def escape_rows_page(gen: torch.Generator, n: int, rows: dict[int, list[int]],
+                     fp16: bool = False) -> torch.Tensor:
+    """``uint8 [2n]``: a page of 16-bit floats (bf16, or ``fp16``) whose values take 7
+    exponents (hundreds of values each: the table), except in row ``g`` of 8 values, where
+    fields ``rows[g]`` take exponents outside it (escapes, each exponent a few times at most),
+    with random signs and the other bits random."""
+    base, other, shift = (8, 16, 10) if fp16 else (100, 150, 7)
+    e = base + torch.randint(0, 7, (n,), generator=gen, dtype=torch.int32)
+    for g, fields in rows.items():
+        for t in fields:
+            e[8 * g + t] = other + int(torch.randint(0, 15 if fp16 else 100, (1,), generator=gen))
+    low = torch.randint(0, 1 << shift, (n,), generator=gen, dtype=torch.int32)
+    sign = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int32) << 15
+    return (sign | (e << shift) | low).to(torch.int16).view(torch.uint8)
+
+
 def assert_probe_kernels_equal_reference(codec, pages: torch.Tensor, poison: int) -> None:
     """An exponent-codec probe's (``bench.dev_float_*``) Triton kernels against its numpy
     reference on ``pages`` (``uint8 [N, P]``): the same sizes and bytes, nothing written past a

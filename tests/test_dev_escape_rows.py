@@ -4,23 +4,14 @@ decoder's many-escapes path exactly when a row of 8 values has three or more esc
 from __future__ import annotations
 
 import torch
+from pages import escape_rows_page
 
 from bench.dev_escape_rows import escape_rows
 
 
-def _page(gen: torch.Generator, rows: dict[int, int]) -> torch.Tensor:
-    """A 4 KiB bf16 page: exponents 100-106 (the table) but ``rows[g]`` escapes in row ``g``
-    (exponents 150 and up, each a few times at most)."""
-    e = 100 + torch.randint(0, 7, (2048,), generator=gen, dtype=torch.int32)
-    for g, k in rows.items():
-        e[8 * g:8 * g + k] = 150 + torch.randint(0, 100, (k,), generator=gen, dtype=torch.int32)
-    low = torch.randint(0, 1 << 7, (2048,), generator=gen, dtype=torch.int32)
-    return ((e << 7) | low).to(torch.int16).view(torch.uint8)
-
-
 def test_escape_rows_counts_rows_of_three(gen):
-    pages = torch.stack([_page(gen, {}), _page(gen, {0: 2, 9: 2, 200: 1}),
-                         _page(gen, {5: 3}), _page(gen, {1: 1, 7: 8})])
+    rows = [{}, {0: [0, 1], 9: [0, 1], 200: [0]}, {5: [0, 1, 2]}, {1: [0], 7: list(range(8))}]
+    pages = torch.stack([escape_rows_page(gen, 2048, r) for r in rows])
     share, rate, many = escape_rows(pages)
     assert share == 1.0  # all EXP
     assert abs(rate - (0 + 5 + 3 + 9) / (4 * 2048)) < 1e-9

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import POISON
-from pages import kernel_device, mixed_pages
+from pages import escape_rows_page, kernel_device, mixed_pages
 
 import torch_pagecomp as pc
 from torch_pagecomp import exp_codec as ec
@@ -185,22 +185,6 @@ def test_kernels_table_from_a_window_equals_all_exponents(gen):
         {x: r(1, 60) for x in range(0, 256, 7)},  # 37 exponents, spread
     ]
     kernel_round_trip(torch.stack([exponent_page(gen, c) for c in pages]), False)
-
-
-def escape_rows_page(gen: torch.Generator, n: int, rows: dict[int, list[int]],
-                     fp16: bool = False) -> torch.Tensor:
-    """``uint8 [2n]``: a page of 16-bit floats (bf16, or ``fp16``) whose values take 7
-    exponents (hundreds of values each: the table), except in row ``g`` of 8 values, where
-    fields ``rows[g]`` take exponents outside it (escapes, each exponent a few times at most),
-    with random signs and the other bits random."""
-    base, other, shift = (8, 16, 10) if fp16 else (100, 150, 7)
-    e = base + torch.randint(0, 7, (n,), generator=gen, dtype=torch.int32)
-    for g, fields in rows.items():
-        for t in fields:
-            e[8 * g + t] = other + int(torch.randint(0, 15 if fp16 else 100, (1,), generator=gen))
-    low = torch.randint(0, 1 << shift, (n,), generator=gen, dtype=torch.int32)
-    sign = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int32) << 15
-    return (sign | (e << shift) | low).to(torch.int16).view(torch.uint8)
 
 
 @pytest.mark.parametrize("page_size", [4096, 32768])
