@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         mods[name] = _tree_module(name, path)
     names = list(mods)
     print(f"{'op':<7} {'corpus':<14} " + " ".join(f"{n + ' med/best':>18}" for n in names)
-          + "  same")
+          + "  same (encode: and each tree's ratio)")
     for corpus in args.corpora.split(","):
         pages = build_corpus(corpus, args.mib << 20, args.page, "cuda", seed=3)
         if args.fp16:  # the same values in fp16 (out of its range: inf, which codes as well)
@@ -89,9 +89,16 @@ def main(argv=None) -> int:
             for r in range(args.rounds):
                 for k in names[r % len(names):] + names[:r % len(names)]:
                     times[k].append(_time(fns[op][k], args.reps))
-            if op == "encode":
+            if op == "encode":  # each tree's pages decode back (by this tree's decoder)
                 same = all(torch.equal(a, b) for k in names[1:]
                            for a, b in zip(outs["new"], outs[k]))
+                for k in names[1:]:
+                    out, status = decoded["new"]
+                    new.decompress_exp_into(outs[k][0].view(-1), None, outs[k][1], outs[k][2],
+                                            out, status, traced=False)
+                    assert torch.equal(out, pages) and not status.any(), k
+                same = f"{same} " + " ".join(
+                    f"{pages.numel() / outs[k][1].sum().item():.4f}" for k in names)
             else:
                 same = all(torch.equal(decoded[k][0], pages) and not decoded[k][1].any()
                            for k in names)

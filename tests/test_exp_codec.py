@@ -64,7 +64,8 @@ def model_encode_page(page: bytes, layout: int) -> bytes:
         r = [x & 0xFF for x in v]
         h = [((x >> 13) & 4) | ((x >> 8) & 3) for x in v]
     bins = 256 if layout == fmt.EXP_BF16 else 32
-    table = sorted(range(bins), key=lambda x: (-e.count(x), x))[:7]
+    sample = [x for i, x in enumerate(e) if i % (8 * fmt.EXP_SAMPLE) < 8]  # rows 0, 4, 8 ..
+    table = sorted(range(bins), key=lambda x: (-sample.count(x), x))[:7]
     c = [table.index(x) if x in table else 7 for x in e]
 
     def stream3(fields):
@@ -150,39 +151,48 @@ def test_kernels_equal_reference(name, gen):
 
 
 def exponent_page(gen: torch.Generator, counts: dict[int, int], n: int = 2048) -> torch.Tensor:
-    """``uint8 [2n]``: a bf16 page with ``counts[x]`` values of exponent ``x`` (the rest of the
-    ``n`` values exponent 0), at random places, with random signs and mantissas."""
-    e = torch.zeros(n, dtype=torch.int32)
+    """``uint8 [2n]``: a bf16 page whose sampled values (``format.EXP_SAMPLE``: the ``n / 4``
+    values the table counts) have ``counts[x]`` values of exponent ``x`` (the rest of them
+    exponent 0), at random places, the other values the same exponents three times over,
+    with random signs and mantissas."""
+    s = n // fmt.EXP_SAMPLE
+    e_s = torch.zeros(s, dtype=torch.int32)
     at = 0
     for x, c in counts.items():
-        e[at:at + c] = x
+        e_s[at:at + c] = x
         at += c
-    e = e[torch.randperm(n, generator=gen)]
+    assert at <= s
+    e_s = e_s[torch.randperm(s, generator=gen)]
+    sampled = torch.arange(n) % (8 * fmt.EXP_SAMPLE) < 8
+    e = torch.empty(n, dtype=torch.int32)
+    e[sampled] = e_s
+    e[~sampled] = e_s.repeat(fmt.EXP_SAMPLE - 1)[torch.randperm(n - s, generator=gen)]
     low = torch.randint(0, 1 << 7, (n,), generator=gen, dtype=torch.int32)
     sign = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int32) << 15
     return (sign | (e << 7) | low).to(torch.int16).view(torch.uint8)
 
 
 def test_kernels_table_from_a_window_equals_all_exponents(gen):
-    """The 4 KiB bf16 encoder counts 32 bins (zero, the 30 exponents up to the page's largest,
-    the rest) and falls back to all 256 where the rest could reach the table: pages on each
-    side of that rule give the reference's bytes (the 7 most frequent of all 256)."""
+    """The 4 KiB bf16 encoder counts the sampled exponents in 32 bins (zero, the 30 exponents
+    up to the sample's largest, the rest) and falls back to all 256 where the rest could
+    reach the table: pages on each side of that rule give the reference's bytes (the 7 most
+    frequent of all 256 sampled)."""
     def r(lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi, (1,), generator=gen))
 
-    bulk = {x: r(100, 200) for x in range(100, 113)}  # 13 exponents, ~1950 values
+    bulk = {x: r(25, 50) for x in range(100, 113)}  # 13 exponents, ~490 values
     pages = [
-        {**bulk, 250: 3},  # the bulk far below the largest: all of it in the rest
-        {**{x: r(60, 120) for x in range(120, 136)}, 150: 2},  # 120 in the rest
+        {**bulk, 250: 1},  # the bulk far below the largest: all of it in the rest
+        {**{x: r(15, 30) for x in range(120, 136)}, 150: 1},  # 120 in the rest
         # the rest (exponent 170) ties the 7th entry (194): the smaller exponent wins the tie
-        {200: 400, 199: 300, 198: 300, 197: 200, 196: 200, 195: 150, 194: 100, 170: 100,
-         **{x: 37 for x in range(186, 194)}},
-        {0: 700, 120: 600, 121: 500},  # 3 exponents, the largest above 30: absent ones fill
-        {0: 300, 5: 900, 20: 600},  # 3 exponents all below 30: the window holds them all
-        {255: r(500, 900), 254: 400, 200: 300},  # Inf / NaN exponents
-        {**{x: r(100, 150) for x in range(150, 161)}, 100: 3},  # a rest below the 7th
-        {130: 500, 101: 300, 100: r(1, 400), 120: 200},  # the window's lowest exponent
-        {x: r(1, 60) for x in range(0, 256, 7)},  # 37 exponents, spread
+        {200: 100, 199: 75, 198: 75, 197: 50, 196: 50, 195: 40, 194: 25, 170: 25,
+         **{x: 9 for x in range(186, 194)}},
+        {0: 175, 120: 150, 121: 125},  # 3 exponents, the largest above 30: absent ones fill
+        {0: 75, 5: 225, 20: 150},  # 3 exponents all below 30: the window holds them all
+        {255: r(125, 225), 254: 100, 200: 75},  # Inf / NaN exponents
+        {**{x: r(25, 38) for x in range(150, 161)}, 100: 1},  # a rest below the 7th
+        {130: 125, 101: 75, 100: r(1, 100), 120: 50},  # the window's lowest exponent
+        {x: r(1, 15) for x in range(0, 256, 7)},  # 37 exponents, spread
     ]
     kernel_round_trip(torch.stack([exponent_page(gen, c) for c in pages]), False)
 

@@ -758,7 +758,7 @@ static PyObject *bitshuffle(PyObject *self, PyObject *args) {
  * exp_codec runs the numpy reference. */
 #if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define HAVE_EXP_CODEC 1
-enum { EXP_BF16 = 1, EXP_FP16 = 2, EXP_TABLE = 7 };
+enum { EXP_BF16 = 1, EXP_FP16 = 2, EXP_TABLE = 7, EXP_SAMPLE = 4 }; /* as triton_kernels.constants */
 
 static int64_t exp_fixed(int64_t page, int layout) {
     const int64_t n = page / 2;
@@ -859,16 +859,20 @@ exp_encode_layout(const uint8_t *src, uint8_t *to, int64_t page, const int layou
     const int shift = layout == EXP_BF16 ? 7 : 10;
     uint32_t hist[4][256];
     memset(hist, 0, sizeof hist);
-    for (int64_t i = 0; i < n; i += 4) { /* four histograms: no chain through one counter */
-        uint64_t w;
-        memcpy(&w, src + 2 * i, 8);
-        hist[0][(w >> shift) & (bins - 1)]++;
-        hist[1][(w >> (16 + shift)) & (bins - 1)]++;
-        hist[2][(w >> (32 + shift)) & (bins - 1)]++;
-        hist[3][(w >> (48 + shift)) & (bins - 1)]++;
+    /* the sampled rows (values 32j .. 32j + 7: torch_pagecomp.format), 4 values a word into
+     * four histograms: no chain through one counter */
+    for (int64_t i = 0; i < n; i += 8 * EXP_SAMPLE) {
+        for (int k = 0; k < 2; k++) {
+            uint64_t w;
+            memcpy(&w, src + 2 * i + 8 * k, 8);
+            hist[0][(w >> shift) & (bins - 1)]++;
+            hist[1][(w >> (16 + shift)) & (bins - 1)]++;
+            hist[2][(w >> (32 + shift)) & (bins - 1)]++;
+            hist[3][(w >> (48 + shift)) & (bins - 1)]++;
+        }
     }
-    /* the 7 most frequent: count descending, then value ascending (bins visited in value
-     * order, each placed after every entry of at least its count: a stable sort's order) */
+    /* the 7 most frequent there: count descending, then value ascending (bins visited in
+     * value order, each placed after every entry of at least its count: a stable sort's) */
     uint32_t top_count[EXP_TABLE];
     uint8_t table[EXP_TABLE];
     int have = 0;
@@ -884,14 +888,21 @@ exp_encode_layout(const uint8_t *src, uint8_t *to, int64_t page, const int layou
         top_count[k] = c;
         table[k] = (uint8_t)b;
     }
-    int64_t kept = 0;
     uint8_t code[256];
     memset(code, EXP_TABLE, sizeof code);
-    for (int k = 0; k < EXP_TABLE; k++) {
-        kept += top_count[k];
-        code[table[k]] = (uint8_t)k;
+    for (int k = 0; k < EXP_TABLE; k++) code[table[k]] = (uint8_t)k;
+    /* the escapes of the whole page (the table's counts are the sample's): the size, and so
+     * RAW or EXP, before a byte is written */
+    int64_t escapes = 0;
+    for (int64_t i = 0; i < n; i += 4) {
+        uint64_t w;
+        memcpy(&w, src + 2 * i, 8);
+        escapes += (code[(w >> shift) & (bins - 1)] == EXP_TABLE)
+                   + (code[(w >> (16 + shift)) & (bins - 1)] == EXP_TABLE)
+                   + (code[(w >> (32 + shift)) & (bins - 1)] == EXP_TABLE)
+                   + (code[(w >> (48 + shift)) & (bins - 1)] == EXP_TABLE);
     }
-    const int64_t fixed = exp_fixed(page, layout), escapes = n - kept;
+    const int64_t fixed = exp_fixed(page, layout);
     if (fixed + escapes > limit) { /* RAW: the page as it is */
         memcpy(to, src, (size_t)page);
         *size = (int32_t)page;

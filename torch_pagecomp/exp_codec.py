@@ -1,12 +1,12 @@
 """The exponent codec for pages of 16-bit floats: its numpy reference (the CPU path).
 
 An exponent page (``KIND_EXP``, layouts bf16 and fp16; ``torch_pagecomp.format`` describes it
-bit for bit) stores each value's exponent as a 3-bit index into a table of the page's 7 most
-frequent exponents (index 7 escapes to a byte of its own) and the value's other bits as they
-are. Real bf16 tensors (activations, weights, KV caches) spend most of a value's entropy in the
-sign and mantissa and little in the exponent (2.2-2.6 bits of 8: ``bench/results/
-cpu_exponent_probe.md``), so the fixed code stores 1.42-1.44x where LZ4 on bit-shuffled pages
-stores 1.22-1.38x, and needs no match search (``triton_kernels/exp_codec.py``: one pass).
+bit for bit) stores each value's exponent as a 3-bit index into a table of 7 exponents, the most
+frequent among a quarter of the page's values (index 7 escapes to a byte of its own), and the
+value's other bits as they are. Real bf16 tensors (activations, weights, KV caches) spend most
+of a value's entropy in the sign and mantissa and little in the exponent (2.2-2.6 bits of 8:
+``bench/results/cpu_exponent_probe.md``), so the fixed code stores 1.42-1.44x where LZ4 on
+bit-shuffled pages stores 1.22-1.38x, and needs no match search (``triton_kernels/exp_codec.py``).
 
 The Triton kernels (``torch_pagecomp.kernels.exp_codec``) write the same bytes, sizes, kinds
 and statuses (``tests/test_exp_codec.py``). This module is the readable definition: whole
@@ -102,11 +102,20 @@ def unpack3(b: np.ndarray) -> np.ndarray:
     return ((word[..., None] >> (3 * np.arange(8))) & 7).reshape(k, -1)
 
 
+def sampled(e: np.ndarray) -> np.ndarray:
+    """The values of ``e`` (``[k, n]``, a page a row) whose exponents the table counts: one
+    row of 8 in ``format.EXP_SAMPLE``, values ``32j .. 32j + 7`` of each page."""
+    k, n = e.shape
+    return e.reshape(k, n // (8 * fmt.EXP_SAMPLE), 8 * fmt.EXP_SAMPLE)[:, :, :8].reshape(k, -1)
+
+
 def _table_and_codes(e: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per page (row of ``e``): the table (``int64 [k, 7]``: exponents by count descending,
-    then by value ascending) and each value's code (``int64 [k, n]``, 7 = escape)."""
+    """Per page (row of ``e``): the table (``int64 [k, 7]``: exponents by count among the
+    sampled values (:func:`sampled`) descending, then by value ascending) and each value's
+    code (``int64 [k, n]``, 7 = escape)."""
     k = e.shape[0]
-    counts = np.bincount((np.arange(k)[:, None] * bins + e).ravel(), minlength=k * bins)
+    counts = np.bincount((np.arange(k)[:, None] * bins + sampled(e)).ravel(),
+                         minlength=k * bins)
     # a stable sort of -count keeps equal counts in exponent order
     table = np.argsort(-counts.reshape(k, bins), axis=1, kind="stable")[:, :fmt.EXP_TABLE]
     code = np.full(e.shape, fmt.EXP_TABLE, dtype=np.int64)

@@ -23,6 +23,8 @@ EXP_FP16 = 2  # layout: float16 (5-bit exponent at bits 10..14)
 KIND_EXP_BF16 = KIND_EXP | EXP_BF16 << 4  # 0x13
 KIND_EXP_FP16 = KIND_EXP | EXP_FP16 << 4  # 0x23
 EXP_TABLE = 7  # exponents in an exponent page's table; code EXP_TABLE escapes
+# The table counts the exponents of one row of 8 values in EXP_SAMPLE: values 32j .. 32j + 7
+EXP_SAMPLE = 4
 
 # Per-page decode status (int32), written by every decoder.
 STATUS_OK = 0

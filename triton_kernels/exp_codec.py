@@ -9,21 +9,25 @@ same bytes, sizes, kinds and statuses, is ``torch_pagecomp.exp_codec``; the test
 One program per page each way, ``CHUNK`` values a step (a 64 KiB page's 32768 values would not
 fit in registers at once):
 
-* encode, two passes over the page: the first counts the exponents (``tl.histogram``) and
-  checks for an all-equal page; the 7 most frequent exponents follow from the counts, so the
-  page's size, and with it its kind (FILL, RAW or EXP), is known before anything is stored;
-  the second writes the codes, the rest bytes and the escapes (placed by a running
-  ``tl.cumsum``), then zeroes the row past the size. No match search, no branch per value.
-  A step is rows of 8 consecutive values (``_rows``): a row is one 16-byte load, one 3-byte
-  group of codes and one count of escapes, inside one thread. A 4 KiB page is one step, read
-  once and kept in registers; a bf16 page's table is counted in 32 bins (zero, the 30
-  exponents up to the page's largest, the rest), exact unless the rest could reach the
-  table, where all 256 are counted (``_window_table``); then each value's code is its bin's,
-  one lookup (``tl.gather``) in place of seven comparisons, and only a page whose exponents
-  are all one is compared value by value for FILL. 2.3x the speed of the 256-bin selection
-  and comparisons (519 against 223 GB/s on six bf16 corpora on an H200, the same bytes;
-  ``bench/results/h200_be4e650_session36/``). Integer operations bound it (ncu: the ALU pipe
-  89% busy), not memory or occupancy.
+* encode: the table first, from the exponents of a quarter of the page (``format``'s
+  sample: one row of 8 values in 4, ``_sampled_rows``), counted by ``tl.histogram``; then
+  every value's code, one lookup (``tl.gather``) in a table of codes by exponent
+  (``_code_table``) in place of seven comparisons, and the escapes they count, so the page's
+  size, and with it its kind (FILL, RAW or EXP), is known before anything is stored; then
+  the codes, the rest bytes and the escapes (placed by a running ``tl.cumsum``) are written
+  and the row past the size zeroed. No match search, no branch per value. A step is rows of
+  8 consecutive values (``_rows``): a row is one 16-byte load, one 3-byte group of codes and
+  one count of escapes, inside one thread. A 4 KiB page is one step, read once and kept in
+  registers; its bf16 sample is counted in 32 bins (zero, the 30 exponents up to the
+  sample's largest, the rest), exact unless the rest could reach the table, where all 256
+  are counted (``_window_table``), and only a page whose sample is all one exponent is
+  compared value by value for FILL. A longer page is read for the sample, then for FILL and
+  the escapes, then for the stores. Integer operations bound it (ncu: the ALU pipe 89% busy)
+  and Triton 3.6 counts a histogram by ballots, about 27 operations a value, half of the
+  encoder's instructions when it counted every value: counting the sample made it 1.40x
+  faster on 4 KiB bf16 pages (739 against 529 GB/s on six bf16 corpora, fp16 735 against
+  444, 16 and 64 KiB pages 1.69-1.89x), for 0.06-0.13% of the ratio (H200,
+  ``bench/results/h200_session66/``).
 * decode: the escapes in the codes are counted first (the size must equal the fixed part
   plus them: checked before an escape is read), then the values rebuilt, a row of 8 values
   a thread, held as 8 tensors of rows (``_value``): a ``[rows, 8]`` tensor grown from a load
@@ -89,6 +93,7 @@ _EXP = tl.constexpr(fmt.KIND_EXP)
 _BF16 = tl.constexpr(fmt.EXP_BF16)
 _FP16 = tl.constexpr(fmt.EXP_FP16)
 _TABLE = tl.constexpr(fmt.EXP_TABLE)  # table entries; code _TABLE escapes
+_SAMPLE = tl.constexpr(fmt.EXP_SAMPLE)  # the table counts one row of 8 values in _SAMPLE
 PLACE_ALIGN = 16  # bytes: where the placed encoder starts each page (the arena's alignment)
 _PLACE_ALIGN = tl.constexpr(PLACE_ALIGN)
 
@@ -242,11 +247,11 @@ def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
 
 
 # ------------------------------------------------------------------------------- encode
-# A page's table is its 7 most frequent exponents, by count descending, then by value
-# ascending. Each candidate exponent ``x`` with ``c`` values gets the key ``c * 256 + 255 - x``:
-# keys are distinct, and the largest key is the next entry, so one max reduction picks an
-# entry and gives its count and exponent (an arg-max and a max, two reductions, took twice the
-# barriers).
+# A page's table is the 7 exponents most frequent among its sampled values (one row of 8 in
+# EXP_SAMPLE: ``format``), by count descending, then by value ascending. Each candidate
+# exponent ``x`` with ``c`` values gets the key ``c * 256 + 255 - x``: keys are distinct, and the
+# largest key is the next entry, so one max reduction picks an entry and gives its count and
+# exponent (an arg-max and a max, two reductions, took twice the barriers).
 @triton.jit
 def _take_max(key):
     """``(the largest key, key with it marked taken (-1))``."""
@@ -284,57 +289,56 @@ def _rows(CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _sampled_rows(CHUNK: tl.constexpr):
+    """Value indices ``int32 [CHUNK / 32, 8]`` of the sampled rows of one step (values
+    ``32j .. 32j + 7``): the values whose exponents the table counts."""
+    ROW: tl.constexpr = 8 * _SAMPLE  # values from one sampled row to the next
+    return tl.arange(0, CHUNK // ROW)[:, None] * ROW + tl.arange(0, 8)[None, :]
+
+
+@triton.jit
 def _full_table(src, aligned, PAGE: tl.constexpr, FP16: tl.constexpr, CHUNK: tl.constexpr):
     """The table's keys (:func:`_top7`) from a histogram of all possible exponents (256 for
-    bf16, 32 for fp16), read from the page at ``src``."""
+    bf16, 32 for fp16) of the sampled values of the page at ``src``."""
     N: tl.constexpr = PAGE // 2
     BINS: tl.constexpr = 32 if FP16 else 256
     counts = tl.zeros([BINS], tl.int32)
-    i = _rows(CHUNK)
+    i = _sampled_rows(CHUNK)
     for c in range(0, N, CHUNK):
         e, _, _ = _split(_load_values(src, c + i, aligned), FP16)
-        counts += tl.histogram(tl.reshape(e, (CHUNK,)), BINS)
+        counts += tl.histogram(tl.reshape(e, (CHUNK // _SAMPLE,)), BINS)
     bins = tl.arange(0, BINS)
     return _top7(counts * 256 + (255 - bins))
 
 
 @triton.jit
-def _window_bins(e):
-    """``(bins, lo)``: each bf16 exponent's bin of the 32 that :func:`_window_table` counts (0
-    for exponent 0, ``1 + x - lo`` for an exponent ``x`` of ``lo .. lo + 29``, where
-    ``lo + 29`` is the page's largest exponent or 30, and 31 for the rest)."""
+def _window_table(src, aligned, PAGE: tl.constexpr, CHUNK: tl.constexpr):
+    """The table's keys for a bf16 page of one step (``CHUNK == PAGE / 2``): its sampled
+    exponents counted in 32 bins (zero, the 30 exponents up to the sample's largest, the
+    rest), where all 256 cost about 7x the work a value (Triton's histogram takes a ballot a
+    bit of the bins). Exact whenever no exponent of the rest can reach the table (the rest's
+    total is below the 7th entry's count, or every exponent has a bin); else the keys come
+    from all 256 (:func:`_full_table`)."""
+    e, _, _ = _split(_load_values(src, _sampled_rows(CHUNK), aligned), False)
     top = tl.max(tl.max(e, axis=1), axis=0)
     lo = tl.maximum(top - 29, 1)
-    return tl.where(e == 0, 0, tl.where(e >= lo, e - lo + 1, 31)), lo
-
-
-@triton.jit
-def _window_table(b, lo, src, aligned, PAGE: tl.constexpr, CHUNK: tl.constexpr):
-    """``(keys of the table, codes by bin, windowed)`` for a bf16 page whose exponents' bins
-    ``b`` (:func:`_window_bins`, all ``PAGE / 2`` values) are in registers: counted in 32
-    bins (zero, the 30 exponents up to the page's largest, the rest), where all 256 cost
-    about 7x the work a value. Exact whenever no exponent of the rest can reach the table
-    (the rest's total is below the 7th entry's count): then ``windowed`` is true and each
-    bin's code (``int32 [32]``: its table index, 7 if none) gives every value's code with one
-    lookup (:func:`_write_codes`). Else the keys come from all 256 (:func:`_full_table`)."""
-    counts = tl.histogram(tl.reshape(b, (CHUNK,)), 32)
+    b = tl.where(e == 0, 0, tl.where(e >= lo, e - lo + 1, 31))
+    counts = tl.histogram(tl.reshape(b, (CHUNK // _SAMPLE,)), 32)
     bins = tl.arange(0, 32)
     x = tl.where(bins == 0, 0, lo + bins - 1)
     key = tl.where(bins == 31, -1, counts * 256 + (255 - x))
     k0, k1, k2, k3, k4, k5, k6 = _top7(key)
-    by_bin = _codes(key, k0, k1, k2, k3, k4, k5, k6)
     rest = tl.sum(tl.where(bins == 31, counts, 0), axis=0)
     # lo == 1: every exponent has a bin (and absent ones fill the table from 0 up, as all 256)
-    windowed = (lo == 1) | (rest < (k6 >> 8))
-    if not windowed:
+    if (lo > 1) & (rest >= (k6 >> 8)):
         k0, k1, k2, k3, k4, k5, k6 = _full_table(src, aligned, PAGE, False, CHUNK)
-    return k0, k1, k2, k3, k4, k5, k6, by_bin, windowed
+    return k0, k1, k2, k3, k4, k5, k6
 
 
 @triton.jit
 def _codes(x, t0, t1, t2, t3, t4, t5, t6):
     """Each ``x``'s code: the index of the table entry ``t*`` it equals, 7 if none (``x``
-    exponents and ``t*`` the entries' exponents, or both table keys)."""
+    exponents and ``t*`` the entries' exponents)."""
     code = tl.where(x == t6, 6, 7)
     code = tl.where(x == t5, 5, code)
     code = tl.where(x == t4, 4, code)
@@ -345,24 +349,32 @@ def _codes(x, t0, t1, t2, t3, t4, t5, t6):
 
 
 @triton.jit
-def _write_codes(dst, c, v, escapes, k0, k1, k2, k3, k4, k5, k6, PAGE: tl.constexpr,
-                 FP16: tl.constexpr, CHUNK: tl.constexpr, b=None, by_bin=None, windowed=False):
-    """Store values ``c .. c + CHUNK`` (``v``, rows of 8: :func:`_rows`) of an EXP page into
-    the row at ``dst``: their codes, (fp16) high bits, rest bytes and escapes, the escapes
-    after the ``escapes`` stored before them; returns the escapes stored so far. With
-    ``windowed`` each value's code is its bin's (``b``, ``by_bin``: :func:`_window_table`),
-    one lookup where the comparisons with the table take 14 integer operations a value, and
-    integer operations bound this kernel (ncu: its ALU pipe 92% busy)."""
+def _code_table(k0, k1, k2, k3, k4, k5, k6, FP16: tl.constexpr):
+    """Every exponent's code (``int32 [256]`` bf16, ``[32]`` fp16) under the table of keys
+    ``k*``: with it a value's code is one lookup (:func:`_code_of`) where comparing with the
+    table takes 14 integer operations a value, and integer operations bound this kernel."""
+    return _codes(tl.arange(0, 32 if FP16 else 256), _exponent(k0), _exponent(k1),
+                  _exponent(k2), _exponent(k3), _exponent(k4), _exponent(k5), _exponent(k6))
+
+
+@triton.jit
+def _code_of(by_exp, e, CHUNK: tl.constexpr):
+    """The codes of exponents ``e`` (``[CHUNK / 8, 8]``) under :func:`_code_table`."""
+    return tl.reshape(tl.gather(by_exp, tl.reshape(e, (CHUNK,)), 0), (CHUNK // 8, 8))
+
+
+@triton.jit
+def _write_codes(dst, c, v, code, escapes, PAGE: tl.constexpr, FP16: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """Store values ``c .. c + CHUNK`` (``v``, rows of 8: :func:`_rows`; ``code`` their codes)
+    of an EXP page into the row at ``dst``: their codes, (fp16) high bits, rest bytes and
+    escapes, the escapes after the ``escapes`` stored before them; returns the escapes stored
+    so far."""
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
     REST: tl.constexpr = F - N  # where the rest bytes start
     i = _rows(CHUNK)
     e, rest, high = _split(v, FP16)
-    if windowed:
-        code = tl.reshape(tl.gather(by_bin, tl.reshape(b, (CHUNK,)), 0), (CHUNK // 8, 8))
-    else:
-        code = _codes(e, _exponent(k0), _exponent(k1), _exponent(k2), _exponent(k3),
-                      _exponent(k4), _exponent(k5), _exponent(k6))
     _store3(dst + 7, c, code, CHUNK)
     if FP16:
         _store3(dst + 7 + 3 * N // 8, c, high, CHUNK)
@@ -386,8 +398,9 @@ def _exp_encode_kernel(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, PAGE: tl.co
     RAW where the EXP page would pass ``PAGE - PAGE/32`` bytes, else EXP.
 
     A page of one step (``CHUNK == PAGE / 2``: 4 KiB pages on the GPU) is read once and kept
-    in registers for both passes, and a bf16 page's table comes from 32 bins
-    (:func:`_window_table`); a longer page is read twice, its table from all its exponents."""
+    in registers, and a bf16 page's table comes from 32 bins (:func:`_window_table`); a
+    longer page is read three times (its sample, then its escapes, then its stores), its
+    table from all 256 (32 for fp16) exponents of its sample."""
     _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, sizes_ptr, sizes_ptr, PAGE, FP16,
                  CHUNK, ROWS, False)
 
@@ -424,30 +437,35 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
     dst_aligned = (payload_ptr.to(tl.int64, bitcast=True) & 1) == 0
     first = tl.load(src).to(tl.int32) * 257  # the value of a page of equal bytes
     i = _rows(CHUNK)
-    if CHUNK == N:
+    if CHUNK == N:  # read once, kept in registers: the codes and escapes known before a store
         v = _load_values(src, i, src_aligned)
-        e, _, _ = _split(v, FP16)
         if FP16:  # 32 exponents: all of them counted
-            counts = tl.histogram(tl.reshape(e, (CHUNK,)), 32)
-            k0, k1, k2, k3, k4, k5, k6 = _top7(counts * 256 + (255 - tl.arange(0, 32)))
+            k0, k1, k2, k3, k4, k5, k6 = _full_table(src, src_aligned, PAGE, True, CHUNK)
         else:
-            bin_of, lo = _window_bins(e)
-            k0, k1, k2, k3, k4, k5, k6, by_bin, windowed = _window_table(bin_of, lo, src,
-                                                                         src_aligned, PAGE, CHUNK)
-        # equal bytes share one exponent: only a page whose first entry covers it all is
+            k0, k1, k2, k3, k4, k5, k6 = _window_table(src, src_aligned, PAGE, CHUNK)
+        by_exp = _code_table(k0, k1, k2, k3, k4, k5, k6, FP16)
+        e, _, _ = _split(v, FP16)
+        code = _code_of(by_exp, e, CHUNK)
+        n_esc = tl.sum(tl.sum((code == 7).to(tl.int32), axis=1), axis=0)
+        # equal bytes share one exponent: only a page whose sample is all one exponent is
         # compared value by value (a compare a value on every page cost integer operations,
         # which bound this kernel)
         fill = False
-        if (k0 >> 8) == N:
+        if (k0 >> 8) == N // _SAMPLE:
             fill = tl.max(tl.max((v != first).to(tl.int32), axis=1), axis=0) == 0
-    else:
-        differ = tl.zeros([CHUNK // 8, 8], tl.int32)
-        for c in range(0, N, CHUNK):
-            differ |= (_load_values(src, c + i, src_aligned) != first).to(tl.int32)
-        fill = tl.max(tl.max(differ, axis=1), axis=0) == 0
+    else:  # the sample, then a pass for equal bytes and the escapes, then one that stores
         k0, k1, k2, k3, k4, k5, k6 = _full_table(src, src_aligned, PAGE, FP16, CHUNK)
-    covered = (k0 >> 8) + (k1 >> 8) + (k2 >> 8) + (k3 >> 8) + (k4 >> 8) + (k5 >> 8) + (k6 >> 8)
-    exp_size = F + N - covered  # the fixed part and one byte per escape
+        by_exp = _code_table(k0, k1, k2, k3, k4, k5, k6, FP16)
+        differ = tl.zeros([CHUNK // 8, 8], tl.int32)
+        escaped = tl.zeros([CHUNK // 8, 8], tl.int32)
+        for c in range(0, N, CHUNK):
+            v = _load_values(src, c + i, src_aligned)
+            differ |= (v != first).to(tl.int32)
+            e, _, _ = _split(v, FP16)
+            escaped += (_code_of(by_exp, e, CHUNK) == 7).to(tl.int32)
+        fill = tl.max(tl.max(differ, axis=1), axis=0) == 0
+        n_esc = tl.sum(tl.sum(escaped, axis=1), axis=0)
+    exp_size = F + n_esc  # the fixed part and one byte per escape
     raw = exp_size > PAGE - PAGE // 32
     EXP_KIND: tl.constexpr = _EXP | ((1 + FP16) << 4)  # layouts: bf16 1, fp16 2
     size = tl.where(fill, 1, tl.where(raw, PAGE, exp_size))
@@ -476,16 +494,15 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
             slots == 2, k2, tl.where(slots == 3, k3, tl.where(slots == 4, k4, tl.where(
                 slots == 5, k5, k6))))))
         tl.store(dst + slots, _exponent(table).to(tl.uint8), mask=slots < 7)
-        if CHUNK == N and not FP16:  # codes by window bin (the bins exist for bf16 only)
-            _write_codes(dst, 0, v, 0, k0, k1, k2, k3, k4, k5, k6, PAGE, FP16, CHUNK, bin_of,
-                         by_bin, windowed)
-        elif CHUNK == N:
-            _write_codes(dst, 0, v, 0, k0, k1, k2, k3, k4, k5, k6, PAGE, FP16, CHUNK)
+        if CHUNK == N:
+            _write_codes(dst, 0, v, code, 0, PAGE, FP16, CHUNK)
         else:
             escapes = tl.zeros([], tl.int32)
             for c in range(0, N, CHUNK):
-                escapes = _write_codes(dst, c, _load_values(src, c + i, src_aligned), escapes,
-                                       k0, k1, k2, k3, k4, k5, k6, PAGE, FP16, CHUNK)
+                v = _load_values(src, c + i, src_aligned)
+                e, _, _ = _split(v, FP16)
+                escapes = _write_codes(dst, c, v, _code_of(by_exp, e, CHUNK), escapes, PAGE,
+                                       FP16, CHUNK)
         j = tl.arange(0, CHUNK)
         for k in range(F, PAGE, CHUNK):  # the row (placed: the padding) past the page is zero
             tl.store(dst + k + j, tl.zeros([CHUNK], tl.uint8),
