@@ -26,7 +26,9 @@ fit in registers at once):
   and Triton 3.6 counts a histogram by ballots, about 27 operations a value, half of the
   encoder's instructions when it counted every value: counting the sample made it 1.40x
   faster on 4 KiB bf16 pages (739 against 529 GB/s on six bf16 corpora, fp16 735 against
-  444, 16 and 64 KiB pages 1.69-1.89x), for 0.06-0.13% of the ratio (H200,
+  444, 16 and 64 KiB pages 1.69-1.89x), for 0.06-0.13% of the ratio; with the launch's cap
+  of 80 registers and 4 KiB pages' rest bytes and zeroed tail in fewer operations, 767-796
+  GB/s on bf16 and 758-820 on fp16 over two calls on two hosts (H200,
   ``bench/results/h200_session66/``).
 * decode: the escapes in the codes are counted first (the size must equal the fixed part
   plus them: checked before an escape is read), then the values rebuilt, a row of 8 values
@@ -107,6 +109,7 @@ class ExpEncodeConfig:
     FP16: bool  # layout: fp16 (5-bit exponent, 3 high bits a value) or bf16
     CHUNK: int  # values per step (divides PAGE / 2)
     num_warps: int
+    maxnreg: int | None  # the launch option: registers a thread at most (``_encode_config``)
     ROWS: bool = False  # ``pages`` is an ``int64 [N]`` table of row addresses (not ``[N, P]``)
 
     def meta(self) -> dict:
@@ -140,8 +143,13 @@ def _chunk(page_size: int, interpret: bool) -> int:
 
 @functools.cache
 def _encode_config(page_size: int, fp16: bool, interpret: bool) -> ExpEncodeConfig:
-    return ExpEncodeConfig(PAGE=page_size, FP16=fp16, CHUNK=_chunk(page_size, interpret),
-                           num_warps=4)
+    # Pages of one step (4 KiB on the GPU): 80 registers a thread. Uncapped the kernel took
+    # 90 (5 blocks of 4 warps an SM); at 80 (6 blocks) bf16 pages encoded 1.06x and fp16
+    # 1.11x faster; at 64 fp16 spilled and ran 0.98x; 8 warps ran 0.81x (H200, session 66).
+    # Longer pages take 109-116 and are not capped (not measured).
+    chunk = _chunk(page_size, interpret)
+    return ExpEncodeConfig(PAGE=page_size, FP16=fp16, CHUNK=chunk, num_warps=4,
+                           maxnreg=80 if chunk == page_size // 2 else None)
 
 
 @functools.cache
@@ -375,6 +383,9 @@ def _write_codes(dst, c, v, code, escapes, PAGE: tl.constexpr, FP16: tl.constexp
     REST: tl.constexpr = F - N  # where the rest bytes start
     i = _rows(CHUNK)
     e, rest, high = _split(v, FP16)
+    if (CHUNK == N) and not FP16:  # the rest byte as a low byte: a shift and an add, not three
+        x = v & 0x807F  # operations (sign to bit 7 by an add that cannot carry; longer pages
+        rest = x + (x >> 8)  # ran slower with it on Triton 3.6: session 66)
     _store3(dst + 7, c, code, CHUNK)
     if FP16:
         _store3(dst + 7 + 3 * N // 8, c, high, CHUNK)
@@ -387,6 +398,33 @@ def _write_codes(dst, c, v, code, escapes, PAGE: tl.constexpr, FP16: tl.constexp
         at = before[:, None] + tl.cumsum(escaped, axis=1) - escaped
         tl.store(dst + F + at, e.to(tl.uint8), mask=escaped != 0)
     return escapes + n_esc
+
+
+@triton.jit
+def _zero_tail(dst, size, end, PAGE: tl.constexpr, F: tl.constexpr, CHUNK: tl.constexpr):
+    """Zero bytes ``size .. end`` of the row at ``dst`` (``F <= size <= end <= PAGE``). A page
+    of one step (4 KiB on the GPU) where ``dst`` is 8-aligned: the bytes to the next multiple
+    of 8, then 8-byte words (a byte store a lane took a store and two compares a byte, on a
+    kernel bound by integer operations); else bytes (longer pages keep the byte loop: with
+    the word path in them they ran 2-7% slower on Triton 3.6, session 66)."""
+    words = (size + 7) // 8  # the first word wholly past the size
+    if CHUNK == PAGE // 2:
+        aligned8 = (dst.to(tl.int64, bitcast=True) & 7) == 0
+    else:
+        aligned8 = False
+    if aligned8:
+        b = tl.arange(0, 8)
+        tl.store(dst + size + b, tl.zeros([8], tl.uint8), mask=size + b < words * 8)
+        W: tl.constexpr = 256  # words a step
+        w = tl.arange(0, W)
+        for k in range(F // 8, PAGE // 8, W):
+            tl.store(dst.to(tl.pointer_type(tl.int64)) + k + w, tl.zeros([W], tl.int64),
+                     mask=(k + w >= words) & (8 * (k + w) < end))
+    else:
+        j = tl.arange(0, CHUNK)
+        for k in range(F, PAGE, CHUNK):
+            tl.store(dst + k + j, tl.zeros([CHUNK], tl.uint8),
+                     mask=(k + j >= size) & (k + j < end))
 
 
 @triton.jit
@@ -503,10 +541,7 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
                 e, _, _ = _split(v, FP16)
                 escapes = _write_codes(dst, c, v, _code_of(by_exp, e, CHUNK), escapes, PAGE,
                                        FP16, CHUNK)
-        j = tl.arange(0, CHUNK)
-        for k in range(F, PAGE, CHUNK):  # the row (placed: the padding) past the page is zero
-            tl.store(dst + k + j, tl.zeros([CHUNK], tl.uint8),
-                     mask=(k + j >= exp_size) & (k + j < end))
+        _zero_tail(dst, exp_size, end, PAGE, F, CHUNK)
     tl.store(sizes_ptr + pid, size)
     tl.store(kinds_ptr + pid, kind.to(tl.uint8))
 
