@@ -28,7 +28,7 @@ fit in registers at once):
   faster on 4 KiB bf16 pages (739 against 529 GB/s on six bf16 corpora, fp16 735 against
   444, 16 and 64 KiB pages 1.69-1.89x), for 0.06-0.13% of the ratio; with the launch's cap
   of 80 registers and 4 KiB pages' rest bytes and zeroed tail in fewer operations, 767-796
-  GB/s on bf16 and 758-820 on fp16 over two calls on two hosts (H200,
+  GB/s on bf16 and 758-820 on fp16 in two calls (H200,
   ``bench/results/h200_session66/``).
 * decode: the escapes in the codes are counted first (the size must equal the fixed part
   plus them: checked before an escape is read), then the values rebuilt, a row of 8 values
