@@ -5,9 +5,11 @@ by default; with ``--op decode`` also ``decompress_exp_into`` of the same pages,
 stride) of this tree (``new``) and of each of ``--trees`` (``name=path``: a copy of another
 commit's, or a variant's, ``triton_kernels`` folder, imported as a package of its own) on the
 bf16 corpora, the trees in a rotating order round after round, with CUDA events around
-``--reps`` back-to-back launches into preallocated outputs; checks that every tree writes the
-payload, sizes and kinds that ``new`` writes (and decodes them back to the input, statuses 0).
-Prints GB/s of input bytes per corpus and tree (median of the rounds, and the best).
+``--reps`` back-to-back launches into preallocated outputs. Prints GB/s of input bytes per
+corpus and tree (median of the rounds, and the best), then whether every tree wrote the
+payload, sizes and kinds that ``new`` wrote and, for encodes, each tree's ratio (a tree with
+another table rule writes other pages: each tree's pages are decoded back to the input by
+``new``'s decoder, or the probe stops); decodes are checked against the input, statuses 0.
 
     python -m bench.dev_exp_encode --trees old=/tmp/old/triton_kernels [--mib 128] [--rounds 5]
 """
