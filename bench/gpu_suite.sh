@@ -54,6 +54,9 @@
 #                                      # the exponent codec's kernels here against another
 #                                      # tree's, bf16 and fp16, at EXP_PAGES (default 4096,
 #                                      # 16384, 65536) (#23; bench/dev_exp_encode.py)
+#   bash bench/gpu_suite.sh expncu     # the exponent codec's kernels per SASS instruction (#23):
+#                                      # ncu's SourceCounters of one encode and one decode on
+#                                      # bf16-relu, each mapped by bench/dev_ncu_hot.py
 #   bash bench/gpu_suite.sh retune     # probe: prefer="speed"'s retunes step by step, a fixed wait
 #                                      # against the doubling one (RETUNE_MODELS, RETUNE_N,
 #                                      # RETUNE_STEPS; #21)
@@ -288,6 +291,18 @@ expab)
             timeout 150 python3 -m bench.dev_exp_encode --trees "old=$OLD_KERNELS" \
                 --op encode,decode --page "$page" $layout --rounds 5 2>&1 | tee -a "$OUT/exp_ab.txt"
         done
+    done
+    ;;
+expncu)
+    header expncu | tee "$OUT/exp_ncu.txt"
+    for k in encode decode; do
+        timeout 150 ncu --clock-control none --section SpeedOfLight --section SourceCounters \
+            -k "regex:_exp_$k" --launch-skip 1 --launch-count 1 -f -o "$OUT/exp_$k" \
+            python3 -m bench.dev_ncu_target bf16-relu --exp >/dev/null 2>&1 || echo "ncu $k failed"
+        ncu -i "$OUT/exp_$k.ncu-rep" | grep -E "Duration|Compute \(SM\)" | tee -a "$OUT/exp_ncu.txt"
+        ncu -i "$OUT/exp_$k.ncu-rep" --page source --print-source sass --csv > "/tmp/exp_$k.csv"
+        gzip -c "/tmp/exp_$k.csv" > "$OUT/exp_${k}_sass.csv.gz"
+        python3 -m bench.dev_ncu_hot "/tmp/exp_$k.csv" | tee -a "$OUT/exp_ncu.txt"
     done
     ;;
 cputhreads)
