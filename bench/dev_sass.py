@@ -13,6 +13,14 @@ the GPU; the counts here came within a few registers of the device's Triton 3.6
 (``bench/results/h200_session65``). Instruction counts are a guide, not a speed: time on
 the GPU before choosing.
 
+It compiles with the Triton it imports (printed first). The CPU machine's 3.9 lowers some
+operations otherwise than the GPU hosts' 3.6: ``tl.histogram`` to one shared-memory atomic a
+value there, to a ballot a bit of the bin on 3.6, half of the exponent encoder's instructions
+(session 66). For the GPU hosts' code, put 3.6 first on the path::
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36 python -m bench.dev_sass --kernel exp_encode
+
     python -m bench.dev_sass --kernel exp_decode [--page 4096] [--tree DIR] [--maxnreg 48]
         [--blocks 6] [--dump out.sass]
 """
@@ -150,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump:
         with open(args.dump, "w") as f:
             f.write(sass)
+    import triton
+
+    print(f"triton {triton.__version__}")
     print(summary(sass, resources, args.blocks))
     return 0
 
