@@ -372,6 +372,15 @@ def _code_of(by_exp, e, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _escapes(code):
+    """``(escaped, per row, total)`` of codes ``code`` (rows of 8): ``int32`` 1 where a value
+    escapes, the escapes of each row, of all rows."""
+    escaped = (code == 7).to(tl.int32)
+    per_row = tl.sum(escaped, axis=1)
+    return escaped, per_row, tl.sum(per_row, axis=0)
+
+
+@triton.jit
 def _write_codes(dst, c, v, code, escapes, PAGE: tl.constexpr, FP16: tl.constexpr,
                  CHUNK: tl.constexpr):
     """Store values ``c .. c + CHUNK`` (``v``, rows of 8: :func:`_rows`; ``code`` their codes)
@@ -390,9 +399,7 @@ def _write_codes(dst, c, v, code, escapes, PAGE: tl.constexpr, FP16: tl.constexp
     if FP16:
         _store3(dst + 7 + 3 * N // 8, c, high, CHUNK)
     tl.store(dst + REST + c + i, rest.to(tl.uint8))
-    escaped = (code == 7).to(tl.int32)
-    per_row = tl.sum(escaped, axis=1)
-    n_esc = tl.sum(per_row, axis=0)
+    escaped, per_row, n_esc = _escapes(code)
     if n_esc > 0:  # most pages have a few; the scan that places them is skipped without
         before = escapes + tl.cumsum(per_row, axis=0) - per_row  # escapes of earlier rows
         at = before[:, None] + tl.cumsum(escaped, axis=1) - escaped
@@ -487,7 +494,7 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
         by_exp = _code_table(k0, k1, k2, k3, k4, k5, k6, FP16)
         e, _, _ = _split(v, FP16)
         code = _code_of(by_exp, e, CHUNK)
-        n_esc = tl.sum(tl.sum((code == 7).to(tl.int32), axis=1), axis=0)
+        _, _, n_esc = _escapes(code)  # (the same sums _write_codes takes: computed once)
         # equal bytes share one exponent: only a page whose sample is all one exponent is
         # compared value by value (a compare a value on every page cost integer operations,
         # which bound this kernel)
