@@ -222,29 +222,15 @@ def _join(e, rest, high, FP16: tl.constexpr):
 
 
 @triton.jit
-def _pack3(x):
-    """The 3-bit fields ``x`` (``int32 [R, 8]``: rows of 8 consecutive values) as one group a
-    row (``int32 [R]``: field ``t`` in bits ``3t .. 3t + 2``), summed inside the thread that
-    holds the row."""
-    return tl.sum(x << (3 * tl.arange(0, 8))[None, :], axis=1)
-
-
-@triton.jit
-def _store_groups(dst, c, word, CHUNK: tl.constexpr):
-    """Store the groups ``word`` (:func:`_pack3`) of values ``c .. c + CHUNK`` into the 3-bit
-    stream at ``dst``: a little-endian 3-byte group a row."""
+def _store3(dst, c, x, CHUNK: tl.constexpr):
+    """Store the 3-bit fields ``x`` (``int32 [CHUNK / 8, 8]``: rows of 8 consecutive values) of
+    values ``c .. c + CHUNK`` into the 3-bit stream at ``dst``: 8 fields a little-endian 3-byte
+    group (a row's, summed inside the thread that holds it)."""
+    word = tl.sum(x << (3 * tl.arange(0, 8))[None, :], axis=1)
     at = dst + 3 * (c // 8 + tl.arange(0, CHUNK // 8))
     tl.store(at, (word & 255).to(tl.uint8))
     tl.store(at + 1, ((word >> 8) & 255).to(tl.uint8))
     tl.store(at + 2, (word >> 16).to(tl.uint8))
-
-
-@triton.jit
-def _store3(dst, c, x, CHUNK: tl.constexpr):
-    """Store the 3-bit fields ``x`` (``int32 [CHUNK / 8, 8]``: rows of 8 consecutive values) of
-    values ``c .. c + CHUNK`` into the 3-bit stream at ``dst`` (:func:`_pack3`,
-    :func:`_store_groups`)."""
-    _store_groups(dst, c, _pack3(x), CHUNK)
 
 
 @triton.jit
@@ -255,22 +241,6 @@ def _groups(src, c, CHUNK: tl.constexpr):
     at = src + 3 * (c // 8 + tl.arange(0, CHUNK // 8))
     return (tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8)
             | (tl.load(at + 2).to(tl.int32) << 16))
-
-
-@triton.jit
-def _escape_bits(word):
-    """Bit ``3t`` set where field ``t`` of the group ``word`` is 7 (an escape), the others 0."""
-    return word & (word >> 1) & (word >> 2) & 0x249249
-
-
-@triton.jit
-def _escape_counts(word):
-    """The escapes in each group ``word`` (:func:`_groups`). Multiplying
-    :func:`_escape_bits` by the same 8 bits sums them into bits 21-23 (each lower partial sum
-    fits 3 bits, so none carries into them), except a count of 8, which only a group of all
-    escapes has."""
-    m = _escape_bits(word).to(tl.uint32)
-    return (((m * 0x249249) >> 21) & 7).to(tl.int32) | tl.where(m == 0x249249, 8, 0)
 
 
 @triton.jit
@@ -411,61 +381,30 @@ def _escapes(code):
 
 
 @triton.jit
-def _store_escapes(at, e, escaped, before):
-    """Store the exponents ``e`` (rows of 8) of the values ``escaped`` marks (``int32`` 1 or 0)
-    at ``at``, in order: a row's after the ``before`` (``[rows]``) stored ahead of it."""
-    place = before[:, None] + tl.cumsum(escaped, axis=1) - escaped
-    tl.store(at + place, e.to(tl.uint8), mask=escaped != 0)
-
-
-@triton.jit
 def _write_codes(dst, c, v, code, escapes, PAGE: tl.constexpr, FP16: tl.constexpr,
                  CHUNK: tl.constexpr):
     """Store values ``c .. c + CHUNK`` (``v``, rows of 8: :func:`_rows`; ``code`` their codes)
-    of an EXP page of several steps into the row at ``dst``: their codes, (fp16) high bits,
-    rest bytes and escapes, the escapes after the ``escapes`` stored before them; returns the
-    escapes stored so far."""
+    of an EXP page into the row at ``dst``: their codes, (fp16) high bits, rest bytes and
+    escapes, the escapes after the ``escapes`` stored before them; returns the escapes stored
+    so far."""
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
     REST: tl.constexpr = F - N  # where the rest bytes start
     i = _rows(CHUNK)
     e, rest, high = _split(v, FP16)
+    if (CHUNK == N) and not FP16:  # the rest byte as a low byte: a shift and an add, not three
+        x = v & 0x807F  # operations (sign to bit 7 by an add that cannot carry); one-step pages
+        rest = x + (x >> 8)  # only, as _zero_tail's words
     _store3(dst + 7, c, code, CHUNK)
     if FP16:
         _store3(dst + 7 + 3 * N // 8, c, high, CHUNK)
     tl.store(dst + REST + c + i, rest.to(tl.uint8))
     escaped, per_row, n_esc = _escapes(code)
     if n_esc > 0:  # most pages have a few; the scan that places them is skipped without
-        _store_escapes(dst + F, e, escaped, escapes + tl.cumsum(per_row, axis=0) - per_row)
+        before = escapes + tl.cumsum(per_row, axis=0) - per_row  # escapes of earlier rows
+        at = before[:, None] + tl.cumsum(escaped, axis=1) - escaped
+        tl.store(dst + F + at, e.to(tl.uint8), mask=escaped != 0)
     return escapes + n_esc
-
-
-@triton.jit
-def _write_page(dst, v, word, per_row, PAGE: tl.constexpr, FP16: tl.constexpr):
-    """:func:`_write_codes` for a page of one step (``v``: all its values, rows of 8), from
-    its codes as groups (``word``: :func:`_pack3`) and each row's escapes (``per_row``:
-    :func:`_escape_counts` of them). Counting a row's escapes from its group, a few integer
-    operations a row, took the place of a compare and a select a value, and of the sums of
-    those; an escape's flag is a bit of :func:`_escape_bits`."""
-    N: tl.constexpr = PAGE // 2
-    F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
-    REST: tl.constexpr = F - N  # where the rest bytes start
-    e, rest, high = _split(v, FP16)
-    if not FP16:  # the rest byte as a low byte: a shift and an add, not three operations
-        x = v & 0x807F  # (sign to bit 7 by an add that cannot carry)
-        rest = x + (x >> 8)
-    _store_groups(dst + 7, 0, word, N)
-    if FP16:
-        _store3(dst + 7 + 3 * N // 8, 0, high, N)
-    tl.store(dst + REST + _rows(N), rest.to(tl.uint8))
-    if tl.sum(per_row, axis=0) > 0:  # (most pages have a few)
-        # value t's place among its row's escapes: those of fields below t, counted as
-        # _escape_counts counts (at most 7, so no count of 8 to mend)
-        m = _escape_bits(word).to(tl.uint32)[:, None]
-        t3 = 3 * tl.arange(0, 8)[None, :]
-        ahead = ((((m & ((1 << t3) - 1)) * 0x249249) >> 21) & 7).to(tl.int32)
-        before = tl.cumsum(per_row, axis=0) - per_row
-        tl.store(dst + F + before[:, None] + ahead, e.to(tl.uint8), mask=((m >> t3) & 1) != 0)
 
 
 @triton.jit
@@ -554,9 +493,8 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
             k0, k1, k2, k3, k4, k5, k6 = _window_table(src, src_aligned, PAGE, CHUNK)
         by_exp = _code_table(k0, k1, k2, k3, k4, k5, k6, FP16)
         e, _, _ = _split(v, FP16)
-        word = _pack3(_code_of(by_exp, e, CHUNK))  # the codes, a group a row
-        per_row = _escape_counts(word)
-        n_esc = tl.sum(per_row, axis=0)
+        code = _code_of(by_exp, e, CHUNK)
+        _, _, n_esc = _escapes(code)  # (the same sums _write_codes takes: computed once)
         # equal bytes share one exponent: only a page whose sample is all one exponent is
         # compared value by value (a compare a value on every page cost integer operations,
         # which bound this kernel)
@@ -605,7 +543,7 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
                 slots == 5, k5, k6))))))
         tl.store(dst + slots, _exponent(table).to(tl.uint8), mask=slots < 7)
         if CHUNK == N:
-            _write_page(dst, v, word, per_row, PAGE, FP16)
+            _write_codes(dst, 0, v, code, 0, PAGE, FP16, CHUNK)
         else:
             escapes = tl.zeros([], tl.int32)
             for c in range(0, N, CHUNK):
@@ -764,6 +702,22 @@ def _table(src):
     hi = (tl.load(src + 4).to(tl.int32) | (tl.load(src + 5).to(tl.int32) << 8)
           | (tl.load(src + 6).to(tl.int32) << 16))
     return (lo.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
+
+
+@triton.jit
+def _escape_bits(word):
+    """Bit ``3t`` set where field ``t`` of the group ``word`` is 7 (an escape), the others 0."""
+    return word & (word >> 1) & (word >> 2) & 0x249249
+
+
+@triton.jit
+def _escape_counts(word):
+    """The escapes in each group ``word`` (:func:`_groups`). Multiplying
+    :func:`_escape_bits` by the same 8 bits sums them into bits 21-23 (each lower partial sum
+    fits 3 bits, so none carries into them), except a count of 8, which only a group of all
+    escapes has."""
+    m = _escape_bits(word).to(tl.uint32)
+    return (((m * 0x249249) >> 21) & 7).to(tl.int32) | tl.where(m == 0x249249, 8, 0)
 
 
 @triton.jit
