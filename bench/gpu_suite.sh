@@ -27,6 +27,11 @@
 #                                      # bench/results/h200_session63); AB_STALL=S: a step's host part past
 #                                      # S seconds prints its stacks, in fsdp_interleaved.txt;
 #                                      # AB_SAMPLE=MS: where each arm's host time went, sampled)
+#   bash bench/gpu_suite.sh nine       # #21 on one GPU: bench.dev_ab_steps on the nine stock
+#                                      # models, a process each, arms interleaved (AB_ARMS,
+#                                      # AB_ROUNDS, STOCK_MODELS; NINE_BUDGET: seconds for all);
+#                                      # tables and JSON in $OUT/nine.tgz (the device tool
+#                                      # returns 8 files a call)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
@@ -152,6 +157,21 @@ stock)
         --codec "${STOCK_CODEC:-auto}" ${STOCK_ROUNDS:+--rounds $STOCK_ROUNDS} \
         ${STOCK_PROFILE_RUN:+--profile "$STOCK_PROFILE_RUN:$OUT/profile.txt"} \
         --out "$OUT/stock_models.json" 2>&1 | tail -n 24
+    ;;
+nine)
+    header nine | tee "$OUT/nine.txt"
+    mkdir -p "$OUT/nine"
+    for m in $(echo "${STOCK_MODELS:-llama-2048,hf-llama-2048,encoder-2048,gpt2-768,resnet-64,tv-resnet50,bert-1024,tv-vit-b16,encoder-1024}" | tr , ' '); do
+        left=$((${NINE_BUDGET:-560} - SECONDS))
+        [ $left -lt 40 ] && { echo "$m: skipped, out of time" | tee -a "$OUT/nine.txt"; continue; }
+        [ $left -gt 150 ] && left=150
+        timeout $left python3 -m bench.dev_ab_steps --models "$m" \
+            --arms "${AB_ARMS:-uncompressed,memory,speed}" --rounds "${AB_ROUNDS:-3}" --warmup 2 \
+            --block 4 --out "$OUT/nine/stock_models_one_gpu_$m.json" > "$OUT/nine/one_gpu_$m.txt" 2>&1
+        echo "$m rc=$?" | tee -a "$OUT/nine.txt"
+        grep -E "^\| [a-z_0-9]+ \| [0-9]" "$OUT/nine/one_gpu_$m.txt" | head -8 | tee -a "$OUT/nine.txt"
+    done
+    (cd "$OUT/nine" && tar -czf ../nine.tgz .) && rm -rf "$OUT/nine"
     ;;
 final)
     # the transformers generation table, then the same with deterministic kernels (#24)
