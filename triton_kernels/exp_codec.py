@@ -17,7 +17,9 @@ fit in registers at once):
   the codes, the rest bytes and the escapes (placed by a running ``tl.cumsum``) are written
   and the row past the size zeroed. No match search, no branch per value. A step is rows of
   8 consecutive values (``_rows``): a row is one 16-byte load, one 3-byte group of codes and
-  one count of escapes, inside one thread. A 4 KiB page is one step, read once and kept in
+  one count of escapes, inside one thread (an fp16 page of one step counts a row's escapes
+  from its 3-byte group by a multiply, as the decoder does: ``_write_fp16_page``; measured
+  faster there and slower on bf16 pages). A 4 KiB page is one step, read once and kept in
   registers; its bf16 sample is counted in 32 bins (zero, the 30 exponents up to the
   sample's largest, the rest), exact unless the rest could reach the table, where all 256
   are counted (``_window_table``), and only a page whose sample is all one exponent is
@@ -222,15 +224,29 @@ def _join(e, rest, high, FP16: tl.constexpr):
 
 
 @triton.jit
-def _store3(dst, c, x, CHUNK: tl.constexpr):
-    """Store the 3-bit fields ``x`` (``int32 [CHUNK / 8, 8]``: rows of 8 consecutive values) of
-    values ``c .. c + CHUNK`` into the 3-bit stream at ``dst``: 8 fields a little-endian 3-byte
-    group (a row's, summed inside the thread that holds it)."""
-    word = tl.sum(x << (3 * tl.arange(0, 8))[None, :], axis=1)
+def _pack3(x):
+    """The 3-bit fields ``x`` (``int32 [R, 8]``: rows of 8 consecutive values) as one group a
+    row (``int32 [R]``: field ``t`` in bits ``3t .. 3t + 2``), summed inside the thread that
+    holds the row."""
+    return tl.sum(x << (3 * tl.arange(0, 8))[None, :], axis=1)
+
+
+@triton.jit
+def _store_groups(dst, c, word, CHUNK: tl.constexpr):
+    """Store the groups ``word`` (:func:`_pack3`) of values ``c .. c + CHUNK`` into the 3-bit
+    stream at ``dst``: a little-endian 3-byte group a row."""
     at = dst + 3 * (c // 8 + tl.arange(0, CHUNK // 8))
     tl.store(at, (word & 255).to(tl.uint8))
     tl.store(at + 1, ((word >> 8) & 255).to(tl.uint8))
     tl.store(at + 2, (word >> 16).to(tl.uint8))
+
+
+@triton.jit
+def _store3(dst, c, x, CHUNK: tl.constexpr):
+    """Store the 3-bit fields ``x`` (``int32 [CHUNK / 8, 8]``: rows of 8 consecutive values) of
+    values ``c .. c + CHUNK`` into the 3-bit stream at ``dst`` (:func:`_pack3`,
+    :func:`_store_groups`)."""
+    _store_groups(dst, c, _pack3(x), CHUNK)
 
 
 @triton.jit
@@ -241,6 +257,22 @@ def _groups(src, c, CHUNK: tl.constexpr):
     at = src + 3 * (c // 8 + tl.arange(0, CHUNK // 8))
     return (tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8)
             | (tl.load(at + 2).to(tl.int32) << 16))
+
+
+@triton.jit
+def _escape_bits(word):
+    """Bit ``3t`` set where field ``t`` of the group ``word`` is 7 (an escape), the others 0."""
+    return word & (word >> 1) & (word >> 2) & 0x249249
+
+
+@triton.jit
+def _escape_counts(word):
+    """The escapes in each group ``word`` (:func:`_groups`). Multiplying
+    :func:`_escape_bits` by the same 8 bits sums them into bits 21-23 (each lower partial sum
+    fits 3 bits, so none carries into them), except a count of 8, which only a group of all
+    escapes has."""
+    m = _escape_bits(word).to(tl.uint32)
+    return (((m * 0x249249) >> 21) & 7).to(tl.int32) | tl.where(m == 0x249249, 8, 0)
 
 
 @triton.jit
@@ -408,6 +440,32 @@ def _write_codes(dst, c, v, code, escapes, PAGE: tl.constexpr, FP16: tl.constexp
 
 
 @triton.jit
+def _write_fp16_page(dst, v, word, per_row, PAGE: tl.constexpr):
+    """:func:`_write_codes` for an fp16 page of one step (``v``: all its values, rows of 8),
+    from its codes as groups (``word``: :func:`_pack3`) and each row's escapes (``per_row``:
+    :func:`_escape_counts` of them), an escape's place in its row counted the same way from
+    the fields below it. A few integer operations a row where a compare and a select a value
+    and their sums were: on fp16 pages 1.03x faster; on bf16 pages, whose window table leaves
+    the kernel at 80 registers, 0.96x (longer chains, fewer warps eligible: ncu, H200,
+    ``bench/results/h200_session67``), so bf16 pages keep :func:`_write_codes`."""
+    N: tl.constexpr = PAGE // 2
+    F: tl.constexpr = 7 + 2 * (3 * N // 8) + N  # format.exp_fixed_bytes, fp16
+    REST: tl.constexpr = F - N  # where the rest bytes start
+    e, rest, high = _split(v, True)
+    _store_groups(dst + 7, 0, word, N)
+    _store3(dst + 7 + 3 * N // 8, 0, high, N)
+    tl.store(dst + REST + _rows(N), rest.to(tl.uint8))
+    if tl.sum(per_row, axis=0) > 0:  # (most pages have a few)
+        # value t's place among its row's escapes: those of fields below t, counted as
+        # _escape_counts counts (at most 7, so no count of 8 to mend)
+        m = _escape_bits(word).to(tl.uint32)[:, None]
+        t3 = 3 * tl.arange(0, 8)[None, :]
+        ahead = ((((m & ((1 << t3) - 1)) * 0x249249) >> 21) & 7).to(tl.int32)
+        before = tl.cumsum(per_row, axis=0) - per_row
+        tl.store(dst + F + before[:, None] + ahead, e.to(tl.uint8), mask=((m >> t3) & 1) != 0)
+
+
+@triton.jit
 def _zero_tail(dst, size, end, PAGE: tl.constexpr, F: tl.constexpr, CHUNK: tl.constexpr):
     """Zero bytes ``size .. end`` of the row at ``dst`` (``F <= size <= end <= PAGE``). A page
     of one step (4 KiB on the GPU) where ``dst`` is 8-aligned: the bytes to the next multiple
@@ -494,7 +552,12 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
         by_exp = _code_table(k0, k1, k2, k3, k4, k5, k6, FP16)
         e, _, _ = _split(v, FP16)
         code = _code_of(by_exp, e, CHUNK)
-        _, _, n_esc = _escapes(code)  # (the same sums _write_codes takes: computed once)
+        if FP16:  # each row's escapes from its code group (_write_fp16_page)
+            word = _pack3(code)
+            per_row = _escape_counts(word)
+            n_esc = tl.sum(per_row, axis=0)
+        else:  # (the same sums _write_codes takes: computed once)
+            _, _, n_esc = _escapes(code)
         # equal bytes share one exponent: only a page whose sample is all one exponent is
         # compared value by value (a compare a value on every page cost integer operations,
         # which bound this kernel)
@@ -542,7 +605,9 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
             slots == 2, k2, tl.where(slots == 3, k3, tl.where(slots == 4, k4, tl.where(
                 slots == 5, k5, k6))))))
         tl.store(dst + slots, _exponent(table).to(tl.uint8), mask=slots < 7)
-        if CHUNK == N:
+        if (CHUNK == N) and FP16:
+            _write_fp16_page(dst, v, word, per_row, PAGE)
+        elif CHUNK == N:
             _write_codes(dst, 0, v, code, 0, PAGE, FP16, CHUNK)
         else:
             escapes = tl.zeros([], tl.int32)
@@ -702,22 +767,6 @@ def _table(src):
     hi = (tl.load(src + 4).to(tl.int32) | (tl.load(src + 5).to(tl.int32) << 8)
           | (tl.load(src + 6).to(tl.int32) << 16))
     return (lo.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
-
-
-@triton.jit
-def _escape_bits(word):
-    """Bit ``3t`` set where field ``t`` of the group ``word`` is 7 (an escape), the others 0."""
-    return word & (word >> 1) & (word >> 2) & 0x249249
-
-
-@triton.jit
-def _escape_counts(word):
-    """The escapes in each group ``word`` (:func:`_groups`). Multiplying
-    :func:`_escape_bits` by the same 8 bits sums them into bits 21-23 (each lower partial sum
-    fits 3 bits, so none carries into them), except a count of 8, which only a group of all
-    escapes has."""
-    m = _escape_bits(word).to(tl.uint32)
-    return (((m * 0x249249) >> 21) & 7).to(tl.int32) | tl.where(m == 0x249249, 8, 0)
 
 
 @triton.jit
