@@ -18,7 +18,7 @@ fit in registers at once):
   and the row past the size zeroed. No match search, no branch per value. A step is rows of
   8 consecutive values (``_rows``): a row is one 16-byte load, one 3-byte group of codes and
   one count of escapes, inside one thread (an fp16 page of one step counts a row's escapes
-  from its 3-byte group by a multiply, as the decoder does: ``_write_fp16_page``; measured
+  from its 3-byte group by a multiply, as the decoder does: ``_row_escapes``; measured
   faster there and slower on bf16 pages). A 4 KiB page is one step, read once and kept in
   registers; its bf16 sample is counted in 32 bins (zero, the 30 exponents up to the
   sample's largest, the rest), exact unless the rest could reach the table, where all 256
@@ -404,12 +404,16 @@ def _code_of(by_exp, e, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _escapes(code):
-    """``(escaped, per row, total)`` of codes ``code`` (rows of 8): ``int32`` 1 where a value
-    escapes, the escapes of each row, of all rows."""
-    escaped = (code == 7).to(tl.int32)
-    per_row = tl.sum(escaped, axis=1)
-    return escaped, per_row, tl.sum(per_row, axis=0)
+def _row_escapes(code, BY_GROUP: tl.constexpr):
+    """The escapes (code 7) of each row of codes ``code`` (rows of 8): with ``BY_GROUP`` from
+    the row's 3-bit group by a multiply (:func:`_escape_counts`, as the decoder counts them),
+    else by a compare a value and their sum. By group is a few integer operations a row, but
+    longer chains: fp16 pages of one step encode 1.03x faster that way, bf16 pages (their
+    window table leaves the kernel at 80 registers) 0.96x (ncu: fewer warps eligible, H200,
+    ``bench/results/h200_session67``), so only fp16 one-step pages take it."""
+    if BY_GROUP:
+        return _escape_counts(_pack3(code))
+    return tl.sum((code == 7).to(tl.int32), axis=1)
 
 
 @triton.jit
@@ -422,6 +426,7 @@ def _write_codes(dst, c, v, code, escapes, PAGE: tl.constexpr, FP16: tl.constexp
     N: tl.constexpr = PAGE // 2
     F: tl.constexpr = 7 + (1 + FP16) * (3 * N // 8) + N  # format.exp_fixed_bytes
     REST: tl.constexpr = F - N  # where the rest bytes start
+    BY_GROUP: tl.constexpr = FP16 and CHUNK == N  # (_row_escapes)
     i = _rows(CHUNK)
     e, rest, high = _split(v, FP16)
     if (CHUNK == N) and not FP16:  # the rest byte as a low byte: a shift and an add, not three
@@ -431,38 +436,23 @@ def _write_codes(dst, c, v, code, escapes, PAGE: tl.constexpr, FP16: tl.constexp
     if FP16:
         _store3(dst + 7 + 3 * N // 8, c, high, CHUNK)
     tl.store(dst + REST + c + i, rest.to(tl.uint8))
-    escaped, per_row, n_esc = _escapes(code)
+    per_row = _row_escapes(code, BY_GROUP)
+    n_esc = tl.sum(per_row, axis=0)
     if n_esc > 0:  # most pages have a few; the scan that places them is skipped without
-        before = escapes + tl.cumsum(per_row, axis=0) - per_row  # escapes of earlier rows
-        at = before[:, None] + tl.cumsum(escaped, axis=1) - escaped
-        tl.store(dst + F + at, e.to(tl.uint8), mask=escaped != 0)
+        if BY_GROUP:  # value t's place in its row: the escapes of fields below t, counted
+            # as _escape_counts counts (at most 7: no count of 8 to mend); one step, none before
+            m = _escape_bits(_pack3(code)).to(tl.uint32)[:, None]
+            t3 = 3 * tl.arange(0, 8)[None, :]
+            ahead = ((((m & ((1 << t3) - 1)) * 0x249249) >> 21) & 7).to(tl.int32)
+            before = tl.cumsum(per_row, axis=0) - per_row
+            tl.store(dst + F + before[:, None] + ahead, e.to(tl.uint8),
+                     mask=((m >> t3) & 1) != 0)
+        else:
+            before = escapes + tl.cumsum(per_row, axis=0) - per_row  # escapes of earlier rows
+            escaped = (code == 7).to(tl.int32)
+            at = before[:, None] + tl.cumsum(escaped, axis=1) - escaped
+            tl.store(dst + F + at, e.to(tl.uint8), mask=escaped != 0)
     return escapes + n_esc
-
-
-@triton.jit
-def _write_fp16_page(dst, v, word, per_row, PAGE: tl.constexpr):
-    """:func:`_write_codes` for an fp16 page of one step (``v``: all its values, rows of 8),
-    from its codes as groups (``word``: :func:`_pack3`) and each row's escapes (``per_row``:
-    :func:`_escape_counts` of them), an escape's place in its row counted the same way from
-    the fields below it. A few integer operations a row where a compare and a select a value
-    and their sums were: on fp16 pages 1.03x faster; on bf16 pages, whose window table leaves
-    the kernel at 80 registers, 0.96x (longer chains, fewer warps eligible: ncu, H200,
-    ``bench/results/h200_session67``), so bf16 pages keep :func:`_write_codes`."""
-    N: tl.constexpr = PAGE // 2
-    F: tl.constexpr = 7 + 2 * (3 * N // 8) + N  # format.exp_fixed_bytes, fp16
-    REST: tl.constexpr = F - N  # where the rest bytes start
-    e, rest, high = _split(v, True)
-    _store_groups(dst + 7, 0, word, N)
-    _store3(dst + 7 + 3 * N // 8, 0, high, N)
-    tl.store(dst + REST + _rows(N), rest.to(tl.uint8))
-    if tl.sum(per_row, axis=0) > 0:  # (most pages have a few)
-        # value t's place among its row's escapes: those of fields below t, counted as
-        # _escape_counts counts (at most 7, so no count of 8 to mend)
-        m = _escape_bits(word).to(tl.uint32)[:, None]
-        t3 = 3 * tl.arange(0, 8)[None, :]
-        ahead = ((((m & ((1 << t3) - 1)) * 0x249249) >> 21) & 7).to(tl.int32)
-        before = tl.cumsum(per_row, axis=0) - per_row
-        tl.store(dst + F + before[:, None] + ahead, e.to(tl.uint8), mask=((m >> t3) & 1) != 0)
 
 
 @triton.jit
@@ -552,12 +542,8 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
         by_exp = _code_table(k0, k1, k2, k3, k4, k5, k6, FP16)
         e, _, _ = _split(v, FP16)
         code = _code_of(by_exp, e, CHUNK)
-        if FP16:  # each row's escapes from its code group (_write_fp16_page)
-            word = _pack3(code)
-            per_row = _escape_counts(word)
-            n_esc = tl.sum(per_row, axis=0)
-        else:  # (the same sums _write_codes takes: computed once)
-            _, _, n_esc = _escapes(code)
+        # (the same sums _write_codes takes: computed once)
+        n_esc = tl.sum(_row_escapes(code, FP16), axis=0)
         # equal bytes share one exponent: only a page whose sample is all one exponent is
         # compared value by value (a compare a value on every page cost integer operations,
         # which bound this kernel)
@@ -605,9 +591,7 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
             slots == 2, k2, tl.where(slots == 3, k3, tl.where(slots == 4, k4, tl.where(
                 slots == 5, k5, k6))))))
         tl.store(dst + slots, _exponent(table).to(tl.uint8), mask=slots < 7)
-        if (CHUNK == N) and FP16:
-            _write_fp16_page(dst, v, word, per_row, PAGE)
-        elif CHUNK == N:
+        if CHUNK == N:
             _write_codes(dst, 0, v, code, 0, PAGE, FP16, CHUNK)
         else:
             escapes = tl.zeros([], tl.int32)
