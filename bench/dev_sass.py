@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import importlib
 import os
 import re
@@ -57,7 +58,10 @@ def _module(tree: str | None, name: str):
 
     if name != "exp_codec":
         raise SystemExit("--tree takes the exponent codec's kernels only")
-    return _tree_module("sass", tree)
+    # a package name of its own for each folder: under one name, a second tree compiled in the
+    # same process would be the first one's module, as imported before
+    return _tree_module("sass_" + hashlib.sha1(os.path.abspath(tree).encode()).hexdigest()[:12],
+                        tree)
 
 
 def compile_sass(kernel: str, page: int, tree: str | None = None, fp16: bool = False,
