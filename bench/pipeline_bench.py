@@ -13,6 +13,11 @@ Per corpus (``--mib`` of pages on the device, default 1 GiB):
   ratio)``, the floor of any nvCOMP + copy pipeline (its kernels timed batch by batch as ours).
 * timeline: stage intervals of the last offload's batches, from CUDA events: a PNG when
   matplotlib imports, always in the JSON.
+* codec: ``--codec auto`` (default) offloads a 16-bit corpus (bf16 values) as a bf16 tensor,
+  so ``PageCompressor`` codes it as users get it, with the exponent codec, and the kernels'
+  floor is the exponent codec's; ``--codec lz4`` offloads every corpus as bytes of
+  ``element_size`` (LZ4, bit-shuffled: what this bench measured before session 68). nvCOMP's
+  rows are its LZ4 (bit-shuffled) either way.
 
 Writes ``pipeline_bench.json``, ``pipeline_bench.txt`` and ``timeline_<corpus>.png`` to ``--out``.
 """
@@ -68,21 +73,34 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 # ------------------------------------------------------------------------- pieces
-def kernel_rates(pages: torch.Tensor, es: int, bp: int, device, repeats: int) -> tuple:
-    """Compress+pack and decompress GB/s of the kernels alone, batch by batch, one stream."""
+def float_format(name: str, codec: str) -> str | None:
+    """The exponent codec's layout ``PageCompressor`` takes for corpus ``name`` offloaded as
+    its values (``--codec auto``: the 16-bit corpora hold bf16), else None (LZ4)."""
+    from . import corpora
+
+    return "bf16" if codec == "auto" and corpora.element_size(name) == 2 else None
+
+
+def kernel_rates(pages: torch.Tensor, es: int, bp: int, device, repeats: int,
+                 fmt: str | None = None) -> tuple:
+    """Compress+pack and decompress GB/s of the kernels alone, batch by batch, one stream
+    (``fmt``: the exponent codec's kernels for that layout, else LZ4's)."""
     batches = [pages[i : i + bp] for i in range(0, pages.shape[0], bp)]
     packed = []
+    ops = torch.ops.pagecomp
 
     def comp():
         packed.clear()
         for b in batches:
-            payload, sizes, kinds = torch.ops.pagecomp.compress(b, es)
-            buf, offsets = torch.ops.pagecomp.pack(payload, sizes)
+            payload, sizes, kinds = (ops.compress_exp(b, fmt) if fmt else ops.compress(b, es))
+            buf, offsets = ops.pack(payload, sizes)
             packed.append((buf, offsets, sizes, kinds))
+
+    decode = ops.decompress_exp if fmt else ops.decompress
 
     def decomp():
         for buf, offsets, sizes, kinds in packed:
-            torch.ops.pagecomp.decompress(buf, offsets[:-1], sizes, kinds, pages.shape[1])
+            decode(buf, offsets[:-1], sizes, kinds, pages.shape[1])
 
     tc = statistics.median(wall(comp, device, repeats))
     td = statistics.median(wall(decomp, device, repeats))
@@ -159,8 +177,9 @@ def copy_rates(src: torch.Tensor, device, repeats: int) -> dict:
 
 
 def pipeline_rates(pc: PageCompressor, x: torch.Tensor, es: int, device, repeats: int) -> dict:
-    """Offload (until stored) and restore (until done) wall times through the module."""
-    n = x.numel()
+    """Offload (until stored) and restore (until done) wall times through the module (``x``
+    as the caller offloads it: bytes, or a bf16 tensor)."""
+    n = x.numel() * x.element_size()
     handles = []
 
     def offload():
@@ -181,7 +200,7 @@ def pipeline_rates(pc: PageCompressor, x: torch.Tensor, es: int, device, repeats
     stats = pc.stats()
     t_res = wall(restore, device, repeats)
     restored = pc.restore(handles[0], check=True)
-    ok = bool(torch.equal(restored.view(-1), x.view(-1)))
+    ok = bool(torch.equal(restored.view(torch.uint8).view(-1), x.view(torch.uint8).view(-1)))
     h = handles[0]
     row = {
         "offload_gbps": gbps(n, statistics.median(t_off)),
@@ -190,6 +209,7 @@ def pipeline_rates(pc: PageCompressor, x: torch.Tensor, es: int, device, repeats
         "restore_ms": [t * 1e3 for t in t_res],
         "ratio": n / max(1, h.stored_nbytes),
         "stored_nbytes": h.stored_nbytes,
+        "stored_codec": h.codec,  # what the module chose ("exp" / "lz4")
         "bit_exact": ok,
         "bound_stage": stats["bound_stage"],
         "stage_ms": {k: stats[k] for k in ("upload_ms", "kernel_ms", "download_ms", "total_ms")},
@@ -212,15 +232,17 @@ def bench_corpus(name: str, args, device: torch.device) -> dict:
     nbytes = int(args.mib * (1 << 20))
     log(f"{name}: building {nbytes >> 20} MiB on {device}")
     pages = corpora.build_corpus(name, nbytes, args.page_size, device, args.seed)
+    fmt = float_format(name, args.codec)
     pc = PageCompressor(device=device, page_size=args.page_size, batch_pages=args.batch_pages,
                         slots=args.slots, max_pinned_bytes=args.max_pinned_bytes,
-                        raw_bypass=not args.no_raw_bypass, max_raw_share=args.max_raw_share)
+                        raw_bypass=not args.no_raw_bypass, max_raw_share=args.max_raw_share,
+                        codec=args.codec)
     row = {"corpus": name, "device": str(device), "element_size": es, "nbytes": pages.numel(),
-           "batch_pages": pc.batch_pages, "slots": args.slots,
+           "codec": "exp" if fmt else "lz4", "batch_pages": pc.batch_pages, "slots": args.slots,
            "raw_bypass": not args.no_raw_bypass, "max_raw_share": args.max_raw_share}
-    log(f"{name}: kernels alone")
+    log(f"{name}: kernels alone ({row['codec']})")
     row["compress_kernel_gbps"], row["decompress_kernel_gbps"], row["kernel_ratio"] = (
-        kernel_rates(pages, es, pc.batch_pages, device, args.repeats))
+        kernel_rates(pages, es, pc.batch_pages, device, args.repeats, fmt))
     log(f"{name}: nvCOMP kernels alone")
     try:
         row.update(nvcomp_rates(pages, es, pc.batch_pages, device, args.repeats))
@@ -231,7 +253,8 @@ def bench_corpus(name: str, args, device: torch.device) -> dict:
     log(f"{name}: plain copies")
     row.update(copy_rates(pages, device, args.repeats))
     log(f"{name}: pipeline")
-    row.update(pipeline_rates(pc, pages, es, device, args.repeats))
+    row.update(pipeline_rates(pc, pages.view(torch.bfloat16) if fmt else pages, es, device,
+                              args.repeats))
     r = row["ratio"]
     row["offload_floor_gbps"], row["offload_floor_kind"] = offload_floor(
         row["compress_kernel_gbps"], row["d2h_pinned_gbps"], row["kernel_ratio"],
@@ -260,7 +283,7 @@ def bench_corpus(name: str, args, device: torch.device) -> dict:
 
 # ------------------------------------------------------------------------- output
 COLUMNS = [
-    ("corpus", "corpus", "{}"), ("ratio", "ratio", "{:.3f}"),
+    ("corpus", "corpus", "{}"), ("codec", "codec", "{}"), ("ratio", "ratio", "{:.3f}"),
     ("compress_kernel_gbps", "kern GB/s", "{:.1f}"), ("d2h_pinned_gbps", "D2H GB/s", "{:.1f}"),
     ("offload_floor_gbps", "floor", "{:.1f}"), ("offload_floor_kind", "of", "{}"),
     ("offload_gbps", "offload", "{:.1f}"),
@@ -359,6 +382,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-raw-share", type=float, default=0.0,
                     help="share of batches that may go raw when the kernel is the bottleneck "
                     "(0: ratio first, default; 1: speed first)")
+    ap.add_argument("--codec", choices=("auto", "lz4"), default="auto",
+                    help="auto (default): 16-bit corpora offloaded as bf16 tensors, so the "
+                    "exponent codec; lz4: every corpus as bytes (LZ4, bit-shuffled)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs (median), after 1 warm-up")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default="bench/out/pipeline", help="output folder")

@@ -250,6 +250,24 @@ def test_pipeline_bench_smoke(tmp_path, device):
         if device == "cuda" and nvc.load()[0] is not None:
             assert r["nvcomp_roundtrip_ok"] and r["offload_vs_nvcomp_floor"] > 0
     assert "nv best" in (tmp_path / "pipeline_bench.txt").read_text()
+    # bf16 values go through the exponent codec, as users' bf16 tensors do (on a GPU; a CPU
+    # module picks it where its C loops are SIMD); bytes through LZ4
+    by = {r["corpus"]: r for r in rep["results"]}
+    assert by["mixed"]["codec"] == by["mixed"]["stored_codec"] == "lz4"
+    assert by["bf16-randn"]["codec"] == "exp"
+    if device == "cuda":
+        assert by["bf16-randn"]["stored_codec"] == "exp"
+        assert by["bf16-randn"]["ratio"] > 1.3  # the exponent codec's, not LZ4's (~1.2)
+
+
+def test_pipeline_bench_lz4_codec(tmp_path):
+    """``--codec lz4`` offloads 16-bit corpora as bytes: LZ4 + bit-shuffle, as before."""
+    from bench import pipeline_bench
+
+    rc = pipeline_bench.main(["--device", "cpu", "--mib", "1", "--corpora", "bf16-randn",
+                              "--repeats", "1", "--codec", "lz4", "--out", str(tmp_path)])
+    (r,) = json.loads((tmp_path / "pipeline_bench.json").read_text())["results"]
+    assert rc == 0 and r["bit_exact"] and r["codec"] == r["stored_codec"] == "lz4"
 
 
 def test_offload_floor_with_raw_share():
