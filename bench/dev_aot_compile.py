@@ -93,6 +93,11 @@ def record(path: str) -> None:
             c = pc.compress(x.repeat(6)[:page], page_size=page, codec=codec, backend="triton")
             pc.decompress(c, backend="triton")
             pc.decompress(pc.pack(c), backend="triton")
+    from torch_pagecomp.kernels.pack import pack_pages  # the ring's pack (the API packs
+    # CPU pages on the host)
+
+    c = pc.compress(x, backend="triton")
+    pack_pages(c.payload, c.sizes, traced=False, zero_tail=False)
     _record_store(torch, gen)
     from bench import dev_float_codec as fc
 

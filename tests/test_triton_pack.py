@@ -5,7 +5,7 @@ import torch
 from pages import kernel_device
 
 from torch_pagecomp.cpu_codec import pack_cpu
-from torch_pagecomp.kernels.pack import pack_pages, publish_to_host
+from torch_pagecomp.kernels.pack import OFFSETS_BLOCK, pack_pages, page_offsets, publish_to_host
 
 
 @pytest.mark.parametrize("page_size", [4096, 65536])
@@ -29,6 +29,37 @@ def test_pack_clamps_garbage_sizes(gen):
     assert offsets.tolist() == [0, 0, 4096, 4108, 8204]
     assert torch.equal(packed[:8204].cpu(), torch.cat([payload[1], payload[2, :12], payload[3]]))
     assert not packed[8204:].any()
+
+
+@pytest.mark.parametrize("n, one_program", [(0, True), (1, True), (OFFSETS_BLOCK - 1, True),
+                                            (OFFSETS_BLOCK, True), (2 * OFFSETS_BLOCK + 3, True),
+                                            (2 * OFFSETS_BLOCK + 3, False)])
+def test_page_offsets_over_several_steps(n, one_program, gen, monkeypatch):
+    """The offsets' one program walks the sizes ``OFFSETS_BLOCK`` at a time, carrying the sum
+    across steps: every entry of a poisoned output is written, each size clamped as the pack
+    kernel reads it (garbage sizes in every step); past ``ONE_PROGRAM_PAGES`` (lowered here),
+    PyTorch's scan gives the same."""
+    from torch_pagecomp.kernels import pack
+
+    real = torch.empty
+
+    def poisoned(*args, **kwargs):
+        return real(*args, **kwargs).fill_(-0x5A5A5A5A)
+
+    if not one_program:
+        monkeypatch.setattr(pack, "ONE_PROGRAM_PAGES", n - 1)
+
+    page_size = 4096
+    sizes = torch.randint(0, page_size + 1, (n,), dtype=torch.int32, generator=gen)
+    bad = torch.randint(0, max(n, 1), (min(n, 8),), generator=gen)
+    sizes[bad] = torch.tensor([-3, page_size + 1, 1 << 30, -(1 << 30)] * 2, dtype=torch.int32
+                              )[:bad.numel()]
+    monkeypatch.setattr(torch, "empty", poisoned)
+    offsets = page_offsets(sizes.to(kernel_device()), page_size)
+    monkeypatch.undo()
+    want = torch.zeros(n + 1, dtype=torch.int64)
+    want[1:] = torch.cumsum(sizes.clamp(0, page_size).to(torch.int64), dim=0)
+    assert offsets.dtype == torch.int64 and torch.equal(offsets.cpu(), want)
 
 
 def test_pack_without_zero_tail_writes_every_stored_byte(gen, monkeypatch):
