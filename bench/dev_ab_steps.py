@@ -80,11 +80,6 @@ step's start (this probe, the stock bench) held nothing in its forward by that r
 never resets it holds what fits under the highest step so far (session 62, one H200: BERT-large
 1.02x and ResNet-50 1.20x a plain copy against ``memory``'s 1.08x and 1.24x, encoder-1024
 1.32x and ViT-B/16 1.09x against 1.26x and 1.01x, ``bench/results/h200_session62``).
-``memory_netpeak``: the second payload (``PagedStore._slot``) is taken under the last step's
-peak less the most bytes the payloads beyond the first held at once in that step, so that one
-live at the peak does not license itself the next step (session 67: ``memory``'s GPU peak
-28 / 6 MiB above a plain copy's on the ResNets, 112 MiB under FSDP2 on BERT-large,
-``bench/results/h200_session67``; not measured yet).
 ``memory_late``: a compressed source leaves the stash in a forward once its pages are in
 host memory (packed), as before session 60, not once they are compressed
 (``_entry._Entry.source_read``).
@@ -105,7 +100,11 @@ after ``speed``'s; session 64 ran it as ``speed_warm8`` beside the default of th
 ``memory_hold1``, only the current group held (no faster than two groups on four models, a
 higher GPU peak on encoder-1024, ``bench/results/h200_7683f39_session44``); the arena's spare
 chunks kept (8 at least, not 2) or pinned without waiting for slices in flight (16): no step
-time gained (``bench/results/h200_0991b9a_session42``). Each
+time gained (``bench/results/h200_0991b9a_session42``); ``memory_netpeak``, the second
+payload (``PagedStore._slot``) taken under the last step's peak less the most bytes the
+payloads beyond the first held in that step: no lower peak on the ResNets (1.246 / 1.344 GiB
+against ``memory``'s 1.238 / 1.344 and a plain copy's 1.218 / 1.314,
+``bench/results/h200_session68``). Each
 arm's peak GPU memory over its steps, and its page-locked host memory held at the end, are
 printed too. (A ``memory_tight`` arm, the arena keeping the step's peak of placed bytes
 instead of backed ones, held the same page-locked memory at the same step time on
@@ -128,7 +127,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "memory_lastpeak", "memory_netpeak", "speed",
+        "memory_lastpeak", "speed",
         "speed_copy_only", "speed_warm2")
 
 
@@ -193,11 +192,6 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         # not only below the peak since the caller last reset it (a loop that resets it each
         # step, as this probe and the stock bench do, held nothing in its forward)
         return [(Batcher, "_over_peak", _over_last_peak)]
-    if arm == "memory_netpeak":  # the second payload under the last step's peak less the
-        # payloads beyond the first it held in that step: one that was live at the peak does
-        # not license itself again (the ResNets' and FSDP2 BERT-large's peaks above a plain
-        # copy's, bench/results/h200_session67)
-        return _netpeak_swaps(PagedStore)
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
         return [(Batcher, "_starts_now", lambda self, batch: True)]
     if arm == "memory_lazy":  # a due compressed store stays held (as if the link were always
@@ -248,27 +242,6 @@ def _in_turn(store, nbytes: int):
     store._uses += 1
     slot.used = store._uses
     return slot
-
-
-def _netpeak_swaps(store_cls) -> list[tuple[object, str, object]]:
-    """The ``memory_netpeak`` arm's swaps of ``PagedStore`` (``store_cls``): ``_payload``
-    notes the most bytes the payloads beyond the first held at once in a step
-    (``_extra_most``), and ``end_step`` takes them off the step's peak (then clears them)."""
-    payload, end_step = store_cls._payload, store_cls.end_step
-
-    def noting(store, slot, n: int, device):
-        out = payload(store, slot, n, device)
-        extra = sum(s.buf.numel() for s in store._slots[1:] if s.buf is not None)
-        store._extra_most = max(getattr(store, "_extra_most", 0), extra)
-        return out
-
-    def net(store) -> None:
-        end_step(store)
-        if store.step_peak is not None:
-            store.step_peak -= getattr(store, "_extra_most", 0)
-        store._extra_most = 0
-
-    return [(store_cls, "_payload", noting), (store_cls, "end_step", net)]
 
 
 def _fresh_payload(store, slot, n: int, device):

@@ -933,32 +933,3 @@ def test_the_leftover_probe_groups_live_blocks_by_their_frames():
         {"device": 1, "blocks": [{"size": 1024, "state": "active_allocated", "frames": fr}]}]}
     assert leftover(snap, 0) == {key: 512, "?": 128}
     assert leftover(snap, 1) == {key: 1024}
-
-
-@pytest.mark.peak_rule
-def test_the_netpeak_arm_takes_the_second_payload_off_the_step_peak(monkeypatch):
-    """``memory_netpeak``: a step's peak, under which the next steps may take a second
-    payload, is noted less the most bytes the payloads beyond the first held at once in that
-    step; the count starts again each step, and the package's methods come back after."""
-    from bench.dev_ab_steps import _arm_patch
-    from torch_pagecomp.offload import _paged
-    from torch_pagecomp.offload._paged import PagedStore
-
-    real = (PagedStore._payload, PagedStore.end_step)
-    store = PagedStore(torch.device("cpu"), 4096)
-    assert len(store._slots) >= 2
-    monkeypatch.setattr(_paged, "gpu_memory", lambda dev: (100, 1 << 20))
-    with _arm_patch("memory_netpeak"):
-        store._payload(store._slots[0], 8, torch.device("cpu"))  # the first: not counted
-        store.end_step()
-        assert store.step_peak == 1 << 20
-        store._payload(store._slots[1], 16, torch.device("cpu"))  # a second of 64 KiB
-        store._slots[1].buf = None  # let go before the step's end: still counted
-        store._payload(store._slots[1], 4, torch.device("cpu"))
-        store.end_step()
-        assert store.step_peak == (1 << 20) - 16 * 4096
-        store.end_step()  # a step without a second payload
-        assert store.step_peak == 1 << 20
-    assert (PagedStore._payload, PagedStore.end_step) == real
-    store.end_step()
-    assert store.step_peak == 1 << 20
