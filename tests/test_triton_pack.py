@@ -86,6 +86,33 @@ def test_pack_without_zero_tail_writes_every_stored_byte(gen, monkeypatch):
     assert total < n * page_size and bool((packed[total:] == 0xA5).all())  # really unwritten
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_pack_in_a_graph_and_compiled(gen):
+    """The pack op (both its kernels) captured in a CUDA graph and traced by ``torch.compile``
+    (fullgraph) gives the eager op's bytes and offsets, on a batch of one offsets step and on
+    one of several (the page count a traced argument of the offsets program)."""
+    import torch_pagecomp  # noqa: F401  (registers torch.ops.pagecomp)
+
+    compiled = torch.compile(lambda p, s: torch.ops.pagecomp.pack(p, s), fullgraph=True)
+    for n in (5, 2 * OFFSETS_BLOCK + 3):
+        payload = torch.randint(0, 256, (n, 4096), dtype=torch.uint8, generator=gen).cuda()
+        sizes = torch.randint(0, 4097, (n,), dtype=torch.int32, generator=gen).cuda()
+        want = pack_cpu(payload.cpu(), sizes.cpu())
+        got = compiled(payload, sizes)
+        assert torch.equal(got[1].cpu(), want[1]) and torch.equal(got[0].cpu(), want[0])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            pack_pages(payload, sizes)  # warm up on a side stream before capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = pack_pages(payload, sizes)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[1].cpu(), want[1]) and torch.equal(captured[0].cpu(), want[0])
+
+
 def test_publish_to_host_stores_the_value_in_pinned_memory(gen):
     """The pipeline's packed size reaches the host by a kernel store (GPU: into pinned memory
     the kernel writes across the bus; interpreter: a CPU tensor). The target is poisoned first,
