@@ -63,27 +63,32 @@ def report(events: list[dict], batches: int) -> list[str]:
 
 
 def offsets_table(counts: list[int], blocks: list[int], reps: int = 50) -> list[str]:
-    """``--offsets``: a pack's page offsets by the one program (``kernels.pack.page_offsets``,
-    at each ``OFFSETS_BLOCK`` of ``blocks``) against PyTorch's kernels (zeros, clamp, cast,
-    cumsum: the way before), for ``counts`` pages: GPU us a call (CUDA events around ``reps``
-    calls back to back) and host us a call."""
+    """``--offsets``: a pack's page offsets (``kernels.pack.page_offsets``) by the one
+    program at each ``OFFSETS_BLOCK`` of ``blocks``, and by PyTorch's kernels (zeros, clamp,
+    cast, cumsum: its way past ``ONE_PROGRAM_PAGES``, and the only way before), for
+    ``counts`` pages: GPU us a call (CUDA events around ``reps`` calls back to back) and host
+    us a call."""
     import time
 
     from torch_pagecomp.kernels import pack
 
-    def torch_way(sizes):
-        offsets = torch.zeros(sizes.numel() + 1, dtype=torch.int64, device=sizes.device)
-        torch.cumsum(sizes.clamp(0, 4096).to(torch.int64), dim=0, out=offsets[1:])
+    def way(block: int | None):
+        """``page_offsets`` with the one program at ``block`` sizes a step (None: PyTorch's)."""
+        def offsets(sizes):
+            saved = pack.OFFSETS_BLOCK, pack.ONE_PROGRAM_PAGES
+            pack.OFFSETS_BLOCK = block or saved[0]
+            pack.ONE_PROGRAM_PAGES = saved[1] if block else -1
+            try:
+                return pack.page_offsets(sizes, 4096, traced=False)
+            finally:
+                pack.OFFSETS_BLOCK, pack.ONE_PROGRAM_PAGES = saved
         return offsets
 
-    ways = [("torch", torch_way)] + [
-        (f"one program, {b}", lambda s, b=b: (setattr(pack, "OFFSETS_BLOCK", b),
-                                              pack.page_offsets(s, 4096, traced=False))[1])
-        for b in blocks]
+    ways = [("torch", way(None))] + [(f"one program, {b}", way(b)) for b in blocks]
     lines = ["| pages | way | GPU us | host us |", "|---|---|---|---|"]
     for n in counts:
         sizes = torch.randint(0, 4097, (n,), dtype=torch.int32, device="cuda")
-        want = torch_way(sizes)
+        want = ways[0][1](sizes)
         for name, fn in ways:
             assert torch.equal(fn(sizes), want), name
             torch.cuda.synchronize()

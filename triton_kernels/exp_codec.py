@@ -432,16 +432,17 @@ def _write_codes(dst, c, v, code, escapes, PAGE: tl.constexpr, FP16: tl.constexp
     if (CHUNK == N) and not FP16:  # the rest byte as a low byte: a shift and an add, not three
         x = v & 0x807F  # operations (sign to bit 7 by an add that cannot carry); one-step pages
         rest = x + (x >> 8)  # only, as _zero_tail's words
-    _store3(dst + 7, c, code, CHUNK)
+    word = _pack3(code)  # the rows' code groups: stored, and (BY_GROUP) their escapes
+    _store_groups(dst + 7, c, word, CHUNK)
     if FP16:
         _store3(dst + 7 + 3 * N // 8, c, high, CHUNK)
     tl.store(dst + REST + c + i, rest.to(tl.uint8))
-    per_row = _row_escapes(code, BY_GROUP)
+    per_row = _escape_counts(word) if BY_GROUP else _row_escapes(code, False)
     n_esc = tl.sum(per_row, axis=0)
     if n_esc > 0:  # most pages have a few; the scan that places them is skipped without
         if BY_GROUP:  # value t's place in its row: the escapes of fields below t, counted
             # as _escape_counts counts (at most 7: no count of 8 to mend); one step, none before
-            m = _escape_bits(_pack3(code)).to(tl.uint32)[:, None]
+            m = _escape_bits(word).to(tl.uint32)[:, None]
             t3 = 3 * tl.arange(0, 8)[None, :]
             ahead = ((((m & ((1 << t3) - 1)) * 0x249249) >> 21) & 7).to(tl.int32)
             before = tl.cumsum(per_row, axis=0) - per_row
