@@ -7,8 +7,15 @@ other people's code, with nothing of ours in their forward:
   ``BertModel`` (no pooler) and ``LlamaModel``, built from a config (random weights, dropout
   off, the library's default attention: SDPA), fed embeddings (``inputs_embeds``) so that the
   input is the same ``[batch, seq, width]`` bf16 tensor as the other sequence models'.
-* ``tv-resnet50``, ``tv-vit-b16``: ``torchvision.models.resnet50`` and ``vit_b_16``
-  (random weights), fed ``[batch, 3, size, size]`` images.
+* ``t5-*``: ``T5EncoderModel`` (T5 v1.1's gated-GELU feed-forward, relative position
+  buckets, RMS-style layer norms without bias), fed embeddings like the others.
+* ``tv-resnet50``, ``tv-vit-b16``, ``tv-convnext-t``, ``tv-swin-t``:
+  ``torchvision.models.resnet50``, ``vit_b_16``, ``convnext_tiny`` and ``swin_t`` (random
+  weights; stochastic depth off, which would draw a different path each step), fed
+  ``[batch, 3, size, size]`` images. ConvNeXt's blocks run a depthwise convolution, then
+  LayerNorm and two Linear layers on a channels-last permutation, a layer scale and a residual;
+  Swin's shift windows with ``torch.roll`` and attend within them: shapes of saved tensors that
+  none of the other models make.
 
 Each builder returns ``(model, input shape)``, the model in fp32 on the default device with a
 ``layers`` attribute: the blocks the hooks group by (``offload_module(blocks=...)``) and FSDP2
@@ -21,7 +28,7 @@ import torch.nn as nn
 
 # family -> the attribute path of its blocks inside the library's model
 _BLOCKS = {"hf-gpt2": "h", "hf-bert": "encoder.layer", "hf-llama": "layers",
-           "tv-vit": "encoder.layers"}
+           "hf-t5": "encoder.block", "tv-vit": "encoder.layers"}
 
 
 def _stack(body, blocks: list, forward) -> nn.Module:
@@ -70,6 +77,11 @@ def _hf(family: str, width: int, layers: int, seq: int):
                             max_position_embeddings=seq, hidden_dropout_prob=0.0,
                             attention_probs_dropout_prob=0.0, **common)
         body = tf.BertModel(cfg, add_pooling_layer=False)
+    elif family == "hf-t5":  # T5 v1.1's proportions: 64-wide heads, a gated feed-forward
+        cfg = tf.T5Config(d_model=width, d_kv=64, d_ff=int(2.75 * width) // 64 * 64,
+                          num_layers=layers, num_heads=heads, dropout_rate=0.0,
+                          feed_forward_proj="gated-gelu", is_encoder_decoder=False, **common)
+        body = tf.T5EncoderModel(cfg)
     else:  # TinyLlama's proportions: 64-wide heads, 8 query heads per key/value head
         cfg = tf.LlamaConfig(hidden_size=width, num_hidden_layers=layers,
                              num_attention_heads=heads, num_key_value_heads=max(1, heads // 8),
@@ -92,6 +104,15 @@ def _torchvision(family: str, size: int):
         body = torchvision.models.resnet50()
         blocks = [b for stage in (body.layer1, body.layer2, body.layer3, body.layer4)
                   for b in stage]
+    elif family in ("tv-convnext", "tv-swin"):
+        make = (torchvision.models.convnext_tiny if family == "tv-convnext"
+                else torchvision.models.swin_t)
+        body = make()
+        for mod in body.modules():  # (swin_t's builder fixes the rate: set it to 0 here)
+            if isinstance(mod, torchvision.ops.StochasticDepth):
+                mod.p = 0.0
+        # features: a stem, then stages of blocks with a downsampling layer between them
+        blocks = [b for stage in body.features[1::2] for b in stage]
     else:
         body = torchvision.models.vit_b_16(image_size=size)
         # torchvision starts the classifier at zero: every gradient of the step would be zero,
@@ -103,9 +124,9 @@ def _torchvision(family: str, size: int):
 
 def build_public(family: str, width: int, layers: int, batch: int, seq: int):
     """``(model, input shape)`` of a public model of ``family`` (``hf-gpt2``, ``hf-bert``,
-    ``hf-llama``: ``width`` wide, ``layers`` blocks, ``[batch, seq, width]`` embeddings in;
-    ``tv-resnet``, ``tv-vit``: ``[batch, 3, seq, seq]`` images in, ``width`` and ``layers``
-    fixed by the library's definition)."""
+    ``hf-llama``, ``hf-t5``: ``width`` wide, ``layers`` blocks, ``[batch, seq, width]``
+    embeddings in; ``tv-resnet``, ``tv-vit``, ``tv-convnext``, ``tv-swin``: ``[batch, 3, seq,
+    seq]`` images in, ``width`` and ``layers`` fixed by the library's definition)."""
     if family.startswith("hf-"):
         return _hf(family, width, layers, seq), (batch, seq, width)
     return _torchvision(family, seq), (batch, 3, seq, seq)

@@ -88,6 +88,11 @@ MODELS = {
     "hf-llama-2048": ("hf-llama", 2048, 8, 4, 2048),
     "tv-resnet50": ("tv-resnet", 0, 0, 64, 224),
     "tv-vit-b16": ("tv-vit", 0, 0, 64, 224),
+    # added in session 69, never tuned on: T5 v1.1-large's encoder geometry, torchvision's
+    # ConvNeXt-T and Swin-T
+    "t5-1024": ("hf-t5", 1024, 24, 8, 512),
+    "tv-convnext-t": ("tv-convnext", 0, 0, 64, 224),
+    "tv-swin-t": ("tv-swin", 0, 0, 64, 224),
     # (four blocks: the hooks hold the last two groups, a block each, for the backward)
     "encoder-tiny": ("encoder", 64, 4, 2, 32),
     "llama-tiny": ("llama", 64, 4, 2, 32),
@@ -95,6 +100,7 @@ MODELS = {
     "gpt2-tiny": ("hf-gpt2", 64, 4, 2, 32),
     "bert-tiny": ("hf-bert", 64, 4, 2, 32),
     "hf-llama-tiny": ("hf-llama", 128, 4, 2, 32),
+    "t5-tiny": ("hf-t5", 64, 4, 2, 32),
 }
 
 
