@@ -118,6 +118,7 @@ import collections
 import contextlib
 import gc
 import statistics
+import sys
 import time
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory_single",
@@ -287,7 +288,8 @@ def _hooked(model, blocks: list, off):
 def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1,
             device: str | None = None, fsdp: bool = False,
             rows: list[dict] | None = None, stall_s: float | None = None,
-            sample_ms: float | None = None, reset_peak: str = "step") -> list[str]:
+            sample_ms: float | None = None, reset_peak: str = "step",
+            trace: bool = False) -> list[str]:
     """The table of ``arms`` on model ``name`` (``device``: CUDA where there is one, else the
     CPU, a smoke test on the tiny models); with ``fsdp``, the model under FSDP2
     (``fully_shard`` per block, then the whole) over the process group of this process.
@@ -352,6 +354,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
 
     def step(arm: str, reset: bool = True) -> tuple[float, float, float]:
         steps_taken[0] += 1
+        if trace:  # which arm a step that fails asynchronously ran (a CUDA error names none)
+            print(f"[ab] {name} {arm} step {steps_taken[0]}{rank}", file=sys.stderr, flush=True)
         watch = (StallWatch(stall_s, f"{name} {arm} step {steps_taken[0]}{rank}") if stall_s
                  else None)
         try:
@@ -629,6 +633,8 @@ def main() -> None:
                     help="also write the arms none / uncompressed / memory / speed as JSON in "
                          "bench.stock_models' schema (each row's method: interleaved), with "
                          "their gradients set against no offload")
+    ap.add_argument("--trace", action="store_true",
+                    help="print each step's model, arm and number to stderr before it runs")
     ap.add_argument("--stall-dump", type=float, default=None,
                     help="seconds: a step's host part running longer prints its Python stacks "
                          "(with its arm, step and rank) to stderr")
@@ -646,7 +652,7 @@ def main() -> None:
     # another collective (that hangs); torchrun stops them instead (as bench.stock_models)
     for name in a.models.split(","):
         lines = measure(name, arms, a.rounds, a.warmup, a.block, device=a.device,
-                        fsdp=a.fsdp, rows=rows, stall_s=a.stall_dump,
+                        fsdp=a.fsdp, rows=rows, stall_s=a.stall_dump, trace=a.trace,
                         sample_ms=a.sample_host, reset_peak=a.reset_peak)
         if rank == 0:
             print("\n".join(lines), flush=True)

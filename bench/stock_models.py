@@ -6,9 +6,9 @@ Models, built from stock PyTorch modules or public definitions written from torc
   default SDPA), bf16.
 * ``llama-*``: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention).
 * ``resnet-*``: a ResNet-style convolutional network (bottleneck blocks, BatchNorm, ReLU).
-* ``gpt2-*``, ``bert-*``, ``hf-llama-*``, ``tv-*``: public definitions used as their libraries
-  ship them (``transformers``' GPT-2, BERT and Llama, torchvision's ResNet-50 and ViT-B/16:
-  ``bench.public_models``).
+* ``gpt2-*``, ``bert-*``, ``hf-llama-*``, ``t5-*``, ``tv-*``: public definitions used as their
+  libraries ship them (``transformers``' GPT-2, BERT, Llama and T5's encoder, torchvision's
+  ResNet-50, ViT-B/16, ConvNeXt-T and Swin-T: ``bench.public_models``).
 
 Variants: ``none``; ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``);
 ``uncompressed``, ``memory``, ``speed`` (``offload_module`` with ``mode="uncompressed"``,
