@@ -34,6 +34,12 @@
 #                                      # returns 8 files a call)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
+#   bash bench/gpu_suite.sh crashhunt  # the T5 bench's one illegal memory access in six
+#                                      # processes (session 69): processes of HUNT_MODEL with
+#                                      # the arms of call 4 (HUNT_ARMS), each step's arm traced,
+#                                      # until one fails or HUNT_BUDGET seconds pass; a failing
+#                                      # one is run again from scratch with CUDA_LAUNCH_BLOCKING=1
+#                                      # so the error names its launch
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
 #                                      # (AB_ROUNDS=3: three rounds, the order alternating)
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
@@ -416,6 +422,30 @@ hold)
         --models "${HOLD_MODELS:-encoder-1024,resnet-64,tv-resnet50,bert-1024,encoder-2048,llama-2048}" \
         --arms "${HOLD_ARMS:-uncompressed,memory,memory_wait,none}" \
         --rounds "${HOLD_ROUNDS:-8}" --warmup 2 2>&1 | tee -a "$OUT/hold.txt" | grep -v "^|---"
+    ;;
+crashhunt)
+    header crashhunt | tee "$OUT/crashhunt.txt"
+    arms=${HUNT_ARMS:-none,save_on_cpu,uncompressed,memory,speed}
+    run=0
+    while [ $SECONDS -lt $(( ${HUNT_BUDGET:-420} - 90 )) ]; do
+        run=$((run + 1))
+        log="$OUT/crashhunt_$run.txt"
+        timeout 150 python3 -m bench.dev_ab_steps --models "${HUNT_MODEL:-t5-1024}" --arms "$arms" \
+            --rounds 3 --warmup 2 --block 4 --trace > "$log" 2>&1
+        rc=$?
+        echo "run $run rc=$rc, last step: $(grep '^\[ab\]' "$log" | tail -n 1)" | tee -a "$OUT/crashhunt.txt"
+        if [ $rc -ne 0 ] && [ $rc -ne 124 ]; then
+            grep -m 3 -E "Error|error" "$log" | tee -a "$OUT/crashhunt.txt"
+            CUDA_LAUNCH_BLOCKING=1 timeout 240 python3 -m bench.dev_ab_steps \
+                --models "${HUNT_MODEL:-t5-1024}" --arms "$arms" --rounds 3 --warmup 2 --block 4 \
+                --trace > "$OUT/crashhunt_blocking.txt" 2>&1
+            echo "blocking rc=$?" | tee -a "$OUT/crashhunt.txt"
+            grep -B 40 -m 1 -E "AcceleratorError|illegal" "$OUT/crashhunt_blocking.txt" \
+                | grep -E '^\[ab\]|File|Error' | tail -n 16 | tee -a "$OUT/crashhunt.txt"
+            break
+        fi
+        [ $rc -eq 0 ] && rm -f "$log"  # (the device tool returns few files: keep the failures')
+    done
     ;;
 lifetimes)
     # tests/test_lifetimes.py -m slow: each exit script 20 times on the CPU and the GPU, and the
