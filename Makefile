@@ -86,8 +86,9 @@ test-slow: $(STAMP)
 
 # On a CUDA machine: the whole suite on the GPU (interpreter-only tests skip themselves), then
 # the marked stages: the million-page mutation fuzz and compute-sanitizer memcheck.
+# deterministic cuBLAS for the tests that compare gradients bit for bit (tests/test_model_zoo.py)
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q tests -m "not fuzz"
+	CUBLAS_WORKSPACE_CONFIG=$${CUBLAS_WORKSPACE_CONFIG:-:4096:8} $(PY) -m pytest -q tests -m "not fuzz"
 	$(PY) -m pytest -q tests -m fuzz
 	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q tests/test_triton_compress.py tests/test_triton_decompress.py -m "not fuzz" -k "round_trip or hostile"
 

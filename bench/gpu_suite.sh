@@ -87,6 +87,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
     || { echo "editable install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# deterministic cuBLAS, for the tests and benches that compare gradients bit for bit (read when
+# CUDA starts)
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 export PAGECOMP_COMMIT=${PAGECOMP_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
 header() {
     echo "== $1: $(date -u +%FT%TZ) commit $PAGECOMP_COMMIT"

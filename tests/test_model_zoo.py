@@ -1,0 +1,128 @@
+"""Activation offload on architectures nobody here shaped: transformers' model classes as the
+library ships them (random weights at toy sizes, dropout off, bf16, CPU), each under
+``prefer="memory"``, a plain copy and ``prefer="speed"``: every parameter's gradient must be
+bit-identical to the step without offload.
+
+The stock bench (``bench.stock_models``) measures speed and memory on a few of these at full
+size on a GPU; this file is about correctness on many: sliding-window attention (Mistral),
+grouped-query attention (Qwen2, Gemma), fused QKV (Phi-3, GPT-NeoX, Falcon), ALiBi (BLOOM),
+disentangled relative attention (DeBERTa-v2), learned positions (OPT, RoBERTa, DistilBERT),
+partial rotary (GPT-J) and a state-space model with no attention at all (Mamba). Each saves
+tensors of its own shapes, dtypes and views; the hooks must bring every one back exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import torch_pagecomp as pc
+
+tf = pytest.importorskip("transformers")
+
+VOCAB = 512
+
+
+def _configs() -> dict:
+    """name -> (config class, config kwargs, model class, attribute path of its blocks)."""
+    small = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                 num_attention_heads=4, vocab_size=VOCAB)
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return {
+        "mistral": ("MistralConfig", dict(small, num_key_value_heads=2, sliding_window=16),
+                    "MistralModel", "layers"),
+        "qwen2": ("Qwen2Config", dict(small, num_key_value_heads=2), "Qwen2Model", "layers"),
+        "gemma": ("GemmaConfig", dict(small, num_key_value_heads=1, head_dim=32), "GemmaModel",
+                  "layers"),
+        "phi3": ("Phi3Config", dict(small, num_key_value_heads=4, pad_token_id=0,
+                                    bos_token_id=0, eos_token_id=0), "Phi3Model", "layers"),
+        "gpt-neox": ("GPTNeoXConfig", dict(small, hidden_dropout=0.0, attention_dropout=0.0),
+                     "GPTNeoXModel", "layers"),
+        "falcon": ("FalconConfig", dict(hidden_size=128, num_hidden_layers=3,
+                                        num_attention_heads=4, vocab_size=VOCAB,
+                                        hidden_dropout=0.0, attention_dropout=0.0),
+                   "FalconModel", "h"),
+        "bloom": ("BloomConfig", dict(hidden_size=128, n_layer=3, n_head=4, vocab_size=VOCAB,
+                                      hidden_dropout=0.0, attention_dropout=0.0),
+                  "BloomModel", "h"),
+        "deberta-v2": ("DebertaV2Config", dict(small, **no_dropout, relative_attention=True,
+                                               pos_att_type=["p2c", "c2p"]),
+                       "DebertaV2Model", "encoder.layer"),
+        "opt": ("OPTConfig", dict(hidden_size=128, ffn_dim=256, num_hidden_layers=3,
+                                  num_attention_heads=4, word_embed_proj_dim=128,
+                                  vocab_size=VOCAB, dropout=0.0, attention_dropout=0.0),
+                "OPTModel", "decoder.layers"),
+        "roberta": ("RobertaConfig", dict(small, **no_dropout), "RobertaModel",
+                    "encoder.layer"),
+        "distilbert": ("DistilBertConfig", dict(dim=128, hidden_dim=256, n_layers=3, n_heads=4,
+                                                vocab_size=VOCAB, dropout=0.0,
+                                                attention_dropout=0.0),
+                       "DistilBertModel", "transformer.layer"),
+        "gpt-j": ("GPTJConfig", dict(n_embd=128, n_layer=3, n_head=4, rotary_dim=16,
+                                     vocab_size=VOCAB, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+                  "GPTJModel", "h"),
+        "mamba": ("MambaConfig", dict(hidden_size=64, state_size=8, num_hidden_layers=3,
+                                      vocab_size=VOCAB), "MambaModel", "layers"),
+    }
+
+
+CONFIGS = _configs()
+
+
+def _model(name: str, device: str) -> tuple[torch.nn.Module, list]:
+    cfg_cls, kwargs, model_cls, blocks = CONFIGS[name]
+    if not hasattr(tf, cfg_cls) or not hasattr(tf, model_cls):
+        pytest.skip(f"transformers {tf.__version__} has no {model_cls}")
+    torch.manual_seed(0)
+    model = getattr(tf, model_cls)(getattr(tf, cfg_cls)(**kwargs)).to(device, torch.bfloat16)
+    obj = model
+    for part in blocks.split("."):
+        obj = getattr(obj, part)
+    return model, list(obj)
+
+
+def _grads(model, blocks, ids, settings: dict | None) -> tuple[list, dict | None]:
+    """One forward + backward (under the hooks of ``settings``): every parameter's gradient,
+    and the offloader's stats."""
+    model.zero_grad(set_to_none=True)
+    off = None
+    if settings is not None:
+        off = pc.offload_module(model, blocks=blocks, offload_cpu=True, min_offload_bytes=1,
+                                **settings)
+    try:
+        out = model(input_ids=ids).last_hidden_state
+        out.float().square().mean().backward()
+        stats = off.stats() if off is not None else None
+    finally:
+        if off is not None:
+            off.close()
+            off.remove()
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()], stats
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gradients_are_bit_identical_under_offload(name, device, gen):
+    if device == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        pytest.skip("deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8 before CUDA "
+                    "starts (bench/gpu_suite.sh sets it)")
+    model, blocks = _model(name, device)
+    ids = torch.randint(0, VOCAB, (2, 48), generator=gen).to(device)
+    with torch.random.fork_rng():
+        torch.use_deterministic_algorithms(True)
+        try:
+            want, _ = _grads(model, blocks, ids, None)
+            assert any(g is not None and g.abs().sum() > 0 for g in want)  # a real step
+            for settings in ({"prefer": "memory"}, {"mode": "uncompressed"},
+                             {"prefer": "speed"}):
+                got, stats = _grads(model, blocks, ids, settings)
+                assert stats["offloaded_bytes"] > 0, settings
+                for (pname, _), w, g in zip(model.named_parameters(), want, got):
+                    assert (w is None) == (g is None), (settings, pname)
+                    assert w is None or torch.equal(w, g), (settings, pname)
+        finally:
+            torch.use_deterministic_algorithms(False)
