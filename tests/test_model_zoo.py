@@ -126,3 +126,41 @@ def test_gradients_are_bit_identical_under_offload(name, device, gen):
                     assert w is None or torch.equal(w, g), (settings, pname)
         finally:
             torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("mode", ["checkpointing", "autocast"])
+@pytest.mark.parametrize("name", ["mistral", "deberta-v2", "mamba"])
+def test_gradients_are_bit_identical_with_checkpointing_or_autocast(name, mode, gen):
+    """The same on the CPU with the library's activation checkpointing (non-reentrant: the
+    checkpointed blocks save only their inputs, recomputed under the hooks in the backward),
+    and with an fp32 model under bf16 autocast (fp32 and bf16 saved tensors side by side)."""
+    model, blocks = _model(name, "cpu")
+    if mode == "checkpointing":
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # (the name since 5.x)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.train()
+    else:
+        model.float()
+    ids = torch.randint(0, VOCAB, (2, 48), generator=gen)
+
+    def grads(settings):
+        if mode == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return _grads(model, blocks, ids, settings)
+        return _grads(model, blocks, ids, settings)
+
+    with torch.random.fork_rng():
+        torch.use_deterministic_algorithms(True)
+        try:
+            want, _ = grads(None)
+            for settings in ({"prefer": "memory"}, {"mode": "uncompressed"}):
+                got, stats = grads(settings)
+                assert stats["offloaded_bytes"] > 0, settings
+                for (pname, _), w, g in zip(model.named_parameters(), want, got):
+                    assert (w is None) == (g is None), (settings, pname)
+                    assert w is None or torch.equal(w, g), (settings, pname)
+        finally:
+            torch.use_deterministic_algorithms(False)
