@@ -1717,7 +1717,8 @@ def test_gpu_a_restore_from_the_payload_is_read_before_the_next_slice_takes_it(g
 @interpreter
 def test_random_sequences_keep_every_live_slice_in_backed_chunks(gen):
     """Random offloads (LZ4 bytes, bit-shuffled words, the exponent codec; partial last pages),
-    restores, frees, polls, idle releases and shrinks on one store, in a fresh order each run:
+    restores (one by one, and batched as the hooks restore placed slices), frees, polls, idle
+    releases and shrinks on one store, in a fresh order each run:
     after every step each live tensor's placed bytes lie in backed chunks whose addresses
     the kernels' table holds, no chunk is both backed and free, and the held bytes count
     exactly those chunks; every live tensor comes back exact whenever it is restored. On a
@@ -1746,11 +1747,13 @@ def test_random_sequences_keep_every_live_slice_in_backed_chunks(gen):
         store.restore(stored, out)
         return out
 
-    ops = ("offload", "offload", "offload", "restore", "free", "free", "poll", "idle",
+    from torch_pagecomp.offload._paged_group import restore_placed
+
+    ops = ("offload", "offload", "offload", "restore", "group", "free", "free", "poll", "idle",
            "shrink")
     for _ in range(40):
         op = ops[int(torch.randint(len(ops), (1,), generator=gen))]
-        if op == "offload" or not live and op in ("restore", "free"):
+        if op == "offload" or not live and op in ("restore", "group", "free"):
             pages = int(torch.randint(1, 12, (1,), generator=gen))
             tail = int(torch.randint(0, 2, (1,), generator=gen)) * 77
             kind = ("small", "bf16", "noise")[int(torch.randint(3, (1,), generator=gen))]
@@ -1763,6 +1766,12 @@ def test_random_sequences_keep_every_live_slice_in_backed_chunks(gen):
         elif op == "restore":
             stored, src = live[int(torch.randint(len(live), (1,), generator=gen))]
             assert torch.equal(restored(stored, src), src)
+        elif op == "group":  # the hooks' batched restore of whole-page tensors, any order
+            whole = [x for x in live if x[1].numel() % P == 0]
+            picks = torch.randperm(len(whole), generator=gen)[:3].tolist()
+            outs = [torch.full_like(whole[i][1], POISON) for i in picks]
+            if picks and restore_placed(store, [whole[i][0] for i in picks], outs):
+                assert all(torch.equal(o, whole[i][1]) for o, i in zip(outs, picks))
         elif op == "free":
             stored, _ = live.pop(int(torch.randint(len(live), (1,), generator=gen)))
             store.free(stored)
