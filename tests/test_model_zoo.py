@@ -103,6 +103,25 @@ def _grads(model, blocks, ids, settings: dict | None) -> tuple[list, dict | None
     return [None if p.grad is None else p.grad.clone() for p in model.parameters()], stats
 
 
+def _check_offloads_match(model, grads, variants: tuple) -> None:
+    """``grads(settings)`` -> ``(gradients, stats)`` of one step (``None``: no offload): under
+    each of ``variants`` every parameter's gradient equals the step without offload, bit for
+    bit, with deterministic algorithms, and bytes were offloaded."""
+    with torch.random.fork_rng():
+        torch.use_deterministic_algorithms(True)
+        try:
+            want, _ = grads(None)
+            assert any(g is not None and g.abs().sum() > 0 for g in want)  # a real step
+            for settings in variants:
+                got, stats = grads(settings)
+                assert stats["offloaded_bytes"] > 0, settings
+                for (pname, _), w, g in zip(model.named_parameters(), want, got):
+                    assert (w is None) == (g is None), (settings, pname)
+                    assert w is None or torch.equal(w, g), (settings, pname)
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -112,20 +131,8 @@ def test_gradients_are_bit_identical_under_offload(name, device, gen):
                     "starts (bench/gpu_suite.sh sets it)")
     model, blocks = _model(name, device)
     ids = torch.randint(0, VOCAB, (2, 48), generator=gen).to(device)
-    with torch.random.fork_rng():
-        torch.use_deterministic_algorithms(True)
-        try:
-            want, _ = _grads(model, blocks, ids, None)
-            assert any(g is not None and g.abs().sum() > 0 for g in want)  # a real step
-            for settings in ({"prefer": "memory"}, {"mode": "uncompressed"},
-                             {"prefer": "speed"}):
-                got, stats = _grads(model, blocks, ids, settings)
-                assert stats["offloaded_bytes"] > 0, settings
-                for (pname, _), w, g in zip(model.named_parameters(), want, got):
-                    assert (w is None) == (g is None), (settings, pname)
-                    assert w is None or torch.equal(w, g), (settings, pname)
-        finally:
-            torch.use_deterministic_algorithms(False)
+    _check_offloads_match(model, lambda settings: _grads(model, blocks, ids, settings),
+                          ({"prefer": "memory"}, {"mode": "uncompressed"}, {"prefer": "speed"}))
 
 
 @pytest.mark.parametrize("mode", ["checkpointing", "autocast"])
@@ -152,15 +159,4 @@ def test_gradients_are_bit_identical_with_checkpointing_or_autocast(name, mode, 
                 return _grads(model, blocks, ids, settings)
         return _grads(model, blocks, ids, settings)
 
-    with torch.random.fork_rng():
-        torch.use_deterministic_algorithms(True)
-        try:
-            want, _ = grads(None)
-            for settings in ({"prefer": "memory"}, {"mode": "uncompressed"}):
-                got, stats = grads(settings)
-                assert stats["offloaded_bytes"] > 0, settings
-                for (pname, _), w, g in zip(model.named_parameters(), want, got):
-                    assert (w is None) == (g is None), (settings, pname)
-                    assert w is None or torch.equal(w, g), (settings, pname)
-        finally:
-            torch.use_deterministic_algorithms(False)
+    _check_offloads_match(model, grads, ({"prefer": "memory"}, {"mode": "uncompressed"}))
