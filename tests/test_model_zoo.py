@@ -5,10 +5,12 @@ bit-identical to the step without offload.
 
 The stock bench (``bench.stock_models``) measures speed and memory on a few of these at full
 size on a GPU; this file is about correctness on many: sliding-window attention (Mistral),
-grouped-query attention (Qwen2, Gemma), fused QKV (Phi-3, GPT-NeoX, Falcon), ALiBi (BLOOM),
-disentangled relative attention (DeBERTa-v2), learned positions (OPT, RoBERTa, DistilBERT),
-partial rotary (GPT-J) and a state-space model with no attention at all (Mamba). Each saves
-tensors of its own shapes, dtypes and views; the hooks must bring every one back exactly.
+grouped-query attention (Qwen2, Gemma), mixtures of experts whose routing saves index
+tensors and gathered tokens (Mixtral, Qwen2-MoE), fused QKV (Phi-3, GPT-NeoX, Falcon),
+ALiBi (BLOOM), disentangled relative attention (DeBERTa-v2), learned positions (OPT,
+RoBERTa, DistilBERT), partial rotary (GPT-J) and a state-space model with no attention at
+all (Mamba). Each saves tensors of its own shapes, dtypes and views; the hooks must bring
+every one back exactly.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ def _configs() -> dict:
         "mistral": ("MistralConfig", dict(small, num_key_value_heads=2, sliding_window=16),
                     "MistralModel", "layers"),
         "qwen2": ("Qwen2Config", dict(small, num_key_value_heads=2), "Qwen2Model", "layers"),
+        "mixtral": ("MixtralConfig", dict(small, num_key_value_heads=2, num_local_experts=4,
+                                          num_experts_per_tok=2), "MixtralModel", "layers"),
+        "qwen2-moe": ("Qwen2MoeConfig", dict(small, num_key_value_heads=2, num_experts=4,
+                                             num_experts_per_tok=2, moe_intermediate_size=64,
+                                             shared_expert_intermediate_size=128),
+                      "Qwen2MoeModel", "layers"),
         "gemma": ("GemmaConfig", dict(small, num_key_value_heads=1, head_dim=32), "GemmaModel",
                   "layers"),
         "phi3": ("Phi3Config", dict(small, num_key_value_heads=4, pad_token_id=0,
