@@ -8,8 +8,9 @@ size on a GPU; this file is about correctness on many: sliding-window attention 
 grouped-query attention (Qwen2, Gemma), mixtures of experts whose routing saves index
 tensors and gathered tokens (Mixtral, Qwen2-MoE), fused QKV (Phi-3, GPT-NeoX, Falcon),
 ALiBi (BLOOM), disentangled relative attention (DeBERTa-v2), learned positions (OPT,
-RoBERTa, DistilBERT), partial rotary (GPT-J) and a state-space model with no attention at
-all (Mamba). Each saves tensors of its own shapes, dtypes and views; the hooks must bring
+RoBERTa, DistilBERT), partial rotary (GPT-J), a state-space model with no attention at
+all (Mamba), encoder-decoders (T5, BART) and a speech encoder behind convolutions (wav2vec
+2.0). Each saves tensors of its own shapes, dtypes and views; the hooks must bring
 every one back exactly.
 """
 
@@ -28,7 +29,8 @@ VOCAB = 512
 
 
 def _configs() -> dict:
-    """name -> (config class, config kwargs, model class, attribute path of its blocks)."""
+    """name -> (config class, config kwargs, model class, attribute paths of its blocks
+    (space-separated: an encoder's, then a decoder's), inputs: :func:`_inputs`)."""
     small = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                  num_attention_heads=4, vocab_size=VOCAB)
     no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -74,6 +76,28 @@ def _configs() -> dict:
                   "GPTJModel", "h"),
         "mamba": ("MambaConfig", dict(hidden_size=64, state_size=8, num_hidden_layers=3,
                                       vocab_size=VOCAB), "MambaModel", "layers"),
+        # encoder-decoders: the decoder's cross-attention saves the encoder's output
+        "t5": ("T5Config", dict(d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
+                                dropout_rate=0.0, vocab_size=VOCAB, decoder_start_token_id=0,
+                                pad_token_id=0), "T5Model", "encoder.block decoder.block",
+               "seq2seq"),
+        "bart": ("BartConfig", dict(d_model=128, encoder_layers=2, decoder_layers=2,
+                                    encoder_attention_heads=4, decoder_attention_heads=4,
+                                    encoder_ffn_dim=256, decoder_ffn_dim=256, vocab_size=VOCAB,
+                                    dropout=0.0, attention_dropout=0.0,
+                                    activation_dropout=0.0, max_position_embeddings=64),
+                 "BartModel", "encoder.layers decoder.layers", "seq2seq"),
+        # speech: a convolutional feature extractor (group norm) before the transformer
+        "wav2vec2": ("Wav2Vec2Config", dict(hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=128,
+                                            conv_dim=(32, 32), conv_stride=(5, 2),
+                                            conv_kernel=(10, 3), num_feat_extract_layers=2,
+                                            hidden_dropout=0.0, attention_dropout=0.0,
+                                            activation_dropout=0.0, feat_proj_dropout=0.0,
+                                            layerdrop=0.0, mask_time_prob=0.0,
+                                            num_conv_pos_embeddings=16,
+                                            num_conv_pos_embedding_groups=4),
+                     "Wav2Vec2Model", "encoder.layers", "audio"),
     }
 
 
@@ -81,18 +105,33 @@ CONFIGS = _configs()
 
 
 def _model(name: str, device: str) -> tuple[torch.nn.Module, list]:
-    cfg_cls, kwargs, model_cls, blocks = CONFIGS[name]
+    cfg_cls, kwargs, model_cls, paths = CONFIGS[name][:4]
     if not hasattr(tf, cfg_cls) or not hasattr(tf, model_cls):
         pytest.skip(f"transformers {tf.__version__} has no {model_cls}")
     torch.manual_seed(0)
     model = getattr(tf, model_cls)(getattr(tf, cfg_cls)(**kwargs)).to(device, torch.bfloat16)
-    obj = model
-    for part in blocks.split("."):
-        obj = getattr(obj, part)
-    return model, list(obj)
+    blocks = []
+    for path in paths.split():
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        blocks += list(obj)
+    return model, blocks
 
 
-def _grads(model, blocks, ids, settings: dict | None) -> tuple[list, dict | None]:
+def _inputs(name: str, gen: torch.Generator, device: str) -> dict:
+    """A batch of 2 for model ``name``: token ids (and a decoder's, for an encoder-decoder),
+    or a waveform."""
+    kind = CONFIGS[name][4] if len(CONFIGS[name]) > 4 else "ids"
+    if kind == "audio":
+        return {"input_values": torch.randn(2, 1600, generator=gen).to(device, torch.bfloat16)}
+    out = {"input_ids": torch.randint(0, VOCAB, (2, 48), generator=gen).to(device)}
+    if kind == "seq2seq":
+        out["decoder_input_ids"] = torch.randint(0, VOCAB, (2, 16), generator=gen).to(device)
+    return out
+
+
+def _grads(model, blocks, inputs: dict, settings: dict | None) -> tuple[list, dict | None]:
     """One forward + backward (under the hooks of ``settings``): every parameter's gradient,
     and the offloader's stats."""
     model.zero_grad(set_to_none=True)
@@ -101,7 +140,7 @@ def _grads(model, blocks, ids, settings: dict | None) -> tuple[list, dict | None
         off = pc.offload_module(model, blocks=blocks, offload_cpu=True, min_offload_bytes=1,
                                 **settings)
     try:
-        out = model(input_ids=ids).last_hidden_state
+        out = model(**inputs).last_hidden_state
         out.float().square().mean().backward()
         stats = off.stats() if off is not None else None
     finally:
@@ -138,8 +177,8 @@ def test_gradients_are_bit_identical_under_offload(name, device, gen):
         pytest.skip("deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8 before CUDA "
                     "starts (bench/gpu_suite.sh sets it)")
     model, blocks = _model(name, device)
-    ids = torch.randint(0, VOCAB, (2, 48), generator=gen).to(device)
-    _check_offloads_match(model, lambda settings: _grads(model, blocks, ids, settings),
+    inputs = _inputs(name, gen, device)
+    _check_offloads_match(model, lambda settings: _grads(model, blocks, inputs, settings),
                           ({"prefer": "memory"}, {"mode": "uncompressed"}, {"prefer": "speed"}))
 
 
@@ -159,12 +198,12 @@ def test_gradients_are_bit_identical_with_checkpointing_or_autocast(name, mode, 
         model.train()
     else:
         model.float()
-    ids = torch.randint(0, VOCAB, (2, 48), generator=gen)
+    inputs = _inputs(name, gen, "cpu")
 
     def grads(settings):
         if mode == "autocast":
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                return _grads(model, blocks, ids, settings)
-        return _grads(model, blocks, ids, settings)
+                return _grads(model, blocks, inputs, settings)
+        return _grads(model, blocks, inputs, settings)
 
     _check_offloads_match(model, grads, ({"prefer": "memory"}, {"mode": "uncompressed"}))
