@@ -656,8 +656,8 @@ def main() -> None:
                         sample_ms=a.sample_host, reset_peak=a.reset_peak)
         if rank == 0:
             print("\n".join(lines), flush=True)
-    if rank == 0 and a.out:
-        _write(a.out, rows, a.device)
+            if a.out:  # after each model: a later model's crash keeps the earlier rows
+                _write(a.out, rows, a.device)
     if a.fsdp:  # ended as bench.stock_models ends its process group, for a clean exit
         import torch.distributed as dist
 
