@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import torch_pagecomp as pc
+from torch_pagecomp.offload._paged import PagedStore
 
 tf = pytest.importorskip("transformers")
 
@@ -131,14 +132,18 @@ def _inputs(name: str, gen: torch.Generator, device: str) -> dict:
     return out
 
 
-def _grads(model, blocks, inputs: dict, settings: dict | None) -> tuple[list, dict | None]:
-    """One forward + backward (under the hooks of ``settings``): every parameter's gradient,
-    and the offloader's stats."""
+def _grads(model, blocks, inputs: dict, settings: dict | None, cpu_store=None
+           ) -> tuple[list, dict | None]:
+    """One forward + backward (under the hooks of ``settings``; ``cpu_store``: a function
+    making the store the hooks compress CPU tensors into): every parameter's gradient, and
+    the offloader's stats."""
     model.zero_grad(set_to_none=True)
     off = None
     if settings is not None:
         off = pc.offload_module(model, blocks=blocks, offload_cpu=True, min_offload_bytes=1,
                                 **settings)
+        if cpu_store is not None:
+            off._cpu_compressed = cpu_store()
     try:
         out = model(**inputs).last_hidden_state
         out.float().square().mean().backward()
@@ -207,3 +212,36 @@ def test_gradients_are_bit_identical_with_checkpointing_or_autocast(name, mode, 
         return _grads(model, blocks, inputs, settings)
 
     _check_offloads_match(model, grads, ({"prefer": "memory"}, {"mode": "uncompressed"}))
+
+
+class _PagedOnCpu(PagedStore):
+    """The GPU's compressed store (slices placed in the virtual arena, the batched restores of
+    placed slices), its kernels run by the Triton interpreter, in the CPU store's place: the
+    hooks call a CPU store's ``offload(src, element_size, float_format)``."""
+
+    def offload(self, src, element_size, float_format=None):
+        return super().offload(src, element_size, float_format=float_format)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the GPU's store on CPU tensors needs the Triton interpreter")
+@pytest.mark.parametrize("name", ["mixtral", "t5", "mamba"])
+def test_hooks_on_the_gpus_compressed_store_keep_gradients(name, gen):
+    """The hooks' compressed path with the store a GPU uses (``PagedStore``: the arena, slice
+    placement, chunk reuse, the batched restores), driven on the CPU with small chunks and
+    slices so that tensors cross them: gradients bit-identical to no offload. CI has no GPU;
+    this runs that store's bookkeeping under real saved tensors (a mixture of experts, an
+    encoder-decoder, a state-space model), though not its streams."""
+    model, blocks = _model(name, "cpu")
+    inputs = _inputs(name, gen, "cpu")
+    made = []
+
+    def store():
+        made.append(_PagedOnCpu(torch.device("cpu"), 4096, chunk_bytes=1 << 17,
+                                slice_bytes=1 << 15))
+        return made[-1]
+
+    _check_offloads_match(model, lambda settings: _grads(model, blocks, inputs, settings,
+                                                         cpu_store=store),
+                          ({"prefer": "memory"},))
+    assert made and made[-1].arena.pins > 0  # the store was used: it backed chunks
