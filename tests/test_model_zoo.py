@@ -162,7 +162,12 @@ def _check_offloads_match(model, grads, variants: tuple) -> None:
     with torch.random.fork_rng():
         torch.use_deterministic_algorithms(True)
         try:
-            want, _ = grads(None)
+            try:
+                want, _ = grads(None)
+            except RuntimeError as exc:  # an op of the model's own without a deterministic
+                if "deterministic" not in str(exc):  # kernel on this device: nothing to compare
+                    raise
+                pytest.skip(f"the model's step is not deterministic here: {exc}")
             assert any(g is not None and g.abs().sum() > 0 for g in want)  # a real step
             for settings in variants:
                 got, stats = grads(settings)
