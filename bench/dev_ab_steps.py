@@ -354,10 +354,10 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
 
     def step(arm: str, reset: bool = True) -> tuple[float, float, float]:
         steps_taken[0] += 1
+        label = f"{name} {arm} step {steps_taken[0]}{rank}"
         if trace:  # which arm a step that fails asynchronously ran (a CUDA error names none)
-            print(f"[ab] {name} {arm} step {steps_taken[0]}{rank}", file=sys.stderr, flush=True)
-        watch = (StallWatch(stall_s, f"{name} {arm} step {steps_taken[0]}{rank}") if stall_s
-                 else None)
+            print(f"[ab] {label}", file=sys.stderr, flush=True)
+        watch = StallWatch(stall_s, label) if stall_s else None
         try:
             with _hooked(model, blocks, offs.get(arm)), _arm_patch(arm):
                 if cuda:

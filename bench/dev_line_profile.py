@@ -106,21 +106,20 @@ def _cycle(a) -> None:
     from line_profiler import LineProfiler
 
     import torch_pagecomp as pc
+    from bench.dev_call_profile import warm_cycle
 
     dev = torch.device("cuda")
     x = torch.randn(a.cycle * 512, device=dev).relu_().to(torch.bfloat16)
     comp = pc.PageCompressor(device=dev)
+    cycle = warm_cycle(comp, x, max(16, a.warmup * 50))
 
     def cycles(n: int) -> None:
         for i in range(n):
-            h = comp.offload(x)
-            comp.restore(h)
-            h.free()
+            cycle()
             if i % 16 == 15:
                 torch.cuda.synchronize()
         torch.cuda.synchronize()
 
-    cycles(max(16, a.warmup * 50))
     got = comp.restore(comp.offload(x))
     assert torch.equal(got, x), "round trip not bit-exact"
     prof = LineProfiler()

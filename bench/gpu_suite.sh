@@ -428,20 +428,18 @@ hold)
     ;;
 crashhunt)
     header crashhunt | tee "$OUT/crashhunt.txt"
-    arms=${HUNT_ARMS:-none,save_on_cpu,uncompressed,memory,speed}
+    hunt=(python3 -m bench.dev_ab_steps --models "${HUNT_MODEL:-t5-1024}" --rounds 3 --warmup 2
+          --block 4 --trace --arms "${HUNT_ARMS:-none,save_on_cpu,uncompressed,memory,speed}")
     run=0
     while [ $SECONDS -lt $(( ${HUNT_BUDGET:-420} - 90 )) ]; do
         run=$((run + 1))
         log="$OUT/crashhunt_$run.txt"
-        timeout 150 python3 -m bench.dev_ab_steps --models "${HUNT_MODEL:-t5-1024}" --arms "$arms" \
-            --rounds 3 --warmup 2 --block 4 --trace > "$log" 2>&1
+        timeout 150 "${hunt[@]}" > "$log" 2>&1
         rc=$?
         echo "run $run rc=$rc, last step: $(grep '^\[ab\]' "$log" | tail -n 1)" | tee -a "$OUT/crashhunt.txt"
         if [ $rc -ne 0 ] && [ $rc -ne 124 ]; then
             grep -m 3 -E "Error|error" "$log" | tee -a "$OUT/crashhunt.txt"
-            CUDA_LAUNCH_BLOCKING=1 timeout 240 python3 -m bench.dev_ab_steps \
-                --models "${HUNT_MODEL:-t5-1024}" --arms "$arms" --rounds 3 --warmup 2 --block 4 \
-                --trace > "$OUT/crashhunt_blocking.txt" 2>&1
+            CUDA_LAUNCH_BLOCKING=1 timeout 240 "${hunt[@]}" > "$OUT/crashhunt_blocking.txt" 2>&1
             echo "blocking rc=$?" | tee -a "$OUT/crashhunt.txt"
             grep -B 40 -m 1 -E "AcceleratorError|illegal" "$OUT/crashhunt_blocking.txt" \
                 | grep -E '^\[ab\]|File|Error' | tail -n 16 | tee -a "$OUT/crashhunt.txt"

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import torch_pagecomp as pc
+from bench.public_models import _attr
 from torch_pagecomp.offload._paged import PagedStore
 
 tf = pytest.importorskip("transformers")
@@ -111,13 +112,7 @@ def _model(name: str, device: str) -> tuple[torch.nn.Module, list]:
         pytest.skip(f"transformers {tf.__version__} has no {model_cls}")
     torch.manual_seed(0)
     model = getattr(tf, model_cls)(getattr(tf, cfg_cls)(**kwargs)).to(device, torch.bfloat16)
-    blocks = []
-    for path in paths.split():
-        obj = model
-        for part in path.split("."):
-            obj = getattr(obj, part)
-        blocks += list(obj)
-    return model, blocks
+    return model, [b for path in paths.split() for b in _attr(model, path)]
 
 
 def _inputs(name: str, gen: torch.Generator, device: str) -> dict:

@@ -266,13 +266,19 @@ def _escape_bits(word):
 
 
 @triton.jit
+def _sum_bits3(m):
+    """The bits set in ``m`` (``uint32``, set bits only at ``3t``, fewer than 8 of them):
+    multiplying by those 8 bits sums them into bits 21-23 (each lower partial sum fits 3
+    bits, so none carries into them)."""
+    return (((m * 0x249249) >> 21) & 7).to(tl.int32)
+
+
+@triton.jit
 def _escape_counts(word):
-    """The escapes in each group ``word`` (:func:`_groups`). Multiplying
-    :func:`_escape_bits` by the same 8 bits sums them into bits 21-23 (each lower partial sum
-    fits 3 bits, so none carries into them), except a count of 8, which only a group of all
-    escapes has."""
+    """The escapes in each group ``word`` (:func:`_groups`): :func:`_sum_bits3` of
+    :func:`_escape_bits`, but for a count of 8, which only a group of all escapes has."""
     m = _escape_bits(word).to(tl.uint32)
-    return (((m * 0x249249) >> 21) & 7).to(tl.int32) | tl.where(m == 0x249249, 8, 0)
+    return _sum_bits3(m) | tl.where(m == 0x249249, 8, 0)
 
 
 @triton.jit
@@ -404,15 +410,16 @@ def _code_of(by_exp, e, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _row_escapes(code, BY_GROUP: tl.constexpr):
+def _row_escapes(code, word, BY_GROUP: tl.constexpr):
     """The escapes (code 7) of each row of codes ``code`` (rows of 8): with ``BY_GROUP`` from
-    the row's 3-bit group by a multiply (:func:`_escape_counts`, as the decoder counts them),
-    else by a compare a value and their sum. By group is a few integer operations a row, but
-    longer chains: fp16 pages of one step encode 1.03x faster that way, bf16 pages (their
-    window table leaves the kernel at 80 registers) 0.96x (ncu: fewer warps eligible, H200,
-    ``bench/results/h200_session67``), so only fp16 one-step pages take it."""
+    the rows' 3-bit groups ``word`` (:func:`_pack3`) by a multiply (:func:`_escape_counts`, as
+    the decoder counts them), else by a compare a value and their sum. By group is a few
+    integer operations a row, but longer chains: fp16 pages of one step encode 1.03x faster
+    that way, bf16 pages (their window table leaves the kernel at 80 registers) 0.96x (ncu:
+    fewer warps eligible, H200, ``bench/results/h200_session67``), so only fp16 one-step pages
+    take it."""
     if BY_GROUP:
-        return _escape_counts(_pack3(code))
+        return _escape_counts(word)
     return tl.sum((code == 7).to(tl.int32), axis=1)
 
 
@@ -437,14 +444,14 @@ def _write_codes(dst, c, v, code, escapes, PAGE: tl.constexpr, FP16: tl.constexp
     if FP16:
         _store3(dst + 7 + 3 * N // 8, c, high, CHUNK)
     tl.store(dst + REST + c + i, rest.to(tl.uint8))
-    per_row = _escape_counts(word) if BY_GROUP else _row_escapes(code, False)
+    per_row = _row_escapes(code, word, BY_GROUP)
     n_esc = tl.sum(per_row, axis=0)
     if n_esc > 0:  # most pages have a few; the scan that places them is skipped without
-        if BY_GROUP:  # value t's place in its row: the escapes of fields below t, counted
-            # as _escape_counts counts (at most 7: no count of 8 to mend); one step, none before
+        if BY_GROUP:  # value t's place in its row: the escapes of fields below t (at most
+            # 7); one step, none before
             m = _escape_bits(word).to(tl.uint32)[:, None]
             t3 = 3 * tl.arange(0, 8)[None, :]
-            ahead = ((((m & ((1 << t3) - 1)) * 0x249249) >> 21) & 7).to(tl.int32)
+            ahead = _sum_bits3(m & ((1 << t3) - 1))
             before = tl.cumsum(per_row, axis=0) - per_row
             tl.store(dst + F + before[:, None] + ahead, e.to(tl.uint8),
                      mask=((m >> t3) & 1) != 0)
@@ -544,7 +551,7 @@ def _encode_page(pages_ptr, payload_ptr, sizes_ptr, kinds_ptr, rel_ptr, end_ptr,
         e, _, _ = _split(v, FP16)
         code = _code_of(by_exp, e, CHUNK)
         # (the same sums _write_codes takes: computed once)
-        n_esc = tl.sum(_row_escapes(code, FP16), axis=0)
+        n_esc = tl.sum(_row_escapes(code, _pack3(code), FP16), axis=0)
         # equal bytes share one exponent: only a page whose sample is all one exponent is
         # compared value by value (a compare a value on every page cost integer operations,
         # which bound this kernel)
