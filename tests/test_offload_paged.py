@@ -188,43 +188,6 @@ def test_a_second_payload_only_while_the_first_holds_pages_not_sent(gen, monkeyp
         assert torch.equal(out, s)
 
 
-@interpreter
-@pytest.mark.parametrize("float_format", [None, "bf16"])
-def test_payloads_whose_pages_left_are_let_go_and_made_again(gen, monkeypatch, float_format):
-    """``release_sent_payloads`` (each group's end in a forward) lets go of every payload
-    whose last slice's pages have left it and keeps one still sending (the link behind);
-    the next slice makes its payload again, and every tensor comes back exactly."""
-    from torch_pagecomp.offload import _arena
-
-    store = _store(slice_bytes=4 * P)
-    monkeypatch.setattr(PagedStore, "_below_peak", lambda self, nbytes: True)
-    first, second = store._slots
-    srcs, stored = [], []
-
-    def offload(pages):
-        srcs.append(_data(gen, pages * P + 5, "bf16"))
-        stored.append(store.offload(srcs[-1], 2, float_format=float_format))
-        store.poll()
-        return stored[-1].slices
-
-    with monkeypatch.context() as behind:  # the first slot's slice still sending
-        behind.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
-        offload(3)
-        offload(2)  # the second payload
-        assert first.buf is not None and second.buf is not None
-        store.release_sent_payloads()
-        assert first.buf is not None and second.buf is None  # only the idle one goes
-    store.release_sent_payloads()  # all sent now
-    assert first.buf is None and second.buf is None
-    offload(4)  # made again
-    assert first.buf is not None and first.buf.numel() == 4 * P
-    store.poll()
-    for s, st in zip(srcs, stored):
-        out = torch.full_like(s, POISON)
-        store.restore(st, out)
-        assert torch.equal(out, s)
-
-
 def test_the_second_payloads_peak_leaves_out_the_payloads_held_in_the_step(monkeypatch):
     """``end_step`` notes the GPU's peak less the most payload bytes held at once in the step
     (they may be what reached it: taken whole, a second payload that raised the peak let
@@ -243,25 +206,6 @@ def test_the_second_payloads_peak_leaves_out_the_payloads_held_in_the_step(monke
     store.release_payloads()
     store.end_step()
     assert store.step_peak == 5 * 4 * P - 4 * P and store._payload_high == 0
-
-
-def test_a_forward_groups_end_lets_idle_payloads_go(monkeypatch):
-    """The batcher's group end in a forward asks each GPU store to let go of its idle
-    payloads (``release_sent_payloads``)."""
-    import types
-
-    from torch_pagecomp.offload import ActivationOffloader
-
-    off = ActivationOffloader(prefer="memory")
-    calls = []
-    with monkeypatch.context() as m:
-        m.setitem(off._paged, 0, types.SimpleNamespace(
-            release_sent_payloads=lambda: calls.append(1), poll=lambda: None, scratch_bytes=0))
-        with off:  # a pass: its groups
-            off.next_group()
-            off.next_group()
-    assert calls == [1, 1]
-    off.close()
 
 
 @interpreter

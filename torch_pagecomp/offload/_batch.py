@@ -264,9 +264,6 @@ class Batcher:
         if not _in_backward():  # (a recompute's group in a backward stores nothing it reads)
             self.due = (weakref.ref(ps), len(ps.groups) - self.window)
             self.store_due()
-            if not _capturing():  # idle payloads: not held to the forward's peak
-                for store in self._owner()._paged.values():
-                    store.release_sent_payloads()
 
     def end_pass(self) -> None:
         """At the end of a pass: close the open batches (stored now without a window)."""

@@ -526,8 +526,8 @@ class PagedStore:
         again wherever the model stayed a payload below it, so a second payload, once it
         raised the peak, kept it raised. Under FSDP2 on two H200s two 64 MiB payloads were
         live at ConvNeXt-T's peak on one rank, 0.125 GiB above a plain copy's
-        (``bench/results/h200x2_session70``). Where the caller never resets the peak it is
-        the process's highest, and the rule a looser one."""
+        (``bench/results/h200x2_session70``, call 2). Where the caller never resets the peak
+        it is the process's highest, and the rule a looser one."""
         counts = gpu_memory(self.device)
         self.step_peak = None if counts is None else counts[1] - self._payload_high
         self._payload_high = self._payload_held()
@@ -535,19 +535,6 @@ class PagedStore:
     def _payload_held(self) -> int:
         """GPU bytes the payload buffers hold now."""
         return sum(s.buf.numel() for s in self._slots if s.buf is not None)
-
-    def release_sent_payloads(self) -> None:
-        """Let go of the payload buffers whose last slices' pages have all left them: at the
-        end of each group of a forward (``_batch.Batcher.end_group``), so that a payload
-        holds GPU memory only while the link is behind, not idle until the backward. Kept to
-        the backward, an idle payload sat at the forward's peak: 64 and 19 MiB of them under
-        FSDP2 on ConvNeXt-T and Swin-T, whose peaks are in the forward
-        (``bench/results/h200x2_session70``). Made again by the group's next slice (one
-        allocation a group, from the caching allocator's cache); freed after the streams that
-        used them (``record_stream``)."""
-        for slot in self._slots:
-            if slot.buf is not None and (slot.last is None or slot.last.done()):
-                slot.buf = None
 
     def _slot(self, nbytes: int) -> _PayloadSlot:
         """:meth:`_pick`, marked used. A second payload is taken only while the link is behind
