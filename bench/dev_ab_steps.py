@@ -57,11 +57,7 @@ no faster than one payload on four models, ResNet-50's GPU peak 0.04 GiB higher,
 ``bench/results/h200x2_824437a_session55``). (``memory_holdstatus``, the statuses held
 until the backward's end, went with session 56's ring of statuses, ``offload._statuses``;
 ``memory_hostmeta``, placed slices' metadata in page-locked buffers of their own, went once
-it lay in the arena behind their pages.) ``memory_whole_peak``: the second
-payload's peak rule on the step's whole peak, not less the payloads held in it (before
-session 70; that session also let idle payloads go at each forward group's end, measured
-under FSDP2 with no lower peak and 6-8 ms more host time a step, and took it back).
-``memory_join``: a batch joined by one
+it lay in the arena behind their pages.) ``memory_join``: a batch joined by one
 ``torch.cat`` before its compress, as before session 57 (now the compress reads the
 members where they lie, ``PagedStore.takes_parts``).
 ``memory_slots1``: one payload (``_paged.SCRATCH_SLICES``), as before session 61;
@@ -132,7 +128,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "memory_lastpeak", "memory_whole_peak", "speed",
+        "memory_lastpeak", "speed",
         "speed_copy_only", "speed_warm2")
 
 
@@ -197,9 +193,6 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         # not only below the peak since the caller last reset it (a loop that resets it each
         # step, as this probe and the stock bench do, held nothing in its forward)
         return [(Batcher, "_over_peak", _over_last_peak)]
-    if arm == "memory_whole_peak":  # the second payload's peak rule on the step's whole
-        # peak, payloads and all (before session 70)
-        return [(PagedStore, "end_step", _end_step_whole_peak)]
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
         return [(Batcher, "_starts_now", lambda self, batch: True)]
     if arm == "memory_lazy":  # a due compressed store stays held (as if the link were always
@@ -241,15 +234,6 @@ def _over_last_peak(batcher, dev):
     store = batcher._owner()._paged.get(dev.index)
     last = store.step_peak if store is not None and store.step_peak is not None else 0
     return allocated + 2 * batcher.last_group_bytes - max(peak, last)
-
-
-def _end_step_whole_peak(store) -> None:
-    """``PagedStore.end_step`` before session 70: the step's whole peak, payloads and all
-    (the ``memory_whole_peak`` arm)."""
-    from torch_pagecomp.offload._batch import gpu_memory
-
-    counts = gpu_memory(store.device)
-    store.step_peak = None if counts is None else counts[1]
 
 
 def _in_turn(store, nbytes: int):

@@ -188,26 +188,6 @@ def test_a_second_payload_only_while_the_first_holds_pages_not_sent(gen, monkeyp
         assert torch.equal(out, s)
 
 
-def test_the_second_payloads_peak_leaves_out_the_payloads_held_in_the_step(monkeypatch):
-    """``end_step`` notes the GPU's peak less the most payload bytes held at once in the step
-    (they may be what reached it: taken whole, a second payload that raised the peak let
-    itself be taken again), then counts from what is held now."""
-    from torch_pagecomp.offload import _paged
-
-    store = _store(slice_bytes=4 * P)
-    monkeypatch.setattr(_paged, "gpu_memory", lambda dev: (1000, 5 * 4 * P))
-    store._payload(store._slots[0], 4, torch.device("cpu"))
-    store._payload(store._slots[1], 2, torch.device("cpu"))
-    assert store._payload_high == 6 * P
-    store._slots[1].buf = None
-    store.end_step()
-    assert store.step_peak == 5 * 4 * P - 6 * P
-    assert store._payload_high == 4 * P  # what is held as the next step starts
-    store.release_payloads()
-    store.end_step()
-    assert store.step_peak == 5 * 4 * P - 4 * P and store._payload_high == 0
-
-
 @interpreter
 def test_peak_of_stored_bytes_counts_slices_freed_before_their_placement_is_read(gen):
     """The stats' ``host_peak_used_bytes`` is the most bytes stored at once, in the order the

@@ -221,7 +221,6 @@ class PagedStore:
         self._slots = [_PayloadSlot() for _ in range(SCRATCH_SLICES)]
         self._uses = 0  # slices stored so far: each slot's ``used`` is the count at its last
         self.step_peak: int | None = None  # the GPU's peak in the last step (end_step)
-        self._payload_high = 0  # the most payload bytes held at once since the last step ended
         # pages that failed to decode, counted on the device (None on the CPU: raised at once)
         self.statuses = None
         if device.type == "cuda":
@@ -519,22 +518,10 @@ class PagedStore:
 
     def end_step(self) -> None:
         """At the end of a step (the offloader's backward): note the GPU's peak since its
-        last reset (the step's, where the caller resets it each step) less the most payload
-        bytes this store held at once in the step, under which the next steps may hold a
-        second payload (:meth:`_slot`). Less them, because the peak may have been reached
-        with them: taken whole, a step whose peak held two payloads let the next hold two
-        again wherever the model stayed a payload below it, so a second payload, once it
-        raised the peak, kept it raised. Under FSDP2 on two H200s two 64 MiB payloads were
-        live at ConvNeXt-T's peak on one rank, 0.125 GiB above a plain copy's
-        (``bench/results/h200x2_session70``, call 2). Where the caller never resets the peak
-        it is the process's highest, and the rule a looser one."""
+        last reset (the step's, where the caller resets it each step), under which the next
+        steps may hold a second payload (:meth:`_slot`)."""
         counts = gpu_memory(self.device)
-        self.step_peak = None if counts is None else counts[1] - self._payload_high
-        self._payload_high = self._payload_held()
-
-    def _payload_held(self) -> int:
-        """GPU bytes the payload buffers hold now."""
-        return sum(s.buf.numel() for s in self._slots if s.buf is not None)
+        self.step_peak = None if counts is None else counts[1]
 
     def _slot(self, nbytes: int) -> _PayloadSlot:
         """:meth:`_pick`, marked used. A second payload is taken only while the link is behind
@@ -577,7 +564,6 @@ class PagedStore:
             if self.pack_stream is not None:  # freed (replaced, released) after its packs
                 buf.record_stream(self.pack_stream)  # and copies (queued before: a sent
                 buf.record_stream(self.send_stream)  # slice holds it until then)
-            self._payload_high = max(self._payload_high, self._payload_held())
         return buf[:n * p].view(n, p)
 
     def release_payloads(self) -> None:
