@@ -57,7 +57,11 @@ no faster than one payload on four models, ResNet-50's GPU peak 0.04 GiB higher,
 ``bench/results/h200x2_824437a_session55``). (``memory_holdstatus``, the statuses held
 until the backward's end, went with session 56's ring of statuses, ``offload._statuses``;
 ``memory_hostmeta``, placed slices' metadata in page-locked buffers of their own, went once
-it lay in the arena behind their pages.) ``memory_join``: a batch joined by one
+it lay in the arena behind their pages.) ``memory_no_wait``: where the payload the store
+picks holds a slice whose placement the host would wait for, another payload whose pages
+have left is taken instead, made if need be, whatever the last step's peak (under FSDP2 the
+host waited 11-34 ms a step for placements, ``bench/results/h200x2_session70``).
+``memory_join``: a batch joined by one
 ``torch.cat`` before its compress, as before session 57 (now the compress reads the
 members where they lie, ``PagedStore.takes_parts``).
 ``memory_slots1``: one payload (``_paged.SCRATCH_SLICES``), as before session 61;
@@ -128,7 +132,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "memory_lastpeak", "speed",
+        "memory_lastpeak", "memory_no_wait", "speed",
         "speed_copy_only", "speed_warm2")
 
 
@@ -193,6 +197,10 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         # not only below the peak since the caller last reset it (a loop that resets it each
         # step, as this probe and the stock bench do, held nothing in its forward)
         return [(Batcher, "_over_peak", _over_last_peak)]
+    if arm == "memory_no_wait":  # the other payload, whatever the peak, where the one
+        # picked holds a slice whose placement the host would wait for (session 70's lead)
+        pick = PagedStore._pick
+        return [(PagedStore, "_pick", lambda self, nbytes: _pick_no_wait(self, nbytes, pick))]
     if arm == "memory_wait":  # a due store waits for the link instead of staying held
         return [(Batcher, "_starts_now", lambda self, batch: True)]
     if arm == "memory_lazy":  # a due compressed store stays held (as if the link were always
@@ -234,6 +242,20 @@ def _over_last_peak(batcher, dev):
     store = batcher._owner()._paged.get(dev.index)
     last = store.step_peak if store is not None and store.step_peak is not None else 0
     return allocated + 2 * batcher.last_group_bytes - max(peak, last)
+
+
+def _pick_no_wait(store, nbytes: int, pick):
+    """``pick`` (``PagedStore._pick``), except that where the payload it picks holds a slice whose
+    placement the GPU has not published (its copies not queued: ``_store_slice`` would have
+    the host wait for it), a payload whose last slice is done is taken instead, made if need
+    be, whatever the last step's peak (the ``memory_no_wait`` arm)."""
+    slot = pick(store, nbytes)
+    last = slot.last
+    if last is not None and last.send is not None and not last.known():
+        for other in store._slots:
+            if other is not slot and (other.last is None or other.last.done()):
+                return other
+    return slot
 
 
 def _in_turn(store, nbytes: int):

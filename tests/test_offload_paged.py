@@ -189,6 +189,34 @@ def test_a_second_payload_only_while_the_first_holds_pages_not_sent(gen, monkeyp
 
 
 @interpreter
+def test_the_no_wait_probe_takes_the_other_payload_where_the_host_would_wait(gen, monkeypatch):
+    """``bench.dev_ab_steps``' ``memory_no_wait`` arm: where the payload the store would pick
+    holds a slice whose placement is not published (the host would wait for it), the other
+    payload is taken, made over the peak rule; without the arm the first is taken again.
+    Both tensors come back exactly."""
+    from bench.dev_ab_steps import _arm_patch
+    from torch_pagecomp.offload import _arena
+
+    store = _store(slice_bytes=4 * P)
+    first, second = store._slots
+    srcs = [_data(gen, 2 * P + 7, "bf16"), _data(gen, 3 * P, "bf16")]
+    stored = [store.offload(srcs[0], 2, float_format="bf16")]  # not polled: not sent yet
+    assert first.last is stored[0].slices[0] and first.last.send is not None
+    with monkeypatch.context() as m:
+        m.setattr(_arena._Slice, "known", lambda sl: sl is not first.last)  # unpublished
+        assert store._pick(2 * P) is first  # the package: no second over the peak rule
+        with _arm_patch("memory_no_wait"):
+            assert store._pick(2 * P) is second
+            stored.append(store.offload(srcs[1], 2, float_format="bf16"))
+        assert second.last is stored[1].slices[0] and second.buf is not None
+    store.poll()
+    for src, st in zip(srcs, stored):
+        out = torch.full_like(src, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, src)
+
+
+@interpreter
 def test_peak_of_stored_bytes_counts_slices_freed_before_their_placement_is_read(gen):
     """The stats' ``host_peak_used_bytes`` is the most bytes stored at once, in the order the
     host stored and freed them, at their placed sizes: a slice freed before the host read its
