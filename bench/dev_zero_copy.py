@@ -64,7 +64,7 @@ class ZeroCopy:
     def restore(self, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """``n`` pages decoded from the ring into ``out`` (``uint8 [n * P]``; by default a
         new tensor), statuses in ``status``."""
-        from torch_pagecomp.offload._paged import decode_rows_at
+        from torch_pagecomp.offload._decode import decode_rows_at
 
         if out is None:
             out = torch.empty(n * P, dtype=torch.uint8, device=self.device)

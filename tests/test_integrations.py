@@ -371,7 +371,7 @@ def test_decode_step_restores_each_layer_with_one_decode(gen, monkeypatch, devic
     """However many blocks a layer holds, a decode step decodes each layer's blocks in one
     launch (``_decompress_into``) and one copy per run of adjacent host bytes."""
     _transformers()
-    import torch_pagecomp.offload._paged as paged
+    import torch_pagecomp.offload._decode as decoding
     from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -380,13 +380,13 @@ def test_decode_step_restores_each_layer_with_one_decode(gen, monkeypatch, devic
         pytest.skip("the CPU's compressed store needs the Triton interpreter")
 
     calls = []
-    decode = paged._decompress_into
+    decode = decoding._decompress_into
 
     def counting(payload, offsets, sizes, kinds, pages, status, *rest):
         calls.append(pages.shape[0])
         decode(payload, offsets, sizes, kinds, pages, status, *rest)
 
-    monkeypatch.setattr(paged, "_decompress_into", counting)
+    monkeypatch.setattr(decoding, "_decompress_into", counting)
     b, h, d, bt, layers = 1, 2, 32, 8, 3  # 512 bytes a token: one page a block
     per_step = {}
     for nb in (2, 7):

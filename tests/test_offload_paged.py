@@ -1228,13 +1228,13 @@ def test_group_of_both_codecs(gen, checksum, monkeypatch):
     one codec decoded by its own decoder over its slice of the metadata; a group extended
     after a restore reuses what it cached."""
     from torch_pagecomp import format as fmt
-    from torch_pagecomp.offload import _paged
+    from torch_pagecomp.offload import _decode
     from torch_pagecomp.offload._paged_group import StoredGroup, codec_runs
 
     calls = []
     for name in ("_decompress_rows", "_decompress_into"):
-        real = getattr(_paged, name)
-        monkeypatch.setattr(_paged, name, lambda *a, _real=real, _name=name, **k: (
+        real = getattr(_decode, name)
+        monkeypatch.setattr(_decode, name, lambda *a, _real=real, _name=name, **k: (
             calls.append((_name, int(a[3].numel()), a[-1])), _real(*a, **k))[1])
     store = _store(checksum=checksum)
     spec = [(3, "bf16"), (2, "small"), (1, "bf16"), (2, "bf16"), (1, "noise"), (2, "bf16")]
@@ -1363,10 +1363,11 @@ def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch, device):
     exact into its own poisoned output; one copy per run of adjacent arena bytes (not one per
     slice), one gather and one decode per codec."""
     from torch_pagecomp.kernels import row_table
-    from torch_pagecomp.offload import _copies, _paged, _paged_group
+    from torch_pagecomp.offload import _copies, _decode, _paged, _paged_group
 
     copies, gathers, decodes = [], [], []
-    real_copy, real_decode, real_at = _copies.copy_spans, _paged.decode_rows, _paged.decode_rows_at
+    real_copy = _copies.copy_spans
+    real_decode, real_at = _decode.decode_rows, _decode.decode_rows_at
     monkeypatch.setattr(_copies, "copy_spans",
                         lambda dst, spans: (copies.append(len(spans)), real_copy(dst, spans)))
     # the CPU's checked launchers take tensors; the GPU's launches take addresses
@@ -1375,9 +1376,9 @@ def test_placed_restore_of_both_codecs_in_arena_order(gen, monkeypatch, device):
         gathers.append(a[0].shape[1]), real_gather(*a, **k)))
     monkeypatch.setattr(row_table, "gather_slice_meta_at", lambda *a: (
         gathers.append(a[1]), real_gather_at(*a)))
-    monkeypatch.setattr(_paged, "decode_rows",
+    monkeypatch.setattr(_decode, "decode_rows",
                         lambda *a: (decodes.append((a[1].numel(), a[-1])), real_decode(*a)))
-    monkeypatch.setattr(_paged, "decode_rows_at",
+    monkeypatch.setattr(_decode, "decode_rows_at",
                         lambda *a: (decodes.append((a[3], a[0])), real_at(*a)))
     store = _store(device)  # 4-page slices, 16-page chunks
     spec = [(9, "bf16"), (6, "small"), (1, "bf16"), (5, "noise"), (7, "bf16")]
@@ -1414,13 +1415,13 @@ def test_placed_restore_into_parts_decodes_only_their_pages(gen, monkeypatch, de
     """``restore_placed`` into parts (the hooks' batch restored member by member): each part
     gets exactly its pages, across slice boundaries and codecs; pages no part holds (a member
     whose saved tensors are gone) are not decoded; a whole output beside them is unchanged."""
-    from torch_pagecomp.offload import _paged, _paged_group
+    from torch_pagecomp.offload import _decode, _paged_group
 
     decoded = []
-    real_decode, real_at = _paged.decode_rows, _paged.decode_rows_at
-    monkeypatch.setattr(_paged, "decode_rows",
+    real_decode, real_at = _decode.decode_rows, _decode.decode_rows_at
+    monkeypatch.setattr(_decode, "decode_rows",
                         lambda *a: (decoded.append(a[1].numel()), real_decode(*a)))
-    monkeypatch.setattr(_paged, "decode_rows_at",
+    monkeypatch.setattr(_decode, "decode_rows_at",
                         lambda *a: (decoded.append(a[3]), real_at(*a)))
     store = _store(device)  # 4-page slices
     spec = [(11, "bf16"), (6, "small"), (3, "noise")]

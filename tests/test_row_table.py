@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from torch_pagecomp.kernels.row_table import ROW_BLOCK, fill_row_table  # noqa: E402
-from torch_pagecomp.offload import _paged  # noqa: E402
+from torch_pagecomp.offload import _decode  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = -0x5A5A5A5A5A
@@ -54,7 +54,7 @@ def test_store_row_table_of_live_outputs(cuda, gen):
     p = 4096
     outs = [torch.empty(int(n) * p, dtype=torch.uint8, device=cuda)
             for n in torch.randint(1, 3000, (5,), generator=gen)]
-    rows = _paged._row_table(outs, p)
+    rows = _decode._row_table(outs, p)
     want = _expected([o.data_ptr() for o in outs], [o.numel() // p for o in outs], p)
     assert rows.device.type == "cuda" and rows.cpu().tolist() == want
 
@@ -63,16 +63,16 @@ def test_ramps_of_stride_zero_repeat_each_value(cuda, gen):
     """A group restore's per-slice shift of the page offsets: ``np.repeat`` on the GPU."""
     counts = [int(n) for n in torch.randint(0, 5000, (6,), generator=gen)]
     values = [int(v) for v in torch.randint(0, 1 << 40, (6,), generator=gen)]
-    got = _paged.ramps(values, counts, 0, cuda)
+    got = _decode.ramps(values, counts, 0, cuda)
     assert got.cpu().tolist() == [v for v, n in zip(values, counts) for _ in range(n)]
-    assert _paged.ramps([], [], 0, cuda).numel() == 0
+    assert _decode.ramps([], [], 0, cuda).numel() == 0
 
 
 def test_to_device_stages_through_page_locked_memory(gen):
     host = torch.randint(-(1 << 40), 1 << 40, (1000,), dtype=torch.int64, generator=gen)
     want = host.clone()
     dev = torch.device(DEV)
-    up = _paged.to_device(host, dev)
+    up = _decode.to_device(host, dev)
     if dev.type == "cuda":
         host.zero_()  # staged by a host copy: the upload never reads the caller's tensor later
         torch.cuda.synchronize()

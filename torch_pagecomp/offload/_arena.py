@@ -48,7 +48,7 @@ class UploadRing:
     """Small ``int64`` tables that kernels read straight from page-locked host memory (a
     batched restore's row table and offset shifts: three numbers per tensor or slice), written
     by the host into a ring of slots: no allocation and no host-to-device copy per table
-    (``_paged.to_device`` cost a restore ~80 us a table, ``bench/results/h200_651df2a_session32``).
+    (``_decode.to_device`` cost a restore ~80 us a table, ``bench/results/h200_651df2a_session32``).
 
     The ring is two halves. When the writer moves into a half, it first waits for the kernels
     that read it the last time round: an event per stream that read it, recorded when the

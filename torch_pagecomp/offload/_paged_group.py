@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import _arena, _copies, _paged
+from . import _arena, _copies, _decode, _paged
 from ._streams import current_stream
 
 
@@ -221,7 +221,7 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
             runs.append([sl.base, sl.total, staged])
         staged += sl.total
     # each slice's metadata comes up with its pages, at its end: the gather reads it there,
-    # not over the link (see ``_paged._decode_slice_at``); on the CPU, where it lies
+    # not over the link (see ``_decode._decode_slice_at``); on the CPU, where it lies
     staging = torch.empty(staged, dtype=torch.uint8, device=dev)
     for base, total, at in runs:
         _copies.copy_spans(staging, arena.spans(base, total, at))
@@ -246,11 +246,11 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     work = torch.empty(_work_bytes(pages), dtype=torch.uint8, device=dev)
     if stream is None:  # the CPU (the interpreter): the checked launcher, on views
         offsets, rows, sizes, kinds = _work_views(work, pages)
-        desc = _paged.upload_table(cols, dev, store.uploads)
+        desc = _decode.upload_table(cols, dev, store.uploads)
         gather_slice_meta(desc, offsets, sizes, kinds, rows, p, most, traced=False)
         for a, b, exp in ((0, lz4_pages, False), (lz4_pages, pages, True)):
             if a < b:
-                _paged.decode_rows(staging, offsets[a:b], sizes[a:b], kinds[a:b], rows[a:b],
+                _decode.decode_rows(staging, offsets[a:b], sizes[a:b], kinds[a:b], rows[a:b],
                                    p, status[a:b], exp)
     else:
         _gather_and_decode_at(store, cols, staging, staged, work, status, (p, most, lz4_pages),
@@ -319,7 +319,7 @@ def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, staged: int,
     table = store.uploads.put_addr(cols, stream) if store.uploads is not None else None
     uploaded = None
     if table is None:  # more slices than half the ring holds: uploaded instead
-        uploaded = _paged.upload_table(cols, status.device, None)
+        uploaded = _decode.upload_table(cols, status.device, None)
         table = uploaded.data_ptr()
     w = work.data_ptr()
     offs, rows, szs, kds = (w + o for o in _work_offsets(pages))
@@ -340,7 +340,7 @@ def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, staged: int,
                 return (staging[:total], offsets[a:b], sz[a:b], kd[a:b], rws[a:b],
                         status[a:b], total)
 
-            _paged.decode_rows_at(exp, index, p, b - a,
+            _decode.decode_rows_at(exp, index, p, b - a,
                                   (payload, offs + 8 * a, szs + 4 * a, kds + a, rows + 8 * a,
                                    st + 4 * a), total, decode_args)
 
@@ -420,10 +420,10 @@ def restore_group(store, group: StoredGroup, out) -> None:
             args = (staging, offsets[part], sizes[part], kinds[part])
             run_sums = None if sums is None else sums[part]
             if outs is not None:  # each tensor's pages into its own output (or part of out)
-                _paged._decompress_rows(*args, outs[lo:hi], p, status[part], run_sums, exp,
+                _decode._decompress_rows(*args, outs[lo:hi], p, status[part], run_sums, exp,
                                         ring=store.uploads)
             else:
-                _paged._decompress_into(*args, out.view(pages, p)[part], status[part],
+                _decode._decompress_into(*args, out.view(pages, p)[part], status[part],
                                         run_sums, exp)
         store._count_failures(status, stream)
     if group.ragged:  # partial last pages travel as plain bytes
@@ -433,7 +433,7 @@ def restore_group(store, group: StoredGroup, out) -> None:
                   else None)
         for i, (stored, start) in enumerate(tails):
             end = start + stored.nbytes
-            _paged.restore_tail(stored, out[end - stored.tail.numel():end], stream,
+            _decode.restore_tail(stored, out[end - stored.tail.numel():end], stream,
                                 None if status is None else status[i:i + 1])
         if status is not None:
             store._count_failures(status, stream)
