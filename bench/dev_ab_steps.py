@@ -244,6 +244,21 @@ def _over_last_peak(batcher, dev):
     return allocated + 2 * batcher.last_group_bytes - max(peak, last)
 
 
+def _waits_by(arenas, was) -> str:
+    """The timed rounds' host waits for placements by why the host waited (the compressed
+    stores' ``host_wait_us_by`` now, less ``was``, before the rounds), in seconds, as
+    `` (payload 0.120, room 0.030)``; empty where it did not wait."""
+    import collections
+
+    by: collections.Counter = collections.Counter()
+    for sign, stats in ((1, arenas), (-1, was)):
+        for c in stats:
+            for why, us in c.get("host_wait_us_by", {}).items():
+                by[why] += sign * us
+    parts = [f"{why} {us / 1e6:.3f}" for why, us in sorted(by.items()) if us > 0]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _pick_no_wait(store, nbytes: int, pick):
     """``pick`` (``PagedStore._pick``), except that where the payload it picks holds a slice whose
     placement the GPU has not published (its copies not queued: ``_store_slice`` would have
@@ -502,7 +517,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                 - sum(c.get("host_wait_us", 0) for c in was)) / 1e6
         lines.append(f"| {arm} | {held / 2**30:.2f} | "
                      f"{sum(c['host_held_bytes'] for c in arenas) / 2**30:.2f} "
-                     f"({peak / 2**30:.2f}) | {wait:.3f} | "
+                     f"({peak / 2**30:.2f}) | {wait:.3f}{_waits_by(arenas, was)} | "
                      f"{hm.get('pack', 0.0):.1f} / {hm.get('unpack', 0.0):.1f} | "
                      f"{n.get('packed', 0):.0f} / "
                      f"{n.get('restored_prefetch', 0) + n.get('restored_on_demand', 0):.0f} | "

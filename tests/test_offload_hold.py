@@ -579,6 +579,17 @@ def test_the_lastpeak_arm_holds_below_the_higher_of_the_two_peaks(monkeypatch):
     assert off._batcher._over_peak.__func__ is Batcher._over_peak
 
 
+def test_the_ab_probe_splits_the_timed_rounds_host_waits_by_cause():
+    """``bench.dev_ab_steps``' table: the compressed stores' host waits for placements in the
+    timed rounds (now less before), by why the host waited, seconds; nothing where none."""
+    from bench.dev_ab_steps import _waits_by
+
+    now = [{"host_wait_us_by": {"payload": 300_000, "room": 50_000}}, {"host_wait_us_by": {}}]
+    before = [{"host_wait_us_by": {"payload": 100_000, "room": 50_000}}]
+    assert _waits_by(now, before) == " (payload 0.200)"
+    assert _waits_by([{}], []) == ""
+
+
 def test_the_ab_probe_constant_arms_set_their_constants_and_put_them_back():
     """``bench.dev_ab_steps``' constant arms (``PATCHES``) set every constant they name while
     their steps run, and put each back after, also when a step raises."""

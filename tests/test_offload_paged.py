@@ -248,7 +248,7 @@ def test_peak_of_stored_bytes_counts_slices_freed_before_their_placement_is_read
 def test_host_waits_for_packs_are_counted():
     """``stats()["host_wait_us"]``: the time the host spent waiting for a slice's pack (a
     confirm that needs its placement), and only that: a confirm of finished slices adds
-    nothing."""
+    nothing; ``host_wait_us_by`` counts it by why the host waited (``confirm``'s ``why``)."""
     import time
 
     from torch_pagecomp.offload._arena import _Slice
@@ -278,14 +278,17 @@ def test_host_waits_for_packs_are_counted():
     arena.add(slow, P)
     arena.confirm()  # not finished: not waited for
     assert slow.base is None and store.stats()["host_wait_us"] == 0
-    arena.confirm(through=slow)
+    assert store.stats()["host_wait_us_by"] == {}
+    arena.confirm(through=slow, why="payload")
     assert slow.base == 0 and slow.total == 16 + m
     waited = store.stats()["host_wait_us"]
     assert 20_000 <= waited < 2_000_000, waited
+    assert store.stats()["host_wait_us_by"] == {"payload": waited}
     done = _Slice(1, 1, None, host_desc=published(16 + m, 16 + m))
     arena.add(done, P)
-    arena.confirm(through=done)
+    arena.confirm(through=done, why="room")
     assert store.stats()["host_wait_us"] == waited
+    assert store.stats()["host_wait_us_by"] == {"payload": waited}  # nothing waited: no row
 
 
 @pytest.mark.parametrize("checksum", [False, True])

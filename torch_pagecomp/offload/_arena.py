@@ -336,8 +336,11 @@ class VirtualArena:
         # restores read the arena on; set by the store (None on the CPU)
         self.sender = self.reader = None
         # seconds the host spent waiting for packs in ``confirm(through=...)`` (which ``back``
-        # and ``host_desc`` call before pinning or reusing): a step's host time not spent working
+        # and ``host_desc`` call before pinning or reusing): a step's host time not spent
+        # working; ``wait_by``: the same by why it waited (``confirm``'s ``why``: a payload
+        # to reuse, room in the arena, a descriptor slot, a restore, a caller's settle)
         self.wait_s = 0.0
+        self.wait_by: collections.Counter = collections.Counter()
 
     # ---------------------------------------------------------------- placement
     def chunks_of(self, base: int, total: int) -> range:
@@ -392,7 +395,7 @@ class VirtualArena:
         holds (:meth:`back`)."""
         new = self._unbacked(upper)
         while self.pending and len(new) > len(self.free):
-            self.confirm(through=self.pending[0][0])
+            self.confirm(through=self.pending[0][0], why="room")
             new = self._unbacked(upper)
         return new
 
@@ -442,7 +445,7 @@ class VirtualArena:
         published to. Slot ``k`` is reused ``DESC_SLOTS`` slices later, once the slice before
         has been confirmed."""
         if len(self.pending) >= DESC_SLOTS:
-            self.confirm(through=self.pending[len(self.pending) - DESC_SLOTS][0])
+            self.confirm(through=self.pending[len(self.pending) - DESC_SLOTS][0], why="desc")
         k = self._next_desc
         self._next_desc = (k + 1) % DESC_SLOTS
         return k
@@ -467,11 +470,12 @@ class VirtualArena:
                 self.peak_used = max(self.peak_used, self._stored)
 
     # -------------------------------------------------------------- confirmation
-    def confirm(self, through: _Slice | None = None) -> None:
+    def confirm(self, through: _Slice | None = None, why: str = "caller") -> None:
         """Read the placement of finished slices in stream order (all up to ``through``,
         waiting for it if needed; else only those already finished, without waiting). A sent
         slice's copies into the arena are queued here; it counts as placed once they are
-        done (:meth:`_publish`, never waiting; :meth:`settle` waits)."""
+        done (:meth:`_publish`, never waiting; :meth:`settle` waits). ``why``: what a wait is
+        counted as in :attr:`wait_by`."""
         while self.pending:
             sl, _ = self.pending[0]
             if not sl.known():
@@ -479,7 +483,9 @@ class VirtualArena:
                     break
                 t0 = time.perf_counter()
                 sl.stored.synchronize()
-                self.wait_s += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                self.wait_s += waited
+                self.wait_by[why] += waited
             self.pending_upper -= self.pending.popleft()[1]
             base, total, pages, _ = self._descs_np[sl.host_desc].tolist()
             sl.host_desc = None

@@ -340,7 +340,8 @@ class PagedStore:
         last = slot.last
         if last is not None:
             if last.send is not None:
-                arena.confirm(through=last)  # its copies queued: the wait below is for them
+                arena.confirm(through=last, why="payload")  # its copies queued: the wait
+                # below is for them
             # bound the scratch in flight: the payload's last pages have left it by then, and
             # a restore that decoded them from it (``restore``) is done reading
             _wait(cs, last.stored)
@@ -674,7 +675,7 @@ class PagedStore:
         self.arena.confirm()
         unsent = [sl for sl in slices if sl.send is not None]
         if unsent:
-            self.arena.confirm(through=unsent[-1])
+            self.arena.confirm(through=unsent[-1], why="restore")
 
     def wait_placed(self) -> None:
         """Wait until every slice stored so far is placed and confirmed (exact host sizes),
@@ -759,6 +760,7 @@ class PagedStore:
             "status_bytes": 0 if self.statuses is None else self.statuses.ring_bytes,
             "pending_slices": len(a.pending),
             "host_wait_us": round(a.wait_s * 1e6),
+            "host_wait_us_by": {k: round(v * 1e6) for k, v in a.wait_by.items()},
         }
 
 
