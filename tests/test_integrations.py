@@ -458,7 +458,7 @@ def test_restore_group_round_trip(gen, device, float_format):
         # copies not seen done): the fetch kernel reads every slice
         arena = store.arena
         if float_format is None:
-            arena.confirm = lambda through=None: None
+            arena.confirm = lambda through=None, why="caller": None
         else:
             arena._publish = lambda: None
         out = poisoned(sum(sizes))

@@ -404,9 +404,9 @@ def test_slices_in_flight_are_waited_for_before_a_new_chunk_is_pinned(gen, monke
     waited = []
     real = arena.confirm
 
-    def counting(through=None):
+    def counting(through=None, why="caller"):
         waited.append(through is not None)
-        real(through)
+        real(through, why)
 
     monkeypatch.setattr(arena, "confirm", counting)
     srcs = [_data(gen, 5 * P, "small") for _ in range(14)]  # 70 pages: 8.75 chunks raw
@@ -439,7 +439,7 @@ def test_the_nowait_probe_pins_instead_of_waiting_and_puts_the_wait_back(gen, mo
 
     real = arena.confirm
 
-    def behind(through=None):
+    def behind(through=None, why="caller"):
         if through is not None:
             raise Waited
         real()
@@ -473,7 +473,8 @@ def test_stores_now_says_whether_a_store_would_wait_for_slices_in_flight(gen, mo
     class Waited(Exception):
         pass
 
-    def behind(through=None):  # the pack stream behind: nothing is placed, and a wait stops
+    # the pack stream behind: nothing is placed, and a wait stops
+    def behind(through=None, why="caller"):
         if through is not None:
             raise Waited
 
