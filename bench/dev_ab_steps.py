@@ -60,7 +60,7 @@ until the backward's end, went with session 56's ring of statuses, ``offload._st
 it lay in the arena behind their pages.) ``memory_no_wait``: where the payload the store
 picks holds a slice whose placement the host would wait for, another payload whose pages
 have left is taken instead, made if need be, whatever the last step's peak (under FSDP2 the
-host waited 11-34 ms a step for placements, ``bench/results/h200x2_session70``).
+host waited up to 34 ms a step for placements, ``bench/results/h200x2_session70``).
 ``memory_join``: a batch joined by one
 ``torch.cat`` before its compress, as before session 57 (now the compress reads the
 members where they lie, ``PagedStore.takes_parts``).
