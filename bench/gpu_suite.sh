@@ -209,7 +209,7 @@ fsdpab)
         --arms "${AB_ARMS:-uncompressed,memory,speed,none,save_on_cpu}" --rounds "${AB_ROUNDS:-5}" --warmup "${AB_WARMUP:-4}" \
         ${AB_STALL:+--stall-dump $AB_STALL} ${AB_SAMPLE:+--sample-host $AB_SAMPLE} \
         --out "$OUT/stock_models_fsdp_interleaved.json" 2>&1 | tee "$OUT/fsdp_interleaved.txt" \
-        | grep -E "^## |^\| (uncompressed|memory|speed|none) \| [0-9]|^speed:"
+        | grep -E "^## |^\| [a-z_0-9]+ \| [0-9]|^speed:"
     ;;
 retune)
     header retune | tee "$OUT/retune.txt"
