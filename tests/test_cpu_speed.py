@@ -128,15 +128,18 @@ def test_two_threads_scale(gen, op):
 
 def decode_ratio(pages: torch.Tensor) -> float:
     """Time of ``decompress_cpu`` (one thread) over the time of ``lz4.block.decompress`` on the
-    same LZ4 blocks, page by page (best of 3 each)."""
+    same LZ4 blocks, page by page (best of 5 each, run in turns: timed one after the other,
+    a burst of load from xdist's other worker during one side's runs read as 3.7x in a
+    clean-clone CI run, session 70)."""
     payload, sizes, kinds = cpu_codec.compress_cpu(pages)
     n, p = pages.shape
     offsets = torch.arange(n, dtype=torch.int64) * p
     rows = payload.numpy()
     blocks = [rows[i, : int(sizes[i])].tobytes() for i in range(n) if int(kinds[i]) & 15 == 1]
     assert len(blocks) > n // 2
-    t_lz4 = best(lambda: [lz4.block.decompress(b, uncompressed_size=p) for b in blocks])
-    t_ours = best(lambda: cpu_codec.decompress_cpu(payload.view(-1), offsets, sizes, kinds, p))
+    t_lz4, t_ours = bests(
+        lambda: [lz4.block.decompress(b, uncompressed_size=p) for b in blocks],
+        lambda: cpu_codec.decompress_cpu(payload.view(-1), offsets, sizes, kinds, p))
     out, status = cpu_codec.decompress_cpu(payload.view(-1), offsets, sizes, kinds, p)
     assert not status.any() and torch.equal(out, pages)
     return t_ours / t_lz4
