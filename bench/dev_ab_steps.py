@@ -248,8 +248,6 @@ def _waits_by(arenas, was) -> str:
     """The timed rounds' host waits for placements by why the host waited (the compressed
     stores' ``host_wait_us_by`` now, less ``was``, before the rounds), in seconds, as
     `` (payload 0.120, room 0.030)``; empty where it did not wait."""
-    import collections
-
     by: collections.Counter = collections.Counter()
     for sign, stats in ((1, arenas), (-1, was)):
         for c in stats:

@@ -52,7 +52,7 @@ OFFLOAD_TARGETS = (
     "torch_pagecomp.handles:RestoreFailures.add",
     "torch_pagecomp._direct:DirectPath._current",
     "torch_pagecomp.offload._paged:PagedStore._payload",
-    "torch_pagecomp.offload._decode:_decode_slice_at",
+    "torch_pagecomp.offload._decode:decode_slice_at",
     "torch_pagecomp.offload._paged:_wait",
     "torch_pagecomp.offload._paged:copy_spans",
     "torch_pagecomp.offload._arena:VirtualArena.back",

@@ -336,11 +336,15 @@ class VirtualArena:
         # restores read the arena on; set by the store (None on the CPU)
         self.sender = self.reader = None
         # seconds the host spent waiting for packs in ``confirm(through=...)`` (which ``back``
-        # and ``host_desc`` call before pinning or reusing): a step's host time not spent
-        # working; ``wait_by``: the same by why it waited (``confirm``'s ``why``: a payload
-        # to reuse, room in the arena, a descriptor slot, a restore, a caller's settle)
-        self.wait_s = 0.0
+        # and ``host_desc`` call before pinning or reusing), by why it waited (``confirm``'s
+        # ``why``: a payload to reuse, room in the arena, a descriptor slot, a restore, a
+        # caller's settle): a step's host time not spent working
         self.wait_by: collections.Counter = collections.Counter()
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds the host spent waiting for packs, whatever the reason (:attr:`wait_by`)."""
+        return sum(self.wait_by.values())
 
     # ---------------------------------------------------------------- placement
     def chunks_of(self, base: int, total: int) -> range:
@@ -483,9 +487,7 @@ class VirtualArena:
                     break
                 t0 = time.perf_counter()
                 sl.stored.synchronize()
-                waited = time.perf_counter() - t0
-                self.wait_s += waited
-                self.wait_by[why] += waited
+                self.wait_by[why] += time.perf_counter() - t0
             self.pending_upper -= self.pending.popleft()[1]
             base, total, pages, _ = self._descs_np[sl.host_desc].tolist()
             sl.host_desc = None

@@ -38,8 +38,8 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def _decode_slice_at(sl: _Slice, staging: torch.Tensor, total: int, meta_at: int | None,
-                     out: torch.Tensor, status: torch.Tensor, p: int, exp: bool) -> None:
+def decode_slice_at(sl: _Slice, staging: torch.Tensor, total: int, meta_at: int | None,
+                    out: torch.Tensor, status: torch.Tensor, p: int, exp: bool) -> None:
     """Decode slice ``sl`` from the first ``total`` bytes of ``staging`` (its host bytes,
     copied or fetched) into its pages of ``out`` and statuses on the current CUDA stream, by
     address: the views :meth:`PagedStore.restore` would cut per slice (its pages, statuses and
@@ -63,7 +63,7 @@ def _decode_slice_at(sl: _Slice, staging: torch.Tensor, total: int, meta_at: int
     decode_rows_at(exp, out.device.index, p, n, addrs, total, args, rows=False)
 
 
-def _checksums(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def checksums(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The format's checksum of each page of ``pages`` (``uint8 [n, P]``) on the current
     stream, into ``out`` (``int32 [n]``) if given: the kernel on the GPU, numpy on the CPU."""
     if pages.is_cuda:
@@ -95,7 +95,7 @@ def tail_checksum(tail: torch.Tensor, page_size: int) -> torch.Tensor:
     tensor's last ``nbytes % P`` bytes as a plain copy and check them with this."""
     page = torch.zeros((1, page_size), dtype=torch.uint8, device=tail.device)
     page[0, :tail.numel()].copy_(tail, non_blocking=True)
-    return _checksums(page)
+    return checksums(page)
 
 
 def verify(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -161,7 +161,7 @@ def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,
                 row_checksums(table, page_size, got)
             else:  # the kernel reads 32-bit words: rows of a ragged group's later tensors
                 # may start anywhere, so those pages are checked from an aligned copy
-                got = _checksums(torch.cat([o.view(-1, page_size) for o in outs]))
+                got = checksums(torch.cat([o.view(-1, page_size) for o in outs]))
             verify(status, got, sums)
         return
     pages = torch.empty((status.numel(), page_size), dtype=torch.uint8)
@@ -225,4 +225,4 @@ def _decompress_into(payload, offsets, sizes, kinds, pages, status, sums=None,
     else:
         _ops.decompress_into_eager(payload, offsets, sizes, kinds, pages, status, exp=exp)
     if sums is not None:
-        verify(status, _checksums(pages), sums)
+        verify(status, checksums(pages), sums)

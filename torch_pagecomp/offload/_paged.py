@@ -278,8 +278,8 @@ class PagedStore:
         slices = []
         with on_stream(cs):
             if isinstance(src, list):  # made and read on this stream only
-                rows = _decode.ramps([t.data_ptr() for _, t in src], counts, p, src[0][1].device,
-                             self.uploads)
+                rows = _decode.ramps([t.data_ptr() for _, t in src], counts, p,
+                                     src[0][1].device, self.uploads)
             for first, n in self._slices(full):
                 slices.append(self._store_slice(src, rows, first, n, element_size,
                                                 float_format))
@@ -340,8 +340,8 @@ class PagedStore:
         last = slot.last
         if last is not None:
             if last.send is not None:
-                arena.confirm(through=last, why="payload")  # its copies queued: the wait
-                # below is for them
+                # its copies queued: the wait below is for them
+                arena.confirm(through=last, why="payload")
             # bound the scratch in flight: the payload's last pages have left it by then, and
             # a restore that decoded them from it (``restore``) is done reading
             _wait(cs, last.stored)
@@ -361,7 +361,7 @@ class PagedStore:
         self._compress_slice(src, rows, sl, payload, (sizes, kinds, rel),
                              slot.end if placed else None, element_size, float_format)
         if self.checksum:
-            _decode._checksums(_pages(src, first, n, p), sl.sums)
+            _decode.checksums(_pages(src, first, n, p), sl.sums)
         self.scratch_bytes = max(self.scratch_bytes,
                                  len(self._slots) * n * p + self._scratch_held)
         if ps is not None:  # the pack stream waits for the compress kernel
@@ -640,7 +640,7 @@ class PagedStore:
             if by_address:
                 if stream is not None and meta_at is None:  # the device's metadata, let
                     sl.meta.record_stream(stream)  # go once the slice is placed
-                _decode._decode_slice_at(sl, staging, total, meta_at, out, status, p, stored.exp)
+                _decode.decode_slice_at(sl, staging, total, meta_at, out, status, p, stored.exp)
             else:
                 pages = out[sl.first * p:(sl.first + sl.n) * p].view(sl.n, p)
                 st = status[sl.first:sl.first + sl.n]
@@ -651,7 +651,7 @@ class PagedStore:
                 sl.read = mark(stream)
         if stored.tail is not None:  # its status (if checked) follows the pages'
             _decode.restore_tail(stored, out[stored.nbytes - stored.tail.numel():], stream,
-                         status[full:])
+                                 status[full:])
         if status.numel() and hand:
             self._count_failures(status, stream)
         if stream is None:

@@ -221,7 +221,7 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
             runs.append([sl.base, sl.total, staged])
         staged += sl.total
     # each slice's metadata comes up with its pages, at its end: the gather reads it there,
-    # not over the link (see ``_decode._decode_slice_at``); on the CPU, where it lies
+    # not over the link (see ``_decode.decode_slice_at``); on the CPU, where it lies
     staging = torch.empty(staged, dtype=torch.uint8, device=dev)
     for base, total, at in runs:
         _copies.copy_spans(staging, arena.spans(base, total, at))
@@ -251,7 +251,7 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
         for a, b, exp in ((0, lz4_pages, False), (lz4_pages, pages, True)):
             if a < b:
                 _decode.decode_rows(staging, offsets[a:b], sizes[a:b], kinds[a:b], rows[a:b],
-                                   p, status[a:b], exp)
+                                    p, status[a:b], exp)
     else:
         _gather_and_decode_at(store, cols, staging, staged, work, status, (p, most, lz4_pages),
                               stream)
@@ -341,8 +341,8 @@ def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, staged: int,
                         status[a:b], total)
 
             _decode.decode_rows_at(exp, index, p, b - a,
-                                  (payload, offs + 8 * a, szs + 4 * a, kds + a, rows + 8 * a,
-                                   st + 4 * a), total, decode_args)
+                                   (payload, offs + 8 * a, szs + 4 * a, kds + a, rows + 8 * a,
+                                    st + 4 * a), total, decode_args)
 
 
 def restore_group(store, group: StoredGroup, out) -> None:
@@ -421,10 +421,10 @@ def restore_group(store, group: StoredGroup, out) -> None:
             run_sums = None if sums is None else sums[part]
             if outs is not None:  # each tensor's pages into its own output (or part of out)
                 _decode._decompress_rows(*args, outs[lo:hi], p, status[part], run_sums, exp,
-                                        ring=store.uploads)
+                                         ring=store.uploads)
             else:
                 _decode._decompress_into(*args, out.view(pages, p)[part], status[part],
-                                        run_sums, exp)
+                                         run_sums, exp)
         store._count_failures(status, stream)
     if group.ragged:  # partial last pages travel as plain bytes
         tails = [(s, start) for s, start in zip(group.storeds, group.starts)
@@ -434,7 +434,7 @@ def restore_group(store, group: StoredGroup, out) -> None:
         for i, (stored, start) in enumerate(tails):
             end = start + stored.nbytes
             _decode.restore_tail(stored, out[end - stored.tail.numel():end], stream,
-                                None if status is None else status[i:i + 1])
+                                 None if status is None else status[i:i + 1])
         if status is not None:
             store._count_failures(status, stream)
     if stream is None:
