@@ -34,6 +34,9 @@
 #                                      # returns 8 files a call)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
+#   bash bench/gpu_suite.sh chaos      # the hooks under random delays on their streams, every
+#                                      # step's gradients against no offload (CHAOS_MODELS,
+#                                      # CHAOS_ARMS, CHAOS_BUDGET, CHAOS_ARGS; bench/dev_chaos.py)
 #   bash bench/gpu_suite.sh crashhunt  # the T5 bench's one illegal memory access in six
 #                                      # processes (session 69): processes of HUNT_MODEL with
 #                                      # the arms of call 4 (HUNT_ARMS), each step's arm traced,
@@ -446,6 +449,24 @@ crashhunt)
             break
         fi
         [ $rc -eq 0 ] && rm -f "$log"  # (the device tool returns few files: keep the failures')
+    done
+    ;;
+chaos)
+    # the hooks' stream order under random GPU delays (bench/dev_chaos.py): a process per
+    # model of CHAOS_MODELS, CHAOS_BUDGET seconds for all, CHAOS_EACH at most for one; CHAOS_ARGS passed on (--control:
+    # hand-offs dropped, which must show differing gradients; --sdpa default)
+    header chaos | tee -a "$OUT/chaos.txt"
+    for m in $(echo "${CHAOS_MODELS:-t5-1024}" | tr , ' '); do
+        left=$((${CHAOS_BUDGET:-400} - SECONDS))
+        [ $left -lt 60 ] && { echo "$m: skipped, out of time" | tee -a "$OUT/chaos.txt"; continue; }
+        [ $left -gt ${CHAOS_EACH:-400} ] && left=${CHAOS_EACH:-400}
+        log="$OUT/chaos_$m${CHAOS_TAG:-}.txt"
+        timeout $left python3 -m bench.dev_chaos --models "$m" --arms "${CHAOS_ARMS:-uncompressed,memory,speed}" \
+            --steps "${CHAOS_STEPS:-500}" --budget $((left - 45)) ${CHAOS_ARGS:-} > "$log" 2>&1
+        rc=$?
+        echo "$m ${CHAOS_ARGS:-} rc=$rc, last step: $(grep '^\[chaos\]' "$log" | tail -n 1)" | tee -a "$OUT/chaos.txt"
+        grep -v '^\[chaos\]' "$log" | grep -E "seed|differ|rounds of|Error|error" | head -n 12 | tee -a "$OUT/chaos.txt"
+        [ $rc -eq 0 ] && rm -f "$log"
     done
     ;;
 lifetimes)

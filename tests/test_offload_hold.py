@@ -731,7 +731,8 @@ def test_the_ab_probe_samples_where_each_arms_host_time_went(monkeypatch):
         # this thread's rows (other threads, idle ones too, have rows of their own); the
         # sleep's among the first (on a loaded host the backward's can come before it)
         mine = [r[1:3] for r in rows if r[0] == "main"]
-        leaf = next(r for r in mine[:3] if r[0].startswith("test_offload_hold.py:slow"))
+        leaf = next((r for r in mine[:3] if r[0].startswith("test_offload_hold.py:slow")), None)
+        assert leaf is not None, (max(slept), table[:1500])
         ours = next(r[5:7] for r in rows if r[4] == "main")
         # at least most of a 20 ms sleep, at most 2.5 times the longest sleep measured (a
         # loaded host stretches the sleeps and the sampler's intervals unevenly: with a
