@@ -946,3 +946,24 @@ def test_the_leftover_probe_groups_live_blocks_by_their_frames():
         {"device": 1, "blocks": [{"size": 1024, "state": "active_allocated", "frames": fr}]}]}
     assert leftover(snap, 0) == {key: 512, "?": 128}
     assert leftover(snap, 1) == {key: 1024}
+
+
+def test_the_chaos_probe_sets_every_step_against_no_offload(monkeypatch):
+    """``bench.dev_chaos.run``: every step of every arm set against the gradients without
+    offload; none differ with the real stores, and every offloading step differs once the CPU
+    store's restore flips a bit (so the probe can see what it hunts). On the CPU no delays are
+    queued (``torch.cuda._sleep``); the GPU runs them (``gpu_suite.sh chaos``)."""
+    from bench.dev_chaos import run
+    from torch_pagecomp.offload._stores import CpuStore
+
+    bad, lines = run("encoder-tiny", ["uncompressed", "memory"], 2, "cpu", None)
+    assert bad == 0 and "2 rounds of uncompressed, memory" in lines[-1], lines
+    real = CpuStore.restore
+
+    def corrupt(self, stored, out):
+        real(self, stored, out)
+        out.view(torch.uint8).view(-1)[0] ^= 0x40
+
+    monkeypatch.setattr(CpuStore, "restore", corrupt)
+    bad, lines = run("encoder-tiny", ["uncompressed", "memory"], 2, "cpu", None)
+    assert bad == 4 and "4 steps differed" in lines[-1], lines
