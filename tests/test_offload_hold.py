@@ -714,8 +714,8 @@ def test_the_ab_probe_names_the_arm_and_step_of_a_stalled_step(capsys, monkeypat
 
 def test_the_ab_probe_samples_where_each_arms_host_time_went(monkeypatch):
     """``dev_ab_steps --sample-host MS``: per arm, the innermost frames of the timed steps in
-    ms a step. Each optimizer step here sleeps 20 ms: that frame must be among the first
-    three of this thread's rows of every arm's table, at about the time those sleeps
+    ms a step. Each optimizer step here sleeps 20 ms: that frame must be among this
+    thread's rows of every arm's table, at about the time those sleeps
     measured (the samples scaled by their measured interval), and in the package's column
     that time is outside the package ("-")."""
     import bench.dev_ab_steps as ab
@@ -729,9 +729,10 @@ def test_the_ab_probe_samples_where_each_arms_host_time_went(monkeypatch):
         rows = [[c.strip() for c in ln.strip("| ").split("|")] for ln in table.splitlines()[3:]
                 if ln.startswith("|")]
         # this thread's rows (other threads, idle ones too, have rows of their own); the
-        # sleep's among the first (on a loaded host the backward's can come before it)
+        # sleep's among them (its rank varies with the host's load: on a GPU host beside other
+        # GPU jobs this tiny CPU step took 285 ms, its frames ahead of the 20 ms sleep)
         mine = [r[1:3] for r in rows if r[0] == "main"]
-        leaf = next((r for r in mine[:3] if r[0].startswith("test_offload_hold.py:slow")), None)
+        leaf = next((r for r in mine if r[0].startswith("test_offload_hold.py:slow")), None)
         assert leaf is not None, (max(slept), table[:1500])
         ours = next(r[5:7] for r in rows if r[4] == "main")
         # at least most of a 20 ms sleep, at most 2.5 times the longest sleep measured (a
