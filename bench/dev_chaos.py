@@ -16,6 +16,8 @@ timing (session 69's illegal memory access: one T5 process in 22). No optimizer 
 step's gradients must equal the reference bit for bit. Prints one line per step that
 differs and a summary; exits 1 on any difference.
 
+``--fresh N``: each arm's offloader made anew every N rounds, so the first steps' paths
+(arena chunks pinned while kernels run, kernels launched for the first time) recur.
 ``--sdpa default``: the model's own attention kernels (the timed benches' path) instead of
 the math kernel; then the reference is compared only where two reference steps agreed.
 ``--control``: the package's hand-offs (a side stream waiting for the producer's work) do
@@ -103,9 +105,12 @@ class Chaos:
 
 
 def run(name: str, arms: list[str], steps: int, device: str, chaos: Chaos | None,
-        sdpa: str = "math", budget_s: float | None = None) -> tuple[int, list[str]]:
+        sdpa: str = "math", budget_s: float | None = None,
+        fresh: int | None = None) -> tuple[int, list[str]]:
     """``steps`` rounds of one step per arm on model ``name``, each step's gradient hashes set
-    against the reference; ``(steps that differed, report lines)``."""
+    against the reference; ``(steps that differed, report lines)``. ``fresh``: every that
+    many rounds each arm's offloader is closed and a new one made (its arena grows again:
+    chunks pinned while kernels run, as in a process's first steps)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -115,7 +120,10 @@ def run(name: str, arms: list[str], steps: int, device: str, chaos: Chaos | None
 
     cuda = device == "cuda"
     model, x, blocks = build(name, device)
-    offs = {a: ActivationOffloader(**variant_settings(a, device)) for a in arms}
+    def make() -> dict:
+        return {a: ActivationOffloader(**variant_settings(a, device)) for a in arms}
+
+    offs = make()
     kernel = sdpa_kernel(SDPBackend.MATH) if sdpa == "math" else contextlib.nullcontext()
     lines, bad, start = [], 0, time.monotonic()
 
@@ -137,6 +145,10 @@ def run(name: str, arms: list[str], steps: int, device: str, chaos: Chaos | None
             for step in range(steps):
                 if budget_s is not None and time.monotonic() - start > budget_s:
                     break
+                if fresh and step and step % fresh == 0:
+                    for off in offs.values():
+                        off.close()
+                    offs = make()
                 for arm in (arms[step % len(arms):] + arms[:step % len(arms)]):
                     print(f"[chaos] {name} {arm} step {step}", file=sys.stderr, flush=True)
                     with chaos if chaos is not None else contextlib.nullcontext():
@@ -171,6 +183,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None, help="the delays' seed (default: time)")
     ap.add_argument("--sdpa", choices=("math", "default"), default="math")
     ap.add_argument("--budget", type=float, default=None, help="seconds per model, at most")
+    ap.add_argument("--fresh", type=int, default=None,
+                    help="new offloaders every that many rounds (their arenas grow again)")
     ap.add_argument("--control", action="store_true",
                     help="the control: hand-offs to side streams dropped (must show differences)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
@@ -185,7 +199,7 @@ def main() -> None:
         chaos = (Chaos(args.prob, args.max_us, seed, args.control) if device == "cuda"
                  else None)
         n, lines = run(name, args.arms.split(","), args.steps, device, chaos, args.sdpa,
-                       args.budget)
+                       args.budget, args.fresh)
         bad += n
         print("\n".join(lines), flush=True)
     sys.exit(1 if bad else 0)
