@@ -84,11 +84,16 @@
 set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
+# one install at a time: stages started at once (one per GPU) collided here, and one exited
+# (bench/results/h200x2_session71, call 5)
+exec 9>/tmp/pagecomp_suite_install.lock
+flock 9
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 # the package as users install it (the kernels folder maps to torch_pagecomp.kernels)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
     || { echo "editable install failed"; exit 1; }
+flock -u 9
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # deterministic cuBLAS, for the tests and benches that compare gradients bit for bit (read when
 # CUDA starts)
