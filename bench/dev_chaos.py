@@ -120,6 +120,7 @@ def run(name: str, arms: list[str], steps: int, device: str, chaos: Chaos | None
 
     cuda = device == "cuda"
     model, x, blocks = build(name, device)
+
     def make() -> dict:
         return {a: ActivationOffloader(**variant_settings(a, device)) for a in arms}
 
