@@ -62,6 +62,7 @@ class Chaos:
     def __enter__(self) -> Chaos:
         import torch
 
+        from bench.dev_hook_timing import rebind_imported
         from torch_pagecomp import _events
         from torch_pagecomp.offload import _streams
 
@@ -75,9 +76,9 @@ class Chaos:
                 chaos._delay(self_.stream)  # the one switched to
             return real_enter(self_)
 
-        def mark(stream=None, *args, **kw):
-            chaos._delay(stream if stream is not None else torch.cuda.current_stream())
-            return real_mark(stream, *args, **kw)
+        def mark(stream):
+            chaos._delay(stream)
+            return real_mark(stream)
 
         def handoff(before, after):
             chaos._delay(before)  # the producer runs late
@@ -86,16 +87,9 @@ class Chaos:
 
         self._undo.append((_streams.on_stream, "__enter__", real_enter))
         _streams.on_stream.__enter__ = enter
-        # ``mark`` and ``handoff`` are imported by name into the package's modules: each
-        # module's names swapped
-        for name, mod in list(sys.modules.items()):
-            if not name.startswith("torch_pagecomp"):
-                continue
-            for attr, real, fake in (("mark", real_mark, mark),
-                                     ("handoff", real_handoff, handoff)):
-                if getattr(mod, attr, None) is real:
-                    self._undo.append((mod, attr, real))
-                    setattr(mod, attr, fake)
+        # ``mark`` and ``handoff`` are imported by name into the package's modules
+        self._undo += rebind_imported("mark", real_mark, mark)
+        self._undo += rebind_imported("handoff", real_handoff, handoff)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -170,11 +170,20 @@ def instrument(stats, targets=TARGETS) -> list:
         setattr(owner, attr, timed)
         undo.append((owner, attr, fn))
         if owner is mod:  # the modules of the package that imported it by name
-            for name, other in list(sys.modules.items()):
-                if (other is not mod and name.startswith("torch_pagecomp")
-                        and getattr(other, attr, None) is fn):
-                    setattr(other, attr, timed)
-                    undo.append((other, attr, fn))
+            undo += rebind_imported(attr, fn, timed, skip=mod)
+    return undo
+
+
+def rebind_imported(attr: str, fn, new, skip=None) -> list:
+    """Set ``attr`` to ``new`` in every module of the package whose ``attr`` is ``fn`` (a
+    function imported there by name; ``skip``: a module left as it is); the undo list of
+    ``(module, attr, fn)``."""
+    undo = []
+    for name, mod in list(sys.modules.items()):
+        if (mod is not skip and name.startswith("torch_pagecomp")
+                and getattr(mod, attr, None) is fn):
+            setattr(mod, attr, new)
+            undo.append((mod, attr, fn))
     return undo
 
 

@@ -211,7 +211,7 @@ def decode_rows_at(exp: bool, index: int, page_size: int, n: int, addrs: tuple, 
 def _decompress_into(payload, offsets, sizes, kinds, pages, status, sums=None,
                      exp: bool = False) -> None:
     """``pagecomp.decompress_into`` (``exp``: the exponent codec's decoder) of a slice's own
-    metadata (see :func:`_compress`); ``sums`` (``int32 [n]``): then check the decoded pages
+    metadata (see ``_paged._compress``); ``sums`` (``int32 [n]``): then check the decoded pages
     against them (:func:`verify`)."""
     if pages.is_cuda:
         if exp:
