@@ -145,6 +145,7 @@ def _wrap(stats, name, fn):
             rec[0] += 1
             rec[1] += ns
             rec[2] = max(rec[2], ns)
+            rec[3].append(ns)  # for the median: a mean hides a few long waits
     return timed
 
 
@@ -240,10 +241,11 @@ def training_step(name: str, variant: str, fsdp: bool = False):
     return step, off
 
 
-def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS) -> str:
+def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS,
+            fsdp: bool = False) -> str:
     import torch
 
-    step, off = training_step(name, variant)
+    step, off = training_step(name, variant, fsdp=fsdp)
 
     def issue_ms(n):
         out = []
@@ -268,7 +270,7 @@ def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS) -
     per_step = {k: round((v - before.get(k, 0)) / steps, 1) for k, v in off.counters.items()
                 if k in ("offloaded_raw", "offloaded_compressed", "served_from_stash",
                          "restored_prefetch", "in_flight_waits")}
-    stats = collections.defaultdict(lambda: [0, 0, 0])
+    stats = collections.defaultdict(lambda: [0, 0, 0, []])
     undo = instrument(stats, targets)
     waited = _host_wait_us(off)
     try:
@@ -282,11 +284,13 @@ def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS) -
              f"({timed:.1f} ms with timers); per step {per_step}"
              + (f"; tuner chose {off.tuner.choice}" if off.tuner is not None else "")
              + f"; {gc_note}; host waits for packs {waited:.2f} ms per step (timed steps)",
-             "| function | calls / step | ms / step | us / call | longest call us |",
-             "|---|---|---|---|---|"]
-    for fn_name, (calls, ns, most) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
+             "| function | calls / step | ms / step | us / call | median us / call | "
+             "longest call us |",
+             "|---|---|---|---|---|---|"]
+    for fn_name, (calls, ns, most, each) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| {fn_name} | {calls / steps:.0f} | {ns / steps / 1e6:.2f} | "
-                     f"{ns / max(calls, 1) / 1e3:.1f} | {most / 1e3:.0f} |")
+                     f"{ns / max(calls, 1) / 1e3:.1f} | {statistics.median(each) / 1e3:.1f} | "
+                     f"{most / 1e3:.0f} |")
     return "\n".join(lines)
 
 
@@ -312,11 +316,30 @@ def main() -> None:
     ap = stock_parser("uncompressed,memory")
     ap.add_argument("--fine", action="store_true",
                     help="also time the steps of one compressed offload (FINE_TARGETS)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="the model under FSDP2 over torchrun's ranks (torchrun "
+                         "--nproc_per_node 2 -m bench.dev_hook_timing --fsdp); each rank's "
+                         "table, printed by rank 0 (not with speed: its ranks may choose apart)")
     a = ap.parse_args()
     targets = TARGETS + FINE_TARGETS if a.fine else TARGETS
+    rank = 0
+    if a.fsdp:
+        import torch.distributed as dist
+
+        from bench.dev_ab_steps import _process_group
+
+        rank = _process_group("cuda")
     for name in a.models.split(","):
         for variant in a.variants.split(","):
-            print(measure(name, variant, a.steps, a.warmup, targets), flush=True)
+            text = measure(name, variant, a.steps, a.warmup, targets, a.fsdp)
+            if a.fsdp:  # every rank's table, printed by rank 0
+                every = [None] * dist.get_world_size()
+                dist.all_gather_object(every, f"(FSDP2, rank {rank}) {text}")
+                text = "\n".join(every) if rank == 0 else ""
+            if text:
+                print(text, flush=True)
+    if a.fsdp:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
