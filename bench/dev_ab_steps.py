@@ -384,6 +384,10 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
 
     steps_taken = [0]
     rank = f", rank {torch.distributed.get_rank()}" if fsdp else ""
+    # each step's loss, kept on the device (no sync): a model whose training diverged (inf,
+    # NaN) or whose activations collapsed stores pages no real run makes, and its rows
+    # would compare codecs on them (see :func:`_health`)
+    losses: dict[str, list] = collections.defaultdict(list)
 
     sampler = None
 
@@ -405,9 +409,11 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                     sampler.label = arm
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
-                forward(arm).float().square().mean().backward()
+                loss = forward(arm).float().square().mean()
+                loss.backward()
                 opt.step()
                 issue = (time.perf_counter() - t0) * 1e3
+                losses[arm].append(loss.detach())
                 if sampler is not None:
                     sampler.label = None
                 if cuda:
@@ -479,6 +485,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      + "; ".join(f"{a} {', '.join(v)}" for a, v in pinned.items()))
     for off in offs.values():
         off.synchronize()
+    health = _health(model, losses)
+    lines.append(health["line"])
     for sa in tuned:
         t = offs[sa].tuner.summary()
         lines.append(f"{sa}: {tuned[sa]} steps of its own first; choice {t['choice']} "
@@ -495,6 +503,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                            saver.bytes / 2**30 if saver is not None else None)
         for row in mine:
             row["reset_peak"] = reset_peak
+            row["loss_finite"] = health["loss_finite"].get(row["variant"])
+            row["params_finite"] = health["params_finite"]
             if row["variant"] in done:
                 row["hook_host_ms"], row["counters_per_step"] = done[row["variant"]]
         rows += mine
@@ -604,6 +614,30 @@ def _first_grads(model, forward, blocks, arms: list[str], fsdp: bool, make) -> d
         torch.use_deterministic_algorithms(False)
     model.zero_grad(set_to_none=True)
     return out
+
+
+def _health(model, losses: dict) -> dict:
+    """Whether the run measured a model that still trains: every arm's losses finite (and
+    their first and last), every parameter finite. ``{"line", "loss_finite": {arm: bool},
+    "params_finite": bool}``; the line says DIVERGED where either is not."""
+    import torch
+
+    finite, spans = {}, []
+    for arm, got in losses.items():
+        v = torch.stack(got).float().cpu()
+        finite[arm] = bool(torch.isfinite(v).all())
+        spans.append(f"{arm} {v[0].item():.4g} -> {v[-1].item():.4g}")
+    params = all(bool(torch.isfinite(_local(p.detach()).float()).all())
+                 for p in model.parameters())
+    ok = params and all(finite.values())
+    line = (f"model health: {'ok' if ok else 'DIVERGED'}; parameters finite: {params}; "
+            f"losses (first -> last step): {'; '.join(spans)}")
+    return {"line": line, "loss_finite": finite, "params_finite": params}
+
+
+def _local(t):
+    """An FSDP2 shard's part on this rank (a DTensor's local tensor), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _stock_rows(name: str, arms: list[str], res: dict, offs: dict, grads: dict, rounds: int,

@@ -677,6 +677,34 @@ def test_the_ab_probe_closes_its_offloaders(monkeypatch):
     assert len(timed) == 2 and all(c.host_bytes() == 0 for c in timed), closed
 
 
+def test_the_ab_probe_says_when_the_model_diverged(monkeypatch):
+    """``dev_ab_steps.measure`` reports the model's health: every arm's losses and every
+    parameter finite ("ok"), or DIVERGED, with the rows' ``loss_finite`` and
+    ``params_finite`` false: a model gone to inf / NaN stores pages (one value repeated) that
+    compress far beyond real activations, and its rows would compare codecs on them."""
+    from bench.dev_ab_steps import measure
+
+    rows: list[dict] = []
+    lines = measure("encoder-tiny", ["none", "uncompressed"], 1, 1, device="cpu", rows=rows)
+    health = next(ln for ln in lines if ln.startswith("model health"))
+    assert health.startswith("model health: ok"), health
+    assert rows and all(r["loss_finite"] and r["params_finite"] for r in rows), rows
+
+    real = torch.optim.SGD.step
+
+    def poisoned(self, *args, **kwargs):  # the update makes one weight NaN: so does the loss
+        out = real(self, *args, **kwargs)
+        self.param_groups[0]["params"][0].data.view(-1)[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch.optim.SGD, "step", poisoned)
+    rows = []
+    lines = measure("encoder-tiny", ["none", "uncompressed"], 1, 1, device="cpu", rows=rows)
+    health = next(ln for ln in lines if ln.startswith("model health"))
+    assert "DIVERGED" in health and "parameters finite: False" in health, health
+    assert rows and not any(r["loss_finite"] or r["params_finite"] for r in rows), rows
+
+
 def _slow_optimizer_steps(monkeypatch) -> list[float]:
     """Each SGD step sleeps 20 ms (the GIL released): a 1 ms stall watch then fires inside
     every step, whatever the host's speed (a tiny CPU step can end before the watch's thread
