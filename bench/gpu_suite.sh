@@ -31,7 +31,10 @@
 #                                      # models, a process each, arms interleaved (AB_ARMS,
 #                                      # AB_ROUNDS, STOCK_MODELS; NINE_BUDGET: seconds for all);
 #                                      # tables and JSON in $OUT/nine.tgz (the device tool
-#                                      # returns 8 files a call)
+#                                      # returns 8 files a call); check each table's "model
+#                                      # health" line: torch's pinned save_on_cpu makes T5's
+#                                      # gradients NaN, and the arms after it (one model)
+#                                      # then train on NaN (session 72)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   bash bench/gpu_suite.sh chaos      # the hooks under random delays on their streams, every
