@@ -593,13 +593,7 @@ def _first_grads(model, forward, blocks, arms: list[str], fsdp: bool, make) -> d
         if off is not None:
             off.close()
         mine = _grad_hash(model)
-        if not fsdp:
-            return mine
-        import torch.distributed as dist
-
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        return every
+        return every_rank(mine) if fsdp else mine
 
     out = {}
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -622,22 +616,19 @@ def _health(model, losses: dict) -> dict:
     "params_finite": bool}``; the line says DIVERGED where either is not."""
     import torch
 
+    from bench.stock_models import local_part
+
     finite, spans = {}, []
     for arm, got in losses.items():
         v = torch.stack(got).float().cpu()
         finite[arm] = bool(torch.isfinite(v).all())
         spans.append(f"{arm} {v[0].item():.4g} -> {v[-1].item():.4g}")
-    params = all(bool(torch.isfinite(_local(p.detach()).float()).all())
+    params = all(bool(torch.isfinite(local_part(p.detach()).float()).all())
                  for p in model.parameters())
     ok = params and all(finite.values())
     line = (f"model health: {'ok' if ok else 'DIVERGED'}; parameters finite: {params}; "
             f"losses (first -> last step): {'; '.join(spans)}")
     return {"line": line, "loss_finite": finite, "params_finite": params}
-
-
-def _local(t):
-    """An FSDP2 shard's part on this rank (a DTensor's local tensor), else ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _stock_rows(name: str, arms: list[str], res: dict, offs: dict, grads: dict, rounds: int,
@@ -760,6 +751,16 @@ def _any_rank(flag: bool, fsdp: bool) -> bool:
     from bench.stock_models import any_rank
 
     return any_rank(flag, "cuda" if dist.get_backend() == "nccl" else "cpu")
+
+
+def every_rank(obj) -> list:
+    """``obj`` as each rank of the process group gave it, in rank order
+    (``all_gather_object``)."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
 
 
 def _process_group(device: str | None) -> int:

@@ -48,14 +48,13 @@ OP_TARGETS = (
 def timed_calls(name: str, fn, calls: int, cuda: bool) -> str:
     """Per function of ``OP_TARGETS``: calls per call of ``fn`` and host us per call (mean),
     over ``calls`` calls of ``fn`` (the GPU synchronised every 16), beside ``fn``'s own."""
-    import collections
     import time
 
-    from bench.dev_hook_timing import instrument
+    from bench.dev_hook_timing import instrument, timer_stats
 
     for _ in range(20):
         fn()
-    stats = collections.defaultdict(lambda: [0, 0, 0])
+    stats = timer_stats()
     undo = instrument(stats, OP_TARGETS)
     total = 0
     try:
@@ -70,8 +69,8 @@ def timed_calls(name: str, fn, calls: int, cuda: bool) -> str:
             setattr(owner, attr, orig)
     lines = [f"## {name}: {total / calls / 1e3:.1f} us a call with the timers",
              "| function | calls a call | us a call (inclusive) |", "|---|---|---|"]
-    for fname, (n, ns, _) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"| {fname} | {n / calls:.1f} | {ns / n / 1e3:.1f} |")
+    for fname, each in sorted(stats.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"| {fname} | {len(each) / calls:.1f} | {sum(each) / len(each) / 1e3:.1f} |")
     return "\n".join(lines)
 
 

@@ -133,6 +133,12 @@ FINE_TARGETS = (
 )
 
 
+def timer_stats() -> collections.defaultdict:
+    """What :func:`instrument` fills: each timed function's name -> every call's ns, in order
+    (calls, total, longest and median all come from it: a mean hides a few long waits)."""
+    return collections.defaultdict(list)
+
+
 def _wrap(stats, name, fn):
     @functools.wraps(fn)
     def timed(*args, **kwargs):
@@ -140,19 +146,15 @@ def _wrap(stats, name, fn):
         try:
             return fn(*args, **kwargs)
         finally:
-            rec = stats[name]
-            ns = time.perf_counter_ns() - t0
-            rec[0] += 1
-            rec[1] += ns
-            rec[2] = max(rec[2], ns)
-            rec[3].append(ns)  # for the median: a mean hides a few long waits
+            stats[name].append(time.perf_counter_ns() - t0)
     return timed
 
 
 def instrument(stats, targets=TARGETS) -> list:
-    """Wrap every target (module attribute or class attribute); return the undo list. A
-    function imported by name into another module before this runs keeps its unwrapped
-    binding there: such bindings in the package's modules are wrapped too."""
+    """Wrap every target (module attribute or class attribute), timed into ``stats``
+    (:func:`timer_stats`); return the undo list. A function imported by name into another
+    module before this runs keeps its unwrapped binding there: such bindings in the
+    package's modules are wrapped too."""
     undo = []
     for target in targets:
         mod_name, qual = target.split(":")
@@ -270,7 +272,7 @@ def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS,
     per_step = {k: round((v - before.get(k, 0)) / steps, 1) for k, v in off.counters.items()
                 if k in ("offloaded_raw", "offloaded_compressed", "served_from_stash",
                          "restored_prefetch", "in_flight_waits")}
-    stats = collections.defaultdict(lambda: [0, 0, 0, []])
+    stats = timer_stats()
     undo = instrument(stats, targets)
     waited = _host_wait_us(off)
     try:
@@ -287,10 +289,11 @@ def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS,
              "| function | calls / step | ms / step | us / call | median us / call | "
              "longest call us |",
              "|---|---|---|---|---|---|"]
-    for fn_name, (calls, ns, most, each) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"| {fn_name} | {calls / steps:.0f} | {ns / steps / 1e6:.2f} | "
-                     f"{ns / max(calls, 1) / 1e3:.1f} | {statistics.median(each) / 1e3:.1f} | "
-                     f"{most / 1e3:.0f} |")
+    for fn_name, each in sorted(stats.items(), key=lambda kv: -sum(kv[1])):
+        ns = sum(each)
+        lines.append(f"| {fn_name} | {len(each) / steps:.0f} | {ns / steps / 1e6:.2f} | "
+                     f"{ns / len(each) / 1e3:.1f} | {statistics.median(each) / 1e3:.1f} | "
+                     f"{max(each) / 1e3:.0f} |")
     return "\n".join(lines)
 
 
@@ -326,15 +329,14 @@ def main() -> None:
     if a.fsdp:
         import torch.distributed as dist
 
-        from bench.dev_ab_steps import _process_group
+        from bench.dev_ab_steps import _process_group, every_rank
 
         rank = _process_group("cuda")
     for name in a.models.split(","):
         for variant in a.variants.split(","):
             text = measure(name, variant, a.steps, a.warmup, targets, a.fsdp)
-            if a.fsdp:  # every rank's table, printed by rank 0
-                every = [None] * dist.get_world_size()
-                dist.all_gather_object(every, f"(FSDP2, rank {rank}) {text}")
+            if a.fsdp:  # every rank's table (a collective: all ranks call it), printed by rank 0
+                every = every_rank(f"(FSDP2, rank {rank}) {text}")
                 text = "\n".join(every) if rank == 0 else ""
             if text:
                 print(text, flush=True)

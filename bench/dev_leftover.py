@@ -122,11 +122,9 @@ def main() -> None:
                      f"({sum(left.values()) / 2**30:.3f} GiB in blocks with a history)"]
             lines += [f"  {b / 2**20:9.1f} MiB  {k}" for k, b in left.most_common(a.top)]
             if a.fsdp:
-                import torch.distributed as dist
+                from bench.dev_ab_steps import every_rank
 
-                every = [None] * dist.get_world_size()
-                dist.all_gather_object(every, lines[0])
-                lines[0:1] = every
+                lines[0:1] = every_rank(lines[0])
             roots = alive_models()
             lines.append(f"  models alive: {[type(m).__name__ for m in roots][:8]}")
             if roots and a.referrers:

@@ -169,7 +169,7 @@ def main() -> None:
     if a.fsdp:
         import torch.distributed as dist
 
-        from bench.dev_ab_steps import _process_group
+        from bench.dev_ab_steps import _process_group, every_rank
 
         rank = _process_group("cuda")
     for name in a.models.split(","):
@@ -177,8 +177,7 @@ def main() -> None:
         lines = table(name + (f" (FSDP2, rank {rank})" if a.fsdp else ""), results)
         lines += [d for _, _, detail in results.values() for d in detail]
         if a.fsdp:  # every rank's lines, printed by rank 0
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, lines)
+            every = every_rank(lines)
             lines = [x for r in every for x in r] if rank == 0 else []
         if lines:
             print("\n".join(lines), flush=True)

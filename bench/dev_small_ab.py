@@ -139,18 +139,15 @@ def parts(dev: torch.device, repeats: int) -> str:
 
 def offload_timers(dev: torch.device, calls: int) -> str:
     """Host us by function of ``offload`` + ``restore`` + ``free`` of 1 MiB of bf16."""
-    import collections
     import time
 
     from bench.dev_call_profile import warm_cycle
-    from bench.dev_hook_timing import instrument
+    from bench.dev_hook_timing import TARGETS, instrument, timer_stats
 
     comp = pc.PageCompressor(device=dev)
     cycle = warm_cycle(comp, build_corpus("bf16-relu", 1 << 20, 4096, dev, seed=1)
                        .view(torch.bfloat16), 30)
-    stats = collections.defaultdict(lambda: [0, 0, 0])
-    from bench.dev_hook_timing import TARGETS
-
+    stats = timer_stats()
     undo = instrument(stats, tuple(dict.fromkeys(OFFLOAD_TARGETS + TARGETS)))
     total = 0
     try:
@@ -167,8 +164,9 @@ def offload_timers(dev: torch.device, calls: int) -> str:
              "with the timers (GPU idle before each)",
              "| function | calls a cycle | mean us a call (inclusive) | max us |",
              "|---|---|---|---|"]
-    for fname, (n, ns, top) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"| {fname} | {n / calls:.1f} | {ns / n / 1e3:.1f} | {top / 1e3:.0f} |")
+    for fname, each in sorted(stats.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"| {fname} | {len(each) / calls:.1f} | {sum(each) / len(each) / 1e3:.1f} | "
+                     f"{max(each) / 1e3:.0f} |")
     return "\n".join(lines)
 
 

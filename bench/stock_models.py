@@ -250,6 +250,11 @@ def build(name: str, device):
 
 
 # ------------------------------------------------------------------------------- one run
+def local_part(t):
+    """This rank's part of an FSDP2 shard (a DTensor's local tensor), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _grad_hash(model) -> list[int]:
     import torch
 
@@ -258,7 +263,7 @@ def _grad_hash(model) -> list[int]:
         if p.grad is None:
             continue
         g = p.grad.detach()
-        g = g.to_local() if hasattr(g, "to_local") else g  # an FSDP2 shard: this rank's part
+        g = local_part(g)
         g = g.reshape(-1).view(torch.int16).to(torch.int64)
         w = torch.arange(1, g.numel() + 1, device=g.device, dtype=torch.int64) % 65521
         out.append(int((g * w).sum()))

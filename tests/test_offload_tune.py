@@ -642,3 +642,29 @@ def test_tuner_waits_longer_between_retunes_that_keep_the_choice():
             break
     assert tuner.choice == "copy", tuner.summary()
     assert tuner.summary()["retune_every"] == retune, tuner.summary()
+
+
+def test_the_probes_timers_count_every_call(seed):
+    """``bench.dev_hook_timing``'s timers (``instrument`` into ``timer_stats``), as the probes
+    that share them read them (``dev_call_profile.timed_calls`` here): each timed function's
+    calls, and the undo list puts the functions back."""
+    import torch_pagecomp as pc
+    import torch_pagecomp.api as api
+    from bench.dev_call_profile import timed_calls
+    from bench.dev_hook_timing import instrument, timer_stats
+
+    data = torch.randint(0, 4, (4 * 4096,), dtype=torch.uint8)
+    stats = timer_stats()
+    real = api.compress
+    undo = instrument(stats, ("torch_pagecomp.api:compress",))
+    try:
+        for _ in range(3):
+            pc.compress(data)
+    finally:
+        for owner, attr, fn in reversed(undo):
+            setattr(owner, attr, fn)
+    assert api.compress is real
+    assert len(stats["compress"]) == 3 and all(ns > 0 for ns in stats["compress"]), stats
+    table = timed_calls("compress", lambda: pc.compress(data), 5, cuda=False)
+    row = next(ln for ln in table.splitlines() if ln.startswith("| compress |"))
+    assert row.split("|")[2].strip() == "1.0", table
