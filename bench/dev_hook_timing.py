@@ -197,21 +197,25 @@ class _GcPauses:
     def __init__(self):
         self.runs = collections.Counter()
         self.ns = 0
-        self._t0 = 0
+        self.longest = (0, None)  # (ns, generation): a lone long pause lands in whichever
+        self._t0 = 0  # timed function allocated when the collector ran
         gc.callbacks.append(self._callback)
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._t0 = time.perf_counter_ns()
         else:
+            ns = time.perf_counter_ns() - self._t0
             self.runs[info["generation"]] += 1
-            self.ns += time.perf_counter_ns() - self._t0
+            self.ns += ns
+            self.longest = max(self.longest, (ns, info["generation"]), key=lambda x: x[0])
 
     def stop(self, steps: int) -> str:
         gc.callbacks.remove(self._callback)
         runs = ", ".join(f"gen{g} {n / steps:.1f}" for g, n in sorted(self.runs.items()))
-        return (f"gc per step: {runs or 'none'}, {self.ns / steps / 1e6:.2f} ms; "
-                f"tracked objects {len(gc.get_objects())}")
+        ns, gen = self.longest
+        longest = f", longest {ns / 1e6:.2f} ms (gen{gen})" if gen is not None else ""
+        return f"{runs or 'none'}, {self.ns / steps / 1e6:.2f} ms{longest}"
 
 
 def training_step(name: str, variant: str, fsdp: bool = False):
@@ -268,18 +272,20 @@ def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS,
     before = dict(off.counters)
     pauses = _GcPauses()
     plain = issue_ms(steps)
-    gc_note = pauses.stop(steps)
+    gc_note = f"gc per step: {pauses.stop(steps)}; tracked objects {len(gc.get_objects())}"
     per_step = {k: round((v - before.get(k, 0)) / steps, 1) for k, v in off.counters.items()
                 if k in ("offloaded_raw", "offloaded_compressed", "served_from_stash",
                          "restored_prefetch", "in_flight_waits")}
     stats = timer_stats()
     undo = instrument(stats, targets)
     waited = _host_wait_us(off)
+    pauses = _GcPauses()  # the timed steps' too: is a function's longest call a collection?
     try:
         timed = issue_ms(steps)
     finally:
         for owner, attr, fn in undo:
             setattr(owner, attr, fn)
+        gc_note += f"; gc per timed step: {pauses.stop(steps)}"
     waited = (_host_wait_us(off) - waited) / steps / 1e3
     off.remove()
     lines = [f"## {name} {variant}: host issue {plain:.1f} ms per step "

@@ -668,3 +668,17 @@ def test_the_probes_timers_count_every_call(seed):
     table = timed_calls("compress", lambda: pc.compress(data), 5, cuda=False)
     row = next(ln for ln in table.splitlines() if ln.startswith("| compress |"))
     assert row.split("|")[2].strip() == "1.0", table
+
+
+def test_the_hook_timing_probe_names_its_longest_collection():
+    """``dev_hook_timing``'s collector note: collections per step, their time, and the longest
+    pause with its generation (a function's one long call may be a collection inside it)."""
+    import gc
+
+    from bench.dev_hook_timing import _GcPauses
+
+    pauses = _GcPauses()
+    gc.collect()
+    note = pauses.stop(1)
+    assert "gen2 1.0" in note and "longest" in note and "(gen2)" in note, note
+    assert _GcPauses().stop(1) == "none, 0.00 ms"
