@@ -60,7 +60,7 @@ TARGETS = (
     "torch_pagecomp.kernels.host_pack:pack_slice",
     "torch_pagecomp.kernels.launch:_launch_compiled",
     "torch_pagecomp.kernels.launch:launch_known",
-    "torch_pagecomp.kernels.row_table:fill_row_table_known",
+    "torch_pagecomp.kernels.row_table:fill_row_table_at",
     "torch_pagecomp.kernels.exp_codec:decompress_exp_rows_known",
     "torch_pagecomp.kernels.exp_codec:decompress_exp_into_known",
     "torch_pagecomp.offload._arena:UploadRing.put",

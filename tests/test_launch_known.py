@@ -120,12 +120,13 @@ def test_pack_slice_at(monkeypatch, gen, parity, limit, interpret):
 
 
 @pytest.mark.parametrize("stride", [0, P])
-def test_fill_row_table_known(monkeypatch, stride, interpret):
+def test_fill_row_table_at(monkeypatch, stride, interpret):
     desc = torch.tensor([[1 << 20, 2 << 20], [0, 3], [3, 2000]], dtype=torch.int64)
     rows = torch.empty(2003, dtype=torch.int64)
     usual, known = _capture(monkeypatch, [R], interpret)
     R.fill_row_table(desc, rows, stride, 2000, traced=False)
-    R.fill_row_table_known(desc, rows, stride, 2000)
+    R.fill_row_table_at(None, 2, stride, 2000, (desc.data_ptr(), rows.data_ptr()),
+                        (desc, rows, 2))
     _same(usual, known)
 
 

@@ -146,3 +146,22 @@ def test_slice_meta_bad_arguments_are_named():
     with pytest.raises(ValueError, match="rows must be a contiguous torch.int64"):
         gather_slice_meta(desc, i64, i32, u8, i64[::2], 4096, 1)
     gather_slice_meta(desc[:, :0], i64[:0], i32[:0], u8[:0], i64[:0], 4096, 0)  # nothing
+
+
+@pytest.mark.parametrize("segments", [1, 5, 200])  # 200: more than half the ring (uploaded)
+def test_ramps_read_from_the_upload_ring_at_its_address(cuda, gen, segments):
+    """The store's batched compress: the kernel reads the three numbers a segment from the
+    page-locked ring at its address (no tensor made, once its first launch compiled it), and
+    a table too large for the ring is uploaded; three calls, so the direct launch runs too."""
+    from torch_pagecomp.offload._arena import UploadRing
+
+    ring = UploadRing(slots=256)
+    try:
+        for _ in range(3):
+            counts = [int(n) for n in torch.randint(0, 3000, (segments,), generator=gen)]
+            counts[0] = max(counts[0], 1)
+            bases = [int(b) * 4096 for b in torch.randint(1, 1 << 40, (segments,), generator=gen)]
+            got = _decode.ramps(bases, counts, 4096, torch.device(cuda), ring)
+            assert got.cpu().tolist() == _expected(bases, counts, 4096)
+    finally:
+        ring.release()

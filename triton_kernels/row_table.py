@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import frozen_meta, int_class, known_args, launch, launch_known, ptr_class
+from .launch import frozen_meta, int_class, launch, launch_known, ptr_class
 
 ROW_BLOCK = 1024  # rows per program
 
@@ -59,14 +59,18 @@ def fill_row_table(desc: torch.Tensor, rows: torch.Tensor, stride: int, most_row
            _meta(stride), traced)
 
 
-def fill_row_table_known(desc: torch.Tensor, rows: torch.Tensor, stride: int,
-                         most_rows: int) -> None:
-    """:func:`fill_row_table` (``traced=False``) for the activation store's hot path: ``desc``
-    ``int64 [3, K]`` (``K >= 1``) contiguous, on ``rows``' CUDA device (the current one) or in
-    page-locked host memory, ``most_rows >= 1``; without the checks (``launch.launch_known``)."""
-    args = (desc, rows, desc.shape[1])
-    launch_known(row_table_kernel, (args[2], triton.cdiv(most_rows, ROW_BLOCK)),
-                 rows.device.index, _meta(stride), *known_args(args), args)
+def fill_row_table_at(index: int, outputs: int, stride: int, most_rows: int, addrs: tuple,
+                      args) -> None:
+    """:func:`fill_row_table` (``traced=False``) for the activation store's hot path, without
+    its checks (``K = outputs >= 1``, ``most_rows >= 1``; ``launch.launch_known``), given the
+    addresses ``addrs`` of ``(desc, rows)`` on CUDA device ``index`` (``desc``, ``int64 [3,
+    K]``, read at its host address when in page-locked memory: no tensor is made for it);
+    ``args`` (the tensors and ``outputs``, or a function that makes them) as for
+    ``launch.launch_known``."""
+    desc, rows = addrs
+    classes = (ptr_class(torch.int64, desc), ptr_class(torch.int64, rows), int_class(outputs))
+    launch_known(row_table_kernel, (outputs, triton.cdiv(most_rows, ROW_BLOCK)), index,
+                 _meta(stride), classes, (desc, rows, outputs), args)
 
 
 # rows of gather_slice_meta's desc: addresses of each slice's page offsets (int64, from the

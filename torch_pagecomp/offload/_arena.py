@@ -177,6 +177,7 @@ class _Slice:
         self.base: int | None = None
         self.total = 0
         self.freed = False
+        # the payload buffer (flat) whose first bytes are its pages, until their copies are queued
         self.send: torch.Tensor | None = None
         self.read = None  # an event after the last restore that decoded ``send`` in place
 
@@ -512,7 +513,7 @@ class VirtualArena:
         ``rel`` the encoder wrote) at its end, in one chunk."""
         meta = meta_span(sl.n, sl.checksum)
         spans = self.spans(base, pages) if pages else []
-        copy_to_host(sl.send.view(-1), spans, self.sender)
+        copy_to_host(sl.send, spans, self.sender)
         copy_to_host(sl.meta, [(0, self._address(base + total - meta), meta)], self.sender)
         sl.stored, sl.send = mark(self.sender), None
         self.sending.append((sl, base, total))

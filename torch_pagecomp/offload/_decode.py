@@ -115,9 +115,11 @@ def ramps(bases: list[int], counts: list[int], stride: int, device: torch.device
     """``int64 [sum(counts)]`` on CUDA ``device``: ``bases[j] + i * stride`` for ``i <
     counts[j]``, segment after segment, written by a kernel from three numbers a segment (no
     host wait), not built per element on the host and uploaded. The kernel reads the numbers
-    from ``ring`` (the store's :class:`~._arena.UploadRing`, page-locked) where given, else
-    from an upload of them."""
-    from ..kernels.row_table import fill_row_table_known
+    from ``ring`` (the store's :class:`~._arena.UploadRing`, page-locked) at their address
+    where given, else from an upload of them. (Through the ring's tensor and the launcher's
+    own argument checks this took 69 us of host time a call, once per batch of saved tensors
+    stored: ``bench/results/h200_session72``.)"""
+    from ..kernels.row_table import fill_row_table_at
 
     firsts, total = [], 0
     for n in counts:
@@ -126,8 +128,16 @@ def ramps(bases: list[int], counts: list[int], stride: int, device: torch.device
     out = torch.empty(total, dtype=torch.int64, device=device)
     if total == 0:
         return out
-    fill_row_table_known(upload_table([bases, firsts, counts], device, ring), out, stride,
-                         max(counts))
+    cols = [bases, firsts, counts]
+    desc = ring.put_addr(cols, current_stream(device)) if ring is not None else None
+    uploaded = None
+    if desc is None:  # no ring, or more segments than half of it holds
+        uploaded = upload_table(cols, device)
+        desc = uploaded.data_ptr()
+    k = len(counts)
+    fill_row_table_at(
+        device.index, k, stride, max(counts), (desc, out.data_ptr()),
+        lambda: (uploaded if uploaded is not None else ring.view_at(desc, 3, k), out, k))
     return out
 
 

@@ -383,13 +383,13 @@ class PagedStore:
                           (payload.data_ptr(), sizes, rel, arena.state.data_ptr(), desc,
                            arena.desc_addr(k), arena.table.data_ptr(), m), arena.table.numel(),
                           parity, limit, (meta.numel(), desc - m),
-                          lambda: (payload, sl.sizes, sl.rel, arena.state, sl.desc,
+                          lambda: (_rows(payload, n, p), sl.sizes, sl.rel, arena.state, sl.desc,
                                    arena.descs[k], arena.table, meta, n, parity, limit,
                                    meta.numel(), desc - m))
         else:
             from ..kernels.host_pack import pack_slice
 
-            pack_slice(payload, sl.sizes, sl.rel, arena.state, parity, limit, sl.desc,
+            pack_slice(_rows(payload, n, p), sl.sizes, sl.rel, arena.state, parity, limit, sl.desc,
                        arena.descs[k], arena.table, arena.chunk, meta, desc - m)
         stored = mark(ps)
         if ps is not None:  # made on the compress stream, read here (and by a sent slice's
@@ -438,7 +438,7 @@ class PagedStore:
             fp16 = float_format == "fp16"
             if not (src if rows is None else rows).is_cuda:
                 compress_exp_placed(_pages(src, first, n, p), fp16,
-                                    (payload.view(-1), sl.sizes, sl.kinds, sl.rel, end))
+                                    (payload[:n * p], sl.sizes, sl.kinds, sl.rel, end))
                 return
             pages = (rows.data_ptr() + 8 * first if rows is not None
                      else src.data_ptr() + first * p)
@@ -446,7 +446,7 @@ class PagedStore:
                 end.device.index, n, p, fp16, rows is not None,
                 (pages, payload.data_ptr(), sizes, kinds, rel, end.data_ptr()),
                 lambda: ((rows[first:first + n] if rows is not None else _pages(src, first, n, p)),
-                         payload, sl.sizes, sl.kinds, sl.rel, end))
+                         _rows(payload, n, p), sl.sizes, sl.kinds, sl.rel, end))
         elif rows is not None:
             self._compress_rows(rows, sl, payload, (sizes, kinds), element_size)
         elif src.is_cuda:
@@ -459,10 +459,12 @@ class PagedStore:
             compress_at(src.device.index, min(n, programs), n, meta_of[first * p % 8 == 0],
                         (src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
                          scratch[0].data_ptr(), scratch[1].data_ptr()),
-                        lambda: (_pages(src, first, n, p), payload, sl.sizes, sl.kinds,
+                        lambda: (_pages(src, first, n, p), _rows(payload, n, p), sl.sizes,
+                                 sl.kinds,
                                  *scratch, n))
         else:
-            _compress(_pages(src, first, n, p), element_size, (payload, sl.sizes, sl.kinds))
+            _compress(_pages(src, first, n, p), element_size,
+                      (_rows(payload, n, p), sl.sizes, sl.kinds))
 
     def _compress_rows(self, rows: torch.Tensor, sl: _Slice, payload, addrs: tuple,
                        element_size: int) -> None:
@@ -477,7 +479,8 @@ class PagedStore:
         compress_rows_at(index, min(n, programs), n, compress_config(p, element_size),
                          (at, payload.data_ptr(), sizes, kinds, scratch[0].data_ptr(),
                           scratch[1].data_ptr()),
-                         lambda: (rows[first:first + n], payload, sl.sizes, sl.kinds,
+                         lambda: (rows[first:first + n], _rows(payload, n, p), sl.sizes,
+                                  sl.kinds,
                                   *scratch, n))
 
     def _pick(self, nbytes: int) -> _PayloadSlot:
@@ -530,9 +533,11 @@ class PagedStore:
         return slot
 
     def _payload(self, slot: _PayloadSlot, n: int, device: torch.device) -> torch.Tensor:
-        """``uint8 [n, P]`` for a slice's compressed pages (LZ4's at a fixed stride, the
-        exponent codec's end to end from its start): ``slot``'s buffer (:meth:`_slot`),
-        whose last slice's pages the compress stream waits to have left it. A payload of
+        """A flat ``uint8`` buffer of at least ``n * P`` bytes for a slice's compressed pages
+        (LZ4's at a fixed stride, the exponent codec's end to end from its start; the GPU's
+        launches take its address, :func:`_rows` views it as pages): ``slot``'s buffer
+        (:meth:`_slot`), whose last slice's pages the compress stream waits to have left it
+        (a view of it per slice cost ~5 us of host time, once per stored slice). A payload of
         the caching allocator per slice, read on the pack stream (``record_stream``), cost
         the hooks 3-6 ms of host time a step under FSDP2 (sampled,
         ``bench/results/h200x2_91fcaaa_session49``).
@@ -549,7 +554,7 @@ class PagedStore:
             if self.pack_stream is not None:  # freed (replaced, released) after its packs
                 buf.record_stream(self.pack_stream)  # and copies (queued before: a sent
                 buf.record_stream(self.send_stream)  # slice holds it until then)
-        return buf[:n * p].view(n, p)
+        return buf
 
     def release_payloads(self) -> None:
         """Let the payload buffers go (:meth:`_payload`; made again by the next slice), with
@@ -624,7 +629,7 @@ class PagedStore:
             in_place = sl.send is not None
             if in_place:  # not sent: its pages end to end in the device payload
                 _wait(stream, sl.stored)  # (after the plan, itself after the compress)
-                staging, total = sl.send.view(-1), sl.n * p
+                staging, total = sl.send, sl.n * p
                 if stream is not None:  # (a payload let go is reused after this restore)
                     staging.record_stream(stream)
             elif sl.base is not None:  # placed: the copy engine, the metadata with the pages
@@ -769,6 +774,13 @@ def _pages(src: torch.Tensor, first: int, n: int, p: int) -> torch.Tensor:
     if first == 0 and src.numel() == n * p:
         return src.view(n, p)  # one op, not two
     return src[first * p:(first + n) * p].view(n, p)
+
+
+def _rows(payload: torch.Tensor, n: int, p: int) -> torch.Tensor:
+    """The first ``n`` pages of a payload buffer (``uint8``, flat) as ``uint8 [n, p]``: made
+    only where a launcher takes views (the CPU's, and a launch's first, which compiles); the
+    GPU's launches take the buffer's address."""
+    return payload[:n * p].view(n, p)
 
 
 def _compress(pages: torch.Tensor, element_size: int, out: tuple) -> None:
