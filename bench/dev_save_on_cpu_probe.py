@@ -13,7 +13,14 @@ a copy taken at pack time (bit for bit) and its strides with the saved tensor's:
   with (where those are dense): if only this one is finite, the layout is the cause;
 * ``save_on_cpu_sync``: the same, the host waiting for the GPU after each pack (a race between
   the copy to the host and a later write would go away);
+* ``save_on_cpu_blocking``: the pinned pack with a blocking copy (``copy_`` without
+  ``non_blocking``, as torch's pack was before it made that copy asynchronous);
+* ``save_on_cpu_keep``: torch's pinned hooks, each saved GPU tensor kept alive until its unpack
+  (its memory not reused while its copy to the host may still read it);
 * ``save_on_cpu_nopin``, ``none``: controls.
+
+A process that dies (an illegal memory access) reports nothing after it: run one variant a
+process (``--variants``).
 
 A GPU diagnostic, not a test: ``python -m bench.dev_save_on_cpu_probe --model t5-1024``.
 """
@@ -52,6 +59,12 @@ def hooks(variant: str, report: dict):
         return contextlib.nullcontext()
     inner = torch.autograd.graph.save_on_cpu(pin_memory=variant != "save_on_cpu_nopin")
     pack0, unpack0 = inner.pack_hook, inner.unpack_hook
+    if variant == "save_on_cpu_blocking":
+        def pack0(t):
+            packed = torch.empty(t.size(), dtype=t.dtype, layout=t.layout,
+                                 pin_memory=torch.cuda.is_available())
+            packed.copy_(t)
+            return t.device, packed
     check = variant == "save_on_cpu_check"
     counts = report.setdefault("counts", collections.Counter())
     # each kind of difference by (shape, dtype, strides saved, strides restored): how often
@@ -64,6 +77,8 @@ def hooks(variant: str, report: dict):
         if variant == "save_on_cpu_sync" and t.is_cuda:
             torch.cuda.synchronize(t.device)
         counts["packed"] += 1
+        if variant == "save_on_cpu_keep":
+            copy = t  # (never compared: held only)
         return packed, saved, copy
 
     def unpack(p):
@@ -78,7 +93,7 @@ def hooks(variant: str, report: dict):
                 restrided.copy_(out)
                 out = restrided
                 counts["restrided"] += 1
-        if copy is not None and not torch.equal(_bits(out), _bits(copy)):
+        if check and not torch.equal(_bits(out), _bits(copy)):
             counts["values_differ"] += 1
             examples["values"][(shape, str(dtype), stride, out.stride())] += 1
         return out

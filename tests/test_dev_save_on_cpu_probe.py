@@ -17,3 +17,4 @@ def test_each_variant_reports_its_steps_and_what_it_compared():
         if variant != "none":
             assert "'packed'" in head and "'unpacked'" in head
         assert "values_differ" not in head  # on the CPU the copies are done at once
+    assert "inf/NaN gradients 0 of" in probe.run("t5-tiny", "save_on_cpu_keep", 1, device="cpu")[0]
