@@ -17,7 +17,10 @@ a copy taken at pack time (bit for bit) and its strides with the saved tensor's:
   ``non_blocking``, as torch's pack was before it made that copy asynchronous);
 * ``save_on_cpu_keep``: torch's pinned hooks, each saved GPU tensor kept alive until its unpack
   (its memory not reused while its copy to the host may still read it);
-* ``save_on_cpu_nopin``, ``none``: controls.
+* ``save_on_cpu_nopin``, ``none``: controls;
+* ``save_on_cpu_nopin_contig``: the unpinned hooks (which keep a dense tensor's strides), each
+  restored tensor made contiguous, as the pinned pack makes it: if this one fails too, the
+  layout is the cause, whatever the memory.
 
 A process that dies (an illegal memory access) reports nothing after it: run one variant a
 process (``--variants``).
@@ -57,7 +60,7 @@ def hooks(variant: str, report: dict):
 
     if variant == "none":
         return contextlib.nullcontext()
-    inner = torch.autograd.graph.save_on_cpu(pin_memory=variant != "save_on_cpu_nopin")
+    inner = torch.autograd.graph.save_on_cpu(pin_memory="nopin" not in variant)
     pack0, unpack0 = inner.pack_hook, inner.unpack_hook
     if variant == "save_on_cpu_blocking":
         def pack0(t):
@@ -84,6 +87,8 @@ def hooks(variant: str, report: dict):
     def unpack(p):
         packed, (shape, stride, dtype, device, dense), copy = p
         out = unpack0(packed)
+        if variant == "save_on_cpu_nopin_contig":
+            out = out.contiguous()
         counts["unpacked"] += 1
         if out.stride() != stride:
             counts["strides_differ"] += 1

@@ -10,7 +10,8 @@ from bench import dev_save_on_cpu_probe as probe  # noqa: E402
 
 
 def test_each_variant_reports_its_steps_and_what_it_compared():
-    for variant in ("none", "save_on_cpu_check", "save_on_cpu_strides", "save_on_cpu_nopin"):
+    for variant in ("none", "save_on_cpu_check", "save_on_cpu_strides", "save_on_cpu_nopin",
+                    "save_on_cpu_nopin_contig"):
         lines = probe.run("t5-tiny", variant, 1, device="cpu")
         head = lines[0]
         assert head.startswith(f"{variant} step 0: loss ") and "inf/NaN gradients 0 of" in head
