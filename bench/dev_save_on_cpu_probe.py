@@ -143,8 +143,16 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--variants", default="none,save_on_cpu,save_on_cpu_check,"
                         "save_on_cpu_strides,save_on_cpu_sync,save_on_cpu_nopin")
+    parser.add_argument("--sdpa-off", default="",
+                        help="SDPA backends to turn off first (comma-separated: cudnn, "
+                             "efficient, flash): which attention kernel the layout upsets")
     args = parser.parse_args(argv)
     import torch
+
+    for name in filter(None, args.sdpa_off.split(",")):
+        getattr(torch.backends.cuda, {"cudnn": "enable_cudnn_sdp", "efficient":
+                                      "enable_mem_efficient_sdp", "flash":
+                                      "enable_flash_sdp"}[name])(False)
 
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, model {args.model}; "
           f"SDPA backends: flash {torch.backends.cuda.flash_sdp_enabled()}, mem-efficient "
