@@ -331,6 +331,50 @@ def test_shared_storage_offloaded_once(seed):
     assert_clean(off)
 
 
+class _SavesLayouts(torch.autograd.Function):
+    """Saves tensors of several layouts and, in its backward, checks that each comes back in
+    the layout it was saved in (sizes, strides, storage offset) with the same values. Kernels
+    may read saved tensors by the strides they were made with: torch 2.11's memory-efficient
+    attention backward gives NaN gradients or an illegal memory access when its saved inputs
+    come back contiguous, as torch's ``save_on_cpu(pin_memory=True)`` restores them
+    (``bench/results/h200_session73``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        b, t, d = x.shape
+        h = x * 1.5
+        heads = h.view(b, t, 4, d // 4).transpose(1, 2)  # q/k/v-style transposed view
+        bias = h[:1].expand(b, t, d)  # stride 0 over the batch, as an attention bias
+        narrow = h[:, 1:, 3:]  # an offset into its storage
+        wide = h.reshape(b, t, d, 1).expand(b, t, d, 2)
+        saved = (heads, bias, narrow, wide, h.t() if h.dim() == 2 else h.transpose(0, 2))
+        ctx.layouts = [(t_.shape, t_.stride(), t_.storage_offset(), t_.clone()) for t_ in saved]
+        ctx.save_for_backward(*saved)
+        return h.sum(dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        for got, (shape, stride, offset, want) in zip(ctx.saved_tensors, ctx.layouts):
+            assert (got.shape, got.stride(), got.storage_offset()) == (shape, stride, offset)
+            assert torch.equal(got, want)
+        return grad.unsqueeze(-1).expand(*grad.shape, ctx.layouts[0][3].shape[-1] * 4) * 1.5
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sync", [False, True], ids=["stash", "host"])
+def test_saved_tensors_come_back_in_the_layout_they_were_saved_in(seed, mode, sync):
+    x = torch.randn(3, 40, 64, requires_grad=True)
+    off = cpu_offloader(mode, prefetch=0)
+    with off:
+        y = _SavesLayouts.apply(x).sum()
+    assert off.stats()["offloaded_bytes"] > 0
+    if sync:  # restored from host memory, not served from the stash
+        off.synchronize()
+    y.backward()
+    assert torch.equal(x.grad, torch.full_like(x, 1.5))
+    assert_clean(off)
+
+
 def test_in_place_after_save_not_deduplicated(seed):
     a = torch.randn(256, requires_grad=True)
     off = cpu_offloader("uncompressed")
@@ -697,6 +741,23 @@ def test_gpu_grads_bf16_model(seed, mode):
     assert_identical(ref, grads_of(model, x, off))
     st = off.stats()
     assert st["offloaded_bytes"] > 0 and st["peak_host_bytes"] > 0
+    assert_clean(off)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_saved_tensors_come_back_in_their_layout(seed, mode):
+    """As the CPU test: layouts and values of saved tensors through the GPU stores (bf16:
+    the exponent codec's pages where compressed), restored from host memory."""
+    x = torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    off = gpu_offloader(mode, prefetch=0)
+    with off:
+        y = _SavesLayouts.apply(x).sum()
+    assert off.stats()["offloaded_bytes"] > 0
+    off.synchronize()
+    y.backward()
+    assert torch.equal(x.grad, torch.full_like(x, 1.5))
+    torch.cuda.synchronize()
     assert_clean(off)
 
 
