@@ -14,7 +14,7 @@ a copy taken at pack time (bit for bit) and its strides with the saved tensor's:
 * ``save_on_cpu_sync``: the same, the host waiting for the GPU after each pack (a race between
   the copy to the host and a later write would go away);
 * ``save_on_cpu_blocking``: the pinned pack with a blocking copy (``copy_`` without
-  ``non_blocking``, as torch's pack was before it made that copy asynchronous);
+  ``non_blocking``: torch 2.11's own pack, which later releases make asynchronous);
 * ``save_on_cpu_keep``: torch's pinned hooks, each saved GPU tensor kept alive until its unpack
   (its memory not reused while its copy to the host may still read it);
 * ``save_on_cpu_nopin``, ``none``: controls;
@@ -24,6 +24,11 @@ a copy taken at pack time (bit for bit) and its strides with the saved tensor's:
 
 A process that dies (an illegal memory access) reports nothing after it: run one variant a
 process (``--variants``).
+
+Found (``bench/results/h200_session73``, torch 2.11, H200): the layout is the cause, through
+the memory-efficient attention backward: ``save_on_cpu_strides`` trains finite, the contiguous
+restores give NaN or an illegal memory access pinned or not, and with that kernel off
+(``--sdpa-off efficient``) they train finite.
 
 A GPU diagnostic, not a test: ``python -m bench.dev_save_on_cpu_probe --model t5-1024``.
 """
