@@ -320,11 +320,14 @@ def _hooked(model, blocks: list, off):
             off.remove()
 
 
+SETTLE_STEPS = 12  # the most settling steps an arm takes (see :func:`measure`)
+
+
 def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1,
             device: str | None = None, fsdp: bool = False,
             rows: list[dict] | None = None, stall_s: float | None = None,
             sample_ms: float | None = None, reset_peak: str = "step",
-            trace: bool = False) -> list[str]:
+            trace: bool = False, settle: int = SETTLE_STEPS) -> list[str]:
     """The table of ``arms`` on model ``name`` (``device``: CUDA where there is one, else the
     CPU, a smoke test on the tiny models); with ``fsdp``, the model under FSDP2
     (``fully_shard`` per block, then the whole) over the process group of this process.
@@ -341,7 +344,16 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     arm, step and rank (``bench.dev_step_modes.StallWatch``): under FSDP2 a few of
     ``memory``'s steps ran 3-4x the median (``bench/results/h200x2_96f5538_session48``).
     ``sample_ms``: sample the host's Python frames every that many ms in the timed rounds
-    (``bench.dev_step_modes.HostSampler``) and print, per arm, where its host time went."""
+    (``bench.dev_step_modes.HostSampler``) and print, per arm, where its host time went.
+
+    ``settle``: after the warm-up rounds, each offloading arm takes steps of its own until
+    ``block`` of them in a row pin no page-locked buffer (its plain copies' pool and its
+    arena have grown to what the steps need), at most ``settle`` steps an arm. A warm-up round
+    is one step an arm, and a plain copy's pool grows with how far the link lags over steps
+    in a row: on one H200 the plain copy pinned 25 buffers in ConvNeXt-T's 12 timed steps
+    (each pin costs the host milliseconds) while ``speed``, copying the same way after its
+    own trial steps, pinned none and ran 0.90x its step (``bench/results/h200_session73``):
+    the baseline was timed while still growing."""
     import torch
 
     from bench.dev_step_modes import HostSampler, StallWatch
@@ -437,6 +449,15 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     for _ in range(warmup):
         for arm in arms:
             step(arm)
+    settled = {}  # arm -> steps it took until ``block`` in a row pinned nothing
+    for arm in offs:
+        quiet = taken = 0
+        while _any_rank(quiet < max(block, 1) and taken < settle, fsdp):
+            had = _chunks(offs[arm])[0]
+            step(arm)
+            taken += 1
+            quiet = quiet + 1 if _chunks(offs[arm])[0] == had else 0
+        settled[arm] = (taken, quiet >= max(block, 1))
     # host peaks from the timed rounds only (not the warm-up's, nor speed's trials)
     for off in offs.values():
         off.reset_peak_stats()
@@ -468,6 +489,9 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
            else "interleaved steps")
     lines = [f"## {name}{' (FSDP2)' if fsdp else ''}: {rounds} rounds of {how}, after {warmup} "
              f"warm-up rounds (GPU memory allocated before the model: {left:.2f} GiB)",
+             "settling steps (an arm's own, until a block of them pinned nothing; at most "
+             f"{settle}): " + (", ".join(f"{a} {n}{'' if ok else ' (still pinning)'}"
+                                         for a, (n, ok) in settled.items()) or "none"),
              "| arm | step ms (median) | step ms min-max | host issue ms (median) | "
              f"vs {arms[0]} | first step of a block ms (median) | peak GPU GiB (max) | "
              f"vs {arms[0]} round by round: median (quartiles) |",
@@ -507,6 +531,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
             row["params_finite"] = health["params_finite"]
             if row["variant"] in done:
                 row["hook_host_ms"], row["counters_per_step"] = done[row["variant"]]
+            if row["variant"] in settled:  # its settling steps, and whether they settled it
+                row["settling_steps"], row["settled"] = settled[row["variant"]]
         rows += mine
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
               "packs s (timed rounds) | hooks' host ms a step (pack / unpack) | "
@@ -674,6 +700,9 @@ def main() -> None:
     ap.add_argument("--arms", default="uncompressed,memory,memory_group")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--settle", type=int, default=SETTLE_STEPS,
+                    help="after the warm-up rounds, at most this many steps of each "
+                         "offloading arm alone until a block of them pins nothing (0: none)")
     ap.add_argument("--block", type=int, default=1,
                     help="steps of an arm in a row per round (>1: the first of each apart, so "
                          "the others compare as one process per arm would, on one host)")
@@ -713,7 +742,7 @@ def main() -> None:
     for name in a.models.split(","):
         lines = measure(name, arms, a.rounds, a.warmup, a.block, device=a.device,
                         fsdp=a.fsdp, rows=rows, stall_s=a.stall_dump, trace=a.trace,
-                        sample_ms=a.sample_host, reset_peak=a.reset_peak)
+                        sample_ms=a.sample_host, reset_peak=a.reset_peak, settle=a.settle)
         if rank == 0:
             print("\n".join(lines), flush=True)
             if a.out:  # after each model: a later model's crash keeps the earlier rows

@@ -657,6 +657,39 @@ def test_the_ab_probe_runs_speed_to_its_choice_first():
     assert any(ln.startswith("| speed_copy_only |") for ln in lines), text
 
 
+def test_the_ab_probe_settles_each_arm_until_a_block_pins_nothing(monkeypatch):
+    """``dev_ab_steps.measure`` times an arm only after steps of its own in which a block's
+    worth in a row pinned nothing (a plain copy's pool still growing pinned buffers in the
+    timed steps, each costing the host milliseconds), at most ``settle`` steps, and says how
+    many each took and whether it settled (also in the rows)."""
+    from bench import dev_ab_steps
+
+    pins = {"n": 0}
+    growing = {"uncompressed": 5, "memory": 100}  # pins while the arm takes its first steps
+
+    def fake_chunks(off):
+        arm = "memory" if off.mode == "compressed" else "uncompressed"
+        seen = pins.setdefault(arm, 0)
+        if seen < growing[arm]:
+            pins[arm] = seen + 1
+            return (seen + 1, 0)
+        return (seen, 0)
+
+    monkeypatch.setattr(dev_ab_steps, "_chunks", fake_chunks)
+    rows: list[dict] = []
+    lines = dev_ab_steps.measure("encoder-tiny", ["none", "uncompressed", "memory"], 1, 1,
+                                 block=2, device="cpu", rows=rows, settle=6)
+    line = next(ln for ln in lines if ln.startswith("settling steps"))
+    assert "at most 6" in line and "memory 6 (still pinning)" in line, line
+    got = {r["variant"]: (r.get("settling_steps"), r.get("settled")) for r in rows}
+    assert got["memory"] == (6, False) and got["uncompressed"][1] is True, got
+    assert 2 <= got["uncompressed"][0] <= 6 and "settling_steps" not in rows[0], got
+    none = dev_ab_steps.measure("encoder-tiny", ["none", "uncompressed"], 1, 1, device="cpu",
+                                settle=0)
+    assert next(ln for ln in none if ln.startswith("settling")).endswith("uncompressed 0 "
+                                                                          "(still pinning)")
+
+
 def test_the_ab_probe_closes_its_offloaders(monkeypatch):
     """``dev_ab_steps.measure`` closes every arm's offloader once its tables are made (their
     GPU scratch and page-locked memory would otherwise sit under the next model's peaks in
@@ -881,8 +914,8 @@ def test_the_ab_probe_writes_stock_rows_with_a_gradient_check_that_can_fail(monk
 
 def test_the_ab_probe_checks_gradients_on_offloaders_of_their_own(monkeypatch):
     """Each offloading arm's gradient check runs on an offloader of the arm's settings made
-    for it and closed after: the timed offloaders pack only in the warm-up and timed steps
-    (as many a step as the check's), and the check's hold nothing once closed."""
+    for it and closed after: the timed offloaders pack only in the warm-up, settling and
+    timed steps (as many a step as the check's), and the check's hold nothing once closed."""
     import bench.dev_ab_steps as ab
     import torch_pagecomp
 
@@ -901,9 +934,11 @@ def test_the_ab_probe_checks_gradients_on_offloaders_of_their_own(monkeypatch):
     assert len(made) == 4  # the two timed arms' first, then a check's each
     timed, checks = made[:2], made[2:]
     assert [o.mode for o in timed] == [o.mode for o in checks]
+    settled = {r["variant"]: r["settling_steps"] for r in rows if "settling_steps" in r}
     for t, c in zip(timed, checks):
         per_step = c.counters["packed"]
-        assert per_step > 0 and t.counters["packed"] == (warmup + rounds) * per_step
+        steps = warmup + rounds + settled[t.mode if t.mode == "uncompressed" else "memory"]
+        assert per_step > 0 and t.counters["packed"] == steps * per_step
         assert c.pending()["entries"] == 0 and c.pool.held_bytes == 0 and not c._paged
     assert all(r["grads_identical"] for r in rows if r["variant"] != "none")
 
