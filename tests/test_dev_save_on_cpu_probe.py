@@ -19,3 +19,14 @@ def test_each_variant_reports_its_steps_and_what_it_compared():
             assert "'packed'" in head and "'unpacked'" in head
         assert "values_differ" not in head  # on the CPU the copies are done at once
     assert "inf/NaN gradients 0 of" in probe.run("t5-tiny", "save_on_cpu_keep", 1, device="cpu")[0]
+
+
+def test_the_sdpa_layout_repro_compares_contiguous_restores_with_none():
+    """``bench.dev_sdpa_layout_repro`` (the T5 failure without transformers) on the CPU's math
+    attention: the contiguous restores' gradients are finite and, there, equal to the step
+    without hooks, and it says so per step."""
+    from bench import dev_sdpa_layout_repro as repro
+
+    lines = repro.run("math", 2, 2, 32, 2, "float32", device="cpu")
+    assert len(lines) == 2 and all("finite True, equal to no hooks' True" in ln
+                                   for ln in lines), lines
