@@ -460,8 +460,7 @@ class PagedStore:
                         (src.data_ptr() + first * p, payload.data_ptr(), sizes, kinds,
                          scratch[0].data_ptr(), scratch[1].data_ptr()),
                         lambda: (_pages(src, first, n, p), _rows(payload, n, p), sl.sizes,
-                                 sl.kinds,
-                                 *scratch, n))
+                                 sl.kinds, *scratch, n))
         else:
             _compress(_pages(src, first, n, p), element_size,
                       (_rows(payload, n, p), sl.sizes, sl.kinds))
@@ -480,8 +479,7 @@ class PagedStore:
                          (at, payload.data_ptr(), sizes, kinds, scratch[0].data_ptr(),
                           scratch[1].data_ptr()),
                          lambda: (rows[first:first + n], _rows(payload, n, p), sl.sizes,
-                                  sl.kinds,
-                                  *scratch, n))
+                                  sl.kinds, *scratch, n))
 
     def _pick(self, nbytes: int) -> _PayloadSlot:
         """The payload slot the next slice (``nbytes`` of pages) takes: the first whose last
