@@ -468,6 +468,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     if sample_ms:
         sampler = HostSampler(sample_ms / 1e3)
     pinned = collections.defaultdict(list)  # arm -> "round.step in block: buffers" it pinned
+    pins_timed = collections.Counter()  # arm -> page-locked buffers pinned in its timed steps
     for r in range(rounds):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
@@ -476,6 +477,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                 ms, issue, peak = step(arm, reset=reset_peak == "step" or i == 0)
                 if (made := (_chunks(offs[arm])[0] if arm in offs else 0) - had) > 0:
                     pinned[arm].append(f"{r}.{i}: {made}")
+                    pins_timed[arm] += made
                 res[arm][3].append(peak)
                 if i == 0 and block > 1:  # the step after a switch of arms: kept apart
                     res[arm][2].append(ms)
@@ -533,6 +535,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                 row["hook_host_ms"], row["counters_per_step"] = done[row["variant"]]
             if row["variant"] in settled:  # its settling steps, and whether they settled it
                 row["settling_steps"], row["settled"] = settled[row["variant"]]
+                # each pin costs the host milliseconds inside a timed step
+                row["pinned_in_timed_steps"] = pins_timed[row["variant"]]
         rows += mine
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
               "packs s (timed rounds) | hooks' host ms a step (pack / unpack) | "

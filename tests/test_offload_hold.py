@@ -683,6 +683,8 @@ def test_the_ab_probe_settles_each_arm_until_a_block_pins_nothing(monkeypatch):
     assert "at most 6" in line and "memory 6 (still pinning)" in line, line
     got = {r["variant"]: (r.get("settling_steps"), r.get("settled")) for r in rows}
     assert got["memory"] == (6, False) and got["uncompressed"][1] is True, got
+    timed = {r["variant"]: r.get("pinned_in_timed_steps") for r in rows}
+    assert timed["uncompressed"] == 0 and timed["memory"] > 0, timed  # still growing there
     assert 2 <= got["uncompressed"][0] <= 6 and "settling_steps" not in rows[0], got
     none = dev_ab_steps.measure("encoder-tiny", ["none", "uncompressed"], 1, 1, device="cpu",
                                 settle=0)
