@@ -15,6 +15,13 @@ start only, not at each step's, so the block's later steps run as a loop that ne
 (the hooks' hold rule reads the peak since the last reset, ``_batch.Batcher._over_peak``); a
 step's peak is then the block's so far.
 
+``--gc manual`` (the default since session 73): Python's automatic cyclic collection off in
+the measured steps, a generation-1 collection after each step outside its time, as torchtitan's
+loop runs it; ``--gc auto``: as Python runs it (a full collection of T5's ~400k tracked
+objects, 175-215 ms, then lands in whichever arm's step is running, every few steps). Each
+arm's collector ms a step is reported either way. ``--settle N``: each offloading arm's own
+steps before timing, until a block of them pins nothing (at most N).
+
 ``--fsdp``: the model under FSDP2, over ``torchrun``'s ranks (``torchrun --nproc_per_node 2
 -m bench.dev_ab_steps --fsdp ...``) or, run alone, a process group of one rank. ``--out
 FILE``: the arms ``none`` / ``uncompressed`` / ``memory`` / ``speed`` also as JSON rows of
@@ -323,11 +330,75 @@ def _hooked(model, blocks: list, off):
 SETTLE_STEPS = 12  # the most settling steps an arm takes (see :func:`measure`)
 
 
+class _Collector:
+    """Python's cyclic collector during :func:`measure` (its ``gc_mode``): ``"manual"`` turns
+    automatic collection off until :meth:`close` (the caller collects generation 1 after each
+    step and :meth:`add` s the time); ``"auto"`` records the pauses of automatic collections
+    (``gc.callbacks``) against the arm whose step was running. Seconds by arm, counted from
+    the last :meth:`reset`."""
+
+    def __init__(self, mode: str):
+        if mode not in ("manual", "auto"):
+            raise ValueError(f"gc_mode must be 'manual' or 'auto', got {mode!r}")
+        self.mode, self.arm = mode, None
+        self.seconds: collections.Counter = collections.Counter()
+        self.full: collections.Counter = collections.Counter()  # automatic full collections
+        self._t0 = 0.0
+        self._steps = 1  # the timed steps an arm (:meth:`close`)
+        self.was_enabled = gc.isenabled()
+        if mode == "manual":
+            gc.collect()
+            gc.disable()
+        else:
+            gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds[self.arm] += time.perf_counter() - self._t0
+            self.full[self.arm] += info["generation"] == 2
+
+    def add(self, arm: str, seconds: float) -> None:
+        self.seconds[arm] += seconds
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.full.clear()
+
+    def per_step(self, arm: str) -> float:
+        """The arm's collector ms a step over the steps :meth:`close` was given."""
+        return round(self.seconds[arm] * 1e3 / self._steps, 3)
+
+    def restore(self) -> None:
+        """Leave the collector as it was before (again: nothing)."""
+        if self.mode == "manual" and self.was_enabled:
+            gc.enable()
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def close(self, steps: int) -> str:
+        """:meth:`restore`, and the table's line of each arm's collector time a step over
+        ``steps`` timed steps an arm."""
+        self._steps = max(steps, 1)
+        self.restore()
+        if self.mode == "manual":
+            how = ("manual: automatic collection off in the measured steps, a generation-1 "
+                   "collection after each step, outside its time; its ms a step")
+        else:
+            how = "auto: the collector's pauses inside each arm's timed steps, ms a step"
+        arms = ", ".join(f"{a} {self.seconds[a] * 1e3 / self._steps:.2f}"
+                         + (f" ({self.full[a]} full)" if self.full[a] else "")
+                         for a in self.seconds)
+        return f"gc {how}: {arms or 'none'}"
+
+
 def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1,
             device: str | None = None, fsdp: bool = False,
             rows: list[dict] | None = None, stall_s: float | None = None,
             sample_ms: float | None = None, reset_peak: str = "step",
-            trace: bool = False, settle: int = SETTLE_STEPS) -> list[str]:
+            trace: bool = False, settle: int = SETTLE_STEPS,
+            gc_mode: str = "manual") -> list[str]:
     """The table of ``arms`` on model ``name`` (``device``: CUDA where there is one, else the
     CPU, a smoke test on the tiny models); with ``fsdp``, the model under FSDP2
     (``fully_shard`` per block, then the whole) over the process group of this process.
@@ -353,7 +424,17 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     in a row: on one H200 the plain copy pinned 25 buffers in ConvNeXt-T's 12 timed steps
     (each pin costs the host milliseconds) while ``speed``, copying the same way after its
     own trial steps, pinned none and ran 0.90x its step (``bench/results/h200_session73``):
-    the baseline was timed while still growing."""
+    the baseline was timed while still growing.
+
+    ``gc_mode``: ``"manual"`` turns Python's automatic cyclic collection off for the
+    measured steps and runs a generation-1 collection after each step, outside its time (as
+    torchtitan's training loop runs its own collections); ``"auto"`` leaves the collector as
+    it is. With ``"auto"`` a full collection (~400k tracked objects on T5: 175-215 ms) lands
+    every few steps in whichever arm's step allocated at that moment: one such pause in a
+    timed step of 3 is ~70 ms a step in one arm's median, whatever it offloads
+    (``bench/results/h200_session73``). Either way the table reports each arm's collector
+    time a step (manual: its generation-1 collections; auto: the pauses in its timed
+    steps): the hooks' Python objects are part of what the collector walks."""
     import torch
 
     from bench.dev_step_modes import HostSampler, StallWatch
@@ -402,6 +483,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     losses: dict[str, list] = collections.defaultdict(list)
 
     sampler = None
+    collector = _Collector(gc_mode)
 
     def step(arm: str, reset: bool = True) -> tuple[float, float, float]:
         steps_taken[0] += 1
@@ -410,6 +492,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
             print(f"[ab] {label}", file=sys.stderr, flush=True)
         watch = StallWatch(stall_s, label) if stall_s else None
         try:
+            collector.arm = arm
             with _hooked(model, blocks, offs.get(arm)), _arm_patch(arm):
                 if cuda:
                     if reset:
@@ -435,145 +518,156 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
             if watch is not None:
                 watch.cancel()
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        if gc_mode == "manual":  # the step's young objects, outside its time
+            t1 = time.perf_counter()
+            gc.collect(1)
+            collector.add(arm, time.perf_counter() - t1)
         return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
-    grads = _first_grads(model, forward, blocks, arms, fsdp, make) if rows is not None else {}
-    tuned, own = {}, {}
-    for sa in [a for a in ("speed", "speed_warm2") if a in offs]:  # their trials and check
-        sp, tuned[sa], own[sa] = offs[sa], 0, []  # in steps of their own (see the docstring)
-        while _any_rank(tuned[sa] < 34 and (sp.tuner.choice is None or sp.tuner.checking),
-                        fsdp):
-            ms = step(sa)[0]
-            own[sa].append(f"{sp.tuner.arm[:4]} {ms:.1f} ({sp.host_buffers_made()})")
-            tuned[sa] += 1
-    for _ in range(warmup):
+    try:  # the collector as it was, whatever happens in the steps
+        grads = _first_grads(model, forward, blocks, arms, fsdp, make) if rows is not None else {}
+        tuned, own = {}, {}
+        for sa in [a for a in ("speed", "speed_warm2") if a in offs]:  # their trials and check
+            sp, tuned[sa], own[sa] = offs[sa], 0, []  # in steps of their own (see the docstring)
+            while _any_rank(tuned[sa] < 34 and (sp.tuner.choice is None or sp.tuner.checking),
+                            fsdp):
+                ms = step(sa)[0]
+                own[sa].append(f"{sp.tuner.arm[:4]} {ms:.1f} ({sp.host_buffers_made()})")
+                tuned[sa] += 1
+        for _ in range(warmup):
+            for arm in arms:
+                step(arm)
+        settled = {}  # arm -> steps it took until ``block`` in a row pinned nothing
+        for arm in offs:
+            quiet = taken = 0
+            while _any_rank(quiet < max(block, 1) and taken < settle, fsdp):
+                had = _chunks(offs[arm])[0]
+                step(arm)
+                taken += 1
+                quiet = quiet + 1 if _chunks(offs[arm])[0] == had else 0
+            settled[arm] = (taken, quiet >= max(block, 1))
+        # host peaks from the timed rounds only (not the warm-up's, nor speed's trials)
+        for off in offs.values():
+            off.reset_peak_stats()
+        collector.reset()
+        before = {a: off.stats() for a, off in offs.items()}
+        chunks0 = {a: _chunks(off) for a, off in offs.items()}
+        res = {a: ([], [], [], []) for a in arms}  # steps ms, host issue ms, first steps of
+        # blocks, peak GPU GiB
+        if sample_ms:
+            sampler = HostSampler(sample_ms / 1e3)
+        pinned = collections.defaultdict(list)  # arm -> "round.step in block: buffers" it pinned
+        pins_timed = collections.Counter()  # arm -> page-locked buffers pinned in its timed steps
+        for r in range(rounds):
+            k = r % len(arms)
+            for arm in arms[k:] + arms[:k]:
+                for i in range(block):
+                    had = _chunks(offs[arm])[0] if arm in offs else 0
+                    ms, issue, peak = step(arm, reset=reset_peak == "step" or i == 0)
+                    if (made := (_chunks(offs[arm])[0] if arm in offs else 0) - had) > 0:
+                        pinned[arm].append(f"{r}.{i}: {made}")
+                        pins_timed[arm] += made
+                    res[arm][3].append(peak)
+                    if i == 0 and block > 1:  # the step after a switch of arms: kept apart
+                        res[arm][2].append(ms)
+                        continue
+                    res[arm][0].append(ms)
+                    res[arm][1].append(issue)
+        if sampler is not None:
+            sampler.close()
+        gc_line = collector.close(rounds * block)
+        base = statistics.median(res[arms[0]][0])
+        how = (f"blocks of {block} steps per arm (the first of each block apart)" if block > 1
+               else "interleaved steps")
+        lines = [f"## {name}{' (FSDP2)' if fsdp else ''}: {rounds} rounds of {how}, after {warmup} "
+                 f"warm-up rounds (GPU memory allocated before the model: {left:.2f} GiB)",
+                 "settling steps (an arm's own, until a block of them pinned nothing; at most "
+                 f"{settle}): " + (", ".join(f"{a} {n}{'' if ok else ' (still pinning)'}"
+                                             for a, (n, ok) in settled.items()) or "none"),
+                 "| arm | step ms (median) | step ms min-max | host issue ms (median) | "
+                 f"vs {arms[0]} | first step of a block ms (median) | peak GPU GiB (max) | "
+                 f"vs {arms[0]} round by round: median (quartiles) |",
+                 "|---|---|---|---|---|---|---|---|"]
         for arm in arms:
-            step(arm)
-    settled = {}  # arm -> steps it took until ``block`` in a row pinned nothing
-    for arm in offs:
-        quiet = taken = 0
-        while _any_rank(quiet < max(block, 1) and taken < settle, fsdp):
-            had = _chunks(offs[arm])[0]
-            step(arm)
-            taken += 1
-            quiet = quiet + 1 if _chunks(offs[arm])[0] == had else 0
-        settled[arm] = (taken, quiet >= max(block, 1))
-    # host peaks from the timed rounds only (not the warm-up's, nor speed's trials)
-    for off in offs.values():
-        off.reset_peak_stats()
-    before = {a: off.stats() for a, off in offs.items()}
-    chunks0 = {a: _chunks(off) for a, off in offs.items()}
-    res = {a: ([], [], [], []) for a in arms}  # steps ms, host issue ms, first steps of
-    # blocks, peak GPU GiB
-    if sample_ms:
-        sampler = HostSampler(sample_ms / 1e3)
-    pinned = collections.defaultdict(list)  # arm -> "round.step in block: buffers" it pinned
-    pins_timed = collections.Counter()  # arm -> page-locked buffers pinned in its timed steps
-    for r in range(rounds):
-        k = r % len(arms)
-        for arm in arms[k:] + arms[:k]:
-            for i in range(block):
-                had = _chunks(offs[arm])[0] if arm in offs else 0
-                ms, issue, peak = step(arm, reset=reset_peak == "step" or i == 0)
-                if (made := (_chunks(offs[arm])[0] if arm in offs else 0) - had) > 0:
-                    pinned[arm].append(f"{r}.{i}: {made}")
-                    pins_timed[arm] += made
-                res[arm][3].append(peak)
-                if i == 0 and block > 1:  # the step after a switch of arms: kept apart
-                    res[arm][2].append(ms)
-                    continue
-                res[arm][0].append(ms)
-                res[arm][1].append(issue)
-    if sampler is not None:
-        sampler.close()
-    base = statistics.median(res[arms[0]][0])
-    how = (f"blocks of {block} steps per arm (the first of each block apart)" if block > 1
-           else "interleaved steps")
-    lines = [f"## {name}{' (FSDP2)' if fsdp else ''}: {rounds} rounds of {how}, after {warmup} "
-             f"warm-up rounds (GPU memory allocated before the model: {left:.2f} GiB)",
-             "settling steps (an arm's own, until a block of them pinned nothing; at most "
-             f"{settle}): " + (", ".join(f"{a} {n}{'' if ok else ' (still pinning)'}"
-                                         for a, (n, ok) in settled.items()) or "none"),
-             "| arm | step ms (median) | step ms min-max | host issue ms (median) | "
-             f"vs {arms[0]} | first step of a block ms (median) | peak GPU GiB (max) | "
-             f"vs {arms[0]} round by round: median (quartiles) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for arm in arms:
-        t, h, first, peaks = res[arm]
-        med = statistics.median(t)
-        lines.append(f"| {arm} | {med:.1f} | {min(t):.1f}-{max(t):.1f} | "
-                     f"{statistics.median(h):.1f} | {med / base:.2f}x | "
-                     f"{statistics.median(first) if first else float('nan'):.1f} | "
-                     f"{max(peaks):.3f} | {paired(t, res[arms[0]][0])} |")
-    if pinned:  # a pin costs the host ~37 ms a 64 MiB chunk: which timed steps paid it
-        lines.append("page-locked buffers pinned in timed steps (round.step of its block: "
-                     "buffers): "
-                     + "; ".join(f"{a} {', '.join(v)}" for a, v in pinned.items()))
-    for off in offs.values():
-        off.synchronize()
-    health = _health(model, losses)
-    lines.append(health["line"])
-    for sa in tuned:
-        t = offs[sa].tuner.summary()
-        lines.append(f"{sa}: {tuned[sa]} steps of its own first; choice {t['choice']} "
-                     f"(checking: {offs[sa].tuner.checking}); trial ms "
-                     f"{t['trial_ms']}; decisions {t['decisions']}")
-        lines.append(f"{sa}'s own steps: arm, ms (host buffers and chunks made so far): "
-                     + ", ".join(own[sa]))
-    # per timed step, the hooks' own host ms (pack / unpack) and what they did (pack calls,
-    # restores, stores...): the first over the second gives the cost of one
-    done = {a: per_step(before[a], off.stats(), rounds * block, off.counters)
-            for a, off in offs.items()}
-    if rows is not None:
-        mine = _stock_rows(name, arms, res, offs, grads, rounds, fsdp,
-                           saver.bytes / 2**30 if saver is not None else None)
-        for row in mine:
-            row["reset_peak"] = reset_peak
-            row["loss_finite"] = health["loss_finite"].get(row["variant"])
-            row["params_finite"] = health["params_finite"]
-            if row["variant"] in done:
-                row["hook_host_ms"], row["counters_per_step"] = done[row["variant"]]
-            if row["variant"] in settled:  # its settling steps, and whether they settled it
-                row["settling_steps"], row["settled"] = settled[row["variant"]]
-                # each pin costs the host milliseconds inside a timed step
-                row["pinned_in_timed_steps"] = pins_timed[row["variant"]]
-        rows += mine
-    lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
-              "packs s (timed rounds) | hooks' host ms a step (pack / unpack) | "
-              "pack calls / restores a step | "
-              "page-locked buffers pinned / unpinned in the timed rounds (arena chunks and "
-              "plain copies' buffers) |",
-              "|---|---|---|---|---|---|---|"]
-    for arm, off in offs.items():
-        st = off.stats()
-        hm, n = done[arm]
-        arenas = list(st.get("compressor", {}).values())
-        held = st.get("pinned_held_bytes", 0) + sum(c["host_held_bytes"] for c in arenas)
-        peak = sum(c["host_peak_held_bytes"] for c in arenas)
-        was = before[arm].get("compressor", {}).values()  # the timed rounds' waits only
-        wait = (sum(c.get("host_wait_us", 0) for c in arenas)
-                - sum(c.get("host_wait_us", 0) for c in was)) / 1e6
-        lines.append(f"| {arm} | {held / 2**30:.2f} | "
-                     f"{sum(c['host_held_bytes'] for c in arenas) / 2**30:.2f} "
-                     f"({peak / 2**30:.2f}) | {wait:.3f}{_waits_by(arenas, was)} | "
-                     f"{hm.get('pack', 0.0):.1f} / {hm.get('unpack', 0.0):.1f} | "
-                     f"{n.get('packed', 0):.0f} / "
-                     f"{n.get('restored_prefetch', 0) + n.get('restored_on_demand', 0):.0f} | "
-                     + " / ".join(str(b - a) for a, b in zip(chunks0[arm], _chunks(off)))
-                     + " |")
-    if sampler is not None:
-        lines.append(f"### Where the host's timed steps went (a sample every {sample_ms} ms)")
-        for arm in arms:
-            lines += sampler.table(arm, rounds * block)
-    # their GPU scratch and page-locked memory, not the next model's; the collection first: a
-    # stall dump's frames can keep the last step's graph (and its saved tensors) alive
-    gc.collect()
-    for arm, off in offs.items():
-        try:
-            off.close()
-        except RuntimeError as exc:  # its memory goes when it is collected instead
-            lines.append(f"({arm}'s offloader not closed: {exc})")
-    return lines
+            t, h, first, peaks = res[arm]
+            med = statistics.median(t)
+            lines.append(f"| {arm} | {med:.1f} | {min(t):.1f}-{max(t):.1f} | "
+                         f"{statistics.median(h):.1f} | {med / base:.2f}x | "
+                         f"{statistics.median(first) if first else float('nan'):.1f} | "
+                         f"{max(peaks):.3f} | {paired(t, res[arms[0]][0])} |")
+        if pinned:  # a pin costs the host ~37 ms a 64 MiB chunk: which timed steps paid it
+            lines.append("page-locked buffers pinned in timed steps (round.step of its block: "
+                         "buffers): "
+                         + "; ".join(f"{a} {', '.join(v)}" for a, v in pinned.items()))
+        lines.append(gc_line)
+        for off in offs.values():
+            off.synchronize()
+        health = _health(model, losses)
+        lines.append(health["line"])
+        for sa in tuned:
+            t = offs[sa].tuner.summary()
+            lines.append(f"{sa}: {tuned[sa]} steps of its own first; choice {t['choice']} "
+                         f"(checking: {offs[sa].tuner.checking}); trial ms "
+                         f"{t['trial_ms']}; decisions {t['decisions']}")
+            lines.append(f"{sa}'s own steps: arm, ms (host buffers and chunks made so far): "
+                         + ", ".join(own[sa]))
+        # per timed step, the hooks' own host ms (pack / unpack) and what they did (pack calls,
+        # restores, stores...): the first over the second gives the cost of one
+        done = {a: per_step(before[a], off.stats(), rounds * block, off.counters)
+                for a, off in offs.items()}
+        if rows is not None:
+            mine = _stock_rows(name, arms, res, offs, grads, rounds, fsdp,
+                               saver.bytes / 2**30 if saver is not None else None)
+            for row in mine:
+                row["reset_peak"] = reset_peak
+                row["loss_finite"] = health["loss_finite"].get(row["variant"])
+                row["params_finite"] = health["params_finite"]
+                if row["variant"] in done:
+                    row["hook_host_ms"], row["counters_per_step"] = done[row["variant"]]
+                if row["variant"] in settled:  # its settling steps, and whether they settled it
+                    row["settling_steps"], row["settled"] = settled[row["variant"]]
+                    # each pin costs the host milliseconds inside a timed step
+                    row["pinned_in_timed_steps"] = pins_timed[row["variant"]]
+                row["gc"], row["gc_ms_per_step"] = gc_mode, collector.per_step(row["variant"])
+            rows += mine
+        lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
+                  "packs s (timed rounds) | hooks' host ms a step (pack / unpack) | "
+                  "pack calls / restores a step | "
+                  "page-locked buffers pinned / unpinned in the timed rounds (arena chunks and "
+                  "plain copies' buffers) |",
+                  "|---|---|---|---|---|---|---|"]
+        for arm, off in offs.items():
+            st = off.stats()
+            hm, n = done[arm]
+            arenas = list(st.get("compressor", {}).values())
+            held = st.get("pinned_held_bytes", 0) + sum(c["host_held_bytes"] for c in arenas)
+            peak = sum(c["host_peak_held_bytes"] for c in arenas)
+            was = before[arm].get("compressor", {}).values()  # the timed rounds' waits only
+            wait = (sum(c.get("host_wait_us", 0) for c in arenas)
+                    - sum(c.get("host_wait_us", 0) for c in was)) / 1e6
+            lines.append(f"| {arm} | {held / 2**30:.2f} | "
+                         f"{sum(c['host_held_bytes'] for c in arenas) / 2**30:.2f} "
+                         f"({peak / 2**30:.2f}) | {wait:.3f}{_waits_by(arenas, was)} | "
+                         f"{hm.get('pack', 0.0):.1f} / {hm.get('unpack', 0.0):.1f} | "
+                         f"{n.get('packed', 0):.0f} / "
+                         f"{n.get('restored_prefetch', 0) + n.get('restored_on_demand', 0):.0f} | "
+                         + " / ".join(str(b - a) for a, b in zip(chunks0[arm], _chunks(off)))
+                         + " |")
+        if sampler is not None:
+            lines.append(f"### Where the host's timed steps went (a sample every {sample_ms} ms)")
+            for arm in arms:
+                lines += sampler.table(arm, rounds * block)
+        # their GPU scratch and page-locked memory, not the next model's; the collection first: a
+        # stall dump's frames can keep the last step's graph (and its saved tensors) alive
+        gc.collect()
+        for arm, off in offs.items():
+            try:
+                off.close()
+            except RuntimeError as exc:  # its memory goes when it is collected instead
+                lines.append(f"({arm}'s offloader not closed: {exc})")
+        return lines
+    finally:
+        collector.restore()
 
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed")  # arms with a JSON row
@@ -704,6 +798,10 @@ def main() -> None:
     ap.add_argument("--arms", default="uncompressed,memory,memory_group")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--gc", default="manual", choices=["manual", "auto"],
+                    help="Python's cyclic collector in the measured steps: off, with a "
+                         "generation-1 collection after each step outside its time (manual, as "
+                         "torchtitan runs it), or as Python runs it (auto)")
     ap.add_argument("--settle", type=int, default=SETTLE_STEPS,
                     help="after the warm-up rounds, at most this many steps of each "
                          "offloading arm alone until a block of them pins nothing (0: none)")
@@ -746,7 +844,8 @@ def main() -> None:
     for name in a.models.split(","):
         lines = measure(name, arms, a.rounds, a.warmup, a.block, device=a.device,
                         fsdp=a.fsdp, rows=rows, stall_s=a.stall_dump, trace=a.trace,
-                        sample_ms=a.sample_host, reset_peak=a.reset_peak, settle=a.settle)
+                        sample_ms=a.sample_host, reset_peak=a.reset_peak, settle=a.settle,
+                        gc_mode=a.gc)
         if rank == 0:
             print("\n".join(lines), flush=True)
             if a.out:  # after each model: a later model's crash keeps the earlier rows

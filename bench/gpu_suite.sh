@@ -35,7 +35,8 @@
 #                                      # health" line: torch's pinned save_on_cpu makes T5's
 #                                      # gradients NaN, and the arms after it (one model)
 #                                      # then train on NaN (session 72); each offloading
-#                                      # arm settles first (dev_ab_steps --settle, session 73)
+#                                      # arm settles first (dev_ab_steps --settle) and the
+#                                      # collector runs between steps (--gc manual; session 73)
 #   bash bench/gpu_suite.sh final      # transformers generation table, stock and deterministic
 #   bash bench/gpu_suite.sh lifetimes  # every entry point exits cleanly 20 times (issue #19)
 #   bash bench/gpu_suite.sh chaos      # the hooks under random delays on their streams, every

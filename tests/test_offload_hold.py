@@ -692,6 +692,44 @@ def test_the_ab_probe_settles_each_arm_until_a_block_pins_nothing(monkeypatch):
                                                                           "(still pinning)")
 
 
+def test_the_ab_probe_runs_the_collector_by_hand_or_records_its_pauses(monkeypatch):
+    """``dev_ab_steps.measure``'s ``gc_mode``: ``"manual"`` turns automatic collection off
+    for the steps and collects generation 1 after each, outside its time; ``"auto"``
+    records the automatic collections' pauses against the arm whose step ran. Either way
+    each arm's collector ms a step is in the table and rows, and the collector is left as it
+    was, also when a step raises."""
+    import gc
+
+    from bench.dev_ab_steps import measure
+
+    assert gc.isenabled()
+    rows: list[dict] = []
+    lines = measure("encoder-tiny", ["none", "uncompressed"], 2, 1, device="cpu", rows=rows)
+    line = next(ln for ln in lines if ln.startswith("gc manual"))
+    assert "none " in line and "uncompressed " in line, line
+    assert gc.isenabled() and all(r["gc"] == "manual" and r["gc_ms_per_step"] > 0
+                                  for r in rows), rows
+    old = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at every allocation: some inside each step
+    try:
+        rows = []
+        lines = measure("encoder-tiny", ["none", "uncompressed"], 2, 1, device="cpu",
+                        rows=rows, gc_mode="auto")
+    finally:
+        gc.set_threshold(*old)
+    line = next(ln for ln in lines if ln.startswith("gc auto"))
+    assert all(r["gc"] == "auto" and r["gc_ms_per_step"] > 0 for r in rows), (line, rows)
+    assert not any(cb.__qualname__.startswith("_Collector") for cb in gc.callbacks)
+
+    def fails(self, *args, **kwargs):
+        raise RuntimeError("a step that fails")
+
+    monkeypatch.setattr(torch.optim.SGD, "step", fails)
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        measure("encoder-tiny", ["none", "uncompressed"], 1, 1, device="cpu")
+    assert gc.isenabled()
+
+
 def test_the_ab_probe_closes_its_offloaders(monkeypatch):
     """``dev_ab_steps.measure`` closes every arm's offloader once its tables are made (their
     GPU scratch and page-locked memory would otherwise sit under the next model's peaks in
