@@ -50,6 +50,10 @@
 #                                      # the error names its launch. torch's pinned save_on_cpu
 #                                      # faults on T5 by itself (bench.dev_save_on_cpu_probe,
 #                                      # session 73), so it is not among the default arms
+#   bash bench/gpu_suite.sh layout     # saved tensors' layouts (session 73): the hooks' layout
+#                                      # tests on the GPU, then bench.dev_sdpa_layout_repro
+#                                      # (attention's saved tensors given back contiguous) on
+#                                      # each SDPA backend, a process each (a fault ends one)
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
 #                                      # (AB_ROUNDS=3: three rounds, the order alternating)
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
@@ -440,6 +444,16 @@ hold)
         --models "${HOLD_MODELS:-encoder-1024,resnet-64,tv-resnet50,bert-1024,encoder-2048,llama-2048}" \
         --arms "${HOLD_ARMS:-uncompressed,memory,memory_wait,none}" \
         --rounds "${HOLD_ROUNDS:-8}" --warmup 2 2>&1 | tee -a "$OUT/hold.txt" | grep -v "^|---"
+    ;;
+layout)
+    header layout | tee "$OUT/layout.txt"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_offload.py -k layout \
+        -rfE 2>&1 | tail -n 4 | tee -a "$OUT/layout.txt"
+    for backend in ${LAYOUT_BACKENDS:-efficient math cudnn}; do
+        timeout 60 python3 -m bench.dev_sdpa_layout_repro --backend "$backend" 2>&1 \
+            | grep -vE "^ +File|^Traceback" | tail -n 6 | tee -a "$OUT/layout.txt"
+        echo "$backend rc=${PIPESTATUS[0]}" | tee -a "$OUT/layout.txt"
+    done
     ;;
 crashhunt)
     header crashhunt | tee "$OUT/crashhunt.txt"
