@@ -21,6 +21,8 @@ from ._copies import host_bytes
 from ._streams import current_stream
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._paged import PagedStored
 
 
@@ -116,9 +118,9 @@ def ramps(bases: list[int], counts: list[int], stride: int, device: torch.device
     counts[j]``, segment after segment, written by a kernel from three numbers a segment (no
     host wait), not built per element on the host and uploaded. The kernel reads the numbers
     from ``ring`` (the store's :class:`~._arena.UploadRing`, page-locked) at their address
-    where given, else from an upload of them. (Through the ring's tensor and the launcher's
-    own argument checks this took 69 us of host time a call, once per batch of saved tensors
-    stored: ``bench/results/h200_session72``.)"""
+    where given, else from an upload of them (:func:`table_addr`). (Through the ring's tensor
+    and the launcher's own argument checks this took 69 us of host time a call, once per
+    batch of saved tensors stored: ``bench/results/h200_session72``.)"""
     from ..kernels.row_table import fill_row_table_at
 
     firsts, total = [], 0
@@ -128,28 +130,32 @@ def ramps(bases: list[int], counts: list[int], stride: int, device: torch.device
     out = torch.empty(total, dtype=torch.int64, device=device)
     if total == 0:
         return out
-    cols = [bases, firsts, counts]
-    desc = ring.put_addr(cols, current_stream(device)) if ring is not None else None
-    uploaded = None
-    if desc is None:  # no ring, or more segments than half of it holds
-        uploaded = upload_table(cols, device)
-        desc = uploaded.data_ptr()
     k = len(counts)
-    fill_row_table_at(
-        device.index, k, stride, max(counts), (desc, out.data_ptr()),
-        lambda: (uploaded if uploaded is not None else ring.view_at(desc, 3, k), out, k))
+    desc, desc_tensor = table_addr([bases, firsts, counts], device, ring)
+    fill_row_table_at(device.index, k, stride, max(counts), (desc, out.data_ptr()),
+                      lambda: (desc_tensor(), out, k))
     return out
 
 
-def upload_table(rows: list[list[int]], device: torch.device,
-                 ring: UploadRing | None = None) -> torch.Tensor:
+def table_addr(rows: list[list[int]], device: torch.device,
+               ring: UploadRing | None = None) -> tuple[int, Callable[[], torch.Tensor]]:
     """``rows`` (equal-length lists of ints) as the ``int64 [len(rows), k]`` table a kernel
-    queued next on ``device``'s current stream reads: in ``ring`` (page-locked, written by the
-    host, nothing uploaded) where it takes them, else uploaded to ``device``."""
-    desc = ring.put(rows, current_stream(device)) if ring is not None else None
-    if desc is None:
-        desc = to_device(torch.tensor(rows, dtype=torch.int64), device)
-    return desc
+    queued next on ``device``'s current stream reads by address: ``(its address, a function
+    that gives it as a tensor)`` (for a launch that goes the usual way, its first). In
+    ``ring`` (page-locked, written by the host: no tensor made, nothing uploaded) where it
+    takes them, else uploaded to ``device``."""
+    if ring is not None:
+        addr = ring.put_addr(rows, current_stream(device))
+        if addr is not None:
+            return addr, lambda: ring.view_at(addr, len(rows), len(rows[0]))
+    table = upload_table(rows, device)  # no ring, or more than half of it
+    return table.data_ptr(), lambda: table
+
+
+def upload_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """``rows`` (equal-length lists of ints) as an ``int64 [len(rows), k]`` table uploaded to
+    ``device`` (read by a kernel queued next on its current stream)."""
+    return to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 def _decompress_rows(payload, offsets, sizes, kinds, outs: list, page_size: int,

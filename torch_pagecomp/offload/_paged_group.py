@@ -246,15 +246,14 @@ def restore_placed(store, storeds: list, outs: list) -> bool:
     work = torch.empty(_work_bytes(pages), dtype=torch.uint8, device=dev)
     if stream is None:  # the CPU (the interpreter): the checked launcher, on views
         offsets, rows, sizes, kinds = _work_views(work, pages)
-        desc = _decode.upload_table(cols, dev, store.uploads)
+        desc = _decode.upload_table(cols, dev)
         gather_slice_meta(desc, offsets, sizes, kinds, rows, p, most, traced=False)
         for a, b, exp in ((0, lz4_pages, False), (lz4_pages, pages, True)):
             if a < b:
                 _decode.decode_rows(staging, offsets[a:b], sizes[a:b], kinds[a:b], rows[a:b],
                                     p, status[a:b], exp)
     else:
-        _gather_and_decode_at(store, cols, staging, staged, work, status, (p, most, lz4_pages),
-                              stream)
+        _gather_and_decode_at(store, cols, staging, staged, work, status, (p, most, lz4_pages))
     if hand:
         store._count_failures(status, stream)
     if stream is None:
@@ -304,8 +303,7 @@ def _work_views(work: torch.Tensor, pages: int) -> tuple:
 
 
 def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, staged: int,
-                          work: torch.Tensor, status: torch.Tensor, counts: tuple,
-                          stream) -> None:
+                          work: torch.Tensor, status: torch.Tensor, counts: tuple) -> None:
     """:func:`restore_placed`'s launches on the GPU, by address: the slices' table ``cols``
     into the upload ring, the metadata gathered into ``work`` (:func:`_work_bytes`), then one
     decode per codec from the first ``staged`` bytes of ``staging`` (the pages; metadata may
@@ -316,19 +314,13 @@ def _gather_and_decode_at(store, cols: list, staging: torch.Tensor, staged: int,
 
     p, most, lz4_pages = counts
     pages, index = status.numel(), status.device.index
-    table = store.uploads.put_addr(cols, stream) if store.uploads is not None else None
-    uploaded = None
-    if table is None:  # more slices than half the ring holds: uploaded instead
-        uploaded = _decode.upload_table(cols, status.device, None)
-        table = uploaded.data_ptr()
+    table, table_tensor = _decode.table_addr(cols, status.device, store.uploads)
     w = work.data_ptr()
     offs, rows, szs, kds = (w + o for o in _work_offsets(pages))
 
     def gather_args():
-        desc = (uploaded if uploaded is not None
-                else store.uploads.view_at(table, len(cols), len(cols[0])))
         offsets, rws, sz, kd = _work_views(work, pages)
-        return desc, offsets, sz, kd, rws, len(cols[0])
+        return table_tensor(), offsets, sz, kd, rws, len(cols[0])
 
     gather_slice_meta_at(index, len(cols[0]), most, p, (table, offs, szs, kds, rows),
                          gather_args)
