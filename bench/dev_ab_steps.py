@@ -331,36 +331,46 @@ SETTLE_STEPS = 12  # the most settling steps an arm takes (see :func:`measure`)
 
 
 class _Collector:
-    """Python's cyclic collector during :func:`measure` (its ``gc_mode``): ``"manual"`` turns
-    automatic collection off until :meth:`close` (the caller collects generation 1 after each
-    step and :meth:`add` s the time); ``"auto"`` records the pauses of automatic collections
-    (``gc.callbacks``) against the arm whose step was running. Seconds by arm, counted from
-    the last :meth:`reset`."""
+    """Python's cyclic collector in :func:`measure`'s steps (its ``gc_mode``), one step at a
+    time (:meth:`begin` before the step's timing, :meth:`end` after it, also when it raised),
+    so it is left as it was between steps and after a failure: ``"manual"`` turns automatic
+    collection off for the step, and :meth:`end` collects generation 1 outside its time;
+    ``"auto"`` records the pauses of automatic collections inside the step
+    (``bench.dev_hook_timing.GcPauses``). Seconds by arm, counted from the last
+    :meth:`reset`."""
 
     def __init__(self, mode: str):
         if mode not in ("manual", "auto"):
             raise ValueError(f"gc_mode must be 'manual' or 'auto', got {mode!r}")
-        self.mode, self.arm = mode, None
+        self.mode = mode
         self.seconds: collections.Counter = collections.Counter()
         self.full: collections.Counter = collections.Counter()  # automatic full collections
-        self._t0 = 0.0
         self._steps = 1  # the timed steps an arm (:meth:`close`)
-        self.was_enabled = gc.isenabled()
-        if mode == "manual":
-            gc.collect()
+        self._arm = self._pauses = None
+        self._was_enabled = False
+
+    def begin(self, arm: str) -> None:
+        self._arm = arm
+        if self.mode == "manual":
+            self._was_enabled = gc.isenabled()
             gc.disable()
         else:
-            gc.callbacks.append(self._callback)
+            from bench.dev_hook_timing import GcPauses
 
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
+            self._pauses = GcPauses()
+
+    def end(self) -> None:
+        if self.mode == "manual":  # the step's young objects, outside its time
+            t0 = time.perf_counter()
+            gc.collect(1)
+            self.seconds[self._arm] += time.perf_counter() - t0
+            if self._was_enabled:
+                gc.enable()
         else:
-            self.seconds[self.arm] += time.perf_counter() - self._t0
-            self.full[self.arm] += info["generation"] == 2
-
-    def add(self, arm: str, seconds: float) -> None:
-        self.seconds[arm] += seconds
+            pauses, self._pauses = self._pauses, None
+            pauses.stop(1)
+            self.seconds[self._arm] += pauses.ns / 1e9
+            self.full[self._arm] += pauses.runs[2]
 
     def reset(self) -> None:
         self.seconds.clear()
@@ -370,18 +380,10 @@ class _Collector:
         """The arm's collector ms a step over the steps :meth:`close` was given."""
         return round(self.seconds[arm] * 1e3 / self._steps, 3)
 
-    def restore(self) -> None:
-        """Leave the collector as it was before (again: nothing)."""
-        if self.mode == "manual" and self.was_enabled:
-            gc.enable()
-        if self._callback in gc.callbacks:
-            gc.callbacks.remove(self._callback)
-
     def close(self, steps: int) -> str:
-        """:meth:`restore`, and the table's line of each arm's collector time a step over
-        ``steps`` timed steps an arm."""
+        """The table's line of each arm's collector time a step over ``steps`` timed steps an
+        arm."""
         self._steps = max(steps, 1)
-        self.restore()
         if self.mode == "manual":
             how = ("manual: automatic collection off in the measured steps, a generation-1 "
                    "collection after each step, outside its time; its ms a step")
@@ -491,8 +493,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         if trace:  # which arm a step that fails asynchronously ran (a CUDA error names none)
             print(f"[ab] {label}", file=sys.stderr, flush=True)
         watch = StallWatch(stall_s, label) if stall_s else None
+        collector.begin(arm)
         try:
-            collector.arm = arm
             with _hooked(model, blocks, offs.get(arm)), _arm_patch(arm):
                 if cuda:
                     if reset:
@@ -517,157 +519,151 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         finally:
             if watch is not None:
                 watch.cancel()
+            collector.end()
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-        if gc_mode == "manual":  # the step's young objects, outside its time
-            t1 = time.perf_counter()
-            gc.collect(1)
-            collector.add(arm, time.perf_counter() - t1)
         return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
-    try:  # the collector as it was, whatever happens in the steps
-        grads = _first_grads(model, forward, blocks, arms, fsdp, make) if rows is not None else {}
-        tuned, own = {}, {}
-        for sa in [a for a in ("speed", "speed_warm2") if a in offs]:  # their trials and check
-            sp, tuned[sa], own[sa] = offs[sa], 0, []  # in steps of their own (see the docstring)
-            while _any_rank(tuned[sa] < 34 and (sp.tuner.choice is None or sp.tuner.checking),
-                            fsdp):
-                ms = step(sa)[0]
-                own[sa].append(f"{sp.tuner.arm[:4]} {ms:.1f} ({sp.host_buffers_made()})")
-                tuned[sa] += 1
-        for _ in range(warmup):
-            for arm in arms:
-                step(arm)
-        settled = {}  # arm -> steps it took until ``block`` in a row pinned nothing
-        for arm in offs:
-            quiet = taken = 0
-            while _any_rank(quiet < max(block, 1) and taken < settle, fsdp):
-                had = _chunks(offs[arm])[0]
-                step(arm)
-                taken += 1
-                quiet = quiet + 1 if _chunks(offs[arm])[0] == had else 0
-            settled[arm] = (taken, quiet >= max(block, 1))
-        # host peaks from the timed rounds only (not the warm-up's, nor speed's trials)
-        for off in offs.values():
-            off.reset_peak_stats()
-        collector.reset()
-        before = {a: off.stats() for a, off in offs.items()}
-        chunks0 = {a: _chunks(off) for a, off in offs.items()}
-        res = {a: ([], [], [], []) for a in arms}  # steps ms, host issue ms, first steps of
-        # blocks, peak GPU GiB
-        if sample_ms:
-            sampler = HostSampler(sample_ms / 1e3)
-        pinned = collections.defaultdict(list)  # arm -> "round.step in block: buffers" it pinned
-        pins_timed = collections.Counter()  # arm -> page-locked buffers pinned in its timed steps
-        for r in range(rounds):
-            k = r % len(arms)
-            for arm in arms[k:] + arms[:k]:
-                for i in range(block):
-                    had = _chunks(offs[arm])[0] if arm in offs else 0
-                    ms, issue, peak = step(arm, reset=reset_peak == "step" or i == 0)
-                    if (made := (_chunks(offs[arm])[0] if arm in offs else 0) - had) > 0:
-                        pinned[arm].append(f"{r}.{i}: {made}")
-                        pins_timed[arm] += made
-                    res[arm][3].append(peak)
-                    if i == 0 and block > 1:  # the step after a switch of arms: kept apart
-                        res[arm][2].append(ms)
-                        continue
-                    res[arm][0].append(ms)
-                    res[arm][1].append(issue)
-        if sampler is not None:
-            sampler.close()
-        gc_line = collector.close(rounds * block)
-        base = statistics.median(res[arms[0]][0])
-        how = (f"blocks of {block} steps per arm (the first of each block apart)" if block > 1
-               else "interleaved steps")
-        lines = [f"## {name}{' (FSDP2)' if fsdp else ''}: {rounds} rounds of {how}, after {warmup} "
-                 f"warm-up rounds (GPU memory allocated before the model: {left:.2f} GiB)",
-                 "settling steps (an arm's own, until a block of them pinned nothing; at most "
-                 f"{settle}): " + (", ".join(f"{a} {n}{'' if ok else ' (still pinning)'}"
-                                             for a, (n, ok) in settled.items()) or "none"),
-                 "| arm | step ms (median) | step ms min-max | host issue ms (median) | "
-                 f"vs {arms[0]} | first step of a block ms (median) | peak GPU GiB (max) | "
-                 f"vs {arms[0]} round by round: median (quartiles) |",
-                 "|---|---|---|---|---|---|---|---|"]
+    grads = _first_grads(model, forward, blocks, arms, fsdp, make) if rows is not None else {}
+    tuned, own = {}, {}
+    for sa in [a for a in ("speed", "speed_warm2") if a in offs]:  # their trials and check
+        sp, tuned[sa], own[sa] = offs[sa], 0, []  # in steps of their own (see the docstring)
+        while _any_rank(tuned[sa] < 34 and (sp.tuner.choice is None or sp.tuner.checking),
+                        fsdp):
+            ms = step(sa)[0]
+            own[sa].append(f"{sp.tuner.arm[:4]} {ms:.1f} ({sp.host_buffers_made()})")
+            tuned[sa] += 1
+    for _ in range(warmup):
         for arm in arms:
-            t, h, first, peaks = res[arm]
-            med = statistics.median(t)
-            lines.append(f"| {arm} | {med:.1f} | {min(t):.1f}-{max(t):.1f} | "
-                         f"{statistics.median(h):.1f} | {med / base:.2f}x | "
-                         f"{statistics.median(first) if first else float('nan'):.1f} | "
-                         f"{max(peaks):.3f} | {paired(t, res[arms[0]][0])} |")
-        if pinned:  # a pin costs the host ~37 ms a 64 MiB chunk: which timed steps paid it
-            lines.append("page-locked buffers pinned in timed steps (round.step of its block: "
-                         "buffers): "
-                         + "; ".join(f"{a} {', '.join(v)}" for a, v in pinned.items()))
-        lines.append(gc_line)
-        for off in offs.values():
-            off.synchronize()
-        health = _health(model, losses)
-        lines.append(health["line"])
-        for sa in tuned:
-            t = offs[sa].tuner.summary()
-            lines.append(f"{sa}: {tuned[sa]} steps of its own first; choice {t['choice']} "
-                         f"(checking: {offs[sa].tuner.checking}); trial ms "
-                         f"{t['trial_ms']}; decisions {t['decisions']}")
-            lines.append(f"{sa}'s own steps: arm, ms (host buffers and chunks made so far): "
-                         + ", ".join(own[sa]))
-        # per timed step, the hooks' own host ms (pack / unpack) and what they did (pack calls,
-        # restores, stores...): the first over the second gives the cost of one
-        done = {a: per_step(before[a], off.stats(), rounds * block, off.counters)
-                for a, off in offs.items()}
-        if rows is not None:
-            mine = _stock_rows(name, arms, res, offs, grads, rounds, fsdp,
-                               saver.bytes / 2**30 if saver is not None else None)
-            for row in mine:
-                row["reset_peak"] = reset_peak
-                row["loss_finite"] = health["loss_finite"].get(row["variant"])
-                row["params_finite"] = health["params_finite"]
-                if row["variant"] in done:
-                    row["hook_host_ms"], row["counters_per_step"] = done[row["variant"]]
-                if row["variant"] in settled:  # its settling steps, and whether they settled it
-                    row["settling_steps"], row["settled"] = settled[row["variant"]]
-                    # each pin costs the host milliseconds inside a timed step
-                    row["pinned_in_timed_steps"] = pins_timed[row["variant"]]
-                row["gc"], row["gc_ms_per_step"] = gc_mode, collector.per_step(row["variant"])
-            rows += mine
-        lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
-                  "packs s (timed rounds) | hooks' host ms a step (pack / unpack) | "
-                  "pack calls / restores a step | "
-                  "page-locked buffers pinned / unpinned in the timed rounds (arena chunks and "
-                  "plain copies' buffers) |",
-                  "|---|---|---|---|---|---|---|"]
-        for arm, off in offs.items():
-            st = off.stats()
-            hm, n = done[arm]
-            arenas = list(st.get("compressor", {}).values())
-            held = st.get("pinned_held_bytes", 0) + sum(c["host_held_bytes"] for c in arenas)
-            peak = sum(c["host_peak_held_bytes"] for c in arenas)
-            was = before[arm].get("compressor", {}).values()  # the timed rounds' waits only
-            wait = (sum(c.get("host_wait_us", 0) for c in arenas)
-                    - sum(c.get("host_wait_us", 0) for c in was)) / 1e6
-            lines.append(f"| {arm} | {held / 2**30:.2f} | "
-                         f"{sum(c['host_held_bytes'] for c in arenas) / 2**30:.2f} "
-                         f"({peak / 2**30:.2f}) | {wait:.3f}{_waits_by(arenas, was)} | "
-                         f"{hm.get('pack', 0.0):.1f} / {hm.get('unpack', 0.0):.1f} | "
-                         f"{n.get('packed', 0):.0f} / "
-                         f"{n.get('restored_prefetch', 0) + n.get('restored_on_demand', 0):.0f} | "
-                         + " / ".join(str(b - a) for a, b in zip(chunks0[arm], _chunks(off)))
-                         + " |")
-        if sampler is not None:
-            lines.append(f"### Where the host's timed steps went (a sample every {sample_ms} ms)")
-            for arm in arms:
-                lines += sampler.table(arm, rounds * block)
-        # their GPU scratch and page-locked memory, not the next model's; the collection first: a
-        # stall dump's frames can keep the last step's graph (and its saved tensors) alive
-        gc.collect()
-        for arm, off in offs.items():
-            try:
-                off.close()
-            except RuntimeError as exc:  # its memory goes when it is collected instead
-                lines.append(f"({arm}'s offloader not closed: {exc})")
-        return lines
-    finally:
-        collector.restore()
+            step(arm)
+    settled = {}  # arm -> steps it took until ``block`` in a row pinned nothing
+    for arm in offs:
+        quiet = taken = 0
+        while _any_rank(quiet < max(block, 1) and taken < settle, fsdp):
+            had = _chunks(offs[arm])[0]
+            step(arm)
+            taken += 1
+            quiet = quiet + 1 if _chunks(offs[arm])[0] == had else 0
+        settled[arm] = (taken, quiet >= max(block, 1))
+    # host peaks from the timed rounds only (not the warm-up's, nor speed's trials)
+    for off in offs.values():
+        off.reset_peak_stats()
+    collector.reset()
+    before = {a: off.stats() for a, off in offs.items()}
+    chunks0 = {a: _chunks(off) for a, off in offs.items()}
+    res = {a: ([], [], [], []) for a in arms}  # steps ms, host issue ms, first steps of
+    # blocks, peak GPU GiB
+    if sample_ms:
+        sampler = HostSampler(sample_ms / 1e3)
+    pinned = collections.defaultdict(list)  # arm -> "round.step in block: buffers" it pinned
+    pins_timed = collections.Counter()  # arm -> page-locked buffers pinned in its timed steps
+    for r in range(rounds):
+        k = r % len(arms)
+        for arm in arms[k:] + arms[:k]:
+            for i in range(block):
+                had = _chunks(offs[arm])[0] if arm in offs else 0
+                ms, issue, peak = step(arm, reset=reset_peak == "step" or i == 0)
+                if (made := (_chunks(offs[arm])[0] if arm in offs else 0) - had) > 0:
+                    pinned[arm].append(f"{r}.{i}: {made}")
+                    pins_timed[arm] += made
+                res[arm][3].append(peak)
+                if i == 0 and block > 1:  # the step after a switch of arms: kept apart
+                    res[arm][2].append(ms)
+                    continue
+                res[arm][0].append(ms)
+                res[arm][1].append(issue)
+    if sampler is not None:
+        sampler.close()
+    gc_line = collector.close(rounds * block)
+    base = statistics.median(res[arms[0]][0])
+    how = (f"blocks of {block} steps per arm (the first of each block apart)" if block > 1
+           else "interleaved steps")
+    lines = [f"## {name}{' (FSDP2)' if fsdp else ''}: {rounds} rounds of {how}, after {warmup} "
+             f"warm-up rounds (GPU memory allocated before the model: {left:.2f} GiB)",
+             "settling steps (an arm's own, until a block of them pinned nothing; at most "
+             f"{settle}): " + (", ".join(f"{a} {n}{'' if ok else ' (still pinning)'}"
+                                         for a, (n, ok) in settled.items()) or "none"),
+             "| arm | step ms (median) | step ms min-max | host issue ms (median) | "
+             f"vs {arms[0]} | first step of a block ms (median) | peak GPU GiB (max) | "
+             f"vs {arms[0]} round by round: median (quartiles) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm in arms:
+        t, h, first, peaks = res[arm]
+        med = statistics.median(t)
+        lines.append(f"| {arm} | {med:.1f} | {min(t):.1f}-{max(t):.1f} | "
+                     f"{statistics.median(h):.1f} | {med / base:.2f}x | "
+                     f"{statistics.median(first) if first else float('nan'):.1f} | "
+                     f"{max(peaks):.3f} | {paired(t, res[arms[0]][0])} |")
+    if pinned:  # a pin costs the host ~37 ms a 64 MiB chunk: which timed steps paid it
+        lines.append("page-locked buffers pinned in timed steps (round.step of its block: "
+                     "buffers): "
+                     + "; ".join(f"{a} {', '.join(v)}" for a, v in pinned.items()))
+    lines.append(gc_line)
+    for off in offs.values():
+        off.synchronize()
+    health = _health(model, losses)
+    lines.append(health["line"])
+    for sa in tuned:
+        t = offs[sa].tuner.summary()
+        lines.append(f"{sa}: {tuned[sa]} steps of its own first; choice {t['choice']} "
+                     f"(checking: {offs[sa].tuner.checking}); trial ms "
+                     f"{t['trial_ms']}; decisions {t['decisions']}")
+        lines.append(f"{sa}'s own steps: arm, ms (host buffers and chunks made so far): "
+                     + ", ".join(own[sa]))
+    # per timed step, the hooks' own host ms (pack / unpack) and what they did (pack calls,
+    # restores, stores...): the first over the second gives the cost of one
+    done = {a: per_step(before[a], off.stats(), rounds * block, off.counters)
+            for a, off in offs.items()}
+    if rows is not None:
+        mine = _stock_rows(name, arms, res, offs, grads, rounds, fsdp,
+                           saver.bytes / 2**30 if saver is not None else None)
+        for row in mine:
+            row["reset_peak"] = reset_peak
+            row["loss_finite"] = health["loss_finite"].get(row["variant"])
+            row["params_finite"] = health["params_finite"]
+            if row["variant"] in done:
+                row["hook_host_ms"], row["counters_per_step"] = done[row["variant"]]
+            if row["variant"] in settled:  # its settling steps, and whether they settled it
+                row["settling_steps"], row["settled"] = settled[row["variant"]]
+                # each pin costs the host milliseconds inside a timed step
+                row["pinned_in_timed_steps"] = pins_timed[row["variant"]]
+            row["gc"], row["gc_ms_per_step"] = gc_mode, collector.per_step(row["variant"])
+        rows += mine
+    lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
+              "packs s (timed rounds) | hooks' host ms a step (pack / unpack) | "
+              "pack calls / restores a step | "
+              "page-locked buffers pinned / unpinned in the timed rounds (arena chunks and "
+              "plain copies' buffers) |",
+              "|---|---|---|---|---|---|---|"]
+    for arm, off in offs.items():
+        st = off.stats()
+        hm, n = done[arm]
+        arenas = list(st.get("compressor", {}).values())
+        held = st.get("pinned_held_bytes", 0) + sum(c["host_held_bytes"] for c in arenas)
+        peak = sum(c["host_peak_held_bytes"] for c in arenas)
+        was = before[arm].get("compressor", {}).values()  # the timed rounds' waits only
+        wait = (sum(c.get("host_wait_us", 0) for c in arenas)
+                - sum(c.get("host_wait_us", 0) for c in was)) / 1e6
+        lines.append(f"| {arm} | {held / 2**30:.2f} | "
+                     f"{sum(c['host_held_bytes'] for c in arenas) / 2**30:.2f} "
+                     f"({peak / 2**30:.2f}) | {wait:.3f}{_waits_by(arenas, was)} | "
+                     f"{hm.get('pack', 0.0):.1f} / {hm.get('unpack', 0.0):.1f} | "
+                     f"{n.get('packed', 0):.0f} / "
+                     f"{n.get('restored_prefetch', 0) + n.get('restored_on_demand', 0):.0f} | "
+                     + " / ".join(str(b - a) for a, b in zip(chunks0[arm], _chunks(off)))
+                     + " |")
+    if sampler is not None:
+        lines.append(f"### Where the host's timed steps went (a sample every {sample_ms} ms)")
+        for arm in arms:
+            lines += sampler.table(arm, rounds * block)
+    # their GPU scratch and page-locked memory, not the next model's; the collection first: a
+    # stall dump's frames can keep the last step's graph (and its saved tensors) alive
+    gc.collect()
+    for arm, off in offs.items():
+        try:
+            off.close()
+        except RuntimeError as exc:  # its memory goes when it is collected instead
+            lines.append(f"({arm}'s offloader not closed: {exc})")
+    return lines
 
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed")  # arms with a JSON row
