@@ -336,7 +336,7 @@ class _Collector:
     so it is left as it was between steps and after a failure: ``"manual"`` turns automatic
     collection off for the step, and :meth:`end` collects generation 1 outside its time;
     ``"auto"`` records the pauses of automatic collections inside the step
-    (``bench.dev_hook_timing.GcPauses``). Seconds by arm, counted from the last
+    (``bench.dev_hook_timing._GcPauses``). Seconds by arm, counted from the last
     :meth:`reset`."""
 
     def __init__(self, mode: str):
@@ -355,9 +355,9 @@ class _Collector:
             self._was_enabled = gc.isenabled()
             gc.disable()
         else:
-            from bench.dev_hook_timing import GcPauses
+            from bench.dev_hook_timing import _GcPauses
 
-            self._pauses = GcPauses()
+            self._pauses = _GcPauses()
 
     def end(self) -> None:
         if self.mode == "manual":  # the step's young objects, outside its time

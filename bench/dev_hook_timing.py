@@ -190,7 +190,7 @@ def rebind_imported(attr: str, fn, new, skip=None) -> list:
     return undo
 
 
-class GcPauses:
+class _GcPauses:
     """Collections of Python's cyclic GC while timing, and their pauses (``gc.callbacks``):
     a variant whose host time rises in every function alike may be paying for the collector."""
 
@@ -270,7 +270,7 @@ def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS,
             break
         step()
     before = dict(off.counters)
-    pauses = GcPauses()
+    pauses = _GcPauses()
     plain = issue_ms(steps)
     gc_note = f"gc per step: {pauses.stop(steps)}; tracked objects {len(gc.get_objects())}"
     per_step = {k: round((v - before.get(k, 0)) / steps, 1) for k, v in off.counters.items()
@@ -279,7 +279,7 @@ def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS,
     stats = timer_stats()
     undo = instrument(stats, targets)
     waited = _host_wait_us(off)
-    pauses = GcPauses()  # the timed steps' too: is a function's longest call a collection?
+    pauses = _GcPauses()  # the timed steps' too: is a function's longest call a collection?
     try:
         timed = issue_ms(steps)
     finally:
