@@ -29,7 +29,8 @@
 #                                      # AB_SAMPLE=MS: where each arm's host time went, sampled)
 #   bash bench/gpu_suite.sh nine       # #21 on one GPU: bench.dev_ab_steps on the nine stock
 #                                      # models, a process each, arms interleaved (AB_ARMS,
-#                                      # AB_ROUNDS, STOCK_MODELS; NINE_BUDGET: seconds for all);
+#                                      # AB_ROUNDS, STOCK_MODELS; NINE_BUDGET: seconds for all,
+#                                      # NINE_CAP: for one model, default 150);
 #                                      # tables and JSON in $OUT/nine.tgz (the device tool
 #                                      # returns 8 files a call); check each table's "model
 #                                      # health" line: torch's pinned save_on_cpu makes T5's
@@ -192,7 +193,7 @@ nine)
     for m in $(echo "${STOCK_MODELS:-llama-2048,hf-llama-2048,encoder-2048,gpt2-768,resnet-64,tv-resnet50,bert-1024,tv-vit-b16,encoder-1024}" | tr , ' '); do
         left=$((${NINE_BUDGET:-560} - SECONDS))
         [ $left -lt 40 ] && { echo "$m: skipped, out of time" | tee -a "$OUT/nine.txt"; continue; }
-        [ $left -gt 150 ] && left=150
+        [ $left -gt ${NINE_CAP:-150} ] && left=${NINE_CAP:-150}
         timeout $left python3 -m bench.dev_ab_steps --models "$m" \
             --arms "${AB_ARMS:-uncompressed,memory,speed}" --rounds "${AB_ROUNDS:-3}" --warmup 2 \
             --block 4 --out "$OUT/nine/stock_models_one_gpu_$m.json" > "$OUT/nine/one_gpu_$m.txt" 2>&1
