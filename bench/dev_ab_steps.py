@@ -95,7 +95,9 @@ never resets it holds what fits under the highest step so far (session 62, one H
 host memory (packed), as before session 60, not once they are compressed
 (``_entry._Entry.source_read``).
 ``uncompressed_shrink1``: ``uncompressed`` with its pinned buffers kept for the last
-step's busiest moment only, as before session 59 (``pools.SizePool.shrink``).
+step's busiest moment only, as before session 59 (``pools.SizePool.shrink``);
+``uncompressed_lastsizes``: ``uncompressed`` with a size the last step did not ask for let
+go at once, as before session 74 (``pools.SizePool._keeps``).
 ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
@@ -139,7 +141,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "memory_lastpeak", "memory_no_wait", "speed",
+        "memory_lastpeak", "memory_no_wait", "uncompressed_lastsizes", "speed",
         "speed_copy_only", "speed_warm2")
 
 
@@ -190,6 +192,13 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm.endswith("_nohold"):  # nothing held: every storage stored once its batch closes,
         # as before the window
         return [(Batcher, "window", property(lambda self: 0))]
+    if arm == "uncompressed_lastsizes":  # the plain copies' pool before session 74: a size
+        # the last step did not ask for let go at once (SizePool._keeps)
+        from torch_pagecomp.pools import SizePool
+
+        return [(SizePool, "_keeps", lambda self, counted, budget: {
+            size: max(p[size] for p in counted) if self._peak[size] else 0
+            for size in self._free})]
     if arm == "memory_nowait":  # the arena pins a chunk rather than wait for a pack
         return [(VirtualArena, "_room", VirtualArena._unbacked)]
     if arm.endswith("_eager"):  # a due store starts once the link has room, whatever the

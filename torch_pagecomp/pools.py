@@ -288,21 +288,25 @@ class SizePool:
             self._free.setdefault(size, []).append(buf)
 
     def shrink(self) -> int:
-        """Drop idle buffers; returns the bytes dropped. Called once per step (the activation
-        hooks: at the end of each backward). Of each size the last step asked for, it keeps
-        as many as were out at once at that size's busiest in the last ``SHRINK_STEPS``
-        steps (less those still out; earlier steps far above the window's usual one not
-        counted, :func:`usual_steps`: a lone big step's extra goes at the next step's
-        shrink); sizes the last step did not ask for (a new sequence length, a first step
-        that saved other tensors) are let go, where exact-size buckets would hold them for
-        the life of the pool. Keeping only the last step's busiest moment pinned and
-        unpinned buffers whenever timing moved a size's count: sampled, BERT-large's plain
-        copies spent 6.6 ms a step pinning on one H200 and 34 ms a step unpinning under
-        FSDP2; interleaved, that rule pinned and unpinned 2 buffers in 12 timed steps and
-        this one none, at step times equal within the hosts' noise (``bench/results/
-        h200_8198fbc_session59``). Without an ``acquire`` since the last call nothing is
-        dropped: a step that took nothing from the pool (a compressed step of
-        ``prefer="speed"``'s trials) leaves it for the next copied one."""
+        """Drop idle buffers; returns the bytes dropped. Called once per step (the activation hooks:
+        at the end of each backward). Of each size the last step asked for, it keeps as many as were
+        out at once at that size's busiest in the last ``SHRINK_STEPS`` steps (less those still out;
+        earlier steps far above the window's usual one not counted, :func:`usual_steps`: a lone big
+        step's extra goes at the next step's shrink). A size the last step did not ask for keeps its
+        buffers only while a counted step of the window asked for it and while the pool, with them,
+        holds no more than the window's busiest step needed (the sizes asked for most recently
+        first): one step may store a tensor that the next holds on the GPU (the hooks' hold rule
+        moves with timing), and letting its size go at once pinned it again the step after (Swin-T's
+        plain copies pinned 38 buffers and unpinned 11 in 12 timed steps,
+        ``bench/results/h200_session74``); a new sequence length every step still lets the old ones
+        go, where exact-size buckets would hold them for the life of the pool. Keeping only the last
+        step's busiest moment pinned and unpinned buffers whenever timing moved a size's count:
+        sampled, BERT-large's plain copies spent 6.6 ms a step pinning on one H200 and 34 ms a step
+        unpinning under FSDP2; interleaved, that rule pinned and unpinned 2 buffers in 12 timed
+        steps and this one none, at step times equal within the hosts' noise (``bench/results/
+        h200_8198fbc_session59``). Without an ``acquire`` since the last call nothing is dropped: a
+        step that took nothing from the pool (a compressed step of ``prefer="speed"``'s trials)
+        leaves it for the next copied one."""
         dropped = []
         with self._lock:
             if not self._taken:
@@ -312,11 +316,12 @@ class SizePool:
             self._window = [*self._window, (need, self._peak)][-SHRINK_STEPS:]
             # the last step always counts: a step that asked for more of a size than the window
             # usually did (a longer sequence) keeps it for the next, which likely asks again
-            counted = [self._window[i][1] for i in usual_steps([n for n, _ in self._window])]
+            usual = usual_steps([n for n, _ in self._window])
+            counted = [self._window[i][1] for i in usual]
             counted.append(self._peak)
+            keeps = self._keeps(counted, max(n for n, _ in self._window))
             for size, bucket in list(self._free.items()):
-                keep = max(p[size] for p in counted) if self._peak[size] else 0
-                extra = len(bucket) - max(0, keep - self._out[size])
+                extra = len(bucket) - max(0, keeps.get(size, 0) - self._out[size])
                 if extra <= 0:
                     continue
                 # the longest idle first, and none the GPU may still read or write (kept
@@ -334,6 +339,28 @@ class SizePool:
         for buf in dropped:
             self._drop(buf)
         return freed
+
+    def _keeps(self, counted: list, budget: int) -> dict[int, int]:
+        """How many buffers of each idle size :meth:`shrink` keeps (out and idle together):
+        a size the last step asked for, its busiest in ``counted``; another (none of it is
+        out) as many of those as fit under ``budget`` bytes (the window's busiest step's
+        need) beside what the pool keeps of the rest, the most recently asked first."""
+        keeps = {size: max(p[size] for p in counted) for size in self._free}
+        held = 0
+        for size, k in self._peak.items():  # the sizes the last step asked for: out and kept
+            if k:
+                out = self._out[size]
+                held += size * (out + min(len(self._free.get(size, ())),
+                                          max(0, keeps.get(size, 0) - out)))
+        age = {}  # steps since a size the last step did not ask for was asked for
+        for k, (_, peak) in enumerate(reversed(self._window)):
+            for size in keeps:
+                if peak[size] and size not in age:
+                    age[size] = k
+        for size in sorted((s for s in keeps if not self._peak[s]), key=lambda s: age.get(s, 0)):
+            keeps[size] = min(keeps[size], len(self._free[size]), max(0, budget - held) // size)
+            held += size * keeps[size]
+        return keeps
 
     def clear(self) -> None:
         """Drop every idle buffer (buffers still acquired stay counted until released)."""
