@@ -636,6 +636,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                 # each pin costs the host milliseconds inside a timed step
                 row["pinned_in_timed_steps"] = pins_timed[row["variant"]]
             row["gc"], row["gc_ms_per_step"] = gc_mode, collector.per_step(row["variant"])
+            if row["variant"] in res:  # the host's share of the step (slack_line)
+                row["host_issue_ms"] = round(statistics.median(res[row["variant"]][1]), 2)
         rows += mine
     lines += ["| arm | page-locked host GiB held | of which arena (its peak) | host waits for "
               "packs s (timed rounds) | hooks' host ms a step (pack / unpack) | "
@@ -660,6 +662,9 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"{n.get('restored_prefetch', 0) + n.get('restored_on_demand', 0):.0f} | "
                      + " / ".join(str(b - a) for a, b in zip(chunks0[arm], _chunks(off)))
                      + " |")
+    slack = slack_line(res, done)
+    if slack:
+        lines.append(slack)
     if sampler is not None:
         lines.append(f"### Where the host's timed steps went (a sample every {sample_ms} ms)")
         for arm in arms:
@@ -676,6 +681,24 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
 
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed")  # arms with a JSON row
+
+
+def slack_line(res: dict, done: dict) -> str | None:
+    """The line that tells whether compressing can pay on this step (session 74, twelve
+    models: where an arm's extra host time in the hooks is about half the plain copy's host
+    slack or less, it beat the plain copy; about the slack or more, it lost): the plain copy's
+    step less its host issue time (medians), and each other offloading arm's hooks' host ms a
+    step over the plain copy's. None without an ``uncompressed`` arm. ``res``: arm -> (steps
+    ms, host issue ms, ...); ``done``: arm -> (hooks' host ms a step by hook, counters)."""
+    if "uncompressed" not in res or "uncompressed" not in done:
+        return None
+    steps, issue = res["uncompressed"][0], res["uncompressed"][1]
+    slack = statistics.median(steps) - statistics.median(issue)
+    base = sum(done["uncompressed"][0].values())
+    extra = ", ".join(f"{arm} {sum(hm.values()) - base:.1f}" for arm, (hm, _) in done.items()
+                      if arm != "uncompressed")
+    return (f"host slack: the plain copy's step less its host issue time {slack:.1f} ms; "
+            f"the hooks' host ms a step over the plain copy's: {extra or 'no other arm'}")
 
 
 def paired(steps: list[float], base: list[float]) -> str:

@@ -1071,3 +1071,49 @@ def test_the_chaos_probe_sets_every_step_against_no_offload(monkeypatch):
     monkeypatch.setattr(CpuStore, "restore", corrupt)
     bad, lines = run("encoder-tiny", ["uncompressed", "memory"], 2, "cpu", None)
     assert bad == 4 and "4 steps differed" in lines[-1], lines
+
+
+def test_the_ab_probe_prints_the_host_slack_against_the_hooks_extra_host_time():
+    """``dev_ab_steps``' slack line: the plain copy's step less its host issue time, and each
+    other arm's hooks' host ms a step over the plain copy's (session 74: which of the two is
+    larger told whether compressing beat the plain copy on every model); each row carries its
+    arm's host issue ms."""
+    from bench.dev_ab_steps import measure, slack_line
+
+    res = {"uncompressed": ([60.0, 58.0, 62.0], [50.0, 51.0, 52.0]),
+           "memory": ([70.0], [66.0])}
+    done = {"uncompressed": ({"pack": 10.0, "unpack": 5.0}, {}),
+            "memory": ({"pack": 20.0, "unpack": 8.5}, {})}
+    line = slack_line(res, done)
+    assert "host issue time 9.0 ms" in line and "memory 13.5" in line, line
+    assert slack_line({"memory": res["memory"]}, {"memory": done["memory"]}) is None
+    rows: list[dict] = []
+    lines = measure("encoder-tiny", ["none", "uncompressed", "memory"], 1, 1, device="cpu",
+                    rows=rows)
+    assert sum(ln.startswith("host slack: ") and "memory " in ln for ln in lines) == 1, lines
+    got = {r["variant"]: r.get("host_issue_ms") for r in rows}
+    assert all(v is not None and v > 0 for v in got.values()), got
+
+
+def test_the_ab_probe_lastsizes_arm_lets_a_skipped_size_go_as_before():
+    """``uncompressed_lastsizes`` runs the plain copies' pool with the rule before session 74
+    (a size the last step did not ask for let go at once) and puts the package's back."""
+    from bench.dev_ab_steps import _arm_patch
+    from torch_pagecomp.pools import HOST_PAGE, PinnedBufferPool, SizePool
+
+    real = SizePool._keeps
+
+    def step(pool, sizes):
+        bufs = [pool.acquire(n) for n in sizes]
+        for b in bufs:
+            pool.release(b)
+        return pool.shrink()
+
+    a, b = 6 * HOST_PAGE, 7 * HOST_PAGE
+    pool = PinnedBufferPool(pin=False)
+    step(pool, [a, b])
+    with _arm_patch("uncompressed_lastsizes"):
+        assert step(pool, [a]) == b  # b skipped one step: let go at once
+    assert SizePool._keeps is real
+    step(pool, [a, b])
+    assert step(pool, [a]) == 0  # the package's rule keeps it
