@@ -182,6 +182,28 @@ def test_pool_shrink_keeps_the_window_busiest_and_lets_a_lone_big_step_go():
     assert _pool_step(pool, [a] * 6) == 14 * a and pool.held_bytes == 6 * a
 
 
+def test_pool_get_lets_idle_buffers_of_other_sizes_go_before_refusing():
+    """With ``max_bytes``, ``get`` makes room from idle buffers of other sizes (the largest
+    first; ``shrink`` keeps a size that skipped a step) and refuses only when buffers out
+    fill the bound."""
+    a, b, c = 6 * HOST_PAGE, 7 * HOST_PAGE, 4 * HOST_PAGE
+    pool = PinnedBufferPool(pin=False, max_bytes=2 * a + b)
+    bufs = [pool.get(n) for n in (a, a, b)]
+    for buf in bufs:
+        pool.put(buf)
+    assert pool.held_bytes == 2 * a + b
+    got = pool.get(c)  # over the bound: b, the largest idle, goes (a alone would not do)
+    assert got is not None and got.nbytes == c and pool.drops == 1
+    assert pool.held_bytes == 2 * a + c and b not in pool._free
+    out = [pool.get(a), pool.get(a)]  # the idle a's are reused, not dropped
+    assert all(m is not None for m in out) and pool.drops == 1
+    assert pool.get(b) is None  # everything held is out: refused
+    for m in [got, *out]:
+        pool.put(m)
+    assert pool.get(3 * a) is not None and pool.held_bytes == 3 * a  # room for 18 of 19: all went
+    assert pool.drops == 4
+
+
 def test_limiter_blocks_until_release():
     lim = InflightLimiter(100)
     lim.acquire(60)

@@ -390,11 +390,32 @@ class PinnedBufferPool(SizePool):
         self.in_use_bytes = 0
 
     def get(self, nbytes: int) -> HostMemory | None:
-        """A buffer of exactly ``nbytes``, or None when making one would pass ``max_bytes``."""
+        """A buffer of exactly ``nbytes``, or None when making one would pass ``max_bytes``
+        even with the idle buffers of other sizes let go (the largest first): idle buffers
+        (a size ``shrink`` keeps after a step that skipped it) never stand in the way of one
+        that is needed now."""
+        dropped = []
         with self._lock:
-            full = self.max_bytes is not None and self.held_bytes + nbytes > self.max_bytes
-            if full and not self._free.get(nbytes):
-                return None
+            over = (0 if self.max_bytes is None
+                    else self.held_bytes + nbytes - self.max_bytes)
+            if over > 0 and not self._free.get(nbytes):
+                idle = sorted(((size, buf) for size, bucket in self._free.items()
+                               if size != nbytes for buf in bucket if self._idle_done(buf)),
+                              key=lambda sb: -sb[0])
+                if sum(self._held(buf) for _, buf in idle) < over:
+                    return None
+                for size, buf in idle:
+                    if over <= 0:
+                        break
+                    self._free[size].remove(buf)
+                    if not self._free[size]:
+                        del self._free[size]
+                    dropped.append(buf)
+                    over -= self._held(buf)
+                self.held_bytes -= sum(self._held(buf) for buf in dropped)
+                self.drops += len(dropped)
+        for buf in dropped:
+            self._drop(buf)
         mem = self.acquire(nbytes)
         with self._lock:
             self.in_use_bytes += mem.held_bytes
