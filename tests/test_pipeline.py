@@ -117,7 +117,8 @@ def test_pool_shrink_lets_go_of_sizes_no_longer_asked_for():
     held = pool.acquire(b)  # still out at the shrink: not idle, kept
     assert pool.shrink() == 0
     pool.release(held)
-    for _ in range(pools.SHRINK_STEPS):  # the steps that asked for a leave the window
+    for _ in range(pools.SHRINK_STEPS):  # the steps that asked for a stop counting (outliers,
+        # then out of the window)
         _pool_step(pool, [b])
     assert pool.held_bytes == b and a not in pool._free
 
@@ -182,26 +183,52 @@ def test_pool_shrink_keeps_the_window_busiest_and_lets_a_lone_big_step_go():
     assert _pool_step(pool, [a] * 6) == 14 * a and pool.held_bytes == 6 * a
 
 
-def test_pool_get_lets_idle_buffers_of_other_sizes_go_before_refusing():
-    """With ``max_bytes``, ``get`` makes room from idle buffers of other sizes (the largest
-    first; ``shrink`` keeps a size that skipped a step) and refuses only when buffers out
-    fill the bound."""
+def test_pool_shrink_keeps_the_most_recently_asked_spare_sizes_first():
+    """Sizes the last step did not ask for are kept, the most recently asked first, while the
+    pool stays within the window's busiest step (here 13 pages: held 6 by the last step, then 5
+    and 1 fit, asked one step before it, and 3, asked two before, does not); buffers still out
+    count against that budget."""
+    pool = PinnedBufferPool(pin=False)
+    for pages in ([3, 4], [1, 5], [5, 5, 3], [5, 1], [6]):
+        _pool_step(pool, [k * HOST_PAGE for k in pages])
+    assert sorted(k // HOST_PAGE for k in pool._free) == [1, 5, 6]
+    assert pool.held_bytes == 12 * HOST_PAGE and pool._spare == {HOST_PAGE, 5 * HOST_PAGE}
+    a, b = 2 * HOST_PAGE, 6 * HOST_PAGE
+    pool = PinnedBufferPool(pin=False)
+    _pool_step(pool, [a, b])
+    out = pool.acquire(a)  # out across the next step: its bytes count
+    assert _pool_step(pool, [a]) == b  # a out + a idle (4 pages) + b (6) > the busiest 8
+    assert pool.held_bytes == 2 * a
+    pool.release(out)
+
+
+def test_pool_get_lets_spare_buffers_go_before_refusing():
+    """With ``max_bytes``, ``get`` makes room from the idle buffers of spare sizes (kept by
+    ``shrink`` though the last step did not ask for them; the largest first) and refuses
+    when those do not free enough; a size the last step used is never let go for another
+    (under a tight bound that would pin and unpin a buffer every step)."""
     a, b, c = 6 * HOST_PAGE, 7 * HOST_PAGE, 4 * HOST_PAGE
     pool = PinnedBufferPool(pin=False, max_bytes=2 * a + b)
-    bufs = [pool.get(n) for n in (a, a, b)]
-    for buf in bufs:
-        pool.put(buf)
-    assert pool.held_bytes == 2 * a + b
-    got = pool.get(c)  # over the bound: b, the largest idle, goes (a alone would not do)
+    _pool_step(pool, [a, a, b])
+    _pool_step(pool, [a, a])  # b skipped a step: kept, spare
+    assert pool.held_bytes == 2 * a + b and pool._spare == {b}
+    got = pool.get(c)  # over the bound by 4 pages: the spare b goes
     assert got is not None and got.nbytes == c and pool.drops == 1
     assert pool.held_bytes == 2 * a + c and b not in pool._free
     out = [pool.get(a), pool.get(a)]  # the idle a's are reused, not dropped
     assert all(m is not None for m in out) and pool.drops == 1
-    assert pool.get(b) is None  # everything held is out: refused
+    assert pool.get(b) is None  # nothing spare is idle: refused
     for m in [got, *out]:
         pool.put(m)
-    assert pool.get(3 * a) is not None and pool.held_bytes == 3 * a  # room for 18 of 19: all went
-    assert pool.drops == 4
+    assert pool.get(3 * a) is None and pool.drops == 1  # the a's were asked for: they stay
+    # exactly enough spare bytes: both spare sizes go (3 + 2 pages for 5)
+    d, e = 3 * HOST_PAGE, 2 * HOST_PAGE
+    pool = PinnedBufferPool(pin=False, max_bytes=2 * a + d + e)
+    _pool_step(pool, [a, a, d, e])
+    _pool_step(pool, [a, a])
+    assert pool._spare == {d, e}
+    got = pool.get(5 * HOST_PAGE)
+    assert got is not None and pool.drops == 2 and pool.held_bytes == 2 * a + 5 * HOST_PAGE
 
 
 def test_limiter_blocks_until_release():

@@ -237,13 +237,16 @@ class SizePool:
         self._free: dict[int, list] = {}
         self._lock = threading.Lock()
         self.hits = self.misses = 0
-        self.drops = 0  # buffers ``shrink`` let go
+        self.drops = 0  # buffers let go (``shrink``; ``PinnedBufferPool.get``)
         self.held_bytes = 0
         self._out: collections.Counter[int] = collections.Counter()  # acquired, per size
         self._peak: collections.Counter[int] = collections.Counter()  # most out at once
         self._taken = False  # anything acquired since the last shrink
         # ``(bytes, _peak)`` of each of the last SHRINK_STEPS shrinks (``shrink``)
         self._window: list[tuple[int, collections.Counter[int]]] = []
+        # sizes the last shrink kept though the step before it did not ask for them (idle
+        # buffers a bounded ``PinnedBufferPool.get`` may let go for a size needed now)
+        self._spare: set[int] = set()
 
     def _make(self, nbytes: int):
         raise NotImplementedError
@@ -292,21 +295,23 @@ class SizePool:
         at the end of each backward). Of each size the last step asked for, it keeps as many as were
         out at once at that size's busiest in the last ``SHRINK_STEPS`` steps (less those still out;
         earlier steps far above the window's usual one not counted, :func:`usual_steps`: a lone big
-        step's extra goes at the next step's shrink). A size the last step did not ask for keeps its
-        buffers only while a counted step of the window asked for it and while the pool, with them,
-        holds no more than the window's busiest step needed (the sizes asked for most recently
-        first): one step may store a tensor that the next holds on the GPU (the hooks' hold rule
-        moves with timing), and letting its size go at once pinned it again the step after (Swin-T's
-        plain copies pinned 38 buffers and unpinned 11 in 12 timed steps,
-        ``bench/results/h200_session74``); a new sequence length every step still lets the old ones
-        go, where exact-size buckets would hold them for the life of the pool. Keeping only the last
-        step's busiest moment pinned and unpinned buffers whenever timing moved a size's count:
-        sampled, BERT-large's plain copies spent 6.6 ms a step pinning on one H200 and 34 ms a step
-        unpinning under FSDP2; interleaved, that rule pinned and unpinned 2 buffers in 12 timed
-        steps and this one none, at step times equal within the hosts' noise (``bench/results/
-        h200_8198fbc_session59``). Without an ``acquire`` since the last call nothing is dropped: a
-        step that took nothing from the pool (a compressed step of ``prefer="speed"``'s trials)
-        leaves it for the next copied one."""
+        step's extra goes at the next step's shrink). A size the last step did not ask for (a spare
+        size: a bounded ``PinnedBufferPool.get`` lets its buffers go first) keeps them only while a
+        counted step of the window asked for it and while the pool, with them, holds no more than
+        the window's busiest step needed, counted or not (the sizes asked for most recently first;
+        after a lone big step the usual steps' sizes may so be held together, up to what that step
+        held at once, for ``SHRINK_STEPS`` steps): one step may store a tensor that the next holds
+        on the GPU (the hooks' hold rule moves with timing), and letting its size go at once pinned
+        it again the step after (Swin-T's plain copies unpinned 11 buffers in 12 timed steps that
+        way, none since, ``bench/results/h200_session74``); a new sequence length every step still
+        lets the old ones go, where exact-size buckets would hold them for the life of the pool.
+        Keeping only the last step's busiest moment pinned and unpinned buffers whenever timing
+        moved a size's count: sampled, BERT-large's plain copies spent 6.6 ms a step pinning on one
+        H200 and 34 ms a step unpinning under FSDP2; interleaved, that rule pinned and unpinned 2
+        buffers in 12 timed steps and this one none, at step times equal within the hosts' noise
+        (``bench/results/h200_8198fbc_session59``). Without an ``acquire`` since the last call
+        nothing is dropped: a step that took nothing from the pool (a compressed step of
+        ``prefer="speed"``'s trials) leaves it for the next copied one."""
         dropped = []
         with self._lock:
             if not self._taken:
@@ -320,6 +325,7 @@ class SizePool:
             counted = [self._window[i][1] for i in usual]
             counted.append(self._peak)
             keeps = self._keeps(counted, max(n for n, _ in self._window))
+            self._spare = {size for size, k in keeps.items() if k and not self._peak[size]}
             for size, bucket in list(self._free.items()):
                 extra = len(bucket) - max(0, keeps.get(size, 0) - self._out[size])
                 if extra <= 0:
@@ -391,16 +397,17 @@ class PinnedBufferPool(SizePool):
 
     def get(self, nbytes: int) -> HostMemory | None:
         """A buffer of exactly ``nbytes``, or None when making one would pass ``max_bytes``
-        even with the idle buffers of other sizes let go (the largest first): idle buffers
-        (a size ``shrink`` keeps after a step that skipped it) never stand in the way of one
-        that is needed now."""
+        even with the spare buffers let go (the largest first): the idle ones of sizes that
+        ``shrink`` kept though the step before it did not ask for them never stand in the
+        way of a buffer needed now. (Other idle buffers stay: letting a size the last step
+        used go for another would pin and unpin one every step under a tight bound.)"""
         dropped = []
         with self._lock:
             over = (0 if self.max_bytes is None
                     else self.held_bytes + nbytes - self.max_bytes)
             if over > 0 and not self._free.get(nbytes):
-                idle = sorted(((size, buf) for size, bucket in self._free.items()
-                               if size != nbytes for buf in bucket if self._idle_done(buf)),
+                idle = sorted(((size, buf) for size in self._spare if size != nbytes
+                               for buf in self._free.get(size, ()) if self._idle_done(buf)),
                               key=lambda sb: -sb[0])
                 if sum(self._held(buf) for _, buf in idle) < over:
                     return None
