@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import _numa
+
 HOST_PAGE = 4096
 ALIGN = 256  # arena allocation granularity (DMA-friendly, keeps int64 views aligned)
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -63,7 +65,9 @@ class HostMemory:
     """``nbytes`` of page-aligned host memory; ``tensor`` is its ``uint8 [nbytes]`` view.
 
     ``pin=True`` registers it with ``cudaHostRegister`` (page-locked, DMA-able: ``tensor``
-    reports ``is_pinned()``); ``release()`` unregisters. ``held_bytes`` is what is mapped.
+    reports ``is_pinned()``), on a host of several NUMA nodes after giving its pages the
+    current CUDA device's node (``numa_node``; ``_numa``); ``release()`` unregisters.
+    ``held_bytes`` is what is mapped.
     """
 
     def __init__(self, nbytes: int, pin: bool):
@@ -74,8 +78,10 @@ class HostMemory:
         self.addr = self.tensor.data_ptr()
         self.pinned = False
         self.last_use: torch.cuda.Event | None = None  # the GPU's last use (reuse waits on it)
+        self.numa_node: int | None = None  # the node its pages were given (None: not set)
         if pin:
             ptr = self.tensor.data_ptr()
+            self.numa_node = _numa.place(ptr, self.held_bytes)  # before the pages are touched
             try:
                 rc = torch.cuda.cudart().cudaHostRegister(ptr, self.held_bytes, 0)
                 code = int(getattr(rc, "value", rc))
