@@ -105,3 +105,14 @@ def test_host_memory_sets_the_node_before_the_driver_registers_its_pages(monkeyp
     calls.clear()
     plain = pools.HostMemory(5000, pin=False)
     assert calls == [] and plain.numa_node is None
+
+
+def test_host_memory_reports_no_node_when_registration_fails(monkeypatch):
+    """Memory the driver would not register (``RLIMIT_MEMLOCK``) stays pageable and reports no
+    node: its pages are wherever the kernel put them."""
+    monkeypatch.setattr(_numa, "place", lambda addr, n: 0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: types.SimpleNamespace(
+        cudaHostRegister=lambda addr, n, flags: 2))
+    with pytest.warns(UserWarning, match="pageable"):
+        mem = pools.HostMemory(4096, pin=True)
+    assert not mem.pinned and mem.numa_node is None

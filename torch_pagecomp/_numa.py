@@ -3,9 +3,9 @@
 On a host with several NUMA nodes (a two-socket server: each socket's PCIe root complex serves
 its own GPUs) a buffer in the other socket's memory makes every copy to and from the GPU cross
 the link between the sockets. The package's page-locked buffers (``pools.HostMemory``:
-anonymous mappings that the driver registers, which touches every page) are given the memory
-policy ``MPOL_PREFERRED`` for the current CUDA device's node before registration, so their
-pages land on that node while it has room, elsewhere when it has none (never a failure). On
+shared anonymous mappings that the driver registers, which faults every page in) are given
+the memory policy ``MPOL_PREFERRED`` for the current CUDA device's node before registration,
+so their pages land on that node while it has room, elsewhere when it has none. On
 one node, where the device's node is unknown, or where the kernel refuses the call (a
 container's seccomp filter), nothing changes.
 """
@@ -23,6 +23,7 @@ _SYS_MBIND = {"x86_64": 237, "aarch64": 235}  # the mbind system call's number
 _NODE_ROOT = "/sys/devices/system/node"
 _PCI_ROOT = "/sys/bus/pci/devices"
 _NODES: dict[int, int | None] = {}  # device index -> its node (None: leave the policy alone)
+_LIBC: list = []  # the C library, loaded on first use
 
 
 def gpu_node(index: int) -> int | None:
@@ -54,10 +55,12 @@ def prefer_node(addr: int, nbytes: int, node: int) -> bool:
     mask = (ctypes.c_ulong * words)()
     mask[node // 64] = 1 << (node % 64)
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        rc = libc.syscall(ctypes.c_long(number), ctypes.c_void_p(addr), ctypes.c_ulong(nbytes),
-                          ctypes.c_int(_MPOL_PREFERRED), mask,
-                          ctypes.c_ulong(words * 64 + 1), ctypes.c_uint(0))
+        if not _LIBC:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        # mbind(start, len, mode, nodemask, maxnode, flags): the kernel reads maxnode - 1 bits
+        rc = _LIBC[0].syscall(ctypes.c_long(number), ctypes.c_void_p(addr),
+                              ctypes.c_ulong(nbytes), ctypes.c_ulong(_MPOL_PREFERRED), mask,
+                              ctypes.c_ulong(words * 64 + 1), ctypes.c_ulong(0))
     except (OSError, AttributeError):
         return False
     return rc == 0

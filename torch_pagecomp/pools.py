@@ -88,6 +88,7 @@ class HostMemory:
             except (AttributeError, RuntimeError) as exc:
                 rc, code = exc, -1
             if code != 0:  # e.g. RLIMIT_MEMLOCK: stay correct, copies become synchronous
+                self.numa_node = None  # (its pages are wherever the kernel put them)
                 warnings.warn(
                     f"cudaHostRegister({self.held_bytes} bytes) failed ({rc}); using pageable "
                     "host memory",
