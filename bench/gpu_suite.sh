@@ -55,12 +55,6 @@
 #                                      # tests on the GPU, then bench.dev_sdpa_layout_repro
 #                                      # (attention's saved tensors given back contiguous) on
 #                                      # each SDPA backend, a process each (a fault ends one)
-#   bash bench/gpu_suite.sh allocprobe # the host time outside the hooks (session 74: the
-#                                      # backward's aten::mm, which calls no hook, took ~1.7x
-#                                      # the host time under memory): bench.dev_step_profile on
-#                                      # ALLOC_MODEL (encoder-1024), uncompressed and memory,
-#                                      # with the caching allocator as it is and with
-#                                      # expandable segments, a process each
 #   OLD=dir bash bench/gpu_suite.sh ab # stock models at another commit's tree and here, per model
 #                                      # (AB_ROUNDS=3: three rounds, the order alternating)
 #   bash bench/gpu_suite.sh policy     # probe: offload policies and GPU buffer sizes vs shipped (#21)
@@ -460,15 +454,6 @@ layout)
         timeout 60 python3 -m bench.dev_sdpa_layout_repro --backend "$backend" 2>&1 \
             | grep -vE "^ +File|^Traceback" | tail -n 6 | tee -a "$OUT/layout.txt"
         echo "$backend rc=${PIPESTATUS[0]}" | tee -a "$OUT/layout.txt"
-    done
-    ;;
-allocprobe)
-    header allocprobe | tee "$OUT/allocprobe.txt"
-    for conf in "" "expandable_segments:True"; do
-        echo "== PYTORCH_CUDA_ALLOC_CONF=${conf:-(unset)}" | tee -a "$OUT/allocprobe.txt"
-        env ${conf:+PYTORCH_CUDA_ALLOC_CONF=$conf} timeout 150 python3 -m bench.dev_step_profile \
-            --models "${ALLOC_MODEL:-encoder-1024}" --variants uncompressed,memory 2>&1 \
-            | grep -vE "^\[|UserWarning|_warn_once" | tee -a "$OUT/allocprobe.txt" | grep "^##"
     done
     ;;
 crashhunt)
