@@ -1099,16 +1099,10 @@ def test_the_ab_probe_lastsizes_arm_lets_a_skipped_size_go_as_before():
     """``uncompressed_lastsizes`` runs the plain copies' pool with the rule before session 74
     (a size the last step did not ask for let go at once) and puts the package's back."""
     from bench.dev_ab_steps import _arm_patch
+    from tests.test_pipeline import _pool_step as step
     from torch_pagecomp.pools import HOST_PAGE, PinnedBufferPool, SizePool
 
     real = SizePool._keeps
-
-    def step(pool, sizes):
-        bufs = [pool.acquire(n) for n in sizes]
-        for b in bufs:
-            pool.release(b)
-        return pool.shrink()
-
     a, b = 6 * HOST_PAGE, 7 * HOST_PAGE
     pool = PinnedBufferPool(pin=False)
     step(pool, [a, b])

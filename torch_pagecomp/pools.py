@@ -365,12 +365,13 @@ class SizePool:
                 out = self._out[size]
                 held += size * (out + min(len(self._free.get(size, ())),
                                           max(0, keeps.get(size, 0) - out)))
-        age = {}  # steps since a size the last step did not ask for was asked for
+        others = [size for size in keeps if not self._peak[size]]
+        age = {}  # steps since each of them was asked for
         for k, (_, peak) in enumerate(reversed(self._window)):
-            for size in keeps:
+            for size in others:
                 if peak[size] and size not in age:
                     age[size] = k
-        for size in sorted((s for s in keeps if not self._peak[s]), key=lambda s: age.get(s, 0)):
+        for size in sorted(others, key=lambda s: age.get(s, 0)):
             keeps[size] = min(keeps[size], len(self._free[size]), max(0, budget - held) // size)
             held += size * keeps[size]
         return keeps
@@ -418,15 +419,16 @@ class PinnedBufferPool(SizePool):
                               key=lambda sb: -sb[0])
                 if sum(self._held(buf) for _, buf in idle) < over:
                     return None
+                freed = 0
                 for size, buf in idle:
-                    if over <= 0:
+                    if freed >= over:
                         break
                     self._free[size].remove(buf)
                     if not self._free[size]:
                         del self._free[size]
                     dropped.append(buf)
-                    over -= self._held(buf)
-                self.held_bytes -= sum(self._held(buf) for buf in dropped)
+                    freed += self._held(buf)
+                self.held_bytes -= freed
                 self.drops += len(dropped)
         for buf in dropped:
             self._drop(buf)

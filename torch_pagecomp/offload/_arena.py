@@ -68,10 +68,8 @@ class UploadRing:
         """``rows`` (equal-length lists of ints) as an ``int64 [len(rows), k]`` tensor in the
         ring (16-byte aligned), for kernels queued on ``stream`` after this call; None if the
         ring cannot hold them (not page-locked, or more than half a ring)."""
-        at = self._write(rows, stream)
-        if at is None:
-            return None
-        return self.buf[at:at + len(rows) * len(rows[0])].view(len(rows), len(rows[0]))
+        addr = self.put_addr(rows, stream)
+        return None if addr is None else self.view_at(addr, len(rows), len(rows[0]))
 
     def put_addr(self, rows: list[list[int]], stream) -> int | None:
         """:meth:`put`, as the table's address (for a launch by address: no tensor made)."""
