@@ -221,7 +221,7 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         return [(Batcher, "_starts_now", lambda self, batch: True)]
     if arm == "memory_lazy":  # a due compressed store stays held (as if the link were always
         # behind) until the in-flight bound stores the oldest
-        return [(PagedStore, "stores_now", lambda self, nbytes: False)]
+        return [(PagedStore, "refusal", lambda self, nbytes: "backlog")]
     if arm == "memory_alloc":  # a payload of the caching allocator per slice (before 49)
         return [(PagedStore, "_payload", _fresh_payload)]
     if arm == "memory_whole":  # a batch restored into one buffer, as before 0df64c3

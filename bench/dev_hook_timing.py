@@ -93,7 +93,7 @@ TARGETS = (
     "torch_pagecomp.offload._paged:PagedStore._place",
     "torch_pagecomp.offload._paged:PagedStore._slot",
     "torch_pagecomp.offload._paged:PagedStore._payload",
-    "torch_pagecomp.offload._paged:PagedStore.stores_now",
+    "torch_pagecomp.offload._paged:PagedStore.refusal",
     "torch_pagecomp.offload._paged:PagedStore.send_now",
     "torch_pagecomp.offload._decode:ramps",
     "torch_pagecomp.offload._arena:VirtualArena._send",

@@ -506,27 +506,27 @@ def test_gpu_held_groups_are_read_in_place_with_identical_grads(gen, mode):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_deferred_stores_keep_gradients_identical(gen, monkeypatch):
-    """The compressed store on CUDA put off (``PagedStore.stores_now`` false for a while, as
-    when the link is behind): the due batches are held, then stored or read in place, and the
-    gradients stay identical."""
+    """The compressed store on CUDA put off (``PagedStore.refusal`` naming a reason for a
+    while, as when the link is behind): the due batches are held, then stored or read in
+    place, the gradients stay identical, and the refusals are counted by their reason."""
     from torch_pagecomp.offload._paged import PagedStore
 
     model, x, ref, off = _gpu_model(gen)
     _same(ref, _step(model, x, off))
-    real = PagedStore.stores_now
-    answers = []  # False: the link is behind (the store would wait); then the arena answers
+    real = PagedStore.refusal
+    answers = []  # "backlog": the link is behind (the store would wait); then the arena's
 
-    def stores_now(self, n):
+    def refusal(self, n):
         return answers.pop() if answers else real(self, n)
 
-    monkeypatch.setattr(PagedStore, "stores_now", stores_now)
+    monkeypatch.setattr(PagedStore, "refusal", refusal)
     for behind in (3, 100):  # behind for a while; for the whole forward
-        answers[:] = [False] * behind
+        answers[:] = ["backlog"] * behind
         model.zero_grad(set_to_none=True)
         _same(ref, _step(model, x, off))
         torch.cuda.synchronize()
         assert off.pending()["entries"] == 0 and not _waiting(off)
-    assert off.stats()["deferred"] > 0
+    assert off.stats()["deferred"] > 0 and off.stats()["refused_backlog"] >= 3
 
 
 @pytest.mark.peak_rule

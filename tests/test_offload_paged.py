@@ -1659,6 +1659,32 @@ def test_due_stores_wait_while_the_links_backlog_passes_its_bound(gen, monkeypat
 
 
 @interpreter
+def test_a_refused_store_names_its_reason(gen, monkeypatch):
+    """``PagedStore.refusal`` says why a due store would wait, as the hooks count it: the
+    payload while the last slice's plan has not finished (the GPU behind the host), the
+    backlog while its copies are on their way past ``BACKLOG_BYTES``, the room while slices
+    in flight speak for every chunk; None once the slice is in host memory."""
+    from torch_pagecomp.offload import _arena, _paged
+
+    plans, copies = _Copies(), _Copies()
+    monkeypatch.setattr(_paged, "mark", plans)  # the plans (and hand-offs): not done
+    monkeypatch.setattr(_arena, "mark", copies)
+    chunk = 1 << 16
+    store = _store(chunk=chunk, slice_bytes=3 * P)
+    store.offload(_data(gen, 3 * P, "bf16"), 2, float_format="bf16")
+    assert store.refusal(P) == "payload" and not store.stores_now(P)
+    assert store.refusal(8 * chunk) == "room"  # past the chunk held and the free ones
+    plans.finish()
+    store.poll()  # placed: its copies into the arena queued, not done
+    assert store.arena.sending_bytes > 0
+    monkeypatch.setattr(_paged, "BACKLOG_BYTES", store.arena.backlog() - 1)
+    assert store.refusal(P) == "backlog"
+    copies.finish()
+    store.poll()
+    assert store.refusal(P) is None and store.stores_now(P)
+
+
+@interpreter
 @pytest.mark.parametrize("checksum", [False, True])
 def test_a_restore_before_the_placement_is_read_decodes_the_payload_in_place(gen, monkeypatch,
                                                                            checksum):

@@ -338,7 +338,11 @@ class Batcher:
         copy = batch.alone is not None and batch.alone[0] is None
         if batch.ref() is None or dev.type != "cuda" or copy:
             return True
-        return self._owner()._paged_store(dev).stores_now(batch.nbytes)
+        off = self._owner()
+        why = off._paged_store(dev).refusal(batch.nbytes)
+        if why is not None:  # attempts, by reason (``deferred`` counts the members once)
+            off.counters[f"refused_{why}"] += 1
+        return why is None
 
     def flush_all(self) -> None:
         """Store every batch not stored, waiting for the link if need be (not while a CUDA

@@ -737,6 +737,9 @@ class ActivationOffloader:
         least once because the link was behind the forward (``_batch.Batcher.store_due``);
         ``held_below_peak``: held storages whose store was put off at least once because the
         GPU's allocation was below the peak it had reached (``_batch.Batcher._over_peak``).
+        ``refused_room`` / ``refused_backlog`` / ``refused_payload``: the attempts at such a
+        store that were put off, by the reason (``PagedStore.refusal``: the arena's room,
+        the link's backlog, or the GPU behind the host with the next payload).
         ``entries`` and ``stash`` count stored entries, a batch once."""
         out = dict(self.counters)
         for key in ("packed", "offloaded_bytes"):  # read by every user: there from the start

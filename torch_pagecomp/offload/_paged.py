@@ -309,13 +309,22 @@ class PagedStore:
         H200, BERT-large, ViT-B/16, GPT-2 and encoder-2048 ran 5-10 points faster; encoder-1024
         did not, its deferred batches stored at a later saved tensor all the same,
         ``bench/results/h200_session61``.)"""
+        return self.refusal(nbytes) is None
+
+    def refusal(self, nbytes: int) -> str | None:
+        """Why :meth:`stores_now` of ``nbytes`` is false: ``"room"`` (the arena's chunks are
+        spoken for by slices not yet placed), ``"backlog"`` (more than ``BACKLOG_BYTES`` on
+        their way to host memory) or ``"payload"`` (the next slice's payload holds pages
+        whose placement the GPU has not published: the GPU, not the link, is behind the
+        host); None where the store starts now. The hooks count each refusal by its reason
+        (``refused_<reason>``)."""
         arena = self.arena
         if not arena.room_now(self.worst_case(nbytes)):  # (confirms what it can first)
-            return False
+            return "room"
         if arena.backlog() > BACKLOG_BYTES:
-            return False
+            return "backlog"
         last = self._slots[0].last
-        return last is None or last.send is None or last.known()
+        return None if last is None or last.send is None or last.known() else "payload"
 
     def worst_case(self, nbytes: int) -> int:
         """The arena bytes :meth:`offload` of ``nbytes`` backs before its slices are placed:
