@@ -533,13 +533,15 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
     grads = _first_grads(model, forward, blocks, arms, fsdp, make) if rows is not None else {}
-    tuned, own = {}, {}
+    tuned, own, own_arms = {}, {}, {}
     for sa in [a for a in ("speed", "speed_warm2") if a in offs]:  # their trials and check
         sp, tuned[sa], own[sa] = offs[sa], 0, []  # in steps of their own (see the docstring)
+        own_arms[sa] = []
         while _any_rank(tuned[sa] < 34 and (sp.tuner.choice is None or sp.tuner.checking),
                         fsdp):
             ms = step(sa)[0]
             own[sa].append(f"{sp.tuner.arm[:4]} {ms:.1f} ({sp.host_buffers_made()})")
+            own_arms[sa].append(sp.tuner.arm)
             tuned[sa] += 1
     for _ in range(warmup):
         for arm in arms:
@@ -611,6 +613,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         off.synchronize()
     health = _health(model, losses)
     lines.append(health["line"])
+    by_rank = {}  # speed arm -> each rank's (choice, own steps' arms, arm in the timed steps)
     for sa in tuned:
         t = offs[sa].tuner.summary()
         lines.append(f"{sa}: {tuned[sa]} steps of its own first; choice {t['choice']} "
@@ -618,6 +621,9 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"{t['trial_ms']}; decisions {t['decisions']}")
         lines.append(f"{sa}'s own steps: arm, ms (host buffers and chunks made so far): "
                      + ", ".join(own[sa]))
+        if fsdp:  # each rank's tuner decides on its own passes' times (none is shared)
+            by_rank[sa] = every_rank((t["choice"], own_arms[sa], _timed_arm(offs[sa])))
+            lines.append(_ranks_line(sa, by_rank[sa]))
     # per timed step, the hooks' own host ms (pack / unpack) and what they did (pack calls,
     # restores, stores...): the first over the second gives the cost of one
     done = {a: per_step(before[a], off.stats(), rounds * block, off.counters)
@@ -627,6 +633,8 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                            saver.bytes / 2**30 if saver is not None else None)
         for row in mine:
             row["reset_peak"] = reset_peak
+            if row["variant"] in by_rank:
+                row["tuner_choice_by_rank"] = [r[0] for r in by_rank[row["variant"]]]
             row["loss_finite"] = health["loss_finite"].get(row["variant"])
             row["params_finite"] = health["params_finite"]
             if row["variant"] in done:
@@ -911,6 +919,22 @@ def _any_rank(flag: bool, fsdp: bool) -> bool:
     from bench.stock_models import any_rank
 
     return any_rank(flag, "cuda" if dist.get_backend() == "nccl" else "cpu")
+
+
+def _timed_arm(off) -> str | None:
+    """The arm a ``speed`` offloader's tuner runs now (after the timed rounds)."""
+    return off.tuner.arm if off.tuner is not None else None
+
+
+def _ranks_line(arm: str, ranks: list) -> str:
+    """Whether every rank's tuner of ``arm`` chose alike: ``ranks`` holds each rank's
+    ``(choice, its own steps' arms, its arm after the timed rounds)``. Under FSDP2 a step
+    waits for the slowest rank, so ranks that chose apart run the slower way's steps."""
+    own = [r[1] for r in ranks]
+    differ = sum(len(set(col)) > 1 for col in zip(*own)) if own and own[0] else 0
+    return (f"{arm} on each rank: choices {[r[0] for r in ranks]}, arms after the timed "
+            f"rounds {[r[2] for r in ranks]}; its own steps' arms differed between ranks in "
+            f"{differ} of {min(len(o) for o in own) if own else 0}")
 
 
 def every_rank(obj) -> list:

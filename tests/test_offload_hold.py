@@ -911,6 +911,22 @@ def test_the_ab_probe_runs_under_fsdp2_on_two_ranks(tmp_path):
     assert doc["gpus"] == 2 and doc["method"] == "interleaved"
     assert [r["variant"] for r in doc["rows"]] == ["uncompressed", "speed"]
     assert all(r["grads_identical"] is True for r in doc["rows"]), doc["rows"]
+    # each rank's tuner decides alone: the probe says what each chose
+    assert "speed on each rank: choices" in r.stdout, r.stdout
+    choices = doc["rows"][1]["tuner_choice_by_rank"]
+    assert len(choices) == 2 and set(choices) <= {"compress", "copy"}, choices
+
+
+def test_the_ab_probe_says_where_the_ranks_tuners_parted():
+    """``dev_ab_steps._ranks_line`` counts the passes whose arm differed between ranks, and
+    lists each rank's choice (the FSDP2 probe's check that no rank ran the other way)."""
+    from bench.dev_ab_steps import _ranks_line
+
+    same = _ranks_line("speed", [("copy", ["compress", "copy"], "copy")] * 2)
+    assert same.endswith("differed between ranks in 0 of 2"), same
+    apart = _ranks_line("speed", [("copy", ["compress", "copy", "copy"], "copy"),
+                                  ("compress", ["compress", "compress", "copy"], "compress")])
+    assert "choices ['copy', 'compress']" in apart and apart.endswith("in 1 of 3"), apart
 
 
 def test_the_ab_probe_writes_stock_rows_with_a_gradient_check_that_can_fail(monkeypatch):
