@@ -204,6 +204,73 @@ def test_exit_joins_the_threads_of_a_compressor_already_collected():
     assert r.returncode == 0 and not r.stderr, r.stderr[-3000:]
 
 
+def test_exit_waits_for_the_engine_to_free_its_backward_end_callbacks():
+    """The offloader's end-of-backward callback is held by the autograd engine, which frees it
+    (taking the GIL) with its graph task: on a GPU possibly on its device thread just after
+    ``backward()`` returned. Asked for the GIL while the interpreter finalizes, that thread
+    aborts the process (1 exit in 20 on an H200, ``bench/results/h200_session75``). Here a
+    thread stands in for the engine and frees one a little after the script's last line:
+    the exit handler waits for it (without the wait, the thread is stopped first and never
+    frees it)."""
+    body = """
+        import threading, time, weakref
+        from torch_pagecomp.offload import _backward
+
+        class Owner:
+            def _end_backward(self, task):
+                pass
+
+        owner = Owner()
+        held = [_backward.BackwardEnd(owner, 7)]
+        seen = weakref.ref(held[0], lambda _: print("freed", flush=True))
+
+        def engine():  # as the engine's device thread lets a finished graph task go
+            time.sleep(0.5)
+            held.clear()
+
+        threading.Thread(target=engine, daemon=True).start()
+    """
+    r = run_script(body, timeout=120)
+    assert r.returncode == 0 and not r.stderr, r.stderr[-3000:]
+    assert r.stdout.split() == ["freed"], r.stdout
+
+
+def test_backward_end_callbacks_are_freed_and_waited_for():
+    """A backward under the hooks queues one :class:`BackwardEnd`, which ends it for its
+    offloader and is freed with the graph task (on the CPU by the time ``backward()``
+    returns); the exit wait returns at once when none is live and gives up after its
+    timeout while one is."""
+    from torch_pagecomp.offload import _backward
+
+    lin = torch.nn.Linear(64, 64)
+    off = torch_pagecomp.offload_activations(offload_cpu=True, min_offload_bytes=0,
+                                             group_bytes=1, mode="uncompressed")
+    ends = []
+    real = _backward.BackwardEnd.__call__
+    _backward.BackwardEnd.__call__ = lambda self: ends.append(self.task) or real(self)
+    try:
+        with off:
+            loss = lin(torch.randn(32, 64)).relu().square().sum()
+        loss.backward()
+    finally:
+        _backward.BackwardEnd.__call__ = real
+    assert len(ends) == 1 and not off._backward.tasks  # ended once, for its task
+    assert len(_backward._ENDS) == 0 and _backward.wait_for_backward_ends(0.0)
+
+    class Owner:
+        def _end_backward(self, task):
+            pass
+
+    owner = Owner()
+    kept = _backward.BackwardEnd(owner, 1)
+    t0 = time.monotonic()
+    assert not _backward.wait_for_backward_ends(0.05)
+    assert time.monotonic() - t0 >= 0.05
+    kept()  # (ends nothing: its owner's end is a no-op)
+    del kept
+    assert _backward.wait_for_backward_ends(0.0)
+
+
 # ----------------------------------------------------------------------------- FSDP2, torchrun
 FSDP_BACKENDS = [
     "gloo",

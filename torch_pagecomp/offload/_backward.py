@@ -4,10 +4,24 @@ by group, restores on a side stream and the end-of-backward clean-up.
 :class:`Backward` is a part the offloader owns (``offloader._backward``): it keeps what only the
 backward uses (the autograd graph tasks it watches, whether restores are batched, the decode
 failures already reported) and reaches the offloader's shared state (lock, stash, entries,
-stores, counters) through a weak reference, so the two never form a reference cycle."""
+stores, counters) through a weak reference, so the two never form a reference cycle.
+
+**The end of a backward and the end of the interpreter.** The offloader learns that a backward
+ended from a callback it queues on the autograd engine (:class:`BackwardEnd`). The engine keeps
+that Python object with the graph task and, when it frees the task, takes the GIL to let it
+go. On a GPU the task may be freed on the engine's device thread just after ``backward()``
+returned. A script that ends right there finalizes the interpreter meanwhile; that thread,
+asking for the GIL of a finalizing interpreter, is stopped inside the engine and the process
+aborts ("terminate called without an active exception": 1 exit in 20 of the exit script
+``hooks_with_backward`` on an H200, ``bench/results/h200_session75``). So each callback
+counts as live until freed, and at exit the interpreter waits, ``EXIT_WAIT_S`` at most, until
+none is."""
 
 from __future__ import annotations
 
+import atexit
+import os
+import time
 import warnings
 import weakref
 
@@ -19,6 +33,50 @@ from ._entry import SPLIT, _capturing, _Entry
 from ._paged import PagedStored, SliceNotStored
 from ._paged_group import StoredGroup, restore_placed
 from ._streams import current_stream, on_stream
+
+EXIT_WAIT_S = 5.0  # at interpreter exit, for the engine to free the callbacks it still holds
+
+
+class BackwardEnd:
+    """The callback :meth:`Backward._watch_backward` queues on the autograd engine for graph
+    task ``task``: ends that backward for its :class:`Backward` (reached through a weak
+    reference, if still alive). Live (in ``_ENDS``) until the engine frees it; see the
+    module docstring."""
+
+    __slots__ = ("_backward", "task", "__weakref__")
+
+    def __init__(self, backward: Backward, task: int):
+        self._backward, self.task = weakref.ref(backward), task
+        _ENDS.add(self)
+
+    def __call__(self) -> None:
+        backward = self._backward()
+        if backward is not None:
+            backward._end_backward(self.task)
+
+
+_ENDS: weakref.WeakSet[BackwardEnd] = weakref.WeakSet()  # callbacks the engine still holds
+
+
+def wait_for_backward_ends(timeout: float = EXIT_WAIT_S) -> bool:
+    """Wait, ``timeout`` seconds at most, until the autograd engine has freed every
+    :class:`BackwardEnd` (it takes the GIL to: sleeping here lets it). Returns whether it
+    has. Registered with ``atexit``."""
+    deadline = time.monotonic() + timeout
+    while len(_ENDS):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.0005)
+    return True
+
+
+def _forget_ends_in_child() -> None:
+    """A forked child has none of the parent's engine threads: nothing of theirs to wait for."""
+    _ENDS.clear()
+
+
+atexit.register(wait_for_backward_ends)
+os.register_at_fork(after_in_child=_forget_ends_in_child)
 
 
 class Backward:
@@ -236,9 +294,7 @@ class Backward:
         task = torch._C._current_graph_task_id()
         if task != -1 and task not in self.tasks:
             self.tasks.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._end_backward(task)
-            )
+            torch.autograd.Variable._execution_engine.queue_callback(BackwardEnd(self, task))
             # the backward stores little: the stores' GPU scratch (payloads, the LZ4
             # compressor's working memory: 8-17 MiB) is not held through its peak (BERT-large's
             # peak had it, 9 MiB above a plain copy's, bench/results/h200x2_fd0815b_session57)
