@@ -526,7 +526,7 @@ def test_gpu_deferred_stores_keep_gradients_identical(gen, monkeypatch):
         _same(ref, _step(model, x, off))
         torch.cuda.synchronize()
         assert off.pending()["entries"] == 0 and not _waiting(off)
-    assert off.stats()["deferred"] > 0 and off.stats()["refused_backlog"] >= 3
+    assert off.stats()["deferred"] > 0 and off.stats()["refused_backlog"] >= 1
 
 
 @pytest.mark.peak_rule

@@ -50,9 +50,12 @@ class BackwardEnd:
         _ENDS.add(self)
 
     def __call__(self) -> None:
-        backward = self._backward()
+        backward, task = self._backward(), self.task
+        # an error raised below keeps this frame in its traceback (the caller may keep that
+        # at exit: sys.last_traceback): not this object, which exit would wait for
+        del self
         if backward is not None:
-            backward._end_backward(self.task)
+            backward._end_backward(task)
 
 
 _ENDS: weakref.WeakSet[BackwardEnd] = weakref.WeakSet()  # callbacks the engine still holds
@@ -63,10 +66,14 @@ def wait_for_backward_ends(timeout: float = EXIT_WAIT_S) -> bool:
     :class:`BackwardEnd` (it takes the GIL to: sleeping here lets it). Returns whether it
     has. Registered with ``atexit``."""
     deadline = time.monotonic() + timeout
+    waited = False
     while len(_ENDS):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.0005)
+        waited = True
+    if waited:  # the engine frees the rest of the graph task just after the callbacks
+        time.sleep(0.002)
     return True
 
 
