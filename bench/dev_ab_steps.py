@@ -673,6 +673,9 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
     slack = slack_line(res, done)
     if slack:
         lines.append(slack)
+    refused = refused_line(done)
+    if refused:
+        lines.append(refused)
     if sampler is not None:
         lines.append(f"### Where the host's timed steps went (a sample every {sample_ms} ms)")
         for arm in arms:
@@ -707,6 +710,23 @@ def slack_line(res: dict, done: dict) -> str | None:
                       if arm != "uncompressed")
     return (f"host slack: the plain copy's step less its host issue time {slack:.1f} ms; "
             f"the hooks' host ms a step over the plain copy's: {extra or 'no other arm'}")
+
+
+def refused_line(done: dict) -> str | None:
+    """Each compressing arm's due stores put off a step, by the reason
+    (``PagedStore.refusal``: the link's backlog, the GPU behind with the next payload, the
+    arena's room) beside the members put off at least once (``deferred``): what held its
+    batches on the GPU. None where no arm put a store off. ``done``: arm -> (hooks' host ms
+    a step by hook, counters a step)."""
+    parts = []
+    for arm, (_, n) in done.items():
+        why = {r: n.get(f"refused_{r}", 0) for r in ("backlog", "payload", "room")}
+        if any(why.values()) or n.get("deferred", 0):
+            parts.append(f"{arm} " + " / ".join(f"{v:.1f}" for v in why.values())
+                         + f" (members put off {n.get('deferred', 0):.1f})")
+    if not parts:
+        return None
+    return "stores put off a step, backlog / payload / room: " + "; ".join(parts)
 
 
 def paired(steps: list[float], base: list[float]) -> str:

@@ -1111,6 +1111,21 @@ def test_the_ab_probe_prints_the_host_slack_against_the_hooks_extra_host_time():
     assert all(v is not None and v > 0 for v in got.values()), got
 
 
+def test_the_ab_probe_prints_why_stores_were_put_off():
+    """``dev_ab_steps``' refusal line: each arm's due stores put off a step by the reason
+    (``refused_backlog`` / ``refused_payload`` / ``refused_room``) and its members put off;
+    none where no arm put one off."""
+    from bench.dev_ab_steps import refused_line
+
+    done = {"uncompressed": ({}, {"offloaded_raw": 4.0}),
+            "memory": ({}, {"refused_backlog": 29.5, "refused_payload": 7.75,
+                            "deferred": 97.25})}
+    line = refused_line(done)
+    assert line.endswith("memory 29.5 / 7.8 / 0.0 (members put off 97.2)"), line
+    assert "uncompressed" not in line
+    assert refused_line({"uncompressed": done["uncompressed"]}) is None
+
+
 def test_the_ab_probe_lastsizes_arm_lets_a_skipped_size_go_as_before():
     """``uncompressed_lastsizes`` runs the plain copies' pool with the rule before session 74
     (a size the last step did not ask for let go at once) and puts the package's back."""
