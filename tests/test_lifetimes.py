@@ -116,6 +116,38 @@ EXIT_SCRIPTS = {
                 keep.append(lin(torch.randn(512, 256, device=dev)).relu().square().sum())
             assert off.stats()["offloaded_bytes"] > 0
     """,
+    # a training step under offload_module ending right after a backward whose loss has no
+    # Python name (the graph's root held by the engine alone while it runs)
+    "offload_module_step": """
+        from torch_pagecomp.offload._batch import Batcher
+        Batcher._over_peak = lambda self, dev: None  # (as above)
+        net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)]).to(dev)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        off = torch_pagecomp.offload.offload_module(net, blocks=list(net), offload_cpu=True,
+                                                   min_offload_bytes=0, prefer="memory")
+        for _ in range(2):
+            net(torch.randn(512, 256, device=dev)).relu().square().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert off.stats()["offloaded_bytes"] > 0
+        net(torch.randn(512, 256, device=dev)).square().sum().backward()
+    """,
+    # transformers' generate with the compressed KV cache, left open at exit
+    "hf_generate_cache_open": """
+        import inspect
+        import transformers as tr
+        from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+        config = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        model = tr.LlamaForCausalLM(config).to(dev).eval()
+        ids = torch.randint(0, 128, (2, 20), device=dev)
+        cache = CompressedOffloadedCache(config=config, block_tokens=8)
+        kw = "cache" if "cache" in inspect.signature(model.forward).parameters else (
+            "past_key_values")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=12, min_new_tokens=12, **{kw: cache})
+        assert out.shape == (2, 32)
+    """,
     "compress_decompress": """
         x = torch.randint(0, 4, (16 * 4096,), dtype=torch.uint8, device=dev)
         c = torch_pagecomp.compress(x)
