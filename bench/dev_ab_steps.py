@@ -622,7 +622,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         lines.append(f"{sa}'s own steps: arm, ms (host buffers and chunks made so far): "
                      + ", ".join(own[sa]))
         if fsdp:  # each rank's tuner decides on its own passes' times (none is shared)
-            by_rank[sa] = every_rank((t["choice"], own_arms[sa], _timed_arm(offs[sa])))
+            by_rank[sa] = every_rank((t["choice"], own_arms[sa], offs[sa].tuner.arm))
             lines.append(_ranks_line(sa, by_rank[sa]))
     # per timed step, the hooks' own host ms (pack / unpack) and what they did (pack calls,
     # restores, stores...): the first over the second gives the cost of one
@@ -939,11 +939,6 @@ def _any_rank(flag: bool, fsdp: bool) -> bool:
     from bench.stock_models import any_rank
 
     return any_rank(flag, "cuda" if dist.get_backend() == "nccl" else "cpu")
-
-
-def _timed_arm(off) -> str | None:
-    """The arm a ``speed`` offloader's tuner runs now (after the timed rounds)."""
-    return off.tuner.arm if off.tuner is not None else None
 
 
 def _ranks_line(arm: str, ranks: list) -> str:

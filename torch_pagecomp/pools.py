@@ -333,25 +333,33 @@ class SizePool:
             counted.append(self._peak)
             keeps = self._keeps(counted, max(n for n, _ in self._window))
             self._spare = {size for size, k in keeps.items() if k and not self._peak[size]}
-            for size, bucket in list(self._free.items()):
+            picked = []
+            for size, bucket in self._free.items():
                 extra = len(bucket) - max(0, keeps.get(size, 0) - self._out[size])
-                if extra <= 0:
-                    continue
                 # the longest idle first, and none the GPU may still read or write (kept
                 # for the next call rather than waited for)
-                for buf in [b for b in bucket if self._idle_done(b)][:extra]:
-                    bucket.remove(buf)
-                    dropped.append(buf)
-                if not bucket:
-                    del self._free[size]
+                if extra > 0:
+                    picked += [(size, b) for b in bucket if self._idle_done(b)][:extra]
+            freed, dropped = self._take_idle(picked)
             self._out = +self._out  # sizes with none out go (a new shape each step adds one)
             self._peak = self._out.copy()
-            freed = sum(self._held(buf) for buf in dropped)
-            self.held_bytes -= freed
-            self.drops += len(dropped)
         for buf in dropped:
             self._drop(buf)
         return freed
+
+    def _take_idle(self, picked: list[tuple[int, object]]) -> tuple[int, list]:
+        """Take the idle buffers ``picked`` (``(size, buffer)`` each) out of the pool, under
+        the lock, and count them let go: ``(their bytes, the buffers)``, which the caller
+        drops once the lock is released."""
+        for size, buf in picked:
+            bucket = self._free[size]
+            bucket.remove(buf)
+            if not bucket:
+                del self._free[size]
+        freed = sum(self._held(buf) for _, buf in picked)
+        self.held_bytes -= freed
+        self.drops += len(picked)
+        return freed, [buf for _, buf in picked]
 
     def _keeps(self, counted: list, budget: int) -> dict[int, int]:
         """How many buffers of each idle size :meth:`shrink` keeps (out and idle together):
@@ -417,19 +425,15 @@ class PinnedBufferPool(SizePool):
                 idle = sorted(((size, buf) for size in self._spare if size != nbytes
                                for buf in self._free.get(size, ()) if self._idle_done(buf)),
                               key=lambda sb: -sb[0])
-                if sum(self._held(buf) for _, buf in idle) < over:
-                    return None
-                freed = 0
-                for size, buf in idle:
+                picked, freed = [], 0
+                for size, buf in idle:  # the largest first, until they cover ``over``
                     if freed >= over:
                         break
-                    self._free[size].remove(buf)
-                    if not self._free[size]:
-                        del self._free[size]
-                    dropped.append(buf)
+                    picked.append((size, buf))
                     freed += self._held(buf)
-                self.held_bytes -= freed
-                self.drops += len(dropped)
+                if freed < over:
+                    return None
+                _, dropped = self._take_idle(picked)
         for buf in dropped:
             self._drop(buf)
         mem = self.acquire(nbytes)

@@ -77,13 +77,9 @@ def wait_for_backward_ends(timeout: float = EXIT_WAIT_S) -> bool:
     return True
 
 
-def _forget_ends_in_child() -> None:
-    """A forked child has none of the parent's engine threads: nothing of theirs to wait for."""
-    _ENDS.clear()
-
-
 atexit.register(wait_for_backward_ends)
-os.register_at_fork(after_in_child=_forget_ends_in_child)
+# a forked child has none of the parent's engine threads: nothing of theirs to wait for
+os.register_at_fork(after_in_child=_ENDS.clear)
 
 
 class Backward:
