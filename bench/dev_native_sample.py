@@ -1,0 +1,176 @@
+"""Dev probe: where the host's time goes in steady-state training steps, native frames included.
+
+``python3 -m bench.dev_native_sample --model encoder-1024 --variant memory`` runs a stock
+model's SGD step (``bench.dev_hook_timing.training_step``) back to back, as a training loop
+does, and prints each phase's host issue time (ms a step, median): steps run back to back,
+and steps that each start on an idle GPU (``torch.cuda.synchronize()`` first). The gap
+between the two is host time spent blocked on the GPU (a launch queue full, an allocator
+call, an event or copy that waits), which the Python-level samplers of ``dev_ab_steps`` and
+the timers of ``dev_hook_timing`` charge to whatever Python line was running.
+
+``--spy spy.txt`` (py-spy installed, ptrace allowed): py-spy samples every thread of this
+process, native frames included, while the back-to-back steps run (attached after the
+warm-up, stopped after them), and the probe then sums the samples by thread and by innermost
+package frame, innermost Python frame and innermost native frame (``--report spy.txt`` does
+the summing alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import re
+import statistics
+import time
+
+SAMPLED = "_sampled_steps"
+
+
+def _sampled_steps(step, n: int) -> list[float]:
+    """``n`` steps back to back: each one's host issue ms (the frame py-spy's report keeps)."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        out.append((time.perf_counter() - t0) * 1e3)
+        gc.collect(1)  # (outside the time, as dev_ab_steps' --gc manual)
+    return out
+
+
+def _start_spy(path: str, rate: int):
+    """py-spy sampling this process into ``path`` (raw format), once it has attached."""
+    import os
+    import subprocess
+
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--native", "--idle",
+                            "--threads", "-r", str(rate), "-f", "raw", "-o", path],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)  # its attach; a sample of the idle process costs nothing we report
+    if spy.poll() is not None:
+        raise RuntimeError(f"py-spy ended at once: {spy.stderr.read()[-2000:]}")
+    return spy
+
+
+def _stop_spy(spy) -> None:
+    import signal
+
+    spy.send_signal(signal.SIGINT)  # py-spy writes its file on an interrupt
+    try:
+        spy.wait(timeout=60)
+    except Exception:  # noqa: BLE001 - a probe: do not hang on it
+        spy.kill()
+
+
+def run(model: str, variant: str, warmup: int, steps: int, spy_path: str | None = None,
+        rate: int = 500) -> None:
+    import torch
+
+    from bench.dev_hook_timing import training_step
+
+    step, off = training_step(model, variant)
+    gc.disable()
+    for _ in range(warmup):
+        step()
+        gc.collect(1)
+    torch.cuda.synchronize()
+    synced = []
+    for _ in range(max(4, steps // 4)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        synced.append((time.perf_counter() - t0) * 1e3)
+        gc.collect(1)
+    torch.cuda.synchronize()
+    spy = _start_spy(spy_path, rate) if spy_path else None
+    t0 = time.perf_counter()
+    issue = _sampled_steps(step, steps)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    if spy is not None:
+        _stop_spy(spy)
+    print(f"{model} {variant}: host issue ms a step, back to back {statistics.median(issue):.1f}"
+          f" (wall {wall:.1f} a step), each step on an idle GPU "
+          f"{statistics.median(synced):.1f}", flush=True)
+    if off is not None:
+        off.remove()
+
+
+_FRAME = re.compile(r"^(?P<fn>.*?) \((?P<where>[^()]*)\)$")
+
+
+def _parse(frame: str) -> tuple[str, str]:
+    """``(function, file or library)`` of one py-spy frame, ``"fn (file.py:12)"``."""
+    m = _FRAME.match(frame.strip())
+    return (m["fn"], m["where"]) if m else (frame.strip(), "")
+
+
+# the outermost CUDA runtime or driver call of a stack: which API the host is inside
+_CUDA_API = re.compile(r"^(cuda[A-Z]\w*|cu[A-Z]\w*|nccl[A-Z]\w*)")
+
+
+def _is_python(where: str) -> bool:
+    return ".py" in where
+
+
+def report(path: str, top: int = 25) -> str:
+    """The samples of ``path`` (py-spy's raw format) taken inside ``_sampled_steps``, by the
+    innermost frame of three kinds, in % of those samples, each thread apart."""
+    kinds = ("package", "python", "native", "CUDA API")
+    by = {k: collections.defaultdict(collections.Counter) for k in kinds}
+    totals: collections.Counter = collections.Counter()
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            frames = stack.split(";")
+            thread = frames[0] if frames[0].startswith(("thread", "process")) else "?"
+            if any(SAMPLED in fr for fr in frames):
+                thread = "main (the steps)"
+            elif any("Engine::thread_main" in fr for fr in frames):
+                thread = "autograd device thread"
+            n = int(count)
+            totals[thread] += n
+            parsed = [_parse(fr) for fr in frames]
+            pkg = next((f"{fn} ({w})" for fn, w in reversed(parsed)
+                        if "torch_pagecomp" in w), "-")
+            py = next((f"{fn} ({w})" for fn, w in reversed(parsed) if _is_python(w)), "-")
+            nat = next((f"{fn} ({w})" for fn, w in reversed(parsed)
+                        if w and not _is_python(w)), "-")
+            api = next((f"{fn} ({w})" for fn, w in parsed if _CUDA_API.match(fn)), "-")
+            by["CUDA API"][thread][api] += n
+            by["package"][thread][pkg] += n
+            by["python"][thread][py] += n
+            by["native"][thread][nat] += n
+    lines = [f"# {path}: samples by thread while the steps ran"]
+    for thread, total in totals.most_common():
+        lines.append(f"## thread {thread}: {total} samples")
+        for kind in kinds:
+            lines += [f"### innermost {kind} frame", "| frame | % |", "|---|---|"]
+            for name, n in by[kind][thread].most_common(top):
+                lines.append(f"| {name} | {100 * n / total:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="encoder-1024")
+    ap.add_argument("--variant", default="memory")
+    ap.add_argument("--warmup", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--spy", default=None, help="py-spy's raw samples of the steps to this path")
+    ap.add_argument("--rate", type=int, default=500, help="py-spy's samples a second")
+    ap.add_argument("--report", default=None, help="summarise a py-spy raw file instead")
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    if a.report:
+        print(report(a.report, a.top))
+        return
+    run(a.model, a.variant, a.warmup, a.steps, a.spy, a.rate)
+    if a.spy:
+        print(report(a.spy, a.top), flush=True)
+
+
+if __name__ == "__main__":
+    main()
