@@ -9,10 +9,15 @@ call, an event or copy that waits), which the Python-level samplers of ``dev_ab_
 the timers of ``dev_hook_timing`` charge to whatever Python line was running.
 
 ``--spy spy.txt`` (py-spy installed, ptrace allowed): py-spy samples every thread of this
-process, native frames included, while the back-to-back steps run (attached after the
-warm-up, stopped after them), and the probe then sums the samples by thread and by innermost
-package frame, innermost Python frame and innermost native frame (``--report spy.txt`` does
-the summing alone).
+process while the back-to-back steps run (attached after the warm-up, stopped after them),
+and the probe then sums the samples by thread and by innermost package frame, innermost
+Python frame and innermost native frame (``--report spy.txt`` does the summing alone).
+py-spy reads the process's memory without taking the GIL (``--nonblocking``: without pausing
+it either), so its samples are not drawn to the lines that release the GIL, as those of the
+in-process sampler of ``dev_ab_steps --sample-host`` are. ``--native`` adds native frames,
+but py-spy then pauses the process to unwind each sample: at 500 samples a second that made
+encoder-1024's steps about 20x longer on an H200 host (1.15-1.39 s against 54-77 ms), so
+the proportions it gives are those of a process that the GPU never holds up.
 """
 
 from __future__ import annotations
@@ -38,12 +43,13 @@ def _sampled_steps(step, n: int) -> list[float]:
     return out
 
 
-def _start_spy(path: str, rate: int):
+def _start_spy(path: str, rate: int, native: bool):
     """py-spy sampling this process into ``path`` (raw format), once it has attached."""
     import os
     import subprocess
 
-    spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--native", "--idle",
+    how = ["--native"] if native else ["--nonblocking"]
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), *how, "--idle",
                             "--threads", "-r", str(rate), "-f", "raw", "-o", path],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(3.0)  # its attach; a sample of the idle process costs nothing we report
@@ -63,7 +69,7 @@ def _stop_spy(spy) -> None:
 
 
 def run(model: str, variant: str, warmup: int, steps: int, spy_path: str | None = None,
-        rate: int = 500) -> None:
+        rate: int = 500, native: bool = False) -> None:
     import torch
 
     from bench.dev_hook_timing import training_step
@@ -82,7 +88,7 @@ def run(model: str, variant: str, warmup: int, steps: int, spy_path: str | None 
         synced.append((time.perf_counter() - t0) * 1e3)
         gc.collect(1)
     torch.cuda.synchronize()
-    spy = _start_spy(spy_path, rate) if spy_path else None
+    spy = _start_spy(spy_path, rate, native) if spy_path else None
     t0 = time.perf_counter()
     issue = _sampled_steps(step, steps)
     torch.cuda.synchronize()
@@ -161,13 +167,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--spy", default=None, help="py-spy's raw samples of the steps to this path")
     ap.add_argument("--rate", type=int, default=500, help="py-spy's samples a second")
+    ap.add_argument("--native", action="store_true",
+                    help="native frames too (py-spy pauses the process: see the docstring)")
     ap.add_argument("--report", default=None, help="summarise a py-spy raw file instead")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
     if a.report:
         print(report(a.report, a.top))
         return
-    run(a.model, a.variant, a.warmup, a.steps, a.spy, a.rate)
+    run(a.model, a.variant, a.warmup, a.steps, a.spy, a.rate, a.native)
     if a.spy:
         print(report(a.spy, a.top), flush=True)
 
