@@ -69,7 +69,8 @@ def _stop_spy(spy) -> None:
 
 
 def run(model: str, variant: str, warmup: int, steps: int, spy_path: str | None = None,
-        rate: int = 500, native: bool = False) -> None:
+        rate: int = 500, native: bool = False) -> float:
+    """Print the steps' host issue times; return the sampled steps' wall ms a step."""
     import torch
 
     from bench.dev_hook_timing import training_step
@@ -100,6 +101,7 @@ def run(model: str, variant: str, warmup: int, steps: int, spy_path: str | None 
           f"{statistics.median(synced):.1f}", flush=True)
     if off is not None:
         off.remove()
+    return wall
 
 
 _FRAME = re.compile(r"^(?P<fn>.*?) \((?P<where>[^()]*)\)$")
@@ -119,12 +121,15 @@ def _is_python(where: str) -> bool:
     return ".py" in where
 
 
-def report(path: str, top: int = 25) -> str:
-    """The samples of ``path`` (py-spy's raw format) taken inside ``_sampled_steps``, by the
-    innermost frame of three kinds, in % of those samples, each thread apart."""
-    kinds = ("package", "python", "native", "CUDA API")
-    by = {k: collections.defaultdict(collections.Counter) for k in kinds}
-    totals: collections.Counter = collections.Counter()
+def report(path: str, top: int = 25, per_step: float | None = None) -> str:
+    """The samples of ``path`` (py-spy's raw format), each thread apart: the main thread's
+    inside ``_sampled_steps``, a thread that ran the unpack hooks named the backward's. Per
+    thread: the time inside any package frame; Python functions by inclusive time (a sample
+    counts once for each function in its stack); package functions by exclusive time (the
+    innermost); the innermost native frame and CUDA call where there are native frames. In
+    ms a step where ``per_step`` (samples a step: rate x seconds / steps) is given, else in
+    % of the thread's samples."""
+    stacks: dict = collections.defaultdict(list)  # thread -> [(parsed frames, count)]
     with open(path) as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
@@ -133,29 +138,42 @@ def report(path: str, top: int = 25) -> str:
             frames = stack.split(";")
             thread = frames[0] if frames[0].startswith(("thread", "process")) else "?"
             if any(SAMPLED in fr for fr in frames):
-                thread = "main (the steps)"
-            elif any("Engine::thread_main" in fr for fr in frames):
-                thread = "autograd device thread"
-            n = int(count)
-            totals[thread] += n
-            parsed = [_parse(fr) for fr in frames]
-            pkg = next((f"{fn} ({w})" for fn, w in reversed(parsed)
-                        if "torch_pagecomp" in w), "-")
-            py = next((f"{fn} ({w})" for fn, w in reversed(parsed) if _is_python(w)), "-")
+                thread = "main, in the steps"
+            stacks[thread].append(([_parse(fr) for fr in frames[1:]], int(count)))
+    lines = [f"# {path}: samples by thread while the steps ran"
+             + (f" (ms a step: {per_step:.1f} samples a step)" if per_step else " (%)")]
+    ordered = sorted(stacks.items(), key=lambda kv: -sum(n for _, n in kv[1]))
+    for thread, samples in ordered:
+        total = sum(n for _, n in samples)
+        if any("unpack" in fn and "torch_pagecomp" in w for fr, _ in samples for fn, w in fr):
+            thread += ", ran the unpack hooks (the backward's)"
+        scale = (1.0 / per_step) if per_step else 100.0 / total
+        by = {k: collections.Counter() for k in ("inclusive", "package", "native", "api")}
+        in_package = 0
+        for parsed, n in samples:
+            seen = {f"{fn} ({w.rsplit(':', 1)[0]})" for fn, w in parsed if _is_python(w)}
+            by["inclusive"].update(dict.fromkeys(seen, n))
+            pkg = next((f"{fn} ({w.rsplit(':', 1)[0]})" for fn, w in reversed(parsed)
+                        if "torch_pagecomp" in w or "triton_kernels" in w), None)
+            if pkg is not None:
+                in_package += n
+                by["package"][pkg] += n
             nat = next((f"{fn} ({w})" for fn, w in reversed(parsed)
-                        if w and not _is_python(w)), "-")
-            api = next((f"{fn} ({w})" for fn, w in parsed if _CUDA_API.match(fn)), "-")
-            by["CUDA API"][thread][api] += n
-            by["package"][thread][pkg] += n
-            by["python"][thread][py] += n
-            by["native"][thread][nat] += n
-    lines = [f"# {path}: samples by thread while the steps ran"]
-    for thread, total in totals.most_common():
-        lines.append(f"## thread {thread}: {total} samples")
-        for kind in kinds:
-            lines += [f"### innermost {kind} frame", "| frame | % |", "|---|---|"]
-            for name, n in by[kind][thread].most_common(top):
-                lines.append(f"| {name} | {100 * n / total:.1f} |")
+                        if w and not _is_python(w)), None)
+            if nat is not None:
+                by["native"][nat] += n
+            api = next((f"{fn} ({w})" for fn, w in parsed if _CUDA_API.match(fn)), None)
+            if api is not None:
+                by["api"][api] += n
+        lines.append(f"## thread {thread}: {total * scale:.1f}; in a package frame "
+                     f"{in_package * scale:.1f}")
+        for kind, title in (("inclusive", "Python functions, inclusive"),
+                            ("package", "package functions, exclusive (innermost)"),
+                            ("native", "innermost native frame"), ("api", "CUDA call")):
+            if not by[kind]:
+                continue
+            lines += [f"### {title}", "| function | time |", "|---|---|"]
+            lines += [f"| {name} | {n * scale:.2f} |" for name, n in by[kind].most_common(top)]
     return "\n".join(lines)
 
 
@@ -171,13 +189,15 @@ def main() -> None:
                     help="native frames too (py-spy pauses the process: see the docstring)")
     ap.add_argument("--report", default=None, help="summarise a py-spy raw file instead")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--step-ms", type=float, default=None,
+                    help="with --report: the steps' wall ms each, for times in ms a step")
     a = ap.parse_args()
     if a.report:
-        print(report(a.report, a.top))
+        print(report(a.report, a.top, a.rate * 1e-3 * a.step_ms if a.step_ms else None))
         return
-    run(a.model, a.variant, a.warmup, a.steps, a.spy, a.rate, a.native)
+    ms = run(a.model, a.variant, a.warmup, a.steps, a.spy, a.rate, a.native)
     if a.spy:
-        print(report(a.spy, a.top), flush=True)
+        print(report(a.spy, a.top, a.rate * 1e-3 * ms), flush=True)
 
 
 if __name__ == "__main__":
