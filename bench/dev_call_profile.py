@@ -44,34 +44,8 @@ OP_TARGETS = (
     "torch_pagecomp._ops:decompress_cpu_direct",
 )
 
-# ``PageCompressor.offload`` + ``restore`` + ``free`` of a tensor of one batch or less (the
-# kernel-only store, ``torch_pagecomp._direct``), beside the store's pieces the hooks time
-CYCLE_TARGETS = (
-    "torch_pagecomp.module:PageCompressor.offload",
-    "torch_pagecomp.module:PageCompressor.restore",
-    "torch_pagecomp.module:PageCompressor._count",
-    "torch_pagecomp.module:_check_offloadable",
-    "torch_pagecomp.module:_bytes_of",
-    "torch_pagecomp.handles:OffloadHandle.__init__",
-    "torch_pagecomp.handles:OffloadHandle.free",
-    "torch_pagecomp.handles:RestoreFailures.add",
-    "torch_pagecomp.handles:RestoreFailures.flush",
-    "torch_pagecomp._direct:DirectPath.offload",
-    "torch_pagecomp._direct:DirectPath.restore_into",
-    "torch_pagecomp._direct:DirectPath._bound",
-    "torch_pagecomp._direct:DirectPath._drain",
-    "torch_pagecomp._direct:DirectPath._settle",
-    "torch_pagecomp._direct:DirectPath.free",
-    "torch_pagecomp.offload._decode:decode_slice_at",
-    "torch_pagecomp.offload._paged:PagedStore._status",
-    "torch_pagecomp.offload._paged:PagedStore.free_after_restores",
-    "torch_pagecomp.offload._statuses:StatusCount.take",
-    "torch_pagecomp.offload._statuses:StatusCount.add",
-    "torch_pagecomp.offload._arena:_wait",
-)
 
-
-def timed_calls(name: str, fn, calls: int, cuda: bool, targets=OP_TARGETS) -> str:
+def timed_calls(name: str, fn, calls: int, cuda: bool) -> str:
     """Per function of ``OP_TARGETS``: calls per call of ``fn`` and host us per call (mean),
     over ``calls`` calls of ``fn`` (the GPU synchronised every 16), beside ``fn``'s own."""
     import time
@@ -81,7 +55,7 @@ def timed_calls(name: str, fn, calls: int, cuda: bool, targets=OP_TARGETS) -> st
     for _ in range(20):
         fn()
     stats = timer_stats()
-    undo = instrument(stats, targets)
+    undo = instrument(stats, OP_TARGETS)
     total = 0
     try:
         for i in range(calls):
@@ -100,7 +74,7 @@ def timed_calls(name: str, fn, calls: int, cuda: bool, targets=OP_TARGETS) -> st
     return "\n".join(lines)
 
 
-def warm_cycle(comp, t: torch.Tensor, warm: int, cuda: bool = True):
+def warm_cycle(comp, t: torch.Tensor, warm: int):
     """A function that offloads ``t`` through ``comp``, restores it and frees the handle, run
     ``warm`` times first (the GPU synchronised after)."""
     def cycle() -> None:
@@ -110,8 +84,7 @@ def warm_cycle(comp, t: torch.Tensor, warm: int, cuda: bool = True):
 
     for _ in range(warm):
         cycle()
-    if cuda:
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return cycle
 
 
@@ -138,13 +111,6 @@ def main() -> None:
         for op in ops:
             if op in calls:
                 print(timed_calls(op, calls[op], a.calls, cuda), flush=True)
-        if "offload_restore" in ops:
-            from bench.dev_hook_timing import FINE_TARGETS, TARGETS
-
-            with pc.PageCompressor(device=dev) as comp:
-                cycle = warm_cycle(comp, x.reshape(-1).view(torch.bfloat16), 20, cuda)
-                print(timed_calls("offload + restore + free", cycle, a.calls, cuda,
-                                  CYCLE_TARGETS + TARGETS + FINE_TARGETS), flush=True)
         return
     pattern = "torch_pagecomp|triton_kernels|triton/runtime"
     if "compress" in ops:
