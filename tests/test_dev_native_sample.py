@@ -1,12 +1,13 @@
-"""``bench.dev_native_sample.report`` sums py-spy's raw samples per thread: the main thread's
-inside the timed steps, a thread that ran the unpack hooks named the backward's; per thread
-the time in package frames, Python functions by inclusive time (once per sample however
-often a function recurs), package functions by exclusive time, native frames and CUDA calls
-where there are any, in ms a step given the samples a step."""
+"""``bench.dev_native_sample.report`` sums py-spy's raw samples per thread, in ms a step given
+py-spy's rate and the steps sampled: the main thread's samples in the timed steps (a stack
+read without its root frames counted there, unless it is the probe's own attach or stop),
+a thread that ran the unpack hooks named the backward's; per thread the time in package
+frames, Python functions by inclusive time (once per sample however often a function
+recurs), package functions by exclusive time, native frames and CUDA calls."""
 
 from bench.dev_native_sample import report
 
-MAIN = 'thread (0x1) "MainThread"'
+MAIN = "thread (721): MainThread"  # py-spy's labels (--threads)
 STEPS = "_sampled_steps (bench/dev_native_sample.py:30)"
 PACK = "_pack (torch_pagecomp/offload/_hooks.py:420)"
 
@@ -30,42 +31,51 @@ def test_report_sums_by_thread_and_function(tmp_path):
         f"{MAIN};{STEPS};forward (torch/nn/modules/linear.py:134) 2",
         f"{MAIN};{STEPS};launch_entry (triton_kernels/launch.py:203);"
         "cuLaunchKernelEx (libcuda.so.1);0x7f00 (libcuda.so.1) 1",
-        # the main thread outside them (the attach): its own section
-        f"{MAIN};_start_spy (bench/dev_native_sample.py:49) 5",
-        # the backward's thread
-        "thread (0x2);unpack (torch_pagecomp/offload/_backward.py:150);"
+        # read without its root frames: the steps' all the same
+        f"{MAIN};{PACK} 1",
+        # the probe's attach: outside the steps
+        f"{MAIN};run (bench/dev_native_sample.py:90);_start_spy (bench/dev_native_sample.py:49) 5",
+        # the backward's thread, and a thread of the interpreter's own (no Python file: a
+        # library named like one is not Python)
+        "thread (722);unpack (torch_pagecomp/offload/_backward.py:150);"
         "restore (torch_pagecomp/offload/_backward.py:227) 3",
-        "thread (0x2);sleep (threading.py:10) 1",
+        "thread (722);sleep (threading.py:10) 1",
+        "thread (723);worker (libpython3.12.so.1.0) 2",
         "not a sample line",
     ]) + "\n")
-    text = report(str(raw), per_step=2.0)  # 2 samples a step: each sample 0.5 ms a step
+    text = report(str(raw), rate=1000, steps=2)  # each sample: 1 ms over 2 steps, 0.5 a step
     heads = [line for line in text.splitlines() if line.startswith("## thread")]
     assert heads == [
-        "## thread main, in the steps: 3.5; in a package frame 2.5",
-        f"## thread {MAIN}: 2.5; in a package frame 0.0",
-        "## thread thread (0x2), ran the unpack hooks (the backward's): 2.0; in a package "
+        "## thread main, in the steps: 4.0; in a package frame 3.0",
+        f"## thread {MAIN}, outside the steps (the probe's attach and stop): 2.5; in a package "
+        "frame 0.0",
+        "## thread thread (722), ran the unpack hooks (the backward's): 2.0; in a package "
         "frame 1.5",
+        "## thread thread (723): 1.0; in a package frame 0.0",
     ]
     inclusive = _table(text, "main, in the steps", "Python functions, inclusive")
-    assert inclusive["_pack (torch_pagecomp/offload/_hooks.py)"] == 2.0  # 4 samples, not 5
+    assert inclusive["_pack (torch_pagecomp/offload/_hooks.py)"] == 2.5  # 5 samples, not 6
     assert inclusive["forward (torch/nn/modules/linear.py)"] == 1.0
     assert inclusive["_sampled_steps (bench/dev_native_sample.py)"] == 3.5
     exclusive = _table(text, "main, in the steps", "package functions, exclusive (innermost)")
     assert exclusive == {"gpu_memory (torch_pagecomp/offload/_batch.py)": 1.0,
-                         "_pack (torch_pagecomp/offload/_hooks.py)": 1.0,
+                         "_pack (torch_pagecomp/offload/_hooks.py)": 1.5,
                          "launch_entry (triton_kernels/launch.py)": 0.5}
     assert _table(text, "main, in the steps", "CUDA call") == {
         "cuLaunchKernelEx (libcuda.so.1)": 0.5}
     assert _table(text, "main, in the steps", "innermost native frame") == {
         "0x7f00 (libcuda.so.1)": 0.5}
-    backward = _table(text, "thread (0x2)", "package functions, exclusive (innermost)")
+    backward = _table(text, "thread (722)", "package functions, exclusive (innermost)")
     assert backward == {"restore (torch_pagecomp/offload/_backward.py)": 1.5}
+    assert "Python functions" not in text.split("## thread thread (723)")[1]
 
 
 def test_report_in_percent_without_steps(tmp_path):
     raw = tmp_path / "spy.txt"
-    raw.write_text(f"{MAIN};{STEPS};{PACK} 3\n{MAIN};{STEPS};f (x.py:1) 1\n")
+    raw.write_text(f"{MAIN};{STEPS};{PACK} 3\n{MAIN};{STEPS};f (x.py:1) 1\n"
+                   f"{STEPS};{PACK} 4\n")  # a line without a thread label: its own thread
     text = report(str(raw))
     assert "## thread main, in the steps: 100.0; in a package frame 75.0" in text
     assert _table(text, "main, in the steps", "package functions, exclusive (innermost)") == {
         "_pack (torch_pagecomp/offload/_hooks.py)": 75.0}
+    assert "## thread ?: 100.0; in a package frame 100.0" in text
