@@ -533,15 +533,13 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         return (e0.elapsed_time(e1) if cuda else issue), issue, peak
 
     grads = _first_grads(model, forward, blocks, arms, fsdp, make) if rows is not None else {}
-    tuned, own, own_arms = {}, {}, {}
+    tuned, own = {}, {}  # speed arm -> its own steps, each (arm, ms, host buffers made)
     for sa in [a for a in ("speed", "speed_warm2") if a in offs]:  # their trials and check
         sp, tuned[sa], own[sa] = offs[sa], 0, []  # in steps of their own (see the docstring)
-        own_arms[sa] = []
         while _any_rank(tuned[sa] < 34 and (sp.tuner.choice is None or sp.tuner.checking),
                         fsdp):
             ms = step(sa)[0]
-            own[sa].append(f"{sp.tuner.arm[:4]} {ms:.1f} ({sp.host_buffers_made()})")
-            own_arms[sa].append(sp.tuner.arm)
+            own[sa].append((sp.tuner.arm, ms, sp.host_buffers_made()))
             tuned[sa] += 1
     for _ in range(warmup):
         for arm in arms:
@@ -620,9 +618,10 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"(checking: {offs[sa].tuner.checking}); trial ms "
                      f"{t['trial_ms']}; decisions {t['decisions']}")
         lines.append(f"{sa}'s own steps: arm, ms (host buffers and chunks made so far): "
-                     + ", ".join(own[sa]))
+                     + ", ".join(f"{arm[:4]} {ms:.1f} ({made})" for arm, ms, made in own[sa]))
         if fsdp:  # each rank's tuner decides on its own passes' times (none is shared)
-            by_rank[sa] = every_rank((t["choice"], own_arms[sa], offs[sa].tuner.arm))
+            by_rank[sa] = every_rank((t["choice"], [arm for arm, _, _ in own[sa]],
+                                      offs[sa].tuner.arm))
             lines.append(_ranks_line(sa, by_rank[sa]))
     # per timed step, the hooks' own host ms (pack / unpack) and what they did (pack calls,
     # restores, stores...): the first over the second gives the cost of one

@@ -13,6 +13,7 @@ container's seccomp filter), nothing changes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 
@@ -23,7 +24,12 @@ _SYS_MBIND = {"x86_64": 237, "aarch64": 235}  # the mbind system call's number
 _NODE_ROOT = "/sys/devices/system/node"
 _PCI_ROOT = "/sys/bus/pci/devices"
 _NODES: dict[int, int | None] = {}  # device index -> its node (None: leave the policy alone)
-_LIBC: list = []  # the C library, loaded on first use
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library (loaded on first use)."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def gpu_node(index: int) -> int | None:
@@ -55,10 +61,8 @@ def prefer_node(addr: int, nbytes: int, node: int) -> bool:
     mask = (ctypes.c_ulong * words)()
     mask[node // 64] = 1 << (node % 64)
     try:
-        if not _LIBC:
-            _LIBC.append(ctypes.CDLL(None, use_errno=True))
         # mbind(start, len, mode, nodemask, maxnode, flags): the kernel reads maxnode - 1 bits
-        rc = _LIBC[0].syscall(ctypes.c_long(number), ctypes.c_void_p(addr),
+        rc = _libc().syscall(ctypes.c_long(number), ctypes.c_void_p(addr),
                               ctypes.c_ulong(nbytes), ctypes.c_ulong(_MPOL_PREFERRED), mask,
                               ctypes.c_ulong(words * 64 + 1), ctypes.c_ulong(0))
     except (OSError, AttributeError):
