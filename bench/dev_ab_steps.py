@@ -108,9 +108,7 @@ measured at the choice it settled on, beside the other arms on the same host; it
 are printed. ``speed_warm2``: ``speed`` with its tuner's first trials after 2 compressed
 passes, as before session 64, not 8 (its trials and check run in steps of its own too,
 after ``speed``'s; session 64 ran it as ``speed_warm8`` beside the default of then, 2).
-``memory_ratio13``: ``memory`` with ``min_ratio=1.3`` (a class whose samples compress by
-less than 1.3 is copied: a compressed store costs the host several times a plain copy's
-time, session 77). ``speed_copy_only``: ``speed``'s code path copying from its first pass
+``speed_copy_only``: ``speed``'s code path copying from its first pass
 (``bench.stock_models.CopyOnlyTuner``). Arms measured and removed:
 ``memory_hold1``, only the current group held (no faster than two groups on four models, a
 higher GPU peak on encoder-1024, ``bench/results/h200_7683f39_session44``); the arena's spare
@@ -144,7 +142,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
         "memory_lastpeak", "memory_no_wait", "uncompressed_lastsizes", "speed",
-        "speed_copy_only", "speed_warm2", "memory_ratio13")
+        "speed_copy_only", "speed_warm2")
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
@@ -471,8 +469,6 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
             from torch_pagecomp import StepTuner  # default before session 64), not 8
 
             return dict(variant_settings("speed", where), tuner=StepTuner(warmup=2))
-        if arm == "memory_ratio13":  # classes compressing by less than 1.3 are copied
-            return dict(variant_settings("memory", where), min_ratio=1.3)
         variant = ("memory" if arm.startswith("memory_")
                    else "uncompressed" if arm.startswith("uncompressed_") else arm)
         return variant_settings(variant, where)
