@@ -2,7 +2,8 @@
 ``prefer="memory"``, and what each compresses by.
 
 ``python3 -m bench.dev_class_mix --models encoder-1024,bert-1024`` (GPU) runs a model's SGD
-step (``bench.dev_hook_timing.training_step``) under ``prefer="memory"`` and counts, per
+step (``bench.dev_hook_timing.training_step``) under ``prefer="memory"`` (``--variants``: a
+compressing variant's hooks) and counts, per
 ``(dtype, shape)`` class the hooks decide for (``ClassPolicy.choose``), the saved tensors a
 step, their MiB a step, the class's sampled ratio with each candidate codec and whether it
 compresses. The last lines say what share of the offloaded bytes compresses by less than 1.2
@@ -16,17 +17,17 @@ higher ``min_ratio`` would change nothing there; an arm that copied classes belo
 
 from __future__ import annotations
 
-import argparse
 import collections
 
 
-def class_mix(name: str, warmup: int, steps: int) -> str:
-    """The table of :mod:`this probe <bench.dev_class_mix>` for stock model ``name``."""
+def class_mix(name: str, warmup: int, steps: int, variant: str = "memory") -> str:
+    """The table of :mod:`this probe <bench.dev_class_mix>` for stock model ``name`` under
+    ``variant``'s hooks (a compressing one: ``memory``, ``speed``)."""
     import torch
 
     from bench.dev_hook_timing import training_step
 
-    step, off = training_step(name, "memory")
+    step, off = training_step(name, variant)
     counts: collections.Counter = collections.Counter()
     choose = off.policy.choose
 
@@ -43,9 +44,9 @@ def class_mix(name: str, warmup: int, steps: int) -> str:
             step()
         torch.cuda.synchronize()
     finally:
-        off.policy.choose = choose
+        vars(off.policy).pop("choose", None)  # the class's own method again
     policy = off.policy
-    lines = [f"## {name} memory: classes offloaded a step ({steps} steps after {warmup})",
+    lines = [f"## {name} {variant}: classes offloaded a step ({steps} steps after {warmup})",
              "| class | tensors / step | MiB / step | ratio (by codec) | compresses |",
              "|---|---|---|---|---|"]
     total = 0.0
@@ -80,13 +81,14 @@ def _mib(key: tuple) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="encoder-1024,bert-1024")
-    ap.add_argument("--warmup", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=3)
+    from bench.dev_hook_timing import stock_parser
+
+    ap = stock_parser("memory")
+    ap.set_defaults(models="encoder-1024,bert-1024", warmup=6, steps=3)
     a = ap.parse_args()
     for name in a.models.split(","):
-        print(class_mix(name, a.warmup, a.steps), flush=True)
+        for variant in a.variants.split(","):
+            print(class_mix(name, a.warmup, a.steps, variant), flush=True)
 
 
 if __name__ == "__main__":
