@@ -694,9 +694,10 @@ VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed")  # arms wi
 
 
 def slack_line(res: dict, done: dict) -> str | None:
-    """The line that tells whether compressing can pay on this step (session 74, twelve
-    models: where the plain copy's host slack was 1.5 times an arm's extra host time in the
-    hooks or more, it beat the plain copy; 1.1 times or less, it lost): the plain copy's
+    """The line that hints whether compressing can pay on this step (session 74, twelve models:
+    where the plain copy's host slack was 1.5 times an arm's extra host time in the hooks or
+    more, it beat the plain copy; 1.1 times or less, it lost. A rule of thumb only: in session
+    77 ViT-B/16 at 1.5 times ran 1.08x, ``bench/results/h200_session77``): the plain copy's
     step less its host issue time (medians), and each other offloading arm's hooks' host ms a
     step over the plain copy's. None without an ``uncompressed`` arm. ``res``: arm -> (steps
     ms, host issue ms, ...); ``done``: arm -> (hooks' host ms a step by hook, counters)."""

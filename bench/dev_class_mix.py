@@ -3,13 +3,14 @@
 
 ``python3 -m bench.dev_class_mix --models encoder-1024,bert-1024`` (GPU) runs a model's SGD
 step (``bench.dev_hook_timing.training_step``) under ``prefer="memory"`` (``--variants``: a
-compressing variant's hooks) and counts, per
-``(dtype, shape)`` class the hooks decide for (``ClassPolicy.choose``), the saved tensors a
-step, their MiB a step, the class's sampled ratio with each candidate codec and whether it
-compresses. The last lines say what share of the offloaded bytes compresses by less than 1.2
-and 1.3: with a compressed store costing the host several times a plain copy's time
+compressing variant's hooks) and counts, per ``(dtype, shape)`` class the hooks decide for
+(``ClassPolicy.choose``), the saved tensors a step and their MiB a step (the bytes offered:
+those then held on the GPU and read in place count too, so the stock bench's
+``offloaded_bytes`` is smaller), the class's sampled ratio with each candidate codec and
+whether it compresses. The last lines say what share of the offloaded bytes compresses by less
+than 1.2 and 1.3: with a compressed store costing the host several times a plain copy's time
 (``bench/results/h200_session76``), a class that saves few bytes may cost more step time than
-the link time it saves. On five stock models on one H200 every stored class compressed by
+the link time it saves. On five stock models on one H200 every sampled bf16 class compressed by
 1.40-1.44 with the exponent codec, none below 1.3 (``bench/results/h200_session77``), so a
 higher ``min_ratio`` would change nothing there; an arm that copied classes below 1.3
 (``dev_ab_steps``, session 77) was removed unrun.
