@@ -94,10 +94,9 @@ never resets it holds what fits under the highest step so far (session 62, one H
 ``memory_late``: a compressed source leaves the stash in a forward once its pages are in
 host memory (packed), as before session 60, not once they are compressed
 (``_entry._Entry.source_read``).
-``uncompressed_shrink1``: ``uncompressed`` with its pinned buffers kept for the last
-step's busiest moment only, as before session 59 (``pools.SizePool.shrink``);
-``uncompressed_lastsizes``: ``uncompressed`` with a size the last step did not ask for let
-go at once, as before session 74 (``pools.SizePool._keeps``).
+(``uncompressed_shrink1`` and ``uncompressed_lastsizes``, the plain copies' exact-size pool
+with its shrink rules before sessions 59 and 74, went with that pool: since session 78 the
+copies are carved from page-locked chunks, ``offload._copy_arena``.)
 ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
@@ -139,9 +138,9 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_alloc", "memory_whole", "memory_views",
         "uncompressed_nohold", "memory_nohold", "memory_wait", "memory_lazy", "memory_nowait",
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
-        "memory_join", "uncompressed_shrink1", "memory_late", "memory_slots1",
+        "memory_join", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "memory_lastpeak", "memory_no_wait", "uncompressed_lastsizes", "speed",
+        "memory_lastpeak", "memory_no_wait", "speed",
         "speed_copy_only", "speed_warm2")
 
 
@@ -169,7 +168,6 @@ PATCHES = {
     "memory_nobacklog": (("torch_pagecomp.offload._paged", "BACKLOG_BYTES", 1 << 62),),
     # the plain copies' pinned buffers kept for the last step's busiest moment only (before
     # session 59), not the last SHRINK_STEPS steps'
-    "uncompressed_shrink1": (("torch_pagecomp.pools", "SHRINK_STEPS", 1),),
 }
 
 
@@ -192,13 +190,6 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm.endswith("_nohold"):  # nothing held: every storage stored once its batch closes,
         # as before the window
         return [(Batcher, "window", property(lambda self: 0))]
-    if arm == "uncompressed_lastsizes":  # the plain copies' pool before session 74: a size
-        # the last step did not ask for let go at once (SizePool._keeps)
-        from torch_pagecomp.pools import SizePool
-
-        return [(SizePool, "_keeps", lambda self, counted, budget: {
-            size: max(p[size] for p in counted) if self._peak[size] else 0
-            for size in self._free})]
     if arm == "memory_nowait":  # the arena pins a chunk rather than wait for a pack
         return [(VirtualArena, "_room", VirtualArena._unbacked)]
     if arm.endswith("_eager"):  # a due store starts once the link has room, whatever the

@@ -1264,19 +1264,20 @@ def test_gpu_last_groups_stay_on_the_gpu_for_the_backward(seed, mode, prefetch):
 
 
 @needs_cuda
-def test_gpu_pinned_copies_of_a_size_no_longer_saved_are_let_go(seed):
-    """Uncompressed copies live in exact-size pinned buffers: a step that saves other sizes
-    (a new sequence length) lets the old ones go at the end of its backward instead of
-    holding them for the offloader's life."""
-    from torch_pagecomp.pools import HOST_PAGE, round_up
-
+def test_gpu_pinned_copies_of_sizes_that_change_every_step_pin_nothing_new(seed):
+    """Uncompressed copies are carved at their sizes from page-locked chunks: steps that
+    save another size each (a new sequence length) reuse the chunk the first pinned, and the
+    copies come back bit-exact."""
     off = gpu_offloader("uncompressed", min_offload_bytes=0, prefetch=0)  # every step copies
-    for n in (1 << 20, 1 << 20, 3 << 19):  # the last step saves another size
+    for n in (1 << 20, 3 << 19, (1 << 20) + 4096, 5 << 18, 1 << 20):
         x = torch.randn(n, device="cuda", requires_grad=True)
         with off:
             y = torch.sin(x * 3.0).sum()  # saves x * 3 (n floats)
-        torch.cuda.synchronize()  # the copies are done: their buffers may go
         y.backward()
+        ref = x.detach().clone().requires_grad_()
+        torch.sin(ref * 3.0).sum().backward()  # the same step without offload
+        assert torch.equal(x.grad, ref.grad)
+        assert off.pool.misses == 1 and off.pool.drops == 0, off.pool.stats()
     torch.cuda.synchronize()
-    assert off.pool.held_bytes == round_up(4 * (3 << 19), HOST_PAGE), off.pool.stats()
+    assert off.pool.in_use_bytes == 0
     assert_clean(off)

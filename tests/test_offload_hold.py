@@ -1124,21 +1124,3 @@ def test_the_ab_probe_prints_why_stores_were_put_off():
     assert line.endswith("memory 29.5 / 7.8 / 0.0 (members put off 97.2)"), line
     assert "uncompressed" not in line
     assert refused_line({"uncompressed": done["uncompressed"]}) is None
-
-
-def test_the_ab_probe_lastsizes_arm_lets_a_skipped_size_go_as_before():
-    """``uncompressed_lastsizes`` runs the plain copies' pool with the rule before session 74
-    (a size the last step did not ask for let go at once) and puts the package's back."""
-    from bench.dev_ab_steps import _arm_patch
-    from tests.test_pipeline import _pool_step as step
-    from torch_pagecomp.pools import HOST_PAGE, PinnedBufferPool, SizePool
-
-    real = SizePool._keeps
-    a, b = 6 * HOST_PAGE, 7 * HOST_PAGE
-    pool = PinnedBufferPool(pin=False)
-    step(pool, [a, b])
-    with _arm_patch("uncompressed_lastsizes"):
-        assert step(pool, [a]) == b  # b skipped one step: let go at once
-    assert SizePool._keeps is real
-    step(pool, [a, b])
-    assert step(pool, [a]) == 0  # the package's rule keeps it

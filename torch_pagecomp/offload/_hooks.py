@@ -11,7 +11,7 @@ offsets, so gradients are bit-identical):
   no host sync): compressed pages written by kernels straight into page-locked host memory
   (``_paged``), or (``mode="uncompressed"``, or a ``(dtype, shape)`` class whose
   sampled ratio is below ``min_ratio``, or a pass where ``prefer="speed"``'s step tuner found
-  copying faster: ``_tune``) a copy into exact-size pooled pinned memory on a side
+  copying faster: ``_tune``) a copy into page-locked memory carved at its size on a side
   stream. With prefetching, a storage is held where it is until its group leaves the last
   ``prefetch + 1`` groups (``_batch``): the backward's first prefetch would bring those back at
   once, so it reads them in place and their bytes never cross the link; a compressed store
@@ -54,9 +54,10 @@ import torch
 from .._args import check_flag, check_int, check_number
 from .._events import handoff
 from ..format import DTYPE_FLOAT_FORMATS, check_page_size, dtype_element_size
-from ..pools import PinnedBufferPool, can_pin
+from ..pools import can_pin
 from ._backward import Backward
 from ._batch import Batcher
+from ._copy_arena import PinnedCopyArena
 from ._entry import (
     _capturing,
     _Entry,
@@ -119,12 +120,13 @@ class ActivationOffloader:
         offload_cpu: also offload CPU tensors (compressed pages of ``codec``'s choice, packed
             on the CPU, when compressed; else a copy); by default CPU tensors are kept.
         keep_param_casts: keep autocast copies of parameters (``ToCopy`` of a leaf) in place.
-        page_size: bytes per compressed page; max_pinned_bytes: bound on the pinned pool of
+        page_size: bytes per compressed page; max_pinned_bytes: bound on the page-locked memory of
             uncompressed copies (past it a tensor stays on the GPU).
         prefer: ``"speed"``: compress only where it shortens the step. Passes are timed
             (``_tune.StepTuner``: after eight warm-up passes, two passes each compressed
             and copied, again after ``tuner.retune`` passes, twice as long each time the
-            choice holds, up to 16x, and at once on a new workload) and the faster way is kept
+            choice holds, up to 16x, and on a new workload that lasts eight passes; a
+            pass of another size is timed at the trials' bytes) and the faster way is kept
             (checked against the steps it gives: a choice whose own steps lose to the
             other way's trials, or come within 20% of them, has the other way's steps timed
             too, and the faster steps decide).
@@ -197,8 +199,9 @@ class ActivationOffloader:
         self.group_bytes, self.offload_cpu = group_bytes, offload_cpu
         self.keep_param_casts, self.page_size = keep_param_casts, page_size
         self.policy = ClassPolicy(sample_tensors, min_ratio)
-        # page-aligned memory registered at exact sizes (no power-of-two rounding)
-        self.pool = PinnedBufferPool(pin=can_pin(), max_bytes=max_pinned_bytes)
+        # page-locked memory carved at exact sizes (no power-of-two rounding), any size from
+        # the chunks already pinned (``_copy_arena``)
+        self.pool = PinnedCopyArena(pin=can_pin(), max_bytes=max_pinned_bytes)
         self._pinned = PinnedStore(self.pool)
         self._cpu = CpuStore(compress=False)
         self.checksum = checksum

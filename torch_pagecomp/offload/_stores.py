@@ -2,8 +2,9 @@
 
 Every store turns the bytes of one storage (``uint8 [n]``) into a *stored* object and back:
 
-* :class:`PinnedStore`: a plain copy into an exact-size pinned host buffer (pooled), issued on
-  the caller's current stream (the offloader runs it on its side stream).
+* :class:`PinnedStore`: a plain copy into page-locked host memory carved at its exact size
+  (``_copy_arena``), issued on the caller's current stream (the offloader runs it on its side
+  stream).
 * ``_paged.PagedStore``: compressed pages written by kernels into host memory (host
   bytes shrink with the ratio).
 * :class:`CpuStore`: CPU tensors when there is no GPU: compressed by the CPU codecs, or copied.
@@ -20,17 +21,17 @@ from .. import cpu_codec
 from .._events import mark
 from .._ops import compress_cpu_direct
 from ..format import CompressedPages
-from ..pools import HostMemory, PinnedBufferPool
+from ._copy_arena import CopyBlock, PinnedCopyArena
 from ._streams import current_stream
 
 
 # --------------------------------------------------------------------------------- stores
 class RawStored:
-    """A storage copied into a pinned buffer; ``event`` marks the end of the copy."""
+    """A storage copied into page-locked memory; ``event`` marks the end of the copy."""
 
     kind = "raw"
 
-    def __init__(self, buf: HostMemory, event: torch.cuda.Event | None):
+    def __init__(self, buf: CopyBlock, event: torch.cuda.Event | None):
         self.buf = buf
         self.event = event
 
@@ -50,20 +51,18 @@ class RawStored:
 
 
 class PinnedStore:
-    """Uncompressed offload: copy into pooled pinned memory on the current stream."""
+    """Uncompressed offload: copy into the arena's page-locked memory on the current stream."""
 
     kind = "raw"
 
-    def __init__(self, pool: PinnedBufferPool):
+    def __init__(self, pool: PinnedCopyArena):
         self.pool = pool
 
     def offload(self, src: torch.Tensor, element_size: int) -> RawStored | None:
-        buf = self.pool.get(src.numel())
+        stream = current_stream(src.device)
+        buf = self.pool.get(src.numel(), stream)  # (the stream waits for its bytes' last use)
         if buf is None:
             return None
-        stream = current_stream(src.device)
-        if buf.last_use is not None:
-            stream.wait_event(buf.last_use)
         buf.tensor.copy_(src, non_blocking=True)
         ev = mark(stream)
         buf.last_use = ev

@@ -30,9 +30,18 @@ read once completed, never waited for), or the host clock without CUDA:
    own arm, as every settled pass does;
 3. once they are measured, the faster arm is kept for ``retune`` passes; ``"copy"`` only if
    it is faster by more than ``margin`` (on a tie compression still saves host memory). Then
-   the trials run again, and at once when a pass takes a different amount to offload (by
-   more than a quarter) than the trials did: a new sequence length or model (the bytes taken,
-   not those stored, which differ by arm). Each periodic retune that keeps the choice doubles
+   the trials run again, and at once when the passes take a different amount to offload than
+   the trials did: a new sequence length or model (the bytes taken, not those stored, which
+   differ by arm). A pass's time is set against the others' at the trials' workload: scaled
+   by the trials' bytes over its own. A training loop with dynamic padding (each batch padded
+   to its longest sequence) offloads another amount every pass: the trials started again
+   whenever one pass took a quarter more or less than the first trial pass, so they never
+   ended, the passes alternated between the arms for good, and a copied trial at a shorter
+   length could win the decision (``bench.dev_varlen``, ``bench/results/h200_session78``).
+   So the workload counts as new only when each of the last ``RECENT`` passes took more than
+   ``DRIFT`` times the trial passes' median bytes, or each less than its inverse: a new
+   length that stays, after ``RECENT`` passes. Each periodic retune that keeps the choice
+   doubles
    the wait for the next, up to ``RETUNE_GROWTH`` times ``retune``; a changed choice or a new
    workload starts again from ``retune``. A retune is not free: the way not chosen gave its
    idle memory back (item 4), so its trials pin it again and the check releases it again. At
@@ -91,6 +100,14 @@ RETUNE_GROWTH = 16  # the longest wait between periodic retunes, in ``retune``s 
 # against 249 ms copied steps, and the tuner kept compressing on a settled median close to
 # 288, 1.14x a plain copy's step (``bench/results/h200_session64``)
 CLOSE = 0.2
+# a new workload (item 3): each of the last RECENT passes' bytes past DRIFT times the trial
+# passes' median, or each below its 1 / DRIFT. With lengths drawn each pass from [seq / 4,
+# seq], a median of 8 passes moved by up to 2x from one window to another (a rule on the
+# last passes' median started the trials again in 3-5% of simulated runs); each of 8 passes
+# past 1.5x that median is a chance of about 1e-9 there, and certain for a new length that
+# stays
+RECENT = 8
+DRIFT = 1.5
 
 
 def pass_mark() -> float | torch.cuda.Event:
@@ -153,6 +170,8 @@ class StepTuner:
         self._bytes = 0  # offloaded by the pass in progress
         self._closed: collections.deque = collections.deque()  # passes awaiting their time
         self._trial_bytes: int | None = None  # bytes per pass the trials saw
+        self._recent: collections.deque = collections.deque(maxlen=RECENT)  # passes' bytes
+        self._usual: float | None = None  # the trial passes' median bytes (once decided)
         self._phase = "warmup" if warmup else "trial"
         if not warmup:
             self._begin_trials()
@@ -210,13 +229,16 @@ class StepTuner:
             self._closed.popleft()
             if gen != self._gen or ms < 0:
                 continue
-            ref = self._trial_bytes
-            if ref is not None and abs(nbytes - ref) * 4 > ref:
+            self._recent.append(nbytes)
+            if self._new_workload():
                 self._begin_trials()  # a different workload: measure again
                 continue
+            ref = self._trial_bytes
+            if ref is None and trial:
+                ref = self._trial_bytes = nbytes
+            if ref is not None:
+                ms *= ref / nbytes  # at the trials' workload (see item 3)
             if trial:
-                if ref is None:
-                    self._trial_bytes = nbytes
                 self.times[arm].append(ms)
                 if sum(map(len, self.times.values())) == 2 * self.trials:
                     self._decide()
@@ -225,6 +247,15 @@ class StepTuner:
                 if len(self._settled_ms) > self.check:
                     self._check_settled()
 
+    def _new_workload(self) -> bool:
+        """Whether each of the last ``RECENT`` passes took more than ``DRIFT`` times the
+        trial passes' median bytes, or each less than its inverse (see item 3 of the module
+        docstring)."""
+        usual, recent = self._usual, self._recent
+        if usual is None or len(recent) < RECENT:
+            return False
+        return min(recent) > usual * DRIFT or max(recent) < usual / DRIFT
+
     def _begin_trials(self, kept: str | None = None) -> None:
         """Time both arms again (``kept``: the choice a periodic retune starts from)."""
         self._phase, self._gen, self._settled = "trial", self._gen + 1, 0
@@ -232,7 +263,8 @@ class StepTuner:
         pairs = [(arm, timed) for arm in ("copy", "compress") for timed in (False, True)]
         self._schedule = pairs * self.trials
         self.times = {a: [] for a in ARMS}
-        self._trial_bytes = None
+        self._trial_bytes = self._usual = None
+        self._recent.clear()
         self._settled_ms, self._checked, self._rival = [], True, None
         self._regrown, self._kept = 0, kept
 
@@ -245,6 +277,7 @@ class StepTuner:
         return "copy" if faster else "compress"
 
     def _decide(self) -> None:
+        self._usual = statistics.median(self._recent)
         best = self._trial_best()
         self.choice = self._choose(best)
         self._phase, self._settled, self._skipped = "settled", 0, 0

@@ -1,0 +1,230 @@
+"""Page-locked host memory for the hooks' plain copies: blocks carved at exact sizes out of
+chunks kept from step to step, whatever sizes the steps save.
+
+A plain copy needs page-locked memory of its storage's size. Buffers pooled by exact size
+(``pools.PinnedBufferPool``, the hooks' pool until session 78) serve only a storage of that same
+size. A training loop whose batches change shape (dynamic padding: each batch padded to its
+longest sequence, as transformers' collators and torchtune without packing do) saves other
+sizes every step: each step pinned new buffers and the pool's shrink unpinned the old ones,
+and pinning costs milliseconds per MiB (``cudaHostRegister``) while unpinning waits for the
+whole device. On one H200 with a new length each step, plain copies ran encoder-1024's step in
+698 ms against 49 ms at one length, pinning and unpinning 45 buffers a step; GPT-2 and
+BERT-large 1,508 and 1,116 ms (``bench/results/h200_session78``, ``bench.dev_varlen``).
+Here any size is carved from the chunks already pinned, so after the first steps a step pins
+nothing, as the compressed store's arena (``_arena``) does.
+
+* **Blocks**: ``round_up(n, ALIGN)`` bytes, from the chunk whose largest free range is the
+  smallest that holds them (then its first range that does): small storages fill the chunks
+  already in use, and a chunk left empty stays whole for a storage as large as it (the
+  feed-forward activations of encoder-1024 are one 64 MiB chunk each; taken from the chunk
+  that served the last block, a step of random lengths scattered small blocks over the empty
+  chunks and a later step pinned one more). A chunk is ``CHUNK_BYTES``, or a storage's size
+  rounded up to a multiple of it.
+* **Reuse waits for the GPU**: a freed block may still be read by a restore's copy (or written
+  by its offload's, if the graph was dropped at once). Its last use (``last_use``, an event)
+  is kept with its chunk while not complete, and the next block carved from that chunk has its
+  copy's stream wait for it (a GPU-side wait).
+* **Shrink** (once a step, at the end of a backward): chunks holding no block are unpinned
+  beyond the most chunk bytes in use at once in the busiest of the last ``SHRINK_STEPS``
+  steps, plus a headroom of ``HEADROOM_CHUNKS`` chunks (how blocks of changing sizes fall
+  into the chunks moves from step to step: a step may need a chunk more than the busiest
+  did). Every step of the window counts: with lengths that change each step the long steps
+  come back, and letting their chunks go pinned them again a few steps later (the
+  compressed arena, which does not count a step far above the window's usual one, pinned 0.8-
+  2.2 chunks a step so on the same runs).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from ..pools import ALIGN, HOST_PAGE, SHRINK_STEPS, HostMemory, round_up
+
+CHUNK_BYTES = 64 << 20
+HEADROOM_CHUNKS = 2  # kept pinned beyond the busiest step's chunks (see the module docstring)
+
+
+class CopyBlock:
+    """``nbytes`` of a chunk at ``offset`` (``size`` bytes reserved): ``tensor`` is its
+    ``uint8 [nbytes]`` view; ``last_use`` the event after the GPU's last use (set by the
+    store)."""
+
+    __slots__ = ("chunk", "offset", "size", "nbytes", "tensor", "last_use")
+
+    def __init__(self, chunk: _Chunk, offset: int, size: int, nbytes: int):
+        self.chunk, self.offset, self.size, self.nbytes = chunk, offset, size, nbytes
+        self.tensor = chunk.mem.tensor[offset:offset + nbytes]
+        self.last_use: torch.cuda.Event | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """The host bytes this block takes (its reserved size)."""
+        return self.size
+
+
+class _Chunk:
+    __slots__ = ("mem", "starts", "sizes", "largest", "blocks", "waits")
+
+    def __init__(self, mem: HostMemory):
+        self.mem = mem
+        # free ranges, sorted by start (two lists: ``bisect`` on the starts), and the largest
+        self.starts, self.sizes = [0], [mem.nbytes]
+        self.largest = mem.nbytes
+        self.blocks = 0  # blocks carved and not freed
+        self.waits: list[torch.cuda.Event] = []  # freed blocks' last uses not done then
+
+    def carve(self, size: int) -> int:
+        """The offset of ``size`` bytes taken from the first free range that holds them (the
+        caller saw ``largest`` hold them)."""
+        i = next(i for i, room in enumerate(self.sizes) if room >= size)
+        at, room = self.starts[i], self.sizes[i]
+        if room == size:
+            del self.starts[i], self.sizes[i]
+        else:
+            self.starts[i], self.sizes[i] = at + size, room - size
+        if room == self.largest:
+            self.largest = max(self.sizes, default=0)
+        self.blocks += 1
+        return at
+
+    def give_back(self, at: int, size: int) -> None:
+        """Return ``size`` bytes at ``at`` to the free ranges, merged with their neighbours."""
+        starts, sizes = self.starts, self.sizes
+        i = bisect.bisect(starts, at)
+        if i and starts[i - 1] + sizes[i - 1] == at:  # joins the range before
+            i -= 1
+            sizes[i] += size
+        else:
+            starts.insert(i, at)
+            sizes.insert(i, size)
+        if i + 1 < len(starts) and starts[i] + sizes[i] == starts[i + 1]:  # and the one after
+            sizes[i] += sizes.pop(i + 1)
+            del starts[i + 1]
+        self.largest = max(self.largest, sizes[i])
+        self.blocks -= 1
+
+
+class PinnedCopyArena:
+    """The hooks' page-locked memory for plain copies (see the module docstring).
+
+    ``get(n, stream)`` carves a block (pinning a chunk where none has room; None where that
+    would pass ``max_bytes``) and makes ``stream`` wait for the GPU's last use of its bytes;
+    ``put`` frees it. ``held_bytes`` (pinned), ``in_use_bytes`` (carved), ``misses`` /
+    ``drops`` (chunks pinned / unpinned so far) as ``pools.PinnedBufferPool`` counts them.
+    Called under the offloader's lock."""
+
+    def __init__(self, pin: bool, max_bytes: int | None = None, chunk_bytes: int = CHUNK_BYTES):
+        self.pin, self.max_bytes = pin, max_bytes
+        self.chunk_bytes = round_up(chunk_bytes, HOST_PAGE)
+        self.chunks: list[_Chunk] = []
+        self.held_bytes = self.in_use_bytes = 0
+        self.hits = self.misses = self.drops = 0
+        self._busy = 0  # bytes of the chunks holding a block now, and its peak this step
+        self._peak = 0
+        self._taken = False  # a block carved since the last shrink
+        self._window: list[int] = []  # each of the last SHRINK_STEPS steps' peak
+
+    def get(self, nbytes: int, stream: torch.cuda.Stream | None) -> CopyBlock | None:
+        size = round_up(max(int(nbytes), 1), ALIGN)
+        best = None
+        for chunk in self.chunks:
+            room = chunk.largest
+            if room >= size and (best is None or room < best.largest):
+                best = chunk
+                if room == size:
+                    break
+        if best is not None:
+            self.hits += 1
+        else:
+            best = self._new_chunk(size)
+            if best is None:
+                return None
+            self.chunks.append(best)
+            self.misses += 1
+        return self._block(best, best.carve(size), size, nbytes, stream)
+
+    def _new_chunk(self, size: int) -> _Chunk | None:
+        """A new chunk for a block of ``size`` bytes (its size rounded up to whole chunks,
+        or less under ``max_bytes``); None where ``max_bytes`` has no room for one."""
+        want = round_up(size, self.chunk_bytes)
+        if self.max_bytes is not None:
+            room = self.max_bytes - self.held_bytes
+            if room < round_up(size, HOST_PAGE):
+                self._drop_idle(round_up(size, HOST_PAGE) - room)
+                room = self.max_bytes - self.held_bytes
+                if room < round_up(size, HOST_PAGE):
+                    return None
+            want = max(round_up(size, HOST_PAGE), min(want, room // HOST_PAGE * HOST_PAGE))
+        chunk = _Chunk(HostMemory(want, self.pin))
+        self.held_bytes += chunk.mem.held_bytes
+        return chunk
+
+    def _block(self, chunk: _Chunk, at: int, size: int, nbytes: int, stream) -> CopyBlock:
+        if chunk.blocks == 1:  # it held none: in use from now on
+            self._busy += chunk.mem.held_bytes
+            self._peak = max(self._peak, self._busy)
+        self._taken = True
+        self.in_use_bytes += size
+        if chunk.waits:
+            chunk.waits = [e for e in chunk.waits if not e.query()]
+            if stream is not None:
+                for event in chunk.waits:
+                    stream.wait_event(event)
+        return CopyBlock(chunk, at, size, nbytes)
+
+    def put(self, block: CopyBlock) -> None:
+        chunk = block.chunk
+        event = block.last_use
+        if event is not None and not event.query():  # the GPU may still read or write it
+            chunk.waits.append(event)
+        block.last_use = None
+        chunk.give_back(block.offset, block.size)
+        self.in_use_bytes -= block.size
+        if chunk.blocks == 0:
+            self._busy -= chunk.mem.held_bytes
+
+    def shrink(self) -> int:
+        """Once a step: unpin idle chunks beyond the most the busiest of the last
+        ``SHRINK_STEPS`` steps had in use at once and the headroom; returns the bytes
+        unpinned. Nothing
+        without a block carved since the last call (a compressed pass of ``prefer="speed"``
+        leaves the chunks for the next copied one)."""
+        if not self._taken:
+            return 0
+        self._taken = False
+        self._window = [*self._window, self._peak][-SHRINK_STEPS:]
+        self._peak = self._busy
+        keep = max(self._window) + HEADROOM_CHUNKS * self.chunk_bytes
+        return self._drop_idle(self.held_bytes - keep)
+
+    def _drop_idle(self, excess: int) -> int:
+        """Unpin chunks that hold no block, the last made first, until ``excess`` bytes are
+        unpinned (or none is left); returns the bytes unpinned."""
+        freed = 0
+        for chunk in reversed(list(self.chunks)):
+            if freed >= excess:
+                break
+            if chunk.blocks == 0:
+                freed += self._unpin(chunk)
+        return freed
+
+    def _unpin(self, chunk: _Chunk) -> int:
+        for event in chunk.waits:  # a restore may still read it
+            event.synchronize()
+        self.chunks.remove(chunk)
+        chunk.mem.release()
+        self.held_bytes -= chunk.mem.held_bytes
+        self.drops += 1
+        return chunk.mem.held_bytes
+
+    def clear(self) -> None:
+        """Unpin every chunk that holds no block (those that do stay counted)."""
+        for chunk in [c for c in self.chunks if c.blocks == 0]:
+            self._unpin(chunk)
+
+    def stats(self) -> dict:
+        return {"held_bytes": self.held_bytes, "in_use_bytes": self.in_use_bytes,
+                "chunks": len(self.chunks), "hits": self.hits, "misses": self.misses,
+                "drops": self.drops}
