@@ -138,20 +138,20 @@ def test_shrink_keeps_the_busiest_step_of_the_window_and_unpins_an_idle_chunk_sa
 
     rng = random.Random(0)
     a = arena()
-    big = 3 + HEADROOM_CHUNKS
-    step(a, [CHUNK] * (big + 2), rng)  # two chunks more than the window will keep
-    assert len(a.chunks) == big + 2 and a.drops == 2 - 2  # (nothing yet: it is the busiest)
-    step(a, [CHUNK] * 3, rng)
-    for _ in range(SHRINK_STEPS - 2):  # the big step still in the window
+    step(a, [CHUNK] * 4, rng)  # two steps of four chunks: not a lone spike, both counted
+    step(a, [CHUNK] * 4, rng)
+    for _ in range(SHRINK_STEPS - 2):
         step(a, [CHUNK], rng)
-        assert len(a.chunks) == big + 2
+        assert len(a.chunks) == 4 and a.drops == 0, a.stats()
     b = a.get(HOST_PAGE, None)  # a step whose one block the GPU still reads when freed
     b.last_use = FakeEvent()
     a.put(b)
     waited = b.chunk.waits[0]
-    a.shrink()  # the big step left the window: down to 3 chunks and the headroom
-    assert len(a.chunks) == big and a.drops == 2
+    a.shrink()  # one big step left the window, the other is a lone spike now
+    assert len(a.chunks) == 1 + HEADROOM_CHUNKS and a.drops == 1
     assert waited.synced or b.chunk in a.chunks  # unpinned only after its last use
+    step(a, [CHUNK] * 6, rng)  # a lone spike: its extra goes at its own shrink
+    assert len(a.chunks) == 1 + HEADROOM_CHUNKS and a.misses == 4 + 3
     made = a.misses
     assert a.shrink() == 0 and a.misses == made  # nothing carved since: nothing changes
 

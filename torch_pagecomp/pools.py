@@ -33,9 +33,9 @@ ALIGN = 256  # arena allocation granularity (DMA-friendly, keeps int64 views ali
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 
-# Once a step, the pools of the activation hooks let go of what they no longer need: the
-# plain copies' pinned buffers (``SizePool.shrink``) and the compressed store's chunks
-# (``offload._arena.VirtualArena.shrink``). Both keep what the busiest of the last
+# Once a step, the pools let go of what they no longer need: the activation hooks' page-locked
+# chunks (``offload._copy_arena``, ``offload._arena.VirtualArena.shrink``) and the exact-size
+# buffers of the other pools (``SizePool.shrink``). Each keeps what the busiest of the last
 # SHRINK_STEPS steps needed: pinning costs tens of milliseconds a buffer and unpinning waits
 # for the whole device, and what a step needs moves with timing (bench/results/
 # h200x2_91fcaaa_session49 for the arena; h200_8198fbc_session59 for the pinned buffers).
@@ -50,6 +50,28 @@ def usual_steps(needs: list[int]) -> list[int]:
     usual steps are most of the window."""
     usual = sorted(needs)[len(needs) // 2]
     return [i for i, need in enumerate(needs) if need <= OUTLIER * usual]
+
+
+SPIKE = 1.5  # a lone step needing over this times every other step of a window: not counted
+
+
+def spike_free(needs: list[int]) -> list[int]:
+    """The indices of the steps of a shrink window that count for the activation hooks'
+    page-locked chunks (``offload._arena``, ``offload._copy_arena``): every step but a lone
+    spike, one needing over ``SPIKE`` times the most any other step of the window needed (a
+    first step, a gradient check whose SDPA math kernel saves the attention matrix: 1.9x
+    GPT-2's usual step under FSDP2, ``bench/results/h200x2_91fcaaa_session49``), whose extra
+    goes at the next shrink. Steps whose sizes change from one to the next (dynamic padding:
+    a new sequence length each step) all count: :func:`usual_steps`, which leaves out every
+    step over ``OUTLIER`` times the window's upper median, let the longest steps' chunks go and
+    pinned them again a few steps later (0.3-2.5 chunks a step on encoder-1024, GPT-2 and
+    BERT-large with lengths drawn from [seq / 4, seq], ``bench/results/h200_session78``)."""
+    if len(needs) < 2:
+        return list(range(len(needs)))
+    top = max(range(len(needs)), key=needs.__getitem__)
+    if needs[top] > SPIKE * max(n for i, n in enumerate(needs) if i != top):
+        return [i for i in range(len(needs)) if i != top]
+    return list(range(len(needs)))
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -30,7 +30,7 @@ import time
 import torch
 
 from .._events import mark
-from ..pools import SHRINK_STEPS, HostMemory, can_pin, usual_steps
+from ..pools import SHRINK_STEPS, HostMemory, can_pin, spike_free
 from ._copies import copy_to_host, host_bytes
 
 # a 64 MiB slice (``_paged.SLICE_BYTES``) and its metadata's worst case (416 KiB for 4 KiB
@@ -624,13 +624,13 @@ class VirtualArena:
     def shrink(self) -> None:
         """Once a step (the end of a backward): keep the chunks that the busiest moment of the
         last ``SHRINK_STEPS`` steps needed, plus a headroom (1/16 of them, at least 2); unpin
-        the rest. Steps of that window that needed more than ``pools.OUTLIER`` times the window's
-        usual step (its upper median) are not counted: a first step or a gradient check
-        (SDPA's math kernel saves the attention matrix) that saved more lets its extra chunks
-        go once the usual steps are most of the window (two steps after one such step). The
-        need of steady steps moves by a few percent with timing; a gradient check's was
-        1.9x on GPT-2 under FSDP2, so a threshold of 2 kept its chunks through the window
-        and unpinned them in timed steps (``bench/results/h200x2_91fcaaa_session49``).
+        the rest. A lone spike of the window is not counted (``pools.spike_free``: a first
+        step or a gradient check lets its extra chunks go at the next shrink); steps whose
+        sizes change from one to the next (a new sequence length each) all are. Until
+        session 78 every step over ``pools.OUTLIER`` times the window's upper median was left
+        out, and with a new length each step the longest steps' chunks went and were pinned
+        again a few steps later (GPT-2: 2.3 pinned and 2.5 unpinned a step,
+        ``bench/results/h200_session78``).
 
         Pinning and unpinning are what cost: on an H200 host a 64 MiB chunk's
         ``cudaHostRegister`` took 37 ms, and its ``cudaHostUnregister`` waits for the whole
@@ -650,7 +650,7 @@ class VirtualArena:
             return
         self._free_lead()
         self.peaks = [*self.peaks, self.peak_backed][-SHRINK_STEPS:]
-        busiest = max(self.peaks[i] for i in usual_steps(self.peaks))
+        busiest = max(self.peaks[i] for i in spike_free(self.peaks))
         need = busiest + max(2, busiest // 16)
         self.trim(keep=max(0, need - len(self.backed)))
         self.peak_backed = len(self.backed)

@@ -28,10 +28,9 @@ nothing, as the compressed store's arena (``_arena``) does.
   beyond the most chunk bytes in use at once in the busiest of the last ``SHRINK_STEPS``
   steps, plus a headroom of ``HEADROOM_CHUNKS`` chunks (how blocks of changing sizes fall
   into the chunks moves from step to step: a step may need a chunk more than the busiest
-  did). Every step of the window counts: with lengths that change each step the long steps
-  come back, and letting their chunks go pinned them again a few steps later (the
-  compressed arena, which does not count a step far above the window's usual one, pinned 0.8-
-  2.2 chunks a step so on the same runs).
+  did). Every step of the window counts but a lone spike (``pools.spike_free``): with
+  lengths that change each step the long steps come back, and letting their chunks go pinned
+  them again a few steps later.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import bisect
 
 import torch
 
-from ..pools import ALIGN, HOST_PAGE, SHRINK_STEPS, HostMemory, round_up
+from ..pools import ALIGN, HOST_PAGE, SHRINK_STEPS, HostMemory, round_up, spike_free
 
 CHUNK_BYTES = 64 << 20
 HEADROOM_CHUNKS = 2  # kept pinned beyond the busiest step's chunks (see the module docstring)
@@ -196,7 +195,8 @@ class PinnedCopyArena:
         self._taken = False
         self._window = [*self._window, self._peak][-SHRINK_STEPS:]
         self._peak = self._busy
-        keep = max(self._window) + HEADROOM_CHUNKS * self.chunk_bytes
+        busiest = max(self._window[i] for i in spike_free(self._window))
+        keep = busiest + HEADROOM_CHUNKS * self.chunk_bytes
         return self._drop_idle(self.held_bytes - keep)
 
     def _drop_idle(self, excess: int) -> int:
