@@ -94,9 +94,10 @@ never resets it holds what fits under the highest step so far (session 62, one H
 ``memory_late``: a compressed source leaves the stash in a forward once its pages are in
 host memory (packed), as before session 60, not once they are compressed
 (``_entry._Entry.source_read``).
-(``uncompressed_shrink1`` and ``uncompressed_lastsizes``, the plain copies' exact-size pool
-with its shrink rules before sessions 59 and 74, went with that pool: since session 78 the
-copies are carved from page-locked chunks, ``offload._copy_arena``.)
+``uncompressed_sizepool``: ``uncompressed`` with its copies in exact-size pinned buffers
+(``pools.PinnedBufferPool``), as before session 78, not carved from page-locked chunks
+(``offload._copy_arena``). (``uncompressed_shrink1`` and ``uncompressed_lastsizes``, that
+pool with its shrink rules before sessions 59 and 74, went with it.)
 ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
@@ -140,8 +141,23 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "memory_lastpeak", "memory_no_wait", "speed",
+        "memory_lastpeak", "memory_no_wait", "uncompressed_sizepool", "speed",
         "speed_copy_only", "speed_warm2")
+
+
+def exact_size_pool(pin: bool):
+    """The plain copies' pool before session 78 (arm ``uncompressed_sizepool``): exact-size
+    pinned buffers (``pools.PinnedBufferPool``), a copy waiting for its buffer's last use."""
+    from torch_pagecomp.pools import PinnedBufferPool
+
+    class ExactSizePool(PinnedBufferPool):
+        def get(self, nbytes: int, stream=None):
+            buf = super().get(nbytes)
+            if buf is not None and buf.last_use is not None and stream is not None:
+                stream.wait_event(buf.last_use)
+            return buf
+
+    return ExactSizePool(pin=pin)
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
@@ -465,7 +481,10 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         return variant_settings(variant, where)
 
     def make(arm: str) -> ActivationOffloader:
-        return ActivationOffloader(**settings(arm))
+        off = ActivationOffloader(**settings(arm))
+        if arm == "uncompressed_sizepool":
+            off.pool = off._pinned.pool = exact_size_pool(pin=torch.cuda.is_available())
+        return off
 
     offs = {a: make(a) for a in arms if a not in ("none", "save_on_cpu")}
     # torch's own pinned offload, its bytes counted (the stock bench's save_on_cpu row)

@@ -15,6 +15,11 @@ seq]`` (seeded: every run the same sequence); ``fixed`` keeps the stock bench's 
 comma list cycles through those. Sequence models only (the input is ``[batch, seq, width]``
 embeddings, cut to the round's length).
 
+Before the timed rounds, ``speed`` takes steps of its own until its tuner has decided (and
+checked) its choice, and each offloading arm until ``SETTLE`` steps in a row pinned nothing
+(at most ``MAX_SETTLE``), at lengths of their own from the same range: the rounds time arms
+that have grown their page-locked memory, not the growing.
+
 Prints per arm the median step (CUDA events), the median of its step over the same round's
 ``uncompressed`` and ``none`` steps, the page-locked buffers it made (pinned) and let go
 (unpinned) per timed step, the page-locked memory it holds at the end, its GPU peak, and for
@@ -34,6 +39,7 @@ from bench.dev_ab_steps import _chunks, _hooked
 from bench.stock_models import MODELS
 
 ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "speed")
+SETTLE, MAX_SETTLE = 4, 12  # an arm's own steps before timing (see :func:`measure`)
 
 
 def lengths_for(spec: str, seq: int, rounds: int, seed: int = 0) -> list[int]:
@@ -98,6 +104,27 @@ def measure(name: str, arms: list[str], lengths: list[int], warmup: int,
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return ms, peak
 
+    # before the timed rounds, as ``bench.dev_ab_steps`` does: ``speed`` its own steps until
+    # its tuner has decided and checked the choice (its trials alternate the ways), then each
+    # offloading arm its own until SETTLE steps in a row pinned nothing (at most MAX_SETTLE),
+    # at lengths of their own from the same range
+    extra = iter(lengths_for("random" if len(set(lengths)) > 1 else "fixed", max(lengths),
+                             10 * MAX_SETTLE, seed=len(lengths)))
+    settling = {}
+    if "speed" in offs:
+        tuner, k = offs["speed"].tuner, 0
+        while k < 5 * MAX_SETTLE and (tuner.choice is None or tuner.checking):
+            step("speed", next(extra))
+            k += 1
+        settling["speed (tuner)"] = k
+    for arm, off in offs.items():
+        quiet = k = 0
+        while quiet < SETTLE and k < MAX_SETTLE:
+            had = _chunks(off)[0]
+            step(arm, next(extra))
+            k += 1
+            quiet = quiet + 1 if _chunks(off)[0] == had else 0
+        settling[arm] = k
     times = {a: [] for a in arms}
     peaks = {a: 0.0 for a in arms}
     made = {a: [0, 0] for a in offs}  # pinned / unpinned in the timed rounds
@@ -120,7 +147,8 @@ def measure(name: str, arms: list[str], lengths: list[int], warmup: int,
     n = len(lengths) - warmup
     out = [f"## {name}: {n} timed rounds after {warmup}, lengths {min(lengths)}-"
            f"{max(lengths)} ({len(set(lengths))} distinct; batch {x.shape[0]}, up to "
-           f"{x.shape[1]})",
+           f"{x.shape[1]}); settling steps first (own lengths): "
+           + ", ".join(f"{a} {k}" for a, k in settling.items()),
            "| arm | step ms (median) | min-max | x uncompressed (same round, median) | "
            "x none (median) | pinned / unpinned a step | page-locked GiB held | GPU peak GiB |",
            "|---|---|---|---|---|---|---|---|"]
