@@ -69,7 +69,7 @@ def test_new_sizes_every_step_pin_nothing_after_the_first_steps(seed):
              [int(n * rng.uniform(1.0, 4.0)) for n in base] * 3, rng)
     step(a, longest, rng)
     made, dropped = a.misses, a.drops
-    for _ in range(3 * SHRINK_STEPS):
+    for _ in range(6 * SHRINK_STEPS):
         scale = rng.uniform(1.0, 4.0)
         step(a, [int(n * scale) for n in base] * 3, rng)
         if rng.random() < 0.3:
@@ -133,25 +133,26 @@ def test_bytes_freed_before_the_gpu_is_done_with_them_are_waited_for():
     assert s2.waited == [] and d.chunk.waits == []
 
 
-def test_shrink_keeps_the_busiest_step_of_the_window_and_unpins_an_idle_chunk_safely():
-    from torch_pagecomp.offload._copy_arena import HEADROOM_CHUNKS
+def test_shrink_unpins_a_chunk_idle_for_the_window_and_only_after_its_last_use():
+    """A chunk that held no block for ``IDLE_STEPS`` steps goes (after the GPU's last use of
+    it); until then it stays, however short the steps between."""
+    from torch_pagecomp.offload._copy_arena import IDLE_STEPS
 
     rng = random.Random(0)
     a = arena()
-    step(a, [CHUNK] * 4, rng)  # two steps of four chunks: not a lone spike, both counted
-    step(a, [CHUNK] * 4, rng)
-    for _ in range(SHRINK_STEPS - 2):
-        step(a, [CHUNK], rng)
+    blocks = [a.get(CHUNK, None) for _ in range(4)]  # a step of four chunks
+    last = blocks[-1]
+    last.last_use = FakeEvent()  # the GPU still reads it when it is freed
+    for b in reversed(blocks):
+        a.put(b)
+    a.shrink()
+    waited = last.chunk.waits[0]
+    for _ in range(IDLE_STEPS - 1):  # short steps: the first chunk only
+        step(a, [CHUNK // 2], rng)
         assert len(a.chunks) == 4 and a.drops == 0, a.stats()
-    b = a.get(HOST_PAGE, None)  # a step whose one block the GPU still reads when freed
-    b.last_use = FakeEvent()
-    a.put(b)
-    waited = b.chunk.waits[0]
-    a.shrink()  # one big step left the window, the other is a lone spike now
-    assert len(a.chunks) == 1 + HEADROOM_CHUNKS and a.drops == 1
-    assert waited.synced or b.chunk in a.chunks  # unpinned only after its last use
-    step(a, [CHUNK] * 6, rng)  # a lone spike: its extra goes at its own shrink
-    assert len(a.chunks) == 1 + HEADROOM_CHUNKS and a.misses == 4 + 3
+    step(a, [CHUNK // 2], rng)  # the other three idle for the whole window: they go
+    assert len(a.chunks) == 1 and a.chunks[0] is blocks[0].chunk and a.drops == 3
+    assert waited.synced  # unpinned only after its last use
     made = a.misses
     assert a.shrink() == 0 and a.misses == made  # nothing carved since: nothing changes
 

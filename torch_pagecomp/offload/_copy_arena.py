@@ -24,13 +24,18 @@ nothing, as the compressed store's arena (``_arena``) does.
   by its offload's, if the graph was dropped at once). Its last use (``last_use``, an event)
   is kept with its chunk while not complete, and the next block carved from that chunk has its
   copy's stream wait for it (a GPU-side wait).
-* **Shrink** (once a step, at the end of a backward): chunks holding no block are unpinned
-  beyond the most chunk bytes in use at once in the busiest of the last ``SHRINK_STEPS``
-  steps, plus a headroom of ``HEADROOM_CHUNKS`` chunks (how blocks of changing sizes fall
-  into the chunks moves from step to step: a step may need a chunk more than the busiest
-  did). Every step of the window counts but a lone spike (``pools.spike_free``): with
-  lengths that change each step the long steps come back, and letting their chunks go pinned
-  them again a few steps later.
+* **Shrink** (once a step, at the end of a backward): a chunk that held no block in the last
+  ``IDLE_STEPS`` steps is unpinned; the others stay. Blocks go to the first chunks that hold
+  them, so a short step uses the same first chunks as a long one, and the last chunks are the
+  long steps' alone: with lengths that change each step those come back every few steps, and
+  stay pinned. A rule on the most chunk bytes in use at once in the busiest of the last
+  ``SHRINK_STEPS`` steps (plus two chunks) unpinned and pinned again 0.5-0.6 chunks a step
+  on BERT-large with lengths drawn from [seq / 4, seq] (``bench/results/h200_session78``),
+  as the busiest of eight random lengths moved by more than two chunks; a chunk idle for
+  ``SHRINK_STEPS`` steps goes whenever eight steps in a row miss the longest lengths, which
+  random lengths do often (``tests/test_copy_arena.py`` saw it pin again). A step that saved
+  more than every other (a first step, a gradient check) keeps its extra chunks
+  ``IDLE_STEPS`` steps.
 """
 
 from __future__ import annotations
@@ -39,10 +44,10 @@ import bisect
 
 import torch
 
-from ..pools import ALIGN, HOST_PAGE, SHRINK_STEPS, HostMemory, round_up, spike_free
+from ..pools import ALIGN, HOST_PAGE, SHRINK_STEPS, HostMemory, round_up
 
 CHUNK_BYTES = 64 << 20
-HEADROOM_CHUNKS = 2  # kept pinned beyond the busiest step's chunks (see the module docstring)
+IDLE_STEPS = 4 * SHRINK_STEPS  # a chunk idle this many steps is unpinned (see above)
 
 
 class CopyBlock:
@@ -64,7 +69,7 @@ class CopyBlock:
 
 
 class _Chunk:
-    __slots__ = ("mem", "starts", "sizes", "largest", "blocks", "waits")
+    __slots__ = ("mem", "starts", "sizes", "largest", "blocks", "waits", "used_at")
 
     def __init__(self, mem: HostMemory):
         self.mem = mem
@@ -73,6 +78,7 @@ class _Chunk:
         self.largest = mem.nbytes
         self.blocks = 0  # blocks carved and not freed
         self.waits: list[torch.cuda.Event] = []  # freed blocks' last uses not done then
+        self.used_at = 0  # the arena's step when it last held a block
 
     def carve(self, size: int) -> int:
         """The offset of ``size`` bytes taken from the first free range that holds them (the
@@ -120,10 +126,8 @@ class PinnedCopyArena:
         self.chunks: list[_Chunk] = []
         self.held_bytes = self.in_use_bytes = 0
         self.hits = self.misses = self.drops = 0
-        self._busy = 0  # bytes of the chunks holding a block now, and its peak this step
-        self._peak = 0
+        self._step = 0  # shrinks that found a block carved since the one before
         self._taken = False  # a block carved since the last shrink
-        self._window: list[int] = []  # each of the last SHRINK_STEPS steps' peak
 
     def get(self, nbytes: int, stream: torch.cuda.Stream | None) -> CopyBlock | None:
         size = round_up(max(int(nbytes), 1), ALIGN)
@@ -161,9 +165,7 @@ class PinnedCopyArena:
         return chunk
 
     def _block(self, chunk: _Chunk, at: int, size: int, nbytes: int, stream) -> CopyBlock:
-        if chunk.blocks == 1:  # it held none: in use from now on
-            self._busy += chunk.mem.held_bytes
-            self._peak = max(self._peak, self._busy)
+        chunk.used_at = self._step
         self._taken = True
         self.in_use_bytes += size
         if chunk.waits:
@@ -181,23 +183,21 @@ class PinnedCopyArena:
         block.last_use = None
         chunk.give_back(block.offset, block.size)
         self.in_use_bytes -= block.size
-        if chunk.blocks == 0:
-            self._busy -= chunk.mem.held_bytes
+        chunk.used_at = self._step  # (held until now)
 
     def shrink(self) -> int:
-        """Once a step: unpin idle chunks beyond the most the busiest of the last
-        ``SHRINK_STEPS`` steps had in use at once and the headroom; returns the bytes
-        unpinned. Nothing
-        without a block carved since the last call (a compressed pass of ``prefer="speed"``
-        leaves the chunks for the next copied one)."""
+        """Once a step: unpin the chunks that held no block in the last ``IDLE_STEPS``
+        steps; returns the bytes unpinned. Nothing without a block carved since the last call
+        (a compressed pass of ``prefer="speed"`` leaves the chunks for the next copied one)."""
         if not self._taken:
             return 0
         self._taken = False
-        self._window = [*self._window, self._peak][-SHRINK_STEPS:]
-        self._peak = self._busy
-        busiest = max(self._window[i] for i in spike_free(self._window))
-        keep = busiest + HEADROOM_CHUNKS * self.chunk_bytes
-        return self._drop_idle(self.held_bytes - keep)
+        self._step += 1
+        freed = 0
+        for chunk in [c for c in self.chunks
+                      if c.blocks == 0 and self._step - c.used_at > IDLE_STEPS]:
+            freed += self._unpin(chunk)
+        return freed
 
     def _drop_idle(self, excess: int) -> int:
         """Unpin chunks that hold no block, the last made first, until ``excess`` bytes are
