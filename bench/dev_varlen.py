@@ -17,8 +17,8 @@ embeddings, cut to the round's length).
 
 Before the timed rounds, ``speed`` takes steps of its own until its tuner has decided (and
 checked) its choice, and each offloading arm until ``SETTLE`` steps in a row pinned nothing
-(at most ``MAX_SETTLE``), at lengths of their own from the same range: the rounds time arms
-that have grown their page-locked memory, not the growing.
+(at most ``MAX_SETTLE``), at lengths of their own from the same range, the longest first:
+the rounds time arms that have grown their page-locked memory, not the growing.
 
 Prints per arm the median step (CUDA events), the median of its step over the same round's
 ``uncompressed`` and ``none`` steps, the page-locked buffers it made (pinned) and let go
@@ -121,7 +121,10 @@ def measure(name: str, arms: list[str], lengths: list[int], warmup: int,
         quiet = k = 0
         while quiet < SETTLE and k < MAX_SETTLE:
             had = _chunks(off)[0]
-            step(arm, next(extra))
+            # the longest length first: the arenas then hold what the longest step needs
+            # before the timed rounds (else they pinned for each new longest length as it
+            # came: GPT-2's plain copy 1.5 chunks a step in session 78's call 5)
+            step(arm, max(lengths) if k == 0 else next(extra))
             k += 1
             quiet = quiet + 1 if _chunks(off)[0] == had else 0
         settling[arm] = k
