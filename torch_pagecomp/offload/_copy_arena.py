@@ -6,12 +6,13 @@ A plain copy needs page-locked memory of its storage's size. Buffers pooled by e
 size. A training loop whose batches change shape (dynamic padding: each batch padded to its
 longest sequence, as transformers' collators and torchtune without packing do) saves other
 sizes every step: each step pinned new buffers and the pool's shrink unpinned the old ones,
-and pinning costs milliseconds per MiB (``cudaHostRegister``) while unpinning waits for the
-whole device. On one H200 with a new length each step, plain copies ran encoder-1024's step in
-698 ms against 49 ms at one length, pinning and unpinning 45 buffers a step; GPT-2 and
-BERT-large 1,508 and 1,116 ms (``bench/results/h200_session78``, ``bench.dev_varlen``).
-Here any size is carved from the chunks already pinned, so after the first steps a step pins
-nothing, as the compressed store's arena (``_arena``) does.
+and pinning costs tens of milliseconds per 64 MiB (``cudaHostRegister``, 37 ms on an H200
+host, ``_arena.VirtualArena.shrink``) while unpinning waits for the whole device. On one
+H200 with a new length each step, plain copies ran encoder-1024's step in 698 ms against 49
+ms at one length, pinning and unpinning 45 buffers a step; GPT-2 and BERT-large 1,508 and
+1,116 ms (``bench/results/h200_session78``, ``bench.dev_varlen``). Here any size is carved
+from the chunks already pinned, so once they hold the longest step a step pins nothing, as
+the compressed store's arena (``_arena``) does.
 
 * **Blocks**: ``round_up(n, ALIGN)`` bytes, from the chunk whose largest free range is the
   smallest that holds them (then its first range that does): small storages fill the chunks
