@@ -371,6 +371,31 @@ def test_speed_decides_when_compressed_passes_store_less(seed, monkeypatch):
     assert min(stored["copy"]) > 2 * max(stored["compress"]), stored  # stores differ
 
 
+def test_speed_settles_through_the_hooks_when_each_step_has_another_length(seed):
+    """Dynamic padding through the hooks (CPU path): each step a new sequence length, drawn
+    from a quarter of the longest to all of it, the pass's time a part per byte offloaded
+    (compressing 0.7x copying's). The tuner decides, compresses from then on, and every
+    step's gradients are those of the same step without offload (before session 78 the
+    trials started again at nearly every step and the passes alternated the ways for good)."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    tuner = StepTuner(warmup=2, trials=1, retune=1000, check=2, clock=clock)
+    model = GPT(d=32, heads=4, layers=2)
+    off = cpu_offloader("compressed", prefer="speed", tuner=tuner, min_ratio=0.0)
+    arms = []
+    for _ in range(24):
+        x = torch.randn(2, rng.randrange(16, 65, 8), 32)
+        before = off.stats().get("offloaded_bytes", 0)
+        assert_identical(grads_of(model, x), grads_of(model, x, off))
+        arm = tuner.summary()["arm"]
+        arms.append(arm)
+        taken = off.stats()["offloaded_bytes"] - before
+        clock.advance(10.0 + taken / 1e4 * (0.7 if arm == "compress" else 1.0))
+    assert tuner.choice == "compress" and not tuner.checking, tuner.summary()
+    assert arms[-8:] == ["compress"] * 8, arms
+    assert len(tuner.history) <= 3, tuner.history  # a decision and its check, no new trials
+
+
 def test_speed_hooks_follow_the_tuner_with_identical_grads(seed):
     """On the CPU path: trials alternate the stores, the arm in force decides; gradients equal."""
     clock = FakeClock()
