@@ -70,6 +70,10 @@
 #                                      # CPU_REPEATS: timed rounds)
 #   bash bench/gpu_suite.sh hold       # the hooks' tests, then steps of the held-storage arms
 #                                      # (HOLD_MODELS, HOLD_ARMS, HOLD_ROUNDS, HOLD_WORKERS; #21)
+#   bash bench/gpu_suite.sh varlen     # training steps whose sequence length changes every step
+#                                      # (dynamic padding; bench/dev_varlen.py, session 78): a
+#                                      # process per model (VARLEN_MODELS, VARLEN_ARMS,
+#                                      # VARLEN_ROUNDS; VARLEN_CAP: seconds a model, default 120)
 #   bash bench/gpu_suite.sh hooktiming # probe: the hooks' host time per call (HOOK_MODELS,
 #                                      # HOOK_VARIANTS; #21)
 #   bash bench/gpu_suite.sh peakowners # probe: what is live at the step's GPU peak, by the
@@ -315,6 +319,17 @@ peakowners)
     timeout 300 python3 -m bench.dev_peak_owners --models "${PEAK_MODELS:-bert-1024}" \
         --variants "${PEAK_VARIANTS:-uncompressed,memory}" 2>&1 | tee -a "$OUT/peak_owners.txt" \
         | tail -n 30
+    ;;
+varlen)
+    # batches whose length changes every step, the arms interleaved (bench/dev_varlen.py)
+    header varlen | tee "$OUT/varlen.txt"
+    models=${VARLEN_MODELS:-encoder-1024,gpt2-768,bert-1024}
+    for m in ${models//,/ }; do
+        timeout ${VARLEN_CAP:-120} python3 -m bench.dev_varlen --models "$m" \
+            --arms "${VARLEN_ARMS:-none,save_on_cpu,uncompressed,memory,speed}" \
+            --rounds "${VARLEN_ROUNDS:-20}" --warmup 2 2>&1 | tee -a "$OUT/varlen.txt"
+        echo "$m rc=${PIPESTATUS[0]}" | tee -a "$OUT/varlen.txt"
+    done
     ;;
 hooktiming)
     # the hooks' host time per call, function by function (bench/dev_hook_timing.py; #21, #26)
