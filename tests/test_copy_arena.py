@@ -87,7 +87,7 @@ def test_blocks_are_exact_sizes_and_freed_bytes_merge_back(seed):
     for b in blocks:
         a.put(b)
     for chunk in a.chunks:  # every chunk one free range again
-        assert chunk.starts == [0] and chunk.sizes == [chunk.mem.nbytes] and chunk.blocks == 0
+        assert chunk.free == [[0, chunk.mem.nbytes]] and chunk.used == 0
 
 
 def test_a_storage_larger_than_a_chunk_gets_whole_chunks_of_its_own():

@@ -33,12 +33,14 @@ ALIGN = 256  # arena allocation granularity (DMA-friendly, keeps int64 views ali
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 
-# Once a step, the pools let go of what they no longer need: the activation hooks' page-locked
-# chunks (``offload._copy_arena``, ``offload._arena.VirtualArena.shrink``) and the exact-size
-# buffers of the other pools (``SizePool.shrink``). Each keeps what the busiest of the last
-# SHRINK_STEPS steps needed: pinning costs tens of milliseconds a buffer and unpinning waits
-# for the whole device, and what a step needs moves with timing (bench/results/
-# h200x2_91fcaaa_session49 for the arena; h200_8198fbc_session59 for the pinned buffers).
+# Once a step, the activation hooks' page-locked memory lets go of what it no longer needs:
+# the compressed store's chunks keep what the busiest of the last SHRINK_STEPS steps needed
+# (``offload._arena.VirtualArena.shrink``), the plain copies' chunks those used in the last
+# 4 * SHRINK_STEPS (``offload._copy_arena``); ``SizePool.shrink`` keeps, per size, what the
+# busiest of the last SHRINK_STEPS needed. Pinning costs tens of milliseconds a buffer and
+# unpinning waits for the whole device, and what a step needs moves with timing
+# (bench/results/h200x2_91fcaaa_session49 for the arena; h200_8198fbc_session59 for the
+# pinned buffers).
 SHRINK_STEPS = 8
 OUTLIER = 1.25  # earlier steps needing over this times the window's usual step: not counted
 
@@ -56,8 +58,8 @@ SPIKE = 1.5  # a lone step needing over this times every other step of a window:
 
 
 def spike_free(needs: list[int]) -> list[int]:
-    """The indices of the steps of a shrink window that count for the activation hooks'
-    page-locked chunks (``offload._arena``, ``offload._copy_arena``): every step but a lone
+    """The indices of the steps of a shrink window that count for the compressed store's
+    page-locked chunks (``offload._arena.VirtualArena.shrink``): every step but a lone
     spike, one needing over ``SPIKE`` times the most any other step of the window needed (a
     first step, a gradient check whose SDPA math kernel saves the attention matrix: 1.9x
     GPT-2's usual step under FSDP2, ``bench/results/h200x2_91fcaaa_session49``), whose extra
@@ -145,9 +147,49 @@ class HostBlock:
 
 @dataclass
 class _Chunk:
+    """A chunk of host memory that blocks are carved from (:class:`HostArena`,
+    ``offload._copy_arena``): its free ranges, the largest of them, and the bytes carved."""
+
     mem: HostMemory
     free: list[list[int]] = field(default_factory=list)  # sorted [offset, size]
     used: int = 0
+    largest: int = 0  # the largest free range
+
+    def __post_init__(self):
+        self.free = [[0, self.mem.nbytes]]
+        self.largest = self.mem.nbytes
+
+    def carve(self, size: int) -> int | None:
+        """The offset of ``size`` bytes taken from the first free range that holds them (None
+        if none does)."""
+        if size > self.largest:
+            return None
+        i = next(i for i, (_, room) in enumerate(self.free) if room >= size)
+        off, room = self.free[i]
+        if room == size:
+            del self.free[i]
+        else:
+            self.free[i] = [off + size, room - size]
+        if room == self.largest:
+            self.largest = max((r for _, r in self.free), default=0)
+        self.used += size
+        return off
+
+    def give_back(self, offset: int, size: int) -> None:
+        """Return ``size`` bytes at ``offset`` to the free ranges, merged with their
+        neighbours."""
+        self.used -= size
+        free = self.free
+        i = 0
+        while i < len(free) and free[i][0] < offset:
+            i += 1
+        free.insert(i, [offset, size])
+        if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
+            free[i][1] += free.pop(i + 1)[1]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
+            free[i - 1][1] += free.pop(i)[1]
+            i -= 1
+        self.largest = max(self.largest, free[i][1])
 
 
 class HostArena:
@@ -181,38 +223,22 @@ class HostArena:
                     return block
             self.misses += 1
             chunk = _Chunk(HostMemory(max(self.chunk_bytes, round_up(size, HOST_PAGE)), self.pin))
-            chunk.free.append([0, chunk.mem.nbytes])
             self._chunks.append(chunk)
             return self._carve(chunk, size, nbytes)
 
     def _carve(self, chunk: _Chunk, size: int, nbytes: int) -> HostBlock | None:
-        for i, (off, room) in enumerate(chunk.free):
-            if room >= size:
-                if room == size:
-                    del chunk.free[i]
-                else:
-                    chunk.free[i] = [off + size, room - size]
-                chunk.used += size
-                self.used_bytes += size
-                view = chunk.mem.tensor[off : off + nbytes]
-                return HostBlock(chunk, off, size, int(nbytes), view)
-        return None
+        off = chunk.carve(size)
+        if off is None:
+            return None
+        self.used_bytes += size
+        return HostBlock(chunk, off, size, int(nbytes), chunk.mem.tensor[off : off + nbytes])
 
     def free(self, block: HostBlock) -> None:
         with self._lock:
             self.frees += 1
             chunk = block.chunk
-            chunk.used -= block.size
+            chunk.give_back(block.offset, block.size)
             self.used_bytes -= block.size
-            free = chunk.free
-            i = 0
-            while i < len(free) and free[i][0] < block.offset:
-                i += 1
-            free.insert(i, [block.offset, block.size])
-            if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
-                free[i][1] += free.pop(i + 1)[1]
-            if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
-                free[i - 1][1] += free.pop(i)[1]
             if chunk.used == 0 and self.keep_free_chunks is not None:
                 empty = [c for c in self._chunks if c.used == 0]
                 if len(empty) > self.keep_free_chunks:

@@ -14,8 +14,9 @@ ms at one length, pinning and unpinning 45 buffers a step; GPT-2 and BERT-large 
 from the chunks already pinned, so once they hold the longest step a step pins nothing, as
 the compressed store's arena (``_arena``) does.
 
-* **Blocks**: ``round_up(n, ALIGN)`` bytes, from the chunk whose largest free range is the
-  smallest that holds them (then its first range that does): small storages fill the chunks
+* **Blocks**: ``round_up(n, ALIGN)`` bytes (carved and given back by ``pools._Chunk``, as
+  ``pools.HostArena``'s), from the chunk whose largest free range is the smallest that holds
+  them (then its first range that does): small storages fill the chunks
   already in use, and a chunk left empty stays whole for a storage as large as it (the
   feed-forward activations of encoder-1024 are one 64 MiB chunk each; taken from the chunk
   that served the last block, a step of random lengths scattered small blocks over the empty
@@ -41,27 +42,22 @@ the compressed store's arena (``_arena``) does.
 
 from __future__ import annotations
 
-import bisect
+from dataclasses import dataclass, field
 
 import torch
 
-from ..pools import ALIGN, HOST_PAGE, SHRINK_STEPS, HostMemory, round_up
+from ..pools import ALIGN, HOST_PAGE, SHRINK_STEPS, HostBlock, HostMemory, _Chunk, round_up
 
 CHUNK_BYTES = 64 << 20
 IDLE_STEPS = 4 * SHRINK_STEPS  # a chunk idle this many steps is unpinned (see above)
 
 
-class CopyBlock:
-    """``nbytes`` of a chunk at ``offset`` (``size`` bytes reserved): ``tensor`` is its
-    ``uint8 [nbytes]`` view; ``last_use`` the event after the GPU's last use (set by the
-    store)."""
+@dataclass
+class CopyBlock(HostBlock):
+    """A block of a chunk (``pools.HostBlock``: ``tensor`` its ``uint8 [nbytes]`` view);
+    ``last_use`` the event after the GPU's last use (set by the store)."""
 
-    __slots__ = ("chunk", "offset", "size", "nbytes", "tensor", "last_use")
-
-    def __init__(self, chunk: _Chunk, offset: int, size: int, nbytes: int):
-        self.chunk, self.offset, self.size, self.nbytes = chunk, offset, size, nbytes
-        self.tensor = chunk.mem.tensor[offset:offset + nbytes]
-        self.last_use: torch.cuda.Event | None = None
+    last_use: torch.cuda.Event | None = None
 
     @property
     def held_bytes(self) -> int:
@@ -69,47 +65,14 @@ class CopyBlock:
         return self.size
 
 
-class _Chunk:
-    __slots__ = ("mem", "starts", "sizes", "largest", "blocks", "waits", "used_at")
+@dataclass
+class _CopyChunk(_Chunk):
+    """A chunk (``pools._Chunk``: its free ranges and bytes carved), the events of its
+    freed blocks' last uses not done when freed, and the arena's step when it last held a
+    block."""
 
-    def __init__(self, mem: HostMemory):
-        self.mem = mem
-        # free ranges, sorted by start (two lists: ``bisect`` on the starts), and the largest
-        self.starts, self.sizes = [0], [mem.nbytes]
-        self.largest = mem.nbytes
-        self.blocks = 0  # blocks carved and not freed
-        self.waits: list[torch.cuda.Event] = []  # freed blocks' last uses not done then
-        self.used_at = 0  # the arena's step when it last held a block
-
-    def carve(self, size: int) -> int:
-        """The offset of ``size`` bytes taken from the first free range that holds them (the
-        caller saw ``largest`` hold them)."""
-        i = next(i for i, room in enumerate(self.sizes) if room >= size)
-        at, room = self.starts[i], self.sizes[i]
-        if room == size:
-            del self.starts[i], self.sizes[i]
-        else:
-            self.starts[i], self.sizes[i] = at + size, room - size
-        if room == self.largest:
-            self.largest = max(self.sizes, default=0)
-        self.blocks += 1
-        return at
-
-    def give_back(self, at: int, size: int) -> None:
-        """Return ``size`` bytes at ``at`` to the free ranges, merged with their neighbours."""
-        starts, sizes = self.starts, self.sizes
-        i = bisect.bisect(starts, at)
-        if i and starts[i - 1] + sizes[i - 1] == at:  # joins the range before
-            i -= 1
-            sizes[i] += size
-        else:
-            starts.insert(i, at)
-            sizes.insert(i, size)
-        if i + 1 < len(starts) and starts[i] + sizes[i] == starts[i + 1]:  # and the one after
-            sizes[i] += sizes.pop(i + 1)
-            del starts[i + 1]
-        self.largest = max(self.largest, sizes[i])
-        self.blocks -= 1
+    waits: list = field(default_factory=list)
+    used_at: int = 0
 
 
 class PinnedCopyArena:
@@ -124,7 +87,7 @@ class PinnedCopyArena:
     def __init__(self, pin: bool, max_bytes: int | None = None, chunk_bytes: int = CHUNK_BYTES):
         self.pin, self.max_bytes = pin, max_bytes
         self.chunk_bytes = round_up(chunk_bytes, HOST_PAGE)
-        self.chunks: list[_Chunk] = []
+        self.chunks: list[_CopyChunk] = []
         self.held_bytes = self.in_use_bytes = 0
         self.hits = self.misses = self.drops = 0
         self._step = 0  # shrinks that found a block carved since the one before
@@ -132,7 +95,7 @@ class PinnedCopyArena:
 
     def get(self, nbytes: int, stream: torch.cuda.Stream | None) -> CopyBlock | None:
         size = round_up(max(int(nbytes), 1), ALIGN)
-        best = None
+        best = None  # the chunk whose largest free range is the smallest that holds it
         for chunk in self.chunks:
             room = chunk.largest
             if room >= size and (best is None or room < best.largest):
@@ -149,7 +112,7 @@ class PinnedCopyArena:
             self.misses += 1
         return self._block(best, best.carve(size), size, nbytes, stream)
 
-    def _new_chunk(self, size: int) -> _Chunk | None:
+    def _new_chunk(self, size: int) -> _CopyChunk | None:
         """A new chunk for a block of ``size`` bytes (its size rounded up to whole chunks,
         or less under ``max_bytes``); None where ``max_bytes`` has no room for one."""
         want = round_up(size, self.chunk_bytes)
@@ -161,11 +124,11 @@ class PinnedCopyArena:
                 if room < round_up(size, HOST_PAGE):
                     return None
             want = max(round_up(size, HOST_PAGE), min(want, room // HOST_PAGE * HOST_PAGE))
-        chunk = _Chunk(HostMemory(want, self.pin))
+        chunk = _CopyChunk(HostMemory(want, self.pin))
         self.held_bytes += chunk.mem.held_bytes
         return chunk
 
-    def _block(self, chunk: _Chunk, at: int, size: int, nbytes: int, stream) -> CopyBlock:
+    def _block(self, chunk: _CopyChunk, at: int, size: int, nbytes: int, stream) -> CopyBlock:
         chunk.used_at = self._step
         self._taken = True
         self.in_use_bytes += size
@@ -174,7 +137,7 @@ class PinnedCopyArena:
             if stream is not None:
                 for event in chunk.waits:
                     stream.wait_event(event)
-        return CopyBlock(chunk, at, size, nbytes)
+        return CopyBlock(chunk, at, size, nbytes, chunk.mem.tensor[at:at + nbytes])
 
     def put(self, block: CopyBlock) -> None:
         chunk = block.chunk
@@ -196,7 +159,7 @@ class PinnedCopyArena:
         self._step += 1
         freed = 0
         for chunk in [c for c in self.chunks
-                      if c.blocks == 0 and self._step - c.used_at > IDLE_STEPS]:
+                      if c.used == 0 and self._step - c.used_at > IDLE_STEPS]:
             freed += self._unpin(chunk)
         return freed
 
@@ -207,11 +170,11 @@ class PinnedCopyArena:
         for chunk in reversed(list(self.chunks)):
             if freed >= excess:
                 break
-            if chunk.blocks == 0:
+            if chunk.used == 0:
                 freed += self._unpin(chunk)
         return freed
 
-    def _unpin(self, chunk: _Chunk) -> int:
+    def _unpin(self, chunk: _CopyChunk) -> int:
         for event in chunk.waits:  # a restore may still read it
             event.synchronize()
         self.chunks.remove(chunk)
@@ -222,7 +185,7 @@ class PinnedCopyArena:
 
     def clear(self) -> None:
         """Unpin every chunk that holds no block (those that do stay counted)."""
-        for chunk in [c for c in self.chunks if c.blocks == 0]:
+        for chunk in [c for c in self.chunks if c.used == 0]:
             self._unpin(chunk)
 
     def stats(self) -> dict:

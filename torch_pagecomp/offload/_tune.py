@@ -41,9 +41,8 @@ read once completed, never waited for), or the host clock without CUDA:
    So the workload counts as new only when each of the last ``RECENT`` passes took more than
    ``DRIFT`` times the trial passes' median bytes, or each less than its inverse: a new
    length that stays, after ``RECENT`` passes. Each periodic retune that keeps the choice
-   doubles
-   the wait for the next, up to ``RETUNE_GROWTH`` times ``retune``; a changed choice or a new
-   workload starts again from ``retune``. A retune is not free: the way not chosen gave its
+   doubles the wait for the next, up to ``RETUNE_GROWTH`` times ``retune``; a changed choice
+   or a new workload starts again from ``retune``. A retune is not free: the way not chosen gave its
    idle memory back (item 4), so its trials pin it again and the check releases it again. At
    the first tuning under FSDP2 on two H200s the pass that pinned the copies' buffers ran
    1.1-3.7 s and the one that released them 0.3-1.3 s, against steps of 80-240 ms
