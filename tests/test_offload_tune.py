@@ -24,7 +24,7 @@ from tests.test_offload import (
 )
 from torch_pagecomp import StepTuner
 from torch_pagecomp.offload import offload_module
-from torch_pagecomp.offload._tune import CLOSE, RECENT
+from torch_pagecomp.offload._tune import CLOSE, RECENT, time_shape
 
 
 class FakeClock:
@@ -263,6 +263,73 @@ def test_tuner_settles_when_every_pass_offloads_another_amount(faster, seed):
     assert tuner.choice == faster, tuner.summary()
     assert arms[20:].count(faster) >= 0.9 * 60, arms
     assert len(tuner.history) <= 4  # a decision, its check, at most one retune
+
+
+@pytest.mark.parametrize("faster", ["copy", "compress"])
+@pytest.mark.parametrize("shape", ["fixed", "quadratic"])
+def test_tuner_keeps_the_faster_arm_whatever_the_shape_of_time_against_bytes(
+        shape, faster, seed):
+    """Dynamic padding, each pass a length from the multiples of 8 in [16, 64], its bytes in
+    proportion: the time a part per byte (the faster arm's 0.7x the other's) and either a
+    part every pass pays (40 ms, against 19-77 per byte) or one quadratic in the length
+    (attention's, 4-64 ms). Thirty runs of the default tuner each end on the faster arm.
+    Scaling each pass's time in proportion to its bytes, a short pass carried the fixed part
+    many times over, or looked fast under the quadratic one: that tuner ended 19-27% (fixed)
+    and 4-8% (quadratic) of runs on the slower arm (``bench.dev_tuner_sim``): this test
+    passed on it about once in 500 runs with the fixed part, and with the quadratic one
+    once in 13 (copying faster) or 4 (compressing faster)."""
+    rng = random.Random(seed)
+    other = "copy" if faster == "compress" else "compress"
+    per_byte = {faster: 0.7, other: 1.0}
+    ended = []
+    for _ in range(30):
+        clock = FakeClock()
+        tuner = StepTuner(retune=10_000, clock=clock)
+        arms = []
+        for _ in range(80):
+            arm = tuner.start_pass()
+            arms.append(arm)
+            length = rng.randrange(16, 65, 8)
+            tuner.add_bytes(12_000 * length)
+            rest = 40.0 if shape == "fixed" else length * length / 64
+            clock.advance((rest + 1.2 * length * per_byte[arm]) * rng.uniform(0.98, 1.02))
+        ended.append((tuner.choice, arms[-8:].count(faster), tuner.summary()["decisions"]))
+    assert all(c == faster and n == 8 for c, n, _ in ended), ended
+
+
+def test_a_run_of_long_passes_after_short_trials_is_not_a_new_workload():
+    """Lengths drawn from one range: trial passes that happen to be short, then eight long
+    ones in a row, are the same workload; set against the trial passes' median (20), the
+    long ones (more than 1.5x it) started the trials again. A length past 1.5x the longest
+    trial pass that stays is a new workload."""
+    clock = FakeClock()
+    tuner = StepTuner(warmup=0, trials=2, retune=1000, check=0, clock=clock)
+    lengths = iter([16, 64, 16, 24, 16, 24, 16, 24] + [40, 48, 56, 64] * 4 + [128] * 10)
+    arms = []
+    for _ in range(8 + 16 + 10):
+        arm = tuner.start_pass()
+        arms.append(arm)
+        length = next(lengths)
+        tuner.add_bytes(length << 20)
+        clock.advance(length * (1.0 if arm == "compress" else 2.0))
+    assert arms[8:8 + 16] == ["compress"] * 16, tuner.summary()
+    assert arms[8 + 16 + RECENT:] == ["copy", "copy"], arms  # 128 stayed: trials again
+    assert len(tuner.history) == 1
+
+
+def test_time_shape_reads_a_fixed_part_or_a_power_from_the_passes():
+    """:func:`time_shape`: a fixed part and a part per byte (one pass slowed by a pause moves
+    neither); time quadratic in the bytes; passes of one size; a fixed part above the
+    shortest pass."""
+    rng = random.Random()
+    fixed, per = rng.uniform(5, 50), rng.uniform(0.5, 2)
+    arms = [[(fixed + per * b, b) for b in (10, 20, 30, 40)],
+            [(fixed + 0.7 * per * b, b) for b in (15, 35)]]
+    arms[0].append((3 * (fixed + per * 25), 25))  # a pause
+    assert time_shape(arms) == (pytest.approx(fixed), 1.0)
+    assert time_shape([[(b * b / 7, b) for b in (10, 20, 40)]]) == (0.0, pytest.approx(2.0))
+    assert time_shape([[(30.0, 8), (31.0, 8)], [(20.0, 8)]]) == (0.0, 1.0)
+    assert time_shape([[(100.0, 10), (101.0, 20), (102.0, 40)]])[0] == pytest.approx(90.0)
 
 
 def test_one_pass_of_another_size_does_not_start_the_trials_again():

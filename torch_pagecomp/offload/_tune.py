@@ -32,15 +32,23 @@ read once completed, never waited for), or the host clock without CUDA:
    it is faster by more than ``margin`` (on a tie compression still saves host memory). Then
    the trials run again, and at once when the passes take a different amount to offload than
    the trials did: a new sequence length or model (the bytes taken, not those stored, which
-   differ by arm). A pass's time is set against the others' at the trials' workload: scaled
-   by the trials' bytes over its own. A training loop with dynamic padding (each batch padded
-   to its longest sequence) offloads another amount every pass: the trials started again
-   whenever one pass took a quarter more or less than the first trial pass, so they never
-   ended, the passes alternated between the arms for good, and a copied trial at a shorter
-   length could win the decision (``bench.dev_varlen``, ``bench/results/h200_session78``).
-   So the workload counts as new only when each of the last ``RECENT`` passes took more than
-   ``DRIFT`` times the trial passes' median bytes, or each less than its inverse: a new
-   length that stays, after ``RECENT`` passes. Each periodic retune that keeps the choice
+   differ by arm). A training loop with dynamic padding (each batch padded to its longest
+   sequence) offloads another amount every pass: the trials started again whenever one pass
+   took a quarter more or less than the first trial pass, so they never ended, the passes
+   alternated between the arms for good, and a copied trial at a shorter length could win
+   the decision (``bench.dev_varlen``, ``bench/results/h200_session78``). So the workload
+   counts as new only when each of the last ``RECENT`` passes took more than ``DRIFT`` times
+   the most bytes of a trial pass, or each less than the least over ``DRIFT``: a new length
+   that stays, after ``RECENT`` passes (set against the trial passes' median instead, the
+   median of four to eight random lengths, the trials started again in 11 of 400 simulated
+   runs of 80 passes, ``bench.dev_tuner_sim``). A pass's time is set against the others' at
+   the trial passes' median bytes, along the shape of time against bytes that the passes
+   timed since the trials began show (:func:`time_shape`): a part that does not grow with the
+   bytes and one that grows as them, or a power of the bytes where time grows faster. Scaled
+   in proportion to its bytes, a short pass carried its step's fixed part many times over:
+   with 20 ms a pass that does not grow with the bytes, the tuner ended 35-159 of 400
+   simulated runs on the slower arm (the arms 10-30% apart per byte), against 0-88 so
+   (``bench/results/cpu_session79``). Each periodic retune that keeps the choice
    doubles the wait for the next, up to ``RETUNE_GROWTH`` times ``retune``; a changed choice
    or a new workload starts again from ``retune``. A retune is not free: the way not chosen gave its
    idle memory back (item 4), so its trials pin it again and the check releases it again. At
@@ -83,6 +91,7 @@ Passes that offload nothing (evaluation) are not timed and change nothing.
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -107,6 +116,7 @@ CLOSE = 0.2
 # stays
 RECENT = 8
 DRIFT = 1.5
+SPREAD = 1.1  # two passes give a slope (``time_shape``) when one took this many times the bytes
 
 
 def pass_mark() -> float | torch.cuda.Event:
@@ -126,6 +136,36 @@ def elapsed_ms(a, b) -> float | None:
     if isinstance(a, float) and isinstance(b, float):
         return (b - a) * 1e3
     return -1.0
+
+
+def time_shape(arms: list[list[tuple[float, int]]]) -> tuple[float, float]:
+    """How a pass's time grows with its bytes, from passes ``(ms, bytes)`` grouped by arm:
+    ``(fixed, power)``, a pass of ``b`` bytes taking ``fixed + c * b ** power`` ms (item 3 of
+    the module docstring). Each arm's slope is the median of the slopes between two of its
+    passes whose bytes differ by at least ``SPREAD`` (Theil-Sen: one slow pass moves
+    neither), the part that does not grow with the bytes the median of ``ms - slope * bytes``
+    over the passes of the arms that have one. Where that part is at least 0 (an optimizer
+    step, launches), the rest grows as the bytes (``power`` 1; ``fixed`` at most 0.9 of the
+    shortest pass, so that the part scaled stays positive); where it is below 0 the time
+    grows faster than the bytes (attention's part, quadratic in the sequence's length), and
+    ``power`` is the median of the pairs' ``log(ms2 / ms1) / log(b2 / b1)``, in [1, 2].
+    ``(0.0, 1.0)``, time as the bytes, while no arm has two passes of different sizes."""
+    fixed, powers = [], []
+    for passes in arms:
+        pairs = [(m1, b1, m2, b2) for i, (m1, b1) in enumerate(passes)
+                 for m2, b2 in passes[i + 1:] if max(b1, b2) >= SPREAD * min(b1, b2)]
+        if pairs:
+            slope = statistics.median((m2 - m1) / (b2 - b1) for m1, b1, m2, b2 in pairs)
+            fixed += [ms - slope * nbytes for ms, nbytes in passes]
+            powers += [math.log(m2 / m1) / math.log(b2 / b1)
+                       for m1, b1, m2, b2 in pairs if m1 > 0 and m2 > 0]
+    if not fixed:
+        return 0.0, 1.0
+    part = statistics.median(fixed)
+    if part >= 0:
+        shortest = min(ms for passes in arms for ms, _ in passes)
+        return min(part, 0.9 * shortest), 1.0
+    return 0.0, min(max(statistics.median(powers), 1.0), 2.0) if powers else 1.0
 
 
 class StepTuner:
@@ -150,7 +190,8 @@ class StepTuner:
         self.clock, self.elapsed = clock, elapsed
         self.arm = "compress"  # of the pass in progress
         self.choice: str | None = None
-        self.times: dict[str, list[float]] = {a: [] for a in ARMS}  # ms, current trials
+        # (ms, bytes) of the timed trial passes of each arm, this trials
+        self._trial_raw: dict[str, list[tuple[float, int]]] = {a: [] for a in ARMS}
         self.history: list[dict] = []  # one entry per decision
         self._warm = 0  # warm-up passes closed (with offloads)
         self._gen = 0  # trials generation: measurements of older ones are dropped
@@ -160,17 +201,19 @@ class StepTuner:
         self._kept: str | None = None  # the choice a periodic retune started from (None: the
         # trials in progress are not a periodic retune's)
         self._open: tuple | None = None  # (mark, arm, generation, trial?, settled?) of the pass
-        self._settled_ms: list[float] = []  # settled passes of the choice, for its check
+        self._settled_raw: list[tuple[float, int]] = []  # (ms, bytes) of settled passes of
+        # the choice, for its check
         self._checked = True  # the current decision was checked (or there is none)
         self._regrown = 0  # timed trial passes run again this trials (they made memory)
         self._skipped = 0  # settled passes left out of this decision's check (the same)
-        self._rival: tuple[str, float] | None = None  # (arm, its settled median): checked
-        # first, lost to the other arm's trials; the other arm's settled passes now decide
+        self._rival: tuple[str, list] | None = None  # (arm, its settled passes but the first,
+        # as (ms, bytes)): checked first, lost to the other arm's trials; the other arm's
+        # settled passes now decide
         self._bytes = 0  # offloaded by the pass in progress
         self._closed: collections.deque = collections.deque()  # passes awaiting their time
-        self._trial_bytes: int | None = None  # bytes per pass the trials saw
         self._recent: collections.deque = collections.deque(maxlen=RECENT)  # passes' bytes
         self._usual: float | None = None  # the trial passes' median bytes (once decided)
+        self._span = (0, 0)  # their least and most bytes
         self._phase = "warmup" if warmup else "trial"
         if not warmup:
             self._begin_trials()
@@ -232,28 +275,54 @@ class StepTuner:
             if self._new_workload():
                 self._begin_trials()  # a different workload: measure again
                 continue
-            ref = self._trial_bytes
-            if ref is None and trial:
-                ref = self._trial_bytes = nbytes
-            if ref is not None:
-                ms *= ref / nbytes  # at the trials' workload (see item 3)
             if trial:
-                self.times[arm].append(ms)
-                if sum(map(len, self.times.values())) == 2 * self.trials:
+                self._trial_raw[arm].append((ms, nbytes))
+                if sum(map(len, self._trial_raw.values())) == 2 * self.trials:
                     self._decide()
             elif settled and arm == self.choice and not self._checked:
-                self._settled_ms.append(ms)
-                if len(self._settled_ms) > self.check:
+                self._settled_raw.append((ms, nbytes))
+                if len(self._settled_raw) > self.check:
                     self._check_settled()
 
     def _new_workload(self) -> bool:
-        """Whether each of the last ``RECENT`` passes took more than ``DRIFT`` times the
-        trial passes' median bytes, or each less than its inverse (see item 3 of the module
-        docstring)."""
-        usual, recent = self._usual, self._recent
-        if usual is None or len(recent) < RECENT:
+        """Whether each of the last ``RECENT`` passes took more than ``DRIFT`` times the most
+        bytes of a trial pass, or each less than the least over ``DRIFT`` (see item 3 of the
+        module docstring)."""
+        if self._usual is None or len(self._recent) < RECENT:
             return False
-        return min(recent) > usual * DRIFT or max(recent) < usual / DRIFT
+        least, most = self._span
+        return min(self._recent) > most * DRIFT or max(self._recent) < least / DRIFT
+
+    def _shape(self) -> tuple[float, float]:
+        """:func:`time_shape` of the passes timed since the trials began: the trial passes,
+        and the settled ones of the check (each arm's first left out)."""
+        passes = {arm: list(v) for arm, v in self._trial_raw.items()}
+        if self.choice is not None:
+            passes[self.choice] += self._settled_raw[1:]
+        if self._rival is not None:
+            passes[self._rival[0]] += self._rival[1]
+        return time_shape(list(passes.values()))
+
+    def _at_usual(self, passes: list[tuple[float, int]],
+                  shape: tuple[float, float]) -> list[float]:
+        """Each pass's ms at the usual bytes, by ``shape`` (:func:`time_shape`)."""
+        fixed, power = shape
+        ref = self._ref_bytes() if passes else 0.0
+        return [fixed + (ms - fixed) * (ref / nbytes) ** power for ms, nbytes in passes]
+
+    def _ref_bytes(self) -> float:
+        """The bytes a pass is compared at: the trial passes' median."""
+        return self._usual if self._usual is not None else statistics.median(self._recent)
+
+    @property
+    def times(self) -> dict[str, list[float]]:
+        """Each arm's timed trial passes (ms), at the usual bytes (item 3)."""
+        shape = self._shape()
+        return {a: self._at_usual(v, shape) for a, v in self._trial_raw.items()}
+
+    @property
+    def _settled_ms(self) -> list[float]:
+        return self._at_usual(self._settled_raw, self._shape())
 
     def _begin_trials(self, kept: str | None = None) -> None:
         """Time both arms again (``kept``: the choice a periodic retune starts from)."""
@@ -261,14 +330,14 @@ class StepTuner:
         # each arm's timed pass follows one of its own (see the module docstring)
         pairs = [(arm, timed) for arm in ("copy", "compress") for timed in (False, True)]
         self._schedule = pairs * self.trials
-        self.times = {a: [] for a in ARMS}
-        self._trial_bytes = self._usual = None
+        self._trial_raw = {a: [] for a in ARMS}
+        self._usual = None
         self._recent.clear()
-        self._settled_ms, self._checked, self._rival = [], True, None
+        self._settled_raw, self._checked, self._rival = [], True, None
         self._regrown, self._kept = 0, kept
 
     def _trial_best(self) -> dict:
-        """Each arm's shortest timed trial pass (ms)."""
+        """Each arm's shortest timed trial pass (ms, at the usual bytes)."""
         return {a: min(v) for a, v in self.times.items()}
 
     def _choose(self, best: dict) -> str:
@@ -277,11 +346,12 @@ class StepTuner:
 
     def _decide(self) -> None:
         self._usual = statistics.median(self._recent)
+        self._span = (min(self._recent), max(self._recent))
         best = self._trial_best()
         self.choice = self._choose(best)
         self._phase, self._settled, self._skipped = "settled", 0, 0
-        self._settled_ms, self._checked = [], False
-        self.history.append({"choice": self.choice, "bytes_per_pass": self._trial_bytes,
+        self._settled_raw, self._checked = [], False
+        self.history.append({"choice": self.choice, "bytes_per_pass": round(self._ref_bytes()),
                              **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
         if self.check == 0:
             self._final()
@@ -302,7 +372,8 @@ class StepTuner:
         if the other arm wins there, or its shortest trial is within ``CLOSE`` of them, its
         settled passes are measured too and the two medians decide (see the module
         docstring)."""
-        median = statistics.median(self._settled_ms[1:])
+        shape = self._shape()
+        median = statistics.median(self._at_usual(self._settled_raw[1:], shape))
         if self._rival is None:
             other = "copy" if self.choice == "compress" else "compress"
             best = self._trial_best()
@@ -310,17 +381,18 @@ class StepTuner:
             if self._choose(best) == self.choice and best[other] > median * (1.0 + CLOSE):
                 self._final()
                 return
-            self._rival = (self.choice, median)
+            self._rival = (self.choice, self._settled_raw[1:])
             verdict, arm = "measuring", other  # its settled passes are timed next
         else:
-            best = {self._rival[0]: self._rival[1], self.choice: median}
+            best = {self._rival[0]: statistics.median(self._at_usual(self._rival[1], shape)),
+                    self.choice: median}
             self._rival = None
             verdict, arm = "checked", self._choose(best)
         if arm != self.choice:
-            self.choice, self._settled, self._settled_ms = arm, 0, []
+            self.choice, self._settled, self._settled_raw = arm, 0, []
         if verdict == "checked":
             self._final()
-        self.history.append({"choice": arm, "bytes_per_pass": self._trial_bytes,
+        self.history.append({"choice": arm, "bytes_per_pass": round(self._ref_bytes()),
                              verdict: True, **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
 
     def summary(self) -> dict:

@@ -1,0 +1,103 @@
+"""Probe: ``prefer="speed"``'s tuner under batches whose length changes every step, simulated.
+
+On a GPU each run of the tuner costs a model's whole warm-up and tens of steps, so how often it
+ends on the slower way cannot be counted there. Here :class:`StepTuner` runs against a fake
+clock on thousands of simulated runs. Each pass draws a sequence length ``L`` from the multiples
+of 8 in [16, 64] (dynamic padding, lengths from a quarter of the longest to all of it),
+offloads ``12,000 * L`` bytes and lasts
+
+    (fixed + bytes / 1e4 * per_byte[arm] + quadratic * L**2 / 64) * (1 + U(-jitter, jitter)) ms
+
+where the faster arm's ``per_byte`` is ``1 - gap`` and the other's 1: a part every step pays
+(optimizer, launches), a part per byte offloaded (the link, or the kernels and a shorter link
+time), and attention's part, quadratic in the length. At the mean length the part per byte is
+48 ms and the quadratic one (``quadratic`` 1) 25 ms.
+
+A run is ``--passes`` passes of the default tuner (eight warm-up passes, two trials per arm, a
+check of four). The table counts, per case, the runs that ended on the slower arm (its choice,
+or any of the last eight passes), the runs whose trials started again (a new workload seen
+where there is none), and the mean, over runs, of the last 20 passes' time over what the
+faster arm would have taken on the same lengths.
+
+    python -m bench.dev_tuner_sim --runs 400
+
+The tuner imported is printed (point ``PYTHONPATH`` at another checkout to compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+from torch_pagecomp.offload import _tune
+from torch_pagecomp.offload._tune import StepTuner
+
+CASES = [  # (fixed ms, quadratic, jitter)
+    (0.0, 0.0, 0.02), (20.0, 0.0, 0.02), (0.0, 1.0, 0.02), (20.0, 1.0, 0.02),
+    (0.0, 0.0, 0.10), (20.0, 0.0, 0.10), (0.0, 1.0, 0.10), (20.0, 1.0, 0.10),
+]
+WAYS = [("compress", 0.3), ("copy", 0.3), ("compress", 0.1), ("copy", 0.1)]
+TAIL = 20
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def one_run(seed: int, fixed: float, quadratic: float, jitter: float, faster: str,
+            gap: float, passes: int) -> tuple[bool, bool, float]:
+    """(ended on the slower arm, trials started again, last passes' time over the faster's)."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    tuner = StepTuner(retune=10_000, clock=clock)
+    per_byte = {a: (1 - gap if a == faster else 1.0) for a in _tune.ARMS}
+    arms, took, best = [], [], []
+    for _ in range(passes):
+        arm = tuner.start_pass()
+        length = rng.randrange(16, 65, 8)
+        nbytes = 12_000 * length
+        tuner.add_bytes(nbytes)
+        noise = 1 + rng.uniform(-jitter, jitter)
+        rest = fixed + quadratic * length * length / 64
+        ms = (rest + nbytes / 1e4 * per_byte[arm]) * noise
+        arms.append(arm)
+        took.append(ms)
+        best.append((rest + nbytes / 1e4 * per_byte[faster]) * noise)
+        clock.t += ms / 1e3
+    wrong = tuner.choice != faster or any(a != faster for a in arms[-8:])
+    decisions = sum(1 for d in tuner.history if not d.get("measuring") and not d.get("checked"))
+    return wrong, decisions > 1, sum(took[-TAIL:]) / sum(best[-TAIL:])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=400)
+    ap.add_argument("--passes", type=int, default=80)
+    ap.add_argument("--seed", type=int, default=0, help="first run's seed")
+    args = ap.parse_args(argv)
+    print(f"tuner: {_tune.__file__}; {args.runs} runs of {args.passes} passes a case")
+    print("| fixed ms | quadratic | jitter | faster arm (per byte) | ended slower | "
+          "trials again | last 20 passes / faster's (mean) |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for fixed, quadratic, jitter in CASES:
+        for faster, gap in WAYS:
+            res = [one_run(args.seed + i, fixed, quadratic, jitter, faster, gap, args.passes)
+                   for i in range(args.runs)]
+            row = {"fixed": fixed, "quadratic": quadratic, "jitter": jitter, "faster": faster,
+                   "gap": gap, "wrong": sum(r[0] for r in res),
+                   "again": sum(r[1] for r in res),
+                   "tail": statistics.fmean(r[2] for r in res)}
+            rows.append(row)
+            print(f"| {fixed:g} | {quadratic:g} | {jitter:g} | {faster} ({1 - gap:g}x) | "
+                  f"{row['wrong']} / {args.runs} | {row['again']} | {row['tail']:.3f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
