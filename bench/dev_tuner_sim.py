@@ -37,7 +37,6 @@ CASES = [  # (fixed ms, quadratic, jitter)
     (0.0, 0.0, 0.02), (20.0, 0.0, 0.02), (0.0, 1.0, 0.02), (20.0, 1.0, 0.02),
     (0.0, 0.0, 0.10), (20.0, 0.0, 0.10), (0.0, 1.0, 0.10), (20.0, 1.0, 0.10),
 ]
-WAYS = [("compress", 0.3), ("copy", 0.3), ("compress", 0.1), ("copy", 0.1)]
 TAIL = 20
 
 
@@ -79,14 +78,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--runs", type=int, default=400)
     ap.add_argument("--passes", type=int, default=80)
     ap.add_argument("--seed", type=int, default=0, help="first run's seed")
+    ap.add_argument("--case", action="append", default=None, metavar="FIXED,QUADRATIC,JITTER",
+                    help="a case instead of the default eight (repeatable)")
+    ap.add_argument("--gaps", default="0.3,0.1", help="the faster arm's saving per byte")
     args = ap.parse_args(argv)
+    cases = ([tuple(float(v) for v in c.split(",")) for c in args.case] if args.case
+             else CASES)
+    ways = [(arm, float(g)) for g in args.gaps.split(",") for arm in ("compress", "copy")]
     print(f"tuner: {_tune.__file__}; {args.runs} runs of {args.passes} passes a case")
     print("| fixed ms | quadratic | jitter | faster arm (per byte) | ended slower | "
           "trials again | last 20 passes / faster's (mean) |")
     print("|---|---|---|---|---|---|---|")
     rows = []
-    for fixed, quadratic, jitter in CASES:
-        for faster, gap in WAYS:
+    for fixed, quadratic, jitter in cases:
+        for faster, gap in ways:
             res = [one_run(args.seed + i, fixed, quadratic, jitter, faster, gap, args.passes)
                    for i in range(args.runs)]
             row = {"fixed": fixed, "quadratic": quadratic, "jitter": jitter, "faster": faster,

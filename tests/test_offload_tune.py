@@ -811,3 +811,16 @@ def test_the_hook_timing_probe_names_its_longest_collection():
     note = pauses.stop(1)
     assert "gen2 1.0" in note and "longest" in note and "(gen2)" in note, note
     assert _GcPauses().stop(1) == "none, 0.00 ms"
+
+
+def test_the_tuner_simulation_probe_ends_on_the_faster_arm(capsys):
+    """``bench.dev_tuner_sim``: a table row per case and arm; on a fixed part of 20 ms
+    (the arms 30% apart per byte) no run ends on the slower arm, none starts its trials
+    again."""
+    from bench import dev_tuner_sim
+
+    rows = dev_tuner_sim.main(["--runs", "3", "--seed", str(random.randrange(1 << 30)),
+                               "--case", "20,0,0.02", "--gaps", "0.3"])
+    assert [r["faster"] for r in rows] == ["compress", "copy"]
+    assert all(r["wrong"] == 0 and r["again"] == 0 and r["tail"] < 1.001 for r in rows), rows
+    assert capsys.readouterr().out.count("| 20 | 0 | 0.02 |") == 2
