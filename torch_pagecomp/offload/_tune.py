@@ -336,9 +336,11 @@ class StepTuner:
         self._settled_raw, self._checked, self._rival = [], True, None
         self._regrown, self._kept = 0, kept
 
-    def _trial_best(self) -> dict:
-        """Each arm's shortest timed trial pass (ms, at the usual bytes)."""
-        return {a: min(v) for a, v in self.times.items()}
+    def _trial_best(self, shape: tuple[float, float] | None = None) -> dict:
+        """Each arm's shortest timed trial pass (ms, at the usual bytes; ``shape``: the
+        passes' :func:`time_shape`, where the caller has it)."""
+        shape = self._shape() if shape is None else shape
+        return {a: min(self._at_usual(v, shape)) for a, v in self._trial_raw.items()}
 
     def _choose(self, best: dict) -> str:
         faster = best["copy"] < best["compress"] * (1.0 - self.margin)
@@ -376,7 +378,7 @@ class StepTuner:
         median = statistics.median(self._at_usual(self._settled_raw[1:], shape))
         if self._rival is None:
             other = "copy" if self.choice == "compress" else "compress"
-            best = self._trial_best()
+            best = self._trial_best(shape)
             best[self.choice] = median
             if self._choose(best) == self.choice and best[other] > median * (1.0 + CLOSE):
                 self._final()
