@@ -131,6 +131,7 @@ def measure(name: str, arms: list[str], lengths: list[int], warmup: int,
     times = {a: [] for a in arms}
     peaks = {a: 0.0 for a in arms}
     made = {a: [0, 0] for a in offs}  # pinned / unpinned in the timed rounds
+    ways = []  # the way speed's tuner gave each timed step
     for r, length in enumerate(lengths):
         timed = r >= warmup
         if r == warmup:
@@ -142,6 +143,8 @@ def measure(name: str, arms: list[str], lengths: list[int], warmup: int,
             if not timed:
                 continue
             times[arm].append(ms)
+            if arm == "speed":
+                ways.append(offs[arm].tuner.arm)
             peaks[arm] = max(peaks[arm], peak)
             if before is not None:
                 after = _chunks(offs[arm])
@@ -176,6 +179,17 @@ def measure(name: str, arms: list[str], lengths: list[int], warmup: int,
         tuner = offs["speed"].stats()["tuner"]
         out.append(f"speed's tuner: phase {tuner['phase']}, choice {tuner['choice']}, "
                    f"decisions {tuner['decisions']}")
+        # what the tuner timed (ms, bytes), to read the shape of a pass's time against its
+        # bytes on a real step (bench/dev_tuner_sim.py simulates both shapes)
+        raw = offs["speed"].tuner._trial_raw
+        out.append("speed's last trial passes (ms, bytes): "
+                   + "; ".join(f"{a} {[(round(m, 1), b) for m, b in v]}" for a, v in raw.items()))
+    # every timed round: its length and each arm's ms (speed: and its way), for the shape of
+    # time against length
+    out.append("per round: length | " + " | ".join(arms))
+    for r, length in enumerate(lengths[warmup:]):
+        cells = [f"{times[a][r]:.1f}" + (f" {ways[r]}" if a == "speed" else "") for a in arms]
+        out.append(f"  {length} | " + " | ".join(cells))
     for off in offs.values():
         off.close()
     return out
