@@ -49,20 +49,25 @@ class FakeClock:
 
 
 def one_run(seed: int, fixed: float, quadratic: float, jitter: float, faster: str,
-            gap: float, passes: int) -> tuple[bool, bool, float]:
-    """(ended on the slower arm, trials started again, last passes' time over the faster's)."""
+            gap: float, passes: int, first: float = 0.0,
+            step: int = 8) -> tuple[bool, bool, float]:
+    """(ended on the slower arm, trials started again, last passes' time over the faster's).
+    ``first``: ms the first pass at each length pays on top (whatever the arm); ``step``:
+    the lengths' spacing."""
     rng = random.Random(seed)
+    seen = set()
     clock = FakeClock()
     tuner = StepTuner(retune=10_000, clock=clock)
     per_byte = {a: (1 - gap if a == faster else 1.0) for a in _tune.ARMS}
     arms, took, best = [], [], []
     for _ in range(passes):
         arm = tuner.start_pass()
-        length = rng.randrange(16, 65, 8)
+        length = rng.randrange(16, 65, step)
         nbytes = 12_000 * length
         tuner.add_bytes(nbytes)
         noise = 1 + rng.uniform(-jitter, jitter)
-        rest = fixed + quadratic * length * length / 64
+        rest = fixed + quadratic * length * length / 64 + (first if length not in seen else 0)
+        seen.add(length)
         ms = (rest + nbytes / 1e4 * per_byte[arm]) * noise
         arms.append(arm)
         took.append(ms)
@@ -81,19 +86,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--case", action="append", default=None, metavar="FIXED,QUADRATIC,JITTER",
                     help="a case instead of the default eight (repeatable)")
     ap.add_argument("--gaps", default="0.3,0.1", help="the faster arm's saving per byte")
+    ap.add_argument("--first", type=float, default=0.0,
+                    help="ms the first pass at each length pays on top, whatever the arm (a "
+                         "new shape: cuDNN attention's plans, bench.dev_newlength)")
+    ap.add_argument("--step", type=int, default=8,
+                    help="lengths' spacing in [16, 64]: 8 gives 7 lengths, 1 gives 49")
     args = ap.parse_args(argv)
     cases = ([tuple(float(v) for v in c.split(",")) for c in args.case] if args.case
              else CASES)
     ways = [(arm, float(g)) for g in args.gaps.split(",") for arm in ("compress", "copy")]
-    print(f"tuner: {_tune.__file__}; {args.runs} runs of {args.passes} passes a case")
+    print(f"tuner: {_tune.__file__}; {args.runs} runs of {args.passes} passes a case; "
+          f"lengths every {args.step} in [16, 64]; a new length's first pass +{args.first:g} ms")
     print("| fixed ms | quadratic | jitter | faster arm (per byte) | ended slower | "
           "trials again | last 20 passes / faster's (mean) |")
     print("|---|---|---|---|---|---|---|")
     rows = []
     for fixed, quadratic, jitter in cases:
         for faster, gap in ways:
-            res = [one_run(args.seed + i, fixed, quadratic, jitter, faster, gap, args.passes)
-                   for i in range(args.runs)]
+            res = [one_run(args.seed + i, fixed, quadratic, jitter, faster, gap, args.passes,
+                           args.first, args.step) for i in range(args.runs)]
             row = {"fixed": fixed, "quadratic": quadratic, "jitter": jitter, "faster": faster,
                    "gap": gap, "wrong": sum(r[0] for r in res),
                    "again": sum(r[1] for r in res),

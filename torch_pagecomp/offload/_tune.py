@@ -83,7 +83,20 @@ read once completed, never waited for), or the host clock without CUDA:
    compressed store's arena grows over the first steps, only while the link is idle, so a
    compressed trial could pay for chunks a settled pass never pins again: on encoder-1024
    two compressed trial passes that pinned three chunks ran 156 and 118 ms, their rerun 79
-   (``bench/results/h200_6c7a326_session45``).
+   (``bench/results/h200_6c7a326_session45``);
+6. a pass at an amount of bytes no pass took before is not timed either, as in item 5 (at
+   most ``FRESH`` times per trials and per decision): the first step at a new shape pays for
+   things once, whatever the arm. With torch 2.11's default attention on an H200 (cuDNN's,
+   which builds its plans per shape) encoder-1024's first step at a new length ran 140 ms
+   against 23 at the same length again (2.4 ms more with cuDNN's attention off,
+   ``bench.dev_newlength``), so under dynamic padding a trial pass was mostly that cost:
+   the tuner chose compressing on encoder-1024 and GPT-2, where compressed steps ran 1.19x
+   and 1.14x the plain copy's, and ran 1.15x and 1.08x them (``bench.dev_varlen``,
+   ``bench/results/h200_session80``). Simulated with a first pass at each length 150 ms
+   longer, the tuner before this rule ended 15-159 of 400 runs on the slower arm, as many as
+   without that cost with it (0-127; ``bench.dev_tuner_sim --first``). The bytes of a
+   length are the same each time it comes (the bytes taken, stored or held), so a length
+   seen again is timed.
 
 Passes that offload nothing (evaluation) are not timed and change nothing.
 """
@@ -116,6 +129,9 @@ CLOSE = 0.2
 # stays
 RECENT = 8
 DRIFT = 1.5
+# a pass at bytes no pass took before (item 6) is not timed, at most FRESH times per trials
+# and per decision; SEEN amounts are remembered at most
+FRESH, SEEN = 16, 4096
 SPREAD = 1.1  # two passes give a slope (``time_shape``) when one took this many times the bytes
 
 
@@ -205,6 +221,8 @@ class StepTuner:
         # the choice, for its check
         self._checked = True  # the current decision was checked (or there is none)
         self._regrown = 0  # timed trial passes run again this trials (they made memory)
+        self._seen: set[int] = set()  # the bytes passes have taken (item 6)
+        self._refreshed = 0  # passes at bytes never seen, not timed, this trials / decision
         self._skipped = 0  # settled passes left out of this decision's check (the same)
         self._rival: tuple[str, list] | None = None  # (arm, its settled passes but the first,
         # as (ms, bytes)): checked first, lost to the other arm's trials; the other arm's
@@ -229,12 +247,21 @@ class StepTuner:
         now = self.clock()
         if self._open is not None and self._bytes > 0:
             start, arm, gen, trial, settled = self._open
-            if grew and trial and self._regrown < 2 * self.trials:
-                self._regrown += 1
+            fresh = self._fresh_bytes(self._bytes)
+            if trial and (grew and self._regrown < 2 * self.trials
+                          or fresh and self._refreshed < FRESH):
+                if grew and self._regrown < 2 * self.trials:
+                    self._regrown += 1
+                else:
+                    self._refreshed += 1
                 self._schedule.insert(0, (arm, True))  # after a pass of its own, as before
                 trial = False
-            if grew and settled and self._skipped < self.check:
-                self._skipped += 1
+            if settled and (grew and self._skipped < self.check
+                            or fresh and self._refreshed < FRESH):
+                if grew and self._skipped < self.check:
+                    self._skipped += 1
+                else:
+                    self._refreshed += 1
                 settled = False
             self._closed.append((start, arm, gen, trial, settled, self._bytes, now))
             if self._phase == "warmup":
@@ -255,6 +282,15 @@ class StepTuner:
             self.arm = "compress"  # warm-up, or trials handed out and not measured yet
         self._open, self._bytes = (now, self.arm, self._gen, trial, settled), 0
         return self.arm
+
+    def _fresh_bytes(self, nbytes: int) -> bool:
+        """Whether no pass before took ``nbytes`` (a new shape, most likely: item 6)."""
+        if nbytes in self._seen:
+            return False
+        if len(self._seen) >= SEEN:  # bytes that never come back (not lengths): start over
+            self._seen.clear()
+        self._seen.add(nbytes)
+        return True
 
     @property
     def checking(self) -> bool:
@@ -334,7 +370,7 @@ class StepTuner:
         self._usual = None
         self._recent.clear()
         self._settled_raw, self._checked, self._rival = [], True, None
-        self._regrown, self._kept = 0, kept
+        self._regrown, self._kept, self._refreshed = 0, kept, 0
 
     def _trial_best(self, shape: tuple[float, float] | None = None) -> dict:
         """Each arm's shortest timed trial pass (ms, at the usual bytes; ``shape``: the
@@ -351,7 +387,7 @@ class StepTuner:
         self._span = (min(self._recent), max(self._recent))
         best = self._trial_best()
         self.choice = self._choose(best)
-        self._phase, self._settled, self._skipped = "settled", 0, 0
+        self._phase, self._settled, self._skipped, self._refreshed = "settled", 0, 0, 0
         self._settled_raw, self._checked = [], False
         self.history.append({"choice": self.choice, "bytes_per_pass": round(self._ref_bytes()),
                              **{f"{a}_ms": round(best[a], 2) for a in ARMS}})
