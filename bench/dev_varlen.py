@@ -14,7 +14,10 @@ timed step follows ``--lead`` untimed ones of its own at the same length (defaul
 right after another arm's step, a step paid for that arm's copies still running and, first
 in a round, for the new length's first step (cuDNN attention builds its plans per shape:
 117 ms on encoder-1024, ``bench.dev_newlength``), which fell on whichever arm came first
-(``bench/results/h200_session80``, calls 1 and 3: ``--lead 0``). Lengths:
+(``bench/results/h200_session80``, calls 1 and 3: ``--lead 0``). ``--block K`` runs K rounds
+of one arm in a row before the next arm runs the same ones (``--block`` the number of rounds:
+each arm alone, as a user runs one; on GPT-2 ``speed``'s trials, run alone, timed compressing
+faster than the interleaved rounds did, session 80). Lengths:
 ``--lengths random`` (the default) draws each round's from the multiples of 8 in ``[seq / 4,
 seq]`` (seeded: every run the same sequence); ``fixed`` keeps the stock bench's ``seq``; a
 comma list cycles through those. Sequence models only (the input is ``[batch, seq, width]``
@@ -63,9 +66,10 @@ def lengths_for(spec: str, seq: int, rounds: int, seed: int = 0) -> list[int]:
 
 
 def measure(name: str, arms: list[str], lengths: list[int], warmup: int,
-            device: str, lead: int = 1) -> list[str]:
+            device: str, lead: int = 1, block: int = 1) -> list[str]:
     """The table of ``arms`` on model ``name`` over rounds of ``lengths`` (the first
-    ``warmup`` rounds untimed; ``lead`` untimed steps of each arm before its timed one)."""
+    ``warmup`` rounds untimed; ``lead`` untimed steps of each arm before its timed one;
+    ``block`` rounds of one arm in a row before the next arm's same rounds)."""
     import torch
 
     from bench.stock_models import build, variant_settings
@@ -138,34 +142,40 @@ def measure(name: str, arms: list[str], lengths: list[int], warmup: int,
     peaks = {a: 0.0 for a in arms}
     made = {a: [0, 0] for a in offs}  # pinned / unpinned in the timed rounds
     ways = []  # the way speed's tuner gave each timed step
-    for r, length in enumerate(lengths):
-        timed = r >= warmup
-        if r == warmup:
+    reset = False
+    for c, first in enumerate(range(0, len(lengths), block)):
+        rounds = range(first, min(first + block, len(lengths)))
+        if not reset and rounds[-1] >= warmup:  # the chunk holding the first timed round
             for off in offs.values():
                 off.reset_peak_stats()
-        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
-            before = _chunks(offs[arm]) if arm in offs else None
-            for _ in range(lead):
-                # untimed, at the same length: it pays for the arm before (whose copies and
-                # kernels may still run) and for the length's first step (cuDNN attention's
-                # plans, bench.dev_newlength), which fell on whichever arm came first
-                ms, _ = step(arm, length)
-                if timed:
-                    leads[arm].append(ms)
-            ms, peak = step(arm, length)
-            if not timed:
-                continue
-            times[arm].append(ms)
-            if arm == "speed":
-                ways.append(offs[arm].tuner.arm)
-            peaks[arm] = max(peaks[arm], peak)
-            if before is not None:
-                after = _chunks(offs[arm])
-                made[arm][0] += after[0] - before[0]
-                made[arm][1] += after[1] - before[1]
+            reset = True
+        for arm in arms[c % len(arms):] + arms[:c % len(arms)]:
+            for r in rounds:
+                length, timed = lengths[r], r >= warmup
+                before = _chunks(offs[arm]) if arm in offs else None
+                for _ in range(lead):
+                    # untimed, at the same length: it pays for the arm before (whose copies
+                    # and kernels may still run) and for the length's first step (cuDNN
+                    # attention's plans, bench.dev_newlength), which fell on whichever arm
+                    # came first
+                    ms, _ = step(arm, length)
+                    if timed:
+                        leads[arm].append(ms)
+                ms, peak = step(arm, length)
+                if not timed:
+                    continue
+                times[arm].append(ms)
+                if arm == "speed":
+                    ways.append(offs[arm].tuner.arm)
+                peaks[arm] = max(peaks[arm], peak)
+                if before is not None:
+                    after = _chunks(offs[arm])
+                    made[arm][0] += after[0] - before[0]
+                    made[arm][1] += after[1] - before[1]
     n = len(lengths) - warmup
     out = [f"## {name}: {n} timed rounds after {warmup} ({lead} untimed step of each arm "
-           f"before its timed one), lengths {min(lengths)}-"
+           f"before its timed one; {block} round(s) of an arm in a row), lengths "
+           f"{min(lengths)}-"
            f"{max(lengths)} ({len(set(lengths))} distinct; batch {x.shape[0]}, up to "
            f"{x.shape[1]}); settling steps first (own lengths): "
            + ", ".join(f"{a} {k}" for a, k in settling.items()),
@@ -225,8 +235,14 @@ def main(argv=None) -> int:
                     help="untimed steps of each arm, at the round's length, before its timed "
                          "one (0: each arm's step right after the arm before's, as before "
                          "session 80)")
+    ap.add_argument("--block", type=int, default=1,
+                    help="rounds of one arm in a row before the next arm runs the same ones "
+                         "(1: the arms interleaved step by step; the whole count: each arm "
+                         "alone, as a user runs one)")
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
+    if args.block < 1 or args.lead < 0:
+        ap.error(f"--block at least 1 and --lead at least 0, got {args.block} and {args.lead}")
     if any(a not in ARMS for a in arms):
         ap.error(f"--arms: each one of {', '.join(ARMS)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -235,8 +251,8 @@ def main(argv=None) -> int:
         if family.startswith("tv-") or family == "resnet":
             ap.error(f"--models: {name} takes images, not sequences")
         lengths = lengths_for(args.lengths, seq, args.warmup + args.rounds, args.seed)
-        print("\n".join(measure(name, arms, lengths, args.warmup, device, args.lead)),
-              flush=True)
+        print("\n".join(measure(name, arms, lengths, args.warmup, device, args.lead,
+                                 args.block)), flush=True)
     return 0
 
 

@@ -26,3 +26,18 @@ def test_every_arm_runs_on_a_tiny_model(capsys):
     assert "speed's tuner: phase" in out
     with pytest.raises(SystemExit):
         main(["--models", "resnet-tiny"])  # images, not sequences
+
+
+def test_arms_in_blocks_time_every_round_of_each(capsys):
+    """``--block``: each arm's rounds in a row (here all of them: each arm alone); every timed
+    round still gets one step of each arm, printed per round with speed's way."""
+    assert main(["--models", "encoder-tiny", "--arms", "none,uncompressed,speed", "--rounds",
+                 "3", "--warmup", "1", "--block", "4", "--lead", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "4 round(s) of an arm in a row" in out
+    rows = out.split("per round: length | none | uncompressed | speed\n")[1].splitlines()
+    assert len(rows) == 3, out
+    assert all(len(r.split("|")) == 4 and r.split("|")[3].split()[1] in ("copy", "compress")
+               for r in rows), rows
+    with pytest.raises(SystemExit):
+        main(["--models", "encoder-tiny", "--block", "0"])
