@@ -894,8 +894,18 @@ def _drop_barrier(monkeypatch, barrier: str) -> None:
             monkeypatch.setattr(cls, "wait_on", lambda self, stream: None)
             monkeypatch.setattr(cls, "ready", lambda self: True)
             monkeypatch.setattr(cls, "source_read", lambda self: True)
-    else:  # compute does not wait for the restore
-        monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, event: None)
+    else:  # compute (the default stream here) does not wait for the restore
+        # Only compute's waits go: with every stream's waits dropped, a decoder on a side
+        # stream once read row tables not yet uploaded and faulted (an illegal address, which
+        # poisons the process's CUDA context: H200, session 81), not the wrong data this
+        # control is for
+        real = torch.cuda.Stream.wait_event
+
+        def wait_event(self, event):
+            if self != torch.cuda.default_stream(self.device):
+                real(self, event)
+
+        monkeypatch.setattr(torch.cuda.Stream, "wait_event", wait_event)
 
 
 @needs_cuda
