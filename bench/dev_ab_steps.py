@@ -94,10 +94,6 @@ never resets it holds what fits under the highest step so far (session 62, one H
 ``memory_late``: a compressed source leaves the stash in a forward once its pages are in
 host memory (packed), as before session 60, not once they are compressed
 (``_entry._Entry.source_read``).
-``uncompressed_sizepool``: ``uncompressed`` with its copies in exact-size pinned buffers
-(``pools.PinnedBufferPool``), as before session 78, not carved from page-locked chunks
-(``offload._copy_arena``). (``uncompressed_shrink1`` and ``uncompressed_lastsizes``, that
-pool with its shrink rules before sessions 59 and 74, went with it.)
 ``memory_nowait``: the host
 arena pins another chunk where the slices in flight could need it, instead of waiting for
 the oldest to be placed (``VirtualArena._room``): under FSDP2 the host bounds the step, and
@@ -117,7 +113,13 @@ time gained (``bench/results/h200_0991b9a_session42``); ``memory_netpeak``, the 
 payload (``PagedStore._slot``) taken under the last step's peak less the most bytes the
 payloads beyond the first held in that step: no lower peak on the ResNets (1.246 / 1.344 GiB
 against ``memory``'s 1.238 / 1.344 and a plain copy's 1.218 / 1.314,
-``bench/results/h200_session68``). Each
+``bench/results/h200_session68``); ``uncompressed_sizepool``, the plain copies in
+exact-size pinned buffers (``pools.PinnedBufferPool``, the hooks' pool before session 78)
+instead of chunks (``offload._copy_arena``): at one length the chunks' step 125.9 against
+128.3 ms on GPT-2, 50.2 against 51.9 on encoder-1024 (one run, ranges overlapping), holding
+4.19 against 3.61 GiB on GPT-2 (``bench/results/h200_session78``, call 5); the pool's
+shrink went with it (``uncompressed_shrink1`` and ``uncompressed_lastsizes``, its rules
+before sessions 59 and 74, had gone before). Each
 arm's peak GPU memory over its steps, and its page-locked host memory held at the end, are
 printed too. (A ``memory_tight`` arm, the arena keeping the step's peak of placed bytes
 instead of backed ones, held the same page-locked memory at the same step time on
@@ -141,23 +143,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "memory_lastpeak", "memory_no_wait", "uncompressed_sizepool", "speed",
-        "speed_copy_only", "speed_warm2")
-
-
-def exact_size_pool(pin: bool):
-    """The plain copies' pool before session 78 (arm ``uncompressed_sizepool``): exact-size
-    pinned buffers (``pools.PinnedBufferPool``), a copy waiting for its buffer's last use."""
-    from torch_pagecomp.pools import PinnedBufferPool
-
-    class ExactSizePool(PinnedBufferPool):
-        def get(self, nbytes: int, stream=None):
-            buf = super().get(nbytes)
-            if buf is not None and buf.last_use is not None and stream is not None:
-                stream.wait_event(buf.last_use)
-            return buf
-
-    return ExactSizePool(pin=pin)
+        "memory_lastpeak", "memory_no_wait", "speed", "speed_copy_only", "speed_warm2")
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
@@ -182,8 +168,6 @@ PATCHES = {
     "memory_in_turn32": (("torch_pagecomp.offload._paged", "SLICE_BYTES", 32 << 20),),
     # due batches stored whatever the link's backlog (session 61's first way)
     "memory_nobacklog": (("torch_pagecomp.offload._paged", "BACKLOG_BYTES", 1 << 62),),
-    # the plain copies' pinned buffers kept for the last step's busiest moment only (before
-    # session 59), not the last SHRINK_STEPS steps'
 }
 
 
@@ -481,10 +465,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
         return variant_settings(variant, where)
 
     def make(arm: str) -> ActivationOffloader:
-        off = ActivationOffloader(**settings(arm))
-        if arm == "uncompressed_sizepool":
-            off.pool = off._pinned.pool = exact_size_pool(pin=torch.cuda.is_available())
-        return off
+        return ActivationOffloader(**settings(arm))
 
     offs = {a: make(a) for a in arms if a not in ("none", "save_on_cpu")}
     # torch's own pinned offload, its bytes counted (the stock bench's save_on_cpu row)
@@ -660,7 +641,7 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
               "packs s (timed rounds) | hooks' host ms a step (pack / unpack) | "
               "pack calls / restores a step | "
               "page-locked buffers pinned / unpinned in the timed rounds (arena chunks and "
-              "plain copies' buffers) |",
+              "plain copies' chunks) |",
               "|---|---|---|---|---|---|---|"]
     for arm, off in offs.items():
         st = off.stats()
@@ -753,7 +734,7 @@ def paired(steps: list[float], base: list[float]) -> str:
 
 def _chunks(off) -> tuple[int, int]:
     """The page-locked buffers ``off`` pinned and unpinned so far: its compressed stores'
-    arena chunks and its plain copies' pooled buffers (let go by the pool's shrink)."""
+    arena chunks and its plain copies' chunks (``offload._copy_arena``)."""
     arenas = [st.arena for st in off._paged.values()]
     return (sum(a.pins for a in arenas) + off.pool.misses,
             sum(a.unpins for a in arenas) + off.pool.drops)

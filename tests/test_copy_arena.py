@@ -175,15 +175,3 @@ def test_gpu_blocks_are_page_locked():
     a.clear()
     assert a.held_bytes == 0
 
-
-def test_the_ab_probe_sizepool_arm_reuses_exact_sizes_and_waits_for_a_buffers_last_use():
-    """``bench.dev_ab_steps``' arm ``uncompressed_sizepool`` (the pool before the chunks)."""
-    from bench.dev_ab_steps import exact_size_pool
-
-    pool = exact_size_pool(pin=False)
-    buf = pool.get(3 * HOST_PAGE, None)
-    buf.last_use = busy = FakeEvent()
-    pool.put(buf)
-    s = FakeStream()
-    assert pool.get(3 * HOST_PAGE, s) is buf and s.waited == [busy]
-    assert pool.get(2 * HOST_PAGE, s) is not buf and pool.misses == 2

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import collections
 import math
 import mmap
 import threading
@@ -36,24 +35,11 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 # Once a step, the activation hooks' page-locked memory lets go of what it no longer needs:
 # the compressed store's chunks keep what the busiest of the last SHRINK_STEPS steps needed
 # (``offload._arena.VirtualArena.shrink``), the plain copies' chunks those used in the last
-# 4 * SHRINK_STEPS (``offload._copy_arena``); ``SizePool.shrink`` keeps, per size, what the
-# busiest of the last SHRINK_STEPS needed. Pinning costs tens of milliseconds a buffer and
+# 4 * SHRINK_STEPS (``offload._copy_arena``). Pinning costs tens of milliseconds a buffer and
 # unpinning waits for the whole device, and what a step needs moves with timing
 # (bench/results/h200x2_91fcaaa_session49 for the arena; h200_8198fbc_session59 for the
-# pinned buffers).
+# plain copies' pinned buffers).
 SHRINK_STEPS = 8
-OUTLIER = 1.25  # earlier steps needing over this times the window's usual step: not counted
-
-
-def usual_steps(needs: list[int]) -> list[int]:
-    """The indices of the steps of a shrink window (``needs``: what each step needed at its
-    busiest) that count: those at most ``OUTLIER`` times the window's usual step (its upper
-    median). A first step or a gradient check that saved more lets its extra go once the
-    usual steps are most of the window."""
-    usual = sorted(needs)[len(needs) // 2]
-    return [i for i, need in enumerate(needs) if need <= OUTLIER * usual]
-
-
 SPIKE = 1.5  # a lone step needing over this times every other step of a window: not counted
 
 
@@ -64,8 +50,8 @@ def spike_free(needs: list[int]) -> list[int]:
     first step, a gradient check whose SDPA math kernel saves the attention matrix: 1.9x
     GPT-2's usual step under FSDP2, ``bench/results/h200x2_91fcaaa_session49``), whose extra
     goes at the next shrink. Steps whose sizes change from one to the next (dynamic padding:
-    a new sequence length each step) all count: :func:`usual_steps`, which leaves out every
-    step over ``OUTLIER`` times the window's upper median, let the longest steps' chunks go and
+    a new sequence length each step) all count: the rule before session 78, which left out
+    every step over 1.25 times the window's upper median, let the longest steps' chunks go and
     pinned them again a few steps later (0.3-2.5 chunks a step on encoder-1024, GPT-2 and
     BERT-large with lengths drawn from [seq / 4, seq], ``bench/results/h200_session78``)."""
     if len(needs) < 2:
@@ -284,24 +270,14 @@ class HostArena:
 
 class SizePool:
     """Buffers reused by exact size: ``acquire(n)`` pops an idle one of ``n`` bytes or makes one
-    (outside the lock); ``release`` returns it; ``clear`` drops the idle ones; ``shrink`` the
-    idle ones beyond what each size needed at its busiest since the last ``shrink``.
-    Subclasses say how a buffer is made, measured and dropped."""
+    (outside the lock); ``release`` returns it; ``clear`` drops the idle ones. Subclasses say
+    how a buffer is made, measured and dropped."""
 
     def __init__(self):
         self._free: dict[int, list] = {}
         self._lock = threading.Lock()
         self.hits = self.misses = 0
-        self.drops = 0  # buffers let go (``shrink``; ``PinnedBufferPool.get``)
         self.held_bytes = 0
-        self._out: collections.Counter[int] = collections.Counter()  # acquired, per size
-        self._peak: collections.Counter[int] = collections.Counter()  # most out at once
-        self._taken = False  # anything acquired since the last shrink
-        # ``(bytes, _peak)`` of each of the last SHRINK_STEPS shrinks (``shrink``)
-        self._window: list[tuple[int, collections.Counter[int]]] = []
-        # sizes the last shrink kept though the step before it did not ask for them (idle
-        # buffers a bounded ``PinnedBufferPool.get`` may let go for a size needed now)
-        self._spare: set[int] = set()
 
     def _make(self, nbytes: int):
         raise NotImplementedError
@@ -315,122 +291,21 @@ class SizePool:
     def _drop(self, buf) -> None:
         pass
 
-    def _idle_done(self, buf) -> bool:
-        """Whether nothing queued still uses ``buf`` (``shrink`` drops only those)."""
-        return True
-
     def acquire(self, nbytes: int):
         with self._lock:
-            self._taken = True
-            self._out[nbytes] += 1
-            self._peak[nbytes] = max(self._peak[nbytes], self._out[nbytes])
             bucket = self._free.get(nbytes)
             if bucket:
                 self.hits += 1
                 return bucket.pop()
             self.misses += 1
-        try:
-            buf = self._make(nbytes)
-        except BaseException:
-            with self._lock:
-                self._out[nbytes] -= 1
-            raise
+        buf = self._make(nbytes)
         with self._lock:
             self.held_bytes += self._held(buf)
         return buf
 
     def release(self, buf) -> None:
         with self._lock:
-            size = self._size(buf)
-            self._out[size] -= 1
-            self._free.setdefault(size, []).append(buf)
-
-    def shrink(self) -> int:
-        """Drop idle buffers; returns the bytes dropped. Called once per step (the activation hooks:
-        at the end of each backward). Of each size the last step asked for, it keeps as many as were
-        out at once at that size's busiest in the last ``SHRINK_STEPS`` steps (less those still out;
-        earlier steps far above the window's usual one not counted, :func:`usual_steps`: a lone big
-        step's extra goes at the next step's shrink). A size the last step did not ask for (a spare
-        size: a bounded ``PinnedBufferPool.get`` lets its buffers go first) keeps them only while a
-        counted step of the window asked for it and while the pool, with them, holds no more than
-        the window's busiest step needed, counted or not (the sizes asked for most recently first;
-        after a lone big step the usual steps' sizes may so be held together, up to what that step
-        held at once, for ``SHRINK_STEPS`` steps): one step may store a tensor that the next holds
-        on the GPU (the hooks' hold rule moves with timing), and letting its size go at once pinned
-        it again the step after (Swin-T's plain copies unpinned 11 buffers in 12 timed steps that
-        way, none since, ``bench/results/h200_session74``); a new sequence length every step still
-        lets the old ones go, where exact-size buckets would hold them for the life of the pool.
-        Keeping only the last step's busiest moment pinned and unpinned buffers whenever timing
-        moved a size's count: sampled, BERT-large's plain copies spent 6.6 ms a step pinning on one
-        H200 and 34 ms a step unpinning under FSDP2; interleaved, that rule pinned and unpinned 2
-        buffers in 12 timed steps and this one none, at step times equal within the hosts' noise
-        (``bench/results/h200_8198fbc_session59``). Without an ``acquire`` since the last call
-        nothing is dropped: a step that took nothing from the pool (a compressed step of
-        ``prefer="speed"``'s trials) leaves it for the next copied one."""
-        dropped = []
-        with self._lock:
-            if not self._taken:
-                return 0
-            self._taken = False
-            need = sum(size * k for size, k in self._peak.items())
-            self._window = [*self._window, (need, self._peak)][-SHRINK_STEPS:]
-            # the last step always counts: a step that asked for more of a size than the window
-            # usually did (a longer sequence) keeps it for the next, which likely asks again
-            usual = usual_steps([n for n, _ in self._window])
-            counted = [self._window[i][1] for i in usual]
-            counted.append(self._peak)
-            keeps = self._keeps(counted, max(n for n, _ in self._window))
-            self._spare = {size for size, k in keeps.items() if k and not self._peak[size]}
-            picked = []
-            for size, bucket in self._free.items():
-                extra = len(bucket) - max(0, keeps.get(size, 0) - self._out[size])
-                # the longest idle first, and none the GPU may still read or write (kept
-                # for the next call rather than waited for)
-                if extra > 0:
-                    picked += [(size, b) for b in bucket if self._idle_done(b)][:extra]
-            freed, dropped = self._take_idle(picked)
-            self._out = +self._out  # sizes with none out go (a new shape each step adds one)
-            self._peak = self._out.copy()
-        for buf in dropped:
-            self._drop(buf)
-        return freed
-
-    def _take_idle(self, picked: list[tuple[int, object]]) -> tuple[int, list]:
-        """Take the idle buffers ``picked`` (``(size, buffer)`` each) out of the pool, under
-        the lock, and count them let go: ``(their bytes, the buffers)``, which the caller
-        drops once the lock is released."""
-        for size, buf in picked:
-            bucket = self._free[size]
-            bucket.remove(buf)
-            if not bucket:
-                del self._free[size]
-        freed = sum(self._held(buf) for _, buf in picked)
-        self.held_bytes -= freed
-        self.drops += len(picked)
-        return freed, [buf for _, buf in picked]
-
-    def _keeps(self, counted: list, budget: int) -> dict[int, int]:
-        """How many buffers of each idle size :meth:`shrink` keeps (out and idle together):
-        a size the last step asked for, its busiest in ``counted``; another (none of it is
-        out) as many of those as fit under ``budget`` bytes (the window's busiest step's
-        need) beside what the pool keeps of the rest, the most recently asked first."""
-        keeps = {size: max(p[size] for p in counted) for size in self._free}
-        held = 0
-        for size, k in self._peak.items():  # the sizes the last step asked for: out and kept
-            if k:
-                out = self._out[size]
-                held += size * (out + min(len(self._free.get(size, ())),
-                                          max(0, keeps.get(size, 0) - out)))
-        others = [size for size in keeps if not self._peak[size]]
-        age = {}  # steps since each of them was asked for
-        for k, (_, peak) in enumerate(reversed(self._window)):
-            for size in others:
-                if peak[size] and size not in age:
-                    age[size] = k
-        for size in sorted(others, key=lambda s: age.get(s, 0)):
-            keeps[size] = min(keeps[size], len(self._free[size]), max(0, budget - held) // size)
-            held += size * keeps[size]
-        return keeps
+            self._free.setdefault(self._size(buf), []).append(buf)
 
     def clear(self) -> None:
         """Drop every idle buffer (buffers still acquired stay counted until released)."""
@@ -447,52 +322,13 @@ class SizePool:
 
 
 class PinnedBufferPool(SizePool):
-    """Exact-size host buffers (:class:`HostMemory`, pinned where possible), the one pinned
-    pool of the package: the pipeline's staging and the hooks' uncompressed copies.
+    """Exact-size host buffers (:class:`HostMemory`, pinned where possible): the pipeline's
+    staging. (The hooks' plain copies are carved from chunks instead, ``offload._copy_arena``:
+    exact sizes pinned a buffer for every new sequence length.)"""
 
-    ``get``/``put`` also bound the bytes held (``max_bytes``: ``get`` returns None rather than
-    grow past it) and count the bytes handed out (``in_use_bytes``)."""
-
-    def __init__(self, pin: bool, max_bytes: int | None = None):
+    def __init__(self, pin: bool):
         super().__init__()
         self.pin = pin
-        self.max_bytes = max_bytes
-        self.in_use_bytes = 0
-
-    def get(self, nbytes: int) -> HostMemory | None:
-        """A buffer of exactly ``nbytes``, or None when making one would pass ``max_bytes``
-        even with the spare buffers let go (the largest first): the idle ones of sizes that
-        ``shrink`` kept though the step before it did not ask for them never stand in the
-        way of a buffer needed now. (Other idle buffers stay: letting a size the last step
-        used go for another would pin and unpin one every step under a tight bound.)"""
-        dropped = []
-        with self._lock:
-            over = (0 if self.max_bytes is None
-                    else self.held_bytes + nbytes - self.max_bytes)
-            if over > 0 and not self._free.get(nbytes):
-                idle = sorted(((size, buf) for size in self._spare if size != nbytes
-                               for buf in self._free.get(size, ()) if self._idle_done(buf)),
-                              key=lambda sb: -sb[0])
-                picked, freed = [], 0
-                for size, buf in idle:  # the largest first, until they cover ``over``
-                    if freed >= over:
-                        break
-                    picked.append((size, buf))
-                    freed += self._held(buf)
-                if freed < over:
-                    return None
-                _, dropped = self._take_idle(picked)
-        for buf in dropped:
-            self._drop(buf)
-        mem = self.acquire(nbytes)
-        with self._lock:
-            self.in_use_bytes += mem.held_bytes
-        return mem
-
-    def put(self, mem: HostMemory) -> None:
-        with self._lock:
-            self.in_use_bytes -= mem.held_bytes
-        self.release(mem)
 
     def _make(self, nbytes: int) -> HostMemory:
         return HostMemory(nbytes, self.pin)
@@ -507,9 +343,6 @@ class PinnedBufferPool(SizePool):
         if mem.last_use is not None:  # a copy still queued on it: unpinned after it
             mem.last_use.synchronize()
         mem.release()
-
-    def _idle_done(self, mem: HostMemory) -> bool:
-        return mem.last_use is None or mem.last_use.query()
 
     def stats(self) -> dict:
         out = super().stats()

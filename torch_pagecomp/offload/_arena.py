@@ -627,7 +627,7 @@ class VirtualArena:
         the rest. A lone spike of the window is not counted (``pools.spike_free``: a first
         step or a gradient check lets its extra chunks go at the next shrink); steps whose
         sizes change from one to the next (a new sequence length each) all are. Until
-        session 78 every step over ``pools.OUTLIER`` times the window's upper median was left
+        session 78 every step over 1.25 times the window's upper median was left
         out, and with a new length each step the longest steps' chunks went and were pinned
         again a few steps later (GPT-2: 2.3 pinned and 2.5 unpinned a step,
         ``bench/results/h200_session78``).

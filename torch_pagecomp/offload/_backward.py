@@ -322,7 +322,7 @@ class Backward:
                 e.src = e.parts = None
             off._failed.clear()
             off._poll()
-            off.pool.shrink()  # pinned copies of sizes this step no longer saved
+            off.pool.shrink()  # the plain copies: chunks no recent step used
             for store in off._paged.values():
                 store.arena.shrink()
                 store.end_step()

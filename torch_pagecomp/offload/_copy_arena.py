@@ -2,17 +2,17 @@
 chunks kept from step to step, whatever sizes the steps save.
 
 A plain copy needs page-locked memory of its storage's size. Buffers pooled by exact size
-(``pools.PinnedBufferPool``, the hooks' pool until session 78) serve only a storage of that same
-size. A training loop whose batches change shape (dynamic padding: each batch padded to its
-longest sequence, as transformers' collators and torchtune without packing do) saves other
-sizes every step: each step pinned new buffers and the pool's shrink unpinned the old ones,
-and pinning costs tens of milliseconds per 64 MiB (``cudaHostRegister``, 37 ms on an H200
-host, ``_arena.VirtualArena.shrink``) while unpinning waits for the whole device. On one
-H200 with a new length each step, plain copies ran encoder-1024's step in 698 ms against 49
-ms at one length, pinning and unpinning 45 buffers a step; GPT-2 and BERT-large 1,508 and
-1,116 ms (``bench/results/h200_session78``, ``bench.dev_varlen``). Here any size is carved
-from the chunks already pinned, so once they hold the longest step a step pins nothing, as
-the compressed store's arena (``_arena``) does.
+(``pools.PinnedBufferPool``, the hooks' pool until session 78, now the pipeline's staging only)
+serve only a storage of that same size. A training loop whose batches change shape (dynamic
+padding: each batch padded to its longest sequence, as transformers' collators and torchtune
+without packing do) saves other sizes every step: each step pinned new buffers and the pool's
+shrink (removed since) unpinned the old ones, and pinning costs tens of milliseconds per 64
+MiB (``cudaHostRegister``, 37 ms on an H200 host, ``_arena.VirtualArena.shrink``) while
+unpinning waits for the whole device. On one H200 with a new length each step, plain copies
+ran encoder-1024's step in 698 ms against 49 ms at one length, pinning and unpinning 45
+buffers a step; GPT-2 and BERT-large 1,508 and 1,116 ms (``bench/results/h200_session78``,
+``bench.dev_varlen``). Here any size is carved from the chunks already pinned, so once they
+hold the longest step a step pins nothing, as the compressed store's arena (``_arena``) does.
 
 * **Blocks**: ``round_up(n, ALIGN)`` bytes (carved and given back by ``pools._Chunk``, as
   ``pools.HostArena``'s), from the chunk whose largest free range is the smallest that holds
@@ -81,8 +81,7 @@ class PinnedCopyArena:
     ``get(n, stream)`` carves a block (pinning a chunk where none has room; None where that
     would pass ``max_bytes``) and makes ``stream`` wait for the GPU's last use of its bytes;
     ``put`` frees it. ``held_bytes`` (pinned), ``in_use_bytes`` (carved), ``misses`` /
-    ``drops`` (chunks pinned / unpinned so far) as ``pools.PinnedBufferPool`` counts them.
-    Called under the offloader's lock."""
+    ``drops`` (chunks pinned / unpinned so far). Called under the offloader's lock."""
 
     def __init__(self, pin: bool, max_bytes: int | None = None, chunk_bytes: int = CHUNK_BYTES):
         self.pin, self.max_bytes = pin, max_bytes
