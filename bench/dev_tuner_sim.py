@@ -6,12 +6,18 @@ clock on thousands of simulated runs. Each pass draws a sequence length ``L`` fr
 of 8 in [16, 64] (dynamic padding, lengths from a quarter of the longest to all of it),
 offloads ``12,000 * L`` bytes and lasts
 
-    (fixed + bytes / 1e4 * per_byte[arm] + quadratic * L**2 / 64) * (1 + U(-jitter, jitter)) ms
+    (fixed + bytes / 1e4 * per_byte[arm] + quadratic * L**2 / 64) * (1 + U(-jitter, jitter))
+        * exp(d) ms
+
 
 where the faster arm's ``per_byte`` is ``1 - gap`` and the other's 1: a part every step pays
 (optimizer, launches), a part per byte offloaded (the link, or the kernels and a shorter link
 time), and attention's part, quadratic in the length. At the mean length the part per byte is
-48 ms and the quadratic one (``quadratic`` 1) 25 ms.
+48 ms and the quadratic one (``quadratic`` 1) 25 ms. ``d`` is a slow drift of the whole step,
+both arms alike (``--drift SIGMA``: ``d`` follows ``d' = 0.8 d + N(0, SIGMA)``, so spells of
+slower passes last a few passes): a host-bound step on a busy host, as BERT-large's on one H200,
+whose copied passes ran 133-191 ms a few passes apart (``bench/results/h200_session81``).
+With ``--step 64`` every pass has one length (16).
 
 A run is ``--passes`` passes of the default tuner (eight warm-up passes, two trials per arm, a
 check of four). The table counts, per case, the runs that ended on the slower arm (its choice,
@@ -27,6 +33,7 @@ The tuner imported is printed (point ``PYTHONPATH`` at another checkout to compa
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 
@@ -50,22 +57,26 @@ class FakeClock:
 
 def one_run(seed: int, fixed: float, quadratic: float, jitter: float, faster: str,
             gap: float, passes: int, first: float = 0.0,
-            step: int = 8) -> tuple[bool, bool, float]:
+            step: int = 8, drift: float = 0.0) -> tuple[bool, bool, float]:
     """(ended on the slower arm, trials started again, last passes' time over the faster's).
     ``first``: ms the first pass at each length pays on top (whatever the arm); ``step``:
-    the lengths' spacing."""
+    the lengths' spacing; ``drift``: the step's slow drift (see the module docstring)."""
     rng = random.Random(seed)
     seen = set()
     clock = FakeClock()
     tuner = StepTuner(retune=10_000, clock=clock)
     per_byte = {a: (1 - gap if a == faster else 1.0) for a in _tune.ARMS}
     arms, took, best = [], [], []
+    d = 0.0
     for _ in range(passes):
         arm = tuner.start_pass()
         length = rng.randrange(16, 65, step)
         nbytes = 12_000 * length
         tuner.add_bytes(nbytes)
         noise = 1 + rng.uniform(-jitter, jitter)
+        if drift:
+            d = 0.8 * d + rng.gauss(0.0, drift)
+            noise *= math.exp(d)
         rest = fixed + quadratic * length * length / 64 + (first if length not in seen else 0)
         seen.add(length)
         ms = (rest + nbytes / 1e4 * per_byte[arm]) * noise
@@ -91,12 +102,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "new shape: cuDNN attention's plans, bench.dev_newlength)")
     ap.add_argument("--step", type=int, default=8,
                     help="lengths' spacing in [16, 64]: 8 gives 7 lengths, 1 gives 49")
+    ap.add_argument("--drift", type=float, default=0.0,
+                    help="SIGMA of the whole step's slow drift, both arms alike (0: none)")
     args = ap.parse_args(argv)
     cases = ([tuple(float(v) for v in c.split(",")) for c in args.case] if args.case
              else CASES)
     ways = [(arm, float(g)) for g in args.gaps.split(",") for arm in ("compress", "copy")]
     print(f"tuner: {_tune.__file__}; {args.runs} runs of {args.passes} passes a case; "
-          f"lengths every {args.step} in [16, 64]; a new length's first pass +{args.first:g} ms")
+          f"lengths every {args.step} in [16, 64]; a new length's first pass +{args.first:g} ms; "
+          f"drift {args.drift:g}")
     print("| fixed ms | quadratic | jitter | faster arm (per byte) | ended slower | "
           "trials again | last 20 passes / faster's (mean) |")
     print("|---|---|---|---|---|---|---|")
@@ -104,7 +118,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for fixed, quadratic, jitter in cases:
         for faster, gap in ways:
             res = [one_run(args.seed + i, fixed, quadratic, jitter, faster, gap, args.passes,
-                           args.first, args.step) for i in range(args.runs)]
+                           args.first, args.step, args.drift) for i in range(args.runs)]
             row = {"fixed": fixed, "quadratic": quadratic, "jitter": jitter, "faster": faster,
                    "gap": gap, "wrong": sum(r[0] for r in res),
                    "again": sum(r[1] for r in res),

@@ -73,7 +73,16 @@ read once completed, never waited for), or the host clock without CUDA:
    (``bench/results/h200_7683f39_session44``). A close call, the other arm's shortest trial
    within ``CLOSE`` above the chosen arm's median, is settled by the two medians too: a
    trial can run well above the steps that arm settles into, and the choice then stood on
-   that alone. Each arm's idle memory is given back only once
+   that alone. The two arms' settled passes run one arm after the other, so a slow spell of
+   the host fell on one arm's: on BERT-large at one length (one H200) the copied trials ran
+   134-136 ms against compressing's 149-160, two of the four copied passes of the check
+   187-191, the compressed ones after them 146-163, and the tuner compressed on their
+   medians (161.9 against 177.2) where compressed steps ran 1.20x copied ones in the same
+   run (``bench/results/h200_session81``). So each arm's trial passes and its settled ones
+   decide together (the same passes, unscaled: 149.5 against 160.0). Simulated with the whole
+   step drifting (``bench.dev_tuner_sim --drift``), that ended fewer runs on the slower
+   arm in 96 cases of 192 and more in 7 (by 1-7 runs of 400). Each arm's idle memory is
+   given back only once
    the check is done (``ActivationOffloader._tuned_arm``): a switch it takes back would pin
    it all again;
 5. a pass that made host memory (pinned an arena chunk or a copy buffer: milliseconds to
@@ -424,9 +433,10 @@ class StepTuner:
                 return
             self._rival = (self.choice, self._settled_raw[1:])
             verdict, arm = "measuring", other  # its settled passes are timed next
-        else:
-            best = {self._rival[0]: statistics.median(self._at_usual(self._rival[1], shape)),
-                    self.choice: median}
+        else:  # each arm's trial passes and settled ones together (item 4)
+            best = {arm: statistics.median(self._at_usual(self._trial_raw[arm] + passes, shape))
+                    for arm, passes in ((self._rival[0], self._rival[1]),
+                                        (self.choice, self._settled_raw[1:]))}
             self._rival = None
             verdict, arm = "checked", self._choose(best)
         if arm != self.choice:
