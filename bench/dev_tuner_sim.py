@@ -28,6 +28,8 @@ faster arm would have taken on the same lengths.
     python -m bench.dev_tuner_sim --runs 400
 
 The tuner imported is printed (point ``PYTHONPATH`` at another checkout to compare).
+``--check interleaved`` runs :class:`InterleavedCheck`, an experiment on the check (not in the
+package).
 """
 
 from __future__ import annotations
@@ -47,6 +49,50 @@ CASES = [  # (fixed ms, quadratic, jitter)
 TAIL = 20
 
 
+class InterleavedCheck(StepTuner):
+    """``--check interleaved``, an experiment: where the package's check (item 4 of
+    ``_tune``) times the other arm's settled passes after the chosen arm's, this one times
+    ``trials`` more pairs of each arm, alternating as the trials do, and every pass of each
+    arm (trials, the chosen arm's settled passes, the new pairs) decides together: a slow
+    spell of the host then falls on both arms alike."""
+
+    _extra: list | None = None  # (the first trials' passes, the chosen arm's settled ones)
+
+    def _check_settled(self) -> None:
+        shape = self._shape()
+        median = statistics.median(self._at_usual(self._settled_raw[1:], shape))
+        other = "copy" if self.choice == "compress" else "compress"
+        best = self._trial_best(shape)
+        best[self.choice] = median
+        if self._choose(best) == self.choice and best[other] > median * (1.0 + _tune.CLOSE):
+            self._final()
+            return
+        self._extra = [{a: list(v) for a, v in self._trial_raw.items()},
+                       (self.choice, self._settled_raw[1:])]
+        self._trial_raw = {a: [] for a in _tune.ARMS}
+        pairs = [(a, t) for a in (other, self.choice) for t in (False, True)]
+        self._schedule, self._phase = pairs * self.trials, "trial"
+        self.history.append({"choice": self.choice, "measuring": True})
+
+    def _decide(self) -> None:
+        if self._extra is None:
+            return super()._decide()
+        first, (arm, settled) = self._extra
+        self._extra = None
+        passes = {a: first[a] + self._trial_raw[a] for a in _tune.ARMS}
+        passes[arm] += settled
+        self._trial_raw, self._settled_raw = passes, []
+        shape = self._shape()
+        best = {a: statistics.median(self._at_usual(v, shape)) for a, v in passes.items()}
+        self.choice = self._choose(best)
+        self._phase, self._settled, self._settled_raw = "settled", 0, []
+        self._final()
+        self.history.append({"choice": self.choice, "checked": True})
+
+
+TUNERS = {"package": StepTuner, "interleaved": InterleavedCheck}
+
+
 class FakeClock:
     def __init__(self):
         self.t = 1000.0
@@ -57,14 +103,15 @@ class FakeClock:
 
 def one_run(seed: int, fixed: float, quadratic: float, jitter: float, faster: str,
             gap: float, passes: int, first: float = 0.0,
-            step: int = 8, drift: float = 0.0) -> tuple[bool, bool, float]:
+            step: int = 8, drift: float = 0.0,
+            tuner_class: type = StepTuner) -> tuple[bool, bool, float]:
     """(ended on the slower arm, trials started again, last passes' time over the faster's).
     ``first``: ms the first pass at each length pays on top (whatever the arm); ``step``:
     the lengths' spacing; ``drift``: the step's slow drift (see the module docstring)."""
     rng = random.Random(seed)
     seen = set()
     clock = FakeClock()
-    tuner = StepTuner(retune=10_000, clock=clock)
+    tuner = tuner_class(retune=10_000, clock=clock)
     per_byte = {a: (1 - gap if a == faster else 1.0) for a in _tune.ARMS}
     arms, took, best = [], [], []
     d = 0.0
@@ -104,13 +151,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="lengths' spacing in [16, 64]: 8 gives 7 lengths, 1 gives 49")
     ap.add_argument("--drift", type=float, default=0.0,
                     help="SIGMA of the whole step's slow drift, both arms alike (0: none)")
+    ap.add_argument("--check", choices=sorted(TUNERS), default="package",
+                    help="the package's check, or the experiment InterleavedCheck")
     args = ap.parse_args(argv)
     cases = ([tuple(float(v) for v in c.split(",")) for c in args.case] if args.case
              else CASES)
     ways = [(arm, float(g)) for g in args.gaps.split(",") for arm in ("compress", "copy")]
     print(f"tuner: {_tune.__file__}; {args.runs} runs of {args.passes} passes a case; "
           f"lengths every {args.step} in [16, 64]; a new length's first pass +{args.first:g} ms; "
-          f"drift {args.drift:g}")
+          f"drift {args.drift:g}; check: {args.check}")
     print("| fixed ms | quadratic | jitter | faster arm (per byte) | ended slower | "
           "trials again | last 20 passes / faster's (mean) |")
     print("|---|---|---|---|---|---|---|")
@@ -118,7 +167,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for fixed, quadratic, jitter in cases:
         for faster, gap in ways:
             res = [one_run(args.seed + i, fixed, quadratic, jitter, faster, gap, args.passes,
-                           args.first, args.step, args.drift) for i in range(args.runs)]
+                           args.first, args.step, args.drift, TUNERS[args.check])
+                   for i in range(args.runs)]
             row = {"fixed": fixed, "quadratic": quadratic, "jitter": jitter, "faster": faster,
                    "gap": gap, "wrong": sum(r[0] for r in res),
                    "again": sum(r[1] for r in res),

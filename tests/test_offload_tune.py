@@ -929,3 +929,24 @@ def test_the_tuner_simulation_drifts_both_arms_alike(capsys):
     rows = dev_tuner_sim.main(["--runs", "2", "--case", "0,0,0.02", "--gaps", "0.3",
                                "--step", "64", "--drift", "0.1"])
     assert len(rows) == 2 and "drift 0.1" in capsys.readouterr().out
+
+
+def test_the_tuner_simulation_interleaved_check_experiment():
+    """``--check interleaved`` (``bench.dev_tuner_sim.InterleavedCheck``): on a clear gap it
+    keeps the faster arm; on a close call its check times pairs of both arms, alternating,
+    and every pass decides (a ``checked`` entry follows the ``measuring`` one)."""
+    from bench import dev_tuner_sim
+
+    res = [dev_tuner_sim.one_run(random.randrange(1 << 30), 20.0, 0.0, 0.02, faster, 0.5, 80,
+                                 tuner_class=dev_tuner_sim.InterleavedCheck)
+           for faster in ("copy", "compress")]
+    assert all(not wrong and tail < 1.001 for wrong, _, tail in res), res
+    clock = FakeClock()
+    tuner = dev_tuner_sim.InterleavedCheck(warmup=1, trials=2, retune=100, check=4, clock=clock)
+    base = random.uniform(100, 300)
+    arms = run_passes(tuner, clock, {"compress": base, "copy": base * 1.02}, 1 + 8 + 5)
+    arms += run_passes(tuner, clock, {"compress": base, "copy": base * 0.8}, 8 + 10)
+    assert arms[9:14] == ["compress"] * 5, arms
+    assert arms[14:22] == ["copy", "copy", "compress", "compress"] * 2, arms
+    assert [h["choice"] for h in tuner.history][-1] == "copy" and tuner.history[-1]["checked"]
+    assert set(arms[23:]) == {"copy"} and not tuner.checking
