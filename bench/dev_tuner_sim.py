@@ -59,14 +59,10 @@ class InterleavedCheck(StepTuner):
     _extra: list | None = None  # (the first trials' passes, the chosen arm's settled ones)
 
     def _check_settled(self) -> None:
-        shape = self._shape()
-        median = statistics.median(self._at_usual(self._settled_raw[1:], shape))
-        other = "copy" if self.choice == "compress" else "compress"
-        best = self._trial_best(shape)
-        best[self.choice] = median
-        if self._choose(best) == self.choice and best[other] > median * (1.0 + _tune.CLOSE):
+        if self._settled_holds(self._shape())[0]:
             self._final()
             return
+        other = "copy" if self.choice == "compress" else "compress"
         self._extra = [{a: list(v) for a, v in self._trial_raw.items()},
                        (self.choice, self._settled_raw[1:])]
         self._trial_raw = {a: [] for a in _tune.ARMS}
@@ -85,7 +81,7 @@ class InterleavedCheck(StepTuner):
         shape = self._shape()
         best = {a: statistics.median(self._at_usual(v, shape)) for a, v in passes.items()}
         self.choice = self._choose(best)
-        self._phase, self._settled, self._settled_raw = "settled", 0, []
+        self._phase, self._settled = "settled", 0
         self._final()
         self.history.append({"choice": self.choice, "checked": True})
 
@@ -94,11 +90,16 @@ TUNERS = {"package": StepTuner, "interleaved": InterleavedCheck}
 
 
 class FakeClock:
+    """``perf_counter`` stand-in (seconds): ``advance(ms)`` makes time pass."""
+
     def __init__(self):
         self.t = 1000.0
 
     def __call__(self) -> float:
         return self.t
+
+    def advance(self, ms: float) -> None:
+        self.t += ms / 1e3
 
 
 def one_run(seed: int, fixed: float, quadratic: float, jitter: float, faster: str,
@@ -130,7 +131,7 @@ def one_run(seed: int, fixed: float, quadratic: float, jitter: float, faster: st
         arms.append(arm)
         took.append(ms)
         best.append((rest + nbytes / 1e4 * per_byte[faster]) * noise)
-        clock.t += ms / 1e3
+        clock.advance(ms)
     wrong = tuner.choice != faster or any(a != faster for a in arms[-8:])
     decisions = sum(1 for d in tuner.history if not d.get("measuring") and not d.get("checked"))
     return wrong, decisions > 1, sum(took[-TAIL:]) / sum(best[-TAIL:])

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+from bench.dev_tuner_sim import FakeClock
 from tests.test_offload import (
     GPT,
     assert_clean,
@@ -26,19 +27,6 @@ from tests.test_offload import (
 from torch_pagecomp import StepTuner
 from torch_pagecomp.offload import offload_module
 from torch_pagecomp.offload._tune import CLOSE, FRESH, RECENT, time_shape
-
-
-class FakeClock:
-    """``perf_counter`` stand-in: ``advance(ms)`` makes time pass."""
-
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, ms: float) -> None:
-        self.t += ms / 1e3
 
 
 def run_passes(tuner: StepTuner, clock: FakeClock, ms: dict, n: int, nbytes: int = 1 << 20,

@@ -417,22 +417,29 @@ class StepTuner:
             self._interval = self.retune
         self._kept = None
 
-    def _check_settled(self) -> None:
-        """The chosen arm's settled passes (the first left out) in place of its trial time:
-        if the other arm wins there, or its shortest trial is within ``CLOSE`` of them, its
-        settled passes are measured too and the two medians decide (see the module
-        docstring)."""
-        shape = self._shape()
+    def _settled_holds(self, shape: tuple[float, float]) -> tuple[bool, dict]:
+        """Whether the chosen arm's settled passes (the first left out) confirm it, set in
+        place of its trial time against the other arm's shortest trial: it still wins there,
+        and by more than ``CLOSE`` (else a close call); and the times so set (ms)."""
         median = statistics.median(self._at_usual(self._settled_raw[1:], shape))
+        best = self._trial_best(shape)
+        best[self.choice] = median
+        other = "copy" if self.choice == "compress" else "compress"
+        return self._choose(best) == self.choice and best[other] > median * (1.0 + CLOSE), best
+
+    def _check_settled(self) -> None:
+        """The chosen arm's settled passes in place of its trial time (:meth:`_settled_holds`):
+        where they do not confirm it, the other arm's settled passes are measured too, and
+        each arm's trial and settled passes together decide (see the module docstring)."""
+        shape = self._shape()
         if self._rival is None:
-            other = "copy" if self.choice == "compress" else "compress"
-            best = self._trial_best(shape)
-            best[self.choice] = median
-            if self._choose(best) == self.choice and best[other] > median * (1.0 + CLOSE):
+            holds, best = self._settled_holds(shape)
+            if holds:
                 self._final()
                 return
             self._rival = (self.choice, self._settled_raw[1:])
-            verdict, arm = "measuring", other  # its settled passes are timed next
+            # its settled passes are timed next
+            verdict, arm = "measuring", "copy" if self.choice == "compress" else "compress"
         else:  # each arm's trial passes and settled ones together (item 4)
             best = {arm: statistics.median(self._at_usual(self._trial_raw[arm] + passes, shape))
                     for arm, passes in ((self._rival[0], self._rival[1]),
