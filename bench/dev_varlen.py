@@ -142,13 +142,11 @@ def measure(name: str, arms: list[str], lengths: list[int], warmup: int,
     peaks = {a: 0.0 for a in arms}
     made = {a: [0, 0] for a in offs}  # pinned / unpinned in the timed rounds
     ways = []  # the way speed's tuner gave each timed step
-    reset = False
     for c, first in enumerate(range(0, len(lengths), block)):
         rounds = range(first, min(first + block, len(lengths)))
-        if not reset and rounds[-1] >= warmup:  # the chunk holding the first timed round
+        if c == warmup // block:  # the chunk holding the first timed round
             for off in offs.values():
                 off.reset_peak_stats()
-            reset = True
         for arm in arms[c % len(arms):] + arms[:c % len(arms)]:
             for r in rounds:
                 length, timed = lengths[r], r >= warmup
