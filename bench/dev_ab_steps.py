@@ -71,9 +71,6 @@ host waited up to 34 ms a step for placements, ``bench/results/h200x2_session70`
 ``memory_join``: a batch joined by one
 ``torch.cat`` before its compress, as before session 57 (now the compress reads the
 members where they lie, ``PagedStore.takes_parts``).
-``memory_second_kept``: the second payload's buffer kept between its slices (let go once two
-slices in a row found the first free, or idle at a slice over the last step's peak), as
-before session 82, when it came to be made per slice and let go with it;
 ``memory_slots1``: one payload (``_paged.SCRATCH_SLICES``), as before session 61;
 ``memory_in_turn``: both payloads held and taken in turn, not the second only while the link
 is behind (``PagedStore._slot``); ``memory_in_turn32``: that, with slices of 32 MiB (the two
@@ -146,8 +143,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "memory_lastpeak", "memory_no_wait", "memory_second_kept", "speed", "speed_copy_only",
-        "speed_warm2")
+        "memory_lastpeak", "memory_no_wait", "speed", "speed_copy_only", "speed_warm2")
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
@@ -187,7 +183,7 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
 
     if arm.startswith("memory_in_turn"):  # both payloads held, taken in turn (session 61's
         # first way), not the second only while the link is behind
-        return [(PagedStore, "_slot", _in_turn), (PagedStore, "_payload", _payload_kept)] + [
+        return [(PagedStore, "_slot", _in_turn)] + [
             (importlib.import_module(m), name, v) for m, name, v in PATCHES.get(arm, ())]
     if arm in PATCHES:
         return [(importlib.import_module(m), name, v) for m, name, v in PATCHES[arm]]
@@ -217,9 +213,6 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm == "memory_lazy":  # a due compressed store stays held (as if the link were always
         # behind) until the in-flight bound stores the oldest
         return [(PagedStore, "refusal", lambda self, nbytes: "backlog")]
-    if arm == "memory_second_kept":  # the second payload's buffer kept between its slices
-        # and let go by the rule before session 82 (:func:`_slot_kept`)
-        return [(PagedStore, "_slot", _slot_kept), (PagedStore, "_payload", _payload_kept)]
     if arm == "memory_alloc":  # a payload of the caching allocator per slice (before 49)
         return [(PagedStore, "_payload", _fresh_payload)]
     if arm == "memory_whole":  # a batch restored into one buffer, as before 0df64c3
@@ -283,48 +276,6 @@ def _pick_no_wait(store, nbytes: int, pick):
             if other is not slot and (other.last is None or other.last.done()):
                 return other
     return slot
-
-
-IDLE_SLICES = 2  # (memory_second_kept) slices that found the first payload free before the
-# second's buffer went
-
-
-def _slot_kept(store, nbytes: int):
-    """``PagedStore._slot`` before session 82 (the ``memory_second_kept`` arm): a slot other
-    than the first is taken where its last slice is done and it holds a buffer already or one
-    fits under the last step's peak; its buffer is kept until ``IDLE_SLICES`` slices in a row
-    found the first free, or until it is idle at a slice over that peak."""
-    slots = store._slots
-    slot = next((s for i, s in enumerate(slots) if (s.last is None or s.last.done())
-                 and (i == 0 or s.buf is not None or store._below_peak(nbytes))), None)
-    if slot is None:
-        slot = min((s for i, s in enumerate(slots) if i == 0 or s.buf is not None),
-                   key=lambda s: s.used)
-    store._uses += 1
-    slot.used = store._uses
-    for other in slots[1:]:
-        if other is slot or other.buf is None or not (other.last is None or other.last.done()):
-            continue
-        if slot is slots[0] and store._uses - other.used >= IDLE_SLICES or \
-                not store._below_peak(0):
-            other.buf = None
-    return slot
-
-
-def _payload_kept(store, slot, n: int, device):
-    """``PagedStore._payload`` before session 82 (the ``memory_second_kept`` arm): every slot
-    keeps its buffer while slices fit it."""
-    import torch
-
-    p, buf = store.page_size, slot.buf
-    if slot.end is None:
-        slot.end = torch.zeros(1, dtype=torch.int64, device=device)
-    if buf is None or not n * p <= buf.numel() <= 2 * n * p:
-        buf = slot.buf = torch.empty(n * p, dtype=torch.uint8, device=device)
-        if store.pack_stream is not None:
-            buf.record_stream(store.pack_stream)
-            buf.record_stream(store.send_stream)
-    return buf
 
 
 def _in_turn(store, nbytes: int):

@@ -83,15 +83,13 @@ def test_round_trip_across_slices_and_chunks(gen, element_size, kind):
 
 
 @interpreter
-def test_the_first_payload_follows_the_slices_size_and_the_second_goes_with_its_slice(
-        gen, monkeypatch):
-    """The first payload is a buffer reused while a slice needs at most what it holds and at
-    least half of it (no allocation per slice), made again otherwise (kept at the largest
-    slice it held a ResNet's first slices through the forward); the second is made for its
-    slice and never kept; ``release_payloads`` lets the first go (the next slice makes it
-    again). Storages of varying sizes come back exactly. Run with both payloads taken in turn,
-    the general case (the package takes the second only while the link is behind: its own
-    test below)."""
+def test_slices_take_their_payloads_from_a_ring_that_follows_their_size(gen, monkeypatch):
+    """Each slice's fixed-stride payload is a buffer reused while a slice needs at most what
+    it holds and at least half of it (no allocation per slice), made again otherwise (a ring
+    kept at the largest slice held it through the forward); storages of varying sizes come
+    back exactly, and ``release_payloads`` lets the ring go (the next slice makes it again).
+    Run with both buffers taken in turn, the general case (the package takes the second only
+    while the link is behind: its own test below)."""
     from torch_pagecomp.offload import _paged
 
     def in_turn(store, nbytes):
@@ -102,26 +100,27 @@ def test_the_first_payload_follows_the_slices_size_and_the_second_goes_with_its_
 
     monkeypatch.setattr(_paged.PagedStore, "_slot", in_turn)
     store = _store(slice_bytes=4 * P)
-    first, second = store._slots
     ptrs = []
+
+    def ring() -> list:
+        return [slot.buf for slot in store._slots]
 
     def store_pages(pages: int, extra: int = 0):
         s = _data(gen, pages * P + extra, "bf16")
         stored = store.offload(s, 2)
-        assert second.buf is None  # never kept
-        ptrs.append(None if first.buf is None else first.buf.data_ptr())
+        ptrs.append([b.data_ptr() if b is not None else None for b in ring()])
         return s, stored
 
-    kept = [store_pages(8), store_pages(8)]  # slices of 4 pages: the first 4 pages
-    assert first.buf.numel() == 4 * P and ptrs[0] == ptrs[1]
-    kept.append(store_pages(6, 5))  # 4 + 2 pages: the first took 4, the second 2
-    assert ptrs[2] == ptrs[1] and second.last is kept[-1][1].slices[1]
-    kept.append(store_pages(1))  # the first's slice of 1 page: less than half, made again
-    assert first.buf.numel() == P
+    kept = [store_pages(8), store_pages(8)]  # slices of 4 pages: both buffers 4 pages
+    assert len(ring()) == _paged.SCRATCH_SLICES
+    assert all(b.numel() == 4 * P for b in ring()) and ptrs[0] == ptrs[1]
+    kept.append(store_pages(6, 5))  # 4 + 2 pages: 2 is half of 4, still reused
+    assert ptrs[2] == ptrs[1]
+    kept.append(store_pages(1))  # a slice of 1 page: less than half, made again at 1
+    assert sorted(b.numel() for b in ring()) == [P, 4 * P]
     store.release_payloads()
-    assert first.buf is None and second.buf is None
-    kept.append(store_pages(3))  # (the second's turn)
-    assert first.buf is None
+    assert all(b is None for b in ring())
+    kept.append(store_pages(3))
     store.poll()
     for s, st in kept:
         out = torch.full_like(s, POISON)
@@ -136,9 +135,9 @@ def test_a_second_payload_only_while_the_first_holds_pages_not_sent(gen, monkeyp
     """The store's payloads: the first, and a second only while the first still holds pages
     that have not left it (the link behind; an exponent-coded slice's are sent once the host
     has read its placement, so a tensor's next slice takes the second) and only under the
-    GPU's peak of the last step (``_below_peak``, stood in for here: no GPU); the second's
-    buffer is never kept past its slice; ``scratch_bytes`` bounds both. Every slice comes back
-    exactly, with either codec."""
+    GPU's peak of the last step (``_below_peak``, stood in for here: no GPU), let go once
+    ``IDLE_SLICES`` slices in a row found the first free, or once idle and over that peak;
+    ``scratch_bytes`` bounds both. Every slice comes back exactly, with either codec."""
     from torch_pagecomp.offload import _arena, _paged
 
     assert _paged.SCRATCH_SLICES == 2
@@ -153,7 +152,6 @@ def test_a_second_payload_only_while_the_first_holds_pages_not_sent(gen, monkeyp
         srcs.append(_data(gen, pages * P + 3, "bf16"))
         stored.append(store.offload(srcs[-1], 2, float_format=float_format))
         store.poll()  # (as the hooks do before each saved tensor)
-        assert second.buf is None
         return stored[-1].slices
 
     slices = offload(8)
@@ -165,53 +163,25 @@ def test_a_second_payload_only_while_the_first_holds_pages_not_sent(gen, monkeyp
     with monkeypatch.context() as behind:
         behind.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
         slices = offload(3)  # the link behind: the second
-        assert second.last is slices[0]
-    slices = offload(2)  # caught up: the first
-    assert first.last is slices[0]
+        assert second.last is slices[0] and second.buf is not None
+    for _ in range(_paged.IDLE_SLICES):  # caught up: the first, the second let go
+        assert second.buf is not None
+        slices = offload(2)
+        assert first.last is slices[0]
+    assert second.buf is None
     under[0] = False  # over the last step's peak: the first, though the link is behind
     with monkeypatch.context() as behind:
         behind.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
         slices = offload(3)
-        assert first.last is slices[0]
-    for s, st in zip(srcs, stored):
-        out = torch.full_like(s, POISON)
-        store.restore(st, out)
-        assert torch.equal(out, s)
-
-
-@interpreter
-def test_the_second_kept_probe_keeps_the_second_payload_between_its_slices(gen, monkeypatch):
-    """``bench.dev_ab_steps``' ``memory_second_kept`` arm (the rule before session 82): the
-    second payload's buffer stays after its slice, and goes once ``IDLE_SLICES`` slices in a
-    row found the first free; the package lets it go with its slice. Every tensor comes back
-    exactly."""
-    from bench import dev_ab_steps
-    from bench.dev_ab_steps import _arm_patch
-    from torch_pagecomp.offload import _arena
-
-    store = _store(slice_bytes=4 * P)
-    monkeypatch.setattr(PagedStore, "_below_peak", lambda self, nbytes: True)
-    first, second = store._slots
-    srcs, stored = [], []
-
-    def offload(pages):
-        srcs.append(_data(gen, pages * P, "bf16"))
-        stored.append(store.offload(srcs[-1], 2, float_format="bf16"))
-        store.poll()
-        return stored[-1].slices
-
-    with _arm_patch("memory_second_kept"):
-        offload(2)  # the first
-        with monkeypatch.context() as behind:
-            behind.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
-            assert offload(3)[0] is second.last
-        for _ in range(dev_ab_steps.IDLE_SLICES):
-            assert second.buf is not None
-            offload(2)
-        assert second.buf is None
+        assert first.last is slices[0] and second.buf is None
+    under[0] = True
     with monkeypatch.context() as behind:
         behind.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
-        assert offload(3)[0] is second.last and second.buf is None
+        offload(3)
+        assert second.buf is not None
+    under[0] = False  # idle, and over the peak: let go at the next slice
+    offload(1)
+    assert second.buf is None
     for s, st in zip(srcs, stored):
         out = torch.full_like(s, POISON)
         store.restore(st, out)
@@ -238,7 +208,7 @@ def test_the_no_wait_probe_takes_the_other_payload_where_the_host_would_wait(gen
         with _arm_patch("memory_no_wait"):
             assert store._pick(2 * P) is second
             stored.append(store.offload(srcs[1], 2, float_format="bf16"))
-        assert second.last is stored[1].slices[0] and second.buf is None  # (not kept)
+        assert second.last is stored[1].slices[0] and second.buf is not None
     store.poll()
     for src, st in zip(srcs, stored):
         out = torch.full_like(src, POISON)

@@ -56,12 +56,10 @@ SLICE_BYTES = 64 << 20  # pages per compress launch: fills the GPU, bounds the s
 # while the link is behind (the first still holds pages not sent), a second, so that the
 # compress of one slice runs while the copy engine sends the one before; the exponent codec's
 # pages are sent only once the host has read their placement, so with one payload the link
-# waited for each compress and for the host between slices. Only the first buffer is kept
-# between slices: the second is made for its slice and let go as its pages leave it, so it is
-# held only while its slice is in flight (kept, it sat idle at the forward's peak: 2 x 64 MiB
-# of payloads there on the ResNet-style model, its peak 1.227 GiB against a plain copy's
-# 1.211; ``bench/results/h200_session82``).
+# waited for each compress and for the host between slices. The second goes once the first is
+# free again.
 SCRATCH_SLICES = 2
+IDLE_SLICES = 2  # slices that found the first payload free before the others' buffers go
 BACKLOG_BYTES = CHUNK_BYTES  # bytes on their way to host memory past which due batches wait
 
 
@@ -493,17 +491,16 @@ class PagedStore:
                                   sl.kinds, *scratch, n))
 
     def _pick(self, nbytes: int) -> _PayloadSlot:
-        """The payload slot the next slice (``nbytes`` of pages) takes: the first where its last
-        slice's pages have left it; else another whose last slice is done, where a buffer of
-        ``nbytes`` fits under the GPU's peak of the last step (:meth:`_below_peak`); else the
-        first (the compress waits for its last slice on the device)."""
-        first = self._slots[0]
-        if first.last is None or first.last.done():
-            return first
-        for slot in self._slots[1:]:
-            if (slot.last is None or slot.last.done()) and self._below_peak(nbytes):
-                return slot
-        return first
+        """The payload slot the next slice (``nbytes`` of pages) takes: the first whose last
+        slice's pages have left it (the first slot before the others), else the one used
+        longest ago (its pages leave first); a slot other than the first only where it holds
+        a buffer already or one fits under the GPU's peak (:meth:`_below_peak`)."""
+        for i, slot in enumerate(self._slots):
+            if slot.last is None or slot.last.done():
+                if i == 0 or slot.buf is not None or self._below_peak(nbytes):
+                    return slot
+        return min((s for i, s in enumerate(self._slots)
+                    if i == 0 or s.buf is not None), key=lambda s: s.used)
 
     def _below_peak(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more of GPU memory now stay under the peak that the caching
@@ -524,20 +521,30 @@ class PagedStore:
     def _slot(self, nbytes: int) -> _PayloadSlot:
         """:meth:`_pick`, marked used. A second payload is taken only while the link is behind
         (the first still holds pages not sent) and only under the GPU's peak of the last step;
-        its buffer lives as long as its slice's pages are in it (:meth:`_payload`)."""
+        held for a whole forward, two raised ResNet-50's GPU peak above a plain copy's (1.350
+        against 1.315 GiB, one H200, ``bench/results/h200_session61``). It goes once
+        ``IDLE_SLICES`` slices in a row found the first free (not at the first: a tensor of
+        two slices takes it for its second slice, and would make it again for every tensor),
+        or once it is idle and no longer fits under that peak."""
         slot = self._pick(nbytes)
         self._uses += 1
         slot.used = self._uses
+        for other in self._slots[1:]:
+            if other is slot or other.buf is None:
+                continue
+            if other.last is not None and not other.last.done():
+                continue
+            if (slot is self._slots[0] and self._uses - other.used >= IDLE_SLICES
+                    or not self._below_peak(0)):
+                other.buf = None  # (freed after the streams that used it: record_stream)
         return slot
 
     def _payload(self, slot: _PayloadSlot, n: int, device: torch.device) -> torch.Tensor:
         """A flat ``uint8`` buffer of at least ``n * P`` bytes for a slice's compressed pages
         (LZ4's at a fixed stride, the exponent codec's end to end from its start; the GPU's
-        launches take its address, :func:`_rows` views it as pages): the first slot's buffer,
-        kept between slices, whose last slice's pages the compress stream waits to have left
-        it (a view of it per slice cost ~5 us of host time, once per stored slice); another
-        slot's made for this slice and let go with it (freed once its pages have left it). A
-        payload of
+        launches take its address, :func:`_rows` views it as pages): ``slot``'s buffer
+        (:meth:`_slot`), whose last slice's pages the compress stream waits to have left it
+        (a view of it per slice cost ~5 us of host time, once per stored slice). A payload of
         the caching allocator per slice, read on the pack stream (``record_stream``), cost
         the hooks 3-6 ms of host time a step under FSDP2 (sampled,
         ``bench/results/h200x2_91fcaaa_session49``).
@@ -550,12 +557,10 @@ class PagedStore:
         if slot.end is None:  # (kept for the store's life: each plan leaves it at 0)
             slot.end = torch.zeros(1, dtype=torch.int64, device=device)
         if buf is None or not n * p <= buf.numel() <= 2 * n * p:
-            buf = torch.empty(n * p, dtype=torch.uint8, device=device)
+            buf = slot.buf = torch.empty(n * p, dtype=torch.uint8, device=device)
             if self.pack_stream is not None:  # freed (replaced, released) after its packs
                 buf.record_stream(self.pack_stream)  # and copies (queued before: a sent
                 buf.record_stream(self.send_stream)  # slice holds it until then)
-            if slot is self._slots[0]:  # the others' only while their slice holds them
-                slot.buf = buf
         return buf
 
     def release_payloads(self) -> None:
