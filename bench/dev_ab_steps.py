@@ -71,6 +71,8 @@ host waited up to 34 ms a step for placements, ``bench/results/h200x2_session70`
 ``memory_join``: a batch joined by one
 ``torch.cat`` before its compress, as before session 57 (now the compress reads the
 members where they lie, ``PagedStore.takes_parts``).
+``memory_second_per_slice``: the second payload made for each of its slices and let go with
+it, not kept between them (session 82: a lower peak, a slower step; not adopted);
 ``memory_slots1``: one payload (``_paged.SCRATCH_SLICES``), as before session 61;
 ``memory_in_turn``: both payloads held and taken in turn, not the second only while the link
 is behind (``PagedStore._slot``); ``memory_in_turn32``: that, with slices of 32 MiB (the two
@@ -143,7 +145,8 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "memory_lastpeak", "memory_no_wait", "speed", "speed_copy_only", "speed_warm2")
+        "memory_lastpeak", "memory_no_wait", "memory_second_per_slice", "speed",
+        "speed_copy_only", "speed_warm2")
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
@@ -213,6 +216,11 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm == "memory_lazy":  # a due compressed store stays held (as if the link were always
         # behind) until the in-flight bound stores the oldest
         return [(PagedStore, "refusal", lambda self, nbytes: "backlog")]
+    if arm == "memory_second_per_slice":  # the second payload made for its slice, let go
+        # with it (session 82: a lower peak, a slower step; :func:`_payload_second_per_slice`)
+        real = PagedStore._payload
+        return [(PagedStore, "_payload", lambda self, slot, n, device:
+                 _payload_second_per_slice(self, slot, n, device, real))]
     if arm == "memory_alloc":  # a payload of the caching allocator per slice (before 49)
         return [(PagedStore, "_payload", _fresh_payload)]
     if arm == "memory_whole":  # a batch restored into one buffer, as before 0df64c3
@@ -295,6 +303,27 @@ def _fresh_payload(store, slot, n: int, device):
     buf = torch.empty((n, store.page_size), dtype=torch.uint8, device=device)
     if store.pack_stream is not None:
         buf.record_stream(store.pack_stream)
+    return buf
+
+
+def _payload_second_per_slice(store, slot, n: int, device, real):
+    """``PagedStore._payload``, except that a slot other than the first keeps no buffer: each
+    of its slices gets one of its own, freed once its pages have left it (the
+    ``memory_second_per_slice`` arm; ``_pick`` then takes the second only under the last
+    step's peak at every slice). One H200, session 82 (``bench/results/h200_session82``): the
+    ResNet-style model's GPU peak 1.215 against 1.229 GiB, but ``memory``'s step 2-7% slower
+    on it, ResNet-50 and the Llama-style model (the host waited for placements 2-6 times as
+    long): not adopted. ``real``: the package's ``_payload``, which the first slot keeps."""
+    if slot is store._slots[0]:
+        return real(store, slot, n, device)
+    import torch
+
+    if slot.end is None:
+        slot.end = torch.zeros(1, dtype=torch.int64, device=device)
+    buf = torch.empty(n * store.page_size, dtype=torch.uint8, device=device)
+    if store.pack_stream is not None:  # freed after its packs and copies
+        buf.record_stream(store.pack_stream)
+        buf.record_stream(store.send_stream)
     return buf
 
 

@@ -1848,3 +1848,35 @@ def test_random_sequences_keep_every_live_slice_in_backed_chunks(gen):
         store.free(stored)
     store.release_idle()
     assert arena.held_bytes == 0
+
+
+@interpreter
+def test_the_second_per_slice_probe_keeps_no_second_payload(gen, monkeypatch):
+    """``bench.dev_ab_steps``' ``memory_second_per_slice`` arm (session 82's experiment): a
+    slice that takes the second payload gets a buffer of its own, which the slot does not
+    keep; the package keeps it for the next. Every tensor comes back exactly."""
+    from bench.dev_ab_steps import _arm_patch
+    from torch_pagecomp.offload import _arena
+
+    store = _store(slice_bytes=4 * P)
+    monkeypatch.setattr(PagedStore, "_below_peak", lambda self, nbytes: True)
+    first, second = store._slots
+    srcs, stored = [], []
+
+    def offload(pages):
+        srcs.append(_data(gen, pages * P, "bf16"))
+        stored.append(store.offload(srcs[-1], 2, float_format="bf16"))
+        store.poll()
+        return stored[-1].slices
+
+    for arm, kept in (("memory_second_per_slice", False), ("memory", True)):
+        with _arm_patch(arm):
+            offload(2)  # the first
+            with monkeypatch.context() as behind:  # the link behind: the second
+                behind.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
+                assert offload(3)[0] is second.last
+            assert (second.buf is not None) == kept and first.buf is not None
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
