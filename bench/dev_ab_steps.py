@@ -73,6 +73,8 @@ host waited up to 34 ms a step for placements, ``bench/results/h200x2_session70`
 members where they lie, ``PagedStore.takes_parts``).
 ``memory_second_per_slice``: the second payload made for each of its slices and let go with
 it, not kept between them (session 82: a lower peak, a slower step; not adopted);
+``memory_payload_grow``: a payload buffer made again only where a slice needs more than it
+holds (not also where it needs less than half of it);
 ``memory_slots1``: one payload (``_paged.SCRATCH_SLICES``), as before session 61;
 ``memory_in_turn``: both payloads held and taken in turn, not the second only while the link
 is behind (``PagedStore._slot``); ``memory_in_turn32``: that, with slices of 32 MiB (the two
@@ -145,8 +147,8 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "uncompressed_eager", "memory_eager", "memory_slice32", "memory_slice16", "memory_slots2",
         "memory_join", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
-        "memory_lastpeak", "memory_no_wait", "memory_second_per_slice", "speed",
-        "speed_copy_only", "speed_warm2")
+        "memory_lastpeak", "memory_no_wait", "memory_second_per_slice", "memory_payload_grow",
+        "speed", "speed_copy_only", "speed_warm2")
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
@@ -221,6 +223,9 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         real = PagedStore._payload
         return [(PagedStore, "_payload", lambda self, slot, n, device:
                  _payload_second_per_slice(self, slot, n, device, real))]
+    if arm == "memory_payload_grow":  # a payload made again only where a slice needs more
+        # than it holds, never smaller (:func:`_payload_grow`)
+        return [(PagedStore, "_payload", _payload_grow)]
     if arm == "memory_alloc":  # a payload of the caching allocator per slice (before 49)
         return [(PagedStore, "_payload", _fresh_payload)]
     if arm == "memory_whole":  # a batch restored into one buffer, as before 0df64c3
@@ -303,6 +308,25 @@ def _fresh_payload(store, slot, n: int, device):
     buf = torch.empty((n, store.page_size), dtype=torch.uint8, device=device)
     if store.pack_stream is not None:
         buf.record_stream(store.pack_stream)
+    return buf
+
+
+def _payload_grow(store, slot, n: int, device):
+    """``PagedStore._payload``, except that a slot's buffer is made again only where a slice
+    needs more than it holds, not also where it needs less than half of it (the
+    ``memory_payload_grow`` arm: session 82's host samples put 1.4-1.7 ms a step on
+    encoder-1024 and ConvNeXt-T in ``_payload``'s allocation; released as before at each
+    backward's start)."""
+    import torch
+
+    p, buf = store.page_size, slot.buf
+    if slot.end is None:
+        slot.end = torch.zeros(1, dtype=torch.int64, device=device)
+    if buf is None or buf.numel() < n * p:
+        buf = slot.buf = torch.empty(n * p, dtype=torch.uint8, device=device)
+        if store.pack_stream is not None:
+            buf.record_stream(store.pack_stream)
+            buf.record_stream(store.send_stream)
     return buf
 
 

@@ -1880,3 +1880,26 @@ def test_the_second_per_slice_probe_keeps_no_second_payload(gen, monkeypatch):
         out = torch.full_like(s, POISON)
         store.restore(st, out)
         assert torch.equal(out, s)
+
+
+@interpreter
+def test_the_payload_grow_probe_keeps_a_larger_payload_for_a_smaller_slice(gen):
+    """``bench.dev_ab_steps``' ``memory_payload_grow`` arm: a slice of less than half the
+    first payload reuses it (the package makes it again at the slice's size); every tensor
+    comes back exactly."""
+    from bench.dev_ab_steps import _arm_patch
+
+    store = _store(slice_bytes=4 * P)
+    first = store._slots[0]
+    srcs, stored = [], []
+    for arm, pages in (("memory_payload_grow", 4), ("memory_payload_grow", 1), ("memory", 4),
+                       ("memory", 1)):
+        with _arm_patch(arm):
+            srcs.append(_data(gen, pages * P, "bf16"))
+            stored.append(store.offload(srcs[-1], 2, float_format="bf16"))
+            store.poll()
+        assert first.buf.numel() == (4 * P if arm == "memory_payload_grow" else pages * P)
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
