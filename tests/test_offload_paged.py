@@ -526,6 +526,14 @@ def test_gpu_stores_now_is_false_while_the_pack_stream_is_behind(gen):
     store.close()
 
 
+def _all_come_back(store: PagedStore, srcs: list, stored: list) -> None:
+    """Each of ``stored`` (a CPU store's) restored into a poisoned tensor equals its source."""
+    for s, st in zip(srcs, stored):
+        out = torch.full_like(s, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, s)
+
+
 def _offload_and_free(store: PagedStore, gen, n: int) -> None:
     """One step of a store's life: ``n`` small tensors stored, placed, then freed."""
     stored = [store.offload(_data(gen, 5 * P, "small"), 1) for _ in range(n)]
@@ -1876,10 +1884,7 @@ def test_the_second_per_slice_probe_keeps_no_second_payload(gen, monkeypatch):
                 behind.setattr(_arena._Slice, "done", lambda sl: sl is not first.last)
                 assert offload(3)[0] is second.last
             assert (second.buf is not None) == kept and first.buf is not None
-    for s, st in zip(srcs, stored):
-        out = torch.full_like(s, POISON)
-        store.restore(st, out)
-        assert torch.equal(out, s)
+    _all_come_back(store, srcs, stored)
 
 
 @interpreter
@@ -1899,7 +1904,4 @@ def test_the_payload_grow_probe_keeps_a_larger_payload_for_a_smaller_slice(gen):
             stored.append(store.offload(srcs[-1], 2, float_format="bf16"))
             store.poll()
         assert first.buf.numel() == (4 * P if arm == "memory_payload_grow" else pages * P)
-    for s, st in zip(srcs, stored):
-        out = torch.full_like(s, POISON)
-        store.restore(st, out)
-        assert torch.equal(out, s)
+    _all_come_back(store, srcs, stored)
