@@ -646,6 +646,9 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
                      f"{statistics.median(h):.1f} | {med / base:.2f}x | "
                      f"{statistics.median(first) if first else float('nan'):.1f} | "
                      f"{max(peaks):.3f} | {paired(t, res[arms[0]][0])} |")
+    drift = rounds_line({a: res[a][0] for a in arms}, rounds)
+    if drift:
+        lines.append(drift)
     if pinned:  # a pin costs the host ~37 ms a 64 MiB chunk: which timed steps paid it
         lines.append("page-locked buffers pinned in timed steps (round.step of its block: "
                      "buffers): "
@@ -735,6 +738,25 @@ def measure(name: str, arms: list[str], rounds: int, warmup: int, block: int = 1
 
 
 VARIANTS = ("none", "save_on_cpu", "uncompressed", "memory", "speed")  # arms with a JSON row
+
+
+def rounds_line(steps: dict, rounds: int) -> str | None:
+    """Each arm's median step ms round by round (``steps``: arm -> its timed steps' ms in
+    order, the same number each round), and how far apart its rounds are (the slowest
+    round's median over the fastest's): where one arm's own rounds differ by as much as two
+    arms do, medians of arms run apart compare the host's drift, not the arms (session 82:
+    BERT-large's plain copy 150 and 178 ms in its two rounds). None for one round."""
+    if rounds < 2:
+        return None
+    parts = []
+    for arm, t in steps.items():
+        per = len(t) // rounds
+        if per == 0:
+            return None
+        meds = [statistics.median(t[r * per:(r + 1) * per]) for r in range(rounds)]
+        parts.append(f"{arm} {' / '.join(f'{m:.1f}' for m in meds)} "
+                     f"({max(meds) / min(meds):.2f}x)")
+    return "each arm's median step ms by round (slowest round over fastest): " + "; ".join(parts)
 
 
 def slack_line(res: dict, done: dict) -> str | None:

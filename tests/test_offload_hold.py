@@ -1111,6 +1111,20 @@ def test_the_ab_probe_prints_the_host_slack_against_the_hooks_extra_host_time():
     assert all(v is not None and v > 0 for v in got.values()), got
 
 
+def test_the_ab_probe_prints_each_arms_rounds_apart():
+    """``dev_ab_steps``' drift line: each arm's median step by round and its slowest round
+    over its fastest; none for one round; a real run (blocks of 2 steps, 2 rounds) prints it."""
+    from bench.dev_ab_steps import measure, rounds_line
+
+    line = rounds_line({"uncompressed": [150.0, 152.0, 176.0, 180.0],
+                        "memory": [190.0, 186.0, 170.0, 172.0]}, 2)
+    assert line.endswith("uncompressed 151.0 / 178.0 (1.18x); memory 188.0 / 171.0 (1.10x)"), \
+        line
+    assert rounds_line({"memory": [1.0, 2.0]}, 1) is None
+    lines = measure("encoder-tiny", ["uncompressed", "memory"], 2, 1, device="cpu", block=2)
+    assert sum(ln.startswith("each arm's median step ms by round") for ln in lines) == 1, lines
+
+
 def test_the_ab_probe_prints_why_stores_were_put_off():
     """``dev_ab_steps``' refusal line: each arm's due stores put off a step by the reason
     (``refused_backlog`` / ``refused_payload`` / ``refused_room``) and its members put off;
