@@ -75,6 +75,8 @@ members where they lie, ``PagedStore.takes_parts``).
 it, not kept between them (session 82: a lower peak, a slower step; not adopted);
 ``memory_payload_grow``: a payload buffer made again only where a slice needs more than it
 holds (not also where it needs less than half of it);
+``memory_small_near_peak``: slices of 16 MiB, not 64, where two full payloads would not fit
+under the last step's GPU peak (written in session 82 for the ResNets' peak, not yet run);
 ``memory_slots1``: one payload (``_paged.SCRATCH_SLICES``), as before session 61;
 ``memory_in_turn``: both payloads held and taken in turn, not the second only while the link
 is behind (``PagedStore._slot``); ``memory_in_turn32``: that, with slices of 32 MiB (the two
@@ -148,7 +150,7 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_join", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
         "memory_lastpeak", "memory_no_wait", "memory_second_per_slice", "memory_payload_grow",
-        "speed", "speed_copy_only", "speed_warm2")
+        "memory_small_near_peak", "speed", "speed_copy_only", "speed_warm2")
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
@@ -223,6 +225,8 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         real = PagedStore._payload
         return [(PagedStore, "_payload", lambda self, slot, n, device:
                  _payload_second_per_slice(self, slot, n, device, real))]
+    if arm == "memory_small_near_peak":  # smaller slices where the GPU is near its peak
+        return [(PagedStore, "_slices", _slices_near_peak)]
     if arm == "memory_payload_grow":  # a payload made again only where a slice needs more
         # than it holds, never smaller (:func:`_payload_grow`)
         return [(PagedStore, "_payload", _payload_grow)]
@@ -309,6 +313,22 @@ def _fresh_payload(store, slot, n: int, device):
     if store.pack_stream is not None:
         buf.record_stream(store.pack_stream)
     return buf
+
+
+NEAR_PEAK_SLICE_BYTES = 16 << 20  # (memory_small_near_peak) a slice's bytes near the peak
+
+
+def _slices_near_peak(store, pages: int):
+    """``PagedStore._slices``, except that where two full slices' payloads would not fit under
+    the last step's GPU peak (``_below_peak``: the allocation is near it, as at a ResNet's
+    forward peak, where two 64 MiB payloads of slices in flight held its peak above a plain
+    copy's, ``bench/results/h200_session82``), slices of ``NEAR_PEAK_SLICE_BYTES`` (the
+    ``memory_small_near_peak`` arm: smaller payloads there, more launches; the
+    payloads follow the slice's size, ``_payload``). Untried on a GPU when written."""
+    most = store.slice_pages
+    if not store._below_peak(2 * most * store.page_size):
+        most = max(1, min(most, NEAR_PEAK_SLICE_BYTES // store.page_size))
+    return ((first, min(most, pages - first)) for first in range(0, pages, most))
 
 
 def _payload_grow(store, slot, n: int, device):

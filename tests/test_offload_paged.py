@@ -1905,3 +1905,29 @@ def test_the_payload_grow_probe_keeps_a_larger_payload_for_a_smaller_slice(gen):
             store.poll()
         assert first.buf.numel() == (4 * P if arm == "memory_payload_grow" else pages * P)
     _all_come_back(store, srcs, stored)
+
+
+@interpreter
+def test_the_small_near_peak_probe_cuts_smaller_slices_only_near_the_peak(gen, monkeypatch):
+    """``bench.dev_ab_steps``' ``memory_small_near_peak`` arm: where two full payloads would
+    not fit under the last step's peak, a storage is cut into slices of
+    ``NEAR_PEAK_SLICE_BYTES``; below it, into the store's own; worst-case room follows the
+    same cut. Every tensor comes back exactly."""
+    from bench import dev_ab_steps
+    from bench.dev_ab_steps import _arm_patch
+
+    monkeypatch.setattr(dev_ab_steps, "NEAR_PEAK_SLICE_BYTES", 2 * P)
+    store = _store(slice_bytes=4 * P)
+    under = [True]
+    monkeypatch.setattr(PagedStore, "_below_peak", lambda self, nbytes: under[0])
+    srcs, stored = [], []
+    with _arm_patch("memory_small_near_peak"):
+        for near in (False, True):
+            under[0] = not near
+            srcs.append(_data(gen, 8 * P + 5, "bf16"))
+            assert store.worst_case(8 * P) == (4 if near else 2) * slice_upper(
+                2 if near else 4, P, False)
+            stored.append(store.offload(srcs[-1], 2, float_format="bf16"))
+            store.poll()
+            assert [sl.n for sl in stored[-1].slices] == ([2] * 4 if near else [4, 4])
+    _all_come_back(store, srcs, stored)
