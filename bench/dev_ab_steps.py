@@ -220,16 +220,15 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm == "memory_lazy":  # a due compressed store stays held (as if the link were always
         # behind) until the in-flight bound stores the oldest
         return [(PagedStore, "refusal", lambda self, nbytes: "backlog")]
-    if arm == "memory_second_per_slice":  # the second payload made for its slice, let go
-        # with it (session 82: a lower peak, a slower step; :func:`_payload_second_per_slice`)
+    if arm in ("memory_second_per_slice", "memory_payload_grow"):  # the package's payload,
+        # let go after its slice where not the first's, or kept where it holds more than the
+        # slice needs (:func:`_payload_second_per_slice`, :func:`_payload_grow`)
         real = PagedStore._payload
-        return [(PagedStore, "_payload", lambda self, slot, n, device:
-                 _payload_second_per_slice(self, slot, n, device, real))]
+        rule = _payload_second_per_slice if arm == "memory_second_per_slice" else _payload_grow
+        return [(PagedStore, "_payload",
+                 lambda self, slot, n, device: rule(self, slot, n, device, real))]
     if arm == "memory_small_near_peak":  # smaller slices where the GPU is near its peak
         return [(PagedStore, "_slices", _slices_near_peak)]
-    if arm == "memory_payload_grow":  # a payload made again only where a slice needs more
-        # than it holds, never smaller (:func:`_payload_grow`)
-        return [(PagedStore, "_payload", _payload_grow)]
     if arm == "memory_alloc":  # a payload of the caching allocator per slice (before 49)
         return [(PagedStore, "_payload", _fresh_payload)]
     if arm == "memory_whole":  # a batch restored into one buffer, as before 0df64c3
@@ -331,43 +330,29 @@ def _slices_near_peak(store, pages: int):
     return ((first, min(most, pages - first)) for first in range(0, pages, most))
 
 
-def _payload_grow(store, slot, n: int, device):
-    """``PagedStore._payload``, except that a slot's buffer is made again only where a slice
-    needs more than it holds, not also where it needs less than half of it (the
-    ``memory_payload_grow`` arm: session 82's host samples put 1.4-1.7 ms a step on
+def _payload_grow(store, slot, n: int, device, real):
+    """``PagedStore._payload`` (``real``), except that a slot's buffer is made again only
+    where a slice needs more than it holds, not also where it needs less than half of it
+    (the ``memory_payload_grow`` arm: session 82's host samples put 1.4-1.7 ms a step on
     encoder-1024 and ConvNeXt-T in ``_payload``'s allocation; released as before at each
-    backward's start)."""
-    import torch
-
-    p, buf = store.page_size, slot.buf
-    if slot.end is None:
-        slot.end = torch.zeros(1, dtype=torch.int64, device=device)
-    if buf is None or buf.numel() < n * p:
-        buf = slot.buf = torch.empty(n * p, dtype=torch.uint8, device=device)
-        if store.pack_stream is not None:
-            buf.record_stream(store.pack_stream)
-            buf.record_stream(store.send_stream)
-    return buf
+    backward's start). Session 82 (``bench/results/h200_session82``): no step faster across
+    four models, ConvNeXt-T's peak 0.27 GiB higher: not adopted."""
+    if slot.buf is not None and slot.end is not None and slot.buf.numel() >= n * store.page_size:
+        return slot.buf
+    return real(store, slot, n, device)  # (too small, or none: made at the slice's size)
 
 
 def _payload_second_per_slice(store, slot, n: int, device, real):
-    """``PagedStore._payload``, except that a slot other than the first keeps no buffer: each
-    of its slices gets one of its own, freed once its pages have left it (the
+    """``PagedStore._payload`` (``real``), except that a slot other than the first keeps no
+    buffer: each of its slices gets one of its own, freed once its pages have left it (the
     ``memory_second_per_slice`` arm; ``_pick`` then takes the second only under the last
     step's peak at every slice). One H200, session 82 (``bench/results/h200_session82``): the
     ResNet-style model's GPU peak 1.215 against 1.229 GiB, but ``memory``'s step 2-7% slower
     on it, ResNet-50 and the Llama-style model (the host waited for placements 2-6 times as
-    long): not adopted. ``real``: the package's ``_payload``, which the first slot keeps."""
-    if slot is store._slots[0]:
-        return real(store, slot, n, device)
-    import torch
-
-    if slot.end is None:
-        slot.end = torch.zeros(1, dtype=torch.int64, device=device)
-    buf = torch.empty(n * store.page_size, dtype=torch.uint8, device=device)
-    if store.pack_stream is not None:  # freed after its packs and copies
-        buf.record_stream(store.pack_stream)
-        buf.record_stream(store.send_stream)
+    long): not adopted."""
+    buf = real(store, slot, n, device)  # (made afresh where the slot holds none)
+    if slot is not store._slots[0]:
+        slot.buf = None  # the slice holds it (its copies' streams recorded on it)
     return buf
 
 
