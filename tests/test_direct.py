@@ -223,6 +223,84 @@ def test_offload_after_close_is_refused_and_handles_stay_readable(direct, gen):
         pc.offload(x)
 
 
+# ------------------------------------------------------------------ the small store (#26)
+def _floats(gen, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` values of ``dtype`` as activations look: small normals, a fifth of them zero."""
+    x = torch.randn(n, generator=gen) * 0.02
+    x[torch.rand(n, generator=gen) < 0.2] = 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 100, 2048, 3 * 2048 + 7, 4 * 2048])
+def test_small_store_takes_16_bit_floats_exactly(direct, gen, dtype, n):
+    """bf16 / fp16 tensors up to SMALL_BYTES go to the small store (one encode, one copy,
+    one decode): exact into a poisoned output and to the CPU, its packed container decodes to
+    the same bytes, the block is trimmed to what the pages hold, and freed on free."""
+    from torch_pagecomp._direct import SmallStorage
+
+    pc = direct(codec="exp")
+    x = _floats(gen, n, dtype)
+    h = pc.offload(x)
+    assert isinstance(h._storage, SmallStorage) and h.codec == "exp" and h.ready()
+    assert torch.equal(poisoned_restore(pc, h, x).view(torch.int16), x.view(torch.int16))
+    assert torch.equal(pc.restore(h, device="cpu").view(torch.int16), x.view(torch.int16))
+    got = decompress(h.compressed()).reshape(-1)[:2 * n]
+    assert torch.equal(got, x.view(torch.uint8))
+    stored = h._storage.stored
+    d = pc.stats()["direct"]
+    assert d["small_host_used_bytes"] == -(-stored.host_nbytes() // 256) * 256
+    full = 2 * n // 4096
+    if full:  # the pages compress (their exponents are few): the block holds less
+        kin, kout = h.kernel_bytes()
+        assert kin == full * 4096 and kout < kin
+        assert h.stored_nbytes < 2 * n
+    h.free()
+    d = pc.stats()["direct"]
+    assert d["small_host_used_bytes"] == 0 and d["host_used_bytes"] == 0
+
+
+def test_small_store_names_corrupt_pages(direct, gen):
+    """A block whose metadata or pages are damaged fails restore(check=True) with the pages'
+    indexes; the other pages come back, nothing is written outside the output."""
+    pc = direct(codec="exp")
+    x = _floats(gen, 4 * 2048, torch.bfloat16)
+    h = pc.offload(x)
+    rel, sizes, kinds, pages = h._storage.stored.views()
+    sizes[1] = 4096 + 16  # more than a page
+    kinds[2] = 0x7F  # no such kind
+    out = torch.full((4 * 2048 + 64,), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(CorruptPageError) as exc:
+        pc.restore(h, out=out[:4 * 2048], check=True)
+    assert exc.value.pages == [1, 2]
+    keep = [0, 3]
+    got = out[:4 * 2048].view(4, 2048)
+    assert torch.equal(got[keep].view(torch.int16), x.view(4, 2048)[keep].view(torch.int16))
+    assert torch.equal(out[4 * 2048:], torch.full((64,), 7.0, dtype=torch.bfloat16))
+
+
+def test_small_store_leaves_larger_tensors_lz4_and_checksums_to_the_store(direct, gen,
+                                                                          monkeypatch):
+    """Past SMALL_BYTES, for LZ4's dtypes and with checksums, tensors take the arena store."""
+    from torch_pagecomp import _direct
+
+    monkeypatch.setattr(_direct, "SMALL_BYTES", 2 * 4096)
+    pc = direct(codec="exp")
+    big = _floats(gen, 3 * 2048, torch.bfloat16)
+    small = _floats(gen, 2 * 2048, torch.bfloat16)
+    ints = torch.randint(0, 9, (1024,), dtype=torch.int32, generator=gen)
+    hs = [pc.offload(t) for t in (big, small, ints)]
+    assert [type(h._storage).__name__ for h in hs] == ["DirectStorage", "SmallStorage",
+                                                       "DirectStorage"]
+    for t, h in zip((big, small, ints), hs):
+        assert torch.equal(poisoned_restore(pc, h, t).view(torch.uint8), t.view(torch.uint8))
+    checked = direct(codec="exp", checksum=True)
+    h = checked.offload(small)
+    assert type(h._storage).__name__ == "DirectStorage"
+    assert torch.equal(poisoned_restore(checked, h, small).view(torch.int16),
+                       small.view(torch.int16))
+
+
 # ---------------------------------------------------------------------------------- GPU
 
 
@@ -319,4 +397,55 @@ def test_gpu_cycles_no_growth(gen):
     assert s["bytes_held_host"] == 0 and s["direct"]["host_used_bytes"] == 0
     assert s["pinned_bytes_held"] <= s0["pinned_bytes_held"] + CHUNK_BYTES  # chunks reused
     assert s["direct"]["offloads"] == 2050
+    pc.close()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_small_store_exact_behind_busy_streams(gen, dtype):
+    """A small 16-bit float tensor (sizes from one element to SMALL_BYTES, odd ones among
+    them) offloaded after the producer's queued work and restored after the consumer's, into
+    memory the consumer used: exact, statuses clean, blocks trimmed, nothing held after
+    free."""
+    from torch_pagecomp._direct import SMALL_BYTES, SmallStorage
+
+    with PageCompressor(batch_pages=2048) as pc:
+        for n in (1, 2047, 2048, 256 * 1024 + 5, SMALL_BYTES // 2):
+            want = _floats(gen, n, dtype).cuda()
+            x = torch.zeros_like(want)
+            torch.cuda._sleep(20_000_000)
+            x.copy_(want)
+            h = pc.offload(x)
+            assert isinstance(h._storage, SmallStorage)
+            del x  # its memory may be reused once the store read it
+            torch.cuda._sleep(20_000_000)
+            out = torch.full_like(want, 3.0)
+            got = pc.restore(h, out=out)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+            assert torch.equal(pc.restore(h, device="cpu").view(torch.int16),
+                               want.cpu().view(torch.int16))
+            h.wait()
+            if n >= 2048:
+                assert 0 < h.stored_nbytes < 2 * n
+            h.free()
+        pc.synchronize()
+        d = pc.stats()["direct"]
+        assert pc.failed_restores(wait=True) == 0
+        assert d["small_host_used_bytes"] == 0 and d["small_scratch_bytes"] > 0
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_small_store_cycles_no_growth(gen):
+    """2,000 offload / restore / free cycles of a 1 MiB bf16 tensor: no GPU memory, pinned
+    memory or host bytes left behind."""
+    from torch_pagecomp.offload._small_store import CHUNK_BYTES
+
+    pc = PageCompressor(batch_pages=256)
+    x = _floats(gen, 512 * 1024, torch.bfloat16).cuda()
+    dev0, s0, s = offload_cycles(pc, x, 2000)
+    assert torch.cuda.memory_allocated() <= dev0
+    assert s["bytes_held_host"] == 0 and s["direct"]["small_host_used_bytes"] == 0
+    assert s["pinned_bytes_held"] <= s0["pinned_bytes_held"] + CHUNK_BYTES
     pc.close()

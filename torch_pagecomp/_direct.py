@@ -32,6 +32,7 @@ import torch
 from . import format as fmt
 from ._events import handoff
 from .offload._paged import PagedStore, PagedStored, SliceNotStored
+from .offload._small_store import SMALL_BYTES, SmallStore, SmallStored, gather_pages
 from .offload._streams import current_stream, on_stream
 
 META_BYTES_PER_PAGE = 13  # a placed page's metadata on the host: offset 8, size 4, kind 1
@@ -92,6 +93,20 @@ class DirectStorage:
         return self.path.compressed(self.stored)
 
 
+class SmallStorage(DirectStorage):
+    """One tensor stored by the :class:`DirectPath`'s small store (``offload._small_store``):
+    its block holds its metadata, so the host bytes are the block's."""
+
+    error = None  # (a block that cannot be had fails the offload call itself)
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Host bytes: the block (metadata, partial last page, pages); 0 until placed."""
+        if not self.path.placed(self.stored):
+            return 0
+        return self.stored.host_nbytes() or 0
+
+
 class DirectPath:
     """The kernel-only store of one ``PageCompressor`` (see the module docstring).
 
@@ -112,6 +127,11 @@ class DirectPath:
         # a handle may live long: its metadata (13 bytes a page) waits on the host, in the
         # arena behind its pages, as every store's does once placed
         self.store = PagedStore(device, page_size, streams, checksum=checksum)
+        # exponent-codec tensors of at most SMALL_BYTES: one encode, one copy, one decode
+        # (#26); checksums and pageable host memory go through the store
+        self.small = None if checksum else SmallStore(device, page_size, self.compress_stream)
+        if self.small is not None and not self.small.usable:
+            self.small = None
         # not reentrant: a finalizer that runs while this thread holds it (in the store's
         # bookkeeping) must leave its tensor in the sink, not free it there
         self._lock = threading.Lock()
@@ -133,17 +153,26 @@ class DirectPath:
         with self._lock:
             self._drain()
             self._bound(src.numel())
-            stored = self.store.offload(src, element_size, producer=producer,
-                                        float_format=float_format)
+            stored = None
+            if (self.small is not None and float_format is not None
+                    and src.numel() <= SMALL_BYTES):
+                stored = self.small.offload(src, float_format == "fp16", producer)
+            if stored is None:
+                stored = self.store.offload(src, element_size, producer=producer,
+                                            float_format=float_format)
+                last = stored.slices[-1].stored if stored.slices else stored.consumed
+            else:
+                last = stored.done
             if producer is not None:
                 src.record_stream(self.compress_stream)
-            last = stored.slices[-1].stored if stored.slices else stored.consumed
             self._in_flight.append((last, src.numel()))
             self._in_flight_bytes += src.numel()
             self._unsettled.append(stored)
             if len(self._unsettled) > 64:
                 self._settle()
             self.offloads += 1
+        if isinstance(stored, SmallStored):
+            return SmallStorage(self, stored)
         return DirectStorage(self, stored)
 
     def _bound(self, nbytes: int) -> None:
@@ -163,6 +192,8 @@ class DirectPath:
         """Count the placed sizes of the stored tensors placed since the last call (in stream
         order: the first one not placed ends it)."""
         self.store.poll()
+        if self.small is not None:
+            self.small.poll()
         while self._unsettled and self._unsettled[0].stored():
             kb = self._unsettled.popleft().kernel_bytes()
             if kb is not None:  # (None: freed before it was placed)
@@ -176,6 +207,10 @@ class DirectPath:
         it used), decodes, and the caller's stream waits for it. Returns the statuses
         (``int32``, on the device, usable on the caller's stream)."""
         consumer = self._current()
+        if isinstance(storage.stored, SmallStored):  # decoded on the caller's stream
+            with self._lock:
+                self._drain()
+                return self.small.restore(storage.stored, out, consumer)
         with self._lock:
             self._drain()
             if consumer is None:  # the CPU: done on return
@@ -194,13 +229,25 @@ class DirectPath:
     # ------------------------------------------------------------------ placement
     def placed(self, stored: PagedStored) -> bool:
         """Whether every page of ``stored`` is in host memory at a known place (no waiting)."""
+        if isinstance(stored, SmallStored):
+            if not stored.source_read():
+                return False
+            with self._lock:
+                self.small.settle(stored)
+            return stored.stored()
         if not stored.ready():
             return False
         with self._lock:
             self.store.poll()
         return stored.stored()
 
-    def wait_placed(self, stored: PagedStored) -> None:
+    def wait_placed(self, stored: PagedStored | SmallStored) -> None:
+        if isinstance(stored, SmallStored):
+            if stored.done is not None:
+                stored.done.synchronize()
+            with self._lock:
+                self.small.settle(stored)
+            return
         consumed = stored.consumed  # (set to None once seen done, from any thread)
         if consumed is not None:
             consumed.synchronize()
@@ -212,6 +259,9 @@ class DirectPath:
     def compressed(self, stored: PagedStored) -> fmt.CompressedPages:
         """``stored`` as one packed CPU ``CompressedPages`` (see ``DirectStorage``)."""
         self.wait_placed(stored)
+        if isinstance(stored, SmallStored):
+            with self._lock:
+                return self.small.compressed(stored)
         p = self.page_size
         payloads, sizes, kinds = [], [], []
         with self._lock:
@@ -221,10 +271,7 @@ class DirectPath:
                 # the slice's pages lie 16-byte aligned in the arena: gather them back to back
                 blob = torch.cat([v for _, v in self.store.arena.pieces(sl.base, sl.total)])
                 size = sl.sizes.cpu()
-                lens = size.to(torch.int64)
-                ends = torch.cumsum(lens, 0)
-                shift = torch.repeat_interleave(sl.rel.cpu() - (ends - lens), lens)
-                payloads.append(blob[torch.arange(int(ends[-1])) + shift])
+                payloads.append(gather_pages(blob, sl.rel.cpu(), size))
                 sizes.append(size)
                 kinds.append(sl.kinds.cpu())
             if stored.tail is not None:  # a RAW page, zero-padded
@@ -249,6 +296,11 @@ class DirectPath:
         if not self._sink or self.closed:
             return
         self._settle()  # count what is placed before it goes
+        small = [s for s in self._sink if isinstance(s, SmallStored)]
+        if small:
+            self._sink = [s for s in self._sink if not isinstance(s, SmallStored)]
+            for stored in small:
+                self.small.free(stored)
         self.store.free_after_restores(self._sink)
 
     def synchronize(self) -> None:
@@ -258,21 +310,35 @@ class DirectPath:
                 s.synchronize()
         with self._lock:
             self.store.poll()
+            if self.small is not None:
+                self.small.poll()
 
     def release_idle(self) -> int:
         """Unpin the chunks no stored tensor needs and free the compress scratch; returns the
         host bytes given back."""
         with self._lock:
             self._drain()
-            before = self.store.arena.held_bytes
+            before = self._host_held()
             self.store.release_idle()
-            return before - self.store.arena.held_bytes
+            if self.small is not None:
+                self.small.release_idle()
+            return before - self._host_held()
+
+    def _host_held(self) -> int:
+        return self.store.arena.held_bytes + (
+            self.small.arena.held_bytes if self.small is not None else 0)
 
     def stats(self) -> dict:
         with self._lock:
             self._drain()
             self._settle()
             st = self.store.stats()
+            if self.small is not None:  # counted in the totals too
+                small = self.small.stats()
+                st.update(small)
+                st["host_used_bytes"] += small["small_host_used_bytes"]
+                st["host_held_bytes"] += small["small_host_held_bytes"]
+                st["scratch_bytes"] += small["small_scratch_bytes"]
             st.update(offloads=self.offloads, backpressure_waits=self.waits,
                       inflight_bytes=self._in_flight_bytes, bytes_in=self.bytes_in,
                       bytes_stored=self.bytes_stored)
@@ -289,6 +355,8 @@ class DirectPath:
             with self._lock:
                 self._drain()
                 self.store.close()
+                if self.small is not None:
+                    self.small.close()
                 self.closed = True
 
 

@@ -230,6 +230,20 @@ class HostArena:
                 if len(empty) > self.keep_free_chunks:
                     self._drop(chunk)
 
+    def shrink(self, block: HostBlock, nbytes: int) -> None:
+        """Give back the end of ``block`` past its first ``nbytes`` (rounded up to ``ALIGN``):
+        for a block reserved for a worst case whose use turned out smaller."""
+        size = round_up(max(int(nbytes), 1), ALIGN)
+        with self._lock:
+            if size >= block.size:
+                return
+            block.chunk.give_back(block.offset + size, block.size - size)
+            self.used_bytes -= block.size - size
+            block.size = size
+            if nbytes < block.nbytes:
+                block.nbytes = int(nbytes)
+                block.tensor = block.tensor[:block.nbytes]
+
     def _drop(self, chunk: _Chunk) -> None:
         self._chunks.remove(chunk)
         chunk.mem.release()

@@ -210,6 +210,28 @@ def _fetch_from_host_kernel(dst_ptr, desc_ptr, table_ptr, CHUNK: tl.constexpr,
             tl.store(dst + idx, tl.where(idx < split, lo, hi), mask=m)
 
 
+@triton.jit
+def _pack_small_kernel(src_ptr, dst_ptr, ends_ptr, parity, head_words, WORDS: tl.constexpr):
+    # a small store's block (``torch_pagecomp.offload._small_store``): the metadata ahead of
+    # the pages (``head_words`` words, header included) and the pages the placed encoder laid
+    # end to end (their bytes in ``ends[parity]``), copied in 8-byte words by every program
+    # in turn, so that the stores across the link are wide and many are in flight
+    end = tl.load(ends_ptr + parity)
+    total = head_words + end // 8
+    src = src_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    dst = dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    w = tl.arange(0, WORDS)
+    step = tl.num_programs(0) * WORDS
+    for w0 in range(tl.program_id(0) * WORDS, total, step):
+        idx = w0 + w
+        m = (idx < total) & (idx >= 2)  # (words 0 and 1: the header, written below)
+        tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
+    if tl.program_id(0) == 0:
+        tl.store(dst, end)
+        # the next offload's counter (this launch reads the other one): zero before its encode
+        tl.store(ends_ptr + (1 - parity), 0)
+
+
 def link_programs(device: torch.device) -> int:
     """Programs of the kernels that move bytes over the link: a few dozen programs come close
     to a copy engine's rate and leave the rest of the GPU to the model."""
@@ -342,3 +364,49 @@ def fetch_from_host(dst: torch.Tensor, desc: torch.Tensor, table: torch.Tensor,
     launch(_fetch_from_host_kernel, grid, dst.device, (dst, desc, table),
            frozen_meta((("CHUNK", chunk_bytes), ("TABLE", table.numel()),
                         ("WORDS", PACK_WORDS * 2), ("num_warps", PACK_WARPS))), traced=False)
+
+
+def small_programs(words: int) -> int:
+    """Programs of :func:`pack_small` for a block of at most ``words`` 8-byte words: a step of
+    ``PACK_WORDS`` each, at most 128 (many stores in flight for a small block's latency)."""
+    if interpreting():
+        return 2
+    return max(1, min(128, -(-words // PACK_WORDS)))
+
+
+def pack_small(src: torch.Tensor, dst: torch.Tensor, ends: torch.Tensor, parity: int,
+               head_bytes: int, programs: int | None = None) -> None:
+    """Copy a small store's metadata and pages into its host block, on the current stream.
+
+    Args:
+        src: ``uint8`` on the device, 16-byte aligned: the header (16 bytes, not read), the
+            metadata (up to ``head_bytes``), then the pages the placed encoder laid end to end
+            (``exp_codec.compress_exp_placed``).
+        dst: ``uint8`` the device can write (page-locked host memory), 16-byte aligned, of at
+            least ``head_bytes + ends[parity]`` bytes: gets the same layout; its first 8
+            bytes the pages' bytes (``int64``).
+        ends: ``int64 [2]`` on the device: ``ends[parity]`` the pages' bytes (the encoder's
+            counter); ``ends[1 - parity]`` is set to 0 for the next offload.
+        head_bytes: bytes ahead of the pages, a multiple of 16.
+    """
+    if head_bytes % 16 or src.data_ptr() % 16 or dst.data_ptr() % 16:
+        raise ValueError("pack_small: 16-byte aligned buffers and head_bytes, got "
+                         f"head_bytes={head_bytes}")
+    programs = programs or small_programs(src.numel() // 8)
+    launch(_pack_small_kernel, (programs,), src.device,
+           (src, dst, ends, parity, head_bytes // 8), _SMALL_META, traced=False)
+
+
+def pack_small_at(index: int, stream, programs: int, addrs: tuple, parity: int,
+                  head_bytes: int, args) -> None:
+    """:func:`pack_small` given the addresses of ``(src, dst, ends)`` on CUDA device
+    ``index``, on ``stream``, without its checks (``launch.launch_known``; ``args`` the
+    tensors, or a function that makes them)."""
+    classes = (ptr_class(torch.uint8, addrs[0]), ptr_class(torch.uint8, addrs[1]),
+               ptr_class(torch.int64, addrs[2]), int_class(parity),
+               int_class(head_bytes // 8))
+    launch_known(_pack_small_kernel, (programs,), index, _SMALL_META, classes,
+                 (*addrs, parity, head_bytes // 8), args, stream)
+
+
+_SMALL_META = frozen_meta((("WORDS", PACK_WORDS), ("num_warps", PACK_WARPS)))

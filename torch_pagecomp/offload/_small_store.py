@@ -1,0 +1,321 @@
+"""``PageCompressor``'s store for small 16-bit float tensors: one encode, one copy, one decode.
+
+The kernel-only store (``_paged.PagedStore``) places each slice in two phases (the GPU plans
+where the pages go, the host reads the plan and queues the copy engine's copies) with the
+bookkeeping of a virtual arena: an ``offload`` + ``restore`` of a 1 MiB bf16 tensor took
+~270 us of host time, 5.5x a pinned copy end to end (#26, ``bench/results/h200_session76``).
+A tensor of at most ``SMALL_BYTES`` needs none of that. Per offload, on the compress stream:
+
+* the placed exponent encoder lays the pages end to end in a device scratch (one for the
+  store, reused in stream order) and writes their offsets, sizes and kinds ahead of them;
+* one copy kernel (``kernels.host_pack.pack_small``) moves the metadata and the pages (their
+  byte count read on the device) into a block of page-locked host memory reserved for the
+  worst case, and writes that count at the block's head;
+* the host, once the offload is done (a poll at a later call, never a wait), reads the count
+  and gives the block's unused end back to the arena.
+
+A restore is one launch of the exponent decoder reading the block over the link, on the
+caller's stream after a device-side wait for the offload. A freed block goes back to the
+arena once the restores queued before the free have read it.
+
+(Session 63's probe, ``bench/dev_zero_copy.py``: the encoder writing host memory page by
+page reached only 6.6-7 GB/s, hence the device scratch and the copy kernel's wide stores;
+the decoder reading host memory decoded ~45 GB/s, and a 1 MiB restore took 39 us.)
+
+Block layout (``uint8``, 16-byte aligned; the scratch the same): the pages' bytes (``int64``)
+and 8 bytes of padding, ``rel`` (``int64 [n]``, each page's offset from the pages' start),
+``sizes`` (``int32 [n]``), ``kinds`` (``uint8 [n]``), padding to 16, the partial last page
+(``nbytes % P`` raw bytes, padded to 16), then the pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import deque
+
+import torch
+
+from .. import format as fmt
+from .._events import handoff, mark
+from ..pools import HostArena
+from ._arena import _wait
+from ._streams import on_stream
+
+SMALL_BYTES = 4 << 20  # tensors up to this size take this store (the larger, ``PagedStore``)
+HEAD = 16  # the header: the pages' bytes (int64), then padding
+CHUNK_BYTES = 16 << 20  # page-locked chunks the blocks are carved from
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+class SmallStored:
+    """One tensor held by a :class:`SmallStore`: its host block and the events that order it.
+
+    ``n`` full pages of ``page_size`` bytes and ``tail`` bytes of a partial last page;
+    ``head``: the block's bytes ahead of the pages; ``pages_bytes``: the pages' bytes once
+    the host read them (the block trimmed to ``head + pages_bytes``), else None."""
+
+    kind = "compressed"
+    exp = True
+
+    def __init__(self, nbytes: int, page_size: int, block, done, fp16: bool):
+        self.nbytes, self.page_size = nbytes, page_size
+        self.n, self.tail = divmod(nbytes, page_size)
+        self.head = _head(self.n, self.tail)
+        self.block, self.base = block, block.chunk.mem.addr + block.offset
+        self.done = done  # the copy into the block is done (device event; None on the CPU)
+        self.read = None  # the latest restore's decode is done (device event)
+        self.fp16 = fp16
+        self.pages_bytes: int | None = None
+        self.freed = False
+
+    def source_read(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def stored(self) -> bool:
+        """The pages are in host memory and their size is known (never blocks)."""
+        return self.pages_bytes is not None
+
+    def host_nbytes(self) -> int | None:
+        """Host bytes held (the block: metadata, partial page, pages) once known, else None."""
+        return None if self.pages_bytes is None else self.head + self.pages_bytes
+
+    def kernel_bytes(self) -> tuple[int, int] | None:
+        """``(page bytes, stored bytes)`` of the full pages once known, else None."""
+        if self.pages_bytes is None:
+            return None
+        return self.n * self.page_size, self.pages_bytes + 13 * self.n
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(rel int64 [n], sizes int32 [n], kinds uint8 [n], pages uint8)`` of the block
+        (CPU tensors on its memory; the pages' bytes known or not)."""
+        b = self.block.tensor
+        total = self.pages_bytes if self.stored() else self.n * self.page_size
+        return (*_meta(b, self.n), b[self.head:self.head + total])
+
+
+def _head(n: int, tail: int) -> int:
+    """Bytes of a block ahead of its pages: header, metadata of ``n`` pages, partial page."""
+    return _round16(HEAD + 13 * n) + _round16(tail)
+
+
+class SmallStore:
+    """Tensors of at most ``SMALL_BYTES`` compressed by the exponent codec into page-locked
+    blocks (see the module docstring), on ``stream`` (the compress stream; None on the CPU,
+    where every call completes before it returns, the kernels in Triton's interpreter).
+    Not thread-safe: its owner (``_direct.DirectPath``) calls it under its lock."""
+
+    def __init__(self, device: torch.device, page_size: int, stream):
+        self.device, self.page_size, self.stream = device, page_size, stream
+        cuda = stream is not None
+        from ..pools import can_pin
+
+        self.arena = HostArena(pin=cuda and can_pin(), chunk_bytes=CHUNK_BYTES,
+                               keep_free_chunks=1)
+        self.usable = not cuda or self.arena.pin  # the GPU writes the blocks by address
+        self.scratch: torch.Tensor | None = None
+        self.ends: torch.Tensor | None = None  # the encoder's counters, used in turn
+        self.parity = 0
+        self._untrimmed: deque[SmallStored] = deque()  # in stream order
+        self._freeing: list[SmallStored] = []
+
+    # ------------------------------------------------------------------ offload
+    def offload(self, src: torch.Tensor, fp16: bool, producer) -> SmallStored | None:
+        """Store ``src`` (``uint8 [nbytes]``, contiguous, ``nbytes <= SMALL_BYTES``) after
+        ``producer``'s work; None where the block's memory could not be page-locked (the
+        caller stores it another way)."""
+        p, cs = self.page_size, self.stream
+        nbytes = src.numel()
+        n, tail = divmod(nbytes, p)
+        head = _head(n, tail)
+        block = self.arena.alloc(head + n * p)
+        if cs is not None and not block.chunk.mem.pinned:
+            self.arena.free(block)
+            return None
+        scratch, ends = self._scratch(head + n * p, src.device)
+        parity = self.parity
+        self.parity ^= 1
+        if cs is None:
+            self._encode_cpu(src, n, tail, head, block, scratch, ends, parity, fp16)
+            stored = SmallStored(nbytes, p, block, None, fp16)
+            self._trim(stored)
+            return stored
+        from ..kernels.exp_codec import compress_exp_placed_at
+        from ..kernels.host_pack import pack_small_at, small_programs
+
+        handoff(producer, cs)
+        s, e, index = scratch.data_ptr(), ends.data_ptr(), src.device.index
+        with on_stream(cs):
+            if tail:
+                scratch[head - _round16(tail):head - _round16(tail) + tail].copy_(src[n * p:])
+            if n:
+                compress_exp_placed_at(
+                    index, n, p, fp16, False,
+                    (src.data_ptr(), s + head, s + HEAD + 8 * n, s + HEAD + 12 * n, s + HEAD,
+                     e + 8 * parity),
+                    lambda: _encode_args(src, scratch, ends, n, p, head, parity))
+        upper = head + n * p
+        pack_small_at(index, cs, small_programs(upper // 8), (s, block.chunk.mem.addr +
+                      block.offset, e), parity, head,
+                      lambda: (scratch[:upper], block.tensor, ends, parity, head // 8))
+        stored = SmallStored(nbytes, p, block, mark(cs), fp16)
+        self._untrimmed.append(stored)
+        return stored
+
+    def _encode_cpu(self, src, n, tail, head, block, scratch, ends, parity, fp16) -> None:
+        """:meth:`offload`'s kernels on the CPU (the interpreter), through their checked
+        launchers."""
+        from ..kernels.exp_codec import compress_exp_placed
+        from ..kernels.host_pack import pack_small
+
+        p = self.page_size
+        if tail:
+            scratch[head - _round16(tail):head - _round16(tail) + tail].copy_(src[n * p:])
+        if n:
+            pages, *out = _encode_args(src, scratch, ends, n, p, head, parity)
+            compress_exp_placed(pages, fp16, tuple(out))
+        pack_small(scratch[:head + n * p], block.tensor, ends, parity, head)
+
+    def _scratch(self, nbytes: int, device: torch.device):
+        """The device scratch (at least ``nbytes``; made larger as needed) and the counters.
+        Used on the compress stream only, so a new one is reused after the kernels queued."""
+        if self.ends is None:
+            self.ends = torch.zeros(2, dtype=torch.int64, device=device)
+        if self.scratch is None or self.scratch.numel() < nbytes:
+            self.scratch = torch.empty(_round16(nbytes), dtype=torch.uint8, device=device)
+        return self.scratch, self.ends
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, stored: SmallStored, out: torch.Tensor, stream) -> torch.Tensor:
+        """Decode ``stored`` into ``out`` (``uint8 [nbytes]``, on the device) on ``stream``
+        (the current one; None on the CPU) after its offload; returns the full pages'
+        statuses (``int32 [n]``, written on ``stream``)."""
+        p, n = self.page_size, stored.n
+        _wait(stream, stored.done)
+        status = torch.empty(n, dtype=torch.int32, device=out.device)
+        total = stored.pages_bytes if stored.pages_bytes is not None else n * p
+        base = stored.base
+        if n and stream is not None:
+            from ..kernels.exp_codec import decompress_exp_into_at
+
+            decompress_exp_into_at(
+                out.device.index, p, n,
+                (base + stored.head, base + HEAD, base + HEAD + 8 * n, base + HEAD + 12 * n,
+                 out.data_ptr(), status.data_ptr()), total,
+                lambda: (*_block_args(stored, total), out[:n * p].view(n, p), status, total))
+        elif n:
+            from ..kernels.exp_codec import decompress_exp_into
+
+            pages, rel, sizes, kinds = _block_args(stored, total)
+            decompress_exp_into(pages, rel, sizes, kinds, out[:n * p].view(n, p), status,
+                                traced=False)
+        if stored.tail:
+            at = stored.head - _round16(stored.tail)
+            out[n * p:].copy_(stored.block.tensor[at:at + stored.tail], non_blocking=True)
+        if stream is not None:
+            stored.read = mark(stream)
+        return status
+
+    # ------------------------------------------------------------------ host side
+    def poll(self) -> None:
+        """Trim the blocks of finished offloads (in stream order; never waits) and give back
+        the freed blocks no restore reads any more."""
+        while self._untrimmed and self._untrimmed[0].source_read():
+            self._trim(self._untrimmed.popleft())
+        if self._freeing:
+            keep = []
+            for stored in self._freeing:
+                if stored.source_read() and (stored.read is None or stored.read.query()):
+                    self.arena.free(stored.block)
+                else:
+                    keep.append(stored)
+            self._freeing = keep
+
+    def _trim(self, stored: SmallStored) -> None:
+        """Read the pages' bytes from the block's header (the offload is done) and give the
+        block's unused end back."""
+        if stored.pages_bytes is not None or stored.freed:
+            return
+        pages = ctypes.c_int64.from_address(stored.base).value
+        stored.pages_bytes = pages
+        self.arena.shrink(stored.block, stored.head + pages)
+
+    def settle(self, stored: SmallStored) -> None:
+        """Once ``stored``'s offload is done (the caller waited for ``done``): its size known
+        and its block trimmed."""
+        self._trim(stored)
+
+    def free(self, stored: SmallStored) -> None:
+        """Give ``stored``'s block back once its offload and the restores queued so far are
+        done (:meth:`poll`)."""
+        if stored.freed:
+            return
+        self._freeing.append(stored)
+        stored.freed = True
+        self.poll()
+
+    def compressed(self, stored: SmallStored) -> fmt.CompressedPages:
+        """``stored`` as one packed CPU ``CompressedPages`` (a partial last page becomes a
+        RAW page, zero-padded); its offload done (:meth:`settle`)."""
+        self._trim(stored)
+        rel, sizes, kinds, pages = (t.clone() for t in stored.views())
+        payloads, size_parts, kind_parts = [gather_pages(pages, rel, sizes)], [sizes], [kinds]
+        if stored.tail:
+            at = stored.head - _round16(stored.tail)
+            page = torch.zeros(self.page_size, dtype=torch.uint8)
+            page[:stored.tail] = stored.block.tensor[at:at + stored.tail]
+            payloads.append(page)
+            size_parts.append(torch.tensor([self.page_size], dtype=torch.int32))
+            kind_parts.append(torch.tensor([fmt.KIND_RAW], dtype=torch.uint8))
+        return fmt.packed_pages(payloads, size_parts, kind_parts, self.page_size, "exp")
+
+    def release_idle(self) -> None:
+        """Free the device scratch and every empty chunk (made again by the next offload)."""
+        self.scratch = None
+        self.arena.trim()
+
+    def close(self) -> None:
+        """Unpin every chunk (the stream waited for by the owner); blocks are not restorable
+        afterwards."""
+        self.poll()
+        self.arena.unpin()
+        self.scratch = None
+
+    def stats(self) -> dict:
+        a = self.arena.stats()
+        return {"small_host_held_bytes": a["held_bytes"], "small_host_used_bytes": a["used_bytes"],
+                "small_scratch_bytes": (0 if self.scratch is None else self.scratch.numel())
+                + (0 if self.ends is None else 16)}
+
+
+def gather_pages(blob: torch.Tensor, rel: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """The pages at ``blob[rel[i]:rel[i] + sizes[i]]`` (CPU) back to back, in page order."""
+    lens = sizes.to(torch.int64)
+    ends = torch.cumsum(lens, 0)
+    if not ends.numel():
+        return torch.empty(0, dtype=torch.uint8)
+    shift = torch.repeat_interleave(rel.to(torch.int64) - (ends - lens), lens)
+    return blob[torch.arange(int(ends[-1])) + shift]
+
+
+def _meta(buf: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rel, sizes, kinds)`` views of a block-layout buffer for ``n`` pages."""
+    return (buf[HEAD:HEAD + 8 * n].view(torch.int64),
+            buf[HEAD + 8 * n:HEAD + 12 * n].view(torch.int32), buf[HEAD + 12 * n:HEAD + 13 * n])
+
+
+def _encode_args(src, scratch, ends, n: int, p: int, head: int, parity: int) -> tuple:
+    """The placed encoder's ``(pages, payload, sizes, kinds, rel, end)`` for :meth:`SmallStore
+    .offload` (views; the GPU's launches take addresses)."""
+    rel, sizes, kinds = _meta(scratch, n)
+    return (src[:n * p].view(n, p), scratch[head:head + n * p], sizes, kinds, rel,
+            ends[parity:parity + 1])
+
+
+def _block_args(stored: SmallStored, total: int) -> tuple:
+    """``(pages, rel, sizes, kinds)`` of ``stored``'s block for the decoder's checked path."""
+    b = stored.block.tensor
+    rel, sizes, kinds = _meta(b, stored.n)
+    return b[stored.head:stored.head + total], rel, sizes, kinds
