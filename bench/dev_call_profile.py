@@ -10,7 +10,8 @@ queue up, as a program's would).
 full launch queue's wait to whichever call meets it), the API path's functions wrapped in
 ``perf_counter_ns`` timers (``bench.dev_hook_timing.instrument``: inclusive time, one clock
 read on entry and exit), the GPU synchronised every 16 calls so the launch queue never fills;
-per function its calls per op call and mean us per call. ``--device cpu``: the
+per function its calls per op call and mean us per call; for ``offload_restore`` the
+compressor's path down to the small store's launches (``OFFLOAD_TARGETS``). ``--device cpu``: the
 same on the host path (a smoke run).
 """
 
@@ -45,7 +46,49 @@ OP_TARGETS = (
 )
 
 
-def timed_calls(name: str, fn, calls: int, cuda: bool) -> str:
+# ``PageCompressor.offload`` + ``restore`` + ``free`` of a small 16-bit float tensor: the
+# compressor, its kernel-only path and the small store (``offload._small_store``), #26
+OFFLOAD_TARGETS = (
+    "torch_pagecomp.module:PageCompressor.offload",
+    "torch_pagecomp.module:PageCompressor.restore",
+    "torch_pagecomp.module:PageCompressor._count",
+    "torch_pagecomp.module:PageCompressor._float_format",
+    "torch_pagecomp.module:PageCompressor._takes_direct",
+    "torch_pagecomp.module:_check_offloadable",
+    "torch_pagecomp.module:_not_capturing",
+    "torch_pagecomp.handles:_bytes_of",
+    "torch_pagecomp.handles:OffloadHandle.__init__",
+    "torch_pagecomp.handles:RestoreFailures.add",
+    "torch_pagecomp.pipeline:Pipeline.check_usable",
+    "torch_pagecomp._direct:DirectPath.offload",
+    "torch_pagecomp._direct:DirectPath.restore_into",
+    "torch_pagecomp._direct:DirectPath.free",
+    "torch_pagecomp._direct:DirectPath._drain",
+    "torch_pagecomp._direct:DirectPath._bound",
+    "torch_pagecomp._direct:DirectPath._settle",
+    "torch_pagecomp._direct:DirectPath._current",
+    "torch_pagecomp.offload._small_store:SmallStore.offload",
+    "torch_pagecomp.offload._small_store:SmallStore.restore",
+    "torch_pagecomp.offload._small_store:SmallStore.poll",
+    "torch_pagecomp.offload._small_store:SmallStore.free",
+    "torch_pagecomp.offload._small_store:SmallStore._trim",
+    "torch_pagecomp.offload._small_store:SmallStore._scratch",
+    "torch_pagecomp.offload._small_store:SmallStored.__init__",
+    "torch_pagecomp.pools:HostArena.alloc",
+    "torch_pagecomp.pools:HostArena.shrink",
+    "torch_pagecomp.pools:HostArena.free",
+    "torch_pagecomp._events:mark",
+    "torch_pagecomp._events:handoff",
+    "torch_pagecomp.offload._streams:current_stream",
+    "torch_pagecomp.kernels.exp_codec:compress_exp_placed_at",
+    "torch_pagecomp.kernels.exp_codec:decompress_exp_into_at",
+    "torch_pagecomp.kernels.host_pack:pack_small_at",
+    "torch_pagecomp.kernels.launch:launch_known",
+    "torch_pagecomp.kernels.launch:launch_entry",
+)
+
+
+def timed_calls(name: str, fn, calls: int, cuda: bool, targets=OP_TARGETS) -> str:
     """Per function of ``OP_TARGETS``: calls per call of ``fn`` and host us per call (mean),
     over ``calls`` calls of ``fn`` (the GPU synchronised every 16), beside ``fn``'s own."""
     import time
@@ -55,7 +98,7 @@ def timed_calls(name: str, fn, calls: int, cuda: bool) -> str:
     for _ in range(20):
         fn()
     stats = timer_stats()
-    undo = instrument(stats, OP_TARGETS)
+    undo = instrument(stats, targets)
     total = 0
     try:
         for i in range(calls):
@@ -111,6 +154,11 @@ def main() -> None:
         for op in ops:
             if op in calls:
                 print(timed_calls(op, calls[op], a.calls, cuda), flush=True)
+        if "offload_restore" in ops:
+            with pc.PageCompressor(device=dev) as comp:
+                cycle = warm_cycle(comp, x.reshape(-1).view(torch.bfloat16), 20)
+                print(timed_calls("offload + restore + free", cycle, a.calls, cuda,
+                                  OFFLOAD_TARGETS), flush=True)
         return
     pattern = "torch_pagecomp|triton_kernels|triton/runtime"
     if "compress" in ops:
