@@ -158,12 +158,16 @@ class RestoreFailures:
         self._last = torch.cuda.current_stream(device)
         self._lock = threading.Lock()
 
-    def add(self, statuses: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
-        """Count ``statuses`` (written in ``stream``'s order) with the next batch."""
+    def add(self, statuses: list[torch.Tensor], stream: torch.cuda.Stream,
+            recorded: bool = False) -> None:
+        """Count ``statuses`` (written in ``stream``'s order) with the next batch;
+        ``recorded``: their memory is kept for ``stream``'s use already (made there, or
+        ``record_stream``-ed by their maker)."""
         if not statuses:
             return
-        for s in statuses:
-            s.record_stream(stream)  # made on the kernel stream, read on this one
+        if not recorded:
+            for s in statuses:
+                s.record_stream(stream)  # made on the kernel stream, read on this one
         with self._lock:
             self._held.append((statuses, stream))
             full = len(self._held) >= self.HELD

@@ -477,7 +477,9 @@ class PageCompressor(torch.nn.Module):
             if check and statuses:
                 raise_for_status(torch.cat(statuses))
             elif statuses:  # counted on the device: see failed_restores()
-                self.restore_failures.add(statuses, consumer)
+                # (the kernel-only path's statuses are kept for the caller's stream already)
+                self.restore_failures.add(statuses, consumer,
+                                          recorded=direct and handle.checksums is None)
         elif target.type == "cpu" and direct:  # decoded on this GPU, then copied down
             with _on_device(self.device):
                 on_device = torch.empty(handle.nbytes, dtype=torch.uint8, device=self.device)

@@ -122,13 +122,19 @@ class HostMemory:
 
 @dataclass
 class HostBlock:
-    """A range of an arena chunk: ``tensor`` is ``uint8 [nbytes]`` (``size`` bytes reserved)."""
+    """A range of an arena chunk: ``tensor`` is ``uint8 [nbytes]`` (``size`` bytes reserved),
+    or None for a block allocated without a view (:meth:`HostArena.alloc`)."""
 
     chunk: _Chunk
     offset: int
     size: int
     nbytes: int
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None
+
+    @property
+    def addr(self) -> int:
+        """The block's host address."""
+        return self.chunk.mem.addr + self.offset
 
 
 @dataclass
@@ -198,26 +204,30 @@ class HostArena:
         self.hits = self.misses = self.allocs = self.frees = 0
         self.used_bytes = 0
 
-    def alloc(self, nbytes: int) -> HostBlock:
+    def alloc(self, nbytes: int, view: bool = True) -> HostBlock:
+        """A block of ``nbytes``; ``view=False``: without its ``tensor`` (a view costs the host
+        microseconds; the small store addresses its blocks, ``offload._small_store``)."""
         size = round_up(max(int(nbytes), 1), ALIGN)
         with self._lock:
             self.allocs += 1
             for chunk in self._chunks:
-                block = self._carve(chunk, size, nbytes)
+                block = self._carve(chunk, size, nbytes, view)
                 if block is not None:
                     self.hits += 1
                     return block
             self.misses += 1
             chunk = _Chunk(HostMemory(max(self.chunk_bytes, round_up(size, HOST_PAGE)), self.pin))
             self._chunks.append(chunk)
-            return self._carve(chunk, size, nbytes)
+            return self._carve(chunk, size, nbytes, view)
 
-    def _carve(self, chunk: _Chunk, size: int, nbytes: int) -> HostBlock | None:
+    def _carve(self, chunk: _Chunk, size: int, nbytes: int, view: bool = True
+               ) -> HostBlock | None:
         off = chunk.carve(size)
         if off is None:
             return None
         self.used_bytes += size
-        return HostBlock(chunk, off, size, int(nbytes), chunk.mem.tensor[off : off + nbytes])
+        return HostBlock(chunk, off, size, int(nbytes),
+                         chunk.mem.tensor[off : off + nbytes] if view else None)
 
     def free(self, block: HostBlock) -> None:
         with self._lock:
@@ -242,7 +252,8 @@ class HostArena:
             block.size = size
             if nbytes < block.nbytes:
                 block.nbytes = int(nbytes)
-                block.tensor = block.tensor[:block.nbytes]
+                if block.tensor is not None:
+                    block.tensor = block.tensor[:block.nbytes]
 
     def _drop(self, chunk: _Chunk) -> None:
         self._chunks.remove(chunk)

@@ -705,10 +705,9 @@ def compress_exp_placed_at(index: int, n: int, page_size: int, fp16: bool, rows:
     table): for the activation store, which cuts its metadata buffer by address; ``args``:
     the tensors (or a function that makes them), used only when the launch goes the usual
     way (``launch.launch_known``)."""
-    classes = (ptr_class(torch.int64 if rows else torch.uint8, addrs[0]),
-               ptr_class(torch.uint8, addrs[1]), ptr_class(torch.int32, addrs[2]),
-               ptr_class(torch.uint8, addrs[3]), ptr_class(torch.int64, addrs[4]),
-               ptr_class(torch.int64, addrs[5]))
+    classes = placed_encode_classes(addrs)
+    if rows:
+        classes = (ptr_class(torch.int64, addrs[0]),) + classes[1:]
     meta = (_encode_rows_meta(page_size, fp16, interpreting()) if rows
             else _frozen_encode_meta(page_size, fp16, interpreting()))
     launch_known(_exp_encode_placed_kernel, (n,), index, meta, classes, addrs, args)
@@ -717,6 +716,20 @@ def compress_exp_placed_at(index: int, n: int, page_size: int, fp16: bool, rows:
 @functools.cache
 def _encode_rows_meta(page_size: int, fp16: bool, interpret: bool):
     return dataclasses.replace(_encode_config(page_size, fp16, interpret), ROWS=True).meta()
+
+
+def placed_encode_launch(page_size: int, fp16: bool) -> tuple:
+    """``(kernel, settings)`` of :func:`compress_exp_placed_at`'s launch (pages, not a row
+    table), for a caller that keeps its compiled entry (``launch.launch_cached``)."""
+    return _exp_encode_placed_kernel, _frozen_encode_meta(page_size, fp16, interpreting())
+
+
+def placed_encode_classes(addrs: tuple) -> tuple:
+    """The argument classes of :func:`compress_exp_placed_at`'s launch of pages at the
+    addresses ``addrs`` (``launch.known_args``' rule)."""
+    return (ptr_class(torch.uint8, addrs[0]), ptr_class(torch.uint8, addrs[1]),
+            ptr_class(torch.int32, addrs[2]), ptr_class(torch.uint8, addrs[3]),
+            ptr_class(torch.int64, addrs[4]), ptr_class(torch.int64, addrs[5]))
 
 
 def encode_launch(page_size: int, fp16: bool) -> tuple:

@@ -402,11 +402,20 @@ def pack_small_at(index: int, stream, programs: int, addrs: tuple, parity: int,
     """:func:`pack_small` given the addresses of ``(src, dst, ends)`` on CUDA device
     ``index``, on ``stream``, without its checks (``launch.launch_known``; ``args`` the
     tensors, or a function that makes them)."""
-    classes = (ptr_class(torch.uint8, addrs[0]), ptr_class(torch.uint8, addrs[1]),
-               ptr_class(torch.int64, addrs[2]), int_class(parity),
-               int_class(head_bytes // 8))
-    launch_known(_pack_small_kernel, (programs,), index, _SMALL_META, classes,
-                 (*addrs, parity, head_bytes // 8), args, stream)
+    launch_known(_pack_small_kernel, (programs,), index, _SMALL_META,
+                 small_pack_classes(addrs, parity, head_bytes), (*addrs, parity, head_bytes // 8),
+                 args, stream)
+
+
+def small_pack_launch() -> tuple:
+    """``(kernel, settings)`` of :func:`pack_small_at`'s launch (``launch.launch_cached``)."""
+    return _pack_small_kernel, _SMALL_META
+
+
+def small_pack_classes(addrs: tuple, parity: int, head_bytes: int) -> tuple:
+    """The argument classes of :func:`pack_small_at`'s launch (``launch.known_args``' rule)."""
+    return (ptr_class(torch.uint8, addrs[0]), ptr_class(torch.uint8, addrs[1]),
+            ptr_class(torch.int64, addrs[2]), int_class(parity), int_class(head_bytes // 8))
 
 
 _SMALL_META = frozen_meta((("WORDS", PACK_WORDS), ("num_warps", PACK_WARPS)))

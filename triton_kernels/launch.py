@@ -174,6 +174,22 @@ def launch_known(kernel, grid: tuple[int, ...], index: int, meta: FrozenMeta, cl
                  None if stream is None else stream.cuda_stream)
 
 
+def launch_cached(cache: dict, key, kernel, grid: tuple[int, ...], index: int, meta: FrozenMeta,
+                  classes, values: tuple, args, stream) -> None:
+    """:func:`launch_known` on ``stream`` (a ``torch.cuda.Stream``) for a caller that keeps the
+    compiled entries itself, in ``cache`` by ``key``: a cheap stand-in that determines the
+    arguments' classes, which ``classes`` (a function) gives only on a miss. For the small
+    store's launches (``torch_pagecomp.offload._small_store``), where the layers of the
+    launchers cost a small offload and restore tens of microseconds (#26)."""
+    entry = cache.get(key)
+    if entry is not None and entries_usable(index):
+        launch_entry(entry, grid, index, values, stream.cuda_stream)
+        return
+    known = classes()
+    launch_known(kernel, grid, index, meta, known, values, args, stream)
+    cache[key] = kept_entry(kernel, index, meta, known)
+
+
 def kept_entry(kernel, index: int, meta: FrozenMeta, classes: tuple) -> tuple | None:
     """The compiled kernel the direct path keeps for ``kernel`` on device ``index`` with
     ``meta`` and arguments of ``classes`` (:func:`known_args`), as :func:`launch_known` finds

@@ -694,12 +694,17 @@ def decode_rows_at(kernel, meta, index: int, n: int, addrs: tuple, total: int, a
     and ``total``, or a function that makes them) as for ``launch.launch_known``. Without
     ``rows`` (``meta`` of the kernel's contiguous-output settings), the fifth address is that
     of ``uint8 [n, P]`` output pages."""
+    launch_known(kernel, (n,), index, meta, decode_classes(addrs, total, rows), (*addrs, total),
+                 args)
+
+
+def decode_classes(addrs: tuple, total: int, rows: bool = True) -> tuple:
+    """The argument classes of :func:`decode_rows_at`'s launch (``launch.known_args``' rule)."""
     payload, offsets, sizes, kinds, out, status = addrs
-    classes = (ptr_class(torch.uint8, payload), ptr_class(torch.int64, offsets),
-               ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds),
-               ptr_class(torch.int64 if rows else torch.uint8, out),
-               ptr_class(torch.int32, status), int_class(total))
-    launch_known(kernel, (n,), index, meta, classes, (*addrs, total), args)
+    return (ptr_class(torch.uint8, payload), ptr_class(torch.int64, offsets),
+            ptr_class(torch.int32, sizes), ptr_class(torch.uint8, kinds),
+            ptr_class(torch.int64 if rows else torch.uint8, out),
+            ptr_class(torch.int32, status), int_class(total))
 
 
 def decode_known(kernel, meta, payload: torch.Tensor, offsets: torch.Tensor | None,

@@ -37,6 +37,7 @@ import torch
 
 from .. import format as fmt
 from .._events import handoff, mark
+from ..kernels.launch import launch_cached
 from ..pools import HostArena
 from ._arena import _wait
 from ._streams import on_stream
@@ -64,7 +65,7 @@ class SmallStored:
         self.nbytes, self.page_size = nbytes, page_size
         self.n, self.tail = divmod(nbytes, page_size)
         self.head = _head(self.n, self.tail)
-        self.block, self.base = block, block.chunk.mem.addr + block.offset
+        self.block, self.base = block, block.addr
         self.done = done  # the copy into the block is done (device event; None on the CPU)
         self.read = None  # the latest restore's decode is done (device event)
         self.fp16 = fp16
@@ -91,9 +92,16 @@ class SmallStored:
     def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rel int64 [n], sizes int32 [n], kinds uint8 [n], pages uint8)`` of the block
         (CPU tensors on its memory; the pages' bytes known or not)."""
-        b = self.block.tensor
+        b = stored_view(self.block)
         total = self.pages_bytes if self.stored() else self.n * self.page_size
         return (*_meta(b, self.n), b[self.head:self.head + total])
+
+
+def stored_view(block) -> torch.Tensor:
+    """A block's ``uint8 [nbytes]`` view (made here where it was allocated without one)."""
+    if block.tensor is not None:
+        return block.tensor
+    return block.chunk.mem.tensor[block.offset:block.offset + block.nbytes]
 
 
 def _head(n: int, tail: int) -> int:
@@ -120,6 +128,7 @@ class SmallStore:
         self.parity = 0
         self._untrimmed: deque[SmallStored] = deque()  # in stream order
         self._freeing: list[SmallStored] = []
+        self._launches: dict = {}  # compiled entries (``launch.launch_cached``)
 
     # ------------------------------------------------------------------ offload
     def offload(self, src: torch.Tensor, fp16: bool, producer) -> SmallStored | None:
@@ -130,7 +139,7 @@ class SmallStore:
         nbytes = src.numel()
         n, tail = divmod(nbytes, p)
         head = _head(n, tail)
-        block = self.arena.alloc(head + n * p)
+        block = self.arena.alloc(head + n * p, view=cs is None)
         if cs is not None and not block.chunk.mem.pinned:
             self.arena.free(block)
             return None
@@ -142,24 +151,30 @@ class SmallStore:
             stored = SmallStored(nbytes, p, block, None, fp16)
             self._trim(stored)
             return stored
-        from ..kernels.exp_codec import compress_exp_placed_at
-        from ..kernels.host_pack import pack_small_at, small_programs
+        from ..kernels.exp_codec import placed_encode_classes, placed_encode_launch
+        from ..kernels.host_pack import small_pack_classes, small_pack_launch, small_programs
 
         handoff(producer, cs)
         s, e, index = scratch.data_ptr(), ends.data_ptr(), src.device.index
-        with on_stream(cs):
-            if tail:
+        if tail:
+            with on_stream(cs):
                 scratch[head - _round16(tail):head - _round16(tail) + tail].copy_(src[n * p:])
-            if n:
-                compress_exp_placed_at(
-                    index, n, p, fp16, False,
-                    (src.data_ptr(), s + head, s + HEAD + 8 * n, s + HEAD + 12 * n, s + HEAD,
-                     e + 8 * parity),
-                    lambda: _encode_args(src, scratch, ends, n, p, head, parity))
+        if n:
+            enc = (src.data_ptr(), s + head, s + HEAD + 8 * n, s + HEAD + 12 * n, s + HEAD,
+                   e + 8 * parity)
+            kernel, meta = placed_encode_launch(p, fp16)
+            # (the classes: the source's alignment, and the metadata's and the counter's,
+            # which follow from n % 4 and parity)
+            launch_cached(self._launches, ("encode", fp16, enc[0] & 15 == 0, n % 4, parity),
+                          kernel, (n,), index, meta, lambda: placed_encode_classes(enc), enc,
+                          lambda: _encode_args(src, scratch, ends, n, p, head, parity), cs)
         upper = head + n * p
-        pack_small_at(index, cs, small_programs(upper // 8), (s, block.chunk.mem.addr +
-                      block.offset, e), parity, head,
-                      lambda: (scratch[:upper], block.tensor, ends, parity, head // 8))
+        pack = (s, block.addr, e)
+        kernel, meta = small_pack_launch()
+        launch_cached(self._launches, ("pack", parity, (head // 8) & 15 == 0), kernel,
+                      (small_programs(upper // 8),), index, meta,
+                      lambda: small_pack_classes(pack, parity, head), (*pack, parity, head // 8),
+                      lambda: (scratch[:upper], stored_view(block), ends, parity, head // 8), cs)
         stored = SmallStored(nbytes, p, block, mark(cs), fp16)
         self._untrimmed.append(stored)
         return stored
@@ -176,7 +191,7 @@ class SmallStore:
         if n:
             pages, *out = _encode_args(src, scratch, ends, n, p, head, parity)
             compress_exp_placed(pages, fp16, tuple(out))
-        pack_small(scratch[:head + n * p], block.tensor, ends, parity, head)
+        pack_small(scratch[:head + n * p], stored_view(block), ends, parity, head)
 
     def _scratch(self, nbytes: int, device: torch.device):
         """The device scratch (at least ``nbytes``; made larger as needed) and the counters.
@@ -198,13 +213,19 @@ class SmallStore:
         total = stored.pages_bytes if stored.pages_bytes is not None else n * p
         base = stored.base
         if n and stream is not None:
-            from ..kernels.exp_codec import decompress_exp_into_at
+            from ..kernels.exp_codec import into_launches
+            from ..kernels.lz4_decompress import decode_classes
 
-            decompress_exp_into_at(
-                out.device.index, p, n,
-                (base + stored.head, base + HEAD, base + HEAD + 8 * n, base + HEAD + 12 * n,
-                 out.data_ptr(), status.data_ptr()), total,
-                lambda: (*_block_args(stored, total), out[:n * p].view(n, p), status, total))
+            at = (base + stored.head, base + HEAD, base + HEAD + 8 * n, base + HEAD + 12 * n,
+                  out.data_ptr(), status.data_ptr())
+            (kernel, meta), = into_launches(p)
+            # (the classes: the output's alignment and the metadata's, from n % 4; the
+            # block's pages and ``total`` are multiples of 16)
+            launch_cached(self._launches, ("decode", at[4] & 15 == 0, n % 4), kernel, (n,),
+                          out.device.index, meta, lambda: decode_classes(at, total, False),
+                          (*at, total),
+                          lambda: (*_block_args(stored, total), out[:n * p].view(n, p), status,
+                                   total), stream)
         elif n:
             from ..kernels.exp_codec import decompress_exp_into
 
@@ -213,7 +234,7 @@ class SmallStore:
                                 traced=False)
         if stored.tail:
             at = stored.head - _round16(stored.tail)
-            out[n * p:].copy_(stored.block.tensor[at:at + stored.tail], non_blocking=True)
+            out[n * p:].copy_(stored_view(stored.block)[at:at + stored.tail], non_blocking=True)
         if stream is not None:
             stored.read = mark(stream)
         return status
@@ -265,7 +286,7 @@ class SmallStore:
         if stored.tail:
             at = stored.head - _round16(stored.tail)
             page = torch.zeros(self.page_size, dtype=torch.uint8)
-            page[:stored.tail] = stored.block.tensor[at:at + stored.tail]
+            page[:stored.tail] = stored_view(stored.block)[at:at + stored.tail]
             payloads.append(page)
             size_parts.append(torch.tensor([self.page_size], dtype=torch.int32))
             kind_parts.append(torch.tensor([fmt.KIND_RAW], dtype=torch.uint8))
@@ -316,6 +337,6 @@ def _encode_args(src, scratch, ends, n: int, p: int, head: int, parity: int) -> 
 
 def _block_args(stored: SmallStored, total: int) -> tuple:
     """``(pages, rel, sizes, kinds)`` of ``stored``'s block for the decoder's checked path."""
-    b = stored.block.tensor
+    b = stored_view(stored.block)
     rel, sizes, kinds = _meta(b, stored.n)
     return b[stored.head:stored.head + total], rel, sizes, kinds
