@@ -33,6 +33,7 @@ from ._events import mark
 from .api import raise_for_status
 from .format import PageCompError, dtype_element_size
 from .handles import OffloadHandle, RestoreFailures, _bytes_of, _checked, _page_sums
+from .offload._streams import current_stream
 from .pipeline import Pipeline, PipelineStopped, SlotState  # noqa: F401 (re-exported)
 from .storage import Storage
 from .timing import overlapping_slots
@@ -462,8 +463,6 @@ class PageCompressor(torch.nn.Module):
         dst = _bytes_of(out)
         if target.type == "cuda" and self.pipeline.cuda and target == self.device:
             _not_capturing("restore")
-            from .offload._streams import current_stream  # (the package imports this module)
-
             with _on_device(self.device):
                 consumer = current_stream(self.device)
                 if direct:

@@ -366,10 +366,11 @@ def fetch_from_host(dst: torch.Tensor, desc: torch.Tensor, table: torch.Tensor,
                         ("WORDS", PACK_WORDS * 2), ("num_warps", PACK_WARPS))), traced=False)
 
 
-def small_programs(words: int) -> int:
+def small_programs(words: int, interpret: bool | None = None) -> int:
     """Programs of :func:`pack_small` for a block of at most ``words`` 8-byte words: a step of
-    ``PACK_WORDS`` each, at most 128 (many stores in flight for a small block's latency)."""
-    if interpreting():
+    ``PACK_WORDS`` each, at most 128 (many stores in flight for a small block's latency);
+    ``interpret``: whether Triton's interpreter runs it (None: read now)."""
+    if interpreting() if interpret is None else interpret:
         return 2
     return max(1, min(128, -(-words // PACK_WORDS)))
 

@@ -31,13 +31,14 @@ and 8 bytes of padding, ``rel`` (``int64 [n]``, each page's offset from the page
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections import deque
 
 import torch
 
 from .. import format as fmt
 from .._events import handoff, mark
-from ..kernels.launch import launch_cached
+from ..kernels.launch import interpreting, launch_cached
 from ..pools import HostArena
 from ._arena import _wait
 from ._streams import on_stream
@@ -129,6 +130,16 @@ class SmallStore:
         self._untrimmed: deque[SmallStored] = deque()  # in stream order
         self._freeing: list[SmallStored] = []
         self._launches: dict = {}  # compiled entries (``launch.launch_cached``)
+        self._kernels: dict = {}
+        if cuda:  # each launch's (kernel, settings), looked up once (#26: host time)
+            from ..kernels.exp_codec import into_launches, placed_encode_launch
+            from ..kernels.host_pack import small_pack_launch, small_programs
+
+            (self._kernels["decode"],) = into_launches(page_size)
+            self._kernels["encode_bf16"] = placed_encode_launch(page_size, False)
+            self._kernels["encode_fp16"] = placed_encode_launch(page_size, True)
+            self._kernels["pack"] = small_pack_launch()
+            self._programs = functools.partial(small_programs, interpret=interpreting())
 
     # ------------------------------------------------------------------ offload
     def offload(self, src: torch.Tensor, fp16: bool, producer) -> SmallStored | None:
@@ -151,8 +162,8 @@ class SmallStore:
             stored = SmallStored(nbytes, p, block, None, fp16)
             self._trim(stored)
             return stored
-        from ..kernels.exp_codec import placed_encode_classes, placed_encode_launch
-        from ..kernels.host_pack import small_pack_classes, small_pack_launch, small_programs
+        from ..kernels.exp_codec import placed_encode_classes
+        from ..kernels.host_pack import small_pack_classes
 
         handoff(producer, cs)
         s, e, index = scratch.data_ptr(), ends.data_ptr(), src.device.index
@@ -162,7 +173,7 @@ class SmallStore:
         if n:
             enc = (src.data_ptr(), s + head, s + HEAD + 8 * n, s + HEAD + 12 * n, s + HEAD,
                    e + 8 * parity)
-            kernel, meta = placed_encode_launch(p, fp16)
+            kernel, meta = self._kernels["encode_fp16" if fp16 else "encode_bf16"]
             # (the classes: the source's alignment, and the metadata's and the counter's,
             # which follow from n % 4 and parity)
             launch_cached(self._launches, ("encode", fp16, enc[0] & 15 == 0, n % 4, parity),
@@ -170,9 +181,9 @@ class SmallStore:
                           lambda: _encode_args(src, scratch, ends, n, p, head, parity), cs)
         upper = head + n * p
         pack = (s, block.addr, e)
-        kernel, meta = small_pack_launch()
+        kernel, meta = self._kernels["pack"]
         launch_cached(self._launches, ("pack", parity, (head // 8) & 15 == 0), kernel,
-                      (small_programs(upper // 8),), index, meta,
+                      (self._programs(upper // 8),), index, meta,
                       lambda: small_pack_classes(pack, parity, head), (*pack, parity, head // 8),
                       lambda: (scratch[:upper], stored_view(block), ends, parity, head // 8), cs)
         stored = SmallStored(nbytes, p, block, mark(cs), fp16)
@@ -213,12 +224,11 @@ class SmallStore:
         total = stored.pages_bytes if stored.pages_bytes is not None else n * p
         base = stored.base
         if n and stream is not None:
-            from ..kernels.exp_codec import into_launches
             from ..kernels.lz4_decompress import decode_classes
 
             at = (base + stored.head, base + HEAD, base + HEAD + 8 * n, base + HEAD + 12 * n,
                   out.data_ptr(), status.data_ptr())
-            (kernel, meta), = into_launches(p)
+            kernel, meta = self._kernels["decode"]
             # (the classes: the output's alignment and the metadata's, from n % 4; the
             # block's pages and ``total`` are multiples of 16)
             launch_cached(self._launches, ("decode", at[4] & 15 == 0, n % 4), kernel, (n,),
