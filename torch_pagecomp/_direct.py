@@ -296,12 +296,17 @@ class DirectPath:
         if not self._sink or self.closed:
             return
         self._settle()  # count what is placed before it goes
-        small = [s for s in self._sink if isinstance(s, SmallStored)]
-        if small:
-            self._sink = [s for s in self._sink if not isinstance(s, SmallStored)]
-            for stored in small:
+        taken = []  # (popped in place: a finalizer may append meanwhile, kept for next time)
+        while self._sink:
+            taken.append(self._sink.pop())
+        paged = []
+        for stored in taken:
+            if isinstance(stored, SmallStored):
                 self.small.free(stored)
-        self.store.free_after_restores(self._sink)
+            else:
+                paged.append(stored)
+        if paged:  # (its stream hand-offs only where the store holds some)
+            self.store.free_after_restores(paged)
 
     def synchronize(self) -> None:
         """Wait for every offload and restore queued so far."""

@@ -131,9 +131,19 @@ class SmallStore:
         self._freeing: list[SmallStored] = []
         self._launches: dict = {}  # compiled entries (``launch.launch_cached``)
         self._kernels: dict = {}
-        if cuda:  # each launch's (kernel, settings), looked up once (#26: host time)
-            from ..kernels.exp_codec import into_launches, placed_encode_launch
-            from ..kernels.host_pack import small_pack_launch, small_programs
+        self._classes: dict = {}  # each launch's argument classes, by a function
+        if cuda:  # each launch's (kernel, settings), looked up once (#26: host time; the
+            # kernels' modules import Triton, which a CPU install may lack: imported here)
+            from ..kernels.exp_codec import (
+                into_launches,
+                placed_encode_classes,
+                placed_encode_launch,
+            )
+            from ..kernels.host_pack import small_pack_classes, small_pack_launch, small_programs
+            from ..kernels.lz4_decompress import decode_classes
+
+            self._classes.update(encode=placed_encode_classes, pack=small_pack_classes,
+                                 decode=decode_classes)
 
             (self._kernels["decode"],) = into_launches(page_size)
             self._kernels["encode_bf16"] = placed_encode_launch(page_size, False)
@@ -162,9 +172,6 @@ class SmallStore:
             stored = SmallStored(nbytes, p, block, None, fp16)
             self._trim(stored)
             return stored
-        from ..kernels.exp_codec import placed_encode_classes
-        from ..kernels.host_pack import small_pack_classes
-
         handoff(producer, cs)
         s, e, index = scratch.data_ptr(), ends.data_ptr(), src.device.index
         if tail:
@@ -177,14 +184,14 @@ class SmallStore:
             # (the classes: the source's alignment, and the metadata's and the counter's,
             # which follow from n % 4 and parity)
             launch_cached(self._launches, ("encode", fp16, enc[0] & 15 == 0, n % 4, parity),
-                          kernel, (n,), index, meta, lambda: placed_encode_classes(enc), enc,
+                          kernel, (n,), index, meta, lambda: self._classes["encode"](enc), enc,
                           lambda: _encode_args(src, scratch, ends, n, p, head, parity), cs)
         upper = head + n * p
         pack = (s, block.addr, e)
         kernel, meta = self._kernels["pack"]
         launch_cached(self._launches, ("pack", parity, (head // 8) & 15 == 0), kernel,
                       (self._programs(upper // 8),), index, meta,
-                      lambda: small_pack_classes(pack, parity, head), (*pack, parity, head // 8),
+                      lambda: self._classes["pack"](pack, parity, head), (*pack, parity, head // 8),
                       lambda: (scratch[:upper], stored_view(block), ends, parity, head // 8), cs)
         stored = SmallStored(nbytes, p, block, mark(cs), fp16)
         self._untrimmed.append(stored)
@@ -224,15 +231,13 @@ class SmallStore:
         total = stored.pages_bytes if stored.pages_bytes is not None else n * p
         base = stored.base
         if n and stream is not None:
-            from ..kernels.lz4_decompress import decode_classes
-
             at = (base + stored.head, base + HEAD, base + HEAD + 8 * n, base + HEAD + 12 * n,
                   out.data_ptr(), status.data_ptr())
             kernel, meta = self._kernels["decode"]
             # (the classes: the output's alignment and the metadata's, from n % 4; the
             # block's pages and ``total`` are multiples of 16)
             launch_cached(self._launches, ("decode", at[4] & 15 == 0, n % 4), kernel, (n,),
-                          out.device.index, meta, lambda: decode_classes(at, total, False),
+                          out.device.index, meta, lambda: self._classes["decode"](at, total, False),
                           (*at, total),
                           lambda: (*_block_args(stored, total), out[:n * p].view(n, p), status,
                                    total), stream)
