@@ -302,6 +302,54 @@ def test_small_store_leaves_larger_tensors_lz4_and_checksums_to_the_store(direct
                        small.view(torch.int16))
 
 
+def test_small_store_launch_keys_decide_the_argument_classes():
+    """The small store keeps each launch's compiled entry by a key standing for its arguments'
+    classes (``launch.launch_cached``): over page counts, tails, parities and alignments, each
+    key meets one set of classes, the ones ``launch.known_args`` gives the tensors a first
+    launch takes."""
+    pytest.importorskip("triton")
+    from torch_pagecomp.kernels.launch import known_args
+    from torch_pagecomp.offload import _small_store as ss
+    from torch_pagecomp.pools import HostArena
+
+    p = 4096
+    table = ss.launch_table(p)
+    seen: dict = {}
+
+    def check(key, values, args):
+        classes = table[key[0]][2](*values)
+        assert classes == known_args(args)[0], key
+        assert seen.setdefault(key, classes) == classes, key
+
+    arena = HostArena(pin=False, chunk_bytes=1 << 20)
+    raw = torch.zeros(9 * p + 64, dtype=torch.uint8)
+    ends = torch.zeros(2, dtype=torch.int64)
+    for n in range(1, 10):
+        for tail in (0, 5, 40):
+            head = ss._head(n, tail)
+            scratch = torch.zeros(head + n * p, dtype=torch.uint8)
+            block = arena.alloc(head + n * p, view=False)
+            b = ss.stored_view(block)
+            for parity in (0, 1):
+                for fp16 in (False, True):
+                    for shift in (0, 2, 16):
+                        src = raw[shift:shift + n * p + tail]
+                        check(*ss.encode_at(src.data_ptr(), scratch.data_ptr(), ends.data_ptr(),
+                                            n, head, parity, fp16),
+                              ss._encode_args(src, scratch, ends, n, p, head, parity))
+                check(*ss.pack_at(scratch.data_ptr(), block.addr, ends.data_ptr(), parity, head),
+                      (scratch, b, ends, parity, head // 8))
+            for shift in (0, 2):
+                out = raw[shift:shift + n * p].view(n, p)
+                status = torch.zeros(n, dtype=torch.int32)
+                for total in (n * p, 16 * n):
+                    rel, sizes, kinds = ss._meta(b, n)
+                    check(*ss.decode_at(block.addr, head, n, out.data_ptr(), status.data_ptr(),
+                                        total),
+                          (b[head:head + total], rel, sizes, kinds, out, status, total))
+            arena.free(block)
+
+
 # ---------------------------------------------------------------------------------- GPU
 
 

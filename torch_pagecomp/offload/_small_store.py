@@ -130,25 +130,12 @@ class SmallStore:
         self._untrimmed: deque[SmallStored] = deque()  # in stream order
         self._freeing: list[SmallStored] = []
         self._launches: dict = {}  # compiled entries (``launch.launch_cached``)
-        self._kernels: dict = {}
-        self._classes: dict = {}  # each launch's argument classes, by a function
-        if cuda:  # each launch's (kernel, settings), looked up once (#26: host time; the
-            # kernels' modules import Triton, which a CPU install may lack: imported here)
-            from ..kernels.exp_codec import (
-                into_launches,
-                placed_encode_classes,
-                placed_encode_launch,
-            )
-            from ..kernels.host_pack import small_pack_classes, small_pack_launch, small_programs
-            from ..kernels.lz4_decompress import decode_classes
+        # each launch's (kernel, settings, argument classes), looked up once (#26: host time)
+        self._table = launch_table(page_size) if cuda else {}
+        self._programs = None  # the copy kernel's programs for a block's words
+        if cuda:
+            from ..kernels.host_pack import small_programs
 
-            self._classes.update(encode=placed_encode_classes, pack=small_pack_classes,
-                                 decode=decode_classes)
-
-            (self._kernels["decode"],) = into_launches(page_size)
-            self._kernels["encode_bf16"] = placed_encode_launch(page_size, False)
-            self._kernels["encode_fp16"] = placed_encode_launch(page_size, True)
-            self._kernels["pack"] = small_pack_launch()
             self._programs = functools.partial(small_programs, interpret=interpreting())
 
     # ------------------------------------------------------------------ offload
@@ -178,20 +165,16 @@ class SmallStore:
             with on_stream(cs):
                 scratch[head - _round16(tail):head - _round16(tail) + tail].copy_(src[n * p:])
         if n:
-            enc = (src.data_ptr(), s + head, s + HEAD + 8 * n, s + HEAD + 12 * n, s + HEAD,
-                   e + 8 * parity)
-            kernel, meta = self._kernels["encode_fp16" if fp16 else "encode_bf16"]
-            # (the classes: the source's alignment, and the metadata's and the counter's,
-            # which follow from n % 4 and parity)
-            launch_cached(self._launches, ("encode", fp16, enc[0] & 15 == 0, n % 4, parity),
-                          kernel, (n,), index, meta, lambda: self._classes["encode"](enc), enc,
+            key, values = encode_at(src.data_ptr(), s, e, n, head, parity, fp16)
+            kernel, meta, classes = self._table[key[0]]
+            launch_cached(self._launches, key, kernel, (n,), index, meta,
+                          lambda: classes(*values), values,
                           lambda: _encode_args(src, scratch, ends, n, p, head, parity), cs)
         upper = head + n * p
-        pack = (s, block.addr, e)
-        kernel, meta = self._kernels["pack"]
-        launch_cached(self._launches, ("pack", parity, (head // 8) & 15 == 0), kernel,
-                      (self._programs(upper // 8),), index, meta,
-                      lambda: self._classes["pack"](pack, parity, head), (*pack, parity, head // 8),
+        key, values = pack_at(s, block.addr, e, parity, head)
+        kernel, meta, classes = self._table["pack"]
+        launch_cached(self._launches, key, kernel, (self._programs(upper // 8),), index,
+                      meta, lambda: classes(*values), values,
                       lambda: (scratch[:upper], stored_view(block), ends, parity, head // 8), cs)
         stored = SmallStored(nbytes, p, block, mark(cs), fp16)
         self._untrimmed.append(stored)
@@ -216,8 +199,12 @@ class SmallStore:
         Used on the compress stream only, so a new one is reused after the kernels queued."""
         if self.ends is None:
             self.ends = torch.zeros(2, dtype=torch.int64, device=device)
+            if self.stream is not None:
+                self.ends.record_stream(self.stream)
         if self.scratch is None or self.scratch.numel() < nbytes:
             self.scratch = torch.empty(_round16(nbytes), dtype=torch.uint8, device=device)
+            if self.stream is not None:  # (made on the caller's stream: its memory goes back
+                self.scratch.record_stream(self.stream)  # only after the kernels queued here)
         return self.scratch, self.ends
 
     # ------------------------------------------------------------------ restore
@@ -231,14 +218,11 @@ class SmallStore:
         total = stored.pages_bytes if stored.pages_bytes is not None else n * p
         base = stored.base
         if n and stream is not None:
-            at = (base + stored.head, base + HEAD, base + HEAD + 8 * n, base + HEAD + 12 * n,
-                  out.data_ptr(), status.data_ptr())
-            kernel, meta = self._kernels["decode"]
-            # (the classes: the output's alignment and the metadata's, from n % 4; the
-            # block's pages and ``total`` are multiples of 16)
-            launch_cached(self._launches, ("decode", at[4] & 15 == 0, n % 4), kernel, (n,),
-                          out.device.index, meta, lambda: self._classes["decode"](at, total, False),
-                          (*at, total),
+            key, values = decode_at(base, stored.head, n, out.data_ptr(), status.data_ptr(),
+                                    total)
+            kernel, meta, classes = self._table["decode"]
+            launch_cached(self._launches, key, kernel, (n,), out.device.index, meta,
+                          lambda: classes(*values), values,
                           lambda: (*_block_args(stored, total), out[:n * p].view(n, p), status,
                                    total), stream)
         elif n:
@@ -334,6 +318,55 @@ def gather_pages(blob: torch.Tensor, rel: torch.Tensor, sizes: torch.Tensor) -> 
         return torch.empty(0, dtype=torch.uint8)
     shift = torch.repeat_interleave(rel.to(torch.int64) - (ends - lens), lens)
     return blob[torch.arange(int(ends[-1])) + shift]
+
+
+def launch_table(page_size: int) -> dict:
+    """``{name: (kernel, settings, classes)}`` of the small store's launches (``"encode_bf16"``,
+    ``"encode_fp16"``, ``"pack"``, ``"decode"``): ``classes(*values)`` gives the argument
+    classes of a launch with ``values`` (``launch.known_args``' rule). The kernels' modules
+    import Triton, which a CPU install may lack: imported here, for a GPU's store."""
+    from ..kernels.exp_codec import into_launches, placed_encode_classes, placed_encode_launch
+    from ..kernels.host_pack import small_pack_classes, small_pack_launch
+    from ..kernels.lz4_decompress import decode_classes
+
+    (decode,) = into_launches(page_size)
+    encode = lambda *a: placed_encode_classes(a)  # noqa: E731 - one of the table's
+    return {
+        "encode_bf16": (*placed_encode_launch(page_size, False), encode),
+        "encode_fp16": (*placed_encode_launch(page_size, True), encode),
+        "pack": (*small_pack_launch(), lambda s, d, e, parity, head_words:
+                 small_pack_classes((s, d, e), parity, 8 * head_words)),
+        "decode": (*decode, lambda *a: decode_classes(a[:6], a[6], False)),
+    }
+
+
+# Each launch's key for its kept entry (``launch.launch_cached``) names what decides its
+# arguments' classes, and its values are what the launch takes. The scratch, the counters,
+# the statuses and the blocks are 16-byte aligned and the pages' bytes multiples of 16, so
+# the classes follow from the source's or output's alignment, n % 4 (the metadata's parts
+# start 8n and 12n bytes in), the counter's parity and the head's size in words
+# (``tests/test_direct.py`` checks each key against the classes of the tensors' launch).
+def encode_at(src: int, scratch: int, ends: int, n: int, head: int, parity: int,
+              fp16: bool) -> tuple[tuple, tuple]:
+    """``(key, values)`` of the placed encoder's launch: ``n`` pages at address ``src`` into
+    the scratch at ``scratch`` (block layout), counter ``ends[parity]``."""
+    values = (src, scratch + head, scratch + HEAD + 8 * n, scratch + HEAD + 12 * n,
+              scratch + HEAD, ends + 8 * parity)
+    return ("encode_fp16" if fp16 else "encode_bf16", src & 15 == 0, n % 4, parity), values
+
+
+def pack_at(scratch: int, block: int, ends: int, parity: int, head: int) -> tuple[tuple, tuple]:
+    """``(key, values)`` of the copy kernel's launch into the block at ``block``."""
+    return ("pack", parity, (head // 8) & 15 == 0), (scratch, block, ends, parity, head // 8)
+
+
+def decode_at(base: int, head: int, n: int, out: int, status: int,
+              total: int) -> tuple[tuple, tuple]:
+    """``(key, values)`` of the decoder's launch reading the block at ``base`` (its pages'
+    ``total`` bytes) into ``out``, statuses into ``status``."""
+    values = (base + head, base + HEAD, base + HEAD + 8 * n, base + HEAD + 12 * n, out, status,
+              total)
+    return ("decode", out & 15 == 0, n % 4, status & 15 == 0), values
 
 
 def _meta(buf: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
