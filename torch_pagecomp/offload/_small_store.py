@@ -39,7 +39,7 @@ import torch
 from .. import format as fmt
 from .._events import handoff, mark
 from ..kernels.launch import interpreting, launch_cached
-from ..pools import HostArena
+from ..pools import HostArena, can_pin
 from ._arena import _wait
 from ._streams import on_stream
 
@@ -62,14 +62,13 @@ class SmallStored:
     kind = "compressed"
     exp = True
 
-    def __init__(self, nbytes: int, page_size: int, block, done, fp16: bool):
+    def __init__(self, nbytes: int, page_size: int, block, done):
         self.nbytes, self.page_size = nbytes, page_size
         self.n, self.tail = divmod(nbytes, page_size)
         self.head = _head(self.n, self.tail)
         self.block, self.base = block, block.addr
         self.done = done  # the copy into the block is done (device event; None on the CPU)
         self.read = None  # the latest restore's decode is done (device event)
-        self.fp16 = fp16
         self.pages_bytes: int | None = None
         self.freed = False
 
@@ -119,8 +118,6 @@ class SmallStore:
     def __init__(self, device: torch.device, page_size: int, stream):
         self.device, self.page_size, self.stream = device, page_size, stream
         cuda = stream is not None
-        from ..pools import can_pin
-
         self.arena = HostArena(pin=cuda and can_pin(), chunk_bytes=CHUNK_BYTES,
                                keep_free_chunks=1)
         self.usable = not cuda or self.arena.pin  # the GPU writes the blocks by address
@@ -156,7 +153,7 @@ class SmallStore:
         self.parity ^= 1
         if cs is None:
             self._encode_cpu(src, n, tail, head, block, scratch, ends, parity, fp16)
-            stored = SmallStored(nbytes, p, block, None, fp16)
+            stored = SmallStored(nbytes, p, block, None)
             self._trim(stored)
             return stored
         handoff(producer, cs)
@@ -176,7 +173,7 @@ class SmallStore:
         launch_cached(self._launches, key, kernel, (self._programs(upper // 8),), index,
                       meta, lambda: classes(*values), values,
                       lambda: (scratch[:upper], stored_view(block), ends, parity, head // 8), cs)
-        stored = SmallStored(nbytes, p, block, mark(cs), fp16)
+        stored = SmallStored(nbytes, p, block, mark(cs))
         self._untrimmed.append(stored)
         return stored
 
