@@ -71,7 +71,7 @@ OFFLOAD_TARGETS = (
     "torch_pagecomp.offload._small_store:SmallStore.restore",
     "torch_pagecomp.offload._small_store:SmallStore.poll",
     "torch_pagecomp.offload._small_store:SmallStore.free",
-    "torch_pagecomp.offload._small_store:SmallStore._trim",
+    "torch_pagecomp.offload._small_store:SmallStore.settle",
     "torch_pagecomp.offload._small_store:SmallStore._scratch",
     "torch_pagecomp.offload._small_store:SmallStored.__init__",
     "torch_pagecomp.pools:HostArena.alloc",
@@ -82,7 +82,7 @@ OFFLOAD_TARGETS = (
     "torch_pagecomp.offload._streams:current_stream",
     "torch_pagecomp.kernels.exp_codec:compress_exp_placed_at",
     "torch_pagecomp.kernels.exp_codec:decompress_exp_into_at",
-    "torch_pagecomp.kernels.host_pack:pack_small_at",
+    "torch_pagecomp.kernels.launch:launch_cached",
     "torch_pagecomp.kernels.launch:launch_known",
     "torch_pagecomp.kernels.launch:launch_entry",
 )

@@ -95,16 +95,42 @@ class DirectStorage:
 
 class SmallStorage(DirectStorage):
     """One tensor stored by the :class:`DirectPath`'s small store (``offload._small_store``):
-    its block holds its metadata, so the host bytes are the block's."""
+    placed once its offload is done (the store then trims its block, under the path's lock);
+    the block holds its metadata, so the host bytes are the block's."""
 
     error = None  # (a block that cannot be had fails the offload call itself)
+
+    def ready(self) -> bool:
+        if not self.stored.source_read():
+            return False
+        with self.path._lock:
+            self.path.small.settle(self.stored)
+        return self.stored.stored()
+
+    def wait(self) -> None:
+        if self.stored.done is not None:
+            self.stored.done.synchronize()
+        with self.path._lock:
+            self.path.small.settle(self.stored)
 
     @property
     def stored_nbytes(self) -> int:
         """Host bytes: the block (metadata, partial last page, pages); 0 until placed."""
-        if not self.path.placed(self.stored):
+        if not self.ready():
             return 0
         return self.stored.host_nbytes() or 0
+
+    def kernel_bytes(self, page_size: int) -> tuple[int, int]:
+        if not self.ready():
+            return 0, 0
+        return self.stored.kernel_bytes() or (0, 0)
+
+    def compressed(self, page_size: int) -> fmt.CompressedPages:
+        """The pages as one packed CPU ``CompressedPages`` (a partial last page becomes a
+        RAW page, zero-padded)."""
+        self.wait()
+        with self.path._lock:
+            return self.path.small.compressed(self.stored)
 
 
 class DirectPath:
@@ -229,25 +255,13 @@ class DirectPath:
     # ------------------------------------------------------------------ placement
     def placed(self, stored: PagedStored) -> bool:
         """Whether every page of ``stored`` is in host memory at a known place (no waiting)."""
-        if isinstance(stored, SmallStored):
-            if not stored.source_read():
-                return False
-            with self._lock:
-                self.small.settle(stored)
-            return stored.stored()
         if not stored.ready():
             return False
         with self._lock:
             self.store.poll()
         return stored.stored()
 
-    def wait_placed(self, stored: PagedStored | SmallStored) -> None:
-        if isinstance(stored, SmallStored):
-            if stored.done is not None:
-                stored.done.synchronize()
-            with self._lock:
-                self.small.settle(stored)
-            return
+    def wait_placed(self, stored: PagedStored) -> None:
         consumed = stored.consumed  # (set to None once seen done, from any thread)
         if consumed is not None:
             consumed.synchronize()
@@ -259,9 +273,6 @@ class DirectPath:
     def compressed(self, stored: PagedStored) -> fmt.CompressedPages:
         """``stored`` as one packed CPU ``CompressedPages`` (see ``DirectStorage``)."""
         self.wait_placed(stored)
-        if isinstance(stored, SmallStored):
-            with self._lock:
-                return self.small.compressed(stored)
         p = self.page_size
         payloads, sizes, kinds = [], [], []
         with self._lock:

@@ -398,23 +398,15 @@ def pack_small(src: torch.Tensor, dst: torch.Tensor, ends: torch.Tensor, parity:
            (src, dst, ends, parity, head_bytes // 8), _SMALL_META, traced=False)
 
 
-def pack_small_at(index: int, stream, programs: int, addrs: tuple, parity: int,
-                  head_bytes: int, args) -> None:
-    """:func:`pack_small` given the addresses of ``(src, dst, ends)`` on CUDA device
-    ``index``, on ``stream``, without its checks (``launch.launch_known``; ``args`` the
-    tensors, or a function that makes them)."""
-    launch_known(_pack_small_kernel, (programs,), index, _SMALL_META,
-                 small_pack_classes(addrs, parity, head_bytes), (*addrs, parity, head_bytes // 8),
-                 args, stream)
-
-
 def small_pack_launch() -> tuple:
-    """``(kernel, settings)`` of :func:`pack_small_at`'s launch (``launch.launch_cached``)."""
+    """``(kernel, settings)`` of :func:`pack_small`'s launch, for a caller that keeps its
+    compiled entry (``launch.launch_cached``)."""
     return _pack_small_kernel, _SMALL_META
 
 
 def small_pack_classes(addrs: tuple, parity: int, head_bytes: int) -> tuple:
-    """The argument classes of :func:`pack_small_at`'s launch (``launch.known_args``' rule)."""
+    """The argument classes of :func:`pack_small`'s launch with the addresses ``addrs`` of
+    ``(src, dst, ends)`` (``launch.known_args``' rule)."""
     return (ptr_class(torch.uint8, addrs[0]), ptr_class(torch.uint8, addrs[1]),
             ptr_class(torch.int64, addrs[2]), int_class(parity), int_class(head_bytes // 8))
 

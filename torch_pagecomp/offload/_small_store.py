@@ -59,7 +59,6 @@ class SmallStored:
     ``head``: the block's bytes ahead of the pages; ``pages_bytes``: the pages' bytes once
     the host read them (the block trimmed to ``head + pages_bytes``), else None."""
 
-    kind = "compressed"
     exp = True
 
     def __init__(self, nbytes: int, page_size: int, block, done):
@@ -154,7 +153,7 @@ class SmallStore:
         if cs is None:
             self._encode_cpu(src, n, tail, head, block, scratch, ends, parity, fp16)
             stored = SmallStored(nbytes, p, block, None)
-            self._trim(stored)
+            self.settle(stored)
             return stored
         handoff(producer, cs)
         s, e, index = scratch.data_ptr(), ends.data_ptr(), src.device.index
@@ -240,7 +239,7 @@ class SmallStore:
         """Trim the blocks of finished offloads (in stream order; never waits) and give back
         the freed blocks no restore reads any more."""
         while self._untrimmed and self._untrimmed[0].source_read():
-            self._trim(self._untrimmed.popleft())
+            self.settle(self._untrimmed.popleft())
         if self._freeing:
             keep = []
             for stored in self._freeing:
@@ -250,19 +249,14 @@ class SmallStore:
                     keep.append(stored)
             self._freeing = keep
 
-    def _trim(self, stored: SmallStored) -> None:
-        """Read the pages' bytes from the block's header (the offload is done) and give the
-        block's unused end back."""
+    def settle(self, stored: SmallStored) -> None:
+        """Once ``stored``'s offload is done (the caller saw ``done`` complete): read the pages'
+        bytes from the block's header and give the block's unused end back."""
         if stored.pages_bytes is not None or stored.freed:
             return
         pages = ctypes.c_int64.from_address(stored.base).value
         stored.pages_bytes = pages
         self.arena.shrink(stored.block, stored.head + pages)
-
-    def settle(self, stored: SmallStored) -> None:
-        """Once ``stored``'s offload is done (the caller waited for ``done``): its size known
-        and its block trimmed."""
-        self._trim(stored)
 
     def free(self, stored: SmallStored) -> None:
         """Give ``stored``'s block back once its offload and the restores queued so far are
@@ -276,7 +270,7 @@ class SmallStore:
     def compressed(self, stored: SmallStored) -> fmt.CompressedPages:
         """``stored`` as one packed CPU ``CompressedPages`` (a partial last page becomes a
         RAW page, zero-padded); its offload done (:meth:`settle`)."""
-        self._trim(stored)
+        self.settle(stored)
         rel, sizes, kinds, pages = (t.clone() for t in stored.views())
         payloads, size_parts, kind_parts = [gather_pages(pages, rel, sizes)], [sizes], [kinds]
         if stored.tail:
