@@ -6,7 +6,8 @@ the way ``bench.latency`` times ``offload_restore``: one call at a time on an id
 (synchronised before each), its free untimed; median host us (``perf_counter_ns``) and median
 end-to-end us (CUDA events). Layers, outermost first:
 
-* ``PageCompressor``: ``comp.offload(t)`` + ``comp.restore(h)`` (what ``bench.latency`` times);
+* ``PageCompressor``: ``comp.offload(t)`` + ``comp.restore(h)`` (what ``bench.latency`` times),
+  then the same with its one-call path (``torch_pagecomp._small_tensor``) off;
 * ``DirectPath``: ``offload(src, 2, "bf16")`` + ``restore_into(storage, out)``, ``out`` made
   once;
 * ``SmallStore``: ``small.offload(src, False, producer)`` + ``small.restore(stored, out,
@@ -80,6 +81,15 @@ def main() -> None:
         h.free()
         comp.synchronize()
 
+    fast_path = comp._small_tensor
+
+    def general():  # the one-call path off (``torch_pagecomp._small_tensor``)
+        comp._small_tensor = None
+        try:
+            return full()
+        finally:
+            comp._small_tensor = fast_path
+
     def direct():
         s = path.offload(src, 2, "bf16")
         kept[:] = [path.restore_into(s, out)]
@@ -110,6 +120,7 @@ def main() -> None:
     print(f"## {a.kib} KiB bf16-relu, one call at a time (median of {a.calls})")
     print("| layer | host us | e2e us |\n|---|---|---|")
     for name, fn, after in (("PageCompressor offload + restore", full, full_free),
+                            ("the same, general path (no one-call path)", general, full_free),
                             ("DirectPath offload + restore_into", direct, direct_free),
                             ("SmallStore offload + restore", store, store_free),
                             ("pinned D2H + H2D", copy, lambda _: None)):

@@ -168,6 +168,32 @@ def through_the_workers(monkeypatch):
 
 
 @pytest.fixture
+def direct(monkeypatch):
+    """A CPU compressor whose tensors of one batch or less take the kernel-only path
+    (``torch_pagecomp._direct``; test_direct.py, test_small_tensor.py)."""
+    from torch_pagecomp.kernels.launch import interpreting
+    from torch_pagecomp.module import PageCompressor
+
+    if not interpreting():
+        pytest.skip("the store's pack kernel needs the Triton interpreter on the CPU")
+
+    def takes_direct(self, flat, nbytes):
+        return 0 < nbytes <= self.batch_pages * self.page_size
+
+    monkeypatch.setattr(PageCompressor, "_takes_direct", takes_direct)
+    made = []
+
+    def make(**kwargs):
+        pc = PageCompressor(device="cpu", batch_pages=4, **kwargs)
+        made.append(pc)
+        return pc
+
+    yield make
+    for pc in made:
+        pc.close()
+
+
+@pytest.fixture
 def gen(request) -> torch.Generator:
     """A generator with a fresh seed every run (or ``PAGECOMP_SEED``), printed for replay."""
     import torch

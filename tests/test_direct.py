@@ -18,32 +18,9 @@ from pages import file_pages, offload_cycles
 from torch_pagecomp import KIND_RAW
 from torch_pagecomp.api import decompress
 from torch_pagecomp.format import CorruptPageError
-from torch_pagecomp.kernels.launch import interpreting
 from torch_pagecomp.module import PageCompressor
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture
-def direct(monkeypatch):
-    """A CPU compressor whose tensors of one batch or less take the kernel-only path."""
-    if not interpreting():
-        pytest.skip("the store's pack kernel needs the Triton interpreter on the CPU")
-
-    def takes_direct(self, flat, nbytes):
-        return 0 < nbytes <= self.batch_pages * self.page_size
-
-    monkeypatch.setattr(PageCompressor, "_takes_direct", takes_direct)
-    made = []
-
-    def make(**kwargs):
-        pc = PageCompressor(device="cpu", batch_pages=4, **kwargs)
-        made.append(pc)
-        return pc
-
-    yield make
-    for pc in made:
-        pc.close()
 
 
 def poisoned_restore(pc, h, like):

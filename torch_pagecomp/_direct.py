@@ -156,6 +156,7 @@ class DirectPath:
         # exponent-codec tensors of at most SMALL_BYTES: one encode, one copy, one decode
         # (#26); checksums and pageable host memory go through the store
         self.small = None if checksum else SmallStore(device, page_size, self.compress_stream)
+        self.small_bytes = SMALL_BYTES  # (read here: a probe sets it first, 0 for none)
         if self.small is not None and not self.small.usable:
             self.small = None
         # not reentrant: a finalizer that runs while this thread holds it (in the store's
@@ -181,7 +182,7 @@ class DirectPath:
             self._bound(src.numel())
             stored = None
             if (self.small is not None and float_format is not None
-                    and src.numel() <= SMALL_BYTES):
+                    and src.numel() <= self.small_bytes):
                 stored = self.small.offload(src, float_format == "fp16", producer)
             if stored is None:
                 stored = self.store.offload(src, element_size, producer=producer,
@@ -189,17 +190,37 @@ class DirectPath:
                 last = stored.slices[-1].stored if stored.slices else stored.consumed
             else:
                 last = stored.done
-            if producer is not None:
-                src.record_stream(self.compress_stream)
-            self._in_flight.append((last, src.numel()))
-            self._in_flight_bytes += src.numel()
-            self._unsettled.append(stored)
-            if len(self._unsettled) > 64:
-                self._settle()
-            self.offloads += 1
+            self._track(stored, last, src, src.numel(), producer)
         if isinstance(stored, SmallStored):
             return SmallStorage(self, stored)
         return DirectStorage(self, stored)
+
+    def offload_small(self, src: torch.Tensor, nbytes: int, fp16: bool) -> SmallStorage | None:
+        """The small store's offload of ``src`` (a contiguous bf16 or fp16 tensor of
+        ``nbytes`` bytes, at most ``SMALL_BYTES``, on this GPU; the small store present)
+        after the current stream's work: ``PageCompressor``'s one-call path
+        (``torch_pagecomp._small_tensor``). None where its block could not be page-locked."""
+        producer = self._current()
+        with self._lock:
+            self._drain()
+            self._bound(nbytes)
+            stored = self.small.offload(src, fp16, producer)
+            if stored is None:
+                return None
+            self._track(stored, stored.done, src, nbytes, producer)
+        return SmallStorage(self, stored)
+
+    def _track(self, stored, last, src: torch.Tensor, nbytes: int, producer) -> None:
+        """Count an offload queued (the lock held): ``src`` kept for the compress stream,
+        ``last`` (its last event) bounding the bytes in flight."""
+        if producer is not None:
+            src.record_stream(self.compress_stream)
+        self._in_flight.append((last, nbytes))
+        self._in_flight_bytes += nbytes
+        self._unsettled.append(stored)
+        if len(self._unsettled) > 64:
+            self._settle()
+        self.offloads += 1
 
     def _bound(self, nbytes: int) -> None:
         """Forget finished offloads; wait for the oldest while ``nbytes`` more would pass
@@ -234,9 +255,7 @@ class DirectPath:
         (``int32``, on the device, usable on the caller's stream)."""
         consumer = self._current()
         if isinstance(storage.stored, SmallStored):  # decoded on the caller's stream
-            with self._lock:
-                self._drain()
-                return self.small.restore(storage.stored, out, consumer)
+            return self.restore_small(storage.stored, out, consumer)
         with self._lock:
             self._drain()
             if consumer is None:  # the CPU: done on return
@@ -247,6 +266,14 @@ class DirectPath:
             handoff(self.restore_stream, consumer)
         status.record_stream(consumer)  # made on the restore stream, read on the caller's
         return status
+
+    def restore_small(self, stored: SmallStored, out: torch.Tensor, consumer) -> torch.Tensor:
+        """Decode ``stored`` (the small store's) into ``out`` (contiguous, its bytes, on this
+        GPU) on ``consumer`` (the current stream); returns the statuses (``int32``, made and
+        written on ``consumer``)."""
+        with self._lock:
+            self._drain()
+            return self.small.restore(stored, out, consumer)
 
     def _current(self):
         """The caller's stream on this device (None on the CPU)."""

@@ -268,6 +268,7 @@ class PageCompressor(torch.nn.Module):
         self._init_kwargs = init_kwargs
         self._stream_priority = stream_priority
         self._direct = None  # the kernel-only store of small GPU tensors (made on first use)
+        self._small_tensor = None  # its one-call path (``_small_tensor``), made with it
         self._direct_lock = threading.Lock()
         self.device = device
         self.page_size = page_size
@@ -309,6 +310,10 @@ class PageCompressor(torch.nn.Module):
         GPU, a tensor of at most ``INLINE_HOST_BYTES`` (1 MiB) is stored before this returns
         (compressed on the calling thread, its handle ready).
         """
+        if self._small_tensor is not None and element_size is None:
+            handle = self._small_tensor.offload(tensor)
+            if handle is not None:
+                return handle
         _check_offloadable(tensor)
         self.pipeline.check_usable()
         if element_size is not None:
@@ -376,9 +381,17 @@ class PageCompressor(torch.nn.Module):
             with self._direct_lock:
                 if self._direct is None:
                     slots = len(self.pipeline.slots)
-                    self._direct = DirectPath(
+                    direct = DirectPath(
                         self.device, self.page_size, self._stream_priority, self.checksum,
                         max_in_flight=slots * self.batch_pages * self.page_size)
+                    # (where _float_format gives the exponent codec to both 16-bit types)
+                    if (direct.small is not None and self.element_size in (None, 2)
+                            and (self.codec == "exp"
+                                 or (self.codec == "auto" and self.pipeline.cuda))):
+                        from ._small_tensor import SmallTensorPath
+
+                        self._small_tensor = SmallTensorPath(self, direct)
+                    self._direct = direct
         return self._direct
 
     def _float_format(self, dtype: torch.dtype, element_size: int) -> str | None:
@@ -425,6 +438,10 @@ class PageCompressor(torch.nn.Module):
         device). ``check=True`` verifies every page's decode status (a host sync on a GPU;
         always done on the CPU).
         """
+        if self._small_tensor is not None and device is None and not check:
+            got = self._small_tensor.restore(handle, out)
+            if got is not None:
+                return got
         if not isinstance(handle, OffloadHandle):
             raise PageCompError(f"restore takes an OffloadHandle, got {type(handle).__name__}")
         if not handle._free.alive:

@@ -96,6 +96,11 @@ class SmallStored:
         return (*_meta(b, self.n), b[self.head:self.head + total])
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as ``uint8 [nbytes]`` (a view)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 def stored_view(block) -> torch.Tensor:
     """A block's ``uint8 [nbytes]`` view (made here where it was allocated without one)."""
     if block.tensor is not None:
@@ -116,6 +121,7 @@ class SmallStore:
 
     def __init__(self, device: torch.device, page_size: int, stream):
         self.device, self.page_size, self.stream = device, page_size, stream
+        self.index = device.index
         cuda = stream is not None
         self.arena = HostArena(pin=cuda and can_pin(), chunk_bytes=CHUNK_BYTES,
                                keep_free_chunks=1)
@@ -136,36 +142,38 @@ class SmallStore:
 
     # ------------------------------------------------------------------ offload
     def offload(self, src: torch.Tensor, fp16: bool, producer) -> SmallStored | None:
-        """Store ``src`` (``uint8 [nbytes]``, contiguous, ``nbytes <= SMALL_BYTES``) after
-        ``producer``'s work; None where the block's memory could not be page-locked (the
-        caller stores it another way)."""
+        """Store ``src``'s bytes (a contiguous tensor of any dtype and shape, at most
+        ``SMALL_BYTES``) after ``producer``'s work; None where the block's memory could not
+        be page-locked (the caller stores it another way)."""
         p, cs = self.page_size, self.stream
-        nbytes = src.numel()
+        nbytes = src.numel() * src.element_size()
         n, tail = divmod(nbytes, p)
         head = _head(n, tail)
         block = self.arena.alloc(head + n * p, view=cs is None)
         if cs is not None and not block.chunk.mem.pinned:
             self.arena.free(block)
             return None
-        scratch, ends = self._scratch(head + n * p, src.device)
+        scratch, ends = self._scratch(head + n * p)
         parity = self.parity
         self.parity ^= 1
         if cs is None:
-            self._encode_cpu(src, n, tail, head, block, scratch, ends, parity, fp16)
+            self._encode_cpu(_bytes(src), n, tail, head, block, scratch, ends, parity, fp16)
             stored = SmallStored(nbytes, p, block, None)
             self.settle(stored)
             return stored
         handoff(producer, cs)
-        s, e, index = scratch.data_ptr(), ends.data_ptr(), src.device.index
+        s, e, index = scratch.data_ptr(), ends.data_ptr(), self.index
         if tail:
             with on_stream(cs):
-                scratch[head - _round16(tail):head - _round16(tail) + tail].copy_(src[n * p:])
+                at = head - _round16(tail)
+                scratch[at:at + tail].copy_(_bytes(src)[n * p:])
         if n:
             key, values = encode_at(src.data_ptr(), s, e, n, head, parity, fp16)
             kernel, meta, classes = self._table[key[0]]
             launch_cached(self._launches, key, kernel, (n,), index, meta,
                           lambda: classes(*values), values,
-                          lambda: _encode_args(src, scratch, ends, n, p, head, parity), cs)
+                          lambda: _encode_args(_bytes(src), scratch, ends, n, p, head, parity),
+                          cs)
         upper = head + n * p
         key, values = pack_at(s, block.addr, e, parity, head)
         kernel, meta, classes = self._table["pack"]
@@ -190,9 +198,10 @@ class SmallStore:
             compress_exp_placed(pages, fp16, tuple(out))
         pack_small(scratch[:head + n * p], stored_view(block), ends, parity, head)
 
-    def _scratch(self, nbytes: int, device: torch.device):
+    def _scratch(self, nbytes: int):
         """The device scratch (at least ``nbytes``; made larger as needed) and the counters.
         Used on the compress stream only, so a new one is reused after the kernels queued."""
+        device = self.device
         if self.ends is None:
             self.ends = torch.zeros(2, dtype=torch.int64, device=device)
             if self.stream is not None:
@@ -205,31 +214,32 @@ class SmallStore:
 
     # ------------------------------------------------------------------ restore
     def restore(self, stored: SmallStored, out: torch.Tensor, stream) -> torch.Tensor:
-        """Decode ``stored`` into ``out`` (``uint8 [nbytes]``, on the device) on ``stream``
-        (the current one; None on the CPU) after its offload; returns the full pages'
-        statuses (``int32 [n]``, written on ``stream``)."""
+        """Decode ``stored`` into ``out`` (a contiguous tensor of ``stored.nbytes`` bytes, any
+        dtype and shape, on the device) on ``stream`` (the current one; None on the CPU) after
+        its offload; returns the full pages' statuses (``int32 [n]``, written on ``stream``)."""
         p, n = self.page_size, stored.n
         _wait(stream, stored.done)
-        status = torch.empty(n, dtype=torch.int32, device=out.device)
+        status = torch.empty(n, dtype=torch.int32, device=self.device)
         total = stored.pages_bytes if stored.pages_bytes is not None else n * p
         base = stored.base
         if n and stream is not None:
             key, values = decode_at(base, stored.head, n, out.data_ptr(), status.data_ptr(),
                                     total)
             kernel, meta, classes = self._table["decode"]
-            launch_cached(self._launches, key, kernel, (n,), out.device.index, meta,
+            launch_cached(self._launches, key, kernel, (n,), self.index, meta,
                           lambda: classes(*values), values,
-                          lambda: (*_block_args(stored, total), out[:n * p].view(n, p), status,
-                                   total), stream)
+                          lambda: (*_block_args(stored, total), _bytes(out)[:n * p].view(n, p),
+                                   status, total), stream)
         elif n:
             from ..kernels.exp_codec import decompress_exp_into
 
             pages, rel, sizes, kinds = _block_args(stored, total)
-            decompress_exp_into(pages, rel, sizes, kinds, out[:n * p].view(n, p), status,
-                                traced=False)
+            decompress_exp_into(pages, rel, sizes, kinds, _bytes(out)[:n * p].view(n, p),
+                                status, traced=False)
         if stored.tail:
             at = stored.head - _round16(stored.tail)
-            out[n * p:].copy_(stored_view(stored.block)[at:at + stored.tail], non_blocking=True)
+            _bytes(out)[n * p:].copy_(stored_view(stored.block)[at:at + stored.tail],
+                                      non_blocking=True)
         if stream is not None:
             stored.read = mark(stream)
         return status
