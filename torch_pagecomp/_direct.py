@@ -108,8 +108,7 @@ class SmallStorage(DirectStorage):
         return self.stored.stored()
 
     def wait(self) -> None:
-        if self.stored.done is not None:
-            self.stored.done.synchronize()
+        self.stored.synchronize()
         with self.path._lock:
             self.path.small.settle(self.stored)
 
@@ -189,7 +188,7 @@ class DirectPath:
                                             float_format=float_format)
                 last = stored.slices[-1].stored if stored.slices else stored.consumed
             else:
-                last = stored.done
+                last = stored  # (queried as an event, its answer kept)
             self._track(stored, last, src, src.numel(), producer)
         if isinstance(stored, SmallStored):
             return SmallStorage(self, stored)
@@ -207,12 +206,12 @@ class DirectPath:
             stored = self.small.offload(src, fp16, producer)
             if stored is None:
                 return None
-            self._track(stored, stored.done, src, nbytes, producer)
+            self._track(stored, stored, src, nbytes, producer)
         return SmallStorage(self, stored)
 
     def _track(self, stored, last, src: torch.Tensor, nbytes: int, producer) -> None:
         """Count an offload queued (the lock held): ``src`` kept for the compress stream,
-        ``last`` (its last event) bounding the bytes in flight."""
+        ``last`` (its last event, or what answers as one) bounding the bytes in flight."""
         if producer is not None:
             src.record_stream(self.compress_stream)
         self._in_flight.append((last, nbytes))

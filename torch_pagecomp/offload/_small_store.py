@@ -66,13 +66,30 @@ class SmallStored:
         self.n, self.tail = divmod(nbytes, page_size)
         self.head = _head(self.n, self.tail)
         self.block, self.base = block, block.addr
-        self.done = done  # the copy into the block is done (device event; None on the CPU)
+        # the copy into the block is done (device event; None on the CPU or once seen done)
+        self.done = done
         self.read = None  # the latest restore's decode is done (device event)
         self.pages_bytes: int | None = None
         self.freed = False
 
     def source_read(self) -> bool:
-        return self.done is None or self.done.query()
+        """The offload is done (never blocks); once seen, ``done`` is dropped, so later
+        checks and restores skip it (each query is microseconds of host time)."""
+        done = self.done
+        if done is None or done.query():
+            self.done = None
+            return True
+        return False
+
+    # an event's interface, for the owner's bound on offloads in flight
+    query = source_read
+
+    def synchronize(self) -> None:
+        """Block until the offload is done."""
+        done = self.done
+        if done is not None:
+            done.synchronize()
+            self.done = None
 
     def stored(self) -> bool:
         """The pages are in host memory and their size is known (never blocks)."""
