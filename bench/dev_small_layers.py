@@ -1,10 +1,12 @@
 """Dev probe (#26): a small ``offload`` + ``restore``'s host time, layer by layer, and the
 host cost of each primitive the small store's path issues.
 
-``python3 -m bench.dev_small_layers [--kib 1024] [--calls 400]`` (GPU). Each layer is timed
-the way ``bench.latency`` times ``offload_restore``: one call at a time on an idle GPU
-(synchronised before each), its free untimed; median host us (``perf_counter_ns``) and median
-end-to-end us (CUDA events). Layers, outermost first:
+``python3 -m bench.dev_small_layers [--kib 1024] [--calls 400] [--rounds 10]`` (GPU). Each
+layer is timed the way ``bench.latency`` times ``offload_restore``: one call at a time on an
+idle GPU (synchronised before each), its free untimed; median host us (``perf_counter_ns``)
+and median end-to-end us (CUDA events). The layers take turns, ``--rounds`` rounds of
+``calls / rounds`` calls each (the host's speed drifts within a run). Layers, outermost
+first:
 
 * ``PageCompressor``: ``comp.offload(t)`` + ``comp.restore(h)`` (what ``bench.latency`` times),
   then the same with its one-call path (``torch_pagecomp._small_tensor``) off;
@@ -32,13 +34,13 @@ from bench.corpora import build_corpus
 from bench.timing import host_rounds_us
 
 
-def one_at_a_time(fn, after, calls: int) -> tuple[float, float]:
-    """``(host us, e2e us)`` medians of ``calls`` calls of ``fn``, each alone on an idle GPU;
-    ``after(result)`` untimed after each."""
+def one_at_a_time(fn, after, calls: int, warm: int = 2) -> tuple[list, list]:
+    """``(host us, e2e us)`` of ``calls`` calls of ``fn`` (after ``warm`` untimed), each
+    alone on an idle GPU; ``after(result)`` untimed after each."""
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     host, e2e = [], []
-    for i in range(calls + 20):
+    for i in range(calls + warm):
         torch.cuda.synchronize()
         start.record()
         t0 = time.perf_counter_ns()
@@ -46,17 +48,18 @@ def one_at_a_time(fn, after, calls: int) -> tuple[float, float]:
         t1 = time.perf_counter_ns()
         end.record()
         end.synchronize()
-        if i >= 20:
+        if i >= warm:
             host.append((t1 - t0) / 1e3)
             e2e.append(start.elapsed_time(end) * 1e3)
         after(out)
-    return statistics.median(host), statistics.median(e2e)
+    return host, e2e
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kib", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=10)
     a = ap.parse_args()
     dev = torch.device("cuda")
     x = build_corpus("bf16-relu", a.kib << 10, 4096, dev, seed=1)
@@ -117,15 +120,32 @@ def main() -> None:
         host.copy_(src, non_blocking=True)
         out.copy_(host, non_blocking=True)
 
-    print(f"## {a.kib} KiB bf16-relu, one call at a time (median of {a.calls})")
-    print("| layer | host us | e2e us |\n|---|---|---|")
-    for name, fn, after in (("PageCompressor offload + restore", full, full_free),
-                            ("the same, general path (no one-call path)", general, full_free),
-                            ("DirectPath offload + restore_into", direct, direct_free),
-                            ("SmallStore offload + restore", store, store_free),
-                            ("pinned D2H + H2D", copy, lambda _: None)):
-        hu, eu = one_at_a_time(fn, after, a.calls)
-        print(f"| {name} | {hu:.1f} | {eu:.1f} |", flush=True)
+    layers = (("PageCompressor offload + restore", full, full_free),
+              ("the same, general path (no one-call path)", general, full_free),
+              ("DirectPath offload + restore_into", direct, direct_free),
+              ("SmallStore offload + restore", store, store_free),
+              ("pinned D2H + H2D", copy, lambda _: None))
+    for _, fn, after in layers:
+        one_at_a_time(fn, after, 0, warm=20)
+    # the layers take turns, a.rounds rounds: the host's speed drifts within a run
+    host = {name: [] for name, _, _ in layers}
+    e2e = {name: [] for name, _, _ in layers}
+    x = {name: [] for name, _, _ in layers}  # per round: median e2e over the copy's
+    for _ in range(a.rounds):
+        got = {name: one_at_a_time(fn, after, a.calls // a.rounds) for name, fn, after in layers}
+        copy_e2e = statistics.median(got["pinned D2H + H2D"][1])
+        for name, (h, e) in got.items():
+            host[name] += h
+            e2e[name] += e
+            x[name].append(statistics.median(e) / copy_e2e)
+    print(f"## {a.kib} KiB bf16-relu, one call at a time ({a.rounds} rounds of "
+          f"{a.calls // a.rounds} calls a layer, in turns; medians)")
+    print("| layer | host us | e2e us | e2e x copy (median of rounds; min - max) |\n"
+          "|---|---|---|---|")
+    for name, _, _ in layers:
+        print(f"| {name} | {statistics.median(host[name]):.1f} | "
+              f"{statistics.median(e2e[name]):.1f} | {statistics.median(x[name]):.2f} "
+              f"({min(x[name]):.2f} - {max(x[name]):.2f}) |", flush=True)
 
     from torch_pagecomp._events import handoff, mark
     from torch_pagecomp.module import _not_capturing
@@ -142,7 +162,28 @@ def main() -> None:
         small.arena.shrink(b, 700 << 10)
         small.arena.free(b)
 
+    # the decoder's launch as the small store makes it (captured from one restore, replayed:
+    # it reads the block and writes ``out`` and a status buffer, nothing else)
+    from torch_pagecomp.kernels import launch as L
+    from torch_pagecomp.offload import _small_store
+
+    caught = []
+    orig = _small_store.launch_cached
+    _small_store.launch_cached = lambda *args: (caught.append(args), orig(*args))
+    try:
+        held = comp.offload(t)
+        kept.append(comp.restore(held))  # (the replays write it again)
+    finally:
+        _small_store.launch_cached = orig
+    torch.cuda.synchronize()
+    cache, key, _, grid, index, _, _, values, _, stream = caught[-1]
+    entry = cache[key]
+
     cases = {
+        "decoder launch: launch_cached (hit)": lambda: orig(*caught[-1]),
+        "decoder launch: launch_entry alone": lambda: L.launch_entry(entry, grid, index, values,
+                                                                    stream.cuda_stream),
+        "entries_usable(index)": lambda: L.entries_usable(index),
         "mark(stream)": lambda: mark(side),
         "handoff(cur, side)": lambda: handoff(cur, side),
         "current_stream(dev)": lambda: current_stream(dev),
@@ -170,6 +211,7 @@ def main() -> None:
         us = statistics.median(host_rounds_us(fn, a.calls, 5))
         torch.cuda.synchronize()
         print(f"| {name} | {us:.2f} |", flush=True)
+    held.free()
     comp.close()
 
 

@@ -15,10 +15,12 @@ For each corpus and size (the uncompressed bytes), these operations, each by up 
   compress, its sizes read on the host, the chunks gathered back to back, copied down to
   pinned memory and up again and decompressed from there; a pinned copy down and up.
 
-Each timed call starts with the GPU idle (synchronised). ``host_us`` is the median host time
-until the call returns (``perf_counter``); ``e2e_us`` the median CUDA-event time from before
-the call to the end of its work on the caller's stream. On the CPU (``--device cpu``, no
-nvCOMP, copies are plain host copies) ``e2e_us`` is ``host_us``: a smoke run for CI.
+Each timed call starts with the GPU idle (synchronised); the rows of one corpus and size take
+turns (``--rounds``), so a drift in the host's speed falls on all of them. ``host_us`` is the
+median host time until the call returns (``perf_counter``); ``e2e_us`` the median CUDA-event
+time from before the call to the end of its work on the caller's stream. On the CPU
+(``--device cpu``, no nvCOMP, copies are plain host copies) ``e2e_us`` is ``host_us``: a
+smoke run for CI.
 
 Prints a table and the verdicts on the targets (host time of a compress or decompress call
 <= 30 us; a 1 MiB offload + restore end to end <= 2x its D2H + H2D pinned copy), and writes
@@ -311,6 +313,7 @@ class Config:
     repeats: int = 200
     warmup: int = 5
     budget_s: float = 0.5
+    rounds: int = 5
     page_size: int = 4096
     seed: int = 0
 
@@ -352,8 +355,7 @@ def run(cfg: Config) -> dict:
                         log(notes[-1])
                 cases += _copy_cases(flat, cuda)
                 cases.sort(key=lambda k: (OPS.index(k.op), CODECS.index(k.codec)))
-                for case in cases:
-                    rows.append(_time_case(case, name, e, pages.numel(), device, cfg))
+                rows += _time_cases(cases, name, e, pages.numel(), device, cfg)
                 del cases, pages, flat, tensor
                 if cuda:
                     torch.cuda.empty_cache()
@@ -364,9 +366,11 @@ def run(cfg: Config) -> dict:
         "commit": commit_id(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": {"sizes": cfg.sizes, "corpora": cfg.corpora, "repeats": cfg.repeats,
+                   "rounds": cfg.rounds,
                    "warmup": cfg.warmup, "budget_s_per_row": cfg.budget_s,
                    "page_size": cfg.page_size, "seed": cfg.seed, "device": str(device)},
-        "timing": ("one call at a time on an idle GPU (synchronised before each); host_us: "
+        "timing": ("one call at a time on an idle GPU (synchronised before each), the rows of "
+                   "a size in turns; host_us: "
                    "median perf_counter time until the call returns; e2e_us: median CUDA-event "
                    "time from before the call to the end of its work on the caller's stream"
                    if cuda else "one call at a time; host_us = e2e_us = median perf_counter"),
@@ -378,10 +382,27 @@ def run(cfg: Config) -> dict:
     return report
 
 
-def _time_case(case: Case, corpus: str, e: int, nbytes: int, device: torch.device,
-               cfg: Config) -> dict:
-    """Time ``case`` on one corpus's ``nbytes``, check its result: one row."""
-    host, e2e = time_calls(case.fn, device, cfg.repeats, cfg.warmup, cfg.budget_s, case.after)
+def _time_cases(cases: list[Case], corpus: str, e: int, nbytes: int, device: torch.device,
+                cfg: Config) -> list[dict]:
+    """Time each of ``cases`` on one corpus's ``nbytes`` and check its result: a row each.
+    The cases take turns, ``cfg.rounds`` rounds of ``repeats / rounds`` calls each: the
+    host's speed drifts within a run (twice as slow for a minute, seen on the H200's host,
+    ``bench/results/h200_session84``), and rows timed one after another would compare
+    different hosts."""
+    rounds = max(1, min(cfg.rounds, cfg.repeats))
+    times = [([], []) for _ in cases]
+    for r in range(rounds):
+        for case, (host, e2e) in zip(cases, times):
+            h, t = time_calls(case.fn, device, cfg.repeats // rounds,
+                              cfg.warmup if r == 0 else 1, cfg.budget_s / rounds, case.after)
+            host += h
+            e2e += t
+    return [_row(case, host, e2e, corpus, e, nbytes) for case, (host, e2e) in zip(cases, times)]
+
+
+def _row(case: Case, host: list[float], e2e: list[float], corpus: str, e: int,
+         nbytes: int) -> dict:
+    """One row: ``case``'s timings (seconds per call) and its checked result."""
     extra = dict(case.extra or {})
     ok = case.check() if case.check is not None else None
     if isinstance(ok, tuple):
@@ -502,6 +523,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=5, help="untimed calls per row first")
     ap.add_argument("--budget", type=float, default=0.5,
                     help="stop a row's timed calls once they took this many seconds")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="the rows of a size take turns, this many rounds (host drift)")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cuda[:i], cpu")
     ap.add_argument("--page-size", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0, help="corpus seed")
@@ -526,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = Config(sizes=args.sizes, corpora=args.corpora, device=args.device,
                  repeats=args.repeats, warmup=args.warmup, budget_s=args.budget,
+                 rounds=args.rounds,
                  page_size=args.page_size, seed=args.seed)
     report = run(cfg)
     report["command"] = "python -m bench.latency " + " ".join(sys.argv[1:] if argv is None

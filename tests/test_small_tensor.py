@@ -38,7 +38,7 @@ def taken(monkeypatch):
 def _warm(pc, taken=None):
     """The first small offload goes the general way and makes the kernel-only path (the
     counts of ``taken`` zeroed after)."""
-    pc.restore(pc.offload(torch.zeros(8, dtype=torch.bfloat16))).sum()
+    pc.restore(pc.offload(torch.zeros(8, dtype=torch.bfloat16, device=pc.device))).sum()
     assert pc._small_tensor is not None
     if taken is not None:
         taken.update(offload=0, restore=0)
