@@ -114,11 +114,11 @@ def main() -> None:
         torch.cuda.synchronize()
         small.free(s)
 
-    host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+    pinned = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
 
     def copy():
-        host.copy_(src, non_blocking=True)
-        out.copy_(host, non_blocking=True)
+        pinned.copy_(src, non_blocking=True)
+        out.copy_(pinned, non_blocking=True)
 
     layers = (("PageCompressor offload + restore", full, full_free),
               ("the same, general path (no one-call path)", general, full_free),
