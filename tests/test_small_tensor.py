@@ -198,3 +198,30 @@ def test_gpu_same_bytes_as_the_general_path_behind_busy_streams(gen, taken, dtyp
         pc.restore(h)
         assert pc.failed_restores(wait=True) == 1
         h.free()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_free_waits_for_the_restores_on_every_stream(gen):
+    """Restored on two streams, the first held back, then freed and its block's place taken
+    by new offloads: both restores come back exact (the block went back only after both)."""
+    from torch_pagecomp.module import PageCompressor
+
+    with PageCompressor(batch_pages=2048) as pc:
+        want = _floats(gen, 1 << 18, torch.bfloat16).cuda()
+        h = pc.offload(want)
+        h.wait()
+        slow, quick = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(slow):
+            torch.cuda._sleep(200_000_000)
+            a = pc.restore(h)
+        with torch.cuda.stream(quick):
+            b = pc.restore(h)
+        quick.synchronize()
+        h.free()
+        others = [pc.offload(_floats(gen, 1 << 18, torch.bfloat16).cuda()) for _ in range(4)]
+        for o in others:
+            o.wait()
+        slow.synchronize()
+        assert torch.equal(_bits(a), _bits(want)) and torch.equal(_bits(b), _bits(want))
+        assert pc.failed_restores(wait=True) == 0

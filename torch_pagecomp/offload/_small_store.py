@@ -68,7 +68,10 @@ class SmallStored:
         self.block, self.base = block, block.addr
         # the copy into the block is done (device event; None on the CPU or once seen done)
         self.done = done
-        self.read = None  # the latest restore's decode is done (device event)
+        # per stream that restored it, the latest decode there is done (device events): a free
+        # waits for each (the latest alone would let an earlier one on another stream read a
+        # block given back)
+        self.reads: dict = {}
         self.pages_bytes: int | None = None
         self.freed = False
 
@@ -258,7 +261,7 @@ class SmallStore:
             _bytes(out)[n * p:].copy_(stored_view(stored.block)[at:at + stored.tail],
                                       non_blocking=True)
         if stream is not None:
-            stored.read = mark(stream)
+            stored.reads[stream.cuda_stream] = mark(stream)
         return status
 
     # ------------------------------------------------------------------ host side
@@ -270,7 +273,7 @@ class SmallStore:
         if self._freeing:
             keep = []
             for stored in self._freeing:
-                if stored.source_read() and (stored.read is None or stored.read.query()):
+                if stored.source_read() and all(e.query() for e in stored.reads.values()):
                     self.arena.free(stored.block)
                 else:
                     keep.append(stored)
