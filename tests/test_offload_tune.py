@@ -300,7 +300,8 @@ def test_tuner_keeps_the_faster_arm_whatever_the_shape_of_time_against_bytes(
     many times over, or looked fast under the quadratic one: that tuner ended 19-27% (fixed)
     and 4-8% (quadratic) of runs on the slower arm (``bench.dev_tuner_sim``): this test
     passed on it about once in 500 runs with the fixed part, and with the quadratic one
-    once in 13 (copying faster) or 4 (compressing faster)."""
+    once in 13 (copying faster) or 4 (compressing faster). Each settled pass of the last
+    eight takes the faster arm (a retune's passes time both)."""
     rng = random.Random(seed)
     other = "copy" if faster == "compress" else "compress"
     per_byte = {faster: 0.7, other: 1.0}
@@ -311,13 +312,14 @@ def test_tuner_keeps_the_faster_arm_whatever_the_shape_of_time_against_bytes(
         arms = []
         for _ in range(80):
             arm = tuner.start_pass()
-            arms.append(arm)
+            arms.append((arm, tuner._phase))
             length = rng.randrange(16, 65, 8)
             tuner.add_bytes(12_000 * length)
             rest = 40.0 if shape == "fixed" else length * length / 64
             clock.advance((rest + 1.2 * length * per_byte[arm]) * rng.uniform(0.98, 1.02))
-        ended.append((tuner.choice, arms[-8:].count(faster), tuner.summary()["decisions"]))
-    assert all(c == faster and n == 8 for c, n, _ in ended), ended
+        slower = sum(a != faster for a, phase in arms[-8:] if phase == "settled")
+        ended.append((tuner.choice, slower, tuner.summary()["decisions"]))
+    assert all(c == faster and n == 0 for c, n, _ in ended), ended
 
 
 def test_a_run_of_long_passes_after_short_trials_is_not_a_new_workload():
@@ -435,7 +437,9 @@ def test_tuner_keeps_the_faster_arm_when_a_new_length_pays_once(faster, seed):
     (the per-byte parts 0.7x and 1x, 40 ms every pass pays): thirty runs of the default tuner
     end on the faster arm. Timing those first passes, the tuner ended 15-29 of 400 simulated
     runs on the slower arm (``bench.dev_tuner_sim --first 150``): this test passed on it about
-    once in 5 to 60 runs."""
+    once in 5 to 60 runs. Each settled pass of the last eight takes the faster arm: a pass of
+    a retune (a new bytes-per-pass level) may time the other arm even at the end (seen in 2 of
+    400 seeds, which failed when the test asked that of every pass)."""
     rng = random.Random(seed)
     other = "copy" if faster == "compress" else "compress"
     per_byte = {faster: 0.7, other: 1.0}
@@ -446,15 +450,16 @@ def test_tuner_keeps_the_faster_arm_when_a_new_length_pays_once(faster, seed):
         arms, seen = [], set()
         for _ in range(80):
             arm = tuner.start_pass()
-            arms.append(arm)
+            arms.append((arm, tuner._phase))
             length = rng.randrange(16, 65, 8)
             tuner.add_bytes(12_000 * length)
             first = 150.0 if length not in seen else 0.0
             seen.add(length)
             clock.advance((40.0 + first + 1.2 * length * per_byte[arm])
                           * rng.uniform(0.98, 1.02))
-        ended.append((tuner.choice, arms[-8:].count(faster), tuner.summary()["decisions"]))
-    assert all(c == faster and n == 8 for c, n, _ in ended), ended
+        slower = sum(a != faster for a, phase in arms[-8:] if phase == "settled")
+        ended.append((tuner.choice, slower, tuner.summary()["decisions"]))
+    assert all(c == faster and n == 0 for c, n, _ in ended), ended
 
 
 def test_tuner_waits_for_late_marks():
