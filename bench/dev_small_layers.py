@@ -223,6 +223,19 @@ def main() -> None:
         us = statistics.median(host_rounds_us(fn, a.calls, 5))
         torch.cuda.synchronize()
         print(f"| {name} | {us:.2f} |", flush=True)
+    # how each of the small store's launches is made: Triton's C launch function, or the
+    # launcher's Python ``__call__`` (a kernel asking for scratch memory, see
+    # ``kernels.launch._raw_launch``)
+    print("\n| small store launch key | launch function | arguments before / after the kernel's |"
+          "\n|---|---|---|")
+    one = next((v for v in L._COMPILED.values() if v and v[0] is _one_store), None)
+    for k, e in list(small._launches.items()) + [(("one-store",), one)]:
+        if e is None:
+            print(f"| {k} | (none kept) | - |")
+            continue
+        fn = e[1]
+        print(f"| {k} | {type(fn).__name__} {getattr(fn, '__qualname__', '')} | "
+              f"{len(e[2])} / {len(e[3])} |", flush=True)
     held.free()
     comp.close()
 
