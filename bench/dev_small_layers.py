@@ -227,7 +227,7 @@ def main() -> None:
     # launcher's Python ``__call__`` (a kernel asking for scratch memory, see
     # ``kernels.launch._raw_launch``)
     print("\n| small store launch key | launch function | arguments before / after the kernel's |"
-          "\n|---|---|---|")
+          " (warps, CTAs, shared bytes) |\n|---|---|---|---|")
     one = next((v for v in L._COMPILED.values() if v and v[0] is _one_store), None)
     for k, e in list(small._launches.items()) + [(("one-store",), one)]:
         if e is None:
@@ -235,7 +235,7 @@ def main() -> None:
             continue
         fn = e[1]
         print(f"| {k} | {type(fn).__name__} {getattr(fn, '__qualname__', '')} | "
-              f"{len(e[2])} / {len(e[3])} |", flush=True)
+              f"{len(e[2])} / {len(e[3])} | {e[2][5] if len(e[2]) > 5 else '-'} |", flush=True)
     held.free()
     comp.close()
 
