@@ -25,34 +25,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import torch_pagecomp as pc
 from bench.corpora import build_corpus
+from bench.latency import time_calls
 from bench.timing import host_rounds_us
 
 
 def one_at_a_time(fn, after, calls: int, warm: int = 2) -> tuple[list, list]:
     """``(host us, e2e us)`` of ``calls`` calls of ``fn`` (after ``warm`` untimed), each
-    alone on an idle GPU; ``after(result)`` untimed after each."""
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    host, e2e = [], []
-    for i in range(calls + warm):
-        torch.cuda.synchronize()
-        start.record()
-        t0 = time.perf_counter_ns()
-        out = fn()
-        t1 = time.perf_counter_ns()
-        end.record()
-        end.synchronize()
-        if i >= warm:
-            host.append((t1 - t0) / 1e3)
-            e2e.append(start.elapsed_time(end) * 1e3)
-        after(out)
-    return host, e2e
+    alone on an idle GPU, as ``bench.latency`` times them; ``after(result)`` after each."""
+    host, e2e = time_calls(fn, torch.device("cuda"), calls, warm, float("inf"), after)
+    return [t * 1e6 for t in host], [t * 1e6 for t in e2e]
 
 
 def main() -> None:

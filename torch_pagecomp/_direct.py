@@ -175,30 +175,27 @@ class DirectPath:
                 float_format: str | None) -> DirectStorage:
         """Store ``src`` (``uint8 [nbytes]``, contiguous, on this device) after the current
         stream's work; ``src``'s memory is not reused before the compress stream read it."""
+        if (self.small is not None and float_format is not None
+                and src.numel() <= self.small_bytes):
+            small = self.offload_small(src, src.numel(), float_format == "fp16")
+            if small is not None:
+                return small
         producer = self._current()
         with self._lock:
             self._drain()
             self._bound(src.numel())
-            stored = None
-            if (self.small is not None and float_format is not None
-                    and src.numel() <= self.small_bytes):
-                stored = self.small.offload(src, float_format == "fp16", producer)
-            if stored is None:
-                stored = self.store.offload(src, element_size, producer=producer,
-                                            float_format=float_format)
-                last = stored.slices[-1].stored if stored.slices else stored.consumed
-            else:
-                last = stored  # (queried as an event, its answer kept)
+            stored = self.store.offload(src, element_size, producer=producer,
+                                        float_format=float_format)
+            last = stored.slices[-1].stored if stored.slices else stored.consumed
             self._track(stored, last, src, src.numel(), producer)
-        if isinstance(stored, SmallStored):
-            return SmallStorage(self, stored)
         return DirectStorage(self, stored)
 
     def offload_small(self, src: torch.Tensor, nbytes: int, fp16: bool) -> SmallStorage | None:
         """The small store's offload of ``src`` (a contiguous bf16 or fp16 tensor of
-        ``nbytes`` bytes, at most ``SMALL_BYTES``, on this GPU; the small store present)
-        after the current stream's work: ``PageCompressor``'s one-call path
-        (``torch_pagecomp._small_tensor``). None where its block could not be page-locked."""
+        ``nbytes`` bytes, at most ``SMALL_BYTES``, on this device; the small store present)
+        after the current stream's work: :meth:`offload`'s and ``PageCompressor``'s one-call
+        path's (``torch_pagecomp._small_tensor``). None where its block could not be
+        page-locked."""
         producer = self._current()
         with self._lock:
             self._drain()
@@ -206,7 +203,7 @@ class DirectPath:
             stored = self.small.offload(src, fp16, producer)
             if stored is None:
                 return None
-            self._track(stored, stored, src, nbytes, producer)
+            self._track(stored, stored, src, nbytes, producer)  # (it answers as an event)
         return SmallStorage(self, stored)
 
     def _track(self, stored, last, src: torch.Tensor, nbytes: int, producer) -> None:

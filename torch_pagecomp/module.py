@@ -384,10 +384,11 @@ class PageCompressor(torch.nn.Module):
                     direct = DirectPath(
                         self.device, self.page_size, self._stream_priority, self.checksum,
                         max_in_flight=slots * self.batch_pages * self.page_size)
-                    # (where _float_format gives the exponent codec to both 16-bit types)
-                    if (direct.small is not None and self.element_size in (None, 2)
-                            and (self.codec == "exp"
-                                 or (self.codec == "auto" and self.pipeline.cuda))):
+                    # where this compressor's rule gives both 16-bit types the exponent codec
+                    es = self.element_size or 2
+                    if (direct.small is not None
+                            and self._float_format(torch.bfloat16, es) == "bf16"
+                            and self._float_format(torch.float16, es) == "fp16"):
                         from ._small_tensor import SmallTensorPath
 
                         self._small_tensor = SmallTensorPath(self, direct)

@@ -38,6 +38,7 @@ import torch
 
 from .. import format as fmt
 from .._events import handoff, mark
+from ..handles import _bytes_of
 from ..kernels.launch import interpreting, launch_cached
 from ..pools import HostArena, can_pin
 from ._arena import _wait
@@ -116,11 +117,6 @@ class SmallStored:
         return (*_meta(b, self.n), b[self.head:self.head + total])
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as ``uint8 [nbytes]`` (a view)."""
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
 def stored_view(block) -> torch.Tensor:
     """A block's ``uint8 [nbytes]`` view (made here where it was allocated without one)."""
     if block.tensor is not None:
@@ -177,7 +173,8 @@ class SmallStore:
         parity = self.parity
         self.parity ^= 1
         if cs is None:
-            self._encode_cpu(_bytes(src), n, tail, head, block, scratch, ends, parity, fp16)
+            self._encode_cpu(_bytes_of(src.detach()), n, tail, head, block, scratch, ends,
+                             parity, fp16)
             stored = SmallStored(nbytes, p, block, None)
             self.settle(stored)
             return stored
@@ -186,14 +183,14 @@ class SmallStore:
         if tail:
             with on_stream(cs):
                 at = head - _round16(tail)
-                scratch[at:at + tail].copy_(_bytes(src)[n * p:])
+                scratch[at:at + tail].copy_(_bytes_of(src.detach())[n * p:])
         if n:
             key, values = encode_at(src.data_ptr(), s, e, n, head, parity, fp16)
             kernel, meta, classes = self._table[key[0]]
             launch_cached(self._launches, key, kernel, (n,), index, meta,
                           lambda: classes(*values), values,
-                          lambda: _encode_args(_bytes(src), scratch, ends, n, p, head, parity),
-                          cs)
+                          lambda: _encode_args(_bytes_of(src.detach()), scratch, ends, n, p,
+                                               head, parity), cs)
         upper = head + n * p
         key, values = pack_at(s, block.addr, e, parity, head)
         kernel, meta, classes = self._table["pack"]
@@ -248,18 +245,20 @@ class SmallStore:
             kernel, meta, classes = self._table["decode"]
             launch_cached(self._launches, key, kernel, (n,), self.index, meta,
                           lambda: classes(*values), values,
-                          lambda: (*_block_args(stored, total), _bytes(out)[:n * p].view(n, p),
-                                   status, total), stream)
+                          lambda: (*_block_args(stored, total),
+                                   _bytes_of(out.detach())[:n * p].view(n, p), status, total),
+                          stream)
         elif n:
             from ..kernels.exp_codec import decompress_exp_into
 
             pages, rel, sizes, kinds = _block_args(stored, total)
-            decompress_exp_into(pages, rel, sizes, kinds, _bytes(out)[:n * p].view(n, p),
-                                status, traced=False)
+            decompress_exp_into(pages, rel, sizes, kinds,
+                                _bytes_of(out.detach())[:n * p].view(n, p), status,
+                                traced=False)
         if stored.tail:
             at = stored.head - _round16(stored.tail)
-            _bytes(out)[n * p:].copy_(stored_view(stored.block)[at:at + stored.tail],
-                                      non_blocking=True)
+            _bytes_of(out.detach())[n * p:].copy_(
+                stored_view(stored.block)[at:at + stored.tail], non_blocking=True)
         if stream is not None:
             stored.reads[stream.cuda_stream] = mark(stream)
         return status
