@@ -227,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "launches.json")
-        env = dict(os.environ, TRITON_INTERPRET="1")
+        # no GPU in the child, as on CI: with one visible, the entry points route CPU inputs
+        # to it, where the interpreter's kernels cannot run (seen on an H200 host, session 85)
+        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
         subprocess.run([sys.executable, "-m", "bench.dev_aot_compile", "--record", path],
                        env=env, check=True)
         with open(path) as f:
