@@ -138,9 +138,24 @@ def test_corrupt_pages_raise_on_the_cpu(direct, gen):
     h = pc.offload(x)
     _, sizes, _, _ = h._storage.stored.views()
     sizes[2] = 4096 + 16
+    before = pc.counts["restores"]
     with pytest.raises(CorruptPageError) as exc:
         pc.restore(h)
     assert exc.value.pages == [2]
+    assert pc.counts["restores"] == before + 1  # counted as the general path counts it
+    with pytest.raises(CorruptPageError):
+        pc.restore(h, check=True)  # (the general path)
+    assert pc.counts["restores"] == before + 2
+
+
+def test_a_meta_tensor_is_refused_by_name(direct):
+    """A meta tensor (no data) gets the general path's error, and no block is taken."""
+    pc = direct(codec="exp")
+    _warm(pc)
+    used = pc._direct.small.arena.stats()["used_bytes"]
+    with pytest.raises(PageCompError, match="meta"):
+        pc.offload(torch.empty(300, dtype=torch.bfloat16, device="meta"))
+    assert pc._direct.small.arena.stats()["used_bytes"] == used
 
 
 def test_closed_compressor_refuses_offload_and_still_restores(direct, gen, taken):

@@ -254,6 +254,7 @@ class DirectPath:
             return self.restore_small(storage.stored, out, consumer)
         with self._lock:
             self._drain()
+            self._check_readable(storage.stored)
             if consumer is None:  # the CPU: done on return
                 return self.store.restore(storage.stored, out, count=False)
             handoff(consumer, self.restore_stream)
@@ -269,7 +270,20 @@ class DirectPath:
         written on ``consumer``)."""
         with self._lock:
             self._drain()
+            self._check_readable(stored)
             return self.small.restore(stored, out, consumer)
+
+    def _check_readable(self, stored) -> None:
+        """Raise where ``stored``'s host bytes are gone (the lock held, after the drain): its
+        handle freed by another thread since the caller checked it (the drain gave its block
+        back: a decode queued now could read memory a new offload rewrites), or every chunk
+        unpinned at interpreter exit (:meth:`close`; a decode would read host memory the GPU
+        may no longer address)."""
+        if self.closed:
+            raise fmt.PageCompError("this PageCompressor's host memory was released at "
+                                    "interpreter exit: its handles are not restorable")
+        if stored.freed:
+            raise fmt.PageCompError("this handle was freed")
 
     def _current(self):
         """The caller's stream on this device (None on the CPU)."""

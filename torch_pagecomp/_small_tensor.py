@@ -57,8 +57,8 @@ class SmallTensorPath:
             return None
         fp16 = FP16.get(tensor.dtype)
         if (fp16 is None or tensor.is_cuda is not self.cuda or tensor.is_nested
-                or tensor.layout is not torch.strided or not tensor.is_contiguous()
-                or tensor.is_neg()):
+                or tensor.is_meta or tensor.layout is not torch.strided
+                or not tensor.is_contiguous() or tensor.is_neg()):
             return None
         nbytes = 2 * tensor.numel()
         if (not 0 < nbytes <= self.limit or tensor.get_device() != self.index
@@ -90,9 +90,9 @@ class SmallTensorPath:
             return None
         consumer = current_stream(self.device) if self.cuda else None
         status = self.path.restore_small(storage.stored, out, consumer)
-        if consumer is None:  # done: checked, as every CPU restore is
+        self.comp._count(restores=1, bytes_restored=handle.nbytes)  # (before a raise, as
+        if consumer is None:  # the general path counts) done: checked, as every CPU restore is
             raise_for_status(status)
         else:  # counted on the device: ``failed_restores()``
             self.failures.add([status], consumer, recorded=True)
-        self.comp._count(restores=1, bytes_restored=handle.nbytes)
         return out

@@ -165,11 +165,37 @@ class SmallStore:
         nbytes = src.numel() * src.element_size()
         n, tail = divmod(nbytes, p)
         head = _head(n, tail)
+        scratch, ends = self._scratch(head + n * p)  # (before the block: nothing to give back)
         block = self.arena.alloc(head + n * p, view=cs is None)
         if cs is not None and not block.chunk.mem.pinned:
             self.arena.free(block)
             return None
-        scratch, ends = self._scratch(head + n * p)
+        try:
+            return self._offload_into(src, fp16, producer, n, tail, head, block, scratch, ends)
+        except BaseException:
+            self._abandon(block, ends)
+            raise
+
+    def _abandon(self, block, ends: torch.Tensor) -> None:
+        """After an offload failed between its block's allocation and its last launch: the
+        counters zeroed (each pack zeroes the one the next offload starts from: without it, the
+        next offload of that parity would lay its pages from a stale offset, past the scratch
+        and its block) and the block given back once nothing queued can still write it (the
+        stream waited for: an error path)."""
+        try:
+            if self.stream is not None:
+                with on_stream(self.stream):
+                    ends.zero_()
+                self.stream.synchronize()
+            else:
+                ends.zero_()
+        finally:  # (a sticky CUDA error raises here too: the block is given back all the same)
+            self.arena.free(block)
+
+    def _offload_into(self, src, fp16: bool, producer, n: int, tail: int, head: int, block,
+                      scratch, ends) -> SmallStored:
+        """:meth:`offload`'s encode and copy into ``block`` (allocated for it)."""
+        p, cs, nbytes = self.page_size, self.stream, n * self.page_size + tail
         parity = self.parity
         self.parity ^= 1
         if cs is None:
@@ -273,6 +299,9 @@ class SmallStore:
             keep = []
             for stored in self._freeing:
                 if stored.source_read() and all(e.query() for e in stored.reads.values()):
+                    if stored.pages_bytes is None:  # freed before a poll saw it done: its
+                        # size read now (the owner counts it, and settles past it, by it)
+                        stored.pages_bytes = ctypes.c_int64.from_address(stored.base).value
                     self.arena.free(stored.block)
                 else:
                     keep.append(stored)
