@@ -175,3 +175,32 @@ def test_handles_after_the_exit_close_raise_by_name(direct, gen):
     with pytest.raises(PageCompError, match="interpreter exit"):
         pc.restore(h)
     h.free()  # (safe: the sink is not drained after the close)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_handles_freed_while_their_offloads_run_are_counted(gen):
+    """On a GPU: offloads queued behind a busy stream, restored and freed before they ran
+    (a KV cache's cycle); once the GPU is done the path's unsettled queue empties and every
+    offload's bytes are counted; the restores are exact."""
+    from torch_pagecomp.module import PageCompressor
+
+    with PageCompressor(batch_pages=2048) as pc:
+        _warm(pc)
+        d = pc._direct
+        base = pc.stats()["direct"]["bytes_in"]
+        wants = [_floats(gen, 4 * 2048, torch.bfloat16).cuda() for _ in range(8)]
+        torch.cuda._sleep(50_000_000)  # the offloads below queue behind this
+        got = []
+        for want in wants:
+            h = pc.offload(want)
+            got.append(pc.restore(h))
+            h.free()
+        assert not d.small._untrimmed[-1].source_read()  # (still queued when freed)
+        torch.cuda.synchronize()
+        st = pc.stats()["direct"]
+        assert len(d._unsettled) == 0
+        assert st["bytes_in"] - base == 8 * 4 * 4096
+        assert all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got, wants))
+        assert pc.failed_restores(wait=True) == 0
+        assert d.small.arena.stats()["used_bytes"] == 0
