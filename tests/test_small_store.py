@@ -204,3 +204,24 @@ def test_gpu_handles_freed_while_their_offloads_run_are_counted(gen):
         assert all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got, wants))
         assert pc.failed_restores(wait=True) == 0
         assert d.small.arena.stats()["used_bytes"] == 0
+
+
+def test_empty_chunks_stay_pinned_until_released(direct, gen, monkeypatch):
+    """Cycles of more than a few chunks' worth of small tensors, each cycle freed: the chunks
+    made in the first cycle serve the next ones (none dropped and made again: on a GPU that
+    was an unregister, which waits for the whole device, inside an offload or free, and a
+    new registration); ``empty_cache()`` gives them back."""
+    monkeypatch.setattr(_small_store, "CHUNK_BYTES", 64 << 10)  # (read when the store is made)
+    pc = direct(codec="exp")
+    _warm(pc)
+    arena = pc._direct.small.arena
+    made = []
+    for _ in range(3):
+        hs = [pc.offload(_floats(gen, 4 * 2048, torch.bfloat16)) for _ in range(12)]
+        for h in hs:
+            h.free()
+        pc.synchronize()
+        made.append(arena.stats()["misses"])
+    assert arena.stats()["chunks"] >= 3 and made[0] == made[1] == made[2]
+    assert arena.stats()["used_bytes"] == 0
+    assert pc.empty_cache() > 0 and arena.stats()["chunks"] == 0

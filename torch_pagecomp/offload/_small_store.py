@@ -139,8 +139,12 @@ class SmallStore:
         self.device, self.page_size, self.stream = device, page_size, stream
         self.index = device.index
         cuda = stream is not None
-        self.arena = HostArena(pin=cuda and can_pin(), chunk_bytes=CHUNK_BYTES,
-                               keep_free_chunks=1)
+        # empty chunks are kept (pinned) until :meth:`release_idle` (``empty_cache()``,
+        # ``close()``): dropping one unregisters it, which waits for the whole device, inside
+        # whichever offload or free emptied it, and the next offload past it pins a chunk
+        # again (milliseconds); with one kept, a caller cycling more than two chunks' worth
+        # of small tensors paid both every cycle
+        self.arena = HostArena(pin=cuda and can_pin(), chunk_bytes=CHUNK_BYTES)
         self.usable = not cuda or self.arena.pin  # the GPU writes the blocks by address
         self.scratch: torch.Tensor | None = None
         self.ends: torch.Tensor | None = None  # the encoder's counters, used in turn
