@@ -841,3 +841,104 @@ def test_the_kv_cache_says_it_does_not_carry_gradients():
     with torch.no_grad():  # as generate() runs it
         model(ids, use_cache=True, **{kw: cache})
     assert cache.get_seq_length() == 8
+
+
+def test_a_forward_that_raised_leaves_the_cache_usable(seed):
+    """The grad-enabled forward that raises leaves each layer as it was (it had advanced the
+    layer's length with nothing stored, and the next generate with that cache crashed):
+    the same cache then generates what DynamicCache does."""
+    model, config = tiny_llama()
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    tr = _transformers()
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    cache = CompressedOffloadedCache(config=config, block_tokens=4)
+    with pytest.raises(RuntimeError, match="gradients cannot flow through them"):
+        model(ids, use_cache=True, **{cache_kw(model): cache})
+    assert cache.get_seq_length() == 0
+    want = generate(model, ids, tr.DynamicCache(config=config), max_new_tokens=6)
+    assert torch.equal(generate(model, ids, cache, max_new_tokens=6), want)
+
+
+def test_a_seal_interrupted_inside_the_store_leaves_it_usable(seed, monkeypatch):
+    """An interrupt inside a seal, after the exponent encoder ran and before the placement
+    read its counter (here in the arena's descriptor wait), leaves the stores usable: after
+    ``reset()`` the same cache generates what DynamicCache does. (The counter kept the
+    interrupted slice's bytes, and the next slice overran its payload.)"""
+    model, config = tiny_llama(torch.bfloat16)
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+    from torch_pagecomp.offload import _arena
+
+    tr = _transformers()
+    ids = torch.randint(0, config.vocab_size, (2, 40))
+    want = generate(model, ids, tr.DynamicCache(config=config), max_new_tokens=8)
+    cache = CompressedOffloadedCache(config=config, block_tokens=16)
+    real, calls = _arena.VirtualArena.host_desc, {"n": 0}
+
+    def interrupted(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(_arena.VirtualArena, "host_desc", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, ids, cache, max_new_tokens=8)
+    monkeypatch.setattr(_arena.VirtualArena, "host_desc", real)
+    for store in cache.stores.values():
+        assert all(s.end is None or int(s.end) == 0 for s in store._slots)
+    cache.reset()
+    assert torch.equal(generate(model, ids, cache, max_new_tokens=8), want)
+
+
+def test_new_tokens_that_do_not_fit_a_layer_raise_by_name(gen):
+    """Keys or values of another batch, head count, head size, dtype or token count than the
+    layer holds raise a ValueError naming the layer's shape, and leave it unchanged (the
+    joining copies broadcast a batch or head of one, and cast)."""
+    _transformers()
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    cache = CompressedOffloadedCache(block_tokens=4)
+    k = torch.randn(2, 2, 6, 16, generator=gen)
+    v = torch.randn(2, 2, 6, 16, generator=gen)
+    keys, _ = cache.update(k, v, 0)
+    assert cache.get_seq_length() == 6 and torch.equal(keys, k)
+    one = torch.randn(1, 2, 1, 16, generator=gen)
+    bad = {
+        "batch": (one, one),
+        "heads": (torch.randn(2, 1, 1, 16), torch.randn(2, 1, 1, 16)),
+        "head size": (torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)),
+        "dtype": (torch.randn(2, 2, 1, 16).double(), torch.randn(2, 2, 1, 16).double()),
+        "tokens": (torch.randn(2, 2, 1, 16), torch.randn(2, 2, 2, 16)),
+    }
+    for name, (bk, bv) in bad.items():
+        with pytest.raises(ValueError, match="does not fit this layer"):
+            cache.update(bk, bv, 0)
+        assert cache.get_seq_length() == 6, name
+    k2, v2 = torch.randn(2, 2, 3, 16, generator=gen), torch.randn(2, 2, 3, 16, generator=gen)
+    keys, values = cache.update(k2, v2, 0)
+    assert torch.equal(keys, torch.cat([k, k2], -2)) and torch.equal(values, torch.cat([v, v2], -2))
+
+
+def test_failed_decodes_are_checked_on_every_device(seed, monkeypatch):
+    """Once a forward (at the first compressed layer), the failure counts of every device's
+    store are read: a model spread over two GPUs had only the first layer's device checked."""
+    model, config = tiny_llama()
+    from torch_pagecomp.format import CorruptPageError
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    cache = CompressedOffloadedCache(config=config, block_tokens=4)
+    with torch.no_grad():
+        model(ids, use_cache=True, **{cache_kw(model): cache})
+
+    class Failed:  # another device's store whose restores failed
+        def check(self):
+            raise CorruptPageError([], [], "1 compressed KV cache page(s) failed to decode")
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(cache._stores.by_device, torch.device("meta"), Failed())
+    with pytest.raises(CorruptPageError, match="failed to decode"), torch.no_grad():
+        model(ids[:, :1], use_cache=True, **{cache_kw(model): cache})

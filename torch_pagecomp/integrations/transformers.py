@@ -131,6 +131,7 @@ class CompressedLayer(DynamicLayer):
         """Append the new tokens; return the layer's full keys and values (on the device)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._check_new(key_states, value_states)
         blocks = self._restored()
         if blocks is None and self._tail_k is None:
             # the first tokens: contiguous, as DynamicCache's ``torch.cat`` hands them over
@@ -139,17 +140,38 @@ class CompressedLayer(DynamicLayer):
             past_k, past_v = (None, None) if blocks is None else self._split(blocks)
             keys = _join(past_k, [t for t in (self._tail_k, key_states) if t is not None])
             values = _join(past_v, [t for t in (self._tail_v, value_states) if t is not None])
-        self._length = keys.shape[-2]
+        length = keys.shape[-2]
         bt = self.block_tokens
         start = len(self._blocks) * bt
-        n = (self._length - start) // bt
+        n = (length - start) // bt
         if n:  # seal the blocks the new tokens filled: each is compressed once, never again
-            self._seal(keys, values, start, n)
+            self._seal(keys, values, start, n)  # (raises before it changes the layer)
             start += n * bt
-        self._tail_k = keys[..., start:, :].clone() if start < self._length else None
-        self._tail_v = values[..., start:, :].clone() if start < self._length else None
+        # the layer changes only once its new blocks are stored: a forward that raised (a
+        # seal under autograd, an interrupt) leaves it as it was, to be used again
+        self._length = length
+        self._tail_k = keys[..., start:, :].clone() if start < length else None
+        self._tail_v = values[..., start:, :].clone() if start < length else None
         self.keys, self.values = keys, values
         return keys, values
+
+    def _check_new(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """New tokens must fit the layer: ``[batch, heads, tokens, head_dim]`` of its heads,
+        head sizes, dtype and device, and (once it holds tokens) its batch. DynamicCache's
+        ``torch.cat`` raises on most such mismatches; the copies that join the blocks here
+        would broadcast a batch or head of one, or cast, and keep the result."""
+        held = self._tail_k is not None or bool(self._blocks)
+        batch = self._batch_size() if held else key_states.shape[0]
+        for name, t, (heads, dim) in (("key_states", key_states, self._kdims),
+                                      ("value_states", value_states, self._vdims)):
+            if (t.dim() != 4 or t.shape[0] != batch or t.shape[1] != heads
+                    or t.shape[-1] != dim or t.shape[-2] != key_states.shape[-2]
+                    or t.dtype != self.dtype or t.device != self.device):
+                raise ValueError(
+                    f"CompressedOffloadedCache: {name} {tuple(t.shape)} {t.dtype} on {t.device} "
+                    f"does not fit this layer, which holds [batch {batch}, heads {heads}, "
+                    f"tokens, head_dim {dim}] {self.dtype} on {self.device} (new keys and "
+                    "values need the same tokens too)")
 
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
@@ -306,11 +328,17 @@ class CompressedLayer(DynamicLayer):
         element_size = dtype_element_size(self.dtype)
         float_format = (DTYPE_FLOAT_FORMATS.get(self.dtype) if self._cache().codec == "auto"
                         else None)
-        for i in range(n):
-            held = ds.seal(raw[i], element_size, float_format)
+        helds = []
+        try:
+            for i in range(n):
+                helds.append(ds.seal(raw[i], element_size, float_format))
+        finally:  # read on the compress stream (by the blocks stored before a failure too)
+            ds.keep_until_read(flat)
+        # the layer takes the blocks only once all are stored (on a failure, those stored
+        # are freed with ``helds``)
+        for held in helds:
             self._blocks.append(_Block(held, batch))
             self._group.append(held.stored)
-        ds.keep_until_read(flat)  # read on the compress stream; nothing writes it again
         ds.release_scratch()
         if self._rows is not None:  # new blocks read as stored
             self._rows = torch.cat([self._rows, torch.arange(batch).expand(n, batch)])
@@ -494,8 +522,9 @@ class CompressedOffloadedCache(Cache):
             layer.lazy_initialization(key_states, value_states)
         ds = layer._store()
         ds.drain()
-        if layer_idx == self._check_at:
-            ds.check()
+        if layer_idx == self._check_at:  # every device's store (layers spread over GPUs)
+            for store in self._stores.by_device.values():
+                store.check()
         if self.prefetch_layers or (self.prefetch_layers is None
                                     and key_states.device.type == "cuda"):
             nxt, wraps = self._next_compressed(layer_idx)

@@ -369,6 +369,36 @@ class PagedStore:
         placed = float_format is not None  # end to end, for the copy engine
         self._compress_slice(src, rows, sl, payload, (sizes, kinds, rel),
                              slot.end if placed else None, element_size, float_format)
+        try:
+            k, upper = self._place_slice(src, sl, slot, payload, placed,
+                                         (m, rel, desc, sizes))
+        except BaseException:
+            if placed:  # the placement never read and zeroed the encoder's counter: the
+                # slot's next slice would lay its pages from this one's end, past its payload
+                with on_stream(cs):
+                    slot.end.zero_()
+            raise
+        arena.parity ^= 1  # the next slice's (only once this one's kernel is queued)
+        stored = mark(ps)
+        if ps is not None:  # made on the compress stream, read here (and by a sent slice's
+            meta.record_stream(ps)  # copy, which is done before the slice lets it go)
+        slot.last = sl
+        sl.host_desc, sl.stored = k, stored
+        sl.send = payload if placed else None  # held until its copies are queued
+        arena.add(sl, upper)
+        return sl
+
+    def _place_slice(self, src, sl: _Slice, slot: _PayloadSlot, payload: torch.Tensor,
+                     placed: bool, addrs: tuple) -> tuple[int, int]:
+        """:meth:`_store_slice`'s part from its compress to the launch that places the slice's
+        pages in the arena (the exponent codec's, :meth:`_place`) or packs them there (LZ4's);
+        ``addrs``: the addresses of the slice's metadata, its ``rel``, descriptor and sizes.
+        Returns ``(descriptor slot, arena bytes backed)``. The arena's host state is left
+        valid should it raise: chunks backed for it stay backed."""
+        first, n, p = sl.first, sl.n, self.page_size
+        cs, ps, arena, meta, device = (self.compress_stream, self.pack_stream, self.arena,
+                                       sl.meta, payload.device)
+        m, rel, desc, sizes = addrs
         if self.checksum:
             _decode.checksums(_pages(src, first, n, p), sl.sums)
         self.scratch_bytes = max(self.scratch_bytes,
@@ -380,7 +410,6 @@ class PagedStore:
         upper = slice_upper(n, p, self.checksum)
         arena.back(upper, ps)
         parity, limit = arena.parity, arena.limit
-        arena.parity ^= 1
         if placed:
             self._place(sl, slot.end, k, parity, limit, desc)
         elif ps is not None:
@@ -400,14 +429,7 @@ class PagedStore:
 
             pack_slice(_rows(payload, n, p), sl.sizes, sl.rel, arena.state, parity, limit, sl.desc,
                        arena.descs[k], arena.table, arena.chunk, meta, desc - m)
-        stored = mark(ps)
-        if ps is not None:  # made on the compress stream, read here (and by a sent slice's
-            meta.record_stream(ps)  # copy, which is done before the slice lets it go)
-        slot.last = sl
-        sl.host_desc, sl.stored = k, stored
-        sl.send = payload if placed else None  # held until its copies are queued
-        arena.add(sl, upper)
-        return sl
+        return k, upper
 
     def _place(self, sl: _Slice, end: torch.Tensor, k: int, parity: int, limit: int,
                desc: int) -> None:
