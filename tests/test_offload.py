@@ -1291,3 +1291,41 @@ def test_gpu_pinned_copies_of_sizes_that_change_every_step_pin_nothing_new(seed)
     torch.cuda.synchronize()
     assert_clean(off)  # (its poll frees the last step's copy, which autograd let go)
     assert off.pool.in_use_bytes == 0
+
+
+def test_a_batch_whose_bookkeeping_raises_keeps_its_members(seed):
+    """A batch whose store started but whose book-keeping then raised (here the counters,
+    once) is kept as failed with its members: each is served from its own storage and every
+    step's gradients are those without offload. (The members were let go before the
+    book-keeping, and the step's backward raised.)"""
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())],
+                          nn.Linear(256, 1))
+    x = torch.randn(16, 256)
+
+    def grads(ctx=None):
+        model.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else torch.enable_grad():
+            loss = model(x).square().mean()
+        if ctx is not None:  # the held batches stored now (the last groups' too)
+            ctx.synchronize()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads()
+    off = offload_activations(mode="compressed", offload_cpu=True, min_offload_bytes=0,
+                              group_bytes=1 << 16, prefetch=1, prefer="memory",
+                              sample_tensors=1, min_ratio=0)
+    real, raised = off._count, []
+
+    def count_once(entry, ff):
+        if entry.members > 1 and not raised:
+            raised.append(entry)
+            raise RuntimeError("injected: book-keeping after the store started")
+        return real(entry, ff)
+
+    off._count = count_once
+    for _ in range(3):
+        got = grads(off)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert raised and off.counters["offload_failed"] == raised[0].members
+    assert all(v == 0 for v in off.pending().values()), off.pending()

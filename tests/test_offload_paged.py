@@ -335,6 +335,41 @@ def test_chunks_must_hold_a_page():
 
 
 @interpreter
+@pytest.mark.parametrize("float_format", [None, "bf16"])
+def test_a_store_failing_after_its_first_slices_gives_them_back(gen, monkeypatch, float_format):
+    """A store that raises at its second slice (a GPU out of memory for the slice's
+    metadata, an interrupt in a host wait) gives back the slice it stored first: it had no
+    owner, its chunk stayed live, and the arena never unpinned it. Later stores round-trip and
+    the arena comes back empty."""
+    store = _store()  # 4 pages a slice
+    real, calls = store._store_slice, {"n": 0}
+
+    def second_fails(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected: the second slice fails")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_store_slice", second_fails)
+    with pytest.raises(RuntimeError, match="second slice"):
+        store.offload(_data(gen, 8 * P + 5, "bf16"), 2, float_format=float_format)
+    monkeypatch.setattr(store, "_store_slice", real)
+    for _ in range(3):
+        src = _data(gen, 6 * P + 77, "bf16")
+        st = store.offload(src, 2, float_format=float_format)
+        store.poll()
+        out = torch.full_like(src, POISON)
+        store.restore(st, out)
+        assert torch.equal(out, src)
+        store.free(st)
+    store.wait_placed()
+    store.poll()
+    assert store.stats()["host_used_bytes"] == 0
+    store.arena.release_idle()
+    assert store.arena.held_bytes == 0
+
+
+@interpreter
 def test_chunks_are_reused_and_host_memory_stays_bounded(gen):
     """Offload and free many times: the arena's end moves on, chunks behind it come back."""
     store = _store(chunk=1 << 15, slice_bytes=1 << 13)

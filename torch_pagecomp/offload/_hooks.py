@@ -511,12 +511,14 @@ class ActivationOffloader:
             if entry.stored is None:
                 return False
             entry.store = self._pinned
-        if src is not entry.parts:  # (parts read where they lie stay until read: ``_track``)
-            entry.parts = None
         if codec is not None and cls is not None:
             self.policy.sample(cls, entry.stored, codec)
         self._count(entry, ff)
         self._track(entry, src)
+        # a batch's members are let go only now: should the book-keeping above raise, the
+        # caller keeps the entry as failed and unpack serves each member from them
+        if src is not entry.parts:  # (parts read where they lie stay until read: ``_track``)
+            entry.parts = None
         return True
 
     @staticmethod

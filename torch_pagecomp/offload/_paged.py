@@ -280,15 +280,20 @@ class PagedStore:
             if isinstance(src, list):  # made and read on this stream only
                 rows = _decode.ramps([t.data_ptr() for _, t in src], counts, p,
                                      src[0][1].device, self.uploads)
-            for first, n in self._slices(full):
-                slices.append(self._store_slice(src, rows, first, n, element_size,
-                                                float_format))
             tail = tail_sum = None
-            if nbytes % p:
-                tail = torch.empty(nbytes % p, dtype=torch.uint8, pin_memory=self.arena.pin)
-                tail.copy_(src[full * p:], non_blocking=True)
-                if self.checksum:
-                    tail_sum = _decode.tail_checksum(src[full * p:], p)
+            try:
+                for first, n in self._slices(full):
+                    slices.append(self._store_slice(src, rows, first, n, element_size,
+                                                    float_format))
+                if nbytes % p:
+                    tail = torch.empty(nbytes % p, dtype=torch.uint8, pin_memory=self.arena.pin)
+                    tail.copy_(src[full * p:], non_blocking=True)
+                    if self.checksum:
+                        tail_sum = _decode.tail_checksum(src[full * p:], p)
+            except BaseException:  # the slices stored before the failure have no owner:
+                for sl in slices:  # given back as a free would (held for good before)
+                    self.arena.release(sl, self.restore_stream)
+                raise
             # the last slice's hand-off to the pack stream marks the end of the source's reads
             # when nothing followed it on this stream: one event recorded, not two
             consumed = self._handed if tail is None and slices else mark(cs)
