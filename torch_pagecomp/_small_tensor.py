@@ -90,8 +90,9 @@ class SmallTensorPath:
             return None
         consumer = current_stream(self.device) if self.cuda else None
         status = self.path.restore_small(storage.stored, out, consumer)
-        self.comp._count(restores=1, bytes_restored=handle.nbytes)  # (before a raise, as
-        if consumer is None:  # the general path counts) done: checked, as every CPU restore is
+        # counted before a raise, as the general path counts
+        self.comp._count(restores=1, bytes_restored=handle.nbytes)
+        if consumer is None:  # done: checked, as every CPU restore is
             raise_for_status(status)
         else:  # counted on the device: ``failed_restores()``
             self.failures.add([status], consumer, recorded=True)

@@ -303,9 +303,7 @@ class SmallStore:
             keep = []
             for stored in self._freeing:
                 if stored.source_read() and all(e.query() for e in stored.reads.values()):
-                    if stored.pages_bytes is None:  # freed before a poll saw it done: its
-                        # size read now (the owner counts it, and settles past it, by it)
-                        stored.pages_bytes = ctypes.c_int64.from_address(stored.base).value
+                    self.settle(stored)  # (freed before a poll saw it done: its size now)
                     self.arena.free(stored.block)
                 else:
                     keep.append(stored)
@@ -313,12 +311,15 @@ class SmallStore:
 
     def settle(self, stored: SmallStored) -> None:
         """Once ``stored``'s offload is done (the caller saw ``done`` complete): read the pages'
-        bytes from the block's header and give the block's unused end back."""
-        if stored.pages_bytes is not None or stored.freed:
+        bytes from the block's header (the owner counts it by them, and settles past it) and,
+        unless it was freed, give the block's unused end back. A freed block is read before
+        :meth:`poll` gives it back, so one given back is never read."""
+        if stored.pages_bytes is not None:
             return
         pages = ctypes.c_int64.from_address(stored.base).value
         stored.pages_bytes = pages
-        self.arena.shrink(stored.block, stored.head + pages)
+        if not stored.freed:
+            self.arena.shrink(stored.block, stored.head + pages)
 
     def free(self, stored: SmallStored) -> None:
         """Give ``stored``'s block back once its offload and the restores queued so far are
