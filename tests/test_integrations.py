@@ -860,17 +860,24 @@ def test_a_forward_that_raised_leaves_the_cache_usable(seed):
     assert torch.equal(generate(model, ids, cache, max_new_tokens=6), want)
 
 
-def test_a_seal_interrupted_inside_the_store_leaves_it_usable(seed, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_seal_interrupted_inside_the_store_leaves_it_usable(seed, monkeypatch, device):
     """An interrupt inside a seal, after the exponent encoder ran and before the placement
     read its counter (here in the arena's descriptor wait), leaves the stores usable: after
     ``reset()`` the same cache generates what DynamicCache does. (The counter kept the
     interrupted slice's bytes, and the next slice overran its payload.)"""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # (without the interpreter a CPU cache stores through lz4's C store: no arena)
+        pytest.skip("the CPU's compressed store needs the Triton interpreter")
     model, config = tiny_llama(torch.bfloat16)
+    model = model.to(device)
     from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
     from torch_pagecomp.offload import _arena
 
     tr = _transformers()
-    ids = torch.randint(0, config.vocab_size, (2, 40))
+    ids = torch.randint(0, config.vocab_size, (2, 40)).to(device)
     want = generate(model, ids, tr.DynamicCache(config=config), max_new_tokens=8)
     cache = CompressedOffloadedCache(config=config, block_tokens=16)
     real, calls = _arena.VirtualArena.host_desc, {"n": 0}
@@ -885,6 +892,8 @@ def test_a_seal_interrupted_inside_the_store_leaves_it_usable(seed, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         generate(model, ids, cache, max_new_tokens=8)
     monkeypatch.setattr(_arena.VirtualArena, "host_desc", real)
+    if device == "cuda":
+        torch.cuda.synchronize()  # (the counter is zeroed on the compress stream)
     for store in cache.stores.values():
         assert all(s.end is None or int(s.end) == 0 for s in store._slots)
     cache.reset()
