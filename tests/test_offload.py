@@ -1329,3 +1329,50 @@ def test_a_batch_whose_bookkeeping_raises_keeps_its_members(seed):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert raised and off.counters["offload_failed"] == raised[0].members
     assert all(v == 0 for v in off.pending().values()), off.pending()
+
+
+class _RaisesOnce(torch.autograd.Function):
+    """Identity whose backward raises while ``armed`` (an out-of-memory error, say)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _RaisesOnce.armed:
+            _RaisesOnce.armed = False
+            raise RuntimeError("injected: out of memory in backward")
+        return g
+
+
+@pytest.mark.parametrize("mode", ["compressed", "uncompressed"])
+def test_a_backward_that_raised_is_not_left_pending(seed, mode):
+    """A backward that raised (caught, as a batch-size search or an out-of-memory retry
+    does) never runs its end-of-backward callback: the next steps' gradients are those
+    without offload and, once they ran, nothing is pending (the raised backward was counted
+    in ``backward_callbacks`` for good)."""
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())],
+                          nn.Linear(256, 1))
+    x = torch.randn(16, 256)
+
+    def grads(ctx=None, raises=False):
+        model.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else torch.enable_grad():
+            h = _RaisesOnce.apply(model[:4](x))
+            loss = model[4:](h).square().mean()
+        _RaisesOnce.armed = raises
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads()
+    off = offload_activations(mode=mode, offload_cpu=True, min_offload_bytes=0,
+                              group_bytes=1 << 14, prefetch=1, prefer="memory",
+                              sample_tensors=1, min_ratio=0)
+    with pytest.raises(RuntimeError, match="injected"):
+        grads(off, raises=True)
+    for _ in range(2):
+        assert_identical(want, grads(off))
+    assert all(v == 0 for v in off.pending().values()), off.pending()

@@ -188,11 +188,12 @@ def test_gpu_handles_freed_while_their_offloads_run_are_counted(gen):
     with PageCompressor(batch_pages=2048) as pc:
         _warm(pc)
         d = pc._direct
-        base = pc.stats()["direct"]["bytes_in"]
         wants = [_floats(gen, 4 * 2048, torch.bfloat16).cuda() for _ in range(8)]
-        # the offloads below queue behind this (~0.5 s: 25 ms ended before the loop did
-        # with eight test processes sharing the GPU's host)
-        torch.cuda._sleep(1_000_000_000)
+        # this size's kernels compiled first: compiling them took seconds on a GPU host, and
+        # the stall below ended before the loop's first offload was queued
+        pc.restore(pc.offload(wants[0])).sum().item()
+        base = pc.stats()["direct"]["bytes_in"]
+        torch.cuda._sleep(200_000_000)  # the offloads below queue behind this (~0.1 s)
         got = []
         for want in wants:
             h = pc.offload(want)

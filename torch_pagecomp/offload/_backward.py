@@ -87,7 +87,9 @@ class Backward:
 
     def __init__(self, offloader):
         self._owner = weakref.ref(offloader)
-        self.tasks: set[int] = set()  # autograd graph tasks whose end is watched
+        # autograd graph tasks whose end is watched, each with its callback (weakly): a
+        # backward that raises never calls it, and the engine frees it with the task
+        self.tasks: dict[int, weakref.ref] = {}
         self.batch_restores = True  # off for good if the batched decode ever fails to run
         self.failed_restores_seen = 0
 
@@ -296,8 +298,9 @@ class Backward:
     def _watch_backward(self) -> None:
         task = torch._C._current_graph_task_id()
         if task != -1 and task not in self.tasks:
-            self.tasks.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(BackwardEnd(self, task))
+            end = BackwardEnd(self, task)
+            self.tasks[task] = weakref.ref(end)
+            torch.autograd.Variable._execution_engine.queue_callback(end)
             # the backward stores little: the stores' GPU scratch (payloads, the LZ4
             # compressor's working memory: 8-17 MiB) is not held through its peak (BERT-large's
             # peak had it, 9 MiB above a plain copy's, bench/results/h200x2_fd0815b_session57)
@@ -305,12 +308,21 @@ class Backward:
                 store.release_scratch()
             self._prefetch_tail()
 
+    def watched(self) -> int:
+        """The backwards whose end is still to come: a backward that raised is not among
+        them (its callback never ran; its clean-up is the next backward's, which releases
+        what the hooks still hold of it). The caller holds the offloader's lock."""
+        for task, end in list(self.tasks.items()):
+            if end() is None:
+                self.tasks.pop(task, None)
+        return len(self.tasks)
+
     def _end_backward(self, task: int) -> None:
         off = self.off
         if off is None:  # the offloader is gone: nothing of it is left to clean up
             return
         with off._lock:
-            self.tasks.discard(task)
+            self.tasks.pop(task, None)
             off._batcher.flush_all()  # held storages this backward left alive: a kept graph's
             for ps in list(off._passes):
                 ps.issued = [False] * len(ps.issued)

@@ -720,7 +720,7 @@ class ActivationOffloader:
                 "restored": sum(e.restored is not None for e in live),
                 "host_bytes": self.host_bytes(),
                 "pinned_in_use_bytes": self.pool.in_use_bytes,
-                "backward_callbacks": len(self._backward.tasks),
+                "backward_callbacks": self._backward.watched(),
             }
 
     def stats(self) -> dict:
