@@ -1376,3 +1376,157 @@ def test_a_backward_that_raised_is_not_left_pending(seed, mode):
     for _ in range(2):
         assert_identical(want, grads(off))
     assert all(v == 0 for v in off.pending().values()), off.pending()
+
+
+def _blocks_and_grads():
+    """A small MLP, its input, and a function giving one step's gradients (``ctx``: an
+    offloader around the forward, ``sync``: everything then restored from host memory)."""
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.Tanh())],
+                          nn.Linear(256, 1))
+    x = torch.randn(16, 256)
+
+    def grads(ctx=None):
+        model.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else torch.enable_grad():
+            loss = model(x).square().mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    return model, x, grads
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("failure", ["interrupt", "out_of_memory"])
+def test_a_restore_interrupted_midway_is_restored_again_by_a_retried_backward(
+        seed, mode, failure, monkeypatch):
+    """A restore of a prefetched group that stops midway (a ``KeyboardInterrupt`` inside a
+    tensor's restore, or out of memory allocating the group's second buffer) raises out of
+    the backward; a retried backward (``retain_graph=True``) restores the tensors whose
+    restore never ran instead of reading their unfilled buffers: gradients as without offload,
+    and nothing pending once the graph is freed."""
+    import sys
+
+    from torch_pagecomp.offload import _backward
+
+    model, x, grads = _blocks_and_grads()
+    want = grads()
+    # groups of several storages (16 KiB each): one restore call allocates several buffers
+    off = cpu_offloader(mode, prefetch=1, prefer="memory", sample_tensors=1, min_ratio=0,
+                        group_bytes=1 << 16)
+    model.zero_grad(set_to_none=True)
+    with off:
+        loss = model(x).square().mean()
+    off.synchronize()  # every storage stored: the backward restores them from host memory
+    calls, armed = [0], [True]
+    if failure == "interrupt":
+        store = off._cpu_compressed if mode == "compressed" else off._cpu
+        real = store.restore
+
+        def restore(stored, out):
+            calls[0] += 1
+            if armed[0] and calls[0] == 2:
+                raise KeyboardInterrupt("injected: interrupted inside a restore")
+            return real(stored, out)
+
+        monkeypatch.setattr(store, "restore", restore)
+    else:
+        real_empty = torch.empty
+
+        def empty(*args, **kwargs):  # the restore buffers' allocations only
+            caller = sys._getframe(1)
+            if (armed[0] and caller.f_globals is vars(_backward)
+                    and caller.f_code.co_name in ("restore", "_restore")):
+                calls[0] += 1
+                if calls[0] == 2:
+                    raise torch.OutOfMemoryError("injected: out of memory for a restore buffer")
+            return real_empty(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises((KeyboardInterrupt, torch.OutOfMemoryError), match="injected"):
+        loss.backward(retain_graph=True)
+    armed[0] = False
+    model.zero_grad(set_to_none=True)
+    loss.backward()  # the retry
+    assert_identical(want, [p.grad for p in model.parameters()])
+    del loss
+    assert_clean(off)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("graphs", ["retained", "two"])
+def test_a_failed_offload_serves_every_backward_of_its_graph(seed, mode, graphs, monkeypatch):
+    """A batch whose store failed keeps its members where they are, for as long as its graph
+    needs them: a retained graph's second backward, or a graph whose backward comes after
+    another graph's (two forwards, then their backwards: a pipeline schedule), get the
+    gradients they get without offload, rather than an error that the end of the first
+    backward dropped the members."""
+    model, x, grads = _blocks_and_grads()
+    x2 = torch.randn(16, 256)
+    want = grads()
+    model.zero_grad(set_to_none=True)
+    model(x2).square().mean().backward()
+    want2 = [p.grad.clone() for p in model.parameters()]
+    off = cpu_offloader(mode, prefetch=1, prefer="memory", sample_tensors=1, min_ratio=0)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected store failure")
+
+    monkeypatch.setattr(off._cpu_compressed if mode == "compressed" else off._cpu,
+                        "offload", fail)
+    model.zero_grad(set_to_none=True)
+    if graphs == "retained":
+        with off:
+            loss = model(x).square().mean()
+        loss.backward(retain_graph=True)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        assert_identical(want, [p.grad for p in model.parameters()])
+        del loss
+    else:
+        with off:
+            loss = model(x).square().mean()
+        with off:
+            loss2 = model(x2).square().mean()
+        loss.backward()
+        assert_identical(want, [p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+        loss2.backward()
+        assert_identical(want2, [p.grad for p in model.parameters()])
+        del loss, loss2
+    assert off.counters["offload_failed"] > 0
+    assert_clean(off)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefetch", [1, 0])
+def test_a_restore_that_failed_once_is_tried_again_by_a_retried_backward(
+        seed, mode, prefetch, monkeypatch):
+    """A tensor's restore that raised (here out of memory, once) fails the backward that
+    unpacked it, and only that one: a retried backward (``retain_graph=True``, the memory
+    freed meanwhile) restores the tensor again and gets the gradients it gets without
+    offload, where the failure stuck to the tensor and every retry raised it again."""
+    model, x, grads = _blocks_and_grads()
+    want = grads()
+    off = cpu_offloader(mode, prefetch=prefetch, prefer="memory", sample_tensors=1,
+                        min_ratio=0, group_bytes=1 << 16)
+    model.zero_grad(set_to_none=True)
+    with off:
+        loss = model(x).square().mean()
+    off.synchronize()
+    store = off._cpu_compressed if mode == "compressed" else off._cpu
+    real, calls = store.restore, [0]
+
+    def restore(stored, out):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise torch.OutOfMemoryError("injected: out of memory inside a restore")
+        return real(stored, out)
+
+    monkeypatch.setattr(store, "restore", restore)
+    with pytest.raises(RuntimeError, match="activation restore failed: injected"):
+        loss.backward(retain_graph=True)
+    model.zero_grad(set_to_none=True)
+    loss.backward()  # the retry
+    assert_identical(want, [p.grad for p in model.parameters()])
+    del loss
+    assert_clean(off)

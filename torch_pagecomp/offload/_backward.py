@@ -201,7 +201,13 @@ class Backward:
                     todo.append(e)
             if todo:  # one group at a time (batched restores stay within a group)
                 off.counters["restored_prefetch"] += len(todo) - (entry in todo)
-                self.restore(todo)
+                try:
+                    self.restore(todo)
+                except BaseException:
+                    # (its entries not restored are left so: a retried backward prefetches
+                    # the group again rather than restoring them one by one on demand)
+                    ps.issued[k] = False
+                    raise
 
     def restore(self, entries: list[_Entry]) -> None:
         """Start restoring ``entries`` (in this order) into buffers allocated on each entry's
@@ -217,6 +223,29 @@ class Backward:
         peak). A batch of several saved storages is restored member by member
         (``_entry._Member``): each restore target is a tensor or ``(byte offset, buffer)``
         parts (kept here only: the entry holds no buffer of a member)."""
+        issued: set[int] = set()  # ids of the entries whose restore ran (or failed and says so)
+        try:
+            self._restore(entries, issued)
+        except BaseException:
+            # stopped midway (out of memory allocating a buffer, a KeyboardInterrupt): an entry
+            # whose restore did not run must not keep its unfilled buffer as ``restored``, or
+            # a retried backward (retain_graph=True) would read it as the saved tensor (wrong
+            # gradients, no error); left unrestored, it is restored again when unpacked
+            cuda = next((e.device for e in entries if e.device.type == "cuda"), None)
+            # their buffers go back to the allocator after the side stream's work so far
+            event = mark(self.off._stream(cuda, "h2d")) if cuda is not None else None
+            for e in entries:
+                if id(e) not in issued:
+                    if e.restored is not None:
+                        e.restore_event, e.waited = event, False
+                    for m in e.split_members() or ():  # (members given buffers before it
+                        m.drop()  # stopped, the entry not yet marked SPLIT)
+                    e.drop_restored()
+            raise
+
+    def _restore(self, entries: list[_Entry], issued: set[int]) -> None:
+        """:meth:`restore`'s work; adds to ``issued`` the ids of the entries whose restore
+        ran."""
         batches: dict[tuple, list[_Entry]] = {}
         outs: dict[int, torch.Tensor | list] = {}
         for e in entries:
@@ -253,8 +282,10 @@ class Backward:
                 part = part_of.get(id(e))
                 if part is None:
                     self._restore_one(e, outs[id(e)], side)
+                    issued.add(id(e))
                 elif e is part[0]:
                     self.restore_batch(part, [outs[id(x)] for x in part], side)
+                    issued.update(id(x) for x in part)
 
     def restore_batch(self, part: list[_Entry], outs: list, side) -> None:
         """Restore ``part`` (compressed, one store and stream) with one batched restore (of
@@ -293,7 +324,10 @@ class Backward:
             if side is not None:
                 e.restore_event = mark(side)
         except Exception as exc:  # noqa: BLE001 - raised at this entry's unpack
-            e.error = exc.with_traceback(None)
+            if e.error is None:  # (an offload's error stays: that is the one to report)
+                e.error, e.restore_failed = exc.with_traceback(None), True
+            if side is not None:  # its buffer goes back after the work queued for it
+                e.restore_event = mark(side)
 
     def _watch_backward(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -330,8 +364,11 @@ class Backward:
                 e.drop_restored()
             while off._stash:
                 off._release(off._stash.popleft(), wait=True)
-            for e in list(off._failed):
-                e.src = e.parts = None
+            # failed offloads keep their GPU storage (``src``, or a batch's ``parts``) as long
+            # as the entry lives, i.e. as long as autograd keeps the saved tensor, as it would
+            # keep the tensor itself: dropped here, a retained graph's next backward, or the
+            # backward of a graph forwarded before this one ended, had nothing to serve them
+            # from (their store failed) and raised
             off._failed.clear()
             off._poll()
             off.pool.shrink()  # the plain copies: chunks no recent step used

@@ -391,7 +391,7 @@ class Batcher:
             src = self._source(entry, codec, ff)  # (a join out of GPU memory: kept in place)
             stored = off._store(entry, src, esize, ff, codec, cls)
         except Exception as exc:  # noqa: BLE001 - the members stay where they are (unpack
-            # serves each from its own storage until the end of backward): nothing lost
+            # serves each from its own storage while the entry lives): nothing lost
             off.counters["offload_failed"] += batch.members
             off._last_error = repr(exc)
             entry.error = exc.with_traceback(None)

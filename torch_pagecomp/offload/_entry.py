@@ -128,12 +128,13 @@ class _Entry:
         self.stream = None  # compute stream at pack time (owner of the source and restores)
         self.src: torch.Tensor | None = None  # the GPU storage while its copy may run
         # the members of a batch not stored (``_batch``): ``(byte offset, bytes)`` each, read
-        # in place while held, and until the end of backward if its store failed; of a batch
+        # in place while held, and as long as the entry lives if its store failed; of a batch
         # stored from them where they lie, while the stash keeps them (as ``src``), and
         # through a backward that served them in place
         self.parts: list[tuple[int, torch.Tensor]] | None = None
         self.store = self.stored = None
         self.error: BaseException | None = None
+        self.restore_failed = False  # ``error`` is a restore's (raised once), not the offload's
         self.restored: torch.Tensor | None = None
         self.restore_event = None
         self.waited = False
@@ -186,9 +187,15 @@ class _Entry:
         return self.stored is None or self.stored.source_read()
 
     def check_restored(self) -> None:
-        """Raise the error of a restore that failed."""
-        if self.error is not None:
-            raise RuntimeError(f"activation restore failed: {self.error}") from self.error
+        """Raise the error of a restore that failed. A restore's own error is raised once and
+        its unfilled buffer dropped: the next unpack (a retried backward) restores the entry
+        again, as a failure that passed (out of memory) should not fail every retry."""
+        error = self.error
+        if error is not None:
+            if self.restore_failed:
+                self.error, self.restore_failed = None, False
+                self.drop_restored()
+            raise RuntimeError(f"activation restore failed: {error}") from error
 
     def hand_back(self, waited: bool) -> None:
         """Before a restored buffer is freed: its block returns to the compute stream after

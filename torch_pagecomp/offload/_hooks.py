@@ -217,7 +217,8 @@ class ActivationOffloader:
         self._stash_tensors = 0  # saved storages the stash holds (a batch holds several)
         self._bounding = False  # in _bound (a store it starts tracks its entry)
         self._failed: weakref.WeakSet[_Entry] = weakref.WeakSet()  # offloads that failed: their
-        # storage stays with the entry (on the GPU) until the end of backward
+        # storage stays with the entry (on the GPU) as long as the entry lives; listed here until
+        # the end of backward
         self._live: weakref.WeakSet[_Entry] = weakref.WeakSet()
         self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
         self._pass: _Pass | None = None
@@ -590,7 +591,7 @@ class ActivationOffloader:
 
     def _release(self, entry: _Entry, wait: bool, keep_served: bool = False) -> None:
         """Drop the stash's hold on ``entry``'s GPU storage (its copy is done, or ``wait``).
-        A failed offload keeps it (unpack serves it) until the end of backward. With
+        A failed offload keeps it (unpack serves it) as long as the entry lives. With
         ``keep_served`` (in a backward), a storage already handed back in place becomes the
         entry's restored copy: a tensor saved twice (one storage, two unpacks) is then not
         brought back over the link for its second unpack."""
