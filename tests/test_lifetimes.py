@@ -418,6 +418,36 @@ def test_close_wakes_a_thread_waiting_for_a_slot():
     assert closed == [None] and not any(t.is_alive() for t in p._threads)
 
 
+def test_a_worker_that_cannot_start_leaves_no_thread_running(monkeypatch):
+    """A ``PageCompressor`` whose second worker thread cannot start (the process's thread
+    limit) raises, and the worker that did start ends: it does not wait on its queue for
+    ever, keeping the half-made pipeline (and its memory) alive until the process exits."""
+    from torch_pagecomp import pipeline as pipeline_module
+
+    real, started = threading.Thread.start, []
+
+    def second_fails(self):
+        if self.name.startswith("pagecomp-"):
+            if len(started) == 1:
+                raise RuntimeError("can't start new thread")
+            started.append(self)
+        return real(self)
+
+    before = set(pipeline_module._LIVE)
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", second_fails)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            PageCompressor(device="cpu", batch_pages=1)
+    assert len(started) == 1
+    started[0].join(5)
+    assert not started[0].is_alive(), "the worker that started is still running"
+    assert not set(pipeline_module._LIVE) - before, "the half-made pipeline is still live"
+    del before
+    x = torch.randn(5000)
+    with PageCompressor(device="cpu", batch_pages=1) as pc:  # threads start again
+        assert torch.equal(pc.restore(pc.offload(x)), x)
+
+
 def test_dead_worker_wakes_producers_and_handles(monkeypatch):
     """A worker thread that dies breaks the pipeline: every waiter raises, none hangs."""
     pc = PageCompressor(device="cpu", batch_pages=1, slots=1)

@@ -325,6 +325,45 @@ def test_a_failed_inline_offload_raises_and_the_compressor_goes_on(gen, monkeypa
     pc.close()
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "workers"])
+def test_a_batch_failing_after_its_blob_was_carved_gives_the_blob_back(inline, gen,
+                                                                       monkeypatch):
+    """A batch that fails once its blob is carved from the arena but before the storage
+    holds it (here a ``KeyboardInterrupt`` while its pages are packed into the blob: on the
+    calling thread for a small host tensor, on the issuer otherwise) gives the blob back:
+    no host bytes stay held once the handle is gone, and the next offload works."""
+    from torch_pagecomp import cpu_codec, module
+
+    if not inline:
+        monkeypatch.setattr(module, "INLINE_HOST_BYTES", 0)
+    pc = PageCompressor(device="cpu", batch_pages=2)
+    x = make((3 * 4096,), torch.uint8, gen)
+    real, calls = cpu_codec.pack_into, []
+
+    def second_interrupted(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_codec, "pack_into", second_interrupted)
+        if inline:
+            with pytest.raises(KeyboardInterrupt):
+                pc.offload(x)
+        else:
+            h = pc.offload(x)
+            with pytest.raises(RuntimeError, match="offload failed"):
+                h.wait()
+            assert isinstance(h._storage.error, KeyboardInterrupt)
+            del h
+    pc.synchronize()
+    gc.collect()
+    assert len(calls) == 2 and pc.stats()["bytes_held_host"] == 0
+    assert same_bits(x, pc.restore(pc.offload(x)))
+    pc.close()
+
+
 def test_close_stops_workers(gen):
     pc = PageCompressor(device="cpu", batch_pages=2)
     x = make((3 * 4096 + 1,), torch.uint8, gen)

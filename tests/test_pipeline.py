@@ -320,6 +320,38 @@ def test_worker_error_reaches_handle_and_ring_recovers(monkeypatch, gen):
     assert pc.stats()["bytes_held_host"] == 0 and pc.stats()["inflight_bytes"] == 0
 
 
+def test_interrupted_cpu_restore_gives_its_slot_back(monkeypatch, gen):
+    """A CPU restore interrupted while a batch decodes (a ``KeyboardInterrupt``, or a
+    ``MemoryError`` for its pages) gives that batch's ring slot back: else the ring's next
+    offload waited for it for ever, and so did ``synchronize`` and ``close``."""
+    from torch_pagecomp import pipeline as pipeline_module
+
+    pc = PageCompressor(device="cpu", batch_pages=2, slots=2)
+    x = torch.randint(0, 4, (5 * 4096,), dtype=torch.uint8, generator=gen)
+    h = pc.offload(x)
+    h.wait()
+    real, calls = pipeline_module.decompress_cpu_direct, []
+
+    def second_interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(pipeline_module, "decompress_cpu_direct", second_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pc.restore(h)
+    assert pc.pipeline.drain(timeout=2), "a slot of the interrupted restore is still held"
+    assert torch.equal(pc.restore(h), x)
+    h2 = pc.offload(x)  # takes every slot of the ring in turn
+    assert torch.equal(pc.restore(h2), x)
+    h.free()
+    h2.free()
+    assert pc.stats()["bytes_held_host"] == 0
+    assert pc.close(timeout=10)
+
+
 def test_close_cancel_fails_queued_batches_and_joins(monkeypatch, gen):
     pc = PageCompressor(device="cpu", batch_pages=1, slots=3)
     p = pc.pipeline

@@ -208,8 +208,16 @@ class Pipeline:
             self._thread("pagecomp-raw-completer", self._completer, self._raw_done_q),
         ]
         _LIVE.add(self)
-        for th in self._threads:
-            th.start()
+        try:
+            for th in self._threads:
+                th.start()
+        except BaseException:
+            # a worker could not start (the process's thread limit): end those that did, else
+            # the issuer waited on its queue for ever, keeping this half-made pipeline alive
+            self._refuse_work(cancel=True)
+            self._send_stop()
+            _LIVE.discard(self)
+            raise
 
     def _thread(self, name: str, loop, *args) -> threading.Thread:
         th = threading.Thread(target=self._worker, args=(loop, *args), daemon=True, name=name)
@@ -426,12 +434,18 @@ class Pipeline:
             slot.cpu_stage = SlotState.DOWNLOADING
         t2 = time.perf_counter()
         block = self.arena.alloc(lay.total)
-        payload_v, off_v, size_v, kind_v = lay.views(block.tensor)
-        cpu_codec.pack_into(payload, offsets, payload_v)
-        off_v.numpy()[:] = offsets
-        size_v.copy_(sizes)
-        kind_v.copy_(kinds)
-        storage.batch_stored(index, StoredBatch(block, lay, first_page))
+        try:
+            payload_v, off_v, size_v, kind_v = lay.views(block.tensor)
+            cpu_codec.pack_into(payload, offsets, payload_v)
+            off_v.numpy()[:] = offsets
+            size_v.copy_(sizes)
+            kind_v.copy_(kinds)
+            storage.batch_stored(index, StoredBatch(block, lay, first_page))
+        except BaseException:
+            # not yet the storage's (which frees only the blocks it holds): given back here,
+            # else a KeyboardInterrupt or error while packing kept the arena bytes for ever
+            self.arena.free(block)
+            raise
         return {"up": (t0, t1), "k": (t1, t2), "d": (t2, time.perf_counter())}, lay
 
     def compress_now(self, storage: Storage, src: torch.Tensor, nbytes: int,
@@ -531,25 +545,32 @@ class Pipeline:
             for sb in storage.batches:
                 lay, n = sb.layout, sb.layout.n_pages
                 slot = self.acquire_slot(closed_ok=True) if not self.cuda else None
-                t0 = time.perf_counter()
-                if slot is not None:
-                    slot.cpu_stage = SlotState.COMPRESSING
-                payload, offsets, sizes, kinds = lay.views(sb.block.tensor)
-                lo = sb.first_page * p
-                hi = min(out.numel(), lo + n * p)
-                exp = storage.float_format is not None
-                if hi - lo == n * p:  # whole pages: decoded where they go
-                    _, status = decompress_cpu_direct(payload, offsets[:-1], sizes, kinds, p,
-                                                      exp, out=out[lo:hi].view(n, p))
-                else:  # the tensor's last bytes end inside the batch's last page
-                    pages, status = decompress_cpu_direct(payload, offsets[:-1], sizes, kinds,
-                                                          p, exp)
-                    out[lo:hi].copy_(pages.view(-1)[: hi - lo])
-                statuses.append(status)
-                if slot is not None:
-                    t1 = time.perf_counter()
-                    self.timing.add_cpu("restore", slot.index, n * p, lay.total, t0, t0, t0, t1)
-                    self._release_slot(slot)
+                # the slot goes back however the decode ends: a KeyboardInterrupt or a
+                # MemoryError left it active, and the ring's next offload, ``drain`` and
+                # ``close`` waited for it for ever
+                try:
+                    t0 = time.perf_counter()
+                    if slot is not None:
+                        slot.cpu_stage = SlotState.COMPRESSING
+                    payload, offsets, sizes, kinds = lay.views(sb.block.tensor)
+                    lo = sb.first_page * p
+                    hi = min(out.numel(), lo + n * p)
+                    exp = storage.float_format is not None
+                    if hi - lo == n * p:  # whole pages: decoded where they go
+                        _, status = decompress_cpu_direct(payload, offsets[:-1], sizes, kinds,
+                                                          p, exp, out=out[lo:hi].view(n, p))
+                    else:  # the tensor's last bytes end inside the batch's last page
+                        pages, status = decompress_cpu_direct(payload, offsets[:-1], sizes,
+                                                              kinds, p, exp)
+                        out[lo:hi].copy_(pages.view(-1)[: hi - lo])
+                    statuses.append(status)
+                    if slot is not None:
+                        t1 = time.perf_counter()
+                        self.timing.add_cpu("restore", slot.index, n * p, lay.total,
+                                            t0, t0, t0, t1)
+                finally:
+                    if slot is not None:
+                        self._release_slot(slot)
         finally:
             storage.reader_done()
         return statuses
