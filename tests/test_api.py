@@ -37,6 +37,9 @@ def test_compress_accepts_flat_bytes(gen):
         # direct launch path) does too
         (torch.zeros((2, 4096), dtype=torch.uint8), {"element_size": True}, "element_size"),
         (torch.zeros((2, 4096), dtype=torch.uint8), {"backend": "gpu"}, "backend"),
+        # unhashable settings: named as any other bad one (not a TypeError from a plan's key)
+        (torch.zeros((2, 4096), dtype=torch.uint8), {"backend": ["cpu"]}, "backend"),
+        (torch.zeros((2, 4096), dtype=torch.uint8), {"codec": ["lz4"]}, "codec"),
         ([1, 2, 3], {}, "torch.Tensor"),
     ],
 )

@@ -209,6 +209,20 @@ def test_the_helpers_name_their_arguments():
     assert pc.select_backend(4, "cpu") == "cpu"
 
 
+def test_raise_for_status_names_a_status_it_cannot_read():
+    """A status is an integer tensor with bytes: a float one (a page would be named for
+    ``status 0.5``, or, requiring grad, numpy refuses it) or a meta one (``item()`` refuses it)
+    is an error naming the problem."""
+    for status in (torch.tensor([0.0, 0.5]), torch.tensor([0.0, 1.0], requires_grad=True)):
+        with pytest.raises(PageCompError, match="status must be an integer tensor"):
+            pc.raise_for_status(status)
+    with pytest.raises(PageCompError, match="status is on the meta device"):
+        pc.raise_for_status(torch.zeros(2, dtype=torch.int32, device="meta"))
+    with pytest.raises(PageCompError, match="mismatch is on the meta device"):
+        pc.raise_for_status(torch.tensor([0, 2], dtype=torch.int32),
+                            torch.zeros(2, dtype=torch.bool, device="meta"))
+
+
 # ------------------------------------------------------------------ misuse of the hooks
 def test_one_offloader_is_used_by_one_forward_thread_at_a_time():
     """torch keeps saved-tensor hooks per thread and the offloader one pass: a second thread

@@ -142,6 +142,16 @@ def test_arguments_a_plan_does_not_fix_get_the_full_checks(interp, gen):
     assert len(_small._COMPRESS) == 1  # none of these left a plan
 
 
+def test_a_meta_tensor_of_a_planned_signature_is_refused(interp, gen):
+    """A meta tensor has the signature of a CPU one (``get_device()`` is -1 for both): it must
+    get the full path's error, not run a CPU plan's launchers on a tensor without bytes."""
+    for codec, es in (("lz4", 2), ("exp-bf16", None)):
+        x = _data(gen, 2, codec)
+        pc.compress(x, element_size=es, codec=codec, backend=interp)
+        with pytest.raises(PageCompError, match="meta device"):
+            pc.compress(x.to("meta"), element_size=es, codec=codec, backend=interp)
+
+
 def test_plans_are_bounded(interp, gen, monkeypatch):
     """Past the limit the plans are forgotten, not kept without end."""
     monkeypatch.setattr(_small, "_PLAN_LIMIT", 2)

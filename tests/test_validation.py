@@ -236,6 +236,32 @@ def test_checks_run_on_fake_tensors_and_trace():
         assert "pagecomp.compress" in code and "pagecomp.decompress" in code, code
 
 
+def test_eager_entry_points_on_meta_tensors_do_what_the_ops_do():
+    """Meta tensors pass the argument checks (they read no values): each op gives meta
+    outputs of its shapes (its fake implementation), and so must the eager entry point that is
+    "as" the op, not run the host codec on tensors without bytes (NotImplementedError)."""
+    m = dict(device="meta")
+    pages = torch.empty((N, P), dtype=torch.uint8, **m)
+    dec = (torch.empty(N * P, dtype=torch.uint8, **m), torch.empty(N, dtype=torch.int64, **m),
+           torch.empty(N, dtype=torch.int32, **m), torch.empty(N, dtype=torch.uint8, **m), P)
+    calls = [
+        (torch.ops.pagecomp.compress, _ops.compress_eager, (pages, 1)),
+        (torch.ops.pagecomp.compress_exp, _ops.compress_exp_eager, (pages, "bf16")),
+        (torch.ops.pagecomp.checksum, _ops.checksum_eager, (pages,)),
+        (torch.ops.pagecomp.pack, _ops.pack_eager, (pages, dec[2])),
+        (torch.ops.pagecomp.decompress, _ops.decompress_eager, dec),
+        (torch.ops.pagecomp.decompress_exp, _ops.decompress_exp_eager, dec),
+    ]
+    for op, eager, args in calls:
+        def kinds(out):
+            out = (out,) if torch.is_tensor(out) else out
+            return [(t.device.type, t.dtype, t.shape) for t in out]
+
+        assert kinds(eager(*args)) == kinds(op(*args)), op
+    _ops.decompress_into_eager(*dec[:4], torch.empty((N, P), dtype=torch.uint8, **m),
+                               torch.empty(N, dtype=torch.int32, **m))
+
+
 def test_packed_offsets_disagreeing_with_sizes_are_named(gen):
     """``api.decompress`` of a packed container: a page whose ``offsets[i + 1] - offsets[i]``
     is not its size (or ``offsets[0] != 0``) fails with ``STATUS_BAD_SIZE`` and is named;

@@ -97,9 +97,11 @@ def _reference(ref, op, *args):
     already checked) called directly where :func:`backend.eager_call_ok` allows, which spares
     two layers of operator dispatch (~150 us of host time per call on a 2-core VM, several
     times the lz4 work of a 16-page batch); otherwise the op, so that ``torch.compile`` and
-    dispatch modes see it."""
+    dispatch modes see it. Meta tensors (checked: all on one device) go through the op too,
+    whose fake implementation gives meta outputs of its shapes: ``ref`` would read their
+    values, which they do not hold."""
     tensors = tuple(a for a in args if isinstance(a, Tensor))
-    return ref(*args) if eager_call_ok(tensors) else op(*args)
+    return ref(*args) if eager_call_ok(tensors) and not tensors[0].is_meta else op(*args)
 
 
 # The reference paths (lz4 and numpy / C on the host), arguments already checked: each

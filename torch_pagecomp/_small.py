@@ -97,8 +97,12 @@ _RAW_DELETE = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
 # --------------------------------------------------------------------------- compress
 def _compress_key(data, page_size, element_size, codec, backend_name, out) -> tuple | None:
     """The signature of a ``compress`` call, or None for arguments a plan never serves (a
-    tensor subclass, non-int sizes: their full checks differ by value, not by signature)."""
-    if type(data) is not torch.Tensor:
+    tensor subclass, non-int sizes: their full checks differ by value, not by signature; a
+    meta tensor, whose ``get_device()`` is a CPU tensor's; a codec or backend that is not a
+    string, which may not hash: the full path names them)."""
+    if type(data) is not torch.Tensor or data.is_meta:
+        return None
+    if type(codec) is not str or type(backend_name) is not str:
         return None
     if not (page_size is None or type(page_size) is int):
         return None

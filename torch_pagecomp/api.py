@@ -446,10 +446,16 @@ def raise_for_status(status: torch.Tensor, mismatch: torch.Tensor | None = None)
     ``mismatch`` (from :func:`offsets_mismatch`) marks pages failed for their offsets."""
     if not isinstance(status, torch.Tensor) or status.dim() != 1:
         raise PageCompError(f"status must be a 1-D tensor (one per page), got {fmt._desc(status)}")
+    if status.is_floating_point() or status.is_complex():
+        raise PageCompError(f"status must be an integer tensor (format.STATUS_* codes), got "
+                            f"{fmt._desc(status)}")
     if mismatch is not None and (not isinstance(mismatch, torch.Tensor)
                                  or tuple(mismatch.shape) != tuple(status.shape)):
         raise PageCompError(f"mismatch must be a tensor shaped as status {tuple(status.shape)}, "
                             f"got {fmt._desc(mismatch)}")
+    for name, t in (("status", status), ("mismatch", mismatch)):
+        if t is not None and t.is_meta:
+            raise PageCompError(f"{name} is on the meta device: a meta tensor holds no values")
     # the usual case, no failed page: one reduction, where nonzero builds an index
     cpu = type(status) is torch.Tensor and status.device.type == "cpu"
     if not (status.numpy().any() if cpu else status.any()):
