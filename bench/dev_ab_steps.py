@@ -150,7 +150,8 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_join", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
         "memory_lastpeak", "memory_no_wait", "memory_second_per_slice", "memory_payload_grow",
-        "memory_small_near_peak", "speed", "speed_copy_only", "speed_warm2")
+        "memory_small_near_peak", "memory_tail15", "memory_tail30", "speed", "speed_copy_only",
+        "speed_warm2")
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
@@ -207,6 +208,9 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         starts = Batcher._starts_now
         return [(Batcher, "_starts_now",
                  lambda self, batch: not batch.deferred and starts(self, batch))]
+    if arm in ("memory_tail15", "memory_tail30"):  # no due store in the forward's last 15 /
+        # 30% of the bytes the previous pass saved (:func:`_tail_swaps`)
+        return _tail_swaps(int(arm[len("memory_tail"):]) / 100)
     if arm == "memory_lastpeak":  # a due batch held below the last step's GPU peak too,
         # not only below the peak since the caller last reset it (a loop that resets it each
         # step, as this probe and the stock bench do, held nothing in its forward)
@@ -250,6 +254,39 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
     if arm == "memory_group":  # batched restores through restore_group
         return [(_backward, "restore_placed", lambda store, storeds, outs: False)]
     return []
+
+
+def _tail_swaps(frac: float) -> list[tuple[object, str, object]]:
+    """The ``memory_tail*`` arms: once a pass has saved ``1 - frac`` of the bytes the pass
+    before it saved, ``Batcher.store_due`` stores nothing more (the in-flight bound still
+    stores the oldest past ``max_in_flight_bytes``), so the forward's last ``frac`` stays on
+    the GPU and the backward reads it in place, whatever the host's speed. The hypothesis:
+    the fast of encoder-1024's two steady modes (session 86: 0.81-0.98x a plain copy, against
+    1.11-1.26x) is the package holding such a tail because the link was behind when the host
+    came back to it; a tail held by rule should land every process there, with a GPU peak
+    still at or below a plain copy's (which holds what its link has not moved)."""
+    import weakref
+
+    from torch_pagecomp.offload._batch import Batcher
+
+    add, store_due = Batcher.add, Batcher.store_due
+
+    def counting_add(batcher, src, esize, ff, alone=None):
+        ps = batcher._owner()._pass
+        tail = getattr(batcher, "_tail", None)  # [this pass (weakly), its bytes, the last's]
+        if tail is None or tail[0]() is not ps:
+            tail = batcher._tail = [weakref.ref(ps), 0, tail[1] if tail is not None else 0]
+        tail[1] += src.numel()
+        return add(batcher, src, esize, ff, alone)
+
+    def tail_store_due(batcher):
+        tail = getattr(batcher, "_tail", None)
+        if tail is not None and tail[2] and tail[1] >= (1 - frac) * tail[2]:
+            batcher.behind = False  # (nothing to try again at the next saved storage)
+            return
+        store_due(batcher)
+
+    return [(Batcher, "add", counting_add), (Batcher, "store_due", tail_store_due)]
 
 
 def _over_last_peak(batcher, dev):

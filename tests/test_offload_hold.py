@@ -1142,3 +1142,33 @@ def test_the_ab_probe_prints_why_stores_were_put_off():
     assert line.endswith("memory 29.5 / 7.8 / 0.0 (members put off 97.2)"), line
     assert "uncompressed" not in line
     assert refused_line({"uncompressed": done["uncompressed"]}) is None
+
+
+@pytest.mark.parametrize("arm", ["memory_tail15", "memory_tail30"])
+def test_the_tail_arms_store_nothing_due_in_the_forwards_last_bytes(gen, arm):
+    """``bench.dev_ab_steps``' ``memory_tail*`` arms: once a pass has saved ``1 - frac`` of
+    the last pass's bytes, no due batch is stored (held for the backward instead): a 16-group
+    forward holds more than the window's two groups at its end, its gradients unchanged; the
+    first pass (no last pass known) stores as the package does; the patch goes after."""
+    from bench.dev_ab_steps import _arm_patch
+    from torch_pagecomp.offload._batch import Batcher
+
+    real = (Batcher.add, Batcher.store_due)
+    model, x = _model(gen, layers=16), _data(gen, ROWS, WIDTH)
+    ref = _step(model, x)
+    held = {}
+    for name in ("package", arm):
+        off = _off()
+        with _arm_patch(name if name != "package" else "memory"):
+            for _ in range(2):  # the first pass has no last pass to take its tail from
+                _same(ref, _step(model, x, off))
+            with off:
+                loss = model(x)
+            held[name] = off._batcher.members
+            loss.backward()
+        assert off.pending()["entries"] == 0
+    frac = int(arm[len("memory_tail"):]) / 100
+    assert held["package"] <= 3 * 2  # the window: two groups (a few saves each)
+    assert held[arm] > held["package"]
+    assert held[arm] >= int(frac * 16) * 2
+    assert (Batcher.add, Batcher.store_due) == real
