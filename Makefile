@@ -60,7 +60,8 @@ checkstyle: $(STAMP)
 # ahead of the environment on PYTHONPATH. PAGECOMP_TRANSFORMERS names the release each run must
 # import (a test checks it).
 COMPAT := $(patsubst tests/compat/transformers-%.txt,%,$(wildcard tests/compat/transformers-*.txt))
-TRANSFORMERS_TESTS := tests/test_integrations.py tests/test_hf_generate_bench.py
+TRANSFORMERS_TESTS := tests/test_integrations.py tests/test_integrations_review.py \
+	tests/test_hf_generate_bench.py
 $(VENV)/transformers-%/.installed: tests/compat/transformers-%.txt | $(STAMP)
 	rm -rf $(VENV)/transformers-$*
 	$(PY) -m pip install -q --no-compile --no-deps --target $(VENV)/transformers-$* -r $<

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+import weakref
 
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
@@ -114,6 +115,32 @@ class OffloadActivations(ActivationOffloader):
         settings.setdefault("prefetch", 1 if use_streams else 0)
         super().__init__(min_offload_bytes=min_offload_size,
                          max_in_flight_tensors=max_fwd_stash_size, **settings)
+        # the per-thread stacks of keep_on_gpu regions opened by the head's hooks
+        # (``_keep_hooks``), closed at each pass's start and end if a forward left one open
+        self._head_regions: list[threading.local] = []
+
+    def __enter__(self) -> OffloadActivations:
+        if self._depth == 0:
+            self._close_head_regions()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._depth == 0:
+                self._close_head_regions()
+
+    def _close_head_regions(self) -> None:
+        """Close the keep_on_gpu regions the head's hooks left open on this thread. A pass
+        starts and ends outside the head's forward, so one open here was left by a forward
+        interrupted by a ``KeyboardInterrupt`` (torch runs ``always_call`` forward hooks after
+        an ``Exception`` only): the thread would stay inside it and no later step on it would
+        offload anything."""
+        for local in self._head_regions:
+            stack = getattr(local, "stack", None)
+            while stack:
+                stack.pop().__exit__(None, None, None)
 
     def update_model_params(self, model: nn.Module) -> None:
         """TRL's name for :meth:`keep_tensors_of`: ``model``'s parameters and buffers (and views
@@ -183,9 +210,10 @@ def _own_head(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def _keep_hooks(off: ActivationOffloader, module: nn.Module) -> None:
+def _keep_hooks(off: OffloadActivations, module: nn.Module) -> None:
     """Tensors saved inside ``module``'s forward stay where they are (``keep_on_gpu``)."""
     local = threading.local()
+    off._head_regions.append(local)
 
     def enter(mod, args):
         stack = local.__dict__.setdefault("stack", [])
@@ -224,7 +252,8 @@ def get_act_offloading_ctx_manager(
     ``NoOpManager``, here its forward runs under :func:`torch_pagecomp.keep_on_gpu`. In
     addition, every block of an ``nn.ModuleList`` in ``model`` starts a prefetch group at its
     forward, and ``model``'s parameters and buffers are never offloaded (as with
-    :func:`torch_pagecomp.offload_module`). ``ctx.remove()`` takes these hooks off.
+    :func:`torch_pagecomp.offload_module`). ``ctx.remove()`` takes these hooks off (as does
+    collecting ``ctx``: the model does not keep it alive).
 
     The keyword arguments after ``enable_activation_offloading`` are TRL's
     (``trl.models.activation_offloading``) and any :class:`~torch_pagecomp.ActivationOffloader`
@@ -253,8 +282,26 @@ def get_act_offloading_ctx_manager(
             "model.output (or model.lm_head) and make it an nn.Module.",
             stacklevel=2,
         )
+    # the blocks' hooks reach the offloader through a weak reference: held by the model, they
+    # would keep every ctx made for it (and its pinned pools and stores) alive as long as the
+    # model, each adding its hooks (a recipe making one per step, a second TRL trainer)
+    ref = weakref.ref(ctx)
+
+    def start_group(mod, args):
+        off = ref()
+        if off is not None:
+            off.next_group()
+
     for block in (b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m):
         if block is not head:
-            ctx._handles.append(block.register_forward_pre_hook(lambda m, a: ctx.next_group()))
+            ctx._handles.append(block.register_forward_pre_hook(start_group))
+    # a ctx dropped without remove() takes its hooks off the model when it is collected
+    weakref.finalize(ctx, _remove_handles, ctx._handles).atexit = False
     return ctx
+
+
+def _remove_handles(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 

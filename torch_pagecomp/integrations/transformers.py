@@ -201,17 +201,14 @@ class CompressedLayer(DynamicLayer):
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: negative)."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
-                "Please use a negative integer to remove that number of tokens from the cache "
-                "instead."
-            )
-        if tokens_to_remove == 0 or not self.is_initialized:
+        """Crop as the installed release's ``DynamicLayer`` does: a negative value removes that
+        many of the last tokens; a positive one (4.57: also 0) is the length to crop to in the
+        releases that take one (4.57's assisted generation calls ``crop(new_length)``; 5.x
+        deprecated it, later releases raise)."""
+        new_len = _dynamic_crop_length(self.get_seq_length(), tokens_to_remove)
+        if new_len >= self._length or not self.is_initialized:
             return
         self._drop_prefetch()
-        new_len = max(0, self._length - abs(tokens_to_remove))
         bt = self.block_tokens
         keep = new_len // bt
         if keep < len(self._blocks):  # the cut reaches into sealed blocks: unseal them
@@ -407,6 +404,19 @@ class CompressedLayer(DynamicLayer):
         idx = torch.cat([k.flatten(1), v.flatten(1)], 1).flatten().to(self.device)
         self._gather = (rows, idx, unit)
         return idx, unit
+
+
+def _dynamic_crop_length(length: int, tokens_to_remove: int) -> int:
+    """The tokens the installed release's ``DynamicLayer.crop(tokens_to_remove)`` leaves of
+    ``length`` (raising what it raises): the meaning of the argument changed across releases
+    (4.57: the length to crop to when not negative; from 5.x, tokens to remove, a length
+    deprecated and then refused), and generate calls it by its own release's rule. Run on a
+    layer of ``meta`` tensors: no memory, no copy."""
+    probe = DynamicLayer()
+    probe.keys = probe.values = torch.empty((1, 1, length, 1), device="meta")
+    probe.is_initialized = True
+    DynamicLayer.crop(probe, tokens_to_remove)
+    return probe.keys.shape[-2]
 
 
 def _unblock(blocks: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,222 @@
+"""Failure paths and lifetimes of the integrations: the torchtune / TRL activation-offload
+drop-ins and the transformers KV cache (CPU; transformers tests skip where it is missing)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_pagecomp.integrations.torchtune import get_act_offloading_ctx_manager
+
+
+class TinyDecoder(nn.Module):
+    """torchtune's layout: ``layers`` (a ModuleList) and ``output`` (the head)."""
+
+    def __init__(self, d: int = 32, vocab: int = 50, n: int = 3):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+            for _ in range(n)
+        )
+        self.norm = nn.LayerNorm(d)
+        self.output = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.output(self.norm(x))
+
+
+def grads(model: nn.Module, loss_fn, ctx=None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with ctx if ctx is not None else contextlib.nullcontext():
+        loss = loss_fn()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_identical(ref, got) -> None:
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), f"gradient {i} differs"
+
+
+def _hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def test_a_dropped_ctx_manager_is_collected_with_its_hooks(seed):
+    """The model's hooks must not keep the offloader alive: a ctx the user drops (a recipe
+    that makes one per step, a second TRL trainer on the same model) is collected with what
+    it holds (pinned pools, compressed stores), and its hooks leave the model. The blocks'
+    ``next_group`` hooks held it, so every ctx ever made lived as long as the model and each
+    one added a hook to every block."""
+    model = TinyDecoder()
+    tokens = torch.randint(0, 50, (2, 8))
+    labels = torch.randint(0, 50, (2, 8))
+
+    def loss():
+        return F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+
+    ref = grads(model, loss)
+    refs = []
+    for _ in range(3):  # a ctx made afresh every step
+        ctx = get_act_offloading_ctx_manager(model, True, min_offload_size=0, offload_cpu=True)
+        assert_identical(ref, grads(model, loss, ctx))
+        assert ctx.stats()["offloaded_bytes"] > 0 and ctx.stats()["kept_region"] > 0
+        refs.append(weakref.ref(ctx))
+        del ctx
+        gc.collect()
+    assert all(r() is None for r in refs), "a dropped ctx manager is kept alive by the model"
+    assert _hook_count(model) == 0
+    assert_identical(ref, grads(model, loss))
+
+    # a ctx the user holds keeps its hooks; remove() still takes them off
+    ctx = get_act_offloading_ctx_manager(model, True, min_offload_size=0, offload_cpu=True)
+    gc.collect()
+    assert _hook_count(model) > 0
+    assert_identical(ref, grads(model, loss, ctx))
+    ctx.remove()
+    assert _hook_count(model) == 0
+
+
+class _Interrupt(nn.Module):
+    """A head whose forward can be interrupted (Ctrl-C): torch runs ``always_call`` forward
+    hooks after an ``Exception`` only, not after a ``KeyboardInterrupt``."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head, self.interrupt = head, False
+
+    def forward(self, x):
+        y = self.head(x)
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return y
+
+
+@pytest.fixture
+def keep_depth():
+    """This thread's keep_on_gpu depth, put back after the test (a region left open would keep
+    every later test's saved tensors in place)."""
+    from torch_pagecomp.offload._entry import _tls
+
+    depth = _tls.keep
+    yield
+    _tls.keep = depth
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["in-ctx", "outside-ctx"])
+def test_an_interrupted_head_forward_does_not_stop_offloading(seed, keep_depth, inside):
+    """Ctrl-C inside the head's forward skipped the hook that closes its keep_on_gpu region:
+    the thread stayed inside it, and every later step offloaded nothing (every saved tensor
+    kept, "region"). The next pass (and the end of the interrupted one) closes what the head's
+    hooks left open."""
+    from torch_pagecomp.offload._entry import _tls
+
+    model = TinyDecoder()
+    model.output = _Interrupt(model.output)
+    tokens = torch.randint(0, 50, (2, 8))
+    labels = torch.randint(0, 50, (2, 8))
+
+    def loss():
+        return F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+
+    ref = grads(model, loss)
+    ctx = get_act_offloading_ctx_manager(model, True, min_offload_size=0, offload_cpu=True)
+    model.output.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        with ctx if inside else contextlib.nullcontext():
+            model(tokens)
+    if inside:  # the interrupted pass closed the region as it ended
+        assert _tls.keep == 0
+    model.output.interrupt = False
+    before = ctx.stats()
+    assert_identical(ref, grads(model, loss, ctx))
+    after = ctx.stats()
+    assert _tls.keep == 0
+    assert after["offloaded_bytes"] > before["offloaded_bytes"]
+    # only the head's forward kept tensors in place
+    kept = after.get("kept_region", 0) - before.get("kept_region", 0)
+    assert 0 < kept < after["packed"] - before["packed"]
+    ctx.remove()
+
+
+# ------------------------------------------------------------------------ transformers
+def _transformers():
+    return pytest.importorskip("transformers", minversion="4.57")
+
+
+def _kv(gen, n, b=2, h=2, d=16):
+    return torch.randn(b, h, n, d, generator=gen), torch.randn(b, h, n, d, generator=gen)
+
+
+@pytest.mark.parametrize("bt", [4, 8])
+def test_crop_reads_its_argument_as_the_installed_release_does(gen, bt):
+    """``crop``'s argument changed meaning across releases: transformers 4.57 crops to a length
+    when it is not negative (its assisted and prompt-lookup generation call
+    ``crop(new_length)``), 5.17 still takes a length (deprecated), later 5.x raise. The layer
+    raised on every positive value, so ``generate(prompt_lookup_num_tokens=...)`` failed with
+    4.57, and ``crop(0)`` there kept everything. Now every argument does what ``DynamicCache``
+    does with the installed release (``make test`` runs this at 4.57.1 and 5.17.0 too)."""
+    DynamicCache = _transformers().DynamicCache
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    for arg in (17, 9, 8, 0, 30, -3, -12, -40):
+        ref, ours = DynamicCache(), CompressedOffloadedCache(block_tokens=bt)
+        for n in (13, 7):
+            k, v = _kv(gen, n)
+            ref.update(k, v, 0)
+            ours.update(k, v, 0)
+        try:
+            ref.crop(arg)
+        except Exception as e:  # the release refuses it: so does the cache, unchanged
+            with pytest.raises(type(e)):
+                ours.crop(arg)
+            assert ours.get_seq_length() == 20
+            continue
+        ours.crop(arg)
+        assert ours.get_seq_length() == ref.get_seq_length(), arg
+        if ref.get_seq_length():
+            k, v = ours.materialize(0)
+            assert torch.equal(k, ref.layers[0].keys) and torch.equal(v, ref.layers[0].values)
+        k, v = _kv(gen, 3)  # and it grows on from there as DynamicCache does
+        rk, rv = ref.update(k, v, 0)
+        ok, ov = ours.update(k, v, 0)
+        assert torch.equal(ok, rk) and torch.equal(ov, rv)
+        ours.close()
+
+
+def test_prompt_lookup_generation_matches_dynamic_cache(seed):
+    """Prompt-lookup decoding crops the cache after each rejected guess (with a length under
+    transformers 4.57, which raised here): the same tokens as with ``DynamicCache``."""
+    import inspect
+
+    tr = _transformers()
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    config = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    model = tr.LlamaForCausalLM(config).eval()
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else (
+        "past_key_values")
+    ids = torch.randint(0, config.vocab_size, (1, 16))
+    ids = torch.cat([ids, ids], 1)  # a repeat: the lookup finds guesses to verify
+
+    def run(cache):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=12, min_new_tokens=12, prompt_lookup_num_tokens=4,
+                              pad_token_id=0, **{kw: cache})
+
+    want = run(tr.DynamicCache())
+    cache = CompressedOffloadedCache(block_tokens=8)
+    assert torch.equal(run(cache), want)
+    cache.close()
