@@ -90,9 +90,6 @@ forward's end, so deferred batches were read in place: session 61's counters; se
 one H200: 1.12x / 1.13x a plain copy on encoder-1024 / ViT-B/16 against ``memory``'s 1.17x /
 1.20x, 1.22x / 1.20x on BERT-large / ResNet-50 against 1.18x / 1.18x, with GPU peaks above
 a plain copy's on those two, ``bench/results/h200_session62``).
-``memory_tail15``, ``memory_tail30``: no due store once a pass has saved 85 / 70% of the
-last pass's bytes (session 87's probe of a held tail, :func:`_tail_swaps`); ``memory_notail``:
-no tail held for the stores the last backward met late (``_batch.Batcher.tail``, session 87).
 ``memory_lastpeak``: a due batch is held while the GPU's allocation, with room for two more
 groups, is below the last step's peak too (``PagedStore.step_peak``), not only below the peak
 since the caller last reset it (``Batcher._over_peak``): a loop that resets the peak at each
@@ -153,8 +150,8 @@ ARMS = ("none", "save_on_cpu", "uncompressed", "memory", "memory_group", "memory
         "memory_join", "memory_late", "memory_slots1",
         "memory_in_turn", "memory_in_turn32", "memory_nobacklog", "memory_keep_deferred",
         "memory_lastpeak", "memory_no_wait", "memory_second_per_slice", "memory_payload_grow",
-        "memory_small_near_peak", "memory_tail15", "memory_tail30", "memory_notail", "speed",
-        "speed_copy_only", "speed_warm2")
+        "memory_small_near_peak", "memory_tail15", "memory_tail30", "speed", "speed_copy_only",
+        "speed_warm2")
 
 
 # arms that set package constants while their steps run: ((module, name, value), ...)
@@ -211,9 +208,6 @@ def _swaps(arm: str) -> list[tuple[object, str, object]]:
         starts = Batcher._starts_now
         return [(Batcher, "_starts_now",
                  lambda self, batch: not batch.deferred and starts(self, batch))]
-    if arm == "memory_notail":  # no forward's tail held for late stores (before session 87):
-        # each backward forgets what it met late
-        return [(Batcher, "end_backward", lambda self: setattr(self, "late", 0))]
     if arm in ("memory_tail15", "memory_tail30"):  # no due store in the forward's last 15 /
         # 30% of the bytes the previous pass saved (:func:`_tail_swaps`)
         return _tail_swaps(int(arm[len("memory_tail"):]) / 100)
@@ -835,10 +829,9 @@ def refused_line(done: dict) -> str | None:
     parts = []
     for arm, (_, n) in done.items():
         why = {r: n.get(f"refused_{r}", 0) for r in ("backlog", "payload", "room")}
-        if any(why.values()) or n.get("deferred", 0) or n.get("held_tail", 0):
+        if any(why.values()) or n.get("deferred", 0):
             parts.append(f"{arm} " + " / ".join(f"{v:.1f}" for v in why.values())
-                         + f" (members put off {n.get('deferred', 0):.1f}, held in the "
-                         f"forward's tail {n.get('held_tail', 0):.1f})")
+                         + f" (members put off {n.get('deferred', 0):.1f})")
     if not parts:
         return None
     return "stores put off a step, backlog / payload / room: " + "; ".join(parts)

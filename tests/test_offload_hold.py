@@ -1131,19 +1131,15 @@ def test_the_ab_probe_prints_each_arms_rounds_apart():
 
 def test_the_ab_probe_prints_why_stores_were_put_off():
     """``dev_ab_steps``' refusal line: each arm's due stores put off a step by the reason
-    (``refused_backlog`` / ``refused_payload`` / ``refused_room``), its members put off and
-    those held in the forward's tail; none where no arm put one off or held a tail."""
+    (``refused_backlog`` / ``refused_payload`` / ``refused_room``) and its members put off;
+    none where no arm put one off."""
     from bench.dev_ab_steps import refused_line
 
     done = {"uncompressed": ({}, {"offloaded_raw": 4.0}),
             "memory": ({}, {"refused_backlog": 29.5, "refused_payload": 7.75,
-                            "deferred": 97.25, "held_tail": 3.5}),
-            "memory_notail": ({}, {"held_tail": 2.0})}
+                            "deferred": 97.25})}
     line = refused_line(done)
-    assert ("memory 29.5 / 7.8 / 0.0 (members put off 97.2, held in the forward's tail 3.5)"
-            in line), line
-    assert line.endswith("memory_notail 0.0 / 0.0 / 0.0 (members put off 0.0, held in the "
-                         "forward's tail 2.0)"), line
+    assert line.endswith("memory 29.5 / 7.8 / 0.0 (members put off 97.2)"), line
     assert "uncompressed" not in line
     assert refused_line({"uncompressed": done["uncompressed"]}) is None
 
@@ -1176,46 +1172,3 @@ def test_the_tail_arms_store_nothing_due_in_the_forwards_last_bytes(gen, arm):
     assert held[arm] > held["package"]
     assert held[arm] >= int(frac * 16) * 2
     assert (Batcher.add, Batcher.store_due) == real
-
-
-def test_the_forwards_tail_follows_the_stores_the_backward_met_late(gen, monkeypatch):
-    """``_batch.Batcher.tail``: a backward that met stores too late (restored before their
-    slices were placed, on a GPU whose link is behind; here every restore is said to be)
-    makes the next forward hold that many more of its last bytes for the backward: more
-    storages held at its end than the window's, each counted as ``held_tail``, at most half
-    the pass, gradients unchanged; backwards with no late store let it go a group at a time."""
-    from torch_pagecomp.offload._backward import Backward
-
-    model, x = _model(gen, layers=16), _data(gen, ROWS, WIDTH)
-    ref = _step(model, x)
-    off = _off()
-    _same(ref, _step(model, x, off))  # (the classes decided)
-    with off:
-        loss = model(x)
-    window_held = off._batcher.members
-    loss.backward()
-    assert off.stats()["tail_bytes"] == 0  # nothing is late on the CPU
-    monkeypatch.setattr(Backward, "_note_unplaced", lambda self, entries: [
-        self.off._batcher.__dict__.__setitem__("late", self.off._batcher.late + e.nbytes)
-        for e in entries])
-    model.zero_grad(set_to_none=True)
-    _same(ref, _step(model, x, off))
-    tail = off.stats()["tail_bytes"]
-    assert 0 < tail <= off._batcher.pass_bytes // 2
-    with off:
-        loss = model(x)
-    assert off._batcher.members > window_held
-    loss.backward()
-    assert off.stats()["held_tail"] > 0
-    model.zero_grad(set_to_none=True)
-    monkeypatch.undo()  # no late store from here: the tail shrinks a group's bytes a backward
-    grads, tails = [], []
-    for _ in range(40):
-        grads.append(_step(model, x, off))
-        tails.append(off.stats()["tail_bytes"])
-        if not tails[-1]:
-            break
-    for g in grads:
-        _same(ref, g)
-    assert tails[-1] == 0 and all(a > b for a, b in zip(tails, tails[1:]))
-    assert off.pending()["entries"] == 0

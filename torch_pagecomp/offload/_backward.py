@@ -129,14 +129,10 @@ class Backward:
                 self._prefetch_from(entry.pass_, entry.group, entry)  # the groups before it
                 parts = entry.parts
                 if not held:
-                    if entry.error is None:  # stored, and read in place all the same: late
-                        off._batcher.note_late(entry)
                     self._served(entry)
                 return packed.view_parts(parts)
             if entry.src is not None:
                 off.counters["served_from_stash"] += 1
-                if entry.error is None:
-                    off._batcher.note_late(entry)
                 self._prefetch_from(entry.pass_, entry.group, entry)
                 storage = entry.src.untyped_storage()
                 self._served(entry)
@@ -145,7 +141,6 @@ class Backward:
             if entry.restored is None:
                 off._poll()
                 off.counters["restored_on_demand"] += 1
-                self._note_unplaced([entry])
                 self.restore([entry])
         entry.check_restored()
         if entry.restore_event is not None:
@@ -206,7 +201,6 @@ class Backward:
                     todo.append(e)
             if todo:  # one group at a time (batched restores stay within a group)
                 off.counters["restored_prefetch"] += len(todo) - (entry in todo)
-                self._note_unplaced(todo)
                 try:
                     self.restore(todo)
                 except BaseException:
@@ -214,14 +208,6 @@ class Backward:
                     # the group again rather than restoring them one by one on demand)
                     ps.issued[k] = False
                     raise
-
-    def _note_unplaced(self, entries: list[_Entry]) -> None:
-        """Entries about to be restored whose slices are not all placed in host memory yet
-        (as far as the last poll saw) were stored too late (``_batch.Batcher.note_late``)."""
-        batcher = self.off._batcher
-        for e in entries:
-            if e.error is None and isinstance(e.stored, PagedStored) and not e.stored.stored():
-                batcher.note_late(e)
 
     def restore(self, entries: list[_Entry]) -> None:
         """Start restoring ``entries`` (in this order) into buffers allocated on each entry's
@@ -371,7 +357,6 @@ class Backward:
             return
         with off._lock:
             self.tasks.pop(task, None)
-            off._batcher.end_backward()  # the next forward's tail, from this one's late stores
             off._batcher.flush_all()  # held storages this backward left alive: a kept graph's
             for ps in list(off._passes):
                 ps.issued = [False] * len(ps.issued)

@@ -49,25 +49,6 @@ memory 1.38 against 1.81-1.88 GiB; on one GPU a plain copy's GPU peak was 1.34-1
 instead (the probe ``memory_lazy``, session 50) raised BERT-large's GPU peak; there this rule
 holds nothing (the allocation is at its peak at every group's end).
 
-**The forward's tail, held where stores came too late.** A compressed store issued near the
-forward's end reaches host memory, if at all, just before the backward reads it back: its
-compress, pack, send, restore and decode are host and GPU work for bytes that the backward
-could have read in place, and the link is still busy with it when the backward's first
-restores need it. Each backward therefore adds up the bytes of such late stores, those it
-served from the stash (their source not yet read) and those whose restore found their slices
-not yet placed (:meth:`Batcher.note_late`), and the next forward holds that many more of its
-last bytes (:attr:`Batcher.tail`, past ``window`` groups), by their byte position in the pass
-against the last pass's total; a backward with no late store lets one group's bytes of the
-tail go, so the tail follows the link instead of growing for good. Plain copies are not held
-so: a copy's stash does this by itself. The tail is at most half of the last pass's bytes,
-counts against ``max_in_flight_bytes`` as every held storage does, and is measured only on a
-GPU (on the CPU a store is done when the hook returns). Why: the package held such a tail only
-where the link happened to be behind when the host came back to a due batch, so encoder-1024's
-compressed step settled, process by process, at 0.81-0.98x or at 1.11-1.26x a plain copy's
-(``bench/results/h200_session86``); a fixed tail of 30% of the forward's bytes gave 1.04x
-(BERT-large 1.05x against 1.27x) in one process, but raised BERT-large's GPU peak and slowed
-ResNet-50, whose stores are not late (``bench/results/h200_session87``).
-
 **Stored together.** A compressed offload costs the host about the same whatever its size:
 the store's two launches and events each way, its allocations, and the hooks' book-keeping of
 an entry (stash, ledger, group, restore). One by one, that was 110-180 us a tensor of 1-16 MiB
@@ -128,17 +109,15 @@ class Batch:
     (``codec`` None: a plain copy), else None."""
 
     __slots__ = ("key", "ref", "nbytes", "members", "alone", "group", "deferred",
-                 "held_below_peak", "held_tail", "start")
+                 "held_below_peak")
 
-    def __init__(self, key: tuple, entry: _Entry, alone: tuple | None = None, start: int = 0):
+    def __init__(self, key: tuple, entry: _Entry, alone: tuple | None = None):
         self.key, self.ref, self.alone = key, weakref.ref(entry), alone
         self.group = (weakref.ref(entry.pass_), entry.group)
-        self.start = start  # the bytes its pass had saved before its first member
         self.nbytes = self.members = 0
         # flags named as the offloader's counters of the members they mark (each counted once)
         self.deferred = False  # its store waited for the link at least once
         self.held_below_peak = False  # held at least once because the GPU was below its peak
-        self.held_tail = False  # held at least once in its forward's tail
 
     def add(self, entry: _Entry, src: torch.Tensor) -> int:
         """Append ``src`` to ``entry``'s parts; returns its byte offset in the batch."""
@@ -191,11 +170,6 @@ class Batcher:
         self.due: tuple | None = None  # (pass, group): batches before it are due a store
         self.behind = False  # a due batch waits for the link (tried again at the next add)
         self.last_group_bytes = 0  # the saved bytes of the group that ended last
-        # the forward's tail (see the module's docstring): the bytes saved so far by the pass
-        # of ``_counted`` (weakly), the last pass's, the tail held, and the late stores' bytes
-        # seen by the backward under way
-        self._counted = None
-        self.pass_bytes = self.last_pass_bytes = self.tail = self.late = 0
 
     @property
     def window(self) -> int:
@@ -224,30 +198,25 @@ class Batcher:
         dev = src.device
         stream = current_stream(dev) if dev.type == "cuda" else None
         key = (dev, stream, ff, esize)
-        ps = off._pass
-        if self._counted is None or self._counted() is not ps:  # a new pass: the last one's
-            self.last_pass_bytes = self.pass_bytes if self._counted is not None else 0
-            self._counted, self.pass_bytes = weakref.ref(ps), 0
         batch = self.open.get(key) if alone is None else None
         entry = batch.ref() if batch is not None else None
         if batch is not None and (entry is None or batch.nbytes + src.numel() > BATCH_BYTES):
             self._close(batch)
             batch = None
         if batch is None:
+            ps = off._pass
             entry = _Entry(off._sink, 0, dev, ps, len(ps.groups) - 1)
             entry.stream, entry.parts = stream, []
             if alone is None:  # several storages may join: each is restored on its own
                 entry.member_refs = {}
             # in its group now: the group is not empty, so the next one starts a new group
             ps.groups[entry.group].append(weakref.ref(entry))
-            batch = Batch(key, entry, alone, self.pass_bytes)
+            batch = Batch(key, entry, alone)
             if alone is None:
                 self.open[key] = batch
             else:
                 self.held.append(batch)
         base = batch.add(entry, src)
-        if not _in_backward():  # (a recompute's storages are not the forward's)
-            self.pass_bytes += src.numel()
         if stream is not None:
             self.nbytes += src.numel()
         self.members += 1
@@ -323,8 +292,7 @@ class Batcher:
         # the oldest due batch, found again after each store: a store's in-flight bound
         # (``_bound``) may have stored the next one already
         while (batch := next((b for b in self.held if b.before(ps, group)
-                              and b.key[0] not in holding and not self._in_tail(b, ps)),
-                             None)) is not None:
+                              and b.key[0] not in holding), None)) is not None:
             dev = batch.key[0]
             if dev not in over:
                 over[dev] = self._over_peak(dev)
@@ -340,41 +308,13 @@ class Batcher:
                 over[dev] -= batch.nbytes  # freed once its store has read it
             self.flush(batch)
 
-    def _in_tail(self, batch: Batch, ps) -> bool:
-        """Whether ``batch``, a compressed one of pass ``ps``, lies in the forward's tail
-        (:attr:`tail`, against the last pass's bytes): it stays held for the backward (its
-        members are counted as ``held_tail`` once)."""
-        if (not self.tail or batch.group[0]() is not ps
-                or batch.alone is not None and batch.alone[0] is None  # (a plain copy)
-                or batch.start < self.last_pass_bytes - self.tail):
-            return False
-        if not batch.held_tail:
-            batch.held_tail = True
-            self._owner().counters["held_tail"] += batch.members
-        return True
-
-    def note_late(self, entry: _Entry) -> None:
-        """The backward met ``entry`` stored too late: served from the stash, or restored
-        before its slices were placed (see the module's docstring). Compressed entries only."""
-        if getattr(entry.stored, "kind", None) == "compressed":
-            self.late += entry.nbytes
-
-    def end_backward(self) -> None:
-        """At a backward's end: the next forward's tail grows by the late stores' bytes, or,
-        with none, lets one group's bytes go; at most half the pass's bytes."""
-        if self.late:
-            self.tail = min(self.tail + self.late, self.pass_bytes // 2)
-        else:
-            self.tail = max(0, self.tail - self.last_group_bytes)
-        self.late = 0
-
     def _flag_due(self, ps, group: int, flag: str, dev: torch.device | None = None) -> None:
         """Set ``flag`` on the due batches (of ``dev`` only, if given) that lack it, and add
         their members to the offloader's counter of that name."""
         counters = self._owner().counters
         for b in self.held:
             if (b.before(ps, group) and (dev is None or b.key[0] == dev)
-                    and not getattr(b, flag) and not self._in_tail(b, ps)):
+                    and not getattr(b, flag)):
                 setattr(b, flag, True)
                 counters[flag] += b.members
 

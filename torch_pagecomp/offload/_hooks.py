@@ -302,16 +302,13 @@ class ActivationOffloader:
                        f"(latest: {self._last_error})")
         kept = {k[5:]: v for k, v in delta.items()
                 if k.startswith("kept_") and k not in ("kept_cpu", "kept_small")}
-        deferred, below, tail = delta["deferred"], delta["held_below_peak"], delta["held_tail"]
-        if tail:
-            why.append(f"{tail} were held in place in the forward's last {self._batcher.tail} "
-                       "bytes, where the last backward met stores that came too late")
+        deferred, below = delta["deferred"], delta["held_below_peak"]
         if below:
             why.append(f"{below} were held in place because the GPU's allocation stayed below "
                        "the peak it had already reached (storing them would not lower it)")
-        if delta["held"] > deferred + below + tail:
-            why.append(f"{delta['held'] - deferred - below - tail} were held in place, not "
-                       "stored: they are "
+        if delta["held"] > deferred + below:
+            why.append(f"{delta['held'] - deferred - below} were held in place, not stored: "
+                       "they are "
                        f"in the last prefetch + 1 = {self.prefetch + 1} groups, which the "
                        "backward would bring back at its start (start a group per block with "
                        "next_group(), as offload_module does, or pass a smaller group_bytes)")
@@ -746,8 +743,6 @@ class ActivationOffloader:
         least once because the link was behind the forward (``_batch.Batcher.store_due``);
         ``held_below_peak``: held storages whose store was put off at least once because the
         GPU's allocation was below the peak it had reached (``_batch.Batcher._over_peak``).
-        ``held_tail``: held storages kept for the backward in the forward's last
-        ``tail_bytes`` (those the last backward found stored too late: ``_batch``).
         ``refused_room`` / ``refused_backlog`` / ``refused_payload``: the attempts at such a
         store that were put off, by the reason (``PagedStore.refusal``: the arena's room,
         the link's backlog, or the GPU behind the host with the next payload).
@@ -759,7 +754,6 @@ class ActivationOffloader:
             out["host_s"] = dict(self._host_s)
         out.update(self.pending())
         out["peak_host_bytes"] = self._ledger.peak
-        out["tail_bytes"] = self._batcher.tail
         if self._last_error is not None:
             out["last_offload_error"] = self._last_error
         out["pinned_held_bytes"] = self.pool.held_bytes
