@@ -1530,3 +1530,45 @@ def test_a_restore_that_failed_once_is_tried_again_by_a_retried_backward(
     assert_identical(want, [p.grad for p in model.parameters()])
     del loss
     assert_clean(off)
+
+
+@pytest.mark.parametrize("where", ["block", "kept block"])
+def test_a_forward_interrupted_by_ctrl_c_does_not_leave_offload_module_entered(seed, where):
+    """torch runs ``always_call`` forward hooks after an ``Exception`` only: a
+    ``KeyboardInterrupt`` inside the model's forward (Ctrl-C in a notebook) skipped
+    ``offload_module``'s hooks that leave the offloader and close a ``keep`` region. The next
+    forward closes what the interrupted one left open: its pass ends, its tensors are
+    offloaded again (none kept for a region long closed), gradients as without offload."""
+    from torch_pagecomp.offload._entry import _tls
+
+    model = GPT(d=32, heads=4, layers=3)
+    x = torch.randn(2, 15, 32)
+    ref = grads_of(model, x)
+    off = offload_module(model, keep=model.blocks[2:], offload_cpu=True, min_offload_bytes=0,
+                         group_bytes=None)
+    assert_identical(ref, grads_of(model, x))
+    clean = off.stats()
+    stop = [True]
+
+    def interrupt(mod, args):
+        if stop and stop.pop():
+            raise KeyboardInterrupt
+
+    victim = model.blocks[2] if where == "kept block" else model.blocks[1]
+    handle = victim.register_forward_pre_hook(interrupt)  # after the package's hooks
+    with pytest.raises(KeyboardInterrupt):
+        grads_of(model, x)
+    handle.remove()
+    keep_before = _tls.keep
+    for _ in range(2):
+        before = off.stats()
+        assert_identical(ref, grads_of(model, x))
+        after = off.stats()
+        assert off._depth == 0 and _tls.keep == 0
+        assert (after["offloaded_bytes"] - before["offloaded_bytes"]
+                == clean["offloaded_bytes"])
+        assert after.get("kept_region", 0) - before.get("kept_region", 0) \
+            == clean.get("kept_region", 0)
+    assert keep_before == (1 if where == "kept block" else 0)
+    off.remove()
+    assert_clean(off)

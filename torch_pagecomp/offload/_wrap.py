@@ -3,6 +3,8 @@ and blocks whose activations stay on the GPU."""
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -43,14 +45,35 @@ def offload_module(
     off = offloader if offloader is not None else ActivationOffloader(**settings)
     off.keep_tensors_of(module)
 
+    # per thread: the forwards of ``module`` that entered the offloader, and the ``keep``
+    # regions open, by module (torch keeps saved-tensor hooks per thread)
+    local = threading.local()
+
+    def counts(name: str) -> dict[int, int]:
+        return local.__dict__.setdefault(name, {})
+
     def enter(mod, args):
-        if not _in_backward():
-            off.__enter__()
-            mod._pagecomp_entered = getattr(mod, "_pagecomp_entered", 0) + 1
+        if _in_backward():
+            return
+        entered = counts("entered")
+        if entered.get(id(mod)) and _forwards_of(mod) == 1:
+            # this thread's last forward of ``mod`` entered the offloader and never reached
+            # its forward hook: torch runs ``always_call`` hooks after an ``Exception`` only,
+            # so a ``KeyboardInterrupt`` (Ctrl-C in a notebook) left that pass open, its
+            # saved-tensor hooks on and its ``keep`` regions counted: the pass would never
+            # end again (its held storages never stored, its groups growing every step) and
+            # no tensor saved on this thread would be offloaded after a kept region
+            for _ in range(entered.pop(id(mod))):
+                off.__exit__(None, None, None)
+            _tls.keep -= sum(counts("kept").values())
+            counts("kept").clear()
+        off.__enter__()
+        entered[id(mod)] = entered.get(id(mod), 0) + 1
 
     def leave(mod, args, out):
-        if getattr(mod, "_pagecomp_entered", 0):
-            mod._pagecomp_entered -= 1
+        entered = counts("entered")
+        if entered.get(id(mod)):
+            entered[id(mod)] -= 1
             off.__exit__(None, None, None)
 
     off._handles.append(module.register_forward_pre_hook(enter))
@@ -59,18 +82,37 @@ def offload_module(
         off._handles.append(b.register_forward_pre_hook(lambda m, a: off.next_group()))
 
     def keep_enter(mod, args):
+        kept = counts("kept")
+        if kept.get(id(mod)) and _forwards_of(mod) == 1:  # (interrupted: see ``enter``)
+            _tls.keep -= kept.pop(id(mod))
         _tls.keep += 1
-        mod._pagecomp_kept = getattr(mod, "_pagecomp_kept", 0) + 1
+        kept[id(mod)] = kept.get(id(mod), 0) + 1
 
     def keep_leave(mod, args, out):
-        if getattr(mod, "_pagecomp_kept", 0):
-            mod._pagecomp_kept -= 1
+        kept = counts("kept")
+        if kept.get(id(mod)):
+            kept[id(mod)] -= 1
             _tls.keep -= 1
 
     for k in keep:
         off._handles.append(k.register_forward_pre_hook(keep_enter))
         off._handles.append(k.register_forward_hook(keep_leave, always_call=True))
     return off
+
+
+def _forwards_of(mod: torch.nn.Module) -> int:
+    """The calls of ``mod`` under way on this thread: its ``nn.Module._call_impl`` frames on
+    the stack (a forward pre-hook runs inside its own call's). Walked only where a count says
+    a forward of ``mod`` is already open."""
+    n, frame = 0, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is mod:
+            n += 1
+        frame = frame.f_back
+    return n
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
 def _modules(name: str, mods) -> list[torch.nn.Module]:
