@@ -1572,3 +1572,30 @@ def test_a_forward_interrupted_by_ctrl_c_does_not_leave_offload_module_entered(s
     assert keep_before == (1 if where == "kept block" else 0)
     off.remove()
     assert_clean(off)
+
+
+def test_offload_module_on_a_module_that_calls_itself(seed):
+    """A forward of the wrapped module inside its own forward (recursion) is a nested call,
+    not one an interrupt left open: the pass spans the outer call, gradients as without."""
+
+    class Recursive(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x, depth: int = 3):
+            y = torch.tanh(self.lin(x)) * x
+            return self(y, depth - 1) if depth else y.square().mean()
+
+    model = Recursive()
+    x = torch.randn(8, 64)
+    ref = grads_of(model, x)
+    off = offload_module(model, offload_cpu=True, min_offload_bytes=0, group_bytes=None,
+                         prefetch=0)  # (every storage stored: none held for the backward)
+    depths = []
+    model.lin.register_forward_pre_hook(lambda m, a: depths.append(off._depth))
+    assert_identical(ref, grads_of(model, x))
+    assert depths == [1, 2, 3, 4] and off._depth == 0
+    assert off.stats()["offloaded_bytes"] > 0
+    off.remove()
+    assert_clean(off)
