@@ -220,3 +220,44 @@ def test_prompt_lookup_generation_matches_dynamic_cache(seed):
     cache = CompressedOffloadedCache(block_tokens=8)
     assert torch.equal(run(cache), want)
     cache.close()
+
+
+@pytest.mark.parametrize("bt", [4, 8])
+def test_bad_beam_rows_are_refused_before_the_layer_changes(gen, bt):
+    """``reorder_cache`` / ``batch_select_indices`` with rows outside the batch: DynamicCache's
+    ``index_select`` raises at once and keeps the cache. Here the rows of sealed blocks were
+    kept unchecked, and every later restore of the layer failed (an ``IndexError`` on use,
+    for good). Now the call raises ``IndexError`` naming the rows, and the cache works on."""
+    _transformers()
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    for n in (13, 2 * bt):  # a tail and sealed blocks; sealed blocks only
+        cache = CompressedOffloadedCache(block_tokens=bt)
+        k, v = _kv(gen, n)
+        cache.update(k, v, 0)
+        for rows in (torch.tensor([0, 2]), torch.tensor([-1, 0]), torch.tensor([[0, 1]])):
+            with pytest.raises(IndexError, match="batch rows"):
+                cache.reorder_cache(rows)
+        with pytest.raises(IndexError):
+            cache.batch_select_indices(torch.tensor([5]))
+        cache.reorder_cache(torch.tensor([1, 0]))  # good rows still work
+        got_k, got_v = cache.materialize(0)
+        assert torch.equal(got_k, k[[1, 0]]) and torch.equal(got_v, v[[1, 0]])
+        cache.close()
+
+
+def test_a_refused_first_update_leaves_the_layer_unset(gen):
+    """A first ``update`` that is refused (3-D keys, keys and values of different batches or
+    tokens) must not fix the layer's heads and head sizes from it: the next, good update
+    works, as with DynamicCache."""
+    _transformers()
+    from torch_pagecomp.integrations.transformers import CompressedOffloadedCache
+
+    k, v = _kv(gen, 5)
+    cache = CompressedOffloadedCache(block_tokens=4)
+    for bad in ((k[0], v[0]), (k, v[:1]), (k, v[:, :, :3]), (k[:, :, :, :8], v[:1])):
+        with pytest.raises(ValueError, match="CompressedOffloadedCache"):
+            cache.update(*bad, 0)
+    got_k, got_v = cache.update(k, v, 0)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    cache.close()

@@ -119,6 +119,15 @@ class CompressedLayer(DynamicLayer):
                 f"keys ({key_states.dtype}, {key_states.device}) and values "
                 f"({value_states.dtype}, {value_states.device}) must share dtype and device"
             )
+        # checked before the layer takes its heads and head sizes from them: a first update
+        # refused after that (by ``_check_new``) left every later, good update refused
+        if (key_states.dim() != 4 or value_states.dim() != 4
+                or key_states.shape[0] != value_states.shape[0]
+                or key_states.shape[-2] != value_states.shape[-2]):
+            raise ValueError(
+                f"CompressedOffloadedCache: keys {tuple(key_states.shape)} and values "
+                f"{tuple(value_states.shape)} must be [batch, heads, tokens, head_dim] of the "
+                "same batch and tokens")
         self.device = key_states.device
         self.dtype = key_states.dtype
         # [heads, head_dim] of keys and of values (they may differ, e.g. MLA)
@@ -350,12 +359,17 @@ class CompressedLayer(DynamicLayer):
         """Keep batch rows ``rows`` (a long tensor) in this order: the tail now, the sealed
         blocks when they are next restored (their stored bytes do not change)."""
         rows = torch.as_tensor(rows).to(torch.long)
+        cpu, batch = rows.cpu(), self._batch_size()
+        # checked before anything changes, as DynamicCache's index_select raises at once:
+        # rows kept unchecked for the sealed blocks failed every later restore of the layer
+        if cpu.dim() != 1 or cpu.numel() and not (0 <= int(cpu.min()) <= int(cpu.max()) < batch):
+            raise IndexError(f"CompressedOffloadedCache: batch rows {cpu.tolist()} are not a 1-D "
+                             f"list of rows of the layer's batch of {batch}")
         if self._tail_k is not None:
             r = rows.to(self._tail_k.device)
             self._tail_k = self._tail_k.index_select(0, r)
             self._tail_v = self._tail_v.index_select(0, r)
         if self._blocks:
-            cpu = rows.cpu()
             self._rows = (cpu.expand(len(self._blocks), -1).clone() if self._rows is None
                           else self._rows[:, cpu])
 
