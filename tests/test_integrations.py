@@ -630,6 +630,14 @@ def assert_identical(ref, got) -> None:
         assert torch.equal(a, b), f"gradient {i} differs (max {(a - b).abs().max().item()})"
 
 
+def lm_loss(model: nn.Module, batch: int, tokens: int):
+    """A next-token loss of ``model`` (a :class:`TinyDecoder`) on random tokens, as a
+    function for :func:`grads`."""
+    x = torch.randint(0, 50, (batch, tokens))
+    labels = torch.randint(0, 50, (batch, tokens))
+    return lambda: F.cross_entropy(model(x).flatten(0, 1), labels.flatten())
+
+
 def test_offload_activations_signature_is_torchtunes():
     params = inspect.signature(OffloadActivations).parameters
     want = {"use_pin_memory": True, "use_streams": True, "max_fwd_stash_size": 5,
@@ -661,12 +669,7 @@ def test_argument_mapping():
 @pytest.mark.parametrize("use_streams", [True, False])
 def test_ctx_manager_grads_identical_and_head_kept(seed, use_streams):
     model = TinyDecoder()
-    tokens = torch.randint(0, 50, (4, 16))
-    labels = torch.randint(0, 50, (4, 16))
-
-    def loss():
-        return F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
-
+    loss = lm_loss(model, 4, 16)
     ref = grads(model, loss)
     ctx = get_act_offloading_ctx_manager(model, enable_activation_offloading=True,
                                          use_streams=use_streams, min_offload_size=0,

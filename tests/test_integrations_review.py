@@ -10,43 +10,9 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from tests.test_integrations import TinyDecoder, assert_identical, grads, lm_loss
 from torch_pagecomp.integrations.torchtune import get_act_offloading_ctx_manager
-
-
-class TinyDecoder(nn.Module):
-    """torchtune's layout: ``layers`` (a ModuleList) and ``output`` (the head)."""
-
-    def __init__(self, d: int = 32, vocab: int = 50, n: int = 3):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-            for _ in range(n)
-        )
-        self.norm = nn.LayerNorm(d)
-        self.output = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens)
-        for layer in self.layers:
-            x = x + layer(x)
-        return self.output(self.norm(x))
-
-
-def grads(model: nn.Module, loss_fn, ctx=None) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    with ctx if ctx is not None else contextlib.nullcontext():
-        loss = loss_fn()
-    loss.backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
-def assert_identical(ref, got) -> None:
-    assert len(ref) == len(got)
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert torch.equal(a, b), f"gradient {i} differs"
 
 
 def _hook_count(model: nn.Module) -> int:
@@ -60,11 +26,7 @@ def test_a_dropped_ctx_manager_is_collected_with_its_hooks(seed):
     ``next_group`` hooks held it, so every ctx ever made lived as long as the model and each
     one added a hook to every block."""
     model = TinyDecoder()
-    tokens = torch.randint(0, 50, (2, 8))
-    labels = torch.randint(0, 50, (2, 8))
-
-    def loss():
-        return F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+    loss = lm_loss(model, 2, 8)
 
     ref = grads(model, loss)
     refs = []
@@ -124,18 +86,14 @@ def test_an_interrupted_head_forward_does_not_stop_offloading(seed, keep_depth, 
 
     model = TinyDecoder()
     model.output = _Interrupt(model.output)
-    tokens = torch.randint(0, 50, (2, 8))
-    labels = torch.randint(0, 50, (2, 8))
-
-    def loss():
-        return F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+    loss = lm_loss(model, 2, 8)
 
     ref = grads(model, loss)
     ctx = get_act_offloading_ctx_manager(model, True, min_offload_size=0, offload_cpu=True)
     model.output.interrupt = True
     with pytest.raises(KeyboardInterrupt):
         with ctx if inside else contextlib.nullcontext():
-            model(tokens)
+            model(torch.randint(0, 50, (2, 8)))
     if inside:  # the interrupted pass closed the region as it ended
         assert _tls.keep == 0
     model.output.interrupt = False
