@@ -420,8 +420,10 @@ def _decode_direct(decoder: str, c: CompressedPages, where: str, args: tuple, ou
 def checksum_status(status: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """``status`` with ``STATUS_CHECKSUM`` where a page decoded without error (status OK) to
     bytes whose checksum ``got`` is not the stored ``want`` (all ``int32 [N]``; device work,
-    no synchronisation)."""
-    wrong = got != want.to(got.device, non_blocking=True)
+    no synchronisation where ``got`` is on a GPU; a GPU's ``want`` checked on the CPU is copied
+    down and waited for: a non-blocking copy to the host lands behind the GPU's queued work,
+    and the host would compare it before it landed)."""
+    wrong = got != want.to(got.device, non_blocking=got.is_cuda)
     return torch.where((status == fmt.STATUS_OK) & wrong, fmt.STATUS_CHECKSUM, status)
 
 

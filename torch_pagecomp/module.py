@@ -455,6 +455,10 @@ class PageCompressor(torch.nn.Module):
             )
         self.pipeline.check_usable(closed_ok=True)
         direct = handle._storage.direct  # stored by the kernel-only store (see offload)
+        # the store that holds its pages: the handle's own, which is another compressor's for
+        # a handle offloaded there (this one's store would decode its own arena's bytes at the
+        # handle's places: another tensor's, or garbage)
+        path = handle._storage.path if direct else None
         if not direct:
             handle.wait()
         if device is not None:
@@ -479,12 +483,13 @@ class PageCompressor(torch.nn.Module):
         if handle.nbytes == 0:
             return out
         dst = _bytes_of(out)
-        if target.type == "cuda" and self.pipeline.cuda and target == self.device:
+        if (target.type == "cuda" and self.pipeline.cuda and target == self.device
+                and (path is None or path.device == self.device)):
             _not_capturing("restore")
             with _on_device(self.device):
                 consumer = current_stream(self.device)
                 if direct:
-                    statuses = [self._direct.restore_into(handle._storage, dst)]
+                    statuses = [path.restore_into(handle._storage, dst)]
                 else:
                     statuses = self.pipeline.submit_decompress(handle._storage, dst, consumer)
                 if handle.checksums is not None and statuses:
@@ -497,10 +502,10 @@ class PageCompressor(torch.nn.Module):
                 # (the kernel-only path's statuses are kept for the caller's stream already)
                 self.restore_failures.add(statuses, consumer,
                                           recorded=direct and handle.checksums is None)
-        elif target.type == "cpu" and direct:  # decoded on this GPU, then copied down
-            with _on_device(self.device):
-                on_device = torch.empty(handle.nbytes, dtype=torch.uint8, device=self.device)
-                status = self._direct.restore_into(handle._storage, on_device)
+        elif target.type == "cpu" and direct:  # decoded on its store's GPU, then copied down
+            with _on_device(path.device):
+                on_device = torch.empty(handle.nbytes, dtype=torch.uint8, device=path.device)
+                status = path.restore_into(handle._storage, on_device)
                 dst.copy_(on_device)
             raise_for_status(status.cpu())
         elif target.type == "cpu":

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import CompressedPages, packed_pages
+from .format import CompressedPages, PageCompError, packed_pages
 from .pools import HostArena, HostBlock
 
 
@@ -204,12 +204,24 @@ class Storage:
         return sum(b.layout.n_pages for b in done) * page_size, sum(b.layout.total for b in done)
 
     def compressed(self, page_size: int) -> CompressedPages:
-        """All batches as one packed CPU :class:`CompressedPages` (copied out of the arena)."""
-        parts = [b for b in self.batches if b is not None]
-        payloads, sizes, kinds = [], [], []
-        for b in parts:
-            payload, _, s, k = b.layout.views(b.block.tensor)
-            payloads.append(payload.clone())
-            sizes.append(s.clone())
-            kinds.append(k.clone())
+        """All batches as one packed CPU :class:`CompressedPages` (copied out of the arena).
+
+        Read as a restore reads them: a ``release()`` from another thread meanwhile frees the
+        blocks once the copies end. Once released (its blocks given back, maybe carved again
+        by a new offload) it raises: what is left would be an empty or partial container, or
+        another tensor's bytes."""
+        with self._lock:
+            if self._release_requested:
+                raise PageCompError("this handle was freed")
+            self.readers += 1
+        try:
+            parts = [b for b in self.batches if b is not None]
+            payloads, sizes, kinds = [], [], []
+            for b in parts:
+                payload, _, s, k = b.layout.views(b.block.tensor)
+                payloads.append(payload.clone())
+                sizes.append(s.clone())
+                kinds.append(k.clone())
+        finally:
+            self.reader_done()
         return packed_pages(payloads, sizes, kinds, page_size, self.codec)
