@@ -47,6 +47,15 @@ def test_a_cuda_device_without_cuda_says_so():
         pc.PageCompressor(device="cuda")
 
 
+def test_a_cuda_index_past_the_devices_says_so(monkeypatch):
+    """``cuda:7`` on a machine with one GPU is named (torch's own error came later, from the
+    first allocation, naming no argument)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(PageCompError, match="device is cuda:7, but this process sees 1 CUDA"):
+        pc.PageCompressor(device="cuda:7")
+
+
 def test_restore_checks_out_and_device(comp):
     h = comp.offload(torch.randn(100))
     with pytest.raises(PageCompError, match="out must be a torch.Tensor"):

@@ -94,6 +94,10 @@ def _device_arg(value, name: str = "device") -> torch.device:
             )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():  # (torch's own error comes later,
+            # from deep inside the first allocation, and names no argument)
+            raise PageCompError(f"{name} is {device}, but this process sees "
+                                f"{torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
