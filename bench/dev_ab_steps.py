@@ -90,6 +90,13 @@ forward's end, so deferred batches were read in place: session 61's counters; se
 one H200: 1.12x / 1.13x a plain copy on encoder-1024 / ViT-B/16 against ``memory``'s 1.17x /
 1.20x, 1.22x / 1.20x on BERT-large / ResNet-50 against 1.18x / 1.18x, with GPU peaks above
 a plain copy's on those two, ``bench/results/h200_session62``).
+``memory_tail15``, ``memory_tail30``: no due store once a pass has saved 85 / 70% of the
+last pass's bytes (:func:`_tail_swaps`). Session 87, one H200, one process: encoder-1024 1.10x
+/ 1.04x a plain copy's step against ``memory``'s 1.12x, BERT-large 1.08x / 1.05x against
+1.27x, but ResNet-50 1.21x / 1.16x against 1.06x, and at 30% BERT-large's GPU peak above a
+plain copy's (1.614 against 1.553 GiB); a tail following the stores the last backward met
+late (35ff166, reverted) gained nothing beyond the probe's noise
+(``bench/results/h200_session87``).
 ``memory_lastpeak``: a due batch is held while the GPU's allocation, with room for two more
 groups, is below the last step's peak too (``PagedStore.step_peak``), not only below the peak
 since the caller last reset it (``Batcher._over_peak``): a loop that resets the peak at each
