@@ -210,10 +210,10 @@ class Storage:
         blocks once the copies end. Once released (its blocks given back, maybe carved again
         by a new offload) it raises: what is left would be an empty or partial container, or
         another tensor's bytes."""
-        with self._lock:
-            if self._release_requested:
-                raise PageCompError("this handle was freed")
-            self.readers += 1
+        try:
+            self.add_reader()
+        except RuntimeError as exc:  # (freed): named as the caller's bad input, as restore does
+            raise PageCompError(str(exc)) from None
         try:
             parts = [b for b in self.batches if b is not None]
             payloads, sizes, kinds = [], [], []

@@ -49,7 +49,6 @@ Any other keyword goes to :class:`~torch_pagecomp.ActivationOffloader` (``mode``
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 import weakref
 
@@ -57,7 +56,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from .._args import check_int
-from ..offload import ActivationOffloader, keep_on_gpu
+from ..offload import ActivationOffloader
+from ..offload._wrap import KeptRegions
 
 __all__ = ["NoOpManager", "OffloadActivations", "get_act_offloading_ctx_manager"]
 
@@ -115,13 +115,13 @@ class OffloadActivations(ActivationOffloader):
         settings.setdefault("prefetch", 1 if use_streams else 0)
         super().__init__(min_offload_bytes=min_offload_size,
                          max_in_flight_tensors=max_fwd_stash_size, **settings)
-        # the per-thread stacks of keep_on_gpu regions opened by the head's hooks
-        # (``_keep_hooks``), closed at each pass's start and end if a forward left one open
-        self._head_regions: list[threading.local] = []
+        # the head's keep_on_gpu regions (its hooks, ``get_act_offloading_ctx_manager``):
+        # any left open by an interrupted forward are closed at each pass's start and end
+        self._head_regions = KeptRegions()
 
     def __enter__(self) -> OffloadActivations:
-        if self._depth == 0:
-            self._close_head_regions()
+        if self._depth == 0:  # (a pass starts outside the head's forward)
+            self._head_regions.close_left_open()
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
@@ -129,18 +129,7 @@ class OffloadActivations(ActivationOffloader):
             super().__exit__(*exc)
         finally:
             if self._depth == 0:
-                self._close_head_regions()
-
-    def _close_head_regions(self) -> None:
-        """Close the keep_on_gpu regions the head's hooks left open on this thread. A pass
-        starts and ends outside the head's forward, so one open here was left by a forward
-        interrupted by a ``KeyboardInterrupt`` (torch runs ``always_call`` forward hooks after
-        an ``Exception`` only): the thread would stay inside it and no later step on it would
-        offload anything."""
-        for local in self._head_regions:
-            stack = getattr(local, "stack", None)
-            while stack:
-                stack.pop().__exit__(None, None, None)
+                self._head_regions.close_left_open()
 
     def update_model_params(self, model: nn.Module) -> None:
         """TRL's name for :meth:`keep_tensors_of`: ``model``'s parameters and buffers (and views
@@ -210,26 +199,6 @@ def _own_head(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def _keep_hooks(off: OffloadActivations, module: nn.Module) -> None:
-    """Tensors saved inside ``module``'s forward stay where they are (``keep_on_gpu``)."""
-    local = threading.local()
-    off._head_regions.append(local)
-
-    def enter(mod, args):
-        stack = local.__dict__.setdefault("stack", [])
-        ctx = keep_on_gpu()
-        ctx.__enter__()
-        stack.append(ctx)
-
-    def leave(mod, args, out):
-        stack = getattr(local, "stack", None)
-        if stack:
-            stack.pop().__exit__(None, None, None)
-
-    off._handles.append(module.register_forward_pre_hook(enter))
-    off._handles.append(module.register_forward_hook(leave, always_call=True))
-
-
 def get_act_offloading_ctx_manager(
     model: nn.Module,
     enable_activation_offloading: bool = True,
@@ -273,7 +242,7 @@ def get_act_offloading_ctx_manager(
     ctx.keep_tensors_of(model)
     head = _output_head(model)
     if head is not None:
-        _keep_hooks(ctx, head)
+        ctx._head_regions.add(head, ctx._handles)
     elif warn_if_no_head:
         warnings.warn(
             "During activation offloading, no output head was detected. If your model has an "

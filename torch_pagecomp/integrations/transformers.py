@@ -362,7 +362,7 @@ class CompressedLayer(DynamicLayer):
         cpu, batch = rows.cpu(), self._batch_size()
         # checked before anything changes, as DynamicCache's index_select raises at once:
         # rows kept unchecked for the sealed blocks failed every later restore of the layer
-        if cpu.dim() != 1 or cpu.numel() and not (0 <= int(cpu.min()) <= int(cpu.max()) < batch):
+        if cpu.dim() != 1 or (cpu.numel() and not 0 <= int(cpu.min()) <= int(cpu.max()) < batch):
             raise IndexError(f"CompressedOffloadedCache: batch rows {cpu.tolist()} are not a 1-D "
                              f"list of rows of the layer's batch of {batch}")
         if self._tail_k is not None:

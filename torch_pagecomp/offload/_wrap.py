@@ -45,59 +45,82 @@ def offload_module(
     off = offloader if offloader is not None else ActivationOffloader(**settings)
     off.keep_tensors_of(module)
 
-    # per thread: the forwards of ``module`` that entered the offloader, and the ``keep``
-    # regions open, by module (torch keeps saved-tensor hooks per thread)
+    # this thread's forwards of ``module`` that entered the offloader (torch keeps
+    # saved-tensor hooks per thread)
     local = threading.local()
-
-    def counts(name: str) -> dict[int, int]:
-        return local.__dict__.setdefault(name, {})
+    kept = KeptRegions()
 
     def enter(mod, args):
         if _in_backward():
             return
-        entered = counts("entered")
-        if entered.get(id(mod)) and _forwards_of(mod) == 1:
+        if getattr(local, "entered", 0) and _forwards_of(mod) == 1:
             # this thread's last forward of ``mod`` entered the offloader and never reached
-            # its forward hook: torch runs ``always_call`` hooks after an ``Exception`` only,
-            # so a ``KeyboardInterrupt`` (Ctrl-C in a notebook) left that pass open, its
-            # saved-tensor hooks on and its ``keep`` regions counted: the pass would never
-            # end again (its held storages never stored, its groups growing every step) and
-            # no tensor saved on this thread would be offloaded after a kept region
-            for _ in range(entered.pop(id(mod))):
+            # its forward hook (interrupted: see :class:`KeptRegions`): that pass would never
+            # end again (its held storages never stored, its groups growing every step), and
+            # a ``keep`` region it left open would keep every later saved tensor in place
+            for _ in range(local.entered):
                 off.__exit__(None, None, None)
-            _tls.keep -= sum(counts("kept").values())
-            counts("kept").clear()
+            local.entered = 0
+            kept.close_left_open()
         off.__enter__()
-        entered[id(mod)] = entered.get(id(mod), 0) + 1
+        local.entered = getattr(local, "entered", 0) + 1
 
     def leave(mod, args, out):
-        entered = counts("entered")
-        if entered.get(id(mod)):
-            entered[id(mod)] -= 1
+        if getattr(local, "entered", 0):
+            local.entered -= 1
             off.__exit__(None, None, None)
 
     off._handles.append(module.register_forward_pre_hook(enter))
     off._handles.append(module.register_forward_hook(leave, always_call=True))
     for b in blocks:
         off._handles.append(b.register_forward_pre_hook(lambda m, a: off.next_group()))
+    for k in keep:
+        kept.add(k, off._handles)
+    return off
 
-    def keep_enter(mod, args):
-        kept = counts("kept")
-        if kept.get(id(mod)) and _forwards_of(mod) == 1:  # (interrupted: see ``enter``)
-            _tls.keep -= kept.pop(id(mod))
+
+class KeptRegions:
+    """Forward hooks that keep the tensors saved inside modules' forwards where they are (a
+    :func:`keep_on_gpu` region per forward), counted per thread and module, so that a region
+    a forward left open can be closed. torch runs ``always_call`` forward hooks after an
+    ``Exception`` only: a ``KeyboardInterrupt`` (Ctrl-C in a notebook) inside such a forward
+    skipped the hook that closes its region, and every later tensor saved on that thread
+    stayed on the GPU. The next forward of the module closes it (told from a nested call by
+    its frames, :func:`_forwards_of`), as does :meth:`close_left_open`."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def _open(self) -> dict[int, int]:
+        return self._local.__dict__.setdefault("open", {})
+
+    def add(self, module: torch.nn.Module, handles: list) -> None:
+        """Keep what ``module``'s forwards save; the hooks' handles go to ``handles``."""
+        handles.append(module.register_forward_pre_hook(self._enter))
+        handles.append(module.register_forward_hook(self._leave, always_call=True))
+
+    def _enter(self, mod, args) -> None:
+        regions = self._open()
+        if regions.get(id(mod)) and _forwards_of(mod) == 1:  # left open by an interrupt
+            _tls.keep -= regions.pop(id(mod))
         _tls.keep += 1
-        kept[id(mod)] = kept.get(id(mod), 0) + 1
+        regions[id(mod)] = regions.get(id(mod), 0) + 1
 
-    def keep_leave(mod, args, out):
-        kept = counts("kept")
-        if kept.get(id(mod)):
-            kept[id(mod)] -= 1
+    def _leave(self, mod, args, out) -> None:
+        regions = self._open()
+        if regions.get(id(mod)):
+            regions[id(mod)] -= 1
             _tls.keep -= 1
 
-    for k in keep:
-        off._handles.append(k.register_forward_pre_hook(keep_enter))
-        off._handles.append(k.register_forward_hook(keep_leave, always_call=True))
-    return off
+    def close_left_open(self) -> None:
+        """Close the regions still open on this thread: called where no forward of the
+        modules is under way (a pass's start or end), so each was left by an interrupt."""
+        regions = self._open()
+        _tls.keep -= sum(regions.values())
+        regions.clear()
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
 def _forwards_of(mod: torch.nn.Module) -> int:
@@ -110,9 +133,6 @@ def _forwards_of(mod: torch.nn.Module) -> int:
             n += 1
         frame = frame.f_back
     return n
-
-
-_CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
 def _modules(name: str, mods) -> list[torch.nn.Module]:
