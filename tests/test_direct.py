@@ -201,6 +201,31 @@ def test_offload_after_close_is_refused_and_handles_stay_readable(direct, gen):
         pc.offload(x)
 
 
+@pytest.mark.parametrize("what", ["store", "ring", "small"])
+@pytest.mark.parametrize("drop", ["free", "del"])
+def test_a_handle_freed_after_close_gives_back_its_host_memory(direct, gen, what, drop):
+    """After ``close`` nothing reuses the pools: the last handle's pages go back to the OS
+    as it is freed (the kernel-only store's were held until interpreter exit)."""
+    pc = direct()
+    if what == "small":
+        x = _floats(gen, 3000, torch.bfloat16)
+    else:
+        x = file_pages("text", 2 if what == "store" else 9, 4096, gen).reshape(-1)
+    h = pc.offload(x)
+    assert h._storage.direct == (what != "ring")
+    pc.close()
+    assert pc.stats()["host_pool_bytes"] > 0  # (page-locked on a GPU host)
+    assert torch.equal(pc.restore(h, device="cpu"), x)
+    assert h.stored_nbytes > 0
+    if drop == "free":
+        h.free()
+        assert h.stored_nbytes == 0 and h.state == "freed"
+    else:
+        del h
+        gc.collect()
+    assert pc.stats()["host_pool_bytes"] == 0
+
+
 # ------------------------------------------------------------------ the small store (#26)
 def _floats(gen, n: int, dtype: torch.dtype) -> torch.Tensor:
     """``n`` values of ``dtype`` as activations look: small normals, a fifth of them zero."""

@@ -114,8 +114,9 @@ class SmallStorage(DirectStorage):
 
     @property
     def stored_nbytes(self) -> int:
-        """Host bytes: the block (metadata, partial last page, pages); 0 until placed."""
-        if not self.ready():
+        """Host bytes: the block (metadata, partial last page, pages); 0 until placed and
+        once freed."""
+        if self.stored.freed or not self.ready():
             return 0
         return self.stored.host_nbytes() or 0
 
@@ -167,7 +168,8 @@ class DirectPath:
         self._unsettled: collections.deque[PagedStored] = collections.deque()  # not counted
         self.offloads = self.waits = 0
         self.bytes_in = self.bytes_stored = 0  # pages through the kernel, and their bytes held
-        self.closed = False
+        self.closed = False  # every chunk unpinned at interpreter exit: nothing is readable
+        self.shut = False  # its compressor closed: no offload comes, the handles still read
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ offload
@@ -355,6 +357,17 @@ class DirectPath:
                 paged.append(stored)
         if paged:  # (its stream hand-offs only where the store holds some)
             self.store.free_after_restores(paged)
+        if self.shut:  # no offload will reuse what they held: given back as they go (kept
+            self._release_idle()  # pinned, the last handle's chunk stayed until exit)
+
+    def shut_down(self) -> None:
+        """Its compressor closed (no offload comes; the handles stay readable): wait for the
+        streams and give back what no handle holds, then the rest as the handles are freed."""
+        self.synchronize()
+        with self._lock:
+            self.shut = True
+            self._drain()
+            self._release_idle()
 
     def synchronize(self) -> None:
         """Wait for every offload and restore queued so far."""
@@ -371,11 +384,15 @@ class DirectPath:
         host bytes given back."""
         with self._lock:
             self._drain()
-            before = self._host_held()
-            self.store.release_idle()
-            if self.small is not None:
-                self.small.release_idle()
-            return before - self._host_held()
+            return self._release_idle()
+
+    def _release_idle(self) -> int:
+        """:meth:`release_idle` with the lock held."""
+        before = self._host_held()
+        self.store.release_idle()
+        if self.small is not None:
+            self.small.release_idle()
+        return before - self._host_held()
 
     def _host_held(self) -> int:
         return self.store.arena.held_bytes + (

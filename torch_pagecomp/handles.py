@@ -102,7 +102,8 @@ class OffloadHandle:
 
     @property
     def stored_nbytes(self) -> int:
-        return self._storage.stored_nbytes
+        """Host bytes it holds: 0 until stored and once freed."""
+        return self._storage.stored_nbytes if self._free.alive else 0
 
     @property
     def ratio(self) -> float:

@@ -588,8 +588,7 @@ class PageCompressor(torch.nn.Module):
         leaving a ``with`` block and, for compressors still open, at interpreter exit."""
         stopped = self.pipeline.close(timeout=timeout)
         if self._direct is not None:  # no thread: its streams finish, idle chunks unpinned
-            self._direct.synchronize()
-            self._direct.release_idle()
+            self._direct.shut_down()  # (and the others as their handles are freed)
         return stopped
 
     def _count(self, **inc: int) -> None:
