@@ -247,22 +247,23 @@ def training_step(name: str, variant: str, fsdp: bool = False):
     return step, off
 
 
-def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS,
-            fsdp: bool = False) -> str:
+def issue_ms(step, n: int) -> float:
+    """The median host ms of ``n`` calls of ``step``, each from an idle GPU."""
     import torch
 
-    step, off = training_step(name, variant, fsdp=fsdp)
-
-    def issue_ms(n):
-        out = []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            out.append((time.perf_counter() - t0) * 1e3)
+    out = []
+    for _ in range(n):
         torch.cuda.synchronize()
-        return statistics.median(out)
+        t0 = time.perf_counter()
+        step()
+        out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(out)
 
+
+def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS,
+            fsdp: bool = False) -> str:
+    step, off = training_step(name, variant, fsdp=fsdp)
     for _ in range(warmup):
         step()
     for _ in range(20):  # prefer="speed": timed once its tuner has chosen (as the stock bench)
@@ -271,7 +272,7 @@ def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS,
         step()
     before = dict(off.counters)
     pauses = _GcPauses()
-    plain = issue_ms(steps)
+    plain = issue_ms(step, steps)
     gc_note = f"gc per step: {pauses.stop(steps)}; tracked objects {len(gc.get_objects())}"
     per_step = {k: round((v - before.get(k, 0)) / steps, 1) for k, v in off.counters.items()
                 if k in ("offloaded_raw", "offloaded_compressed", "served_from_stash",
@@ -281,7 +282,7 @@ def measure(name: str, variant: str, steps: int, warmup: int, targets=TARGETS,
     waited = _host_wait_us(off)
     pauses = _GcPauses()  # the timed steps' too: is a function's longest call a collection?
     try:
-        timed = issue_ms(steps)
+        timed = issue_ms(step, steps)
     finally:
         for owner, attr, fn in undo:
             setattr(owner, attr, fn)

@@ -14,23 +14,9 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import statistics
 import time
 
-from bench.dev_hook_timing import stock_parser, training_step
-
-
-def _issue_ms(step, n: int) -> float:
-    import torch
-
-    out = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        out.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(out)
+from bench.dev_hook_timing import issue_ms, stock_parser, training_step
 
 
 def _where(key: tuple) -> str:
@@ -52,7 +38,7 @@ def profile(name: str, variant: str, steps: int, warmup: int, top: int) -> str:
         if off is None or off.tuner is None or off.tuner.choice is not None:
             break
         step()
-    plain = _issue_ms(step, steps)
+    plain = issue_ms(step, steps)
     prof = cProfile.Profile()
     torch.cuda.synchronize()
     prof.enable()
