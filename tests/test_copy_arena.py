@@ -175,3 +175,28 @@ def test_gpu_blocks_are_page_locked():
     a.clear()
     assert a.held_bytes == 0
 
+
+
+@pytest.mark.parametrize("fails", ["copy", "event"])
+def test_a_plain_copy_that_fails_gives_its_block_back(monkeypatch, fails):
+    """``PinnedStore.offload`` raising after its block was carved (the copy, or the event
+    after it) gives the block back: the caller never sees it to free it. (It stayed carved
+    for good: ``in_use_bytes`` drifted and its chunk was never unpinned.)"""
+    from torch_pagecomp.offload import _stores
+
+    monkeypatch.setattr(_stores, "current_stream", lambda device: None)  # (the CPU)
+    if fails == "event":
+        def mark(stream):
+            raise RuntimeError("simulated event failure")
+
+        monkeypatch.setattr(_stores, "mark", mark)
+        src = torch.ones(3 * HOST_PAGE, dtype=torch.uint8)
+    else:  # a copy out of a meta tensor raises
+        src = torch.empty(3 * HOST_PAGE, dtype=torch.uint8, device="meta")
+    a = arena()
+    store = _stores.PinnedStore(a)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        store.offload(src, 1)
+    assert a.in_use_bytes == 0 and all(c.used == 0 for c in a.chunks), a.stats()
+    a.clear()
+    assert a.held_bytes == 0

@@ -63,8 +63,18 @@ class PinnedStore:
         buf = self.pool.get(src.numel(), stream)  # (the stream waits for its bytes' last use)
         if buf is None:
             return None
-        buf.tensor.copy_(src, non_blocking=True)
-        ev = mark(stream)
+        try:
+            buf.tensor.copy_(src, non_blocking=True)
+            ev = mark(stream)
+        except BaseException:
+            # the caller never gets the block to free: given back here (else it stayed carved
+            # for good, its chunk never unpinned), once a copy queued before the error is done
+            try:
+                if stream is not None:
+                    stream.synchronize()
+            finally:  # (a sticky CUDA error raises here too: the block goes back all the same)
+                self.pool.put(buf)
+            raise
         buf.last_use = ev
         return RawStored(buf, ev)
 
