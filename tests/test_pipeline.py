@@ -87,6 +87,35 @@ def test_staging_and_device_pools_hit_after_warmup():
     assert pool.held_bytes == 0 and dev.held_bytes == 0
 
 
+def test_a_pool_clear_interrupted_midway_stays_consistent():
+    """A ``clear`` that raises while dropping a buffer (a copy still queued on it failing at
+    its wait, a KeyboardInterrupt) leaves the pool consistent: the buffers dropped before
+    are gone from the idle lists (not handed out again, unpinned) and counted out once; a
+    later ``clear`` drops the rest and ``held_bytes`` ends at 0. (Before, every buffer stayed
+    listed while the dropped ones were counted out: held_bytes went negative and acquire
+    handed out released buffers.)"""
+
+    class Failing:
+        def synchronize(self):
+            raise RuntimeError("simulated failure at a buffer's last use")
+
+    pool = PinnedBufferPool(pin=False)
+    bufs = [pool.acquire(n) for n in (HOST_PAGE, HOST_PAGE, 2 * HOST_PAGE, 3 * HOST_PAGE)]
+    bufs[2].last_use = Failing()
+    for b in bufs:
+        pool.release(b)
+    with pytest.raises(RuntimeError, match="simulated"):
+        pool.clear()
+    listed = [b for bucket in pool._free.values() for b in bucket]
+    assert pool.held_bytes == sum(b.held_bytes for b in listed)
+    again = [pool.acquire(b.nbytes) for b in bufs]
+    assert not any(a is b for a in again for b in bufs if b not in listed)
+    for a in again:
+        pool.release(a)
+    pool.clear()
+    assert pool.held_bytes == 0 and not pool._free
+
+
 def test_limiter_blocks_until_release():
     lim = InflightLimiter(100)
     lim.acquire(60)

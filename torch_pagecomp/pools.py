@@ -335,11 +335,16 @@ class SizePool:
     def clear(self) -> None:
         """Drop every idle buffer (buffers still acquired stay counted until released)."""
         with self._lock:
-            for bucket in self._free.values():
-                for buf in bucket:
+            # each buffer leaves its list before it is counted out and dropped: should a drop
+            # raise (a wait for its last use, an interrupt), those dropped so far are neither
+            # handed out again nor counted out twice by the next clear
+            for size in list(self._free):
+                bucket = self._free[size]
+                while bucket:
+                    buf = bucket.pop()
                     self.held_bytes -= self._held(buf)
                     self._drop(buf)
-            self._free.clear()
+                del self._free[size]
 
     def stats(self) -> dict:
         with self._lock:
