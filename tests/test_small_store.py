@@ -230,3 +230,42 @@ def test_empty_chunks_stay_pinned_until_released(direct, gen, monkeypatch):
     assert arena.stats()["chunks"] >= 3 and made[0] == made[1] == made[2]
     assert arena.stats()["used_bytes"] == 0
     assert pc.empty_cache() > 0 and arena.stats()["chunks"] == 0
+
+
+def test_a_poll_interrupted_while_giving_blocks_back_gives_each_back_once(monkeypatch):
+    """A poll that raises midway through the freed blocks (an interrupt, an event's query)
+    gives each block back once: those given back before the error leave the list of blocks
+    to free, the rest go at the next poll. (The list was replaced only at the end: the next
+    poll gave the first ones back again, and two offloads were carved the same bytes.)"""
+
+    class Event:
+        done = False
+
+        def query(self):
+            return Event.done
+
+    store = _small_store.SmallStore(torch.device("cpu"), 4096, None)
+    stored = []
+    for _ in range(3):
+        s = _small_store.SmallStored(4096, 4096, store.arena.alloc(1024), Event())
+        s.pages_bytes = 0  # (its size read: settle reads nothing)
+        store.free(s)  # kept: its offload is not done
+        stored.append(s)
+    assert len(store._freeing) == 3
+    Event.done = True
+    real, calls = store.arena.free, []
+
+    def free(block):
+        calls.append(block)
+        real(block)
+        if len(calls) == 2:  # an interrupt once the second block is back
+            raise RuntimeError("simulated interrupt")
+
+    monkeypatch.setattr(store.arena, "free", free)
+    with pytest.raises(RuntimeError, match="simulated"):
+        store.poll()
+    monkeypatch.setattr(store.arena, "free", real)
+    store.poll()
+    a = store.arena
+    assert a.frees == 3 and a.used_bytes == 0 and not store._freeing
+    assert [c.free for c in a._chunks] == [[[0, a._chunks[0].mem.nbytes]]]

@@ -299,15 +299,13 @@ class SmallStore:
         the freed blocks no restore reads any more."""
         while self._untrimmed and self._untrimmed[0].source_read():
             self.settle(self._untrimmed.popleft())
-        if self._freeing:
-            keep = []
-            for stored in self._freeing:
-                if stored.source_read() and all(e.query() for e in stored.reads.values()):
-                    self.settle(stored)  # (freed before a poll saw it done: its size now)
-                    self.arena.free(stored.block)
-                else:
-                    keep.append(stored)
-            self._freeing = keep
+        for stored in list(self._freeing):
+            if stored.source_read() and all(e.query() for e in stored.reads.values()):
+                self.settle(stored)  # (freed before a poll saw it done: its size now)
+                # off the list before its block goes back: should anything raise from here
+                # (an interrupt), the next poll does not give the block back a second time
+                self._freeing.remove(stored)
+                self.arena.free(stored.block)
 
     def settle(self, stored: SmallStored) -> None:
         """Once ``stored``'s offload is done (the caller saw ``done`` complete): read the pages'
