@@ -200,3 +200,24 @@ def test_a_plain_copy_that_fails_gives_its_block_back(monkeypatch, fails):
     assert a.in_use_bytes == 0 and all(c.used == 0 for c in a.chunks), a.stats()
     a.clear()
     assert a.held_bytes == 0
+
+
+def test_a_get_whose_wait_for_freed_bytes_raises_carves_nothing():
+    """``get`` raising while its stream is made to wait for the last use of a chunk's freed
+    bytes (an event's query failing) carves nothing: no block is left in use that nobody
+    holds. (The block was carved first: in_use_bytes drifted, the chunk never unpinned.)"""
+
+    class Failing(FakeEvent):
+        def query(self):
+            if self.synced:  # (queried once by ``put``: not done)
+                raise RuntimeError("simulated query failure")
+            self.synced = True
+            return False
+
+    a = arena()
+    b = a.get(HOST_PAGE, None)
+    b.last_use = Failing()
+    a.put(b)
+    with pytest.raises(RuntimeError, match="simulated"):
+        a.get(HOST_PAGE, FakeStream())
+    assert a.in_use_bytes == 0 and all(c.used == 0 for c in a.chunks), a.stats()

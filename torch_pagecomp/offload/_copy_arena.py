@@ -109,7 +109,7 @@ class PinnedCopyArena:
                 return None
             self.chunks.append(best)
             self.misses += 1
-        return self._block(best, best.carve(size), size, nbytes, stream)
+        return self._block(best, size, nbytes, stream)
 
     def _new_chunk(self, size: int) -> _CopyChunk | None:
         """A new chunk for a block of ``size`` bytes (its size rounded up to whole chunks,
@@ -127,15 +127,18 @@ class PinnedCopyArena:
         self.held_bytes += chunk.mem.held_bytes
         return chunk
 
-    def _block(self, chunk: _CopyChunk, at: int, size: int, nbytes: int, stream) -> CopyBlock:
-        chunk.used_at = self._step
-        self._taken = True
-        self.in_use_bytes += size
+    def _block(self, chunk: _CopyChunk, size: int, nbytes: int, stream) -> CopyBlock:
+        # the stream waits before anything is carved or counted: should a query or wait raise,
+        # no block is left carved that nobody holds (its chunk then never unpinned)
         if chunk.waits:
             chunk.waits = [e for e in chunk.waits if not e.query()]
             if stream is not None:
                 for event in chunk.waits:
                     stream.wait_event(event)
+        at = chunk.carve(size)
+        chunk.used_at = self._step
+        self._taken = True
+        self.in_use_bytes += size
         return CopyBlock(chunk, at, size, nbytes, chunk.mem.tensor[at:at + nbytes])
 
     def put(self, block: CopyBlock) -> None:
