@@ -226,6 +226,38 @@ def test_a_handle_freed_after_close_gives_back_its_host_memory(direct, gen, what
     assert pc.stats()["host_pool_bytes"] == 0
 
 
+@pytest.mark.parametrize("fails", ["small", "store"])
+def test_a_drain_that_raises_frees_the_rest_later(direct, gen, monkeypatch, fails):
+    """Handles freed while the path is busy wait in its sink; a free there that raises (an
+    interrupt) leaves the others in the sink for the next call, not lost for good."""
+    pc = direct()
+    small = [pc.offload(_floats(gen, 3000, torch.bfloat16)) for _ in range(2)]
+    paged = [pc.offload(file_pages("text", 2, 4096, gen).reshape(-1)) for _ in range(2)]
+    path = pc._direct
+    with path._lock:  # busy: the frees wait in the sink
+        for h in small + paged:
+            h.free()
+    assert len(path._sink) == 4
+    owner, name = (path.small, "free") if fails == "small" else (path.store, "free")
+    real = getattr(owner, name)
+    calls = []
+
+    def free_once_raising(stored):
+        calls.append(stored)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(stored)
+
+    monkeypatch.setattr(owner, name, free_once_raising)
+    with pytest.raises(KeyboardInterrupt):
+        path.release_idle()
+    monkeypatch.setattr(owner, name, real)
+    path.release_idle()
+    assert not path._sink
+    st = pc.stats()
+    assert st["bytes_held_host"] == 0 and st["host_pool_bytes"] == 0
+
+
 # ------------------------------------------------------------------ the small store (#26)
 def _floats(gen, n: int, dtype: torch.dtype) -> torch.Tensor:
     """``n`` values of ``dtype`` as activations look: small normals, a fifth of them zero."""

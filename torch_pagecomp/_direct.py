@@ -349,14 +349,17 @@ class DirectPath:
         taken = []  # (popped in place: a finalizer may append meanwhile, kept for next time)
         while self._sink:
             taken.append(self._sink.pop())
-        paged = []
-        for stored in taken:
-            if isinstance(stored, SmallStored):
-                self.small.free(stored)
-            else:
-                paged.append(stored)
-        if paged:  # (its stream hand-offs only where the store holds some)
-            self.store.free_after_restores(paged)
+        small = [s for s in taken if isinstance(s, SmallStored)]
+        paged = [s for s in taken if not isinstance(s, SmallStored)]
+        try:
+            while small:  # each listed until freed (a free is idempotent)
+                self.small.free(small[-1])
+                small.pop()
+            if paged:  # (its stream hand-offs only where the store holds some; it empties
+                self.store.free_after_restores(paged)  # ``paged`` as each is freed)
+        except BaseException:  # (an interrupt): the rest wait for the next call's drain,
+            self._sink.extend(small + paged)  # not lost with their host bytes
+            raise
         if self.shut:  # no offload will reuse what they held: given back as they go (kept
             self._release_idle()  # pinned, the last handle's chunk stayed until exit)
 

@@ -64,12 +64,14 @@ class _CpuBlockStore:
 
     def free(self, stored) -> None:
         if not stored.freed:
-            self.used -= stored.host_nbytes()
+            nbytes = stored.host_nbytes()
             self._cpu.free(stored)
+            self.used -= nbytes  # (after the free: one that raised is tried again as it was)
 
     def free_after_restores(self, storeds: list) -> None:
-        while storeds:  # restores here are done on return
-            self.free(storeds.pop())
+        while storeds:  # restores here are done on return; each listed until freed, as
+            self.free(storeds[-1])  # ``PagedStore.free_after_restores`` keeps them
+            storeds.pop()
 
     def poll(self) -> None:
         pass

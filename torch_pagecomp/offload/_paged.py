@@ -784,8 +784,9 @@ class PagedStore:
         if self.restore_stream is not None:
             handoff(self.restore_stream, self.compress_stream)
             handoff(self.restore_stream, self.pack_stream)
-        while storeds:
-            self.free(storeds.pop())
+        while storeds:  # each listed until freed: should a free raise (an interrupt), the
+            self.free(storeds[-1])  # caller's list still holds it and the rest (a free is
+            storeds.pop()  # idempotent)
 
     def stats(self) -> dict:
         a = self.arena
