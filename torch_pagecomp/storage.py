@@ -182,8 +182,10 @@ class Storage:
         if self._release_requested and not self.released and self.pending == 0 and not self.readers:
             for i, b in enumerate(self.batches):
                 if b is not None:
-                    self.arena.free(b.block)
+                    # unlisted before its free: a free that raises after giving the block
+                    # back (an interrupt) must not have the next release give it back again
                     self.batches[i] = None
+                    self.arena.free(b.block)
             self.released = True
 
     @property
