@@ -17,6 +17,7 @@ from torch_pagecomp.pools import (
     HOST_PAGE,
     DeviceBufferPool,
     HostArena,
+    HostBlock,
     HostMemory,
     InflightLimiter,
     PinnedBufferPool,
@@ -64,6 +65,31 @@ def test_arena_exact_sizes_no_overlap_and_reuse():
         assert chunk.free == [[0, chunk.mem.nbytes]]
     held = s["held_bytes"]
     assert arena.trim() == held and arena.held_bytes == 0
+
+
+@pytest.mark.parametrize("which", ["same", "overlapping", "after_coalescing"])
+def test_a_block_freed_twice_is_refused_and_the_arena_stays_consistent(which):
+    """A block given back twice raises, its chunk's free ranges unchanged: kept, two later
+    allocations would share its bytes (one stored batch written over by another)."""
+    arena = HostArena(pin=False, chunk_bytes=1 << 20)
+    a, b, c = (arena.alloc(n) for n in (3000, 5000, 7000))
+    arena.free(b)
+    if which == "after_coalescing":
+        arena.free(a)  # (a and b's ranges merged)
+        twice = b
+    elif which == "overlapping":
+        twice = HostBlock(b.chunk, b.offset + 16, 64, 64, None)  # inside b's freed range
+    else:
+        twice = b
+    before = (repr(b.chunk.free), b.chunk.used, arena.stats()["used_bytes"], arena.frees)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        arena.free(twice)
+    assert (repr(b.chunk.free), b.chunk.used, arena.stats()["used_bytes"], arena.frees) == before
+    x, y = arena.alloc(5000), arena.alloc(5000)  # never the same bytes
+    assert x.offset + x.size <= y.offset or y.offset + y.size <= x.offset or x.chunk is not y.chunk
+    for blk in (x, y, c) + (() if which == "after_coalescing" else (a,)):
+        arena.free(blk)
+    assert arena.stats()["used_bytes"] == 0
 
 
 def test_arena_bigger_than_chunk():

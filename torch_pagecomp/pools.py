@@ -169,12 +169,19 @@ class _Chunk:
 
     def give_back(self, offset: int, size: int) -> None:
         """Return ``size`` bytes at ``offset`` to the free ranges, merged with their
-        neighbours."""
-        self.used -= size
+        neighbours. Bytes that are free already (a block given back twice) raise, the ranges
+        unchanged: kept, the next two carves would share them, and one stored tensor would be
+        written over by another."""
         free = self.free
         i = 0
         while i < len(free) and free[i][0] < offset:
             i += 1
+        if (offset < 0 or offset + size > self.mem.nbytes
+                or i < len(free) and offset + size > free[i][0]
+                or i > 0 and free[i - 1][0] + free[i - 1][1] > offset):
+            raise RuntimeError(f"host pool: bytes {offset}..{offset + size} of a chunk are "
+                               "given back while free (a block freed twice)")
+        self.used -= size
         free.insert(i, [offset, size])
         if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
             free[i][1] += free.pop(i + 1)[1]
@@ -231,9 +238,9 @@ class HostArena:
 
     def free(self, block: HostBlock) -> None:
         with self._lock:
-            self.frees += 1
             chunk = block.chunk
-            chunk.give_back(block.offset, block.size)
+            chunk.give_back(block.offset, block.size)  # (raises for a block freed twice)
+            self.frees += 1
             self.used_bytes -= block.size
             if chunk.used == 0 and self.keep_free_chunks is not None:
                 empty = [c for c in self._chunks if c.used == 0]
