@@ -114,9 +114,9 @@ class SmallStorage(DirectStorage):
 
     @property
     def stored_nbytes(self) -> int:
-        """Host bytes: the block (metadata, partial last page, pages); 0 until placed and
-        once freed."""
-        if self.stored.freed or not self.ready():
+        """Host bytes: the block (metadata, partial last page, pages); 0 until placed (and,
+        through its handle, once freed)."""
+        if not self.ready():
             return 0
         return self.stored.host_nbytes() or 0
 
