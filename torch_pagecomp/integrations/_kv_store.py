@@ -70,8 +70,9 @@ class _CpuBlockStore:
 
     def free_after_restores(self, storeds: list) -> None:
         while storeds:  # restores here are done on return; each listed until freed, as
-            self.free(storeds[-1])  # ``PagedStore.free_after_restores`` keeps them
-            storeds.pop()
+            at = len(storeds) - 1  # ``PagedStore.free_after_restores`` keeps them, and
+            self.free(storeds[at])  # taken off by position: a block queued during the free
+            del storeds[at]  # (``Held.__del__`` from the collector) goes after it, kept
 
     def poll(self) -> None:
         pass

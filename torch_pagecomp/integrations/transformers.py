@@ -153,14 +153,18 @@ class CompressedLayer(DynamicLayer):
         bt = self.block_tokens
         start = len(self._blocks) * bt
         n = (length - start) // bt
+        end = start + n * bt
+        # the new tail is copied before the seal: the layer takes the sealed blocks last, so
+        # that nothing after them can fail (a tail copy out of memory, an interrupt in the
+        # seal left the new blocks beside the old tail and length: its tokens twice)
+        tail_k = keys[..., end:, :].clone() if end < length else None
+        tail_v = values[..., end:, :].clone() if end < length else None
         if n:  # seal the blocks the new tokens filled: each is compressed once, never again
             self._seal(keys, values, start, n)  # (raises before it changes the layer)
-            start += n * bt
         # the layer changes only once its new blocks are stored: a forward that raised (a
         # seal under autograd, an interrupt) leaves it as it was, to be used again
         self._length = length
-        self._tail_k = keys[..., start:, :].clone() if start < length else None
-        self._tail_v = values[..., start:, :].clone() if start < length else None
+        self._tail_k, self._tail_v = tail_k, tail_v
         self.keys, self.values = keys, values
         return keys, values
 
@@ -220,22 +224,25 @@ class CompressedLayer(DynamicLayer):
         self._drop_prefetch()
         bt = self.block_tokens
         keep = new_len // bt
-        if keep < len(self._blocks):  # the cut reaches into sealed blocks: unseal them
+        tail_k, tail_v = self._tail_k, self._tail_v
+        unseal = keep < len(self._blocks)
+        if unseal:  # the cut reaches into sealed blocks: unseal them
             keys, values = (_unblock(t[keep:]) for t in self._split(self._restored()))
+            if tail_k is not None:
+                keys = torch.cat([keys, tail_k], dim=-2)
+                values = torch.cat([values, tail_v], dim=-2)
+            tail_k, tail_v = keys, values
+        n = new_len - keep * bt
+        tail_k = tail_k[..., :n, :].clone() if n else None
+        tail_v = tail_v[..., :n, :].clone() if n else None
+        # the new tail made first, the layer changed after: a crop that failed on the way (out
+        # of device memory, an interrupt) had dropped the blocks and kept the old tail
+        if unseal:
             del self._blocks[keep:]
             self._group.truncate(keep)
             if self._rows is not None:
                 self._rows = self._rows[:keep] if keep else None
-            if self._tail_k is not None:
-                keys = torch.cat([keys, self._tail_k], dim=-2)
-                values = torch.cat([values, self._tail_v], dim=-2)
-            self._tail_k, self._tail_v = keys, values
-        n = new_len - keep * bt
-        if n == 0:
-            self._tail_k = self._tail_v = None
-        else:
-            self._tail_k = self._tail_k[..., :n, :].clone()
-            self._tail_v = self._tail_v[..., :n, :].clone()
+        self._tail_k, self._tail_v = tail_k, tail_v
         self._length = new_len
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -340,14 +347,16 @@ class CompressedLayer(DynamicLayer):
                 helds.append(ds.seal(raw[i], element_size, float_format))
         finally:  # read on the compress stream (by the blocks stored before a failure too)
             ds.keep_until_read(flat)
-        # the layer takes the blocks only once all are stored (on a failure, those stored
-        # are freed with ``helds``)
+        ds.release_scratch()
+        rows = None if self._rows is None else (  # new blocks read as stored
+            torch.cat([self._rows, torch.arange(batch).expand(n, batch)]))
+        # the layer takes the blocks only once all are stored, with nothing left to fail
+        # after them (on a failure, those stored are freed with ``helds``)
         for held in helds:
             self._blocks.append(_Block(held, batch))
             self._group.append(held.stored)
-        ds.release_scratch()
-        if self._rows is not None:  # new blocks read as stored
-            self._rows = torch.cat([self._rows, torch.arange(batch).expand(n, batch)])
+        if rows is not None:
+            self._rows = rows
         self._cache().counters["sealed"] += n
 
     def _batch_size(self) -> int:

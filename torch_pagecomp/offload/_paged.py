@@ -785,8 +785,9 @@ class PagedStore:
             handoff(self.restore_stream, self.compress_stream)
             handoff(self.restore_stream, self.pack_stream)
         while storeds:  # each listed until freed: should a free raise (an interrupt), the
-            self.free(storeds[-1])  # caller's list still holds it and the rest (a free is
-            storeds.pop()  # idempotent)
+            at = len(storeds) - 1  # caller's list still holds it and the rest (a free is
+            self.free(storeds[at])  # idempotent). Taken off by position, not by pop(): one
+            del storeds[at]  # appended during the free (by the collector) stays listed
 
     def stats(self) -> dict:
         a = self.arena

@@ -110,6 +110,17 @@ def codec_runs(group: StoredGroup) -> list[tuple[int, int, int, int, bool]]:
 def _absorb(store, group: StoredGroup, device: torch.device) -> None:
     """Cache the metadata of the stored tensors after ``group.known`` whose slices are all
     placed, in order, stopping at the first that is not."""
+    try:
+        _absorb_placed(store, group, device)
+    except BaseException:
+        # half done (the runs and counts advanced, the metadata not joined: the buffer not
+        # allocated, an interrupt): forgotten, rebuilt by the next restore. Kept, every
+        # later restore of the group failed (no metadata, or the old tensors' only)
+        group.clear_cache()
+        raise
+
+
+def _absorb_placed(store, group: StoredGroup, device: torch.device) -> None:
     rels, shifts, counts, sizes, kinds, sums = [], [], [], [], [], []
     at = group.known
     while at < len(group.storeds):
