@@ -229,22 +229,34 @@ class _Packed:
     elements of any dtype); ``member``: that storage's :class:`_Member` in a batch of several
     (its restored bytes), else None."""
 
-    __slots__ = ("entry", "member", "dtype", "size", "stride", "offset", "source", "version")
+    __slots__ = ("entry", "member", "dtype", "size", "stride", "offset", "source", "version",
+                 "witness")
 
     def __init__(self, entry: _Entry, t: torch.Tensor, base: int = 0,
-                 member: _Member | None = None):
+                 member: _Member | None = None, witness: weakref.ref | None = None):
         self.entry, self.member = entry, member
         self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
         self.offset = t.storage_offset() + base // t.element_size()
         # torch checks a saved tensor's version at unpack only without saved-tensor hooks: an
         # in-place change after the save would go unnoticed, and the backward would read the
-        # bytes offloaded before it. A weak reference: the offloaded tensor is not kept.
-        self.source, self.version = weakref.ref(t), t._version
+        # bytes offloaded before it. A weak reference: the offloaded tensor is not kept. A
+        # view's base instead: it shares the view's version counter and lives at least as
+        # long (the view holds it), where a temporary view saved (``x[:, :k].sin()``) dies
+        # with the forward and its base's in-place change then went unseen
+        root = t._base
+        self.source, self.version = weakref.ref(t if root is None else root), t._version
+        # the bytes of the storage held in place or in the stash, sharing its version counter
+        # (``_hooks._bytes_of``): alive while the backward would read them there, the saved
+        # tensor and its base perhaps gone
+        self.witness = witness
 
     def check_version(self) -> None:
         """Raise as autograd does if the saved tensor was changed in place since its save
-        (known while the tensor itself is alive)."""
+        (known while the tensor, the base of a view, or the bytes the backward would read
+        in place are alive)."""
         t = self.source()
+        if t is None and self.witness is not None:
+            t = self.witness()
         if t is not None and t._version != self.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "

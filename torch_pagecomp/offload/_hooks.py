@@ -438,12 +438,13 @@ class ActivationOffloader:
                     and first._version == t._version == hit[2]
                 ):
                     self.counters["deduplicated"] += 1
-                    return _Packed(entry, t, hit[3], entry.member(hit[3], key[1]))
+                    return _Packed(entry, t, hit[3], entry.member(hit[3], key[1]), hit[4])
             # only before a new offload: a storage saved again (a quarter to a third of the
             # storages a ResNet or transformer block saves) needs nothing the poll settles
             self._poll()
+            src, witness = _bytes_of(t, storage)
             try:
-                placed = self._offload(t, storage)
+                placed = self._offload(t, storage, src)
             except Exception as exc:  # noqa: BLE001 - the tensor stays where it is: nothing lost
                 self.counters["offload_failed"] += 1
                 self._last_error = repr(exc)
@@ -452,20 +453,22 @@ class ActivationOffloader:
                 self.counters["kept_host_full"] += 1
                 return t
             entry, base = placed
-            self._pass.dedup[key] = (weakref.ref(t), weakref.ref(entry), t._version, base)
-            return _Packed(entry, t, base, entry.member(base, key[1]))
+            witness = weakref.ref(witness) if witness is not None else None
+            self._pass.dedup[key] = (weakref.ref(t), weakref.ref(entry), t._version, base,
+                                     witness)
+            return _Packed(entry, t, base, entry.member(base, key[1]), witness)
 
-    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage
+    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, src: torch.Tensor
                  ) -> tuple[_Entry, int] | None:
-        """Start offloading ``storage`` (``t``'s): ``(entry, byte offset of the storage in
-        the entry's bytes)``, or None where the pinned pool is full."""
+        """Start offloading ``storage`` (``t``'s; ``src``: its bytes, :func:`_bytes_of`):
+        ``(entry, byte offset of the storage in the entry's bytes)``, or None where the pinned
+        pool is full."""
         ps = self._pass
         nbytes, dev = storage.nbytes(), t.device
         if self.tuner is not None:  # the pass's workload: the bytes taken, stored or not (the
             # bytes stored differ by arm: a compressed pass reads what the link has not taken
             # in place, and the tuner took the difference for a new workload, trial after trial)
             self.tuner.add_bytes(nbytes)
-        src = torch.empty((0,), dtype=torch.uint8, device=dev).set_(storage)
         esize = dtype_element_size(t.dtype)
         cls = (t.dtype, tuple(t.shape))
         # 16-bit floats under ``codec="auto"``: the exponent codec or LZ4 + bit-shuffle, the
@@ -791,6 +794,26 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _bytes_of(t: torch.Tensor, storage: torch.UntypedStorage
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(src, witness)``: ``uint8 [storage.nbytes()]`` over ``t``'s whole storage, and
+    ``src`` again where it shares ``t``'s version counter (a view of ``t.detach()``; else
+    None, a storage not a whole number of ``t``'s elements). Held in place (``_batch``) or in
+    the stash, ``src`` is what a backward reads: an in-place change of the saved tensor there
+    reaches the gradients. Autograd does not check versions under saved-tensor hooks, and the
+    saved tensor itself (``_Packed.source``) may be gone by the backward (a temporary view,
+    its base a forward's local): the handles check the witness's version while it lives, so
+    such a change raises as it does without hooks, not silently read."""
+    n, esize = storage.nbytes(), t.element_size()
+    if n % esize == 0:
+        try:
+            src = t.detach().as_strided((n // esize,), (1,), 0).view(torch.uint8)
+            return src, src
+        except RuntimeError:  # (a layout as_strided refuses: a plain view of the bytes)
+            pass
+    return torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage), None
 
 
 def offload_activations(**settings) -> ActivationOffloader:
