@@ -270,6 +270,10 @@ class CudaStages:
         slot.events["k_e"].synchronize()
         lay = BlobLayout.of(n, int(slot.total[0]))
         block = self.arena.alloc(lay.total)
+        # the storage's at once (it gives it back once the batch finished, after ``_fail``
+        # waited for any copy queued into it): listed only after the copies, a failure or an
+        # interrupt in between left the block nobody's, never given back
+        job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page))
         payload, offsets, sizes, kinds = lay.views(block.tensor)
         with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
             self.d2h.wait_event(slot.events["k_c"])
@@ -280,7 +284,6 @@ class CudaStages:
                 dst.copy_(src, non_blocking=True)
             slot.record("d_e", self.d2h)
         job.stored, job.payload_bytes = lay.total, lay.payload_bytes
-        job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page))
 
     def issue_raw(self, job: _Job) -> None:
         """An incompressible stream's batch: download the pages as they are (RAW pages, the
@@ -293,6 +296,9 @@ class CudaStages:
         slot, n, p = job.slot, job.n_pages, self.page_size
         lay = BlobLayout.of(n, n * p)
         block = self.arena.alloc(lay.total)
+        # the storage's at once, as in issue_download (here on the caller's thread: a Ctrl-C
+        # between the carve and the listing kept the block for ever)
+        job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page, True))
         s = self.d2h_raw
         with torch.cuda.device(self.device), torch.cuda.stream(s):
             if job.producer is not None:
@@ -311,7 +317,6 @@ class CudaStages:
         sizes.fill_(p)
         kinds.zero_()
         job.stored, job.payload_bytes = lay.total, lay.payload_bytes
-        job.storage.batch_stored(job.index, StoredBatch(block, lay, job.first_page, True))
 
     def enqueue_decompress(self, job: _Job, sb: StoredBatch, out: torch.Tensor,
                            statuses: list, start: torch.cuda.Event) -> None:

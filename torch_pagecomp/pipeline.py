@@ -751,8 +751,13 @@ class Pipeline:
         """Threads joined: fail what a broken pipeline left queued, give back idle pools."""
         error = self._stop_error(closed_ok=True) or PipelineStopped("closed with work queued")
         for q in (self._issue_q, self._done_q, self._raw_done_q):
-            while not q.empty():
-                item = q.get_nowait()
+            while True:
+                # taken, not looked at first: two closes at once (two threads, or one and the
+                # exit handler) both saw the last item, and the second's get raised Empty
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
                 if isinstance(item, _Job):
                     self._finish(item, error)
                 elif isinstance(item, tuple):  # ("reader_done", storage)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import mmap
 import threading
@@ -292,7 +293,8 @@ class HostArena:
             held = sum(c.mem.held_bytes for c in self._chunks)
             return {
                 "held_bytes": held,
-                "pinned_bytes": held if self.pin else 0,
+                # those the driver registered: a refused registration leaves a chunk pageable
+                "pinned_bytes": sum(c.mem.held_bytes for c in self._chunks if c.mem.pinned),
                 "used_bytes": self.used_bytes,
                 "chunks": len(self._chunks),
                 "hits": self.hits,
@@ -366,9 +368,16 @@ class PinnedBufferPool(SizePool):
     def __init__(self, pin: bool):
         super().__init__()
         self.pin = pin
+        # of ``held_bytes``, those the driver registered (a refused registration leaves a
+        # buffer pageable: ``HostMemory`` warns and goes on)
+        self.pinned_bytes = 0
 
     def _make(self, nbytes: int) -> HostMemory:
-        return HostMemory(nbytes, self.pin)
+        mem = HostMemory(nbytes, self.pin)
+        if mem.pinned:
+            with self._lock:
+                self.pinned_bytes += mem.held_bytes
+        return mem
 
     def _size(self, mem: HostMemory) -> int:
         return mem.nbytes
@@ -377,13 +386,16 @@ class PinnedBufferPool(SizePool):
         return mem.held_bytes
 
     def _drop(self, mem: HostMemory) -> None:
+        if mem.pinned:  # (under the lock, counted out with its held bytes, before any wait)
+            self.pinned_bytes -= mem.held_bytes
         if mem.last_use is not None:  # a copy still queued on it: unpinned after it
             mem.last_use.synchronize()
         mem.release()
 
     def stats(self) -> dict:
         out = super().stats()
-        out["pinned_bytes"] = out["held_bytes"] if self.pin else 0
+        with self._lock:
+            out["pinned_bytes"] = self.pinned_bytes
         return out
 
 
@@ -429,7 +441,10 @@ class InflightLimiter:
                 self.waits += 1
                 self._cond.wait_for(lambda: self._stopped is not None or self._fits(nbytes))
             if self._stopped is not None:
-                raise self._stopped
+                # a copy per refusal: the stored error raised itself kept each refusal's
+                # traceback, and with it the refused callers' frames (their tensors) for as
+                # long as the limiter lived
+                raise copy.copy(self._stopped)
             self.in_flight += nbytes
             self.max_seen = max(self.max_seen, self.in_flight)
 

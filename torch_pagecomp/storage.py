@@ -128,8 +128,9 @@ class Storage:
         self.batches_finished(1, error)
 
     def batch_stored(self, index: int, batch: StoredBatch) -> None:
-        """The batch's blob is carved and its copy queued (not yet finished: even when the
-        handle was freed meanwhile, the block is given back only once every batch finished)."""
+        """The batch's blob is carved, its copy queued or about to be (not yet finished: even
+        when the handle was freed meanwhile, the block is given back only once every batch
+        finished, a failed one included)."""
         with self._lock:
             self.batches[index] = batch
 
