@@ -31,7 +31,7 @@ import torch
 
 from . import format as fmt
 from ._events import handoff
-from .offload._paged import PagedStore, PagedStored, SliceNotStored
+from .offload._paged import PagedStore, PagedStored, SliceNotStored, free_each
 from .offload._small_store import SMALL_BYTES, SmallStore, SmallStored, gather_pages
 from .offload._streams import current_stream, on_stream
 
@@ -352,9 +352,8 @@ class DirectPath:
         small = [s for s in taken if isinstance(s, SmallStored)]
         paged = [s for s in taken if not isinstance(s, SmallStored)]
         try:
-            while small:  # each listed until freed (a free is idempotent)
-                self.small.free(small[-1])
-                small.pop()
+            if small:  # (no small store without small tensors)
+                free_each(small, self.small.free)
             if paged:  # (its stream hand-offs only where the store holds some; it empties
                 self.store.free_after_restores(paged)  # ``paged`` as each is freed)
         except BaseException:  # (an interrupt): the rest wait for the next call's drain,

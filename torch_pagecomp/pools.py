@@ -312,6 +312,7 @@ class SizePool:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
         self.held_bytes = 0
+        self.pinned_bytes = 0  # of ``held_bytes``, those the driver registered (``_pinned``)
 
     def _make(self, nbytes: int):
         raise NotImplementedError
@@ -321,6 +322,9 @@ class SizePool:
 
     def _held(self, buf) -> int:
         return self._size(buf)
+
+    def _pinned(self, buf) -> int:
+        return 0
 
     def _drop(self, buf) -> None:
         pass
@@ -335,6 +339,7 @@ class SizePool:
         buf = self._make(nbytes)
         with self._lock:
             self.held_bytes += self._held(buf)
+            self.pinned_bytes += self._pinned(buf)
         return buf
 
     def release(self, buf) -> None:
@@ -352,6 +357,7 @@ class SizePool:
                 while bucket:
                     buf = bucket.pop()
                     self.held_bytes -= self._held(buf)
+                    self.pinned_bytes -= self._pinned(buf)
                     self._drop(buf)
                 del self._free[size]
 
@@ -368,16 +374,9 @@ class PinnedBufferPool(SizePool):
     def __init__(self, pin: bool):
         super().__init__()
         self.pin = pin
-        # of ``held_bytes``, those the driver registered (a refused registration leaves a
-        # buffer pageable: ``HostMemory`` warns and goes on)
-        self.pinned_bytes = 0
 
     def _make(self, nbytes: int) -> HostMemory:
-        mem = HostMemory(nbytes, self.pin)
-        if mem.pinned:
-            with self._lock:
-                self.pinned_bytes += mem.held_bytes
-        return mem
+        return HostMemory(nbytes, self.pin)
 
     def _size(self, mem: HostMemory) -> int:
         return mem.nbytes
@@ -385,17 +384,18 @@ class PinnedBufferPool(SizePool):
     def _held(self, mem: HostMemory) -> int:
         return mem.held_bytes
 
+    def _pinned(self, mem: HostMemory) -> int:
+        # a refused registration leaves a buffer pageable (``HostMemory`` warns and goes on)
+        return mem.held_bytes if mem.pinned else 0
+
     def _drop(self, mem: HostMemory) -> None:
-        if mem.pinned:  # (under the lock, counted out with its held bytes, before any wait)
-            self.pinned_bytes -= mem.held_bytes
         if mem.last_use is not None:  # a copy still queued on it: unpinned after it
             mem.last_use.synchronize()
         mem.release()
 
     def stats(self) -> dict:
         out = super().stats()
-        with self._lock:
-            out["pinned_bytes"] = self.pinned_bytes
+        out["pinned_bytes"] = self.pinned_bytes
         return out
 
 

@@ -22,7 +22,7 @@ from .. import exp_codec
 from .._events import mark
 from ..format import CorruptPageError
 from ..kernels.launch import interpreting
-from ..offload._paged import PagedStore
+from ..offload._paged import PagedStore, free_each
 from ..offload._paged_group import StoredGroup
 from ..offload._stores import CpuStore
 from ..offload._streams import current_stream, on_stream
@@ -69,10 +69,7 @@ class _CpuBlockStore:
             self.used -= nbytes  # (after the free: one that raised is tried again as it was)
 
     def free_after_restores(self, storeds: list) -> None:
-        while storeds:  # restores here are done on return; each listed until freed, as
-            at = len(storeds) - 1  # ``PagedStore.free_after_restores`` keeps them, and
-            self.free(storeds[at])  # taken off by position: a block queued during the free
-            del storeds[at]  # (``Held.__del__`` from the collector) goes after it, kept
+        free_each(storeds, self.free)  # (restores here are done on return)
 
     def poll(self) -> None:
         pass

@@ -246,7 +246,7 @@ class _Packed:
         root = t._base
         self.source, self.version = weakref.ref(t if root is None else root), t._version
         # the bytes of the storage held in place or in the stash, sharing its version counter
-        # (``_hooks._bytes_of``): alive while the backward would read them there, the saved
+        # (``_hooks._storage_bytes``): alive while the backward would read them there, the saved
         # tensor and its base perhaps gone
         self.witness = witness
 

@@ -442,7 +442,7 @@ class ActivationOffloader:
             # only before a new offload: a storage saved again (a quarter to a third of the
             # storages a ResNet or transformer block saves) needs nothing the poll settles
             self._poll()
-            src, witness = _bytes_of(t, storage)
+            src, witness = _storage_bytes(t, storage)
             try:
                 placed = self._offload(t, storage, src)
             except Exception as exc:  # noqa: BLE001 - the tensor stays where it is: nothing lost
@@ -453,14 +453,13 @@ class ActivationOffloader:
                 self.counters["kept_host_full"] += 1
                 return t
             entry, base = placed
-            witness = weakref.ref(witness) if witness is not None else None
             self._pass.dedup[key] = (weakref.ref(t), weakref.ref(entry), t._version, base,
                                      witness)
             return _Packed(entry, t, base, entry.member(base, key[1]), witness)
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, src: torch.Tensor
                  ) -> tuple[_Entry, int] | None:
-        """Start offloading ``storage`` (``t``'s; ``src``: its bytes, :func:`_bytes_of`):
+        """Start offloading ``storage`` (``t``'s; ``src``: its bytes, :func:`_storage_bytes`):
         ``(entry, byte offset of the storage in the entry's bytes)``, or None where the pinned
         pool is full."""
         ps = self._pass
@@ -796,21 +795,22 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
-def _bytes_of(t: torch.Tensor, storage: torch.UntypedStorage
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(src, witness)``: ``uint8 [storage.nbytes()]`` over ``t``'s whole storage, and
-    ``src`` again where it shares ``t``'s version counter (a view of ``t.detach()``; else
-    None, a storage not a whole number of ``t``'s elements). Held in place (``_batch``) or in
-    the stash, ``src`` is what a backward reads: an in-place change of the saved tensor there
-    reaches the gradients. Autograd does not check versions under saved-tensor hooks, and the
-    saved tensor itself (``_Packed.source``) may be gone by the backward (a temporary view,
-    its base a forward's local): the handles check the witness's version while it lives, so
-    such a change raises as it does without hooks, not silently read."""
+def _storage_bytes(t: torch.Tensor, storage: torch.UntypedStorage
+                   ) -> tuple[torch.Tensor, weakref.ref | None]:
+    """``(src, witness)``: ``uint8 [storage.nbytes()]`` over ``t``'s whole storage, and a
+    weak reference to ``src`` where it shares ``t``'s version counter (a view of
+    ``t.detach()``; else None, a storage not a whole number of ``t``'s elements). Held in
+    place (``_batch``) or in the stash, ``src`` is what a backward reads: an in-place change
+    of the saved tensor there reaches the gradients. Autograd does not check versions under
+    saved-tensor hooks, and the saved tensor itself (``_Packed.source``) may be gone by the
+    backward (a temporary view, its base a forward's local): the handles check the witness's
+    version while it lives, so such a change raises as it does without hooks, not silently
+    read."""
     n, esize = storage.nbytes(), t.element_size()
     if n % esize == 0:
         try:
             src = t.detach().as_strided((n // esize,), (1,), 0).view(torch.uint8)
-            return src, src
+            return src, weakref.ref(src)
         except RuntimeError:  # (a layout as_strided refuses: a plain view of the bytes)
             pass
     return torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage), None

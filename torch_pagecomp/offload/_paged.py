@@ -160,6 +160,17 @@ class PagedStored:
                 sum(sl.total for sl in self.slices))
 
 
+def free_each(storeds: list, free) -> None:
+    """``free`` each of ``storeds`` (a caller's list, emptied), the last first. Each stays
+    listed until freed: should a free raise (an interrupt), the list still holds it and the
+    rest, for a later call (a free is idempotent). Taken off by position, not by ``pop()``:
+    one appended during a free (a handle's finalizer run by the collector) stays listed."""
+    while storeds:
+        at = len(storeds) - 1
+        free(storeds[at])
+        del storeds[at]
+
+
 class PagedStore:
     """Offload storages compressed into a :class:`VirtualArena` (one per device).
 
@@ -784,10 +795,7 @@ class PagedStore:
         if self.restore_stream is not None:
             handoff(self.restore_stream, self.compress_stream)
             handoff(self.restore_stream, self.pack_stream)
-        while storeds:  # each listed until freed: should a free raise (an interrupt), the
-            at = len(storeds) - 1  # caller's list still holds it and the rest (a free is
-            self.free(storeds[at])  # idempotent). Taken off by position, not by pop(): one
-            del storeds[at]  # appended during the free (by the collector) stays listed
+        free_each(storeds, self.free)
 
     def stats(self) -> dict:
         a = self.arena
