@@ -9,6 +9,10 @@ other people's code, with nothing of ours in their forward:
   input is the same ``[batch, seq, width]`` bf16 tensor as the other sequence models'.
 * ``t5-*``: ``T5EncoderModel`` (T5 v1.1's gated-GELU feed-forward, relative position
   buckets, RMS-style layer norms without bias), fed embeddings like the others.
+* ``qwen2-*``: ``Qwen2Model`` (128-wide heads, 6 query heads per key/value head, biased
+  query / key / value projections, SwiGLU 5.8x wide); ``mixtral-*``: ``MixtralModel`` (8
+  experts, 2 routed per token: which tokens each expert's saved tensors hold, and so their
+  sizes, follow the router from step to step). Both added in session 90, never tuned on.
 * ``tv-resnet50``, ``tv-vit-b16``, ``tv-convnext-t``, ``tv-swin-t``:
   ``torchvision.models.resnet50``, ``vit_b_16``, ``convnext_tiny`` and ``swin_t`` (random
   weights; stochastic depth off, which would draw a different path each step), fed
@@ -16,6 +20,11 @@ other people's code, with nothing of ours in their forward:
   LayerNorm and two Linear layers on a channels-last permutation, a layer scale and a residual;
   Swin's shift windows with ``torch.roll`` and attend within them: shapes of saved tensors that
   none of the other models make.
+* ``tv-efficientnet-b0``, ``tv-densenet121`` (session 90, never tuned on): EfficientNet-B0's
+  inverted bottlenecks (depthwise convolutions, SiLU, squeeze-and-excitation: many small saved
+  tensors) and DenseNet-121's dense layers (each concatenates every earlier feature map of
+  its block and normalises the concatenation: saved tensors that grow through a block).
+  Dropout and stochastic depth are off in every torchvision model (a random path each step).
 
 Each builder returns ``(model, input shape)``, the model in fp32 on the default device with a
 ``layers`` attribute: the blocks the hooks group by (``offload_module(blocks=...)``) and FSDP2
@@ -28,7 +37,8 @@ import torch.nn as nn
 
 # family -> the attribute path of its blocks inside the library's model
 _BLOCKS = {"hf-gpt2": "h", "hf-bert": "encoder.layer", "hf-llama": "layers",
-           "hf-t5": "encoder.block", "tv-vit": "encoder.layers"}
+           "hf-t5": "encoder.block", "hf-qwen2": "layers", "hf-mixtral": "layers",
+           "tv-vit": "encoder.layers"}
 
 
 def _stack(body, blocks: list, forward) -> nn.Module:
@@ -82,6 +92,20 @@ def _hf(family: str, width: int, layers: int, seq: int):
                           num_layers=layers, num_heads=heads, dropout_rate=0.0,
                           feed_forward_proj="gated-gelu", is_encoder_decoder=False, **common)
         body = tf.T5EncoderModel(cfg)
+    elif family == "hf-qwen2":  # Qwen2-1.5B's proportions
+        cfg = tf.Qwen2Config(hidden_size=width, num_hidden_layers=layers,
+                             num_attention_heads=max(1, width // 128),
+                             num_key_value_heads=max(1, width // 768),
+                             intermediate_size=int(5.83 * width) // 64 * 64,
+                             max_position_embeddings=seq, **common)
+        body = tf.Qwen2Model(cfg)
+    elif family == "hf-mixtral":  # Mixtral's routing (8 experts, top 2), narrower experts
+        cfg = tf.MixtralConfig(hidden_size=width, num_hidden_layers=layers,
+                               num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                               intermediate_size=2 * width, num_local_experts=8,
+                               num_experts_per_tok=2, router_jitter_noise=0.0,
+                               max_position_embeddings=seq, **common)
+        body = tf.MixtralModel(cfg)
     else:  # TinyLlama's proportions: 64-wide heads, 8 query heads per key/value head
         cfg = tf.LlamaConfig(hidden_size=width, num_hidden_layers=layers,
                              num_attention_heads=heads, num_key_value_heads=max(1, heads // 8),
@@ -108,17 +132,26 @@ def _torchvision(family: str, size: int):
         make = (torchvision.models.convnext_tiny if family == "tv-convnext"
                 else torchvision.models.swin_t)
         body = make()
-        for mod in body.modules():  # (swin_t's builder fixes the rate: set it to 0 here)
-            if isinstance(mod, torchvision.ops.StochasticDepth):
-                mod.p = 0.0
         # features: a stem, then stages of blocks with a downsampling layer between them
         blocks = [b for stage in body.features[1::2] for b in stage]
+    elif family == "tv-efficientnet":
+        body = torchvision.models.efficientnet_b0()
+        # features: a stem, seven stages of inverted bottlenecks, a last convolution
+        blocks = [b for stage in body.features[1:-1] for b in stage]
+    elif family == "tv-densenet":
+        body = torchvision.models.densenet121()
+        blocks = [layer for name, block in body.features.named_children()
+                  if name.startswith("denseblock") for layer in block.values()]
     else:
         body = torchvision.models.vit_b_16(image_size=size)
         # torchvision starts the classifier at zero: every gradient of the step would be zero,
         # and the stock bench's gradient check would pass whatever the restores returned
         torch.nn.init.normal_(body.heads.head.weight, std=0.02)
         blocks = list(_attr(body, _BLOCKS[family]))
+    for mod in body.modules():  # the same path every step and arm (swin_t's and
+        # efficientnet_b0's builders fix the stochastic depth's rate: set to 0 here)
+        if isinstance(mod, (torch.nn.Dropout, torchvision.ops.StochasticDepth)):
+            mod.p = 0.0
     return _stack(body, blocks, lambda m, x: m(x))
 
 

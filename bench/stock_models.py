@@ -93,6 +93,12 @@ MODELS = {
     "t5-1024": ("hf-t5", 1024, 24, 8, 512),
     "tv-convnext-t": ("tv-convnext", 0, 0, 64, 224),
     "tv-swin-t": ("tv-swin", 0, 0, 64, 224),
+    # added in session 90, never tuned on: Qwen2-1.5B's geometry at 8 layers, a Mixtral-style
+    # mixture of experts, torchvision's EfficientNet-B0 and DenseNet-121
+    "qwen2-1536": ("hf-qwen2", 1536, 8, 4, 2048),
+    "mixtral-1024": ("hf-mixtral", 1024, 8, 8, 1024),
+    "tv-efficientnet-b0": ("tv-efficientnet", 0, 0, 64, 224),
+    "tv-densenet121": ("tv-densenet", 0, 0, 64, 224),
     # (four blocks: the hooks hold the last two groups, a block each, for the backward)
     "encoder-tiny": ("encoder", 64, 4, 2, 32),
     "llama-tiny": ("llama", 64, 4, 2, 32),
@@ -101,6 +107,8 @@ MODELS = {
     "bert-tiny": ("hf-bert", 64, 4, 2, 32),
     "hf-llama-tiny": ("hf-llama", 128, 4, 2, 32),
     "t5-tiny": ("hf-t5", 64, 4, 2, 32),
+    "qwen2-tiny": ("hf-qwen2", 128, 4, 2, 32),
+    "mixtral-tiny": ("hf-mixtral", 128, 4, 2, 32),
 }
 
 

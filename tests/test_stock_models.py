@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("model", ["encoder-tiny", "llama-tiny", "resnet-tiny", "gpt2-tiny",
-                                   "bert-tiny", "hf-llama-tiny", "t5-tiny"])
+                                   "bert-tiny", "hf-llama-tiny", "t5-tiny", "qwen2-tiny",
+                                   "mixtral-tiny"])
 def test_models_offload_with_identical_grads(model):
     variants = ("none", "uncompressed", "memory", "torchtune")
     rows = [stock_models.run(model, v, steps=1, warmup=1, device="cpu", fsdp=False)
