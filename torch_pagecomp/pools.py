@@ -15,9 +15,11 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import mmap
+import operator
 import threading
 import warnings
 import weakref
@@ -67,6 +69,20 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def byte_count(nbytes, what: str) -> int:
+    """``nbytes`` as an ``int``, or a ``TypeError`` / ``ValueError`` naming ``what``: a negative
+    count sliced a view from the end of its chunk (``alloc(-1)``: all of the chunk but a byte,
+    other blocks' bytes with it), and a float left its bytes carved when the view then raised."""
+    try:
+        n = operator.index(nbytes)
+    except TypeError:
+        raise TypeError(f"{what}: nbytes must be an integer, got "
+                        f"{type(nbytes).__name__}") from None
+    if n < 0:
+        raise ValueError(f"{what}: nbytes must be >= 0, got {n}")
+    return n
+
+
 def can_pin() -> bool:
     """True when host memory can be registered with the CUDA driver here."""
     return torch.cuda.is_available()
@@ -82,7 +98,7 @@ class HostMemory:
     """
 
     def __init__(self, nbytes: int, pin: bool):
-        self.nbytes = int(nbytes)
+        self.nbytes = byte_count(nbytes, "HostMemory")
         self.held_bytes = round_up(max(self.nbytes, 1), HOST_PAGE)
         self._map = mmap.mmap(-1, self.held_bytes)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[: self.nbytes]
@@ -124,13 +140,16 @@ class HostMemory:
 @dataclass
 class HostBlock:
     """A range of an arena chunk: ``tensor`` is ``uint8 [nbytes]`` (``size`` bytes reserved),
-    or None for a block allocated without a view (:meth:`HostArena.alloc`)."""
+    or None for a block allocated without a view (:meth:`HostArena.alloc`). ``freed``: given
+    back (a second give-back raises: once its bytes were carved again, the free-range check
+    of ``_Chunk.give_back`` passed it, and it gave back another block's bytes)."""
 
     chunk: _Chunk
     offset: int
     size: int
     nbytes: int
     tensor: torch.Tensor | None
+    freed: bool = field(default=False, repr=False)
 
     @property
     def addr(self) -> int:
@@ -192,6 +211,13 @@ class _Chunk:
         self.largest = max(self.largest, free[i][1])
 
 
+def _check_live(block: HostBlock) -> None:
+    """Raise for a block given back already (``HostBlock.freed``)."""
+    if block.freed:
+        raise RuntimeError(f"host pool: a block ({block.size} bytes at {block.offset}) is given "
+                           "back while free (a block freed twice)")
+
+
 class HostArena:
     """Exact-size host storage for compressed batches, in reusable (pinned) chunks.
 
@@ -215,7 +241,8 @@ class HostArena:
     def alloc(self, nbytes: int, view: bool = True) -> HostBlock:
         """A block of ``nbytes``; ``view=False``: without its ``tensor`` (a view costs the host
         microseconds; the small store addresses its blocks, ``offload._small_store``)."""
-        size = round_up(max(int(nbytes), 1), ALIGN)
+        nbytes = byte_count(nbytes, "HostArena.alloc")
+        size = round_up(max(nbytes, 1), ALIGN)
         with self._lock:
             self.allocs += 1
             for chunk in self._chunks:
@@ -234,13 +261,15 @@ class HostArena:
         if off is None:
             return None
         self.used_bytes += size
-        return HostBlock(chunk, off, size, int(nbytes),
+        return HostBlock(chunk, off, size, nbytes,
                          chunk.mem.tensor[off : off + nbytes] if view else None)
 
     def free(self, block: HostBlock) -> None:
         with self._lock:
             chunk = block.chunk
+            _check_live(block)
             chunk.give_back(block.offset, block.size)  # (raises for a block freed twice)
+            block.freed = True
             self.frees += 1
             self.used_bytes -= block.size
             if chunk.used == 0 and self.keep_free_chunks is not None:
@@ -251,15 +280,17 @@ class HostArena:
     def shrink(self, block: HostBlock, nbytes: int) -> None:
         """Give back the end of ``block`` past its first ``nbytes`` (rounded up to ``ALIGN``):
         for a block reserved for a worst case whose use turned out smaller."""
-        size = round_up(max(int(nbytes), 1), ALIGN)
+        nbytes = byte_count(nbytes, "HostArena.shrink")
+        size = round_up(max(nbytes, 1), ALIGN)
         with self._lock:
+            _check_live(block)  # (its end may be another block's by now)
             if size >= block.size:
                 return
             block.chunk.give_back(block.offset + size, block.size - size)
             self.used_bytes -= block.size - size
             block.size = size
             if nbytes < block.nbytes:
-                block.nbytes = int(nbytes)
+                block.nbytes = nbytes
                 if block.tensor is not None:
                     block.tensor = block.tensor[:block.nbytes]
 
@@ -489,6 +520,12 @@ class CpuOutputPool:
         self._idle: list[np.ndarray] = []  # oldest first
         self._idle_bytes = 0
         self._lock = threading.Lock()
+        # buffers whose last tensor died, not yet idle: a lease's finalizer runs wherever the
+        # GC collects it (a lease in a reference cycle), on a thread that may hold ``_lock``
+        # (on Python 3.12+ the GC runs at any loop or call of the code under it): waiting for
+        # the lock there hung that thread for good, so it only appends here (a deque's append
+        # takes no lock) and whoever holds the lock next makes them idle (:meth:`_settle`)
+        self._returned: collections.deque[np.ndarray] = collections.deque()
         self.hits = self.misses = 0
 
     def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -498,6 +535,7 @@ class CpuOutputPool:
             return torch.empty(shape, dtype=torch.uint8)
         base = None
         with self._lock:
+            self._settle()
             for k in range(len(self._idle) - 1, -1, -1):
                 if self._idle[k].nbytes == nbytes:
                     base = self._idle.pop(k)
@@ -513,15 +551,28 @@ class CpuOutputPool:
         return torch.from_numpy(lease).view(shape)
 
     def _put(self, base: np.ndarray) -> None:
-        with self._lock:
+        """A lease's finalizer: ``base`` is free (see ``_returned``; never waits)."""
+        self._returned.append(base)
+        if self._lock.acquire(blocking=False):  # (else its holder, or the next, settles it)
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
+
+    def _settle(self) -> None:
+        """Under ``_lock``: the returned buffers become idle, the oldest idle dropped beyond
+        ``max_idle_bytes``."""
+        while self._returned:
+            base = self._returned.popleft()
             self._idle.append(base)
             self._idle_bytes += base.nbytes
-            while self._idle_bytes > self.max_idle_bytes:
-                self._idle_bytes -= self._idle.pop(0).nbytes
+        while self._idle_bytes > self.max_idle_bytes:
+            self._idle_bytes -= self._idle.pop(0).nbytes
 
     def clear(self) -> None:
         """Drop every idle buffer (returns their memory to the system)."""
         with self._lock:
+            self._returned.clear()
             self._idle.clear()
             self._idle_bytes = 0
 
@@ -532,5 +583,6 @@ class CpuOutputPool:
 
     def stats(self) -> dict:
         with self._lock:
+            self._settle()
             return {"idle_bytes": self._idle_bytes, "idle_buffers": len(self._idle),
                     "hits": self.hits, "misses": self.misses}

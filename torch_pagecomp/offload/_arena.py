@@ -89,10 +89,13 @@ class UploadRing:
             return None
         half = self.cur
         if self.at + need > (half + 1) * self.half:  # into the other half
+            # its kernels of half a ring ago waited for before the ring moves: a wait that
+            # raised (an interrupt) after the move left the writer in the half it had left,
+            # and the next tables went on into the other one without that wait
+            for event in self.after[half ^ 1]:
+                event.synchronize()
             self.after[half] = [mark(s) for s in self.readers[half]]
             half = self.cur = half ^ 1
-            for event in self.after[half]:
-                event.synchronize()  # its kernels of half a ring ago
             self.after[half], self.readers[half] = [], set()
             self.at = half * self.half
         at = self.at
@@ -428,6 +431,10 @@ class VirtualArena:
         return (self.frontier + self.pending_upper + upper - 1) // self.chunk
 
     def _back_chunk(self, k: int, stream) -> None:
+        # checked before a chunk is taken: raised after, the chunk taken was in neither
+        # ``free`` nor ``backed`` (uncounted, unpinned whenever it was collected)
+        if (k - TABLE_SIZE) in self.backed:
+            raise RuntimeError("activation offload: host arena window exceeded")
         if self.free:
             mem, last_read = self.free.pop()
             _wait(stream, last_read)  # restores of its previous slices read it first
@@ -435,8 +442,6 @@ class VirtualArena:
         else:
             mem = HostMemory(self.chunk, pin=self.pin)
             self.pins += 1
-        if (k - TABLE_SIZE) in self.backed:
-            raise RuntimeError("activation offload: host arena window exceeded")
         self.backed[k] = mem
         if self._table_np is not None:  # read by kernels launched after this store
             self._table_np[k % TABLE_SIZE] = mem.addr
@@ -581,8 +586,11 @@ class VirtualArena:
     def trim(self, keep: int = 0) -> None:
         """Unpin free chunks beyond ``keep`` (the oldest first)."""
         while len(self.free) > keep:
-            mem, event = self.free.pop(0)
-            _sync(event)  # a restore may still read it
+            mem, event = self.free[0]
+            # a restore may still read it; waited for while it is listed: a wait that raises
+            # (an interrupt) leaves it free, not lost (out of the counts, pinned until collected)
+            _sync(event)
+            del self.free[0]
             mem.release()
             self.unpins += 1
 

@@ -46,7 +46,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..pools import ALIGN, HOST_PAGE, SHRINK_STEPS, HostBlock, HostMemory, _Chunk, round_up
+from ..pools import (
+    ALIGN,
+    HOST_PAGE,
+    SHRINK_STEPS,
+    HostBlock,
+    HostMemory,
+    _check_live,
+    _Chunk,
+    byte_count,
+    round_up,
+)
 
 CHUNK_BYTES = 64 << 20
 IDLE_STEPS = 4 * SHRINK_STEPS  # a chunk idle this many steps is unpinned (see above)
@@ -93,7 +103,8 @@ class PinnedCopyArena:
         self._taken = False  # a block carved since the last shrink
 
     def get(self, nbytes: int, stream: torch.cuda.Stream | None) -> CopyBlock | None:
-        size = round_up(max(int(nbytes), 1), ALIGN)
+        nbytes = byte_count(nbytes, "PinnedCopyArena.get")
+        size = round_up(max(nbytes, 1), ALIGN)
         best = None  # the chunk whose largest free range is the smallest that holds it
         for chunk in self.chunks:
             room = chunk.largest
@@ -114,15 +125,21 @@ class PinnedCopyArena:
     def _new_chunk(self, size: int) -> _CopyChunk | None:
         """A new chunk for a block of ``size`` bytes (its size rounded up to whole chunks,
         or less under ``max_bytes``); None where ``max_bytes`` has no room for one."""
-        want = round_up(size, self.chunk_bytes)
+        want, least = round_up(size, self.chunk_bytes), round_up(size, HOST_PAGE)
         if self.max_bytes is not None:
             room = self.max_bytes - self.held_bytes
-            if room < round_up(size, HOST_PAGE):
-                self._drop_idle(round_up(size, HOST_PAGE) - room)
-                room = self.max_bytes - self.held_bytes
-                if room < round_up(size, HOST_PAGE):
+            if room < least:
+                idle = sum(c.mem.held_bytes for c in self.chunks if c.used == 0)
+                if room + idle < least:
+                    # none made even with every idle chunk gone: they stay (unpinned for a
+                    # storage that never fits, every step unpinned them, each unpin waiting
+                    # for the whole GPU, and the next blocks pinned them again)
                     return None
-            want = max(round_up(size, HOST_PAGE), min(want, room // HOST_PAGE * HOST_PAGE))
+                self._drop_idle(least - room)
+                room = self.max_bytes - self.held_bytes
+                if room < least:
+                    return None
+            want = max(least, min(want, room // HOST_PAGE * HOST_PAGE))
         chunk = _CopyChunk(HostMemory(want, self.pin))
         self.held_bytes += chunk.mem.held_bytes
         return chunk
@@ -143,11 +160,13 @@ class PinnedCopyArena:
 
     def put(self, block: CopyBlock) -> None:
         chunk = block.chunk
+        _check_live(block)  # (its bytes may be another block's by now)
         event = block.last_use
         if event is not None and not event.query():  # the GPU may still read or write it
             chunk.waits.append(event)
         block.last_use = None
         chunk.give_back(block.offset, block.size)
+        block.freed = True
         self.in_use_bytes -= block.size
         chunk.used_at = self._step  # (held until now)
 
