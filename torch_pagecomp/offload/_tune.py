@@ -110,7 +110,10 @@ read once completed, never waited for), or the host clock without CUDA:
    are the same each time it comes (the bytes taken, stored or held), so a length seen
    again is timed.
 
-Passes that offload nothing (evaluation) are not timed and change nothing.
+Passes that offload nothing (evaluation) are not timed and change nothing: a trial pass
+handed to one runs after it, and a settled one does not count towards the retune. A
+timed trial pass that gives no time (marks that cannot be compared, or a clock that says
+0 ms, less or NaN) runs again, at most ``2 * trials`` times per trials.
 """
 
 from __future__ import annotations
@@ -157,10 +160,19 @@ def pass_mark() -> float | torch.cuda.Event:
 
 
 def elapsed_ms(a, b) -> float | None:
-    """Milliseconds from mark ``a`` to ``b``; None while ``b`` has not happened on the GPU yet,
-    or -1.0 for marks of different kinds (CUDA started between them: not comparable)."""
+    """Milliseconds from mark ``a`` to ``b``; None while either has not happened on the GPU
+    yet, or -1.0 for marks that are not comparable: of different kinds (CUDA started between
+    them), or events torch cannot time against each other (recorded on different devices).
+    Never raises: a pass starts here (torch's ``elapsed_time`` raises unless both events are
+    done, and ``a`` recorded on another stream, another pass's current one, may finish after
+    ``b``; raised here, the step failed, and the mark stayed first in line for the next)."""
     if isinstance(a, torch.cuda.Event) and isinstance(b, torch.cuda.Event):
-        return a.elapsed_time(b) if b.query() else None
+        if not (b.query() and a.query()):
+            return None
+        try:
+            return a.elapsed_time(b)
+        except RuntimeError:
+            return -1.0
     if isinstance(a, float) and isinstance(b, float):
         return (b - a) * 1e3
     return -1.0
@@ -228,11 +240,13 @@ class StepTuner:
         self._interval = retune  # settled passes before the next periodic retune
         self._kept: str | None = None  # the choice a periodic retune started from (None: the
         # trials in progress are not a periodic retune's)
-        self._open: tuple | None = None  # (mark, arm, generation, trial?, settled?) of the pass
+        self._open: tuple | None = None  # (mark, arm, generation, trial?, settled?, the
+        # schedule's item it took or None) of the pass in progress
         self._settled_raw: list[tuple[float, int]] = []  # (ms, bytes) of settled passes of
         # the choice, for its check
         self._checked = True  # the current decision was checked (or there is none)
         self._regrown = 0  # timed trial passes run again this trials (they made memory)
+        self._untimed = 0  # timed trial passes run again this trials (they gave no time)
         self._seen: set[int] = set()  # the bytes passes have taken (item 6)
         self._refreshed = 0  # passes at bytes never seen, not timed, this trials / decision
         self._skipped = 0  # settled passes left out of this decision's check (the same)
@@ -257,8 +271,18 @@ class StepTuner:
         """A pass begins: closes the previous one (``grew``: it made host memory, see the
         module docstring), reads the periods measured so far; returns this pass's arm."""
         now = self.clock()
-        if self._open is not None and self._bytes > 0:
-            start, arm, gen, trial, settled = self._open
+        if self._open is not None and self._bytes == 0:
+            # it offloaded nothing (evaluation): what it took is given back. Handed a trial
+            # pass and never timed, the trials waited for it for good (compressing every
+            # pass, whichever way was faster); counted as settled, evaluation batches
+            # brought the next retune closer
+            handed, gen = self._open[5], self._open[2]
+            if handed is not None and gen == self._gen:
+                self._schedule.insert(0, handed)
+            elif self._open[4]:
+                self._settled -= 1
+        elif self._open is not None:
+            start, arm, gen, trial, settled, _ = self._open
             fresh = self._fresh_bytes(self._bytes)
             if trial and (grew and self._regrown < 2 * self.trials
                           or fresh and self._refreshed < FRESH):
@@ -280,10 +304,15 @@ class StepTuner:
                 self._warm += 1
                 if self._warm >= self.warmup:
                     self._begin_trials()
+        # closed before reading the times: should ``elapsed`` raise, the next pass's start
+        # does not close this one again (twice in line, with the bytes of both)
+        self._open, self._bytes = None, 0
         self._measure()
         trial = settled = False
+        handed = None  # the trial pass this pass takes from the schedule
         if self._schedule:
-            self.arm, trial = self._schedule.pop(0)
+            handed = self._schedule.pop(0)
+            self.arm, trial = handed
         elif self._phase == "settled":
             self._settled += 1
             self.arm, settled = self.choice, True
@@ -292,7 +321,7 @@ class StepTuner:
                 settled = False
         else:
             self.arm = "compress"  # warm-up, or trials handed out and not measured yet
-        self._open, self._bytes = (now, self.arm, self._gen, trial, settled), 0
+        self._open, self._bytes = (now, self.arm, self._gen, trial, settled, handed), 0
         return self.arm
 
     def _fresh_bytes(self, nbytes: int) -> bool:
@@ -317,7 +346,15 @@ class StepTuner:
             if ms is None:
                 return  # later ones end later
             self._closed.popleft()
-            if gen != self._gen or ms < 0:
+            if gen != self._gen:
+                continue
+            if not ms > 0:  # no time (marks not comparable; NaN, 0 or less from a clock):
+                # a timed trial pass runs again, after one of its arm, at most ``2 * trials``
+                # times per trials (dropped, the trials waited for it for good, compressing
+                # whichever way was faster; kept, a NaN or 0 ms decided for its arm)
+                if trial and self._untimed < 2 * self.trials:
+                    self._untimed += 1
+                    self._schedule += [(arm, False), (arm, True)]
                 continue
             self._recent.append(nbytes)
             if self._new_workload():
@@ -382,7 +419,7 @@ class StepTuner:
         self._usual = None
         self._recent.clear()
         self._settled_raw, self._checked, self._rival = [], True, None
-        self._regrown, self._kept, self._refreshed = 0, kept, 0
+        self._regrown, self._kept, self._refreshed, self._untimed = 0, kept, 0, 0
 
     def _trial_best(self, shape: tuple[float, float] | None = None) -> dict:
         """Each arm's shortest timed trial pass (ms, at the usual bytes; ``shape``: the
