@@ -121,7 +121,7 @@ class Backward:
         with off._lock:
             entry = packed.entry
             off._batcher.flush_unheld()
-            self._watch_backward()
+            self._watch_backward(entry)
             if entry.parts is not None:  # held (``_batch``), or its store failed, or stored
                 # from its parts, which the stash keeps (``PagedStore.takes_parts``): in place
                 held = entry.stored is None and entry.error is None
@@ -140,23 +140,25 @@ class Backward:
             self._prefetch_from(entry.pass_, entry.group, entry)
             if entry.restored is None:
                 off._poll()
-                off.counters["restored_on_demand"] += 1
-                self.restore([entry])
-        entry.check_restored()
-        if entry.restore_event is not None:
-            current = current_stream(entry.device)
-            current.wait_event(entry.restore_event)
-            if current != entry.stream:
-                entry.stream.wait_event(entry.restore_event)
-            entry.waited = True
-        if entry.restored is SPLIT:  # restored member by member (``_entry._Member``)
-            m = packed.member
-            if m is None or m.buf is None:
-                raise RuntimeError("activation offload: a batched saved tensor's member was "
-                                   "not restored (internal error)")
-            m.waited = entry.waited
-            return packed.view(m.buf.untyped_storage(), m.base)
-        return packed.view(entry.restored.untyped_storage())
+                self._restore_counted([entry], entry)
+            # still under the lock: the end of a backward on another thread drops every
+            # restore (``_end_backward``), which read here after it left the buffer None
+            # (the unpack raised) or marked a later restore as waited for
+            entry.check_restored()
+            if entry.restore_event is not None:
+                current = current_stream(entry.device)
+                current.wait_event(entry.restore_event)
+                if current != entry.stream:
+                    entry.stream.wait_event(entry.restore_event)
+                entry.waited = True
+            if entry.restored is SPLIT:  # restored member by member (``_entry._Member``)
+                m = packed.member
+                if m is None or m.buf is None:
+                    raise RuntimeError("activation offload: a batched saved tensor's member "
+                                       "was not restored (internal error)")
+                m.waited = entry.waited
+                return packed.view(m.buf.untyped_storage(), m.base)
+            return packed.view(entry.restored.untyped_storage())
 
     def _served(self, entry: _Entry) -> None:
         """``entry``'s source was handed back in place: it stays so for this backward, and
@@ -167,20 +169,29 @@ class Backward:
             off._stash.remove(entry)
             off._release(entry, wait=False, keep_served=True)
 
-    def _prefetch_tail(self) -> None:
-        """At the start of a backward: restore the last groups of the latest forward (so kept
-        blocks' backward hides the first restores)."""
+    def _prefetch_tail(self, entry: _Entry | None) -> None:
+        """At the start of a backward: restore the last groups of the pass of ``entry`` (the
+        offloaded tensor unpacked first), or where a kept tensor comes first, of the latest
+        forward (so kept blocks' backward hides the first restores). Always the latest
+        forward's, forwards interleaved (a pipeline's micro-batches, backwards in forward
+        order) had each backward restore the newest pass's last groups, hold them to its end
+        and drop them, for that pass's backward to restore them again."""
         off = self.off
-        ps = off._last_pass() if off._last_pass is not None else None
+        if entry is not None:
+            ps = entry.pass_
+        else:
+            ps = off._last_pass() if off._last_pass is not None else None
         if ps is None or not off.prefetch:
             return
         for k in range(len(ps.groups) - 1, -1, -1):
             if any(r() is not None for r in ps.groups[k]):
-                self._prefetch_from(ps, k, None)
+                self._prefetch_from(ps, k, entry)
                 return
 
     def _prefetch_from(self, ps, group: int, entry: _Entry | None) -> None:
-        """Restore groups ``group .. group - prefetch`` of pass ``ps`` (not yet issued)."""
+        """Restore groups ``group .. group - prefetch`` of pass ``ps`` (not yet issued);
+        ``entry``: the one being unpacked, if any (its restore is on demand, not a
+        prefetch)."""
         off = self.off
         if off.prefetch == 0:
             return
@@ -200,14 +211,32 @@ class Backward:
                         and e.stored is not None):
                     todo.append(e)
             if todo:  # one group at a time (batched restores stay within a group)
-                off.counters["restored_prefetch"] += len(todo) - (entry in todo)
                 try:
-                    self.restore(todo)
+                    self._restore_counted(todo, entry)
                 except BaseException:
                     # (its entries not restored are left so: a retried backward prefetches
                     # the group again rather than restoring them one by one on demand)
                     ps.issued[k] = False
                     raise
+
+    def _restore_counted(self, entries: list[_Entry], unpacked: _Entry | None) -> None:
+        """:meth:`restore`, counting the restores that ran: ``restored_on_demand`` for
+        ``unpacked`` (the entry being unpacked), ``restored_prefetch`` for the others. After
+        it, an entry holds a buffer exactly where its restore ran (or failed and says so):
+        one stopped midway (an interrupt) is not counted, as its retry will be. Before, the
+        counts were taken ahead of the restore (a stopped one counted twice), and an entry
+        restored by its own unpack's group prefetch was counted as neither."""
+        try:
+            self.restore(entries)
+        finally:
+            ran = sum(e.restored is not None for e in entries)
+            demand = unpacked is not None and unpacked.restored is not None and any(
+                e is unpacked for e in entries)
+            counters = self.off.counters
+            if demand:
+                counters["restored_on_demand"] += 1
+            if ran > demand:  # (no key for none: stats() lists the counters that happened)
+                counters["restored_prefetch"] += ran - demand
 
     def restore(self, entries: list[_Entry]) -> None:
         """Start restoring ``entries`` (in this order) into buffers allocated on each entry's
@@ -250,6 +279,11 @@ class Backward:
         outs: dict[int, torch.Tensor | list] = {}
         for e in entries:
             e.restore_event = None
+            if e.restore_failed:  # an earlier restore's error, never raised (no unpack read
+                # it: the backward stopped above it, or raised elsewhere): this restore's
+                # outcome is what its unpack reads; kept, it failed a later backward whose
+                # restore ran fine
+                e.error, e.restore_failed = None, False
             members = e.split_members()  # a batch of several: a buffer per live member
             with on_stream(e.stream):
                 if members is not None:
@@ -329,7 +363,9 @@ class Backward:
             if side is not None:  # its buffer goes back after the work queued for it
                 e.restore_event = mark(side)
 
-    def _watch_backward(self) -> None:
+    def _watch_backward(self, entry: _Entry | None = None) -> None:
+        """At a backward's first unpack (of ``entry``, None for a kept tensor): watch for its
+        end, and prefetch its tail (:meth:`_prefetch_tail`)."""
         task = torch._C._current_graph_task_id()
         if task != -1 and task not in self.tasks:
             end = BackwardEnd(self, task)
@@ -340,7 +376,7 @@ class Backward:
             # peak had it, 9 MiB above a plain copy's, bench/results/h200x2_fd0815b_session57)
             for store in self.off._paged.values():
                 store.release_scratch()
-            self._prefetch_tail()
+            self._prefetch_tail(entry)
 
     def watched(self) -> int:
         """The backwards whose end is still to come: a backward that raised is not among
