@@ -151,13 +151,9 @@ def test_restore_counters_count_each_restore_once(mode, how, monkeypatch):
     assert not any(off.pending().values()), off.pending()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_failed_restore_no_backward_read_does_not_fail_the_next_backward(mode, monkeypatch):
-    """A prefetch's restore fails once (out of memory) for a tensor this backward never reads
-    (``autograd.grad`` of a middle block's output stops above it). Its error was kept past the
-    backward's end: the next backward of the retained graph restored the tensor fine, then
-    raised the old error at its unpack (a spurious failure). A restore's error belongs to that
-    restore: one that ran again since says nothing."""
+def _flaky_restores(monkeypatch):
+    """``(w, x, the reference gradient, fail)``: ``CpuStore.restore`` raises an out-of-memory
+    error while ``fail[0]`` counts down from what the test sets."""
     w = torch.randn(64, 64, requires_grad=True)
     x = torch.randn(64, 64)
     ref = reference(w, x)
@@ -170,6 +166,17 @@ def test_a_failed_restore_no_backward_read_does_not_fail_the_next_backward(mode,
         return real(self, stored, out)
 
     monkeypatch.setattr(CpuStore, "restore", flaky)
+    return w, x, ref, fail
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_restore_no_backward_read_does_not_fail_the_next_backward(mode, monkeypatch):
+    """A prefetch's restore fails once (out of memory) for a tensor this backward never reads
+    (``autograd.grad`` of a middle block's output stops above it). Its error was kept past the
+    backward's end: the next backward of the retained graph restored the tensor fine, then
+    raised the old error at its unpack (a spurious failure). A restore's error belongs to that
+    restore: one that ran again since says nothing."""
+    w, x, ref, fail = _flaky_restores(monkeypatch)
     off = cpu_off(mode, prefetch=1)
     with off:
         loss, hs = chain(w, x, off)
@@ -186,18 +193,7 @@ def test_a_failed_restore_no_backward_read_does_not_fail_the_next_backward(mode,
 def test_a_failed_restore_read_by_its_unpack_still_raises_once(mode, monkeypatch):
     """The control of the test above: a restore that fails for a tensor the backward reads
     raises naming it, and the retried backward (the graph retained) restores it again."""
-    w = torch.randn(64, 64, requires_grad=True)
-    x = torch.randn(64, 64)
-    ref = reference(w, x)
-    real, fail = CpuStore.restore, [0]
-
-    def flaky(self, stored, out):
-        if fail[0]:
-            fail[0] -= 1
-            raise RuntimeError("CUDA out of memory (simulated)")
-        return real(self, stored, out)
-
-    monkeypatch.setattr(CpuStore, "restore", flaky)
+    w, x, ref, fail = _flaky_restores(monkeypatch)
     off = cpu_off(mode, prefetch=1)
     with off:
         loss, _ = chain(w, x, off)
