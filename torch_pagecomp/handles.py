@@ -121,11 +121,17 @@ class OffloadHandle:
         return self._storage.kernel_bytes(self.page_size)
 
     def compressed(self) -> fmt.CompressedPages:
-        """The stored pages as one packed CPU ``CompressedPages`` (a copy; waits if pending)."""
+        """The stored pages as one packed CPU ``CompressedPages`` (a copy; waits if pending).
+        Raises ``PageCompError`` for a handle freed before or while it reads."""
         if not self._free.alive:  # its bytes are gone: an empty container would be a lie
             raise PageCompError("this handle was freed")
         self.wait()
-        return self._storage.compressed(self.page_size)
+        pages = self._storage.compressed(self.page_size)
+        # freed by another thread meanwhile: the kernel-only store's blocks are read without
+        # a hold on them, and one given back may hold a new offload's bytes already
+        if not self._free.alive:
+            raise PageCompError("this handle was freed")
+        return pages
 
     def __repr__(self) -> str:
         return (

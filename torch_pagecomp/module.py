@@ -480,6 +480,13 @@ class PageCompressor(torch.nn.Module):
                 )
             if not out.is_contiguous():
                 raise PageCompError("out must be contiguous")
+            # its bits would read back conjugated or negated (the decode writes bytes; torch
+            # refuses their byte view with an error that names no argument)
+            if out.is_conj() or out.is_neg():
+                raise PageCompError(
+                    f"out must not be a {'conjugate' if out.is_conj() else 'negative'} view: "
+                    "restore into a plain tensor (and .conj() or .neg() the result)"
+                )
         else:
             target = self.device if device is None else device
             out = torch.empty(handle.shape, dtype=handle.dtype, device=target)
@@ -529,6 +536,9 @@ class PageCompressor(torch.nn.Module):
     ) -> None:
         """Scatter a handle from :meth:`offload_blocks` into the blocks ``block_ids`` of
         ``cache`` along ``dim``, ordered on the caller's current stream."""
+        if not isinstance(handle, OffloadHandle):  # (its shape is read before restore's check)
+            raise PageCompError(
+                f"restore_blocks takes an OffloadHandle, got {type(handle).__name__}")
         dim = self._block_dim(cache, dim)
         ids = self._block_ids(cache, block_ids, dim, distinct=True)
         want = list(cache.shape)

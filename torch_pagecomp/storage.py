@@ -154,7 +154,13 @@ class Storage:
         """Block until every batch finished; raise (from ``check``) instead of waiting for ever
         when the threads that would finish them are gone."""
         while not self.done.wait(poll if self._check is not None else None):
-            self._check()
+            try:
+                self._check()
+            except RuntimeError:
+                # the last batch may have finished after the wait timed out, its threads
+                # ending after it (a close() in another thread): stored, not lost
+                if not self.done.is_set():
+                    raise
 
     # ---------------------------------------------------------------- readers
     def add_reader(self) -> None:
