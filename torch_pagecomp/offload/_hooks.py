@@ -276,9 +276,13 @@ class ActivationOffloader:
         with self._lock:
             self._depth -= 1
             if self._depth == 0:
-                self._batcher.end_pass()
-                self._hooks.__exit__(*exc)
-                self._hooks = self._pass = self._owner = None
+                try:
+                    self._batcher.end_pass()
+                finally:  # the hooks come off whatever happens there (an interrupt in a
+                    # store): left on, every later saved tensor of this thread went on into
+                    # this pass, offloaded outside any ``with``, and they stayed on for good
+                    self._hooks.__exit__(*exc)
+                    self._hooks = self._pass = self._owner = None
                 self._warn_if_nothing_offloaded()
 
     def _warn_if_nothing_offloaded(self) -> None:
@@ -344,12 +348,13 @@ class ActivationOffloader:
         self._made = made
         final = None if self.tuner.checking else self.tuner.choice
         if final != self._released:
-            self._released = final
             if final == "compress":
                 self.pool.clear()
             elif final == "copy":
                 for store in self._paged.values():
                     store.release_idle()
+            # only once given back: a release that raised is tried again at the next pass
+            self._released = final
         if arm == "copy":
             for store in self._paged.values():
                 # settled: also the chunks the last compressed passes' tensors still held at
@@ -407,7 +412,15 @@ class ActivationOffloader:
     def _timed_pack(self, t: torch.Tensor):
         t0 = time.perf_counter()
         try:
-            return self._pack(t)
+            out = self._pack(t)
+            # a tensor kept as it is goes back detached (autograd puts its grad_fn back at
+            # unpack): a node's output it saves holds that node through its grad_fn, a cycle
+            # through C++ that no collector sees, so a graph dropped without a backward (a
+            # forward that raised, an evaluation under grad) was never freed, nor the
+            # storages and host copies of everything it had saved (torch's saved-tensor
+            # hooks docs ask for ``detach`` there). A leaf (a parameter, an input) has no
+            # grad_fn: kept as it is, no cost
+            return t.detach() if out is t and not t.is_leaf else out
         finally:  # no lock: packs run on the one thread inside the ``with`` (see __enter__)
             self._host_s["pack"] += time.perf_counter() - t0
 
@@ -603,7 +616,7 @@ class ActivationOffloader:
             except Exception as exc:  # noqa: BLE001 - kept on the GPU instead
                 entry.error = entry.error or exc.with_traceback(None)
         if entry.failed():
-            self.counters["offload_failed"] += 1
+            self.counters["offload_failed"] += entry.members  # saved storages, as elsewhere
             self._failed.add(entry)
         else:
             if keep_served and entry.served and entry.restored is None:
@@ -749,12 +762,15 @@ class ActivationOffloader:
         store that were put off, by the reason (``PagedStore.refusal``: the arena's room,
         the link's backlog, or the GPU behind the host with the next payload).
         ``entries`` and ``stash`` count stored entries, a batch once."""
-        out = dict(self.counters)
+        with self._lock:
+            # the counters after pending()'s poll, in one snapshot: a store found failed there
+            # (``_release``) was in ``failed`` and not yet in ``offload_failed``
+            pending = self.pending()
+            out = dict(self.counters)
+            out["host_s"] = dict(self._host_s)
         for key in ("packed", "offloaded_bytes"):  # read by every user: there from the start
             out.setdefault(key, 0)
-        with self._lock:
-            out["host_s"] = dict(self._host_s)
-        out.update(self.pending())
+        out.update(pending)
         out["peak_host_bytes"] = self._ledger.peak
         if self._last_error is not None:
             out["last_offload_error"] = self._last_error
