@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 import threading
+import warnings
 from typing import TYPE_CHECKING
 
 import pytest
@@ -142,6 +143,15 @@ def _seed(request) -> int:
     s = int(env) if env else int.from_bytes(os.urandom(4), "little")
     print(f"seed={s} (replay: PAGECOMP_SEED={s} pytest {shlex.quote(request.node.nodeid)})")
     return s
+
+
+@pytest.fixture
+def quiet():
+    """Warnings off (the offload hooks' "nothing offloaded" warning of tiny passes); a module
+    takes it with ``pytestmark = pytest.mark.usefixtures("quiet")``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 @pytest.fixture(autouse=True)

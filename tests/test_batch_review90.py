@@ -7,31 +7,24 @@ data."""
 from __future__ import annotations
 
 import gc
-import warnings
 import weakref
 
+import offload_cases
 import pytest
 import torch
+from offload_cases import MODES
 
-from torch_pagecomp.offload import ActivationOffloader, offload_activations
+from torch_pagecomp.offload import ActivationOffloader
 from torch_pagecomp.offload._entry import _Entry, _Pass
 from torch_pagecomp.offload._stores import CpuStore
 
-MODES = ("compressed", "uncompressed")
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "nothing offloaded" warnings of tiny passes
-        yield
+pytestmark = pytest.mark.usefixtures("quiet")
 
 
 def cpu_off(mode: str, **kw):
+    """:func:`offload_cases.cpu_off` keeping tensors under 4 KiB (``forward``'s ``exp``)."""
     kw.setdefault("min_offload_bytes", 4096)
-    kw.setdefault("group_bytes", None)  # a group per next_group()
-    return offload_activations(mode=mode, offload_cpu=True, prefer="memory", min_ratio=0.0,
-                               **kw)
+    return offload_cases.cpu_off(mode, **kw)
 
 
 def forward(w: torch.Tensor, x: torch.Tensor, off=None, blocks: int = 4):

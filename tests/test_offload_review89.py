@@ -5,12 +5,12 @@ against the same step without offload."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from torch_pagecomp.offload import offload_activations
+
+pytestmark = pytest.mark.usefixtures("quiet")
 
 MODES = ("compressed", "uncompressed")
 
@@ -19,13 +19,6 @@ def cpu_off(mode: str = "uncompressed", **kw):
     kw.setdefault("min_offload_bytes", 0)
     kw.setdefault("group_bytes", 1 << 14)
     return offload_activations(mode=mode, offload_cpu=True, **kw)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "nothing offloaded" warnings of tiny passes
-        yield
 
 
 # ------------------------------------------------------------------ in-place after the save

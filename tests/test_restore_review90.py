@@ -6,29 +6,14 @@ same step without offload, on fresh random data."""
 from __future__ import annotations
 
 import collections
-import warnings
 
 import pytest
 import torch
+from offload_cases import MODES, cpu_off
 
-from torch_pagecomp.offload import offload_activations
 from torch_pagecomp.offload._stores import CpuStore
 
-MODES = ("compressed", "uncompressed")
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "nothing offloaded" warnings of tiny passes
-        yield
-
-
-def cpu_off(mode: str, **kw):
-    kw.setdefault("min_offload_bytes", 0)
-    kw.setdefault("group_bytes", None)  # a group per next_group()
-    return offload_activations(mode=mode, offload_cpu=True, prefer="memory", min_ratio=0.0,
-                               **kw)
+pytestmark = pytest.mark.usefixtures("quiet")
 
 
 def chain(w: torch.Tensor, x: torch.Tensor, off=None, blocks: int = 5):
