@@ -146,6 +146,29 @@ def _seed(request) -> int:
 
 
 @pytest.fixture
+def hold_issuer():
+    """``hold(pc) -> gate``: ``PageCompressor`` ``pc``'s issuer stores nothing (its CPU
+    compress waits) until the returned ``threading.Event`` is set; every gate is set at the
+    test's end."""
+    gates = []
+
+    def hold(pc) -> threading.Event:
+        gate, issue = threading.Event(), pc.pipeline._cpu_compress
+        gates.append(gate)
+
+        def held(job):
+            gate.wait(30)
+            issue(job)
+
+        pc.pipeline._cpu_compress = held
+        return gate
+
+    yield hold
+    for gate in gates:
+        gate.set()
+
+
+@pytest.fixture
 def quiet():
     """Warnings off (the offload hooks' "nothing offloaded" warning of tiny passes); a module
     takes it with ``pytestmark = pytest.mark.usefixtures("quiet")``."""

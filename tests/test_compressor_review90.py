@@ -8,8 +8,6 @@ fixture of ``conftest.py``).
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -22,20 +20,13 @@ def _ints(gen: torch.Generator, n: int, lo: int = 0, hi: int = 3) -> torch.Tenso
 
 
 @pytest.mark.usefixtures("through_the_workers")
-def test_a_handle_stored_while_close_joins_the_workers_restores(gen):
+def test_a_handle_stored_while_close_joins_the_workers_restores(gen, hold_issuer):
     """``wait()`` polls the pipeline while the batches are pending. When the last batch
     finished after a poll's wait timed out and ``close()`` (another thread) joined the
     workers before its check, the check saw a closed pipeline without threads and raised
     "closed before the offload finished": the stored tensor's restore failed, as if lost."""
     pc = PageCompressor(device="cpu", batch_pages=4)
-    gate = threading.Event()
-    issue = pc.pipeline._cpu_compress
-
-    def held(job):  # the issuer stores nothing until the gate opens
-        gate.wait(30)
-        issue(job)
-
-    pc.pipeline._cpu_compress = held
+    gate = hold_issuer(pc)  # the issuer stores nothing until the gate opens
     check_alive = pc.pipeline.check_alive
     seen = []
 

@@ -54,19 +54,12 @@ def test_a_small_store_handle_restores_through_another_compressor(direct, gen):
     assert torch.equal(a.restore(hb).view(torch.int16), y.view(torch.int16))
 
 
-def test_compressed_of_a_handle_freed_meanwhile_by_another_thread_raises(gen):
+def test_compressed_of_a_handle_freed_meanwhile_by_another_thread_raises(gen, hold_issuer):
     """``compressed()`` waits for a pending handle; freed by another thread meanwhile, its
     blocks went back as its batches ended, and the waiter returned an empty or partial
     container (a lie) where it now raises. (A free while it copies: the next test.)"""
     pc = PageCompressor(device="cpu")
-    gate = threading.Event()
-    issue = pc.pipeline._cpu_compress
-
-    def held(job):  # the issuer stores nothing until the gate opens
-        gate.wait(30)
-        issue(job)
-
-    pc.pipeline._cpu_compress = held
+    gate = hold_issuer(pc)  # the issuer stores nothing until the gate opens
     try:
         x = torch.randint(0, 4, (INLINE_HOST_BYTES + 4096,), dtype=torch.uint8, generator=gen)
         h = pc.offload(x)  # through the workers: pending until the gate opens

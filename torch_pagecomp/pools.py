@@ -151,6 +151,18 @@ class HostBlock:
     tensor: torch.Tensor | None
     freed: bool = field(default=False, repr=False)
 
+    def check_live(self) -> None:
+        """Raise for a block given back already (:attr:`freed`)."""
+        if self.freed:
+            raise RuntimeError(f"host pool: a block ({self.size} bytes at {self.offset}) is "
+                               "given back while free (a block freed twice)")
+
+    def give_back(self) -> None:
+        """Return the block's bytes to its chunk, once (a second give-back raises)."""
+        self.check_live()
+        self.chunk.give_back(self.offset, self.size)
+        self.freed = True
+
     @property
     def addr(self) -> int:
         """The block's host address."""
@@ -211,13 +223,6 @@ class _Chunk:
         self.largest = max(self.largest, free[i][1])
 
 
-def _check_live(block: HostBlock) -> None:
-    """Raise for a block given back already (``HostBlock.freed``)."""
-    if block.freed:
-        raise RuntimeError(f"host pool: a block ({block.size} bytes at {block.offset}) is given "
-                           "back while free (a block freed twice)")
-
-
 class HostArena:
     """Exact-size host storage for compressed batches, in reusable (pinned) chunks.
 
@@ -267,9 +272,7 @@ class HostArena:
     def free(self, block: HostBlock) -> None:
         with self._lock:
             chunk = block.chunk
-            _check_live(block)
-            chunk.give_back(block.offset, block.size)  # (raises for a block freed twice)
-            block.freed = True
+            block.give_back()  # (raises for a block freed twice)
             self.frees += 1
             self.used_bytes -= block.size
             if chunk.used == 0 and self.keep_free_chunks is not None:
@@ -283,7 +286,7 @@ class HostArena:
         nbytes = byte_count(nbytes, "HostArena.shrink")
         size = round_up(max(nbytes, 1), ALIGN)
         with self._lock:
-            _check_live(block)  # (its end may be another block's by now)
+            block.check_live()  # (its end may be another block's by now)
             if size >= block.size:
                 return
             block.chunk.give_back(block.offset + size, block.size - size)

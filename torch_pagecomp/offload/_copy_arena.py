@@ -52,7 +52,6 @@ from ..pools import (
     SHRINK_STEPS,
     HostBlock,
     HostMemory,
-    _check_live,
     _Chunk,
     byte_count,
     round_up,
@@ -135,10 +134,8 @@ class PinnedCopyArena:
                     # storage that never fits, every step unpinned them, each unpin waiting
                     # for the whole GPU, and the next blocks pinned them again)
                     return None
-                self._drop_idle(least - room)
+                self._drop_idle(least - room)  # (enough: the idle chunks hold it)
                 room = self.max_bytes - self.held_bytes
-                if room < least:
-                    return None
             want = max(least, min(want, room // HOST_PAGE * HOST_PAGE))
         chunk = _CopyChunk(HostMemory(want, self.pin))
         self.held_bytes += chunk.mem.held_bytes
@@ -160,13 +157,12 @@ class PinnedCopyArena:
 
     def put(self, block: CopyBlock) -> None:
         chunk = block.chunk
-        _check_live(block)  # (its bytes may be another block's by now)
+        block.check_live()  # (its bytes may be another block's by now)
         event = block.last_use
         if event is not None and not event.query():  # the GPU may still read or write it
             chunk.waits.append(event)
         block.last_use = None
-        chunk.give_back(block.offset, block.size)
-        block.freed = True
+        block.give_back()
         self.in_use_bytes -= block.size
         chunk.used_at = self._step  # (held until now)
 

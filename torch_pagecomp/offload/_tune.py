@@ -276,10 +276,10 @@ class StepTuner:
             # pass and never timed, the trials waited for it for good (compressing every
             # pass, whichever way was faster); counted as settled, evaluation batches
             # brought the next retune closer
-            handed, gen = self._open[5], self._open[2]
+            _, _, gen, _, settled, handed = self._open
             if handed is not None and gen == self._gen:
                 self._schedule.insert(0, handed)
-            elif self._open[4]:
+            elif settled:
                 self._settled -= 1
         elif self._open is not None:
             start, arm, gen, trial, settled, _ = self._open
