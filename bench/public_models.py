@@ -25,7 +25,7 @@ other people's code, with nothing of ours in their forward:
   tensors) and DenseNet-121's dense layers (each concatenates every earlier feature map of
   its block and normalises the concatenation: saved tensors that grow through a block).
   Dropout and stochastic depth are off in every torchvision model (a random path each step).
-* Second sizes (session 91): ``qwen2-896`` (Qwen2-0.5B's width, 12 layers, batch 8 x 2048),
+* Second sizes (session 91): ``qwen2-896`` (Qwen2-0.5B's width, 12 layers, batch 4 x 2048),
   ``mixtral-2048`` (6 layers, batch 4 x 2048), ``t5-768`` (T5 v1.1-base's width, 12 layers,
   batch 16 x 512), ``tv-efficientnet-b0-128`` (batch 128).
 

@@ -102,7 +102,7 @@ MODELS = {
     # added in session 91, second sizes of families never tuned on: Qwen2-0.5B's width at 12
     # layers, a wider Mixtral-style model, T5 v1.1-base's encoder width, EfficientNet-B0 at
     # twice the batch
-    "qwen2-896": ("hf-qwen2", 896, 12, 8, 2048),
+    "qwen2-896": ("hf-qwen2", 896, 12, 4, 2048),
     "mixtral-2048": ("hf-mixtral", 2048, 6, 4, 2048),
     "t5-768": ("hf-t5", 768, 12, 16, 512),
     "tv-efficientnet-b0-128": ("tv-efficientnet", 0, 0, 128, 224),
