@@ -447,6 +447,12 @@ class PageCompressor(torch.nn.Module):
             got = self._small_tensor.restore(handle, out)
             if got is not None:
                 return got
+        return self._restore(handle, device, out, check)
+
+    def _restore(self, handle: OffloadHandle, device, out: torch.Tensor | None, check: bool,
+                 count: bool = True) -> torch.Tensor:
+        """:meth:`restore` past the small-tensor path; ``count=False``: not counted in
+        ``counts`` (a restore that goes through host memory, counted by its caller)."""
         if not isinstance(handle, OffloadHandle):
             raise PageCompError(f"restore takes an OffloadHandle, got {type(handle).__name__}")
         if not handle._free.alive:
@@ -490,7 +496,8 @@ class PageCompressor(torch.nn.Module):
         else:
             target = self.device if device is None else device
             out = torch.empty(handle.shape, dtype=handle.dtype, device=target)
-        self._count(restores=1, bytes_restored=handle.nbytes)
+        if count:
+            self._count(restores=1, bytes_restored=handle.nbytes)
         if handle.nbytes == 0:
             return out
         dst = _bytes_of(out)
@@ -527,7 +534,9 @@ class PageCompressor(torch.nn.Module):
                     status = _checked(status, dst, handle)
                 raise_for_status(status)
         else:
-            host = self.restore(handle, device="cpu")
+            # decoded into host memory, then copied up: one restore, counted above (the
+            # nested call counted it a second time)
+            host = self._restore(handle, torch.device("cpu"), None, False, count=False)
             out.copy_(host)
         return out
 
