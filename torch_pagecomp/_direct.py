@@ -89,7 +89,7 @@ class DirectStorage:
 
     def compressed(self, page_size: int) -> fmt.CompressedPages:
         """The pages as one packed CPU ``CompressedPages`` (copied out of the arena; a partial
-        last page becomes a RAW page, zero-padded)."""
+        last page becomes a RAW page, zero-padded). Raises ``PageCompError`` once freed."""
         return self.path.compressed(self.stored)
 
 
@@ -127,9 +127,14 @@ class SmallStorage(DirectStorage):
 
     def compressed(self, page_size: int) -> fmt.CompressedPages:
         """The pages as one packed CPU ``CompressedPages`` (a partial last page becomes a
-        RAW page, zero-padded)."""
+        RAW page, zero-padded). Raises ``PageCompError`` once freed.
+
+        Read under the path's lock, as :meth:`DirectPath.compressed` reads (see there): the
+        small store copies every part of the block before it returns."""
         self.wait()
         with self.path._lock:
+            self.path._drain()
+            self.path._check_readable(self.stored)
             return self.path.small.compressed(self.stored)
 
 
@@ -278,9 +283,9 @@ class DirectPath:
     def _check_readable(self, stored) -> None:
         """Raise where ``stored``'s host bytes are gone (the lock held, after the drain): its
         handle freed by another thread since the caller checked it (the drain gave its block
-        back: a decode queued now could read memory a new offload rewrites), or every chunk
-        unpinned at interpreter exit (:meth:`close`; a decode would read host memory the GPU
-        may no longer address)."""
+        back: a decode queued now, or a copy made now, could read memory a new offload
+        rewrites), or every chunk unpinned at interpreter exit (:meth:`close`; a decode would
+        read host memory the GPU may no longer address)."""
         if self.closed:
             raise fmt.PageCompError("this PageCompressor's host memory was released at "
                                     "interpreter exit: its handles are not restorable")
@@ -310,20 +315,31 @@ class DirectPath:
                 self.store.arena.settle()  # (their bytes in host memory)
 
     def compressed(self, stored: PagedStored) -> fmt.CompressedPages:
-        """``stored`` as one packed CPU ``CompressedPages`` (see ``DirectStorage``)."""
+        """``stored`` as one packed CPU ``CompressedPages`` (see ``DirectStorage``). Raises
+        ``PageCompError`` where its handle was freed (or the host memory released at exit)
+        before the read.
+
+        The path's lock is the read's hold on the slices: a free meanwhile (another thread)
+        stays in the sink, and its chunks go back at the next call's drain, after the read.
+        So every byte is copied under the lock: a placed slice's sizes and kinds are views of
+        the arena's host memory (raw addresses, which keep no chunk alive), and concatenated
+        after the lock they were read once a free could have given their chunk to another
+        offload, or unmapped it (a compressor closed: a crash)."""
         self.wait_placed(stored)
         p = self.page_size
         payloads, sizes, kinds = [], [], []
         with self._lock:
+            self._drain()  # (a free left in the sink: refused below, as a restore refuses)
+            self._check_readable(stored)
             for sl in stored.slices:
                 if sl.base < 0:
                     raise SliceNotStored(sl.n)
                 # the slice's pages lie 16-byte aligned in the arena: gather them back to back
                 blob = torch.cat([v for _, v in self.store.arena.pieces(sl.base, sl.total)])
-                size = sl.sizes.cpu()
+                size = sl.sizes.to("cpu", copy=True)
                 payloads.append(gather_pages(blob, sl.rel.cpu(), size))
                 sizes.append(size)
-                kinds.append(sl.kinds.cpu())
+                kinds.append(sl.kinds.to("cpu", copy=True))
             if stored.tail is not None:  # a RAW page, zero-padded
                 page = torch.zeros(p, dtype=torch.uint8)
                 page[:stored.tail.numel()] = stored.tail

@@ -127,8 +127,9 @@ class OffloadHandle:
             raise PageCompError("this handle was freed")
         self.wait()
         pages = self._storage.compressed(self.page_size)
-        # freed by another thread meanwhile: the kernel-only store's blocks are read without
-        # a hold on them, and one given back may hold a new offload's bytes already
+        # freed by another thread while the store read: each store reads under a hold (the
+        # ring's readers, the kernel-only store's lock), so ``pages`` were copied before the
+        # blocks went back; but a freed handle's pages are not handed out
         if not self._free.alive:
             raise PageCompError("this handle was freed")
         return pages
