@@ -12,7 +12,8 @@ once and only the latest group's were kept in place: the same GPU memory when th
 starts, with a round trip for the group before it and a store for both. Held storages count
 against ``max_in_flight_bytes`` and ``max_in_flight_tensors`` as unfinished offloads do: past
 either the oldest are stored. A held storage whose saved tensors autograd frees (an
-intermediate of the forward, a graph dropped without a backward) is never stored. Held ones
+intermediate of the forward, a graph dropped without a backward) is never stored, and a batch
+whose members are all freed stops counting against the bounds (:meth:`Batcher.prune`). Held ones
 are stored when a new pass starts, at :meth:`~._hooks.ActivationOffloader.synchronize`, and at
 the end of a backward that left them alive (a retained graph). With ``prefetch=0`` nothing is
 held: each group is stored at its end.
@@ -106,13 +107,14 @@ class Batch:
     member's saved tensor holds, reached through a weak reference: a batch whose saved tensors
     are all freed is not stored). ``key``: ``(device, compute stream, float format, element
     size)``, what the members share. ``alone``: ``(codec, class)`` of a storage stored alone
-    (``codec`` None: a plain copy), else None."""
+    (``codec`` None: a plain copy), else None. ``freed``: called with the weak reference when
+    the entry is freed (any thread, any moment)."""
 
     __slots__ = ("key", "ref", "nbytes", "members", "alone", "group", "deferred",
                  "held_below_peak")
 
-    def __init__(self, key: tuple, entry: _Entry, alone: tuple | None = None):
-        self.key, self.ref, self.alone = key, weakref.ref(entry), alone
+    def __init__(self, key: tuple, entry: _Entry, alone: tuple | None = None, freed=None):
+        self.key, self.ref, self.alone = key, weakref.ref(entry, freed), alone
         self.group = (weakref.ref(entry.pass_), entry.group)
         self.nbytes = self.members = 0
         # flags named as the offloader's counters of the members they mark (each counted once)
@@ -170,6 +172,10 @@ class Batcher:
         self.due: tuple | None = None  # (pass, group): batches before it are due a store
         self.behind = False  # a due batch waits for the link (tried again at the next add)
         self.last_group_bytes = 0  # the saved bytes of the group that ended last
+        # weak references to the entries of batches not stored that were freed since the last
+        # :meth:`prune` (their callback appends: a bound ``list.append`` keeps no cycle through
+        # the batcher, and is safe on whatever thread autograd frees them)
+        self._freed: list[weakref.ref] = []
 
     @property
     def window(self) -> int:
@@ -192,8 +198,8 @@ class Batcher:
         with ``alone`` (``(codec, class)``) as a batch of its own. Returns ``(the batch's
         entry, src's byte offset in it)``. A full batch is closed first; then the oldest
         batches are stored while the GPU bytes held pass ``max_in_flight_bytes`` or the saved
-        tensors ``max_in_flight_tensors`` (torchtune's ``max_fwd_stash_size``; the stash counts
-        a batch's members, not one)."""
+        tensors ``max_in_flight_tensors`` (torchtune's ``max_fwd_stash_size``; held and
+        stashed in one count, a batch's members each, ``_hooks.ActivationOffloader._bound``)."""
         off = self._owner()
         dev = src.device
         stream = current_stream(dev) if dev.type == "cuda" else None
@@ -211,7 +217,7 @@ class Batcher:
                 entry.member_refs = {}
             # in its group now: the group is not empty, so the next one starts a new group
             ps.groups[entry.group].append(weakref.ref(entry))
-            batch = Batch(key, entry, alone)
+            batch = Batch(key, entry, alone, self._freed.append)
             if alone is None:
                 self.open[key] = batch
             else:
@@ -233,6 +239,17 @@ class Batcher:
         dropped at its store)."""
         batches = (*self.held, *self.open.values())
         return sum(b.members for b in batches if b.ref() is not None)
+
+    def prune(self) -> None:
+        """Take the batches whose saved tensors were all freed since the last prune off the
+        books: their storages went with their entry, yet their members and bytes still counted
+        against the in-flight bounds, which stored live batches and waited for the stash in
+        their place until they were due. One check unless an entry was freed."""
+        if not self._freed:
+            return
+        self._freed.clear()  # before the scan: an entry freed during it is seen next time
+        for batch in [b for b in (*self.held, *self.open.values()) if b.ref() is None]:
+            self.flush(batch)  # (of a freed batch: only off the books)
 
     def flush_oldest(self) -> None:
         """Store the oldest batch not stored (the in-flight bounds' last resort)."""

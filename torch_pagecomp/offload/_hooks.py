@@ -111,8 +111,10 @@ class ActivationOffloader:
             (with the compressors' scratch); past it the oldest held are stored and the
             compute stream waits until the oldest has been read (copied, or compressed), a
             GPU-side wait.
-        max_in_flight_tensors: the same bound as a count of saved tensors whose offload is
-            unfinished, those held or waiting in a batch included (None: none).
+        max_in_flight_tensors: the same bound as one count of saved tensors whose offload is
+            unfinished: those in the stash and those held (waiting in a batch included)
+            together; held ones are also stored once they alone reach it, so that no batch,
+            stored as one entry, holds more (None: none).
         group_bytes: a new prefetch group starts once a group holds this many bytes (None: only
             at :meth:`next_group`).
         min_ratio, sample_tensors: a ``(dtype, shape)`` class stays compressed only if its first
@@ -570,23 +572,35 @@ class ActivationOffloader:
 
     def _bound(self) -> None:
         """Keep the GPU bytes of unfinished offloads and held storages (``_batch``) within
-        ``max_in_flight_bytes``, the oldest first: a stashed storage is older than a held
-        one, so the compute stream waits for it to be read (a GPU-side wait; the newest is
-        kept, as waiting for the copy just queued would end the overlap), then the oldest held
-        one is stored. ``max_in_flight_tensors`` bounds the stash's saved tensors, and those
-        held (stored once they reach it)."""
+        ``max_in_flight_bytes``, and their saved tensors, the stash's and the held ones' in
+        one count, within ``max_in_flight_tensors``, the oldest first: a stashed storage is
+        older than a held one, so the compute stream waits for it to be read (a GPU-side
+        wait; the newest is kept, as waiting for the copy just queued would end the overlap),
+        then the oldest held one is stored (on a GPU into the stash, where the next turn waits
+        for what is older). Held storages are also stored once they alone reach
+        ``max_in_flight_tensors``: the next one may join their batch, which stored as one
+        entry, the newest (never waited for), would pass the bound by itself. So on return
+        both bounds hold, unless nothing is held and the stash's one entry passes one alone
+        (a storage larger than ``max_in_flight_bytes``). Batches whose saved tensors were all
+        freed are taken off the books first (``Batcher.prune``): their storages are gone."""
         if self._bounding:  # a store below tracks its entry: bounded by this loop
             return
         self._bounding = True
         try:
             held, most, limit = self._batcher, self.max_in_flight_tensors, self._in_flight_limit()
+            held.prune()
+            # each turn drops a stashed entry or stores a held batch (adding at most one
+            # entry to the stash): it ends
             while True:
                 over = self._stash_bytes + held.nbytes > limit
-                if len(self._stash) > 1 and (
-                        over or most is not None and self._stash_tensors > most):
+                many = full = False
+                if most is not None:  # (a held batch stored moves its count to the stash)
+                    many = self._stash_tensors + held.members > most
+                    full = held.members >= most
+                if len(self._stash) > 1 and (over or many):
                     self.counters["in_flight_waits"] += 1
                     self._release(self._stash_victim(), wait=True)
-                elif held.members and (over or most is not None and held.members >= most):
+                elif held.members and (over or many or full):
                     held.flush_oldest()
                 else:
                     break
