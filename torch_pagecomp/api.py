@@ -110,7 +110,8 @@ def compress(
     float_format = _exp_format(codec, element_size)
     lz4_es = 1 if element_size is None else element_size
     if float_format is None:
-        fmt.check_element_size(lz4_es)
+        # as an int: a numpy uint8(2) overflowed the kernels' sizes (64 * element_size)
+        lz4_es = fmt.check_element_size(lz4_es)
         run = (torch.ops.pagecomp.compress, compress_eager, _COMPRESS_LZ4, lz4_es)
     else:
         run = (torch.ops.pagecomp.compress_exp, compress_exp_eager, _compress_exp_kernel,

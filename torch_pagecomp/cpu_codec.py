@@ -146,15 +146,20 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _get_pool(workers: int) -> ThreadPoolExecutor:
+def _submit(fn, count: int) -> list:
+    """``count`` calls of ``fn`` submitted to the shared pool (grown to ``count`` workers
+    first): their futures. Submitted under the pool's lock: another thread's larger batch (which
+    grows the pool, shutting the old one down) or :func:`shutdown_pool` between getting the pool
+    and submitting to it made this batch fail with "cannot schedule new futures after
+    shutdown". (A replaced pool still runs what it was given.)"""
     global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool_size < workers:
+        if _pool is None or _pool_size < count:
             if _pool is not None:
                 _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(workers, thread_name_prefix="pagecomp-cpu")
-            _pool_size = workers
-        return _pool
+            _pool = ThreadPoolExecutor(count, thread_name_prefix="pagecomp-cpu")
+            _pool_size = count
+        return [_pool.submit(fn) for _ in range(count)]
 
 
 def _after_fork_in_child() -> None:
@@ -226,8 +231,7 @@ def _run_ranges(fn, n: int, page_size: int, c_loop=None) -> None:
     if threads <= 1:
         worker()
         return
-    pool = _get_pool(threads - 1)
-    futures = [pool.submit(worker) for _ in range(threads - 1)]
+    futures = _submit(worker, threads - 1)
     try:
         worker()
     finally:
@@ -293,7 +297,7 @@ def fill_rows(pages: np.ndarray) -> np.ndarray:
 def compress_cpu(pages: torch.Tensor, element_size: int = 1, out: tuple | None = None):
     """``uint8 [N, P]`` (CPU) -> fixed-stride ``(payload [N, P], sizes int32 [N], kinds [N])``,
     written into ``out`` (those three tensors, contiguous CPU ones) when given."""
-    fmt.check_element_size(element_size)
+    element_size = fmt.check_element_size(element_size)
     n, page_size = pages.shape
     # every row is written in the (threaded) ranges below, the bytes past a block zeroed there
     payload, sizes, kinds = out if out is not None else compressed_empty(n, page_size)

@@ -178,6 +178,14 @@ class CorruptPageError(RuntimeError):
             message = f"{len(pages)} corrupt page(s): {shown}{more}"
         super().__init__(message)
 
+    def __reduce__(self):
+        # pickle and copy rebuild an exception from ``args`` (the message alone), which this
+        # ``__init__`` does not take: a worker process that raised it broke its whole
+        # ProcessPoolExecutor (BrokenProcessPool) instead of naming the pages. (The state: any
+        # other attribute, such as notes added to it.)
+        return (type(self), (self.pages, self.reasons, self.args[0] if self.args else None),
+                self.__dict__)
+
 
 @dataclass(frozen=True)
 class CompressedPages:
@@ -283,11 +291,15 @@ def check_page_size(page_size: int) -> None:
         )
 
 
-def check_element_size(element_size: int) -> None:
+def check_element_size(element_size: int) -> int:
+    """Raise ``PageCompError`` unless ``element_size`` is an integer 1, 2 or 4; returns it as
+    a Python ``int``, for the code that computes with it: a numpy ``uint8(2)`` passes the check
+    but overflowed there (``4096 % (64 * element_size)``)."""
     # an int, not a float that equals one (2.0 failed later, deep in the CPU loops)
     if (isinstance(element_size, bool) or not isinstance(element_size, numbers.Integral)
             or element_size not in ELEMENT_SIZES):
         raise PageCompError(f"element_size must be one of {ELEMENT_SIZES}, got {element_size!r}")
+    return int(element_size)
 
 
 def as_pages(data: torch.Tensor, page_size: int | None = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .format import check_element_size
+from .format import PageCompError, _desc, check_element_size
 
 try:  # the C loops (setup.py builds them where a C compiler is found; the shuffle on x86-64)
     from . import _native
@@ -65,13 +65,28 @@ def _transpose_rows(w: np.ndarray, tmp: np.ndarray) -> None:
         np.bitwise_xor(lo, t, out=lo)
 
 
-def _check_np(pages: np.ndarray, element_size: int) -> np.ndarray:
-    check_element_size(element_size)
+def _check_np(pages: np.ndarray, element_size: int) -> tuple[np.ndarray, int]:
+    """``(pages as a C-contiguous array, element_size as an int)``, or ValueError."""
+    element_size = check_element_size(element_size)
     if pages.ndim != 2 or pages.dtype != np.uint8:
         raise ValueError(f"expected uint8 [N, P] pages, got {pages.dtype} {pages.shape}")
     if pages.shape[1] % (8 * element_size):
         raise ValueError(f"page size {pages.shape[1]} is not a multiple of {8 * element_size}")
-    return np.ascontiguousarray(pages)
+    return np.ascontiguousarray(pages), element_size
+
+
+def _check_torch(pages: torch.Tensor, element_size: int) -> int:
+    """``element_size`` as an int, or ``PageCompError`` unless ``pages`` is ``uint8 [N, P]``
+    with ``P`` a multiple of ``8 * element_size``: the torch transform of another dtype took
+    each element for one byte (an ``int32`` page lost all but its low bytes, silently)."""
+    element_size = check_element_size(element_size)
+    if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or pages.dim() != 2:
+        raise PageCompError(f"expected uint8 [N, P] pages (view other dtypes as bytes with "
+                            f"tensor.view(torch.uint8)), got {_desc(pages)}")
+    if pages.shape[1] % (8 * element_size):
+        raise PageCompError(f"page size {pages.shape[1]} is not a multiple of "
+                            f"{8 * element_size}")
+    return element_size
 
 
 def _native_shuffle(pages: np.ndarray, out: np.ndarray, element_size: int,
@@ -91,7 +106,7 @@ def bitshuffle_np(
     """Bit planes of each page: ``uint8 [N, P]`` -> ``uint8 [N, P]`` (``out`` if given,
     which must not overlap ``pages``). In C where the extension is built (x86-64), else numpy
     (:func:`_bitshuffle_numpy`): the same bytes."""
-    pages = _check_np(pages, element_size)
+    pages, element_size = _check_np(pages, element_size)
     out = np.empty_like(pages) if out is None else out
     if _native_shuffle(pages, out, element_size, inverse=False):
         return out
@@ -126,7 +141,7 @@ def bitunshuffle_np(
 ) -> np.ndarray:
     """Inverse of :func:`bitshuffle_np` (``out`` may be ``shuffled`` itself); in C where the
     extension is built, else numpy (:func:`_bitunshuffle_numpy`)."""
-    shuffled = _check_np(shuffled, element_size)
+    shuffled, element_size = _check_np(shuffled, element_size)
     out = np.empty_like(shuffled) if out is None else out
     if _native_shuffle(shuffled, out, element_size, inverse=True):
         return out
@@ -190,19 +205,19 @@ def _bitunshuffle_torch(shuffled: torch.Tensor, element_size: int) -> torch.Tens
 
 def bitshuffle(pages: torch.Tensor, element_size: int) -> torch.Tensor:
     """Bit planes of each page: ``uint8 [N, P]`` -> ``uint8 [N, P]`` (a new tensor)."""
-    check_element_size(element_size)
+    element_size = _check_torch(pages, element_size)
     if element_size == 1:
         return pages.clone()
-    if pages.device.type == "cpu" and pages.dtype == torch.uint8 and pages.dim() == 2:
+    if pages.device.type == "cpu":
         return torch.from_numpy(bitshuffle_np(pages.detach().numpy(), element_size))
     return _bitshuffle_torch(pages, element_size)
 
 
 def bitunshuffle(shuffled: torch.Tensor, element_size: int) -> torch.Tensor:
     """Inverse of :func:`bitshuffle`: ``uint8 [N, P]`` -> ``uint8 [N, P]`` (a new tensor)."""
-    check_element_size(element_size)
+    element_size = _check_torch(shuffled, element_size)
     if element_size == 1:
         return shuffled.clone()
-    if shuffled.device.type == "cpu" and shuffled.dtype == torch.uint8 and shuffled.dim() == 2:
+    if shuffled.device.type == "cpu":
         return torch.from_numpy(bitunshuffle_np(shuffled.detach().numpy(), element_size))
     return _bitunshuffle_torch(shuffled, element_size)
