@@ -49,6 +49,7 @@ Any other keyword goes to :class:`~torch_pagecomp.ActivationOffloader` (``mode``
 from __future__ import annotations
 
 import contextlib
+import numbers
 import warnings
 import weakref
 
@@ -57,7 +58,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .._args import check_int
 from ..offload import ActivationOffloader
-from ..offload._wrap import KeptRegions
+from ..offload._wrap import KeptRegions, _OnRemove
 
 __all__ = ["NoOpManager", "OffloadActivations", "get_act_offloading_ctx_manager"]
 
@@ -78,7 +79,7 @@ class OffloadActivations(ActivationOffloader):
             ``prefer="speed"``; ``offload_cpu=True`` also offloads CPU tensors).
 
     Raises:
-        ValueError: if ``max_fwd_stash_size`` is not at least 1 (as torchtune).
+        ValueError: if ``max_fwd_stash_size`` is not an int of at least 1 (as torchtune).
 
     Example::
 
@@ -96,9 +97,12 @@ class OffloadActivations(ActivationOffloader):
         min_offload_size: int = 1024,
         **settings,
     ) -> None:
-        if isinstance(max_fwd_stash_size, bool) or not isinstance(max_fwd_stash_size, int) or (
-            max_fwd_stash_size < 1
-        ):
+        if isinstance(max_fwd_stash_size, bool) or not isinstance(
+                max_fwd_stash_size, numbers.Integral):
+            # (a numpy int is one; 2.0 was refused as if it were below 1)
+            raise ValueError(
+                f"max_fwd_stash_size should be an int (at least 1) but is {max_fwd_stash_size!r}")
+        if max_fwd_stash_size < 1:
             raise ValueError(
                 f"max_fwd_stash_size should be at least 1 but is {max_fwd_stash_size!r}"
             )
@@ -221,7 +225,8 @@ def get_act_offloading_ctx_manager(
     ``NoOpManager``, here its forward runs under :func:`torch_pagecomp.keep_on_gpu`. In
     addition, every block of an ``nn.ModuleList`` in ``model`` starts a prefetch group at its
     forward, and ``model``'s parameters and buffers are never offloaded (as with
-    :func:`torch_pagecomp.offload_module`). ``ctx.remove()`` takes these hooks off (as does
+    :func:`torch_pagecomp.offload_module`). ``ctx.remove()`` takes these hooks off, and closes
+    the head's region a forward interrupted on the calling thread left open (as does
     collecting ``ctx``: the model does not keep it alive).
 
     The keyword arguments after ``enable_activation_offloading`` are TRL's
@@ -264,6 +269,11 @@ def get_act_offloading_ctx_manager(
     for block in (b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m):
         if block is not head:
             ctx._handles.append(block.register_forward_pre_hook(start_group))
+    # last: when the hooks come off (``remove()``, or the collection below), a head region an
+    # interrupted forward outside the ctx left open on this thread is closed. Left open, no
+    # later pass of this ctx would close it, and every tensor any offloader saw on the thread
+    # stayed in place for good (a recipe's next ctx has regions of its own)
+    ctx._handles.append(_OnRemove(ctx._head_regions.close_left_open))
     # a ctx dropped without remove() takes its hooks off the model when it is collected
     weakref.finalize(ctx, _remove_handles, ctx._handles).atexit = False
     return ctx

@@ -26,10 +26,21 @@ def offload_module(
     the children of every ``nn.ModuleList`` inside ``module``) starts a prefetch group at its
     forward. Tensors saved inside the forwards of ``keep`` (e.g. the last blocks, whose
     activations backward needs first) stay on the GPU. ``offloader.remove()`` takes the
-    hooks off.
+    hooks off, and ends the pass and ``keep`` regions a forward interrupted on the calling
+    thread left open (see :class:`KeptRegions`).
+
+    Raises:
+        ValueError: ``module`` is not a module that is called: a container without a forward
+            (``nn.ModuleList``, ``nn.ModuleDict``) never runs its hooks, so nothing would be
+            offloaded; pass the module that calls it (its children are the default blocks).
     """
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"offload_module takes a torch.nn.Module, got {type(module).__name__}")
+    if getattr(module.forward, "__func__", None) is torch.nn.Module.forward:
+        # its hooks would never run: every forward offloaded nothing, without a word
+        raise ValueError(
+            f"offload_module takes the module that is called; {type(module).__name__} has no "
+            "forward (pass the model that calls it: its ModuleLists' children are the blocks)")
     if offloader is not None:
         if not isinstance(offloader, ActivationOffloader):
             raise ValueError(
@@ -50,6 +61,14 @@ def offload_module(
     local = threading.local()
     kept = KeptRegions()
 
+    def close_left_open():
+        """End this thread's passes that forwards of ``module`` entered and never left, and
+        close the ``keep`` regions they left open: called where none is under way."""
+        for _ in range(getattr(local, "entered", 0)):
+            off.__exit__(None, None, None)
+        local.entered = 0
+        kept.close_left_open()
+
     def enter(mod, args):
         if _in_backward():
             return
@@ -58,10 +77,7 @@ def offload_module(
             # its forward hook (interrupted: see :class:`KeptRegions`): that pass would never
             # end again (its held storages never stored, its groups growing every step), and
             # a ``keep`` region it left open would keep every later saved tensor in place
-            for _ in range(local.entered):
-                off.__exit__(None, None, None)
-            local.entered = 0
-            kept.close_left_open()
+            close_left_open()
         off.__enter__()
         local.entered = getattr(local, "entered", 0) + 1
 
@@ -76,7 +92,23 @@ def offload_module(
         off._handles.append(b.register_forward_pre_hook(lambda m, a: off.next_group()))
     for k in keep:
         kept.add(k, off._handles)
+    # last, once the hooks are off: ``remove()`` after an interrupted forward left the pass
+    # entered, its saved-tensor hooks on the thread (every later saved tensor went on into it,
+    # and torch's hook stack kept the offloader alive for good) and its ``keep`` regions open
+    off._handles.append(_OnRemove(close_left_open))
     return off
+
+
+class _OnRemove:
+    """A handle in ``ActivationOffloader._handles`` whose ``remove()`` (at ``remove()``, or
+    the collection of a torchtune ctx) calls ``fn``: there, no forward of the hooked modules
+    is under way, so what is still open on the calling thread was left by an interrupt."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remove(self) -> None:
+        self._fn()
 
 
 class KeptRegions:
@@ -90,6 +122,13 @@ class KeptRegions:
 
     def __init__(self):
         self._local = threading.local()
+
+    def __deepcopy__(self, memo) -> KeptRegions:
+        # a model deep-copied with its hooks (``AveragedModel``, an EMA or reference copy)
+        # copies their bound methods' ``self``: a ``threading.local`` cannot be copied, so the
+        # copy raised. Shared, as the copy shares every other hook's closure (counts are per
+        # module, so the copy's forwards keep their own)
+        return self
 
     def _open(self) -> dict[int, int]:
         return self._local.__dict__.setdefault("open", {})

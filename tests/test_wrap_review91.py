@@ -1,0 +1,196 @@
+"""Review 91 of ``offload_module`` (``offload._wrap``) and the torchtune / TRL drop-ins: what an
+interrupted forward leaves behind once the hooks come off, models deep-copied with their
+hooks, and arguments that silently did nothing (CPU; gradients compared bit for bit)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.test_integrations import TinyDecoder, assert_identical, grads, lm_loss
+from tests.test_integrations_review import _Interrupt
+from torch_pagecomp.integrations.torchtune import (
+    OffloadActivations,
+    get_act_offloading_ctx_manager,
+)
+from torch_pagecomp.offload import offload_activations, offload_module
+from torch_pagecomp.offload._entry import _tls
+
+pytestmark = pytest.mark.usefixtures("quiet")
+
+
+@pytest.fixture
+def cleanup():
+    """Offloaders to take out of a pass left open, and this thread's keep_on_gpu depth put
+    back, after the test: a failing test must not leave saved-tensor hooks or a region on the
+    worker's thread for the tests after it."""
+    refs, depth = [], _tls.keep
+    yield lambda off: refs.append(weakref.ref(off))  # (weak: a test checks it is collected)
+    for ref in refs:
+        off = ref()
+        while off is not None and off._depth:
+            off.__exit__(None, None, None)
+    _tls.keep = depth
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 32, n: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d)) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x.square().mean()
+
+
+def _step(model, x) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _interrupt_once(module: nn.Module):
+    """Raise ``KeyboardInterrupt`` at ``module``'s next forward (a pre-hook after the
+    package's: torch runs no ``always_call`` hook after it)."""
+    def stop(mod, args):
+        handle.remove()
+        raise KeyboardInterrupt
+
+    handle = module.register_forward_pre_hook(stop)
+
+
+def test_remove_after_an_interrupted_forward_ends_its_pass(seed, cleanup):
+    """Ctrl-C inside a forward under ``offload_module`` left the offloader entered (its
+    saved-tensor hooks on the thread) and a ``keep`` region open; only the next forward of
+    the module closed them. ``remove()`` did not: every tensor saved on the thread later, with
+    the hooks long off, still went into that pass (never ended), torch's hook stack kept the
+    offloader alive for good, and the open region kept every other offloader's tensors in
+    place. Now ``remove()`` ends both."""
+    model, x = Net(), torch.randn(4, 9, 32)
+    ref = _step(model, x)
+    off = offload_module(model, keep=model.blocks[2:], offload_cpu=True, min_offload_bytes=0,
+                         group_bytes=None)
+    cleanup(off)
+    assert_identical(ref, _step(model, x))
+    _interrupt_once(model.blocks[2][1])  # inside the kept block
+    with pytest.raises(KeyboardInterrupt):
+        _step(model, x)
+    assert off._depth == 1 and _tls.keep == 1  # what the interrupt left
+    off.remove()
+    assert off._depth == 0 and off._hooks is None and _tls.keep == 0
+    packed = off.stats()["packed"]
+    assert_identical(ref, _step(model, x))  # the hooks off: nothing reaches the offloader
+    assert off.stats()["packed"] == packed
+
+    # another offloader on the thread offloads again (no region left open)
+    other = offload_activations(offload_cpu=True, min_offload_bytes=0, prefetch=0)
+    model.zero_grad(set_to_none=True)
+    with other:
+        loss = model(x)
+    loss.backward()
+    assert other.stats()["offloaded_bytes"] > 0 and "kept_region" not in other.stats()
+
+    # and nothing keeps the removed offloader alive
+    ref_off = weakref.ref(off)
+    del off
+    gc.collect()
+    assert ref_off() is None
+
+
+@pytest.mark.parametrize("how", ["remove", "collect"])
+def test_a_ctx_taken_off_closes_the_head_region_an_interrupt_left_open(seed, cleanup, how):
+    """Ctrl-C inside the head's forward outside the ctx (an evaluation) leaves the head's
+    keep_on_gpu region open on the thread; only a later pass of that ctx closed it. A ctx
+    removed, or dropped and collected (a recipe making a ctx per step, a re-run notebook
+    cell), never has one: the region stayed open for good, and every offloader on the thread
+    kept every tensor in place ("region"), a new ctx for the same model included. Taking the
+    hooks off now closes it."""
+    model = TinyDecoder()
+    model.output = _Interrupt(model.output)
+    loss = lm_loss(model, 2, 8)
+    ref = grads(model, loss)
+    ctx = get_act_offloading_ctx_manager(model, True, min_offload_size=0, offload_cpu=True)
+    model.output.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randint(0, 50, (2, 8)))
+    model.output.interrupt = False
+    assert _tls.keep == 1
+    if how == "remove":
+        ctx.remove()
+    else:
+        gone = weakref.ref(ctx)
+        del ctx
+        gc.collect()
+        assert gone() is None
+    assert _tls.keep == 0
+    fresh = get_act_offloading_ctx_manager(model, True, min_offload_size=0, offload_cpu=True)
+    assert_identical(ref, grads(model, loss, fresh))
+    st = fresh.stats()
+    # only the head's forward kept tensors: the rest was offloaded
+    assert st["offloaded_bytes"] > 0 and 0 < st["kept_region"] < st["packed"] - st["kept_param"]
+    fresh.remove()
+
+
+@pytest.mark.parametrize("hooks", ["ctx", "offload_module"])
+def test_a_model_with_the_hooks_can_be_deep_copied(seed, cleanup, hooks):
+    """``copy.deepcopy`` of a model whose head (``get_act_offloading_ctx_manager``) or
+    ``keep`` blocks (``offload_module``) carry the hooks raised ``TypeError: cannot pickle
+    '_thread._local' object``: an EMA copy, ``AveragedModel`` and TRL's reference model all
+    deep-copy the model. The copy shares the hooks, as torchtune's lambdas are shared: it
+    trains with the same gradients, its head's tensors kept, no region left open."""
+    model = TinyDecoder()
+    tokens = torch.randint(0, 50, (2, 8))
+    if hooks == "ctx":
+        ctx = get_act_offloading_ctx_manager(model, True, min_offload_size=0, offload_cpu=True)
+    else:
+        ctx = None
+        off = offload_module(model, keep=[model.output], offload_cpu=True,
+                             min_offload_bytes=0, group_bytes=None)
+        cleanup(off)
+    twin = copy.deepcopy(model)
+    avg = torch.optim.swa_utils.AveragedModel(model)
+    assert isinstance(avg.module, TinyDecoder)
+    ref = grads(twin, lambda: twin(tokens).square().mean())  # (hooks and all)
+    owner = ctx if ctx is not None else off
+    kept = owner.stats().get("kept_region", 0)
+    assert_identical(ref, grads(twin, lambda: twin(tokens).square().mean(), ctx))
+    assert owner.stats()["kept_region"] > kept and _tls.keep == 0
+    assert_identical(ref, grads(model, lambda: model(tokens).square().mean(), ctx))
+    assert _tls.keep == 0
+    owner.remove()
+
+
+@pytest.mark.parametrize("container", [
+    lambda: nn.ModuleList(nn.Linear(4, 4) for _ in range(2)),
+    lambda: nn.ModuleDict({"a": nn.Linear(4, 4)}),
+], ids=["ModuleList", "ModuleDict"])
+def test_offload_module_refuses_a_module_that_is_never_called(container):
+    """``offload_module(model.layers)`` (a ModuleList: no forward, never called) installed
+    hooks that never ran: every step offloaded nothing, with no error and no warning (the
+    warning comes at the end of a pass, and there was none). It now says what to pass."""
+    mods = container()
+    with pytest.raises(ValueError, match="has no forward"):
+        offload_module(mods, offload_cpu=True)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in mods.modules())
+
+
+def test_max_fwd_stash_size_is_an_int_of_at_least_one():
+    """A float was refused as if it were below 1 ("should be at least 1 but is 2.0"), a numpy
+    int (a value read from a config array) likewise; torchtune takes the latter."""
+    with pytest.raises(ValueError, match=r"should be an int \(at least 1\) but is 2.0"):
+        OffloadActivations(max_fwd_stash_size=2.0)
+    with pytest.raises(ValueError, match="should be at least 1 but is"):
+        OffloadActivations(max_fwd_stash_size=np.int64(0))
+    off = OffloadActivations(max_fwd_stash_size=np.int64(3))
+    assert off.max_in_flight_tensors == 3
+    with contextlib.suppress(Exception):
+        off.close()
