@@ -186,9 +186,8 @@ def test_offload_module_keep_blocks(seed):
                          min_offload_bytes=0, group_bytes=None, prefetch=0)
     assert_identical(ref, grads_of(model, x, sync=off))
     kept = off.stats()["kept_region"]
-    off2 = offload_module(GPT(d=32, heads=4, layers=3), keep=(), offload_cpu=True,
-                          min_offload_bytes=0, prefetch=0)
-    model2 = off2._keep_modules[0]
+    model2 = GPT(d=32, heads=4, layers=3)
+    off2 = offload_module(model2, keep=(), offload_cpu=True, min_offload_bytes=0, prefetch=0)
     grads_of(model2, x)
     st2 = off2.stats()
     assert kept > 0 and "kept_region" not in st2

@@ -194,3 +194,33 @@ def test_max_fwd_stash_size_is_an_int_of_at_least_one():
     assert off.max_in_flight_tensors == 3
     with contextlib.suppress(Exception):
         off.close()
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_an_offloader_kept_does_not_keep_its_models_alive(gen, second):
+    """The offloader held the modules whose tensors it keeps (``keep_tensors_of``) strongly:
+    kept by the user (or passed to ``offload_module`` for another model) without
+    ``remove()``, it kept every model it had hooked alive, GPU parameters and all. Now a model
+    dropped is collected, and the offloader goes on working for the next."""
+    x = torch.randn(4, 32, generator=gen)
+    model = Net()
+    off = offload_module(model, offload_cpu=True, min_offload_bytes=0, prefetch=0,
+                         mode="uncompressed")
+    model(x).square().sum().backward()
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+    if second:  # the same offloader for another model: its gradients bit-identical
+        other = Net()
+        want = [g.clone() for g in _grads(other, x)]
+        offload_module(other, offloader=off)
+        got = _grads(other, x)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert off.stats()["offloaded_bytes"] > 0
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    return [p.grad for p in model.parameters()]

@@ -81,12 +81,16 @@ class OffloadActivations(ActivationOffloader):
     Raises:
         ValueError: if ``max_fwd_stash_size`` is not an int of at least 1 (as torchtune).
 
-    Example::
+    Example (made once, entered every step: its page-locked buffers and ``prefer="speed"``'s
+    measurements live in the instance, so one made per step pinned host memory again and
+    never got past the tuner's warm-up)::
 
-        with OffloadActivations():
-            logits = model(inputs)
-        loss = ...
-        loss.backward()
+        offload = OffloadActivations()
+        for inputs in batches:
+            with offload:
+                logits = model(inputs)
+            loss = ...
+            loss.backward()
     """
 
     def __init__(

@@ -229,7 +229,9 @@ class ActivationOffloader:
         self._owner: int | None = None  # the thread inside the outermost ``with``
         self._hooks = None
         self._keep_ptrs: set[int] = set()
-        self._keep_modules: list[torch.nn.Module] = []
+        # weakly: an offloader kept (or reused for another model) without remove() kept every
+        # model it had hooked alive, their GPU parameters included
+        self._keep_modules: list[weakref.ref] = []
         self._handles: list = []
         self._ledger = HostLedger()  # stored bytes of live entries, and their peak
         self.counters = collections.Counter()
@@ -261,7 +263,8 @@ class ActivationOffloader:
                 self._last_pass = weakref.ref(self._pass)
                 self._keep_ptrs = {
                     ptr
-                    for m in self._keep_modules
+                    for ref in self._keep_modules
+                    if (m := ref()) is not None
                     for t in (*m.parameters(), *m.buffers())
                     if (ptr := _storage_ptr(t)) is not None
                 }
@@ -803,8 +806,9 @@ class ActivationOffloader:
         if not isinstance(module, torch.nn.Module):
             raise ValueError(f"keep_tensors_of takes a torch.nn.Module, got "
                              f"{type(module).__name__}")
-        if all(m is not module for m in self._keep_modules):
-            self._keep_modules.append(module)
+        self._keep_modules = [r for r in self._keep_modules if r() is not None]
+        if all(r() is not module for r in self._keep_modules):
+            self._keep_modules.append(weakref.ref(module))
 
     def remove(self) -> None:
         """Take off the module hooks installed by :func:`offload_module`."""
