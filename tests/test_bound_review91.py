@@ -33,12 +33,7 @@ def _gpu_like_stash(monkeypatch) -> None:
     def tracked(self, entry, src):
         track(self, entry, src)
         if entry.device.type == "cpu":
-            if src is not entry.parts:
-                entry.src = src
-            self._stash.append(entry)
-            self._stash_bytes += entry.nbytes
-            self._stash_tensors += entry.members
-            self._bound()
+            self._stash_add(entry, src)
 
     monkeypatch.setattr(ActivationOffloader, "_track", tracked)
     monkeypatch.setattr(CpuStored, "source_read", lambda self: getattr(self, "read", False),

@@ -564,14 +564,19 @@ class ActivationOffloader:
         (``_poll``; waiting for the oldest past ``max_in_flight_bytes``); its stored size in
         the ledger."""
         if entry.device.type == "cuda":
-            if src is not entry.parts:
-                entry.src = src
-            self._stash.append(entry)
-            self._stash_bytes += entry.nbytes
-            self._stash_tensors += entry.members
-            self._bound()
+            self._stash_add(entry, src)
         entry.host_rec = self._ledger.add(entry.stored, entry.nbytes)
         self._live.add(entry)
+
+    def _stash_add(self, entry: _Entry, src: torch.Tensor | list) -> None:
+        """Keep ``entry``'s source (``src``, or the parts it is stored from) in the stash until
+        its store has read it, then keep the in-flight bounds (:meth:`_bound`)."""
+        if src is not entry.parts:
+            entry.src = src
+        self._stash.append(entry)
+        self._stash_bytes += entry.nbytes
+        self._stash_tensors += entry.members
+        self._bound()
 
     def _bound(self) -> None:
         """Keep the GPU bytes of unfinished offloads and held storages (``_batch``) within
