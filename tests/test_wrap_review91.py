@@ -35,7 +35,7 @@ def cleanup():
     yield lambda off: refs.append(weakref.ref(off))  # (weak: a test checks it is collected)
     for ref in refs:
         off = ref()
-        while off is not None and off._depth:
+        while off is not None and off._depth > 0:  # (not below zero: no end)
             off.__exit__(None, None, None)
     _tls.keep = depth
 
@@ -224,3 +224,56 @@ def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     model(x).square().sum().backward()
     return [p.grad for p in model.parameters()]
+
+
+def test_an_offloader_dropped_with_its_model_goes_without_the_cyclic_collector(gen):
+    """``offload_module`` put a function holding the offloader into the offloader's own
+    handles (``remove()`` ends what an interrupt left open): a cycle, so an offloader and its
+    model dropped without ``remove()`` kept the offloader (its pinned pools and stores) until
+    the cyclic collector ran. Dropped now, both go at once."""
+    x = torch.randn(4, 32, generator=gen)
+    model = Net()
+    off = offload_module(model, offload_cpu=True, min_offload_bytes=0, prefetch=0,
+                         mode="uncompressed")
+    model(x).square().sum().backward()
+    assert off.stats()["offloaded_bytes"] > 0
+    refs = weakref.ref(model), weakref.ref(off)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del model, off
+        assert all(r() is None for r in refs), [r() is None for r in refs]
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_remove_whose_pass_end_raised_does_not_end_it_again(seed, cleanup):
+    """``remove()`` ends the pass an interrupted forward left open. Where that end raised (an
+    interrupt in a store, a warning made an error), the count of forwards entered was still
+    there, and the next ``remove()`` ended the pass a second time: the offloader's depth went
+    below zero, and every later ``with`` raised that it was inside a forward on another
+    thread."""
+    model, x = Net(), torch.randn(4, 9, 32)
+    ref = _step(model, x)
+    off = offload_module(model, offload_cpu=True, min_offload_bytes=0, group_bytes=None)
+    cleanup(off)
+    _interrupt_once(model.blocks[1][1])
+    with pytest.raises(KeyboardInterrupt):
+        _step(model, x)
+    assert off._depth == 1
+
+    def end_raises():
+        del off._warn_if_nothing_offloaded  # once
+        raise RuntimeError("the pass's end raised")
+
+    off._warn_if_nothing_offloaded = end_raises
+    with pytest.raises(RuntimeError, match="the pass's end raised"):
+        off.remove()
+    assert off._depth == 0 and off._hooks is None
+    off.remove()
+    assert off._depth == 0
+    offload_module(model, offloader=off)  # usable again
+    assert_identical(ref, _step(model, x))
+    assert off._depth == 0 and off.stats()["offloaded_bytes"] > 0
+    off.remove()

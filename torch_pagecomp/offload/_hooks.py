@@ -807,7 +807,10 @@ class ActivationOffloader:
     def keep_tensors_of(self, module: torch.nn.Module) -> None:
         """Never offload ``module``'s parameters and buffers (or views of them). Calling it
         again for the same module changes nothing (TRL's ``update_model_params``, this under
-        another name, may be called at every step: each ``with`` walks the kept modules)."""
+        another name, may be called at every step: each ``with`` walks the kept modules).
+        ``module`` is held weakly (the offloader keeps no model alive): pass one the caller
+        keeps, not a container made for the call (``nn.ModuleList([a, b])``), which is
+        collected at once and keeps nothing."""
         if not isinstance(module, torch.nn.Module):
             raise ValueError(f"keep_tensors_of takes a torch.nn.Module, got "
                              f"{type(module).__name__}")
@@ -816,7 +819,10 @@ class ActivationOffloader:
             self._keep_modules.append(weakref.ref(module))
 
     def remove(self) -> None:
-        """Take off the module hooks installed by :func:`offload_module`."""
+        """Take off the module hooks installed by :func:`offload_module` (and by
+        ``get_act_offloading_ctx_manager``), ending the passes and closing the ``keep``
+        regions a forward interrupted on the calling thread left open; the modules given to
+        :meth:`keep_tensors_of` are forgotten."""
         for h in self._handles:
             h.remove()
         self._handles.clear()

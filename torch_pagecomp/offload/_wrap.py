@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -60,14 +61,24 @@ def offload_module(
     # saved-tensor hooks per thread)
     local = threading.local()
     kept = KeptRegions()
+    # weakly: ``off._handles`` holds this function (``_OnRemove``), and a strong reference
+    # made a cycle that kept the offloader (pinned pools, GPU scratch) alive after its model
+    # and the caller dropped it, until the cyclic collector ran
+    off_ref = weakref.ref(off)
 
     def close_left_open():
         """End this thread's passes that forwards of ``module`` entered and never left, and
         close the ``keep`` regions they left open: called where none is under way."""
-        for _ in range(getattr(local, "entered", 0)):
-            off.__exit__(None, None, None)
-        local.entered = 0
-        kept.close_left_open()
+        try:
+            while getattr(local, "entered", 0):
+                # counted off before the exit: one that raises (a store, a warning made an
+                # error) is not exited again by the next call (the depth below zero)
+                local.entered -= 1
+                live = off_ref()
+                if live is not None:
+                    live.__exit__(None, None, None)
+        finally:
+            kept.close_left_open()
 
     def enter(mod, args):
         if _in_backward():
