@@ -277,3 +277,60 @@ def test_remove_whose_pass_end_raised_does_not_end_it_again(seed, cleanup):
     assert_identical(ref, _step(model, x))
     assert off._depth == 0 and off.stats()["offloaded_bytes"] > 0
     off.remove()
+
+
+class _Recursing(Net):
+    """``Net`` whose forward calls itself once more without grad (a module that scores its
+    own output, as a teacher or a reward head might), inside its own forward."""
+
+    def forward(self, x, inner: bool = False):
+        if not inner:
+            with torch.no_grad():
+                self.seen = self(x, inner=True)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_a_forward_without_grad_enters_no_pass(gen, cleanup, no_grad):
+    """Every forward under ``offload_module`` entered the offloader: a forward without grad
+    (evaluation; ``generate()``, once a token) saves nothing, yet paid a pass's set-up, and
+    the pass's start stored what a training forward before it still held for its backward.
+    Now it enters none: the storages a training forward held stay held, and the gradients
+    are bit-identical."""
+    model = Net(n=4)
+    x = torch.randn(8, 32, generator=gen)
+    want = _step(model, x)
+    off = offload_module(model, offload_cpu=True, min_offload_bytes=0, mode="uncompressed")
+    cleanup(off)
+    passes = []
+    model.blocks[0].register_forward_pre_hook(lambda m, a: passes.append(off._pass))
+    _step(model, x)  # settled
+    loss = model(x)  # a training forward: its last groups held for the backward
+    held = off._batcher.members
+    with no_grad():
+        model(x)
+    assert passes[-1] is None and off._depth == 0
+    assert held > 0 and off._batcher.members == held
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
+    assert passes[-2] is not None
+
+
+def test_a_forward_without_grad_inside_one_with_grad_leaves_its_pass_open(gen, cleanup):
+    """The module called again without grad inside its own forward: the inner call enters
+    no pass (it entered a nested one before), and its end must not end the outer forward's
+    (counted as one, the inner call's end exited the outer pass: the rest of that forward's
+    saved tensors went unoffloaded, and its own end found nothing to exit)."""
+    model = _Recursing()
+    x = torch.randn(8, 32, generator=gen)
+    want = _step(model, x)
+    off = offload_module(model, offload_cpu=True, min_offload_bytes=0, prefetch=0,
+                         mode="uncompressed")
+    cleanup(off)
+    depths = []
+    model.blocks[-1].register_forward_pre_hook(lambda m, a: depths.append(off._depth))
+    got = _step(model, x)
+    assert depths == [1, 1] and off._depth == 0  # the inner call's, then the outer's
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert off.stats()["offloaded_bytes"] > 0

@@ -28,7 +28,10 @@ def offload_module(
     forward. Tensors saved inside the forwards of ``keep`` (e.g. the last blocks, whose
     activations backward needs first) stay on the GPU. ``offloader.remove()`` takes the
     hooks off, and ends the pass and ``keep`` regions a forward interrupted on the calling
-    thread left open (see :class:`KeptRegions`).
+    thread left open (see :class:`KeptRegions`). A forward that starts without grad
+    (``torch.no_grad``, ``torch.inference_mode``: evaluation, generation) enters no pass: it
+    saves nothing for a backward (what an ``enable_grad`` region inside it saves stays on the
+    GPU).
 
     Raises:
         ValueError: ``module`` is not a module that is called: a container without a forward
@@ -57,8 +60,8 @@ def offload_module(
     off = offloader if offloader is not None else ActivationOffloader(**settings)
     off.keep_tensors_of(module)
 
-    # this thread's forwards of ``module`` that entered the offloader (torch keeps
-    # saved-tensor hooks per thread)
+    # this thread's forwards of ``module`` under way, innermost last: whether each entered the
+    # offloader (torch keeps saved-tensor hooks per thread)
     local = threading.local()
     kept = KeptRegions()
     # weakly: ``off._handles`` holds this function (``_OnRemove``), and a strong reference
@@ -66,16 +69,19 @@ def offload_module(
     # and the caller dropped it, until the cyclic collector ran
     off_ref = weakref.ref(off)
 
+    def calls() -> list[bool]:
+        return local.__dict__.setdefault("calls", [])
+
     def close_left_open():
         """End this thread's passes that forwards of ``module`` entered and never left, and
         close the ``keep`` regions they left open: called where none is under way."""
+        open_calls = calls()
         try:
-            while getattr(local, "entered", 0):
-                # counted off before the exit: one that raises (a store, a warning made an
+            while open_calls:
+                # taken off before the exit: one that raises (a store, a warning made an
                 # error) is not exited again by the next call (the depth below zero)
-                local.entered -= 1
-                live = off_ref()
-                if live is not None:
+                entered, live = open_calls.pop(), off_ref()
+                if entered and live is not None:
                     live.__exit__(None, None, None)
         finally:
             kept.close_left_open()
@@ -83,18 +89,24 @@ def offload_module(
     def enter(mod, args):
         if _in_backward():
             return
-        if getattr(local, "entered", 0) and _forwards_of(mod) == 1:
-            # this thread's last forward of ``mod`` entered the offloader and never reached
-            # its forward hook (interrupted: see :class:`KeptRegions`): that pass would never
-            # end again (its held storages never stored, its groups growing every step), and
-            # a ``keep`` region it left open would keep every later saved tensor in place
+        if calls() and _forwards_of(mod) == 1:
+            # this thread's last forward of ``mod`` never reached its forward hook
+            # (interrupted: see :class:`KeptRegions`): a pass it entered would never end
+            # again (its held storages never stored, its groups growing every step), and a
+            # ``keep`` region it left open would keep every later saved tensor in place
             close_left_open()
-        off.__enter__()
-        local.entered = getattr(local, "entered", 0) + 1
+        # a forward without grad (``torch.no_grad``, ``inference_mode``: evaluation,
+        # ``generate()``'s every token) saves nothing for a backward: it enters no pass, which
+        # cost each such forward the pass's set-up (the kept parameters walked, a store of
+        # what a training forward before it still held)
+        entered = torch.is_grad_enabled()
+        if entered:
+            off.__enter__()
+        calls().append(entered)
 
     def leave(mod, args, out):
-        if getattr(local, "entered", 0):
-            local.entered -= 1
+        open_calls = calls()
+        if open_calls and open_calls.pop():
             off.__exit__(None, None, None)
 
     off._handles.append(module.register_forward_pre_hook(enter))
