@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import threading
 import weakref
 
 import numpy as np
@@ -334,3 +335,73 @@ def test_a_forward_without_grad_inside_one_with_grad_leaves_its_pass_open(gen, c
     assert depths == [1, 1] and off._depth == 0  # the inner call's, then the outer's
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert off.stats()["offloaded_bytes"] > 0
+
+
+class _GradInside(Net):
+    """``Net`` whose forward takes a gradient (``torch.autograd.grad``: a penalty, a
+    physics-informed residual) through a checkpointed call of itself: the checkpoint's
+    recompute runs the module's forward inside that backward, inside the outer forward."""
+
+    def forward(self, x, inner: bool = False):
+        if not inner:
+            xi = x.detach().requires_grad_()
+            y = torch.utils.checkpoint.checkpoint(self, xi, True, use_reentrant=False)
+            (g,) = torch.autograd.grad(y, xi)
+            x = x + g.detach()
+        return super().forward(x)
+
+
+def test_a_forward_run_inside_a_backward_does_not_end_its_callers_pass(gen, cleanup):
+    """A forward of the module inside a backward (a checkpoint's recompute) enters no pass,
+    but its end took the open call of the outer forward off: that forward's pass ended at
+    once (the rest of its saved tensors went unoffloaded) and its own end found nothing."""
+    model = _GradInside()
+    x = torch.randn(8, 32, generator=gen)
+    want = _step(model, x)
+    off = offload_module(model, offload_cpu=True, min_offload_bytes=0, prefetch=0,
+                         mode="uncompressed")
+    cleanup(off)
+    depths = []
+    model.blocks[-1].register_forward_pre_hook(lambda m, a: depths.append(off._depth))
+    got = _step(model, x)
+    # the inner call's (in the pass nested), the recompute's (in the backward: the outer's
+    # pass), then the outer's
+    assert depths == [2, 1, 1] and off._depth == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_another_threads_forward_without_grad_leaves_the_pass_groups(gen, cleanup):
+    """A forward without grad on another thread (evaluation beside training) enters no
+    pass: its blocks must not start groups in the pass of the thread that trains (before, its
+    entry raised; now it ran, and its blocks split the other thread's groups, storing that
+    pass's batches from the evaluating thread)."""
+    model = Net(n=4)
+    x = torch.randn(8, 32, generator=gen)
+    want = _step(model, x)
+    off = offload_module(model, offload_cpu=True, min_offload_bytes=0, prefetch=0,
+                         mode="uncompressed")
+    cleanup(off)
+    groups = []
+    model.blocks[-1].register_forward_hook(
+        lambda m, a, o: groups.append(len(off._pass.groups)) if torch.is_grad_enabled() else None)
+    _step(model, x)
+    errors = []
+
+    def evaluate():
+        try:
+            with torch.no_grad():
+                model(x)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def midway(mod, args):
+        if torch.is_grad_enabled():  # the training thread's forward, not the evaluation's
+            t = threading.Thread(target=evaluate)
+            t.start()
+            t.join()
+
+    handle = model.blocks[1][1].register_forward_pre_hook(midway)
+    got = _step(model, x)
+    handle.remove()
+    assert not errors and groups[1] == groups[0]  # (5 groups, not 4: one split by the other)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and off._depth == 0

@@ -87,9 +87,14 @@ def offload_module(
             kept.close_left_open()
 
     def enter(mod, args):
+        open_calls = calls()
         if _in_backward():
+            # a forward inside a backward (a checkpoint's recompute, in a ``torch.autograd.grad``
+            # a forward of ``module`` takes) enters no pass, but is an open call: its end took
+            # off the call of the forward around it, whose pass ended there
+            open_calls.append(False)
             return
-        if calls() and _forwards_of(mod) == 1:
+        if open_calls and _forwards_of(mod) == 1:
             # this thread's last forward of ``mod`` never reached its forward hook
             # (interrupted: see :class:`KeptRegions`): a pass it entered would never end
             # again (its held storages never stored, its groups growing every step), and a
@@ -99,10 +104,12 @@ def offload_module(
         # ``generate()``'s every token) saves nothing for a backward: it enters no pass, which
         # cost each such forward the pass's set-up (the kept parameters walked, a store of
         # what a training forward before it still held)
-        entered = torch.is_grad_enabled()
-        if entered:
+        # pushed before the entry: one that raises (another thread's pass) still runs ``leave``
+        # (``always_call``), which must take this call off, not its caller's
+        open_calls.append(False)
+        if torch.is_grad_enabled():
             off.__enter__()
-        calls().append(entered)
+            open_calls[-1] = True
 
     def leave(mod, args, out):
         open_calls = calls()
@@ -111,8 +118,15 @@ def offload_module(
 
     off._handles.append(module.register_forward_pre_hook(enter))
     off._handles.append(module.register_forward_hook(leave, always_call=True))
+
+    def next_group(mod, args):
+        # only in this thread's pass: a forward without grad enters none, and on another thread
+        # (an evaluation beside training) its blocks started groups in the training thread's
+        if off._owner == threading.get_ident():
+            off.next_group()
+
     for b in blocks:
-        off._handles.append(b.register_forward_pre_hook(lambda m, a: off.next_group()))
+        off._handles.append(b.register_forward_pre_hook(next_group))
     for k in keep:
         kept.add(k, off._handles)
     # last, once the hooks are off: ``remove()`` after an interrupted forward left the pass
