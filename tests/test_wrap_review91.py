@@ -318,12 +318,9 @@ def test_a_forward_without_grad_enters_no_pass(gen, cleanup, no_grad):
     assert passes[-2] is not None
 
 
-def test_a_forward_without_grad_inside_one_with_grad_leaves_its_pass_open(gen, cleanup):
-    """The module called again without grad inside its own forward: the inner call enters
-    no pass (it entered a nested one before), and its end must not end the outer forward's
-    (counted as one, the inner call's end exited the outer pass: the rest of that forward's
-    saved tensors went unoffloaded, and its own end found nothing to exit)."""
-    model = _Recursing()
+def _depths_in_a_step(model: Net, gen, cleanup):
+    """``(offloader, its depth at each forward of the last block, the step's gradients, those
+    without offload)`` for one step of ``model`` under ``offload_module``."""
     x = torch.randn(8, 32, generator=gen)
     want = _step(model, x)
     off = offload_module(model, offload_cpu=True, min_offload_bytes=0, prefetch=0,
@@ -331,7 +328,15 @@ def test_a_forward_without_grad_inside_one_with_grad_leaves_its_pass_open(gen, c
     cleanup(off)
     depths = []
     model.blocks[-1].register_forward_pre_hook(lambda m, a: depths.append(off._depth))
-    got = _step(model, x)
+    return off, depths, _step(model, x), want
+
+
+def test_a_forward_without_grad_inside_one_with_grad_leaves_its_pass_open(gen, cleanup):
+    """The module called again without grad inside its own forward: the inner call enters
+    no pass (it entered a nested one before), and its end must not end the outer forward's
+    (counted as one, the inner call's end exited the outer pass: the rest of that forward's
+    saved tensors went unoffloaded, and its own end found nothing to exit)."""
+    off, depths, got, want = _depths_in_a_step(_Recursing(), gen, cleanup)
     assert depths == [1, 1] and off._depth == 0  # the inner call's, then the outer's
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert off.stats()["offloaded_bytes"] > 0
@@ -355,15 +360,7 @@ def test_a_forward_run_inside_a_backward_does_not_end_its_callers_pass(gen, clea
     """A forward of the module inside a backward (a checkpoint's recompute) enters no pass,
     but its end took the open call of the outer forward off: that forward's pass ended at
     once (the rest of its saved tensors went unoffloaded) and its own end found nothing."""
-    model = _GradInside()
-    x = torch.randn(8, 32, generator=gen)
-    want = _step(model, x)
-    off = offload_module(model, offload_cpu=True, min_offload_bytes=0, prefetch=0,
-                         mode="uncompressed")
-    cleanup(off)
-    depths = []
-    model.blocks[-1].register_forward_pre_hook(lambda m, a: depths.append(off._depth))
-    got = _step(model, x)
+    off, depths, got, want = _depths_in_a_step(_GradInside(), gen, cleanup)
     # the inner call's (in the pass nested), the recompute's (in the backward: the outer's
     # pass), then the outer's
     assert depths == [2, 1, 1] and off._depth == 0
