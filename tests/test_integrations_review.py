@@ -76,6 +76,23 @@ def keep_depth():
     _tls.keep = depth
 
 
+def head_interrupted(ctx_inside: bool):
+    """``(model, loss, gradients without offload, ctx)``: a ``TinyDecoder`` under a torchtune
+    ctx whose head's forward was just interrupted (Ctrl-C), inside the ctx or outside it; the
+    head interrupts no more after."""
+    model = TinyDecoder()
+    model.output = _Interrupt(model.output)
+    loss = lm_loss(model, 2, 8)
+    ref = grads(model, loss)
+    ctx = get_act_offloading_ctx_manager(model, True, min_offload_size=0, offload_cpu=True)
+    model.output.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        with ctx if ctx_inside else contextlib.nullcontext():
+            model(torch.randint(0, 50, (2, 8)))
+    model.output.interrupt = False
+    return model, loss, ref, ctx
+
+
 @pytest.mark.parametrize("inside", [True, False], ids=["in-ctx", "outside-ctx"])
 def test_an_interrupted_head_forward_does_not_stop_offloading(seed, keep_depth, inside):
     """Ctrl-C inside the head's forward skipped the hook that closes its keep_on_gpu region:
@@ -84,19 +101,9 @@ def test_an_interrupted_head_forward_does_not_stop_offloading(seed, keep_depth, 
     hooks left open."""
     from torch_pagecomp.offload._entry import _tls
 
-    model = TinyDecoder()
-    model.output = _Interrupt(model.output)
-    loss = lm_loss(model, 2, 8)
-
-    ref = grads(model, loss)
-    ctx = get_act_offloading_ctx_manager(model, True, min_offload_size=0, offload_cpu=True)
-    model.output.interrupt = True
-    with pytest.raises(KeyboardInterrupt):
-        with ctx if inside else contextlib.nullcontext():
-            model(torch.randint(0, 50, (2, 8)))
+    model, loss, ref, ctx = head_interrupted(ctx_inside=inside)
     if inside:  # the interrupted pass closed the region as it ended
         assert _tls.keep == 0
-    model.output.interrupt = False
     before = ctx.stats()
     assert_identical(ref, grads(model, loss, ctx))
     after = ctx.stats()

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.test_integrations import TinyDecoder, assert_identical, grads, lm_loss
-from tests.test_integrations_review import _Interrupt
+from tests.test_integrations import TinyDecoder, assert_identical, grads
+from tests.test_integrations_review import head_interrupted
 from torch_pagecomp.integrations.torchtune import (
     OffloadActivations,
     get_act_offloading_ctx_manager,
@@ -115,15 +115,7 @@ def test_a_ctx_taken_off_closes_the_head_region_an_interrupt_left_open(seed, cle
     cell), never has one: the region stayed open for good, and every offloader on the thread
     kept every tensor in place ("region"), a new ctx for the same model included. Taking the
     hooks off now closes it."""
-    model = TinyDecoder()
-    model.output = _Interrupt(model.output)
-    loss = lm_loss(model, 2, 8)
-    ref = grads(model, loss)
-    ctx = get_act_offloading_ctx_manager(model, True, min_offload_size=0, offload_cpu=True)
-    model.output.interrupt = True
-    with pytest.raises(KeyboardInterrupt):
-        model(torch.randint(0, 50, (2, 8)))
-    model.output.interrupt = False
+    model, loss, ref, ctx = head_interrupted(ctx_inside=False)
     assert _tls.keep == 1
     if how == "remove":
         ctx.remove()

@@ -133,7 +133,6 @@ class SmallStorage(DirectStorage):
         small store copies every part of the block before it returns."""
         self.wait()
         with self.path._lock:
-            self.path._drain()
             self.path._check_readable(self.stored)
             return self.path.small.compressed(self.stored)
 
@@ -260,7 +259,6 @@ class DirectPath:
         if isinstance(storage.stored, SmallStored):  # decoded on the caller's stream
             return self.restore_small(storage.stored, out, consumer)
         with self._lock:
-            self._drain()
             self._check_readable(storage.stored)
             if consumer is None:  # the CPU: done on return
                 return self.store.restore(storage.stored, out, count=False)
@@ -276,16 +274,16 @@ class DirectPath:
         GPU) on ``consumer`` (the current stream); returns the statuses (``int32``, made and
         written on ``consumer``)."""
         with self._lock:
-            self._drain()
             self._check_readable(stored)
             return self.small.restore(stored, out, consumer)
 
     def _check_readable(self, stored) -> None:
-        """Raise where ``stored``'s host bytes are gone (the lock held, after the drain): its
-        handle freed by another thread since the caller checked it (the drain gave its block
-        back: a decode queued now, or a copy made now, could read memory a new offload
-        rewrites), or every chunk unpinned at interpreter exit (:meth:`close`; a decode would
-        read host memory the GPU may no longer address)."""
+        """With the lock held: the frees left in the sink made (:meth:`_drain`), then raise
+        where ``stored``'s host bytes are gone: its handle freed by another thread since the
+        caller checked it (the drain gave its block back: a decode queued now, or a copy made
+        now, could read memory a new offload rewrites), or every chunk unpinned at interpreter
+        exit (:meth:`close`; a decode would read host memory the GPU may no longer address)."""
+        self._drain()
         if self.closed:
             raise fmt.PageCompError("this PageCompressor's host memory was released at "
                                     "interpreter exit: its handles are not restorable")
@@ -329,8 +327,7 @@ class DirectPath:
         p = self.page_size
         payloads, sizes, kinds = [], [], []
         with self._lock:
-            self._drain()  # (a free left in the sink: refused below, as a restore refuses)
-            self._check_readable(stored)
+            self._check_readable(stored)  # (a free left in the sink: refused, as a restore)
             for sl in stored.slices:
                 if sl.base < 0:
                     raise SliceNotStored(sl.n)

@@ -231,7 +231,7 @@ class ActivationOffloader:
         self._keep_ptrs: set[int] = set()
         # weakly: an offloader kept (or reused for another model) without remove() kept every
         # model it had hooked alive, their GPU parameters included
-        self._keep_modules: list[weakref.ref] = []
+        self._keep_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._handles: list = []
         self._ledger = HostLedger()  # stored bytes of live entries, and their peak
         self.counters = collections.Counter()
@@ -263,8 +263,7 @@ class ActivationOffloader:
                 self._last_pass = weakref.ref(self._pass)
                 self._keep_ptrs = {
                     ptr
-                    for ref in self._keep_modules
-                    if (m := ref()) is not None
+                    for m in self._keep_modules
                     for t in (*m.parameters(), *m.buffers())
                     if (ptr := _storage_ptr(t)) is not None
                 }
@@ -378,8 +377,11 @@ class ActivationOffloader:
                 + sum(st.arena.pins for st in self._paged.values()))
 
     def next_group(self) -> None:
-        """Start a new prefetch group (e.g. at each transformer block's forward)."""
-        if self._pass is not None and not _in_backward():
+        """Start a new prefetch group (e.g. at each transformer block's forward) in the pass
+        of the calling thread; on another thread (an evaluation's forward beside training, in
+        a block with this hook), nothing: its blocks cut the training thread's groups."""
+        if (self._pass is not None and self._owner == threading.get_ident()
+                and not _in_backward()):
             with self._lock:
                 self._batcher.end_group(self._pass)
 
@@ -814,9 +816,7 @@ class ActivationOffloader:
         if not isinstance(module, torch.nn.Module):
             raise ValueError(f"keep_tensors_of takes a torch.nn.Module, got "
                              f"{type(module).__name__}")
-        self._keep_modules = [r for r in self._keep_modules if r() is not None]
-        if all(r() is not module for r in self._keep_modules):
-            self._keep_modules.append(weakref.ref(module))
+        self._keep_modules.add(module)
 
     def remove(self) -> None:
         """Take off the module hooks installed by :func:`offload_module` (and by

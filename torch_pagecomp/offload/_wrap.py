@@ -88,26 +88,21 @@ def offload_module(
 
     def enter(mod, args):
         open_calls = calls()
-        if _in_backward():
-            # a forward inside a backward (a checkpoint's recompute, in a ``torch.autograd.grad``
-            # a forward of ``module`` takes) enters no pass, but is an open call: its end took
-            # off the call of the forward around it, whose pass ended there
-            open_calls.append(False)
-            return
-        if open_calls and _forwards_of(mod) == 1:
+        inside_backward = _in_backward()  # (a checkpoint's recompute: enters no pass)
+        if not inside_backward and open_calls and _forwards_of(mod) == 1:
             # this thread's last forward of ``mod`` never reached its forward hook
             # (interrupted: see :class:`KeptRegions`): a pass it entered would never end
             # again (its held storages never stored, its groups growing every step), and a
             # ``keep`` region it left open would keep every later saved tensor in place
             close_left_open()
-        # a forward without grad (``torch.no_grad``, ``inference_mode``: evaluation,
-        # ``generate()``'s every token) saves nothing for a backward: it enters no pass, which
-        # cost each such forward the pass's set-up (the kept parameters walked, a store of
-        # what a training forward before it still held)
-        # pushed before the entry: one that raises (another thread's pass) still runs ``leave``
-        # (``always_call``), which must take this call off, not its caller's
+        # every call is an open call, pushed before the entry (its ``leave`` takes off its
+        # own, not its caller's: a forward inside a backward, one whose entry raised). It
+        # enters a pass only with grad: a forward without (``torch.no_grad``,
+        # ``inference_mode``: evaluation, ``generate()``'s every token) saves nothing for a
+        # backward, yet paid the pass's set-up (the kept parameters walked, a store of what a
+        # training forward before it still held)
         open_calls.append(False)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not inside_backward:
             off.__enter__()
             open_calls[-1] = True
 
@@ -118,15 +113,8 @@ def offload_module(
 
     off._handles.append(module.register_forward_pre_hook(enter))
     off._handles.append(module.register_forward_hook(leave, always_call=True))
-
-    def next_group(mod, args):
-        # only in this thread's pass: a forward without grad enters none, and on another thread
-        # (an evaluation beside training) its blocks started groups in the training thread's
-        if off._owner == threading.get_ident():
-            off.next_group()
-
     for b in blocks:
-        off._handles.append(b.register_forward_pre_hook(next_group))
+        off._handles.append(b.register_forward_pre_hook(lambda m, a: off.next_group()))
     for k in keep:
         kept.add(k, off._handles)
     # last, once the hooks are off: ``remove()`` after an interrupted forward left the pass
